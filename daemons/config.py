@@ -1,0 +1,222 @@
+"""Every setting, declared once: type, default and one line of meaning.
+
+Load order (later wins): defaults, the TOML file (``--config FILE`` or ``$LLUMNIX_CONFIG``), then
+command-line overrides (``--set section.key=value`` and each daemon's own flags). ``llumnix.toml.example``
+is rendered from this declaration (``llumnixctl config example``), and a test checks that they agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - 3.10
+    import tomli as tomllib
+
+
+class ConfigError(Exception):
+    """A bad setting. The message names the key and where it came from."""
+
+
+def setting(default: Any, help: str, *, choices: tuple | None = None, minimum: float | None = None):
+    meta = {"help": help, "choices": choices, "minimum": minimum}
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ManagerConfig:
+    address: str = setting("tcp://127.0.0.1:7100", "ZeroMQ address where instances, proxies and llumnixctl reach the manager")
+    bind: str = setting("", "address the manager binds; empty = same as address (use tcp://*:PORT to listen on all interfaces)")
+    heartbeat_interval_s: float = setting(0.5, "an instance reports its load at least this often", minimum=0.01)
+    dead_after_missed: int = setting(3, "heartbeats an instance may miss before it is marked dead", minimum=1)
+    dispatch_policy: str = setting("llumnix", "where new requests go: llumnix (freest instance), rr (round-robin), flood (all to one)", choices=("llumnix", "rr", "flood"))
+    query_timeout_s: float = setting(1.0, "how long the manager waits for instances to answer a fan-out query", minimum=0.01)
+    pending_dispatch_ttl_s: float = setting(5.0, "a dispatch not yet seen in its instance's reports stops counting as load after this long", minimum=0.0)
+    metrics_port: int = setting(7101, "port of the manager's Prometheus /metrics on 127.0.0.1 (0 = any free port, -1 = off)", minimum=-1)
+    log_level: str = setting("info", "debug, info, warning or error", choices=("debug", "info", "warning", "error"))
+
+
+@dataclass
+class InstanceConfig:
+    id: str = setting("", "instance id shown by llumnixctl; empty = HOST-PORT of the request socket")
+    host: str = setting("", "host name reported to the manager; empty = this machine's hostname")
+    backend: str = setting("sim", "engine: sim (latency model, real KV-shaped tensors)", choices=("sim",))
+    request_address: str = setting("tcp://127.0.0.1:0", "ZeroMQ address the instance binds for requests from proxies (port 0 = any free port)")
+    advertise_address: str = setting("", "address proxies use to reach this instance; empty = the bound request address")
+    shutdown_grace_s: float = setting(5.0, "on SIGTERM, running requests may finish for this long before they are failed", minimum=0.0)
+    load_report_min_interval_s: float = setting(0.02, "load changes are reported at most this often (coalesced)", minimum=0.0)
+    metrics_port: int = setting(0, "port of the instance's Prometheus /metrics on 127.0.0.1 (0 = any free port, -1 = off)", minimum=-1)
+    log_level: str = setting("info", "debug, info, warning or error", choices=("debug", "info", "warning", "error"))
+
+
+@dataclass
+class ProxyConfig:
+    host: str = setting("127.0.0.1", "HTTP listen address of the OpenAI-compatible API")
+    port: int = setting(8000, "HTTP listen port", minimum=0)
+    token_address: str = setting("tcp://127.0.0.1:0", "ZeroMQ address the proxy binds for token outputs from instances (port 0 = any free port)")
+    advertise_address: str = setting("", "address instances use to reach this proxy; empty = the bound token address")
+    dispatch_timeout_s: float = setting(0.5, "wait this long for the manager's dispatch answer, then choose from the last snapshot", minimum=0.001)
+    snapshot_interval_s: float = setting(0.5, "how often the proxy refreshes its copy of the cluster view", minimum=0.01)
+    shutdown_grace_s: float = setting(5.0, "on SIGTERM, open streams may finish for this long", minimum=0.0)
+    max_dispatch_attempts: int = setting(3, "instances a request may be sent to before it fails (only while nothing was generated)", minimum=1)
+    log_level: str = setting("info", "debug, info, warning or error", choices=("debug", "info", "warning", "error"))
+
+
+@dataclass
+class ModelConfig:
+    name: str = setting("llumnix-sim", "model name served at /v1/models and accepted in the request's model field")
+    max_model_len: int = setting(4096, "context limit: prompt plus generated tokens", minimum=1)
+
+
+@dataclass
+class SimConfig:
+    block_size: int = setting(16, "tokens per KV block", minimum=1)
+    num_blocks: int = setting(2048, "KV blocks per instance", minimum=1)
+    watermark: float = setting(0.01, "fraction of blocks kept free when admitting a waiting request", minimum=0.0)
+    max_num_seqs: int = setting(128, "batch size: most requests running at once", minimum=1)
+    max_num_batched_tokens: int = setting(4096, "most prompt tokens prefilled in one step", minimum=1)
+    vocab_size: int = setting(32000, "token ids are drawn from [3, vocab_size)", minimum=4)
+    eos_token_id: int = setting(2, "the sim EOS token id", minimum=0)
+    eos_rate: float = setting(0.01, "chance that a generated token is EOS (mean output length 1/eos_rate); ignore_eos turns it off", minimum=0.0)
+    prefill_ms_per_token: float = setting(0.1, "prefill step time = prefill_ms_per_token * prompt tokens + prefill_ms", minimum=0.0)
+    prefill_ms: float = setting(10.0, "constant part of a prefill step", minimum=0.0)
+    decode_ms_per_seq: float = setting(0.15, "decode step time = decode_ms_per_seq * batch + decode_ms_per_token * context tokens + decode_ms", minimum=0.0)
+    decode_ms_per_token: float = setting(0.0005, "per context token in the batch", minimum=0.0)
+    decode_ms: float = setting(15.0, "constant part of a decode step", minimum=0.0)
+    time_scale: float = setting(1.0, "multiplies every step time (0 = steps take no model time)", minimum=0.0)
+    kv_layers: int = setting(2, "layers of the KV tensors (shape per layer: [num_blocks, 2, block_size, kv_heads, head_dim])", minimum=1)
+    kv_heads: int = setting(2, "KV heads per layer", minimum=1)
+    head_dim: int = setting(16, "elements per head", minimum=1)
+    kv_dtype: str = setting("float16", "element type of the KV tensors", choices=("float16", "bfloat16", "float32"))
+
+
+@dataclass
+class Config:
+    manager: ManagerConfig = field(default_factory=ManagerConfig)
+    instance: InstanceConfig = field(default_factory=InstanceConfig)
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
+
+    source: str = field(default="defaults", repr=False, compare=False, metadata={"internal": True})
+
+
+def sections() -> list[tuple[str, type]]:
+    return [(f.name, f.type if isinstance(f.type, type) else _resolve(f.type)) for f in dataclasses.fields(Config) if not f.metadata.get("internal")]
+
+
+def _resolve(name: str) -> type:
+    return globals()[name]
+
+
+def _field_type(f: dataclasses.Field) -> type:
+    return {"str": str, "int": int, "float": float, "bool": bool}.get(f.type, f.type) if isinstance(f.type, str) else f.type
+
+
+def _check(section: str, f: dataclasses.Field, value: Any, where: str) -> Any:
+    key = f"{section}.{f.name}"
+    want = _field_type(f)
+    if want is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if want is int and isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, want) or (want is not bool and isinstance(value, bool)):
+        raise ConfigError(f"{where}: {key} must be {want.__name__}, got {type(value).__name__} {value!r}")
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(f"{where}: {key} must be one of {', '.join(choices)}; got {value!r}")
+    minimum = f.metadata.get("minimum")
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{where}: {key} must be >= {minimum}; got {value!r}")
+    return value
+
+
+def _apply(cfg: Config, section: str, key: str, value: Any, where: str) -> None:
+    known = dict(sections())
+    if section not in known:
+        raise ConfigError(f"{where}: unknown section [{section}] (known: {', '.join(known)})")
+    sec = getattr(cfg, section)
+    fields = {f.name: f for f in dataclasses.fields(sec)}
+    if key not in fields:
+        raise ConfigError(f"{where}: unknown key {section}.{key} (known in [{section}]: {', '.join(fields)})")
+    setattr(sec, key, _check(section, fields[key], value, where))
+
+
+def _apply_table(cfg: Config, data: dict, where: str) -> None:
+    for section, table in data.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"{where}: {section} must be a [section] table, got {type(table).__name__}")
+        for key, value in table.items():
+            _apply(cfg, section, key, value, where)
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """``section.key=value``; the value is read as TOML (so 3, 0.5, true, "x"), else taken as a string."""
+    name, sep, raw = text.partition("=")
+    section, dot, key = name.strip().partition(".")
+    if not sep or not dot or not section or not key:
+        raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. --set manager.heartbeat_interval_s=0.2")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return section, key.strip(), value
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
+                flags: dict[str, Any] | None = None) -> Config:
+    """Defaults <- file (path or $LLUMNIX_CONFIG) <- ``--set`` overrides <- daemon flags (``section.key``: value)."""
+    cfg = Config()
+    path = path or os.environ.get("LLUMNIX_CONFIG") or None
+    if path:
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{p}: config file not found") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{p}: not valid TOML: {exc}") from None
+        _apply_table(cfg, data, str(p))
+        cfg.source = str(p)
+    for text in overrides or []:
+        section, key, value = parse_override(text)
+        _apply(cfg, section, key, value, f"--set {text}")
+    for name, value in (flags or {}).items():
+        if value is None:
+            continue
+        section, _, key = name.partition(".")
+        _apply(cfg, section, key, value, f"command line ({name})")
+    return cfg
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
+
+
+def render_example() -> str:
+    """The text of llumnix.toml.example: every setting at its default, with its meaning."""
+    lines = [
+        "# llumnix.toml: every setting, at its default, with one line of meaning.",
+        "# Used by llumnix-manager, llumnix-instance, llumnix-proxy and llumnixctl (--config FILE or $LLUMNIX_CONFIG).",
+        "# Command-line flags and --set section.key=value override the file. Regenerate: llumnixctl config example",
+    ]
+    for name, cls in sections():
+        lines += ["", f"[{name}]"]
+        for f in dataclasses.fields(cls):
+            lines.append(f"# {f.metadata['help']}")
+            lines.append(f"{f.name} = {_toml_value(f.default)}")
+    return "\n".join(lines) + "\n"
+
+
+def as_dict(cfg: Config) -> dict:
+    return {name: dataclasses.asdict(getattr(cfg, name)) for name, _ in sections()}

@@ -1,0 +1,15 @@
+"""Engine backends behind one interface (base.py). Only the instance daemon imports this package."""
+
+from __future__ import annotations
+
+from daemons.config import Config
+from daemons.engine.base import Engine
+
+
+def make_engine(cfg: Config) -> Engine:
+    backend = cfg.instance.backend
+    if backend == "sim":
+        from daemons.engine.sim import SimEngine
+
+        return SimEngine(cfg.sim, cfg.model)
+    raise ValueError(f"unknown engine backend {backend!r}")

@@ -1,0 +1,284 @@
+"""llumnix-instance: one engine plus its llumlet.
+
+The llumlet owns the step loop: between steps it applies the requests and aborts that proxies sent, after
+each step it pushes every token straight to the proxy that owns the request, and it reports load to the
+manager on change (coalesced to a bounded rate) and at least once per heartbeat interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from typing import Annotated, Optional
+
+import typer
+import zmq
+import zmq.asyncio
+from prometheus_client import Counter, Gauge, Histogram
+
+from daemons import runtime, wire
+from daemons.cli import load_or_exit
+from daemons.config import Config
+from daemons.engine import make_engine
+from daemons.engine.base import Engine, EngineError, EngineRequest
+
+log = logging.getLogger("llumnix.instance")
+
+M_REQUESTS = Counter("llumnix_instance_requests_total", "Requests received from proxies")
+M_FINISHED = Counter("llumnix_instance_requests_finished_total", "Requests finished, by reason", ["reason"])
+M_REJECTED = Counter("llumnix_instance_requests_rejected_total", "Requests refused (invalid, or shutting down)")
+M_TOKENS = Counter("llumnix_instance_tokens_total", "Output tokens generated")
+M_STEP = Histogram("llumnix_instance_step_seconds", "Wall time of one engine step, model time included",
+                   buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0))
+M_BLOCKS_USED = Gauge("llumnix_instance_kv_blocks_used", "KV blocks in use")
+M_BLOCKS_TOTAL = Gauge("llumnix_instance_kv_blocks_total", "KV blocks in all")
+M_RUNNING = Gauge("llumnix_instance_running_requests", "Requests running")
+M_WAITING = Gauge("llumnix_instance_waiting_requests", "Requests waiting")
+M_PREEMPTIONS = Gauge("llumnix_instance_preemptions", "Preemptions since start (recompute)")
+M_BAD_FRAMES = Counter("llumnix_instance_malformed_frames_total", "Frames dropped because they did not decode")
+
+
+class Instance:
+    def __init__(self, cfg: Config, engine: Engine):
+        self.cfg = cfg
+        self.ic = cfg.instance
+        self.engine = engine
+        self.ctx = zmq.asyncio.Context()
+        self.router = runtime.tune(self.ctx.socket(zmq.ROUTER))
+        self.manager = runtime.tune(self.ctx.socket(zmq.DEALER))
+        self.pushes: dict[str, zmq.asyncio.Socket] = {}
+        self.reply_to: dict[str, str] = {}  # request id -> the owning proxy's token address
+        self.emitted: dict[str, int] = {}  # request id -> tokens sent so far
+        self.inbox: list[wire.Submit | wire.Abort] = []
+        self.wake = asyncio.Event()
+        self.load_changed = asyncio.Event()
+        self.accepting = True
+        self.instance_id = self.ic.id
+        self.request_address = ""
+        self.metrics_address = ""
+        self.report_seq = 0
+
+    # ------------------------------------------------------------------ token path
+
+    def _push(self, address: str) -> zmq.asyncio.Socket:
+        sock = self.pushes.get(address)
+        if sock is None:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 2000)  # let the last tokens out on shutdown, but never hang
+            sock.setsockopt(zmq.SNDHWM, 100_000)
+            sock.connect(address)
+            self.pushes[address] = sock
+        return sock
+
+    def _send(self, address: str, msg: wire.Message) -> None:
+        try:
+            self._push(address).send(wire.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("token path to %s is full; dropped a %s", address, type(msg).__name__)
+
+    def emit(self, outputs: list[wire.TokenOut]) -> None:
+        by_proxy: dict[str, list[wire.TokenOut]] = {}
+        for out in outputs:
+            address = self.reply_to.get(out.request_id)
+            if address is None:
+                continue
+            by_proxy.setdefault(address, []).append(out)
+            self.emitted[out.request_id] = out.index + 1
+            if out.finish_reason is not None:
+                del self.reply_to[out.request_id]
+                del self.emitted[out.request_id]
+                M_FINISHED.labels(out.finish_reason).inc()
+        for address, batch in by_proxy.items():
+            self._send(address, wire.TokenBatch(self.instance_id, batch))
+        M_TOKENS.inc(len(outputs))
+
+    def fail(self, request_id: str, address: str, message: str, retryable: bool, status: int = 503) -> None:
+        self._send(address, wire.RequestFailed(request_id, self.instance_id, message, retryable, status))
+
+    # ------------------------------------------------------------------ requests
+
+    def apply_inbox(self) -> None:
+        inbox, self.inbox = self.inbox, []
+        for msg in inbox:
+            if isinstance(msg, wire.Abort):
+                if self.engine.abort_request(msg.request_id):
+                    self.reply_to.pop(msg.request_id, None)
+                    self.emitted.pop(msg.request_id, None)
+                    M_FINISHED.labels("abort").inc()
+                    log.debug("request %s aborted", msg.request_id)
+                continue
+            if not self.accepting:
+                M_REJECTED.inc()
+                self.fail(msg.request_id, msg.reply_to, f"instance {self.instance_id} is shutting down", True)
+                continue
+            try:
+                self.engine.add_request(EngineRequest(msg.request_id, msg.prompt_token_ids, msg.sampling,
+                                                      msg.arrival_time or time.time(), msg.priority))
+            except EngineError as exc:
+                M_REJECTED.inc()
+                self.fail(msg.request_id, msg.reply_to, str(exc), False, status=400)
+                continue
+            M_REQUESTS.inc()
+            self.reply_to[msg.request_id] = msg.reply_to
+            self.emitted[msg.request_id] = 0
+
+    async def serve_requests(self) -> None:
+        while True:
+            frames = await self.router.recv_multipart()
+            msg = wire.decode(frames[-1]) if len(frames) == 2 else None
+            if not isinstance(msg, (wire.Submit, wire.Abort)):
+                M_BAD_FRAMES.inc()
+                if msg is not None or len(frames) != 2:
+                    log.warning("dropped an unexpected message on the request socket")
+                continue
+            self.inbox.append(msg)
+            self.wake.set()
+
+    # ------------------------------------------------------------------ engine loop
+
+    async def step_loop(self) -> None:
+        loop_time = time.perf_counter
+        while True:
+            self.apply_inbox()
+            if not self.engine.has_work():
+                self.load_changed.set()
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            start = loop_time()
+            result = self.engine.step()
+            self.emit(result.outputs)
+            self.load_changed.set()
+            remaining = result.model_time_s - (loop_time() - start)
+            # Always yield once per step so sockets are served even when steps take no model time.
+            await asyncio.sleep(remaining if remaining > 0 else 0)
+            M_STEP.observe(loop_time() - start)
+
+    # ------------------------------------------------------------------ manager
+
+    def register_msg(self) -> wire.Register:
+        return wire.Register(
+            instance_id=self.instance_id, host=self.ic.host or socket.gethostname(), pid=os.getpid(),
+            request_address=self.request_address, backend=self.engine.backend, model=self.cfg.model.name,
+            load=self.engine.load(), metrics_address=self.metrics_address, max_model_len=self.engine.max_model_len,
+        )
+
+    async def serve_manager(self) -> None:
+        while True:
+            frame = await self.manager.recv()
+            msg = wire.decode(frame)
+            if isinstance(msg, wire.RegisterAck):
+                if not msg.accepted:
+                    log.info("manager asks us to register (%s)", msg.reason)
+                    await self.manager.send(wire.encode(self.register_msg()))
+            elif isinstance(msg, wire.ListRequests):
+                reply = wire.RequestList(msg.query_id, self.instance_id, self.engine.requests())
+                await self.manager.send(wire.encode(reply))
+            else:
+                M_BAD_FRAMES.inc()
+
+    async def report_loop(self) -> None:
+        """Report on change, at most once per min interval, and at least once per heartbeat."""
+        heartbeat = self.cfg.manager.heartbeat_interval_s
+        while True:
+            try:
+                await asyncio.wait_for(self.load_changed.wait(), heartbeat)
+            except asyncio.TimeoutError:
+                pass
+            self.load_changed.clear()
+            load = self.engine.load()
+            self.report_seq += 1
+            await self.manager.send(wire.encode(wire.LoadReport(self.instance_id, self.report_seq, load)))
+            M_BLOCKS_USED.set(load.blocks_used)
+            M_BLOCKS_TOTAL.set(load.blocks_total)
+            M_RUNNING.set(load.running)
+            M_WAITING.set(load.waiting)
+            M_PREEMPTIONS.set(load.preemptions)
+            await asyncio.sleep(self.ic.load_report_min_interval_s)
+
+    # ------------------------------------------------------------------ life cycle
+
+    async def run(self) -> None:
+        self.request_address = runtime.bind(self.router, self.ic.request_address)
+        if self.ic.advertise_address:
+            self.request_address = self.ic.advertise_address
+        if not self.instance_id:
+            self.instance_id = f"{socket.gethostname()}-{self.request_address.rsplit(':', 1)[-1]}"
+        self.metrics_address = runtime.start_metrics_server(self.ic.metrics_port)
+        self.manager.connect(self.cfg.manager.address)
+        await self.manager.send(wire.encode(self.register_msg()))
+        load = self.engine.load()
+        log.info("instance %s serving on %s (backend %s, %d blocks of %d tokens, manager %s, metrics %s)",
+                 self.instance_id, self.request_address, self.engine.backend, load.blocks_total, load.block_size,
+                 self.cfg.manager.address, self.metrics_address or "off")
+        stop = asyncio.Event()
+        runtime.install_stop_signals(asyncio.get_running_loop(), stop)
+        runtime.sd_notify("READY=1")
+        tasks = [asyncio.create_task(c) for c in
+                 (self.serve_requests(), self.step_loop(), self.serve_manager(), self.report_loop())]
+        stopped = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        for t in done:
+            if t is not stopped and t.exception() is not None:
+                log.error("instance loop failed: %r", t.exception())
+        await self.shutdown(tasks)
+
+    async def shutdown(self, tasks: list[asyncio.Task]) -> None:
+        """Leave the dispatch set, let running requests finish for a grace period, fail what is left."""
+        runtime.sd_notify("STOPPING=1")
+        self.accepting = False
+        await self.manager.send(wire.encode(wire.Goodbye(self.instance_id, "SIGTERM")))
+        grace = self.ic.shutdown_grace_s
+        log.info("stopping: %d requests in flight, grace %.1fs", len(self.reply_to), grace)
+        deadline = time.monotonic() + grace
+        while self.reply_to and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for rid, address in list(self.reply_to.items()):
+            self.engine.abort_request(rid)
+            self.fail(rid, address, f"instance {self.instance_id} stopped", retryable=self.emitted.get(rid, 0) == 0)
+        self.engine.shutdown()
+        for sock in self.pushes.values():
+            sock.close()  # with its linger: the failures above still go out
+        self.router.close(0)
+        self.manager.close(0)
+        self.ctx.term()
+        log.info("stopped")
+
+
+app = typer.Typer(add_completion=False, help="llumnix-instance: one model instance (engine + llumlet).")
+
+
+@app.command()
+def main(
+    config: Annotated[Optional[str], typer.Option("--config", "-c", help="llumnix.toml (default: $LLUMNIX_CONFIG)")] = None,
+    id: Annotated[Optional[str], typer.Option("--id", help="instance id (instance.id)")] = None,
+    backend: Annotated[Optional[str], typer.Option(help="engine backend (instance.backend)")] = None,
+    manager: Annotated[Optional[str], typer.Option(help="manager address (manager.address)")] = None,
+    request_address: Annotated[Optional[str], typer.Option(help="address to bind for requests (instance.request_address)")] = None,
+    metrics_port: Annotated[Optional[int], typer.Option(help="Prometheus port; 0 any, -1 off (instance.metrics_port)")] = None,
+    log_level: Annotated[Optional[str], typer.Option(help="debug, info, warning, error (instance.log_level)")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="override any setting: section.key=value")] = None,
+) -> None:
+    """Run one model instance until SIGTERM."""
+    cfg = load_or_exit("llumnix-instance", config, set_, {
+        "instance.id": id, "instance.backend": backend, "manager.address": manager,
+        "instance.request_address": request_address, "instance.metrics_port": metrics_port,
+        "instance.log_level": log_level,
+    })
+    runtime.setup_logging(cfg.instance.log_level, "llumnix-instance")
+    engine = make_engine(cfg)
+    asyncio.run(Instance(cfg, engine).run())
+
+
+def entry() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    entry()

@@ -1,0 +1,1 @@
+"""llumnix-proxy: the OpenAI-compatible HTTP front end."""

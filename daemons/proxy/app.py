@@ -1,0 +1,358 @@
+"""llumnix-proxy: OpenAI-compatible HTTP API over the cluster.
+
+Tokenizes, asks the manager where the request goes, forwards it, and streams the tokens back in order.
+Routes: /v1/completions, /v1/chat/completions (streamed or not, with usage), /v1/models, /health, /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from typing import Annotated, AsyncIterator, Optional
+
+import msgspec
+import typer
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from daemons import runtime, wire
+from daemons.cli import load_or_exit
+from daemons.config import Config
+from daemons.proxy.cluster import ClusterClient, NoInstance, Stream
+from daemons.proxy.protocol import (
+    ApiError, ChatRequest, CompletionRequest, StopChecker, decode_body, parse_priority,
+)
+from daemons.proxy.tokenizer import SimTokenizer, Tokenizer
+
+log = logging.getLogger("llumnix.proxy")
+
+M_REQUESTS = Counter("llumnix_proxy_requests_total", "HTTP API requests, by route and status", ["route", "status"])
+M_INFLIGHT = Gauge("llumnix_proxy_requests_in_flight", "Requests being served")
+M_TOKENS = Counter("llumnix_proxy_tokens_total", "Output tokens sent to clients")
+M_TTFT = Histogram("llumnix_proxy_time_to_first_token_seconds", "From request arrival to its first token",
+                   buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+M_E2E = Histogram("llumnix_proxy_request_seconds", "From request arrival to its last token",
+                  buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+
+_json = msgspec.json.encode
+
+
+class Job:
+    """One accepted API request: what it asked for and how its output is rendered."""
+
+    def __init__(self, chat: bool, model: str, prompt_tokens: int, stops: list[str], include_usage: bool):
+        self.chat = chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.model = model
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self.stop = StopChecker(stops)
+        self.include_usage = include_usage
+        self.arrival = time.perf_counter()
+        head = (f'data: {{"id":"{self.id}","object":"{"chat.completion.chunk" if chat else "text_completion"}",'
+                f'"created":{self.created},"model":{_json(model).decode()},"choices":[')
+        self._head = head
+        self._text_head = head + ('{"index":0,"delta":{"content":' if chat else '{"index":0,"text":')
+        self._text_tail = ('},"logprobs":null,"finish_reason":null}]}\n\n' if chat else ',"logprobs":null,"finish_reason":null}]}\n\n')
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+    def text_chunk(self, text: str) -> str:
+        return self._text_head + _json(text).decode() + self._text_tail
+
+    def first_chunk(self) -> str:
+        return self._head + '{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
+
+    def final_chunk(self, reason: str) -> str:
+        choice = {"index": 0, "logprobs": None, "finish_reason": reason}
+        choice.update({"delta": {}} if self.chat else {"text": ""})
+        out = self._head + _json(choice).decode() + "]}\n\n"
+        if self.include_usage:
+            out += self._head + '],"usage":' + _json(self.usage()).decode() + "}\n\n"
+        return out
+
+    def full_response(self, text: str, reason: str) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage()}
+
+
+class Proxy:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.model = cfg.model.name
+        self.max_model_len = cfg.model.max_model_len
+        self.tokenizer: Tokenizer = SimTokenizer(cfg.sim.vocab_size, cfg.sim.eos_token_id)
+        self.cluster = ClusterClient(cfg)
+
+    # ------------------------------------------------------------------ request intake
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model:
+            raise ApiError(404, f"The model `{model}` does not exist. This proxy serves `{self.model}`.", "model",
+                           code="model_not_found")
+
+    def _prompt_ids(self, req: CompletionRequest) -> list[int]:
+        prompt = req.prompt
+        if isinstance(prompt, list) and any(isinstance(p, str) for p in prompt):
+            if len(prompt) != 1:
+                raise ApiError(400, "prompt must be a string, a list of one string, or a list of token ids; "
+                                    "send one request per prompt", "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            if any(t < 0 for t in ids):
+                raise ApiError(400, "token ids in prompt must be >= 0", "prompt")
+        if not ids:
+            raise ApiError(400, "prompt is empty", "prompt")
+        return ids
+
+    def _limits(self, prompt_len: int, max_tokens: int | None, default: int | None) -> int:
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                                f"prompt has {prompt_len} tokens, leaving no room for output.", "messages")
+        if max_tokens is None:
+            max_tokens = room if default is None else min(default, room)
+        if prompt_len + max_tokens > self.max_model_len:
+            raise ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                                f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} "
+                                f"for the completion). Please reduce the prompt or max_tokens.", "max_tokens")
+        return max_tokens
+
+    async def completions(self, request: Request) -> Response:
+        req = decode_body(await request.body(), CompletionRequest)
+        self._check_model(req.model)
+        if req.echo:
+            raise ApiError(400, "echo is not supported", "echo")
+        ids = self._prompt_ids(req)
+        max_tokens = self._limits(len(ids), req.max_tokens, 16)
+        sampling = req.sampling(max_tokens, req.logprobs)
+        return await self._serve(request, req, ids, sampling, chat=False)
+
+    async def chat(self, request: Request) -> Response:
+        req = decode_body(await request.body(), ChatRequest)
+        self._check_model(req.model)
+        prompt = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages])
+        ids = self.tokenizer.encode(prompt)
+        max_tokens = self._limits(len(ids), req.max_completion_tokens or req.max_tokens, None)
+        sampling = req.sampling(max_tokens, req.top_logprobs if req.logprobs else None)
+        return await self._serve(request, req, ids, sampling, chat=True)
+
+    async def _serve(self, request: Request, req, ids: list[int], sampling: wire.SamplingParams, chat: bool) -> Response:
+        priority = parse_priority(req.priority, request.headers.get("x-llumnix-priority"))
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        job = Job(chat, self.model, len(ids), req.stop_strings(), include_usage)
+        submit = wire.Submit(job.id, ids, sampling, self.cluster.token_address, priority, time.time())
+        try:
+            stream = await self.cluster.submit(submit)
+        except NoInstance as exc:
+            raise ApiError(503, f"no instance can take the request: {exc}", type_="service_unavailable") from None
+        try:
+            first = await stream.take()
+        except BaseException:
+            self.cluster.finish(stream)
+            raise
+        if not first:
+            self.cluster.finish(stream)
+            raise ApiError(stream.status, stream.error or "request failed")
+        M_TTFT.observe(time.perf_counter() - job.arrival)
+        if req.stream:
+            return StreamingResponse(self._sse(job, stream, first), media_type="text/event-stream",
+                                     headers={"x-request-id": job.id})
+        try:
+            text, reason, error = await self._collect(job, stream, first)
+        finally:
+            self.cluster.finish(stream)
+        if error:
+            raise ApiError(stream.status, error)
+        return JSONResponse(job.full_response(text, reason), headers={"x-request-id": job.id})
+
+    # ------------------------------------------------------------------ output
+
+    def _consume(self, job: Job, outs: list[wire.TokenOut]) -> tuple[list[str], str | None]:
+        """Turn token outputs into text pieces; returns (pieces, finish reason or None)."""
+        pieces, decode = [], self.tokenizer.decode_token
+        for out in outs:
+            job.completion_tokens += 1
+            text, stopped = job.stop.feed(decode(out.token_id))
+            if text:
+                pieces.append(text)
+            if stopped:
+                return pieces, "stop"
+            if out.finish_reason is not None:
+                tail = job.stop.flush()
+                if tail:
+                    pieces.append(tail)
+                return pieces, out.finish_reason
+        return pieces, None
+
+    async def _collect(self, job: Job, stream: Stream, outs: list[wire.TokenOut]) -> tuple[str, str, str | None]:
+        texts: list[str] = []
+        while True:
+            pieces, reason = self._consume(job, outs)
+            texts += pieces
+            if reason is not None:
+                M_TOKENS.inc(job.completion_tokens)
+                M_E2E.observe(time.perf_counter() - job.arrival)
+                return "".join(texts), reason, None
+            outs = await stream.take()
+            if not outs:
+                return "".join(texts), "error", stream.error
+
+    async def _sse(self, job: Job, stream: Stream, outs: list[wire.TokenOut]) -> AsyncIterator[str]:
+        M_INFLIGHT.inc()
+        sent = 0
+        try:
+            head = job.first_chunk() if job.chat else ""
+            while True:
+                pieces, reason = self._consume(job, outs)
+                chunk = head + "".join(map(job.text_chunk, pieces))
+                head = ""
+                if reason is not None:
+                    yield chunk + job.final_chunk(reason) + "data: [DONE]\n\n"
+                    M_E2E.observe(time.perf_counter() - job.arrival)
+                    return
+                if chunk:
+                    yield chunk
+                M_TOKENS.inc(job.completion_tokens - sent)
+                sent = job.completion_tokens
+                outs = await stream.take()
+                if not outs:
+                    err = ApiError(stream.status, stream.error or "request failed").body()
+                    yield f"data: {_json(err).decode()}\n\ndata: [DONE]\n\n"
+                    return
+        finally:
+            M_TOKENS.inc(job.completion_tokens - sent)
+            M_INFLIGHT.dec()
+            self.cluster.finish(stream)
+
+    # ------------------------------------------------------------------ other routes
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "llumnix",
+                                            "max_model_len": self.max_model_len}]}
+
+    def health(self) -> Response:
+        alive = len(self.cluster.alive())
+        body = {"status": "ok" if alive else "unavailable", "instances_alive": alive,
+                "manager": "ok" if self.cluster.manager_ok() else "unreachable"}
+        return JSONResponse(body, status_code=200 if alive else 503)
+
+
+def build_app(cfg: Config) -> FastAPI:
+    proxy = Proxy(cfg)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await proxy.cluster.start()
+        yield
+        await proxy.cluster.stop()
+
+    app = FastAPI(title="llumnix-proxy", lifespan=lifespan)
+    app.state.proxy = proxy
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError):
+        M_REQUESTS.labels(request.url.path, str(exc.status)).inc()
+        if exc.status >= 500:
+            log.warning("%s failed: %s", request.url.path, exc.message)
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        log.exception("%s: internal error", request.url.path)
+        M_REQUESTS.labels(request.url.path, "500").inc()
+        return JSONResponse(ApiError(500, f"internal error: {type(exc).__name__}: {exc}").body(), status_code=500)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+
+    async def counted(route: str, handler, request: Request) -> Response:
+        response = await handler(request)
+        M_REQUESTS.labels(route, str(response.status_code)).inc()
+        return response
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await counted("/v1/completions", proxy.completions, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await counted("/v1/chat/completions", proxy.chat, request)
+
+    @app.get("/v1/models")
+    async def models():
+        return proxy.models()
+
+    @app.get("/health")
+    async def health():
+        return proxy.health()
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _serve(cfg: Config) -> None:
+    app = build_app(cfg)
+    pc = cfg.proxy
+    server = uvicorn.Server(uvicorn.Config(app, host=pc.host, port=pc.port, log_config=None, access_log=False,
+                                           lifespan="on", timeout_graceful_shutdown=pc.shutdown_grace_s))
+
+    async def notify_when_started() -> None:
+        while not server.started:
+            await asyncio.sleep(0.05)
+        log.info("serving the OpenAI API on http://%s:%d (model %s)", pc.host, server.servers[0].sockets[0].getsockname()[1] if server.servers else pc.port, cfg.model.name)
+        runtime.sd_notify("READY=1")
+
+    watcher = asyncio.create_task(notify_when_started())
+    await server.serve()
+    watcher.cancel()
+    runtime.sd_notify("STOPPING=1")
+    log.info("stopped")
+
+
+app = typer.Typer(add_completion=False, help="llumnix-proxy: OpenAI-compatible HTTP front end of a Llumnix cluster.")
+
+
+@app.command()
+def main(
+    config: Annotated[Optional[str], typer.Option("--config", "-c", help="llumnix.toml (default: $LLUMNIX_CONFIG)")] = None,
+    host: Annotated[Optional[str], typer.Option(help="HTTP listen address (proxy.host)")] = None,
+    port: Annotated[Optional[int], typer.Option(help="HTTP listen port (proxy.port)")] = None,
+    manager: Annotated[Optional[str], typer.Option(help="manager address (manager.address)")] = None,
+    log_level: Annotated[Optional[str], typer.Option(help="debug, info, warning, error (proxy.log_level)")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="override any setting: section.key=value")] = None,
+) -> None:
+    """Serve the OpenAI API until SIGTERM."""
+    cfg = load_or_exit("llumnix-proxy", config, set_, {
+        "proxy.host": host, "proxy.port": port, "manager.address": manager, "proxy.log_level": log_level,
+    })
+    runtime.setup_logging(cfg.proxy.log_level, "llumnix-proxy")
+    asyncio.run(_serve(cfg))
+
+
+def entry() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    entry()

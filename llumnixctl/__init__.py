@@ -1,0 +1,1 @@
+"""llumnixctl: the operator CLI of a Llumnix cluster."""

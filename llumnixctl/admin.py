@@ -1,0 +1,55 @@
+"""A blocking client for the manager's admin socket."""
+
+from __future__ import annotations
+
+import itertools
+
+import zmq
+
+from daemons import wire
+
+
+class ManagerUnreachable(Exception):
+    pass
+
+
+class AdminClient:
+    def __init__(self, address: str, timeout_s: float = 2.0):
+        self.address = address
+        self.timeout_s = timeout_s
+        self._ids = itertools.count(1)
+        self._ctx = zmq.Context.instance()
+        self._sock = None
+
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            self._sock = self._ctx.socket(zmq.DEALER)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.connect(self.address)
+        return self._sock
+
+    def ask(self, make) -> wire.Message:
+        """Send ``make(query_id)`` and wait for the reply with that id."""
+        qid = next(self._ids)
+        sock = self._socket()
+        sock.send(wire.encode(make(qid)))
+        deadline_ms = int(self.timeout_s * 1000)
+        while sock.poll(deadline_ms):
+            reply = wire.decode(sock.recv())
+            if reply is not None and getattr(reply, "query_id", None) == qid:
+                if isinstance(reply, wire.ErrorReply):
+                    raise RuntimeError(reply.message)
+                return reply
+        self.close()  # a late reply must not be mistaken for the next one
+        raise ManagerUnreachable(f"the manager at {self.address} did not answer within {self.timeout_s:g}s")
+
+    def status(self) -> wire.Snapshot:
+        return self.ask(wire.StatusQuery)
+
+    def requests(self) -> wire.RequestsReply:
+        return self.ask(wire.RequestsQuery)
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None

@@ -1,0 +1,161 @@
+"""Benchmarks that print their figures. Not tests: nothing here asserts a timing.
+
+``llumnixctl bench proxy``: what the proxy costs. It starts a local sim cluster whose steps take no model
+time, then measures (1) the time to first token through the proxy against submitting the same request
+to an instance directly over ZeroMQ (one client, sequential requests), and (2) tokens/s and the proxy's
+CPU time per streamed token with many concurrent streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Annotated
+
+import psutil
+import typer
+import zmq
+from rich.console import Console
+from rich.table import Table
+
+from daemons import runtime, wire
+from llumnixctl import localcluster
+from llumnixctl.admin import AdminClient
+
+app = typer.Typer(no_args_is_help=True, help="Benchmarks that print their figures.")
+
+
+def _pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
+
+
+def direct_ttft(request_address: str, n: int, prompt: list[int]) -> list[float]:
+    """Submit to an instance over ZeroMQ and wait for the first token, as the proxy's own path does."""
+    ctx = zmq.Context.instance()
+    pull = runtime.tune(ctx.socket(zmq.PULL))
+    reply_to = runtime.bind(pull, "tcp://127.0.0.1:0")
+    dealer = runtime.tune(ctx.socket(zmq.DEALER))
+    dealer.connect(request_address)
+    samples = []
+    try:
+        for i in range(n + 5):
+            sub = wire.Submit(f"direct-{uuid.uuid4().hex}", prompt, wire.SamplingParams(max_tokens=1, ignore_eos=True), reply_to)
+            t0 = time.perf_counter()
+            dealer.send(wire.encode(sub))
+            if not pull.poll(5000):
+                raise RuntimeError("the instance did not answer a direct request within 5s")
+            pull.recv()
+            if i >= 5:  # warm-up
+                samples.append(time.perf_counter() - t0)
+    finally:
+        dealer.close(0)
+        pull.close(0)
+    return samples
+
+
+def proxy_ttft(url: str, model: str, n: int, prompt: list[int]) -> list[float]:
+    """Time to the first token event over one keep-alive HTTP connection with TCP_NODELAY."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn.connect()
+    conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1, "ignore_eos": True, "stream": True})
+    samples = []
+    for i in range(n + 5):
+        t0 = time.perf_counter()
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        first = None
+        while True:
+            line = resp.readline()  # de-chunked by http.client
+            if first is None and line.startswith(b"data: {"):
+                first = time.perf_counter() - t0
+            if not line:
+                break
+        if i >= 5 and first is not None:
+            samples.append(first)
+    conn.close()
+    return samples
+
+
+async def _stream_one(host: str, port: int, body: bytes) -> int:
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+    tokens = 0
+    async for line in reader:
+        if line.startswith(b"data: {"):
+            tokens += line.count(b'"text":"') - (b'"finish_reason":"' in line)
+    writer.close()
+    return tokens
+
+
+async def _load(url: str, model: str, streams: int, concurrency: int, tokens: int) -> int:
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"model": model, "prompt": "benchmark the proxy", "max_tokens": tokens,
+                       "ignore_eos": True, "stream": True}).encode()
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one() -> int:
+        async with sem:
+            return await _stream_one(host, int(port), body)
+
+    return sum(await asyncio.gather(*(one() for _ in range(streams))))
+
+
+@app.command()
+def proxy(
+    instances: Annotated[int, typer.Option(help="sim instances behind the proxy")] = 4,
+    requests: Annotated[int, typer.Option(help="sequential requests for the latency comparison")] = 300,
+    streams: Annotated[int, typer.Option(help="streams for the throughput run")] = 400,
+    concurrency: Annotated[int, typer.Option(help="streams open at once")] = 64,
+    tokens: Annotated[int, typer.Option(help="output tokens per stream")] = 256,
+    json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """Proxy overhead: added time to first token, tokens/s and CPU per streamed token (sim, zero step time)."""
+    run_dir = Path(tempfile.mkdtemp(prefix="llumnix-bench-"))
+    sets = ["sim.time_scale=0", "sim.max_num_seqs=256", "proxy.log_level=warning", "instance.log_level=warning"]
+    state = localcluster.up(run_dir, instances, "sim", 0, None, sets)
+    try:
+        snap = AdminClient(state.manager_address).status()
+        prompt = list(range(100, 116))
+        direct = direct_ttft(snap.instances[0].request_address, requests, prompt)
+        via = proxy_ttft(state.url, "llumnix-sim", requests, prompt)
+        proxy_proc = next(p for p in state.procs if p.name == "proxy").process()
+        cpu0 = sum(proxy_proc.cpu_times()[:2])
+        t0 = time.perf_counter()
+        total = asyncio.run(_load(state.url, "llumnix-sim", streams, concurrency, tokens))
+        wall = time.perf_counter() - t0
+        cpu = sum(proxy_proc.cpu_times()[:2]) - cpu0
+    finally:
+        localcluster.stop(state)
+    result = {
+        "instances": instances, "cores": psutil.cpu_count(),
+        "direct_ttft_ms": {"p50": _pct(direct, 50) * 1e3, "p99": _pct(direct, 99) * 1e3},
+        "proxy_ttft_ms": {"p50": _pct(via, 50) * 1e3, "p99": _pct(via, 99) * 1e3},
+        "added_ttft_ms_p50": (statistics.median(via) - statistics.median(direct)) * 1e3,
+        "streams": streams, "concurrency": concurrency, "tokens": total, "expected_tokens": streams * tokens,
+        "tokens_per_s": total / wall, "proxy_cpu_us_per_token": cpu / max(total, 1) * 1e6,
+    }
+    if json_:
+        sys.stdout.write(json.dumps(result, indent=2) + "\n")
+        return
+    table = Table(title=f"proxy overhead · {instances} sim instances (zero step time) · {result['cores']} cores")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    table.add_row("TTFT direct to instance p50 / p99", f"{result['direct_ttft_ms']['p50']:.3f} / {result['direct_ttft_ms']['p99']:.3f} ms")
+    table.add_row("TTFT through proxy p50 / p99", f"{result['proxy_ttft_ms']['p50']:.3f} / {result['proxy_ttft_ms']['p99']:.3f} ms")
+    table.add_row("added by proxy p50", f"{result['added_ttft_ms_p50']:.3f} ms")
+    table.add_row(f"throughput ({streams} streams x {tokens} tokens, {concurrency} at once)", f"{result['tokens_per_s']:.0f} tokens/s")
+    table.add_row("proxy CPU per streamed token", f"{result['proxy_cpu_us_per_token']:.1f} us")
+    table.add_row("tokens received / expected", f"{total} / {streams * tokens}")
+    Console().print(table)

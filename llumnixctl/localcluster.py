@@ -1,0 +1,201 @@
+"""A local cluster: the daemons as background processes, their pids and logs in a run directory.
+
+``cluster.json`` in the run directory records every process with its start time, so ``down`` stops
+exactly the processes ``up`` started, never a process that reused a pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import psutil
+
+from llumnixctl.admin import AdminClient, ManagerUnreachable
+
+STATE_FILE = "cluster.json"
+
+
+class ClusterError(Exception):
+    pass
+
+
+def default_run_dir() -> Path:
+    env = os.environ.get("LLUMNIX_RUN_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "llumnix"
+
+
+@dataclass
+class Proc:
+    name: str
+    pid: int
+    create_time: float
+    log: str
+    argv: list[str]
+
+    def process(self) -> psutil.Process | None:
+        """The live process, only if it is still the one we started."""
+        try:
+            p = psutil.Process(self.pid)
+            if abs(p.create_time() - self.create_time) < 0.01 and p.status() != psutil.STATUS_ZOMBIE:
+                return p
+        except psutil.Error:
+            pass
+        return None
+
+
+@dataclass
+class ClusterState:
+    manager_address: str
+    url: str
+    backend: str
+    config: str | None
+    procs: list[Proc] = field(default_factory=list)
+
+    def save(self, run_dir: Path) -> None:
+        tmp = run_dir / (STATE_FILE + ".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        tmp.replace(run_dir / STATE_FILE)
+
+    @classmethod
+    def load(cls, run_dir: Path) -> "ClusterState | None":
+        path = run_dir / STATE_FILE
+        if not path.exists():
+            return None
+        data = json.loads(path.read_text())
+        data["procs"] = [Proc(**p) for p in data["procs"]]
+        return cls(**data)
+
+    def live(self) -> list[Proc]:
+        return [p for p in self.procs if p.process() is not None]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(run_dir: Path, name: str, argv: list[str]) -> Proc:
+    log_path = run_dir / f"{name}.log"
+    with open(log_path, "ab") as log:
+        popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+    return Proc(name, popen.pid, psutil.Process(popen.pid).create_time(), str(log_path), argv)
+
+
+def _tail(path: str, lines: int = 15) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _daemon(name: str) -> list[str]:
+    """Run a daemon with this interpreter, so a cluster works from a venv that is not on PATH."""
+    module = {"manager": "daemons.manager", "instance": "daemons.instance", "proxy": "daemons.proxy.app"}[name]
+    return [sys.executable, "-m", module]
+
+
+def up(run_dir: Path, instances: int, backend: str, port: int, config: str | None, sets: list[str],
+       timeout_s: float = 60.0) -> ClusterState:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    old = ClusterState.load(run_dir)
+    if old is not None and old.live():
+        pids = ", ".join(str(p.pid) for p in old.live())
+        raise ClusterError(f"a cluster from {run_dir} is already running (pids {pids}); run `llumnixctl down` first")
+    if port:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                raise ClusterError(f"port {port} on 127.0.0.1 is in use; pick another with --port") from None
+    else:
+        port = free_port()
+    manager_address = f"tcp://127.0.0.1:{free_port()}"
+    common = (["--config", config] if config else []) + [a for s in sets for a in ("--set", s)]
+    common += ["--set", f"manager.address={manager_address}"]
+    state = ClusterState(manager_address, f"http://127.0.0.1:{port}", backend, config)
+
+    def fail(why: str, proc: Proc | None = None) -> ClusterError:
+        stop(state)
+        detail = f"\n--- last lines of {proc.log} ---\n{_tail(proc.log)}" if proc else ""
+        return ClusterError(why + detail)
+
+    try:
+        mgr = _spawn(run_dir, "manager", _daemon("manager") + common + ["--set", "manager.metrics_port=0", "--set", "manager.bind="])
+        state.procs.append(mgr)
+        state.save(run_dir)
+        client = AdminClient(manager_address, timeout_s=0.5)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                client.status()
+                break
+            except ManagerUnreachable:
+                if mgr.process() is None:
+                    raise fail("llumnix-manager exited during start-up", mgr) from None
+                if time.monotonic() > deadline:
+                    raise fail(f"llumnix-manager did not answer within {timeout_s:g}s", mgr) from None
+        for i in range(instances):
+            argv = _daemon("instance") + common + ["--set", f"instance.id=i{i}", "--set", f"instance.backend={backend}"]
+            state.procs.append(_spawn(run_dir, f"instance-i{i}", argv))
+        state.procs.append(_spawn(run_dir, "proxy", _daemon("proxy") + common + ["--set", f"proxy.port={port}"]))
+        state.save(run_dir)
+        while True:
+            for p in state.procs:
+                if p.process() is None:
+                    raise fail(f"{p.name} exited during start-up", p)
+            if _healthy(state.url, instances):
+                break
+            if time.monotonic() > deadline:
+                raise fail(f"the cluster did not come up within {timeout_s:g}s (see logs in {run_dir})", state.procs[-1])
+            time.sleep(0.1)
+        client.close()
+    except KeyboardInterrupt:
+        stop(state)
+        raise
+    return state
+
+
+def _healthy(url: str, instances: int) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=1) as resp:
+            return json.loads(resp.read()).get("instances_alive", 0) >= instances
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def stop(state: ClusterState, timeout_s: float = 15.0) -> list[Proc]:
+    """SIGTERM the proxy, then instances, then the manager; SIGKILL what outlives the timeout."""
+    order = sorted(state.procs, key=lambda p: {"proxy": 0, "manager": 2}.get(p.name, 1))
+    stopped = []
+    for group in ("proxy", "instance", "manager"):
+        procs = [(p, p.process()) for p in order if p.name.split("-")[0] == group]
+        procs = [(p, live) for p, live in procs if live is not None]
+        for _, live in procs:
+            try:
+                live.send_signal(signal.SIGTERM)
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs([live for _, live in procs], timeout=timeout_s)
+        for live in alive:
+            try:
+                live.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=5)
+        stopped += [p for p, _ in procs]
+    return stopped

@@ -1,0 +1,219 @@
+"""llumnixctl: inspect and operate a Llumnix cluster.
+
+Every command finds the manager from --manager, else the run directory of a local cluster (--run-dir or
+$LLUMNIX_RUN_DIR), else manager.address of the config file. Read commands take --json; its shape is a
+contract for scripts (fields are added, never renamed).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from daemons import wire
+from daemons.config import ConfigError, load_config, render_example, as_dict
+from llumnixctl import localcluster
+from llumnixctl.admin import AdminClient, ManagerUnreachable
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Operate a Llumnix cluster: local clusters, status, requests, benchmarks.")
+config_app = typer.Typer(no_args_is_help=True, help="Settings: the example file, the effective values.")
+app.add_typer(config_app, name="config")
+
+out = Console()
+err = Console(stderr=True)
+
+RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", help="local cluster state directory [env: LLUMNIX_RUN_DIR]")]
+ManagerOpt = Annotated[Optional[str], typer.Option("--manager", help="manager address, e.g. tcp://10.0.0.5:7100")]
+ConfigOpt = Annotated[Optional[str], typer.Option("--config", "-c", help="llumnix.toml [env: LLUMNIX_CONFIG]")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON for scripts")]
+TimeoutOpt = Annotated[float, typer.Option("--timeout", help="seconds to wait for the manager")]
+
+
+def die(message: str, code: int = 1) -> None:
+    err.print(f"llumnixctl: {message}", markup=False, highlight=False)
+    raise typer.Exit(code)
+
+
+def manager_address(manager: str | None, run_dir: Path | None, config: str | None) -> str:
+    if manager:
+        return manager
+    state = localcluster.ClusterState.load(run_dir or localcluster.default_run_dir())
+    if state is not None:
+        return state.manager_address
+    try:
+        return load_config(config).manager.address
+    except ConfigError as exc:
+        die(str(exc), 2)
+
+
+def admin(manager: str | None, run_dir: Path | None, config: str | None, timeout: float) -> AdminClient:
+    return AdminClient(manager_address(manager, run_dir, config), timeout)
+
+
+def ask(client: AdminClient, what):
+    try:
+        return what(client)
+    except ManagerUnreachable as exc:
+        die(f"{exc}. Is the cluster up? Start one with `llumnixctl up`, or point at it with --manager or --run-dir.")
+
+
+def print_json(data) -> None:
+    sys.stdout.write(json.dumps(data, indent=2) + "\n")
+
+
+# ---------------------------------------------------------------------- local cluster
+
+
+@app.command()
+def up(
+    instances: Annotated[int, typer.Option("--instances", "-n", min=1, help="number of instances")] = 2,
+    backend: Annotated[str, typer.Option(help="engine backend of the instances")] = "sim",
+    port: Annotated[int, typer.Option(help="proxy HTTP port on 127.0.0.1 (0 = any free port)")] = 8000,
+    config: ConfigOpt = None,
+    run_dir: RunDirOpt = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="setting for every daemon: section.key=value")] = None,
+    timeout: Annotated[float, typer.Option(help="seconds to wait for the cluster to serve")] = 60.0,
+    json_: JsonOpt = False,
+) -> None:
+    """Start a local cluster in the background (manager, instances, proxy) and wait until it serves."""
+    run_dir = run_dir or localcluster.default_run_dir()
+    try:
+        load_config(config, set_ or [], {"instance.backend": backend})  # fail here, not in a child's log
+        state = localcluster.up(run_dir, instances, backend, port, config, set_ or [], timeout)
+    except (ConfigError, localcluster.ClusterError) as exc:
+        die(str(exc), 2 if isinstance(exc, ConfigError) else 1)
+    if json_:
+        print_json({"url": state.url, "manager": state.manager_address, "run_dir": str(run_dir),
+                    "processes": [{"name": p.name, "pid": p.pid, "log": p.log} for p in state.procs]})
+        return
+    out.print(f"cluster up: {instances} {backend} instance(s)")
+    out.print(f"  OpenAI API  {state.url}/v1")
+    out.print(f"  manager     {state.manager_address}")
+    out.print(f"  run dir     {run_dir} (logs: *.log)")
+    out.print("stop it with: llumnixctl down" + ("" if run_dir == localcluster.default_run_dir() else f" --run-dir {run_dir}"))
+
+
+@app.command()
+def down(run_dir: RunDirOpt = None, json_: JsonOpt = False) -> None:
+    """Stop the processes that `up` started from this run directory (SIGTERM, then SIGKILL)."""
+    run_dir = run_dir or localcluster.default_run_dir()
+    state = localcluster.ClusterState.load(run_dir)
+    if state is None:
+        die(f"no local cluster in {run_dir} (nothing to stop)")
+    stopped = localcluster.stop(state)
+    (run_dir / localcluster.STATE_FILE).unlink(missing_ok=True)
+    if json_:
+        print_json({"stopped": [{"name": p.name, "pid": p.pid} for p in stopped]})
+    else:
+        out.print(f"stopped {len(stopped)} process(es) from {run_dir}")
+
+
+# ---------------------------------------------------------------------- inspection
+
+
+def status_json(snap: wire.Snapshot, address: str) -> dict:
+    rows = []
+    for v in snap.instances:
+        ld = v.load
+        rows.append({
+            "id": v.instance_id, "host": v.host, "pid": v.pid, "state": v.state, "draining": v.draining,
+            "blocks_total": ld.blocks_total, "blocks_used": ld.blocks_used, "running": ld.running,
+            "waiting": ld.waiting, "freeness": v.freeness, "batch_size": ld.batch_size,
+            "preemptions": ld.preemptions, "pending_dispatches": v.pending_dispatches, "backend": v.backend,
+            "model": v.model, "request_address": v.request_address, "metrics_address": v.metrics_address,
+            "last_report_age_s": v.last_report_age_s,
+        })
+    alive = [r for r in rows if r["state"] == "alive"]
+    totals = {
+        "instances": len(rows), "alive": len(alive),
+        "blocks_total": sum(r["blocks_total"] for r in alive), "blocks_used": sum(r["blocks_used"] for r in alive),
+        "running": sum(r["running"] for r in alive), "waiting": sum(r["waiting"] for r in alive),
+        "mean_freeness": round(sum(r["freeness"] for r in alive) / len(alive), 4) if alive else None,
+    }
+    return {"instances": rows, "totals": totals,
+            "manager": {"address": address, "uptime_s": snap.uptime_s, "dispatch_policy": snap.dispatch_policy,
+                        "dispatched_total": snap.dispatched_total}}
+
+
+@app.command()
+def status(manager: ManagerOpt = None, run_dir: RunDirOpt = None, config: ConfigOpt = None,
+           timeout: TimeoutOpt = 2.0, json_: JsonOpt = False) -> None:
+    """Per instance: id, host, pid, state, blocks used/total, running, waiting, freeness; cluster totals."""
+    client = admin(manager, run_dir, config, timeout)
+    data = status_json(ask(client, AdminClient.status), client.address)
+    if json_:
+        print_json(data)
+        return
+    table = Table(title=f"manager {client.address} · dispatch {data['manager']['dispatch_policy']}", title_justify="left")
+    for col in ("ID", "HOST", "PID", "STATE", "BLOCKS USED/TOTAL", "RUNNING", "WAITING", "FREENESS", "LAST REPORT"):
+        table.add_column(col, justify="right" if col in ("PID", "RUNNING", "WAITING", "FREENESS") else "left")
+    for r in data["instances"]:
+        state = r["state"] + (" (draining)" if r["draining"] else "")
+        style = "red" if r["state"] != "alive" else None
+        table.add_row(r["id"], r["host"], str(r["pid"]), state, f"{r['blocks_used']}/{r['blocks_total']}",
+                      str(r["running"]), str(r["waiting"]), f"{r['freeness']:.2f}", f"{r['last_report_age_s']:.1f}s ago",
+                      style=style)
+    t = data["totals"]
+    table.add_section()
+    table.add_row("total", "", "", f"{t['alive']}/{t['instances']} alive", f"{t['blocks_used']}/{t['blocks_total']}",
+                  str(t["running"]), str(t["waiting"]), "" if t["mean_freeness"] is None else f"{t['mean_freeness']:.2f} avg", "")
+    out.print(table)
+
+
+@app.command()
+def requests(manager: ManagerOpt = None, run_dir: RunDirOpt = None, config: ConfigOpt = None,
+             timeout: TimeoutOpt = 3.0, json_: JsonOpt = False) -> None:
+    """Requests in the cluster: id, instance, state, output tokens."""
+    client = admin(manager, run_dir, config, timeout)
+    reply = ask(client, AdminClient.requests)
+    rows = [{"id": r.request_id, "instance": r.instance_id, "state": r.state, "output_tokens": r.output_tokens,
+             "prompt_tokens": r.prompt_tokens, "blocks": r.blocks, "priority": r.priority} for r in reply.requests]
+    if json_:
+        print_json({"requests": rows, "unreachable": reply.unreachable})
+        return
+    table = Table()
+    for col in ("ID", "INSTANCE", "STATE", "OUTPUT TOKENS", "PROMPT TOKENS", "BLOCKS"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["id"], r["instance"], r["state"], str(r["output_tokens"]), str(r["prompt_tokens"]), str(r["blocks"]))
+    out.print(table)
+    out.print(f"{len(rows)} request(s)")
+    if reply.unreachable:
+        err.print(f"llumnixctl: no answer from {', '.join(reply.unreachable)}", markup=False)
+
+
+# ---------------------------------------------------------------------- config
+
+
+@config_app.command("example")
+def config_example() -> None:
+    """Print llumnix.toml.example: every setting at its default, with its meaning."""
+    sys.stdout.write(render_example())
+
+
+@config_app.command("show")
+def config_show(config: ConfigOpt = None,
+                set_: Annotated[Optional[list[str]], typer.Option("--set", help="section.key=value")] = None) -> None:
+    """Print the effective settings (defaults, file, overrides) as JSON; exits 2 on a bad setting."""
+    try:
+        print_json(as_dict(load_config(config, set_ or [])))
+    except ConfigError as exc:
+        die(str(exc), 2)
+
+
+def entry() -> None:
+    from llumnixctl import bench  # registers `llumnixctl bench ...`
+
+    app.add_typer(bench.app, name="bench")
+    app()
+
+
+if __name__ == "__main__":
+    entry()
