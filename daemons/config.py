@@ -24,8 +24,9 @@ class ConfigError(Exception):
     """A bad setting. The message names the key and where it came from."""
 
 
-def setting(default: Any, help: str, *, choices: tuple | None = None, minimum: float | None = None):
-    meta = {"help": help, "choices": choices, "minimum": minimum}
+def setting(default: Any, help: str, *, choices: tuple | None = None, minimum: float | None = None,
+            maximum: float | None = None):
+    meta = {"help": help, "choices": choices, "minimum": minimum, "maximum": maximum}
     return field(default=default, metadata=meta)
 
 
@@ -37,8 +38,9 @@ class ManagerConfig:
     dead_after_missed: int = setting(3, "heartbeats an instance may miss before it is marked dead", minimum=1)
     dispatch_policy: str = setting("llumnix", "where new requests go: llumnix (freest instance), rr (round-robin), flood (all to one)", choices=("llumnix", "rr", "flood"))
     query_timeout_s: float = setting(1.0, "how long the manager waits for instances to answer a fan-out query", minimum=0.01)
+    dead_instance_ttl_s: float = setting(600.0, "a dead instance stays in the view (state dead) this long, then is forgotten", minimum=0.0)
     pending_dispatch_ttl_s: float = setting(5.0, "a dispatch not yet seen in its instance's reports stops counting as load after this long", minimum=0.0)
-    metrics_port: int = setting(7101, "port of the manager's Prometheus /metrics on 127.0.0.1 (0 = any free port, -1 = off)", minimum=-1)
+    metrics_port: int = setting(7101, "port of the manager's Prometheus /metrics on 127.0.0.1 (0 = any free port, -1 = off)", minimum=-1, maximum=65535)
     log_level: str = setting("info", "debug, info, warning or error", choices=("debug", "info", "warning", "error"))
 
 
@@ -51,14 +53,14 @@ class InstanceConfig:
     advertise_address: str = setting("", "address proxies use to reach this instance; empty = the bound request address")
     shutdown_grace_s: float = setting(5.0, "on SIGTERM, running requests may finish for this long before they are failed", minimum=0.0)
     load_report_min_interval_s: float = setting(0.02, "load changes are reported at most this often (coalesced)", minimum=0.0)
-    metrics_port: int = setting(0, "port of the instance's Prometheus /metrics on 127.0.0.1 (0 = any free port, -1 = off)", minimum=-1)
+    metrics_port: int = setting(0, "port of the instance's Prometheus /metrics on 127.0.0.1 (0 = any free port, -1 = off)", minimum=-1, maximum=65535)
     log_level: str = setting("info", "debug, info, warning or error", choices=("debug", "info", "warning", "error"))
 
 
 @dataclass
 class ProxyConfig:
     host: str = setting("127.0.0.1", "HTTP listen address of the OpenAI-compatible API")
-    port: int = setting(8000, "HTTP listen port", minimum=0)
+    port: int = setting(8000, "HTTP listen port", minimum=0, maximum=65535)
     token_address: str = setting("tcp://127.0.0.1:0", "ZeroMQ address the proxy binds for token outputs from instances (port 0 = any free port)")
     advertise_address: str = setting("", "address instances use to reach this proxy; empty = the bound token address")
     dispatch_timeout_s: float = setting(0.5, "wait this long for the manager's dispatch answer, then choose from the last snapshot", minimum=0.001)
@@ -131,13 +133,15 @@ def _check(section: str, f: dataclasses.Field, value: Any, where: str) -> Any:
     choices = f.metadata.get("choices")
     if choices and value not in choices:
         raise ConfigError(f"{where}: {key} must be one of {', '.join(choices)}; got {value!r}")
-    minimum = f.metadata.get("minimum")
+    minimum, maximum = f.metadata.get("minimum"), f.metadata.get("maximum")
     if minimum is not None and value < minimum:
         raise ConfigError(f"{where}: {key} must be >= {minimum}; got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{where}: {key} must be <= {maximum}; got {value!r}")
     return value
 
 
-def _apply(cfg: Config, section: str, key: str, value: Any, where: str) -> None:
+def _apply(cfg: Config, section: str, key: str, value: Any, where: str, raw: str | None = None) -> None:
     known = dict(sections())
     if section not in known:
         raise ConfigError(f"{where}: unknown section [{section}] (known: {', '.join(known)})")
@@ -145,6 +149,8 @@ def _apply(cfg: Config, section: str, key: str, value: Any, where: str) -> None:
     fields = {f.name: f for f in dataclasses.fields(sec)}
     if key not in fields:
         raise ConfigError(f"{where}: unknown key {section}.{key} (known in [{section}]: {', '.join(fields)})")
+    if raw is not None and _field_type(fields[key]) is str and not isinstance(value, str):
+        value = raw.strip()  # --set instance.id=123 means the string "123"
     setattr(sec, key, _check(section, fields[key], value, where))
 
 
@@ -156,7 +162,7 @@ def _apply_table(cfg: Config, data: dict, where: str) -> None:
             _apply(cfg, section, key, value, where)
 
 
-def parse_override(text: str) -> tuple[str, str, Any]:
+def parse_override(text: str) -> tuple[str, str, Any, str]:
     """``section.key=value``; the value is read as TOML (so 3, 0.5, true, "x"), else taken as a string."""
     name, sep, raw = text.partition("=")
     section, dot, key = name.strip().partition(".")
@@ -166,7 +172,7 @@ def parse_override(text: str) -> tuple[str, str, Any]:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw
-    return section, key.strip(), value
+    return section.strip(), key.strip(), value, raw
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
@@ -185,8 +191,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         _apply_table(cfg, data, str(p))
         cfg.source = str(p)
     for text in overrides or []:
-        section, key, value = parse_override(text)
-        _apply(cfg, section, key, value, f"--set {text}")
+        section, key, value, raw = parse_override(text)
+        _apply(cfg, section, key, value, f"--set {text}", raw)
     for name, value in (flags or {}).items():
         if value is None:
             continue

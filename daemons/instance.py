@@ -49,7 +49,8 @@ class Instance:
         self.ctx = zmq.asyncio.Context()
         self.router = runtime.tune(self.ctx.socket(zmq.ROUTER))
         self.manager = runtime.tune(self.ctx.socket(zmq.DEALER))
-        self.pushes: dict[str, zmq.asyncio.Socket] = {}
+        self.manager_tx = runtime.sender(self.manager)
+        self.pushes: dict[str, zmq.Socket] = {}
         self.reply_to: dict[str, str] = {}  # request id -> the owning proxy's token address
         self.emitted: dict[str, int] = {}  # request id -> tokens sent so far
         self.inbox: list[wire.Submit | wire.Abort] = []
@@ -63,10 +64,10 @@ class Instance:
 
     # ------------------------------------------------------------------ token path
 
-    def _push(self, address: str) -> zmq.asyncio.Socket:
+    def _push(self, address: str) -> zmq.Socket:
         sock = self.pushes.get(address)
         if sock is None:
-            sock = self.ctx.socket(zmq.PUSH)
+            sock = self.ctx.socket(zmq.PUSH, socket_class=zmq.Socket)  # send-only: plain sends never wait
             sock.setsockopt(zmq.LINGER, 2000)  # let the last tokens out on shutdown, but never hang
             sock.setsockopt(zmq.SNDHWM, 100_000)
             sock.connect(address)
@@ -74,10 +75,13 @@ class Instance:
         return sock
 
     def _send(self, address: str, msg: wire.Message) -> None:
-        try:
-            self._push(address).send(wire.encode(msg), zmq.NOBLOCK)
-        except zmq.Again:
+        if not runtime.send_now(self._push(address), wire.encode(msg)):
             log.warning("token path to %s is full; dropped a %s", address, type(msg).__name__)
+
+    def _tell_manager(self, msg: wire.Message) -> None:
+        # Never wait on the manager: while it is away, reports are dropped, and it will ask us to register.
+        if not runtime.send_now(self.manager_tx, wire.encode(msg)):
+            log.debug("manager queue full; dropped a %s", type(msg).__name__)
 
     def emit(self, outputs: list[wire.TokenOut]) -> None:
         by_proxy: dict[str, list[wire.TokenOut]] = {}
@@ -126,15 +130,15 @@ class Instance:
             self.emitted[msg.request_id] = 0
 
     async def serve_requests(self) -> None:
-        while True:
-            frames = await self.router.recv_multipart()
-            msg = wire.decode(frames[-1]) if len(frames) == 2 else None
-            if not isinstance(msg, (wire.Submit, wire.Abort)):
-                M_BAD_FRAMES.inc()
-                if msg is not None or len(frames) != 2:
-                    log.warning("dropped an unexpected message on the request socket")
-                continue
-            self.inbox.append(msg)
+        async for batch in runtime.receive(self.router, multipart=True):
+            for frames in batch:
+                msg = wire.decode(frames[-1]) if len(frames) == 2 else None
+                if not isinstance(msg, (wire.Submit, wire.Abort)):
+                    M_BAD_FRAMES.inc()
+                    if msg is not None or len(frames) != 2:
+                        log.warning("dropped an unexpected message on the request socket")
+                    continue
+                self.inbox.append(msg)
             self.wake.set()
 
     # ------------------------------------------------------------------ engine loop
@@ -173,10 +177,10 @@ class Instance:
             if isinstance(msg, wire.RegisterAck):
                 if not msg.accepted:
                     log.info("manager asks us to register (%s)", msg.reason)
-                    await self.manager.send(wire.encode(self.register_msg()))
+                    self._tell_manager(self.register_msg())
             elif isinstance(msg, wire.ListRequests):
                 reply = wire.RequestList(msg.query_id, self.instance_id, self.engine.requests())
-                await self.manager.send(wire.encode(reply))
+                self._tell_manager(reply)
             else:
                 M_BAD_FRAMES.inc()
 
@@ -191,7 +195,7 @@ class Instance:
             self.load_changed.clear()
             load = self.engine.load()
             self.report_seq += 1
-            await self.manager.send(wire.encode(wire.LoadReport(self.instance_id, self.report_seq, load)))
+            self._tell_manager(wire.LoadReport(self.instance_id, self.report_seq, load))
             M_BLOCKS_USED.set(load.blocks_used)
             M_BLOCKS_TOTAL.set(load.blocks_total)
             M_RUNNING.set(load.running)
@@ -206,10 +210,10 @@ class Instance:
         if self.ic.advertise_address:
             self.request_address = self.ic.advertise_address
         if not self.instance_id:
-            self.instance_id = f"{socket.gethostname()}-{self.request_address.rsplit(':', 1)[-1]}"
+            self.instance_id = f"{self.ic.host or socket.gethostname()}-{self.request_address.rsplit(':', 1)[-1]}"
         self.metrics_address = runtime.start_metrics_server(self.ic.metrics_port)
-        self.manager.connect(self.cfg.manager.address)
-        await self.manager.send(wire.encode(self.register_msg()))
+        runtime.connect(self.manager, self.cfg.manager.address)
+        self._tell_manager(self.register_msg())
         load = self.engine.load()
         log.info("instance %s serving on %s (backend %s, %d blocks of %d tokens, manager %s, metrics %s)",
                  self.instance_id, self.request_address, self.engine.backend, load.blocks_total, load.block_size,
@@ -221,16 +225,18 @@ class Instance:
                  (self.serve_requests(), self.step_loop(), self.serve_manager(), self.report_loop())]
         stopped = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
-        for t in done:
-            if t is not stopped and t.exception() is not None:
-                log.error("instance loop failed: %r", t.exception())
-        await self.shutdown(tasks)
+        failure = next((t.exception() for t in done if t is not stopped and t.exception() is not None), None)
+        if failure is not None:
+            log.error("instance loop failed: %r", failure)
+        await self.shutdown(tasks, "SIGTERM" if failure is None else f"failed: {failure!r}")
+        if failure is not None:
+            raise SystemExit(1)  # let systemd's Restart=on-failure see it
 
-    async def shutdown(self, tasks: list[asyncio.Task]) -> None:
+    async def shutdown(self, tasks: list[asyncio.Task], reason: str) -> None:
         """Leave the dispatch set, let running requests finish for a grace period, fail what is left."""
         runtime.sd_notify("STOPPING=1")
         self.accepting = False
-        await self.manager.send(wire.encode(wire.Goodbye(self.instance_id, "SIGTERM")))
+        self._tell_manager(wire.Goodbye(self.instance_id, reason))
         grace = self.ic.shutdown_grace_s
         log.info("stopping: %d requests in flight, grace %.1fs", len(self.reply_to), grace)
         deadline = time.monotonic() + grace
@@ -273,7 +279,7 @@ def main(
     })
     runtime.setup_logging(cfg.instance.log_level, "llumnix-instance")
     engine = make_engine(cfg)
-    asyncio.run(Instance(cfg, engine).run())
+    runtime.exit_on_startup_error("llumnix-instance", Instance(cfg, engine).run())
 
 
 def entry() -> None:

@@ -55,14 +55,13 @@ class InstanceRecord:
     def instance_id(self) -> str:
         return self.info.instance_id
 
-    def pending_blocks(self) -> int:
-        return sum(blocks for _, blocks, _ in self.pending)
-
-    def usage(self) -> float:
-        return self.load.blocks_used + self.load.hol_demand_blocks + self.pending_blocks()
+    def candidate(self, excluded: bool = False) -> policy.Candidate:
+        return policy.candidate(self.instance_id, self.load, sum(b for _, b, _ in self.pending), len(self.pending),
+                                alive=self.state == "alive" and not excluded, draining=self.draining)
 
     def freeness(self) -> float:
-        return policy.freeness(self.load.blocks_total, self.usage(), self.load.batch_size)
+        c = self.candidate()
+        return policy.freeness(c.blocks_total, c.usage, c.batch_size)
 
     def retire_pending(self, now: float, ttl: float) -> None:
         received = self.load.requests_received
@@ -114,7 +113,10 @@ class Manager:
         M_BLOCKS_USED.labels(iid).set(r.load.blocks_used)
         M_RUNNING.labels(iid).set(r.load.running)
         M_WAITING.labels(iid).set(r.load.waiting)
-        for state in ("alive", "dead"):
+        self._update_gauges_states()
+
+    def _update_gauges_states(self) -> None:
+        for state in ("alive", "stopping", "dead"):
             M_INSTANCES.labels(state).set(sum(1 for x in self.instances.values() if x.state == state))
 
     # ------------------------------------------------------------------ handlers
@@ -144,7 +146,7 @@ class Manager:
             return wire.RegisterAck(msg.instance_id, accepted=False, reason="unknown instance: register again")
         now = time.monotonic()
         rec.identity, rec.load, rec.last_seen = ident, msg.load, now
-        if rec.state != "alive":
+        if rec.state == "dead":
             log.info("instance %s is reporting again: alive", msg.instance_id)
             rec.state = "alive"
         rec.retire_pending(now, self.mc.pending_dispatch_ttl_s)
@@ -152,13 +154,23 @@ class Manager:
         return None
 
     def on_goodbye(self, msg: wire.Goodbye) -> None:
-        if self.instances.pop(msg.instance_id, None) is not None:
-            log.info("instance %s left: %s", msg.instance_id, msg.reason or "shutdown")
-            for gauge in (M_FREENESS, M_BLOCKS_USED, M_RUNNING, M_WAITING):
-                try:
-                    gauge.remove(msg.instance_id)
-                except KeyError:  # never reported
-                    pass
+        """The instance is stopping: no more dispatches, but it still finishes what it runs."""
+        rec = self.instances.get(msg.instance_id)
+        if rec is not None and rec.state != "stopping":
+            rec.state = "stopping"
+            rec.pending.clear()
+            log.info("instance %s is stopping (%s); no more dispatches to it", msg.instance_id, msg.reason or "shutdown")
+            self._update_gauges(rec)
+
+    def _forget(self, rec: InstanceRecord, why: str) -> None:
+        del self.instances[rec.instance_id]
+        log.info("instance %s forgotten: %s", rec.instance_id, why)
+        for gauge in (M_FREENESS, M_BLOCKS_USED, M_RUNNING, M_WAITING):
+            try:
+                gauge.remove(rec.instance_id)
+            except KeyError:  # never reported
+                pass
+        self._update_gauges_states()
 
     def on_dispatch(self, msg: wire.Dispatch) -> wire.DispatchReply:
         now = time.monotonic()
@@ -166,8 +178,7 @@ class Manager:
         cands = []
         for r in self.instances.values():
             r.retire_pending(now, self.mc.pending_dispatch_ttl_s)
-            cands.append(policy.Candidate(r.instance_id, r.load.blocks_total, r.usage(), r.load.batch_size,
-                                          alive=r.state == "alive" and r.instance_id not in excluded, draining=r.draining))
+            cands.append(r.candidate(excluded=r.instance_id in excluded))
         chosen = policy.dispatch(self.mc.dispatch_policy, cands, self.turn)
         self.turn += 1
         if chosen is None:
@@ -250,20 +261,24 @@ class Manager:
         await self.sock.send_multipart([ident, wire.encode(reply)])
 
     async def serve(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            frames = await self.sock.recv_multipart()
-            if len(frames) != 2:
-                M_BAD_FRAMES.inc()
-                log.warning("dropped a message of %d frames (expected 2)", len(frames))
-                continue
-            await self.handle(frames[0], frames[1])
+        async for batch in runtime.receive(self.sock, multipart=True):
+            for frames in batch:
+                if len(frames) != 2:
+                    M_BAD_FRAMES.inc()
+                    log.warning("dropped a message of %d frames (expected 2)", len(frames))
+                    continue
+                await self.handle(frames[0], frames[1])
 
     async def watch_heartbeats(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             await asyncio.sleep(self.mc.heartbeat_interval_s / 2)
             now = time.monotonic()
-            for r in self.instances.values():
-                if r.state == "alive" and now - r.last_seen > self.dead_after():
+            for r in list(self.instances.values()):
+                if r.state == "stopping" and now - r.last_seen > self.dead_after():
+                    self._forget(r, "it stopped")
+                elif r.state == "dead" and now - r.last_seen > self.mc.dead_instance_ttl_s:
+                    self._forget(r, f"dead for over {self.mc.dead_instance_ttl_s:g}s")
+                elif r.state == "alive" and now - r.last_seen > self.dead_after():
                     r.state = "dead"
                     r.pending.clear()
                     M_DEATHS.inc()
@@ -309,7 +324,7 @@ def main(
         "manager.metrics_port": metrics_port, "manager.log_level": log_level,
     })
     runtime.setup_logging(cfg.manager.log_level, "llumnix-manager")
-    asyncio.run(Manager(cfg).run())
+    runtime.exit_on_startup_error("llumnix-manager", Manager(cfg).run())
 
 
 def entry() -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from daemons.wire import InstanceLoad
+
 DISPATCH_POLICIES = ("llumnix", "rr", "flood")
 
 
@@ -17,7 +19,7 @@ class Candidate:
     instance_id: str
     blocks_total: int
     usage: float  # sum of the virtual usages of its requests, in blocks
-    batch_size: int
+    batch_size: int  # requests the instance serves: running, queued and dispatched-but-unreported
     alive: bool = True
     draining: bool = False
 
@@ -27,8 +29,16 @@ class Candidate:
 
 
 def freeness(blocks_total: int, usage: float, batch_size: int) -> float:
-    """F = (M - sum V) / B: free blocks per batch slot. Higher is freer."""
+    """F = (M - sum V) / B: KV blocks left per request in the batch (how long it can keep decoding). Higher is freer."""
     return (blocks_total - usage) / max(batch_size, 1)
+
+
+def candidate(instance_id: str, load: InstanceLoad, pending_blocks: int = 0, pending_requests: int = 0,
+              alive: bool = True, draining: bool = False) -> Candidate:
+    """Real usage for now: blocks in use, the head-of-line request's demand, and dispatches not yet reported."""
+    usage = load.blocks_used + load.hol_demand_blocks + pending_blocks
+    batch = load.running + load.waiting + pending_requests
+    return Candidate(instance_id, load.blocks_total, usage, batch, alive, draining)
 
 
 def blocks_for(tokens: int, block_size: int) -> int:

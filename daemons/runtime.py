@@ -54,6 +54,16 @@ def sd_notify(state: str) -> None:
         logging.getLogger("llumnix").warning("sd_notify(%s) failed: %s", state, exc)
 
 
+def run(main) -> None:
+    """Run a daemon's main coroutine, on uvloop where it is installed (it halves per-message overhead)."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+    else:
+        uvloop.run(main)
+
+
 def install_stop_signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -65,18 +75,76 @@ def start_metrics_server(port: int) -> str:
         return ""
     from prometheus_client import start_http_server
 
-    server, _thread = start_http_server(port, addr="127.0.0.1")
+    try:
+        server, _thread = start_http_server(port, addr="127.0.0.1")
+    except OSError as exc:
+        raise StartupError(f"cannot serve metrics on 127.0.0.1:{port}: {exc}") from None
     return f"127.0.0.1:{server.server_address[1]}"
+
+
+class StartupError(Exception):
+    """A daemon cannot start (address in use, bad address); the message is one line for the log."""
 
 
 def bind(sock: zmq.Socket, address: str) -> str:
     """Bind, resolving port 0 to a free port; returns the address actually bound."""
-    if address.startswith("tcp://") and address.endswith(":0"):
-        base = address[: -len(":0")]
-        port = sock.bind_to_random_port(base)
-        return f"{base}:{port}"
-    sock.bind(address)
+    try:
+        if address.startswith("tcp://") and address.endswith(":0"):
+            base = address[: -len(":0")]
+            port = sock.bind_to_random_port(base)
+            return f"{base}:{port}"
+        sock.bind(address)
+    except zmq.ZMQError as exc:
+        raise StartupError(f"cannot bind {address}: {exc}") from None
     return sock.getsockopt_string(zmq.LAST_ENDPOINT) if address.startswith("tcp://") else address
+
+
+def connect(sock: zmq.Socket, address: str) -> None:
+    try:
+        sock.connect(address)
+    except zmq.ZMQError as exc:
+        raise StartupError(f"cannot connect to {address!r}: {exc} (expected e.g. tcp://127.0.0.1:7100)") from None
+
+
+def sender(sock: zmq.Socket) -> zmq.Socket:
+    """A plain (blocking-API) view of an asyncio socket, for sends that must never wait."""
+    return zmq.Socket.shadow(sock.underlying)
+
+
+async def receive(sock, multipart: bool = False, limit: int = 512):
+    """Yield batches of received messages: one awaited receive, then whatever is already queued.
+
+    Awaiting each message costs a future and an event-loop round trip; under load most messages are
+    already waiting, so taking them with plain non-blocking receives roughly halves the CPU per message.
+    """
+    plain = sender(sock)
+    recv_now = plain.recv_multipart if multipart else plain.recv
+    while True:
+        batch = [await (sock.recv_multipart() if multipart else sock.recv())]
+        while len(batch) < limit:
+            try:
+                batch.append(recv_now(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+        yield batch
+
+
+def send_now(sock: zmq.Socket, frame: bytes) -> bool:
+    """Send without waiting on a plain socket; False when the peer's queue is full (or, with IMMEDIATE, absent)."""
+    try:
+        sock.send(frame, zmq.NOBLOCK)
+        return True
+    except zmq.Again:
+        return False
+
+
+def exit_on_startup_error(prog: str, main) -> None:
+    """Run a daemon; a StartupError becomes one log line and exit status 1."""
+    try:
+        run(main)
+    except StartupError as exc:
+        logging.getLogger("llumnix").error("%s: cannot start: %s", prog, exc)
+        sys.exit(1)
 
 
 def tune(sock: zmq.Socket) -> zmq.Socket:

@@ -67,7 +67,7 @@ class InstanceLoad(msgspec.Struct, array_like=True, omit_defaults=True):
     blocks_used: int
     running: int
     waiting: int
-    batch_size: int  # the engine's max concurrently running requests (B in the freeness formula)
+    batch_size: int  # the engine's most concurrently running requests (its capacity; B of freeness is the current batch)
     block_size: int
     preemptions: int = 0  # monotonic counter since start
     hol_demand_blocks: int = 0  # blocks the head-of-line waiting request needs to be admitted
@@ -137,7 +137,7 @@ class InstanceView(msgspec.Struct, array_like=True, omit_defaults=True):
     instance_id: str
     host: str
     pid: int
-    state: str  # "alive" | "dead"
+    state: str  # "alive" | "stopping" (finishing its requests, takes no new ones) | "dead" (missed heartbeats)
     request_address: str
     backend: str
     model: str

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 
 import zmq
 
@@ -25,7 +26,11 @@ class AdminClient:
         if self._sock is None:
             self._sock = self._ctx.socket(zmq.DEALER)
             self._sock.setsockopt(zmq.LINGER, 0)
-            self._sock.connect(self.address)
+            try:
+                self._sock.connect(self.address)
+            except zmq.ZMQError as exc:
+                self.close()
+                raise ManagerUnreachable(f"bad manager address {self.address!r} ({exc}); expected e.g. tcp://127.0.0.1:7100") from None
         return self._sock
 
     def ask(self, make) -> wire.Message:
@@ -33,8 +38,8 @@ class AdminClient:
         qid = next(self._ids)
         sock = self._socket()
         sock.send(wire.encode(make(qid)))
-        deadline_ms = int(self.timeout_s * 1000)
-        while sock.poll(deadline_ms):
+        deadline = time.monotonic() + self.timeout_s
+        while sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
             reply = wire.decode(sock.recv())
             if reply is not None and getattr(reply, "query_id", None) == qid:
                 if isinstance(reply, wire.ErrorReply):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import shutil
 import socket
 import statistics
 import sys
@@ -124,7 +125,11 @@ def proxy(
     """Proxy overhead: added time to first token, tokens/s and CPU per streamed token (sim, zero step time)."""
     run_dir = Path(tempfile.mkdtemp(prefix="llumnix-bench-"))
     sets = ["sim.time_scale=0", "sim.max_num_seqs=256", "proxy.log_level=warning", "instance.log_level=warning"]
-    state = localcluster.up(run_dir, instances, "sim", 0, None, sets)
+    try:
+        state = localcluster.up(run_dir, instances, "sim", 0, None, sets)
+    except localcluster.ClusterError as exc:
+        Console(stderr=True).print(f"llumnixctl: {exc}", markup=False)
+        raise typer.Exit(1) from None
     try:
         snap = AdminClient(state.manager_address).status()
         prompt = list(range(100, 116))
@@ -138,6 +143,7 @@ def proxy(
         cpu = sum(proxy_proc.cpu_times()[:2]) - cpu0
     finally:
         localcluster.stop(state)
+        shutil.rmtree(run_dir, ignore_errors=True)
     result = {
         "instances": instances, "cores": psutil.cpu_count(),
         "direct_ttft_ms": {"p50": _pct(direct, 50) * 1e3, "p99": _pct(direct, 99) * 1e3},

@@ -111,7 +111,10 @@ def _daemon(name: str) -> list[str]:
 
 def up(run_dir: Path, instances: int, backend: str, port: int, config: str | None, sets: list[str],
        timeout_s: float = 60.0) -> ClusterState:
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ClusterError(f"cannot use {run_dir} as the run directory: {exc.strerror}") from None
     old = ClusterState.load(run_dir)
     if old is not None and old.live():
         pids = ", ".join(str(p.pid) for p in old.live())

@@ -26,27 +26,34 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 config_app = typer.Typer(no_args_is_help=True, help="Settings: the example file, the effective values.")
 app.add_typer(config_app, name="config")
 
-out = Console()
-err = Console(stderr=True)
+out = Console(width=None if sys.stdout.isatty() else 160)  # piped: never squeeze the table
 
-RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", help="local cluster state directory [env: LLUMNIX_RUN_DIR]")]
+RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", envvar="LLUMNIX_RUN_DIR", show_envvar=True,
+                                                   help="local cluster state directory (default ~/.local/state/llumnix)")]
 ManagerOpt = Annotated[Optional[str], typer.Option("--manager", help="manager address, e.g. tcp://10.0.0.5:7100")]
-ConfigOpt = Annotated[Optional[str], typer.Option("--config", "-c", help="llumnix.toml [env: LLUMNIX_CONFIG]")]
+ConfigOpt = Annotated[Optional[str], typer.Option("--config", "-c", envvar="LLUMNIX_CONFIG", show_envvar=True, help="llumnix.toml")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON for scripts")]
 TimeoutOpt = Annotated[float, typer.Option("--timeout", help="seconds to wait for the manager")]
 
 
 def die(message: str, code: int = 1) -> None:
-    err.print(f"llumnixctl: {message}", markup=False, highlight=False)
+    sys.stderr.write(f"llumnixctl: {message}\n")  # one line, never wrapped: scripts grep it
     raise typer.Exit(code)
 
 
 def manager_address(manager: str | None, run_dir: Path | None, config: str | None) -> str:
+    """--manager, else the named run dir, else the named config, else the default run dir, else defaults."""
     if manager:
         return manager
-    state = localcluster.ClusterState.load(run_dir or localcluster.default_run_dir())
-    if state is not None:
+    if run_dir is not None:
+        state = localcluster.ClusterState.load(run_dir)
+        if state is None:
+            die(f"no local cluster in {run_dir} (no {localcluster.STATE_FILE}); start one with `llumnixctl up --run-dir {run_dir}`")
         return state.manager_address
+    if config is None:
+        state = localcluster.ClusterState.load(localcluster.default_run_dir())
+        if state is not None:
+            return state.manager_address
     try:
         return load_config(config).manager.address
     except ConfigError as exc:
@@ -125,7 +132,7 @@ def status_json(snap: wire.Snapshot, address: str) -> dict:
         rows.append({
             "id": v.instance_id, "host": v.host, "pid": v.pid, "state": v.state, "draining": v.draining,
             "blocks_total": ld.blocks_total, "blocks_used": ld.blocks_used, "running": ld.running,
-            "waiting": ld.waiting, "freeness": v.freeness, "batch_size": ld.batch_size,
+            "waiting": ld.waiting, "freeness": v.freeness, "max_batch_size": ld.batch_size,
             "preemptions": ld.preemptions, "pending_dispatches": v.pending_dispatches, "backend": v.backend,
             "model": v.model, "request_address": v.request_address, "metrics_address": v.metrics_address,
             "last_report_age_s": v.last_report_age_s,
@@ -186,7 +193,7 @@ def requests(manager: ManagerOpt = None, run_dir: RunDirOpt = None, config: Conf
     out.print(table)
     out.print(f"{len(rows)} request(s)")
     if reply.unreachable:
-        err.print(f"llumnixctl: no answer from {', '.join(reply.unreachable)}", markup=False)
+        sys.stderr.write(f"llumnixctl: no answer from {', '.join(reply.unreachable)}\n")
 
 
 # ---------------------------------------------------------------------- config

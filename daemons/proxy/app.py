@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import time
 import uuid
 from typing import Annotated, AsyncIterator, Optional
@@ -121,11 +122,11 @@ class Proxy:
             raise ApiError(400, "prompt is empty", "prompt")
         return ids
 
-    def _limits(self, prompt_len: int, max_tokens: int | None, default: int | None) -> int:
+    def _limits(self, prompt_len: int, max_tokens: int | None, default: int | None, prompt_param: str) -> int:
         room = self.max_model_len - prompt_len
         if room < 1:
             raise ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                                f"prompt has {prompt_len} tokens, leaving no room for output.", "messages")
+                                f"prompt has {prompt_len} tokens, leaving no room for output.", prompt_param)
         if max_tokens is None:
             max_tokens = room if default is None else min(default, room)
         if prompt_len + max_tokens > self.max_model_len:
@@ -140,7 +141,7 @@ class Proxy:
         if req.echo:
             raise ApiError(400, "echo is not supported", "echo")
         ids = self._prompt_ids(req)
-        max_tokens = self._limits(len(ids), req.max_tokens, 16)
+        max_tokens = self._limits(len(ids), req.max_tokens, 16, "prompt")
         sampling = req.sampling(max_tokens, req.logprobs)
         return await self._serve(request, req, ids, sampling, chat=False)
 
@@ -149,7 +150,7 @@ class Proxy:
         self._check_model(req.model)
         prompt = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages])
         ids = self.tokenizer.encode(prompt)
-        max_tokens = self._limits(len(ids), req.max_completion_tokens or req.max_tokens, None)
+        max_tokens = self._limits(len(ids), req.max_completion_tokens or req.max_tokens, None, "messages")
         sampling = req.sampling(max_tokens, req.top_logprobs if req.logprobs else None)
         return await self._serve(request, req, ids, sampling, chat=True)
 
@@ -174,9 +175,11 @@ class Proxy:
         if req.stream:
             return StreamingResponse(self._sse(job, stream, first), media_type="text/event-stream",
                                      headers={"x-request-id": job.id})
+        M_INFLIGHT.inc()
         try:
             text, reason, error = await self._collect(job, stream, first)
         finally:
+            M_INFLIGHT.dec()
             self.cluster.finish(stream)
         if error:
             raise ApiError(stream.status, error)
@@ -323,9 +326,17 @@ async def _serve(cfg: Config) -> None:
         log.info("serving the OpenAI API on http://%s:%d (model %s)", pc.host, server.servers[0].sockets[0].getsockname()[1] if server.servers else pc.port, cfg.model.name)
         runtime.sd_notify("READY=1")
 
+    # uvicorn re-raises the signal that stopped it once it is done, with the handler it found installed;
+    # a no-op handler lets us finish and exit 0, as systemd expects of a clean stop.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     watcher = asyncio.create_task(notify_when_started())
-    await server.serve()
-    watcher.cancel()
+    try:
+        await server.serve()
+    finally:
+        watcher.cancel()
+    if not server.started:
+        raise runtime.StartupError(f"cannot serve HTTP on {pc.host}:{pc.port} (see the error above)")
     runtime.sd_notify("STOPPING=1")
     log.info("stopped")
 
@@ -347,7 +358,7 @@ def main(
         "proxy.host": host, "proxy.port": port, "manager.address": manager, "proxy.log_level": log_level,
     })
     runtime.setup_logging(cfg.proxy.log_level, "llumnix-proxy")
-    asyncio.run(_serve(cfg))
+    runtime.exit_on_startup_error("llumnix-proxy", _serve(cfg))
 
 
 def entry() -> None:

@@ -35,7 +35,7 @@ class Stream:
     """One request's outputs, in index order, each index once."""
 
     __slots__ = ("request_id", "submit", "ready", "next_index", "early", "event", "done", "error",
-                 "status", "instance_id", "tried")
+                 "status", "instance_id", "address", "tried", "sent_at")
 
     def __init__(self, request_id: str, submit: wire.Submit):
         self.request_id = request_id
@@ -48,7 +48,9 @@ class Stream:
         self.error: str | None = None
         self.status = 200
         self.instance_id = ""
+        self.address = ""
         self.tried: list[str] = []
+        self.sent_at = 0.0
 
     def feed(self, out: wire.TokenOut) -> None:
         if self.done or out.index < self.next_index or out.index in self.early:
@@ -93,10 +95,12 @@ class ClusterClient:
         self.pull.setsockopt(zmq.RCVHWM, 0)
         self.manager = runtime.tune(self.ctx.socket(zmq.DEALER))
         self.manager.setsockopt(zmq.IMMEDIATE, 1)  # while the manager is away, fail fast and dispatch locally
-        self.instances: dict[str, zmq.asyncio.Socket] = {}
+        self.manager_tx = runtime.sender(self.manager)
+        self.instances: dict[str, zmq.Socket] = {}  # by request address: a restarted instance may move
         self.streams: dict[str, Stream] = {}
         self.snapshot: list[wire.InstanceView] = []
         self.snapshot_at = 0.0  # monotonic time of the last answer from the manager
+        self._snapshot_asked_at = 0.0
         self.token_address = ""
         self._queries: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
@@ -108,7 +112,7 @@ class ClusterClient:
     async def start(self) -> None:
         bound = runtime.bind(self.pull, self.pc.token_address)
         self.token_address = self.pc.advertise_address or bound
-        self.manager.connect(self.cfg.manager.address)
+        runtime.connect(self.manager, self.cfg.manager.address)
         self._tasks = [asyncio.create_task(c) for c in (self._recv_tokens(), self._recv_manager(), self._poll_snapshot())]
         log.info("token path on %s, manager %s", self.token_address, self.cfg.manager.address)
 
@@ -117,8 +121,8 @@ class ClusterClient:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for rid, stream in list(self.streams.items()):
-            if not stream.done and stream.instance_id:
-                self._send_instance(stream.instance_id, wire.Abort(rid))
+            if not stream.done and stream.address:
+                self._send_instance(stream.address, wire.Abort(rid))
         for sock in self.instances.values():
             sock.close(200)
         self.pull.close(0)
@@ -137,9 +141,10 @@ class ClusterClient:
         fut = asyncio.get_running_loop().create_future()
         self._queries[msg.query_id] = fut
         try:
-            self.manager.send(wire.encode(msg), zmq.NOBLOCK)
+            if not runtime.send_now(self.manager_tx, wire.encode(msg)):
+                return None
             return await asyncio.wait_for(fut, timeout)
-        except (zmq.Again, asyncio.TimeoutError):
+        except asyncio.TimeoutError:
             return None
         finally:
             self._queries.pop(msg.query_id, None)
@@ -149,7 +154,7 @@ class ClusterClient:
             msg = wire.decode(await self.manager.recv())
             if isinstance(msg, wire.Snapshot):
                 self.snapshot, self.snapshot_at = msg.instances, time.monotonic()
-                self._check_dead()
+                self._check_gone()
             if isinstance(msg, (wire.DispatchReply, wire.Snapshot)):
                 fut = self._queries.get(msg.query_id)
                 if fut is not None and not fut.done():
@@ -159,21 +164,26 @@ class ClusterClient:
 
     async def _poll_snapshot(self) -> None:
         while True:
+            self._snapshot_asked_at = time.monotonic()
             await self._ask(wire.SnapshotQuery(next(self._ids)), self.pc.snapshot_interval_s)
             await asyncio.sleep(self.pc.snapshot_interval_s)
 
-    def _check_dead(self) -> None:
-        """Requests on an instance the manager marked dead (or forgot) are re-sent or failed."""
-        alive = {v.instance_id for v in self.snapshot if v.state == "alive"}
+    def _check_gone(self) -> None:
+        """Requests on an instance the manager marked dead, or no longer knows, are re-sent or failed."""
+        states = {v.instance_id: v.state for v in self.snapshot}
         for stream in list(self.streams.values()):
-            if not stream.done and stream.instance_id and stream.instance_id not in alive:
+            if stream.done or not stream.instance_id:
+                continue
+            state = states.get(stream.instance_id)
+            # Absent: gone for good, unless we sent the request after the manager took this snapshot.
+            if state == "dead" or (state is None and stream.sent_at < self._snapshot_asked_at):
                 self._instance_failed(stream, f"instance {stream.instance_id} died")
 
     # ------------------------------------------------------------------ dispatch
 
     async def _choose(self, stream: Stream) -> tuple[str, str]:
         sub = stream.submit
-        if self.manager_ok():
+        if self.manager_ok() or not self.snapshot:
             q = wire.Dispatch(next(self._ids), sub.request_id, len(sub.prompt_token_ids), sub.priority, stream.tried)
             reply = await self._ask(q, self.pc.dispatch_timeout_s)
             if reply is not None:
@@ -182,27 +192,22 @@ class ClusterClient:
                 return reply.instance_id, reply.request_address
         M_FALLBACK.inc()
         views = [v for v in self.alive() if v.instance_id not in stream.tried]
-        cands = [policy.Candidate(v.instance_id, v.load.blocks_total, v.load.blocks_total - v.freeness * v.load.batch_size,
-                                  v.load.batch_size) for v in views]
+        cands = [policy.candidate(v.instance_id, v.load, pending_requests=v.pending_dispatches) for v in views]
         self._turn += 1
         chosen = policy.dispatch("llumnix", cands, self._turn)
         if chosen is None:
             raise NoInstance("no live instance (the manager is unreachable and the last snapshot has none)")
         return chosen, next(v.request_address for v in views if v.instance_id == chosen)
 
-    def _send_instance(self, instance_id: str, msg: wire.Message, address: str = "") -> None:
-        sock = self.instances.get(instance_id)
+    def _send_instance(self, address: str, msg: wire.Message) -> None:
+        sock = self.instances.get(address)
         if sock is None:
-            if not address:
-                return
-            sock = runtime.tune(self.ctx.socket(zmq.DEALER))
+            sock = runtime.tune(self.ctx.socket(zmq.DEALER, socket_class=zmq.Socket))  # send-only
             sock.setsockopt(zmq.SNDHWM, 100_000)
             sock.connect(address)
-            self.instances[instance_id] = sock
-        try:
-            sock.send(wire.encode(msg), zmq.NOBLOCK)
-        except zmq.Again:
-            log.warning("request path to %s is full; dropped a %s", instance_id, type(msg).__name__)
+            self.instances[address] = sock
+        if not runtime.send_now(sock, wire.encode(msg)):
+            log.warning("request path to %s is full; dropped a %s", address, type(msg).__name__)
 
     async def submit(self, submit: wire.Submit) -> Stream:
         """Dispatch and send a request; the returned stream yields its tokens. Raises NoInstance."""
@@ -216,16 +221,16 @@ class ClusterClient:
         return stream
 
     async def _dispatch(self, stream: Stream) -> None:
-        instance_id, address = await self._choose(stream)
-        stream.instance_id = instance_id
-        stream.tried.append(instance_id)
-        self._send_instance(instance_id, stream.submit, address)
+        stream.instance_id, stream.address = await self._choose(stream)
+        stream.tried.append(stream.instance_id)
+        stream.sent_at = time.monotonic()
+        self._send_instance(stream.address, stream.submit)
 
     def _instance_failed(self, stream: Stream, message: str, retryable: bool = True, status: int = 503) -> None:
         if retryable and stream.next_index == 0 and len(stream.tried) < self.pc.max_dispatch_attempts:
             log.warning("request %s: %s; sending it elsewhere", stream.request_id, message)
             M_RETRIES.inc()
-            stream.instance_id = ""
+            stream.instance_id = stream.address = ""
             task = asyncio.create_task(self._redispatch(stream, message))
             self._tasks.append(task)
             task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
@@ -241,24 +246,25 @@ class ClusterClient:
     def finish(self, stream: Stream) -> None:
         """Forget a stream; abort it on its instance if it is still running there (client went away, stop string)."""
         self.streams.pop(stream.request_id, None)
-        if not stream.done and stream.instance_id:
-            self._send_instance(stream.instance_id, wire.Abort(stream.request_id))
+        if not stream.done and stream.address:
+            self._send_instance(stream.address, wire.Abort(stream.request_id))
         stream.done = True
 
     # ------------------------------------------------------------------ token path
 
     async def _recv_tokens(self) -> None:
         streams = self.streams
-        while True:
-            msg = wire.decode(await self.pull.recv())
-            if isinstance(msg, wire.TokenBatch):
-                for out in msg.outputs:
-                    stream = streams.get(out.request_id)
-                    if stream is not None:
-                        stream.feed(out)
-            elif isinstance(msg, wire.RequestFailed):
-                stream = streams.get(msg.request_id)
-                if stream is not None and stream.instance_id == msg.instance_id:
-                    self._instance_failed(stream, msg.message, msg.retryable, msg.status)
-            else:
-                M_BAD_FRAMES.inc()
+        async for frames in runtime.receive(self.pull):
+            for frame in frames:
+                msg = wire.decode(frame)
+                if isinstance(msg, wire.TokenBatch):
+                    for out in msg.outputs:
+                        stream = streams.get(out.request_id)
+                        if stream is not None:
+                            stream.feed(out)
+                elif isinstance(msg, wire.RequestFailed):
+                    stream = streams.get(msg.request_id)
+                    if stream is not None and stream.instance_id == msg.instance_id:
+                        self._instance_failed(stream, msg.message, msg.retryable, msg.status)
+                else:
+                    M_BAD_FRAMES.inc()
