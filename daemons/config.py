@@ -48,7 +48,7 @@ class ManagerConfig:
 class InstanceConfig:
     id: str = setting("", "instance id shown by llumnixctl; empty = HOST-PORT of the request socket")
     host: str = setting("", "host name reported to the manager; empty = this machine's hostname")
-    backend: str = setting("sim", "engine: sim (latency model, real KV-shaped tensors)", choices=("sim",))
+    backend: str = setting("sim", "engine: sim (latency model, real KV-shaped tensors) or vllm (the real engine, in-process)", choices=("sim", "vllm"))
     request_address: str = setting("tcp://127.0.0.1:0", "ZeroMQ address the instance binds for requests from proxies (port 0 = any free port)")
     advertise_address: str = setting("", "address proxies use to reach this instance; empty = the bound request address")
     shutdown_grace_s: float = setting(5.0, "on SIGTERM, running requests may finish for this long before they are failed", minimum=0.0)
@@ -73,7 +73,22 @@ class ProxyConfig:
 @dataclass
 class ModelConfig:
     name: str = setting("llumnix-sim", "model name served at /v1/models and accepted in the request's model field")
+    path: str = setting("", "checkpoint directory (config.json, safetensors, tokenizer) for the vllm backend and the proxy's tokenizer")
     max_model_len: int = setting(4096, "context limit: prompt plus generated tokens", minimum=1)
+
+
+@dataclass
+class VllmConfig:
+    dtype: str = setting("auto", "weights and activations: auto, float32, bfloat16 or float16", choices=("auto", "float32", "bfloat16", "float16"))
+    block_size: int = setting(128, "tokens per KV block (a multiple of 32 on CPU; 16 is usual on GPU)", minimum=1)
+    kv_cache_bytes: int = setting(268435456, "KV cache size in bytes (0 = vLLM's own default)", minimum=0)
+    max_num_seqs: int = setting(64, "batch size: most requests running at once", minimum=1)
+    max_num_batched_tokens: int = setting(0, "most tokens scheduled in one step (0 = vLLM's default)", minimum=0)
+    enforce_eager: bool = setting(True, "no torch.compile or graphs: engine start takes seconds instead of about a minute")
+    enable_prefix_caching: bool = setting(False, "share KV blocks between requests with a common prefix")
+    seed: int = setting(0, "engine seed for requests that give none")
+    omp_threads: int = setting(1, "CPU backend: OpenMP threads per instance (0 = leave the environment alone)", minimum=0)
+    cpu_bind: str = setting("nobind", "CPU backend: VLLM_CPU_OMP_THREADS_BIND (nobind lets several instances share cores; 'auto' pins)")
 
 
 @dataclass
@@ -105,6 +120,7 @@ class Config:
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     sim: SimConfig = field(default_factory=SimConfig)
+    vllm: VllmConfig = field(default_factory=VllmConfig)
 
     source: str = field(default="defaults", repr=False, compare=False, metadata={"internal": True})
 
