@@ -222,7 +222,7 @@ class Abort(msgspec.Struct, **_tagged(41)):
 # ---------------------------------------------------------------- instance -> proxy (token path)
 
 
-class TokenOut(msgspec.Struct, array_like=True, omit_defaults=True):
+class TokenOut(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # scalars only: never in a cycle
     request_id: str
     index: int  # position in the request's output, from 0; the proxy emits each index once, in order
     token_id: int

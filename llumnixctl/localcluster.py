@@ -121,6 +121,7 @@ def up(run_dir: Path, instances: int, backend: str, port: int, config: str | Non
         raise ClusterError(f"a cluster from {run_dir} is already running (pids {pids}); run `llumnixctl down` first")
     if port:
         with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is no conflict
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
