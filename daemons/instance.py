@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Optional
 
 import typer
@@ -54,6 +55,11 @@ class Instance:
         self.reply_to: dict[str, str] = {}  # request id -> the owning proxy's token address
         self.emitted: dict[str, int] = {}  # request id -> tokens sent so far
         self.inbox: list[wire.Submit | wire.Abort] = []
+        self.list_queries: list[int] = []  # ListRequests answered at the next step boundary
+        # A real engine's step takes milliseconds of compute: run it on a worker thread so sockets stay
+        # served. The engine is only ever touched between steps, from the event loop thread.
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="engine") if getattr(engine, "blocking_step", False) else None
+        self.last_load = engine.load()
         self.wake = asyncio.Event()
         self.load_changed = asyncio.Event()
         self.accepting = True
@@ -143,19 +149,32 @@ class Instance:
 
     # ------------------------------------------------------------------ engine loop
 
+    def at_boundary(self) -> None:
+        """Between steps: take in requests and aborts, answer queries, refresh the load."""
+        self.apply_inbox()
+        if self.list_queries:
+            requests = self.engine.requests()
+            for qid in self.list_queries:
+                self._tell_manager(wire.RequestList(qid, self.instance_id, requests))
+            self.list_queries.clear()
+        self.last_load = self.engine.load()
+        self.load_changed.set()
+
     async def step_loop(self) -> None:
         loop_time = time.perf_counter
+        loop = asyncio.get_running_loop()
         while True:
-            self.apply_inbox()
+            self.at_boundary()
             if not self.engine.has_work():
-                self.load_changed.set()
                 self.wake.clear()
                 await self.wake.wait()
                 continue
             start = loop_time()
-            result = self.engine.step()
+            if self.executor is not None:
+                result = await loop.run_in_executor(self.executor, self.engine.step)
+            else:
+                result = self.engine.step()
             self.emit(result.outputs)
-            self.load_changed.set()
             remaining = result.model_time_s - (loop_time() - start)
             # Always yield once per step so sockets are served even when steps take no model time.
             await asyncio.sleep(remaining if remaining > 0 else 0)
@@ -167,7 +186,7 @@ class Instance:
         return wire.Register(
             instance_id=self.instance_id, host=self.ic.host or socket.gethostname(), pid=os.getpid(),
             request_address=self.request_address, backend=self.engine.backend, model=self.cfg.model.name,
-            load=self.engine.load(), metrics_address=self.metrics_address, max_model_len=self.engine.max_model_len,
+            load=self.last_load, metrics_address=self.metrics_address, max_model_len=self.engine.max_model_len,
         )
 
     async def serve_manager(self) -> None:
@@ -179,8 +198,8 @@ class Instance:
                     log.info("manager asks us to register (%s)", msg.reason)
                     self._tell_manager(self.register_msg())
             elif isinstance(msg, wire.ListRequests):
-                reply = wire.RequestList(msg.query_id, self.instance_id, self.engine.requests())
-                self._tell_manager(reply)
+                self.list_queries.append(msg.query_id)
+                self.wake.set()
             else:
                 M_BAD_FRAMES.inc()
 
@@ -193,7 +212,7 @@ class Instance:
             except asyncio.TimeoutError:
                 pass
             self.load_changed.clear()
-            load = self.engine.load()
+            load = self.last_load
             self.report_seq += 1
             self._tell_manager(wire.LoadReport(self.instance_id, self.report_seq, load))
             M_BLOCKS_USED.set(load.blocks_used)
@@ -245,6 +264,8 @@ class Instance:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self.executor is not None:
+            self.executor.shutdown(wait=True)  # a step in flight finishes before we touch the engine
         for rid, address in list(self.reply_to.items()):
             self.engine.abort_request(rid)
             self.fail(rid, address, f"instance {self.instance_id} stopped", retryable=self.emitted.get(rid, 0) == 0)
@@ -278,7 +299,11 @@ def main(
         "instance.log_level": log_level,
     })
     runtime.setup_logging(cfg.instance.log_level, "llumnix-instance")
-    engine = make_engine(cfg)
+    try:
+        engine = make_engine(cfg)
+    except EngineError as exc:
+        log.error("llumnix-instance: cannot start the %s engine: %s", cfg.instance.backend, exc)
+        raise typer.Exit(1) from None
     runtime.exit_on_startup_error("llumnix-instance", Instance(cfg, engine).run())
 
 

@@ -81,7 +81,8 @@ def print_json(data) -> None:
 @app.command()
 def up(
     instances: Annotated[int, typer.Option("--instances", "-n", min=1, help="number of instances")] = 2,
-    backend: Annotated[str, typer.Option(help="engine backend of the instances")] = "sim",
+    backend: Annotated[str, typer.Option(help="engine backend of the instances: sim or vllm")] = "sim",
+    model: Annotated[Optional[Path], typer.Option(help="checkpoint directory (vllm; default: a tiny random model in the run dir)")] = None,
     port: Annotated[int, typer.Option(help="proxy HTTP port on 127.0.0.1 (0 = any free port)")] = 8000,
     config: ConfigOpt = None,
     run_dir: RunDirOpt = None,
@@ -91,9 +92,14 @@ def up(
 ) -> None:
     """Start a local cluster in the background (manager, instances, proxy) and wait until it serves."""
     run_dir = run_dir or localcluster.default_run_dir()
+    sets = list(set_ or [])
     try:
-        load_config(config, set_ or [], {"instance.backend": backend})  # fail here, not in a child's log
-        state = localcluster.up(run_dir, instances, backend, port, config, set_ or [], timeout)
+        cfg = load_config(config, sets, {"instance.backend": backend})  # fail here, not in a child's log
+        if backend == "vllm":
+            sets += model_settings(cfg, model, run_dir)
+        elif model is not None:
+            sets += [f"model.path={model.resolve()}"]
+        state = localcluster.up(run_dir, instances, backend, port, config, sets, timeout)
     except (ConfigError, localcluster.ClusterError) as exc:
         die(str(exc), 2 if isinstance(exc, ConfigError) else 1)
     if json_:
@@ -215,10 +221,29 @@ def config_show(config: ConfigOpt = None,
         die(str(exc), 2)
 
 
+def model_settings(cfg, model: Path | None, run_dir: Path) -> list[str]:
+    """--set lines that point a vllm cluster at its checkpoint: --model, else model.path, else a tiny model."""
+    from llumnixctl.model import write_tiny_model
+
+    path = model or (Path(cfg.model.path) if cfg.model.path else None)
+    if path is None:
+        path = run_dir / "model-tiny"
+        if not (path / "config.json").exists():
+            out.print(f"no --model given: writing a tiny random-weight model to {path}")
+            write_tiny_model(path)
+    if not (path / "config.json").exists():
+        die(f"{path} is not a model checkpoint (no config.json)")
+    sets = [f"model.path={path.resolve()}"]
+    if cfg.model.name == "llumnix-sim":  # the sim's default name: serve the checkpoint by its directory name
+        sets.append(f"model.name={path.resolve().name}")
+    return sets
+
+
 def entry() -> None:
-    from llumnixctl import bench  # registers `llumnixctl bench ...`
+    from llumnixctl import bench, model  # `llumnixctl bench ...`, `llumnixctl model ...`
 
     app.add_typer(bench.app, name="bench")
+    app.add_typer(model.app, name="model")
     app()
 
 

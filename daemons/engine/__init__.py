@@ -12,4 +12,8 @@ def make_engine(cfg: Config) -> Engine:
         from daemons.engine.sim import SimEngine
 
         return SimEngine(cfg.sim, cfg.model)
+    if backend == "vllm":
+        from daemons.engine.vllm_backend import VllmEngine
+
+        return VllmEngine(cfg.model, cfg.vllm)
     raise ValueError(f"unknown engine backend {backend!r}")

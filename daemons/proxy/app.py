@@ -29,7 +29,7 @@ from daemons.proxy.cluster import ClusterClient, NoInstance, Stream
 from daemons.proxy.protocol import (
     ApiError, ChatRequest, CompletionRequest, StopChecker, decode_body, parse_priority,
 )
-from daemons.proxy.tokenizer import SimTokenizer, Tokenizer
+from daemons.proxy.tokenizer import Detokenizer, Tokenizer, TokenizerError, load_tokenizer
 
 log = logging.getLogger("llumnix.proxy")
 
@@ -47,8 +47,13 @@ _json = msgspec.json.encode
 class Job:
     """One accepted API request: what it asked for and how its output is rendered."""
 
-    def __init__(self, chat: bool, model: str, prompt_tokens: int, stops: list[str], include_usage: bool):
+    def __init__(self, chat: bool, model: str, prompt_tokens: int, stops: list[str], include_usage: bool,
+                 detok: Detokenizer, token_text=None):
         self.chat = chat
+        self.detok = detok
+        self.token_text = token_text  # set when logprobs were asked for
+        self.lp: list[tuple[str, float | None]] = []  # (token text, logprob) not yet sent
+        self.lp_offset = 0  # completions' text_offset of the next entry
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = model
@@ -81,11 +86,33 @@ class Job:
             out += self._head + '],"usage":' + _json(self.usage()).decode() + "}\n\n"
         return out
 
-    def full_response(self, text: str, reason: str) -> dict:
+    def take_logprobs(self) -> dict | None:
+        """The OpenAI logprobs object for the tokens consumed since the last call (sampled token only)."""
+        if self.token_text is None:
+            return None
+        entries, self.lp = self.lp, []
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": reason}
+            return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                                for t, lp in entries]}
+        offsets = []
+        for t, _ in entries:
+            offsets.append(self.lp_offset)
+            self.lp_offset += len(t)
+        return {"tokens": [t for t, _ in entries], "token_logprobs": [lp for _, lp in entries],
+                "top_logprobs": None, "text_offset": offsets}
+
+    def logprobs_chunk(self, text: str) -> str:
+        """A chunk with its tokens' logprobs (the slower general path, used only when asked for)."""
+        choice = {"index": 0, "logprobs": self.take_logprobs(), "finish_reason": None}
+        choice.update({"delta": {"content": text}} if self.chat else {"text": text})
+        return self._head + _json(choice).decode() + "]}\n\n"
+
+    def full_response(self, text: str, reason: str) -> dict:
+        lp = self.take_logprobs()
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": reason}
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage()}
 
@@ -95,7 +122,7 @@ class Proxy:
         self.cfg = cfg
         self.model = cfg.model.name
         self.max_model_len = cfg.model.max_model_len
-        self.tokenizer: Tokenizer = SimTokenizer(cfg.sim.vocab_size, cfg.sim.eos_token_id)
+        self.tokenizer: Tokenizer = load_tokenizer(cfg.model.path, cfg.sim.vocab_size, cfg.sim.eos_token_id)
         self.cluster = ClusterClient(cfg)
 
     # ------------------------------------------------------------------ request intake
@@ -148,8 +175,11 @@ class Proxy:
     async def chat(self, request: Request) -> Response:
         req = decode_body(await request.body(), ChatRequest)
         self._check_model(req.model)
-        prompt = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages])
-        ids = self.tokenizer.encode(prompt)
+        try:
+            prompt = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages])
+        except TokenizerError as exc:
+            raise ApiError(400, str(exc), "messages") from None
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         max_tokens = self._limits(len(ids), req.max_completion_tokens or req.max_tokens, None, "messages")
         sampling = req.sampling(max_tokens, req.top_logprobs if req.logprobs else None)
         return await self._serve(request, req, ids, sampling, chat=True)
@@ -157,7 +187,8 @@ class Proxy:
     async def _serve(self, request: Request, req, ids: list[int], sampling: wire.SamplingParams, chat: bool) -> Response:
         priority = parse_priority(req.priority, request.headers.get("x-llumnix-priority"))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        job = Job(chat, self.model, len(ids), req.stop_strings(), include_usage)
+        token_text = self.tokenizer.token_text if sampling.logprobs is not None else None
+        job = Job(chat, self.model, len(ids), req.stop_strings(), include_usage, self.tokenizer.detokenizer(), token_text)
         submit = wire.Submit(job.id, ids, sampling, self.cluster.token_address, priority, time.time())
         try:
             stream = await self.cluster.submit(submit)
@@ -189,16 +220,21 @@ class Proxy:
 
     def _consume(self, job: Job, outs: list[wire.TokenOut]) -> tuple[list[str], str | None]:
         """Turn token outputs into text pieces; returns (pieces, finish reason or None)."""
-        pieces, decode = [], self.tokenizer.decode_token
+        pieces, add, stop = [], job.detok.add, job.stop
         for out in outs:
             job.completion_tokens += 1
-            text, stopped = job.stop.feed(decode(out.token_id))
+            if job.token_text is not None:
+                job.lp.append((job.token_text(out.token_id), out.logprob))
+            text, stopped = stop.feed(add(out.token_id))
+            if not stopped and out.finish_reason is not None:
+                more, stopped = stop.feed(job.detok.flush())
+                text += more
             if text:
                 pieces.append(text)
             if stopped:
                 return pieces, "stop"
             if out.finish_reason is not None:
-                tail = job.stop.flush()
+                tail = stop.flush()
                 if tail:
                     pieces.append(tail)
                 return pieces, out.finish_reason
@@ -224,7 +260,10 @@ class Proxy:
             head = job.first_chunk() if job.chat else ""
             while True:
                 pieces, reason = self._consume(job, outs)
-                chunk = head + "".join(map(job.text_chunk, pieces))
+                if job.token_text is None:
+                    chunk = head + "".join(map(job.text_chunk, pieces))
+                else:
+                    chunk = head + job.logprobs_chunk("".join(pieces))
                 head = ""
                 if reason is not None:
                     yield chunk + job.final_chunk(reason) + "data: [DONE]\n\n"

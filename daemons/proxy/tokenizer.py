@@ -1,24 +1,40 @@
 """Tokenizers the proxy uses to count prompt tokens and turn output token ids into text.
 
-The sim engine has no model, so its tokenizer is a deterministic word hash: each word or punctuation
-mark is one token, and each token id decodes to a pronounceable pseudo-word. Real models bring their own
-tokenizer (the vLLM backend work adds a Hugging Face one behind the same three methods).
+- ``SimTokenizer``: the sim engine has no model; each word or punctuation mark is one token (a hash),
+  and each token id decodes to a pronounceable pseudo-word.
+- ``HFTokenizer``: a real model's ``tokenizer.json`` (Hugging Face ``tokenizers``) with the chat template
+  of its ``tokenizer_config.json``. Byte-level BPE pieces can end inside a UTF-8 character, so output is
+  detokenized incrementally: text is released only once it decodes cleanly.
+
+Each request gets its own detokenizer (``tokenizer.detokenizer()``), since text depends on context.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import zlib
+from pathlib import Path
 from typing import Protocol
 
 _PIECES = re.compile(r"\w+|[^\w\s]")
 _SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]  # 70 syllables
 
 
-class Tokenizer(Protocol):
-    def encode(self, text: str) -> list[int]: ...
+class Detokenizer(Protocol):
+    def add(self, token_id: int) -> str:
+        """The text this token adds to the output (may be "" until a character completes)."""
 
-    def decode_token(self, token_id: int) -> str: ...
+    def flush(self) -> str:
+        """Whatever is held back, at the end of the output."""
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def detokenizer(self) -> Detokenizer: ...
+
+    def token_text(self, token_id: int) -> str: ...
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str: ...
 
@@ -29,7 +45,7 @@ class SimTokenizer:
         self.eos_token_id = eos_token_id
         self._cache: dict[int, str] = {}
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         span = self.vocab_size - 3
         return [3 + zlib.crc32(p.encode()) % span for p in _PIECES.findall(text)]
 
@@ -49,6 +65,121 @@ class SimTokenizer:
             self._cache[token_id] = text
         return text
 
+    def token_text(self, token_id: int) -> str:
+        return self.decode_token(token_id)
+
+    def detokenizer(self) -> "_SimDetokenizer":
+        return _SimDetokenizer(self.decode_token)
+
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         turns = [f"<|{m['role']}|> {m['content']}" for m in messages]
         return "\n".join(turns) + "\n<|assistant|>"
+
+
+class _SimDetokenizer:
+    __slots__ = ("add",)
+
+    def __init__(self, decode_token):
+        self.add = decode_token  # context-free: each token is its own text
+
+    def flush(self) -> str:
+        return ""
+
+
+class TokenizerError(Exception):
+    pass
+
+
+class HFTokenizer:
+    """tokenizer.json + tokenizer_config.json of a checkpoint directory."""
+
+    def __init__(self, path: str | Path):
+        from tokenizers import Tokenizer as _Tok
+
+        path = Path(path)
+        file = path / "tokenizer.json"
+        if not file.exists():
+            raise TokenizerError(f"{path}: no tokenizer.json (the proxy needs the model's fast tokenizer)")
+        self._tok = _Tok.from_file(str(file))
+        conf_file = path / "tokenizer_config.json"
+        conf = json.loads(conf_file.read_text()) if conf_file.exists() else {}
+        self.bos_token = _token_text(conf.get("bos_token"))
+        self.eos_token = _token_text(conf.get("eos_token"))
+        self.add_bos = bool(conf.get("add_bos_token", False))
+        self.bos_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        self._template = None
+        template = conf.get("chat_template")
+        if isinstance(template, list):  # named templates: take "default"
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if template:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise
+            self._template = env.from_string(template)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Chat prompts pass add_special_tokens=False: the template already wrote BOS (as vLLM does)."""
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+    def token_text(self, token_id: int) -> str:
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
+    def detokenizer(self) -> "_IncrementalDetokenizer":
+        return _IncrementalDetokenizer(self.decode)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        if self._template is None:
+            raise TokenizerError("this model's tokenizer has no chat template; use /v1/completions")
+        return self._template.render(messages=messages, add_generation_prompt=True,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+
+class _IncrementalDetokenizer:
+    """Decode a growing id list, releasing text only when it no longer ends in a partial character.
+
+    Decoding only a short window (from ``prefix`` on) keeps the cost per token constant; the window's
+    first tokens give the context that decides leading spaces.
+    """
+
+    def __init__(self, decode):
+        self.decode = decode
+        self.ids: list[int] = []
+        self.prefix = 0  # window start
+        self.read = 0  # ids before this are already emitted
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix_text = self.decode(self.ids[self.prefix:self.read])
+        text = self.decode(self.ids[self.prefix:])
+        if len(text) > len(prefix_text) and not text.endswith("\ufffd"):
+            new = text[len(prefix_text):]
+            self.prefix, self.read = self.read, len(self.ids)
+            return new
+        return ""
+
+    def flush(self) -> str:
+        prefix_text = self.decode(self.ids[self.prefix:self.read])
+        text = self.decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return text[len(prefix_text):]
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, dict):  # AddedToken form
+        return value.get("content")
+    return value
+
+
+def _raise(message: str):
+    raise TokenizerError(message)
+
+
+def load_tokenizer(model_path: str, vocab_size: int, eos_token_id: int) -> Tokenizer:
+    return HFTokenizer(model_path) if model_path else SimTokenizer(vocab_size, eos_token_id)
