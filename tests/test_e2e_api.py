@@ -201,3 +201,19 @@ def test_200_concurrent_streams_every_index_once_in_order(start_cluster):
     metrics = httpx.get(c.url + "/metrics").text
     assert "llumnix_proxy_duplicate_tokens_total 0.0" in metrics
     assert len(per) == 3
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_return_token_ids_gives_the_engine_tokens(cluster, stream):
+    cfg = SimConfig()
+    res = httpx.post(cluster.url + "/v1/completions", timeout=30, json={
+        "model": "llumnix-sim", "prompt": "ids", "max_tokens": 9, "ignore_eos": True, "return_token_ids": True,
+        "stream": stream})
+    if stream:
+        chunks = [json.loads(line[6:]) for line in res.text.splitlines() if line.startswith("data: {")]
+        ids = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])]
+        rid = chunks[0]["id"]
+    else:
+        body = res.json()
+        ids, rid = body["choices"][0]["token_ids"], body["id"]
+    assert ids == [sim_token_id(rid, i, cfg.vocab_size) for i in range(9)]

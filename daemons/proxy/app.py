@@ -54,6 +54,7 @@ class Job:
         self.token_text = token_text  # set when logprobs were asked for
         self.lp: list[tuple[str, float | None]] = []  # (token text, logprob) not yet sent
         self.lp_offset = 0  # completions' text_offset of the next entry
+        self.token_ids: list[int] | None = None  # collected when return_token_ids was asked for
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = model
@@ -101,10 +102,12 @@ class Job:
         return {"tokens": [t for t, _ in entries], "token_logprobs": [lp for _, lp in entries],
                 "top_logprobs": None, "text_offset": offsets}
 
-    def logprobs_chunk(self, text: str) -> str:
-        """A chunk with its tokens' logprobs (the slower general path, used only when asked for)."""
+    def rich_chunk(self, text: str) -> str:
+        """A chunk with logprobs or token ids (the slower general path, used only when asked for)."""
         choice = {"index": 0, "logprobs": self.take_logprobs(), "finish_reason": None}
         choice.update({"delta": {"content": text}} if self.chat else {"text": text})
+        if self.token_ids is not None:
+            choice["token_ids"], self.token_ids = self.token_ids, []
         return self._head + _json(choice).decode() + "]}\n\n"
 
     def full_response(self, text: str, reason: str) -> dict:
@@ -113,6 +116,8 @@ class Job:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": reason}
+        if self.token_ids is not None:
+            choice["token_ids"] = self.token_ids
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage()}
 
@@ -189,6 +194,8 @@ class Proxy:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         token_text = self.tokenizer.token_text if sampling.logprobs is not None else None
         job = Job(chat, self.model, len(ids), req.stop_strings(), include_usage, self.tokenizer.detokenizer(), token_text)
+        if req.return_token_ids:
+            job.token_ids = []
         submit = wire.Submit(job.id, ids, sampling, self.cluster.token_address, priority, time.time())
         try:
             stream = await self.cluster.submit(submit)
@@ -225,6 +232,8 @@ class Proxy:
             job.completion_tokens += 1
             if job.token_text is not None:
                 job.lp.append((job.token_text(out.token_id), out.logprob))
+            if job.token_ids is not None:
+                job.token_ids.append(out.token_id)
             text, stopped = stop.feed(add(out.token_id))
             if not stopped and out.finish_reason is not None:
                 more, stopped = stop.feed(job.detok.flush())
@@ -260,10 +269,10 @@ class Proxy:
             head = job.first_chunk() if job.chat else ""
             while True:
                 pieces, reason = self._consume(job, outs)
-                if job.token_text is None:
+                if job.token_text is None and job.token_ids is None:
                     chunk = head + "".join(map(job.text_chunk, pieces))
                 else:
-                    chunk = head + job.logprobs_chunk("".join(pieces))
+                    chunk = head + job.rich_chunk("".join(pieces))
                 head = ""
                 if reason is not None:
                     yield chunk + job.final_chunk(reason) + "data: [DONE]\n\n"

@@ -56,6 +56,7 @@ class _Common(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] = 1.0
     stop_token_ids: list[int] = []
+    return_token_ids: bool = False  # vLLM's extension: the output token ids in each choice
     # scheduling priority: "normal" or "high" (also the x-llumnix-priority header)
     priority: str | int | None = None
 
