@@ -193,7 +193,7 @@ class Manager:
         return wire.DispatchReply(msg.query_id, instance_id=chosen, request_address=rec.info.request_address)
 
     async def on_requests(self, msg: wire.RequestsQuery) -> wire.RequestsReply:
-        alive = {r.instance_id: r for r in self.instances.values() if r.state == "alive"}
+        alive = {r.instance_id: r for r in self.instances.values() if r.state != "dead"}  # stopping ones still serve
         qid = next(self._query_ids)
         fut = asyncio.get_running_loop().create_future()
         results: list[wire.RequestList] = []
@@ -270,9 +270,16 @@ class Manager:
                 await self.handle(frames[0], frames[1])
 
     async def watch_heartbeats(self, stop: asyncio.Event) -> None:
+        period = self.mc.heartbeat_interval_s / 2
         while not stop.is_set():
-            await asyncio.sleep(self.mc.heartbeat_interval_s / 2)
+            before = time.monotonic()
+            await asyncio.sleep(period)
             now = time.monotonic()
+            if now - before > 2 * period:
+                # We were stalled (no CPU, swapped out): reports may be waiting unread in the socket. Judge
+                # nobody on a stale view; read them first.
+                log.warning("manager stalled for %.2fs; re-checking heartbeats after reading reports", now - before)
+                continue
             for r in list(self.instances.values()):
                 if r.state == "stopping" and now - r.last_seen > self.dead_after():
                     self._forget(r, "it stopped")

