@@ -88,7 +88,7 @@ class VllmConfig:
     enable_prefix_caching: bool = setting(False, "share KV blocks between requests with a common prefix")
     seed: int = setting(0, "engine seed for requests that give none")
     omp_threads: int = setting(1, "CPU backend: OpenMP threads per instance (0 = leave the environment alone)", minimum=0)
-    cpu_bind: str = setting("nobind", "CPU backend: VLLM_CPU_OMP_THREADS_BIND (nobind lets several instances share cores; 'auto' pins)")
+    cpu_bind: str = setting("nobind", "CPU backend: VLLM_CPU_OMP_THREADS_BIND; the in-process executor pins nothing itself, so pin instances with taskset or systemd's CPUAffinity")
 
 
 @dataclass

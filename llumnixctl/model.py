@@ -6,8 +6,9 @@ generation_config.json, tokenizer.json (byte-level BPE trained here on generated
 tokenizer_config.json (bos/eos/pad and a Jinja chat template). The same seed gives byte-identical files;
 the tokenizer does not depend on the seed (only the weights do), so every tiny model shares token ids.
 
-Sizes: ``tiny`` loads in seconds for tests; ``kv-heavy`` (32 layers, 8 KV heads of 64) holds 64 KiB of
-bf16 KV per token, 512 MiB for an 8k-token request, for migration benchmarks.
+Sizes: ``tiny`` (2 layers, hidden 256, context 4096) loads in seconds for tests; ``kv-heavy`` (32 layers,
+8 KV heads of 64, context 16384) holds 64 KiB of bf16 KV per token, 512 MiB for an 8k-token request, for
+migration benchmarks. Both are bf16 on disk.
 
 Only torch, safetensors and tokenizers are imported (never vllm or transformers).
 """
@@ -48,11 +49,13 @@ class Size:
     kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    max_len: int  # max_position_embeddings: the longest context vLLM will accept
 
 
 SIZES = {
-    "tiny": Size(hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2, head_dim=32, dtype=torch.bfloat16),
-    "kv-heavy": Size(hidden=512, intermediate=1024, layers=32, heads=8, kv_heads=8, head_dim=64, dtype=torch.bfloat16),
+    # head_dim 64: vLLM 0.32's AMX attention kernel crashes on short prompts with head_dim 32 (vllm_backend.py)
+    "tiny": Size(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, head_dim=64, dtype=torch.bfloat16, max_len=4096),
+    "kv-heavy": Size(hidden=512, intermediate=1024, layers=32, heads=8, kv_heads=8, head_dim=64, dtype=torch.bfloat16, max_len=16384),
 }
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
@@ -167,7 +170,7 @@ def _weights(size: Size, vocab: int, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def _config(size: Size, vocab: int, max_len: int) -> dict:
+def _config(size: Size, vocab: int) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -179,7 +182,7 @@ def _config(size: Size, vocab: int, max_len: int) -> dict:
         "num_key_value_heads": size.kv_heads,
         "head_dim": size.head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": max_len,
+        "max_position_embeddings": size.max_len,
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
         "rope_scaling": None,
@@ -205,7 +208,7 @@ def _dump(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def write_tiny_model(dir: str | Path, seed: int = 0, size: str = "tiny", max_len: int = 4096) -> Path:
+def write_tiny_model(dir: str | Path, seed: int = 0, size: str = "tiny") -> Path:
     """Write the checkpoint into ``dir`` (created if missing; existing files are overwritten). Returns the path."""
     from safetensors.torch import save_file
 
@@ -217,8 +220,8 @@ def write_tiny_model(dir: str | Path, seed: int = 0, size: str = "tiny", max_len
     tok = train_tokenizer()
     vocab = tok.get_vocab_size()
     tok.save(str(out / "tokenizer.json"))
-    _dump(out / "tokenizer_config.json", _tokenizer_config(max_len))
-    _dump(out / "config.json", _config(s, vocab, max_len))
+    _dump(out / "tokenizer_config.json", _tokenizer_config(s.max_len))
+    _dump(out / "config.json", _config(s, vocab))
     _dump(out / "generation_config.json", {"bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": PAD})
     # One metadata key: safetensors writes the metadata map in hash order, which would break byte-identity.
     save_file(_weights(s, vocab, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -227,7 +230,12 @@ def write_tiny_model(dir: str | Path, seed: int = 0, size: str = "tiny", max_len
 
 # ---------------------------------------------------------------- CLI
 
-app = typer.Typer(no_args_is_help=True, help="Model checkpoints for tests and benchmarks (random weights, no network).")
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Model checkpoints for tests and benchmarks (random weights, no network).")
+
+
+@app.callback()
+def _group() -> None:
+    """Model checkpoints for tests and benchmarks (random weights, no network)."""  # keeps `tiny` a subcommand
 
 
 @app.command("tiny")

@@ -1,0 +1,389 @@
+"""The vllm engine: vLLM's V1 ``EngineCore`` run in this process, driven one step at a time.
+
+No engine subprocess, no output processor, no detokenizer: the daemon's thread calls ``step()``, which
+schedules, runs the model (the ``uni`` executor: the worker lives in this process too) and returns
+vLLM's raw per-request outputs, turned here into one ``TokenOut`` per new token. Owning the loop lets the
+llumlet reach the scheduler, the KV cache manager and the model runner's KV tensors between steps.
+
+Request ids are passed to vLLM unchanged (we build vLLM's ``EngineCoreRequest`` ourselves and skip the
+input processor that appends a random suffix), so vLLM's internal id is the llumnix request id.
+
+Every vLLM name and private attribute this backend touches lives in ``_Vllm`` below, with the version it
+was checked against. Upgrading vLLM means re-reading that class against the new source, nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from types import SimpleNamespace
+
+from daemons.config import ModelConfig, VllmConfig
+from daemons.engine.base import EngineError, EngineRequest, StepResult
+from daemons.wire import InstanceLoad, RequestLoad, TokenOut
+
+log = logging.getLogger("llumnix.engine.vllm")
+
+TESTED_VERSION = "0.32"  # major.minor the _Vllm section was checked against
+UNTESTED_ENV = "LLUMNIX_VLLM_UNTESTED"
+AMX_ENV = "LLUMNIX_VLLM_AMX_ATTENTION"  # =1 keeps vLLM's AMX attention kernel (see _Vllm.workarounds)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _set_env(cfg: VllmConfig) -> None:
+    """Must run before vllm is first imported (vLLM caches its environment variables).
+
+    With the in-process ``uni`` executor vLLM 0.32 pins no threads (its OpenMP binding lives in the
+    multiprocess executor), so ``cpu_bind`` only reaches vLLM's environment; pin with taskset or systemd.
+    """
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # EngineCore and its worker stay in this process
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_bind
+    if cfg.omp_threads > 0:
+        os.environ["OMP_NUM_THREADS"] = str(cfg.omp_threads)
+        import torch
+
+        # The env var is too late once torch's OpenMP pool exists, and vLLM's CPU worker later replaces
+        # torch.set_num_threads with a no-op for the whole process: set it now.
+        torch.set_num_threads(cfg.omp_threads)
+
+
+# ==================================================================== vLLM internals (checked: 0.32.0)
+
+
+class _Vllm:
+    """The only place that knows vLLM's module paths, classes and attributes.
+
+    Public-ish API used: ``EngineArgs.create_engine_config``, ``Executor.get_class``, ``EngineCore``
+    (``preprocess_add_request``, ``add_request``, ``abort_requests``, ``step_fn``, ``post_step``,
+    ``shutdown``), ``SamplingParams`` (``verify``, ``update_from_generation_config``),
+    ``EngineCoreRequest``, ``ModelConfig.try_get_generation_config``.
+    Patched: ``vllm.v1.attention.backends.cpu_attn._get_attn_isa`` (see ``workarounds``).
+    Private attributes read: ``core.scheduler.{running, waiting (peek_request, iteration),
+    get_request_counts, block_size}``, ``scheduler.kv_cache_manager.{get_block_ids,
+    block_pool.{num_gpu_blocks, get_num_free_blocks}}``, ``Request.{request_id, priority, num_prompt_tokens,
+    num_output_tokens, num_tokens, num_preemptions, status}``,
+    ``core.model_executor.driver_worker.worker.model_runner.kv_caches``.
+    """
+
+    @staticmethod
+    def import_checked() -> SimpleNamespace:
+        import vllm
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.exceptions import VLLMClientError
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine import EngineCoreRequest
+        from vllm.v1.engine.core import EngineCore
+        from vllm.v1.executor import Executor
+        from vllm.v1.request import RequestStatus
+
+        found = vllm.__version__
+        if not found.startswith(TESTED_VERSION + ".") and os.environ.get(UNTESTED_ENV) != "1":
+            raise EngineError(f"the vllm backend is tested with vLLM {TESTED_VERSION}; found {found}. "
+                              f"Install vllm {TESTED_VERSION}.x, or set {UNTESTED_ENV}=1 to try anyway")
+        return SimpleNamespace(version=found, EngineArgs=EngineArgs, SamplingParams=SamplingParams,
+                               DELTA=RequestOutputKind.DELTA, UsageContext=UsageContext, EngineCore=EngineCore,
+                               EngineCoreRequest=EngineCoreRequest, Executor=Executor, PREEMPTED=RequestStatus.PREEMPTED,
+                               request_errors=(VLLMClientError, ValueError))
+
+    @staticmethod
+    def workarounds() -> None:
+        """Process-wide fixes for vLLM 0.32 bugs; idempotent. Call after ``_set_env``.
+
+        CPU attention: with bf16 on a CPU with AMX, vLLM picks its "amx" kernel, which kills the process
+        with SIGILL on a step whose only request is a prefill of 1 to 4 tokens, for some model shapes
+        (seen: hidden 128 with head sizes 32, 96 or 256; not with head size 64, 80 or 128). The "vec"
+        (AVX-512) kernel runs the same cases. The choice also sets the KV layout inside a block, so
+        instances that exchange KV blocks must agree on it.
+        """
+        from vllm.platforms import current_platform
+
+        if os.environ.get(AMX_ENV) == "1" or not current_platform.is_cpu():
+            return
+        from vllm.v1.attention.backends import cpu_attn
+
+        choose = cpu_attn._get_attn_isa
+        if getattr(choose, "llumnix_no_amx", False):
+            return
+
+        def no_amx(*args, **kwargs) -> str:
+            isa = choose(*args, **kwargs)
+            return "vec" if isa == "amx" else isa
+
+        no_amx.llumnix_no_amx = True
+        cpu_attn._get_attn_isa = no_amx
+
+    def __init__(self, model: ModelConfig, cfg: VllmConfig):
+        self.m = m = self.import_checked()
+        self.workarounds()
+        args = m.EngineArgs(
+            model=model.path,
+            skip_tokenizer_init=True,  # the proxy tokenizes and detokenizes
+            dtype=cfg.dtype,
+            max_model_len=model.max_model_len,
+            block_size=cfg.block_size,
+            kv_cache_memory_bytes=cfg.kv_cache_bytes or None,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens or None,
+            enforce_eager=cfg.enforce_eager,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            seed=cfg.seed,
+            distributed_executor_backend="uni",
+            disable_log_stats=True,
+        )
+        try:
+            self.config = args.create_engine_config(m.UsageContext.ENGINE_CONTEXT)
+            self.core = m.EngineCore(self.config, m.Executor.get_class(self.config), log_stats=False)
+        except (ValueError, OSError) as exc:  # bad path, bad config, KV cache too small for max_model_len
+            raise EngineError(f"vLLM could not start on {model.path!r}: {exc}") from exc
+        self.model_config = self.config.model_config
+        self.scheduler = self.core.scheduler
+        self.kv = self.scheduler.kv_cache_manager
+        self.pool = self.kv.block_pool
+        self.generation_config = self.model_config.try_get_generation_config()
+        eos = self.generation_config.get("eos_token_id", getattr(self.model_config.hf_config, "eos_token_id", None))
+        self.eos_token_id = eos[0] if isinstance(eos, list) and eos else eos
+
+    # ---- requests
+    def sampling_params(self, sp) -> object:
+        """Our SamplingParams -> vLLM's, validated and completed as vLLM's input processor would."""
+        m = self.m
+        p = m.SamplingParams(
+            n=1, max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
+            seed=sp.seed, stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
+            min_tokens=sp.min_tokens, logprobs=sp.logprobs, presence_penalty=sp.presence_penalty,
+            frequency_penalty=sp.frequency_penalty, repetition_penalty=sp.repetition_penalty,
+            detokenize=False, output_kind=m.DELTA)
+        p.verify(self.model_config, self.config.speculative_config, self.config.structured_outputs_config, None)
+        p.update_from_generation_config(self.generation_config, self.eos_token_id)
+        return p
+
+    def add(self, request_id: str, prompt: list[int], params, arrival_time: float, priority: int):
+        ecr = self.m.EngineCoreRequest(
+            request_id=request_id, prompt_token_ids=prompt, mm_features=None, sampling_params=params,
+            pooling_params=None, arrival_time=arrival_time, lora_request=None, cache_salt=None,
+            data_parallel_rank=None, priority=priority)
+        req, _wave = self.core.preprocess_add_request(ecr)
+        self.core.add_request(req)
+        return req  # vllm.v1.request.Request: read for counters, never written
+
+    def abort(self, request_id: str) -> None:
+        self.core.abort_requests([request_id])  # frees its blocks now
+
+    def step(self) -> list:
+        outputs, executed = self.core.step_fn()
+        self.core.post_step(model_executed=executed)
+        eco = outputs.get(0) if outputs else None
+        return eco.outputs if eco is not None else []
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
+
+    # ---- state
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.get_vocab_size()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model_config.max_model_len
+
+    @property
+    def block_size(self) -> int:
+        return self.scheduler.block_size
+
+    def blocks_total(self) -> int:
+        return self.pool.num_gpu_blocks - 1  # block 0 is vLLM's null block, never allocated
+
+    def blocks_free(self) -> int:
+        return self.pool.get_num_free_blocks()  # includes cached blocks that prefix caching may evict
+
+    def counts(self) -> tuple[int, int]:
+        return self.scheduler.get_request_counts()  # (running, waiting)
+
+    def running(self) -> list:
+        return self.scheduler.running
+
+    def waiting(self) -> list:
+        return list(self.scheduler.waiting)
+
+    def head_waiting(self):
+        queue = self.scheduler.waiting
+        return queue.peek_request() if queue else None
+
+    def is_preempted(self, req) -> bool:
+        return req.status == self.m.PREEMPTED
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return self.kv.get_block_ids(request_id)[0]  # group 0: the full-attention layers
+
+    def kv_caches(self) -> list:
+        """Per layer ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` on the CPU backend."""
+        return self.core.model_executor.driver_worker.worker.model_runner.kv_caches
+
+
+def apply_workarounds(vllm: VllmConfig | None = None) -> None:
+    """What VllmEngine does to vLLM before it starts (environment, kernel choice), for code that builds
+    vLLM's own ``LLM`` in the same process and wants the same kernels (tests comparing against it)."""
+    _set_env(vllm or VllmConfig())
+    _Vllm.workarounds()
+
+
+# ==================================================================== the engine
+
+
+class _Live:
+    __slots__ = ("rid", "req", "emitted")
+
+    def __init__(self, rid: str, req):
+        self.rid = rid
+        self.req = req  # vLLM's Request
+        self.emitted = 0  # tokens sent out: the next TokenOut's index
+
+
+class VllmEngine:
+    """The Engine protocol over vLLM. Not thread-safe: add, abort and step mutate one scheduler, so every
+    call must come from one thread (or be serialized), as the protocol says."""
+
+    backend = "vllm"
+    blocking_step = True  # a step is milliseconds of model compute: the instance runs it off its event loop
+
+    def __init__(self, model: ModelConfig, vllm: VllmConfig):
+        if not model.path:
+            raise EngineError("model.path is empty: the vllm backend needs a checkpoint directory "
+                              "(write a test model with `llumnixctl model tiny DIR`)")
+        _set_env(vllm)
+        self.cfg = vllm
+        self._v = _Vllm(model, vllm)
+        self.version = self._v.m.version
+        self.block_size = self._v.block_size
+        self.max_model_len = self._v.max_model_len
+        self.eos_token_id = self._v.eos_token_id
+        self._live: dict[str, _Live] = {}
+        self._finished_preemptions = 0
+        self._received = 0
+        self._tokens_generated = 0
+        self._closed = False
+
+    # ---------------------------------------------------------------- serving
+
+    def add_request(self, request: EngineRequest) -> None:
+        rid, prompt, sp = request.request_id, request.prompt_token_ids, request.sampling
+        n = len(prompt)
+        if n == 0:
+            raise EngineError("prompt is empty; send at least one token")
+        if rid in self._live:
+            raise EngineError(f"request id {rid!r} is already in use on this instance")
+        if n + 1 > self.max_model_len:
+            raise EngineError(f"prompt is {n} tokens; this model's context limit is {self.max_model_len} "
+                              "(prompt plus at least one generated token)")
+        if sp.max_tokens < 1:
+            raise EngineError(f"max_tokens must be at least 1; got {sp.max_tokens}")
+        vocab = self._v.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise EngineError(f"prompt token id {bad} is out of range for this model's vocabulary (0..{vocab - 1})")
+        peak = _cdiv(min(n + sp.max_tokens, self.max_model_len), self.block_size)
+        if peak > self._v.blocks_total():
+            raise EngineError(f"prompt plus max_tokens may reach {peak * self.block_size} tokens; this instance's KV "
+                              f"cache holds {self._v.blocks_total() * self.block_size}; lower max_tokens or shorten the prompt")
+        try:
+            params = self._v.sampling_params(sp)
+        except self._v.m.request_errors as exc:  # vLLM's validation errors carry a client-ready message
+            raise EngineError(str(exc)) from exc
+        req = self._v.add(rid, list(prompt), params, request.arrival_time or time.time(), request.priority)
+        self._live[rid] = _Live(rid, req)
+        self._received += 1
+
+    def abort_request(self, request_id: str) -> bool:
+        live = self._live.get(request_id)
+        if live is None:
+            return False
+        self._v.abort(request_id)
+        self._forget(live)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self._live)
+
+    def step(self) -> StepResult:
+        outputs: list[TokenOut] = []
+        for o in self._v.step():
+            live = self._live.get(o.request_id)
+            if live is None:  # aborted while the step ran: nothing more is sent for it
+                continue
+            tokens = o.new_token_ids
+            lps = o.new_logprobs.logprobs if o.new_logprobs is not None else None  # column 0: the sampled token
+            last = len(tokens) - 1
+            for j, token in enumerate(tokens):
+                reason = str(o.finish_reason) if j == last and o.finish_reason is not None else None
+                logprob = float(lps[j][0]) if lps is not None else None
+                outputs.append(TokenOut(request_id=live.rid, index=live.emitted, token_id=int(token),
+                                        finish_reason=reason, logprob=logprob))
+                live.emitted += 1
+            if o.finish_reason is not None:
+                if not tokens:
+                    log.warning("vLLM finished %s (%s) without a token; the client sees no final token",
+                                live.rid, o.finish_reason)
+                self._forget(live)
+        self._tokens_generated += len(outputs)
+        return StepResult(outputs=outputs, model_time_s=0.0)
+
+    def load(self) -> InstanceLoad:
+        v = self._v
+        total = v.blocks_total()
+        running, waiting = v.counts()
+        head = v.head_waiting()
+        return InstanceLoad(
+            blocks_total=total,
+            blocks_used=total - v.blocks_free(),
+            running=running,
+            waiting=waiting,
+            batch_size=self.cfg.max_num_seqs,
+            block_size=self.block_size,
+            preemptions=self._finished_preemptions + sum(l.req.num_preemptions for l in self._live.values()),
+            hol_demand_blocks=_cdiv(head.num_tokens, self.block_size) if head is not None else 0,
+            requests_received=self._received,
+            tokens_generated=self._tokens_generated,
+            running_blocks=sum(len(v.block_ids(r.request_id)) for r in v.running()),
+        )
+
+    def requests(self) -> list[RequestLoad]:
+        v = self._v
+
+        def row(r, state: str) -> RequestLoad:
+            return RequestLoad(request_id=r.request_id, state=state, blocks=len(v.block_ids(r.request_id)),
+                               prompt_tokens=r.num_prompt_tokens, output_tokens=r.num_output_tokens,
+                               priority=r.priority)
+
+        out = [row(r, "running") for r in v.running()]
+        out += [row(r, "preempted" if v.is_preempted(r) else "waiting") for r in v.waiting()]
+        return out
+
+    def block_table(self, request_id: str) -> list[int]:
+        """The request's block ids in token order (empty while it waits). KeyError if unknown."""
+        if request_id not in self._live:
+            raise KeyError(request_id)
+        return list(self._v.block_ids(request_id))
+
+    @property
+    def kv_caches(self) -> list:
+        """The model runner's KV tensors, one per layer (see ``_Vllm.kv_caches`` for the layout)."""
+        return self._v.kv_caches()
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._live.clear()
+        self._v.shutdown()
+
+    # ---------------------------------------------------------------- internals
+
+    def _forget(self, live: _Live) -> None:
+        del self._live[live.rid]
+        self._finished_preemptions += live.req.num_preemptions

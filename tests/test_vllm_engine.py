@@ -1,0 +1,316 @@
+"""The vllm engine on a tiny random-weight LLaMA: same tokens and logprobs as vLLM's own offline LLM,
+block accounting that matches vLLM's block pool, no leaked blocks, aborts, preemption, errors.
+
+vLLM runs in this process. Its engines share process-wide state (the torch.distributed groups that an
+engine's shutdown tears down), so each test runs one engine at a time: the offline reference first
+(``offline``), then ours (``engine``), each shut down before the next starts.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+# Before vllm is imported (importorskip imports it): in-process worker, one unpinned OpenMP thread.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+vllm = pytest.importorskip("vllm")
+
+from daemons.config import ModelConfig, VllmConfig  # noqa: E402
+from daemons.engine.base import EngineError, EngineRequest  # noqa: E402
+from daemons.engine.vllm_backend import UNTESTED_ENV, VllmEngine, apply_workarounds  # noqa: E402
+from daemons.wire import SamplingParams, TokenOut  # noqa: E402
+from llumnixctl.model import kv_bytes_per_token, write_tiny_model  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+
+# Small and fast; the same values configure the offline reference.
+BASE = dict(max_model_len=1024, block_size=32, kv_cache_bytes=16 << 20, max_num_seqs=16)
+PROMPTS = [[1, 5, 6, 7, 8], list(range(1, 33)), list(range(100, 133)), list(range(200, 500)), [1, 42]]
+LENGTHS = [16, 40, 7, 24, 64]
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    apply_workarounds()  # before any engine: the offline reference runs the same kernels as ours
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"), seed=0)
+
+
+def _vllm_sampling(sp: SamplingParams):
+    return vllm.SamplingParams(max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p,
+                               top_k=sp.top_k, seed=sp.seed, stop_token_ids=list(sp.stop_token_ids),
+                               ignore_eos=sp.ignore_eos, min_tokens=sp.min_tokens, logprobs=sp.logprobs)
+
+
+def offline(model_dir, prompts: list[list[int]], params: list[SamplingParams], one_by_one: bool = False, **kw) -> list:
+    """vLLM's own LLM.generate with the same engine settings (all prompts in one call, or one call each);
+    returns its CompletionOutput per prompt."""
+    cfg = {**BASE, **kw}
+    llm = vllm.LLM(model=str(model_dir), enforce_eager=True, distributed_executor_backend="uni", seed=0,
+                   enable_prefix_caching=False, max_model_len=cfg["max_model_len"], block_size=cfg["block_size"],
+                   kv_cache_memory_bytes=cfg["kv_cache_bytes"], max_num_seqs=cfg["max_num_seqs"])
+    calls = [[i] for i in range(len(prompts))] if one_by_one else [list(range(len(prompts)))]
+    try:
+        outs = [o for c in calls for o in llm.generate([{"prompt_token_ids": prompts[i]} for i in c],
+                                                      [_vllm_sampling(params[i]) for i in c], use_tqdm=False)]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    return [o.outputs[0] for o in outs]
+
+
+@contextmanager
+def engine(model_dir, **kw):
+    cfg = {**BASE, **kw}
+    e = VllmEngine(ModelConfig(path=str(model_dir), max_model_len=cfg.pop("max_model_len")), VllmConfig(**cfg))
+    try:
+        yield e
+    finally:
+        e.shutdown()
+
+
+def pool_used(e: VllmEngine) -> int:
+    pool = e._v.pool  # vLLM's block pool, read directly: the figure load() must agree with
+    return pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
+
+
+def check_blocks(e: VllmEngine) -> None:
+    """load() agrees with vLLM's pool; a running request holds one block per started block_size tokens
+    of what it has computed (prompt plus all outputs but the newest); a waiting one holds none."""
+    load, rows = e.load(), e.requests()
+    owned = []
+    for r in rows:
+        table = e.block_table(r.request_id)
+        assert len(table) == r.blocks
+        if r.state == "running":
+            assert r.blocks == math.ceil((r.prompt_tokens + r.output_tokens - 1) / e.block_size)
+        else:
+            assert r.blocks == 0
+        owned += table
+    assert len(owned) == len(set(owned)), "a block is owned twice"
+    assert load.blocks_used == pool_used(e) == len(owned) == load.running_blocks <= load.blocks_total
+    assert load.running == sum(r.state == "running" for r in rows) <= load.batch_size
+    assert load.waiting == sum(r.state != "running" for r in rows)
+
+
+def run(e: VllmEngine, requests: list[EngineRequest], check=check_blocks, steps: int | None = None,
+        out: dict[str, list[TokenOut]] | None = None) -> dict[str, list[TokenOut]]:
+    """Add all, step until idle (or ``steps`` times); checks that indices arrive 0, 1, 2, ... and that only
+    the last token has a finish reason. ``out`` carries outputs over from an earlier call."""
+    for r in requests:
+        e.add_request(r)
+    out = {} if out is None else out
+    out.update((r.request_id, []) for r in requests)
+    n = 0
+    while e.has_work() and (steps is None or n < steps):
+        for t in e.step().outputs:
+            seen = out.setdefault(t.request_id, [])  # also requests added before run()
+            assert t.index == len(seen) and (not seen or seen[-1].finish_reason is None)
+            seen.append(t)
+        check(e)
+        n += 1
+    return out
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def reqs(params: list[SamplingParams], prompts=PROMPTS) -> list[EngineRequest]:
+    return [EngineRequest(f"r{i}", list(p), sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+
+
+# ---------------------------------------------------------------- tokens
+
+
+def test_greedy_tokens_and_logprobs_match_offline_llm(model_dir):
+    params = [greedy(n, logprobs=0 if i % 2 else None) for i, n in enumerate(LENGTHS)]
+    params[-1].ignore_eos = False  # may stop early on EOS: it must do so where vLLM does
+    ref = offline(model_dir, PROMPTS, params)
+    with engine(model_dir) as e:
+        out = run(e, reqs(params))
+        load = e.load()
+    for i, (r, sp) in enumerate(zip(ref, params)):
+        got = out[f"r{i}"]
+        assert [t.token_id for t in got] == list(r.token_ids), f"request {i}"
+        assert got[-1].finish_reason == r.finish_reason and (len(got) == sp.max_tokens or not sp.ignore_eos)
+        if sp.logprobs is None:
+            assert all(t.logprob is None for t in got)
+        else:
+            want = [lp[tok].logprob for lp, tok in zip(r.logprobs, r.token_ids)]
+            assert [t.logprob for t in got] == pytest.approx(want, abs=1e-4)
+    assert load.blocks_used == 0 and load.running == load.waiting == 0, "blocks leaked"
+    assert load.tokens_generated == sum(map(len, out.values())) and load.requests_received == len(PROMPTS)
+
+
+def test_short_prompts_alone(model_dir):
+    # A step whose only request prefills 1-4 tokens once killed the process (vLLM's AMX attention kernel).
+    prompts = [[1], [1, 7], [1, 7, 9], [1, 7, 9, 11]]
+    params = [greedy(8, logprobs=0) for _ in prompts]
+    ref = offline(model_dir, prompts, params, one_by_one=True)
+    with engine(model_dir) as e:
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            got = run(e, [EngineRequest(f"s{i}", p, sp)])[f"s{i}"]
+            assert [t.token_id for t in got] == list(ref[i].token_ids)
+            want = [lp[tok].logprob for lp, tok in zip(ref[i].logprobs, ref[i].token_ids)]
+            assert [t.logprob for t in got] == pytest.approx(want, abs=1e-4)
+
+
+SMALL_HEADS = """
+import dataclasses, sys
+import llumnixctl.model as m
+from daemons.config import ModelConfig, VllmConfig
+from daemons.engine.base import EngineRequest
+from daemons.engine.vllm_backend import VllmEngine
+from daemons.wire import SamplingParams
+m.SIZES["tiny"] = dataclasses.replace(m.SIZES["tiny"], hidden=128, head_dim=32)  # a shape seen to crash
+e = VllmEngine(ModelConfig(path=str(m.write_tiny_model(sys.argv[1])), max_model_len=256),
+               VllmConfig(block_size=32, kv_cache_bytes=4 << 20))
+e.add_request(EngineRequest("one", [1], SamplingParams(max_tokens=4, temperature=0.0)))
+while e.has_work():
+    e.step()
+print("survived")
+"""
+
+
+@pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="the crash needs a CPU with AMX")
+def test_amx_attention_crash_is_worked_around(tmp_path):
+    # In a child process: without the workaround this dies with SIGILL (bf16 on AMX, this model shape).
+    proc = subprocess.run([sys.executable, "-c", SMALL_HEADS, str(tmp_path / "hd32")], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert proc.returncode == 0 and "survived" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_seeded_sampling_is_reproducible_and_matches_offline(model_dir):
+    hot = [SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=100 + i, ignore_eos=True)
+           for i in range(3)]
+    ref = offline(model_dir, PROMPTS[:3], hot)
+    with engine(model_dir) as e:
+        together = run(e, reqs(hot, PROMPTS[:3]))
+        alone = run(e, [EngineRequest("solo", PROMPTS[1], hot[1])])  # another batch, same seed: same tokens
+    for i in range(3):
+        assert [t.token_id for t in together[f"r{i}"]] == list(ref[i].token_ids)
+    assert [t.token_id for t in alone["solo"]] == [t.token_id for t in together["r1"]]
+    assert len({tuple(t.token_id for t in v) for v in together.values()}) == 3
+
+
+def test_stop_token_ids_and_eos(model_dir):
+    with engine(model_dir) as e:
+        free_run = [t.token_id for t in run(e, [EngineRequest("a", PROMPTS[0], greedy(12))])["a"]]
+        k = next(i for i, t in enumerate(free_run) if t not in free_run[:i] and i >= 3)
+        stop = run(e, [EngineRequest("b", PROMPTS[0], greedy(12, stop_token_ids=[free_run[k]]))])["b"]
+        # min_tokens holds the stop token back: generation goes past it
+        held = run(e, [EngineRequest("c", PROMPTS[0], greedy(12, stop_token_ids=[free_run[k]], min_tokens=k + 2))])["c"]
+        # EOS stops a request unless ignore_eos; the tiny model's EOS comes from generation_config.json
+        assert e.eos_token_id == 2
+        assert e.load().blocks_used == 0
+    assert [t.token_id for t in stop] == free_run[:k + 1] and stop[-1].finish_reason == "stop"
+    assert len(held) > k + 1
+
+
+# ---------------------------------------------------------------- blocks
+
+
+def test_block_accounting_follows_vllm_pool_and_returns_to_zero(model_dir):
+    # Prompts on block boundaries: 32 tokens fill one block exactly, 33 start a second.
+    prompts = [list(range(1, 33)), list(range(1, 34)), list(range(1, 64)), [1, 2, 3]]
+    params = [greedy(n) for n in (40, 31, 70, 5)]
+    with engine(model_dir, max_num_seqs=2) as e:
+        e.add_request(EngineRequest("x0", prompts[0], params[0]))
+        load = e.load()
+        assert (load.waiting, load.running, load.blocks_used, load.hol_demand_blocks) == (1, 0, 0, 1)
+        peak = {"waiting": 0, "blocks": 0}
+
+        def check(e):
+            check_blocks(e)
+            peak["waiting"] = max(peak["waiting"], e.load().waiting)
+            peak["blocks"] = max(peak["blocks"], e.load().blocks_used)
+
+        out = run(e, [EngineRequest(f"x{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params)) if i], check)
+        load = e.load()
+        assert len(e.kv_caches) == 2 and e.kv_caches[0].shape[0] == load.blocks_total + 1  # + vLLM's null block
+    assert peak["waiting"] == 2 and peak["blocks"] >= 4  # max_num_seqs=2 kept two of four queued
+    assert [len(out[f"x{i}"]) for i in range(4)] == [40, 31, 70, 5]
+    assert (load.blocks_used, load.running_blocks, load.running, load.waiting) == (0, 0, 0, 0)
+    assert load.preemptions == 0 and load.block_size == 32 and load.batch_size == 2
+
+
+def test_abort_frees_blocks_now(model_dir):
+    with engine(model_dir, max_num_seqs=2) as e:
+        for i, n in enumerate((100, 200, 50)):
+            e.add_request(EngineRequest(f"a{i}", PROMPTS[3], greedy(n)))
+        out = run(e, [], steps=3)
+        before = e.load()
+        held = len(e.block_table("a1"))
+        assert before.running == 2 and before.waiting == 1 and held > 0
+        assert e.abort_request("a1") is True
+        assert e.abort_request("a1") is False and e.abort_request("nope") is False
+        assert e.load().blocks_used == before.blocks_used - held == pool_used(e)
+        assert e.abort_request("a2") is True  # waiting, holds nothing
+        assert e.load().waiting == 0
+        run(e, [], out=out)
+        assert e.load().blocks_used == 0 and pool_used(e) == 0
+        assert e.requests() == []
+    assert len(out["a0"]) == 100 and len(out.get("a1", [])) <= 3 and "a2" not in out
+
+
+def test_preemption_keeps_greedy_tokens(model_dir):
+    # 12 usable blocks of 32 tokens; four requests that each grow to 5 blocks must take turns.
+    tight = dict(max_model_len=256, kv_cache_bytes=13 * BASE["block_size"] * kv_bytes_per_token("tiny"))
+    params = [greedy(120) for _ in range(4)]
+    prompts = [list(range(10 + i, 50 + i)) for i in range(4)]
+    ref = offline(model_dir, prompts, params, **tight)
+    seen = set()
+
+    def check(e):
+        check_blocks(e)
+        seen.update(r.state for r in e.requests())
+
+    with engine(model_dir, **tight) as e:
+        assert e.load().blocks_total == 12
+        out = run(e, reqs(params, prompts), check)
+        load = e.load()
+    assert load.preemptions > 0 and "preempted" in seen
+    assert load.blocks_used == 0
+    for i in range(4):
+        assert [t.token_id for t in out[f"r{i}"]] == list(ref[i].token_ids)
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_requests_it_cannot_take_raise_engine_error(model_dir):
+    with engine(model_dir, max_model_len=64) as e:
+        bad = {
+            "empty": ([], greedy(4)),
+            "context limit": (list(range(1, 65)), greedy(4)),
+            "out of range": ([1, 10**6], greedy(4)),
+            "max_tokens": ([1, 2], greedy(0)),
+            "temperature": ([1, 2], SamplingParams(temperature=-1.0)),
+            "logprobs": ([1, 2], greedy(4, logprobs=1000)),
+        }
+        for name, (prompt, sp) in bad.items():
+            with pytest.raises(EngineError):
+                e.add_request(EngineRequest(name, prompt, sp))
+        e.add_request(EngineRequest("dup", [1, 2], greedy(4)))
+        with pytest.raises(EngineError, match="already in use"):
+            e.add_request(EngineRequest("dup", [1, 2], greedy(4)))
+        run(e, [])
+        load = e.load()
+    assert load.requests_received == 1 and load.blocks_used == 0
+
+
+def test_untested_vllm_version_is_refused(model_dir, monkeypatch):
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    monkeypatch.delenv(UNTESTED_ENV, raising=False)
+    with pytest.raises(EngineError, match=UNTESTED_ENV):
+        VllmEngine(ModelConfig(path=str(model_dir)), VllmConfig())
+    with pytest.raises(EngineError, match="model.path"):
+        VllmEngine(ModelConfig(path=""), VllmConfig())
