@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import re
 import shutil
+import subprocess
 import socket
 import statistics
 import sys
@@ -88,22 +90,27 @@ def proxy_ttft(url: str, model: str, n: int, prompt: list[int]) -> list[float]:
     return samples
 
 
+_USAGE = re.compile(rb'"completion_tokens":(\d+)')
+
+
 async def _stream_one(host: str, port: int, body: bytes) -> int:
+    """One streamed completion over a raw connection; returns the completion tokens its usage reports."""
     reader, writer = await asyncio.open_connection(host, port)
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
                  b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
     tokens = 0
     async for line in reader:
-        if line.startswith(b"data: {"):
-            tokens += line.count(b'"text":"') - (b'"finish_reason":"' in line)
+        if line.startswith(b"data: {") and b'"usage"' in line:
+            tokens = int(_USAGE.search(line).group(1))
     writer.close()
     return tokens
 
 
-async def _load(url: str, model: str, streams: int, concurrency: int, tokens: int) -> int:
+async def _load(url: str, model: str, streams: int, concurrency: int, tokens: int,
+                prompt: str | list[int] = "benchmark the proxy") -> int:
     host, port = url.removeprefix("http://").split(":")
-    body = json.dumps({"model": model, "prompt": "benchmark the proxy", "max_tokens": tokens,
-                       "ignore_eos": True, "stream": True}).encode()
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()
     sem = asyncio.Semaphore(concurrency)
 
     async def one() -> int:
@@ -164,4 +171,93 @@ def proxy(
     table.add_row(f"throughput ({streams} streams x {tokens} tokens, {concurrency} at once)", f"{result['tokens_per_s']:.0f} tokens/s")
     table.add_row("proxy CPU per streamed token", f"{result['proxy_cpu_us_per_token']:.1f} us")
     table.add_row("tokens received / expected", f"{total} / {streams * tokens}")
+    Console().print(table)
+
+
+# Offline vLLM in a child process: vLLM sets process-wide state (threads, seeds, torch.distributed).
+_OFFLINE = r"""
+import json, sys, time
+from daemons.config import VllmConfig
+from daemons.engine.vllm_backend import apply_workarounds
+a = json.loads(sys.argv[1])
+cfg = VllmConfig(**a["vllm"])
+apply_workarounds(cfg)
+from vllm import LLM, SamplingParams
+t0 = time.perf_counter()
+llm = LLM(model=a["model"], enforce_eager=True, dtype=cfg.dtype, block_size=cfg.block_size, seed=0,
+          max_num_seqs=cfg.max_num_seqs, kv_cache_memory_bytes=cfg.kv_cache_bytes or None)
+start = time.perf_counter() - t0
+def rate(n_req, n_tok):
+    sp = SamplingParams(temperature=0, max_tokens=n_tok, ignore_eos=True)
+    prompts = [{"prompt_token_ids": a["prompt"]} for _ in range(n_req)]
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t)
+rate(1, 8)
+print(json.dumps({"start_s": start, "single": rate(1, a["tokens"]), "batched": rate(a["batch"], a["batch_tokens"])}))
+"""
+
+
+@app.command()
+def engine(
+    model: Annotated[Path | None, typer.Option(help="checkpoint directory (default: a tiny random model)")] = None,
+    tokens: Annotated[int, typer.Option(help="output tokens of the single stream")] = 256,
+    batch: Annotated[int, typer.Option(help="concurrent streams of the batched run")] = 32,
+    batch_tokens: Annotated[int, typer.Option(help="output tokens per batched stream")] = 128,
+    json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """vLLM through the whole cluster (proxy, manager, one instance) against vLLM's own offline run."""
+    from daemons.config import VllmConfig
+    from llumnixctl.model import write_tiny_model
+
+    run_dir = Path(tempfile.mkdtemp(prefix="llumnix-bench-"))
+    path = model or write_tiny_model(run_dir / "tiny-llama")
+    vcfg = VllmConfig(max_num_seqs=max(batch, 1), kv_cache_bytes=256 << 20)
+    prompt = [5, 17, 300, 42, 7, 99, 12, 8]
+    sets = [f"model.path={path.resolve()}", "model.name=bench", f"vllm.max_num_seqs={vcfg.max_num_seqs}",
+            f"vllm.kv_cache_bytes={vcfg.kv_cache_bytes}", "instance.log_level=warning", "proxy.log_level=warning"]
+    err = Console(stderr=True)
+    err.print("offline vLLM run ...")
+    args = {"model": str(path), "vllm": {"max_num_seqs": vcfg.max_num_seqs, "kv_cache_bytes": vcfg.kv_cache_bytes},
+            "prompt": prompt, "tokens": tokens, "batch": batch, "batch_tokens": batch_tokens}
+    child = subprocess.run([sys.executable, "-c", _OFFLINE, json.dumps(args)], capture_output=True, text=True)
+    if child.returncode != 0:
+        err.print(f"llumnixctl: the offline vLLM run failed:\n{child.stderr[-2000:]}", markup=False)
+        raise typer.Exit(1)
+    offline = json.loads(child.stdout.strip().splitlines()[-1])
+    err.print("cluster run ...")
+    t0 = time.perf_counter()
+    try:
+        state = localcluster.up(run_dir, 1, "vllm", 0, None, sets, timeout_s=300)
+    except localcluster.ClusterError as exc:
+        err.print(f"llumnixctl: {exc}", markup=False)
+        raise typer.Exit(1) from None
+    up_s = time.perf_counter() - t0
+    try:
+        asyncio.run(_load(state.url, "bench", 1, 1, 8, prompt))  # warm-up
+        t = time.perf_counter()
+        single = asyncio.run(_load(state.url, "bench", 1, 1, tokens, prompt)) / (time.perf_counter() - t)
+        t = time.perf_counter()
+        batched = asyncio.run(_load(state.url, "bench", batch, batch, batch_tokens, prompt)) / (time.perf_counter() - t)
+        rss = next(p for p in state.procs if p.name.startswith("instance")).process().memory_info().rss
+    finally:
+        localcluster.stop(state)
+        shutil.rmtree(run_dir, ignore_errors=True)
+    result = {
+        "offline_engine_start_s": offline["start_s"], "cluster_up_s": up_s, "instance_rss_mib": rss / 2**20,
+        "single_stream_tokens_per_s": {"cluster": single, "offline": offline["single"], "ratio": single / offline["single"]},
+        "batched_tokens_per_s": {"cluster": batched, "offline": offline["batched"], "ratio": batched / offline["batched"]},
+        "batch": batch, "tokens": tokens, "batch_tokens": batch_tokens, "model": str(model or "tiny (random)"),
+    }
+    if json_:
+        sys.stdout.write(json.dumps(result, indent=2) + "\n")
+        return
+    table = Table(title=f"vLLM through the cluster vs offline · {psutil.cpu_count()} cores · model {result['model']}")
+    for col in ("measure", "cluster", "offline vLLM", "ratio"):
+        table.add_column(col, justify="left" if col == "measure" else "right")
+    s, b = result["single_stream_tokens_per_s"], result["batched_tokens_per_s"]
+    table.add_row(f"single stream ({tokens} tokens), tokens/s", f"{s['cluster']:.0f}", f"{s['offline']:.0f}", f"{s['ratio']:.2f}")
+    table.add_row(f"batched ({batch} x {batch_tokens} tokens), tokens/s", f"{b['cluster']:.0f}", f"{b['offline']:.0f}", f"{b['ratio']:.2f}")
+    table.add_row("start (cluster up / offline engine), s", f"{up_s:.1f}", f"{offline['start_s']:.1f}", "")
+    table.add_row("instance RSS, MiB", f"{result['instance_rss_mib']:.0f}", "", "")
     Console().print(table)
