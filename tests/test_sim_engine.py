@@ -197,7 +197,6 @@ def test_max_num_seqs_caps_running():
 
 def test_prefill_token_budget():
     e = engine(max_num_batched_tokens=25, prefill_ms_per_token=1.0)
-    run = Runner(e)
     for i in range(3):
         e.add_request(req(f"r{i}", 10, max_tokens=4))
     res = e.step()

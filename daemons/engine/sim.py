@@ -23,7 +23,7 @@ from collections import deque
 import torch
 
 from daemons.config import ModelConfig, SimConfig
-from daemons.engine.base import EngineError, EngineRequest, StepResult
+from daemons.engine.base import EngineError, EngineRequest, StepResult, check_request
 from daemons.wire import InstanceLoad, RequestLoad, TokenOut
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -111,16 +111,7 @@ class SimEngine:
 
     def add_request(self, request: EngineRequest) -> None:
         rid = request.request_id
-        n = len(request.prompt_token_ids)
-        if n == 0:
-            raise EngineError("prompt is empty; send at least one token")
-        if rid in self._reqs:
-            raise EngineError(f"request id {rid!r} is already in use on this instance")
-        if n + 1 > self.max_model_len:
-            raise EngineError(f"prompt is {n} tokens; this model's context limit is {self.max_model_len} "
-                              "(prompt plus at least one generated token)")
-        if request.sampling.max_tokens < 1:
-            raise EngineError(f"max_tokens must be at least 1; got {request.sampling.max_tokens}")
+        check_request(request, rid in self._reqs, self.max_model_len)
         req = _Req(request, self.max_model_len)
         # A request that could never be (re)admitted would wait forever: refuse it now, like vLLM.
         peak = _cdiv(req.max_total, self.block_size)

@@ -20,7 +20,7 @@ import time
 from types import SimpleNamespace
 
 from daemons.config import ModelConfig, VllmConfig
-from daemons.engine.base import EngineError, EngineRequest, StepResult
+from daemons.engine.base import EngineError, EngineRequest, StepResult, check_request
 from daemons.wire import InstanceLoad, RequestLoad, TokenOut
 
 log = logging.getLogger("llumnix.engine.vllm")
@@ -274,19 +274,7 @@ class VllmEngine:
     def add_request(self, request: EngineRequest) -> None:
         rid, prompt, sp = request.request_id, request.prompt_token_ids, request.sampling
         n = len(prompt)
-        if n == 0:
-            raise EngineError("prompt is empty; send at least one token")
-        if rid in self._live:
-            raise EngineError(f"request id {rid!r} is already in use on this instance")
-        if n + 1 > self.max_model_len:
-            raise EngineError(f"prompt is {n} tokens; this model's context limit is {self.max_model_len} "
-                              "(prompt plus at least one generated token)")
-        if sp.max_tokens < 1:
-            raise EngineError(f"max_tokens must be at least 1; got {sp.max_tokens}")
-        vocab = self._v.vocab_size
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise EngineError(f"prompt token id {bad} is out of range for this model's vocabulary (0..{vocab - 1})")
+        check_request(request, rid in self._live, self.max_model_len, self._v.vocab_size)
         peak = _cdiv(min(n + sp.max_tokens, self.max_model_len), self.block_size)
         if peak > self._v.blocks_total():
             raise EngineError(f"prompt plus max_tokens may reach {peak * self.block_size} tokens; this instance's KV "
