@@ -41,6 +41,10 @@ def _set_env(cfg: VllmConfig) -> None:
     multiprocess executor), so ``cpu_bind`` only reaches vLLM's environment; pin with taskset or systemd.
     """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # EngineCore and its worker stay in this process
+    # Serving nodes often have no route out: never phone home, never ask a hub (models are loaded by path).
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_bind
     if cfg.omp_threads > 0:
         os.environ["OMP_NUM_THREADS"] = str(cfg.omp_threads)
