@@ -247,16 +247,16 @@ class Instance:
         failure = next((t.exception() for t in done if t is not stopped and t.exception() is not None), None)
         if failure is not None:
             log.error("instance loop failed: %r", failure)
-        await self.shutdown(tasks, "SIGTERM" if failure is None else f"failed: {failure!r}")
+        await self.shutdown(tasks, "SIGTERM" if failure is None else f"failed: {failure!r}",
+                            grace=self.ic.shutdown_grace_s if failure is None else 0.0)
         if failure is not None:
             raise SystemExit(1)  # let systemd's Restart=on-failure see it
 
-    async def shutdown(self, tasks: list[asyncio.Task], reason: str) -> None:
+    async def shutdown(self, tasks: list[asyncio.Task], reason: str, grace: float) -> None:
         """Leave the dispatch set, let running requests finish for a grace period, fail what is left."""
         runtime.sd_notify("STOPPING=1")
         self.accepting = False
         self._tell_manager(wire.Goodbye(self.instance_id, reason))
-        grace = self.ic.shutdown_grace_s
         log.info("stopping: %d requests in flight, grace %.1fs", len(self.reply_to), grace)
         deadline = time.monotonic() + grace
         while self.reply_to and time.monotonic() < deadline:
@@ -272,9 +272,7 @@ class Instance:
         self.engine.shutdown()
         for sock in self.pushes.values():
             sock.close()  # with its linger: the failures above still go out
-        self.router.close(0)
-        self.manager.close(0)
-        self.ctx.term()
+        self.ctx.destroy(linger=0)  # closes what is left; term() would wait on any socket still open
         log.info("stopped")
 
 

@@ -308,8 +308,7 @@ class Manager:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self.sock.close(0)
-        self.ctx.term()
+        self.ctx.destroy(linger=0)
 
 
 app = typer.Typer(add_completion=False, help="llumnix-manager: the Llumnix global scheduler.")

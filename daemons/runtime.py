@@ -149,7 +149,7 @@ def exit_on_startup_error(prog: str, main) -> None:
     try:
         run(main)
     except StartupError as exc:
-        logging.getLogger("llumnix").error("%s: cannot start: %s", prog, exc)
+        logging.getLogger("llumnix").error("cannot start: %s", exc)  # the formatter names the daemon
         sys.exit(1)
 
 

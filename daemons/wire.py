@@ -7,7 +7,7 @@ KV bytes never travel here; they go over Gloo.
 Sockets (see DESIGN.md):
 - manager ROUTER  <- instance DEALER   Register, LoadReport, Goodbye / RegisterAck
 - manager ROUTER  <- proxy DEALER      Dispatch, SnapshotQuery / DispatchReply, Snapshot
-- manager ROUTER  <- llumnixctl DEALER StatusQuery, RequestsQuery / StatusReply, RequestsReply, ErrorReply
+- manager ROUTER  <- llumnixctl DEALER StatusQuery, RequestsQuery / Snapshot, RequestsReply, ErrorReply
 - instance ROUTER <- proxy DEALER      Submit, Abort (fire and forget: failures come back on the token path)
 - instance ROUTER <- manager           ListRequests / RequestList (for ``llumnixctl requests``)
 - proxy PULL      <- instance PUSH     TokenBatch, RequestFailed

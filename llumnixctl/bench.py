@@ -107,10 +107,10 @@ async def _stream_one(host: str, port: int, body: bytes) -> int:
 
 
 async def _load(url: str, model: str, streams: int, concurrency: int, tokens: int,
-                prompt: str | list[int] = "benchmark the proxy") -> int:
+                prompt: str | list[int] = "benchmark the proxy", temperature: float = 1.0) -> int:
     host, port = url.removeprefix("http://").split(":")
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "stream": True,
-                       "stream_options": {"include_usage": True}}).encode()
+                       "temperature": temperature, "stream_options": {"include_usage": True}}).encode()
     sem = asyncio.Semaphore(concurrency)
 
     async def one() -> int:
@@ -136,6 +136,7 @@ def proxy(
         state = localcluster.up(run_dir, instances, "sim", 0, None, sets)
     except localcluster.ClusterError as exc:
         Console(stderr=True).print(f"llumnixctl: {exc}", markup=False)
+        shutil.rmtree(run_dir, ignore_errors=True)
         raise typer.Exit(1) from None
     try:
         snap = AdminClient(state.manager_address).status()
@@ -236,15 +237,16 @@ def engine(
         state = localcluster.up(run_dir, 1, "vllm", 0, None, sets, timeout_s=300)
     except localcluster.ClusterError as exc:
         err.print(f"llumnixctl: {exc}", markup=False)
+        shutil.rmtree(run_dir, ignore_errors=True)
         raise typer.Exit(1) from None
     up_s = time.perf_counter() - t0
     try:
-        asyncio.run(_load(state.url, "bench", 1, 1, 8, prompt))  # warm-up
+        asyncio.run(_load(state.url, "bench", 1, 1, 8, prompt, 0.0))  # warm-up
         t = time.perf_counter()
-        single = asyncio.run(_load(state.url, "bench", 1, 1, tokens, prompt)) / (time.perf_counter() - t)
+        single = asyncio.run(_load(state.url, "bench", 1, 1, tokens, prompt, 0.0)) / (time.perf_counter() - t)
         inst = next(p for p in state.procs if p.name.startswith("instance")).process()
         t, cpu = time.perf_counter(), sum(inst.cpu_times()[:2])
-        batched_tokens = asyncio.run(_load(state.url, "bench", batch, batch, batch_tokens, prompt))
+        batched_tokens = asyncio.run(_load(state.url, "bench", batch, batch, batch_tokens, prompt, 0.0))  # greedy, as offline
         wall = time.perf_counter() - t
         batched, cores = batched_tokens / wall, (sum(inst.cpu_times()[:2]) - cpu) / wall
         rss = inst.memory_info().rss

@@ -1,7 +1,8 @@
 """llumnixctl: inspect and operate a Llumnix cluster.
 
-Every command finds the manager from --manager, else the run directory of a local cluster (--run-dir or
-$LLUMNIX_RUN_DIR), else manager.address of the config file. Read commands take --json; its shape is a
+Every command finds the manager from --manager, else the run directory named by --run-dir (or
+$LLUMNIX_RUN_DIR), else manager.address of the config named by --config (or $LLUMNIX_CONFIG), else the
+default run directory's local cluster, else the default manager address. Read commands take --json; its shape is a
 contract for scripts (fields are added, never renamed).
 """
 
@@ -98,7 +99,7 @@ def up(
         if backend == "vllm":
             sets += model_settings(cfg, model, run_dir)
         elif model is not None:
-            sets += [f"model.path={model.resolve()}"]
+            die("--model is for --backend vllm: the sim engine has no model", 2)
         state = localcluster.up(run_dir, instances, backend, port, config, sets, timeout)
     except (ConfigError, localcluster.ClusterError) as exc:
         die(str(exc), 2 if isinstance(exc, ConfigError) else 1)

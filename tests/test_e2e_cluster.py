@@ -64,7 +64,7 @@ def test_unreachable_manager_is_one_line_and_nonzero(tmp_path):
 
 def test_dispatch_spreads_load(start_cluster):
     # 3 instances x 4 batch slots, 12 long requests at once: each instance must get 4 and none may queue.
-    c = start_cluster(instances=3, sets=["sim.max_num_seqs=4", "sim.time_scale=0.2"])
+    c = start_cluster(instances=3, sets=["sim.max_num_seqs=4", "sim.time_scale=0.5"])
     admin = c.admin()
     snapshots, done = [], threading.Event()
 
@@ -222,3 +222,21 @@ def test_sigterm_exits_cleanly(start_cluster, name):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(15) == 0
     assert "Traceback" not in open(c.proc(name).log).read()
+
+
+@pytest.mark.parametrize("argv", [
+    lambda port: ["daemons.proxy.app", "--port", str(port)],
+    lambda port: ["daemons.manager", "--address", f"tcp://127.0.0.1:{port}", "--metrics-port", "-1"],
+])
+def test_address_in_use_is_one_line_and_exit_1(argv):
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        res = subprocess.run([sys.executable, "-m", *argv(port)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1
+    assert "cannot start" in res.stderr and str(port) in res.stderr
+    assert "Traceback" not in res.stderr

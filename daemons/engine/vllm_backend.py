@@ -75,7 +75,11 @@ class _Vllm:
 
     @staticmethod
     def import_checked() -> SimpleNamespace:
-        import vllm
+        try:
+            import vllm
+        except ImportError as exc:
+            raise EngineError(f"vLLM is not installed ({exc}); on CPU machines: LLUMNIX_EXTRAS=test,vllm "
+                              "bash scripts/install.sh; on GPU nodes: pip install 'vllm==0.32.*'") from None
         from vllm.engine.arg_utils import EngineArgs
         from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind, SamplingParams

@@ -7,9 +7,9 @@ Routes: /v1/completions, /v1/chat/completions (streamed or not, with usage), /v1
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
+import socket
 import time
 import uuid
 from typing import Annotated, AsyncIterator, Optional
@@ -186,7 +186,7 @@ class Proxy:
             raise ApiError(400, str(exc), "messages") from None
         ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         max_tokens = self._limits(len(ids), req.max_completion_tokens or req.max_tokens, None, "messages")
-        sampling = req.sampling(max_tokens, req.top_logprobs if req.logprobs else None)
+        sampling = req.sampling(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         return await self._serve(request, req, ids, sampling, chat=True)
 
     async def _serve(self, request: Request, req, ids: list[int], sampling: wire.SamplingParams, chat: bool) -> Response:
@@ -306,15 +306,9 @@ class Proxy:
 
 
 def build_app(cfg: Config) -> FastAPI:
+    """The HTTP app. Its cluster client is started and stopped by whoever serves it (see _serve)."""
     proxy = Proxy(cfg)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        await proxy.cluster.start()
-        yield
-        await proxy.cluster.stop()
-
-    app = FastAPI(title="llumnix-proxy", lifespan=lifespan)
+    app = FastAPI(title="llumnix-proxy")
     app.state.proxy = proxy
 
     @app.exception_handler(ApiError)
@@ -364,30 +358,60 @@ def build_app(cfg: Config) -> FastAPI:
     return app
 
 
+class _Stopped(Exception):
+    """SIGTERM or SIGINT, re-raised by uvicorn after its graceful shutdown."""
+
+
+def _stopped(*_) -> None:
+    raise _Stopped
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """Bind the HTTP socket ourselves, so a port in use is one clear line, not uvicorn's exit 3."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        raise runtime.StartupError(f"cannot serve HTTP on {host}:{port}: {exc.strerror or exc}") from None
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
 async def _serve(cfg: Config) -> None:
-    app = build_app(cfg)
     pc = cfg.proxy
-    server = uvicorn.Server(uvicorn.Config(app, host=pc.host, port=pc.port, log_config=None, access_log=False,
-                                           lifespan="on", timeout_graceful_shutdown=pc.shutdown_grace_s))
+    try:
+        app = build_app(cfg)
+    except TokenizerError as exc:
+        raise runtime.StartupError(str(exc)) from None
+    cluster: ClusterClient = app.state.proxy.cluster
+    listener = _listen(pc.host, pc.port)
+    await cluster.start()
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
+                                           timeout_graceful_shutdown=pc.shutdown_grace_s))
 
     async def notify_when_started() -> None:
         while not server.started:
             await asyncio.sleep(0.05)
-        log.info("serving the OpenAI API on http://%s:%d (model %s)", pc.host, server.servers[0].sockets[0].getsockname()[1] if server.servers else pc.port, cfg.model.name)
+        log.info("serving the OpenAI API on http://%s:%d (model %s)", pc.host, listener.getsockname()[1], cfg.model.name)
         runtime.sd_notify("READY=1")
 
-    # uvicorn re-raises the signal that stopped it once it is done, with the handler it found installed;
-    # a no-op handler lets us finish and exit 0, as systemd expects of a clean stop.
+    # uvicorn restores the handlers it found and re-raises the signal that stopped it once it is done:
+    # ours turns that into a normal return, so a clean stop exits 0 as systemd expects.
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
+        signal.signal(sig, _stopped)
     watcher = asyncio.create_task(notify_when_started())
     try:
-        await server.serve()
+        await server.serve(sockets=[listener])
+    except _Stopped:
+        pass
     finally:
         watcher.cancel()
-    if not server.started:
-        raise runtime.StartupError(f"cannot serve HTTP on {pc.host}:{pc.port} (see the error above)")
-    runtime.sd_notify("STOPPING=1")
+        runtime.sd_notify("STOPPING=1")
+        await cluster.stop()
     log.info("stopped")
 
 

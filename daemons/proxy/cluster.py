@@ -124,10 +124,8 @@ class ClusterClient:
             if not stream.done and stream.address:
                 self._send_instance(stream.address, wire.Abort(rid))
         for sock in self.instances.values():
-            sock.close(200)
-        self.pull.close(0)
-        self.manager.close(0)
-        self.ctx.term()
+            sock.close(200)  # the aborts above still go out
+        self.ctx.destroy(linger=0)
 
     # ------------------------------------------------------------------ manager
 
