@@ -300,7 +300,7 @@ def main(
     try:
         engine = make_engine(cfg)
     except EngineError as exc:
-        log.error("llumnix-instance: cannot start the %s engine: %s", cfg.instance.backend, exc)
+        log.error("cannot start the %s engine: %s", cfg.instance.backend, exc)
         raise typer.Exit(1) from None
     runtime.exit_on_startup_error("llumnix-instance", Instance(cfg, engine).run())
 
