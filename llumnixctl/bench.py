@@ -120,6 +120,16 @@ async def _load(url: str, model: str, streams: int, concurrency: int, tokens: in
     return sum(await asyncio.gather(*(one() for _ in range(streams))))
 
 
+def _start(run_dir: Path, instances: int, backend: str, sets: list[str], timeout_s: float = 60.0):
+    """A throw-away local cluster for one benchmark; on failure, one line, exit 1, and no leftovers."""
+    try:
+        return localcluster.up(run_dir, instances, backend, 0, None, sets, timeout_s=timeout_s)
+    except localcluster.ClusterError as exc:
+        Console(stderr=True).print(f"llumnixctl: {exc}", markup=False)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise typer.Exit(1) from None
+
+
 @app.command()
 def proxy(
     instances: Annotated[int, typer.Option(help="sim instances behind the proxy")] = 4,
@@ -132,12 +142,7 @@ def proxy(
     """Proxy overhead: added time to first token, tokens/s and CPU per streamed token (sim, zero step time)."""
     run_dir = Path(tempfile.mkdtemp(prefix="llumnix-bench-"))
     sets = ["sim.time_scale=0", "sim.max_num_seqs=256", "proxy.log_level=warning", "instance.log_level=warning"]
-    try:
-        state = localcluster.up(run_dir, instances, "sim", 0, None, sets)
-    except localcluster.ClusterError as exc:
-        Console(stderr=True).print(f"llumnixctl: {exc}", markup=False)
-        shutil.rmtree(run_dir, ignore_errors=True)
-        raise typer.Exit(1) from None
+    state = _start(run_dir, instances, "sim", sets)
     try:
         snap = AdminClient(state.manager_address).status()
         prompt = list(range(100, 116))
@@ -233,12 +238,7 @@ def engine(
     offline = json.loads(child.stdout.strip().splitlines()[-1])
     err.print("cluster run ...")
     t0 = time.perf_counter()
-    try:
-        state = localcluster.up(run_dir, 1, "vllm", 0, None, sets, timeout_s=300)
-    except localcluster.ClusterError as exc:
-        err.print(f"llumnixctl: {exc}", markup=False)
-        shutil.rmtree(run_dir, ignore_errors=True)
-        raise typer.Exit(1) from None
+    state = _start(run_dir, 1, "vllm", sets, timeout_s=300)
     up_s = time.perf_counter() - t0
     try:
         asyncio.run(_load(state.url, "bench", 1, 1, 8, prompt, 0.0))  # warm-up
