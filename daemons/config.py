@@ -52,6 +52,7 @@ class InstanceConfig:
     request_address: str = setting("tcp://127.0.0.1:0", "ZeroMQ address the instance binds for requests from proxies (port 0 = any free port)")
     advertise_address: str = setting("", "address proxies use to reach this instance; empty = the bound request address")
     shutdown_grace_s: float = setting(5.0, "on SIGTERM, running requests may finish for this long before they are failed", minimum=0.0)
+    min_step_s: float = setting(0.0, "every engine step takes at least this long (experiments: emulate a slower accelerator; 0 = off)", minimum=0.0)
     load_report_min_interval_s: float = setting(0.02, "load changes are reported at most this often (coalesced)", minimum=0.0)
     metrics_port: int = setting(0, "port of the instance's Prometheus /metrics on 127.0.0.1 (0 = any free port, -1 = off)", minimum=-1, maximum=65535)
     log_level: str = setting("info", "debug, info, warning or error", choices=("debug", "info", "warning", "error"))
@@ -114,6 +115,19 @@ class SimConfig:
 
 
 @dataclass
+class MigrationConfig:
+    kv_host: str = setting("127.0.0.1", "address this instance's KV transfer (Gloo) listens on and peers connect to; a routable address on multi-node clusters")
+    kv_port: int = setting(0, "TCP port of the KV transfer rendezvous store (0 = any free port)", minimum=0, maximum=65535)
+    max_stages: int = setting(3, "pre-copy stages before the last (stop-and-copy) stage is forced", minimum=0)
+    last_stage_max_blocks: int = setting(2, "go to the last stage once at most this many blocks remain to be copied", minimum=0)
+    chunk_bytes: int = setting(8388608, "blocks travel in fused chunks of about this size, two in flight (double buffer)", minimum=1)
+    bandwidth_limit_mbps: float = setting(0.0, "cap on KV transfer bandwidth per migration in MB/s (0 = no cap)", minimum=0.0)
+    timeout_s: float = setting(10.0, "a migration step (reserve, a stage's copy, commit) not acknowledged within this long aborts the migration", minimum=0.1)
+    dest_idle_timeout_s: float = setting(15.0, "a destination that hears nothing from the source for this long releases its reservation", minimum=0.1)
+    max_in_flight: int = setting(2, "most migrations an instance takes part in at once (out plus in)", minimum=1)
+
+
+@dataclass
 class Config:
     manager: ManagerConfig = field(default_factory=ManagerConfig)
     instance: InstanceConfig = field(default_factory=InstanceConfig)
@@ -121,6 +135,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     sim: SimConfig = field(default_factory=SimConfig)
     vllm: VllmConfig = field(default_factory=VllmConfig)
+    migration: MigrationConfig = field(default_factory=MigrationConfig)
 
     source: str = field(default="defaults", repr=False, compare=False, metadata={"internal": True})
 

@@ -2,7 +2,8 @@
 
 The llumlet owns the step loop: between steps it applies the requests and aborts that proxies sent, after
 each step it pushes every token straight to the proxy that owns the request, and it reports load to the
-manager on change (coalesced to a bounded rate) and at least once per heartbeat interval.
+manager on change (coalesced to a bounded rate) and at least once per heartbeat interval. It runs live
+migrations in and out (daemons/migration.py); their engine calls wait for a step boundary (``boundary``).
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import os
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Annotated, Optional
+from typing import Annotated, Callable, Optional
 
+import msgspec
 import typer
 import zmq
 import zmq.asyncio
@@ -25,6 +27,8 @@ from daemons.cli import load_or_exit
 from daemons.config import Config
 from daemons.engine import make_engine
 from daemons.engine.base import Engine, EngineError, EngineRequest
+from daemons.kvtransfer import TransferError
+from daemons.migration import Migrator
 
 log = logging.getLogger("llumnix.instance")
 
@@ -56,6 +60,11 @@ class Instance:
         self.emitted: dict[str, int] = {}  # request id -> tokens sent so far
         self.inbox: list[wire.Submit | wire.Abort] = []
         self.list_queries: list[int] = []  # ListRequests answered at the next step boundary
+        self.boundary_calls: list[tuple[Callable, asyncio.Future]] = []
+        self.migrating: set[str] = set()  # requests migrating out
+        self.aborted_while_migrating: set[str] = set()  # their aborts wait for the migration's outcome
+        self.migrator: Migrator | None = None
+        self.router_tx: zmq.Socket | None = None
         # A real engine's step takes milliseconds of compute: run it on a worker thread so sockets stay
         # served. The engine is only ever touched between steps, from the event loop thread.
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="engine") if getattr(engine, "blocking_step", False) else None
@@ -108,17 +117,26 @@ class Instance:
     def fail(self, request_id: str, address: str, message: str, retryable: bool, status: int = 503) -> None:
         self._send(address, wire.RequestFailed(request_id, self.instance_id, message, retryable, status))
 
+    def announce_move(self, request_id: str, address: str) -> None:
+        """Tell the owning proxy that a migrated request's tokens and aborts now go through us."""
+        self._send(address, wire.Moved(request_id, self.instance_id, self.request_address))
+
+    def reply_peer(self, identity: bytes, msg: wire.Message) -> None:
+        try:
+            self.router_tx.send_multipart([identity, wire.encode(msg)], zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("a migration peer's queue is full; dropped a %s", type(msg).__name__)
+
     # ------------------------------------------------------------------ requests
 
     def apply_inbox(self) -> None:
         inbox, self.inbox = self.inbox, []
         for msg in inbox:
             if isinstance(msg, wire.Abort):
-                if self.engine.abort_request(msg.request_id):
-                    self.reply_to.pop(msg.request_id, None)
-                    self.emitted.pop(msg.request_id, None)
-                    M_FINISHED.labels("abort").inc()
-                    log.debug("request %s aborted", msg.request_id)
+                if msg.request_id in self.migrating:
+                    self.aborted_while_migrating.add(msg.request_id)
+                elif not self.abort_local(msg.request_id) and self.migrator is not None:
+                    self.migrator.forward_abort(msg.request_id)
                 continue
             if not self.accepting:
                 M_REJECTED.inc()
@@ -135,10 +153,22 @@ class Instance:
             self.reply_to[msg.request_id] = msg.reply_to
             self.emitted[msg.request_id] = 0
 
+    def abort_local(self, request_id: str) -> bool:
+        if not self.engine.abort_request(request_id):
+            return False
+        self.reply_to.pop(request_id, None)
+        self.emitted.pop(request_id, None)
+        M_FINISHED.labels("abort").inc()
+        log.debug("request %s aborted", request_id)
+        return True
+
     async def serve_requests(self) -> None:
         async for batch in runtime.receive(self.router, multipart=True):
             for frames in batch:
                 msg = wire.decode(frames[-1]) if len(frames) == 2 else None
+                if isinstance(msg, (wire.MigStage, wire.MigAbort)):
+                    self.migrator.on_peer_message(frames[0], msg)
+                    continue
                 if not isinstance(msg, (wire.Submit, wire.Abort)):
                     M_BAD_FRAMES.inc()
                     if msg is not None or len(frames) != 2:
@@ -149,15 +179,36 @@ class Instance:
 
     # ------------------------------------------------------------------ engine loop
 
+    def boundary(self, fn: Callable) -> asyncio.Future:
+        """Run ``fn()`` at the next step boundary (no engine step in flight); the future gets its result."""
+        fut = asyncio.get_running_loop().create_future()
+        self.boundary_calls.append((fn, fut))
+        self.wake.set()
+        return fut
+
     def at_boundary(self) -> None:
-        """Between steps: take in requests and aborts, answer queries, refresh the load."""
+        """Between steps: take in requests and aborts, run migration calls, answer queries, refresh the load."""
         self.apply_inbox()
+        while self.boundary_calls:
+            calls, self.boundary_calls = self.boundary_calls, []
+            for fn, fut in calls:
+                if fut.done():
+                    continue
+                try:
+                    fut.set_result(fn())
+                except (EngineError, KeyError, ValueError, TransferError) as exc:
+                    fut.set_exception(exc)
         if self.list_queries:
             requests = self.engine.requests()
             for qid in self.list_queries:
                 self._tell_manager(wire.RequestList(qid, self.instance_id, requests))
             self.list_queries.clear()
-        self.last_load = self.engine.load()
+        load = self.engine.load()
+        m = self.migrator
+        if m is not None and (m.busy or m.committed or m.aborted):
+            load = msgspec.structs.replace(load, migrating_out=len(m.outgoing), migrating_in=len(m.incoming),
+                                           migrations_committed=m.committed, migrations_aborted=m.aborted)
+        self.last_load = load
         self.load_changed.set()
 
     async def step_loop(self) -> None:
@@ -175,7 +226,7 @@ class Instance:
             else:
                 result = self.engine.step()
             self.emit(result.outputs)
-            remaining = result.model_time_s - (loop_time() - start)
+            remaining = max(result.model_time_s, self.ic.min_step_s) - (loop_time() - start)
             # Always yield once per step so sockets are served even when steps take no model time.
             await asyncio.sleep(remaining if remaining > 0 else 0)
             M_STEP.observe(loop_time() - start)
@@ -200,8 +251,29 @@ class Instance:
             elif isinstance(msg, wire.ListRequests):
                 self.list_queries.append(msg.query_id)
                 self.wake.set()
+            elif isinstance(msg, wire.MigrateStart):
+                self.migrator._spawn(self.migrate_command(msg))
             else:
                 M_BAD_FRAMES.inc()
+
+    async def migrate_command(self, msg: wire.MigrateStart) -> None:
+        """The manager's (or an operator's) order: migrate these requests, or ``count`` of our choice."""
+        rids = list(msg.request_ids) or await self.boundary(lambda: self.choose_migrants(msg.count))
+        slots = asyncio.Semaphore(self.cfg.migration.max_in_flight)
+
+        async def one(rid: str) -> wire.MigrationOutcome:
+            async with slots:
+                return await self.migrator.migrate_out(rid, msg.dst, msg.dst_address, msg.blocking)
+
+        outcomes = await asyncio.gather(*(one(r) for r in rids))
+        self._tell_manager(wire.MigrateResult(msg.query_id, self.instance_id, list(outcomes)))
+
+    def choose_migrants(self, count: int) -> list[str]:
+        """Running requests to move out: lower priority first, then shorter (less to copy)."""
+        running = [r for r in self.engine.requests() if r.state == "running" and r.request_id not in self.migrating
+                   and r.request_id in self.reply_to]
+        running.sort(key=lambda r: (r.priority, r.blocks))
+        return [r.request_id for r in running[:count]]
 
     async def report_loop(self) -> None:
         """Report on change, at most once per min interval, and at least once per heartbeat."""
@@ -226,17 +298,23 @@ class Instance:
 
     async def run(self) -> None:
         self.request_address = runtime.bind(self.router, self.ic.request_address)
+        self.router_tx = runtime.sender(self.router)
         if self.ic.advertise_address:
             self.request_address = self.ic.advertise_address
         if not self.instance_id:
             self.instance_id = f"{self.ic.host or socket.gethostname()}-{self.request_address.rsplit(':', 1)[-1]}"
+        try:
+            self.migrator = Migrator(self, self.boundary)
+        except (RuntimeError, ValueError) as exc:  # the KV store's port is taken, or the host does not resolve
+            raise runtime.StartupError(f"cannot listen for KV transfer on {self.cfg.migration.kv_host}:"
+                                       f"{self.cfg.migration.kv_port}: {exc}") from None
         self.metrics_address = runtime.start_metrics_server(self.ic.metrics_port)
         runtime.connect(self.manager, self.cfg.manager.address)
         self._tell_manager(self.register_msg())
         load = self.engine.load()
-        log.info("instance %s serving on %s (backend %s, %d blocks of %d tokens, manager %s, metrics %s)",
-                 self.instance_id, self.request_address, self.engine.backend, load.blocks_total, load.block_size,
-                 self.cfg.manager.address, self.metrics_address or "off")
+        log.info("instance %s serving on %s (backend %s, %d blocks of %d tokens, manager %s, KV transfer %s, "
+                 "metrics %s)", self.instance_id, self.request_address, self.engine.backend, load.blocks_total,
+                 load.block_size, self.cfg.manager.address, self.migrator.kv.address, self.metrics_address or "off")
         stop = asyncio.Event()
         runtime.install_stop_signals(asyncio.get_running_loop(), stop)
         runtime.sd_notify("READY=1")
@@ -264,6 +342,8 @@ class Instance:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self.migrator is not None:
+            await self.migrator.close()
         if self.executor is not None:
             self.executor.shutdown(wait=True)  # a step in flight finishes before we touch the engine
         for rid, address in list(self.reply_to.items()):

@@ -83,6 +83,7 @@ class Manager:
         self.bound = ""
         self._query_ids = itertools.count(1)
         self._fanouts: dict[int, tuple[asyncio.Future, set[str], list]] = {}
+        self._migrations: dict[int, asyncio.Future] = {}  # MigrateStart query id -> the source's MigrateResult
         self._tasks: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------ view
@@ -226,6 +227,48 @@ class Manager:
         if not missing and not fut.done():
             fut.set_result(None)
 
+    def migrate_timeout(self, count: int) -> float:
+        """How long a source may take to report ``count`` migrations (each step has its own timeout there)."""
+        mig = self.cfg.migration
+        return 5.0 + max(count, 1) * mig.timeout_s * (mig.max_stages + 3)
+
+    async def on_migrate(self, msg: wire.MigrateQuery) -> wire.Message:
+        dst = self.instances.get(msg.dst)
+        if dst is None or dst.state != "alive":
+            return wire.ErrorReply(msg.query_id, f"destination {msg.dst!r} is not a live instance (see llumnixctl status)")
+        if msg.request_id:
+            held = await self.on_requests(wire.RequestsQuery(0))
+            src_id = next((q.instance_id for q in held.requests if q.request_id == msg.request_id), None)
+            if src_id is None:
+                return wire.ErrorReply(msg.query_id, f"request {msg.request_id!r} is not on any instance "
+                                                     "(finished, or never started; see llumnixctl requests)")
+        else:
+            src_id = msg.src
+        src = self.instances.get(src_id)
+        if src is None or src.state == "dead":
+            return wire.ErrorReply(msg.query_id, f"source {src_id!r} is not a live instance (see llumnixctl status)")
+        if src_id == msg.dst:
+            return wire.ErrorReply(msg.query_id, f"the request is already on {msg.dst}")
+        qid = next(self._query_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._migrations[qid] = fut
+        start = wire.MigrateStart(qid, dst=msg.dst, dst_address=dst.info.request_address,
+                                  request_ids=[msg.request_id] if msg.request_id else [],
+                                  count=0 if msg.request_id else msg.count, blocking=msg.blocking)
+        try:
+            await self.sock.send_multipart([src.identity, wire.encode(start)])
+            result = await asyncio.wait_for(fut, self.migrate_timeout(1 if msg.request_id else msg.count))
+        except asyncio.TimeoutError:
+            return wire.ErrorReply(msg.query_id, f"instance {src_id} did not report the migration's outcome in time")
+        finally:
+            self._migrations.pop(qid, None)
+        return wire.MigrateReply(msg.query_id, result.outcomes)
+
+    def on_migrate_result(self, msg: wire.MigrateResult) -> None:
+        fut = self._migrations.get(msg.query_id)
+        if fut is not None and not fut.done():
+            fut.set_result(msg)
+
     # ------------------------------------------------------------------ loops
 
     async def handle(self, ident: bytes, frame: bytes) -> None:
@@ -248,6 +291,12 @@ class Manager:
             task.add_done_callback(self._tasks.discard)
         elif isinstance(msg, wire.RequestList):
             self.on_request_list(msg)
+        elif isinstance(msg, wire.MigrateQuery):
+            task = asyncio.create_task(self._reply_later(ident, self.on_migrate(msg)))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        elif isinstance(msg, wire.MigrateResult):
+            self.on_migrate_result(msg)
         elif isinstance(msg, wire.Goodbye):
             self.on_goodbye(msg)
         else:

@@ -10,7 +10,10 @@ Sockets (see DESIGN.md):
 - manager ROUTER  <- llumnixctl DEALER StatusQuery, RequestsQuery / Snapshot, RequestsReply, ErrorReply
 - instance ROUTER <- proxy DEALER      Submit, Abort (fire and forget: failures come back on the token path)
 - instance ROUTER <- manager           ListRequests / RequestList (for ``llumnixctl requests``)
-- proxy PULL      <- instance PUSH     TokenBatch, RequestFailed
+- proxy PULL      <- instance PUSH     TokenBatch, RequestFailed, Moved
+- manager ROUTER  <- llumnixctl        MigrateQuery / MigrateReply, ErrorReply
+- instance DEALER <- manager           MigrateStart / MigrateResult (the source runs the migrations)
+- instance ROUTER <- peer DEALER       MigStage, MigAbort / MigReady, MigDone (source -> destination)
 """
 
 from __future__ import annotations
@@ -74,6 +77,10 @@ class InstanceLoad(msgspec.Struct, array_like=True, omit_defaults=True):
     requests_received: int = 0  # monotonic: lets the manager retire its dispatch estimates
     tokens_generated: int = 0  # monotonic
     running_blocks: int = 0  # blocks held by running requests
+    migrating_out: int = 0  # migrations in flight with this instance as source
+    migrating_in: int = 0  # ... as destination (their reserved blocks count in blocks_used)
+    migrations_committed: int = 0  # monotonic, as source
+    migrations_aborted: int = 0  # monotonic, as source
 
 
 # ---------------------------------------------------------------- instance <-> manager
@@ -243,6 +250,124 @@ class RequestFailed(msgspec.Struct, **_tagged(51)):
     status: int = 503  # HTTP status the client should see if it is not retried: 400 = the request itself is bad
 
 
+class Moved(msgspec.Struct, **_tagged(52)):
+    """A migration committed: the request's next tokens come from ``instance_id``; aborts go to ``request_address``."""
+
+    request_id: str
+    instance_id: str
+    request_address: str
+
+
+# ---------------------------------------------------------------- migration
+
+
+class MigratingRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What a destination needs to build a migrating request before its KV arrives (sent at stage 0)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    reply_to: str  # the owning proxy's token address: the destination sends the following tokens there
+    priority: int = 0
+    arrival_time: float = 0.0
+
+
+class RequestState(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The rest of a request at the moment its source suspended it (sent with the last stage)."""
+
+    output_token_ids: list[int]
+    emitted: int  # index of the next token the client is to see
+    engine_state: bytes = b""  # backend-specific sampler state (a seeded generator's state), opaque
+
+
+class MigrationOutcome(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    src: str
+    dst: str
+    outcome: str  # "committed" | "aborted"
+    reason: str = ""
+    stages: int = 0  # copy stages run, the last one included
+    blocks: int = 0
+    bytes: int = 0
+    downtime_ms: float = 0.0  # suspend on the source to commit acknowledged (0 if it never suspended)
+    total_ms: float = 0.0
+    resumed_at: int = -1  # output index of the first token the destination produced (-1: not committed)
+
+
+class MigrateQuery(msgspec.Struct, **_tagged(60)):
+    """llumnixctl -> manager: move one request (request_id) or ``count`` requests of ``src`` to ``dst``."""
+
+    query_id: int
+    dst: str
+    request_id: str = ""
+    src: str = ""
+    count: int = 1
+    blocking: bool = False  # stop-and-copy instead of pre-copy (a baseline for benchmarks)
+
+
+class MigrateReply(msgspec.Struct, **_tagged(61)):
+    query_id: int
+    outcomes: list[MigrationOutcome]
+
+
+class MigrateStart(msgspec.Struct, **_tagged(62)):
+    """manager -> source instance: migrate these requests (or ``count`` chosen by the instance) to ``dst``."""
+
+    query_id: int
+    dst: str
+    dst_address: str  # the destination's request socket
+    request_ids: list[str] = []
+    count: int = 0
+    blocking: bool = False  # no pre-copy: suspend first, then copy everything (the stop-and-copy baseline)
+
+
+class MigrateResult(msgspec.Struct, **_tagged(63)):
+    query_id: int
+    instance_id: str
+    outcomes: list[MigrationOutcome]
+
+
+class MigStage(msgspec.Struct, **_tagged(64)):
+    """source -> destination: get ready to receive blocks [first_block, first_block + n_blocks) of the
+    request over Gloo; the destination then covers ``tokens`` tokens. Stage 0 carries the request, the
+    KV layout and how to reach the source's KV transfer; the last stage carries the request state."""
+
+    mig_id: str
+    stage: int
+    tokens: int
+    first_block: int
+    n_blocks: int
+    last: bool = False
+    request: MigratingRequest | None = None
+    state: RequestState | None = None
+    kv_spec: str = ""
+    src: str = ""
+    kv_address: str = ""  # host:port of the source's rendezvous store
+    pair_key: str = ""  # names the Gloo pair group (formed on first use, reused after)
+    chunk_blocks: int = 0  # blocks per Gloo message
+
+
+class MigReady(msgspec.Struct, **_tagged(65)):
+    mig_id: str
+    stage: int
+    ok: bool = True
+    reason: str = ""
+
+
+class MigDone(msgspec.Struct, **_tagged(66)):
+    """The stage's blocks are written (the last stage: the request is committed and running)."""
+
+    mig_id: str
+    stage: int
+    ok: bool = True
+    reason: str = ""
+
+
+class MigAbort(msgspec.Struct, **_tagged(67)):
+    mig_id: str
+    reason: str = ""
+
+
 Message = (
     Register
     | RegisterAck
@@ -262,6 +387,15 @@ Message = (
     | Abort
     | TokenBatch
     | RequestFailed
+    | Moved
+    | MigrateQuery
+    | MigrateReply
+    | MigrateStart
+    | MigrateResult
+    | MigStage
+    | MigReady
+    | MigDone
+    | MigAbort
 )
 
 _encoder = msgspec.msgpack.Encoder()

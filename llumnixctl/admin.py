@@ -54,6 +54,10 @@ class AdminClient:
     def requests(self) -> wire.RequestsReply:
         return self.ask(wire.RequestsQuery)
 
+    def migrate(self, dst: str, request_id: str = "", src: str = "", count: int = 1, blocking: bool = False) -> wire.MigrateReply:
+        return self.ask(lambda qid: wire.MigrateQuery(qid, dst=dst, request_id=request_id, src=src, count=count,
+                                                      blocking=blocking))
+
     def close(self) -> None:
         if self._sock is not None:
             self._sock.close(0)

@@ -143,6 +143,8 @@ def status_json(snap: wire.Snapshot, address: str) -> dict:
             "preemptions": ld.preemptions, "pending_dispatches": v.pending_dispatches, "backend": v.backend,
             "model": v.model, "request_address": v.request_address, "metrics_address": v.metrics_address,
             "last_report_age_s": v.last_report_age_s,
+            "migrating_out": ld.migrating_out, "migrating_in": ld.migrating_in,
+            "migrations_committed": ld.migrations_committed, "migrations_aborted": ld.migrations_aborted,
         })
     alive = [r for r in rows if r["state"] == "alive"]
     totals = {
@@ -150,6 +152,9 @@ def status_json(snap: wire.Snapshot, address: str) -> dict:
         "blocks_total": sum(r["blocks_total"] for r in alive), "blocks_used": sum(r["blocks_used"] for r in alive),
         "running": sum(r["running"] for r in alive), "waiting": sum(r["waiting"] for r in alive),
         "mean_freeness": round(sum(r["freeness"] for r in alive) / len(alive), 4) if alive else None,
+        "migrations_in_flight": sum(r["migrating_out"] for r in rows),
+        "migrations_committed": sum(r["migrations_committed"] for r in rows),
+        "migrations_aborted": sum(r["migrations_aborted"] for r in rows),
     }
     return {"instances": rows, "totals": totals,
             "manager": {"address": address, "uptime_s": snap.uptime_s, "dispatch_policy": snap.dispatch_policy,
@@ -166,19 +171,67 @@ def status(manager: ManagerOpt = None, run_dir: RunDirOpt = None, config: Config
         print_json(data)
         return
     table = Table(title=f"manager {client.address} · dispatch {data['manager']['dispatch_policy']}", title_justify="left")
-    for col in ("ID", "HOST", "PID", "STATE", "BLOCKS USED/TOTAL", "RUNNING", "WAITING", "FREENESS", "LAST REPORT"):
+    for col in ("ID", "HOST", "PID", "STATE", "BLOCKS USED/TOTAL", "RUNNING", "WAITING", "FREENESS", "MIGRATING OUT/IN",
+                "LAST REPORT"):
         table.add_column(col, justify="right" if col in ("PID", "RUNNING", "WAITING", "FREENESS") else "left")
     for r in data["instances"]:
         state = r["state"] + (" (draining)" if r["draining"] else "")
         style = "red" if r["state"] != "alive" else None
         table.add_row(r["id"], r["host"], str(r["pid"]), state, f"{r['blocks_used']}/{r['blocks_total']}",
-                      str(r["running"]), str(r["waiting"]), f"{r['freeness']:.2f}", f"{r['last_report_age_s']:.1f}s ago",
-                      style=style)
+                      str(r["running"]), str(r["waiting"]), f"{r['freeness']:.2f}",
+                      f"{r['migrating_out']}/{r['migrating_in']}", f"{r['last_report_age_s']:.1f}s ago", style=style)
     t = data["totals"]
     table.add_section()
     table.add_row("total", "", "", f"{t['alive']}/{t['instances']} alive", f"{t['blocks_used']}/{t['blocks_total']}",
-                  str(t["running"]), str(t["waiting"]), "" if t["mean_freeness"] is None else f"{t['mean_freeness']:.2f} avg", "")
+                  str(t["running"]), str(t["waiting"]), "" if t["mean_freeness"] is None else f"{t['mean_freeness']:.2f} avg",
+                  f"{t['migrations_in_flight']} in flight", "")
     out.print(table)
+    out.print(f"migrations: {t['migrations_committed']} committed, {t['migrations_aborted']} aborted, "
+              f"{t['migrations_in_flight']} in flight")
+
+
+def outcome_json(o: wire.MigrationOutcome) -> dict:
+    return {"outcome": o.outcome, "reason": o.reason, "stages": o.stages, "blocks": o.blocks, "bytes": o.bytes,
+            "downtime_ms": round(o.downtime_ms, 3), "total_ms": round(o.total_ms, 3), "request_id": o.request_id,
+            "from": o.src, "to": o.dst, "resumed_at": o.resumed_at}
+
+
+@app.command()
+def migrate(
+    request_id: Annotated[Optional[str], typer.Argument(help="the request to move (see llumnixctl requests)")] = None,
+    to: Annotated[str, typer.Option("--to", help="destination instance id")] = ...,
+    from_: Annotated[Optional[str], typer.Option("--from", help="source instance: move --count of its running requests")] = None,
+    count: Annotated[int, typer.Option("--count", min=1, help="with --from: how many requests (lower priority, shorter first)")] = 1,
+    blocking: Annotated[bool, typer.Option("--blocking", help="stop-and-copy: suspend first, copy everything (a baseline, not for production)")] = False,
+    manager: ManagerOpt = None, run_dir: RunDirOpt = None, config: ConfigOpt = None,
+    timeout: Annotated[float, typer.Option("--timeout", help="seconds to wait for the outcome")] = 120.0,
+    json_: JsonOpt = False,
+) -> None:
+    """Live-migrate a running request (or --count requests of --from) to --to; waits and prints the outcome.
+
+    Exit status 0 when every migration committed, 1 when one aborted or none could start."""
+    if (request_id is None) == (from_ is None):
+        die("give either REQUEST_ID or --from INSTANCE (with --count N)", 2)
+    client = admin(manager, run_dir, config, timeout)
+    try:
+        reply = ask(client, lambda c: c.migrate(to, request_id=request_id or "", src=from_ or "", count=count,
+                                                      blocking=blocking))
+    except RuntimeError as exc:  # the manager's refusal: unknown instance or request
+        die(str(exc))
+    outcomes = [outcome_json(o) for o in reply.outcomes]
+    if json_:
+        print_json(outcomes[0] if request_id is not None and outcomes else outcomes)
+    elif not outcomes:
+        out.print(f"nothing to migrate: {from_} has no running request that can move")
+    else:
+        for o in outcomes:
+            if o["outcome"] == "committed":
+                out.print(f"{o['request_id']}: {o['from']} -> {o['to']} committed: {o['stages']} stages, {o['blocks']} blocks, "
+                          f"{o['bytes'] / 1e6:.1f} MB, downtime {o['downtime_ms']:.2f} ms, total {o['total_ms']:.1f} ms")
+            else:
+                out.print(f"{o['request_id']}: {o['from']} -> {o['to']} aborted: {o['reason']}")
+    if not outcomes or any(o["outcome"] != "committed" for o in outcomes):
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -314,3 +314,98 @@ def test_untested_vllm_version_is_refused(model_dir, monkeypatch):
         VllmEngine(ModelConfig(path=str(model_dir)), VllmConfig())
     with pytest.raises(EngineError, match="model.path"):
         VllmEngine(ModelConfig(path=""), VllmConfig())
+
+
+# ---------------------------------------------------------------- migration verbs
+
+
+def _copy(e: VllmEngine, src_ids: list[int], dst_ids: list[int]) -> None:
+    kb = e.kv_blocks()
+    buf = torch.empty(len(src_ids) * kb.block_nbytes, dtype=torch.uint8)
+    kb.gather(src_ids, buf)
+    kb.scatter(dst_ids, buf)
+
+
+def _migrate_within(e: VllmEngine, rid: str, new_rid: str, out: dict, steps_between: int) -> int:
+    """The verbs as the protocol uses them, source and destination being one engine (one vLLM per process)
+    and the request renamed on the way: reserve and pre-copy the full blocks while the source keeps
+    decoding, then suspend, copy the rest, commit, drop. Returns the index the copy continues at."""
+    import msgspec
+
+    view = e.migration_view(rid)
+    info = msgspec.structs.replace(e.migrating_request(rid), request_id=new_rid)
+    full = view.computed_tokens // e.block_size
+    ids = e.reserve(info, view.computed_tokens)
+    _copy(e, view.block_ids[:full], ids[:full])
+    run(e, [], steps=steps_between, out=out, check=lambda e: None)
+    view = e.migration_view(rid)
+    state = e.suspend(rid)
+    ids = e.reserve(info, view.computed_tokens)
+    upto = math.ceil(view.computed_tokens / e.block_size)
+    _copy(e, view.block_ids[full:upto], ids[full:upto])
+    e.commit(new_rid, state)
+    e.drop_migrated(rid)
+    out[new_rid] = out.pop(rid)
+    return state.emitted
+
+
+MIGRATION_PARAMS = {
+    "greedy": greedy(40, logprobs=0),
+    "seeded": SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True,
+                             logprobs=0, frequency_penalty=0.6, presence_penalty=0.4, repetition_penalty=1.2),
+    "min_tokens": SamplingParams(max_tokens=40, temperature=0.0, min_tokens=35, logprobs=0),
+}
+
+
+@pytest.mark.parametrize("kind", list(MIGRATION_PARAMS))
+def test_migrated_request_produces_the_unmigrated_tokens_and_logprobs(model_dir, kind):
+    """Greedy, seeded sampling with penalties, min_tokens: migrating right after prefill, mid-decode, one
+    token before the end and back and forth three times gives exactly the tokens and logprobs of the
+    unmigrated run, max_tokens is counted across the moves, and every block comes back."""
+    sp = MIGRATION_PARAMS[kind]
+    prompt = list(range(3, 70))  # 67 tokens: the KV spans blocks, the last one partial
+    with engine(model_dir) as e:
+        ref = run(e, [EngineRequest("ref", prompt, sp)])["ref"]
+        for plan in ([1], [17], [len(ref) - 1], [5, 14, 26]):
+            out: dict = {}
+            run(e, [EngineRequest("m0", prompt, sp), EngineRequest("neighbour", list(range(9, 30)), greedy(60))],
+                steps=0, out=out)
+            rid = "m0"
+            for hop, at in enumerate(plan):
+                while len(out[rid]) < at:
+                    run(e, [], steps=1, out=out, check=lambda e: None)
+                resumed = _migrate_within(e, rid, f"m{hop + 1}", out, steps_between=1 if at < len(ref) - 1 else 0)
+                rid = f"m{hop + 1}"
+                assert resumed == len(out[rid])
+            run(e, [], out=out)
+            got = out[rid]
+            assert [t.token_id for t in got] == [t.token_id for t in ref], plan
+            assert [t.logprob for t in got] == pytest.approx([t.logprob for t in ref], abs=1e-4), plan
+            assert [t.index for t in got] == list(range(len(ref)))
+            assert got[-1].finish_reason == ref[-1].finish_reason
+            assert len(out["neighbour"]) == 60
+            assert pool_used(e) == 0 and e.load().blocks_used == 0
+
+
+def test_migration_reserve_refuses_and_release_frees(model_dir):
+    with engine(model_dir, kv_cache_bytes=1 << 20, max_model_len=512) as e:  # 32 blocks of 32 tokens
+        e.add_request(EngineRequest("r", list(range(1, 200)), greedy(8)))
+        e.add_request(EngineRequest("big", list(range(1, 400)), greedy(8)))
+        run(e, [], steps=1, check=lambda e: None)
+        info = e.migrating_request("r")
+        import msgspec
+
+        other = msgspec.structs.replace(info, request_id="r2")
+        with pytest.raises(EngineError, match="no room"):
+            e.reserve(other, 500)  # 16 blocks; 32 - 7 - 13 = 12 free
+        assert pool_used(e) == 20
+        assert e.abort_request("big")
+        ids = e.reserve(other, 100)
+        assert len(ids) == math.ceil(100 / e.block_size) and pool_used(e) == len(ids) + len(e.block_table("r"))
+        with pytest.raises(EngineError, match="already in use"):
+            e.reserve(info, 100)  # "r" runs here
+        assert e.release("r2") and not e.release("r2")
+        e.suspend("r")
+        assert not e.has_work() and [r.state for r in e.requests()] == ["migrating"]
+        assert e.abort_request("r") and pool_used(e) == 0
+        assert e.kv_blocks().spec.startswith("vllm-0.32")

@@ -27,6 +27,18 @@ def _samples():
         wire.Abort("r"),
         wire.TokenBatch("i0", [wire.TokenOut("r", 0, 5), wire.TokenOut("r", 1, 2, "stop", -0.5)]),
         wire.RequestFailed("r", "i0", "boom", True, 400),
+        wire.Moved("r", "i1", "tcp://b"),
+        wire.MigrateQuery(7, "i1", request_id="r"),
+        wire.MigrateReply(7, [wire.MigrationOutcome("r", "i0", "i1", "committed", stages=2, blocks=3, bytes=99,
+                                                     downtime_ms=1.5, total_ms=9.0, resumed_at=4)]),
+        wire.MigrateStart(8, "i1", "tcp://b", ["r"], blocking=True),
+        wire.MigrateResult(8, "i0", [wire.MigrationOutcome("r", "i0", "i1", "aborted", "no room")]),
+        wire.MigStage("m", 0, 40, 0, 2, request=wire.MigratingRequest("r", [1, 2], wire.SamplingParams(), "tcp://p"),
+                      kv_spec="sim", src="i0", kv_address="127.0.0.1:5", pair_key="i0>i1/1", chunk_blocks=8),
+        wire.MigStage("m", 1, 80, 2, 3, last=True, state=wire.RequestState([5, 6], 2, b"\x00\x01")),
+        wire.MigReady("m", 0, False, "no room"),
+        wire.MigDone("m", 1),
+        wire.MigAbort("m", "finished"),
     ]
 
 

@@ -4,9 +4,12 @@ An engine is continuous batching over a paged KV cache. The instance daemon driv
 it adds and aborts requests between steps, calls ``step()`` in a loop while there is work, and reads
 ``load()`` after each step. Engines never touch sockets; the daemon never touches engine internals.
 
-Migration verbs (source: candidates, block ids, gather, suspend, resume, release; destination: reserve,
-scatter, commit, release) are declared here so both backends grow them with one shape; they are built by
-the live-migration work.
+Migration verbs (source: view, gather, suspend, resume, drop; destination: reserve, scatter, commit,
+release) move one running request with its KV cache to another engine of the same KV layout. The llumlet
+runs the protocol (daemons/migration.py); engines only do what each verb says, between steps. ``gather``
+and ``scatter`` are the exception: they touch only blocks no step writes (full blocks of a running
+request, reserved blocks of an incoming one), so the llumlet runs them on its transfer thread while the
+engine keeps stepping.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from daemons.wire import InstanceLoad, RequestLoad, SamplingParams, TokenOut
+import torch
+
+from daemons.wire import InstanceLoad, MigratingRequest, RequestLoad, RequestState, SamplingParams, TokenOut
 
 
 class EngineError(Exception):
@@ -56,6 +61,58 @@ class StepResult:
     model_time_s: float = 0.0
 
 
+@dataclass
+class MigrationView:
+    """A running request as the migration source sees it at a step boundary."""
+
+    block_ids: list[int]  # in token order; blocks past ``computed_tokens`` may be allocated ahead
+    computed_tokens: int  # tokens whose KV is written; full blocks below this never change again
+
+
+class KvBlocks:
+    """Block-granular copies between an engine's per-layer KV tensors and one flat byte buffer.
+
+    Every layer tensor must have the block index as its first dimension and be contiguous. A block is opaque
+    bytes here ("block fusion": n blocks of all layers become one buffer, layer-major), so the layout inside a
+    block (which depends on attention kernel, dtype and block size) only has to match between two engines,
+    which ``spec`` names for the migration handshake.
+    """
+
+    def __init__(self, caches: list[torch.Tensor], describe: str):
+        if not caches:
+            raise ValueError("no KV tensors")
+        self.caches = caches
+        self.rows = [c.view(c.shape[0], -1) for c in caches]  # [num_blocks, elements per block] views
+        self.dtype = caches[0].dtype
+        self.block_elems = self.rows[0].shape[1]
+        if any(r.dtype != self.dtype or r.shape[1] != self.block_elems for r in self.rows):
+            raise ValueError("KV layers differ in dtype or block shape")
+        self.layer_block_nbytes = self.block_elems * self.dtype.itemsize
+        self.block_nbytes = self.layer_block_nbytes * len(caches)  # one block of every layer
+        shape = "x".join(str(d) for d in caches[0].shape[1:])
+        self.spec = f"{describe};layers={len(caches)};block={shape};dtype={str(self.dtype).removeprefix('torch.')}"
+
+    def _view(self, buf: torch.Tensor, n: int) -> torch.Tensor:
+        nbytes = n * self.block_nbytes
+        if buf.dtype != torch.uint8 or buf.numel() < nbytes:
+            raise ValueError(f"staging buffer holds {buf.numel()} bytes; {n} blocks need {nbytes}")
+        return buf[:nbytes].view(self.dtype).view(len(self.rows), n, self.block_elems)
+
+    def gather(self, block_ids: list[int], out: torch.Tensor) -> None:
+        """Copy the blocks ``block_ids`` of every layer into ``out`` (uint8, at least n * block_nbytes)."""
+        dst = self._view(out, len(block_ids))
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.rows[0].device)
+        for layer, rows in enumerate(self.rows):
+            torch.index_select(rows, 0, idx, out=dst[layer])
+
+    def scatter(self, block_ids: list[int], buf: torch.Tensor) -> None:
+        """Write what ``gather`` produced into the blocks ``block_ids`` (the same count, any ids)."""
+        src = self._view(buf, len(block_ids))
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.rows[0].device)
+        for layer, rows in enumerate(self.rows):
+            rows.index_copy_(0, idx, src[layer])
+
+
 class Engine(Protocol):
     backend: str
     block_size: int
@@ -82,3 +139,33 @@ class Engine(Protocol):
 
     def shutdown(self) -> None:
         """Release resources (threads, memory). Idempotent."""
+
+    # ---- migration, source side
+    def kv_blocks(self) -> KvBlocks:
+        """The KV tensors as blocks (built once; ``spec`` must match the peer's)."""
+
+    def migration_view(self, request_id: str) -> MigrationView | None:
+        """The request's blocks and written tokens if it is running and may migrate now, else None."""
+
+    def migrating_request(self, request_id: str) -> MigratingRequest:
+        """What the destination needs to build the request (prompt, sampling, priority). KeyError if unknown."""
+
+    def suspend(self, request_id: str) -> RequestState:
+        """Stop stepping the request, keeping its blocks; return its state (outputs, counters, sampler state)."""
+
+    def resume(self, request_id: str) -> None:
+        """Undo ``suspend``: the request steps again where it was."""
+
+    def drop_migrated(self, request_id: str) -> None:
+        """Free a suspended request after the destination committed it; emits nothing."""
+
+    # ---- migration, destination side
+    def reserve(self, request: MigratingRequest, tokens: int) -> list[int]:
+        """Hold blocks for ``tokens`` tokens of an incoming request (first call) or grow that hold; returns
+        all its block ids. Raises EngineError if there is no room or the request is invalid here."""
+
+    def commit(self, request_id: str, state: RequestState) -> None:
+        """Insert the reserved request as running with its KV written: it continues at its next token."""
+
+    def release(self, request_id: str) -> bool:
+        """Free a reservation that will not be committed. False if there is none."""

@@ -23,8 +23,8 @@ from collections import deque
 import torch
 
 from daemons.config import ModelConfig, SimConfig
-from daemons.engine.base import EngineError, EngineRequest, StepResult, check_request
-from daemons.wire import InstanceLoad, RequestLoad, TokenOut
+from daemons.engine.base import EngineError, EngineRequest, KvBlocks, MigrationView, StepResult, check_request
+from daemons.wire import InstanceLoad, MigratingRequest, RequestLoad, RequestState, TokenOut
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _GOLDEN = 0.6180339887498949  # spreads successive positions over [0, 1)
@@ -103,6 +103,9 @@ class SimEngine:
         self._reqs: dict[str, _Req] = {}
         self._running: dict[str, _Req] = {}  # insertion order = admission order (the last one is preempted first)
         self._waiting: deque[_Req] = deque()
+        self._suspended: dict[str, _Req] = {}  # migrating out: no steps, blocks kept
+        self._reserved: dict[str, _Req] = {}  # migrating in: blocks held, not yet running
+        self._kv_blocks: KvBlocks | None = None
         self._preemptions = 0
         self._received = 0
         self._tokens_generated = 0
@@ -111,7 +114,7 @@ class SimEngine:
 
     def add_request(self, request: EngineRequest) -> None:
         rid = request.request_id
-        check_request(request, rid in self._reqs, self.max_model_len)
+        check_request(request, rid in self._reqs or rid in self._reserved, self.max_model_len)
         req = _Req(request, self.max_model_len)
         # A request that could never be (re)admitted would wait forever: refuse it now, like vLLM.
         peak = _cdiv(req.max_total, self.block_size)
@@ -127,7 +130,7 @@ class SimEngine:
         req = self._reqs.pop(request_id, None)
         if req is None:
             return False
-        if self._running.pop(request_id, None) is None:
+        if self._running.pop(request_id, None) is None and self._suspended.pop(request_id, None) is None:
             self._waiting.remove(req)  # O(waiting), but aborts are rare next to steps
         self._release(req)
         return True
@@ -195,7 +198,9 @@ class SimEngine:
             hol_demand_blocks=_cdiv(head.prompt_len + head.generated + 1, self.block_size) if head else 0,
             requests_received=self._received,
             tokens_generated=self._tokens_generated,
-            running_blocks=used,  # only running requests hold blocks
+            # Only running, suspended (migrating out) and reserved (migrating in) requests hold blocks.
+            running_blocks=used - sum(len(r.blocks) for r in self._suspended.values())
+            - sum(len(r.blocks) for r in self._reserved.values()),
         )
 
     def requests(self) -> list[RequestLoad]:
@@ -204,6 +209,7 @@ class SimEngine:
                                output_tokens=r.generated, priority=r.priority)
 
         out = [row(r, "running") for r in self._running.values()]
+        out += [row(r, "migrating") for r in self._suspended.values()]
         out += [row(r, "preempted" if r.preempted else "waiting") for r in self._waiting]
         return out
 
@@ -211,7 +217,82 @@ class SimEngine:
         """The request's block ids in token order (empty while it waits). KeyError if unknown."""
         return list(self._reqs[request_id].blocks)
 
+    # ---------------------------------------------------------------- migration, source
+
+    def kv_blocks(self) -> KvBlocks:
+        if self._kv_blocks is None:
+            self._kv_blocks = KvBlocks(self.kv_caches, "sim")
+        return self._kv_blocks
+
+    def migration_view(self, request_id: str) -> MigrationView | None:
+        req = self._running.get(request_id)
+        if req is None:
+            return None
+        return MigrationView(block_ids=list(req.blocks), computed_tokens=req.prompt_len + req.generated)
+
+    def migrating_request(self, request_id: str) -> MigratingRequest:
+        req = self._reqs[request_id]
+        # The sim derives tokens from the request id alone, so it needs no prompt ids; their count must travel.
+        return MigratingRequest(request_id=req.rid, prompt_token_ids=[0] * req.prompt_len, sampling=req.sampling,
+                                reply_to="", priority=req.priority, arrival_time=req.arrival_time)
+
+    def suspend(self, request_id: str) -> RequestState:
+        req = self._running.pop(request_id)
+        self._suspended[request_id] = req
+        # The sim's outputs are a function of (request id, index); only the count matters.
+        return RequestState(output_token_ids=[0] * req.generated, emitted=req.generated)
+
+    def resume(self, request_id: str) -> None:
+        req = self._suspended.pop(request_id)
+        self._running[request_id] = req
+
+    def drop_migrated(self, request_id: str) -> None:
+        req = self._suspended.pop(request_id)
+        del self._reqs[request_id]
+        self._release(req)
+
+    # ---------------------------------------------------------------- migration, destination
+
+    def reserve(self, request: MigratingRequest, tokens: int) -> list[int]:
+        rid = request.request_id
+        req = self._reserved.get(rid)
+        if req is None:
+            engine_request = EngineRequest(rid, request.prompt_token_ids, request.sampling, request.arrival_time,
+                                           request.priority)
+            check_request(engine_request, rid in self._reqs, self.max_model_len)
+            req = _Req(engine_request, self.max_model_len)
+        need = _cdiv(tokens, self.block_size) - len(req.blocks)
+        if need > 0:
+            # Migration must not push this instance into preempting its own requests: keep the watermark.
+            if len(self._free) - need < self._watermark_blocks:
+                if not req.blocks:
+                    self._reserved.pop(rid, None)
+                raise EngineError(f"no room: {need} more blocks wanted, {len(self._free)} free "
+                                  f"(watermark {self._watermark_blocks:.0f})")
+            req.blocks.extend(self._free.popleft() for _ in range(need))
+        self._reserved[rid] = req
+        return list(req.blocks)
+
+    def commit(self, request_id: str, state: RequestState) -> None:
+        req = self._reserved[request_id]
+        generated = len(state.output_token_ids)
+        if _cdiv(req.prompt_len + generated, self.block_size) > len(req.blocks):
+            raise EngineError(f"reservation of {len(req.blocks)} blocks cannot hold {req.prompt_len + generated} tokens")
+        del self._reserved[request_id]
+        req.generated = generated
+        self._reqs[request_id] = req
+        self._running[request_id] = req
+
+    def release(self, request_id: str) -> bool:
+        req = self._reserved.pop(request_id, None)
+        if req is None:
+            return False
+        self._release(req)
+        return True
+
     def shutdown(self) -> None:
+        self._suspended.clear()
+        self._reserved.clear()
         self._reqs.clear()
         self._running.clear()
         self._waiting.clear()

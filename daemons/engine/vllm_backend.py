@@ -20,8 +20,8 @@ import time
 from types import SimpleNamespace
 
 from daemons.config import ModelConfig, VllmConfig
-from daemons.engine.base import EngineError, EngineRequest, StepResult, check_request
-from daemons.wire import InstanceLoad, RequestLoad, TokenOut
+from daemons.engine.base import EngineError, EngineRequest, KvBlocks, MigrationView, StepResult, check_request
+from daemons.wire import InstanceLoad, MigratingRequest, RequestLoad, RequestState, TokenOut
 
 log = logging.getLogger("llumnix.engine.vllm")
 
@@ -71,6 +71,18 @@ class _Vllm:
     block_pool.{num_gpu_blocks, get_num_free_blocks}}``, ``Request.{request_id, priority, num_prompt_tokens,
     num_output_tokens, num_tokens, num_preemptions, status}``,
     ``core.model_executor.driver_worker.worker.model_runner.kv_caches``.
+
+    Migration (all between steps, on the engine's thread): a request is suspended by taking it out of
+    ``scheduler.running`` (its blocks and the model runner's cached state stay) and resumed by putting it
+    back. An incoming request is a ``Request`` built like any other; its blocks come from
+    ``kv_cache_manager.allocate_slots(delay_cache_blocks=True)`` (and are taken off the list of new blocks
+    the runner zeroes, or the zeroing could overwrite what migration wrote). On commit it gets its output
+    tokens (``append_output_token_ids``), ``num_computed_tokens`` = all but the last sampled token, status
+    RUNNING, a place in ``scheduler.requests`` and ``scheduler.running``, and a ``CachedRequestState`` in
+    ``model_runner.requests`` built from the same fields vLLM uses for a new request plus the outputs and
+    the seeded generator's state. The scheduler then sees a running request that skipped a step: it
+    schedules one token, and the runner adds it back to the persistent batch from that cached state. The
+    source drops a migrated request with ``abort_requests`` (after putting it back into ``running``).
     """
 
     @staticmethod
@@ -87,7 +99,9 @@ class _Vllm:
         from vllm.v1.engine import EngineCoreRequest
         from vllm.v1.engine.core import EngineCore
         from vllm.v1.executor import Executor
+        from vllm.sampling_params import SamplingType
         from vllm.v1.request import RequestStatus
+        from vllm.v1.worker.gpu_input_batch import CachedRequestState
 
         found = vllm.__version__
         if not found.startswith(TESTED_VERSION + ".") and os.environ.get(UNTESTED_ENV) != "1":
@@ -96,7 +110,8 @@ class _Vllm:
         return SimpleNamespace(version=found, EngineArgs=EngineArgs, SamplingParams=SamplingParams,
                                DELTA=RequestOutputKind.DELTA, UsageContext=UsageContext, EngineCore=EngineCore,
                                EngineCoreRequest=EngineCoreRequest, Executor=Executor, PREEMPTED=RequestStatus.PREEMPTED,
-                               request_errors=(VLLMClientError, ValueError))
+                               RUNNING=RequestStatus.RUNNING, RANDOM_SEED=SamplingType.RANDOM_SEED,
+                               CachedRequestState=CachedRequestState, request_errors=(VLLMClientError, ValueError))
 
     @staticmethod
     def workarounds() -> None:
@@ -155,6 +170,10 @@ class _Vllm:
         self.generation_config = self.model_config.try_get_generation_config()
         eos = self.generation_config.get("eos_token_id", getattr(self.model_config.hf_config, "eos_token_id", None))
         self.eos_token_id = eos[0] if isinstance(eos, list) and eos else eos
+        self._held: set[str] = set()  # reservations: requests that hold blocks but are not in the scheduler
+        if getattr(self.config.scheduler_config, "async_scheduling", False):
+            raise EngineError("vLLM chose async scheduling; the vllm backend steps synchronously "
+                              "(migration suspends requests between steps)")
 
     # ---- requests
     def sampling_params(self, sp) -> object:
@@ -171,11 +190,7 @@ class _Vllm:
         return p
 
     def add(self, request_id: str, prompt: list[int], params, arrival_time: float, priority: int):
-        ecr = self.m.EngineCoreRequest(
-            request_id=request_id, prompt_token_ids=prompt, mm_features=None, sampling_params=params,
-            pooling_params=None, arrival_time=arrival_time, lora_request=None, cache_salt=None,
-            data_parallel_rank=None, priority=priority)
-        req, _wave = self.core.preprocess_add_request(ecr)
+        req = self.build(request_id, prompt, params, arrival_time, priority)
         self.core.add_request(req)
         return req  # vllm.v1.request.Request: read for counters, never written
 
@@ -231,7 +246,91 @@ class _Vllm:
 
     def kv_caches(self) -> list:
         """Per layer ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` on the CPU backend."""
-        return self.core.model_executor.driver_worker.worker.model_runner.kv_caches
+        return self.runner().kv_caches
+
+    def runner(self):
+        return self.core.model_executor.driver_worker.worker.model_runner
+
+    def kv_layout(self) -> str:
+        """What decides the bytes inside a block besides shape and dtype: device and attention kernel."""
+        from vllm.platforms import current_platform
+
+        kind = "cpu" if current_platform.is_cpu() else current_platform.device_name
+        isa = ""
+        if current_platform.is_cpu():
+            isa = "-amx" if os.environ.get(AMX_ENV) == "1" else "-noamx"
+        return f"vllm-{self.m.version}-{kind}{isa}"
+
+    # ---- migration
+    def is_running(self, req) -> bool:
+        return req.status == self.m.RUNNING and req.num_output_placeholders == 0 and not req.spec_token_ids
+
+    def suspend(self, req) -> bytes:
+        self.scheduler.running.remove(req)
+        state = self.runner().requests.get(req.request_id)
+        gen = getattr(state, "generator", None)
+        return bytes(gen.get_state().numpy().tobytes()) if gen is not None else b""
+
+    def resume(self, req) -> None:
+        self.scheduler.running.append(req)
+
+    def drop_suspended(self, req) -> None:
+        self.scheduler.running.append(req)  # so the scheduler's own abort path finds it where it expects
+        self.core.abort_requests([req.request_id])
+
+    def build(self, request_id: str, prompt: list[int], params, arrival_time: float, priority: int):
+        ecr = self.m.EngineCoreRequest(
+            request_id=request_id, prompt_token_ids=prompt, mm_features=None, sampling_params=params,
+            pooling_params=None, arrival_time=arrival_time, lora_request=None, cache_salt=None,
+            data_parallel_rank=None, priority=priority)
+        req, _wave = self.core.preprocess_add_request(ecr)
+        return req
+
+    def allocate(self, req, tokens: int) -> list[int] | None:
+        """Grow ``req``'s blocks to cover ``tokens`` tokens (num_computed_tokens stays 0 until commit)."""
+        have = len(self.kv.get_block_ids(req.request_id)[0]) if req.request_id in self._held else 0
+        if -(-tokens // self.block_size) <= have:
+            return self.block_ids(req.request_id)
+        blocks = self.kv.allocate_slots(req, tokens, delay_cache_blocks=True)
+        if blocks is None:
+            return None
+        self._held.add(req.request_id)
+        new = set(blocks.get_block_ids()[0])
+        for manager in getattr(self.kv.coordinator, "single_type_managers", ()):
+            pending = getattr(manager, "new_block_ids", None)
+            if pending:  # the runner would zero these at the next step, perhaps after we wrote them
+                manager.new_block_ids = [b for b in pending if b not in new]
+        return self.block_ids(req.request_id)
+
+    def free(self, req) -> None:
+        self._held.discard(req.request_id)
+        self.kv.free(req)
+
+    def commit(self, req, outputs: list[int], engine_state: bytes) -> None:
+        import torch
+
+        self._held.discard(req.request_id)
+        req.append_output_token_ids(outputs)
+        req.num_computed_tokens = req.num_tokens - 1  # the last sampled token's KV is computed by the next step
+        req.num_cached_tokens = req.num_computed_tokens
+        req.status = self.m.RUNNING
+        if self.config.cache_config.enable_prefix_caching:
+            self.kv.cache_blocks(req, req.num_computed_tokens)
+        generator = None
+        params = req.sampling_params
+        if params.sampling_type == self.m.RANDOM_SEED:
+            runner = self.runner()
+            generator = torch.Generator(device=runner.device)
+            generator.manual_seed(params.seed)
+            if engine_state:
+                generator.set_state(torch.frombuffer(bytearray(engine_state), dtype=torch.uint8))
+        self.runner().requests[req.request_id] = self.m.CachedRequestState(
+            req_id=req.request_id, prompt_token_ids=req.prompt_token_ids, mm_features=[], sampling_params=params,
+            pooling_params=None, generator=generator, block_ids=(list(self.block_ids(req.request_id)),),
+            num_computed_tokens=req.num_computed_tokens, output_token_ids=list(req.output_token_ids),
+            lora_request=None)
+        self.scheduler.requests[req.request_id] = req
+        self.scheduler.running.append(req)
 
 
 def apply_workarounds(vllm: VllmConfig | None = None) -> None:
@@ -245,12 +344,13 @@ def apply_workarounds(vllm: VllmConfig | None = None) -> None:
 
 
 class _Live:
-    __slots__ = ("rid", "req", "emitted")
+    __slots__ = ("rid", "req", "emitted", "sampling")
 
-    def __init__(self, rid: str, req):
+    def __init__(self, rid: str, req, sampling):
         self.rid = rid
         self.req = req  # vLLM's Request
         self.emitted = 0  # tokens sent out: the next TokenOut's index
+        self.sampling = sampling  # ours, as the client gave it: travels with a migration
 
 
 class VllmEngine:
@@ -272,6 +372,9 @@ class VllmEngine:
         self.max_model_len = self._v.max_model_len
         self.eos_token_id = self._v.eos_token_id
         self._live: dict[str, _Live] = {}
+        self._suspended: set[str] = set()
+        self._reserved: dict[str, _Live] = {}
+        self._kv_blocks: KvBlocks | None = None
         self._finished_preemptions = 0
         self._received = 0
         self._tokens_generated = 0
@@ -282,7 +385,7 @@ class VllmEngine:
     def add_request(self, request: EngineRequest) -> None:
         rid, prompt, sp = request.request_id, request.prompt_token_ids, request.sampling
         n = len(prompt)
-        check_request(request, rid in self._live, self.max_model_len, self._v.vocab_size)
+        check_request(request, rid in self._live or rid in self._reserved, self.max_model_len, self._v.vocab_size)
         peak = _cdiv(min(n + sp.max_tokens, self.max_model_len), self.block_size)
         if peak > self._v.blocks_total():
             raise EngineError(f"prompt plus max_tokens may reach {peak * self.block_size} tokens; this instance's KV "
@@ -292,19 +395,23 @@ class VllmEngine:
         except self._v.m.request_errors as exc:  # vLLM's validation errors carry a client-ready message
             raise EngineError(str(exc)) from exc
         req = self._v.add(rid, list(prompt), params, request.arrival_time or time.time(), request.priority)
-        self._live[rid] = _Live(rid, req)
+        self._live[rid] = _Live(rid, req, sp)
         self._received += 1
 
     def abort_request(self, request_id: str) -> bool:
         live = self._live.get(request_id)
         if live is None:
             return False
-        self._v.abort(request_id)
+        if request_id in self._suspended:
+            self._suspended.discard(request_id)
+            self._v.drop_suspended(live.req)
+        else:
+            self._v.abort(request_id)
         self._forget(live)
         return True
 
     def has_work(self) -> bool:
-        return bool(self._live)
+        return len(self._live) > len(self._suspended)
 
     def step(self) -> StepResult:
         outputs: list[TokenOut] = []
@@ -357,6 +464,7 @@ class VllmEngine:
                                priority=r.priority)
 
         out = [row(r, "running") for r in v.running()]
+        out += [row(self._live[rid].req, "migrating") for rid in self._suspended]
         out += [row(r, "preempted" if v.is_preempted(r) else "waiting") for r in v.waiting()]
         return out
 
@@ -370,6 +478,88 @@ class VllmEngine:
     def kv_caches(self) -> list:
         """The model runner's KV tensors, one per layer (see ``_Vllm.kv_caches`` for the layout)."""
         return self._v.kv_caches()
+
+    # ---------------------------------------------------------------- migration, source
+
+    def kv_blocks(self) -> KvBlocks:
+        if self._kv_blocks is None:
+            self._kv_blocks = KvBlocks(list(self._v.kv_caches()), self._v.kv_layout())
+        return self._kv_blocks
+
+    def migration_view(self, request_id: str) -> MigrationView | None:
+        live = self._live.get(request_id)
+        if live is None or request_id in self._suspended or not self._v.is_running(live.req):
+            return None
+        return MigrationView(block_ids=list(self._v.block_ids(request_id)), computed_tokens=live.req.num_computed_tokens)
+
+    def migrating_request(self, request_id: str) -> MigratingRequest:
+        live = self._live[request_id]
+        r = live.req
+        return MigratingRequest(request_id=request_id, prompt_token_ids=list(r.prompt_token_ids), sampling=live.sampling,
+                                reply_to="", priority=r.priority, arrival_time=r.arrival_time)
+
+    def suspend(self, request_id: str) -> RequestState:
+        live = self._live[request_id]
+        if request_id in self._suspended or not self._v.is_running(live.req):
+            raise KeyError(request_id)
+        engine_state = self._v.suspend(live.req)
+        self._suspended.add(request_id)
+        return RequestState(output_token_ids=list(live.req.output_token_ids), emitted=live.emitted,
+                            engine_state=engine_state)
+
+    def resume(self, request_id: str) -> None:
+        self._suspended.remove(request_id)
+        self._v.resume(self._live[request_id].req)
+
+    def drop_migrated(self, request_id: str) -> None:
+        self._suspended.remove(request_id)
+        live = self._live[request_id]
+        self._v.drop_suspended(live.req)
+        self._forget(live)
+
+    # ---------------------------------------------------------------- migration, destination
+
+    def reserve(self, request: MigratingRequest, tokens: int) -> list[int]:
+        rid = request.request_id
+        live = self._reserved.get(rid)
+        if live is None:
+            engine_request = EngineRequest(rid, request.prompt_token_ids, request.sampling, request.arrival_time,
+                                           request.priority)
+            check_request(engine_request, rid in self._live, self.max_model_len, self._v.vocab_size)
+            try:
+                params = self._v.sampling_params(request.sampling)
+            except self._v.m.request_errors as exc:
+                raise EngineError(str(exc)) from exc
+            req = self._v.build(rid, list(request.prompt_token_ids), params, request.arrival_time or time.time(),
+                                request.priority)
+            live = _Live(rid, req, request.sampling)
+        if tokens > self.max_model_len:
+            raise EngineError(f"{tokens} tokens exceed this instance's context limit {self.max_model_len}")
+        blocks = self._v.allocate(live.req, tokens)
+        if blocks is None:
+            if rid not in self._reserved:
+                self._v.free(live.req)
+            raise EngineError(f"no room: {-(-tokens // self.block_size)} blocks wanted, "
+                              f"{self._v.blocks_free()} free")
+        self._reserved[rid] = live
+        return list(blocks)
+
+    def commit(self, request_id: str, state: RequestState) -> None:
+        live = self._reserved[request_id]
+        tokens = len(live.req.prompt_token_ids) + len(state.output_token_ids) - 1
+        if -(-tokens // self.block_size) > len(self._v.block_ids(request_id)):
+            raise EngineError(f"the reservation cannot hold {tokens} tokens")
+        del self._reserved[request_id]
+        self._v.commit(live.req, list(state.output_token_ids), state.engine_state)
+        live.emitted = state.emitted
+        self._live[request_id] = live
+
+    def release(self, request_id: str) -> bool:
+        live = self._reserved.pop(request_id, None)
+        if live is None:
+            return False
+        self._v.free(live.req)
+        return True
 
     def shutdown(self) -> None:
         if self._closed:

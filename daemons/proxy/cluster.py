@@ -3,7 +3,8 @@
 Each request gets a ``Stream`` that puts token outputs in index order and emits each index exactly once,
 whichever instance produced it. If the manager does not answer in time (or is known to be down), the
 proxy picks the freest instance from its last snapshot itself. A request whose instance fails or dies
-before producing a token is sent elsewhere; after that, the client gets an error.
+before producing a token is sent elsewhere; after that, the client gets an error. A request that migrates
+is followed: the destination says so (``Moved``), and aborts go there from then on.
 """
 
 from __future__ import annotations
@@ -260,6 +261,13 @@ class ClusterClient:
                         stream = streams.get(out.request_id)
                         if stream is not None:
                             stream.feed(out)
+                elif isinstance(msg, wire.Moved):  # live migration: follow the request to its new instance
+                    stream = streams.get(msg.request_id)
+                    if stream is not None and not stream.done:
+                        stream.instance_id, stream.address = msg.instance_id, msg.request_address
+                        stream.sent_at = time.monotonic()
+                        if msg.instance_id not in stream.tried:
+                            stream.tried.append(msg.instance_id)
                 elif isinstance(msg, wire.RequestFailed):
                     stream = streams.get(msg.request_id)
                     if stream is not None and stream.instance_id == msg.instance_id:

@@ -1,0 +1,189 @@
+"""KV bytes between instances: Gloo (torch.distributed) pair groups, formed on demand.
+
+There is no world: every (source, destination) pair gets its own two-member ``ProcessGroupGloo`` the first
+time it migrates, named by a key the source picks, over the source's rendezvous ``TCPStore``. New
+instances join at any time and a dead peer breaks only its own pairs. Each pair runs its Gloo work on its
+own thread, so the engine keeps stepping and one slow peer does not hold up another.
+
+A stage's blocks travel in chunks of ``chunk_blocks`` fused blocks (all layers of n blocks in one buffer).
+Two staging buffers per pair make it a pipeline: the sender gathers chunk i+1 while chunk i is on the wire,
+the receiver scatters chunk i while chunk i+1 arrives. Both ends post their operations in the order the
+control messages (ZeroMQ, in order on one connection) put them in, so no tags are needed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from daemons.engine.base import KvBlocks
+
+log = logging.getLogger("llumnix.kvtransfer")
+
+SOURCE_RANK, DEST_RANK = 0, 1
+
+
+class TransferError(Exception):
+    """A pair group could not form or a send/receive failed (peer gone, timeout)."""
+
+
+class Pair:
+    """One Gloo group with one peer: a worker thread and a double buffer."""
+
+    def __init__(self, key: str, host: str, rank: int, store: dist.Store, timeout_s: float):
+        self.key = key
+        self.rank = rank
+        self.peer = 1 - rank
+        self.timeout = timedelta(seconds=timeout_s)
+        self.broken = False
+        self.bytes_moved = 0
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"kv-{key[-8:]}")
+        self._buffers: list[torch.Tensor] = []
+        self._pg: dist.ProcessGroup | None = None
+        self._pool.submit(self._connect, host, store)
+
+    def _connect(self, host: str, store: dist.Store) -> None:
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        opts._timeout = self.timeout
+        try:
+            self._pg = dist.ProcessGroupGloo(dist.PrefixStore(self.key, store), self.rank, 2, opts)
+        except (RuntimeError, ValueError) as exc:  # the peer never came, or its address does not route
+            self.broken = True
+            log.warning("KV pair %s could not form: %s", self.key, exc)
+
+    def _staging(self, nbytes: int) -> list[torch.Tensor]:
+        if not self._buffers or self._buffers[0].numel() < nbytes:
+            self._buffers = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(2)]
+        return self._buffers
+
+    def _ready(self) -> dist.ProcessGroup:
+        if self.broken or self._pg is None:
+            raise TransferError(f"KV pair {self.key} is not connected")
+        return self._pg
+
+    def _wait(self, work) -> None:
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as exc:
+            self.broken = True
+            raise TransferError(f"KV transfer with the peer failed: {exc}") from None
+
+    def send(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int, limit_bytes_s: float = 0.0) -> Future:
+        """Gather and send ``block_ids`` in chunks; the future resolves to the bytes sent."""
+        return self._pool.submit(self._send, kv, list(block_ids), chunk_blocks, limit_bytes_s)
+
+    def recv(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int) -> Future:
+        """Receive into ``block_ids`` (the same count the peer sends, in order); resolves to the bytes received."""
+        return self._pool.submit(self._recv, kv, list(block_ids), chunk_blocks)
+
+    def _chunks(self, block_ids: list[int], chunk_blocks: int) -> list[list[int]]:
+        return [block_ids[i:i + chunk_blocks] for i in range(0, len(block_ids), chunk_blocks)]
+
+    def _send(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int, limit_bytes_s: float) -> int:
+        pg = self._ready()
+        bufs = self._staging(chunk_blocks * kv.block_nbytes)
+        inflight: list = [None, None]
+        start, sent = time.perf_counter(), 0
+        for i, chunk in enumerate(self._chunks(block_ids, chunk_blocks)):
+            b = i % 2
+            if inflight[b] is not None:
+                self._wait(inflight[b])  # that buffer is free again
+            n = len(chunk) * kv.block_nbytes
+            kv.gather(chunk, bufs[b])
+            inflight[b] = pg.send([bufs[b][:n]], self.peer, 0)
+            sent += n
+            if limit_bytes_s > 0:  # pace to the cap: sleep until this many bytes are due
+                ahead = sent / limit_bytes_s - (time.perf_counter() - start)
+                if ahead > 0:
+                    time.sleep(ahead)
+        for work in inflight:
+            if work is not None:
+                self._wait(work)
+        self.bytes_moved += sent
+        return sent
+
+    def _recv(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int) -> int:
+        pg = self._ready()
+        bufs = self._staging(chunk_blocks * kv.block_nbytes)
+        chunks = self._chunks(block_ids, chunk_blocks)
+
+        def post(i: int):
+            n = len(chunks[i]) * kv.block_nbytes
+            return pg.recv([bufs[i % 2][:n]], self.peer, 0)
+
+        pending = [post(i) for i in range(min(2, len(chunks)))]
+        got = 0
+        for i, chunk in enumerate(chunks):
+            self._wait(pending[i % 2])
+            kv.scatter(chunk, bufs[i % 2])
+            got += len(chunk) * kv.block_nbytes
+            if i + 2 < len(chunks):
+                pending[i % 2] = post(i + 2)
+        self.bytes_moved += got
+        return got
+
+    def close(self) -> None:
+        self.broken = True
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class KvTransfer:
+    """This instance's end of KV transfer: a rendezvous store for the pairs it starts, and its pairs."""
+
+    def __init__(self, host: str, port: int, timeout_s: float):
+        self.host = host
+        self.timeout_s = timeout_s
+        # The store of the pairs this instance starts as a source; destinations connect to it.
+        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=timeout_s), use_libuv=True)
+        self.address = f"{host}:{self.store.port}"
+        self.pairs: dict[str, Pair] = {}
+        self._lock = threading.Lock()
+
+    def source_pair(self, me: str, peer: str) -> Pair:
+        """The pair this instance uses to send to ``peer`` (formed on first use; the peer joins with its key)."""
+        with self._lock:
+            pair = self.pairs.get(peer)
+            if pair is None or pair.broken:
+                if pair is not None:
+                    pair.close()
+                key = f"{me}>{peer}/{time.time_ns():x}"
+                pair = self.pairs[peer] = Pair(key, self.host, SOURCE_RANK, self.store, self.timeout_s)
+            return pair
+
+    def dest_pair(self, key: str, store_address: str) -> Pair:
+        """The pair a source named ``key`` at ``store_address`` (joined on first use)."""
+        with self._lock:
+            pair = self.pairs.get(key)
+            if pair is None or pair.broken:
+                # A new key from the same source replaces its older pairs (it reconnected after a failure).
+                family = key.rsplit("/", 1)[0] + "/"
+                for old in [k for k in self.pairs if k.startswith(family)]:
+                    self.pairs.pop(old).close()
+                host, port = store_address.rsplit(":", 1)
+                try:
+                    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=self.timeout_s),
+                                          use_libuv=True)
+                except (RuntimeError, ValueError) as exc:
+                    raise TransferError(f"cannot reach the source's KV store at {store_address}: {exc}") from None
+                pair = self.pairs[key] = Pair(key, self.host, DEST_RANK, store, self.timeout_s)
+            return pair
+
+    def forget(self, name: str) -> None:
+        with self._lock:
+            pair = self.pairs.pop(name, None)
+        if pair is not None:
+            pair.close()
+
+    def close(self) -> None:
+        with self._lock:
+            pairs, self.pairs = list(self.pairs.values()), {}
+        for pair in pairs:
+            pair.close()

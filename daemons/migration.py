@@ -1,0 +1,431 @@
+"""Live migration of running requests between instances: the llumlet's protocol, engine-agnostic.
+
+Source, for one request (DESIGN.md "Live migration"):
+
+    stage 0     MigStage(request, KV layout, how to reach our KV store) -> destination reserves blocks,
+                MigReady; the full blocks written so far go over Gloo while the request keeps decoding; MigDone
+    stage k     the same for the blocks that filled up during stage k-1
+    last stage  once at most ``last_stage_max_blocks`` remain (or after ``max_stages``): suspend the request
+                at a step boundary, send the rest (the partial block included) and the request's state;
+                the destination commits it (it is running there now) and answers MigDone
+    then        drop the request here; its tokens come from the destination, at the next index, to the same
+                proxy (which is told the request moved)
+
+Every step is acknowledged and has a timeout. The source aborts when the request finishes or is preempted
+during pre-copy, or when the destination refuses, times out, dies or a transfer fails; it resumes the
+request if it had suspended it, and tells the destination to release. A destination that hears nothing for
+``dest_idle_timeout_s`` releases its reservation; one whose receive fails releases at once. Blocks that a
+transfer may still write are only released after the transfer has ended, so a late chunk never lands in a
+block that another request got in the meantime.
+
+Engine calls that change scheduler state run between steps (``boundary``); Gloo work runs on the pair's
+thread (kvtransfer.Pair) and only touches blocks no step writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+import msgspec
+import zmq
+from prometheus_client import Counter, Gauge, Histogram
+
+from daemons import runtime, wire
+from daemons.engine.base import EngineError
+from daemons.kvtransfer import KvTransfer, TransferError
+
+if TYPE_CHECKING:
+    from daemons.instance import Instance
+
+log = logging.getLogger("llumnix.migration")
+
+M_MIGRATIONS = Counter("llumnix_migrations_total", "Migrations out of this instance, by outcome", ["outcome"])
+M_DOWNTIME = Histogram("llumnix_migration_downtime_seconds", "Time a committed migration kept its request suspended",
+                       buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
+M_DURATION = Histogram("llumnix_migration_seconds", "Duration of migrations out, start to outcome",
+                       buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
+M_BYTES = Counter("llumnix_migration_bytes_total", "KV bytes moved, by direction", ["direction"])
+M_IN_FLIGHT = Gauge("llumnix_migrations_in_flight", "Migrations in progress, by role", ["role"])
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Aborted(Exception):
+    """Ends a migration; the message is the reason reported to the operator."""
+
+
+@dataclass
+class _Out:
+    mig_id: str
+    request_id: str
+    dst: str
+    replies: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+
+@dataclass
+class _In:
+    mig_id: str
+    request_id: str
+    identity: bytes  # the source's socket identity on our ROUTER: replies go there
+    src: str
+    request: wire.MigratingRequest
+    pair: object = None
+    last_heard: float = field(default_factory=time.monotonic)
+    busy: asyncio.Lock = field(default_factory=asyncio.Lock)  # stages of one migration run one at a time
+    receiving: asyncio.Future | None = None  # a Gloo receive that may still write our blocks
+    ended: bool = False
+
+
+class Migrator:
+    """Both roles of this instance. Built by the Instance, which gives it ``boundary`` (run a function
+    between engine steps) and owns the request-to-proxy table that a migration hands over."""
+
+    def __init__(self, instance: Instance, boundary: Callable):
+        self.inst = instance
+        self.cfg = instance.cfg.migration
+        self.engine = instance.engine
+        self.boundary = boundary
+        self.kv = KvTransfer(self.cfg.kv_host, self.cfg.kv_port, self.cfg.timeout_s)
+        self.outgoing: dict[str, _Out] = {}  # by migration id
+        self.incoming: dict[str, _In] = {}  # by migration id
+        self.peers: dict[str, zmq.Socket] = {}  # destination request address -> our DEALER (its plain view)
+        self.moved: dict[str, tuple[str, float]] = {}  # request id -> (destination address, when): aborts follow
+        self.committed = 0
+        self.aborted = 0
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def busy(self) -> int:
+        return len(self.outgoing) + len(self.incoming)
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # ================================================================ source
+
+    def _peer(self, address: str) -> zmq.Socket:
+        plain = self.peers.get(address)
+        if plain is None:
+            sock = runtime.tune(self.inst.ctx.socket(zmq.DEALER))
+            sock.connect(address)
+            plain = self.peers[address] = runtime.sender(sock)
+            self._spawn(self._read_peer(sock))
+        return plain
+
+    async def _read_peer(self, sock) -> None:
+        while True:
+            msg = wire.decode(await sock.recv())
+            if isinstance(msg, (wire.MigReady, wire.MigDone)):
+                out = self.outgoing.get(msg.mig_id)
+                if out is not None:
+                    out.replies.put_nowait(msg)
+            else:
+                log.warning("dropped an unexpected message from a migration peer")
+
+    async def _reply(self, out: _Out, kind: type, stage: int, what: str):
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Aborted(f"destination did not answer {what} within {self.cfg.timeout_s:g}s")
+            try:
+                msg = await asyncio.wait_for(out.replies.get(), left)
+            except asyncio.TimeoutError:
+                continue
+            if isinstance(msg, kind) and msg.stage == stage:
+                if not msg.ok:
+                    raise Aborted(f"destination refused: {msg.reason}")
+                return msg
+
+    async def migrate_out(self, request_id: str, dst: str, dst_address: str, blocking: bool = False) -> wire.MigrationOutcome:
+        """Move one request to ``dst``; never raises: the outcome says what happened. ``blocking`` skips
+        pre-copy (suspend, then copy everything): the stop-and-copy baseline that benchmarks compare with."""
+        me = self.inst.instance_id
+        out = _Out(uuid.uuid4().hex[:16], request_id, dst)
+        result = wire.MigrationOutcome(request_id=request_id, src=me, dst=dst, outcome="aborted")
+        start = time.perf_counter()
+        suspended_at = 0.0
+        sock = None
+        sent: list[int] = []  # block ids already at the destination, in order
+        stage = 0
+        self.outgoing[out.mig_id] = out
+        M_IN_FLIGHT.labels("source").inc()
+        try:
+            if dst == me:
+                raise Aborted("source and destination are the same instance")
+            if request_id in self.inst.migrating:
+                raise Aborted("the request is already migrating")
+            self.inst.migrating.add(request_id)
+            reply_to = self.inst.reply_to.get(request_id)
+            first = await self.boundary(lambda: self._first_look(request_id))
+            if first is None or reply_to is None:
+                raise Aborted("the request is not running here (finished, waiting or unknown)")
+            info, view = first
+            info = msgspec.structs.replace(info, reply_to=reply_to)
+            kb = self.engine.kv_blocks()
+            chunk_blocks = max(1, self.cfg.chunk_bytes // kb.block_nbytes)
+            limit = self.cfg.bandwidth_limit_mbps * 1e6
+            bs = self.engine.block_size
+            pair = self.kv.source_pair(me, dst)
+            sock = self._peer(dst_address)
+            while True:
+                if stage > 0:
+                    view = await self.boundary(lambda: self.engine.migration_view(request_id))
+                    if view is None:
+                        raise Aborted("the request finished or was preempted on the source during pre-copy")
+                if view.block_ids[:len(sent)] != sent:
+                    raise Aborted("the request was preempted on the source (its blocks changed)")
+                remaining = _cdiv(view.computed_tokens, bs) - len(sent)
+                last = blocking or remaining <= self.cfg.last_stage_max_blocks or stage >= self.cfg.max_stages
+                state = None
+                if last:
+                    def suspend():
+                        v = self.engine.migration_view(request_id)
+                        return (v, self.engine.suspend(request_id)) if v is not None else None
+
+                    got = await self.boundary(suspend)
+                    if got is None:
+                        raise Aborted("the request finished or was preempted on the source before the last stage")
+                    view, state = got
+                    suspended_at = time.perf_counter()
+                    result.resumed_at = state.emitted
+                    if view.block_ids[:len(sent)] != sent:
+                        raise Aborted("the request was preempted on the source (its blocks changed)")
+                    upto = _cdiv(view.computed_tokens, bs)
+                else:
+                    upto = view.computed_tokens // bs  # full blocks only: they never change again
+                ids = view.block_ids[len(sent):upto]
+                msg = wire.MigStage(mig_id=out.mig_id, stage=stage, tokens=view.computed_tokens, first_block=len(sent),
+                                    n_blocks=len(ids), last=last, state=state, chunk_blocks=chunk_blocks)
+                if stage == 0:
+                    msg = msgspec.structs.replace(msg, request=info, kv_spec=kb.spec, src=me,
+                                                  kv_address=self.kv.address, pair_key=pair.key)
+                if not runtime.send_now(sock, wire.encode(msg)):
+                    raise Aborted("the destination's socket is not accepting messages")
+                await self._reply(out, wire.MigReady, stage, "the reservation" if stage == 0 else f"stage {stage}")
+                if ids:
+                    try:
+                        result.bytes += await asyncio.wait_for(asyncio.wrap_future(pair.send(kb, ids, chunk_blocks, limit)),
+                                                               self.cfg.timeout_s + len(ids) * kb.block_nbytes / 1e8)
+                    except (TransferError, asyncio.TimeoutError) as exc:
+                        self.kv.forget(dst)
+                        raise Aborted(f"KV transfer failed: {exc or 'timed out'}") from None
+                    M_BYTES.labels("out").inc(len(ids) * kb.block_nbytes)
+                await self._reply(out, wire.MigDone, stage, "the commit" if last else f"stage {stage}'s copy")
+                sent += ids
+                stage += 1
+                if last:
+                    break
+            await self.boundary(lambda: self._hand_over(request_id, dst_address))
+            result.outcome, result.reason = "committed", ""
+            self.committed += 1
+        except Aborted as exc:
+            result.reason = str(exc)
+            result.resumed_at = -1
+            if sock is not None:
+                runtime.send_now(sock, wire.encode(wire.MigAbort(out.mig_id, result.reason)))
+                # The pair may be half-way through a rendezvous or a transfer the peer gave up on: start
+                # the next migration to this peer on a fresh pair.
+                self.kv.forget(dst)
+            if suspended_at:
+                await self.boundary(lambda: self._resume(request_id))
+            self.aborted += 1
+        finally:
+            self.inst.migrating.discard(request_id)
+            del self.outgoing[out.mig_id]
+            self.inst.wake.set()  # refresh the load report at the next boundary
+            if request_id in self.inst.aborted_while_migrating:  # its client left meanwhile
+                self.inst.aborted_while_migrating.discard(request_id)
+                if result.outcome == "committed":
+                    self.forward_abort(request_id)
+                else:
+                    await self.boundary(lambda: self.inst.abort_local(request_id))
+            M_IN_FLIGHT.labels("source").dec()
+        result.stages = stage
+        result.blocks = len(sent)
+        end = time.perf_counter()
+        result.total_ms = (end - start) * 1e3
+        if suspended_at and result.outcome == "committed":
+            result.downtime_ms = (end - suspended_at) * 1e3
+            M_DOWNTIME.observe(end - suspended_at)
+        M_DURATION.observe(end - start)
+        M_MIGRATIONS.labels(result.outcome).inc()
+        log.info("migration of %s to %s %s%s: %d stages, %d blocks, %.1f MB, downtime %.2f ms, total %.1f ms",
+                 request_id, dst, result.outcome, f" ({result.reason})" if result.reason else "", result.stages,
+                 result.blocks, result.bytes / 1e6, result.downtime_ms, result.total_ms)
+        return result
+
+    def _first_look(self, request_id: str):
+        view = self.engine.migration_view(request_id)
+        return None if view is None else (self.engine.migrating_request(request_id), view)
+
+    def _resume(self, request_id: str) -> None:
+        try:
+            self.engine.resume(request_id)
+        except KeyError:  # aborted by its client while suspended: nothing to resume
+            pass
+        self.inst.wake.set()
+
+    def _hand_over(self, request_id: str, dst_address: str) -> None:
+        """After the commit: the request lives on the destination; forget it here, forward late aborts."""
+        self.engine.drop_migrated(request_id)
+        self.inst.reply_to.pop(request_id, None)
+        self.inst.emitted.pop(request_id, None)
+        now = time.monotonic()
+        self.moved[request_id] = (dst_address, now)
+        if len(self.moved) > 10_000 or next(iter(self.moved.values()))[1] < now - 300:
+            self.moved = {k: v for k, v in self.moved.items() if v[1] > now - 300}
+
+    def forward_abort(self, request_id: str) -> bool:
+        """An abort for a request that moved away goes after it. False if it never moved from here."""
+        moved = self.moved.pop(request_id, None)
+        if moved is None:
+            return False
+        runtime.send_now(self._peer(moved[0]), wire.encode(wire.Abort(request_id)))
+        return True
+
+    # ================================================================ destination
+
+    def on_peer_message(self, identity: bytes, msg) -> None:
+        if isinstance(msg, wire.MigStage):
+            inc = self.incoming.get(msg.mig_id)
+            if inc is None:
+                if msg.stage != 0 or msg.request is None:
+                    self._answer(identity, wire.MigReady(msg.mig_id, msg.stage, False, "unknown migration (released?)"))
+                    return
+                refusal = self._refusal(msg)
+                if refusal:
+                    self._answer(identity, wire.MigReady(msg.mig_id, msg.stage, False, refusal))
+                    return
+                inc = self.incoming[msg.mig_id] = _In(msg.mig_id, msg.request.request_id, identity, msg.src, msg.request)
+                M_IN_FLIGHT.labels("destination").inc()
+                self._spawn(self._watch(inc))
+            inc.last_heard = time.monotonic()
+            self._spawn(self._stage_in(inc, msg))
+        elif isinstance(msg, wire.MigAbort):
+            inc = self.incoming.get(msg.mig_id)
+            if inc is not None:
+                log.info("migration of %s from %s aborted by the source: %s", inc.request_id, inc.src, msg.reason)
+                self._spawn(self._end_in(inc))
+
+    def _refusal(self, msg: wire.MigStage) -> str:
+        if not self.inst.accepting:
+            return f"instance {self.inst.instance_id} is shutting down"
+        spec = self.engine.kv_blocks().spec
+        if msg.kv_spec != spec:
+            return f"KV layout differs: source {msg.kv_spec!r}, destination {spec!r}"
+        if self.busy >= self.cfg.max_in_flight:
+            return f"already in {self.busy} migrations (migration.max_in_flight)"
+        if msg.request.request_id in self.inst.reply_to:
+            return "the request id is already in use here"
+        return ""
+
+    def _answer(self, identity: bytes, msg) -> None:
+        self.inst.reply_peer(identity, msg)
+
+    async def _stage_in(self, inc: _In, msg: wire.MigStage) -> None:
+        async with inc.busy:
+            if inc.ended:
+                return
+            try:
+                if msg.stage == 0:  # join the pair first: it forms (on its thread) even if we refuse below
+                    try:
+                        inc.pair = self.kv.dest_pair(msg.pair_key, msg.kv_address)
+                    except TransferError as exc:
+                        raise Aborted(str(exc)) from None
+                try:
+                    ids = await self.boundary(lambda: self.engine.reserve(inc.request, msg.tokens))
+                except EngineError as exc:
+                    raise Aborted(str(exc)) from None
+                if msg.first_block + msg.n_blocks > len(ids):
+                    raise Aborted(f"stage {msg.stage} sends blocks past the reservation")
+                if msg.n_blocks:
+                    target = ids[msg.first_block:msg.first_block + msg.n_blocks]
+                    inc.receiving = asyncio.wrap_future(inc.pair.recv(self.engine.kv_blocks(), target, msg.chunk_blocks))
+                self._answer(inc.identity, wire.MigReady(msg.mig_id, msg.stage))
+                if inc.receiving is not None:
+                    try:
+                        got = await inc.receiving
+                    except TransferError as exc:
+                        raise Aborted(f"KV transfer failed: {exc}") from None
+                    finally:
+                        inc.receiving = None
+                    M_BYTES.labels("in").inc(got)
+                inc.last_heard = time.monotonic()
+                if msg.last:
+                    if msg.state is None:
+                        raise Aborted("the last stage carried no request state")
+                    try:
+                        await self.boundary(lambda: self._commit(inc, msg.state))
+                    except EngineError as exc:
+                        raise Aborted(str(exc)) from None
+                self._answer(inc.identity, wire.MigDone(msg.mig_id, msg.stage))
+                if msg.last:
+                    inc.ended = True
+                    self._forget_in(inc)
+            except Aborted as exc:
+                log.info("migration of %s from %s refused at stage %d: %s", inc.request_id, inc.src, msg.stage, exc)
+                # The source waits for one or the other, depending on how far the stage got.
+                self._answer(inc.identity, wire.MigReady(msg.mig_id, msg.stage, False, str(exc)))
+                self._answer(inc.identity, wire.MigDone(msg.mig_id, msg.stage, False, str(exc)))
+                await self._release(inc)
+
+    def _commit(self, inc: _In, state: wire.RequestState) -> None:
+        self.engine.commit(inc.request_id, state)
+        self.inst.reply_to[inc.request_id] = inc.request.reply_to
+        self.inst.emitted[inc.request_id] = state.emitted
+        self.inst.announce_move(inc.request_id, inc.request.reply_to)
+        self.inst.wake.set()
+
+    async def _end_in(self, inc: _In) -> None:
+        async with inc.busy:
+            await self._release(inc)
+
+    async def _release(self, inc: _In) -> None:
+        if inc.ended:
+            return
+        inc.ended = True
+        if inc.receiving is not None:  # the transfer may still write our blocks: let it end first
+            try:
+                await inc.receiving
+            except (TransferError, asyncio.CancelledError):
+                pass
+        await self.boundary(lambda: self.engine.release(inc.request_id))
+        self._forget_in(inc)
+
+    def _forget_in(self, inc: _In) -> None:
+        if self.incoming.pop(inc.mig_id, None) is not None:
+            M_IN_FLIGHT.labels("destination").dec()
+            self.inst.wake.set()
+
+    async def _watch(self, inc: _In) -> None:
+        """Release a reservation whose source went quiet (it died, or lost our answers)."""
+        idle = self.cfg.dest_idle_timeout_s
+        while not inc.ended:
+            await asyncio.sleep(min(idle, 1.0) / 2)
+            if inc.ended or inc.busy.locked():
+                continue  # a stage in progress has its own timeouts
+            if time.monotonic() - inc.last_heard > idle:
+                log.warning("migration of %s from %s: no word from the source for %.1fs; releasing its blocks",
+                            inc.request_id, inc.src, idle)
+                await self._end_in(inc)
+
+    # ================================================================ life cycle
+
+    async def close(self) -> None:
+        for inc in list(self.incoming.values()):
+            inc.ended = True
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.kv.close()

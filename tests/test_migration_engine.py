@@ -1,0 +1,231 @@
+"""The engine migration verbs on the sim engine, and the block copies they rest on.
+
+Two SimEngines in one process stand for source and destination; the copy goes through KvBlocks the way
+the transfer thread does it (gather into a staging buffer, scatter out of it), without Gloo.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from daemons.config import ModelConfig, SimConfig
+from daemons.engine.base import EngineError, EngineRequest, KvBlocks
+from daemons.engine.sim import SimEngine, kv_value, sim_token_id
+from daemons.wire import SamplingParams
+
+BS = 4
+
+
+def sim(**kw) -> SimEngine:
+    cfg = dict(block_size=BS, num_blocks=64, watermark=0.0, time_scale=0.0, eos_rate=0.0, vocab_size=1000, kv_dtype="float32")
+    cfg.update(kw)
+    return SimEngine(SimConfig(**cfg), ModelConfig(max_model_len=512))
+
+
+def req(rid: str, prompt: int = 10, max_tokens: int = 30) -> EngineRequest:
+    return EngineRequest(rid, [7] * prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def copy(src: SimEngine, dst: SimEngine, src_ids: list[int], dst_ids: list[int]) -> None:
+    kb = src.kv_blocks()
+    buf = torch.empty(len(src_ids) * kb.block_nbytes, dtype=torch.uint8)
+    kb.gather(src_ids, buf)
+    dst.kv_blocks().scatter(dst_ids, buf)
+
+
+def migrate(src: SimEngine, dst: SimEngine, rid: str, steps_between: int = 1, out: list | None = None) -> int:
+    """Pre-copy the full blocks, let the source step, then suspend, copy the rest, commit. Returns the
+    output index the destination continues at."""
+    view = src.migration_view(rid)
+    full = view.computed_tokens // BS
+    dst_ids = dst.reserve(src.migrating_request(rid), view.computed_tokens)
+    copy(src, dst, view.block_ids[:full], dst_ids[:full])
+    for _ in range(steps_between):  # decoding goes on during pre-copy
+        res = src.step().outputs
+        if out is not None:
+            out += res
+    view = src.migration_view(rid)
+    state = src.suspend(rid)
+    res = src.step().outputs
+    assert all(o.request_id != rid for o in res)  # a suspended request does not step
+    if out is not None:
+        out += res
+    try:
+        dst_ids = dst.reserve(src.migrating_request(rid), view.computed_tokens)
+    except EngineError:
+        src.resume(rid)
+        raise
+    upto = math.ceil(view.computed_tokens / BS)
+    copy(src, dst, view.block_ids[full:upto], dst_ids[full:upto])
+    dst.commit(rid, state)
+    src.drop_migrated(rid)
+    return state.emitted
+
+
+def drain(e: SimEngine, out: list) -> None:
+    while e.has_work():
+        out += e.step().outputs
+
+
+def check_kv(e: SimEngine, rid: str, tokens: int) -> None:
+    """Every written position holds the sim's value for (request, position, layer)."""
+    table = e.block_table(rid)
+    for layer, cache in enumerate(e.kv_caches):
+        for pos in range(tokens):
+            k, v = kv_value(rid, pos, layer)
+            got = cache[table[pos // BS], :, pos % BS]
+            assert got[0].flatten()[0].item() == pytest.approx(k) and got[1].flatten()[0].item() == pytest.approx(v)
+
+
+@pytest.mark.parametrize("at", [1, 2, 15, 29])
+def test_migrated_request_continues_where_it_was(at):
+    a, b = sim(), sim()
+    a.add_request(req("r", max_tokens=30))
+    a.add_request(req("other", max_tokens=30))  # a neighbour keeps running on the source
+    out = []
+    while len([o for o in out if o.request_id == "r"]) < at:
+        out += a.step().outputs
+    resumed = migrate(a, b, "r", steps_between=0 if at == 29 else 1, out=out)
+    mine = [o for o in out if o.request_id == "r"]
+    assert resumed == len(mine)
+    check_kv(b, "r", 10 + len(mine))
+    drain(b, mine)
+    drain(a, out)
+    assert [o.index for o in mine] == list(range(30))
+    assert [o.token_id for o in mine] == [sim_token_id("r", i, 1000) for i in range(30)]
+    assert mine[-1].finish_reason == "length" and all(o.finish_reason is None for o in mine[:-1])
+    assert len([o for o in out if o.request_id == "other"]) == 30
+    assert a.load().blocks_used == 0 and b.load().blocks_used == 0
+
+
+def test_back_and_forth_three_times():
+    a, b = sim(), sim()
+    a.add_request(req("r", prompt=13, max_tokens=40))
+    out = []
+    engines = [a, b]
+    for hop in range(3):
+        src, dst = engines[hop % 2], engines[(hop + 1) % 2]
+        for _ in range(5):
+            out += src.step().outputs
+        migrate(src, dst, "r", out=out)
+    drain(b, out)
+    assert [o.index for o in out] == list(range(40))
+    assert [o.token_id for o in out] == [sim_token_id("r", i, 1000) for i in range(40)]
+    assert a.load().blocks_used == b.load().blocks_used == 0
+
+
+def test_reserve_refuses_without_room_and_release_returns_blocks():
+    a, b = sim(), sim(num_blocks=8, watermark=0.25)
+    a.add_request(req("r", prompt=30))
+    a.step()
+    with pytest.raises(EngineError, match="no room"):
+        b.reserve(a.migrating_request("r"), 31)  # 8 blocks, 2 kept by the watermark: 6 usable < 8
+    assert b.load().blocks_used == 0
+    ids = b.reserve(a.migrating_request("r"), 20)
+    assert len(ids) == 5 and b.load().blocks_used == 5
+    assert b.release("r") and not b.release("r")
+    assert b.load().blocks_used == 0
+
+
+def test_reservation_grows_and_keeps_its_first_blocks():
+    a, b = sim(), sim()
+    a.add_request(req("r"))
+    a.step()
+    first = b.reserve(a.migrating_request("r"), 9)
+    grown = b.reserve(a.migrating_request("r"), 17)
+    assert grown[:len(first)] == first and len(grown) == 5
+    assert b.release("r") and b.load().blocks_used == 0
+
+
+def test_suspend_resume_and_abort_while_suspended():
+    e = sim()
+    e.add_request(req("r", max_tokens=10))
+    out = []
+    out += e.step().outputs
+    e.suspend("r")
+    assert not e.has_work() and e.migration_view("r") is None
+    assert [r.state for r in e.requests()] == ["migrating"]
+    blocks = e.load().blocks_used
+    assert blocks > 0  # kept while suspended
+    e.resume("r")
+    drain(e, out)
+    assert [o.index for o in out] == list(range(10))
+    e.add_request(req("s"))
+    e.step()
+    e.suspend("s")
+    assert e.abort_request("s") and e.load().blocks_used == 0
+
+
+def test_view_is_none_for_waiting_or_unknown_requests():
+    e = sim()
+    e.add_request(req("r"))
+    assert e.migration_view("r") is None  # waiting: nothing computed, nothing to move
+    assert e.migration_view("nope") is None
+    with pytest.raises(KeyError):
+        e.suspend("nope")
+
+
+def test_request_id_in_use_is_refused():
+    a, b = sim(), sim()
+    a.add_request(req("r"))
+    a.step()
+    b.add_request(req("r"))
+    with pytest.raises(EngineError, match="already in use"):
+        b.reserve(a.migrating_request("r"), 11)
+
+
+def test_kv_blocks_roundtrip_and_spec():
+    x = [torch.randn(10, 2, 4, 3) for _ in range(3)]
+    y = [torch.zeros(10, 2, 4, 3) for _ in range(3)]
+    kx, ky = KvBlocks(x, "t"), KvBlocks(y, "t")
+    assert kx.spec == ky.spec and kx.block_nbytes == 3 * 2 * 4 * 3 * 4
+    buf = torch.empty(4 * kx.block_nbytes, dtype=torch.uint8)
+    kx.gather([7, 1, 3, 9], buf)
+    ky.scatter([0, 2, 4, 6], buf)
+    for a, b in zip(x, y):
+        assert torch.equal(b[[0, 2, 4, 6]], a[[7, 1, 3, 9]])
+    with pytest.raises(ValueError, match="staging buffer"):
+        kx.gather([1, 2, 3, 4, 5], buf)
+    assert KvBlocks([torch.zeros(10, 2, 4, 3, dtype=torch.float16)], "t").spec != kx.spec
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["step", "add", "migrate", "abort"]), st.integers(0, 5)), max_size=40))
+def test_no_block_leaks_under_random_migrations(ops):
+    """Whatever interleaving of steps, arrivals, migrations and aborts: blocks return to zero at the end,
+    and no block is owned twice on either engine."""
+    engines = [sim(num_blocks=24, max_num_seqs=4), sim(num_blocks=24, max_num_seqs=4)]
+    n = 0
+    for op, k in ops:
+        e = engines[k % 2]
+        if op == "step":
+            e.step()
+        elif op == "add":
+            try:
+                e.add_request(req(f"r{n}", prompt=1 + 3 * k, max_tokens=5 + 4 * k))
+            except EngineError:
+                pass
+            n += 1
+        elif op == "migrate":
+            running = [r.request_id for r in e.requests() if r.state == "running"]
+            if running:
+                rid = running[k % len(running)]
+                try:
+                    migrate(e, engines[(k + 1) % 2], rid, steps_between=k % 2)
+                except (EngineError, AttributeError):  # no room there, or it finished while pre-copying
+                    engines[(k + 1) % 2].release(rid)
+        else:
+            rows = e.requests()
+            if rows:
+                e.abort_request(rows[k % len(rows)].request_id)
+        for x in engines:
+            owned = [b for r in x.requests() for b in x.block_table(r.request_id)]
+            assert len(owned) == len(set(owned)) == x.load().blocks_used
+    for e in engines:
+        drain(e, [])
+        assert e.load().blocks_used == 0
