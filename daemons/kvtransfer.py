@@ -14,6 +14,7 @@ control messages (ZeroMQ, in order on one connection) put them in, so no tags ar
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -69,11 +70,7 @@ class Pair:
         return self._pg
 
     def _wait(self, work) -> None:
-        try:
-            work.wait(self.timeout)
-        except RuntimeError as exc:
-            self.broken = True
-            raise TransferError(f"KV transfer with the peer failed: {exc}") from None
+        work.wait(self.timeout)
 
     def send(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int, limit_bytes_s: float = 0.0) -> Future:
         """Gather and send ``block_ids`` in chunks; the future resolves to the bytes sent."""
@@ -86,7 +83,23 @@ class Pair:
     def _chunks(self, block_ids: list[int], chunk_blocks: int) -> list[list[int]]:
         return [block_ids[i:i + chunk_blocks] for i in range(0, len(block_ids), chunk_blocks)]
 
+    def _gloo(self, fn, *args) -> int:
+        """Run a transfer; Gloo reports a dead peer or a timeout as RuntimeError from any call."""
+        try:
+            return fn(*args)
+        except RuntimeError as exc:
+            self.broken = True
+            # Gloo's messages start with its source location and end with advice for its own developers.
+            text = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).splitlines()[0]).split(". This is typically")[0]
+            raise TransferError(text[:300]) from None
+
     def _send(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int, limit_bytes_s: float) -> int:
+        return self._gloo(self._send_chunks, kv, block_ids, chunk_blocks, limit_bytes_s)
+
+    def _recv(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int) -> int:
+        return self._gloo(self._recv_chunks, kv, block_ids, chunk_blocks)
+
+    def _send_chunks(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int, limit_bytes_s: float) -> int:
         pg = self._ready()
         bufs = self._staging(chunk_blocks * kv.block_nbytes)
         inflight: list = [None, None]
@@ -109,7 +122,7 @@ class Pair:
         self.bytes_moved += sent
         return sent
 
-    def _recv(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int) -> int:
+    def _recv_chunks(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int) -> int:
         pg = self._ready()
         bufs = self._staging(chunk_blocks * kv.block_nbytes)
         chunks = self._chunks(block_ids, chunk_blocks)

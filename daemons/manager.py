@@ -83,7 +83,7 @@ class Manager:
         self.bound = ""
         self._query_ids = itertools.count(1)
         self._fanouts: dict[int, tuple[asyncio.Future, set[str], list]] = {}
-        self._migrations: dict[int, asyncio.Future] = {}  # MigrateStart query id -> the source's MigrateResult
+        self._migrations: dict[int, tuple[asyncio.Future, str]] = {}  # MigrateStart id -> (result, source id)
         self._tasks: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------ view
@@ -251,7 +251,7 @@ class Manager:
             return wire.ErrorReply(msg.query_id, f"the request is already on {msg.dst}")
         qid = next(self._query_ids)
         fut = asyncio.get_running_loop().create_future()
-        self._migrations[qid] = fut
+        self._migrations[qid] = (fut, src_id)
         start = wire.MigrateStart(qid, dst=msg.dst, dst_address=dst.info.request_address,
                                   request_ids=[msg.request_id] if msg.request_id else [],
                                   count=0 if msg.request_id else msg.count, blocking=msg.blocking)
@@ -262,12 +262,19 @@ class Manager:
             return wire.ErrorReply(msg.query_id, f"instance {src_id} did not report the migration's outcome in time")
         finally:
             self._migrations.pop(qid, None)
+        if result is None:
+            return wire.ErrorReply(msg.query_id, f"source instance {src_id} died during the migration")
         return wire.MigrateReply(msg.query_id, result.outcomes)
 
     def on_migrate_result(self, msg: wire.MigrateResult) -> None:
-        fut = self._migrations.get(msg.query_id)
+        fut, _ = self._migrations.get(msg.query_id, (None, ""))
         if fut is not None and not fut.done():
             fut.set_result(msg)
+
+    def _fail_migrations_from(self, instance_id: str) -> None:
+        for fut, src in self._migrations.values():
+            if src == instance_id and not fut.done():
+                fut.set_result(None)
 
     # ------------------------------------------------------------------ loops
 
@@ -337,6 +344,7 @@ class Manager:
                 elif r.state == "alive" and now - r.last_seen > self.dead_after():
                     r.state = "dead"
                     r.pending.clear()
+                    self._fail_migrations_from(r.instance_id)
                     M_DEATHS.inc()
                     log.warning("instance %s marked dead: no report for %.2fs (%d heartbeats)", r.instance_id,
                                 now - r.last_seen, self.mc.dead_after_missed)

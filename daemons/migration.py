@@ -229,8 +229,10 @@ class Migrator:
             await self.boundary(lambda: self._hand_over(request_id, dst_address))
             result.outcome, result.reason = "committed", ""
             self.committed += 1
-        except Aborted as exc:
-            result.reason = str(exc)
+        except (Aborted, Exception) as exc:  # anything else is our bug: report it, keep the request running
+            if not isinstance(exc, Aborted):
+                log.exception("migration of %s failed unexpectedly", request_id)
+            result.reason = str(exc) if isinstance(exc, Aborted) else f"internal error: {exc!r}"
             result.resumed_at = -1
             if sock is not None:
                 runtime.send_now(sock, wire.encode(wire.MigAbort(out.mig_id, result.reason)))

@@ -63,6 +63,7 @@ class ClusterState:
     backend: str
     config: str | None
     procs: list[Proc] = field(default_factory=list)
+    args: list[str] = field(default_factory=list)  # the settings every daemon of this cluster got
 
     def save(self, run_dir: Path) -> None:
         tmp = run_dir / (STATE_FILE + ".tmp")
@@ -131,7 +132,7 @@ def up(run_dir: Path, instances: int, backend: str, port: int, config: str | Non
     manager_address = f"tcp://127.0.0.1:{free_port()}"
     common = (["--config", config] if config else []) + [a for s in sets for a in ("--set", s)]
     common += ["--set", f"manager.address={manager_address}"]
-    state = ClusterState(manager_address, f"http://127.0.0.1:{port}", backend, config)
+    state = ClusterState(manager_address, f"http://127.0.0.1:{port}", backend, config, args=common)
 
     def fail(why: str, proc: Proc | None = None) -> ClusterError:
         stop(state)
@@ -172,6 +173,36 @@ def up(run_dir: Path, instances: int, backend: str, port: int, config: str | Non
         stop(state)
         raise
     return state
+
+
+def add_instance(run_dir: Path, state: ClusterState, instance_id: str, sets: list[str] | None = None,
+                 timeout_s: float = 60.0) -> Proc:
+    """Start one more instance of this cluster (its settings, then ``sets``) and wait until it is alive."""
+    if any(p.name == f"instance-{instance_id}" and p.process() is not None for p in state.procs):
+        raise ClusterError(f"instance {instance_id} of this cluster is already running")
+    argv = _daemon("instance") + state.args + ["--set", f"instance.id={instance_id}", "--set",
+                                               f"instance.backend={state.backend}"]
+    argv += [a for s in sets or [] for a in ("--set", s)]
+    proc = _spawn(run_dir, f"instance-{instance_id}", argv)
+    state.procs = [p for p in state.procs if p.name != proc.name] + [proc]
+    state.save(run_dir)
+    client = AdminClient(state.manager_address, timeout_s=1.0)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            if proc.process() is None:
+                raise ClusterError(f"instance {instance_id} exited during start-up\n--- last lines of {proc.log} ---\n"
+                                   f"{_tail(proc.log)}")
+            try:
+                if any(v.instance_id == instance_id and v.state == "alive" for v in client.status().instances):
+                    return proc
+            except ManagerUnreachable:
+                pass
+            if time.monotonic() > deadline:
+                raise ClusterError(f"instance {instance_id} did not register within {timeout_s:g}s (see {proc.log})")
+            time.sleep(0.1)
+    finally:
+        client.close()
 
 
 def _healthy(url: str, instances: int) -> bool:

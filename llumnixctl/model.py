@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
-import torch
 import typer
 
 VOCAB_TARGET = 3072
@@ -48,16 +47,15 @@ class Size:
     heads: int
     kv_heads: int
     head_dim: int
-    dtype: torch.dtype
+    dtype: str  # torch dtype name; torch is imported only when weights are made (llumnixctl starts fast)
     max_len: int  # max_position_embeddings: the longest context vLLM will accept
 
 
 SIZES = {
     # head_dim 64: vLLM 0.32's AMX attention kernel crashes on short prompts with head_dim 32 (vllm_backend.py)
-    "tiny": Size(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, head_dim=64, dtype=torch.bfloat16, max_len=4096),
-    "kv-heavy": Size(hidden=512, intermediate=1024, layers=32, heads=8, kv_heads=8, head_dim=64, dtype=torch.bfloat16, max_len=16384),
+    "tiny": Size(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, head_dim=64, dtype="bfloat16", max_len=4096),
+    "kv-heavy": Size(hidden=512, intermediate=1024, layers=32, heads=8, kv_heads=8, head_dim=64, dtype="bfloat16", max_len=16384),
 }
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 # ---------------------------------------------------------------- corpus
 
@@ -145,12 +143,15 @@ def _tokenizer_config(max_len: int) -> dict:
 # ---------------------------------------------------------------- weights
 
 
-def _weights(size: Size, vocab: int, seed: int) -> dict[str, torch.Tensor]:
+def _weights(size: Size, vocab: int, seed: int) -> dict:
     """Random weights, 1/sqrt(fan_in) linears and a wide lm_head, so outputs vary with the prompt."""
+    import torch
+
     g = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, size.dtype)
 
     def linear(out_f: int, in_f: int, std: float | None = None) -> torch.Tensor:
-        return torch.randn(out_f, in_f, generator=g).mul_(std or in_f ** -0.5).to(size.dtype)
+        return torch.randn(out_f, in_f, generator=g).mul_(std or in_f ** -0.5).to(dtype)
 
     h, q, kv = size.hidden, size.heads * size.head_dim, size.kv_heads * size.head_dim
     out = {"model.embed_tokens.weight": linear(vocab, h, 1.0)}
@@ -163,9 +164,9 @@ def _weights(size: Size, vocab: int, seed: int) -> dict[str, torch.Tensor]:
         out[p + "mlp.gate_proj.weight"] = linear(size.intermediate, h)
         out[p + "mlp.up_proj.weight"] = linear(size.intermediate, h)
         out[p + "mlp.down_proj.weight"] = linear(h, size.intermediate)
-        out[p + "input_layernorm.weight"] = torch.ones(h, dtype=size.dtype)
-        out[p + "post_attention_layernorm.weight"] = torch.ones(h, dtype=size.dtype)
-    out["model.norm.weight"] = torch.ones(h, dtype=size.dtype)
+        out[p + "input_layernorm.weight"] = torch.ones(h, dtype=dtype)
+        out[p + "post_attention_layernorm.weight"] = torch.ones(h, dtype=dtype)
+    out["model.norm.weight"] = torch.ones(h, dtype=dtype)
     out["lm_head.weight"] = linear(vocab, h, 2.0 * h ** -0.5)
     return out
 
@@ -193,7 +194,7 @@ def _config(size: Size, vocab: int) -> dict:
         "bos_token_id": BOS,
         "eos_token_id": EOS,
         "pad_token_id": PAD,
-        "torch_dtype": _DTYPE_NAMES[size.dtype],
+        "torch_dtype": size.dtype,
         "use_cache": True,
     }
 

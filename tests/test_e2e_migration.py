@@ -1,0 +1,289 @@
+"""Live migration with real daemons on the sim engine: real ZeroMQ, real Gloo, real HTTP.
+
+Steps are paced (instance.min_step_s) so that a request is still decoding when a test moves it; the sim's
+tokens are a function of (request id, index), so a stream is checked token by token against what the
+request must produce, whichever instance produced each token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from daemons.engine.sim import sim_token_id
+from llumnixctl import localcluster
+from tests.conftest import ctl, ctl_json
+
+pytestmark = pytest.mark.e2e
+
+VOCAB = 32000
+PACED = ["instance.min_step_s=0.02", "manager.dispatch_policy=flood", "migration.timeout_s=3",
+         "migration.dest_idle_timeout_s=2"]
+
+
+class Streamer(threading.Thread):
+    """A streamed completion consumed on a thread: token ids as they come, the request id, errors."""
+
+    def __init__(self, url: str, max_tokens: int, prompt: str = "move me " * 20, **extra):
+        super().__init__(daemon=True)
+        self.url, self.body = url, {"model": "llumnix-sim", "prompt": prompt, "max_tokens": max_tokens,
+                                    "ignore_eos": True, "stream": True, "return_token_ids": True, **extra}
+        self.ids: list[int] = []
+        self.rid = ""
+        self.finish = None
+        self.error = None
+        self.started = threading.Event()
+        self.stop_after: int | None = None  # close the connection after this many tokens (client goes away)
+        self.start()
+
+    def run(self) -> None:
+        try:
+            with httpx.stream("POST", self.url + "/v1/completions", json=self.body, timeout=120) as resp:
+                if resp.status_code != 200:
+                    self.error = f"HTTP {resp.status_code}: {resp.read()[:300]!r}"
+                    return
+                for line in resp.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        self.error = chunk["error"]
+                        break
+                    self.rid = chunk["id"]
+                    self.started.set()
+                    for ch in chunk["choices"]:
+                        self.ids += ch.get("token_ids", [])
+                        self.finish = ch.get("finish_reason") or self.finish
+                    if self.stop_after is not None and len(self.ids) >= self.stop_after:
+                        break
+        except httpx.HTTPError as exc:
+            self.error = repr(exc)
+        finally:
+            self.started.set()
+
+    def wait_tokens(self, n: int, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.ids) < n:
+            assert time.monotonic() < deadline, f"only {len(self.ids)} tokens after {timeout}s"
+            assert self.is_alive(), f"stream ended early: {self.error}"
+            time.sleep(0.002)
+
+    def check_complete(self, n: int) -> None:
+        self.join(60)
+        assert not self.is_alive() and self.error is None, self.error
+        assert self.ids == [sim_token_id(self.rid, i, VOCAB) for i in range(n)]
+        assert self.finish == "length"
+
+
+def migrate(cluster, *args: str, json_out: bool = True):
+    res = ctl("migrate", *args, "--run-dir", str(cluster.run_dir), *(["--json"] if json_out else []))
+    return res, (json.loads(res.stdout) if json_out and res.stdout.strip() else None)
+
+
+def move(cluster, rid: str, dst: str) -> dict:
+    """In-process (milliseconds, where the CLI takes a few hundred): the same manager query as llumnixctl."""
+    from llumnixctl.main import outcome_json
+
+    with_client = cluster.admin()
+    try:
+        return outcome_json(with_client.migrate(dst, request_id=rid).outcomes[0])
+    finally:
+        with_client.close()
+
+
+def where(cluster, rid: str) -> str:
+    client = cluster.admin()
+    try:
+        return next(r.instance_id for r in client.requests().requests if r.request_id == rid)
+    finally:
+        client.close()
+
+
+def settle(cluster, timeout: float = 10) -> dict:
+    """Wait until no instance runs or holds anything; returns the last status."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = cluster.status()
+        if all(i["blocks_used"] == 0 and i["running"] == 0 and i["migrating_out"] == i["migrating_in"] == 0
+               for i in st["instances"] if i["state"] == "alive"):
+            return st
+        assert time.monotonic() < deadline, st
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def mcluster(tmp_path_factory):
+    from tests.conftest import FAST, Cluster
+
+    run_dir = tmp_path_factory.mktemp("mig")
+    state = localcluster.up(run_dir, 2, "sim", 0, None, FAST + PACED, timeout_s=60)
+    try:
+        yield Cluster(state, run_dir)
+    finally:
+        localcluster.stop(state, timeout_s=10)
+
+
+@pytest.mark.parametrize("plan", [[1], [40], [92], [10, 30, 50]], ids=["after-prefill", "middle", "near-the-end", "back-and-forth"])
+def test_stream_is_unbroken_across_migrations(mcluster, plan):
+    s = Streamer(mcluster.url, 100)
+    s.started.wait(10)
+    here = where(mcluster, s.rid)
+    for at in plan:
+        s.wait_tokens(at)
+        there = "i1" if here == "i0" else "i0"
+        out = move(mcluster, s.rid, there)
+        assert out["outcome"] == "committed", (out, mcluster.logs())
+        assert out["from"] == here and out["to"] == there
+        assert out["stages"] >= 1 and out["bytes"] > 0 and 0 < out["downtime_ms"] <= out["total_ms"]
+        assert at <= out["resumed_at"] < 100
+        here = there
+    s.check_complete(100)  # every index once, in order, the right tokens, max_tokens counted across moves
+    st = settle(mcluster)
+    assert st["totals"]["migrations_committed"] >= len(plan)
+
+
+def test_migrate_count_from_an_instance(mcluster):
+    streams = [Streamer(mcluster.url, 120, prompt=f"batch {i} " * (5 + 10 * i)) for i in range(4)]
+    for s in streams:
+        s.wait_tokens(5)
+    src = where(mcluster, streams[0].rid)
+    assert {where(mcluster, s.rid) for s in streams} == {src}  # flood: all on one instance
+    dst = "i1" if src == "i0" else "i0"
+    res, out = migrate(mcluster, "--from", src, "--to", dst, "--count", "2")
+    assert res.returncode == 0, res.stderr
+    assert [o["outcome"] for o in out] == ["committed", "committed"]
+    # Shorter first: the two with the shortest prompts went.
+    assert {o["request_id"] for o in out} == {streams[0].rid, streams[1].rid}
+    for s in streams:
+        s.check_complete(120)
+    settle(mcluster)
+
+
+def test_client_abort_follows_the_request(mcluster):
+    """After a move, the proxy's abort (client gone) reaches the destination: it frees the request at once."""
+    s = Streamer(mcluster.url, 3000)
+    s.wait_tokens(5)
+    src = where(mcluster, s.rid)
+    res, _ = migrate(mcluster, s.rid, "--to", "i1" if src == "i0" else "i0", json_out=False)  # the CLI, human output
+    assert res.returncode == 0 and "committed" in res.stdout
+    s.stop_after = 0
+    s.join(10)
+    settle(mcluster, timeout=5)  # 3000 tokens would take 60 s
+
+
+def test_cli_errors_are_one_line(mcluster):
+    res, _ = migrate(mcluster, "no-such-request", "--to", "i1", json_out=False)
+    assert res.returncode == 1 and "not on any instance" in res.stderr and "Traceback" not in res.stderr
+    res, _ = migrate(mcluster, "--from", "i0", "--to", "nope", json_out=False)
+    assert res.returncode == 1 and "'nope' is not a live instance" in res.stderr
+    res, _ = migrate(mcluster, "x", "--from", "i0", "--to", "i1", json_out=False)
+    assert res.returncode == 2 and "either REQUEST_ID or --from" in res.stderr
+    res, _ = migrate(mcluster, "--from", "i0", "--to", "i0", json_out=False)
+    assert res.returncode == 1 and "already on i0" in res.stderr
+    res, out = migrate(mcluster, "--from", "i0", "--to", "i1")  # nothing running: nothing to move
+    assert res.returncode == 1 and out == []
+
+
+def test_metrics_count_migrations(mcluster):
+    s = Streamer(mcluster.url, 60)
+    s.wait_tokens(3)
+    src = where(mcluster, s.rid)
+    assert move(mcluster, s.rid, "i1" if src == "i0" else "i0")["outcome"] == "committed"
+    s.check_complete(60)
+    inst = next(i for i in mcluster.status()["instances"] if i["id"] == src)
+    text = httpx.get(f"http://{inst['metrics_address']}/metrics").text
+    assert 'llumnix_migrations_total{outcome="committed"}' in text
+    assert "llumnix_migration_downtime_seconds_count" in text
+
+
+# ---------------------------------------------------------------- aborts (each on its own cluster)
+
+
+def _stream_on(cluster, max_tokens: int, **kw) -> tuple[Streamer, str, str]:
+    s = Streamer(cluster.url, max_tokens, **kw)
+    s.wait_tokens(3)
+    src = where(cluster, s.rid)
+    return s, src, ("i1" if src == "i0" else "i0")
+
+
+def test_request_finishing_during_precopy_aborts_and_destination_releases(start_cluster):
+    # 1 block per chunk at 20 KB/s: stage 0 of ~10 blocks (4 KiB each) takes ~2 s; the request ends first.
+    c = start_cluster(2, PACED + ["migration.bandwidth_limit_mbps=0.02", "migration.chunk_bytes=4096",
+                                  "migration.timeout_s=10"])
+    s, src, dst = _stream_on(c, 30, prompt="long prompt " * 60)
+    res, out = migrate(c, s.rid, "--to", dst)
+    assert res.returncode == 1 and out["outcome"] == "aborted"
+    assert "finished" in out["reason"] and out["downtime_ms"] == 0
+    s.check_complete(30)
+    settle(c)
+
+
+def test_destination_without_room_refuses(start_cluster):
+    c = start_cluster(1, PACED)
+    s = Streamer(c.url, 300, prompt="does not fit " * 40)
+    s.wait_tokens(3)  # on i0, the only instance so far
+    localcluster.add_instance(c.run_dir, c.state, "small", ["sim.num_blocks=4"])
+    res, out = migrate(c, s.rid, "--to", "small")
+    assert out["outcome"] == "aborted" and "no room" in out["reason"], out
+    s.check_complete(300)
+    settle(c)
+
+
+def test_different_kv_layout_is_refused(start_cluster):
+    c = start_cluster(1, PACED)
+    s = Streamer(c.url, 300)
+    s.wait_tokens(3)  # on i0, the only instance so far
+    localcluster.add_instance(c.run_dir, c.state, "f32", ["sim.kv_dtype=float32"])
+    res, out = migrate(c, s.rid, "--to", "f32")
+    assert out["outcome"] == "aborted" and "KV layout differs" in out["reason"], out
+    s.check_complete(300)
+    settle(c)
+
+
+def test_destination_killed_mid_copy(start_cluster):
+    c = start_cluster(2, PACED + ["migration.bandwidth_limit_mbps=0.01", "migration.chunk_bytes=4096",
+                                  "manager.dispatch_policy=flood"])
+    s, src, dst = _stream_on(c, 250, prompt="kill the destination " * 40)
+    result = {}
+    t = threading.Thread(target=lambda: result.update(zip(("res", "out"), migrate(c, s.rid, "--to", dst))))
+    t.start()
+    deadline = time.monotonic() + 10
+    while not any(i["migrating_in"] for i in c.status()["instances"] if i["id"] == dst):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.kill(c.proc(f"instance-{dst}").pid, signal.SIGKILL)
+    t.join(60)
+    assert result["out"] and result["out"]["outcome"] == "aborted", (result, c.logs())
+    s.check_complete(250)  # the source kept it running
+    settle(c)
+
+
+def test_source_killed_mid_copy_destination_releases(start_cluster):
+    c = start_cluster(2, PACED + ["migration.bandwidth_limit_mbps=0.01", "migration.chunk_bytes=4096"])
+    s, src, dst = _stream_on(c, 250, prompt="kill the source " * 40)
+    result = {}
+    t = threading.Thread(target=lambda: result.update(zip(("res", "out"), migrate(c, s.rid, "--to", dst, json_out=False))))
+    t.start()
+    deadline = time.monotonic() + 10
+    while not any(i["migrating_in"] for i in c.status()["instances"] if i["id"] == dst):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert next(i for i in c.status()["instances"] if i["id"] == dst)["blocks_used"] > 0  # reserved
+    os.kill(c.proc(f"instance-{src}").pid, signal.SIGKILL)
+    t.join(60)
+    assert result["res"].returncode == 1 and "died" in result["res"].stderr
+    s.join(30)
+    assert s.error is not None  # its instance died mid-stream: the client is told, not left hanging
+    deadline = time.monotonic() + 15
+    while True:  # the destination gives the reservation back (transfer failure or idle timeout)
+        d = next(i for i in c.status()["instances"] if i["id"] == dst)
+        if d["blocks_used"] == 0 and d["migrating_in"] == 0:
+            break
+        assert time.monotonic() < deadline, d
+        time.sleep(0.2)
