@@ -54,7 +54,6 @@ class Instance:
         self.ctx = zmq.asyncio.Context()
         self.router = runtime.tune(self.ctx.socket(zmq.ROUTER))
         self.manager = runtime.tune(self.ctx.socket(zmq.DEALER))
-        self.manager_tx = runtime.sender(self.manager)
         self.pushes: dict[str, zmq.Socket] = {}
         self.reply_to: dict[str, str] = {}  # request id -> the owning proxy's token address
         self.emitted: dict[str, int] = {}  # request id -> tokens sent so far
@@ -64,10 +63,10 @@ class Instance:
         self.migrating: set[str] = set()  # requests migrating out
         self.aborted_while_migrating: set[str] = set()  # their aborts wait for the migration's outcome
         self.migrator: Migrator | None = None
-        self.router_tx: zmq.Socket | None = None
         # A real engine's step takes milliseconds of compute: run it on a worker thread so sockets stay
         # served. The engine is only ever touched between steps, from the event loop thread.
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="engine") if getattr(engine, "blocking_step", False) else None
+        self.executor = (ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=getattr(engine, "init_thread", None))
+                         if getattr(engine, "blocking_step", False) else None)
         self.last_load = engine.load()
         self.wake = asyncio.Event()
         self.load_changed = asyncio.Event()
@@ -95,7 +94,7 @@ class Instance:
 
     def _tell_manager(self, msg: wire.Message) -> None:
         # Never wait on the manager: while it is away, reports are dropped, and it will ask us to register.
-        if not runtime.send_now(self.manager_tx, wire.encode(msg)):
+        if not runtime.send_now(self.manager, wire.encode(msg)):
             log.debug("manager queue full; dropped a %s", type(msg).__name__)
 
     def emit(self, outputs: list[wire.TokenOut]) -> None:
@@ -122,9 +121,7 @@ class Instance:
         self._send(address, wire.Moved(request_id, self.instance_id, self.request_address))
 
     def reply_peer(self, identity: bytes, msg: wire.Message) -> None:
-        try:
-            self.router_tx.send_multipart([identity, wire.encode(msg)], zmq.NOBLOCK)
-        except zmq.Again:
+        if not runtime.send_now(self.router, [identity, wire.encode(msg)]):
             log.warning("a migration peer's queue is full; dropped a %s", type(msg).__name__)
 
     # ------------------------------------------------------------------ requests
@@ -298,7 +295,6 @@ class Instance:
 
     async def run(self) -> None:
         self.request_address = runtime.bind(self.router, self.ic.request_address)
-        self.router_tx = runtime.sender(self.router)
         if self.ic.advertise_address:
             self.request_address = self.ic.advertise_address
         if not self.instance_id:

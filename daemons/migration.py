@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Callable
 
 import msgspec
 import zmq
+import zmq.asyncio
 from prometheus_client import Counter, Gauge, Histogram
 
 from daemons import runtime, wire
@@ -95,7 +96,7 @@ class Migrator:
         self.kv = KvTransfer(self.cfg.kv_host, self.cfg.kv_port, self.cfg.timeout_s)
         self.outgoing: dict[str, _Out] = {}  # by migration id
         self.incoming: dict[str, _In] = {}  # by migration id
-        self.peers: dict[str, zmq.Socket] = {}  # destination request address -> our DEALER (its plain view)
+        self.peers: dict[str, zmq.asyncio.Socket] = {}  # destination request address -> our DEALER
         self.moved: dict[str, tuple[str, float]] = {}  # request id -> (destination address, when): aborts follow
         self.committed = 0
         self.aborted = 0
@@ -113,14 +114,13 @@ class Migrator:
 
     # ================================================================ source
 
-    def _peer(self, address: str) -> zmq.Socket:
-        plain = self.peers.get(address)
-        if plain is None:
-            sock = runtime.tune(self.inst.ctx.socket(zmq.DEALER))
+    def _peer(self, address: str) -> zmq.asyncio.Socket:
+        sock = self.peers.get(address)
+        if sock is None:
+            sock = self.peers[address] = runtime.tune(self.inst.ctx.socket(zmq.DEALER))
             sock.connect(address)
-            plain = self.peers[address] = runtime.sender(sock)
             self._spawn(self._read_peer(sock))
-        return plain
+        return sock
 
     async def _read_peer(self, sock) -> None:
         while True:

@@ -11,6 +11,7 @@ import socket
 import sys
 
 import zmq
+import zmq.asyncio
 
 _LEVEL_PRIORITY = {"DEBUG": 7, "INFO": 6, "WARNING": 4, "ERROR": 3, "CRITICAL": 2}
 
@@ -113,7 +114,13 @@ def connect(sock: zmq.Socket, address: str) -> None:
 
 
 def sender(sock: zmq.Socket) -> zmq.Socket:
-    """A plain (blocking-API) view of an asyncio socket, for sends that must never wait."""
+    """A plain (blocking-API) view of an asyncio socket, for receives drained without awaiting.
+
+    Never *send* through it while a coroutine awaits a receive on the asyncio socket: ZeroMQ's notification
+    is edge-triggered, and a send made behind the asyncio socket's back can consume the edge of a message
+    that has just arrived, so the waiting receive never wakes. ``send_now`` on the asyncio socket itself
+    is safe: it checks for waiting receivers after sending.
+    """
     return zmq.Socket.shadow(sock.underlying)
 
 
@@ -135,10 +142,23 @@ async def receive(sock, multipart: bool = False, limit: int = 512):
         yield batch
 
 
-def send_now(sock: zmq.Socket, frame: bytes) -> bool:
-    """Send without waiting on a plain socket; False when the peer's queue is full (or, with IMMEDIATE, absent)."""
+def send_now(sock: zmq.Socket, frame: bytes | list[bytes]) -> bool:
+    """Send without waiting; False when the peer's queue is full (or, with IMMEDIATE, absent).
+
+    Takes a plain socket (send-only ones) or an asyncio socket (one that also receives): the asyncio
+    socket tries the send at once and, if a receive is waiting, re-checks for input (see ``sender``).
+    """
+    multipart = isinstance(frame, list)
+    if isinstance(sock, zmq.asyncio.Socket):
+        fut = sock.send_multipart(frame, zmq.NOBLOCK) if multipart else sock.send(frame, zmq.NOBLOCK)
+        if fut.done():
+            return fut.exception() is None  # retrieving it also keeps asyncio from logging it
+        return True
     try:
-        sock.send(frame, zmq.NOBLOCK)
+        if multipart:
+            sock.send_multipart(frame, zmq.NOBLOCK)
+        else:
+            sock.send(frame, zmq.NOBLOCK)
         return True
     except zmq.Again:
         return False

@@ -270,6 +270,7 @@ class MigratingRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     reply_to: str  # the owning proxy's token address: the destination sends the following tokens there
     priority: int = 0
     arrival_time: float = 0.0
+    max_total: int = 0  # the most tokens it may reach on the source (prompt + max_tokens, capped by its context)
 
 
 class RequestState(msgspec.Struct, array_like=True, omit_defaults=True):

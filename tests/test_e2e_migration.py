@@ -90,11 +90,13 @@ def move(cluster, rid: str, dst: str) -> dict:
     """In-process (milliseconds, where the CLI takes a few hundred): the same manager query as llumnixctl."""
     from llumnixctl.main import outcome_json
 
-    with_client = cluster.admin()
+    from llumnixctl.admin import AdminClient
+
+    client = AdminClient(cluster.manager, timeout_s=60)
     try:
-        return outcome_json(with_client.migrate(dst, request_id=rid).outcomes[0])
+        return outcome_json(client.migrate(dst, request_id=rid).outcomes[0])
     finally:
-        with_client.close()
+        client.close()
 
 
 def where(cluster, rid: str) -> str:

@@ -53,6 +53,13 @@ def check_request(request: EngineRequest, in_use: bool, max_model_len: int, voca
             raise EngineError(f"prompt token id {bad} is out of range for this model's vocabulary (0..{vocab_size - 1})")
 
 
+def check_room_to_grow(request: MigratingRequest, max_model_len: int) -> None:
+    """A migrating request must be able to end where it would have ended on its source."""
+    if request.max_total > max_model_len:
+        raise EngineError(f"the request may grow to {request.max_total} tokens; this instance's context limit is "
+                          f"{max_model_len}, so it would end early here")
+
+
 @dataclass
 class StepResult:
     outputs: list[TokenOut] = field(default_factory=list)

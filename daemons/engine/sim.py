@@ -23,7 +23,8 @@ from collections import deque
 import torch
 
 from daemons.config import ModelConfig, SimConfig
-from daemons.engine.base import EngineError, EngineRequest, KvBlocks, MigrationView, StepResult, check_request
+from daemons.engine.base import (EngineError, EngineRequest, KvBlocks, MigrationView, StepResult, check_request,
+                                  check_room_to_grow)
 from daemons.wire import InstanceLoad, MigratingRequest, RequestLoad, RequestState, TokenOut
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -234,7 +235,7 @@ class SimEngine:
         req = self._reqs[request_id]
         # The sim derives tokens from the request id alone, so it needs no prompt ids; their count must travel.
         return MigratingRequest(request_id=req.rid, prompt_token_ids=[0] * req.prompt_len, sampling=req.sampling,
-                                reply_to="", priority=req.priority, arrival_time=req.arrival_time)
+                                reply_to="", priority=req.priority, arrival_time=req.arrival_time, max_total=req.max_total)
 
     def suspend(self, request_id: str) -> RequestState:
         req = self._running.pop(request_id)
@@ -260,6 +261,7 @@ class SimEngine:
             engine_request = EngineRequest(rid, request.prompt_token_ids, request.sampling, request.arrival_time,
                                            request.priority)
             check_request(engine_request, rid in self._reqs, self.max_model_len)
+            check_room_to_grow(request, self.max_model_len)
             req = _Req(engine_request, self.max_model_len)
         need = _cdiv(tokens, self.block_size) - len(req.blocks)
         if need > 0:

@@ -20,7 +20,8 @@ import time
 from types import SimpleNamespace
 
 from daemons.config import ModelConfig, VllmConfig
-from daemons.engine.base import EngineError, EngineRequest, KvBlocks, MigrationView, StepResult, check_request
+from daemons.engine.base import (EngineError, EngineRequest, KvBlocks, MigrationView, StepResult, check_request,
+                                  check_room_to_grow)
 from daemons.wire import InstanceLoad, MigratingRequest, RequestLoad, RequestState, TokenOut
 
 log = logging.getLogger("llumnix.engine.vllm")
@@ -51,8 +52,15 @@ def _set_env(cfg: VllmConfig) -> None:
         import torch
 
         # The env var is too late once torch's OpenMP pool exists, and vLLM's CPU worker later replaces
-        # torch.set_num_threads with a no-op for the whole process: set it now.
-        torch.set_num_threads(cfg.omp_threads)
+        # torch.set_num_threads with a no-op for the whole process: set it now, and keep the real one for
+        # the engine's step thread (VllmEngine.init_thread).
+        global _set_num_threads
+        if _set_num_threads is None:
+            _set_num_threads = torch.set_num_threads
+        _set_num_threads(cfg.omp_threads)
+
+
+_set_num_threads = None  # torch's own set_num_threads, saved before vLLM replaces it
 
 
 # ==================================================================== vLLM internals (checked: 0.32.0)
@@ -80,7 +88,9 @@ class _Vllm:
     tokens (``append_output_token_ids``), ``num_computed_tokens`` = all but the last sampled token, status
     RUNNING, a place in ``scheduler.requests`` and ``scheduler.running``, and a ``CachedRequestState`` in
     ``model_runner.requests`` built from the same fields vLLM uses for a new request plus the outputs and
-    the seeded generator's state. The scheduler then sees a running request that skipped a step: it
+    the seeded generator's state (a request that comes back before a step let the runner forget its last
+    visit is first taken out of ``scheduler.finished_req_ids``, ``model_runner.requests`` and the
+    runner's ``input_batch``). The scheduler then sees a running request that skipped a step: it
     schedules one token, and the runner adds it back to the persistent batch from that cached state. The
     source drops a migrated request with ``abort_requests`` (after putting it back into ``running``).
     """
@@ -319,12 +329,19 @@ class _Vllm:
         generator = None
         params = req.sampling_params
         if params.sampling_type == self.m.RANDOM_SEED:
-            runner = self.runner()
-            generator = torch.Generator(device=runner.device)
+            generator = torch.Generator(device=self.runner().device)
             generator.manual_seed(params.seed)
             if engine_state:
                 generator.set_state(torch.frombuffer(bytearray(engine_state), dtype=torch.uint8))
-        self.runner().requests[req.request_id] = self.m.CachedRequestState(
+        runner = self.runner()
+        rid = req.request_id
+        if rid in self.scheduler.finished_req_ids:
+            # It left this engine (migrated away) and came back before a step let the runner forget it.
+            self.scheduler.finished_req_ids.discard(rid)
+            runner.requests.pop(rid, None)
+            runner.num_prompt_logprobs.pop(rid, None)
+        runner.input_batch.remove_request(rid)  # a stale row would keep its old tokens and blocks
+        runner.requests[rid] = self.m.CachedRequestState(
             req_id=req.request_id, prompt_token_ids=req.prompt_token_ids, mm_features=[], sampling_params=params,
             pooling_params=None, generator=generator, block_ids=(list(self.block_ids(req.request_id)),),
             num_computed_tokens=req.num_computed_tokens, output_token_ids=list(req.output_token_ids),
@@ -379,6 +396,13 @@ class VllmEngine:
         self._received = 0
         self._tokens_generated = 0
         self._closed = False
+
+    def init_thread(self) -> None:
+        """Run first on the thread that will call ``step``. OpenMP's thread count is per thread, taken from
+        the environment when torch first loaded, which in a daemon can be before ``_set_env`` ran; vLLM's
+        CPU attention checks that the count its metadata was built with is the one it runs with."""
+        if self.cfg.omp_threads > 0 and _set_num_threads is not None:
+            _set_num_threads(self.cfg.omp_threads)
 
     # ---------------------------------------------------------------- serving
 
@@ -496,7 +520,8 @@ class VllmEngine:
         live = self._live[request_id]
         r = live.req
         return MigratingRequest(request_id=request_id, prompt_token_ids=list(r.prompt_token_ids), sampling=live.sampling,
-                                reply_to="", priority=r.priority, arrival_time=r.arrival_time)
+                                reply_to="", priority=r.priority, arrival_time=r.arrival_time,
+                                max_total=min(r.num_prompt_tokens + live.sampling.max_tokens, self.max_model_len))
 
     def suspend(self, request_id: str) -> RequestState:
         live = self._live[request_id]
@@ -526,6 +551,7 @@ class VllmEngine:
             engine_request = EngineRequest(rid, request.prompt_token_ids, request.sampling, request.arrival_time,
                                            request.priority)
             check_request(engine_request, rid in self._live, self.max_model_len, self._v.vocab_size)
+            check_room_to_grow(request, self.max_model_len)
             try:
                 params = self._v.sampling_params(request.sampling)
             except self._v.m.request_errors as exc:

@@ -96,7 +96,6 @@ class ClusterClient:
         self.pull.setsockopt(zmq.RCVHWM, 0)
         self.manager = runtime.tune(self.ctx.socket(zmq.DEALER))
         self.manager.setsockopt(zmq.IMMEDIATE, 1)  # while the manager is away, fail fast and dispatch locally
-        self.manager_tx = runtime.sender(self.manager)
         self.instances: dict[str, zmq.Socket] = {}  # by request address: a restarted instance may move
         self.streams: dict[str, Stream] = {}
         self.snapshot: list[wire.InstanceView] = []
@@ -140,7 +139,7 @@ class ClusterClient:
         fut = asyncio.get_running_loop().create_future()
         self._queries[msg.query_id] = fut
         try:
-            if not runtime.send_now(self.manager_tx, wire.encode(msg)):
+            if not runtime.send_now(self.manager, wire.encode(msg)):
                 return None
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:

