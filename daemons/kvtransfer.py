@@ -37,7 +37,9 @@ class TransferError(Exception):
 class Pair:
     """One Gloo group with one peer: a worker thread and a double buffer."""
 
-    def __init__(self, key: str, host: str, rank: int, store: dist.Store, timeout_s: float):
+    def __init__(self, key: str, host: str, rank: int, store, timeout_s: float):
+        """``store`` is a Store, or a function that makes one (connecting may take up to the timeout, so
+        it happens on the pair's thread, never on the caller's event loop)."""
         self.key = key
         self.rank = rank
         self.peer = 1 - rank
@@ -49,11 +51,13 @@ class Pair:
         self._pg: dist.ProcessGroup | None = None
         self._pool.submit(self._connect, host, store)
 
-    def _connect(self, host: str, store: dist.Store) -> None:
+    def _connect(self, host: str, store) -> None:
         opts = dist.ProcessGroupGloo._Options()
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
         opts._timeout = self.timeout
         try:
+            if callable(store):
+                store = store()
             self._pg = dist.ProcessGroupGloo(dist.PrefixStore(self.key, store), self.rank, 2, opts)
         except (RuntimeError, ValueError) as exc:  # the peer never came, or its address does not route
             self.broken = True
@@ -180,13 +184,15 @@ class KvTransfer:
                 family = key.rsplit("/", 1)[0] + "/"
                 for old in [k for k in self.pairs if k.startswith(family)]:
                     self.pairs.pop(old).close()
-                host, port = store_address.rsplit(":", 1)
-                try:
-                    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=self.timeout_s),
-                                          use_libuv=True)
-                except (RuntimeError, ValueError) as exc:
-                    raise TransferError(f"cannot reach the source's KV store at {store_address}: {exc}") from None
-                pair = self.pairs[key] = Pair(key, self.host, DEST_RANK, store, self.timeout_s)
+                host, _, port = store_address.rpartition(":")
+                if not host or not port.isdigit():
+                    raise TransferError(f"bad KV store address {store_address!r} (expected HOST:PORT)")
+
+                def connect() -> dist.Store:
+                    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=self.timeout_s),
+                                         use_libuv=True)
+
+                pair = self.pairs[key] = Pair(key, self.host, DEST_RANK, connect, self.timeout_s)
             return pair
 
     def forget(self, name: str) -> None:

@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from daemons import runtime, wire
-from llumnixctl import localcluster
+from llumnixctl import bench_migration, localcluster
 from llumnixctl.admin import AdminClient
 
 app = typer.Typer(no_args_is_help=True, help="Benchmarks that print their figures.")
@@ -273,3 +273,7 @@ def engine(
     table.add_row("cores busy during the batched run", f"{cores:.2f}", f"{offline['cores']:.2f}", "")
     table.add_row("instance RSS, MiB", f"{result['instance_rss_mib']:.0f}", "", "")
     Console().print(table)
+
+
+
+app.command("migration")(bench_migration.command)

@@ -289,3 +289,20 @@ def test_source_killed_mid_copy_destination_releases(start_cluster):
             break
         assert time.monotonic() < deadline, d
         time.sleep(0.2)
+
+
+def test_bench_migration_json_shape_on_the_sim():
+    """The benchmark's contract (scripts/fig10.sh reads it): one row per length, every figure present."""
+    res = ctl("bench", "migration", "--backend", "sim", "--lengths", "64,200", "--decode-tokens", "48", "--json",
+              timeout=300)
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert data["backend"] == "sim" and [r["tokens"] for r in data["results"]] == [64, 200]
+    for r in data["results"]:
+        for key in ("downtime_ms", "migration_ms", "blocking_copy_ms", "recompute_ms", "decode_step_ms",
+                    "decode_step_migrating_ms"):
+            assert key in r
+        assert 0 < r["downtime_ms"] <= r["migration_ms"] and r["blocking_copy_ms"] > 0 and r["recompute_ms"] > 0
+        assert r["bytes"] >= r["tokens"] * 64 * 1024 * 0.9  # the kv-heavy shape: 64 KiB per token
+    bad = ctl("bench", "migration", "--lengths", "x")
+    assert bad.returncode == 2 and "--lengths" in bad.stderr

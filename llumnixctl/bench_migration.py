@@ -1,0 +1,250 @@
+"""``llumnixctl bench migration``: the paper's Fig 10 on a local two-instance cluster.
+
+For each request length L (prompt tokens), on instance i0 of a throw-away cluster with a KV-heavy model:
+
+1. A streamed request with an L-token prompt decodes on i0; once it has made a few tokens it is live-migrated
+   to i1 (multi-stage pre-copy). Figures: the migration's downtime and total time (the outcome that
+   ``llumnixctl migrate`` prints), and the request's decode step time (gaps between its tokens at the client)
+   before the migration and while its pre-copy stages run.
+2. Recomputation, the alternative to moving KV: i1 prefills the request's tokens (prompt plus output so far)
+   from scratch: the time to its first token, submitted straight to i1's request socket.
+3. Blocking copy, the other alternative: another request of the same length is migrated with
+   ``--blocking`` (suspend first, then copy everything): its downtime.
+
+Nothing here asserts a timing; the figures depend on the machine (see the closing notes in the tracker).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Annotated
+
+import httpx
+import psutil
+import typer
+import zmq
+from rich.console import Console
+from rich.table import Table
+
+from daemons import runtime, wire
+from llumnixctl import localcluster
+from llumnixctl.admin import AdminClient
+
+DEFAULT_LENGTHS = "256,512,1024,2048,4096,8192"
+KV_BYTES_PER_TOKEN = 64 * 1024  # the kv-heavy model: 32 layers x 8 KV heads x 64 x 2 (K, V) x 2 bytes
+
+
+class _Tokens(threading.Thread):
+    """A streamed completion whose token arrival times are kept."""
+
+    def __init__(self, url: str, model: str, prompt: list[int], max_tokens: int):
+        super().__init__(daemon=True)
+        self.url, self.model, self.prompt, self.max_tokens = url, model, prompt, max_tokens
+        self.times: list[float] = []
+        self.ids: list[int] = []
+        self.rid = ""
+        self.error: str | None = None
+        self.stop = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        body = {"model": self.model, "prompt": self.prompt, "max_tokens": self.max_tokens, "ignore_eos": True,
+                "temperature": 0, "stream": True, "return_token_ids": True}
+        try:
+            with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=600) as resp:
+                if resp.status_code != 200:
+                    self.error = f"HTTP {resp.status_code}: {resp.read()[:300]!r}"
+                    return
+                for line in resp.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        self.error = str(chunk["error"])
+                        return
+                    now = time.perf_counter()
+                    self.rid = chunk["id"]
+                    for ch in chunk["choices"]:
+                        for t in ch.get("token_ids", []):
+                            self.ids.append(t)
+                            self.times.append(now)
+                    if self.stop.is_set():
+                        return  # closing the stream aborts the request
+        except httpx.HTTPError as exc:
+            self.error = repr(exc)
+
+    def wait(self, n: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.ids) < n:
+            if self.error or not self.is_alive():
+                raise RuntimeError(f"the benchmark request failed: {self.error or 'stream ended'}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the benchmark request made {len(self.ids)} tokens in {timeout:g}s")
+            time.sleep(0.001)
+
+    def end(self) -> None:
+        self.stop.set()
+        self.join(60)
+
+
+def _gaps_ms(times: list[float], start: float, end: float) -> list[float]:
+    return [(b - a) * 1e3 for a, b in zip(times, times[1:]) if start <= a and b <= end]
+
+
+def _recompute_ms(request_address: str, prompt: list[int], timeout_s: float) -> float:
+    """Prefill ``prompt`` on one instance from scratch: time to its first token, over ZeroMQ."""
+    ctx = zmq.Context.instance()
+    pull = runtime.tune(ctx.socket(zmq.PULL))
+    dealer = runtime.tune(ctx.socket(zmq.DEALER))
+    try:
+        reply_to = runtime.bind(pull, "tcp://127.0.0.1:0")
+        dealer.connect(request_address)
+        sub = wire.Submit(f"recompute-{uuid.uuid4().hex}", prompt, wire.SamplingParams(max_tokens=1, ignore_eos=True,
+                                                                                       temperature=0), reply_to)
+        t0 = time.perf_counter()
+        dealer.send(wire.encode(sub))
+        while True:
+            if not pull.poll(int(timeout_s * 1000)):
+                raise RuntimeError(f"recomputation on the destination did not finish within {timeout_s:g}s")
+            msg = wire.decode(pull.recv())
+            if isinstance(msg, wire.RequestFailed):
+                raise RuntimeError(f"recomputation refused: {msg.message}")
+            if isinstance(msg, wire.TokenBatch) and msg.outputs:
+                return (time.perf_counter() - t0) * 1e3
+    finally:
+        dealer.close(0)
+        pull.close(0)
+
+
+def _settings(backend: str, model: Path | None, lengths: list[int], decode_tokens: int) -> list[str]:
+    longest = max(lengths) + decode_tokens + 64
+    blocks_tokens = 2 * longest + 1024  # a migrated request and the blocking-copy one may overlap briefly
+    common = ["manager.dispatch_policy=flood", "instance.log_level=warning", "proxy.log_level=warning",
+              f"model.max_model_len={max(longest, 4096)}", "migration.timeout_s=60"]
+    if backend == "sim":
+        return common + ["sim.kv_layers=32", "sim.kv_heads=8", "sim.head_dim=64", "sim.kv_dtype=bfloat16",
+                         "sim.block_size=32", f"sim.num_blocks={blocks_tokens // 32 + 1}", "sim.eos_rate=0",
+                         f"sim.max_num_batched_tokens={longest}"]
+    return common + [f"model.path={model}", "model.name=bench", "vllm.block_size=32",
+                     f"vllm.kv_cache_bytes={blocks_tokens * KV_BYTES_PER_TOKEN}", "vllm.max_num_seqs=8"]
+
+
+def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int, log) -> dict:
+    run_dir = Path(tempfile.mkdtemp(prefix="llumnix-bench-mig-"))
+    try:
+        if backend == "vllm" and model is None:
+            from llumnixctl.model import write_tiny_model
+
+            log("writing the kv-heavy test model ...")
+            model = write_tiny_model(run_dir / "kv-heavy", size="kv-heavy")
+        log("starting two instances ...")
+        state = localcluster.up(run_dir, 2, backend, 0, None, _settings(backend, model, lengths, decode_tokens),
+                                timeout_s=600)
+    except localcluster.ClusterError as exc:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise RuntimeError(str(exc)) from None
+    admin = AdminClient(state.manager_address, timeout_s=600)
+    results = []
+    try:
+        views = {v.instance_id: v for v in admin.status().instances}
+        dst_address = views["i1"].request_address
+        rng = random.Random(0)
+        model_name = "bench" if backend == "vllm" else "llumnix-sim"
+        for n in lengths:
+            log(f"{n} tokens ...")
+            prompt = [rng.randrange(10, 1000) for _ in range(n)]
+            # (1) live migration with pre-copy, and the decode step time around it
+            s = _Tokens(state.url, model_name, prompt, decode_tokens)
+            s.wait(8, timeout=900)
+            t0 = time.perf_counter()
+            out = admin.migrate("i1", request_id=s.rid).outcomes[0]
+            if out.outcome != "committed":
+                raise RuntimeError(f"the {n}-token migration aborted: {out.reason}")
+            s.wait(min(len(s.ids) + 8, decode_tokens), timeout=120)
+            s.end()
+            precopy_end = t0 + (out.total_ms - out.downtime_ms) / 1e3
+            before = _gaps_ms(s.times, 0.0, t0)
+            during = _gaps_ms(s.times, t0, precopy_end)
+            # (2) recomputation: the destination prefills what the request had
+            recompute = _recompute_ms(dst_address, prompt + s.ids[:out.resumed_at], timeout_s=900)
+            # (3) blocking stop-and-copy of a request of the same length
+            b = _Tokens(state.url, model_name, prompt, decode_tokens)
+            b.wait(8, timeout=900)
+            blocking = admin.migrate("i1", request_id=b.rid, blocking=True).outcomes[0]
+            b.end()
+            if blocking.outcome != "committed":
+                raise RuntimeError(f"the {n}-token blocking copy aborted: {blocking.reason}")
+            results.append({
+                "tokens": n, "downtime_ms": out.downtime_ms, "migration_ms": out.total_ms, "stages": out.stages,
+                "bytes": out.bytes, "blocking_copy_ms": blocking.downtime_ms, "recompute_ms": recompute,
+                "decode_step_ms": statistics.median(before) if before else None,
+                "decode_step_migrating_ms": statistics.median(during) if during else None,
+                "decode_steps_during_migration": len(during),
+            })
+            _wait_idle(admin)
+    finally:
+        admin.close()
+        localcluster.stop(state)
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return {"backend": backend, "model": str(model) if model and backend == "vllm" else "kv-heavy (generated)"
+            if backend == "vllm" else "sim (kv-heavy shape)", "cores": psutil.cpu_count(), "results": results}
+
+
+def _wait_idle(admin: AdminClient, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while any(v.load.running or v.load.waiting or v.load.blocks_used for v in admin.status().instances):
+        if time.monotonic() > deadline:
+            raise RuntimeError("the instances did not go idle between lengths")
+        time.sleep(0.1)
+
+
+def command(
+    backend: Annotated[str, typer.Option(help="vllm (a generated KV-heavy model, or --model) or sim (same KV shape)")] = "vllm",
+    lengths: Annotated[str, typer.Option(help="comma-separated prompt lengths, in tokens")] = DEFAULT_LENGTHS,
+    model: Annotated[Path | None, typer.Option(help="vllm: checkpoint directory (default: generate the kv-heavy model)")] = None,
+    decode_tokens: Annotated[int, typer.Option(help="max_tokens of each benchmark request")] = 160,
+    json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """Live-migration downtime against blocking copy and recomputation, per request length (the paper's Fig 10)."""
+    err = Console(stderr=True)
+    if backend not in ("vllm", "sim"):
+        err.print(f"llumnixctl: unknown --backend {backend!r}; choose vllm or sim", markup=False)
+        raise typer.Exit(2)
+    try:
+        sizes = sorted({int(x) for x in lengths.split(",") if x.strip()})
+    except ValueError:
+        sizes = []
+    if not sizes or sizes[0] < 1:
+        err.print(f"llumnixctl: --lengths must be positive integers separated by commas; got {lengths!r}", markup=False)
+        raise typer.Exit(2)
+    try:
+        result = run(backend, model.resolve() if model else None, sizes, max(decode_tokens, 32),
+                     lambda m: err.print(m, markup=False))
+    except RuntimeError as exc:
+        err.print(f"llumnixctl: {exc}", markup=False)
+        raise typer.Exit(1) from None
+    if json_:
+        sys.stdout.write(json.dumps(result, indent=2) + "\n")
+        return
+    table = Table(title=f"live migration · backend {backend} · {result['model']} · {result['cores']} cores")
+    for col in ("tokens", "MB moved", "stages", "downtime ms", "migration ms", "blocking copy ms", "recompute ms",
+                "decode step ms", "while migrating"):
+        table.add_column(col, justify="right")
+
+    def ms(x):
+        return "-" if x is None else f"{x:.2f}"
+
+    for r in result["results"]:
+        table.add_row(str(r["tokens"]), f"{r['bytes'] / 1e6:.1f}", str(r["stages"]), ms(r["downtime_ms"]),
+                      ms(r["migration_ms"]), ms(r["blocking_copy_ms"]), ms(r["recompute_ms"]),
+                      ms(r["decode_step_ms"]), ms(r["decode_step_migrating_ms"]))
+    Console().print(table)
