@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import socket
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Callable, Optional
@@ -60,6 +61,7 @@ class Instance:
         self.inbox: list[wire.Submit | wire.Abort] = []
         self.list_queries: list[int] = []  # ListRequests answered at the next step boundary
         self.boundary_calls: list[tuple[Callable, asyncio.Future]] = []
+        self.stepping = False  # an engine step runs on the executor thread right now
         self.migrating: set[str] = set()  # requests migrating out
         self.aborted_while_migrating: set[str] = set()  # their aborts wait for the migration's outcome
         self.migrator: Migrator | None = None
@@ -67,6 +69,11 @@ class Instance:
         # served. The engine is only ever touched between steps, from the event loop thread.
         self.executor = (ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=getattr(engine, "init_thread", None))
                          if getattr(engine, "blocking_step", False) else None)
+        if self.executor is not None:
+            # The step thread runs Python between its kernels and holds the GIL meanwhile; by default a
+            # waiting thread gets it after up to 5 ms. The event loop serves sockets (tokens, migration
+            # handshakes, whose latency is downtime): let it in sooner.
+            sys.setswitchinterval(0.0005)
         self.last_load = engine.load()
         self.wake = asyncio.Event()
         self.load_changed = asyncio.Event()
@@ -177,11 +184,25 @@ class Instance:
     # ------------------------------------------------------------------ engine loop
 
     def boundary(self, fn: Callable) -> asyncio.Future:
-        """Run ``fn()`` at the next step boundary (no engine step in flight); the future gets its result."""
+        """Run ``fn()`` at a step boundary (no engine step in flight); the future gets its result. With no
+        step in flight that is now: waiting for the loop to wake would only add latency (migration
+        downtime, for one)."""
         fut = asyncio.get_running_loop().create_future()
-        self.boundary_calls.append((fn, fut))
-        self.wake.set()
+        if self.stepping:
+            self.boundary_calls.append((fn, fut))
+        else:
+            self._run_boundary_call(fn, fut)
+        self.wake.set()  # refreshes the load report, and steps what the call may have started
         return fut
+
+    @staticmethod
+    def _run_boundary_call(fn: Callable, fut: asyncio.Future) -> None:
+        if fut.done():
+            return
+        try:
+            fut.set_result(fn())
+        except (EngineError, KeyError, ValueError, TransferError) as exc:
+            fut.set_exception(exc)
 
     def at_boundary(self) -> None:
         """Between steps: take in requests and aborts, run migration calls, answer queries, refresh the load."""
@@ -189,12 +210,7 @@ class Instance:
         while self.boundary_calls:
             calls, self.boundary_calls = self.boundary_calls, []
             for fn, fut in calls:
-                if fut.done():
-                    continue
-                try:
-                    fut.set_result(fn())
-                except (EngineError, KeyError, ValueError, TransferError) as exc:
-                    fut.set_exception(exc)
+                self._run_boundary_call(fn, fut)
         if self.list_queries:
             requests = self.engine.requests()
             for qid in self.list_queries:
@@ -219,7 +235,9 @@ class Instance:
                 continue
             start = loop_time()
             if self.executor is not None:
+                self.stepping = True  # engine calls from coroutines wait for the boundary meanwhile
                 result = await loop.run_in_executor(self.executor, self.engine.step)
+                self.stepping = False  # (left set if cancelled: the thread may still be stepping)
             else:
                 result = self.engine.step()
             self.emit(result.outputs)

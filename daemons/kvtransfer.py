@@ -28,6 +28,13 @@ from daemons.engine.base import KvBlocks
 log = logging.getLogger("llumnix.kvtransfer")
 
 SOURCE_RANK, DEST_RANK = 0, 1
+# Taken at import, before an engine may replace it (vLLM's CPU worker makes torch.set_num_threads a no-op).
+_set_num_threads = torch.set_num_threads
+
+
+def _one_thread() -> None:
+    """Copies are memory-bound: one thread moves them as fast, and leaves the other cores to the engine."""
+    _set_num_threads(1)
 
 
 class TransferError(Exception):
@@ -46,7 +53,7 @@ class Pair:
         self.timeout = timedelta(seconds=timeout_s)
         self.broken = False
         self.bytes_moved = 0
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"kv-{key[-8:]}")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"kv-{key[-8:]}", initializer=_one_thread)
         self._buffers: list[torch.Tensor] = []
         self._pg: dist.ProcessGroup | None = None
         self._pool.submit(self._connect, host, store)

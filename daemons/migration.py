@@ -81,6 +81,7 @@ class _In:
     last_heard: float = field(default_factory=time.monotonic)
     busy: asyncio.Lock = field(default_factory=asyncio.Lock)  # stages of one migration run one at a time
     receiving: asyncio.Future | None = None  # a Gloo receive that may still write our blocks
+    ids: list[int] = field(default_factory=list)  # the blocks reserved so far, in token order
     ended: bool = False
 
 
@@ -97,6 +98,7 @@ class Migrator:
         self.outgoing: dict[str, _Out] = {}  # by migration id
         self.incoming: dict[str, _In] = {}  # by migration id
         self.peers: dict[str, zmq.asyncio.Socket] = {}  # destination request address -> our DEALER
+        self._dst_locks: dict[str, asyncio.Lock] = {}
         self.moved: dict[str, tuple[str, float]] = {}  # request id -> (destination address, when): aborts follow
         self.committed = 0
         self.aborted = 0
@@ -158,6 +160,7 @@ class Migrator:
         sock = None
         sent: list[int] = []  # block ids already at the destination, in order
         stage = 0
+        lock = None
         self.outgoing[out.mig_id] = out
         M_IN_FLIGHT.labels("source").inc()
         try:
@@ -166,6 +169,10 @@ class Migrator:
             if request_id in self.inst.migrating:
                 raise Aborted("the request is already migrating")
             self.inst.migrating.add(request_id)
+            # One migration at a time per destination: both ends of a pair run its transfers in the order
+            # they were posted, so two interleaved migrations could pair one's send with the other's receive.
+            await self._dst_locks.setdefault(dst, asyncio.Lock()).acquire()
+            lock = self._dst_locks[dst]
             reply_to = self.inst.reply_to.get(request_id)
             first = await self.boundary(lambda: self._first_look(request_id))
             if first is None or reply_to is None:
@@ -176,6 +183,8 @@ class Migrator:
             chunk_blocks = max(1, self.cfg.chunk_bytes // kb.block_nbytes)
             limit = self.cfg.bandwidth_limit_mbps * 1e6
             bs = self.engine.block_size
+            headroom = (self.cfg.last_stage_max_blocks + 2) * bs
+            reserved = 0  # tokens the destination holds blocks for
             pair = self.kv.source_pair(me, dst)
             sock = self._peer(dst_address)
             while True:
@@ -205,23 +214,37 @@ class Migrator:
                 else:
                     upto = view.computed_tokens // bs  # full blocks only: they never change again
                 ids = view.block_ids[len(sent):upto]
-                msg = wire.MigStage(mig_id=out.mig_id, stage=stage, tokens=view.computed_tokens, first_block=len(sent),
-                                    n_blocks=len(ids), last=last, state=state, chunk_blocks=chunk_blocks)
+                # Before the last stage the destination holds a few blocks more than written so far: the last
+                # stage, which the request spends suspended, then needs no new reservation there.
+                tokens = view.computed_tokens if last else min(view.computed_tokens + headroom, info.max_total or 1 << 30)
+                tokens = max(tokens, view.computed_tokens)
+                # The last stage is the request's downtime: when the destination holds enough blocks already,
+                # skip its MigReady round trip and send the blocks right behind the message.
+                await_ready = not (last and stage > 0 and _cdiv(tokens, bs) <= _cdiv(reserved, bs))
+                msg = wire.MigStage(mig_id=out.mig_id, stage=stage, tokens=tokens, first_block=len(sent),
+                                    n_blocks=len(ids), last=last, state=state, chunk_blocks=chunk_blocks,
+                                    await_ready=await_ready)
                 if stage == 0:
                     msg = msgspec.structs.replace(msg, request=info, kv_spec=kb.spec, src=me,
                                                   kv_address=self.kv.address, pair_key=pair.key)
+                t_msg = time.perf_counter()
                 if not runtime.send_now(sock, wire.encode(msg)):
                     raise Aborted("the destination's socket is not accepting messages")
-                await self._reply(out, wire.MigReady, stage, "the reservation" if stage == 0 else f"stage {stage}")
-                if ids:
-                    try:
-                        result.bytes += await asyncio.wait_for(asyncio.wrap_future(pair.send(kb, ids, chunk_blocks, limit)),
-                                                               self.cfg.timeout_s + len(ids) * kb.block_nbytes / 1e8)
-                    except (TransferError, asyncio.TimeoutError) as exc:
-                        self.kv.forget(dst)
-                        raise Aborted(f"KV transfer failed: {exc or 'timed out'}") from None
-                    M_BYTES.labels("out").inc(len(ids) * kb.block_nbytes)
+                reserved = max(reserved, tokens)
+                if await_ready:
+                    await self._reply(out, wire.MigReady, stage, "the reservation" if stage == 0 else f"stage {stage}")
+                t_ready = time.perf_counter()
+                sending = asyncio.wrap_future(pair.send(kb, ids, chunk_blocks, limit)) if ids else None
+                if sending is not None and await_ready:
+                    result.bytes += await self._sent(sending, dst, len(ids) * kb.block_nbytes)
+                t_sent = time.perf_counter()
                 await self._reply(out, wire.MigDone, stage, "the commit" if last else f"stage {stage}'s copy")
+                t_done = time.perf_counter()  # after the last stage: the request runs on the destination
+                if sending is not None and not await_ready:  # done: the destination got it all
+                    result.bytes += await self._sent(sending, dst, len(ids) * kb.block_nbytes)
+                log.debug("migration %s stage %d%s: %d blocks; ready %.2f ms, copy %.2f ms, done %.2f ms",
+                          out.mig_id, stage, " (last)" if last else "", len(ids), (t_ready - t_msg) * 1e3,
+                          (t_sent - t_ready) * 1e3, (t_done - t_sent) * 1e3)
                 sent += ids
                 stage += 1
                 if last:
@@ -229,7 +252,7 @@ class Migrator:
             await self.boundary(lambda: self._hand_over(request_id, dst_address))
             result.outcome, result.reason = "committed", ""
             self.committed += 1
-        except (Aborted, Exception) as exc:  # anything else is our bug: report it, keep the request running
+        except Exception as exc:  # Aborted; anything else is our bug: report it, keep the request running
             if not isinstance(exc, Aborted):
                 log.exception("migration of %s failed unexpectedly", request_id)
             result.reason = str(exc) if isinstance(exc, Aborted) else f"internal error: {exc!r}"
@@ -243,6 +266,8 @@ class Migrator:
                 await self.boundary(lambda: self._resume(request_id))
             self.aborted += 1
         finally:
+            if lock is not None:
+                lock.release()
             self.inst.migrating.discard(request_id)
             del self.outgoing[out.mig_id]
             self.inst.wake.set()  # refresh the load report at the next boundary
@@ -258,14 +283,22 @@ class Migrator:
         end = time.perf_counter()
         result.total_ms = (end - start) * 1e3
         if suspended_at and result.outcome == "committed":
-            result.downtime_ms = (end - suspended_at) * 1e3
-            M_DOWNTIME.observe(end - suspended_at)
+            result.downtime_ms = (t_done - suspended_at) * 1e3
+            M_DOWNTIME.observe(t_done - suspended_at)
         M_DURATION.observe(end - start)
         M_MIGRATIONS.labels(result.outcome).inc()
         log.info("migration of %s to %s %s%s: %d stages, %d blocks, %.1f MB, downtime %.2f ms, total %.1f ms",
                  request_id, dst, result.outcome, f" ({result.reason})" if result.reason else "", result.stages,
                  result.blocks, result.bytes / 1e6, result.downtime_ms, result.total_ms)
         return result
+
+    async def _sent(self, sending: asyncio.Future, dst: str, nbytes: int) -> int:
+        try:
+            sent = await asyncio.wait_for(sending, self.cfg.timeout_s + nbytes / 1e8)
+        except (TransferError, asyncio.TimeoutError) as exc:
+            raise Aborted(f"KV transfer failed: {exc or 'timed out'}") from None
+        M_BYTES.labels("out").inc(sent)
+        return sent
 
     def _first_look(self, request_id: str):
         view = self.engine.migration_view(request_id)
@@ -336,6 +369,7 @@ class Migrator:
         self.inst.reply_peer(identity, msg)
 
     async def _stage_in(self, inc: _In, msg: wire.MigStage) -> None:
+        t_in = time.perf_counter()
         async with inc.busy:
             if inc.ended:
                 return
@@ -345,16 +379,21 @@ class Migrator:
                         inc.pair = self.kv.dest_pair(msg.pair_key, msg.kv_address)
                     except TransferError as exc:
                         raise Aborted(str(exc)) from None
-                try:
-                    ids = await self.boundary(lambda: self.engine.reserve(inc.request, msg.tokens))
-                except EngineError as exc:
-                    raise Aborted(str(exc)) from None
+                if _cdiv(msg.tokens, self.engine.block_size) > len(inc.ids):
+                    if not msg.await_ready:
+                        raise Aborted("the last stage needs more blocks than were reserved")
+                    try:
+                        inc.ids = await self.boundary(lambda: self.engine.reserve(inc.request, msg.tokens))
+                    except EngineError as exc:
+                        raise Aborted(str(exc)) from None
+                ids = inc.ids
                 if msg.first_block + msg.n_blocks > len(ids):
                     raise Aborted(f"stage {msg.stage} sends blocks past the reservation")
                 if msg.n_blocks:
                     target = ids[msg.first_block:msg.first_block + msg.n_blocks]
                     inc.receiving = asyncio.wrap_future(inc.pair.recv(self.engine.kv_blocks(), target, msg.chunk_blocks))
-                self._answer(inc.identity, wire.MigReady(msg.mig_id, msg.stage))
+                if msg.await_ready:
+                    self._answer(inc.identity, wire.MigReady(msg.mig_id, msg.stage))
                 if inc.receiving is not None:
                     try:
                         got = await inc.receiving
@@ -363,6 +402,7 @@ class Migrator:
                     finally:
                         inc.receiving = None
                     M_BYTES.labels("in").inc(got)
+                t_got = time.perf_counter()
                 inc.last_heard = time.monotonic()
                 if msg.last:
                     if msg.state is None:
@@ -372,6 +412,8 @@ class Migrator:
                     except EngineError as exc:
                         raise Aborted(str(exc)) from None
                 self._answer(inc.identity, wire.MigDone(msg.mig_id, msg.stage))
+                log.debug("migration %s stage %d in: %d blocks, %.2f ms from message to done (received %.2f ms)",
+                          msg.mig_id, msg.stage, msg.n_blocks, (time.perf_counter() - t_in) * 1e3, (t_got - t_in) * 1e3)
                 if msg.last:
                     inc.ended = True
                     self._forget_in(inc)

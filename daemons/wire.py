@@ -346,6 +346,7 @@ class MigStage(msgspec.Struct, **_tagged(64)):
     kv_address: str = ""  # host:port of the source's rendezvous store
     pair_key: str = ""  # names the Gloo pair group (formed on first use, reused after)
     chunk_blocks: int = 0  # blocks per Gloo message
+    await_ready: bool = True  # False: the reservation already covers it; the blocks follow at once, no MigReady
 
 
 class MigReady(msgspec.Struct, **_tagged(65)):

@@ -17,6 +17,7 @@ Nothing here asserts a timing; the figures depend on the machine (see the closin
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import statistics
@@ -126,10 +127,10 @@ def _recompute_ms(request_address: str, prompt: list[int], timeout_s: float) -> 
 
 
 def _settings(backend: str, model: Path | None, lengths: list[int], decode_tokens: int) -> list[str]:
-    longest = max(lengths) + decode_tokens + 64
+    longest = max(max(lengths) + decode_tokens + 64, 4096)
     blocks_tokens = 2 * longest + 1024  # a migrated request and the blocking-copy one may overlap briefly
-    common = ["manager.dispatch_policy=flood", "instance.log_level=warning", "proxy.log_level=warning",
-              f"model.max_model_len={max(longest, 4096)}", "migration.timeout_s=60"]
+    common = ["manager.dispatch_policy=flood", f"instance.log_level={os.environ.get('LLUMNIX_BENCH_LOG', 'warning')}", "proxy.log_level=warning",
+              f"model.max_model_len={longest}", "migration.timeout_s=60"]
     if backend == "sim":
         return common + ["sim.kv_layers=32", "sim.kv_heads=8", "sim.head_dim=64", "sim.kv_dtype=bfloat16",
                          "sim.block_size=32", f"sim.num_blocks={blocks_tokens // 32 + 1}", "sim.eos_rate=0",
@@ -140,8 +141,9 @@ def _settings(backend: str, model: Path | None, lengths: list[int], decode_token
 
 def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int, log) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix="llumnix-bench-mig-"))
+    generated = backend == "vllm" and model is None
     try:
-        if backend == "vllm" and model is None:
+        if generated:
             from llumnixctl.model import write_tiny_model
 
             log("writing the kv-heavy test model ...")
@@ -195,8 +197,11 @@ def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int
         admin.close()
         localcluster.stop(state)
         shutil.rmtree(run_dir, ignore_errors=True)
-    return {"backend": backend, "model": str(model) if model and backend == "vllm" else "kv-heavy (generated)"
-            if backend == "vllm" else "sim (kv-heavy shape)", "cores": psutil.cpu_count(), "results": results}
+    if backend == "sim":
+        label = "sim (kv-heavy shape)"
+    else:
+        label = "kv-heavy (generated)" if generated else str(model)
+    return {"backend": backend, "model": label, "cores": psutil.cpu_count(), "results": results}
 
 
 def _wait_idle(admin: AdminClient, timeout: float = 120) -> None:

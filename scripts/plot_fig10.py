@@ -12,6 +12,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # no display on servers
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import NullLocator  # noqa: E402
 
 
 def main(src: str, dst: str) -> None:
@@ -23,8 +24,9 @@ def main(src: str, dst: str) -> None:
                                ("blocking_copy_ms", "blocking copy", "s"),
                                ("recompute_ms", "recomputation", "^")):
         left.plot(x, [r[key] for r in rows], marker=marker, label=label)
-    left.set(xscale="log", yscale="log", xlabel="sequence length (tokens)", ylabel="request downtime (ms)",
-             title="Downtime")
+    left.set(yscale="log", xlabel="sequence length (tokens)", ylabel="request downtime (ms)", title="Downtime")
+    left.set_xscale("log", base=2)
+    left.xaxis.set_minor_locator(NullLocator())  # only the measured lengths are labelled
     left.set_xticks(x, [str(v) for v in x])
     left.legend()
     left.grid(True, which="both", alpha=0.3)
