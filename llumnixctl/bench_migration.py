@@ -2,10 +2,11 @@
 
 For each request length L (prompt tokens), on instance i0 of a throw-away cluster with a KV-heavy model:
 
-1. A streamed request with an L-token prompt decodes on i0; once it has made a few tokens it is live-migrated
-   to i1 (multi-stage pre-copy). Figures: the migration's downtime and total time (the outcome that
-   ``llumnixctl migrate`` prints), and the request's decode step time (gaps between its tokens at the client)
-   before the migration and while its pre-copy stages run.
+1. A streamed request with an L-token prompt decodes; once it has made a few tokens it is live-migrated
+   (multi-stage pre-copy) to the other instance, and back, ``--repeat`` times, with a few tokens of steady
+   decoding in between. Figures: the medians of the migrations' downtime and total time (the outcome that
+   ``llumnixctl migrate`` prints), and the request's mean decode step time (gaps between its tokens at the
+   client) outside the migrations and inside their pre-copy stages.
 2. Recomputation, the alternative to moving KV: i1 prefills the request's tokens (prompt plus output so far)
    from scratch: the time to its first token, submitted straight to i1's request socket.
 3. Blocking copy, the other alternative: another request of the same length is migrated with
@@ -139,7 +140,8 @@ def _settings(backend: str, model: Path | None, lengths: list[int], decode_token
                      f"vllm.kv_cache_bytes={blocks_tokens * KV_BYTES_PER_TOKEN}", "vllm.max_num_seqs=8"]
 
 
-def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int, log) -> dict:
+def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int, log, repeat: int = 4,
+        gap_tokens: int = 8) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix="llumnix-bench-mig-"))
     generated = backend == "vllm" and model is None
     try:
@@ -157,40 +159,50 @@ def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int
     admin = AdminClient(state.manager_address, timeout_s=600)
     results = []
     try:
-        views = {v.instance_id: v for v in admin.status().instances}
-        dst_address = views["i1"].request_address
+        addresses = {v.instance_id: v.request_address for v in admin.status().instances}
         rng = random.Random(0)
         model_name = "bench" if backend == "vllm" else "llumnix-sim"
         for n in lengths:
             log(f"{n} tokens ...")
             prompt = [rng.randrange(10, 1000) for _ in range(n)]
-            # (1) live migration with pre-copy, and the decode step time around it
+            # (1) live migrations with pre-copy, back and forth, and the decode step time around them
             s = _Tokens(state.url, model_name, prompt, decode_tokens)
             s.wait(8, timeout=900)
-            t0 = time.perf_counter()
-            out = admin.migrate("i1", request_id=s.rid).outcomes[0]
-            if out.outcome != "committed":
-                raise RuntimeError(f"the {n}-token migration aborted: {out.reason}")
-            s.wait(min(len(s.ids) + 8, decode_tokens), timeout=120)
+            here = _where(admin, s.rid)
+            outs, windows = [], []
+            for _ in range(repeat):
+                there = _other(here, addresses)
+                t0 = time.perf_counter()
+                out = admin.migrate(there, request_id=s.rid).outcomes[0]
+                if out.outcome != "committed":
+                    raise RuntimeError(f"the {n}-token migration aborted: {out.reason}")
+                outs.append(out)
+                windows.append((t0, t0 + (out.total_ms - out.downtime_ms) / 1e3, t0 + out.total_ms / 1e3))
+                s.wait(min(len(s.ids) + gap_tokens, decode_tokens), timeout=300)  # steady decoding in between
+                here = there
             s.end()
-            precopy_end = t0 + (out.total_ms - out.downtime_ms) / 1e3
-            before = _gaps_ms(s.times, 0.0, t0)
-            during = _gaps_ms(s.times, t0, precopy_end)
-            # (2) recomputation: the destination prefills what the request had
-            recompute = _recompute_ms(dst_address, prompt + s.ids[:out.resumed_at], timeout_s=900)
+            gaps = list(zip(s.times, s.times[1:]))
+            quiet = [(b - a) * 1e3 for a, b in gaps if not any(a < end and b > t0 for t0, _, end in windows)]
+            during = [(b - a) * 1e3 for a, b in gaps for t0, precopy_end, _ in windows if t0 <= a and b <= precopy_end]
+            # (2) recomputation: an instance prefills what the request had when it first moved
+            recompute = _recompute_ms(addresses[here], prompt + s.ids[:outs[0].resumed_at], timeout_s=900)
             # (3) blocking stop-and-copy of a request of the same length
             b = _Tokens(state.url, model_name, prompt, decode_tokens)
             b.wait(8, timeout=900)
-            blocking = admin.migrate("i1", request_id=b.rid, blocking=True).outcomes[0]
+            blocking = admin.migrate(_other(_where(admin, b.rid), addresses), request_id=b.rid, blocking=True).outcomes[0]
             b.end()
             if blocking.outcome != "committed":
                 raise RuntimeError(f"the {n}-token blocking copy aborted: {blocking.reason}")
             results.append({
-                "tokens": n, "downtime_ms": out.downtime_ms, "migration_ms": out.total_ms, "stages": out.stages,
-                "bytes": out.bytes, "blocking_copy_ms": blocking.downtime_ms, "recompute_ms": recompute,
-                "decode_step_ms": statistics.median(before) if before else None,
-                "decode_step_migrating_ms": statistics.median(during) if during else None,
-                "decode_steps_during_migration": len(during),
+                "tokens": n,
+                "downtime_ms": statistics.median(o.downtime_ms for o in outs),
+                "migration_ms": statistics.median(o.total_ms for o in outs),
+                "stages": outs[0].stages, "bytes": outs[0].bytes, "migrations": len(outs),
+                "downtime_ms_all": [round(o.downtime_ms, 3) for o in outs],
+                "blocking_copy_ms": blocking.downtime_ms, "recompute_ms": recompute,
+                "decode_step_ms": statistics.mean(quiet) if quiet else None,
+                "decode_step_migrating_ms": statistics.mean(during) if during else None,
+                "decode_steps": len(quiet), "decode_steps_during_migration": len(during),
             })
             _wait_idle(admin)
     finally:
@@ -202,6 +214,19 @@ def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int
     else:
         label = "kv-heavy (generated)" if generated else str(model)
     return {"backend": backend, "model": label, "cores": psutil.cpu_count(), "results": results}
+
+
+def _where(admin: AdminClient, request_id: str) -> str:
+    for _ in range(100):
+        found = [r.instance_id for r in admin.requests().requests if r.request_id == request_id]
+        if found:
+            return found[0]
+        time.sleep(0.05)
+    raise RuntimeError(f"request {request_id} is on no instance")
+
+
+def _other(instance_id: str, addresses: dict[str, str]) -> str:
+    return next(i for i in sorted(addresses) if i != instance_id)
 
 
 def _wait_idle(admin: AdminClient, timeout: float = 120) -> None:
@@ -217,6 +242,7 @@ def command(
     lengths: Annotated[str, typer.Option(help="comma-separated prompt lengths, in tokens")] = DEFAULT_LENGTHS,
     model: Annotated[Path | None, typer.Option(help="vllm: checkpoint directory (default: generate the kv-heavy model)")] = None,
     decode_tokens: Annotated[int, typer.Option(help="max_tokens of each benchmark request")] = 160,
+    repeat: Annotated[int, typer.Option(help="live migrations per length (back and forth)", min=1)] = 4,
     json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Live-migration downtime against blocking copy and recomputation, per request length (the paper's Fig 10)."""
@@ -232,8 +258,8 @@ def command(
         err.print(f"llumnixctl: --lengths must be positive integers separated by commas; got {lengths!r}", markup=False)
         raise typer.Exit(2)
     try:
-        result = run(backend, model.resolve() if model else None, sizes, max(decode_tokens, 32),
-                     lambda m: err.print(m, markup=False))
+        result = run(backend, model.resolve() if model else None, sizes,
+                     max(decode_tokens, 8 + repeat * 24), lambda m: err.print(m, markup=False), repeat=repeat)
     except RuntimeError as exc:
         err.print(f"llumnixctl: {exc}", markup=False)
         raise typer.Exit(1) from None
@@ -241,8 +267,8 @@ def command(
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
         return
     table = Table(title=f"live migration · backend {backend} · {result['model']} · {result['cores']} cores")
-    for col in ("tokens", "MB moved", "stages", "downtime ms", "migration ms", "blocking copy ms", "recompute ms",
-                "decode step ms", "while migrating"):
+    for col in ("tokens", "MB moved", "stages", "downtime ms (median)", "migration ms (median)", "blocking copy ms",
+                "recompute ms", "decode step ms", "while migrating"):
         table.add_column(col, justify="right")
 
     def ms(x):
@@ -252,4 +278,4 @@ def command(
         table.add_row(str(r["tokens"]), f"{r['bytes'] / 1e6:.1f}", str(r["stages"]), ms(r["downtime_ms"]),
                       ms(r["migration_ms"]), ms(r["blocking_copy_ms"]), ms(r["recompute_ms"]),
                       ms(r["decode_step_ms"]), ms(r["decode_step_migrating_ms"]))
-    Console().print(table)
+    Console(width=None if sys.stdout.isatty() else 160).print(table)  # piped: never squeeze the table
