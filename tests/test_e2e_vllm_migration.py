@@ -116,7 +116,7 @@ def _other(instance: str) -> str:
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-@pytest.mark.parametrize("plan", [[1], [20], [36], [6, 16, 26]], ids=["after-prefill", "middle", "near-the-end", "back-and-forth"])
+@pytest.mark.parametrize("plan", [[1], [20], [30], [6, 16, 26]], ids=["after-prefill", "middle", "near-the-end", "back-and-forth"])
 def test_migrated_stream_equals_unmigrated(vcluster, kind, plan):
     body = {"prompt": PROMPT, "max_tokens": 40, **KINDS[kind]}
     ref = Stream(vcluster.url, body).result()
@@ -147,8 +147,8 @@ def test_stop_string_straddling_the_migration_point(vcluster):
     pieces = r["choices"][0]["logprobs"]["tokens"]
     assert "".join(pieces) == plain.text
     at = 20
-    # From inside token at-2 to inside token at+6: the move resumes one or two tokens after `at`.
-    stop = "".join(pieces[at - 2:at + 7])[1:-1]
+    # From inside token at-2 to inside token at+10: the move resumes a few tokens after `at`.
+    stop = "".join(pieces[at - 2:at + 11])[1:-1]
     assert len(stop) >= 4 and plain.text.find(stop) > 0
     ref = Stream(vcluster.url, {**body, "stop": [stop]}).result()
     assert ref.finish == "stop" and ref.text == plain.text[:plain.text.find(stop)]
@@ -156,14 +156,14 @@ def test_stop_string_straddling_the_migration_point(vcluster):
     s.wait_tokens(at)
     out = move(vcluster, s.rid, _other(where(vcluster, s.rid)))
     assert out["outcome"] == "committed", out
-    assert at <= out["resumed_at"] <= at + 5  # so the stop string straddles the move
+    assert at <= out["resumed_at"] <= at + 10  # so the stop string straddles the move
     s.result()
     assert s.text == ref.text and s.finish == "stop"
     settle(vcluster)  # the proxy's abort on the stop string reached the destination
 
 
 def test_migrate_count_and_cli_outcome(vcluster):
-    streams = [Stream(vcluster.url, {"prompt": PROMPT[:20 + 30 * i], "max_tokens": 60, "temperature": 0,
+    streams = [Stream(vcluster.url, {"prompt": PROMPT[:20 + 30 * i], "max_tokens": 100, "temperature": 0,
                                      "ignore_eos": True}) for i in range(3)]
     for s in streams:
         s.wait_tokens(2)
@@ -172,7 +172,7 @@ def test_migrate_count_and_cli_outcome(vcluster):
     assert res.returncode == 0, res.stderr
     assert [o["outcome"] for o in out] == ["committed"] * 3
     for s in streams:
-        assert len(s.result().ids) == 60
+        assert len(s.result().ids) == 100
     settle(vcluster)
 
 
