@@ -267,7 +267,7 @@ class Instance:
                 self.list_queries.append(msg.query_id)
                 self.wake.set()
             elif isinstance(msg, wire.MigrateStart):
-                self.migrator._spawn(self.migrate_command(msg))
+                self.migrator.spawn(self.migrate_command(msg))
             else:
                 M_BAD_FRAMES.inc()
 

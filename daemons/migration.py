@@ -108,7 +108,7 @@ class Migrator:
     def busy(self) -> int:
         return len(self.outgoing) + len(self.incoming)
 
-    def _spawn(self, coro) -> asyncio.Task:
+    def spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -121,7 +121,7 @@ class Migrator:
         if sock is None:
             sock = self.peers[address] = runtime.tune(self.inst.ctx.socket(zmq.DEALER))
             sock.connect(address)
-            self._spawn(self._read_peer(sock))
+            self.spawn(self._read_peer(sock))
         return sock
 
     async def _read_peer(self, sock) -> None:
@@ -344,14 +344,14 @@ class Migrator:
                     return
                 inc = self.incoming[msg.mig_id] = _In(msg.mig_id, msg.request.request_id, identity, msg.src, msg.request)
                 M_IN_FLIGHT.labels("destination").inc()
-                self._spawn(self._watch(inc))
+                self.spawn(self._watch(inc))
             inc.last_heard = time.monotonic()
-            self._spawn(self._stage_in(inc, msg))
+            self.spawn(self._stage_in(inc, msg))
         elif isinstance(msg, wire.MigAbort):
             inc = self.incoming.get(msg.mig_id)
             if inc is not None:
                 log.info("migration of %s from %s aborted by the source: %s", inc.request_id, inc.src, msg.reason)
-                self._spawn(self._end_in(inc))
+                self.spawn(self._end_in(inc))
 
     def _refusal(self, msg: wire.MigStage) -> str:
         if not self.inst.accepting:
