@@ -184,7 +184,7 @@ def proxy(
 _OFFLINE = r"""
 import json, sys, time
 from daemons.config import VllmConfig
-from daemons.engine.vllm_backend import apply_workarounds
+from daemons.engine.vllm_internals import apply_workarounds
 a = json.loads(sys.argv[1])
 cfg = VllmConfig(**a["vllm"])
 apply_workarounds(cfg)

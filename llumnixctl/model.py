@@ -52,7 +52,7 @@ class Size:
 
 
 SIZES = {
-    # head_dim 64: vLLM 0.32's AMX attention kernel crashes on short prompts with head_dim 32 (vllm_backend.py)
+    # head_dim 64: vLLM 0.32's AMX attention kernel crashes on short prompts with head_dim 32 (vllm_internals.py)
     "tiny": Size(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, head_dim=64, dtype="bfloat16", max_len=4096),
     "kv-heavy": Size(hidden=512, intermediate=1024, layers=32, heads=8, kv_heads=8, head_dim=64, dtype="bfloat16", max_len=16384),
 }

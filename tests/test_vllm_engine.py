@@ -26,7 +26,8 @@ vllm = pytest.importorskip("vllm")
 
 from daemons.config import ModelConfig, VllmConfig  # noqa: E402
 from daemons.engine.base import EngineError, EngineRequest  # noqa: E402
-from daemons.engine.vllm_backend import UNTESTED_ENV, VllmEngine, apply_workarounds  # noqa: E402
+from daemons.engine.vllm_backend import VllmEngine  # noqa: E402
+from daemons.engine.vllm_internals import UNTESTED_ENV, apply_workarounds  # noqa: E402
 from daemons.wire import SamplingParams, TokenOut  # noqa: E402
 from llumnixctl.model import kv_bytes_per_token, write_tiny_model  # noqa: E402
 

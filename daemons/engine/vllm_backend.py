@@ -8,353 +8,26 @@ llumlet reach the scheduler, the KV cache manager and the model runner's KV tens
 Request ids are passed to vLLM unchanged (we build vLLM's ``EngineCoreRequest`` ourselves and skip the
 input processor that appends a random suffix), so vLLM's internal id is the llumnix request id.
 
-Every vLLM name and private attribute this backend touches lives in ``_Vllm`` below, with the version it
-was checked against. Upgrading vLLM means re-reading that class against the new source, nothing else.
+Every vLLM name and private attribute this backend touches lives in ``vllm_internals._Vllm``, with the
+version it was checked against.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
-from types import SimpleNamespace
 
 from daemons.config import ModelConfig, VllmConfig
 from daemons.engine.base import (EngineError, EngineRequest, KvBlocks, MigrationView, StepResult, check_request,
                                   check_room_to_grow)
+from daemons.engine.vllm_internals import _Vllm, set_env, set_num_threads
 from daemons.wire import InstanceLoad, MigratingRequest, RequestLoad, RequestState, TokenOut
 
 log = logging.getLogger("llumnix.engine.vllm")
 
-TESTED_VERSION = "0.32"  # major.minor the _Vllm section was checked against
-UNTESTED_ENV = "LLUMNIX_VLLM_UNTESTED"
-AMX_ENV = "LLUMNIX_VLLM_AMX_ATTENTION"  # =1 keeps vLLM's AMX attention kernel (see _Vllm.workarounds)
-
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _set_env(cfg: VllmConfig) -> None:
-    """Must run before vllm is first imported (vLLM caches its environment variables).
-
-    With the in-process ``uni`` executor vLLM 0.32 pins no threads (its OpenMP binding lives in the
-    multiprocess executor), so ``cpu_bind`` only reaches vLLM's environment; pin with taskset or systemd.
-    """
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # EngineCore and its worker stay in this process
-    # Serving nodes often have no route out: never phone home, never ask a hub (models are loaded by path).
-    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    os.environ.setdefault("DO_NOT_TRACK", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_bind
-    if cfg.omp_threads > 0:
-        os.environ["OMP_NUM_THREADS"] = str(cfg.omp_threads)
-        import torch
-
-        # The env var is too late once torch's OpenMP pool exists, and vLLM's CPU worker later replaces
-        # torch.set_num_threads with a no-op for the whole process: set it now, and keep the real one for
-        # the engine's step thread (VllmEngine.init_thread).
-        global _set_num_threads
-        if _set_num_threads is None:
-            _set_num_threads = torch.set_num_threads
-        _set_num_threads(cfg.omp_threads)
-
-
-_set_num_threads = None  # torch's own set_num_threads, saved before vLLM replaces it
-
-
-# ==================================================================== vLLM internals (checked: 0.32.0)
-
-
-class _Vllm:
-    """The only place that knows vLLM's module paths, classes and attributes.
-
-    Public-ish API used: ``EngineArgs.create_engine_config``, ``Executor.get_class``, ``EngineCore``
-    (``preprocess_add_request``, ``add_request``, ``abort_requests``, ``step_fn``, ``post_step``,
-    ``shutdown``), ``SamplingParams`` (``verify``, ``update_from_generation_config``),
-    ``EngineCoreRequest``, ``ModelConfig.try_get_generation_config``.
-    Patched: ``vllm.v1.attention.backends.cpu_attn._get_attn_isa`` (see ``workarounds``).
-    Private attributes read: ``core.scheduler.{running, waiting (peek_request, iteration),
-    get_request_counts, block_size}``, ``scheduler.kv_cache_manager.{get_block_ids,
-    block_pool.{num_gpu_blocks, get_num_free_blocks}}``, ``Request.{request_id, priority, num_prompt_tokens,
-    num_output_tokens, num_tokens, num_preemptions, status}``,
-    ``core.model_executor.driver_worker.worker.model_runner.kv_caches``.
-
-    Migration (all between steps, on the engine's thread): a request is suspended by taking it out of
-    ``scheduler.running`` (its blocks and the model runner's cached state stay) and resumed by putting it
-    back. An incoming request is a ``Request`` built like any other; its blocks come from
-    ``kv_cache_manager.allocate_slots(delay_cache_blocks=True)`` (and are taken off the list of new blocks
-    the runner zeroes, or the zeroing could overwrite what migration wrote). On commit it gets its output
-    tokens (``append_output_token_ids``), ``num_computed_tokens`` = all but the last sampled token, status
-    RUNNING, a place in ``scheduler.requests`` and ``scheduler.running``, and a ``CachedRequestState`` in
-    ``model_runner.requests`` built from the same fields vLLM uses for a new request plus the outputs and
-    the seeded generator's state (a request that comes back before a step let the runner forget its last
-    visit is first taken out of ``scheduler.finished_req_ids``, ``model_runner.requests`` and the
-    runner's ``input_batch``). The scheduler then sees a running request that skipped a step: it
-    schedules one token, and the runner adds it back to the persistent batch from that cached state. The
-    source drops a migrated request with ``abort_requests`` (after putting it back into ``running``).
-    """
-
-    @staticmethod
-    def import_checked() -> SimpleNamespace:
-        try:
-            import vllm
-        except ImportError as exc:
-            raise EngineError(f"vLLM is not installed ({exc}); on CPU machines: LLUMNIX_EXTRAS=test,vllm "
-                              "bash scripts/install.sh; on GPU nodes: pip install 'vllm==0.32.*'") from None
-        from vllm.engine.arg_utils import EngineArgs
-        from vllm.exceptions import VLLMClientError
-        from vllm.sampling_params import RequestOutputKind, SamplingParams
-        from vllm.usage.usage_lib import UsageContext
-        from vllm.v1.engine import EngineCoreRequest
-        from vllm.v1.engine.core import EngineCore
-        from vllm.v1.executor import Executor
-        from vllm.sampling_params import SamplingType
-        from vllm.v1.request import RequestStatus
-        from vllm.v1.worker.gpu_input_batch import CachedRequestState
-
-        found = vllm.__version__
-        if not found.startswith(TESTED_VERSION + ".") and os.environ.get(UNTESTED_ENV) != "1":
-            raise EngineError(f"the vllm backend is tested with vLLM {TESTED_VERSION}; found {found}. "
-                              f"Install vllm {TESTED_VERSION}.x, or set {UNTESTED_ENV}=1 to try anyway")
-        return SimpleNamespace(version=found, EngineArgs=EngineArgs, SamplingParams=SamplingParams,
-                               DELTA=RequestOutputKind.DELTA, UsageContext=UsageContext, EngineCore=EngineCore,
-                               EngineCoreRequest=EngineCoreRequest, Executor=Executor, PREEMPTED=RequestStatus.PREEMPTED,
-                               RUNNING=RequestStatus.RUNNING, RANDOM_SEED=SamplingType.RANDOM_SEED,
-                               CachedRequestState=CachedRequestState, request_errors=(VLLMClientError, ValueError))
-
-    @staticmethod
-    def workarounds() -> None:
-        """Process-wide fixes for vLLM 0.32 bugs; idempotent. Call after ``_set_env``.
-
-        CPU attention: with bf16 on a CPU with AMX, vLLM picks its "amx" kernel, which kills the process
-        with SIGILL on a step whose only request is a prefill of 1 to 4 tokens, for some model shapes
-        (seen: hidden 128 with head sizes 32, 96 or 256; not with head size 64, 80 or 128). The "vec"
-        (AVX-512) kernel runs the same cases. The choice also sets the KV layout inside a block, so
-        instances that exchange KV blocks must agree on it.
-        """
-        from vllm.platforms import current_platform
-
-        if os.environ.get(AMX_ENV) == "1" or not current_platform.is_cpu():
-            return
-        from vllm.v1.attention.backends import cpu_attn
-
-        choose = cpu_attn._get_attn_isa
-        if getattr(choose, "llumnix_no_amx", False):
-            return
-
-        def no_amx(*args, **kwargs) -> str:
-            isa = choose(*args, **kwargs)
-            return "vec" if isa == "amx" else isa
-
-        no_amx.llumnix_no_amx = True
-        cpu_attn._get_attn_isa = no_amx
-
-    def __init__(self, model: ModelConfig, cfg: VllmConfig):
-        self.m = m = self.import_checked()
-        self.workarounds()
-        args = m.EngineArgs(
-            model=model.path,
-            skip_tokenizer_init=True,  # the proxy tokenizes and detokenizes
-            dtype=cfg.dtype,
-            max_model_len=model.max_model_len,
-            block_size=cfg.block_size,
-            kv_cache_memory_bytes=cfg.kv_cache_bytes or None,
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens or None,
-            enforce_eager=cfg.enforce_eager,
-            enable_prefix_caching=cfg.enable_prefix_caching,
-            seed=cfg.seed,
-            distributed_executor_backend="uni",
-            disable_log_stats=True,
-        )
-        try:
-            self.config = args.create_engine_config(m.UsageContext.ENGINE_CONTEXT)
-            self.core = m.EngineCore(self.config, m.Executor.get_class(self.config), log_stats=False)
-        except (ValueError, OSError) as exc:  # bad path, bad config, KV cache too small for max_model_len
-            raise EngineError(f"vLLM could not start on {model.path!r}: {exc}") from exc
-        self.model_config = self.config.model_config
-        self.scheduler = self.core.scheduler
-        self.kv = self.scheduler.kv_cache_manager
-        self.pool = self.kv.block_pool
-        self.generation_config = self.model_config.try_get_generation_config()
-        eos = self.generation_config.get("eos_token_id", getattr(self.model_config.hf_config, "eos_token_id", None))
-        self.eos_token_id = eos[0] if isinstance(eos, list) and eos else eos
-        self._held: set[str] = set()  # reservations: requests that hold blocks but are not in the scheduler
-        if getattr(self.config.scheduler_config, "async_scheduling", False):
-            raise EngineError("vLLM chose async scheduling; the vllm backend steps synchronously "
-                              "(migration suspends requests between steps)")
-
-    # ---- requests
-    def sampling_params(self, sp) -> object:
-        """Our SamplingParams -> vLLM's, validated and completed as vLLM's input processor would."""
-        m = self.m
-        p = m.SamplingParams(
-            n=1, max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
-            seed=sp.seed, stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
-            min_tokens=sp.min_tokens, logprobs=sp.logprobs, presence_penalty=sp.presence_penalty,
-            frequency_penalty=sp.frequency_penalty, repetition_penalty=sp.repetition_penalty,
-            detokenize=False, output_kind=m.DELTA)
-        p.verify(self.model_config, self.config.speculative_config, self.config.structured_outputs_config, None)
-        p.update_from_generation_config(self.generation_config, self.eos_token_id)
-        return p
-
-    def add(self, request_id: str, prompt: list[int], params, arrival_time: float, priority: int):
-        req = self.build(request_id, prompt, params, arrival_time, priority)
-        self.core.add_request(req)
-        return req  # vllm.v1.request.Request: read for counters, never written
-
-    def abort(self, request_id: str) -> None:
-        self.core.abort_requests([request_id])  # frees its blocks now
-
-    def step(self) -> list:
-        outputs, executed = self.core.step_fn()
-        self.core.post_step(model_executed=executed)
-        eco = outputs.get(0) if outputs else None
-        return eco.outputs if eco is not None else []
-
-    def shutdown(self) -> None:
-        self.core.shutdown()
-
-    # ---- state
-    @property
-    def vocab_size(self) -> int:
-        return self.model_config.get_vocab_size()
-
-    @property
-    def max_model_len(self) -> int:
-        return self.model_config.max_model_len
-
-    @property
-    def block_size(self) -> int:
-        return self.scheduler.block_size
-
-    def blocks_total(self) -> int:
-        return self.pool.num_gpu_blocks - 1  # block 0 is vLLM's null block, never allocated
-
-    def blocks_free(self) -> int:
-        return self.pool.get_num_free_blocks()  # includes cached blocks that prefix caching may evict
-
-    def counts(self) -> tuple[int, int]:
-        return self.scheduler.get_request_counts()  # (running, waiting)
-
-    def running(self) -> list:
-        return self.scheduler.running
-
-    def waiting(self) -> list:
-        return list(self.scheduler.waiting)
-
-    def head_waiting(self):
-        queue = self.scheduler.waiting
-        return queue.peek_request() if queue else None
-
-    def is_preempted(self, req) -> bool:
-        return req.status == self.m.PREEMPTED
-
-    def block_ids(self, request_id: str) -> list[int]:
-        return self.kv.get_block_ids(request_id)[0]  # group 0: the full-attention layers
-
-    def kv_caches(self) -> list:
-        """Per layer ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` on the CPU backend."""
-        return self.runner().kv_caches
-
-    def runner(self):
-        return self.core.model_executor.driver_worker.worker.model_runner
-
-    def kv_layout(self) -> str:
-        """What decides the bytes inside a block besides shape and dtype: device and attention kernel."""
-        from vllm.platforms import current_platform
-
-        kind = "cpu" if current_platform.is_cpu() else current_platform.device_name
-        isa = ""
-        if current_platform.is_cpu():
-            isa = "-amx" if os.environ.get(AMX_ENV) == "1" else "-noamx"
-        return f"vllm-{self.m.version}-{kind}{isa}"
-
-    # ---- migration
-    def is_running(self, req) -> bool:
-        return req.status == self.m.RUNNING and req.num_output_placeholders == 0 and not req.spec_token_ids
-
-    def suspend(self, req) -> bytes:
-        self.scheduler.running.remove(req)
-        state = self.runner().requests.get(req.request_id)
-        gen = getattr(state, "generator", None)
-        return bytes(gen.get_state().numpy().tobytes()) if gen is not None else b""
-
-    def resume(self, req) -> None:
-        self.scheduler.running.append(req)
-
-    def drop_suspended(self, req) -> None:
-        self.scheduler.running.append(req)  # so the scheduler's own abort path finds it where it expects
-        self.core.abort_requests([req.request_id])
-
-    def build(self, request_id: str, prompt: list[int], params, arrival_time: float, priority: int):
-        ecr = self.m.EngineCoreRequest(
-            request_id=request_id, prompt_token_ids=prompt, mm_features=None, sampling_params=params,
-            pooling_params=None, arrival_time=arrival_time, lora_request=None, cache_salt=None,
-            data_parallel_rank=None, priority=priority)
-        req, _wave = self.core.preprocess_add_request(ecr)
-        return req
-
-    def allocate(self, req, tokens: int) -> list[int] | None:
-        """Grow ``req``'s blocks to cover ``tokens`` tokens (num_computed_tokens stays 0 until commit)."""
-        have = len(self.kv.get_block_ids(req.request_id)[0]) if req.request_id in self._held else 0
-        if -(-tokens // self.block_size) <= have:
-            return self.block_ids(req.request_id)
-        blocks = self.kv.allocate_slots(req, tokens, delay_cache_blocks=True)
-        if blocks is None:
-            return None
-        self._held.add(req.request_id)
-        new = set(blocks.get_block_ids()[0])
-        for manager in getattr(self.kv.coordinator, "single_type_managers", ()):
-            pending = getattr(manager, "new_block_ids", None)
-            if pending:  # the runner would zero these at the next step, perhaps after we wrote them
-                manager.new_block_ids = [b for b in pending if b not in new]
-        return self.block_ids(req.request_id)
-
-    def free(self, req) -> None:
-        self._held.discard(req.request_id)
-        self.kv.free(req)
-
-    def commit(self, req, outputs: list[int], engine_state: bytes) -> None:
-        import torch
-
-        self._held.discard(req.request_id)
-        req.append_output_token_ids(outputs)
-        req.num_computed_tokens = req.num_tokens - 1  # the last sampled token's KV is computed by the next step
-        req.num_cached_tokens = req.num_computed_tokens
-        req.status = self.m.RUNNING
-        if self.config.cache_config.enable_prefix_caching:
-            self.kv.cache_blocks(req, req.num_computed_tokens)
-        generator = None
-        params = req.sampling_params
-        if params.sampling_type == self.m.RANDOM_SEED:
-            generator = torch.Generator(device=self.runner().device)
-            generator.manual_seed(params.seed)
-            if engine_state:
-                generator.set_state(torch.frombuffer(bytearray(engine_state), dtype=torch.uint8))
-        runner = self.runner()
-        rid = req.request_id
-        if rid in self.scheduler.finished_req_ids:
-            # It left this engine (migrated away) and came back before a step let the runner forget it.
-            self.scheduler.finished_req_ids.discard(rid)
-            runner.requests.pop(rid, None)
-            runner.num_prompt_logprobs.pop(rid, None)
-        runner.input_batch.remove_request(rid)  # a stale row would keep its old tokens and blocks
-        runner.requests[rid] = self.m.CachedRequestState(
-            req_id=req.request_id, prompt_token_ids=req.prompt_token_ids, mm_features=[], sampling_params=params,
-            pooling_params=None, generator=generator, block_ids=(list(self.block_ids(req.request_id)),),
-            num_computed_tokens=req.num_computed_tokens, output_token_ids=list(req.output_token_ids),
-            lora_request=None)
-        self.scheduler.requests[req.request_id] = req
-        self.scheduler.running.append(req)
-
-
-def apply_workarounds(vllm: VllmConfig | None = None) -> None:
-    """What VllmEngine does to vLLM before it starts (environment, kernel choice), for code that builds
-    vLLM's own ``LLM`` in the same process and wants the same kernels (tests comparing against it)."""
-    _set_env(vllm or VllmConfig())
-    _Vllm.workarounds()
 
 
 # ==================================================================== the engine
@@ -381,7 +54,7 @@ class VllmEngine:
         if not model.path:
             raise EngineError("model.path is empty: the vllm backend needs a checkpoint directory "
                               "(write a test model with `llumnixctl model tiny DIR`)")
-        _set_env(vllm)
+        set_env(vllm)
         self.cfg = vllm
         self._v = _Vllm(model, vllm)
         self.version = self._v.m.version
@@ -399,10 +72,10 @@ class VllmEngine:
 
     def init_thread(self) -> None:
         """Run first on the thread that will call ``step``. OpenMP's thread count is per thread, taken from
-        the environment when torch first loaded, which in a daemon can be before ``_set_env`` ran; vLLM's
+        the environment when torch first loaded, which in a daemon can be before ``set_env`` ran; vLLM's
         CPU attention checks that the count its metadata was built with is the one it runs with."""
-        if self.cfg.omp_threads > 0 and _set_num_threads is not None:
-            _set_num_threads(self.cfg.omp_threads)
+        if self.cfg.omp_threads > 0:
+            set_num_threads(self.cfg.omp_threads)
 
     # ---------------------------------------------------------------- serving
 
