@@ -190,6 +190,13 @@ def status(manager: ManagerOpt = None, run_dir: RunDirOpt = None, config: Config
               f"{t['migrations_in_flight']} in flight")
 
 
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
 def outcome_json(o: wire.MigrationOutcome) -> dict:
     return {"outcome": o.outcome, "reason": o.reason, "stages": o.stages, "blocks": o.blocks, "bytes": o.bytes,
             "downtime_ms": round(o.downtime_ms, 3), "total_ms": round(o.total_ms, 3), "request_id": o.request_id,
@@ -227,7 +234,7 @@ def migrate(
         for o in outcomes:
             if o["outcome"] == "committed":
                 out.print(f"{o['request_id']}: {o['from']} -> {o['to']} committed: {o['stages']} stages, {o['blocks']} blocks, "
-                          f"{o['bytes'] / 1e6:.1f} MB, downtime {o['downtime_ms']:.2f} ms, total {o['total_ms']:.1f} ms")
+                          f"{_size(o['bytes'])}, downtime {o['downtime_ms']:.2f} ms, total {o['total_ms']:.1f} ms")
             else:
                 out.print(f"{o['request_id']}: {o['from']} -> {o['to']} aborted: {o['reason']}")
     if not outcomes or any(o["outcome"] != "committed" for o in outcomes):
