@@ -52,7 +52,6 @@ class Pair:
         self.peer = 1 - rank
         self.timeout = timedelta(seconds=timeout_s)
         self.broken = False
-        self.bytes_moved = 0
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"kv-{key[-8:]}", initializer=_one_thread)
         self._buffers: list[torch.Tensor] = []
         self._pg: dist.ProcessGroup | None = None
@@ -130,7 +129,6 @@ class Pair:
         for work in inflight:
             if work is not None:
                 self._wait(work)
-        self.bytes_moved += sent
         return sent
 
     def _recv_chunks(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int) -> int:
@@ -150,7 +148,6 @@ class Pair:
             got += len(chunk) * kv.block_nbytes
             if i + 2 < len(chunks):
                 pending[i % 2] = post(i + 2)
-        self.bytes_moved += got
         return got
 
     def close(self) -> None:

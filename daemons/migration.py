@@ -65,9 +65,7 @@ class Aborted(Exception):
 @dataclass
 class _Out:
     mig_id: str
-    request_id: str
-    dst: str
-    replies: asyncio.Queue = field(default_factory=asyncio.Queue)
+    replies: asyncio.Queue = field(default_factory=asyncio.Queue)  # MigReady / MigDone from the destination
 
 
 @dataclass
@@ -153,7 +151,7 @@ class Migrator:
         """Move one request to ``dst``; never raises: the outcome says what happened. ``blocking`` skips
         pre-copy (suspend, then copy everything): the stop-and-copy baseline that benchmarks compare with."""
         me = self.inst.instance_id
-        out = _Out(uuid.uuid4().hex[:16], request_id, dst)
+        out = _Out(uuid.uuid4().hex[:16])
         result = wire.MigrationOutcome(request_id=request_id, src=me, dst=dst, outcome="aborted")
         start = time.perf_counter()
         suspended_at = 0.0

@@ -53,11 +53,17 @@ def check_request(request: EngineRequest, in_use: bool, max_model_len: int, voca
             raise EngineError(f"prompt token id {bad} is out of range for this model's vocabulary (0..{vocab_size - 1})")
 
 
-def check_room_to_grow(request: MigratingRequest, max_model_len: int) -> None:
-    """A migrating request must be able to end where it would have ended on its source."""
+def check_incoming(request: MigratingRequest, in_use: bool, max_model_len: int,
+                   vocab_size: int | None = None) -> EngineRequest:
+    """The checks a destination makes before reserving for a migrating request; returns it as an
+    EngineRequest. A migrating request must also be able to end where it would have ended on its source."""
+    engine_request = EngineRequest(request.request_id, request.prompt_token_ids, request.sampling,
+                                   request.arrival_time, request.priority)
+    check_request(engine_request, in_use, max_model_len, vocab_size)
     if request.max_total > max_model_len:
         raise EngineError(f"the request may grow to {request.max_total} tokens; this instance's context limit is "
                           f"{max_model_len}, so it would end early here")
+    return engine_request
 
 
 @dataclass

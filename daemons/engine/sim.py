@@ -23,8 +23,8 @@ from collections import deque
 import torch
 
 from daemons.config import ModelConfig, SimConfig
-from daemons.engine.base import (EngineError, EngineRequest, KvBlocks, MigrationView, StepResult, check_request,
-                                  check_room_to_grow)
+from daemons.engine.base import (EngineError, EngineRequest, KvBlocks, MigrationView, StepResult, check_incoming,
+                                  check_request)
 from daemons.wire import InstanceLoad, MigratingRequest, RequestLoad, RequestState, TokenOut
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -258,11 +258,7 @@ class SimEngine:
         rid = request.request_id
         req = self._reserved.get(rid)
         if req is None:
-            engine_request = EngineRequest(rid, request.prompt_token_ids, request.sampling, request.arrival_time,
-                                           request.priority)
-            check_request(engine_request, rid in self._reqs, self.max_model_len)
-            check_room_to_grow(request, self.max_model_len)
-            req = _Req(engine_request, self.max_model_len)
+            req = _Req(check_incoming(request, rid in self._reqs, self.max_model_len), self.max_model_len)
         need = _cdiv(tokens, self.block_size) - len(req.blocks)
         if need > 0:
             # Migration must not push this instance into preempting its own requests: keep the watermark.

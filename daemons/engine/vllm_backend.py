@@ -18,8 +18,8 @@ import logging
 import time
 
 from daemons.config import ModelConfig, VllmConfig
-from daemons.engine.base import (EngineError, EngineRequest, KvBlocks, MigrationView, StepResult, check_request,
-                                  check_room_to_grow)
+from daemons.engine.base import (EngineError, EngineRequest, KvBlocks, MigrationView, StepResult, check_incoming,
+                                  check_request)
 from daemons.engine.vllm_internals import _Vllm, set_env, set_num_threads
 from daemons.wire import InstanceLoad, MigratingRequest, RequestLoad, RequestState, TokenOut
 
@@ -221,10 +221,7 @@ class VllmEngine:
         rid = request.request_id
         live = self._reserved.get(rid)
         if live is None:
-            engine_request = EngineRequest(rid, request.prompt_token_ids, request.sampling, request.arrival_time,
-                                           request.priority)
-            check_request(engine_request, rid in self._live, self.max_model_len, self._v.vocab_size)
-            check_room_to_grow(request, self.max_model_len)
+            check_incoming(request, rid in self._live, self.max_model_len, self._v.vocab_size)
             try:
                 params = self._v.sampling_params(request.sampling)
             except self._v.m.request_errors as exc:
