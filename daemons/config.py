@@ -36,7 +36,7 @@ class ManagerConfig:
     bind: str = setting("", "address the manager binds; empty = same as address (use tcp://*:PORT to listen on all interfaces)")
     heartbeat_interval_s: float = setting(0.5, "an instance reports its load at least this often", minimum=0.01)
     dead_after_missed: int = setting(3, "heartbeats an instance may miss before it is marked dead", minimum=1)
-    dispatch_policy: str = setting("llumnix", "where new requests go: llumnix (freest instance), rr (round-robin), flood (all to one)", choices=("llumnix", "rr", "flood"))
+    dispatch_policy: str = setting("llumnix", "where new requests go: llumnix (freest by virtual usage; migrates), infaas++ (freest by real usage, no migration), rr (round-robin, no migration), flood (all to one, no migration; tests)", choices=("llumnix", "infaas++", "rr", "flood"))
     query_timeout_s: float = setting(1.0, "how long the manager waits for instances to answer a fan-out query", minimum=0.01)
     dead_instance_ttl_s: float = setting(600.0, "a dead instance stays in the view (state dead) this long, then is forgotten", minimum=0.0)
     pending_dispatch_ttl_s: float = setting(5.0, "a dispatch not yet seen in its instance's reports stops counting as load after this long", minimum=0.0)
@@ -128,6 +128,33 @@ class MigrationConfig:
 
 
 @dataclass
+class SchedulingConfig:
+    pairing_policy: str = setting("llumnix", "migration pairing when dispatch_policy is llumnix: llumnix (instances below migrate_out_threshold to those above migrate_in_threshold, least free with freest) or off (only drains migrate)", choices=("llumnix", "off"))
+    migration_interval_s: float = setting(0.5, "how often the manager pairs instances and orders migrations", minimum=0.01)
+    migrate_out_threshold: float = setting(4.0, "an instance whose freeness is below this sheds requests (freeness: free blocks per request, virtual usage counted)")
+    migrate_in_threshold: float = setting(16.0, "an instance whose freeness is above this takes migrated requests")
+    max_migrations_per_instance: int = setting(2, "most manager-ordered migrations in flight per instance, as source or destination", minimum=1)
+    migration_cooldown_s: float = setting(10.0, "a request that arrived by migration is not moved again for balancing within this long (drains ignore it)", minimum=0.0)
+    request_selection: str = setting("llumnix", "which requests a source sheds first: llumnix (lower priority, then fewer blocks), last-running (most recently admitted), longest (most blocks), first-waiting (queued requests re-dispatched first, then as llumnix)", choices=("llumnix", "last-running", "longest", "first-waiting"))
+    high_priority_headroom: float = setting(0.1, "execution priority: each running high-priority request adds this fraction of its instance's KV blocks to the instance's virtual usage (0 = priorities only order queues)", minimum=0.0)
+    new_instance_credit: float = setting(0.5, "an instance that joins a loaded cluster starts with this fraction of its blocks as negative virtual usage, so dispatch and migration fill it first", minimum=0.0)
+    new_instance_credit_s: float = setting(30.0, "the credit fades linearly to 0 over this long", minimum=0.0)
+
+
+@dataclass
+class ScalingConfig:
+    policy: str = setting("off", "auto-scaling: off, or llumnix (keep the average freeness between scale_up_threshold and scale_down_threshold)", choices=("off", "llumnix"))
+    scale_up_threshold: float = setting(4.0, "average freeness (normal-priority load) below this for sustain_s adds an instance")
+    scale_down_threshold: float = setting(128.0, "average freeness above this for sustain_s drains the freest instance and stops it")
+    sustain_s: float = setting(10.0, "how long the average must stay out of the band before the cluster scales", minimum=0.0)
+    cooldown_s: float = setting(30.0, "after scaling, the next scaling decision waits this long", minimum=0.0)
+    min_instances: int = setting(1, "never scale in below this many instances", minimum=1)
+    max_instances: int = setting(8, "never scale out above this many instances", minimum=1)
+    launcher: str = setting("", "shell command that starts one instance; {n} and {id} are replaced by a free index and the id i{n}; e.g. systemctl start llumnix-instance@{n} (empty: no scale-out; llumnixctl up sets its own)")
+    launch_timeout_s: float = setting(120.0, "a launched instance that has not registered within this long is given up on", minimum=1.0)
+
+
+@dataclass
 class Config:
     manager: ManagerConfig = field(default_factory=ManagerConfig)
     instance: InstanceConfig = field(default_factory=InstanceConfig)
@@ -136,6 +163,8 @@ class Config:
     sim: SimConfig = field(default_factory=SimConfig)
     vllm: VllmConfig = field(default_factory=VllmConfig)
     migration: MigrationConfig = field(default_factory=MigrationConfig)
+    scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
 
     source: str = field(default="defaults", repr=False, compare=False, metadata={"internal": True})
 

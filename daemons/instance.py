@@ -4,6 +4,9 @@ The llumlet owns the step loop: between steps it applies the requests and aborts
 each step it pushes every token straight to the proxy that owns the request, and it reports load to the
 manager on change (coalesced to a bounded rate) and at least once per heartbeat interval. It runs live
 migrations in and out (daemons/migration.py); their engine calls wait for a step boundary (``boundary``).
+When the manager orders migrations out, the llumlet picks which requests go (policy.select_migrants).
+While draining (told by the manager, or after SIGTERM) it gives queued requests that produced nothing back
+to their proxies for re-dispatch, and its running requests migrate out as the manager orders.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import zmq
 import zmq.asyncio
 from prometheus_client import Counter, Gauge, Histogram
 
-from daemons import runtime, wire
+from daemons import policy, runtime, wire
 from daemons.cli import load_or_exit
 from daemons.config import Config
 from daemons.engine import make_engine
@@ -45,6 +48,7 @@ M_RUNNING = Gauge("llumnix_instance_running_requests", "Requests running")
 M_WAITING = Gauge("llumnix_instance_waiting_requests", "Requests waiting")
 M_PREEMPTIONS = Gauge("llumnix_instance_preemptions", "Preemptions since start (recompute)")
 M_BAD_FRAMES = Counter("llumnix_instance_malformed_frames_total", "Frames dropped because they did not decode")
+M_REDISPATCHED = Counter("llumnix_instance_requests_redispatched_total", "Queued requests given back to their proxy for re-dispatch (draining)")
 
 
 class Instance:
@@ -78,6 +82,11 @@ class Instance:
         self.wake = asyncio.Event()
         self.load_changed = asyncio.Event()
         self.accepting = True
+        self.draining = ""  # the reason while the manager has us draining
+        self.cordoned = False
+        self.arrived: dict[str, float] = {}  # requests that came by migration -> when (the cooldown counts from it)
+        self.started = time.monotonic()
+        self.stop = asyncio.Event()
         self.instance_id = self.ic.id
         self.request_address = ""
         self.metrics_address = ""
@@ -115,6 +124,7 @@ class Instance:
             if out.finish_reason is not None:
                 del self.reply_to[out.request_id]
                 del self.emitted[out.request_id]
+                self.arrived.pop(out.request_id, None)
                 M_FINISHED.labels(out.finish_reason).inc()
         for address, batch in by_proxy.items():
             self._send(address, wire.TokenBatch(self.instance_id, batch))
@@ -142,9 +152,10 @@ class Instance:
                 elif not self.abort_local(msg.request_id) and self.migrator is not None:
                     self.migrator.forward_abort(msg.request_id)
                 continue
-            if not self.accepting:
-                M_REJECTED.inc()
-                self.fail(msg.request_id, msg.reply_to, f"instance {self.instance_id} is shutting down", True)
+            if not self.accepting or self.draining:
+                M_REDISPATCHED.inc()
+                self._send(msg.reply_to, wire.Redispatch(msg.request_id, self.instance_id,
+                                                         "shutting down" if not self.accepting else "draining"))
                 continue
             try:
                 self.engine.add_request(EngineRequest(msg.request_id, msg.prompt_token_ids, msg.sampling,
@@ -162,6 +173,7 @@ class Instance:
             return False
         self.reply_to.pop(request_id, None)
         self.emitted.pop(request_id, None)
+        self.arrived.pop(request_id, None)
         M_FINISHED.labels("abort").inc()
         log.debug("request %s aborted", request_id)
         return True
@@ -253,6 +265,8 @@ class Instance:
             instance_id=self.instance_id, host=self.ic.host or socket.gethostname(), pid=os.getpid(),
             request_address=self.request_address, backend=self.engine.backend, model=self.cfg.model.name,
             load=self.last_load, metrics_address=self.metrics_address, max_model_len=self.engine.max_model_len,
+            drain_reason="stopping" if not self.accepting else self.draining, cordoned=self.cordoned,
+            uptime_s=round(time.monotonic() - self.started, 3),
         )
 
     async def serve_manager(self) -> None:
@@ -268,12 +282,46 @@ class Instance:
                 self.wake.set()
             elif isinstance(msg, wire.MigrateStart):
                 self.migrator.spawn(self.migrate_command(msg))
+            elif isinstance(msg, wire.SetDraining):
+                self.set_draining(msg)
+            elif isinstance(msg, wire.Shutdown):
+                log.info("the manager asks us to stop (%s)", msg.reason or "no reason given")
+                self.stop.set()
             else:
                 M_BAD_FRAMES.inc()
 
+    def set_draining(self, msg: wire.SetDraining) -> None:
+        was = self.draining
+        self.draining = (msg.reason or "operator") if msg.draining else ""
+        self.cordoned = msg.cordoned
+        if self.draining and not was:
+            log.info("draining (%s): queued requests go back to their proxies, running ones migrate out", self.draining)
+            self.boundary(self.redispatch_queued)
+        elif was and not self.draining:
+            log.info("no longer draining")
+
+    def redispatch_queued(self, only: set[str] | None = None) -> int:
+        """Give queued requests that produced nothing back to their proxies, which dispatch them again
+        (at a step boundary: the engine is touched). ``only``: just these. Returns how many went."""
+        gone = 0
+        for r in self.engine.requests():
+            rid = r.request_id
+            if (r.state != "waiting" or r.output_tokens or self.emitted.get(rid, 0) or rid not in self.reply_to
+                    or (only is not None and rid not in only)):
+                continue
+            address = self.reply_to.pop(rid)
+            self.emitted.pop(rid, None)
+            self.engine.abort_request(rid)
+            self._send(address, wire.Redispatch(rid, self.instance_id, self.draining or "rebalancing"))
+            M_REDISPATCHED.inc()
+            gone += 1
+        if gone:
+            log.info("gave %d queued request(s) back for re-dispatch", gone)
+        return gone
+
     async def migrate_command(self, msg: wire.MigrateStart) -> None:
         """The manager's (or an operator's) order: migrate these requests, or ``count`` of our choice."""
-        rids = list(msg.request_ids) or await self.boundary(lambda: self.choose_migrants(msg.count))
+        rids = list(msg.request_ids) or await self.boundary(lambda: self.choose_migrants(msg))
         slots = asyncio.Semaphore(self.cfg.migration.max_in_flight)
 
         async def one(rid: str) -> wire.MigrationOutcome:
@@ -283,21 +331,31 @@ class Instance:
         outcomes = await asyncio.gather(*(one(r) for r in rids))
         self._tell_manager(wire.MigrateResult(msg.query_id, self.instance_id, list(outcomes)))
 
-    def choose_migrants(self, count: int) -> list[str]:
-        """Running requests to move out: lower priority first, then shorter (less to copy)."""
-        running = [r for r in self.engine.requests() if r.state == "running" and r.request_id not in self.migrating
-                   and r.request_id in self.reply_to]
-        running.sort(key=lambda r: (r.priority, r.blocks))
-        return [r.request_id for r in running[:count]]
+    def choose_migrants(self, msg: wire.MigrateStart) -> list[str]:
+        """The requests to send, by the order's selection policy (an operator's ``--from --count``: lower
+        priority, then shorter, with no balance check). Queued ones chosen are re-dispatched right here;
+        the running ones are returned for migration."""
+        requests = self.engine.requests()
+        keep = set(self.migrating) | {r.request_id for r in requests if r.request_id not in self.reply_to}
+        if msg.reason and not msg.drain:  # balancing: a request that just arrived by migration stays a while
+            recent = time.monotonic() - msg.cooldown_s
+            keep |= {rid for rid, at in self.arrived.items() if at > recent}
+        load = self.last_load
+        operator = not msg.reason
+        chosen = policy.select_migrants(
+            msg.selection or "llumnix", requests, msg.count, src_usage=policy.INF if operator else msg.src_usage,
+            src_blocks=load.blocks_total, dst_usage=msg.dst_usage, dst_blocks=msg.dst_blocks or load.blocks_total,
+            headroom=msg.headroom, block_size=self.engine.block_size, drain=msg.drain or operator, exclude=keep)
+        queued = {c.request_id for c in chosen if c.redispatch}
+        if queued:
+            self.redispatch_queued(queued)
+        return [c.request_id for c in chosen if not c.redispatch]
 
     async def report_loop(self) -> None:
         """Report on change, at most once per min interval, and at least once per heartbeat."""
         heartbeat = self.cfg.manager.heartbeat_interval_s
         while True:
-            try:
-                await asyncio.wait_for(self.load_changed.wait(), heartbeat)
-            except asyncio.TimeoutError:
-                pass
+            await runtime.wait_event(self.load_changed, heartbeat)
             self.load_changed.clear()
             load = self.last_load
             self.report_seq += 1
@@ -329,12 +387,11 @@ class Instance:
         log.info("instance %s serving on %s (backend %s, %d blocks of %d tokens, manager %s, KV transfer %s, "
                  "metrics %s)", self.instance_id, self.request_address, self.engine.backend, load.blocks_total,
                  load.block_size, self.cfg.manager.address, self.migrator.kv.address, self.metrics_address or "off")
-        stop = asyncio.Event()
-        runtime.install_stop_signals(asyncio.get_running_loop(), stop)
+        runtime.install_stop_signals(asyncio.get_running_loop(), self.stop)
         runtime.sd_notify("READY=1")
         tasks = [asyncio.create_task(c) for c in
                  (self.serve_requests(), self.step_loop(), self.serve_manager(), self.report_loop())]
-        stopped = asyncio.create_task(stop.wait())
+        stopped = asyncio.create_task(self.stop.wait())
         done, _ = await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
         failure = next((t.exception() for t in done if t is not stopped and t.exception() is not None), None)
         if failure is not None:
@@ -345,13 +402,19 @@ class Instance:
             raise SystemExit(1)  # let systemd's Restart=on-failure see it
 
     async def shutdown(self, tasks: list[asyncio.Task], reason: str, grace: float) -> None:
-        """Leave the dispatch set, let running requests finish for a grace period, fail what is left."""
+        """Drain, then stop: leave the dispatch set, give queued requests back for re-dispatch, let the
+        manager migrate running ones out (or let them finish) for a grace period, fail what is left."""
         runtime.sd_notify("STOPPING=1")
         self.accepting = False
         self._tell_manager(wire.Goodbye(self.instance_id, reason))
-        log.info("stopping: %d requests in flight, grace %.1fs", len(self.reply_to), grace)
+        log.info("stopping: %d requests in flight, draining for up to %.1fs", len(self.reply_to), grace)
         deadline = time.monotonic() + grace
-        while self.reply_to and time.monotonic() < deadline:
+        if grace > 0:
+            try:
+                await asyncio.wait_for(self.boundary(self.redispatch_queued), grace)
+            except (asyncio.TimeoutError, EngineError):
+                pass
+        while (self.reply_to or (self.migrator is not None and self.migrator.busy)) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for t in tasks:
             t.cancel()

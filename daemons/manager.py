@@ -1,9 +1,11 @@
 """llumnix-manager: the global scheduler.
 
-Holds the cluster view (instances and their latest load reports), answers dispatch queries, marks
-instances dead after missed heartbeats, and serves admin queries. It keeps no durable state: after a
-restart, instances re-register on their next report (the manager answers an unknown reporter with a
-RegisterAck that asks for it).
+Holds the cluster view (instances and their latest load reports, draining and cordoned flags), answers
+dispatch queries by virtual usage, marks instances dead after missed heartbeats, and serves admin
+queries. The rescheduler (daemons/rescheduler.py) pairs instances for migration, drains, removes and
+scales them. The manager keeps no durable state: after a restart, instances re-register on their next
+report (the manager answers an unknown reporter with a RegisterAck that asks for it), repeating the
+flags they were given.
 """
 
 from __future__ import annotations
@@ -11,11 +13,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Annotated, Optional
 
+import msgspec
 import typer
 import zmq
 import zmq.asyncio
@@ -24,6 +28,7 @@ from prometheus_client import Counter, Gauge
 from daemons import policy, runtime, wire
 from daemons.cli import load_or_exit
 from daemons.config import Config
+from daemons.rescheduler import Rescheduler
 
 log = logging.getLogger("llumnix.manager")
 
@@ -31,11 +36,15 @@ M_INSTANCES = Gauge("llumnix_manager_instances", "Instances in the cluster view,
 M_DISPATCHES = Counter("llumnix_manager_dispatches_total", "Dispatch decisions, by instance", ["instance"])
 M_NO_INSTANCE = Counter("llumnix_manager_dispatch_failures_total", "Dispatch queries with no eligible instance")
 M_DEATHS = Counter("llumnix_manager_instance_deaths_total", "Instances marked dead after missed heartbeats")
-M_FREENESS = Gauge("llumnix_instance_freeness", "Freeness (M - sum V) / B as the manager computes it", ["instance"])
+M_FREENESS = Gauge("llumnix_instance_freeness", "Freeness (M - sum V) / B as the manager computes it (-Inf while draining)", ["instance"])
+M_USAGE = Gauge("llumnix_instance_virtual_usage_blocks", "Virtual usage sum V in blocks (+Inf while draining)", ["instance"])
+M_DRAINING = Gauge("llumnix_instance_draining", "1 while the instance drains (drain, remove, scale-in, stopping)", ["instance"])
+M_CORDONED = Gauge("llumnix_instance_cordoned", "1 while the instance takes no new requests", ["instance"])
 M_BLOCKS_USED = Gauge("llumnix_instance_blocks_used", "KV blocks in use, as last reported", ["instance"])
 M_RUNNING = Gauge("llumnix_instance_running", "Running requests, as last reported", ["instance"])
 M_WAITING = Gauge("llumnix_instance_waiting", "Waiting requests, as last reported", ["instance"])
 M_BAD_FRAMES = Counter("llumnix_manager_malformed_frames_total", "Frames dropped because they did not decode")
+_PER_INSTANCE = (M_FREENESS, M_USAGE, M_DRAINING, M_CORDONED, M_BLOCKS_USED, M_RUNNING, M_WAITING)
 
 
 @dataclass
@@ -44,8 +53,13 @@ class InstanceRecord:
     identity: bytes
     load: wire.InstanceLoad
     last_seen: float
-    state: str = "alive"
-    draining: bool = False
+    state: str = "alive"  # alive | stopping (said goodbye, still serves what it has) | dead (missed heartbeats)
+    drain_reason: str = ""  # non-empty while draining: operator, remove, scale-in (stopping drains too)
+    cordoned: bool = False
+    registered_at: float = 0.0
+    credit0: float = 0.0  # blocks of negative usage it started with (a new instance joining a loaded cluster)
+    credit_age0: float = 0.0  # its age when it registered
+    orders: int = 0  # manager-ordered migrations in flight with it as source or destination
     # Dispatches not yet visible in the instance's reports: (dispatch number, blocks, time). They count as
     # usage so that a burst between two reports does not all land on the same "freest" instance.
     dispatched_n: int = 0
@@ -55,13 +69,12 @@ class InstanceRecord:
     def instance_id(self) -> str:
         return self.info.instance_id
 
-    def candidate(self, excluded: bool = False) -> policy.Candidate:
-        return policy.candidate(self.instance_id, self.load, sum(b for _, b, _ in self.pending), len(self.pending),
-                                alive=self.state == "alive" and not excluded, draining=self.draining)
+    @property
+    def draining(self) -> bool:
+        return bool(self.drain_reason) or self.state == "stopping"
 
-    def freeness(self) -> float:
-        c = self.candidate()
-        return policy.freeness(c.blocks_total, c.usage, c.batch_size)
+    def credit(self, now: float, window_s: float) -> float:
+        return policy.fading_credit(1.0, int(self.credit0), self.credit_age0 + now - self.registered_at, window_s)
 
     def retire_pending(self, now: float, ttl: float) -> None:
         received = self.load.requests_received
@@ -73,6 +86,12 @@ class Manager:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.mc = cfg.manager
+        self.sc = cfg.scheduling
+        # The policies in force: from the config, changed at run time by `llumnixctl policy`.
+        self.dispatch_policy = self.mc.dispatch_policy
+        self.pairing_policy = self.sc.pairing_policy
+        self.request_selection = self.sc.request_selection
+        self.scaling_policy = cfg.scaling.policy
         self.instances: dict[str, InstanceRecord] = {}
         self.turn = 0
         self.dispatched_total = 0
@@ -81,36 +100,63 @@ class Manager:
         self.sock = runtime.tune(self.ctx.socket(zmq.ROUTER))
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.bound = ""
-        self._query_ids = itertools.count(1)
+        self.query_ids = itertools.count(1)
         self._fanouts: dict[int, tuple[asyncio.Future, set[str], list]] = {}
         self._migrations: dict[int, tuple[asyncio.Future, str]] = {}  # MigrateStart id -> (result, source id)
         self._tasks: set[asyncio.Task] = set()
+        self.resched = Rescheduler(self)
 
     # ------------------------------------------------------------------ view
+
+    @property
+    def migrating(self) -> bool:
+        """Whether balancing migrations run: the llumnix dispatch policy with pairing on (drains always run)."""
+        return self.dispatch_policy in policy.MIGRATING_POLICIES and self.pairing_policy != "off"
 
     def dead_after(self) -> float:
         return self.mc.heartbeat_interval_s * self.mc.dead_after_missed
 
+    def state(self, r: InstanceRecord, now: float, excluded: bool = False) -> policy.InstanceState:
+        return policy.state_of(
+            r.instance_id, r.load, pending_blocks=sum(b for _, b, _ in r.pending), pending_requests=len(r.pending),
+            alive=r.state != "dead" and not excluded, draining=r.draining, cordoned=r.cordoned,
+            credit=r.credit(now, self.sc.new_instance_credit_s), migrations=r.orders)
+
+    def states(self, now: float) -> list[policy.InstanceState]:
+        return [self.state(r, now) for r in self.instances.values()]
+
     def view(self, now: float) -> list[wire.InstanceView]:
-        return [
-            wire.InstanceView(
+        out = []
+        for r in sorted(self.instances.values(), key=lambda r: r.instance_id):
+            s = self.state(r, now)
+            out.append(wire.InstanceView(
                 instance_id=r.instance_id, host=r.info.host, pid=r.info.pid, state=r.state,
                 request_address=r.info.request_address, backend=r.info.backend, model=r.info.model,
-                load=r.load, freeness=round(r.freeness(), 4), last_report_age_s=round(now - r.last_seen, 3),
-                metrics_address=r.info.metrics_address, draining=r.draining,
-                pending_dispatches=len(r.pending), max_model_len=r.info.max_model_len,
-            )
-            for r in sorted(self.instances.values(), key=lambda r: r.instance_id)
-        ]
+                load=r.load, freeness=round(policy.instance_freeness(s, self.sc.high_priority_headroom), 4),
+                last_report_age_s=round(now - r.last_seen, 3), metrics_address=r.info.metrics_address,
+                draining=r.draining, pending_dispatches=len(r.pending), max_model_len=r.info.max_model_len,
+                virtual_usage=round(policy.virtual_usage(s, self.sc.high_priority_headroom), 2),
+                cordoned=r.cordoned, drain_reason=r.drain_reason or ("stopping" if r.state == "stopping" else ""),
+                migrations_ordered=r.orders, credit=round(s.credit, 2),
+            ))
+        return out
 
     def snapshot(self, query_id: int) -> wire.Snapshot:
         now = time.monotonic()
-        return wire.Snapshot(query_id=query_id, instances=self.view(now), dispatch_policy=self.mc.dispatch_policy,
-                             uptime_s=round(now - self.started, 3), dispatched_total=self.dispatched_total)
+        return wire.Snapshot(query_id=query_id, instances=self.view(now), dispatch_policy=self.dispatch_policy,
+                             uptime_s=round(now - self.started, 3), dispatched_total=self.dispatched_total,
+                             pairing_policy=self.pairing_policy, request_selection=self.request_selection,
+                             scaling_policy=self.scaling_policy, migrating=self.migrating,
+                             auto_migrations=dict(self.resched.outcomes), scale_outs=self.resched.scale_outs,
+                             scale_ins=self.resched.scale_ins, launching=len(self.resched.launcher.launches))
 
-    def _update_gauges(self, r: InstanceRecord) -> None:
+    def update_gauges(self, r: InstanceRecord, now: float | None = None) -> None:
         iid = r.instance_id
-        M_FREENESS.labels(iid).set(r.freeness())
+        s = self.state(r, time.monotonic() if now is None else now)
+        M_FREENESS.labels(iid).set(policy.instance_freeness(s, self.sc.high_priority_headroom))
+        M_USAGE.labels(iid).set(policy.virtual_usage(s, self.sc.high_priority_headroom))
+        M_DRAINING.labels(iid).set(1 if r.draining else 0)
+        M_CORDONED.labels(iid).set(1 if r.cordoned else 0)
         M_BLOCKS_USED.labels(iid).set(r.load.blocks_used)
         M_RUNNING.labels(iid).set(r.load.running)
         M_WAITING.labels(iid).set(r.load.waiting)
@@ -120,7 +166,12 @@ class Manager:
         for state in ("alive", "stopping", "dead"):
             M_INSTANCES.labels(state).set(sum(1 for x in self.instances.values() if x.state == state))
 
-    # ------------------------------------------------------------------ handlers
+    # ------------------------------------------------------------------ instances
+
+    def send(self, r: InstanceRecord, msg: wire.Message) -> None:
+        """To an instance; never waits (a full queue means it is gone, and heartbeats will say so)."""
+        if not runtime.send_now(self.sock, [r.identity, wire.encode(msg)]):
+            log.warning("could not send a %s to instance %s", type(msg).__name__, r.instance_id)
 
     def on_register(self, ident: bytes, msg: wire.Register) -> wire.Message:
         if msg.wire_version != wire.WIRE_VERSION:
@@ -128,16 +179,30 @@ class Manager:
             return wire.RegisterAck(msg.instance_id, accepted=False, reason=f"wire version {msg.wire_version} != {wire.WIRE_VERSION}")
         now = time.monotonic()
         old = self.instances.get(msg.instance_id)
-        rec = InstanceRecord(info=msg, identity=ident, load=msg.load, last_seen=now)
+        rec = InstanceRecord(info=msg, identity=ident, load=msg.load, last_seen=now, registered_at=now,
+                             credit_age0=msg.uptime_s)
         rec.dispatched_n = msg.load.requests_received
+        rec.cordoned = msg.cordoned
+        rec.drain_reason = "" if msg.drain_reason == "stopping" else msg.drain_reason
+        if msg.drain_reason == "stopping":
+            rec.state = "stopping"
         if old is not None:
-            rec.draining = old.draining
+            rec.drain_reason = rec.drain_reason or old.drain_reason
+            rec.cordoned = rec.cordoned or old.cordoned
+            rec.orders, rec.credit0, rec.credit_age0, rec.registered_at = old.orders, old.credit0, old.credit_age0, old.registered_at
             log.info("instance %s re-registered (pid %d, was %s)", msg.instance_id, msg.pid, old.state)
         else:
-            log.info("instance %s registered: %s pid %d at %s, %d blocks", msg.instance_id, msg.host, msg.pid,
-                     msg.request_address, msg.load.blocks_total)
+            # A new instance joining a cluster that has work is filled first (negative usage for a while).
+            if any(r.state == "alive" and (r.load.running or r.load.waiting) for r in self.instances.values()):
+                rec.credit0 = self.sc.new_instance_credit * msg.load.blocks_total
+            log.info("instance %s registered: %s pid %d at %s, %d blocks%s", msg.instance_id, msg.host, msg.pid,
+                     msg.request_address, msg.load.blocks_total,
+                     f", credit {rec.credit(now, self.sc.new_instance_credit_s):.0f} blocks" if rec.credit0 else "")
+            self.resched.launcher.registered(msg.instance_id)
         self.instances[msg.instance_id] = rec
-        self._update_gauges(rec)
+        if rec.drain_reason or rec.cordoned:  # it forgot (restarted) or we did: say it again
+            self.send(rec, wire.SetDraining(bool(rec.drain_reason), rec.drain_reason, rec.cordoned))
+        self.update_gauges(rec, now)
         return wire.RegisterAck(msg.instance_id)
 
     def on_report(self, ident: bytes, msg: wire.LoadReport) -> wire.Message | None:
@@ -151,56 +216,83 @@ class Manager:
             log.info("instance %s is reporting again: alive", msg.instance_id)
             rec.state = "alive"
         rec.retire_pending(now, self.mc.pending_dispatch_ttl_s)
-        self._update_gauges(rec)
+        self.update_gauges(rec, now)
         return None
 
     def on_goodbye(self, msg: wire.Goodbye) -> None:
-        """The instance is stopping: no more dispatches, but it still finishes what it runs."""
+        """The instance is stopping: no more dispatches; its requests migrate out while it finishes."""
         rec = self.instances.get(msg.instance_id)
         if rec is not None and rec.state != "stopping":
             rec.state = "stopping"
             rec.pending.clear()
-            log.info("instance %s is stopping (%s); no more dispatches to it", msg.instance_id, msg.reason or "shutdown")
-            self._update_gauges(rec)
+            log.info("instance %s is stopping (%s); no more dispatches, its requests move out", msg.instance_id,
+                     msg.reason or "shutdown")
+            self.update_gauges(rec)
 
-    def _forget(self, rec: InstanceRecord, why: str) -> None:
+    def forget(self, rec: InstanceRecord, why: str) -> None:
         del self.instances[rec.instance_id]
         log.info("instance %s forgotten: %s", rec.instance_id, why)
-        for gauge in (M_FREENESS, M_BLOCKS_USED, M_RUNNING, M_WAITING):
+        for gauge in _PER_INSTANCE:
             try:
                 gauge.remove(rec.instance_id)
             except KeyError:  # never reported
                 pass
         self._update_gauges_states()
 
-    def on_dispatch(self, msg: wire.Dispatch) -> wire.DispatchReply:
+    # ------------------------------------------------------------------ dispatch
+
+    def on_dispatch_batch(self, msgs: list[wire.Dispatch]) -> list[wire.DispatchReply]:
+        """Dispatch queries that arrived together: higher scheduling priority first, each to the freest
+        instance with the ones before it counted there."""
         now = time.monotonic()
-        excluded = set(msg.exclude)
-        cands = []
         for r in self.instances.values():
             r.retire_pending(now, self.mc.pending_dispatch_ttl_s)
-            cands.append(r.candidate(excluded=r.instance_id in excluded))
-        chosen = policy.dispatch(self.mc.dispatch_policy, cands, self.turn)
-        self.turn += 1
-        if chosen is None:
-            M_NO_INSTANCE.inc()
-            return wire.DispatchReply(msg.query_id, reason="no live instance can take requests")
-        rec = self.instances[chosen]
+        headroom = self.sc.high_priority_headroom
+        chosen: list[str | None] = [None] * len(msgs)
+        plain = [i for i, m in enumerate(msgs) if not m.exclude]
+        if plain:
+            picks = policy.dispatch_batch(self.dispatch_policy, self.states(now),
+                                          [(msgs[i].priority, msgs[i].prompt_tokens + 1) for i in plain],
+                                          self.turn, headroom)
+            for i, iid in zip(plain, picks):
+                chosen[i] = iid
+                if iid is not None:
+                    self._count_dispatch(self.instances[iid], msgs[i], now)
+        # Re-dispatches that must avoid the instances they failed on: one at a time, in priority order.
+        for i in sorted((i for i, m in enumerate(msgs) if m.exclude), key=lambda i: -msgs[i].priority):
+            excluded = set(msgs[i].exclude)
+            states = [self.state(r, now, excluded=r.instance_id in excluded) for r in self.instances.values()]
+            chosen[i] = policy.dispatch(self.dispatch_policy, states, self.turn + i, headroom)
+            if chosen[i] is not None:
+                self._count_dispatch(self.instances[chosen[i]], msgs[i], now)
+        self.turn += len(msgs)
+        replies = []
+        for msg, iid in zip(msgs, chosen):
+            if iid is None:
+                M_NO_INSTANCE.inc()
+                replies.append(wire.DispatchReply(msg.query_id, reason="no live instance can take requests"))
+                continue
+            rec = self.instances[iid]
+            log.debug("request %s -> %s", msg.request_id, iid)
+            replies.append(wire.DispatchReply(msg.query_id, instance_id=iid, request_address=rec.info.request_address))
+        return replies
+
+    def _count_dispatch(self, rec: InstanceRecord, msg: wire.Dispatch, now: float) -> None:
         rec.dispatched_n += 1
         rec.pending.append((rec.dispatched_n, policy.blocks_for(msg.prompt_tokens + 1, rec.load.block_size), now))
         self.dispatched_total += 1
-        M_DISPATCHES.labels(chosen).inc()
-        log.debug("request %s -> %s (freeness %.2f)", msg.request_id, chosen, rec.freeness())
-        return wire.DispatchReply(msg.query_id, instance_id=chosen, request_address=rec.info.request_address)
+        M_DISPATCHES.labels(rec.instance_id).inc()
+
+    # ------------------------------------------------------------------ admin queries
 
     async def on_requests(self, msg: wire.RequestsQuery) -> wire.RequestsReply:
         alive = {r.instance_id: r for r in self.instances.values() if r.state != "dead"}  # stopping ones still serve
-        qid = next(self._query_ids)
+        qid = next(self.query_ids)
         fut = asyncio.get_running_loop().create_future()
         results: list[wire.RequestList] = []
         self._fanouts[qid] = (fut, set(alive), results)
         for r in alive.values():
-            await self.sock.send_multipart([r.identity, wire.encode(wire.ListRequests(qid))])
+            self.send(r, wire.ListRequests(qid))
         try:
             if alive:
                 await asyncio.wait_for(asyncio.shield(fut), self.mc.query_timeout_s)
@@ -249,22 +341,31 @@ class Manager:
             return wire.ErrorReply(msg.query_id, f"source {src_id!r} is not a live instance (see llumnixctl status)")
         if src_id == msg.dst:
             return wire.ErrorReply(msg.query_id, f"the request is already on {msg.dst}")
-        qid = next(self._query_ids)
-        fut = asyncio.get_running_loop().create_future()
-        self._migrations[qid] = (fut, src_id)
-        start = wire.MigrateStart(qid, dst=msg.dst, dst_address=dst.info.request_address,
+        start = wire.MigrateStart(0, dst=msg.dst, dst_address=dst.info.request_address,
                                   request_ids=[msg.request_id] if msg.request_id else [],
                                   count=0 if msg.request_id else msg.count, blocking=msg.blocking)
+        result = await self.order_migration(src, start, 1 if msg.request_id else msg.count)
+        if isinstance(result, str):
+            return wire.ErrorReply(msg.query_id, result)
+        return wire.MigrateReply(msg.query_id, result.outcomes)
+
+    async def order_migration(self, src: InstanceRecord, start: wire.MigrateStart, count: int) -> wire.MigrateResult | str:
+        """Send a MigrateStart to the source and wait for its result; a string says why there is none."""
+        qid = next(self.query_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._migrations[qid] = (fut, src.instance_id)
+        self.resched.ordered(src.instance_id, start.dst, count)
         try:
-            await self.sock.send_multipart([src.identity, wire.encode(start)])
-            result = await asyncio.wait_for(fut, self.migrate_timeout(1 if msg.request_id else msg.count))
+            self.send(src, msgspec.structs.replace(start, query_id=qid))
+            result = await asyncio.wait_for(fut, self.migrate_timeout(count))
         except asyncio.TimeoutError:
-            return wire.ErrorReply(msg.query_id, f"instance {src_id} did not report the migration's outcome in time")
+            return f"instance {src.instance_id} did not report the migration's outcome in time"
         finally:
             self._migrations.pop(qid, None)
+            self.resched.ordered(src.instance_id, start.dst, -count)
         if result is None:
-            return wire.ErrorReply(msg.query_id, f"source instance {src_id} died during the migration")
-        return wire.MigrateReply(msg.query_id, result.outcomes)
+            return f"source instance {src.instance_id} died during the migration"
+        return result
 
     def on_migrate_result(self, msg: wire.MigrateResult) -> None:
         fut, _ = self._migrations.get(msg.query_id, (None, ""))
@@ -276,36 +377,55 @@ class Manager:
             if src == instance_id and not fut.done():
                 fut.set_result(None)
 
+    def on_policy(self, msg: wire.PolicyQuery) -> wire.Message:
+        changes = {"dispatch_policy": (msg.dispatch_policy, policy.DISPATCH_POLICIES),
+                   "pairing_policy": (msg.pairing_policy, policy.PAIRING_POLICIES),
+                   "request_selection": (msg.request_selection, policy.SELECTION_POLICIES),
+                   "scaling_policy": (msg.scaling_policy, policy.SCALING_POLICIES)}
+        for name, (value, known) in changes.items():
+            if value and value not in known:
+                return wire.ErrorReply(msg.query_id, f"unknown {name.replace('_', ' ')} {value!r} (known: {', '.join(known)})")
+        for name, (value, _) in changes.items():
+            if value and value != getattr(self, name):
+                log.info("%s: %s -> %s (llumnixctl policy)", name.replace("_", " "), getattr(self, name), value)
+                setattr(self, name, value)
+        return wire.PolicyReply(msg.query_id, self.dispatch_policy, self.pairing_policy, self.request_selection,
+                                self.scaling_policy, self.migrating)
+
     # ------------------------------------------------------------------ loops
 
-    async def handle(self, ident: bytes, frame: bytes) -> None:
-        msg = wire.decode(frame)
-        if msg is None:
-            M_BAD_FRAMES.inc()
-            return
+    def spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def handle(self, ident: bytes, msg: wire.Message) -> None:
         reply: wire.Message | None = None
         if isinstance(msg, wire.LoadReport):
             reply = self.on_report(ident, msg)
-        elif isinstance(msg, wire.Dispatch):
-            reply = self.on_dispatch(msg)
         elif isinstance(msg, wire.Register):
             reply = self.on_register(ident, msg)
         elif isinstance(msg, (wire.StatusQuery, wire.SnapshotQuery)):
             reply = self.snapshot(msg.query_id)
         elif isinstance(msg, wire.RequestsQuery):
-            task = asyncio.create_task(self._reply_later(ident, self.on_requests(msg)))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self.spawn(self._reply_later(ident, self.on_requests(msg)))
         elif isinstance(msg, wire.RequestList):
             self.on_request_list(msg)
         elif isinstance(msg, wire.MigrateQuery):
-            task = asyncio.create_task(self._reply_later(ident, self.on_migrate(msg)))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self.spawn(self._reply_later(ident, self.on_migrate(msg)))
         elif isinstance(msg, wire.MigrateResult):
             self.on_migrate_result(msg)
         elif isinstance(msg, wire.Goodbye):
             self.on_goodbye(msg)
+        elif isinstance(msg, wire.PolicyQuery):
+            reply = self.on_policy(msg)
+        elif isinstance(msg, wire.DrainQuery):
+            reply = self.resched.on_drain(msg)
+        elif isinstance(msg, wire.RemoveQuery):
+            self.spawn(self._reply_later(ident, self.resched.on_remove(msg)))
+        elif isinstance(msg, wire.AddQuery):
+            self.spawn(self._reply_later(ident, self.resched.on_add(msg)))
         else:
             log.warning("dropped unexpected %s from a peer", type(msg).__name__)
             M_BAD_FRAMES.inc()
@@ -318,12 +438,23 @@ class Manager:
 
     async def serve(self, stop: asyncio.Event) -> None:
         async for batch in runtime.receive(self.sock, multipart=True):
+            dispatches: list[tuple[bytes, wire.Dispatch]] = []
             for frames in batch:
                 if len(frames) != 2:
                     M_BAD_FRAMES.inc()
                     log.warning("dropped a message of %d frames (expected 2)", len(frames))
                     continue
-                await self.handle(frames[0], frames[1])
+                msg = wire.decode(frames[1])
+                if msg is None:
+                    M_BAD_FRAMES.inc()
+                elif isinstance(msg, wire.Dispatch):
+                    dispatches.append((frames[0], msg))  # after the batch's reports: with the freshest loads
+                else:
+                    await self.handle(frames[0], msg)
+            if dispatches:
+                replies = self.on_dispatch_batch([m for _, m in dispatches])
+                for (ident, _), reply in zip(dispatches, replies):
+                    await self.sock.send_multipart([ident, wire.encode(reply)])
 
     async def watch_heartbeats(self, stop: asyncio.Event) -> None:
         period = self.mc.heartbeat_interval_s / 2
@@ -338,9 +469,9 @@ class Manager:
                 continue
             for r in list(self.instances.values()):
                 if r.state == "stopping" and now - r.last_seen > self.dead_after():
-                    self._forget(r, "it stopped")
+                    self.forget(r, "it stopped")
                 elif r.state == "dead" and now - r.last_seen > self.mc.dead_instance_ttl_s:
-                    self._forget(r, f"dead for over {self.mc.dead_instance_ttl_s:g}s")
+                    self.forget(r, f"dead for over {self.mc.dead_instance_ttl_s:g}s")
                 elif r.state == "alive" and now - r.last_seen > self.dead_after():
                     r.state = "dead"
                     r.pending.clear()
@@ -348,23 +479,27 @@ class Manager:
                     M_DEATHS.inc()
                     log.warning("instance %s marked dead: no report for %.2fs (%d heartbeats)", r.instance_id,
                                 now - r.last_seen, self.mc.dead_after_missed)
-                    self._update_gauges(r)
+                    self.update_gauges(r, now)
+                elif r.credit0 and not math.isclose(r.credit(now, self.sc.new_instance_credit_s), 0.0):
+                    self.update_gauges(r, now)  # the credit fades between reports too
 
     async def run(self) -> None:
         self.bound = runtime.bind(self.sock, self.mc.bind or self.mc.address)
         metrics = runtime.start_metrics_server(self.mc.metrics_port)
-        log.info("serving on %s (dispatch policy %s, heartbeat %.2fs, metrics %s)", self.bound,
-                 self.mc.dispatch_policy, self.mc.heartbeat_interval_s, metrics or "off")
+        log.info("serving on %s (dispatch %s, pairing %s, selection %s, scaling %s, heartbeat %.2fs, metrics %s)",
+                 self.bound, self.dispatch_policy, self.pairing_policy if self.migrating else "drains only",
+                 self.request_selection, self.scaling_policy, self.mc.heartbeat_interval_s, metrics or "off")
         stop = asyncio.Event()
         runtime.install_stop_signals(asyncio.get_running_loop(), stop)
         runtime.sd_notify("READY=1")
-        tasks = [asyncio.create_task(self.serve(stop)), asyncio.create_task(self.watch_heartbeats(stop))]
+        tasks = [asyncio.create_task(c) for c in (self.serve(stop), self.watch_heartbeats(stop),
+                                                  self.resched.pairing_loop(), self.resched.scaling_loop())]
         await stop.wait()
         runtime.sd_notify("STOPPING=1")
         log.info("stopping")
-        for t in tasks:
+        for t in [*tasks, *self._tasks]:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, *self._tasks, return_exceptions=True)
         self.ctx.destroy(linger=0)
 
 
@@ -376,7 +511,7 @@ def main(
     config: Annotated[Optional[str], typer.Option("--config", "-c", help="llumnix.toml (default: $LLUMNIX_CONFIG)")] = None,
     address: Annotated[Optional[str], typer.Option(help="ZeroMQ address to serve on (manager.address)")] = None,
     bind: Annotated[Optional[str], typer.Option(help="address to bind if it differs from --address (manager.bind)")] = None,
-    dispatch_policy: Annotated[Optional[str], typer.Option(help="llumnix, rr or flood (manager.dispatch_policy)")] = None,
+    dispatch_policy: Annotated[Optional[str], typer.Option(help="llumnix, infaas++, rr or flood (manager.dispatch_policy)")] = None,
     metrics_port: Annotated[Optional[int], typer.Option(help="Prometheus port; 0 any, -1 off (manager.metrics_port)")] = None,
     log_level: Annotated[Optional[str], typer.Option(help="debug, info, warning, error (manager.log_level)")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="override any setting: section.key=value")] = None,

@@ -314,6 +314,7 @@ class Migrator:
         self.engine.drop_migrated(request_id)
         self.inst.reply_to.pop(request_id, None)
         self.inst.emitted.pop(request_id, None)
+        self.inst.arrived.pop(request_id, None)
         now = time.monotonic()
         self.moved[request_id] = (dst_address, now)
         if len(self.moved) > 10_000 or next(iter(self.moved.values()))[1] < now - 300:
@@ -426,6 +427,7 @@ class Migrator:
         self.engine.commit(inc.request_id, state)
         self.inst.reply_to[inc.request_id] = inc.request.reply_to
         self.inst.emitted[inc.request_id] = state.emitted
+        self.inst.arrived[inc.request_id] = time.monotonic()
         self.inst.announce_move(inc.request_id, inc.request.reply_to)
         self.inst.wake.set()
 

@@ -142,6 +142,23 @@ async def receive(sock, multipart: bool = False, limit: int = 512):
         yield batch
 
 
+async def wait_event(event: asyncio.Event, timeout: float) -> bool:
+    """Wait until ``event`` is set or ``timeout`` passes; True if it is set.
+
+    Not ``asyncio.wait_for(event.wait(), timeout)``: before Python 3.12 that returns normally when the
+    event is set in the same loop iteration as the task is cancelled, swallowing the cancellation, and a
+    loop built on it never stops (a daemon that hangs on SIGTERM).
+    """
+    if event.is_set():
+        return True
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        done, _ = await asyncio.wait({waiter}, timeout=timeout)
+    finally:
+        waiter.cancel()
+    return bool(done)
+
+
 def send_now(sock: zmq.Socket, frame: bytes | list[bytes]) -> bool:
     """Send without waiting; False when the peer's queue is full (or, with IMMEDIATE, absent).
 

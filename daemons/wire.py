@@ -14,6 +14,10 @@ Sockets (see DESIGN.md):
 - manager ROUTER  <- llumnixctl        MigrateQuery / MigrateReply, ErrorReply
 - instance DEALER <- manager           MigrateStart / MigrateResult (the source runs the migrations)
 - instance ROUTER <- peer DEALER       MigStage, MigAbort / MigReady, MigDone (source -> destination)
+- manager ROUTER  <- llumnixctl        DrainQuery, RemoveQuery, AddQuery, PolicyQuery / DrainReply, RemoveReply,
+                                       AddReply, PolicyReply, ErrorReply
+- instance DEALER <- manager           SetDraining, Shutdown
+- proxy PULL      <- instance PUSH     Redispatch (a queued request the instance gives back: dispatch it again)
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ class InstanceLoad(msgspec.Struct, array_like=True, omit_defaults=True):
     migrating_in: int = 0  # ... as destination (their reserved blocks count in blocks_used)
     migrations_committed: int = 0  # monotonic, as source
     migrations_aborted: int = 0  # monotonic, as source
+    high_priority: int = 0  # running requests of high execution priority (each adds headroom to virtual usage)
 
 
 # ---------------------------------------------------------------- instance <-> manager
@@ -97,6 +102,11 @@ class Register(msgspec.Struct, **_tagged(1)):
     metrics_address: str = ""
     wire_version: int = WIRE_VERSION
     max_model_len: int = 0
+    # What the instance was told before (a restarted manager rebuilds its view from these) and how long it
+    # has run (a new instance is filled first; an old one re-registering is not new).
+    drain_reason: str = ""  # "stopping" once it got SIGTERM
+    cordoned: bool = False
+    uptime_s: float = 0.0
 
 
 class RegisterAck(msgspec.Struct, **_tagged(2)):
@@ -155,6 +165,11 @@ class InstanceView(msgspec.Struct, array_like=True, omit_defaults=True):
     draining: bool = False
     pending_dispatches: int = 0
     max_model_len: int = 0
+    virtual_usage: float = 0.0  # blocks; inf while draining
+    cordoned: bool = False
+    drain_reason: str = ""  # "operator", "scale-in", "remove", "stopping" while draining
+    migrations_ordered: int = 0  # manager-ordered migrations in flight with it as source or destination
+    credit: float = 0.0  # blocks of negative virtual usage left (a new instance being filled first)
 
 
 class Snapshot(msgspec.Struct, **_tagged(13)):
@@ -163,6 +178,14 @@ class Snapshot(msgspec.Struct, **_tagged(13)):
     dispatch_policy: str = ""
     uptime_s: float = 0.0
     dispatched_total: int = 0
+    pairing_policy: str = ""
+    request_selection: str = ""
+    scaling_policy: str = ""
+    migrating: bool = False  # the pairing loop orders balancing migrations (dispatch llumnix, pairing on)
+    auto_migrations: dict[str, int] = {}  # manager-ordered migrations that ended, by "reason/outcome"
+    scale_outs: int = 0
+    scale_ins: int = 0
+    launching: int = 0  # instances launched that have not registered yet
 
 
 # ---------------------------------------------------------------- admin (llumnixctl) <-> manager
@@ -202,6 +225,21 @@ class ErrorReply(msgspec.Struct, **_tagged(23)):
 
 class ListRequests(msgspec.Struct, **_tagged(30)):
     query_id: int
+
+
+class SetDraining(msgspec.Struct, **_tagged(32)):
+    """manager -> instance: you are draining (give queued requests back for re-dispatch, take no new ones),
+    or no longer; and whether you are cordoned. The instance repeats both when it registers again."""
+
+    draining: bool
+    reason: str = ""
+    cordoned: bool = False
+
+
+class Shutdown(msgspec.Struct, **_tagged(33)):
+    """manager -> instance: stop (as on SIGTERM: drain, then exit 0). Sent after a remove or scale-in."""
+
+    reason: str = ""
 
 
 class RequestList(msgspec.Struct, **_tagged(31)):
@@ -248,6 +286,15 @@ class RequestFailed(msgspec.Struct, **_tagged(51)):
     message: str
     retryable: bool = False  # True: nothing was generated, another instance may take it
     status: int = 503  # HTTP status the client should see if it is not retried: 400 = the request itself is bad
+
+
+class Redispatch(msgspec.Struct, **_tagged(53)):
+    """instance -> proxy: this request is queued here and produced nothing; dispatch it again elsewhere
+    (the instance is draining). Not a failure: it does not count against the proxy's dispatch attempts."""
+
+    request_id: str
+    instance_id: str
+    reason: str = ""
 
 
 class Moved(msgspec.Struct, **_tagged(52)):
@@ -320,6 +367,17 @@ class MigrateStart(msgspec.Struct, **_tagged(62)):
     request_ids: list[str] = []
     count: int = 0
     blocking: bool = False  # no pre-copy: suspend first, then copy everything (the stop-and-copy baseline)
+    # Manager-ordered migrations (empty reason: an operator's). The source chooses ``count`` requests with
+    # ``selection`` and sends only those whose move lowers the pair's imbalance (unless ``drain``), judged
+    # with the manager's view of both instances' virtual usage.
+    reason: str = ""  # "balance" | "drain"
+    selection: str = ""
+    drain: bool = False
+    src_usage: float = 0.0
+    dst_usage: float = 0.0
+    dst_blocks: int = 0
+    headroom: float = 0.0
+    cooldown_s: float = 0.0
 
 
 class MigrateResult(msgspec.Struct, **_tagged(63)):
@@ -370,6 +428,70 @@ class MigAbort(msgspec.Struct, **_tagged(67)):
     reason: str = ""
 
 
+# ---------------------------------------------------------------- operations (llumnixctl) <-> manager
+
+
+class DrainQuery(msgspec.Struct, **_tagged(70)):
+    """Drain (every request moves out, no new ones), undrain, cordon (no new ones) or uncordon."""
+
+    query_id: int
+    instance_id: str
+    drain: bool = True
+    cordon_only: bool = False
+
+
+class DrainReply(msgspec.Struct, **_tagged(71)):
+    query_id: int
+    instance: InstanceView
+
+
+class RemoveQuery(msgspec.Struct, **_tagged(72)):
+    """Drain the instance, then tell it to stop; answered once it said goodbye (or with an error)."""
+
+    query_id: int
+    instance_id: str
+    timeout_s: float = 300.0
+
+
+class RemoveReply(msgspec.Struct, **_tagged(73)):
+    query_id: int
+    instance_id: str
+    drained_s: float  # from the query to no request left on it
+    migrated: int = 0  # migrations out of it that committed meanwhile
+
+
+class AddQuery(msgspec.Struct, **_tagged(74)):
+    """Start ``count`` instances with the scaling launcher; answered once they registered (or with an error)."""
+
+    query_id: int
+    count: int = 1
+    timeout_s: float = 0.0  # 0: scaling.launch_timeout_s
+
+
+class AddReply(msgspec.Struct, **_tagged(75)):
+    query_id: int
+    instance_ids: list[str]
+
+
+class PolicyQuery(msgspec.Struct, **_tagged(76)):
+    """Show the manager's policies, or change them at run time (empty: leave as is)."""
+
+    query_id: int
+    dispatch_policy: str = ""
+    pairing_policy: str = ""
+    request_selection: str = ""
+    scaling_policy: str = ""
+
+
+class PolicyReply(msgspec.Struct, **_tagged(77)):
+    query_id: int
+    dispatch_policy: str
+    pairing_policy: str
+    request_selection: str
+    scaling_policy: str
+    migrating: bool = False
+
+
 Message = (
     Register
     | RegisterAck
@@ -385,11 +507,14 @@ Message = (
     | ErrorReply
     | ListRequests
     | RequestList
+    | SetDraining
+    | Shutdown
     | Submit
     | Abort
     | TokenBatch
     | RequestFailed
     | Moved
+    | Redispatch
     | MigrateQuery
     | MigrateReply
     | MigrateStart
@@ -398,6 +523,14 @@ Message = (
     | MigReady
     | MigDone
     | MigAbort
+    | DrainQuery
+    | DrainReply
+    | RemoveQuery
+    | RemoveReply
+    | AddQuery
+    | AddReply
+    | PolicyQuery
+    | PolicyReply
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -58,6 +58,18 @@ class AdminClient:
         return self.ask(lambda qid: wire.MigrateQuery(qid, dst=dst, request_id=request_id, src=src, count=count,
                                                       blocking=blocking))
 
+    def drain(self, instance_id: str, drain: bool = True, cordon_only: bool = False) -> wire.DrainReply:
+        return self.ask(lambda qid: wire.DrainQuery(qid, instance_id, drain, cordon_only))
+
+    def remove(self, instance_id: str, timeout_s: float) -> wire.RemoveReply:
+        return self.ask(lambda qid: wire.RemoveQuery(qid, instance_id, timeout_s))
+
+    def add(self, count: int = 1, timeout_s: float = 0.0) -> wire.AddReply:
+        return self.ask(lambda qid: wire.AddQuery(qid, count, timeout_s))
+
+    def policy(self, **changes: str) -> wire.PolicyReply:
+        return self.ask(lambda qid: wire.PolicyQuery(qid, **changes))
+
     def close(self) -> None:
         if self._sock is not None:
             self._sock.close(0)

@@ -1,13 +1,17 @@
 """A local cluster: the daemons as background processes, their pids and logs in a run directory.
 
 ``cluster.json`` in the run directory records every process with its start time, so ``down`` stops
-exactly the processes ``up`` started, never a process that reused a pid.
+exactly the processes ``up`` started (and the instances added to it later), never a process that reused a
+pid. The manager of such a cluster launches instances with ``llumnixctl local-instance`` (``add`` and
+auto-scaling), which records them in ``cluster.json`` too, under a lock.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -20,6 +24,7 @@ from pathlib import Path
 
 import psutil
 
+from daemons.config import load_config
 from llumnixctl.admin import AdminClient, ManagerUnreachable
 
 STATE_FILE = "cluster.json"
@@ -132,6 +137,8 @@ def up(run_dir: Path, instances: int, backend: str, port: int, config: str | Non
     manager_address = f"tcp://127.0.0.1:{free_port()}"
     common = (["--config", config] if config else []) + [a for s in sets for a in ("--set", s)]
     common += ["--set", f"manager.address={manager_address}"]
+    if not load_config(config, sets).scaling.launcher:  # add and auto-scaling start instances of this cluster
+        common += ["--set", f"scaling.launcher={json.dumps(launcher_command(run_dir))}"]
     state = ClusterState(manager_address, f"http://127.0.0.1:{port}", backend, config, args=common)
 
     def fail(why: str, proc: Proc | None = None) -> ClusterError:
@@ -175,17 +182,39 @@ def up(run_dir: Path, instances: int, backend: str, port: int, config: str | Non
     return state
 
 
+def launcher_command(run_dir: Path) -> str:
+    """The scaling launcher of a local cluster: `llumnixctl local-instance {id}` with this interpreter."""
+    return (f"{shlex.quote(sys.executable)} -m llumnixctl.main local-instance {{id}} "
+            f"--run-dir {shlex.quote(str(run_dir.resolve()))}")
+
+
+class _Locked:
+    """An exclusive lock on the run directory's state, for read-modify-write of cluster.json."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / "cluster.lock"
+
+    def __enter__(self):
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc):
+        os.close(self.fd)  # releases the lock
+
+
 def add_instance(run_dir: Path, state: ClusterState, instance_id: str, sets: list[str] | None = None,
                  timeout_s: float = 60.0) -> Proc:
     """Start one more instance of this cluster (its settings, then ``sets``) and wait until it is alive."""
-    if any(p.name == f"instance-{instance_id}" and p.process() is not None for p in state.procs):
-        raise ClusterError(f"instance {instance_id} of this cluster is already running")
-    argv = _daemon("instance") + state.args + ["--set", f"instance.id={instance_id}", "--set",
-                                               f"instance.backend={state.backend}"]
-    argv += [a for s in sets or [] for a in ("--set", s)]
-    proc = _spawn(run_dir, f"instance-{instance_id}", argv)
-    state.procs = [p for p in state.procs if p.name != proc.name] + [proc]
-    state.save(run_dir)
+    with _Locked(run_dir):
+        state.procs = (ClusterState.load(run_dir) or state).procs  # launches may run side by side
+        if any(p.name == f"instance-{instance_id}" and p.process() is not None for p in state.procs):
+            raise ClusterError(f"instance {instance_id} of this cluster is already running")
+        argv = _daemon("instance") + state.args + ["--set", f"instance.id={instance_id}", "--set",
+                                                   f"instance.backend={state.backend}"]
+        argv += [a for s in sets or [] for a in ("--set", s)]
+        proc = _spawn(run_dir, f"instance-{instance_id}", argv)
+        state.procs = [p for p in state.procs if p.name != proc.name] + [proc]
+        state.save(run_dir)
     client = AdminClient(state.manager_address, timeout_s=1.0)
     deadline = time.monotonic() + timeout_s
     try:

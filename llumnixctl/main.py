@@ -8,73 +8,24 @@ contract for scripts (fields are added, never renamed).
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from daemons import wire
 from daemons.config import ConfigError, load_config, render_example, as_dict
-from llumnixctl import localcluster
-from llumnixctl.admin import AdminClient, ManagerUnreachable
+from llumnixctl import localcluster, operate
+from llumnixctl.admin import AdminClient
+from llumnixctl.common import (ConfigOpt, JsonOpt, ManagerOpt, RunDirOpt, TimeoutOpt, admin, ask, die, instance_json,
+                               out, print_json)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Operate a Llumnix cluster: local clusters, status, requests, benchmarks.")
 config_app = typer.Typer(no_args_is_help=True, help="Settings: the example file, the effective values.")
 app.add_typer(config_app, name="config")
-
-out = Console(width=None if sys.stdout.isatty() else 160)  # piped: never squeeze the table
-
-RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", envvar="LLUMNIX_RUN_DIR", show_envvar=True,
-                                                   help="local cluster state directory (default ~/.local/state/llumnix)")]
-ManagerOpt = Annotated[Optional[str], typer.Option("--manager", help="manager address, e.g. tcp://10.0.0.5:7100")]
-ConfigOpt = Annotated[Optional[str], typer.Option("--config", "-c", envvar="LLUMNIX_CONFIG", show_envvar=True, help="llumnix.toml")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON for scripts")]
-TimeoutOpt = Annotated[float, typer.Option("--timeout", help="seconds to wait for the manager")]
-
-
-def die(message: str, code: int = 1) -> None:
-    sys.stderr.write(f"llumnixctl: {message}\n")  # one line, never wrapped: scripts grep it
-    raise typer.Exit(code)
-
-
-def manager_address(manager: str | None, run_dir: Path | None, config: str | None) -> str:
-    """--manager, else the named run dir, else the named config, else the default run dir, else defaults."""
-    if manager:
-        return manager
-    if run_dir is not None:
-        state = localcluster.ClusterState.load(run_dir)
-        if state is None:
-            die(f"no local cluster in {run_dir} (no {localcluster.STATE_FILE}); start one with `llumnixctl up --run-dir {run_dir}`")
-        return state.manager_address
-    if config is None:
-        state = localcluster.ClusterState.load(localcluster.default_run_dir())
-        if state is not None:
-            return state.manager_address
-    try:
-        return load_config(config).manager.address
-    except ConfigError as exc:
-        die(str(exc), 2)
-
-
-def admin(manager: str | None, run_dir: Path | None, config: str | None, timeout: float) -> AdminClient:
-    return AdminClient(manager_address(manager, run_dir, config), timeout)
-
-
-def ask(client: AdminClient, what):
-    try:
-        return what(client)
-    except ManagerUnreachable as exc:
-        die(f"{exc}. Is the cluster up? Start one with `llumnixctl up`, or point at it with --manager or --run-dir.")
-
-
-def print_json(data) -> None:
-    sys.stdout.write(json.dumps(data, indent=2) + "\n")
-
 
 # ---------------------------------------------------------------------- local cluster
 
@@ -133,61 +84,75 @@ def down(run_dir: RunDirOpt = None, json_: JsonOpt = False) -> None:
 
 
 def status_json(snap: wire.Snapshot, address: str) -> dict:
-    rows = []
-    for v in snap.instances:
-        ld = v.load
-        rows.append({
-            "id": v.instance_id, "host": v.host, "pid": v.pid, "state": v.state, "draining": v.draining,
-            "blocks_total": ld.blocks_total, "blocks_used": ld.blocks_used, "running": ld.running,
-            "waiting": ld.waiting, "freeness": v.freeness, "max_batch_size": ld.batch_size,
-            "preemptions": ld.preemptions, "pending_dispatches": v.pending_dispatches, "backend": v.backend,
-            "model": v.model, "request_address": v.request_address, "metrics_address": v.metrics_address,
-            "last_report_age_s": v.last_report_age_s,
-            "migrating_out": ld.migrating_out, "migrating_in": ld.migrating_in,
-            "migrations_committed": ld.migrations_committed, "migrations_aborted": ld.migrations_aborted,
-        })
+    rows = [instance_json(v) for v in snap.instances]
     alive = [r for r in rows if r["state"] == "alive"]
+    serving = [r for r in alive if not r["draining"] and not r["cordoned"]]
     totals = {
-        "instances": len(rows), "alive": len(alive),
+        "instances": len(rows), "alive": len(alive), "serving": len(serving),
+        "draining": sum(1 for r in rows if r["draining"]), "cordoned": sum(1 for r in rows if r["cordoned"]),
         "blocks_total": sum(r["blocks_total"] for r in alive), "blocks_used": sum(r["blocks_used"] for r in alive),
         "running": sum(r["running"] for r in alive), "waiting": sum(r["waiting"] for r in alive),
-        "mean_freeness": round(sum(r["freeness"] for r in alive) / len(alive), 4) if alive else None,
+        "preemptions": sum(r["preemptions"] for r in rows),
+        "mean_freeness": round(sum(r["freeness"] for r in serving) / len(serving), 4) if serving else None,
         "migrations_in_flight": sum(r["migrating_out"] for r in rows),
         "migrations_committed": sum(r["migrations_committed"] for r in rows),
         "migrations_aborted": sum(r["migrations_aborted"] for r in rows),
+        "ordered_migrations": dict(snap.auto_migrations),
+        "scale_outs": snap.scale_outs, "scale_ins": snap.scale_ins, "launching": snap.launching,
     }
     return {"instances": rows, "totals": totals,
             "manager": {"address": address, "uptime_s": snap.uptime_s, "dispatch_policy": snap.dispatch_policy,
-                        "dispatched_total": snap.dispatched_total}}
+                        "dispatched_total": snap.dispatched_total, "pairing_policy": snap.pairing_policy,
+                        "request_selection": snap.request_selection, "scaling_policy": snap.scaling_policy,
+                        "migrating": snap.migrating}}
+
+
+def _flags(r: dict) -> str:
+    flags = []
+    if r["draining"]:
+        flags.append(f"draining: {r['drain_reason']}" if r["drain_reason"] else "draining")
+    if r["cordoned"]:
+        flags.append("cordoned")
+    return r["state"] + (f" ({', '.join(flags)})" if flags else "")
+
+
+def _num(x: float | None, inf: str) -> str:
+    return inf if x is None else f"{x:.2f}" if abs(x) < 1e6 else f"{x:.3g}"
 
 
 @app.command()
 def status(manager: ManagerOpt = None, run_dir: RunDirOpt = None, config: ConfigOpt = None,
            timeout: TimeoutOpt = 2.0, json_: JsonOpt = False) -> None:
-    """Per instance: id, host, pid, state, blocks used/total, running, waiting, freeness; cluster totals."""
+    """Per instance: state and flags, blocks, running, waiting, virtual usage, freeness, migrations; totals."""
     client = admin(manager, run_dir, config, timeout)
     data = status_json(ask(client, AdminClient.status), client.address)
     if json_:
         print_json(data)
         return
-    table = Table(title=f"manager {client.address} · dispatch {data['manager']['dispatch_policy']}", title_justify="left")
-    for col in ("ID", "HOST", "PID", "STATE", "BLOCKS USED/TOTAL", "RUNNING", "WAITING", "FREENESS", "MIGRATING OUT/IN",
-                "LAST REPORT"):
-        table.add_column(col, justify="right" if col in ("PID", "RUNNING", "WAITING", "FREENESS") else "left")
+    m = data["manager"]
+    table = Table(title=f"manager {client.address} · dispatch {m['dispatch_policy']} · migration "
+                        f"{m['pairing_policy'] if m['migrating'] else 'drains only'} · selection {m['request_selection']} "
+                        f"· scaling {m['scaling_policy']}", title_justify="left")
+    for col in ("ID", "HOST", "PID", "STATE", "BLOCKS USED/TOTAL", "RUNNING", "WAITING", "VIRTUAL USAGE", "FREENESS",
+                "MIGRATING OUT/IN", "LAST REPORT"):
+        table.add_column(col, justify="right" if col in ("PID", "RUNNING", "WAITING", "VIRTUAL USAGE", "FREENESS") else "left")
     for r in data["instances"]:
-        state = r["state"] + (" (draining)" if r["draining"] else "")
-        style = "red" if r["state"] != "alive" else None
-        table.add_row(r["id"], r["host"], str(r["pid"]), state, f"{r['blocks_used']}/{r['blocks_total']}",
-                      str(r["running"]), str(r["waiting"]), f"{r['freeness']:.2f}",
+        style = "red" if r["state"] != "alive" else "yellow" if r["draining"] or r["cordoned"] else None
+        table.add_row(r["id"], r["host"], str(r["pid"]), _flags(r), f"{r['blocks_used']}/{r['blocks_total']}",
+                      str(r["running"]), str(r["waiting"]), _num(r["virtual_usage"], "inf"), _num(r["freeness"], "-inf"),
                       f"{r['migrating_out']}/{r['migrating_in']}", f"{r['last_report_age_s']:.1f}s ago", style=style)
     t = data["totals"]
     table.add_section()
     table.add_row("total", "", "", f"{t['alive']}/{t['instances']} alive", f"{t['blocks_used']}/{t['blocks_total']}",
-                  str(t["running"]), str(t["waiting"]), "" if t["mean_freeness"] is None else f"{t['mean_freeness']:.2f} avg",
+                  str(t["running"]), str(t["waiting"]), "",
+                  "" if t["mean_freeness"] is None else f"{t['mean_freeness']:.2f} avg",
                   f"{t['migrations_in_flight']} in flight", "")
     out.print(table)
+    ordered = ", ".join(f"{k} {v}" for k, v in sorted(t["ordered_migrations"].items())) or "none"
     out.print(f"migrations: {t['migrations_committed']} committed, {t['migrations_aborted']} aborted, "
-              f"{t['migrations_in_flight']} in flight")
+              f"{t['migrations_in_flight']} in flight; ordered by the manager: {ordered}")
+    if t["scale_outs"] or t["scale_ins"] or t["launching"] or m["scaling_policy"] != "off":
+        out.print(f"scaling: {t['scale_outs']} out, {t['scale_ins']} in, {t['launching']} launching")
 
 
 def _size(n: int) -> str:
@@ -298,6 +263,9 @@ def model_settings(cfg, model: Path | None, run_dir: Path) -> list[str]:
     if cfg.model.name == "llumnix-sim":  # the sim's default name: serve the checkpoint by its directory name
         sets.append(f"model.name={path.resolve().name}")
     return sets
+
+
+operate.register(app)
 
 
 def entry() -> None:

@@ -27,8 +27,8 @@ def sim(**kw) -> SimEngine:
     return SimEngine(SimConfig(**cfg), ModelConfig(max_model_len=512))
 
 
-def req(rid: str, prompt: int = 10, max_tokens: int = 30) -> EngineRequest:
-    return EngineRequest(rid, [7] * prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+def req(rid: str, prompt: int = 10, max_tokens: int = 30, priority: int = 0) -> EngineRequest:
+    return EngineRequest(rid, [7] * prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), priority=priority)
 
 
 def copy(src: SimEngine, dst: SimEngine, src_ids: list[int], dst_ids: list[int]) -> None:
@@ -119,6 +119,36 @@ def test_back_and_forth_three_times():
     assert a.load().blocks_used == b.load().blocks_used == 0
 
 
+def test_priority_travels_and_only_running_high_requests_count():
+    a, b = sim(), sim()
+    a.add_request(req("h", max_tokens=30, priority=1))
+    b.add_request(req("first", max_tokens=30))
+    out = []
+    out += a.step().outputs
+    b.step()
+    assert a.migrating_request("h").priority == 1
+    assert a.load().high_priority == 1
+    view = a.migration_view("h")
+    ids = b.reserve(a.migrating_request("h"), view.computed_tokens)
+    assert b.load().high_priority == 0  # reserved: not running yet
+    a.suspend("h")
+    assert a.load().high_priority == 0  # suspended: not running
+    a.resume("h")
+    assert a.load().high_priority == 1
+    state = a.suspend("h")
+    copy(a, b, view.block_ids, ids)
+    b.add_request(req("later", max_tokens=30))
+    b.step()  # "later" is admitted
+    b.commit("h", state)
+    a.drop_migrated("h")
+    # Committed now: after every request admitted before, with its priority; it counts on b, not on a.
+    assert [(r.request_id, r.priority) for r in b.requests()] == [("first", 0), ("later", 0), ("h", 1)]
+    assert (a.load().high_priority, b.load().high_priority) == (0, 1)
+    drain(b, out)
+    assert [o.index for o in out if o.request_id == "h"] == list(range(30))
+    assert b.load().high_priority == 0 and b.load().blocks_used == 0
+
+
 def test_reserve_refuses_without_room_and_release_returns_blocks():
     a, b = sim(), sim(num_blocks=8, watermark=0.25)
     a.add_request(req("r", prompt=30))
@@ -195,19 +225,23 @@ def test_kv_blocks_roundtrip_and_spec():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["step", "add", "migrate", "abort"]), st.integers(0, 5)), max_size=40))
+@given(st.lists(st.tuples(st.sampled_from(["step", "add", "migrate", "abort"]), st.integers(0, 5),
+                          st.sampled_from([0, 0, 1])), max_size=40))
 def test_no_block_leaks_under_random_migrations(ops):
-    """Whatever interleaving of steps, arrivals, migrations and aborts: blocks return to zero at the end,
-    and no block is owned twice on either engine."""
+    """Whatever interleaving of steps, arrivals (normal and high priority), migrations and aborts: blocks
+    return to zero at the end, no block is owned twice on either engine, a request keeps its priority
+    wherever it goes, and each engine counts exactly its running high-priority requests."""
     engines = [sim(num_blocks=24, max_num_seqs=4), sim(num_blocks=24, max_num_seqs=4)]
     n = 0
-    for op, k in ops:
+    priorities: dict[str, int] = {}
+    for op, k, priority in ops:
         e = engines[k % 2]
         if op == "step":
             e.step()
         elif op == "add":
             try:
-                e.add_request(req(f"r{n}", prompt=1 + 3 * k, max_tokens=5 + 4 * k))
+                e.add_request(req(f"r{n}", prompt=1 + 3 * k, max_tokens=5 + 4 * k, priority=priority))
+                priorities[f"r{n}"] = priority
             except EngineError:
                 pass
             n += 1
@@ -224,8 +258,11 @@ def test_no_block_leaks_under_random_migrations(ops):
             if rows:
                 e.abort_request(rows[k % len(rows)].request_id)
         for x in engines:
-            owned = [b for r in x.requests() for b in x.block_table(r.request_id)]
+            rows = x.requests()
+            owned = [b for r in rows for b in x.block_table(r.request_id)]
             assert len(owned) == len(set(owned)) == x.load().blocks_used
+            assert all(r.priority == priorities[r.request_id] for r in rows)
+            assert x.load().high_priority == sum(r.state == "running" and r.priority > 0 for r in rows)
     for e in engines:
         drain(e, [])
         assert e.load().blocks_used == 0

@@ -1,33 +1,42 @@
+"""The pure scheduling policies, with plain values and property tests."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
 from collections import Counter
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import assume, given, settings, strategies as st
 
-from daemons.policy import Candidate, blocks_for, dispatch, freeness
+from daemons import config, policy
+from daemons.policy import (INF, InstanceState, Scaler, blocks_for, dispatch, dispatch_batch, fading_credit, freeness,
+                            instance_freeness, move_lowers_potential, pair, potential, real_freeness, select_migrants,
+                            virtual_usage)
+from daemons.wire import RequestLoad
 
-cands = st.lists(
-    st.builds(Candidate, instance_id=st.sampled_from([f"i{k}" for k in range(6)]),
-              blocks_total=st.integers(1, 4096), usage=st.floats(0, 8192), batch_size=st.integers(1, 256),
-              alive=st.booleans(), draining=st.booleans()),
-    max_size=8, unique_by=lambda c: c.instance_id,
+IDS = [f"i{k}" for k in range(6)]
+HEADROOMS = st.sampled_from([0.0, 0.05, 0.2])
+
+states = st.lists(
+    st.builds(InstanceState, instance_id=st.sampled_from(IDS), blocks_total=st.integers(1, 4096),
+              blocks_used=st.integers(0, 4096), running=st.integers(0, 64), waiting=st.integers(0, 16),
+              hol_demand=st.integers(0, 512), high_priority=st.integers(0, 4), pending_blocks=st.integers(0, 64),
+              pending_requests=st.integers(0, 4), alive=st.booleans(), draining=st.booleans(), cordoned=st.booleans(),
+              credit=st.floats(0, 512), migrations=st.integers(0, 3)),
+    max_size=8, unique_by=lambda s: s.instance_id,
 )
 
 
-@given(cands, st.sampled_from(["llumnix", "rr", "flood"]), st.integers(0, 10_000))
-def test_dispatch_never_picks_dead_or_draining(cs, policy, turn):
-    chosen = dispatch(policy, cs, turn)
-    eligible = {c.instance_id for c in cs if c.alive and not c.draining}
-    assert chosen in eligible if eligible else chosen is None
+def test_policy_names_match_the_config():
+    fields = {f"{sec}.{f.name}": f for sec, cls in config.sections() for f in dataclasses.fields(cls)}
+    assert fields["manager.dispatch_policy"].metadata["choices"] == policy.DISPATCH_POLICIES
+    assert fields["scheduling.pairing_policy"].metadata["choices"] == policy.PAIRING_POLICIES
+    assert fields["scheduling.request_selection"].metadata["choices"] == policy.SELECTION_POLICIES
+    assert fields["scaling.policy"].metadata["choices"] == policy.SCALING_POLICIES
 
 
-@given(cands, st.integers(0, 10_000))
-def test_llumnix_picks_a_freest_instance(cs, turn):
-    chosen = dispatch("llumnix", cs, turn)
-    eligible = [c for c in cs if c.eligible]
-    if eligible:
-        best = max(freeness(c.blocks_total, c.usage, c.batch_size) for c in eligible)
-        pick = next(c for c in eligible if c.instance_id == chosen)
-        assert freeness(pick.blocks_total, pick.usage, pick.batch_size) == pytest.approx(best)
+# ---------------------------------------------------------------- virtual usage and freeness
 
 
 @given(st.integers(1, 10_000), st.floats(0, 10_000), st.floats(0.001, 1000), st.integers(1, 512))
@@ -35,22 +44,252 @@ def test_freeness_falls_as_usage_grows(total, usage, more, batch):
     assert freeness(total, usage + more, batch) < freeness(total, usage, batch)
 
 
-def test_ties_do_not_starve_anyone():
-    cs = [Candidate(f"i{k}", 100, 10, 8) for k in range(4)]
-    picks = Counter(dispatch("llumnix", cs, turn) for turn in range(400))
+@given(states, HEADROOMS, st.integers(1, 100))
+def test_every_kind_of_usage_lowers_freeness(ss, headroom, more):
+    for s in ss:
+        if s.draining:
+            assert virtual_usage(s, headroom) == INF and instance_freeness(s, headroom) == -INF
+            continue
+        f = instance_freeness(s, headroom)
+        assert instance_freeness(dataclasses.replace(s, blocks_used=s.blocks_used + more), headroom) < f
+        assert instance_freeness(dataclasses.replace(s, hol_demand=s.hol_demand + more), headroom) < f
+        if headroom:
+            assert instance_freeness(dataclasses.replace(s, high_priority=s.high_priority + 1), headroom) < f
+        assert instance_freeness(dataclasses.replace(s, draining=True), headroom) < f
+
+
+def test_virtual_usage_terms():
+    s = InstanceState("i0", 1000, blocks_used=100, running=4, waiting=1, hol_demand=50, high_priority=2,
+                      pending_blocks=10, pending_requests=1, credit=30)
+    assert virtual_usage(s, 0.1) == 100 + 10 + 50 + 2 * 100 - 30
+    assert instance_freeness(s, 0.1) == pytest.approx((1000 - 330) / 6)
+    assert real_freeness(s) == pytest.approx((1000 - 110) / 6)
+
+
+def test_credit_fades_to_zero():
+    values = [fading_credit(0.5, 1000, t, 10.0) for t in (0, 2.5, 5, 9.9, 10, 50)]
+    assert values[0] == 500 and values[-2:] == [0.0, 0.0]
+    assert values == sorted(values, reverse=True)
+
+
+def test_potential_and_moves():
+    assert potential([(100, 1000), (0, 1000)]) == pytest.approx(10.0)
+    assert move_lowers_potential(100, 1000, 0, 1000, 40, 40)
+    assert not move_lowers_potential(100, 1000, 0, 1000, 100, 100)  # just swaps the two: no better
+    assert not move_lowers_potential(50, 1000, 50, 1000, 1, 1)
+    assert move_lowers_potential(INF, 1000, 900, 1000, 500, 500)  # out of a draining instance, always
+
+
+# ---------------------------------------------------------------- dispatch
+
+
+@given(states, st.sampled_from(policy.DISPATCH_POLICIES), st.integers(0, 10_000), HEADROOMS)
+def test_dispatch_never_picks_dead_draining_or_cordoned(ss, name, turn, headroom):
+    chosen = dispatch(name, ss, turn, headroom)
+    eligible = {s.instance_id for s in ss if s.alive and not s.draining and not s.cordoned}
+    assert chosen in eligible if eligible else chosen is None
+
+
+@given(states, st.integers(0, 10_000), HEADROOMS)
+def test_llumnix_picks_the_freest_by_virtual_usage_and_infaas_by_real_usage(ss, turn, headroom):
+    eligible = [s for s in ss if s.dispatchable]
+    assume(eligible)
+    for name, score in (("llumnix", lambda s: instance_freeness(s, headroom)), ("infaas++", real_freeness)):
+        pick = next(s for s in eligible if s.instance_id == dispatch(name, ss, turn, headroom))
+        assert score(pick) == pytest.approx(max(score(s) for s in eligible))
+
+
+@pytest.mark.parametrize("name", ["llumnix", "infaas++", "rr"])
+def test_ties_do_not_starve_anyone(name):
+    ss = [InstanceState(f"i{k}", 100, blocks_used=10, running=8) for k in range(4)]
+    picks = Counter(dispatch(name, ss, turn) for turn in range(400))
     assert picks == {f"i{k}": 100 for k in range(4)}
 
 
+def test_a_burst_spreads_over_equal_instances():
+    ss = [InstanceState(f"i{k}", 1000, blocks_used=100, running=4) for k in range(4)]
+    picks = Counter(dispatch_batch("llumnix", ss, [(0, 64)] * 40, turn=7))
+    assert picks == {f"i{k}": 10 for k in range(4)}
+
+
 def test_round_robin_and_flood():
-    cs = [Candidate(f"i{k}", 100, 90 - k, 8) for k in range(3)]
-    assert [dispatch("rr", cs, t) for t in range(4)] == ["i0", "i1", "i2", "i0"]
-    assert {dispatch("flood", cs, t) for t in range(5)} == {"i0"}
+    ss = [InstanceState(f"i{k}", 100, blocks_used=90 - k, running=8) for k in range(3)]
+    assert [dispatch("rr", ss, t) for t in range(4)] == ["i0", "i1", "i2", "i0"]
+    assert {dispatch("flood", ss, t) for t in range(5)} == {"i0"}
 
 
 def test_unknown_policy():
     with pytest.raises(ValueError, match="unknown dispatch policy"):
-        dispatch("best", [Candidate("i0", 1, 0, 1)], 0)
+        dispatch("best", [InstanceState("i0", 1)], 0)
+    with pytest.raises(ValueError, match="unknown request selection policy"):
+        select_migrants("best", [], 1, src_usage=0, src_blocks=1, dst_usage=0, dst_blocks=1, headroom=0, block_size=16)
+
+
+@given(states, st.lists(st.tuples(st.sampled_from([0, 1]), st.integers(1, 2000)), min_size=1, max_size=12),
+       st.integers(0, 1000), HEADROOMS)
+def test_batch_dispatch_serves_higher_priority_first(ss, requests, turn, headroom):
+    assume(any(s.dispatchable for s in ss))
+    chosen = dispatch_batch("llumnix", ss, requests, turn, headroom)
+    assert all(c is not None for c in chosen)
+    # The first high-priority request (wherever it stands in the batch) gets an instance that was freest
+    # before anything in the batch was placed.
+    highs = [i for i, (p, _) in enumerate(requests) if p == 1]
+    if highs:
+        best = max(instance_freeness(s, headroom) for s in ss if s.dispatchable)
+        pick = next(s for s in ss if s.instance_id == chosen[highs[0]])
+        assert instance_freeness(pick, headroom) == pytest.approx(best)
 
 
 def test_blocks_for():
     assert [blocks_for(t, 16) for t in (0, 1, 16, 17, 32)] == [0, 1, 1, 2, 2]
+
+
+# ---------------------------------------------------------------- pairing and selection
+
+
+@st.composite
+def clusters(draw, equal_size: bool = False):
+    """Instances with the requests they hold: each state agrees with its request list."""
+    n = draw(st.integers(2, 6))
+    size = draw(st.integers(64, 2048))
+    out = []
+    for k in range(n):
+        total = size if equal_size else draw(st.integers(64, 2048))
+        reqs = []
+        used = 0
+        for j in range(draw(st.integers(0, 12))):
+            blocks = draw(st.integers(1, max(1, total // 8)))
+            if used + blocks > total:
+                break
+            used += blocks
+            reqs.append(RequestLoad(f"r{k}-{j}", "running", blocks, blocks * 16 - 8, 8, draw(st.sampled_from([0, 0, 1]))))
+        waiting = draw(st.integers(0, 2))
+        reqs += [RequestLoad(f"w{k}-{j}", "waiting", 0, draw(st.integers(1, 2000)), 0, 0) for j in range(waiting)]
+        hol = blocks_for(reqs[-1].prompt_tokens + 1, 16) if waiting else 0
+        state = InstanceState(f"i{k}", total, blocks_used=used, running=len(reqs) - waiting, waiting=waiting,
+                              hol_demand=hol, high_priority=sum(1 for r in reqs if r.state == "running" and r.priority),
+                              alive=draw(st.booleans()) or k == 0, draining=draw(st.booleans()) and k > 0 and draw(st.booleans()),
+                              cordoned=draw(st.booleans()) and draw(st.booleans()), migrations=draw(st.integers(0, 2)))
+        out.append((state, reqs))
+    return out
+
+
+THRESHOLDS = st.tuples(st.sampled_from([-INF, 0.0, 4.0, 50.0, INF]), st.sampled_from([-INF, 0.0, 16.0, 100.0]))
+
+
+@settings(max_examples=300)
+@given(clusters(), HEADROOMS, THRESHOLDS, st.integers(1, 3), st.booleans(), st.integers(0, 100))
+def test_pairing_invariants(cluster, headroom, thresholds, k, balance, turn):
+    ss = [s for s, _ in cluster]
+    out_thr, in_thr = thresholds
+    by_id = {s.instance_id: s for s in ss}
+    pairs = pair(ss, headroom, out_thr, in_thr, k, balance, turn)
+    seen = [x for p in pairs for x in (p.src, p.dst)]
+    assert len(seen) == len(set(seen)), "an instance in two pairs"
+    for p in pairs:
+        src, dst = by_id[p.src], by_id[p.dst]
+        assert p.src != p.dst
+        assert instance_freeness(src, headroom) < instance_freeness(dst, headroom), "source freer than its destination"
+        assert src.alive and src.busy and dst.dispatchable
+        assert 1 <= p.count <= k - max(src.migrations, dst.migrations)
+        assert p.drain == src.draining
+        if not src.draining:
+            assert balance and instance_freeness(src, headroom) < out_thr and instance_freeness(dst, headroom) > in_thr
+
+
+def _apply(state: InstanceState, r: RequestLoad, sign: int) -> InstanceState:
+    if r.state == "running":
+        return dataclasses.replace(state, blocks_used=state.blocks_used + sign * r.blocks,
+                                   running=state.running + sign, high_priority=state.high_priority + sign * (r.priority > 0))
+    blocks = blocks_for(r.prompt_tokens + 1, 16)  # a re-dispatched queued request: its demand goes with it
+    return dataclasses.replace(state, hol_demand=max(0, state.hol_demand + sign * blocks), waiting=state.waiting + sign)
+
+
+@settings(max_examples=300)
+@given(clusters(equal_size=True), HEADROOMS, st.sampled_from(policy.SELECTION_POLICIES), st.integers(1, 4))
+def test_each_chosen_migration_lowers_the_imbalance(cluster, headroom, selection, k):
+    ss = {s.instance_id: s for s, _ in cluster}
+    reqs = {s.instance_id: r for s, r in cluster}
+    for p in pair(list(ss.values()), headroom, INF, -INF, k):  # every instance may be a source and a destination
+        src, dst = ss[p.src], ss[p.dst]
+        chosen = select_migrants(selection, reqs[p.src], p.count, src_usage=p.src_usage, src_blocks=src.blocks_total,
+                                 dst_usage=p.dst_usage, dst_blocks=p.dst_blocks, headroom=headroom, block_size=16,
+                                 drain=p.drain)
+        assert len(chosen) <= p.count
+        by_rid = {r.request_id: r for r in reqs[p.src]}
+        for c in chosen:
+            r = by_rid[c.request_id]
+            assert r.state == "running" or (c.redispatch and r.output_tokens == 0)
+            before = [virtual_usage(s, headroom) for s in ss.values() if not s.draining]
+            was_src = virtual_usage(ss[p.src], headroom)
+            ss[p.src], ss[p.dst] = _apply(ss[p.src], r, -1), _apply(ss[p.dst], r, +1)
+            after = [virtual_usage(s, headroom) for s in ss.values() if not s.draining]
+            if not math.isinf(was_src):
+                assert sum(v * v for v in after) < sum(v * v for v in before), f"{c} raised sum V^2"
+
+
+def test_selection_orders():
+    reqs = [RequestLoad("a", "running", 10, 100, 5, 0), RequestLoad("b", "running", 3, 40, 2, 1),
+            RequestLoad("c", "running", 5, 60, 9, 0), RequestLoad("q", "waiting", 0, 30, 0, 0),
+            RequestLoad("p", "preempted", 0, 30, 4, 0)]
+    common = dict(src_usage=INF, src_blocks=100, dst_usage=0, dst_blocks=100, headroom=0.1, block_size=16, drain=True)
+
+    def ids(name, count=10, **kw):
+        return [c.request_id for c in select_migrants(name, reqs, count, **{**common, **kw})]
+
+    assert ids("llumnix") == ["c", "a", "b"]  # normal before high, then fewer blocks
+    assert ids("longest") == ["a", "c", "b"]
+    assert ids("last-running") == ["c", "b", "a"]
+    assert ids("first-waiting") == ["q", "c", "a", "b"]  # the never-started queued one is re-dispatched first
+    assert ids("llumnix", count=2) == ["c", "a"]
+    assert ids("llumnix", exclude={"c"}) == ["a", "b"]
+    # Balancing (no drain): only moves that lower the pair's potential. Source 20 blocks used, destination 10:
+    # moving 3 or 5 helps, moving 10 would just swap them.
+    balance = dict(src_usage=20.0, dst_usage=10.0, headroom=0.0, drain=False)
+    assert ids("llumnix", **balance) == ["c"]  # then 15 vs 15: nothing more helps
+
+
+# ---------------------------------------------------------------- scaling
+
+
+def _scaler(**kw) -> Scaler:
+    args = dict(up_threshold=4.0, down_threshold=100.0, sustain_s=5.0, cooldown_s=10.0, min_instances=1, max_instances=3)
+    return Scaler(**{**args, **kw})
+
+
+def test_scaler_needs_a_sustained_signal_and_keeps_its_cooldown():
+    s = _scaler()
+    assert [s.observe(t, 2.0, 1, 0) for t in (0, 2, 4.9)] == [None, None, None]
+    assert s.observe(5.0, 2.0, 1, 0) == "up"
+    assert s.observe(6.0, 2.0, 2, 0) is None  # sustain starts over, and the cooldown runs
+    assert s.observe(11.0, 2.0, 2, 0) is None
+    assert s.observe(15.5, 2.0, 2, 0) == "up"
+    assert s.observe(40.0, 2.0, 3, 0) is None and s.observe(50.0, 2.0, 3, 0) is None  # at max_instances
+    assert s.observe(60.0, 50.0, 3, 0) is None  # inside the band: nothing
+    assert [s.observe(t, 500.0, 3, 0) for t in (61, 65.9, 66)] == [None, None, "down"]
+
+
+def test_scaler_adds_at_once_below_min_and_never_removes_below_it():
+    s = _scaler(min_instances=2)
+    assert s.observe(0.0, None, 1, 0) == "up"
+    assert s.observe(1.0, None, 1, 1) is None  # one is launching
+    assert [s.observe(t, 1e6, 2, 0) for t in (20, 30, 40)] == [None, None, None]
+
+
+@settings(max_examples=200)
+@given(st.lists(st.floats(0, 300), min_size=1, max_size=60), st.integers(1, 3), st.integers(0, 4))
+def test_scaling_stays_within_min_and_max(signal, lo, span):
+    hi = lo + span
+    s = _scaler(min_instances=lo, max_instances=hi, sustain_s=1.0, cooldown_s=0.0)
+    n = lo
+    for t, avg in enumerate(signal):
+        d = s.observe(float(t), avg, n, 0)
+        n += {"up": 1, "down": -1, None: 0}[d]
+        assert lo <= n <= hi
+
+
+def test_scale_in_victim_is_the_freest():
+    ss = [InstanceState("i0", 100, blocks_used=50, running=5), InstanceState("i1", 100, blocks_used=5, running=1),
+          InstanceState("i2", 100, running=0, draining=True)]
+    assert policy.scale_in_victim(ss, 0.0) == "i1"
+    assert policy.average_freeness(ss) == pytest.approx(((100 - 50) / 5 + (100 - 5) / 1) / 2)

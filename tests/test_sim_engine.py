@@ -47,7 +47,11 @@ def check_invariants(e: SimEngine) -> None:
     assert load.blocks_used == len(owned) == load.running_blocks <= load.blocks_total
     assert load.running == sum(r.state == "running" for r in rows) <= load.batch_size
     assert load.waiting == sum(r.state != "running" for r in rows)
+    assert load.high_priority == sum(r.state == "running" and r.priority > 0 for r in rows)
     assert [r.state for r in rows] == sorted((r.state for r in rows), key=lambda s: s != "running")
+    # The queue: higher priority first; in a priority, preempted requests (put back in front) before new ones.
+    queue = [(-r.priority, r.state != "preempted") for r in rows if r.state != "running"]
+    assert queue == sorted(queue)
 
 
 class Runner:
@@ -59,8 +63,14 @@ class Runner:
         self.steps = 0
 
     def step(self) -> list[TokenOut]:
+        before = {r.request_id for r in self.e.requests() if r.state == "running"}
         res = self.e.step()
         self.steps += 1
+        rows = self.e.requests()
+        # A step preempts the lowest priorities: no victim outranks a request that kept running.
+        victims = [r.priority for r in rows if r.state == "preempted" and r.request_id in before]
+        kept = [r.priority for r in rows if r.state == "running" and r.request_id in before]
+        assert not victims or not kept or max(victims) <= min(kept), (victims, kept)
         seen = set()
         for o in res.outputs:
             assert o.request_id not in seen, "two tokens for one request in one step"
@@ -224,6 +234,118 @@ def test_watermark_keeps_blocks_free():
     assert admitted(0.1) == {"A", "B", "C"}  # exactly 1 block free is enough for 1.0
 
 
+# ---------------------------------------------------------------- priorities
+
+
+def admission_order(run: Runner) -> list[str]:
+    """Step until idle; the order in which requests not running now start (or restart) running."""
+    order = []
+    while run.e.has_work():
+        before = states(run.e)
+        run.step()
+        order += [rid for rid, s in states(run.e).items() if s == "running" and before[rid] != "running"]
+    return order
+
+
+def test_high_priority_is_admitted_before_queued_normal_ones():
+    e = engine(max_num_seqs=1)
+    run = Runner(e)
+    for rid in ["n0", "n1", "n2"]:
+        e.add_request(req(rid, 2, max_tokens=3))
+    run.step()  # n0 runs; n1, n2 queue
+    e.add_request(req("h0", 2, max_tokens=3, priority=1))
+    e.add_request(req("h1", 2, max_tokens=3, priority=1))
+    e.add_request(req("n3", 2, max_tokens=3))
+    assert [(r.request_id, r.state, r.priority) for r in e.requests()] == [
+        ("n0", "running", 0), ("h0", "waiting", 1), ("h1", "waiting", 1), ("n1", "waiting", 0),
+        ("n2", "waiting", 0), ("n3", "waiting", 0)]
+    assert e.load().high_priority == 0  # waiting high-priority requests do not count
+    assert e.load().hol_demand_blocks == 1
+    assert admission_order(run) == ["h0", "h1", "n1", "n2", "n3"]  # FCFS within a priority
+
+
+def test_high_priority_head_of_line_blocks_normal_ones():
+    e = engine(block_size=4, num_blocks=8)
+    run = Runner(e)
+    e.add_request(req("R", 16, max_tokens=3))  # 5 blocks
+    run.step()
+    e.add_request(req("SMALL", 2, max_tokens=3))  # 1 block: would fit
+    e.add_request(req("BIG", 12, max_tokens=3, priority=1))  # 4 blocks, 3 free: heads the queue
+    run.step()
+    assert states(e) == {"R": "running", "BIG": "waiting", "SMALL": "waiting"}
+    assert e.load().hol_demand_blocks == 4
+    run.step()  # R finishes
+    run.step()
+    assert states(e) == {"BIG": "running", "SMALL": "running"}
+    assert e.load().high_priority == 1
+    run.drain()
+
+
+def test_normal_requests_are_preempted_before_high_priority_ones():
+    # 8 blocks of 2 tokens. N0, N1 (4-token prompts, 3 blocks each) run first; H0, H1 (1-token prompts)
+    # are admitted a step later, so by admission order alone they would be the first victims.
+    e = engine(block_size=2, num_blocks=8, max_num_seqs=4)
+    run = Runner(e)
+    e.add_request(req("N0", 4, max_tokens=10))
+    e.add_request(req("N1", 4, max_tokens=10))
+    run.step()
+    e.add_request(req("H0", 1, max_tokens=12, priority=1))
+    e.add_request(req("H1", 1, max_tokens=12, priority=1))
+    run.step()
+    assert e.load().blocks_used == 8 and e.load().high_priority == 2
+    e.add_request(req("W", 1, max_tokens=2))  # queued normal: a preempted normal request goes ahead of it
+    e.add_request(req("HW", 1, max_tokens=2, priority=1))
+    run.step()  # H0 needs a block, none free: N1, the newest normal request, goes
+    assert [(r.request_id, r.state) for r in e.requests()] == [
+        ("N0", "running"), ("H0", "running"), ("H1", "running"),
+        ("HW", "waiting"), ("N1", "preempted"), ("W", "waiting")]
+    assert e.load().preemptions == 1 and e.load().high_priority == 2
+    victims: list[tuple[str, int]] = []  # (request, normal requests running right after it was preempted)
+    while e.has_work():
+        before = states(e)
+        run.step()
+        after = states(e)
+        normal_running = sum(s == "running" and not rid.startswith("H") for rid, s in after.items())
+        victims += [(rid, normal_running) for rid, s in after.items() if s == "preempted" and before[rid] == "running"]
+    assert any(rid.startswith("H") for rid, _ in victims), "the test should end up preempting a high one"
+    assert all(n == 0 for rid, n in victims if rid.startswith("H"))  # only once no normal one was left
+    assert {rid: len(out) for rid, out in run.out.items()} == {"N0": 10, "N1": 10, "H0": 12, "H1": 12, "W": 2, "HW": 2}
+
+
+def test_a_step_that_preempts_admits_nothing():
+    e = engine(block_size=2, num_blocks=8)
+    run = Runner(e)
+    e.add_request(req("N0", 7, max_tokens=4))  # 4 blocks each: all 8 used
+    e.add_request(req("N1", 7, max_tokens=4))
+    run.step()
+    e.add_request(req("H", 1, max_tokens=2, priority=1))  # heads the queue, needs 1 block
+    run.step()  # N0 needs a block: N1 goes, and H would fit in what it freed, but the step was short of blocks
+    assert states(e) == {"N0": "running", "H": "waiting", "N1": "preempted"}
+    run.step()
+    assert states(e) == {"N0": "running", "H": "running", "N1": "preempted"}
+    run.drain()
+
+
+def test_preempted_request_goes_to_the_front_of_its_priority():
+    e = engine(block_size=2, num_blocks=8, max_num_seqs=8)
+    run = Runner(e)
+    for rid in "ABCD":
+        e.add_request(req(rid, 3, max_tokens=12, priority=1))  # 2 blocks each at admission: all 8 used
+    e.add_request(req("n", 1, max_tokens=2))
+    run.step()
+    e.add_request(req("h", 1, max_tokens=2, priority=1))
+    run.step()  # every request needs a third block: C and D go back, ahead of h but not of each other
+    assert [(r.request_id, r.state) for r in e.requests()] == [
+        ("A", "running"), ("B", "running"), ("C", "preempted"), ("D", "preempted"), ("h", "waiting"),
+        ("n", "waiting")]
+    assert e.load().high_priority == 2
+    while not any(s == "running" for rid, s in states(e).items() if rid in "CDhn"):
+        run.step()
+    assert states(e)["C"] == "running" and states(e)["n"] == "waiting"
+    run.drain()
+    assert [o.index for o in run.out["C"]] == list(range(12))
+
+
 # ---------------------------------------------------------------- tokens
 
 
@@ -370,14 +492,13 @@ def test_load_counters():
     e = engine(block_size=4, num_blocks=16, max_num_seqs=2)
     run = Runner(e)
     for i in range(3):
-        e.add_request(req(f"r{i}", 6, max_tokens=3, priority=i))
+        e.add_request(req(f"r{i}", 6, max_tokens=3))
     load = e.load()
     assert (load.requests_received, load.waiting, load.running, load.hol_demand_blocks) == (3, 3, 0, 2)
     run.step()
     load = e.load()
     assert (load.running, load.waiting, load.blocks_used, load.running_blocks) == (2, 1, 4, 4)
-    assert (load.blocks_total, load.block_size, load.tokens_generated) == (16, 4, 2)
-    assert [r.priority for r in e.requests()] == [0, 1, 2]
+    assert (load.blocks_total, load.block_size, load.tokens_generated, load.high_priority) == (16, 4, 2, 0)
     run.drain()
     load = e.load()
     assert (load.tokens_generated, load.requests_received, load.hol_demand_blocks) == (9, 3, 0)
@@ -478,7 +599,8 @@ def test_kv_content_is_a_function_of_the_request(dtype):
 
 
 ops = st.lists(st.one_of(
-    st.tuples(st.just("add"), st.integers(0, 24), st.integers(0, 30), st.booleans(), st.integers(0, 3)),
+    st.tuples(st.just("add"), st.integers(0, 24), st.integers(0, 30), st.booleans(), st.integers(0, 3),
+              st.sampled_from([0, 0, 1])),
     st.tuples(st.just("abort"), st.integers(0, 40)),
     st.tuples(st.just("step"), st.integers(1, 4)),
 ), max_size=60)
@@ -499,10 +621,11 @@ def test_random_workloads_keep_blocks_and_indices_straight(block_size, num_block
     aborted: set[str] = set()
     for op in ops:
         if op[0] == "add":
-            _, prompt, max_tokens, ignore_eos, min_tokens = op
+            _, prompt, max_tokens, ignore_eos, min_tokens, priority = op
             rid = f"r{len(accepted)}"
             try:
-                e.add_request(req(rid, prompt, max_tokens=max_tokens, ignore_eos=ignore_eos, min_tokens=min_tokens))
+                e.add_request(req(rid, prompt, max_tokens=max_tokens, ignore_eos=ignore_eos, min_tokens=min_tokens,
+                                  priority=priority))
             except EngineError:
                 continue
             accepted.append(rid)
@@ -514,6 +637,10 @@ def test_random_workloads_keep_blocks_and_indices_straight(block_size, num_block
             for _ in range(op[1]):
                 run.step()
         check_invariants(e)
+        # FCFS within a priority: requests never run wait in the order they came (ids count up).
+        for p in (0, 1):
+            fresh = [int(r.request_id[1:]) for r in e.requests() if r.state == "waiting" and r.priority == p]
+            assert fresh == sorted(fresh)
     assert e.load().requests_received == len(accepted)
     run.drain()
     for rid in accepted:

@@ -284,6 +284,35 @@ def test_preemption_keeps_greedy_tokens(model_dir):
         assert [t.token_id for t in out[f"r{i}"]] == list(ref[i].token_ids)
 
 
+def test_high_priority_request_goes_first_and_reads_back_as_high(model_dir):
+    """One request runs at a time: a high-priority request queued behind normal ones starts as soon as the
+    running one ends. requests(), load() and migrating_request() give our priority (1 = high), not
+    vLLM's (-1), also after the request migrated."""
+    with engine(model_dir, max_num_seqs=1) as e:
+        for i in range(3):
+            e.add_request(EngineRequest(f"n{i}", PROMPTS[0], greedy(4)))
+        out = run(e, [], steps=1)  # n0 runs
+        e.add_request(EngineRequest("hi", PROMPTS[1], greedy(12), priority=1))
+        assert [(r.request_id, r.state, r.priority) for r in e.requests()] == [
+            ("n0", "running", 0), ("hi", "waiting", 1), ("n1", "waiting", 0), ("n2", "waiting", 0)]
+        assert e.load().high_priority == 0  # waiting does not count
+        while len(out.get("hi", [])) < 2:
+            run(e, [], steps=1, out=out)
+        assert {rid: len(toks) for rid, toks in out.items()} == {"n0": 4, "hi": 2}
+        assert e.migrating_request("hi").priority == 1 and e.load().high_priority == 1
+        _migrate_within(e, "hi", "hi2", out, steps_between=1)
+        assert [(r.request_id, r.state, r.priority) for r in e.requests()] == [
+            ("hi2", "running", 1), ("n1", "waiting", 0), ("n2", "waiting", 0)]
+        assert e.load().high_priority == 1
+        first = []
+        while e.has_work():
+            before = set(out)
+            run(e, [], steps=1, out=out)
+            first += [rid for rid in out if rid not in before]
+        assert first == ["n1", "n2"] and len(out["hi2"]) == 12
+        assert e.load().high_priority == 0 and pool_used(e) == 0
+
+
 # ---------------------------------------------------------------- errors
 
 

@@ -39,6 +39,20 @@ def _samples():
         wire.MigReady("m", 0, False, "no room"),
         wire.MigDone("m", 1),
         wire.MigAbort("m", "finished"),
+        wire.MigrateStart(9, "i1", "tcp://b", count=2, reason="drain", selection="llumnix", drain=True,
+                          src_usage=float("inf"), dst_usage=10.5, dst_blocks=100, headroom=0.1, cooldown_s=10),
+        wire.SetDraining(True, "operator", cordoned=True),
+        wire.Shutdown("remove"),
+        wire.Redispatch("r", "i0", "draining"),
+        wire.DrainQuery(10, "i0", drain=False, cordon_only=True),
+        wire.DrainReply(10, wire.InstanceView("i0", "h", 1, "alive", "tcp://a", "sim", "m", load, float("-inf"), 0.1,
+                                              draining=True, virtual_usage=float("inf"), drain_reason="operator")),
+        wire.RemoveQuery(11, "i0", 30.0),
+        wire.RemoveReply(11, "i0", 1.5, 3),
+        wire.AddQuery(12, 2),
+        wire.AddReply(12, ["i2", "i3"]),
+        wire.PolicyQuery(13, dispatch_policy="rr"),
+        wire.PolicyReply(13, "rr", "llumnix", "llumnix", "off", False),
     ]
 
 

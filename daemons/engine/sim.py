@@ -1,9 +1,11 @@
 """The sim engine: vLLM-like scheduling over a paged KV cache, with no model.
 
-What it keeps from vLLM: a free list of KV blocks, append-only block tables, an FCFS waiting queue,
-continuous batching under ``max_num_seqs`` / ``max_num_batched_tokens`` / a free-block watermark,
-head-of-line blocking, and preemption by recompute (the most recently admitted request goes back to the
-front of the queue and re-prefills its prompt plus the tokens it already generated).
+What it keeps from vLLM: a free list of KV blocks, append-only block tables, a waiting queue ordered by
+priority (higher first; 1 = high, 0 = normal) and FCFS within a priority, continuous batching under
+``max_num_seqs`` / ``max_num_batched_tokens`` / a free-block watermark, head-of-line blocking, and
+preemption by recompute: the victim is the lowest-priority running request, the most recently admitted
+among equals; it goes back to the front of its priority class and re-prefills its prompt plus the tokens
+it already generated.
 
 What it fakes: tokens and KV values are pure functions of the request id and the position, so they do
 not depend on batch composition, preemption or which physical blocks a request got; the step time comes
@@ -19,6 +21,8 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import deque
+from collections.abc import Iterator
+from operator import attrgetter
 
 import torch
 
@@ -86,6 +90,71 @@ class _Req:
         self.max_total = min(self.prompt_len + request.sampling.max_tokens, max_model_len)
 
 
+class _Waiting:
+    """Waiting requests: higher priority first, FCFS within a priority. One deque per priority that has
+    waiting requests, so every verb but ``remove`` is O(1) while there are only a few priorities."""
+
+    __slots__ = ("_classes", "_order", "_len")
+
+    def __init__(self):
+        self._classes: dict[int, deque[_Req]] = {}
+        self._order: list[int] = []  # priorities of the non-empty classes, highest first
+        self._len = 0
+
+    def _class(self, priority: int) -> deque[_Req]:
+        q = self._classes.get(priority)
+        if q is None:
+            q = self._classes[priority] = deque()
+            self._order.append(priority)
+            self._order.sort(reverse=True)
+        return q
+
+    def _drop_if_empty(self, priority: int) -> None:
+        if not self._classes[priority]:
+            del self._classes[priority]
+            self._order.remove(priority)
+
+    def append(self, req: _Req) -> None:
+        """A new arrival: behind every waiting request of its priority."""
+        self._class(req.priority).append(req)
+        self._len += 1
+
+    def appendleft(self, req: _Req) -> None:
+        """A preempted request: it arrived before every waiting request of its priority."""
+        self._class(req.priority).appendleft(req)
+        self._len += 1
+
+    def head(self) -> _Req:
+        return self._classes[self._order[0]][0]
+
+    def popleft(self) -> _Req:
+        priority = self._order[0]
+        req = self._classes[priority].popleft()
+        self._drop_if_empty(priority)
+        self._len -= 1
+        return req
+
+    def remove(self, req: _Req) -> None:
+        self._classes[req.priority].remove(req)  # O(its class), but aborts are rare next to steps
+        self._drop_if_empty(req.priority)
+        self._len -= 1
+
+    def clear(self) -> None:
+        self._classes.clear()
+        self._order.clear()
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[_Req]:
+        for priority in self._order:
+            yield from self._classes[priority]
+
+
+_priority = attrgetter("priority")
+
+
 class SimEngine:
     backend = "sim"
 
@@ -102,8 +171,9 @@ class SimEngine:
         self._layer_shift = [torch.tensor([l, -l], dtype=torch.float64)[None, :, None, None] for l in range(sim.kv_layers)]
         self._free: deque[int] = deque(range(sim.num_blocks))
         self._reqs: dict[str, _Req] = {}
-        self._running: dict[str, _Req] = {}  # insertion order = admission order (the last one is preempted first)
-        self._waiting: deque[_Req] = deque()
+        self._running: dict[str, _Req] = {}  # insertion order = admission order; change only via _run/_unrun
+        self._running_per_priority: dict[int, int] = {}  # running requests by priority (no zero counts)
+        self._waiting = _Waiting()
         self._suspended: dict[str, _Req] = {}  # migrating out: no steps, blocks kept
         self._reserved: dict[str, _Req] = {}  # migrating in: blocks held, not yet running
         self._kv_blocks: KvBlocks | None = None
@@ -131,8 +201,10 @@ class SimEngine:
         req = self._reqs.pop(request_id, None)
         if req is None:
             return False
-        if self._running.pop(request_id, None) is None and self._suspended.pop(request_id, None) is None:
-            self._waiting.remove(req)  # O(waiting), but aborts are rare next to steps
+        if request_id in self._running:
+            self._unrun(req)
+        elif self._suspended.pop(request_id, None) is None:
+            self._waiting.remove(req)
         self._release(req)
         return True
 
@@ -142,8 +214,13 @@ class SimEngine:
     def step(self) -> StepResult:
         bs = self.block_size
         free = self._free
-        # (1) Every running request computes one more token; make room, preempting from the newest.
+        # (1) Every running request computes one more token; make room, preempting from the tail. Higher
+        # priorities go first (the sort is stable: admission order within a priority), so the tail is the
+        # lowest-priority, most recently admitted request: a high one is preempted only when no normal
+        # one is left. With one priority running (the usual case) admission order is already that order.
         run = list(self._running.values())
+        if len(self._running_per_priority) > 1:
+            run.sort(key=_priority, reverse=True)
         n = len(run)
         i = 0
         while i < n:
@@ -158,23 +235,26 @@ class SimEngine:
             i += 1
         decoding = run[:n]
 
-        # (2) Admit FCFS, stopping at the first request that does not fit (head-of-line blocking). After a
-        # preemption the victim heads the queue needing more blocks than are free, so that step admits
-        # nothing, as in vLLM, with no special case.
+        # (2) Admit in queue order (priority, then FCFS), stopping at the first request that does not fit
+        # (head-of-line blocking). Not in a step that preempted, as in vLLM: the running requests are short
+        # of blocks, and a waiting high-priority request that fits in what a victim freed would only cause
+        # the next preemption.
         prefilling: list[_Req] = []
         prefill_tokens = 0
-        while self._waiting and len(self._running) < self.cfg.max_num_seqs:
-            req = self._waiting[0]
+        waiting = self._waiting
+        admit = n == len(run)
+        while admit and waiting and len(self._running) < self.cfg.max_num_seqs:
+            req = waiting.head()
             tokens = req.prompt_len + req.generated
             need = _cdiv(tokens + 1, bs)
             if len(free) - need < self._watermark_blocks:
                 break
             if prefilling and prefill_tokens + tokens > self.cfg.max_num_batched_tokens:
                 break
-            self._waiting.popleft()
+            waiting.popleft()
             req.blocks = [free.popleft() for _ in range(need)]
             req.preempted = False
-            self._running[req.rid] = req
+            self._run(req)
             prefilling.append(req)
             prefill_tokens += tokens
 
@@ -187,7 +267,7 @@ class SimEngine:
 
     def load(self) -> InstanceLoad:
         used = self.num_blocks - len(self._free)
-        head = self._waiting[0] if self._waiting else None
+        head = self._waiting.head() if self._waiting else None
         return InstanceLoad(
             blocks_total=self.num_blocks,
             blocks_used=used,
@@ -202,6 +282,7 @@ class SimEngine:
             # Only running, suspended (migrating out) and reserved (migrating in) requests hold blocks.
             running_blocks=used - sum(len(r.blocks) for r in self._suspended.values())
             - sum(len(r.blocks) for r in self._reserved.values()),
+            high_priority=sum(n for p, n in self._running_per_priority.items() if p > 0),
         )
 
     def requests(self) -> list[RequestLoad]:
@@ -238,14 +319,14 @@ class SimEngine:
                                 reply_to="", priority=req.priority, arrival_time=req.arrival_time, max_total=req.max_total)
 
     def suspend(self, request_id: str) -> RequestState:
-        req = self._running.pop(request_id)
+        req = self._running[request_id]
+        self._unrun(req)
         self._suspended[request_id] = req
         # The sim's outputs are a function of (request id, index); only the count matters.
         return RequestState(output_token_ids=[0] * req.generated, emitted=req.generated)
 
     def resume(self, request_id: str) -> None:
-        req = self._suspended.pop(request_id)
-        self._running[request_id] = req
+        self._run(self._suspended.pop(request_id))
 
     def drop_migrated(self, request_id: str) -> None:
         req = self._suspended.pop(request_id)
@@ -279,7 +360,7 @@ class SimEngine:
         del self._reserved[request_id]
         req.generated = generated
         self._reqs[request_id] = req
-        self._running[request_id] = req
+        self._run(req)  # with the priority it had on the source, admitted now
 
     def release(self, request_id: str) -> bool:
         req = self._reserved.pop(request_id, None)
@@ -293,18 +374,31 @@ class SimEngine:
         self._reserved.clear()
         self._reqs.clear()
         self._running.clear()
+        self._running_per_priority.clear()
         self._waiting.clear()
         self._free = deque(range(self.num_blocks))
         self.kv_caches = []
 
     # ---------------------------------------------------------------- internals
 
+    def _run(self, req: _Req) -> None:
+        self._running[req.rid] = req
+        self._running_per_priority[req.priority] = self._running_per_priority.get(req.priority, 0) + 1
+
+    def _unrun(self, req: _Req) -> None:
+        del self._running[req.rid]
+        left = self._running_per_priority[req.priority] - 1
+        if left:
+            self._running_per_priority[req.priority] = left
+        else:
+            del self._running_per_priority[req.priority]
+
     def _release(self, req: _Req) -> None:
         self._free.extend(req.blocks)
         req.blocks = []
 
     def _preempt(self, req: _Req) -> None:
-        del self._running[req.rid]
+        self._unrun(req)
         self._release(req)
         req.preempted = True
         self._waiting.appendleft(req)
@@ -324,7 +418,7 @@ class SimEngine:
         if reason is None and (req.generated >= sp.max_tokens or req.prompt_len + req.generated >= self.max_model_len):
             reason = "length"
         if reason is not None:
-            del self._running[req.rid]
+            self._unrun(req)
             del self._reqs[req.rid]
             self._release(req)
         return TokenOut(request_id=req.rid, index=index, token_id=token, finish_reason=reason)

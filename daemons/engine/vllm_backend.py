@@ -150,6 +150,7 @@ class VllmEngine:
             requests_received=self._received,
             tokens_generated=self._tokens_generated,
             running_blocks=sum(len(v.block_ids(r.request_id)) for r in v.running()),
+            high_priority=v.high_priority_running(),
         )
 
     def requests(self) -> list[RequestLoad]:
@@ -158,7 +159,7 @@ class VllmEngine:
         def row(r, state: str) -> RequestLoad:
             return RequestLoad(request_id=r.request_id, state=state, blocks=len(v.block_ids(r.request_id)),
                                prompt_tokens=r.num_prompt_tokens, output_tokens=r.num_output_tokens,
-                               priority=r.priority)
+                               priority=v.priority(r))
 
         out = [row(r, "running") for r in v.running()]
         out += [row(self._live[rid].req, "migrating") for rid in self._suspended]
@@ -193,7 +194,7 @@ class VllmEngine:
         live = self._live[request_id]
         r = live.req
         return MigratingRequest(request_id=request_id, prompt_token_ids=list(r.prompt_token_ids), sampling=live.sampling,
-                                reply_to="", priority=r.priority, arrival_time=r.arrival_time,
+                                reply_to="", priority=self._v.priority(r), arrival_time=r.arrival_time,
                                 max_total=min(r.num_prompt_tokens + live.sampling.max_tokens, self.max_model_len))
 
     def suspend(self, request_id: str) -> RequestState:

@@ -63,6 +63,16 @@ class _Vllm:
     num_output_tokens, num_tokens, num_preemptions, status}``,
     ``core.model_executor.driver_worker.worker.model_runner.kv_caches``.
 
+    Priorities: the engine runs with ``EngineArgs(scheduling_policy="priority")``. vLLM serves the LOWEST
+    ``Request.priority`` first and preempts ``max(running, key=(priority, arrival_time))``; ours is the
+    opposite (1 = high), so ``build`` stores ``-priority`` and ``priority`` reads it back: nothing outside
+    this class sees vLLM's sign. ``scheduler.waiting`` is then a ``PriorityRequestQueue``: a heap ordered by
+    (priority, arrival_time, request_id), whose iteration pops a copy (sorted, O(n log n)) and where a
+    preempted request goes back by its arrival time rather than to the front. ``scheduler.running`` stays a
+    plain list in admission order (vLLM replaces the list object when it removes finished requests, so it
+    is read afresh each time), and its order no longer picks the victim. Priority orders admission and
+    picks victims only: vLLM never preempts a running request to admit a waiting high-priority one.
+
     Migration (all between steps, on the engine's thread): a request is suspended by taking it out of
     ``scheduler.running`` (its blocks and the model runner's cached state stay) and resumed by putting it
     back. An incoming request is a ``Request`` built like any other; its blocks come from
@@ -76,6 +86,8 @@ class _Vllm:
     runner's ``input_batch``). The scheduler then sees a running request that skipped a step: it
     schedules one token, and the runner adds it back to the persistent batch from that cached state. The
     source drops a migrated request with ``abort_requests`` (after putting it back into ``running``).
+    None of this touches ``scheduler.waiting``, so it works the same under either policy; a committed
+    request keeps its arrival time, which is what it is preempted and re-queued by here.
     """
 
     @staticmethod
@@ -150,6 +162,7 @@ class _Vllm:
             seed=cfg.seed,
             distributed_executor_backend="uni",
             disable_log_stats=True,
+            scheduling_policy="priority",  # see the class docstring for vLLM's sign
         )
         try:
             self.config = args.create_engine_config(m.UsageContext.ENGINE_CONTEXT)
@@ -231,6 +244,14 @@ class _Vllm:
         queue = self.scheduler.waiting
         return queue.peek_request() if queue else None
 
+    @staticmethod
+    def priority(req) -> int:
+        """Our priority (1 = high) of a request ``build`` made."""
+        return -req.priority
+
+    def high_priority_running(self) -> int:
+        return sum(1 for r in self.scheduler.running if r.priority < 0)
+
     def is_preempted(self, req) -> bool:
         return req.status == self.m.PREEMPTED
 
@@ -272,10 +293,11 @@ class _Vllm:
         self.core.abort_requests([req.request_id])
 
     def build(self, request_id: str, prompt: list[int], params, arrival_time: float, priority: int):
+        """A vLLM ``Request`` for our ``priority`` (1 = high), which vLLM serves first as -1."""
         ecr = self.m.EngineCoreRequest(
             request_id=request_id, prompt_token_ids=prompt, mm_features=None, sampling_params=params,
             pooling_params=None, arrival_time=arrival_time, lora_request=None, cache_salt=None,
-            data_parallel_rank=None, priority=priority)
+            data_parallel_rank=None, priority=-priority)
         req, _wave = self.core.preprocess_add_request(ecr)
         return req
 

@@ -4,7 +4,8 @@ Each request gets a ``Stream`` that puts token outputs in index order and emits 
 whichever instance produced it. If the manager does not answer in time (or is known to be down), the
 proxy picks the freest instance from its last snapshot itself. A request whose instance fails or dies
 before producing a token is sent elsewhere; after that, the client gets an error. A request that migrates
-is followed: the destination says so (``Moved``), and aborts go there from then on.
+is followed: the destination says so (``Moved``), and aborts go there from then on. A queued request that a
+draining instance gives back (``Redispatch``) is dispatched again; that is not a failed attempt.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ log = logging.getLogger("llumnix.proxy")
 
 M_FALLBACK = Counter("llumnix_proxy_local_dispatches_total", "Requests dispatched from the proxy's own snapshot (manager slow or down)")
 M_RETRIES = Counter("llumnix_proxy_redispatches_total", "Requests sent to another instance after one failed before any token")
+M_GIVEN_BACK = Counter("llumnix_proxy_given_back_total", "Queued requests a draining instance gave back, dispatched again")
 M_BAD_FRAMES = Counter("llumnix_proxy_malformed_frames_total", "Frames dropped because they did not decode")
 M_DUPLICATES = Counter("llumnix_proxy_duplicate_tokens_total", "Token outputs dropped because their index was already emitted")
 
@@ -36,7 +38,7 @@ class Stream:
     """One request's outputs, in index order, each index once."""
 
     __slots__ = ("request_id", "submit", "ready", "next_index", "early", "event", "done", "error",
-                 "status", "instance_id", "address", "tried", "sent_at")
+                 "status", "instance_id", "address", "tried", "sent_at", "given_back")
 
     def __init__(self, request_id: str, submit: wire.Submit):
         self.request_id = request_id
@@ -52,6 +54,7 @@ class Stream:
         self.address = ""
         self.tried: list[str] = []
         self.sent_at = 0.0
+        self.given_back = 0  # times a draining instance gave it back (not failed attempts)
 
     def feed(self, out: wire.TokenOut) -> None:
         if self.done or out.index < self.next_index or out.index in self.early:
@@ -133,7 +136,7 @@ class ClusterClient:
         return time.monotonic() - self.snapshot_at < max(3 * self.pc.snapshot_interval_s, 1.0)
 
     def alive(self) -> list[wire.InstanceView]:
-        return [v for v in self.snapshot if v.state == "alive" and not v.draining]
+        return [v for v in self.snapshot if v.state == "alive" and not v.draining and not v.cordoned]
 
     async def _ask(self, msg, timeout: float):
         fut = asyncio.get_running_loop().create_future()
@@ -190,9 +193,9 @@ class ClusterClient:
                 return reply.instance_id, reply.request_address
         M_FALLBACK.inc()
         views = [v for v in self.alive() if v.instance_id not in stream.tried]
-        cands = [policy.candidate(v.instance_id, v.load, pending_requests=v.pending_dispatches) for v in views]
+        states = [policy.state_of(v.instance_id, v.load, pending_requests=v.pending_dispatches) for v in views]
         self._turn += 1
-        chosen = policy.dispatch("llumnix", cands, self._turn)
+        chosen = policy.dispatch("llumnix", states, self._turn)
         if chosen is None:
             raise NoInstance("no live instance (the manager is unreachable and the last snapshot has none)")
         return chosen, next(v.request_address for v in views if v.instance_id == chosen)
@@ -225,15 +228,28 @@ class ClusterClient:
         self._send_instance(stream.address, stream.submit)
 
     def _instance_failed(self, stream: Stream, message: str, retryable: bool = True, status: int = 503) -> None:
-        if retryable and stream.next_index == 0 and len(stream.tried) < self.pc.max_dispatch_attempts:
+        if retryable and stream.next_index == 0 and len(stream.tried) - stream.given_back < self.pc.max_dispatch_attempts:
             log.warning("request %s: %s; sending it elsewhere", stream.request_id, message)
             M_RETRIES.inc()
             stream.instance_id = stream.address = ""
-            task = asyncio.create_task(self._redispatch(stream, message))
-            self._tasks.append(task)
-            task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+            self._spawn(self._redispatch(stream, message))
         else:
             stream.fail(message, status)
+
+    def _give_back(self, stream: Stream, msg: wire.Redispatch) -> None:
+        if stream.next_index:  # it produced tokens meanwhile (cannot happen: the instance checks); keep it there
+            return
+        log.debug("request %s: instance %s gave it back (%s); dispatching it again", stream.request_id,
+                 msg.instance_id, msg.reason or "draining")
+        M_GIVEN_BACK.inc()
+        stream.given_back += 1
+        stream.instance_id = stream.address = ""
+        self._spawn(self._redispatch(stream, f"instance {msg.instance_id} gave it back"))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
 
     async def _redispatch(self, stream: Stream, why: str) -> None:
         try:
@@ -267,6 +283,10 @@ class ClusterClient:
                         stream.sent_at = time.monotonic()
                         if msg.instance_id not in stream.tried:
                             stream.tried.append(msg.instance_id)
+                elif isinstance(msg, wire.Redispatch):
+                    stream = streams.get(msg.request_id)
+                    if stream is not None and not stream.done and stream.instance_id == msg.instance_id:
+                        self._give_back(stream, msg)
                 elif isinstance(msg, wire.RequestFailed):
                     stream = streams.get(msg.request_id)
                     if stream is not None and stream.instance_id == msg.instance_id:

@@ -1,0 +1,24 @@
+"""Scheduling policy: pure functions over load snapshots. No sockets, clocks or engines in here.
+
+One sign convention everywhere: *freeness*, higher is freer.
+
+- usage.py: virtual usage, freeness, the imbalance potential
+- dispatch.py: where a new request goes (llumnix, infaas++, rr, flood)
+- migration.py: which instances pair up, which requests a source sends
+- scaling.py: when to add or remove an instance
+"""
+
+from daemons.policy.dispatch import DISPATCH_POLICIES, MIGRATING_POLICIES, dispatch, dispatch_batch
+from daemons.policy.migration import PAIRING_POLICIES, SELECTION_POLICIES, Choice, Pair, pair, select_migrants
+from daemons.policy.scaling import SCALING_POLICIES, Scaler, average_freeness, scale_in_victim
+from daemons.policy.usage import (INF, InstanceState, blocks_for, fading_credit, freeness, instance_freeness,
+                                  move_lowers_potential, potential, real_freeness, real_usage, request_usage,
+                                  scaling_freeness, state_of, virtual_usage)
+
+__all__ = [
+    "DISPATCH_POLICIES", "MIGRATING_POLICIES", "PAIRING_POLICIES", "SELECTION_POLICIES", "SCALING_POLICIES",
+    "INF", "InstanceState", "Pair", "Choice", "Scaler",
+    "dispatch", "dispatch_batch", "pair", "select_migrants", "average_freeness", "scale_in_victim",
+    "blocks_for", "fading_credit", "freeness", "instance_freeness", "move_lowers_potential", "potential",
+    "real_freeness", "real_usage", "request_usage", "scaling_freeness", "state_of", "virtual_usage",
+]

@@ -1,0 +1,68 @@
+"""Auto-scaling: keep the cluster's average freeness inside [scale_up, scale_down].
+
+``Scaler`` is a small state machine driven with explicit times (no clock inside), so the rule is tested
+with plain values: below the band for ``sustain_s`` adds an instance, above it for ``sustain_s`` drains
+the freest one, always within [min_instances, max_instances], at most one action per ``cooldown_s``.
+Below ``min_instances`` (instances died) it adds at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from daemons.policy.usage import InstanceState, instance_freeness, scaling_freeness
+
+SCALING_POLICIES = ("off", "llumnix")
+
+
+def average_freeness(states: list[InstanceState]) -> float | None:
+    """Mean freeness of the normal-priority load over the instances that take requests; None if there are none."""
+    serving = [s for s in states if s.dispatchable]
+    if not serving:
+        return None
+    return sum(scaling_freeness(s) for s in serving) / len(serving)
+
+
+def scale_in_victim(states: list[InstanceState], headroom: float) -> str | None:
+    """The freest instance that takes requests (ties: the highest id, usually the newest)."""
+    serving = [s for s in states if s.dispatchable]
+    if not serving:
+        return None
+    return max(serving, key=lambda s: (instance_freeness(s, headroom), s.instance_id)).instance_id
+
+
+@dataclass
+class Scaler:
+    up_threshold: float
+    down_threshold: float
+    sustain_s: float
+    cooldown_s: float
+    min_instances: int
+    max_instances: int
+    below_since: float | None = field(default=None)
+    above_since: float | None = field(default=None)
+    last_action: float = field(default=-1e18)
+
+    def observe(self, now: float, avg: float | None, serving: int, launching: int) -> str | None:
+        """"up", "down" or None, given the average freeness now, the instances taking requests and those
+        launched but not yet registered. The caller acts on "up"/"down" and the scaler starts its cooldown."""
+        if serving + launching < self.min_instances:
+            return self._act(now, "up")
+        if avg is None:
+            self.below_since = self.above_since = None
+            return None
+        self.below_since = (self.below_since if self.below_since is not None else now) if avg < self.up_threshold else None
+        self.above_since = (self.above_since if self.above_since is not None else now) if avg > self.down_threshold else None
+        if now - self.last_action < self.cooldown_s:
+            return None
+        if self.below_since is not None and now - self.below_since >= self.sustain_s and serving + launching < self.max_instances:
+            return self._act(now, "up")
+        if (self.above_since is not None and now - self.above_since >= self.sustain_s and launching == 0
+                and serving > self.min_instances):
+            return self._act(now, "down")
+        return None
+
+    def _act(self, now: float, what: str) -> str:
+        self.last_action = now
+        self.below_since = self.above_since = None
+        return what

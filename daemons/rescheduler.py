@@ -1,0 +1,245 @@
+"""The manager's rescheduling: migration orders, drain and remove, auto-scaling.
+
+Every ``scheduling.migration_interval_s`` the pairing policy turns the cluster view into (source,
+destination) pairs, and each source is ordered to send some of its requests (it picks which, see
+policy/migration.py). Draining instances (drained by an operator, being removed or scaled in, or stopping
+after SIGTERM) are always sources; balancing pairs only when the dispatch policy is llumnix and pairing is
+on. A removed or scaled-in instance is told to stop once nothing is left on it. Auto-scaling watches the
+cluster's average freeness and launches (daemons/launcher.py) or retires instances.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import Counter as Tally
+from typing import TYPE_CHECKING
+
+from prometheus_client import Counter, Gauge
+
+from daemons import policy, wire
+from daemons.launcher import Launcher, LaunchError
+
+if TYPE_CHECKING:
+    from daemons.manager import InstanceRecord, Manager
+
+log = logging.getLogger("llumnix.manager")
+
+M_ORDERED = Counter("llumnix_manager_migrations_total", "Manager-ordered migrations that ended, by reason and outcome",
+                    ["reason", "outcome"])
+M_ORDERS_IN_FLIGHT = Gauge("llumnix_manager_migrations_in_flight", "Requests the manager ordered to migrate, not yet reported")
+M_SCALING = Counter("llumnix_manager_scaling_total", "Auto-scaling actions, by direction", ["direction"])
+M_CLUSTER_FREENESS = Gauge("llumnix_cluster_freeness", "Average freeness of the normal-priority load (the auto-scaling signal)")
+
+
+class Rescheduler:
+    def __init__(self, manager: Manager):
+        self.m = manager
+        self.sc = manager.cfg.scheduling
+        self.scfg = manager.cfg.scaling
+        self.outcomes: Tally[str] = Tally()  # "reason/outcome" -> ended manager-ordered migrations
+        self.scale_outs = 0
+        self.scale_ins = 0
+        self.launcher = Launcher(self.scfg, manager.mc.address, lambda: set(manager.instances))
+        self.scaler = policy.Scaler(self.scfg.scale_up_threshold, self.scfg.scale_down_threshold,
+                                    self.scfg.sustain_s, self.scfg.cooldown_s, self.scfg.min_instances,
+                                    self.scfg.max_instances)
+        self.retiring: set[str] = set()
+        self.in_flight = 0  # requests ordered to migrate, not yet reported
+        self._turn = 0
+
+    # ------------------------------------------------------------------ migration orders
+
+    async def pairing_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.sc.migration_interval_s)
+            self.pair_once()
+
+    def pair_once(self, drains_only: bool = False) -> list[policy.Pair]:
+        now = time.monotonic()
+        live = [r for r in self.m.instances.values() if r.state != "dead"]
+        pairs = policy.pair([self.m.state(r, now) for r in live], self.sc.high_priority_headroom,
+                            self.sc.migrate_out_threshold, self.sc.migrate_in_threshold,
+                            self.sc.max_migrations_per_instance, balance=self.m.migrating and not drains_only,
+                            turn=self._turn)
+        self._turn += 1
+        for p in pairs:
+            src, dst = self.m.instances[p.src], self.m.instances[p.dst]
+            start = wire.MigrateStart(
+                0, dst=p.dst, dst_address=dst.info.request_address, count=p.count,
+                reason="drain" if p.drain else "balance", selection=self.m.request_selection, drain=p.drain,
+                src_usage=p.src_usage, dst_usage=p.dst_usage, dst_blocks=p.dst_blocks,
+                headroom=self.sc.high_priority_headroom, cooldown_s=self.sc.migration_cooldown_s)
+            log.debug("pair %s -> %s (%s, up to %d)", p.src, p.dst, start.reason, p.count)
+            self.m.spawn(self._run_order(src, start))
+        return pairs
+
+    async def _run_order(self, src: InstanceRecord, start: wire.MigrateStart) -> None:
+        result = await self.m.order_migration(src, start, start.count)
+        if start.drain:  # a drain goes on at once rather than at the next interval
+            self.pair_once(drains_only=True)
+        if isinstance(result, str):
+            log.warning("%s order %s -> %s: %s", start.reason, src.instance_id, start.dst, result)
+            self.outcomes[f"{start.reason}/lost"] += 1
+            M_ORDERED.labels(start.reason, "lost").inc()
+            return
+        for o in result.outcomes:
+            self.outcomes[f"{start.reason}/{o.outcome}"] += 1
+            M_ORDERED.labels(start.reason, o.outcome).inc()
+
+    def ordered(self, src_id: str, dst_id: str, count: int) -> None:
+        """Count ``count`` (negative: done) migrations in flight on both instances of an order."""
+        for iid in (src_id, dst_id):
+            r = self.m.instances.get(iid)
+            if r is not None:
+                r.orders = max(0, r.orders + count)
+        self.in_flight += count
+        M_ORDERS_IN_FLIGHT.set(self.in_flight)
+
+    # ------------------------------------------------------------------ drain, cordon, remove
+
+    def _tell(self, r: InstanceRecord) -> None:
+        self.m.send(r, wire.SetDraining(bool(r.drain_reason), r.drain_reason, r.cordoned))
+        self.m.update_gauges(r)
+
+    def on_drain(self, msg: wire.DrainQuery) -> wire.Message:
+        r = self.m.instances.get(msg.instance_id)
+        if r is None:
+            return wire.ErrorReply(msg.query_id, f"unknown instance {msg.instance_id!r} (see llumnixctl status)")
+        if r.state == "dead":
+            return wire.ErrorReply(msg.query_id, f"instance {msg.instance_id} is dead (see llumnixctl status)")
+        verb = ("cordon" if msg.drain else "uncordon") if msg.cordon_only else ("drain" if msg.drain else "undrain")
+        if msg.cordon_only:
+            r.cordoned = msg.drain
+        elif msg.drain:
+            r.drain_reason = r.drain_reason or "operator"
+        else:
+            if r.state == "stopping":
+                return wire.ErrorReply(msg.query_id, f"instance {msg.instance_id} is stopping; it cannot be undrained")
+            r.drain_reason = ""  # a remove or scale-in waiting on it gives up
+        log.info("instance %s: %s (llumnixctl)", r.instance_id, verb)
+        self._tell(r)
+        now = time.monotonic()
+        return wire.DrainReply(msg.query_id, next(v for v in self.m.view(now) if v.instance_id == r.instance_id))
+
+    async def on_remove(self, msg: wire.RemoveQuery) -> wire.Message:
+        r = self.m.instances.get(msg.instance_id)
+        if r is None:
+            return wire.ErrorReply(msg.query_id, f"unknown instance {msg.instance_id!r} (see llumnixctl status)")
+        if r.state == "dead":
+            self.m.forget(r, "removed by llumnixctl (it was dead)")
+            return wire.RemoveReply(msg.query_id, msg.instance_id, 0.0)
+        outcome = await self.retire(msg.instance_id, "remove", msg.timeout_s)
+        if isinstance(outcome, str):
+            return wire.ErrorReply(msg.query_id, outcome)
+        drained_s, migrated = outcome
+        return wire.RemoveReply(msg.query_id, msg.instance_id, round(drained_s, 3), migrated)
+
+    async def retire(self, instance_id: str, reason: str, timeout_s: float,
+                     undrain_on_timeout: bool = False) -> tuple[float, int] | str:
+        """Drain the instance until nothing is left on it, then tell it to stop and wait until it said
+        goodbye. Returns (seconds drained, migrations out that committed) or why it did not happen."""
+        r = self.m.instances[instance_id]
+        if instance_id in self.retiring:
+            return f"instance {instance_id} is already being removed"
+        self.retiring.add(instance_id)
+        try:
+            start = time.monotonic()
+            committed0 = r.load.migrations_committed
+            if r.drain_reason in ("", "operator"):
+                r.drain_reason = reason
+            self._tell(r)
+            log.info("instance %s: draining for %s", instance_id, reason)
+            poll = min(0.05, self.m.mc.heartbeat_interval_s / 4)
+            while True:
+                r = self.m.instances.get(instance_id)
+                if r is None or r.state == "dead":
+                    return f"instance {instance_id} went away while draining"
+                if not r.draining:
+                    return f"instance {instance_id} was undrained before it was empty; not stopped"
+                ld = r.load
+                if ld.running == ld.waiting == ld.migrating_out == ld.migrating_in == 0 and not r.pending and not r.orders:
+                    break
+                if time.monotonic() - start > timeout_s:
+                    if undrain_on_timeout:
+                        r.drain_reason = ""
+                        self._tell(r)
+                    return (f"instance {instance_id} still has {ld.running} running and {ld.waiting} queued requests "
+                            f"after {timeout_s:g}s; " + ("it serves again" if undrain_on_timeout else
+                                                         f"it stays draining (llumnixctl undrain {instance_id} to cancel)"))
+                await asyncio.sleep(poll)
+            drained_s = time.monotonic() - start
+            migrated = r.load.migrations_committed - committed0
+            log.info("instance %s drained in %.2fs (%d migrations out); telling it to stop", instance_id, drained_s, migrated)
+            self.m.send(r, wire.Shutdown(reason))
+            deadline = time.monotonic() + max(10.0, 4 * self.m.dead_after())
+            while time.monotonic() < deadline:
+                r = self.m.instances.get(instance_id)
+                if r is None or r.state != "alive":
+                    return drained_s, migrated
+                await asyncio.sleep(poll)
+            return f"instance {instance_id} was drained but did not stop within {deadline - start - drained_s:.0f}s"
+        finally:
+            self.retiring.discard(instance_id)
+
+    # ------------------------------------------------------------------ adding instances
+
+    async def on_add(self, msg: wire.AddQuery) -> wire.Message:
+        if not self.scfg.launcher.strip():
+            return wire.ErrorReply(msg.query_id, "no launcher is configured: set scaling.launcher in the manager's "
+                                                 "config (e.g. \"systemctl start llumnix-instance@{n}\")")
+        results = await asyncio.gather(*(self.launcher.launch(msg.timeout_s) for _ in range(max(1, msg.count))),
+                                       return_exceptions=True)
+        ids = [x for x in results if isinstance(x, str)]
+        errors = [str(x) for x in results if isinstance(x, LaunchError)]
+        unexpected = [x for x in results if isinstance(x, BaseException) and not isinstance(x, LaunchError)]
+        for exc in unexpected:
+            log.error("launch failed unexpectedly: %r", exc)
+            errors.append(f"internal error: {exc!r}")
+        if errors:
+            started = f" (started: {', '.join(ids)})" if ids else ""
+            return wire.ErrorReply(msg.query_id, "; ".join(errors) + started)
+        return wire.AddReply(msg.query_id, ids)
+
+    # ------------------------------------------------------------------ auto-scaling
+
+    async def scaling_loop(self) -> None:
+        period = min(1.0, self.m.mc.heartbeat_interval_s)
+        while True:
+            await asyncio.sleep(period)
+            self.scale_once(time.monotonic())
+
+    def scale_once(self, now: float) -> str | None:
+        states = [self.m.state(r, now) for r in self.m.instances.values()]
+        avg = policy.average_freeness(states)
+        M_CLUSTER_FREENESS.set(math.nan if avg is None else avg)
+        if self.m.scaling_policy == "off":
+            return None
+        serving = sum(1 for s in states if s.dispatchable)
+        decision = self.scaler.observe(now, avg, serving, len(self.launcher.launches))
+        if decision == "up":
+            if not self.scfg.launcher.strip():
+                log.warning("auto-scaling wants another instance, but scaling.launcher is empty")
+                return None
+            log.info("auto-scaling out: average freeness %s, %d serving", "n/a" if avg is None else f"{avg:.2f}", serving)
+            self.m.spawn(self._scale_out())
+        elif decision == "down":
+            victim = policy.scale_in_victim(states, self.sc.high_priority_headroom)
+            if victim is None:
+                return None
+            log.info("auto-scaling in: average freeness %.2f, %d serving; retiring %s", avg, serving, victim)
+            self.scale_ins += 1
+            M_SCALING.labels("in").inc()
+            self.m.spawn(self.retire(victim, "scale-in", self.scfg.launch_timeout_s, undrain_on_timeout=True))
+        return decision
+
+    async def _scale_out(self) -> None:
+        try:
+            await self.launcher.launch()
+        except LaunchError as exc:
+            log.warning("auto-scaling out failed: %s", exc)
+            return
+        self.scale_outs += 1
+        M_SCALING.labels("out").inc()

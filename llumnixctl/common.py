@@ -1,0 +1,87 @@
+"""What every llumnixctl command shares: finding the manager, one-line errors, JSON output, options."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from daemons import wire
+from daemons.config import ConfigError, load_config
+from llumnixctl import localcluster
+from llumnixctl.admin import AdminClient, ManagerUnreachable
+
+out = Console(width=None if sys.stdout.isatty() else 160)  # piped: never squeeze the table
+
+RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", envvar="LLUMNIX_RUN_DIR", show_envvar=True,
+                                                   help="local cluster state directory (default ~/.local/state/llumnix)")]
+ManagerOpt = Annotated[Optional[str], typer.Option("--manager", help="manager address, e.g. tcp://10.0.0.5:7100")]
+ConfigOpt = Annotated[Optional[str], typer.Option("--config", "-c", envvar="LLUMNIX_CONFIG", show_envvar=True, help="llumnix.toml")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON for scripts")]
+TimeoutOpt = Annotated[float, typer.Option("--timeout", help="seconds to wait for the manager")]
+
+
+def die(message: str, code: int = 1) -> None:
+    sys.stderr.write(f"llumnixctl: {message}\n")  # one line, never wrapped: scripts grep it
+    raise typer.Exit(code)
+
+
+def manager_address(manager: str | None, run_dir: Path | None, config: str | None) -> str:
+    """--manager, else the named run dir, else the named config, else the default run dir, else defaults."""
+    if manager:
+        return manager
+    if run_dir is not None:
+        state = localcluster.ClusterState.load(run_dir)
+        if state is None:
+            die(f"no local cluster in {run_dir} (no {localcluster.STATE_FILE}); start one with `llumnixctl up --run-dir {run_dir}`")
+        return state.manager_address
+    if config is None:
+        state = localcluster.ClusterState.load(localcluster.default_run_dir())
+        if state is not None:
+            return state.manager_address
+    try:
+        return load_config(config).manager.address
+    except ConfigError as exc:
+        die(str(exc), 2)
+
+
+def admin(manager: str | None, run_dir: Path | None, config: str | None, timeout: float) -> AdminClient:
+    return AdminClient(manager_address(manager, run_dir, config), timeout)
+
+
+def ask(client: AdminClient, what):
+    try:
+        return what(client)
+    except ManagerUnreachable as exc:
+        die(f"{exc}. Is the cluster up? Start one with `llumnixctl up`, or point at it with --manager or --run-dir.")
+
+
+def print_json(data) -> None:
+    sys.stdout.write(json.dumps(data, indent=2) + "\n")
+
+
+def finite(x: float) -> float | None:
+    """JSON has no infinity: a draining instance's usage and freeness are null."""
+    return None if math.isinf(x) or math.isnan(x) else x
+
+
+def instance_json(v: wire.InstanceView) -> dict:
+    ld = v.load
+    return {
+        "id": v.instance_id, "host": v.host, "pid": v.pid, "state": v.state, "draining": v.draining,
+        "blocks_total": ld.blocks_total, "blocks_used": ld.blocks_used, "running": ld.running,
+        "waiting": ld.waiting, "freeness": finite(v.freeness), "max_batch_size": ld.batch_size,
+        "preemptions": ld.preemptions, "pending_dispatches": v.pending_dispatches, "backend": v.backend,
+        "model": v.model, "request_address": v.request_address, "metrics_address": v.metrics_address,
+        "last_report_age_s": v.last_report_age_s,
+        "migrating_out": ld.migrating_out, "migrating_in": ld.migrating_in,
+        "migrations_committed": ld.migrations_committed, "migrations_aborted": ld.migrations_aborted,
+        "virtual_usage": finite(v.virtual_usage), "cordoned": v.cordoned, "drain_reason": v.drain_reason,
+        "migrations_ordered": v.migrations_ordered, "credit": v.credit, "high_priority": ld.high_priority,
+        "hol_demand_blocks": ld.hol_demand_blocks,
+    }
