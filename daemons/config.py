@@ -151,7 +151,7 @@ class ScalingConfig:
     min_instances: int = setting(1, "never scale in below this many instances", minimum=1)
     max_instances: int = setting(8, "never scale out above this many instances", minimum=1)
     launcher: str = setting("", "shell command that starts one instance; {n} and {id} are replaced by a free index and the id i{n}; e.g. systemctl start llumnix-instance@{n} (empty: no scale-out; llumnixctl up sets its own)")
-    launch_timeout_s: float = setting(120.0, "a launched instance that has not registered within this long is given up on", minimum=1.0)
+    launch_timeout_s: float = setting(120.0, "a launched instance that has not registered within this long is given up on; also how long after the manager starts it waits before adding instances below min_instances", minimum=1.0)
 
 
 @dataclass

@@ -262,7 +262,7 @@ class Manager:
         for i in sorted((i for i, m in enumerate(msgs) if m.exclude), key=lambda i: -msgs[i].priority):
             excluded = set(msgs[i].exclude)
             states = [self.state(r, now, excluded=r.instance_id in excluded) for r in self.instances.values()]
-            chosen[i] = policy.dispatch(self.dispatch_policy, states, self.turn + i, headroom)
+            chosen[i] = policy.dispatch(self.dispatch_policy, states, self.turn + i, headroom, msgs[i].priority)
             if chosen[i] is not None:
                 self._count_dispatch(self.instances[chosen[i]], msgs[i], now)
         self.turn += len(msgs)

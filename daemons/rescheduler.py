@@ -45,7 +45,8 @@ class Rescheduler:
         self.launcher = Launcher(self.scfg, manager.mc.address, lambda: set(manager.instances))
         self.scaler = policy.Scaler(self.scfg.scale_up_threshold, self.scfg.scale_down_threshold,
                                     self.scfg.sustain_s, self.scfg.cooldown_s, self.scfg.min_instances,
-                                    self.scfg.max_instances)
+                                    self.scfg.max_instances,
+                                    not_before=manager.started + self.scfg.launch_timeout_s)
         self.retiring: set[str] = set()
         self.in_flight = 0  # requests ordered to migrate, not yet reported
         self._turn = 0

@@ -11,11 +11,15 @@ DISPATCH_POLICIES = ("llumnix", "infaas++", "rr", "flood")
 MIGRATING_POLICIES = ("llumnix",)
 
 
-def dispatch(policy: str, states: list[InstanceState], turn: int, headroom: float = 0.0) -> str | None:
-    """Pick the instance for a new request, or None when no instance may take one.
+def dispatch(policy: str, states: list[InstanceState], turn: int, headroom: float = 0.0, priority: int = 0) -> str | None:
+    """Pick the instance for a new request of ``priority``, or None when no instance may take one.
 
     ``turn`` is a counter the caller advances on every dispatch: round-robin uses it, and the freeness
     policies use it to rotate among equally free instances, so that ties do not starve anyone.
+
+    The high-priority headroom is there to keep *normal* requests away from instances running high-priority
+    ones; a high-priority request itself is placed by virtual usage without it, so high-priority requests
+    gather where normal load is light instead of each one spreading headroom over another instance.
     """
     if policy not in DISPATCH_POLICIES:
         raise ValueError(f"unknown dispatch policy {policy!r} (known: {', '.join(DISPATCH_POLICIES)})")
@@ -26,6 +30,8 @@ def dispatch(policy: str, states: list[InstanceState], turn: int, headroom: floa
         return eligible[turn % len(eligible)].instance_id
     if policy == "flood":
         return eligible[0].instance_id
+    if priority > 0:
+        headroom = 0.0
     score = (lambda s: instance_freeness(s, headroom)) if policy == "llumnix" else real_freeness
     scored = [(score(s), s.instance_id) for s in eligible]
     best = max(f for f, _ in scored)
@@ -42,7 +48,7 @@ def dispatch_batch(policy: str, states: list[InstanceState], requests: list[tupl
     order = sorted(range(len(requests)), key=lambda i: -requests[i][0])  # stable: arrival order within a priority
     chosen: list[str | None] = [None] * len(requests)
     for k, i in enumerate(order):
-        iid = dispatch(policy, list(by_id.values()), turn + k, headroom)
+        iid = dispatch(policy, list(by_id.values()), turn + k, headroom, requests[i][0])
         chosen[i] = iid
         if iid is not None:
             s = by_id[iid]

@@ -3,7 +3,8 @@
 ``Scaler`` is a small state machine driven with explicit times (no clock inside), so the rule is tested
 with plain values: below the band for ``sustain_s`` adds an instance, above it for ``sustain_s`` drains
 the freest one, always within [min_instances, max_instances], at most one action per ``cooldown_s``.
-Below ``min_instances`` (instances died) it adds at once.
+Below ``min_instances`` (instances died) it adds at once, but not before ``not_before`` (the manager's
+start plus time for the instances of a starting cluster, or of a restarted manager, to register).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Scaler:
     cooldown_s: float
     min_instances: int
     max_instances: int
+    not_before: float = -1e18
     below_since: float | None = field(default=None)
     above_since: float | None = field(default=None)
     last_action: float = field(default=-1e18)
@@ -47,7 +49,7 @@ class Scaler:
         """"up", "down" or None, given the average freeness now, the instances taking requests and those
         launched but not yet registered. The caller acts on "up"/"down" and the scaler starts its cooldown."""
         if serving + launching < self.min_instances:
-            return self._act(now, "up")
+            return self._act(now, "up") if now >= self.not_before else None
         if avg is None:
             self.below_since = self.above_since = None
             return None

@@ -1,0 +1,251 @@
+"""Virtual-usage scheduling with real daemons on the sim engine: load balancing, de-fragmentation,
+priorities, drain, remove, auto-scaling. Real ZeroMQ, Gloo and HTTP; every stream is checked token by
+token. Steps are paced (instance.min_step_s) so that timing does not hang on how busy the machine is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from llumnixctl.main import status_json
+from tests.conftest import ctl, ctl_json
+from tests.load import Load, Spec, failures, mean
+
+pytestmark = pytest.mark.e2e
+
+PACED = ["instance.min_step_s=0.02", "scheduling.migration_interval_s=0.2"]
+
+
+def status(c) -> dict:
+    """``llumnixctl status --json`` in-process: the CLI's start-up (~0.5 s) would blur the timings here."""
+    client = c.admin()
+    try:
+        return status_json(client.status(), c.manager)
+    finally:
+        client.close()
+
+
+def instances(c) -> dict[str, dict]:
+    return {i["id"]: i for i in status(c)["instances"]}
+
+
+def spread(c) -> float:
+    """Freeness spread over the serving instances, relative to their mean."""
+    fs = [i["freeness"] for i in instances(c).values() if i["state"] == "alive" and not i["draining"]]
+    return (max(fs) - min(fs)) / (sum(fs) / len(fs))
+
+
+def wait_for(what, timeout: float, every: float = 0.1, message: str = ""):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = what()
+        if got:
+            return got
+        assert time.monotonic() < deadline, message or f"not within {timeout}s"
+        time.sleep(every)
+
+
+def test_flood_then_llumnix_equalizes_freeness(start_cluster):
+    c = start_cluster(3, PACED + ["manager.dispatch_policy=flood", "sim.num_blocks=512",
+                                  # every instance may shed and take: balance until the imbalance stops falling
+                                  "scheduling.migrate_out_threshold=inf", "scheduling.migrate_in_threshold=-inf"])
+    load = Load(c.url, [Spec(0.0, 500, prompt_tokens=64) for _ in range(24)])
+    wait_for(lambda: load.started() == 24, 30, message="the streams did not start")
+    before = instances(c)
+    assert before["i0"]["running"] == 24 and before["i1"]["running"] == before["i2"]["running"] == 0
+    assert spread(c) > 1.0
+    assert instances(c)["i0"]["migrating_out"] == 0  # flood is a baseline: it never migrates to balance
+
+    switched = ctl_json("policy", "--dispatch", "llumnix", "--run-dir", str(c.run_dir))
+    assert switched["dispatch_policy"] == "llumnix" and switched["migrating"] is True
+    t0 = time.monotonic()
+    wait_for(lambda: spread(c) < 0.5, 30 * 0.2, 0.05, "freeness not equalized within 30 intervals")
+    balanced_after = time.monotonic() - t0
+    after = instances(c)
+    assert all(after[i]["running"] >= 4 for i in ("i0", "i1", "i2")), after
+    results = load.wait()
+    assert not failures(results), failures(results)
+    st = status(c)
+    assert st["totals"]["ordered_migrations"].get("balance/committed", 0) >= 8
+    assert st["totals"]["migrations_committed"] == st["totals"]["ordered_migrations"]["balance/committed"]
+    print(f"balanced in {balanced_after:.2f}s with {st['totals']['migrations_committed']} migrations")
+
+
+def _long_prompt_wait(start_cluster, dispatch: str) -> tuple[float, dict]:
+    """Two instances of 256 blocks, each running 6 requests of 17+ blocks; then a 2600-token prompt (163
+    blocks) that fits neither instance's free blocks, though the cluster has room for it. Returns how long
+    it waited for its first token, and the final status."""
+    c = start_cluster(2, PACED + [f"manager.dispatch_policy={dispatch}", "sim.num_blocks=256"])
+    load = Load(c.url, [Spec(0.0, 120, prompt_tokens=256) for _ in range(12)])
+    wait_for(lambda: load.started() == 12, 30, message="the streams did not start")
+    assert [i["running"] for i in instances(c).values()] == [6, 6]
+    free = [i["blocks_total"] - i["blocks_used"] for i in instances(c).values()]
+    assert max(free) < 163 + 3 <= sum(free), free  # fits nowhere, though the cluster has the room
+    long = Load(c.url, [Spec(0.0, 8, prompt_tokens=2600)])
+    results = long.wait() + load.wait()
+    assert not failures(results), failures(results)
+    return results[0].ttft, status(c)
+
+
+def test_a_long_prompt_is_admitted_after_migrations_make_room(start_cluster):
+    waited, st = _long_prompt_wait(start_cluster, "llumnix")
+    assert st["totals"]["ordered_migrations"].get("balance/committed", 0) >= 1
+    baseline, base_st = _long_prompt_wait(start_cluster, "infaas++")
+    assert base_st["totals"]["migrations_committed"] == 0
+    print(f"long prompt's first token: llumnix {waited:.2f}s ({st['totals']['migrations_committed']} migrations), "
+          f"infaas++ {baseline:.2f}s")
+    assert waited < 0.6 * baseline
+
+
+def _priority_run(start_cluster, tag_high: bool) -> tuple[list, list, dict]:
+    """40 normal requests over 3.2 s on 2 instances that queue (12 slots each) and decode slower with a
+    bigger batch (2 ms per request in the batch), and 4 more requests, tagged high or not."""
+    c = start_cluster(2, ["sim.time_scale=1", "sim.decode_ms=5", "sim.decode_ms_per_seq=2", "sim.max_num_seqs=12",
+                          "sim.num_blocks=512", "scheduling.migration_interval_s=0.2",
+                          "scheduling.high_priority_headroom=0.5"])
+    normal = [Spec(i * 0.08, 100) for i in range(40)]
+    high = [Spec(0.6 + 0.5 * k, 100, priority="high" if tag_high else "normal") for k in range(4)]
+    results = Load(c.url, normal + high).wait()
+    assert not failures(results), failures(results)
+    return results[:40], results[40:], status(c)
+
+
+def test_high_priority_requests_get_lower_latency(start_cluster):
+    normal, high, st = _priority_run(start_cluster, True)
+    _, untagged, _ = _priority_run(start_cluster, False)
+    ttft = {"normal": mean(r.ttft for r in normal), "high": mean(r.ttft for r in high),
+            "untagged": mean(r.ttft for r in untagged)}
+    tpot = {"normal": mean(r.tpot for r in normal), "high": mean(r.tpot for r in high),
+            "untagged": mean(r.tpot for r in untagged)}
+    print("TTFT ms", {k: round(v * 1e3) for k, v in ttft.items()}, "TPOT ms", {k: round(v * 1e3, 1) for k, v in tpot.items()},
+          "migrations", st["totals"]["ordered_migrations"])
+    assert ttft["high"] < 0.8 * ttft["normal"] and ttft["high"] < 0.8 * ttft["untagged"]  # queued ahead
+    assert tpot["high"] < 0.85 * tpot["normal"] and tpot["high"] < 0.85 * tpot["untagged"]  # smaller batch
+
+
+def _drain_load(c) -> Load:
+    # 3 instances of 6 slots: 24 long streams fill them and queue some; those queued on the drained
+    # instance are given back and dispatched again, the running ones migrate.
+    load = Load(c.url, [Spec(0.02 * i, 150, prompt_tokens=48) for i in range(24)])
+    wait_for(lambda: load.started() >= 18, 30, message="the streams did not start")
+    return load
+
+
+def test_drain_moves_everything_out_with_no_error(start_cluster):
+    c = start_cluster(3, PACED + ["sim.max_num_seqs=6"])
+    load = _drain_load(c)
+    before = instances(c)["i0"]
+    assert before["running"] == 6
+    res = ctl("drain", "i0", "--wait", "--timeout", "60", "--json", "--run-dir", str(c.run_dir), timeout=90)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["drained"] is True and out["instance"]["draining"] is True and out["instance"]["drain_reason"] == "operator"
+    i0 = instances(c)["i0"]
+    assert i0["running"] == i0["waiting"] == i0["blocks_used"] == 0 and i0["freeness"] is None
+    assert i0["virtual_usage"] is None  # infinite: JSON has no infinity
+    results = load.wait()
+    assert not failures(results), failures(results)
+    assert status(c)["totals"]["ordered_migrations"].get("drain/committed", 0) >= 1
+    metrics = httpx.get(c.url + "/metrics").text.splitlines()
+    given_back = next(float(x.split()[1]) for x in metrics if x.startswith("llumnix_proxy_given_back_total "))
+    assert given_back >= 1  # the ones queued there were dispatched again
+    # No new request goes to a drained instance; undrain takes it back into service.
+    def received() -> int:
+        client = c.admin()
+        try:
+            return next(v.load.requests_received for v in client.status().instances if v.instance_id == "i0")
+        finally:
+            client.close()
+
+    drained_count = received()
+    assert not failures(Load(c.url, [Spec(0, 5) for _ in range(6)]).wait())
+    assert received() == drained_count
+    assert ctl_json("undrain", "i0", "--run-dir", str(c.run_dir))["instance"]["draining"] is False
+    assert not failures(Load(c.url, [Spec(0, 5) for _ in range(12)]).wait())
+    assert received() > drained_count
+
+
+def test_cordon_keeps_running_requests_and_takes_no_new_ones(start_cluster):
+    c = start_cluster(2, PACED)
+    load = Load(c.url, [Spec(0, 100) for _ in range(8)])
+    wait_for(lambda: load.started() == 8, 30)
+    assert ctl_json("cordon", "i0", "--run-dir", str(c.run_dir))["instance"]["cordoned"] is True
+    received = {v.instance_id: v.load.requests_received for v in c.admin().status().instances}
+    assert not failures(Load(c.url, [Spec(0, 3) for _ in range(6)]).wait())
+    now = {v.instance_id: v.load.requests_received for v in c.admin().status().instances}
+    assert now["i0"] == received["i0"] and now["i1"] == received["i1"] + 6
+    assert instances(c)["i0"]["running"] == 4  # it keeps what it runs
+    assert ctl_json("uncordon", "i0", "--run-dir", str(c.run_dir))["instance"]["cordoned"] is False
+    assert not failures(load.wait())
+
+
+def test_remove_drains_then_stops_the_instance(start_cluster):
+    c = start_cluster(3, PACED + ["sim.max_num_seqs=6"])
+    load = _drain_load(c)
+    proc = c.proc("instance-i1").process()
+    res = ctl("remove", "i1", "--timeout", "60", "--json", "--run-dir", str(c.run_dir), timeout=120)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["id"] == "i1" and out["removed"] is True and out["migrated"] >= 1
+    assert proc.wait(15) == 0  # it stopped by itself, cleanly
+    results = load.wait()
+    assert not failures(results), failures(results)
+    wait_for(lambda: "i1" not in instances(c), 10, message="the removed instance stayed in the view")
+    bad = ctl("remove", "nope", "--run-dir", str(c.run_dir))
+    assert bad.returncode == 1 and "unknown instance 'nope'" in bad.stderr
+
+
+def test_sigterm_drains_the_instance_before_it_exits(start_cluster):
+    c = start_cluster(3, PACED + ["sim.max_num_seqs=6", "instance.shutdown_grace_s=60"])
+    load = _drain_load(c)
+    proc = c.proc("instance-i2").process()
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)  # what systemctl stop does
+    assert proc.wait(60) == 0
+    took = time.monotonic() - t0
+    results = load.wait()
+    assert not failures(results), failures(results)
+    assert took < 30, f"the drain took {took:.1f}s: requests finished instead of migrating"
+    log = open(c.proc("instance-i2").log).read()
+    assert "committed" in log and "Traceback" not in log
+
+
+def test_autoscaling_adds_under_load_and_retires_when_idle(start_cluster):
+    c = start_cluster(1, PACED + ["sim.num_blocks=256", "scaling.policy=llumnix", "scaling.min_instances=1",
+                                  "scaling.max_instances=2", "scaling.scale_up_threshold=8",
+                                  "scaling.scale_down_threshold=128", "scaling.sustain_s=1", "scaling.cooldown_s=2"])
+    counts: list[int] = []
+    # Long enough to outlast the new instance's start (a few seconds on a loaded machine).
+    load = Load(c.url, [Spec(0.01 * i, 600, prompt_tokens=64) for i in range(30)])
+
+    def serving() -> list[str]:
+        ids = [i["id"] for i in instances(c).values() if i["state"] == "alive" and not i["draining"]]
+        counts.append(len(ids))
+        return ids
+
+    wait_for(lambda: len(serving()) == 2, 30, 0.1, "no instance was added under load")
+    added = next(i for i in serving() if i != "i0")
+    assert c.state.__class__.load(c.run_dir).procs[-1].name == f"instance-{added}"  # recorded for `down`
+    results = load.wait()
+    assert not failures(results), failures(results)
+    wait_for(lambda: len(serving()) == 1, 30, 0.1, "no instance was retired when idle")
+    st = status(c)
+    assert st["totals"]["scale_outs"] == 1 and st["totals"]["scale_ins"] == 1
+    assert 1 <= min(counts) and max(counts) <= 2
+    retired = next(p for p in c.state.__class__.load(c.run_dir).procs if p.name.startswith("instance-")
+                   and p.name != f"instance-{serving()[0]}")
+    wait_for(lambda: retired.process() is None, 15, message="the retired instance did not exit")
+    assert st["totals"]["migrations_committed"] >= 1  # the new instance was filled by migration too
+
+
+def test_add_reports_a_failing_launcher(start_cluster):
+    c = start_cluster(1, ["scaling.launcher=exit 3"])
+    res = ctl("add", "--run-dir", str(c.run_dir), "--timeout", "20")
+    assert res.returncode == 1 and "exited with status 3" in res.stderr, res.stderr
+    assert len(status(c)["instances"]) == 1
