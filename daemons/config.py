@@ -51,7 +51,7 @@ class InstanceConfig:
     backend: str = setting("sim", "engine: sim (latency model, real KV-shaped tensors) or vllm (the real engine, in-process)", choices=("sim", "vllm"))
     request_address: str = setting("tcp://127.0.0.1:0", "ZeroMQ address the instance binds for requests from proxies (port 0 = any free port)")
     advertise_address: str = setting("", "address proxies use to reach this instance; empty = the bound request address")
-    shutdown_grace_s: float = setting(5.0, "on SIGTERM, running requests may finish for this long before they are failed", minimum=0.0)
+    shutdown_grace_s: float = setting(30.0, "on SIGTERM (or llumnixctl remove) the instance drains for up to this long: queued requests are dispatched again, running ones migrate out or finish; what is left is then failed", minimum=0.0)
     min_step_s: float = setting(0.0, "every engine step takes at least this long (experiments: emulate a slower accelerator; 0 = off)", minimum=0.0)
     load_report_min_interval_s: float = setting(0.02, "load changes are reported at most this often (coalesced)", minimum=0.0)
     metrics_port: int = setting(0, "port of the instance's Prometheus /metrics on 127.0.0.1 (0 = any free port, -1 = off)", minimum=-1, maximum=65535)

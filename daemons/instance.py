@@ -345,7 +345,8 @@ class Instance:
         chosen = policy.select_migrants(
             msg.selection or "llumnix", requests, msg.count, src_usage=policy.INF if operator else msg.src_usage,
             src_blocks=load.blocks_total, dst_usage=msg.dst_usage, dst_blocks=msg.dst_blocks or load.blocks_total,
-            headroom=msg.headroom, block_size=self.engine.block_size, drain=msg.drain or operator, exclude=keep)
+            headroom=msg.headroom, block_size=self.engine.block_size, drain=msg.drain or operator, exclude=keep,
+            dst_free=policy.INF if msg.dst_free_blocks < 0 else msg.dst_free_blocks)
         queued = {c.request_id for c in chosen if c.redispatch}
         if queued:
             self.redispatch_queued(queued)

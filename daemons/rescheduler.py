@@ -72,7 +72,8 @@ class Rescheduler:
                 0, dst=p.dst, dst_address=dst.info.request_address, count=p.count,
                 reason="drain" if p.drain else "balance", selection=self.m.request_selection, drain=p.drain,
                 src_usage=p.src_usage, dst_usage=p.dst_usage, dst_blocks=p.dst_blocks,
-                headroom=self.sc.high_priority_headroom, cooldown_s=self.sc.migration_cooldown_s)
+                headroom=self.sc.high_priority_headroom, cooldown_s=self.sc.migration_cooldown_s,
+                dst_free_blocks=p.dst_free)
             log.debug("pair %s -> %s (%s, up to %d)", p.src, p.dst, start.reason, p.count)
             self.m.spawn(self._run_order(src, start))
         return pairs

@@ -378,6 +378,7 @@ class MigrateStart(msgspec.Struct, **_tagged(62)):
     dst_blocks: int = 0
     headroom: float = 0.0
     cooldown_s: float = 0.0
+    dst_free_blocks: float = -1.0  # the destination's free blocks (-1: unknown): the chosen ones must fit
 
 
 class MigrateResult(msgspec.Struct, **_tagged(63)):

@@ -41,6 +41,18 @@ def spread(c) -> float:
     return (max(fs) - min(fs)) / (sum(fs) / len(fs))
 
 
+def _metrics(c, daemon: str) -> dict[str, float]:
+    """A daemon's Prometheus samples, by name{labels}; its address is in its start-up log line."""
+    line = next(x for x in open(c.proc(daemon).log) if "metrics 127.0.0.1:" in x)
+    address = line.split("metrics ")[1].split(")")[0].split(",")[0].strip()
+    samples = {}
+    for x in httpx.get(f"http://{address}/metrics").text.splitlines():
+        if x and not x.startswith("#"):
+            name, value = x.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
 def wait_for(what, timeout: float, every: float = 0.1, message: str = ""):
     deadline = time.monotonic() + timeout
     while True:
@@ -155,6 +167,13 @@ def test_drain_moves_everything_out_with_no_error(start_cluster):
     metrics = httpx.get(c.url + "/metrics").text.splitlines()
     given_back = next(float(x.split()[1]) for x in metrics if x.startswith("llumnix_proxy_given_back_total "))
     assert given_back >= 1  # the ones queued there were dispatched again
+    manager_metrics = _metrics(c, "manager")
+    assert manager_metrics['llumnix_instance_draining{instance="i0"}'] == 1.0
+    assert manager_metrics['llumnix_instance_draining{instance="i1"}'] == 0.0
+    assert manager_metrics['llumnix_instance_virtual_usage_blocks{instance="i0"}'] == float("inf")
+    assert manager_metrics['llumnix_instance_freeness{instance="i0"}'] == float("-inf")
+    assert manager_metrics['llumnix_manager_migrations_total{outcome="committed",reason="drain"}'] >= 1
+    assert "llumnix_cluster_freeness" in manager_metrics
     # No new request goes to a drained instance; undrain takes it back into service.
     def received() -> int:
         client = c.admin()

@@ -205,6 +205,11 @@ def test_pairing_invariants(cluster, headroom, thresholds, k, balance, turn):
             assert balance and instance_freeness(src, headroom) < out_thr and instance_freeness(dst, headroom) > in_thr
 
 
+def by_rid_blocks(reqs: list[RequestLoad], chosen) -> list[int]:
+    blocks = {r.request_id: r.blocks for r in reqs}
+    return [blocks[c.request_id] for c in chosen]
+
+
 def _apply(state: InstanceState, r: RequestLoad, sign: int) -> InstanceState:
     return dataclasses.replace(state, blocks_used=state.blocks_used + sign * r.blocks, running=state.running + sign,
                                high_priority=state.high_priority + sign * (r.priority > 0))
@@ -221,8 +226,9 @@ def test_each_chosen_migration_lowers_the_imbalance(cluster, headroom, selection
         src, dst = ss[p.src], ss[p.dst]
         chosen = select_migrants(selection, reqs[p.src], p.count, src_usage=p.src_usage, src_blocks=src.blocks_total,
                                  dst_usage=p.dst_usage, dst_blocks=p.dst_blocks, headroom=headroom, block_size=16,
-                                 drain=p.drain)
+                                 drain=p.drain, dst_free=p.dst_free)
         assert len(chosen) <= p.count
+        assert sum(by_rid_blocks(reqs[p.src], chosen)) + 4 * len(chosen) <= p.dst_free  # it has the room
         by_rid = {r.request_id: r for r in reqs[p.src]}
         for c in chosen:
             r = by_rid[c.request_id]
@@ -254,6 +260,8 @@ def test_selection_orders():
     # moving 3 or 5 helps, moving 10 would just swap them.
     balance = dict(src_usage=20.0, dst_usage=10.0, headroom=0.0, drain=False)
     assert ids("llumnix", **balance) == ["c"]  # then 15 vs 15: nothing more helps
+    assert ids("llumnix", dst_free=16) == ["c", "b"]  # 5 + 4 fits, 10 + 4 no longer does, 3 + 4 still does
+    assert ids("llumnix", dst_free=8) == ["b"]
 
 
 # ---------------------------------------------------------------- scaling

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from daemons.policy.usage import (InstanceState, blocks_for, instance_freeness, move_lowers_potential,
-                                  request_usage, virtual_usage)
+from daemons.policy.usage import (INF, InstanceState, blocks_for, instance_freeness, move_lowers_potential,
+                                  real_usage, request_usage, virtual_usage)
 from daemons.wire import RequestLoad
 
 PAIRING_POLICIES = ("llumnix", "off")
 SELECTION_POLICIES = ("llumnix", "last-running", "longest", "first-waiting")
+# What a destination holds beyond a migrating request's blocks while it copies (migration.py reserves
+# last_stage_max_blocks + 2 at its default of 2), so that the last stage needs no new reservation.
+COPY_HEADROOM_BLOCKS = 4
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,7 @@ class Pair:
     src_usage: float  # the two instances' virtual usage when paired (the source's selection checks moves with it)
     dst_usage: float
     dst_blocks: int
+    dst_free: float  # blocks the destination really has free (what it can reserve)
 
 
 def pair(states: list[InstanceState], headroom: float, out_threshold: float, in_threshold: float,
@@ -70,7 +74,7 @@ def pair(states: list[InstanceState], headroom: float, out_threshold: float, in_
                     continue
             count = max_per_instance - max(src.migrations, dst.migrations)
             pairs.append(Pair(src.instance_id, dst.instance_id, count, src.draining, usage[src.instance_id],
-                              usage[dst.instance_id], dst.blocks_total))
+                              usage[dst.instance_id], dst.blocks_total, max(0.0, dst.blocks_total - real_usage(dst))))
             used.update((src.instance_id, dst.instance_id))
             break
     return pairs
@@ -89,13 +93,14 @@ def _redispatchable(r: RequestLoad) -> bool:
 
 def select_migrants(policy: str, requests: list[RequestLoad], count: int, *, src_usage: float, src_blocks: int,
                     dst_usage: float, dst_blocks: int, headroom: float, block_size: int, drain: bool = False,
-                    exclude: frozenset[str] | set[str] = frozenset()) -> list[Choice]:
+                    exclude: frozenset[str] | set[str] = frozenset(), dst_free: float = INF) -> list[Choice]:
     """Up to ``count`` requests for the source to send, in the policy's order, each lowering the pair's
     potential given the ones chosen before it (a draining source: no such check).
 
     ``requests`` is the engine's list (running in admission order first); ``exclude`` holds requests that
     must stay (already migrating, arrived too recently). Only running requests migrate; a queued request
-    that never produced a token is re-dispatched instead (first-waiting puts those first).
+    that never produced a token is re-dispatched instead (first-waiting puts those first). The migrations
+    chosen must fit in ``dst_free`` blocks, with the few blocks of headroom each reserves while it copies.
     """
     if policy not in SELECTION_POLICIES:
         raise ValueError(f"unknown request selection policy {policy!r} (known: {', '.join(SELECTION_POLICIES)})")
@@ -122,6 +127,10 @@ def select_migrants(policy: str, requests: list[RequestLoad], count: int, *, src
             into = request_usage(r.blocks, r.priority > 0, dst_blocks, headroom)
         if not drain and not move_lowers_potential(src_usage, src_blocks, dst_usage, dst_blocks, out, into):
             continue
+        room = 0 if redispatch else r.blocks + COPY_HEADROOM_BLOCKS
+        if room > dst_free:
+            continue
+        dst_free -= room
         chosen.append(Choice(r.request_id, redispatch, out))
         src_usage -= out
         dst_usage += into
