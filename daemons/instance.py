@@ -295,8 +295,10 @@ class Instance:
         self.draining = (msg.reason or "operator") if msg.draining else ""
         self.cordoned = msg.cordoned
         if self.draining and not was:
-            log.info("draining (%s): queued requests go back to their proxies, running ones migrate out", self.draining)
-            self.boundary(self.redispatch_queued)
+            log.info("draining (%s): running requests migrate out; queued ones go back to their proxies%s",
+                     self.draining, "" if msg.elsewhere else " once another instance takes requests")
+            if msg.elsewhere:  # else the manager's drain orders give them back when there is a destination
+                self.boundary(self.redispatch_queued)
         elif was and not self.draining:
             log.info("no longer draining")
 

@@ -200,9 +200,9 @@ class Manager:
                      f", credit {rec.credit(now, self.sc.new_instance_credit_s):.0f} blocks" if rec.credit0 else "")
             self.resched.launcher.registered(msg.instance_id)
         self.instances[msg.instance_id] = rec
-        if rec.drain_reason or rec.cordoned:  # it forgot (restarted) or we did: say it again
-            self.send(rec, wire.SetDraining(bool(rec.drain_reason), rec.drain_reason, rec.cordoned))
         self.update_gauges(rec, now)
+        if rec.drain_reason or rec.cordoned:  # it forgot (restarted) or we did: say it again
+            self.resched.tell(rec)
         return wire.RegisterAck(msg.instance_id)
 
     def on_report(self, ident: bytes, msg: wire.LoadReport) -> wire.Message | None:

@@ -102,8 +102,10 @@ class Rescheduler:
 
     # ------------------------------------------------------------------ drain, cordon, remove
 
-    def _tell(self, r: InstanceRecord) -> None:
-        self.m.send(r, wire.SetDraining(bool(r.drain_reason), r.drain_reason, r.cordoned))
+    def tell(self, r: InstanceRecord) -> None:
+        now = time.monotonic()
+        elsewhere = any(x is not r and self.m.state(x, now).dispatchable for x in self.m.instances.values())
+        self.m.send(r, wire.SetDraining(bool(r.drain_reason), r.drain_reason, r.cordoned, elsewhere))
         self.m.update_gauges(r)
 
     def on_drain(self, msg: wire.DrainQuery) -> wire.Message:
@@ -122,7 +124,7 @@ class Rescheduler:
                 return wire.ErrorReply(msg.query_id, f"instance {msg.instance_id} is stopping; it cannot be undrained")
             r.drain_reason = ""  # a remove or scale-in waiting on it gives up
         log.info("instance %s: %s (llumnixctl)", r.instance_id, verb)
-        self._tell(r)
+        self.tell(r)
         now = time.monotonic()
         return wire.DrainReply(msg.query_id, next(v for v in self.m.view(now) if v.instance_id == r.instance_id))
 
@@ -152,7 +154,7 @@ class Rescheduler:
             committed0 = r.load.migrations_committed
             if r.drain_reason in ("", "operator"):
                 r.drain_reason = reason
-            self._tell(r)
+            self.tell(r)
             log.info("instance %s: draining for %s", instance_id, reason)
             poll = min(0.05, self.m.mc.heartbeat_interval_s / 4)
             while True:
@@ -167,7 +169,7 @@ class Rescheduler:
                 if time.monotonic() - start > timeout_s:
                     if undrain_on_timeout:
                         r.drain_reason = ""
-                        self._tell(r)
+                        self.tell(r)
                     return (f"instance {instance_id} still has {ld.running} running and {ld.waiting} queued requests "
                             f"after {timeout_s:g}s; " + ("it serves again" if undrain_on_timeout else
                                                          f"it stays draining (llumnixctl undrain {instance_id} to cancel)"))

@@ -234,6 +234,7 @@ class SetDraining(msgspec.Struct, **_tagged(32)):
     draining: bool
     reason: str = ""
     cordoned: bool = False
+    elsewhere: bool = True  # another instance takes requests: queued ones can be given back right away
 
 
 class Shutdown(msgspec.Struct, **_tagged(33)):

@@ -41,6 +41,10 @@ def spread(c) -> float:
     return (max(fs) - min(fs)) / (sum(fs) / len(fs))
 
 
+def _metrics_line(text: str, name: str) -> float:
+    return next(float(x.split()[1]) for x in text.splitlines() if x.startswith(name + " "))
+
+
 def _metrics(c, daemon: str) -> dict[str, float]:
     """A daemon's Prometheus samples, by name{labels}; its address is in its start-up log line."""
     line = next(x for x in open(c.proc(daemon).log) if "metrics 127.0.0.1:" in x)
@@ -164,8 +168,7 @@ def test_drain_moves_everything_out_with_no_error(start_cluster):
     results = load.wait()
     assert not failures(results), failures(results)
     assert status(c)["totals"]["ordered_migrations"].get("drain/committed", 0) >= 1
-    metrics = httpx.get(c.url + "/metrics").text.splitlines()
-    given_back = next(float(x.split()[1]) for x in metrics if x.startswith("llumnix_proxy_given_back_total "))
+    given_back = _metrics_line(httpx.get(c.url + "/metrics").text, "llumnix_proxy_given_back_total")
     assert given_back >= 1  # the ones queued there were dispatched again
     manager_metrics = _metrics(c, "manager")
     assert manager_metrics['llumnix_instance_draining{instance="i0"}'] == 1.0
@@ -188,6 +191,21 @@ def test_drain_moves_everything_out_with_no_error(start_cluster):
     assert ctl_json("undrain", "i0", "--run-dir", str(c.run_dir))["instance"]["draining"] is False
     assert not failures(Load(c.url, [Spec(0, 5) for _ in range(12)]).wait())
     assert received() > drained_count
+
+
+def test_draining_the_only_instance_keeps_its_queue_until_another_joins(start_cluster):
+    c = start_cluster(1, PACED + ["sim.max_num_seqs=4"])
+    load = Load(c.url, [Spec(0, 600) for _ in range(8)])  # outlasts the new instance's start
+    wait_for(lambda: load.started() == 4, 30)
+    assert ctl_json("drain", "i0", "--run-dir", str(c.run_dir))["drained"] is False
+    time.sleep(1.0)
+    assert instances(c)["i0"]["waiting"] == 4  # nowhere else to go: giving them back would fail them
+    assert ctl_json("add", "--run-dir", str(c.run_dir))["added"] == ["i1"]
+    wait_for(lambda: instances(c)["i0"]["running"] + instances(c)["i0"]["waiting"] == 0, 30,
+             message="the drain did not move the requests to the new instance")
+    results = load.wait()
+    assert not failures(results), failures(results)
+    assert _metrics_line(httpx.get(c.url + "/metrics").text, "llumnix_proxy_given_back_total") == 4
 
 
 def test_cordon_keeps_running_requests_and_takes_no_new_ones(start_cluster):

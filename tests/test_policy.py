@@ -227,12 +227,16 @@ def test_each_chosen_migration_lowers_the_imbalance(cluster, headroom, selection
         chosen = select_migrants(selection, reqs[p.src], p.count, src_usage=p.src_usage, src_blocks=src.blocks_total,
                                  dst_usage=p.dst_usage, dst_blocks=p.dst_blocks, headroom=headroom, block_size=16,
                                  drain=p.drain, dst_free=p.dst_free)
-        assert len(chosen) <= p.count
-        assert sum(by_rid_blocks(reqs[p.src], chosen)) + 4 * len(chosen) <= p.dst_free  # it has the room
+        moves = [c for c in chosen if not c.redispatch]
+        assert len(moves) <= p.count
+        assert sum(by_rid_blocks(reqs[p.src], moves)) + 4 * len(moves) <= p.dst_free  # it has the room
         by_rid = {r.request_id: r for r in reqs[p.src]}
         for c in chosen:
             r = by_rid[c.request_id]
-            assert r.state == "running" and not c.redispatch
+            if c.redispatch:  # a drain gives its never-started queued requests back
+                assert p.drain and r.state == "waiting" and r.output_tokens == 0
+                continue
+            assert r.state == "running"
             before = [virtual_usage(s, headroom) for s in ss.values() if not s.draining]
             was_src = virtual_usage(ss[p.src], headroom)
             ss[p.src], ss[p.dst] = _apply(ss[p.src], r, -1), _apply(ss[p.dst], r, +1)
@@ -250,18 +254,20 @@ def test_selection_orders():
     def ids(name, count=10, **kw):
         return [c.request_id for c in select_migrants(name, reqs, count, **{**common, **kw})]
 
-    assert ids("llumnix") == ["c", "a", "b"]  # normal before high, then fewer blocks
-    assert ids("longest") == ["a", "c", "b"]
-    assert ids("last-running") == ["c", "b", "a"]
+    assert ids("llumnix") == ["q", "c", "a", "b"]  # a drain gives queued ones back; normal before high, then fewer blocks
+    assert ids("llumnix", count=1) == ["q", "c"]  # giving back is not counted against the migrations
+    assert ids("longest") == ["q", "a", "c", "b"]
+    assert ids("last-running") == ["q", "c", "b", "a"]
     assert ids("first-waiting") == ["q", "c", "a", "b"]  # the never-started queued one is re-dispatched first
-    assert ids("llumnix", count=2) == ["c", "a"]
-    assert ids("llumnix", exclude={"c"}) == ["a", "b"]
+    assert ids("first-waiting", count=2, drain=False, src_usage=100.0) == ["q", "c"]  # balancing: counted
+    assert ids("llumnix", count=2) == ["q", "c", "a"]
+    assert ids("llumnix", exclude={"c", "q"}) == ["a", "b"]
     # Balancing (no drain): only moves that lower the pair's potential. Source 20 blocks used, destination 10:
     # moving 3 or 5 helps, moving 10 would just swap them.
     balance = dict(src_usage=20.0, dst_usage=10.0, headroom=0.0, drain=False)
     assert ids("llumnix", **balance) == ["c"]  # then 15 vs 15: nothing more helps
-    assert ids("llumnix", dst_free=16) == ["c", "b"]  # 5 + 4 fits, 10 + 4 no longer does, 3 + 4 still does
-    assert ids("llumnix", dst_free=8) == ["b"]
+    assert ids("llumnix", dst_free=16) == ["q", "c", "b"]  # 5 + 4 fits, 10 + 4 no longer does, 3 + 4 still does
+    assert ids("llumnix", dst_free=8) == ["q", "b"]
 
 
 # ---------------------------------------------------------------- scaling

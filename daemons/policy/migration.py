@@ -99,8 +99,9 @@ def select_migrants(policy: str, requests: list[RequestLoad], count: int, *, src
 
     ``requests`` is the engine's list (running in admission order first); ``exclude`` holds requests that
     must stay (already migrating, arrived too recently). Only running requests migrate; a queued request
-    that never produced a token is re-dispatched instead (first-waiting puts those first). The migrations
-    chosen must fit in ``dst_free`` blocks, with the few blocks of headroom each reserves while it copies.
+    that never produced a token is re-dispatched instead (first-waiting puts those first, up to ``count``;
+    a drain re-dispatches all of them, besides ``count`` migrations). The migrations chosen must fit in
+    ``dst_free`` blocks, with the few blocks of headroom each reserves while it copies.
     """
     if policy not in SELECTION_POLICIES:
         raise ValueError(f"unknown request selection policy {policy!r} (known: {', '.join(SELECTION_POLICIES)})")
@@ -112,13 +113,14 @@ def select_migrants(policy: str, requests: list[RequestLoad], count: int, *, src
     else:
         running.sort(key=lambda r: (r.priority, r.blocks))
     ordered: list[tuple[RequestLoad, bool]] = [(r, False) for r in running]
-    if policy == "first-waiting":
+    if policy == "first-waiting" or drain:
         queued = [r for r in requests if _redispatchable(r) and r.request_id not in exclude]
         queued.sort(key=lambda r: r.priority)  # stable: queue order within a priority; high ones go last
         ordered = [(r, True) for r in queued] + ordered
     chosen: list[Choice] = []
+    counted = 0
     for r, redispatch in ordered:
-        if len(chosen) >= count:
+        if counted >= count:
             break
         if redispatch:
             out = into = float(blocks_for(r.prompt_tokens + r.output_tokens + 1, block_size))
@@ -132,6 +134,7 @@ def select_migrants(policy: str, requests: list[RequestLoad], count: int, *, src
             continue
         dst_free -= room
         chosen.append(Choice(r.request_id, redispatch, out))
+        counted += not (drain and redispatch)
         src_usage -= out
         dst_usage += into
     return chosen
