@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from llumnixctl.admin import ManagerUnreachable
 from llumnixctl.main import status_json
 from tests.conftest import ctl, ctl_json
 from tests.load import Load, Spec, failures, mean
@@ -286,3 +287,32 @@ def test_add_reports_a_failing_launcher(start_cluster):
     res = ctl("add", "--run-dir", str(c.run_dir), "--timeout", "20")
     assert res.returncode == 1 and "exited with status 3" in res.stderr, res.stderr
     assert len(status(c)["instances"]) == 1
+
+
+def test_a_restarted_manager_keeps_drains_and_cordons(start_cluster):
+    from llumnixctl import localcluster
+
+    c = start_cluster(3, PACED)
+    ctl_json("drain", "i1", "--run-dir", str(c.run_dir))
+    ctl_json("cordon", "i2", "--run-dir", str(c.run_dir))
+    old = c.proc("manager")
+    live = old.process()
+    live.send_signal(signal.SIGTERM)
+    assert live.wait(15) == 0
+    new = localcluster._spawn(c.run_dir, "manager", old.argv)  # it keeps no state: all it knows comes back
+    c.state.procs = [p for p in c.state.procs if p is not old] + [new]  # stopped at teardown
+
+    def registered() -> dict | None:
+        try:
+            view = instances(c)
+        except ManagerUnreachable:  # not serving yet
+            return None
+        return view if len(view) == 3 else None
+
+    view = wait_for(registered, 20, message="the instances did not register with the new manager")
+    assert (view["i1"]["draining"], view["i1"]["drain_reason"], view["i1"]["cordoned"]) == (True, "operator", False)
+    assert (view["i2"]["draining"], view["i2"]["cordoned"]) == (False, True)
+    assert not view["i0"]["draining"] and not view["i0"]["cordoned"]
+    assert not failures(Load(c.url, [Spec(0, 4) for _ in range(5)]).wait())
+    received = {v.instance_id: v.load.requests_received for v in c.admin().status().instances}
+    assert received["i1"] == received["i2"] == 0 and received["i0"] == 5
