@@ -19,7 +19,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Annotated, Optional
 
-import msgspec
 import typer
 import zmq
 import zmq.asyncio
@@ -102,7 +101,6 @@ class Manager:
         self.bound = ""
         self.query_ids = itertools.count(1)
         self._fanouts: dict[int, tuple[asyncio.Future, set[str], list]] = {}
-        self._migrations: dict[int, tuple[asyncio.Future, str]] = {}  # MigrateStart id -> (result, source id)
         self._tasks: set[asyncio.Task] = set()
         self.resched = Rescheduler(self)
 
@@ -319,64 +317,6 @@ class Manager:
         if not missing and not fut.done():
             fut.set_result(None)
 
-    def migrate_timeout(self, count: int) -> float:
-        """How long a source may take to report ``count`` migrations (each step has its own timeout there)."""
-        mig = self.cfg.migration
-        return 5.0 + max(count, 1) * mig.timeout_s * (mig.max_stages + 3)
-
-    async def on_migrate(self, msg: wire.MigrateQuery) -> wire.Message:
-        dst = self.instances.get(msg.dst)
-        if dst is None or dst.state != "alive":
-            return wire.ErrorReply(msg.query_id, f"destination {msg.dst!r} is not a live instance (see llumnixctl status)")
-        if msg.request_id:
-            held = await self.on_requests(wire.RequestsQuery(0))
-            src_id = next((q.instance_id for q in held.requests if q.request_id == msg.request_id), None)
-            if src_id is None:
-                return wire.ErrorReply(msg.query_id, f"request {msg.request_id!r} is not on any instance "
-                                                     "(finished, or never started; see llumnixctl requests)")
-        else:
-            src_id = msg.src
-        src = self.instances.get(src_id)
-        if src is None or src.state == "dead":
-            return wire.ErrorReply(msg.query_id, f"source {src_id!r} is not a live instance (see llumnixctl status)")
-        if src_id == msg.dst:
-            return wire.ErrorReply(msg.query_id, f"the request is already on {msg.dst}")
-        start = wire.MigrateStart(0, dst=msg.dst, dst_address=dst.info.request_address,
-                                  request_ids=[msg.request_id] if msg.request_id else [],
-                                  count=0 if msg.request_id else msg.count, blocking=msg.blocking)
-        result = await self.order_migration(src, start, 1 if msg.request_id else msg.count)
-        if isinstance(result, str):
-            return wire.ErrorReply(msg.query_id, result)
-        return wire.MigrateReply(msg.query_id, result.outcomes)
-
-    async def order_migration(self, src: InstanceRecord, start: wire.MigrateStart, count: int) -> wire.MigrateResult | str:
-        """Send a MigrateStart to the source and wait for its result; a string says why there is none."""
-        qid = next(self.query_ids)
-        fut = asyncio.get_running_loop().create_future()
-        self._migrations[qid] = (fut, src.instance_id)
-        self.resched.ordered(src.instance_id, start.dst, count)
-        try:
-            self.send(src, msgspec.structs.replace(start, query_id=qid))
-            result = await asyncio.wait_for(fut, self.migrate_timeout(count))
-        except asyncio.TimeoutError:
-            return f"instance {src.instance_id} did not report the migration's outcome in time"
-        finally:
-            self._migrations.pop(qid, None)
-            self.resched.ordered(src.instance_id, start.dst, -count)
-        if result is None:
-            return f"source instance {src.instance_id} died during the migration"
-        return result
-
-    def on_migrate_result(self, msg: wire.MigrateResult) -> None:
-        fut, _ = self._migrations.get(msg.query_id, (None, ""))
-        if fut is not None and not fut.done():
-            fut.set_result(msg)
-
-    def _fail_migrations_from(self, instance_id: str) -> None:
-        for fut, src in self._migrations.values():
-            if src == instance_id and not fut.done():
-                fut.set_result(None)
-
     def on_policy(self, msg: wire.PolicyQuery) -> wire.Message:
         changes = {"dispatch_policy": (msg.dispatch_policy, policy.DISPATCH_POLICIES),
                    "pairing_policy": (msg.pairing_policy, policy.PAIRING_POLICIES),
@@ -413,9 +353,9 @@ class Manager:
         elif isinstance(msg, wire.RequestList):
             self.on_request_list(msg)
         elif isinstance(msg, wire.MigrateQuery):
-            self.spawn(self._reply_later(ident, self.on_migrate(msg)))
+            self.spawn(self._reply_later(ident, self.resched.on_migrate(msg)))
         elif isinstance(msg, wire.MigrateResult):
-            self.on_migrate_result(msg)
+            self.resched.on_migrate_result(msg)
         elif isinstance(msg, wire.Goodbye):
             self.on_goodbye(msg)
         elif isinstance(msg, wire.PolicyQuery):
@@ -475,7 +415,7 @@ class Manager:
                 elif r.state == "alive" and now - r.last_seen > self.dead_after():
                     r.state = "dead"
                     r.pending.clear()
-                    self._fail_migrations_from(r.instance_id)
+                    self.resched.fail_migrations_from(r.instance_id)
                     M_DEATHS.inc()
                     log.warning("instance %s marked dead: no report for %.2fs (%d heartbeats)", r.instance_id,
                                 now - r.last_seen, self.mc.dead_after_missed)

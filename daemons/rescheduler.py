@@ -1,4 +1,4 @@
-"""The manager's rescheduling: migration orders, drain and remove, auto-scaling.
+"""The manager's rescheduling: migration orders (its own and operators'), drain and remove, auto-scaling.
 
 Every ``scheduling.migration_interval_s`` the pairing policy turns the cluster view into (source,
 destination) pairs, and each source is ordered to send some of its requests (it picks which, see
@@ -17,6 +17,7 @@ import time
 from collections import Counter as Tally
 from typing import TYPE_CHECKING
 
+import msgspec
 from prometheus_client import Counter, Gauge
 
 from daemons import policy, wire
@@ -47,6 +48,7 @@ class Rescheduler:
                                     self.scfg.sustain_s, self.scfg.cooldown_s, self.scfg.min_instances,
                                     self.scfg.max_instances,
                                     not_before=manager.started + self.scfg.launch_timeout_s)
+        self._migrations: dict[int, tuple[asyncio.Future, str]] = {}  # MigrateStart id -> (result, source id)
         self.retiring: set[str] = set()
         self.in_flight = 0  # requests ordered to migrate, not yet reported
         self._turn = 0
@@ -79,7 +81,7 @@ class Rescheduler:
         return pairs
 
     async def _run_order(self, src: InstanceRecord, start: wire.MigrateStart) -> None:
-        result = await self.m.order_migration(src, start, start.count)
+        result = await self.order_migration(src, start, start.count)
         if start.drain:  # a drain goes on at once rather than at the next interval
             self.pair_once(drains_only=True)
         if isinstance(result, str):
@@ -91,7 +93,65 @@ class Rescheduler:
             self.outcomes[f"{start.reason}/{o.outcome}"] += 1
             M_ORDERED.labels(start.reason, o.outcome).inc()
 
-    def ordered(self, src_id: str, dst_id: str, count: int) -> None:
+    def migrate_timeout(self, count: int) -> float:
+        """How long a source may take to report ``count`` migrations (each step has its own timeout there)."""
+        mig = self.m.cfg.migration
+        return 5.0 + max(count, 1) * mig.timeout_s * (mig.max_stages + 3)
+
+    async def on_migrate(self, msg: wire.MigrateQuery) -> wire.Message:
+        dst = self.m.instances.get(msg.dst)
+        if dst is None or dst.state != "alive":
+            return wire.ErrorReply(msg.query_id, f"destination {msg.dst!r} is not a live instance (see llumnixctl status)")
+        if msg.request_id:
+            held = await self.m.on_requests(wire.RequestsQuery(0))
+            src_id = next((q.instance_id for q in held.requests if q.request_id == msg.request_id), None)
+            if src_id is None:
+                return wire.ErrorReply(msg.query_id, f"request {msg.request_id!r} is not on any instance "
+                                                     "(finished, or never started; see llumnixctl requests)")
+        else:
+            src_id = msg.src
+        src = self.m.instances.get(src_id)
+        if src is None or src.state == "dead":
+            return wire.ErrorReply(msg.query_id, f"source {src_id!r} is not a live instance (see llumnixctl status)")
+        if src_id == msg.dst:
+            return wire.ErrorReply(msg.query_id, f"the request is already on {msg.dst}")
+        start = wire.MigrateStart(0, dst=msg.dst, dst_address=dst.info.request_address,
+                                  request_ids=[msg.request_id] if msg.request_id else [],
+                                  count=0 if msg.request_id else msg.count, blocking=msg.blocking)
+        result = await self.order_migration(src, start, 1 if msg.request_id else msg.count)
+        if isinstance(result, str):
+            return wire.ErrorReply(msg.query_id, result)
+        return wire.MigrateReply(msg.query_id, result.outcomes)
+
+    async def order_migration(self, src: InstanceRecord, start: wire.MigrateStart, count: int) -> wire.MigrateResult | str:
+        """Send a MigrateStart to the source and wait for its result; a string says why there is none."""
+        qid = next(self.m.query_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._migrations[qid] = (fut, src.instance_id)
+        self._count_orders(src.instance_id, start.dst, count)
+        try:
+            self.m.send(src, msgspec.structs.replace(start, query_id=qid))
+            result = await asyncio.wait_for(fut, self.migrate_timeout(count))
+        except asyncio.TimeoutError:
+            return f"instance {src.instance_id} did not report the migration's outcome in time"
+        finally:
+            self._migrations.pop(qid, None)
+            self._count_orders(src.instance_id, start.dst, -count)
+        if result is None:
+            return f"source instance {src.instance_id} died during the migration"
+        return result
+
+    def on_migrate_result(self, msg: wire.MigrateResult) -> None:
+        fut, _ = self._migrations.get(msg.query_id, (None, ""))
+        if fut is not None and not fut.done():
+            fut.set_result(msg)
+
+    def fail_migrations_from(self, instance_id: str) -> None:
+        for fut, src in self._migrations.values():
+            if src == instance_id and not fut.done():
+                fut.set_result(None)
+
+    def _count_orders(self, src_id: str, dst_id: str, count: int) -> None:
         """Count ``count`` (negative: done) migrations in flight on both instances of an order."""
         for iid in (src_id, dst_id):
             r = self.m.instances.get(iid)
