@@ -150,8 +150,8 @@ class ScalingConfig:
     cooldown_s: float = setting(30.0, "after scaling, the next scaling decision waits this long", minimum=0.0)
     min_instances: int = setting(1, "never scale in below this many instances", minimum=1)
     max_instances: int = setting(8, "never scale out above this many instances", minimum=1)
-    launcher: str = setting("", "shell command that starts one instance; {n} and {id} are replaced by a free index and the id i{n}; e.g. systemctl start llumnix-instance@{n} (empty: no scale-out; llumnixctl up sets its own)")
-    launch_timeout_s: float = setting(120.0, "a launched instance that has not registered within this long is given up on; also how long after the manager starts it waits before adding instances below min_instances", minimum=1.0)
+    launcher: str = setting("", "shell command that starts one instance; {n}, {id} and {manager} become a free index, the id i{n} and the manager's address; e.g. systemctl start llumnix-instance@{n} (empty: no scale-out; llumnixctl up sets its own)")
+    launch_timeout_s: float = setting(120.0, "a launched instance that has not registered within this long is given up on; also how long a scale-in may drain, and how long after the manager starts it waits before adding instances below min_instances", minimum=1.0)
 
 
 @dataclass
@@ -235,6 +235,17 @@ def parse_override(text: str) -> tuple[str, str, Any, str]:
     return section.strip(), key.strip(), value, raw
 
 
+def _check_together(cfg: Config, where: str) -> None:
+    """Settings that must agree with each other; the message names both keys and where they came from."""
+    sc = cfg.scaling
+    if sc.min_instances > sc.max_instances:
+        raise ConfigError(f"{where}: scaling.min_instances ({sc.min_instances}) is above scaling.max_instances "
+                          f"({sc.max_instances})")
+    if sc.scale_up_threshold >= sc.scale_down_threshold:
+        raise ConfigError(f"{where}: scaling.scale_up_threshold ({sc.scale_up_threshold:g}) must be below "
+                          f"scaling.scale_down_threshold ({sc.scale_down_threshold:g}), or the cluster would scale both ways")
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
                 flags: dict[str, Any] | None = None) -> Config:
     """Defaults <- file (path or $LLUMNIX_CONFIG) <- ``--set`` overrides <- daemon flags (``section.key``: value)."""
@@ -258,6 +269,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
             continue
         section, _, key = name.partition(".")
         _apply(cfg, section, key, value, f"command line ({name})")
+    sources = ([str(path)] if path else []) + (["the command line"] if overrides or any(v is not None for v in (flags or {}).values()) else [])
+    _check_together(cfg, " and ".join(sources) or "defaults")
     return cfg
 
 

@@ -38,7 +38,7 @@ log = logging.getLogger("llumnix.instance")
 
 M_REQUESTS = Counter("llumnix_instance_requests_total", "Requests received from proxies")
 M_FINISHED = Counter("llumnix_instance_requests_finished_total", "Requests finished, by reason", ["reason"])
-M_REJECTED = Counter("llumnix_instance_requests_rejected_total", "Requests refused (invalid, or shutting down)")
+M_REJECTED = Counter("llumnix_instance_requests_rejected_total", "Requests refused as invalid")
 M_TOKENS = Counter("llumnix_instance_tokens_total", "Output tokens generated")
 M_STEP = Histogram("llumnix_instance_step_seconds", "Wall time of one engine step, model time included",
                    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0))
@@ -83,7 +83,9 @@ class Instance:
         self.load_changed = asyncio.Event()
         self.accepting = True
         self.draining = ""  # the reason while the manager has us draining
+        self.elsewhere = True  # (while draining) another instance takes requests
         self.cordoned = False
+        self.stop_reason = "SIGTERM"
         self.arrived: dict[str, float] = {}  # requests that came by migration -> when (the cooldown counts from it)
         self.started = time.monotonic()
         self.stop = asyncio.Event()
@@ -152,7 +154,7 @@ class Instance:
                 elif not self.abort_local(msg.request_id) and self.migrator is not None:
                     self.migrator.forward_abort(msg.request_id)
                 continue
-            if not self.accepting or self.draining:
+            if not self.accepting or (self.draining and self.elsewhere):
                 M_REDISPATCHED.inc()
                 self._send(msg.reply_to, wire.Redispatch(msg.request_id, self.instance_id,
                                                          "shutting down" if not self.accepting else "draining"))
@@ -286,6 +288,7 @@ class Instance:
                 self.set_draining(msg)
             elif isinstance(msg, wire.Shutdown):
                 log.info("the manager asks us to stop (%s)", msg.reason or "no reason given")
+                self.stop_reason = f"stopped by the manager ({msg.reason})" if msg.reason else "stopped by the manager"
                 self.stop.set()
             else:
                 M_BAD_FRAMES.inc()
@@ -294,6 +297,7 @@ class Instance:
         was = self.draining
         self.draining = (msg.reason or "operator") if msg.draining else ""
         self.cordoned = msg.cordoned
+        self.elsewhere = msg.elsewhere
         if self.draining and not was:
             log.info("draining (%s): running requests migrate out; queued ones go back to their proxies%s",
                      self.draining, "" if msg.elsewhere else " once another instance takes requests")
@@ -399,24 +403,20 @@ class Instance:
         failure = next((t.exception() for t in done if t is not stopped and t.exception() is not None), None)
         if failure is not None:
             log.error("instance loop failed: %r", failure)
-        await self.shutdown(tasks, "SIGTERM" if failure is None else f"failed: {failure!r}",
+        await self.shutdown(tasks, self.stop_reason if failure is None else f"failed: {failure!r}",
                             grace=self.ic.shutdown_grace_s if failure is None else 0.0)
         if failure is not None:
             raise SystemExit(1)  # let systemd's Restart=on-failure see it
 
     async def shutdown(self, tasks: list[asyncio.Task], reason: str, grace: float) -> None:
-        """Drain, then stop: leave the dispatch set, give queued requests back for re-dispatch, let the
-        manager migrate running ones out (or let them finish) for a grace period, fail what is left."""
+        """Drain, then stop: leave the dispatch set and, for a grace period, let the manager migrate running
+        requests out and give queued ones back for re-dispatch (its drain orders do both, once another
+        instance can take them), or let them finish; then fail what is left."""
         runtime.sd_notify("STOPPING=1")
         self.accepting = False
         self._tell_manager(wire.Goodbye(self.instance_id, reason))
         log.info("stopping: %d requests in flight, draining for up to %.1fs", len(self.reply_to), grace)
         deadline = time.monotonic() + grace
-        if grace > 0:
-            try:
-                await asyncio.wait_for(self.boundary(self.redispatch_queued), grace)
-            except (asyncio.TimeoutError, EngineError):
-                pass
         while (self.reply_to or (self.migrator is not None and self.migrator.busy)) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for t in tasks:

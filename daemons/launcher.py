@@ -98,6 +98,7 @@ class Launcher:
             log.info("launched instance %s registered (%.1fs)", registered, time.monotonic() - launch.started)
             return registered
         except OSError as exc:
+            M_LAUNCHES.labels("failed").inc()
             raise LaunchError(f"cannot run the launcher: {exc}") from None
         except LaunchError:
             M_LAUNCHES.labels("failed").inc()

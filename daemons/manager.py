@@ -201,6 +201,8 @@ class Manager:
         self.update_gauges(rec, now)
         if rec.drain_reason or rec.cordoned:  # it forgot (restarted) or we did: say it again
             self.resched.tell(rec)
+        if old is None and rec.drain_reason in ("remove", "scale-in"):  # we restarted in the middle of it
+            self.resched.resume_retirement(rec)
         return wire.RegisterAck(msg.instance_id)
 
     def on_report(self, ident: bytes, msg: wire.LoadReport) -> wire.Message | None:

@@ -355,6 +355,8 @@ class Migrator:
     def _refusal(self, msg: wire.MigStage) -> str:
         if not self.inst.accepting:
             return f"instance {self.inst.instance_id} is shutting down"
+        if self.inst.draining:
+            return f"instance {self.inst.instance_id} is draining"
         spec = self.engine.kv_blocks().spec
         if msg.kv_spec != spec:
             return f"KV layout differs: source {msg.kv_spec!r}, destination {spec!r}"

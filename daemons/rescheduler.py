@@ -102,6 +102,10 @@ class Rescheduler:
         dst = self.m.instances.get(msg.dst)
         if dst is None or dst.state != "alive":
             return wire.ErrorReply(msg.query_id, f"destination {msg.dst!r} is not a live instance (see llumnixctl status)")
+        if dst.draining or dst.cordoned:
+            flag, undo = ("draining", "undrain") if dst.draining else ("cordoned", "uncordon")
+            return wire.ErrorReply(msg.query_id, f"destination {msg.dst} is {flag}: it takes no requests "
+                                                 f"(llumnixctl {undo} {msg.dst} first)")
         if msg.request_id:
             held = await self.m.on_requests(wire.RequestsQuery(0))
             src_id = next((q.instance_id for q in held.requests if q.request_id == msg.request_id), None)
@@ -194,12 +198,20 @@ class Rescheduler:
             return wire.ErrorReply(msg.query_id, f"unknown instance {msg.instance_id!r} (see llumnixctl status)")
         if r.state == "dead":
             self.m.forget(r, "removed by llumnixctl (it was dead)")
-            return wire.RemoveReply(msg.query_id, msg.instance_id, 0.0)
+            return wire.RemoveReply(msg.query_id, msg.instance_id, 0.0, was_dead=True)
         outcome = await self.retire(msg.instance_id, "remove", msg.timeout_s)
         if isinstance(outcome, str):
             return wire.ErrorReply(msg.query_id, outcome)
         drained_s, migrated = outcome
         return wire.RemoveReply(msg.query_id, msg.instance_id, round(drained_s, 3), migrated)
+
+    def resume_retirement(self, r: InstanceRecord) -> None:
+        """An instance that was being removed or scaled in when the manager restarted: finish the job."""
+        log.info("instance %s was being retired (%s) before we restarted; going on", r.instance_id, r.drain_reason)
+        if r.drain_reason == "scale-in":
+            self.m.spawn(self.scale_in(r.instance_id))
+        else:
+            self.m.spawn(self.retire(r.instance_id, r.drain_reason, self.scfg.launch_timeout_s))
 
     async def retire(self, instance_id: str, reason: str, timeout_s: float,
                      undrain_on_timeout: bool = False) -> tuple[float, int] | str:
@@ -280,8 +292,9 @@ class Rescheduler:
         avg = policy.average_freeness(states)
         M_CLUSTER_FREENESS.set(math.nan if avg is None else avg)
         if self.m.scaling_policy == "off":
+            self.scaler.reset()
             return None
-        serving = sum(1 for s in states if s.dispatchable)
+        serving = len(policy.scaling.serving(states))
         decision = self.scaler.observe(now, avg, serving, len(self.launcher.launches))
         if decision == "up":
             if not self.scfg.launcher.strip():
@@ -290,14 +303,20 @@ class Rescheduler:
             log.info("auto-scaling out: average freeness %s, %d serving", "n/a" if avg is None else f"{avg:.2f}", serving)
             self.m.spawn(self._scale_out())
         elif decision == "down":
-            victim = policy.scale_in_victim(states, self.sc.high_priority_headroom)
+            victim = policy.scale_in_victim(states)
             if victim is None:
                 return None
             log.info("auto-scaling in: average freeness %.2f, %d serving; retiring %s", avg, serving, victim)
-            self.scale_ins += 1
-            M_SCALING.labels("in").inc()
-            self.m.spawn(self.retire(victim, "scale-in", self.scfg.launch_timeout_s, undrain_on_timeout=True))
+            self.m.spawn(self.scale_in(victim))
         return decision
+
+    async def scale_in(self, instance_id: str) -> None:
+        outcome = await self.retire(instance_id, "scale-in", self.scfg.launch_timeout_s, undrain_on_timeout=True)
+        if isinstance(outcome, str):
+            log.warning("auto-scaling in: %s", outcome)
+            return
+        self.scale_ins += 1
+        M_SCALING.labels("in").inc()
 
     async def _scale_out(self) -> None:
         try:

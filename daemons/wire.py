@@ -460,6 +460,7 @@ class RemoveReply(msgspec.Struct, **_tagged(73)):
     instance_id: str
     drained_s: float  # from the query to no request left on it
     migrated: int = 0  # migrations out of it that committed meanwhile
+    was_dead: bool = False  # it was dead: forgotten, nothing to drain or stop
 
 
 class AddQuery(msgspec.Struct, **_tagged(74)):

@@ -206,7 +206,10 @@ def add_instance(run_dir: Path, state: ClusterState, instance_id: str, sets: lis
                  timeout_s: float = 60.0) -> Proc:
     """Start one more instance of this cluster (its settings, then ``sets``) and wait until it is alive."""
     with _Locked(run_dir):
-        state.procs = (ClusterState.load(run_dir) or state).procs  # launches may run side by side
+        current = ClusterState.load(run_dir)  # launches may run side by side
+        if current is None:
+            raise ClusterError(f"the cluster in {run_dir} is down (no {STATE_FILE})")
+        state.procs = current.procs
         if any(p.name == f"instance-{instance_id}" and p.process() is not None for p in state.procs):
             raise ClusterError(f"instance {instance_id} of this cluster is already running")
         argv = _daemon("instance") + state.args + ["--set", f"instance.id={instance_id}", "--set",
@@ -242,8 +245,28 @@ def _healthy(url: str, instances: int) -> bool:
         return False
 
 
+def down(run_dir: Path, timeout_s: float = 15.0) -> list[Proc]:
+    """Stop the cluster of ``run_dir`` and forget it. Under the state lock, so that an instance being
+    launched meanwhile is either recorded first (and stopped here) or refused."""
+    with _Locked(run_dir):
+        state = ClusterState.load(run_dir)
+        if state is None:
+            raise ClusterError(f"no local cluster in {run_dir} (nothing to stop)")
+        stopped = stop(state, timeout_s)
+        (run_dir / STATE_FILE).unlink(missing_ok=True)
+    return stopped
+
+
 def stop(state: ClusterState, timeout_s: float = 15.0) -> list[Proc]:
-    """SIGTERM the proxy, then instances, then the manager; SIGKILL what outlives the timeout."""
+    """SIGTERM the proxy, then instances, then the manager; SIGKILL what outlives the timeout. Auto-scaling
+    is switched off first: instances leaving would otherwise look like a cluster below its minimum."""
+    client = AdminClient(state.manager_address, timeout_s=1.0)
+    try:
+        client.policy(scaling_policy="off")
+    except (ManagerUnreachable, RuntimeError):
+        pass  # not running, or too old to know: nothing to switch off
+    finally:
+        client.close()
     order = sorted(state.procs, key=lambda p: {"proxy": 0, "manager": 2}.get(p.name, 1))
     stopped = []
     for group in ("proxy", "instance", "manager"):
@@ -254,12 +277,33 @@ def stop(state: ClusterState, timeout_s: float = 15.0) -> list[Proc]:
                 live.send_signal(signal.SIGTERM)
             except psutil.NoSuchProcess:
                 pass
-        _, alive = psutil.wait_procs([live for _, live in procs], timeout=timeout_s)
+        alive = _wait_gone([live for _, live in procs], timeout_s)
         for live in alive:
             try:
                 live.kill()
             except psutil.NoSuchProcess:
                 pass
-        psutil.wait_procs(alive, timeout=5)
+        _wait_gone(alive, 5)
         stopped += [p for p, _ in procs]
     return stopped
+
+
+def _gone(p: psutil.Process) -> bool:
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE  # exited; its parent (maybe not us) has yet to reap it
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_gone(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    """Wait until each process exited; returns those still running after ``timeout_s``. Children of
+    ours are reaped; a process that another one started counts as gone once it is a zombie (psutil's
+    wait_procs would wait on such a zombie until the timeout)."""
+    deadline = time.monotonic() + timeout_s
+    left = list(procs)
+    while left:
+        _, left = psutil.wait_procs(left, timeout=0.05)  # reaps our own children
+        left = [p for p in left if not _gone(p)]
+        if not left or time.monotonic() > deadline:
+            break
+    return left

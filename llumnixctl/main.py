@@ -69,11 +69,10 @@ def up(
 def down(run_dir: RunDirOpt = None, json_: JsonOpt = False) -> None:
     """Stop the processes that `up` started from this run directory (SIGTERM, then SIGKILL)."""
     run_dir = run_dir or localcluster.default_run_dir()
-    state = localcluster.ClusterState.load(run_dir)
-    if state is None:
-        die(f"no local cluster in {run_dir} (nothing to stop)")
-    stopped = localcluster.stop(state)
-    (run_dir / localcluster.STATE_FILE).unlink(missing_ok=True)
+    try:
+        stopped = localcluster.down(run_dir)
+    except localcluster.ClusterError as exc:
+        die(str(exc))
     if json_:
         print_json({"stopped": [{"name": p.name, "pid": p.pid} for p in stopped]})
     else:

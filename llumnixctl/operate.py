@@ -103,7 +103,10 @@ def remove(instance: InstanceArg,
     client = admin(manager, run_dir, config, timeout + 60.0)
     reply = _call(client, lambda c: c.remove(instance, timeout))
     if json_:
-        print_json({"id": reply.instance_id, "removed": True, "drained_s": reply.drained_s, "migrated": reply.migrated})
+        print_json({"id": reply.instance_id, "removed": True, "drained_s": reply.drained_s, "migrated": reply.migrated,
+                    "was_dead": reply.was_dead})
+    elif reply.was_dead:
+        out.print(f"{instance}: it was dead; forgotten")
     else:
         out.print(f"{instance}: drained in {reply.drained_s:.2f}s ({reply.migrated} migrated out) and stopped")
 
@@ -112,7 +115,7 @@ def add(count: Annotated[int, typer.Option("--count", "-n", min=1, help="instanc
         timeout: Annotated[float, typer.Option("--timeout", help="seconds to wait for them to register (0: scaling.launch_timeout_s)")] = 0.0,
         manager: ManagerOpt = None, run_dir: RunDirOpt = None, config: ConfigOpt = None, json_: JsonOpt = False) -> None:
     """Start instances with the manager's launcher (scaling.launcher) and wait until they registered."""
-    client = admin(manager, run_dir, config, (timeout or 600.0) + 30.0)
+    client = admin(manager, run_dir, config, (timeout or 3600.0) + 30.0)  # 0: the manager's own limit applies
     reply = _call(client, lambda c: c.add(count, timeout))
     if json_:
         print_json({"added": reply.instance_ids})

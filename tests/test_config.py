@@ -1,4 +1,5 @@
 import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -84,3 +85,12 @@ def test_daemon_refuses_bad_config_with_one_line(tmp_path, module):
     assert res.returncode == 2
     assert "unknown key proxy.prot" in res.stderr and str(p) in res.stderr
     assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["scaling.min_instances=3", "scaling.max_instances=2"], "scaling.min_instances (3) is above scaling.max_instances (2)"),
+    (["scaling.scale_up_threshold=50", "scaling.scale_down_threshold=10"], "scaling.scale_up_threshold (50) must be below"),
+])
+def test_settings_that_must_agree(sets, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, sets)

@@ -171,6 +171,8 @@ def test_drain_moves_everything_out_with_no_error(start_cluster):
     assert status(c)["totals"]["ordered_migrations"].get("drain/committed", 0) >= 1
     given_back = _metrics_line(httpx.get(c.url + "/metrics").text, "llumnix_proxy_given_back_total")
     assert given_back >= 1  # the ones queued there were dispatched again
+    refused = ctl("migrate", "--from", "i1", "--to", "i0", "--run-dir", str(c.run_dir))
+    assert refused.returncode == 1 and "destination i0 is draining" in refused.stderr and "undrain i0" in refused.stderr
     manager_metrics = _metrics(c, "manager")
     assert manager_metrics['llumnix_instance_draining{instance="i0"}'] == 1.0
     assert manager_metrics['llumnix_instance_draining{instance="i1"}'] == 0.0
@@ -317,3 +319,25 @@ def test_a_restarted_manager_keeps_drains_and_cordons(start_cluster):
     assert not failures(Load(c.url, [Spec(0, 4) for _ in range(5)]).wait())
     received = {v.instance_id: v.load.requests_received for v in c.admin().status().instances}
     assert received["i1"] == received["i2"] == 0 and received["i0"] == 5
+
+
+def test_down_leaves_no_instance_behind_when_scaling_would_replace_them(start_cluster, tmp_path):
+    import psutil
+
+    c = start_cluster(2, ["scaling.policy=llumnix", "scaling.min_instances=2", "scaling.launch_timeout_s=1",
+                          "scaling.cooldown_s=0"])
+    time.sleep(1.5)  # past launch_timeout_s: instances that leave now look like a cluster below its minimum
+    res = ctl("down", "--run-dir", str(c.run_dir), "--json")
+    assert res.returncode == 0, res.stderr
+    time.sleep(3)  # a launch started during the stop would have registered by now
+
+    def ours() -> list[str]:
+        found = []
+        for p in psutil.process_iter(["cmdline"]):
+            cmd = " ".join(p.info["cmdline"] or [])
+            if str(c.run_dir) in cmd:
+                found.append(f"{p.pid}: {cmd[:200]}")
+        return found
+
+    assert ours() == []
+    assert not (c.run_dir / "cluster.json").exists()

@@ -294,6 +294,8 @@ def test_scaler_adds_at_once_below_min_and_never_removes_below_it():
     s = _scaler(min_instances=2, not_before=-1.0)
     assert s.observe(0.0, None, 1, 0) == "up"
     assert s.observe(1.0, None, 1, 1) is None  # one is launching
+    assert s.observe(2.0, None, 1, 0) is None  # it failed: try again after the cooldown, not at every tick
+    assert s.observe(10.0, None, 1, 0) == "up"
     assert [s.observe(t, 1e6, 2, 0) for t in (20, 30, 40)] == [None, None, None]
 
 
@@ -318,5 +320,9 @@ def test_scaling_stays_within_min_and_max(signal, lo, span):
 def test_scale_in_victim_is_the_freest():
     ss = [InstanceState("i0", 100, blocks_used=50, running=5), InstanceState("i1", 100, blocks_used=5, running=1),
           InstanceState("i2", 100, running=0, draining=True)]
-    assert policy.scale_in_victim(ss, 0.0) == "i1"
+    assert policy.scale_in_victim(ss) == "i1"
+    # A new instance's credit does not make it the victim; a cordoned one still serves and counts.
+    ss[0] = dataclasses.replace(ss[0], credit=1000.0, cordoned=True)
+    assert policy.scale_in_victim(ss) == "i1"
+    assert len(policy.scaling.serving(ss)) == 2
     assert policy.average_freeness(ss) == pytest.approx(((100 - 50) / 5 + (100 - 5) / 1) / 2)
