@@ -131,8 +131,8 @@ class MigrationConfig:
 class SchedulingConfig:
     pairing_policy: str = setting("llumnix", "migration pairing when dispatch_policy is llumnix: llumnix (instances below migrate_out_threshold to those above migrate_in_threshold, least free with freest) or off (only drains migrate)", choices=("llumnix", "off"))
     migration_interval_s: float = setting(0.5, "how often the manager pairs instances and orders migrations", minimum=0.01)
-    migrate_out_threshold: float = setting(4.0, "an instance whose freeness is below this sheds requests (freeness: free blocks per request, virtual usage counted)")
-    migrate_in_threshold: float = setting(16.0, "an instance whose freeness is above this takes migrated requests")
+    migrate_out_threshold: float = setting(6.0, "an instance whose freeness is below this sheds requests (freeness: free blocks per request, virtual usage counted; for 16-token blocks, 6 is ~100 decode steps of room)")
+    migrate_in_threshold: float = setting(8.0, "an instance whose freeness is above this takes migrated requests (keep it above migrate_out_threshold: the gap stops a destination turning source)")
     max_migrations_per_instance: int = setting(2, "most manager-ordered migrations in flight per instance, as source or destination", minimum=1)
     migration_cooldown_s: float = setting(10.0, "a request that arrived by migration is not moved again for balancing within this long (drains ignore it)", minimum=0.0)
     request_selection: str = setting("llumnix", "which requests a source sheds first: llumnix (lower priority, then fewer blocks), last-running (most recently admitted), longest (most blocks), first-waiting (queued requests re-dispatched first, then as llumnix)", choices=("llumnix", "last-running", "longest", "first-waiting"))
