@@ -18,7 +18,7 @@ import pytest
 
 from daemons.engine.sim import sim_token_id
 from llumnixctl import localcluster
-from tests.conftest import ctl, ctl_json
+from tests.conftest import ctl
 
 pytestmark = pytest.mark.e2e
 

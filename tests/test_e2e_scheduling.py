@@ -6,7 +6,6 @@ token. Steps are paced (instance.min_step_s) so that timing does not hang on how
 from __future__ import annotations
 
 import json
-import os
 import signal
 import time
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 
-import msgspec
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st

@@ -223,7 +223,7 @@ def test_each_chosen_migration_lowers_the_imbalance(cluster, headroom, selection
     ss = {s.instance_id: s for s, _ in cluster}
     reqs = {s.instance_id: r for s, r in cluster}
     for p in pair(list(ss.values()), headroom, INF, -INF, k):  # every instance may be a source and a destination
-        src, dst = ss[p.src], ss[p.dst]
+        src = ss[p.src]
         chosen = select_migrants(selection, reqs[p.src], p.count, src_usage=p.src_usage, src_blocks=src.blocks_total,
                                  dst_usage=p.dst_usage, dst_blocks=p.dst_blocks, headroom=headroom, block_size=16,
                                  drain=p.drain, dst_free=p.dst_free)
