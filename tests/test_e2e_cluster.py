@@ -243,3 +243,20 @@ def test_address_in_use_is_one_line_and_exit_1(argv):
     assert res.returncode == 1
     assert "cannot start" in res.stderr and str(port) in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_proxy_dispatches_by_the_clusters_policy_while_the_manager_is_away(start_cluster):
+    c = start_cluster(instances=2, sets=["manager.dispatch_policy=flood", "proxy.dispatch_timeout_s=0.2"])
+    time.sleep(0.6)  # the proxy has a snapshot, which names the policy
+    manager = c.proc("manager").process()
+    manager.send_signal(signal.SIGSTOP)
+    try:
+        results = [_complete(c.url, 3, timeout=30) for _ in range(6)]
+    finally:
+        manager.send_signal(signal.SIGCONT)
+    assert [r.status_code for r in results] == [200] * 6
+    assert all(r.json()["usage"]["completion_tokens"] == 3 for r in results)
+    metrics = httpx.get(c.url + "/metrics").text.splitlines()
+    assert next(float(x.split()[1]) for x in metrics if x.startswith("llumnix_proxy_local_dispatches_total ")) == 6
+    received = {v.instance_id: v.load.requests_received for v in c.admin().status().instances}
+    assert received == {"i0": 6, "i1": 0}  # flood, as the manager would have: not the proxy's own preference

@@ -2,7 +2,8 @@
 
 Each request gets a ``Stream`` that puts token outputs in index order and emits each index exactly once,
 whichever instance produced it. If the manager does not answer in time (or is known to be down), the
-proxy picks the freest instance from its last snapshot itself. A request whose instance fails or dies
+proxy picks an instance from its last snapshot itself, by the dispatch policy the manager's snapshots name
+(from load reports alone: no headroom, credit or unreported dispatches of other proxies). A request whose instance fails or dies
 before producing a token is sent elsewhere; after that, the client gets an error. A request that migrates
 is followed: the destination says so (``Moved``), and aborts go there from then on. A queued request that a
 draining instance gives back (``Redispatch``) is dispatched again; that is not a failed attempt.
@@ -102,6 +103,7 @@ class ClusterClient:
         self.instances: dict[str, zmq.Socket] = {}  # by request address: a restarted instance may move
         self.streams: dict[str, Stream] = {}
         self.snapshot: list[wire.InstanceView] = []
+        self.dispatch_policy = "llumnix"  # the manager's, from its snapshots: our fallback dispatches the same way
         self.snapshot_at = 0.0  # monotonic time of the last answer from the manager
         self._snapshot_asked_at = 0.0
         self.token_address = ""
@@ -155,6 +157,8 @@ class ClusterClient:
             msg = wire.decode(await self.manager.recv())
             if isinstance(msg, wire.Snapshot):
                 self.snapshot, self.snapshot_at = msg.instances, time.monotonic()
+                if msg.dispatch_policy in policy.DISPATCH_POLICIES:
+                    self.dispatch_policy = msg.dispatch_policy
                 self._check_gone()
             if isinstance(msg, (wire.DispatchReply, wire.Snapshot)):
                 fut = self._queries.get(msg.query_id)
@@ -195,7 +199,7 @@ class ClusterClient:
         views = [v for v in self.alive() if v.instance_id not in stream.tried]
         states = [policy.state_of(v.instance_id, v.load, pending_requests=v.pending_dispatches) for v in views]
         self._turn += 1
-        chosen = policy.dispatch("llumnix", states, self._turn)
+        chosen = policy.dispatch(self.dispatch_policy, states, self._turn, priority=sub.priority)
         if chosen is None:
             raise NoInstance("no live instance (the manager is unreachable and the last snapshot has none)")
         return chosen, next(v.request_address for v in views if v.instance_id == chosen)
