@@ -274,7 +274,11 @@ def test_autoscaling_adds_under_load_and_retires_when_idle(start_cluster):
     results = load.wait()
     assert not failures(results), failures(results)
     wait_for(lambda: len(serving()) == 1, 30, 0.1, "no instance was retired when idle")
-    st = status(c)
+    def scaled_in() -> dict | None:  # a scale-in counts once its instance has drained and stopped
+        st = status(c)
+        return st if st["totals"]["scale_ins"] else None
+
+    st = wait_for(scaled_in, 15, message="the scale-in did not finish")
     assert st["totals"]["scale_outs"] == 1 and st["totals"]["scale_ins"] == 1
     assert 1 <= min(counts) and max(counts) <= 2
     retired = next(p for p in c.state.__class__.load(c.run_dir).procs if p.name.startswith("instance-")
