@@ -73,7 +73,7 @@ class InstanceRecord:
         return bool(self.drain_reason) or self.state == "stopping"
 
     def credit(self, now: float, window_s: float) -> float:
-        return policy.fading_credit(1.0, int(self.credit0), self.credit_age0 + now - self.registered_at, window_s)
+        return policy.fading_credit(self.credit0, self.credit_age0 + now - self.registered_at, window_s)
 
     def retire_pending(self, now: float, ttl: float) -> None:
         received = self.load.requests_received
@@ -145,7 +145,7 @@ class Manager:
                              uptime_s=round(now - self.started, 3), dispatched_total=self.dispatched_total,
                              pairing_policy=self.pairing_policy, request_selection=self.request_selection,
                              scaling_policy=self.scaling_policy, migrating=self.migrating,
-                             auto_migrations=dict(self.resched.outcomes), scale_outs=self.resched.scale_outs,
+                             ordered_migrations=dict(self.resched.outcomes), scale_outs=self.resched.scale_outs,
                              scale_ins=self.resched.scale_ins, launching=len(self.resched.launcher.launches))
 
     def update_gauges(self, r: InstanceRecord, now: float | None = None) -> None:

@@ -182,7 +182,7 @@ class Snapshot(msgspec.Struct, **_tagged(13)):
     request_selection: str = ""
     scaling_policy: str = ""
     migrating: bool = False  # the pairing loop orders balancing migrations (dispatch llumnix, pairing on)
-    auto_migrations: dict[str, int] = {}  # manager-ordered migrations that ended, by "reason/outcome"
+    ordered_migrations: dict[str, int] = {}  # manager-ordered migrations that ended, by "reason/outcome"
     scale_outs: int = 0
     scale_ins: int = 0
     launching: int = 0  # instances launched that have not registered yet

@@ -229,7 +229,7 @@ def run_policy(policy: str, reqs: list[trace.TraceRequest], instances: int, sets
     out["migrations"] = {"committed": sum(ld.migrations_committed for ld in loads),
                          "aborted": sum(ld.migrations_aborted for ld in loads)}
     out["migrations"]["total"] = out["migrations"]["committed"] + out["migrations"]["aborted"]
-    out["ordered_migrations"] = dict(snap.auto_migrations)
+    out["ordered_migrations"] = dict(snap.ordered_migrations)
     out["manager"] = {"dispatch_policy": snap.dispatch_policy, "pairing_policy": snap.pairing_policy,
                       "migrating": snap.migrating, "dispatched_total": snap.dispatched_total}
     out["sampled"] = sampled

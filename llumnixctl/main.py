@@ -96,7 +96,7 @@ def status_json(snap: wire.Snapshot, address: str) -> dict:
         "migrations_in_flight": sum(r["migrating_out"] for r in rows),
         "migrations_committed": sum(r["migrations_committed"] for r in rows),
         "migrations_aborted": sum(r["migrations_aborted"] for r in rows),
-        "ordered_migrations": dict(snap.auto_migrations),
+        "ordered_migrations": dict(snap.ordered_migrations),
         "scale_outs": snap.scale_outs, "scale_ins": snap.scale_ins, "launching": snap.launching,
     }
     return {"instances": rows, "totals": totals,

@@ -67,7 +67,7 @@ def test_virtual_usage_terms():
 
 
 def test_credit_fades_to_zero():
-    values = [fading_credit(0.5, 1000, t, 10.0) for t in (0, 2.5, 5, 9.9, 10, 50)]
+    values = [fading_credit(500.0, t, 10.0) for t in (0, 2.5, 5, 9.9, 10, 50)]
     assert values[0] == 500 and values[-2:] == [0.0, 0.0]
     assert values == sorted(values, reverse=True)
 

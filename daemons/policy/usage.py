@@ -114,11 +114,11 @@ def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // max(block_size, 1))
 
 
-def fading_credit(credit_fraction: float, blocks_total: int, age_s: float, window_s: float) -> float:
-    """A new instance's credit, in blocks: ``credit_fraction`` of its blocks at first, fading to 0 over ``window_s``."""
+def fading_credit(blocks: float, age_s: float, window_s: float) -> float:
+    """A new instance's credit at ``age_s``: ``blocks`` at first, fading linearly to 0 over ``window_s``."""
     if window_s <= 0 or age_s >= window_s or age_s < 0:
         return 0.0
-    return credit_fraction * blocks_total * (1.0 - age_s / window_s)
+    return blocks * (1.0 - age_s / window_s)
 
 
 def state_of(instance_id: str, load, **flags) -> InstanceState:
