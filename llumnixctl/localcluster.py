@@ -3,7 +3,8 @@
 ``cluster.json`` in the run directory records every process with its start time, so ``down`` stops
 exactly the processes ``up`` started (and the instances added to it later), never a process that reused a
 pid. The manager of such a cluster launches instances with ``llumnixctl local-instance`` (``add`` and
-auto-scaling), which records them in ``cluster.json`` too, under a lock.
+auto-scaling), which records them in ``cluster.json`` too, under a lock. ``stop`` (and so ``down``) reads
+``cluster.json`` again under that lock: it stops what was recorded since ``up`` as well.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import psutil
@@ -69,10 +70,13 @@ class ClusterState:
     config: str | None
     procs: list[Proc] = field(default_factory=list)
     args: list[str] = field(default_factory=list)  # the settings every daemon of this cluster got
+    run_dir: str | None = None  # where its cluster.json is (set by up and load; not saved)
 
     def save(self, run_dir: Path) -> None:
+        data = asdict(self)
+        del data["run_dir"]
         tmp = run_dir / (STATE_FILE + ".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2))
+        tmp.write_text(json.dumps(data, indent=2))
         tmp.replace(run_dir / STATE_FILE)
 
     @classmethod
@@ -82,6 +86,7 @@ class ClusterState:
             return None
         data = json.loads(path.read_text())
         data["procs"] = [Proc(**p) for p in data["procs"]]
+        data["run_dir"] = str(run_dir)
         return cls(**data)
 
     def live(self) -> list[Proc]:
@@ -139,7 +144,8 @@ def up(run_dir: Path, instances: int, backend: str, port: int, config: str | Non
     common += ["--set", f"manager.address={manager_address}"]
     if not load_config(config, sets).scaling.launcher:  # add and auto-scaling start instances of this cluster
         common += ["--set", f"scaling.launcher={json.dumps(launcher_command(run_dir))}"]
-    state = ClusterState(manager_address, f"http://127.0.0.1:{port}", backend, config, args=common)
+    state = ClusterState(manager_address, f"http://127.0.0.1:{port}", backend, config, args=common,
+                         run_dir=str(run_dir))
 
     def fail(why: str, proc: Proc | None = None) -> ClusterError:
         stop(state)
@@ -165,9 +171,10 @@ def up(run_dir: Path, instances: int, backend: str, port: int, config: str | Non
             argv = _daemon("instance") + common + ["--set", f"instance.id=i{i}", "--set", f"instance.backend={backend}"]
             state.procs.append(_spawn(run_dir, f"instance-i{i}", argv))
         state.procs.append(_spawn(run_dir, "proxy", _daemon("proxy") + common + ["--set", f"proxy.port={port}"]))
-        state.save(run_dir)
+        ours = list(state.procs)
+        record(run_dir, state, [])  # keeps what a launch (auto-scaling from the start) recorded meanwhile
         while True:
-            for p in state.procs:
+            for p in ours:
                 if p.process() is None:
                     raise fail(f"{p.name} exited during start-up", p)
             if _healthy(state.url, instances):
@@ -200,6 +207,34 @@ class _Locked:
 
     def __exit__(self, *exc):
         os.close(self.fd)  # releases the lock
+
+
+def _union(*lists: list[Proc]) -> list[Proc]:
+    """The processes of all lists, each once (by pid and start time), in order of appearance."""
+    seen, out = set(), []
+    for procs in lists:
+        for p in procs:
+            key = (p.pid, round(p.create_time, 2))
+            if key not in seen:
+                seen.add(key)
+                out.append(p)
+    return out
+
+
+def record(run_dir: Path, state: ClusterState, procs: list[Proc]) -> None:
+    """Record ``procs`` as processes of this cluster, in ``state`` and, under the lock, in ``cluster.json``
+    (keeping what others recorded there), so that ``stop`` and ``down`` stop them too. A recorded process
+    of the same name that is no longer running is forgotten (a restarted daemon replaces its old entry)."""
+    names = {p.name for p in procs}
+
+    def merged(old: list[Proc]) -> list[Proc]:
+        kept = [p for p in old if p.name not in names or p.process() is not None]
+        return _union(kept, procs)
+
+    with _Locked(run_dir):
+        current = ClusterState.load(run_dir)
+        state.procs = merged(_union(state.procs, current.procs if current else []))
+        state.save(run_dir)
 
 
 def add_instance(run_dir: Path, state: ClusterState, instance_id: str, sets: list[str] | None = None,
@@ -246,20 +281,40 @@ def _healthy(url: str, instances: int) -> bool:
 
 
 def down(run_dir: Path, timeout_s: float = 15.0) -> list[Proc]:
-    """Stop the cluster of ``run_dir`` and forget it. Under the state lock, so that an instance being
-    launched meanwhile is either recorded first (and stopped here) or refused."""
+    """Stop the cluster of ``run_dir`` and forget it (see ``stop``)."""
     with _Locked(run_dir):
         state = ClusterState.load(run_dir)
         if state is None:
             raise ClusterError(f"no local cluster in {run_dir} (nothing to stop)")
-        stopped = stop(state, timeout_s)
-        (run_dir / STATE_FILE).unlink(missing_ok=True)
-    return stopped
+        return _stop_and_forget(state, run_dir, timeout_s)
 
 
 def stop(state: ClusterState, timeout_s: float = 15.0) -> list[Proc]:
+    """Stop every process of the cluster and forget it: those in ``state`` and, where it has a run
+    directory, all recorded in its ``cluster.json`` (instances that ``add`` or auto-scaling started
+    after ``up``), which is then removed. Under the state lock, so that an instance being launched
+    meanwhile is either recorded first (and stopped here) or refused. Stopping a stopped cluster is a
+    no-op. Returns the processes that were still running."""
+    run_dir = Path(state.run_dir) if state.run_dir else None
+    if run_dir is None or not run_dir.is_dir():
+        return _stop_procs(state, timeout_s)
+    with _Locked(run_dir):
+        return _stop_and_forget(state, run_dir, timeout_s)
+
+
+def _stop_and_forget(state: ClusterState, run_dir: Path, timeout_s: float) -> list[Proc]:
+    recorded = ClusterState.load(run_dir)
+    everything = replace(state, procs=_union(state.procs, recorded.procs if recorded else []))
+    stopped = _stop_procs(everything, timeout_s)
+    (run_dir / STATE_FILE).unlink(missing_ok=True)
+    return stopped
+
+
+def _stop_procs(state: ClusterState, timeout_s: float = 15.0) -> list[Proc]:
     """SIGTERM the proxy, then instances, then the manager; SIGKILL what outlives the timeout. Auto-scaling
     is switched off first: instances leaving would otherwise look like a cluster below its minimum."""
+    if not state.live():
+        return []  # nothing to stop (and no manager to ask)
     client = AdminClient(state.manager_address, timeout_s=1.0)
     try:
         client.policy(scaling_policy="off")
@@ -267,10 +322,12 @@ def stop(state: ClusterState, timeout_s: float = 15.0) -> list[Proc]:
         pass  # not running, or too old to know: nothing to switch off
     finally:
         client.close()
-    order = sorted(state.procs, key=lambda p: {"proxy": 0, "manager": 2}.get(p.name, 1))
+    def rank(p: Proc) -> int:  # the proxy first, the manager last; instances and anything else between
+        return {"proxy": 0, "manager": 2}.get(p.name.split("-")[0], 1)
+
     stopped = []
-    for group in ("proxy", "instance", "manager"):
-        procs = [(p, p.process()) for p in order if p.name.split("-")[0] == group]
+    for group in (0, 1, 2):
+        procs = [(p, p.process()) for p in state.procs if rank(p) == group]
         procs = [(p, live) for p, live in procs if live is not None]
         for _, live in procs:
             try:

@@ -1,13 +1,22 @@
-"""Fixtures that start real daemons on loopback and always stop them."""
+"""Fixtures that start real daemons on loopback and always stop them.
+
+Every process the test run starts carries ``LLUMNIX_TEST_RUN=<this run's id>`` in its environment (set
+here at configure time, inherited by daemons, launchers and ``llumnixctl``); at the end of the run, any
+such process still running is reported, killed (by pid) and fails the run.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 
 from llumnixctl import localcluster
@@ -26,14 +35,35 @@ class Cluster:
         self.url = state.url
         self.manager = state.manager_address
 
+    def stop(self, timeout_s: float = 10) -> list[localcluster.Proc]:
+        """Stop every process of the cluster: those of ``up``, those that ``add`` or auto-scaling recorded
+        in cluster.json since, and those registered here. What the fixtures do at teardown; idempotent."""
+        return localcluster.stop(self.state, timeout_s=timeout_s)
+
+    def register(self, proc, name: str | None = None, log: str = "") -> localcluster.Proc:
+        """Make a process started by hand (a daemon restarted after kill -9, say) one of this cluster's, so
+        that stop() and `llumnixctl down` stop it: by pid and start time, never by name. ``proc`` is a
+        localcluster.Proc, a psutil.Process, a subprocess.Popen or a pid. A dead entry of the same name
+        is replaced, so proc(name) is the new process."""
+        if not isinstance(proc, localcluster.Proc):
+            live = psutil.Process(proc if isinstance(proc, int) else proc.pid)
+            with live.oneshot():
+                proc = localcluster.Proc(name or live.name(), live.pid, live.create_time(), log, live.cmdline())
+        localcluster.record(self.run_dir, self.state, [proc])
+        return proc
+
+    def spawn(self, name: str, argv: list[str]) -> localcluster.Proc:
+        """Start a process as localcluster does (log in the run dir, own session) and register it."""
+        return self.register(localcluster._spawn(self.run_dir, name, argv))
+
     def admin(self) -> AdminClient:
         return AdminClient(self.manager, timeout_s=3)
 
     def status(self) -> dict:
         return ctl_json("status", "--run-dir", str(self.run_dir))
 
-    def proc(self, name: str):
-        return next(p for p in self.state.procs if p.name == name)
+    def proc(self, name: str) -> localcluster.Proc:
+        return [p for p in self.state.procs if p.name == name][-1]  # the newest of that name
 
     def openai(self, **kw):
         from openai import OpenAI
@@ -41,7 +71,8 @@ class Cluster:
         return OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, **kw)
 
     def logs(self) -> str:
-        return "\n".join(f"--- {p.log}\n" + Path(p.log).read_text(errors="replace")[-3000:] for p in self.state.procs)
+        return "\n".join(f"--- {p.log}\n" + Path(p.log).read_text(errors="replace")[-3000:]
+                         for p in self.state.procs if p.log and Path(p.log).exists())
 
 
 @pytest.fixture
@@ -58,18 +89,18 @@ def start_cluster(tmp_path_factory):
 
     yield start
     for cluster in started:
-        localcluster.stop(cluster.state, timeout_s=10)
+        cluster.stop()
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """One shared 2-instance cluster for tests that do not disturb it."""
     run_dir = tmp_path_factory.mktemp("shared")
-    state = localcluster.up(run_dir, 2, "sim", 0, None, FAST, timeout_s=60)
+    shared = Cluster(localcluster.up(run_dir, 2, "sim", 0, None, FAST, timeout_s=60), run_dir)
     try:
-        yield Cluster(state, run_dir)
+        yield shared
     finally:
-        localcluster.stop(state, timeout_s=10)
+        shared.stop()
 
 
 def ctl(*args: str, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -81,3 +112,116 @@ def ctl_json(*args: str) -> dict:
     res = ctl(*args, "--json")
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout)
+
+
+# ------------------------------------------------------------------ no process outlives the test run
+
+RUN_MARKER = "LLUMNIX_TEST_RUN"
+
+
+_marker_key = pytest.StashKey[str]()
+
+
+def pytest_configure(config):
+    # A fresh id per pytest process (never one inherited from an outer run): only its own processes count.
+    os.environ[RUN_MARKER] = config.stash.setdefault(_marker_key, uuid.uuid4().hex)
+
+
+def _marked(marker: str) -> list[psutil.Process]:
+    """Running processes (not zombies, not this one) whose environment carries ``marker``."""
+    found = []
+    needle = f"{RUN_MARKER}={marker}"
+    for p in psutil.process_iter():
+        if p.pid == os.getpid():
+            continue
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            with open(f"/proc/{p.pid}/environ", "rb") as f:
+                if needle.encode() in f.read().split(b"\0"):
+                    found.append(p)
+        except (psutil.Error, OSError):
+            continue  # gone meanwhile, or not ours to read
+    return found
+
+
+def _still_running(procs: list[psutil.Process]) -> list[psutil.Process]:
+    return [p for p in procs if p.is_running() and not localcluster._gone(p)]
+
+
+def _leftovers(marker: str) -> list[psutil.Process]:
+    """Marked processes that are still running after a grace period: a launcher whose cluster was just
+    stopped exits by itself within a second or so; a leaked daemon does not."""
+    grace_s = float(os.environ.get("LLUMNIX_TEST_LEFTOVER_GRACE_S", "3"))
+    deadline = time.monotonic() + grace_s
+    left = _marked(marker)
+    while left and time.monotonic() < deadline:
+        psutil.wait_procs(left, timeout=0.1)  # reaps our own children
+        left = _still_running(left)
+    return _marked(marker) if left else []
+
+
+def _kill(procs: list[psutil.Process], term_wait_s: float = 3.0) -> None:
+    """SIGTERM these processes (psutil refuses a pid that was reused), SIGKILL what is left after a moment."""
+    for sig, wait_s in ((signal.SIGTERM, term_wait_s), (signal.SIGKILL, 2.0)):
+        for p in procs:
+            try:
+                p.send_signal(sig)
+            except psutil.Error:
+                pass
+        deadline = time.monotonic() + wait_s
+        while procs and time.monotonic() < deadline:
+            psutil.wait_procs(procs, timeout=0.1)
+            procs = _still_running(procs)
+        if not procs:
+            return
+
+
+def _describe(p: psutil.Process) -> str:
+    try:
+        return f"pid {p.pid}: {' '.join(p.cmdline())[:300]}"
+    except psutil.Error:
+        return f"pid {p.pid}: (gone)"
+
+
+@pytest.hookimpl(wrapper=True, trylast=True)  # inner wrapper: after fixture teardown, before the summary
+def pytest_sessionfinish(session, exitstatus):
+    try:
+        return (yield)  # the runner tears down the remaining fixtures here (also after -x or Ctrl-C)
+    finally:
+        _check_no_process_left(session)
+
+
+def _check_no_process_left(session) -> None:
+    marker = session.config.stash.get(_marker_key, None)
+    if marker is None:
+        return
+    try:
+        left = _leftovers(marker)
+        lines = [_describe(p) for p in left]
+        _kill(left)
+    except KeyboardInterrupt:  # Ctrl-C while waiting: no more waiting, but still kill them, and do not crash
+        left, lines = [], []
+        try:
+            left = _marked(marker)
+            lines = [_describe(p) for p in left]
+            for p in left:
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
+        except KeyboardInterrupt:
+            pass
+    if not left:
+        return
+    tr = session.config.pluginmanager.get_plugin("terminalreporter")
+    header = f"{len(left)} process(es) started by the test run were still running (killed now):"
+    if tr is not None:
+        tr.write_sep("=", "processes left behind", red=True, bold=True)
+        tr.write_line(header, red=True)
+        for line in lines:
+            tr.write_line("  " + line)
+    else:
+        print(header, *("  " + line for line in lines), sep="\n", file=sys.stderr)
+    if session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -1,0 +1,117 @@
+"""Test hygiene: the fixtures stop every process of a cluster, and no process outlives the test run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from llumnixctl import localcluster
+from tests.conftest import RUN_MARKER, ctl_json
+
+pytestmark = pytest.mark.e2e
+
+
+def _wait(cond, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while not (result := cond()):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+    return result
+
+
+def test_teardown_stops_launched_and_registered_processes(start_cluster):
+    c = start_cluster(instances=1)
+    assert ctl_json("add", "--run-dir", str(c.run_dir))["added"] == ["i1"]  # through the manager's launcher
+    assert "instance-i1" not in [p.name for p in c.state.procs]  # what `up` returned does not know it
+
+    # An instance restarted by hand after kill -9, registered with the cluster by pid and start time.
+    old = c.proc("instance-i0")
+    os.kill(old.pid, signal.SIGKILL)
+    _wait(lambda: old.process() is None, 5, "the killed instance did not go")
+    log = Path(old.log)
+    started_before = log.read_text().count("serving on")
+    new = c.spawn("instance-i0", old.argv)  # appends to the same log
+    assert c.proc("instance-i0") is new and new.pid != old.pid
+    _wait(lambda: log.read_text().count("serving on") > started_before, 20, "the restarted instance did not start")
+    assert new.process() is not None
+
+    recorded = localcluster.ClusterState.load(c.run_dir).procs
+    assert sorted(p.name for p in recorded) == ["instance-i0", "instance-i1", "manager", "proxy"]
+    assert new.pid in [p.pid for p in recorded]
+    assert all(p.process() is not None for p in recorded)
+
+    stopped = c.stop()  # what the fixture does at teardown
+    assert sorted(p.pid for p in stopped) == sorted(p.pid for p in recorded)
+    for p in recorded:  # gone: no such pid, a zombie, or a pid reused by another process
+        assert p.process() is None, f"{p.name} (pid {p.pid}) still runs"
+    assert not (c.run_dir / localcluster.STATE_FILE).exists()
+    assert c.stop() == []  # the fixture's own teardown after this: nothing left, no error
+
+
+LEAKY = '''
+import subprocess, pytest
+
+def test_leaks():
+    subprocess.Popen(["sleep", "60"])  # never stopped
+    {after}
+'''
+
+
+TIDY_BUT_STOPPED = '''
+import subprocess, pytest
+
+@pytest.fixture(scope="module")
+def sleeper():
+    p = subprocess.Popen(["sleep", "60"])
+    yield p
+    p.kill()
+    p.wait()
+
+def test_stops_the_run(sleeper):
+    {how}
+
+def test_never_runs(sleeper):
+    pass
+'''
+
+
+def _inner_run(tmp_path, source: str, *args: str) -> subprocess.CompletedProcess:
+    """pytest on one test file with this conftest as a plugin (its own run marker and end-of-run check)."""
+    (tmp_path / "test_inner.py").write_text(textwrap.dedent(source))
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-p", "no:cacheprovider",
+                           "--rootdir", str(tmp_path), *args, str(tmp_path / "test_inner.py")],
+                          capture_output=True, text=True, timeout=60, cwd=os.getcwd(),
+                          env={**os.environ, "LLUMNIX_TEST_LEFTOVER_GRACE_S": "0.2"})
+
+
+@pytest.mark.parametrize("how, rc", [("assert False", 1), ("raise KeyboardInterrupt", 2)], ids=["x", "interrupted"])
+def test_the_check_runs_after_fixture_teardown(tmp_path, how, rc):
+    # A run stopped early (-x, Ctrl-C) may leave fixtures to be torn down in pytest's session finish: the
+    # check must come after that, or the module's processes would count as left behind.
+    res = _inner_run(tmp_path, TIDY_BUT_STOPPED.format(how=how), "-x")
+    out = res.stdout + res.stderr
+    assert res.returncode == rc, out
+    assert "left behind" not in out and "INTERNALERROR" not in out, out
+
+
+@pytest.mark.parametrize("after, rc", [("pass", 1), ("raise KeyboardInterrupt", 2)], ids=["passing", "interrupted"])
+def test_a_process_left_running_fails_the_run_and_is_killed(tmp_path, after, rc):
+    res = _inner_run(tmp_path, LEAKY.format(after=after), "-x")
+    out = res.stdout + res.stderr
+    assert res.returncode == rc, out
+    assert "processes left behind" in out and "sleep 60" in out, out
+    assert "INTERNALERROR" not in out and "Traceback" not in out, out
+    pid = int(out.split("pid ")[1].split(":")[0])
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_the_run_marker_is_set():
+    assert os.environ.get(RUN_MARKER)
