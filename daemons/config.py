@@ -55,6 +55,9 @@ class InstanceConfig:
     min_step_s: float = setting(0.0, "every engine step takes at least this long (experiments: emulate a slower accelerator; 0 = off)", minimum=0.0)
     load_report_min_interval_s: float = setting(0.02, "load changes are reported at most this often (coalesced)", minimum=0.0)
     metrics_port: int = setting(0, "port of the instance's Prometheus /metrics on 127.0.0.1 (0 = any free port, -1 = off)", minimum=-1, maximum=65535)
+    step_timeout_s: float = setting(60.0, "an engine step (or the event loop) stuck this long makes the instance unhealthy: its streams fail over, no new requests come, systemd's watchdog is no longer fed", minimum=0.1)
+    hung_exit_s: float = setting(30.0, "an instance still unhealthy this long after step_timeout_s exits with status 3 (Restart=on-failure brings it back)", minimum=0.0)
+    orphan_timeout_s: float = setting(15.0, "requests of a proxy not heard from for this long (it died) are aborted", minimum=0.1)
     log_level: str = setting("info", "debug, info, warning or error", choices=("debug", "info", "warning", "error"))
 
 
@@ -68,6 +71,10 @@ class ProxyConfig:
     snapshot_interval_s: float = setting(0.5, "how often the proxy refreshes its copy of the cluster view", minimum=0.01)
     shutdown_grace_s: float = setting(5.0, "on SIGTERM, open streams may finish for this long", minimum=0.0)
     max_dispatch_attempts: int = setting(3, "instances a request may be sent to before it fails (only while nothing was generated)", minimum=1)
+    instance_timeout_s: float = setting(3.0, "an instance that holds streams and has not been heard from (heartbeats, tokens) for this long is taken as dead: its streams fail over, whatever the manager says", minimum=0.05)
+    max_failovers: int = setting(3, "times a request that already streamed tokens may continue on another instance (re-prefill) after its instance died or stalled", minimum=0)
+    request_timeout_s: float = setting(600.0, "a request not finished this long after it arrived ends with an error (504) and is aborted (0 = no deadline)", minimum=0.0)
+    stall_timeout_s: float = setting(30.0, "a stream that produced tokens, or is missing one, and gets none for this long fails over to another instance (0 = never)", minimum=0.0)
     log_level: str = setting("info", "debug, info, warning or error", choices=("debug", "info", "warning", "error"))
 
 

@@ -7,6 +7,11 @@ migrations in and out (daemons/migration.py); their engine calls wait for a step
 When the manager orders migrations out, the llumlet picks which requests go (policy.select_migrants).
 While draining (told by the manager, or after SIGTERM) it gives queued requests that produced nothing back
 to their proxies for re-dispatch, and its running requests migrate out as the manager orders.
+
+Every request's owner, placement epoch and progress live in one table (daemons/requests.py); the links to
+proxies (token path, backlog, proxy liveness) in daemons/proxylinks.py; liveness by progress in
+daemons/watchdog.py. Each heartbeat the instance tells every proxy it serves that it is alive and healthy,
+and aborts the requests of proxies that are gone.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ from daemons.engine import make_engine
 from daemons.engine.base import Engine, EngineError, EngineRequest
 from daemons.kvtransfer import TransferError
 from daemons.migration import Migrator
+from daemons.proxylinks import ProxyLinks
+from daemons.requests import AbortAction, RequestTable
+from daemons.watchdog import Faults, Watchdog
 
 log = logging.getLogger("llumnix.instance")
 
@@ -49,6 +57,9 @@ M_WAITING = Gauge("llumnix_instance_waiting_requests", "Requests waiting")
 M_PREEMPTIONS = Gauge("llumnix_instance_preemptions", "Preemptions since start (recompute)")
 M_BAD_FRAMES = Counter("llumnix_instance_malformed_frames_total", "Frames dropped because they did not decode")
 M_REDISPATCHED = Counter("llumnix_instance_requests_redispatched_total", "Queued requests given back to their proxy for re-dispatch (draining)")
+M_ORPHANED = Counter("llumnix_instance_requests_orphaned_total", "Requests aborted because their proxy was gone")
+M_FAILOVERS_IN = Counter("llumnix_instance_failovers_in_total", "Requests taken over from another instance by re-prefill")
+M_HEALTHY = Gauge("llumnix_instance_healthy", "1 while engine steps make progress, 0 while stalled (instance.step_timeout_s)")
 
 
 class Instance:
@@ -59,15 +70,19 @@ class Instance:
         self.ctx = zmq.asyncio.Context()
         self.router = runtime.tune(self.ctx.socket(zmq.ROUTER))
         self.manager = runtime.tune(self.ctx.socket(zmq.DEALER))
-        self.pushes: dict[str, zmq.Socket] = {}
-        self.reply_to: dict[str, str] = {}  # request id -> the owning proxy's token address
-        self.emitted: dict[str, int] = {}  # request id -> tokens sent so far
+        # While the manager is away, reports are dropped rather than queued: a restarted manager must not get
+        # a flood of stale ones (it asks us to register, and the next report is current).
+        self.manager.setsockopt(zmq.IMMEDIATE, 1)
+        self.manager.setsockopt(zmq.SNDHWM, 64)
+        self.proxies = ProxyLinks(self.ctx, self.ic.orphan_timeout_s)
+        self.requests = RequestTable()
+        self.watchdog = Watchdog(self.ic.step_timeout_s, self.ic.hung_exit_s)
+        self.faults = Faults(self.ic.id)
         self.inbox: list[wire.Submit | wire.Abort] = []
         self.list_queries: list[int] = []  # ListRequests answered at the next step boundary
         self.boundary_calls: list[tuple[Callable, asyncio.Future]] = []
         self.stepping = False  # an engine step runs on the executor thread right now
-        self.migrating: set[str] = set()  # requests migrating out
-        self.aborted_while_migrating: set[str] = set()  # their aborts wait for the migration's outcome
+        self.steps = 0
         self.migrator: Migrator | None = None
         # A real engine's step takes milliseconds of compute: run it on a worker thread so sockets stay
         # served. The engine is only ever touched between steps, from the event loop thread.
@@ -86,7 +101,6 @@ class Instance:
         self.elsewhere = True  # (while draining) another instance takes requests
         self.cordoned = False
         self.stop_reason = "SIGTERM"
-        self.arrived: dict[str, float] = {}  # requests that came by migration -> when (the cooldown counts from it)
         self.started = time.monotonic()
         self.stop = asyncio.Event()
         self.instance_id = self.ic.id
@@ -96,37 +110,24 @@ class Instance:
 
     # ------------------------------------------------------------------ token path
 
-    def _push(self, address: str) -> zmq.Socket:
-        sock = self.pushes.get(address)
-        if sock is None:
-            sock = self.ctx.socket(zmq.PUSH, socket_class=zmq.Socket)  # send-only: plain sends never wait
-            sock.setsockopt(zmq.LINGER, 2000)  # let the last tokens out on shutdown, but never hang
-            sock.setsockopt(zmq.SNDHWM, 100_000)
-            sock.connect(address)
-            self.pushes[address] = sock
-        return sock
-
     def _send(self, address: str, msg: wire.Message) -> None:
-        if not runtime.send_now(self._push(address), wire.encode(msg)):
-            log.warning("token path to %s is full; dropped a %s", address, type(msg).__name__)
+        self.proxies.send(address, msg)
 
     def _tell_manager(self, msg: wire.Message) -> None:
         # Never wait on the manager: while it is away, reports are dropped, and it will ask us to register.
         if not runtime.send_now(self.manager, wire.encode(msg)):
-            log.debug("manager queue full; dropped a %s", type(msg).__name__)
+            log.debug("manager unreachable or its queue full; dropped a %s", type(msg).__name__)
 
     def emit(self, outputs: list[wire.TokenOut]) -> None:
         by_proxy: dict[str, list[wire.TokenOut]] = {}
+        advance = self.requests.advance
         for out in outputs:
-            address = self.reply_to.get(out.request_id)
-            if address is None:
+            entry = advance(out.request_id, out.index, out.finish_reason is not None)
+            if entry is None:
                 continue
-            by_proxy.setdefault(address, []).append(out)
-            self.emitted[out.request_id] = out.index + 1
+            out.epoch = entry.epoch
+            by_proxy.setdefault(entry.reply_to, []).append(out)
             if out.finish_reason is not None:
-                del self.reply_to[out.request_id]
-                del self.emitted[out.request_id]
-                self.arrived.pop(out.request_id, None)
                 M_FINISHED.labels(out.finish_reason).inc()
         for address, batch in by_proxy.items():
             self._send(address, wire.TokenBatch(self.instance_id, batch))
@@ -135,9 +136,12 @@ class Instance:
     def fail(self, request_id: str, address: str, message: str, retryable: bool, status: int = 503) -> None:
         self._send(address, wire.RequestFailed(request_id, self.instance_id, message, retryable, status))
 
-    def announce_move(self, request_id: str, address: str) -> None:
-        """Tell the owning proxy that a migrated request's tokens and aborts now go through us."""
-        self._send(address, wire.Moved(request_id, self.instance_id, self.request_address))
+    def announce_move(self, request_id: str, address: str, instance_id: str, request_address: str, epoch: int,
+                      from_index: int) -> None:
+        """Tell the owning proxy that a request's tokens (from ``from_index``, of ``epoch``) and its aborts now
+        go through ``instance_id``: sent by a migration's destination at its commit and by the source once
+        it knows, so that the proxy learns it even if one of the two dies."""
+        self._send(address, wire.Moved(request_id, instance_id, request_address, epoch, from_index))
 
     def reply_peer(self, identity: bytes, msg: wire.Message) -> None:
         if not runtime.send_now(self.router, [identity, wire.encode(msg)]):
@@ -149,33 +153,52 @@ class Instance:
         inbox, self.inbox = self.inbox, []
         for msg in inbox:
             if isinstance(msg, wire.Abort):
-                if msg.request_id in self.migrating:
-                    self.aborted_while_migrating.add(msg.request_id)
-                elif not self.abort_local(msg.request_id) and self.migrator is not None:
-                    self.migrator.forward_abort(msg.request_id)
+                self.on_abort(msg)
                 continue
             if not self.accepting or (self.draining and self.elsewhere):
                 M_REDISPATCHED.inc()
                 self._send(msg.reply_to, wire.Redispatch(msg.request_id, self.instance_id,
                                                          "shutting down" if not self.accepting else "draining"))
                 continue
+            if self.migrator is not None and self.migrator.receiving(msg.request_id):
+                # A failover of a request we were receiving by migration (its source died): the proxy's new
+                # placement wins; drop the reservation first, then take the request.
+                self.migrator.spawn(self._after_reservation(msg))
+                continue
+            held = self.requests.get(msg.request_id)
+            if held is not None and held.epoch < msg.epoch and not held.migrating:
+                self.abort_local(msg.request_id)  # an older copy the proxy gave up on: the new placement wins
             try:
                 self.engine.add_request(EngineRequest(msg.request_id, msg.prompt_token_ids, msg.sampling,
-                                                      msg.arrival_time or time.time(), msg.priority))
+                                                      msg.arrival_time or time.time(), msg.priority,
+                                                      list(msg.output_token_ids)))
             except EngineError as exc:
                 M_REJECTED.inc()
                 self.fail(msg.request_id, msg.reply_to, str(exc), False, status=400)
                 continue
             M_REQUESTS.inc()
-            self.reply_to[msg.request_id] = msg.reply_to
-            self.emitted[msg.request_id] = 0
+            if msg.output_token_ids:
+                M_FAILOVERS_IN.inc()
+                log.info("request %s failed over to us: continues at token %d (epoch %d)", msg.request_id,
+                         len(msg.output_token_ids), msg.epoch)
+            self.requests.admit(msg.request_id, msg.reply_to, msg.epoch, len(msg.output_token_ids))
+
+    async def _after_reservation(self, msg: wire.Submit) -> None:
+        await self.migrator.cancel_incoming(msg.request_id)
+        self.inbox.append(msg)
+        self.wake.set()
+
+    def on_abort(self, msg: wire.Abort) -> None:
+        action = self.requests.abort(msg.request_id, msg.epoch)
+        if action is AbortAction.HERE:
+            self.abort_local(msg.request_id)
+        elif action is AbortAction.FOLLOW and self.migrator is not None:
+            self.migrator.forward_abort(msg.request_id, msg.epoch)
 
     def abort_local(self, request_id: str) -> bool:
+        self.requests.forget(request_id)
         if not self.engine.abort_request(request_id):
             return False
-        self.reply_to.pop(request_id, None)
-        self.emitted.pop(request_id, None)
-        self.arrived.pop(request_id, None)
         M_FINISHED.labels("abort").inc()
         log.debug("request %s aborted", request_id)
         return True
@@ -187,7 +210,12 @@ class Instance:
                 if isinstance(msg, (wire.MigStage, wire.MigAbort)):
                     self.migrator.on_peer_message(frames[0], msg)
                     continue
-                if not isinstance(msg, (wire.Submit, wire.Abort)):
+                if isinstance(msg, wire.ProxyAlive):
+                    self.proxies.seen(msg.token_address)
+                    continue
+                if isinstance(msg, wire.Submit):
+                    self.proxies.seen(msg.reply_to)
+                elif not isinstance(msg, wire.Abort):
                     M_BAD_FRAMES.inc()
                     if msg is not None or len(frames) != 2:
                         log.warning("dropped an unexpected message on the request socket")
@@ -211,11 +239,16 @@ class Instance:
 
     @staticmethod
     def _run_boundary_call(fn: Callable, fut: asyncio.Future) -> None:
+        """Run now, whatever the timing: every outcome, an unexpected exception included, goes to the caller
+        through the future, never into the step loop."""
         if fut.done():
             return
         try:
             fut.set_result(fn())
         except (EngineError, KeyError, ValueError, TransferError) as exc:
+            fut.set_exception(exc)
+        except Exception as exc:  # a bug in the call: its caller reports it; the step loop goes on
+            log.exception("a call between engine steps failed")
             fut.set_exception(exc)
 
     def at_boundary(self) -> None:
@@ -230,17 +263,33 @@ class Instance:
             for qid in self.list_queries:
                 self._tell_manager(wire.RequestList(qid, self.instance_id, requests))
             self.list_queries.clear()
+        self.proxies.flush()
+        self.last_load = self.current_load()
+        self.load_changed.set()
+
+    def current_load(self) -> wire.InstanceLoad:
         load = self.engine.load()
         m = self.migrator
         if m is not None and (m.busy or m.committed or m.aborted):
             load = msgspec.structs.replace(load, migrating_out=len(m.outgoing), migrating_in=len(m.incoming),
                                            migrations_committed=m.committed, migrations_aborted=m.aborted)
-        self.last_load = load
-        self.load_changed.set()
+        if self.watchdog.stalled:
+            load = msgspec.structs.replace(load, stalled=True)
+        return load
+
+    def _step(self):
+        self.steps += 1
+        hang_at = self.faults.get("hang_step_after")
+        if hang_at and self.steps >= hang_at:
+            log.warning("fault injection: this engine step never ends")
+            while True:
+                time.sleep(3600)
+        return self.engine.step()
 
     async def step_loop(self) -> None:
         loop_time = time.perf_counter
         loop = asyncio.get_running_loop()
+        watchdog = self.watchdog
         while True:
             self.at_boundary()
             if not self.engine.has_work():
@@ -248,12 +297,14 @@ class Instance:
                 await self.wake.wait()
                 continue
             start = loop_time()
+            watchdog.step_started = time.monotonic()
             if self.executor is not None:
                 self.stepping = True  # engine calls from coroutines wait for the boundary meanwhile
-                result = await loop.run_in_executor(self.executor, self.engine.step)
+                result = await loop.run_in_executor(self.executor, self._step)
                 self.stepping = False  # (left set if cancelled: the thread may still be stepping)
             else:
-                result = self.engine.step()
+                result = self._step()
+            watchdog.step_started = 0.0
             self.emit(result.outputs)
             remaining = max(result.model_time_s, self.ic.min_step_s) - (loop_time() - start)
             # Always yield once per step so sockets are served even when steps take no model time.
@@ -312,13 +363,13 @@ class Instance:
         gone = 0
         for r in self.engine.requests():
             rid = r.request_id
-            if (r.state != "waiting" or r.output_tokens or self.emitted.get(rid, 0) or rid not in self.reply_to
+            entry = self.requests.get(rid)
+            if (r.state != "waiting" or r.output_tokens or entry is None or entry.emitted
                     or (only is not None and rid not in only)):
                 continue
-            address = self.reply_to.pop(rid)
-            self.emitted.pop(rid, None)
+            self.requests.forget(rid)
             self.engine.abort_request(rid)
-            self._send(address, wire.Redispatch(rid, self.instance_id, self.draining or "rebalancing"))
+            self._send(entry.reply_to, wire.Redispatch(rid, self.instance_id, self.draining or "rebalancing"))
             M_REDISPATCHED.inc()
             gone += 1
         if gone:
@@ -342,10 +393,9 @@ class Instance:
         priority, then shorter, with no balance check). Queued ones chosen are re-dispatched right here;
         the running ones are returned for migration."""
         requests = self.engine.requests()
-        keep = set(self.migrating) | {r.request_id for r in requests if r.request_id not in self.reply_to}
+        keep = self.requests.migrating() | {r.request_id for r in requests if r.request_id not in self.requests}
         if msg.reason and not msg.drain:  # balancing: a request that just arrived by migration stays a while
-            recent = time.monotonic() - msg.cooldown_s
-            keep |= {rid for rid, at in self.arrived.items() if at > recent}
+            keep |= self.requests.arrived_since(time.monotonic() - msg.cooldown_s)
         load = self.last_load
         operator = not msg.reason
         chosen = policy.select_migrants(
@@ -374,6 +424,33 @@ class Instance:
             M_PREEMPTIONS.set(load.preemptions)
             await asyncio.sleep(self.ic.load_report_min_interval_s)
 
+    async def proxy_loop(self) -> None:
+        """Each heartbeat: tell every proxy we serve that we are alive (and whether healthy); abort the
+        requests of proxies that are gone. Also the event loop's tick for the watchdog."""
+        heartbeat = self.cfg.manager.heartbeat_interval_s
+        while True:
+            self.watchdog.loop_beat = time.monotonic()
+            healthy = not self.watchdog.stalled
+            M_HEALTHY.set(1 if healthy else 0)
+            if not healthy and not self.last_load.stalled:
+                self.last_load = msgspec.structs.replace(self.last_load, stalled=True)
+                self.load_changed.set()  # the manager stops dispatching to us now, not at the next step
+            accepting = self.accepting and not self.draining and not self.cordoned
+            self.proxies.heartbeat(wire.Heartbeat(self.instance_id, self.request_address, healthy, self.last_load,
+                                                  accepting))
+            for address, why in self.proxies.gone(self.requests.proxies()):
+                self.boundary(lambda address=address, why=why: self.abort_orphans(address, why))
+            await asyncio.sleep(min(heartbeat, self.ic.step_timeout_s / 4))
+
+    def abort_orphans(self, address: str, why: str) -> int:
+        rids = self.requests.of_proxy(address)
+        n = sum(1 for rid in rids if self.requests.abort(rid) is AbortAction.HERE and self.abort_local(rid))
+        if rids:
+            M_ORPHANED.inc(n)
+            log.warning("proxy %s is gone (%s): aborted its %d request(s)", address, why, n)
+        self.proxies.drop(address)
+        return n
+
     # ------------------------------------------------------------------ life cycle
 
     async def run(self) -> None:
@@ -383,7 +460,7 @@ class Instance:
         if not self.instance_id:
             self.instance_id = f"{self.ic.host or socket.gethostname()}-{self.request_address.rsplit(':', 1)[-1]}"
         try:
-            self.migrator = Migrator(self, self.boundary)
+            self.migrator = Migrator(self, self.cfg.migration, self.engine, self.requests, self.boundary, self.faults)
         except (RuntimeError, ValueError) as exc:  # the KV store's port is taken, or the host does not resolve
             raise runtime.StartupError(f"cannot listen for KV transfer on {self.cfg.migration.kv_host}:"
                                        f"{self.cfg.migration.kv_port}: {exc}") from None
@@ -396,8 +473,9 @@ class Instance:
                  load.block_size, self.cfg.manager.address, self.migrator.kv.address, self.metrics_address or "off")
         runtime.install_stop_signals(asyncio.get_running_loop(), self.stop)
         runtime.sd_notify("READY=1")
+        self.watchdog.start()
         tasks = [asyncio.create_task(c) for c in
-                 (self.serve_requests(), self.step_loop(), self.serve_manager(), self.report_loop())]
+                 (self.serve_requests(), self.step_loop(), self.serve_manager(), self.report_loop(), self.proxy_loop())]
         stopped = asyncio.create_task(self.stop.wait())
         done, _ = await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
         failure = next((t.exception() for t in done if t is not stopped and t.exception() is not None), None)
@@ -415,10 +493,11 @@ class Instance:
         runtime.sd_notify("STOPPING=1")
         self.accepting = False
         self._tell_manager(wire.Goodbye(self.instance_id, reason))
-        log.info("stopping: %d requests in flight, draining for up to %.1fs", len(self.reply_to), grace)
+        log.info("stopping: %d requests in flight, draining for up to %.1fs", len(self.requests), grace)
         deadline = time.monotonic() + grace
-        while (self.reply_to or (self.migrator is not None and self.migrator.busy)) and time.monotonic() < deadline:
+        while (len(self.requests) or (self.migrator is not None and self.migrator.busy)) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        self.watchdog.stop()
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -426,12 +505,12 @@ class Instance:
             await self.migrator.close()
         if self.executor is not None:
             self.executor.shutdown(wait=True)  # a step in flight finishes before we touch the engine
-        for rid, address in list(self.reply_to.items()):
+        for rid, entry in list(self.requests.items()):
             self.engine.abort_request(rid)
-            self.fail(rid, address, f"instance {self.instance_id} stopped", retryable=self.emitted.get(rid, 0) == 0)
+            # Retryable: the proxy continues the request elsewhere from the tokens it already has.
+            self.fail(rid, entry.reply_to, f"instance {self.instance_id} stopped", retryable=True)
         self.engine.shutdown()
-        for sock in self.pushes.values():
-            sock.close()  # with its linger: the failures above still go out
+        self.proxies.close()  # with its linger: the failures above still go out
         self.ctx.destroy(linger=0)  # closes what is left; term() would wait on any socket still open
         log.info("stopped")
 

@@ -103,6 +103,7 @@ class Manager:
         self._fanouts: dict[int, tuple[asyncio.Future, set[str], list]] = {}
         self._tasks: set[asyncio.Task] = set()
         self.resched = Rescheduler(self)
+        self._asked_to_register: dict[str, float] = {}  # instance id -> when we last asked it to register
 
     # ------------------------------------------------------------------ view
 
@@ -117,7 +118,7 @@ class Manager:
     def state(self, r: InstanceRecord, now: float, excluded: bool = False) -> policy.InstanceState:
         return policy.state_of(
             r.instance_id, r.load, pending_blocks=sum(b for _, b, _ in r.pending), pending_requests=len(r.pending),
-            alive=r.state != "dead" and not excluded, draining=r.draining, cordoned=r.cordoned,
+            alive=r.state != "dead" and not r.load.stalled and not excluded, draining=r.draining, cordoned=r.cordoned,
             credit=r.credit(now, self.sc.new_instance_credit_s), migrations=r.orders)
 
     def states(self, now: float) -> list[policy.InstanceState]:
@@ -207,8 +208,16 @@ class Manager:
 
     def on_report(self, ident: bytes, msg: wire.LoadReport) -> wire.Message | None:
         rec = self.instances.get(msg.instance_id)
-        if rec is None:
-            # We restarted, or it was removed: ask it to register again.
+        if rec is None or (rec.state == "dead" and ident != rec.identity):
+            # We restarted, or it was removed, or a new process took a dead one's id (its address and pid
+            # differ): ask it to register again, once per heartbeat at most, so that reports it queued while
+            # we were away do not each cost a registration.
+            now = time.monotonic()
+            if now - self._asked_to_register.get(msg.instance_id, -1e9) < self.mc.heartbeat_interval_s:
+                return None
+            self._asked_to_register[msg.instance_id] = now
+            if len(self._asked_to_register) > 10_000:
+                self._asked_to_register.clear()
             return wire.RegisterAck(msg.instance_id, accepted=False, reason="unknown instance: register again")
         now = time.monotonic()
         rec.identity, rec.load, rec.last_seen = ident, msg.load, now
@@ -436,13 +445,17 @@ class Manager:
         runtime.sd_notify("READY=1")
         tasks = [asyncio.create_task(c) for c in (self.serve(stop), self.watch_heartbeats(stop),
                                                   self.resched.pairing_loop(), self.resched.scaling_loop())]
-        await stop.wait()
+        failure = await runtime.first_failure(stop, tasks)
         runtime.sd_notify("STOPPING=1")
+        if failure is not None:
+            log.error("an essential task failed: %r; exiting so that the service manager restarts us", failure)
         log.info("stopping")
         for t in [*tasks, *self._tasks]:
             t.cancel()
         await asyncio.gather(*tasks, *self._tasks, return_exceptions=True)
         self.ctx.destroy(linger=0)
+        if failure is not None:
+            raise SystemExit(1)
 
 
 app = typer.Typer(add_completion=False, help="llumnix-manager: the Llumnix global scheduler.")

@@ -20,6 +20,12 @@ block that another request got in the meantime.
 
 Engine calls that change scheduler state run between steps (``boundary``); Gloo work runs on the pair's
 thread (kvtransfer.Pair) and only touches blocks no step writes.
+
+Ownership (daemons/requests.py): the destination commits the request as the source's placement epoch + 1
+and tells the proxy (``Moved``); so does the source once it hears of the commit. A source whose last stage
+ends without an answer cannot know whether the destination committed: it resumes the request under the
+next epoch too and tells the proxy, which keeps the first claim it hears of and aborts the other copy.
+A destination that got ``MigAbort`` before committing never commits.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import msgspec
 import zmq
@@ -37,11 +43,12 @@ import zmq.asyncio
 from prometheus_client import Counter, Gauge, Histogram
 
 from daemons import runtime, wire
-from daemons.engine.base import EngineError
+from daemons.config import MigrationConfig
+from daemons.engine.base import Engine, EngineError
 from daemons.kvtransfer import KvTransfer, TransferError
-
-if TYPE_CHECKING:
-    from daemons.instance import Instance
+from daemons.proxylinks import ProxyLinks
+from daemons.requests import RequestTable
+from daemons.watchdog import Faults
 
 log = logging.getLogger("llumnix.migration")
 
@@ -60,6 +67,29 @@ def _cdiv(a: int, b: int) -> int:
 
 class Aborted(Exception):
     """Ends a migration; the message is the reason reported to the operator."""
+
+
+class Refused(Aborted):
+    """The destination said no: it holds no copy of the request."""
+
+
+class Host(Protocol):
+    """What the migrator needs of its instance (daemons/instance.py)."""
+
+    ctx: zmq.asyncio.Context
+    instance_id: str
+    request_address: str
+    accepting: bool
+    draining: str
+    wake: asyncio.Event
+    proxies: ProxyLinks
+
+    def reply_peer(self, identity: bytes, msg: wire.Message) -> None: ...
+
+    def announce_move(self, request_id: str, address: str, instance_id: str, request_address: str, epoch: int,
+                      from_index: int) -> None: ...
+
+    def abort_local(self, request_id: str) -> bool: ...
 
 
 @dataclass
@@ -81,23 +111,26 @@ class _In:
     receiving: asyncio.Future | None = None  # a Gloo receive that may still write our blocks
     ids: list[int] = field(default_factory=list)  # the blocks reserved so far, in token order
     ended: bool = False
+    aborted: bool = False  # the source sent MigAbort: never commit
 
 
 class Migrator:
-    """Both roles of this instance. Built by the Instance, which gives it ``boundary`` (run a function
-    between engine steps) and owns the request-to-proxy table that a migration hands over."""
+    """Both roles of this instance. Built by the instance, which gives it ``boundary`` (run a function
+    between engine steps) and its request table, through whose verbs a migration hands requests over."""
 
-    def __init__(self, instance: Instance, boundary: Callable):
-        self.inst = instance
-        self.cfg = instance.cfg.migration
-        self.engine = instance.engine
+    def __init__(self, host: Host, cfg: MigrationConfig, engine: Engine, requests: RequestTable, boundary: Callable,
+                 faults: Faults | None = None):
+        self.inst = host
+        self.cfg = cfg
+        self.engine = engine
+        self.requests = requests
         self.boundary = boundary
+        self.faults = faults or Faults("", "")
         self.kv = KvTransfer(self.cfg.kv_host, self.cfg.kv_port, self.cfg.timeout_s)
         self.outgoing: dict[str, _Out] = {}  # by migration id
         self.incoming: dict[str, _In] = {}  # by migration id
         self.peers: dict[str, zmq.asyncio.Socket] = {}  # destination request address -> our DEALER
         self._dst_locks: dict[str, asyncio.Lock] = {}
-        self.moved: dict[str, tuple[str, float]] = {}  # request id -> (destination address, when): aborts follow
         self.committed = 0
         self.aborted = 0
         self._tasks: set[asyncio.Task] = set()
@@ -144,7 +177,7 @@ class Migrator:
                 continue
             if isinstance(msg, kind) and msg.stage == stage:
                 if not msg.ok:
-                    raise Aborted(f"destination refused: {msg.reason}")
+                    raise Refused(f"destination refused: {msg.reason}")
                 return msg
 
     async def migrate_out(self, request_id: str, dst: str, dst_address: str, blocking: bool = False) -> wire.MigrationOutcome:
@@ -159,24 +192,26 @@ class Migrator:
         sent: list[int] = []  # block ids already at the destination, in order
         stage = 0
         lock = None
+        entry = None
+        state = None
+        last_sent = False  # the last stage went out: from then on only the destination's answer tells
         self.outgoing[out.mig_id] = out
         M_IN_FLIGHT.labels("source").inc()
         try:
             if dst == me:
                 raise Aborted("source and destination are the same instance")
-            if request_id in self.inst.migrating:
-                raise Aborted("the request is already migrating")
-            self.inst.migrating.add(request_id)
+            entry = self.requests.begin_migration(request_id)
+            if entry is None:
+                raise Aborted("the request is not here or is already migrating")
             # One migration at a time per destination: both ends of a pair run its transfers in the order
             # they were posted, so two interleaved migrations could pair one's send with the other's receive.
             await self._dst_locks.setdefault(dst, asyncio.Lock()).acquire()
             lock = self._dst_locks[dst]
-            reply_to = self.inst.reply_to.get(request_id)
             first = await self.boundary(lambda: self._first_look(request_id))
-            if first is None or reply_to is None:
+            if first is None or request_id not in self.requests:
                 raise Aborted("the request is not running here (finished, waiting or unknown)")
             info, view = first
-            info = msgspec.structs.replace(info, reply_to=reply_to)
+            info = msgspec.structs.replace(info, reply_to=entry.reply_to)
             kb = self.engine.kv_blocks()
             chunk_blocks = max(1, self.cfg.chunk_bytes // kb.block_nbytes)
             limit = self.cfg.bandwidth_limit_mbps * 1e6
@@ -204,6 +239,7 @@ class Migrator:
                     if got is None:
                         raise Aborted("the request finished or was preempted on the source before the last stage")
                     view, state = got
+                    state = msgspec.structs.replace(state, epoch=entry.epoch)
                     suspended_at = time.perf_counter()
                     result.resumed_at = state.emitted
                     if view.block_ids[:len(sent)] != sent:
@@ -228,6 +264,7 @@ class Migrator:
                 t_msg = time.perf_counter()
                 if not runtime.send_now(sock, wire.encode(msg)):
                     raise Aborted("the destination's socket is not accepting messages")
+                last_sent = last
                 reserved = max(reserved, tokens)
                 if await_ready:
                     await self._reply(out, wire.MigReady, stage, "the reservation" if stage == 0 else f"stage {stage}")
@@ -247,7 +284,7 @@ class Migrator:
                 stage += 1
                 if last:
                     break
-            await self.boundary(lambda: self._hand_over(request_id, dst_address))
+            await self.boundary(lambda: self._hand_over(request_id, dst, dst_address, state))
             result.outcome, result.reason = "committed", ""
             self.committed += 1
         except Exception as exc:  # Aborted; anything else is our bug: report it, keep the request running
@@ -261,16 +298,15 @@ class Migrator:
                 # the next migration to this peer on a fresh pair.
                 self.kv.forget(dst)
             if suspended_at:
-                await self.boundary(lambda: self._resume(request_id))
+                uncertain = last_sent and not isinstance(exc, Refused)
+                await self.boundary(lambda: self._resume(request_id, state if uncertain else None))
             self.aborted += 1
         finally:
             if lock is not None:
                 lock.release()
-            self.inst.migrating.discard(request_id)
             del self.outgoing[out.mig_id]
             self.inst.wake.set()  # refresh the load report at the next boundary
-            if request_id in self.inst.aborted_while_migrating:  # its client left meanwhile
-                self.inst.aborted_while_migrating.discard(request_id)
+            if entry is not None and self.requests.end_migration(entry):  # its client left meanwhile
                 if result.outcome == "committed":
                     self.forward_abort(request_id)
                 else:
@@ -302,30 +338,37 @@ class Migrator:
         view = self.engine.migration_view(request_id)
         return None if view is None else (self.engine.migrating_request(request_id), view)
 
-    def _resume(self, request_id: str) -> None:
+    def _resume(self, request_id: str, uncertain: wire.RequestState | None = None) -> None:
+        """Undo the suspend. ``uncertain``: the last stage went out and no answer came, so the destination
+        may have committed: claim the next epoch here as well and let the proxy keep one of the two."""
         try:
             self.engine.resume(request_id)
         except KeyError:  # aborted by its client while suspended: nothing to resume
-            pass
-        self.inst.wake.set()
+            return
+        finally:
+            self.inst.wake.set()
+        if uncertain is not None:
+            entry = self.requests.reclaim(request_id)
+            if entry is not None:
+                log.warning("migration of %s: no answer to its last stage; resuming it here as epoch %d (the "
+                            "proxy keeps one copy if the destination committed too)", request_id, entry.epoch)
+                self.inst.announce_move(request_id, entry.reply_to, self.inst.instance_id, self.inst.request_address,
+                                        entry.epoch, uncertain.emitted)
 
-    def _hand_over(self, request_id: str, dst_address: str) -> None:
-        """After the commit: the request lives on the destination; forget it here, forward late aborts."""
+    def _hand_over(self, request_id: str, dst: str, dst_address: str, state: wire.RequestState) -> None:
+        """After the commit: the request lives on the destination; forget it here (late aborts follow it),
+        and tell the proxy as well, in case the destination's own word was lost with it."""
         self.engine.drop_migrated(request_id)
-        self.inst.reply_to.pop(request_id, None)
-        self.inst.emitted.pop(request_id, None)
-        self.inst.arrived.pop(request_id, None)
-        now = time.monotonic()
-        self.moved[request_id] = (dst_address, now)
-        if len(self.moved) > 10_000 or next(iter(self.moved.values()))[1] < now - 300:
-            self.moved = {k: v for k, v in self.moved.items() if v[1] > now - 300}
+        entry = self.requests.hand_over(request_id, dst_address)
+        if entry is not None:
+            self.inst.announce_move(request_id, entry.reply_to, dst, dst_address, state.epoch + 1, state.emitted)
 
-    def forward_abort(self, request_id: str) -> bool:
+    def forward_abort(self, request_id: str, epoch: int = 0) -> bool:
         """An abort for a request that moved away goes after it. False if it never moved from here."""
-        moved = self.moved.pop(request_id, None)
-        if moved is None:
+        address = self.requests.moved_to(request_id)
+        if address is None:
             return False
-        runtime.send_now(self._peer(moved[0]), wire.encode(wire.Abort(request_id)))
+        runtime.send_now(self._peer(address), wire.encode(wire.Abort(request_id, epoch)))
         return True
 
     # ================================================================ destination
@@ -349,8 +392,18 @@ class Migrator:
         elif isinstance(msg, wire.MigAbort):
             inc = self.incoming.get(msg.mig_id)
             if inc is not None:
+                inc.aborted = True  # a commit waiting for its step boundary will not happen
                 log.info("migration of %s from %s aborted by the source: %s", inc.request_id, inc.src, msg.reason)
                 self.spawn(self._end_in(inc))
+
+    def receiving(self, request_id: str) -> bool:
+        return any(inc.request_id == request_id and not inc.ended for inc in self.incoming.values())
+
+    async def cancel_incoming(self, request_id: str) -> None:
+        """Give up receiving ``request_id`` (it was placed here anew): never commit, release its blocks."""
+        for inc in [i for i in self.incoming.values() if i.request_id == request_id]:
+            inc.aborted = True
+            await self._end_in(inc)
 
     def _refusal(self, msg: wire.MigStage) -> str:
         if not self.inst.accepting:
@@ -362,7 +415,7 @@ class Migrator:
             return f"KV layout differs: source {msg.kv_spec!r}, destination {spec!r}"
         if self.busy >= self.cfg.max_in_flight:
             return f"already in {self.busy} migrations (migration.max_in_flight)"
-        if msg.request.request_id in self.inst.reply_to:
+        if msg.request.request_id in self.requests:
             return "the request id is already in use here"
         return ""
 
@@ -408,11 +461,15 @@ class Migrator:
                 if msg.last:
                     if msg.state is None:
                         raise Aborted("the last stage carried no request state")
+                    slow = self.faults.get("slow_commit_s")
+                    if slow:  # tests: the commit waits as if behind a long engine step
+                        await asyncio.sleep(slow)
                     try:
                         await self.boundary(lambda: self._commit(inc, msg.state))
                     except EngineError as exc:
                         raise Aborted(str(exc)) from None
-                self._answer(inc.identity, wire.MigDone(msg.mig_id, msg.stage))
+                if not (msg.last and self.faults.get("drop_commit_ack")):
+                    self._answer(inc.identity, wire.MigDone(msg.mig_id, msg.stage))
                 log.debug("migration %s stage %d in: %d blocks, %.2f ms from message to done (received %.2f ms)",
                           msg.mig_id, msg.stage, msg.n_blocks, (time.perf_counter() - t_in) * 1e3, (t_got - t_in) * 1e3)
                 if msg.last:
@@ -426,12 +483,16 @@ class Migrator:
                 await self._release(inc)
 
     def _commit(self, inc: _In, state: wire.RequestState) -> None:
+        if inc.aborted:
+            raise EngineError("the source aborted the migration before the commit")
         self.engine.commit(inc.request_id, state)
-        self.inst.reply_to[inc.request_id] = inc.request.reply_to
-        self.inst.emitted[inc.request_id] = state.emitted
-        self.inst.arrived[inc.request_id] = time.monotonic()
-        self.inst.announce_move(inc.request_id, inc.request.reply_to)
-        self.inst.wake.set()
+        epoch = state.epoch + 1
+        host = self.inst
+        self.requests.take_over(inc.request_id, inc.request.reply_to, epoch, state.emitted)
+        host.proxies.seen(inc.request.reply_to)  # its proxy has not spoken to us yet: count from now
+        host.announce_move(inc.request_id, inc.request.reply_to, host.instance_id, host.request_address, epoch,
+                           state.emitted)
+        host.wake.set()
 
     async def _end_in(self, inc: _In) -> None:
         async with inc.busy:

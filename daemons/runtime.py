@@ -159,6 +159,23 @@ async def wait_event(event: asyncio.Event, timeout: float) -> bool:
     return bool(done)
 
 
+async def first_failure(stop: asyncio.Event, tasks: list[asyncio.Task]) -> BaseException | None:
+    """Wait until ``stop`` is set (None) or one of a daemon's essential ``tasks`` ends, which is a failure
+    (its exception, or a RuntimeError if it returned): a daemon must not stay up deaf."""
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        done, _ = await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    for task in done:
+        if task is stopped:
+            continue
+        if task.cancelled():
+            return RuntimeError(f"task {task.get_name()} was cancelled")
+        return task.exception() or RuntimeError(f"task {task.get_name()} ended")
+    return None
+
+
 def send_now(sock: zmq.Socket, frame: bytes | list[bytes]) -> bool:
     """Send without waiting; False when the peer's queue is full (or, with IMMEDIATE, absent).
 

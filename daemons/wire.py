@@ -18,6 +18,8 @@ Sockets (see DESIGN.md):
                                        AddReply, PolicyReply, ErrorReply
 - instance DEALER <- manager           SetDraining, Shutdown
 - proxy PULL      <- instance PUSH     Redispatch (a queued request the instance gives back: dispatch it again)
+- proxy PULL      <- instance PUSH     Heartbeat (liveness and load, every heartbeat interval)
+- instance ROUTER <- proxy DEALER      ProxyAlive (the proxy's liveness, every heartbeat interval)
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ class InstanceLoad(msgspec.Struct, array_like=True, omit_defaults=True):
     migrations_committed: int = 0  # monotonic, as source
     migrations_aborted: int = 0  # monotonic, as source
     high_priority: int = 0  # running requests of high execution priority (each adds headroom to virtual usage)
+    stalled: bool = False  # an engine step has run past instance.step_timeout_s: unhealthy, no dispatches
 
 
 # ---------------------------------------------------------------- instance <-> manager
@@ -259,10 +262,22 @@ class Submit(msgspec.Struct, **_tagged(40)):
     reply_to: str  # the proxy's PULL address: token outputs go straight there
     priority: int = 0
     arrival_time: float = 0.0
+    epoch: int = 0  # placement epoch (daemons/requests.py); token outputs carry it back
+    # A failover: the tokens the client already has. The instance prefills prompt + these and continues at
+    # index len(output_token_ids), counting max_tokens as if nothing had happened.
+    output_token_ids: list[int] = []
 
 
 class Abort(msgspec.Struct, **_tagged(41)):
     request_id: str
+    epoch: int = 0  # abort only the copy of this placement epoch (0: whichever copy is there)
+
+
+class ProxyAlive(msgspec.Struct, **_tagged(42)):
+    """proxy -> instance, every heartbeat: this proxy still reads its token path. An instance aborts the
+    requests of a proxy it has not heard from for instance.orphan_timeout_s."""
+
+    token_address: str
 
 
 # ---------------------------------------------------------------- instance -> proxy (token path)
@@ -274,6 +289,7 @@ class TokenOut(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  
     token_id: int
     finish_reason: str | None = None  # None while running; "stop" | "length" | "abort"
     logprob: float | None = None
+    epoch: int = 0  # placement epoch of the copy that produced it: the proxy takes only its current owner's
 
 
 class TokenBatch(msgspec.Struct, **_tagged(50)):
@@ -304,6 +320,19 @@ class Moved(msgspec.Struct, **_tagged(52)):
     request_id: str
     instance_id: str
     request_address: str
+    epoch: int = 0  # the placement epoch the new owner claims
+    from_index: int = 0  # the first output index it produces
+
+
+class Heartbeat(msgspec.Struct, **_tagged(54)):
+    """instance -> every proxy it serves, each heartbeat interval: it is alive (and whether its engine makes
+    progress). Proxies judge instance liveness from these even while the manager is away."""
+
+    instance_id: str
+    request_address: str
+    healthy: bool = True  # False: a step has run past instance.step_timeout_s (streams fail over)
+    load: InstanceLoad | None = None
+    accepting: bool = True  # takes new requests (not draining, cordoned or stopping)
 
 
 # ---------------------------------------------------------------- migration
@@ -327,6 +356,7 @@ class RequestState(msgspec.Struct, array_like=True, omit_defaults=True):
     output_token_ids: list[int]
     emitted: int  # index of the next token the client is to see
     engine_state: bytes = b""  # backend-specific sampler state (a seeded generator's state), opaque
+    epoch: int = 0  # the source's placement epoch: the destination commits as epoch + 1
 
 
 class MigrationOutcome(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -514,10 +544,12 @@ Message = (
     | Shutdown
     | Submit
     | Abort
+    | ProxyAlive
     | TokenBatch
     | RequestFailed
     | Moved
     | Redispatch
+    | Heartbeat
     | MigrateQuery
     | MigrateReply
     | MigrateStart

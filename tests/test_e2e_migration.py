@@ -279,9 +279,10 @@ def test_source_killed_mid_copy_destination_releases(start_cluster):
     assert next(i for i in c.status()["instances"] if i["id"] == dst)["blocks_used"] > 0  # reserved
     os.kill(c.proc(f"instance-{src}").pid, signal.SIGKILL)
     t.join(60)
-    assert result["res"].returncode == 1 and "died" in result["res"].stderr
-    s.join(30)
-    assert s.error is not None  # its instance died mid-stream: the client is told, not left hanging
+    assert result["res"].returncode == 1  # the migration did not commit (the source died, or its copy failed)
+    # Its instance died mid-stream: the proxy continued it on the destination by re-prefill, and the client
+    # got every token exactly once.
+    s.check_complete(250)
     deadline = time.monotonic() + 15
     while True:  # the destination gives the reservation back (transfer failure or idle timeout)
         d = next(i for i in c.status()["instances"] if i["id"] == dst)

@@ -44,6 +44,11 @@ def _samples():
         wire.SetDraining(True, "operator", cordoned=True),
         wire.Shutdown("remove"),
         wire.Redispatch("r", "i0", "draining"),
+        wire.Heartbeat("i0", "tcp://a", False, wire.InstanceLoad(8, 1, 1, 0, 4, 16, stalled=True)),
+        wire.ProxyAlive("tcp://p"),
+        wire.Submit("r", [1, 2], wire.SamplingParams(), "tcp://p", epoch=3, output_token_ids=[7, 8]),
+        wire.Abort("r", 2),
+        wire.Moved("r", "i1", "tcp://b", 2, 5),
         wire.DrainQuery(10, "i0", drain=False, cordon_only=True),
         wire.DrainReply(10, wire.InstanceView("i0", "h", 1, "alive", "tcp://a", "sim", "m", load, float("-inf"), 0.1,
                                               draining=True, virtual_usage=float("inf"), drain_reason="operator")),
@@ -80,5 +85,5 @@ def test_wrong_shape_is_dropped():
 
 
 def test_older_peer_reads_newer_message_with_extra_trailing_field():
-    newer = msgspec.msgpack.encode([41, "r", "some future field"])
-    assert wire.decode(newer) == wire.Abort("r")
+    newer = msgspec.msgpack.encode([41, "r", 3, "some future field"])
+    assert wire.decode(newer) == wire.Abort("r", 3)

@@ -33,22 +33,28 @@ class EngineRequest:
     sampling: SamplingParams
     arrival_time: float = 0.0
     priority: int = 0
+    # Tokens this request already produced elsewhere (a failover): the engine prefills prompt + these and
+    # continues at index len(output_token_ids); max_tokens and min_tokens count them as already generated.
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 def check_request(request: EngineRequest, in_use: bool, max_model_len: int, vocab_size: int | None = None) -> None:
     """The checks every engine makes before queueing a request; raises EngineError with the client's message."""
     n = len(request.prompt_token_ids)
+    done = len(request.output_token_ids)
     if n == 0:
         raise EngineError("prompt is empty; send at least one token")
     if in_use:
         raise EngineError(f"request id {request.request_id!r} is already in use on this instance")
-    if n + 1 > max_model_len:
-        raise EngineError(f"prompt is {n} tokens; this model's context limit is {max_model_len} "
-                          "(prompt plus at least one generated token)")
+    if n + done + 1 > max_model_len:
+        raise EngineError(f"prompt is {n} tokens{f' plus {done} generated' if done else ''}; this model's context "
+                          f"limit is {max_model_len} (prompt plus at least one generated token)")
     if request.sampling.max_tokens < 1:
         raise EngineError(f"max_tokens must be at least 1; got {request.sampling.max_tokens}")
+    if done >= request.sampling.max_tokens:
+        raise EngineError(f"the request already has {done} of its {request.sampling.max_tokens} tokens")
     if vocab_size is not None:
-        bad = next((t for t in request.prompt_token_ids if not 0 <= t < vocab_size), None)
+        bad = next((t for t in (*request.prompt_token_ids, *request.output_token_ids) if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise EngineError(f"prompt token id {bad} is out of range for this model's vocabulary (0..{vocab_size - 1})")
 

@@ -81,7 +81,9 @@ class _Req:
         self.sampling = request.sampling
         self.priority = request.priority
         self.arrival_time = request.arrival_time
-        self.generated = 0
+        # A failover continues where another instance stopped: like a preempted request, it re-prefills the
+        # prompt and what it generated (the sim's tokens depend on the request id and index alone).
+        self.generated = len(request.output_token_ids)
         self.blocks: list[int] = []  # block table: append-only while running, emptied on preemption
         self.preempted = False
         self.seed = _unit(hashlib.blake2b(self.rid.encode(), digest_size=8).digest())

@@ -17,6 +17,8 @@ from __future__ import annotations
 import logging
 import time
 
+import msgspec
+
 from daemons.config import ModelConfig, VllmConfig
 from daemons.engine.base import (EngineError, EngineRequest, KvBlocks, MigrationView, StepResult, check_incoming,
                                   check_request)
@@ -87,12 +89,18 @@ class VllmEngine:
         if peak > self._v.blocks_total():
             raise EngineError(f"prompt plus max_tokens may reach {peak * self.block_size} tokens; this instance's KV "
                               f"cache holds {self._v.blocks_total() * self.block_size}; lower max_tokens or shorten the prompt")
+        done = request.output_token_ids
+        if done:  # a failover: re-prefill prompt + what the client already has, continue at the next index
+            prompt = [*prompt, *done]
+            sp = msgspec.structs.replace(sp, max_tokens=sp.max_tokens - len(done),
+                                         min_tokens=max(0, sp.min_tokens - len(done)))
         try:
             params = self._v.sampling_params(sp)
         except self._v.m.request_errors as exc:  # vLLM's validation errors carry a client-ready message
             raise EngineError(str(exc)) from exc
         req = self._v.add(rid, list(prompt), params, request.arrival_time or time.time(), request.priority)
-        self._live[rid] = _Live(rid, req, sp)
+        live = self._live[rid] = _Live(rid, req, sp)
+        live.emitted = len(done)
         self._received += 1
 
     def abort_request(self, request_id: str) -> bool:

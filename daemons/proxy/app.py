@@ -202,10 +202,13 @@ class Proxy:
         except NoInstance as exc:
             raise ApiError(503, f"no instance can take the request: {exc}", type_="service_unavailable") from None
         try:
-            first = await stream.take()
+            first = await _unless_disconnected(request, stream.take())
         except BaseException:
             self.cluster.finish(stream)
             raise
+        if first is None:  # the client went away before the first token: abort it on its instance
+            self.cluster.finish(stream)
+            return Response(status_code=499)
         if not first:
             self.cluster.finish(stream)
             raise ApiError(stream.status, stream.error or "request failed")
@@ -215,10 +218,13 @@ class Proxy:
                                      headers={"x-request-id": job.id})
         M_INFLIGHT.inc()
         try:
-            text, reason, error = await self._collect(job, stream, first)
+            collected = await _unless_disconnected(request, self._collect(job, stream, first))
         finally:
             M_INFLIGHT.dec()
-            self.cluster.finish(stream)
+            self.cluster.finish(stream)  # a client that went away: this aborts the request on its instance
+        if collected is None:
+            return Response(status_code=499)
+        text, reason, error = collected
         if error:
             raise ApiError(stream.status, error)
         return JSONResponse(job.full_response(text, reason), headers={"x-request-id": job.id})
@@ -381,6 +387,25 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+async def _unless_disconnected(request: Request, coro):
+    """``await coro``, or None as soon as the client disconnects (a non-streaming request's handler is not
+    cancelled by the server when its client leaves, so without this it would wait out the whole request)."""
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work = asyncio.ensure_future(coro)
+    gone = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if work in done:
+        return work.result()
+    work.cancel()
+    return None
+
+
 async def _serve(cfg: Config) -> None:
     pc = cfg.proxy
     try:
@@ -403,16 +428,28 @@ async def _serve(cfg: Config) -> None:
     # ours turns that into a normal return, so a clean stop exits 0 as systemd expects.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _stopped)
+    failed: list[BaseException] = []
+
+    async def exit_on_failure() -> None:  # a proxy whose token or manager path died must not stay up deaf
+        failure = await runtime.first_failure(asyncio.Event(), cluster.essential)
+        log.error("an essential task failed: %r; exiting so that the service manager restarts us", failure)
+        failed.append(failure)
+        server.should_exit = True
+
     watcher = asyncio.create_task(notify_when_started())
+    guard = asyncio.create_task(exit_on_failure())
     try:
         await server.serve(sockets=[listener])
     except _Stopped:
         pass
     finally:
         watcher.cancel()
+        guard.cancel()
         runtime.sd_notify("STOPPING=1")
         await cluster.stop()
     log.info("stopped")
+    if failed:
+        raise SystemExit(1)
 
 
 app = typer.Typer(add_completion=False, help="llumnix-proxy: OpenAI-compatible HTTP front end of a Llumnix cluster.")

@@ -3,10 +3,18 @@
 Each request gets a ``Stream`` that puts token outputs in index order and emits each index exactly once,
 whichever instance produced it. If the manager does not answer in time (or is known to be down), the
 proxy picks an instance from its last snapshot itself, by the dispatch policy the manager's snapshots name
-(from load reports alone: no headroom, credit or unreported dispatches of other proxies). A request whose instance fails or dies
-before producing a token is sent elsewhere; after that, the client gets an error. A request that migrates
-is followed: the destination says so (``Moved``), and aborts go there from then on. A queued request that a
-draining instance gives back (``Redispatch``) is dispatched again; that is not a failed attempt.
+(from load reports alone: no headroom, credit or unreported dispatches of other proxies). A request that
+migrates is followed: the destination says so (``Moved``), and aborts go there from then on. A queued
+request that a draining instance gives back (``Redispatch``) is dispatched again; that is not a failed attempt.
+
+Ownership: every placement of a request (dispatch, migration commit, failover) has an epoch, and the
+stream takes tokens only from its current owner (instance, epoch), or from an older placement for the
+indices before the current one began. A copy that lost a race is aborted by epoch (daemons/requests.py).
+
+Failover: the proxy keeps its own view of instance liveness from the instances' heartbeats (and the
+manager's snapshots while it answers). When the instance that holds a stream dies, stalls, stops or says
+it is unhealthy, the request is submitted to another instance with its prompt plus every token already
+streamed, under a new epoch; it continues at the next index, so the client sees nothing but a pause.
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ import asyncio
 import itertools
 import logging
 import time
+
+import msgspec
 
 import zmq
 import zmq.asyncio
@@ -29,6 +39,9 @@ M_RETRIES = Counter("llumnix_proxy_redispatches_total", "Requests sent to anothe
 M_GIVEN_BACK = Counter("llumnix_proxy_given_back_total", "Queued requests a draining instance gave back, dispatched again")
 M_BAD_FRAMES = Counter("llumnix_proxy_malformed_frames_total", "Frames dropped because they did not decode")
 M_DUPLICATES = Counter("llumnix_proxy_duplicate_tokens_total", "Token outputs dropped because their index was already emitted")
+M_FAILOVERS = Counter("llumnix_proxy_failovers_total", "Streams continued on another instance by re-prefill, by cause", ["cause"])
+M_FENCED = Counter("llumnix_proxy_fenced_total", "Token outputs or ownership claims refused because they came from a copy that is not the request's current owner")
+M_TIMEOUTS = Counter("llumnix_proxy_request_timeouts_total", "Requests ended because they passed proxy.request_timeout_s")
 
 
 class NoInstance(Exception):
@@ -36,12 +49,13 @@ class NoInstance(Exception):
 
 
 class Stream:
-    """One request's outputs, in index order, each index once."""
+    """One request's outputs, in index order, each index once, from its current owner only."""
 
-    __slots__ = ("request_id", "submit", "ready", "next_index", "early", "event", "done", "error",
-                 "status", "instance_id", "address", "tried", "sent_at", "given_back")
+    __slots__ = ("request_id", "submit", "ready", "next_index", "early", "event", "done", "error", "status",
+                 "instance_id", "address", "tried", "sent_at", "given_back", "epoch", "owner_from", "token_ids",
+                 "failovers", "progress_at", "deadline", "fenced", "exclude")
 
-    def __init__(self, request_id: str, submit: wire.Submit):
+    def __init__(self, request_id: str, submit: wire.Submit, timeout_s: float = 0.0):
         self.request_id = request_id
         self.submit = submit
         self.ready: list[wire.TokenOut] = []
@@ -51,11 +65,26 @@ class Stream:
         self.done = False
         self.error: str | None = None
         self.status = 200
-        self.instance_id = ""
+        self.instance_id = ""  # the owner: (instance_id, epoch)
         self.address = ""
         self.tried: list[str] = []
         self.sent_at = 0.0
         self.given_back = 0  # times a draining instance gave it back (not failed attempts)
+        self.epoch = 0
+        self.owner_from = 0  # the first index the current owner produces
+        self.token_ids: list[int] = []  # every token accepted, in order: a failover re-prefills them
+        self.failovers = 0
+        self.progress_at = time.monotonic()
+        self.deadline = time.monotonic() + timeout_s if timeout_s > 0 else 0.0
+        self.fenced: set[tuple[str, int]] = set()  # copies already told to abort
+        self.exclude: list[str] = []  # instances that failed it: not placed there again
+
+    def owns(self, instance_id: str, out: wire.TokenOut) -> bool:
+        """Whether ``out`` may reach the client: from the current owner, or from an earlier placement for an
+        index before the current one began (tokens in flight from a migration's source)."""
+        if out.epoch == self.epoch:
+            return instance_id == self.instance_id
+        return out.epoch < self.epoch and out.index < self.owner_from
 
     def feed(self, out: wire.TokenOut) -> None:
         if self.done or out.index < self.next_index or out.index in self.early:
@@ -67,10 +96,12 @@ class Stream:
         self._accept(out)
         while self.next_index in self.early:
             self._accept(self.early.pop(self.next_index))
+        self.progress_at = time.monotonic()
         self.event.set()
 
     def _accept(self, out: wire.TokenOut) -> None:
         self.ready.append(out)
+        self.token_ids.append(out.token_id)
         self.next_index += 1
         if out.finish_reason is not None:
             self.done = True
@@ -103,6 +134,10 @@ class ClusterClient:
         self.instances: dict[str, zmq.Socket] = {}  # by request address: a restarted instance may move
         self.streams: dict[str, Stream] = {}
         self.snapshot: list[wire.InstanceView] = []
+        # Our own view of the instances, from their heartbeats: it outlives the manager.
+        self.heard: dict[str, float] = {}  # instance id -> monotonic time of its last heartbeat or tokens
+        self.beats: dict[str, wire.Heartbeat] = {}  # instance id -> its last heartbeat
+        self.addresses: dict[str, str] = {}  # instance id -> request address
         self.dispatch_policy = "llumnix"  # the manager's, from its snapshots: our fallback dispatches the same way
         self.snapshot_at = 0.0  # monotonic time of the last answer from the manager
         self._snapshot_asked_at = 0.0
@@ -111,6 +146,7 @@ class ClusterClient:
         self._ids = itertools.count(1)
         self._turn = 0
         self._tasks: list[asyncio.Task] = []
+        self.essential: list[asyncio.Task] = []  # if one of these ends, the proxy exits (it would be deaf)
 
     # ------------------------------------------------------------------ life cycle
 
@@ -118,7 +154,9 @@ class ClusterClient:
         bound = runtime.bind(self.pull, self.pc.token_address)
         self.token_address = self.pc.advertise_address or bound
         runtime.connect(self.manager, self.cfg.manager.address)
-        self._tasks = [asyncio.create_task(c) for c in (self._recv_tokens(), self._recv_manager(), self._poll_snapshot())]
+        self._tasks = [asyncio.create_task(c) for c in
+                       (self._recv_tokens(), self._recv_manager(), self._poll_snapshot(), self._watch())]
+        self.essential = list(self._tasks)
         log.info("token path on %s, manager %s", self.token_address, self.cfg.manager.address)
 
     async def stop(self) -> None:
@@ -138,7 +176,35 @@ class ClusterClient:
         return time.monotonic() - self.snapshot_at < max(3 * self.pc.snapshot_interval_s, 1.0)
 
     def alive(self) -> list[wire.InstanceView]:
-        return [v for v in self.snapshot if v.state == "alive" and not v.draining and not v.cordoned]
+        """Instances that take requests: the manager's view, less those our own view says are dead or
+        unhealthy, with the load of their latest heartbeat when it is newer."""
+        out = []
+        for v in self.snapshot:
+            if v.state != "alive" or v.draining or v.cordoned or self._dead(v.instance_id):
+                continue
+            beat = self.beats.get(v.instance_id)
+            if beat is not None and beat.load is not None:
+                if not beat.healthy or not beat.accepting:
+                    continue
+                v = msgspec.structs.replace(v, load=beat.load)
+            out.append(v)
+        # Instances the manager does not show (it restarted and they have not registered again yet) but that
+        # we hear from.
+        known = {v.instance_id for v in self.snapshot}
+        now = time.monotonic()
+        for iid, beat in self.beats.items():
+            if (iid not in known and beat.load is not None and beat.healthy and beat.accepting
+                    and now - self.heard.get(iid, 0.0) < self.pc.instance_timeout_s):
+                out.append(wire.InstanceView(iid, "", 0, "alive", beat.request_address, "", "", beat.load, 0.0, 0.0))
+        return out
+
+    def instance_timeout(self) -> float:
+        return self.pc.instance_timeout_s
+
+    def _dead(self, instance_id: str, since: float = 0.0) -> bool:
+        """Not heard from for proxy.instance_timeout_s (counting from ``since`` if later: a dispatch)."""
+        last = max(self.heard.get(instance_id, 0.0), since)
+        return last > 0 and time.monotonic() - last > self.pc.instance_timeout_s
 
     async def _ask(self, msg, timeout: float):
         fut = asyncio.get_running_loop().create_future()
@@ -157,9 +223,11 @@ class ClusterClient:
             msg = wire.decode(await self.manager.recv())
             if isinstance(msg, wire.Snapshot):
                 self.snapshot, self.snapshot_at = msg.instances, time.monotonic()
+                for v in msg.instances:
+                    self.addresses[v.instance_id] = v.request_address
                 if msg.dispatch_policy in policy.DISPATCH_POLICIES:
                     self.dispatch_policy = msg.dispatch_policy
-                self._check_gone()
+                self._check_gone(msg.uptime_s)
             if isinstance(msg, (wire.DispatchReply, wire.Snapshot)):
                 fut = self._queries.get(msg.query_id)
                 if fut is not None and not fut.done():
@@ -173,30 +241,35 @@ class ClusterClient:
             await self._ask(wire.SnapshotQuery(next(self._ids)), self.pc.snapshot_interval_s)
             await asyncio.sleep(self.pc.snapshot_interval_s)
 
-    def _check_gone(self) -> None:
-        """Requests on an instance the manager marked dead, or no longer knows, are re-sent or failed."""
+    def _check_gone(self, manager_uptime_s: float) -> None:
+        """Requests on an instance the manager marked dead, or no longer knows, are re-sent or failed. A
+        manager that has just (re)started does not know every instance yet: absence counts only later."""
         states = {v.instance_id: v.state for v in self.snapshot}
+        mc = self.cfg.manager
+        settled = manager_uptime_s > 2 * mc.heartbeat_interval_s * mc.dead_after_missed
         for stream in list(self.streams.values()):
             if stream.done or not stream.instance_id:
                 continue
             state = states.get(stream.instance_id)
             # Absent: gone for good, unless we sent the request after the manager took this snapshot.
-            if state == "dead" or (state is None and stream.sent_at < self._snapshot_asked_at):
-                self._instance_failed(stream, f"instance {stream.instance_id} died")
+            if state == "dead" or (state is None and settled and stream.sent_at < self._snapshot_asked_at):
+                self._instance_failed(stream, f"instance {stream.instance_id} died", cause="dead")
 
     # ------------------------------------------------------------------ dispatch
 
     async def _choose(self, stream: Stream) -> tuple[str, str]:
         sub = stream.submit
         if self.manager_ok() or not self.snapshot:
-            q = wire.Dispatch(next(self._ids), sub.request_id, len(sub.prompt_token_ids), sub.priority, stream.tried)
+            q = wire.Dispatch(next(self._ids), sub.request_id, len(sub.prompt_token_ids), sub.priority, stream.exclude)
             reply = await self._ask(q, self.pc.dispatch_timeout_s)
             if reply is not None:
-                if not reply.instance_id:
+                if not reply.instance_id and not any(v.instance_id not in stream.exclude for v in self.alive()):
                     raise NoInstance(reply.reason or "no live instance")
+            if reply is not None and reply.instance_id:
+                self.addresses[reply.instance_id] = reply.request_address
                 return reply.instance_id, reply.request_address
         M_FALLBACK.inc()
-        views = [v for v in self.alive() if v.instance_id not in stream.tried]
+        views = [v for v in self.alive() if v.instance_id not in stream.exclude]
         states = [policy.state_of(v.instance_id, v.load, pending_requests=v.pending_dispatches) for v in views]
         self._turn += 1
         chosen = policy.dispatch(self.dispatch_policy, states, self._turn, priority=sub.priority)
@@ -204,7 +277,7 @@ class ClusterClient:
             raise NoInstance("no live instance (the manager is unreachable and the last snapshot has none)")
         return chosen, next(v.request_address for v in views if v.instance_id == chosen)
 
-    def _send_instance(self, address: str, msg: wire.Message) -> None:
+    def _send_instance(self, address: str, msg: wire.Message) -> bool:
         sock = self.instances.get(address)
         if sock is None:
             sock = runtime.tune(self.ctx.socket(zmq.DEALER, socket_class=zmq.Socket))  # send-only
@@ -212,11 +285,13 @@ class ClusterClient:
             sock.connect(address)
             self.instances[address] = sock
         if not runtime.send_now(sock, wire.encode(msg)):
-            log.warning("request path to %s is full; dropped a %s", address, type(msg).__name__)
+            log.warning("request path to %s is full; could not send a %s", address, type(msg).__name__)
+            return False
+        return True
 
     async def submit(self, submit: wire.Submit) -> Stream:
         """Dispatch and send a request; the returned stream yields its tokens. Raises NoInstance."""
-        stream = Stream(submit.request_id, submit)
+        stream = Stream(submit.request_id, submit, self.pc.request_timeout_s)
         self.streams[submit.request_id] = stream
         try:
             await self._dispatch(stream)
@@ -226,19 +301,58 @@ class ClusterClient:
         return stream
 
     async def _dispatch(self, stream: Stream) -> None:
-        stream.instance_id, stream.address = await self._choose(stream)
-        stream.tried.append(stream.instance_id)
-        stream.sent_at = time.monotonic()
-        self._send_instance(stream.address, stream.submit)
+        """Place the request (again) under a new epoch; a placement after tokens were streamed continues
+        from them (re-prefill)."""
+        instance_id, address = await self._choose(stream)
+        if stream.done:  # ended (client gone, deadline) while we chose
+            return
+        stream.instance_id, stream.address = instance_id, address
+        stream.tried.append(instance_id)
+        stream.sent_at = stream.progress_at = time.monotonic()
+        stream.epoch += 1
+        stream.owner_from = stream.next_index
+        stream.early.clear()  # a gap's tokens came from the copy we left: the new one sends them again
+        submit = msgspec.structs.replace(stream.submit, epoch=stream.epoch, output_token_ids=list(stream.token_ids))
+        if not self._send_instance(address, submit):
+            self._instance_failed(stream, f"the request path to instance {instance_id} is full", cause="full")
 
-    def _instance_failed(self, stream: Stream, message: str, retryable: bool = True, status: int = 503) -> None:
+    def _instance_failed(self, stream: Stream, message: str, retryable: bool = True, status: int = 503,
+                         cause: str = "failed") -> None:
+        """The stream's owner failed it, died, stalled or went unhealthy: place it elsewhere, or fail it."""
+        if stream.done:
+            return
         if retryable and stream.next_index == 0 and len(stream.tried) - stream.given_back < self.pc.max_dispatch_attempts:
             log.warning("request %s: %s; sending it elsewhere", stream.request_id, message)
             M_RETRIES.inc()
-            stream.instance_id = stream.address = ""
-            self._spawn(self._redispatch(stream, message))
+        elif retryable and stream.next_index > 0 and stream.failovers < self.pc.max_failovers:
+            stream.failovers += 1
+            M_FAILOVERS.labels(cause).inc()
+            log.warning("request %s: %s; continuing it elsewhere from token %d (failover %d of %d)", stream.request_id,
+                        message, stream.next_index, stream.failovers, self.pc.max_failovers)
         else:
+            if stream.next_index:
+                message += f" after {stream.next_index} tokens (proxy.max_failovers = {self.pc.max_failovers})"
             stream.fail(message, status)
+            return
+        self._fence_owner(stream)
+        if stream.instance_id and stream.instance_id not in stream.exclude:
+            stream.exclude.append(stream.instance_id)
+        stream.instance_id = stream.address = ""
+        self._spawn(self._redispatch(stream, message))
+
+    def _fence_owner(self, stream: Stream) -> None:
+        """The copy we leave may still be running (a stalled or unhealthy instance): abort it by epoch."""
+        if stream.address:
+            self._fence(stream, stream.instance_id, stream.epoch, stream.address)
+
+    def _fence(self, stream: Stream, instance_id: str, epoch: int, address: str = "") -> None:
+        key = (instance_id, epoch)
+        if key in stream.fenced:
+            return
+        stream.fenced.add(key)
+        address = address or self.addresses.get(instance_id, "")
+        if address:
+            self._send_instance(address, wire.Abort(stream.request_id, epoch))
 
     def _give_back(self, stream: Stream, msg: wire.Redispatch) -> None:
         if stream.next_index:  # it produced tokens meanwhile (cannot happen: the instance checks); keep it there
@@ -265,8 +379,46 @@ class ClusterClient:
         """Forget a stream; abort it on its instance if it is still running there (client went away, stop string)."""
         self.streams.pop(stream.request_id, None)
         if not stream.done and stream.address:
-            self._send_instance(stream.address, wire.Abort(stream.request_id))
+            self._send_instance(stream.address, wire.Abort(stream.request_id, stream.epoch))
         stream.done = True
+
+    # ------------------------------------------------------------------ liveness
+
+    async def _watch(self) -> None:
+        """Each heartbeat: tell the instances we are here; fail over streams whose instance is silent,
+        unhealthy or stalled; end requests past their deadline."""
+        period = min(self.cfg.manager.heartbeat_interval_s, self.pc.instance_timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            alive = wire.ProxyAlive(self.token_address)
+            for address in list(self.instances):
+                self._send_instance(address, alive)
+            self.check_streams(time.monotonic())
+
+    def check_streams(self, now: float) -> None:
+        stall = self.pc.stall_timeout_s
+        for stream in list(self.streams.values()):
+            if stream.done:
+                continue
+            if stream.deadline and now > stream.deadline:
+                M_TIMEOUTS.inc()
+                self._fence_owner(stream)
+                stream.fail(f"the request did not finish within proxy.request_timeout_s "
+                            f"({self.pc.request_timeout_s:g}s)", 504)
+                continue
+            iid = stream.instance_id
+            if not iid:  # being placed
+                continue
+            beat = self.beats.get(iid)
+            if self._dead(iid, stream.sent_at):
+                self._instance_failed(stream, f"instance {iid} has not been heard from for over "
+                                      f"{self.pc.instance_timeout_s:g}s", cause="silent")
+            elif beat is not None and not beat.healthy:
+                self._instance_failed(stream, f"instance {iid} is unhealthy (its engine makes no progress)",
+                                      cause="unhealthy")
+            elif stall and (stream.next_index or stream.early) and now - stream.progress_at > stall:
+                self._instance_failed(stream, f"no token for {now - stream.progress_at:.1f}s on instance {iid}"
+                                      f"{' (a token is missing)' if stream.early else ''}", cause="stalled")
 
     # ------------------------------------------------------------------ token path
 
@@ -276,17 +428,25 @@ class ClusterClient:
             for frame in frames:
                 msg = wire.decode(frame)
                 if isinstance(msg, wire.TokenBatch):
+                    iid = msg.instance_id
+                    self.heard[iid] = time.monotonic()
                     for out in msg.outputs:
                         stream = streams.get(out.request_id)
-                        if stream is not None:
+                        if stream is None:
+                            continue
+                        if stream.owns(iid, out):
                             stream.feed(out)
-                elif isinstance(msg, wire.Moved):  # live migration: follow the request to its new instance
+                        elif not stream.done:
+                            M_FENCED.inc()
+                            self._fence(stream, iid, out.epoch)
+                elif isinstance(msg, wire.Heartbeat):
+                    self.heard[msg.instance_id] = time.monotonic()
+                    self.beats[msg.instance_id] = msg
+                    self.addresses[msg.instance_id] = msg.request_address
+                elif isinstance(msg, wire.Moved):  # a migration committed: follow the request to its new owner
                     stream = streams.get(msg.request_id)
                     if stream is not None and not stream.done:
-                        stream.instance_id, stream.address = msg.instance_id, msg.request_address
-                        stream.sent_at = time.monotonic()
-                        if msg.instance_id not in stream.tried:
-                            stream.tried.append(msg.instance_id)
+                        self._moved(stream, msg)
                 elif isinstance(msg, wire.Redispatch):
                     stream = streams.get(msg.request_id)
                     if stream is not None and not stream.done and stream.instance_id == msg.instance_id:
@@ -294,6 +454,27 @@ class ClusterClient:
                 elif isinstance(msg, wire.RequestFailed):
                     stream = streams.get(msg.request_id)
                     if stream is not None and stream.instance_id == msg.instance_id:
-                        self._instance_failed(stream, msg.message, msg.retryable, msg.status)
+                        # A request that already streamed tokens was valid: an instance that refuses to
+                        # continue it (a smaller context limit or cache) is that instance's limit, not the request's.
+                        retryable = msg.retryable or (stream.next_index > 0 and msg.status == 400)
+                        self._instance_failed(stream, msg.message, retryable, msg.status, cause="refused")
                 else:
                     M_BAD_FRAMES.inc()
+
+    def _moved(self, stream: Stream, msg: wire.Moved) -> None:
+        """An ownership claim: the first one heard for a newer epoch wins; a claim that lost (a late commit
+        against a resumed source, or the reverse) is aborted by epoch."""
+        self.addresses[msg.instance_id] = msg.request_address
+        if msg.request_address not in self.instances:  # it holds our streams now: it must hear that we live
+            self._send_instance(msg.request_address, wire.ProxyAlive(self.token_address))
+        if msg.epoch > stream.epoch:
+            stream.instance_id, stream.address = msg.instance_id, msg.request_address
+            stream.epoch, stream.owner_from = msg.epoch, msg.from_index
+            stream.sent_at = time.monotonic()
+            if msg.instance_id not in stream.tried:
+                stream.tried.append(msg.instance_id)
+        elif msg.epoch < stream.epoch or msg.instance_id != stream.instance_id:
+            M_FENCED.inc()
+            log.warning("request %s: instance %s claims epoch %d, but %s owns epoch %d; aborting that copy",
+                        stream.request_id, msg.instance_id, msg.epoch, stream.instance_id, stream.epoch)
+            self._fence(stream, msg.instance_id, msg.epoch, msg.request_address)

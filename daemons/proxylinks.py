@@ -1,0 +1,107 @@
+"""An instance's links to the proxies it serves: the token path (one PUSH socket per proxy), what waits
+when a proxy's queue is full, and whether each proxy is still there.
+
+Nothing is dropped silently: a message that finds a proxy's queue full waits in that proxy's backlog, in
+order, and goes out before anything newer. A proxy whose backlog outgrows ``max_backlog`` or that has not
+been heard from (requests, ``ProxyAlive``) for ``orphan_timeout_s`` is gone: the instance aborts its
+requests (``gone``), since nobody reads their tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+import zmq
+
+from daemons import runtime, wire
+
+log = logging.getLogger("llumnix.instance")
+
+
+class _Link:
+    __slots__ = ("sock", "backlog", "seen", "full_since")
+
+    def __init__(self, sock: zmq.Socket):
+        self.sock = sock
+        self.backlog: deque[bytes] = deque()
+        self.seen = time.monotonic()
+        self.full_since = 0.0
+
+
+class ProxyLinks:
+    def __init__(self, ctx: zmq.Context, orphan_timeout_s: float, max_backlog: int = 10_000, sndhwm: int = 100_000):
+        self.ctx = ctx
+        self.orphan_timeout_s = orphan_timeout_s
+        self.max_backlog = max_backlog
+        self.sndhwm = sndhwm
+        self.links: dict[str, _Link] = {}
+
+    def _link(self, address: str) -> _Link:
+        link = self.links.get(address)
+        if link is None:
+            sock = self.ctx.socket(zmq.PUSH, socket_class=zmq.Socket)  # send-only: plain sends never wait
+            sock.setsockopt(zmq.LINGER, 2000)  # let the last tokens out on shutdown, but never hang
+            sock.setsockopt(zmq.SNDHWM, self.sndhwm)
+            sock.connect(address)
+            link = self.links[address] = _Link(sock)
+        return link
+
+    def send(self, address: str, msg: wire.Message) -> None:
+        link = self._link(address)
+        frame = wire.encode(msg)
+        if link.backlog and not self._flush(link):
+            link.backlog.append(frame)
+        elif not runtime.send_now(link.sock, frame):
+            if not link.backlog:
+                link.full_since = time.monotonic()
+                log.warning("token path to %s is full; holding its messages", address)
+            link.backlog.append(frame)
+
+    def _flush(self, link: _Link) -> bool:
+        """Send what waits; True once nothing does."""
+        while link.backlog:
+            if not runtime.send_now(link.sock, link.backlog[0]):
+                return False
+            link.backlog.popleft()
+        link.full_since = 0.0
+        return True
+
+    def flush(self) -> None:
+        for link in self.links.values():
+            if link.backlog:
+                self._flush(link)
+
+    def seen(self, address: str) -> None:
+        """The proxy at ``address`` spoke to us (a request, ProxyAlive)."""
+        self._link(address).seen = time.monotonic()
+
+    def heartbeat(self, msg: wire.Heartbeat) -> None:
+        for address in list(self.links):
+            self.send(address, msg)
+
+    def gone(self, addresses: set[str]) -> list[tuple[str, str]]:
+        """Of ``addresses`` (proxies with requests here), those that are gone, each with why."""
+        now = time.monotonic()
+        out = []
+        for address in addresses:
+            link = self._link(address)
+            if len(link.backlog) > self.max_backlog:
+                out.append((address, f"its token path has been full since {now - link.full_since:.1f}s "
+                                     f"({len(link.backlog)} messages waiting)"))
+            elif now - link.seen > self.orphan_timeout_s:
+                out.append((address, f"not heard from for {now - link.seen:.1f}s (instance.orphan_timeout_s)"))
+        return out
+
+    def drop(self, address: str) -> None:
+        """Forget a gone proxy's backlog (its requests were aborted); a live one reconnects on next use."""
+        link = self.links.pop(address, None)
+        if link is not None:
+            link.sock.close(0)
+
+    def close(self) -> None:
+        self.flush()
+        for link in self.links.values():
+            link.sock.close()  # with its linger: what was sent last still goes out
+        self.links.clear()

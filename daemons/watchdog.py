@@ -1,0 +1,96 @@
+"""Liveness by progress, and the faults tests inject.
+
+``Watchdog`` runs on a thread of its own, so it keeps judging while an engine step or the event loop is
+stuck. The instance is *stalled* while a step has run longer than ``instance.step_timeout_s`` or its event
+loop has not ticked for that long. While it is not stalled the watchdog sends systemd ``WATCHDOG=1`` (the
+units set ``WatchdogSec``); once stalled it stops, the instance reports itself unhealthy (proxies fail its
+streams over, the manager dispatches nothing to it), and if it is still stalled ``instance.hung_exit_s``
+later the process exits non-zero so that ``Restart=on-failure`` brings it back: a wedged GPU does not
+recover by waiting.
+
+``Faults`` reads ``$LLUMNIX_FAULTS``, which only tests set: ``name=value`` pairs separated by ``;``, each
+optionally scoped to one instance as ``ID:name=value`` (for example ``i1:slow_commit_s=3;i0:hang_step_after=40``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+from daemons import runtime
+
+log = logging.getLogger("llumnix.instance")
+
+EXIT_HUNG = 3  # the exit status of an instance whose engine stopped making progress
+
+
+class Watchdog:
+    def __init__(self, step_timeout_s: float, hung_exit_s: float):
+        self.step_timeout_s = step_timeout_s
+        self.hung_exit_s = hung_exit_s
+        self.step_started = 0.0  # monotonic start of the step in flight (0: none); set by the step loop
+        self.loop_beat = time.monotonic()  # the event loop's last tick; set by the instance
+        self.stalled = ""  # why, while stalled
+        self._stalled_since = 0.0
+        self._stop = threading.Event()
+        usec = os.environ.get("WATCHDOG_USEC", "")
+        self._notify_every = int(usec) / 2e6 if usec.isdigit() and int(usec) > 0 else 0.0
+        self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def check(self, now: float) -> str:
+        started = self.step_started
+        if started and now - started > self.step_timeout_s:
+            return f"an engine step has run for {now - started:.1f}s (instance.step_timeout_s = {self.step_timeout_s:g})"
+        if now - self.loop_beat > self.step_timeout_s:
+            return f"the event loop has not run for {now - self.loop_beat:.1f}s (instance.step_timeout_s = {self.step_timeout_s:g})"
+        return ""
+
+    def _run(self) -> None:
+        tick = min(1.0, self.step_timeout_s / 4)
+        if self._notify_every:
+            tick = min(tick, self._notify_every)
+        while not self._stop.wait(tick):
+            now = time.monotonic()
+            reason = self.check(now)
+            if not reason:
+                if self.stalled:
+                    log.warning("making progress again")
+                self.stalled, self._stalled_since = "", 0.0
+                runtime.sd_notify("WATCHDOG=1")
+                continue
+            if not self.stalled:
+                self._stalled_since = now
+                log.error("unhealthy: %s; its streams fail over, no new requests come", reason)
+            self.stalled = reason
+            if now - self._stalled_since >= self.hung_exit_s:
+                log.critical("still no progress %.1fs later (instance.hung_exit_s): exiting with status %d so that "
+                             "the service manager restarts the instance", now - self._stalled_since, EXIT_HUNG)
+                logging.shutdown()
+                os._exit(EXIT_HUNG)
+
+
+class Faults:
+    """Faults injected by tests (never set in production)."""
+
+    def __init__(self, instance_id: str, spec: str | None = None):
+        self.values: dict[str, float] = {}
+        spec = os.environ.get("LLUMNIX_FAULTS", "") if spec is None else spec
+        for item in filter(None, (x.strip() for x in spec.split(";"))):
+            scope, _, pair = item.rpartition(":")
+            if scope and scope != instance_id:
+                continue
+            name, _, value = pair.partition("=")
+            self.values[name.strip()] = float(value or 1)
+        if self.values:
+            log.warning("fault injection on: %s", self.values)
+
+    def get(self, name: str) -> float:
+        return self.values.get(name, 0.0)

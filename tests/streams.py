@@ -1,0 +1,95 @@
+"""Helpers of the failure tests: streamed requests checked token by token, waits, metrics."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+
+from daemons.engine.sim import sim_token_id
+
+VOCAB = 32000
+
+
+def wait_for(what, timeout: float, message: str = "", every: float = 0.05):
+    """Poll ``what()`` until it is truthy (returned), failing after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = what()
+        if got:
+            return got
+        assert time.monotonic() < deadline, message or f"not within {timeout}s"
+        time.sleep(every)
+
+
+def samples(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def proxy_metric(url: str, name: str) -> float:
+    """The sum of a proxy metric over its labels."""
+    return sum(v for k, v in samples(httpx.get(url + "/metrics", timeout=10).text).items()
+               if k == name or k.startswith(name + "{"))
+
+
+class Stream(threading.Thread):
+    """One streamed completion on a thread: every token id, the request id, usage, the error if any."""
+
+    def __init__(self, url: str, max_tokens: int, prompt="x", model: str = "llumnix-sim", start: bool = True, **extra):
+        super().__init__(daemon=True)
+        self.url = url
+        self.body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                     "return_token_ids": True, "stream_options": {"include_usage": True}, **extra}
+        self.ids: list[int] = []
+        self.rid = ""
+        self.usage: dict | None = None
+        self.finish: str | None = None
+        self.error = None
+        if start:
+            self.start()
+
+    def run(self) -> None:
+        try:
+            with httpx.stream("POST", self.url + "/v1/completions", json=self.body, timeout=120) as resp:
+                if resp.status_code != 200:
+                    self.error = f"HTTP {resp.status_code}: {resp.read()[:300]!r}"
+                    return
+                for line in resp.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        self.error = chunk["error"]
+                        return
+                    self.rid = chunk["id"]
+                    self.usage = chunk.get("usage") or self.usage
+                    for ch in chunk["choices"]:
+                        self.ids += ch.get("token_ids") or []
+                        self.finish = ch.get("finish_reason") or self.finish
+        except httpx.HTTPError as exc:
+            self.error = repr(exc)
+
+    def wait_tokens(self, n: int, timeout: float = 30) -> None:
+        wait_for(lambda: len(self.ids) >= n or not self.is_alive(), timeout, f"only {len(self.ids)} tokens")
+        assert len(self.ids) >= n, f"stream ended early: {self.error}"
+
+    def result(self, timeout: float = 120) -> "Stream":
+        self.join(timeout)
+        assert not self.is_alive(), "the stream did not end"
+        return self
+
+    def check_sim(self, n: int, prompt_tokens: int | None = None) -> None:
+        """Complete and exact: the sim's n tokens for this request id, each once, in order; usage agrees."""
+        self.result()
+        assert self.error is None, self.error
+        assert self.ids == [sim_token_id(self.rid, i, VOCAB) for i in range(n)], f"{self.rid}: wrong tokens"
+        assert self.usage is not None and self.usage["completion_tokens"] == n, self.usage
+        if prompt_tokens is not None:
+            assert self.usage["prompt_tokens"] == prompt_tokens, self.usage
