@@ -1,0 +1,228 @@
+"""Failures with real daemons on the sim engine: migrations whose last stage goes wrong, instances that die
+or hang, deadlines, clients and proxies that go away.
+
+Each test checks what the client got (every token exactly once and in order: the sim's tokens are a pure
+function of (request id, index), so a duplicate, a gap or a token from the wrong copy shows) and that no
+KV block is left behind once the cluster is idle. Faults are injected with ``$LLUMNIX_FAULTS``
+(daemons/watchdog.py), which every daemon a cluster starts inherits, scoped by instance id.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from llumnixctl.admin import AdminClient
+from llumnixctl.main import outcome_json, status_json
+from tests.conftest import ctl_json
+from tests.streams import Stream, proxy_metric, samples, wait_for
+
+pytestmark = pytest.mark.e2e
+
+PROMPT = list(range(100, 180))  # 80 prompt tokens (5 blocks of 16): usage must say 80 whatever re-prefilled
+PACED = ["instance.min_step_s=0.02", "manager.dispatch_policy=flood"]  # flood: every request on i0
+FENCING = PACED + ["migration.timeout_s=1.5", "migration.dest_idle_timeout_s=10"]
+
+
+# ---------------------------------------------------------------- helpers (in-process: the CLI costs CPU)
+
+
+def instances(c) -> dict[str, dict]:
+    """What `llumnixctl status --json` says of each instance, asked in-process."""
+    client = c.admin()
+    try:
+        return {r["id"]: r for r in status_json(client.status(), c.manager)["instances"]}
+    finally:
+        client.close()
+
+
+def placements(c, rid: str) -> list[str]:
+    """The instances that hold a copy of ``rid`` (as `llumnixctl requests` lists them)."""
+    client = c.admin()
+    try:
+        return sorted(r.instance_id for r in client.requests().requests if r.request_id == rid)
+    finally:
+        client.close()
+
+
+def move(c, rid: str, dst: str) -> dict:
+    """`llumnixctl migrate RID --to DST --json`, in-process."""
+    client = AdminClient(c.manager, timeout_s=60)
+    try:
+        return outcome_json(client.migrate(dst, request_id=rid).outcomes[0])
+    finally:
+        client.close()
+
+
+def _idle(row: dict) -> bool:
+    return row["blocks_used"] == 0 and row["running"] == 0 and row["waiting"] == 0 \
+        and row["migrating_out"] == 0 and row["migrating_in"] == 0
+
+
+def settle(c, ids: list[str], timeout: float = 10) -> None:
+    """Wait until every instance of ``ids`` is idle and holds no block; then confirm with the CLI itself."""
+    def check(rows):
+        return all(_idle(rows[i]) for i in ids)
+
+    last = {}
+
+    def idle_now():
+        last.update(instances(c))
+        return check(last)
+
+    wait_for(idle_now, timeout, f"blocks left behind: {[last.get(i) for i in ids]}", every=0.1)
+    rows = {r["id"]: r for r in c.status()["instances"]}  # `llumnixctl status --json`
+    assert check(rows), rows
+
+
+def instance_metrics(c, iid: str) -> dict[str, float]:
+    address = instances(c)[iid]["metrics_address"]
+    return samples(httpx.get(f"http://{address}/metrics", timeout=10).text)
+
+
+def log_of(c, name: str) -> str:
+    return Path(c.proc(name).log).read_text(errors="replace")
+
+
+def stream_on_i0(c, max_tokens: int, at: int = 10) -> Stream:
+    s = Stream(c.url, max_tokens, prompt=PROMPT, ignore_eos=True)
+    s.wait_tokens(at)
+    assert placements(c, s.rid) == ["i0"], "flood dispatch puts every request on i0"
+    return s
+
+
+# ---------------------------------------------------------------- migration: the last stage goes wrong
+
+
+def test_slow_commit_source_times_out_resumes_and_destination_never_commits(start_cluster, monkeypatch):
+    """The destination waits 4 s before it commits; the source gives up after 1.5 s, tells it so (MigAbort)
+    and resumes the request as epoch+1. The destination must then refuse to commit: one copy survives."""
+    monkeypatch.setenv("LLUMNIX_FAULTS", "i1:slow_commit_s=4")
+    c = start_cluster(instances=2, sets=FENCING)
+    s = stream_on_i0(c, 400)
+    out = move(c, s.rid, "i1")
+    assert out["outcome"] == "aborted" and "did not answer the commit" in out["reason"], out
+    # The destination holds its reservation until its slow commit wakes up, sees the abort and releases.
+    wait_for(lambda: instances(c)["i1"]["migrating_in"] == 0, 15, "the destination's migration did not end")
+    assert s.is_alive(), "the stream should outlast the migration (400 tokens at 20 ms)"
+    if "the source aborted the migration before the commit" in log_of(c, "instance-i1"):  # what should happen
+        assert placements(c, s.rid) == ["i0"]  # exactly one copy, on the source
+        assert _idle(instances(c)["i1"]), "the destination kept its reservation"
+    else:  # the MigAbort came after all too late: it committed, and the proxy must have aborted one copy
+        wait_for(lambda: len(placements(c, s.rid)) == 1, 10, f"copies: {placements(c, s.rid)}")
+    s.check_sim(400, prompt_tokens=len(PROMPT))
+    settle(c, ["i0", "i1"])
+    assert "no answer to its last stage" in log_of(c, "instance-i0")
+
+
+def test_lost_commit_ack_proxy_keeps_the_destination_and_fences_the_source(start_cluster, monkeypatch):
+    """The destination commits (epoch+1, and says so to the proxy) but its MigDone is lost; the source times
+    out and resumes under epoch+1 too, and claims it. The proxy keeps the first claim (the destination's)
+    and aborts the source's copy by epoch."""
+    monkeypatch.setenv("LLUMNIX_FAULTS", "i1:drop_commit_ack=1")
+    c = start_cluster(instances=2, sets=FENCING)
+    s = stream_on_i0(c, 400)
+    fenced_before = proxy_metric(c.url, "llumnix_proxy_fenced_total")
+    out = move(c, s.rid, "i1")
+    assert out["outcome"] == "aborted" and "did not answer the commit" in out["reason"], out
+    assert "no answer to its last stage" in log_of(c, "instance-i0")
+    # The source's copy is aborted once the proxy refuses its claim: only the destination's remains.
+    wait_for(lambda: placements(c, s.rid) == ["i1"], 10, f"copies: {placements(c, s.rid)}")
+    assert s.is_alive(), "the stream should outlast the migration (400 tokens at 20 ms)"
+    s.check_sim(400, prompt_tokens=len(PROMPT))
+    assert proxy_metric(c.url, "llumnix_proxy_fenced_total") > fenced_before
+    assert "claims epoch" in log_of(c, "proxy")
+    settle(c, ["i0", "i1"])
+
+
+def test_destination_killed_right_after_commit_fails_back_over(start_cluster):
+    c = start_cluster(instances=2, sets=PACED + ["migration.timeout_s=3"])
+    s = stream_on_i0(c, 300)
+    out = move(c, s.rid, "i1")
+    assert out["outcome"] == "committed", out
+    wait_for(lambda: placements(c, s.rid) == ["i1"], 10, "the request is not listed on i1")
+    at_kill = len(s.ids)
+    assert at_kill < 300
+    os.kill(c.proc("instance-i1").pid, signal.SIGKILL)
+    s.check_sim(300, prompt_tokens=len(PROMPT))  # continued on i0 by re-prefill, no error, exact tokens
+    assert proxy_metric(c.url, "llumnix_proxy_failovers_total") >= 1
+    assert "failed over to us" in log_of(c, "instance-i0")
+    settle(c, ["i0"])
+
+
+# ---------------------------------------------------------------- an instance that hangs
+
+
+def test_hung_step_fails_over_and_the_instance_exits_with_status_3(start_cluster, monkeypatch):
+    monkeypatch.setenv("LLUMNIX_FAULTS", "i0:hang_step_after=30")
+    c = start_cluster(instances=2, sets=PACED + ["instance.step_timeout_s=1", "instance.hung_exit_s=1"])
+    victim = psutil.Process(c.proc("instance-i0").pid)  # our child (localcluster spawned it): wait() gets its status
+    s = Stream(c.url, 150, prompt=PROMPT, ignore_eos=True)
+    # No subprocess may start before this wait: subprocess's own clean-up could reap the child first.
+    assert victim.wait(timeout=30) == 3
+    s.check_sim(150, prompt_tokens=len(PROMPT))
+    assert proxy_metric(c.url, "llumnix_proxy_failovers_total") >= 1
+    log = log_of(c, "instance-i0")
+    assert "fault injection: this engine step never ends" in log and "exiting with status 3" in log, log[-2000:]
+    assert "failed over to us: continues at token" in log_of(c, "instance-i1")  # mid-stream, not a retry
+    settle(c, ["i1"])
+
+
+# ---------------------------------------------------------------- deadline, client gone, proxy gone
+
+
+def test_request_deadline_ends_with_504_and_aborts(start_cluster):
+    c = start_cluster(instances=2, sets=["proxy.request_timeout_s=1", "instance.min_step_s=0.05",
+                                         "manager.dispatch_policy=rr"])
+    s = Stream(c.url, 500, prompt=PROMPT, ignore_eos=True)  # 500 steps of 50 ms: 25 s without the deadline
+    t0 = time.monotonic()
+    resp = httpx.post(c.url + "/v1/completions", timeout=30,
+                      json={"model": "llumnix-sim", "prompt": PROMPT, "max_tokens": 500, "ignore_eos": True})
+    assert resp.status_code == 504, resp.text
+    assert time.monotonic() - t0 < 6
+    err = resp.json()["error"]
+    assert "request_timeout_s" in err["message"] and err["type"] == "server_error", err
+    s.result(30)
+    assert isinstance(s.error, dict) and "request_timeout_s" in s.error["message"], s.error  # in-band error
+    assert 0 < len(s.ids) < 500
+    assert proxy_metric(c.url, "llumnix_proxy_request_timeouts_total") == 2
+    settle(c, ["i0", "i1"], timeout=5)  # aborted on the instances, not decoded to the end
+
+
+def test_client_disconnect_non_streaming_aborts_the_request(start_cluster):
+    c = start_cluster(instances=2, sets=PACED)
+    body = {"model": "llumnix-sim", "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True}  # 40 s of decode
+    t0 = time.monotonic()
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up after 0.5 s and closes its connection
+        httpx.post(c.url + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.5))
+    assert time.monotonic() - t0 < 5
+    settle(c, ["i0", "i1"], timeout=5)
+    assert ctl_json("requests", "--run-dir", str(c.run_dir))["requests"] == []
+    m = instance_metrics(c, "i0")
+    assert m.get("llumnix_instance_requests_total") == 1
+    assert m.get('llumnix_instance_requests_finished_total{reason="abort"}') == 1, m
+
+
+def test_killed_proxy_orphans_are_aborted(start_cluster):
+    c = start_cluster(instances=2, sets=["instance.min_step_s=0.02", "manager.dispatch_policy=rr",
+                                         "instance.orphan_timeout_s=1.5"])
+    streams = [Stream(c.url, 1000, prompt=PROMPT, ignore_eos=True) for _ in range(2)]  # 20 s each
+    for s in streams:
+        s.wait_tokens(5)
+    assert sorted(p for s in streams for p in placements(c, s.rid)) == ["i0", "i1"]  # rr: one each
+    os.kill(c.proc("proxy").pid, signal.SIGKILL)
+    killed = time.monotonic()
+    settle(c, ["i0", "i1"], timeout=8)
+    assert time.monotonic() - killed < 8
+    for s in streams:
+        s.result(30)
+        assert s.error is not None and len(s.ids) < 1000  # the client saw its connection drop
+    orphaned = sum(instance_metrics(c, i).get("llumnix_instance_requests_orphaned_total", 0) for i in ("i0", "i1"))
+    assert orphaned == 2
+    assert "is gone" in log_of(c, "instance-i0") and "is gone" in log_of(c, "instance-i1")
