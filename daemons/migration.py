@@ -299,6 +299,9 @@ class Migrator:
                 self.kv.forget(dst)
             if suspended_at:
                 uncertain = last_sent and not isinstance(exc, Refused)
+                if uncertain:
+                    result.reason += ("; it resumed here, and if the destination committed after all, the proxy "
+                                      "keeps one of the two copies")
                 await self.boundary(lambda: self._resume(request_id, state if uncertain else None))
             self.aborted += 1
         finally:
