@@ -226,3 +226,56 @@ def test_killed_proxy_orphans_are_aborted(start_cluster):
     orphaned = sum(instance_metrics(c, i).get("llumnix_instance_requests_orphaned_total", 0) for i in ("i0", "i1"))
     assert orphaned == 2
     assert "is gone" in log_of(c, "instance-i0") and "is gone" in log_of(c, "instance-i1")
+
+
+def test_manager_killed_and_restarted_under_load(start_cluster):
+    """Without its manager the cluster keeps serving: streams go on, new requests are dispatched from the
+    proxy's own view; a restarted manager gets every instance back without a storm of stale reports."""
+    c = start_cluster(2, ["instance.min_step_s=0.02"])
+    running = [Stream(c.url, 150, prompt=PROMPT, ignore_eos=True) for _ in range(4)]
+    for s in running:
+        s.wait_tokens(3)
+    manager = c.proc("manager")
+    os.kill(manager.pid, signal.SIGKILL)
+    wait_for(lambda: manager.process() is None, 10, "the manager did not die")
+    time.sleep(1.5)  # several heartbeats without a manager: the proxy notices it is away
+    during = [Stream(c.url, 40, prompt=PROMPT, ignore_eos=True) for _ in range(4)]
+    for s in during:
+        s.check_sim(40, prompt_tokens=80)
+    c.spawn("manager", manager.argv)
+    wait_for(lambda: len([i for i in instances(c).values() if i["state"] == "alive"]) == 2, 15,
+             "the restarted manager did not get both instances back")
+    for s in running:
+        s.check_sim(150, prompt_tokens=80)
+    after = Stream(c.url, 20, prompt=PROMPT, ignore_eos=True)
+    after.check_sim(20, prompt_tokens=80)
+    # Each instance was asked to register again a few times at most (one per heartbeat), not once per report.
+    for i in ("i0", "i1"):
+        asked = Path(c.proc(f"instance-{i}").log).read_text().count("manager asks us to register")
+        assert 1 <= asked <= 5, (i, asked)
+    settle(c, ["i0", "i1"])
+
+
+def test_restarted_proxy_gets_the_old_proxy_streams_aborted(start_cluster):
+    """A proxy restarted at the same token address: the instances' tokens for requests it does not know are
+    answered with aborts, so they do not decode for nobody."""
+    c = start_cluster(2, ["instance.min_step_s=0.02", "instance.orphan_timeout_s=60"])
+    proxy = c.proc("proxy")
+    token_address = next(line for line in Path(proxy.log).read_text().splitlines() if "token path on" in line)
+    token_address = token_address.split("token path on ")[1].split(",")[0]
+    streams = [Stream(c.url, 2000, prompt=PROMPT, ignore_eos=True) for _ in range(2)]
+    for s in streams:
+        s.wait_tokens(3)
+    os.kill(proxy.pid, signal.SIGKILL)
+    wait_for(lambda: proxy.process() is None, 10)
+    argv = [*proxy.argv, "--set", f"proxy.token_address={token_address}"]
+    c.spawn("proxy", argv)
+    wait_for(lambda: _health(c.url), 30, "the restarted proxy did not come up")
+    settle(c, ["i0", "i1"], timeout=15)
+
+
+def _health(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

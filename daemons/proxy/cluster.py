@@ -138,6 +138,7 @@ class ClusterClient:
         self.heard: dict[str, float] = {}  # instance id -> monotonic time of its last heartbeat or tokens
         self.beats: dict[str, wire.Heartbeat] = {}  # instance id -> its last heartbeat
         self.addresses: dict[str, str] = {}  # instance id -> request address
+        self._orphans: dict[str, None] = {}  # request ids we asked instances to abort (insertion-ordered)
         self.dispatch_policy = "llumnix"  # the manager's, from its snapshots: our fallback dispatches the same way
         self.snapshot_at = 0.0  # monotonic time of the last answer from the manager
         self._snapshot_asked_at = 0.0
@@ -433,6 +434,7 @@ class ClusterClient:
                     for out in msg.outputs:
                         stream = streams.get(out.request_id)
                         if stream is None:
+                            self._orphan(iid, out)
                             continue
                         if stream.owns(iid, out):
                             stream.feed(out)
@@ -460,6 +462,18 @@ class ClusterClient:
                         self._instance_failed(stream, msg.message, retryable, msg.status, cause="refused")
                 else:
                     M_BAD_FRAMES.inc()
+
+    def _orphan(self, instance_id: str, out: wire.TokenOut) -> None:
+        """Tokens of a request we do not know (we restarted at the same address, or already let it go):
+        nobody will read them; ask their instance to stop, once per request."""
+        if out.finish_reason is not None or out.request_id in self._orphans:
+            return
+        address = self.addresses.get(instance_id)
+        if address:
+            self._orphans[out.request_id] = None
+            if len(self._orphans) > 10_000:
+                self._orphans.pop(next(iter(self._orphans)))
+            self._send_instance(address, wire.Abort(out.request_id, out.epoch))
 
     def _moved(self, stream: Stream, msg: wire.Moved) -> None:
         """An ownership claim: the first one heard for a newer epoch wins; a claim that lost (a late commit
