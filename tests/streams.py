@@ -52,6 +52,8 @@ class Stream(threading.Thread):
         self.usage: dict | None = None
         self.finish: str | None = None
         self.error = None
+        self.started = threading.Event()  # set at the first chunk (or the end)
+        self.stop_after: int | None = None  # close the connection after this many tokens (the client leaves)
         if start:
             self.start()
 
@@ -69,12 +71,17 @@ class Stream(threading.Thread):
                         self.error = chunk["error"]
                         return
                     self.rid = chunk["id"]
+                    self.started.set()
                     self.usage = chunk.get("usage") or self.usage
                     for ch in chunk["choices"]:
                         self.ids += ch.get("token_ids") or []
                         self.finish = ch.get("finish_reason") or self.finish
+                    if self.stop_after is not None and len(self.ids) >= self.stop_after:
+                        break
         except httpx.HTTPError as exc:
             self.error = repr(exc)
+        finally:
+            self.started.set()
 
     def wait_tokens(self, n: int, timeout: float = 30) -> None:
         wait_for(lambda: len(self.ids) >= n or not self.is_alive(), timeout, f"only {len(self.ids)} tokens")

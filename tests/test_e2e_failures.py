@@ -18,10 +18,10 @@ import httpx
 import psutil
 import pytest
 
-from llumnixctl.admin import AdminClient
-from llumnixctl.main import outcome_json, status_json
+from llumnixctl.main import status_json
 from tests.conftest import ctl_json
 from tests.streams import Stream, proxy_metric, samples, wait_for
+from tests.test_e2e_migration import move
 
 pytestmark = pytest.mark.e2e
 
@@ -47,15 +47,6 @@ def placements(c, rid: str) -> list[str]:
     client = c.admin()
     try:
         return sorted(r.instance_id for r in client.requests().requests if r.request_id == rid)
-    finally:
-        client.close()
-
-
-def move(c, rid: str, dst: str) -> dict:
-    """`llumnixctl migrate RID --to DST --json`, in-process."""
-    client = AdminClient(c.manager, timeout_s=60)
-    try:
-        return outcome_json(client.migrate(dst, request_id=rid).outcomes[0])
     finally:
         client.close()
 

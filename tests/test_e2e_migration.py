@@ -16,9 +16,9 @@ import time
 import httpx
 import pytest
 
-from daemons.engine.sim import sim_token_id
 from llumnixctl import localcluster
 from tests.conftest import ctl
+from tests.streams import Stream
 
 pytestmark = pytest.mark.e2e
 
@@ -27,57 +27,15 @@ PACED = ["instance.min_step_s=0.02", "manager.dispatch_policy=flood", "migration
          "migration.dest_idle_timeout_s=2"]
 
 
-class Streamer(threading.Thread):
-    """A streamed completion consumed on a thread: token ids as they come, the request id, errors."""
+class Streamer(Stream):
+    """A streamed sim completion of exactly ``max_tokens`` tokens (no EOS), consumed on a thread."""
 
     def __init__(self, url: str, max_tokens: int, prompt: str = "move me " * 20, **extra):
-        super().__init__(daemon=True)
-        self.url, self.body = url, {"model": "llumnix-sim", "prompt": prompt, "max_tokens": max_tokens,
-                                    "ignore_eos": True, "stream": True, "return_token_ids": True, **extra}
-        self.ids: list[int] = []
-        self.rid = ""
-        self.finish = None
-        self.error = None
-        self.started = threading.Event()
-        self.stop_after: int | None = None  # close the connection after this many tokens (client goes away)
-        self.start()
-
-    def run(self) -> None:
-        try:
-            with httpx.stream("POST", self.url + "/v1/completions", json=self.body, timeout=120) as resp:
-                if resp.status_code != 200:
-                    self.error = f"HTTP {resp.status_code}: {resp.read()[:300]!r}"
-                    return
-                for line in resp.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        self.error = chunk["error"]
-                        break
-                    self.rid = chunk["id"]
-                    self.started.set()
-                    for ch in chunk["choices"]:
-                        self.ids += ch.get("token_ids", [])
-                        self.finish = ch.get("finish_reason") or self.finish
-                    if self.stop_after is not None and len(self.ids) >= self.stop_after:
-                        break
-        except httpx.HTTPError as exc:
-            self.error = repr(exc)
-        finally:
-            self.started.set()
-
-    def wait_tokens(self, n: int, timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
-        while len(self.ids) < n:
-            assert time.monotonic() < deadline, f"only {len(self.ids)} tokens after {timeout}s"
-            assert self.is_alive(), f"stream ended early: {self.error}"
-            time.sleep(0.002)
+        super().__init__(url, max_tokens, prompt=prompt, ignore_eos=True, **extra)
 
     def check_complete(self, n: int) -> None:
-        self.join(60)
-        assert not self.is_alive() and self.error is None, self.error
-        assert self.ids == [sim_token_id(self.rid, i, VOCAB) for i in range(n)]
+        """Every index once, in order, the right tokens; max_tokens counted across moves."""
+        self.check_sim(n)
         assert self.finish == "length"
 
 

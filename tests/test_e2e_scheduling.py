@@ -15,6 +15,7 @@ import pytest
 from llumnixctl.admin import ManagerUnreachable
 from llumnixctl.main import status_json
 from tests.conftest import ctl, ctl_json
+from tests.streams import wait_for
 from tests.load import Load, Spec, failures, mean
 
 pytestmark = pytest.mark.e2e
@@ -57,16 +58,6 @@ def _metrics(c, daemon: str) -> dict[str, float]:
     return samples
 
 
-def wait_for(what, timeout: float, every: float = 0.1, message: str = ""):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = what()
-        if got:
-            return got
-        assert time.monotonic() < deadline, message or f"not within {timeout}s"
-        time.sleep(every)
-
-
 def test_flood_then_llumnix_equalizes_freeness(start_cluster):
     c = start_cluster(3, PACED + ["manager.dispatch_policy=flood", "sim.num_blocks=512",
                                   # every instance may shed and take: balance until the imbalance stops falling
@@ -81,7 +72,7 @@ def test_flood_then_llumnix_equalizes_freeness(start_cluster):
     switched = ctl_json("policy", "--dispatch", "llumnix", "--run-dir", str(c.run_dir))
     assert switched["dispatch_policy"] == "llumnix" and switched["migrating"] is True
     t0 = time.monotonic()
-    wait_for(lambda: spread(c) < 0.5, 30 * 0.2, 0.05, "freeness not equalized within 30 intervals")
+    wait_for(lambda: spread(c) < 0.5, 30 * 0.2, "freeness not equalized within 30 intervals", every=0.05)
     balanced_after = time.monotonic() - t0
     after = instances(c)
     assert all(after[i]["running"] >= 4 for i in ("i0", "i1", "i2")), after
@@ -268,12 +259,12 @@ def test_autoscaling_adds_under_load_and_retires_when_idle(start_cluster):
         counts.append(len(ids))
         return ids
 
-    wait_for(lambda: len(serving()) == 2, 30, 0.1, "no instance was added under load")
+    wait_for(lambda: len(serving()) == 2, 30, "no instance was added under load", every=0.1)
     added = next(i for i in serving() if i != "i0")
     assert c.state.__class__.load(c.run_dir).procs[-1].name == f"instance-{added}"  # recorded for `down`
     results = load.wait()
     assert not failures(results), failures(results)
-    wait_for(lambda: len(serving()) == 1, 30, 0.1, "no instance was retired when idle")
+    wait_for(lambda: len(serving()) == 1, 30, "no instance was retired when idle", every=0.1)
     def scaled_in() -> dict | None:  # a scale-in counts once its instance has drained and stopped
         st = status(c)
         return st if st["totals"]["scale_ins"] else None
