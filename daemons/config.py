@@ -42,6 +42,7 @@ class ManagerConfig:
     pending_dispatch_ttl_s: float = setting(5.0, "a dispatch not yet seen in its instance's reports stops counting as load after this long", minimum=0.0)
     metrics_port: int = setting(7101, "port of the manager's Prometheus /metrics on 127.0.0.1 (0 = any free port, -1 = off)", minimum=-1, maximum=65535)
     log_level: str = setting("info", "debug, info, warning or error", choices=("debug", "info", "warning", "error"))
+    log_format: str = setting("text", "stderr log lines: text (time, level, daemon, message) or json (one object per line: ts, level, daemon, logger, msg and the call's extra fields)", choices=("text", "json"))
 
 
 @dataclass
@@ -59,6 +60,7 @@ class InstanceConfig:
     hung_exit_s: float = setting(30.0, "an instance still unhealthy this long after step_timeout_s exits with status 3 (Restart=on-failure brings it back)", minimum=0.0)
     orphan_timeout_s: float = setting(15.0, "requests of a proxy not heard from for this long (it died) are aborted", minimum=0.1)
     log_level: str = setting("info", "debug, info, warning or error", choices=("debug", "info", "warning", "error"))
+    log_format: str = setting("text", "stderr log lines: text (time, level, daemon, message) or json (one object per line: ts, level, daemon, logger, msg and the call's extra fields)", choices=("text", "json"))
 
 
 @dataclass
@@ -76,6 +78,7 @@ class ProxyConfig:
     request_timeout_s: float = setting(600.0, "a request not finished this long after it arrived ends with an error (504) and is aborted (0 = no deadline)", minimum=0.0)
     stall_timeout_s: float = setting(30.0, "a stream that produced tokens, or is missing one, and gets none for this long fails over to another instance (0 = never)", minimum=0.0)
     log_level: str = setting("info", "debug, info, warning or error", choices=("debug", "info", "warning", "error"))
+    log_format: str = setting("text", "stderr log lines: text (time, level, daemon, message) or json (one object per line: ts, level, daemon, logger, msg and the call's extra fields)", choices=("text", "json"))
 
 
 @dataclass

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
 import gc
+import json
 import logging
 import os
 import signal
@@ -15,6 +17,18 @@ import zmq.asyncio
 
 _LEVEL_PRIORITY = {"DEBUG": 7, "INFO": 6, "WARNING": 4, "ERROR": 3, "CRITICAL": 2}
 
+# What every LogRecord carries; anything else on a record came from the call's ``extra``.
+_RECORD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "taskName"}
+_NOT_EXTRA = {"color_message"}  # uvicorn's ANSI-coloured copy of msg
+
+_log_format = "text"  # set by daemons.cli.load_or_exit from the daemon's [section] log_format
+
+
+def set_log_format(fmt: str) -> None:
+    """The format ``setup_logging`` uses when it is not given one: ``text`` or ``json``."""
+    global _log_format
+    _log_format = fmt
+
 
 class _JournalFormatter(logging.Formatter):
     """Under systemd, prefix each line with its syslog priority (<6>) and let journald add the time."""
@@ -23,10 +37,44 @@ class _JournalFormatter(logging.Formatter):
         return f"<{_LEVEL_PRIORITY.get(record.levelname, 6)}>{super().format(record)}"
 
 
-def setup_logging(level: str, daemon: str) -> logging.Logger:
-    """One line per event on stderr."""
+class _JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts (ISO-8601 UTC), level, daemon, logger, msg, the call's ``extra`` fields,
+    and exc / stack when there are any; under journald the line keeps its syslog priority prefix."""
+
+    def __init__(self, daemon: str, journal: bool):
+        super().__init__()
+        self.daemon = daemon
+        self.journal = journal
+
+    def format(self, record: logging.LogRecord) -> str:
+        ts = datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc)
+        entry = {"ts": ts.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+                 "level": record.levelname.lower(), "daemon": self.daemon, "logger": record.name,
+                 "msg": record.getMessage()}
+        for key, value in vars(record).items():
+            if key not in _RECORD_ATTRS and key not in _NOT_EXTRA and not key.startswith("_"):
+                entry[key if key not in entry else f"extra_{key}"] = value
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            entry["stack"] = self.formatStack(record.stack_info)
+        line = json.dumps(entry, default=str, ensure_ascii=False)  # newlines in values are escaped: one line
+        return f"<{_LEVEL_PRIORITY.get(record.levelname, 6)}>{line}" if self.journal else line
+
+
+def setup_logging(level: str, daemon: str, fmt: str | None = None) -> logging.Logger:
+    """One line per event on stderr: text, or with ``fmt`` (default: the daemon's log_format) json."""
+    fmt = fmt or _log_format
+    journal = bool(os.environ.get("JOURNAL_STREAM"))
     handler = logging.StreamHandler(sys.stderr)
-    if os.environ.get("JOURNAL_STREAM"):
+    if fmt == "json":
+        handler.setFormatter(_JsonFormatter(daemon, journal))
+        # an uncaught exception is one more JSON line, not a bare traceback among them
+        sys.excepthook = lambda kind, exc, tb: logging.getLogger("llumnix").critical(
+            "uncaught exception: %s", exc, exc_info=(kind, exc, tb))
+        # vLLM (imported later, in-process) would give its loggers their own text handler; let them propagate
+        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    elif journal:
         handler.setFormatter(_JournalFormatter(f"{daemon}: %(message)s"))
     else:
         handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {daemon}: %(message)s"))
