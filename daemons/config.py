@@ -1,6 +1,7 @@
 """Every setting, declared once: type, default and one line of meaning.
 
-Load order (later wins): defaults, the TOML file (``--config FILE`` or ``$LLUMNIX_CONFIG``), then
+Load order (later wins): defaults, the TOML file (``--config FILE``, else ``$LLUMNIX_CONFIG``, else
+``/etc/llumnix/llumnix.toml`` if it exists), then
 command-line overrides (``--set section.key=value`` and each daemon's own flags). ``llumnix.toml.example``
 is rendered from this declaration (``llumnixctl config example``), and a test checks that they agree.
 """
@@ -18,6 +19,14 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - 3.10
     import tomli as tomllib
+
+
+SYSTEM_CONFIG = "/etc/llumnix/llumnix.toml"  # the config file when neither --config nor $LLUMNIX_CONFIG names one
+
+
+def default_config_path() -> str | None:
+    """``$LLUMNIX_CONFIG``, else ``/etc/llumnix/llumnix.toml`` if that file exists, else None (defaults only)."""
+    return os.environ.get("LLUMNIX_CONFIG") or (SYSTEM_CONFIG if os.path.isfile(SYSTEM_CONFIG) else None)
 
 
 class ConfigError(Exception):
@@ -258,15 +267,18 @@ def _check_together(cfg: Config, where: str) -> None:
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
                 flags: dict[str, Any] | None = None) -> Config:
-    """Defaults <- file (path or $LLUMNIX_CONFIG) <- ``--set`` overrides <- daemon flags (``section.key``: value)."""
+    """Defaults <- file (path, else $LLUMNIX_CONFIG, else /etc/llumnix/llumnix.toml if it exists) <- ``--set``
+    overrides <- daemon flags (``section.key``: value)."""
     cfg = Config()
-    path = path or os.environ.get("LLUMNIX_CONFIG") or None
+    path = path or default_config_path()
     if path:
         p = Path(path)
         try:
             data = tomllib.loads(p.read_text())
         except FileNotFoundError:
             raise ConfigError(f"{p}: config file not found") from None
+        except OSError as exc:  # /etc/llumnix/llumnix.toml readable by root only, say
+            raise ConfigError(f"{p}: cannot read the config file: {exc.strerror}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{p}: not valid TOML: {exc}") from None
         _apply_table(cfg, data, str(p))
@@ -296,7 +308,8 @@ def render_example() -> str:
     """The text of llumnix.toml.example: every setting at its default, with its meaning."""
     lines = [
         "# llumnix.toml: every setting, at its default, with one line of meaning.",
-        "# Used by llumnix-manager, llumnix-instance, llumnix-proxy and llumnixctl (--config FILE or $LLUMNIX_CONFIG).",
+        "# Used by llumnix-manager, llumnix-instance, llumnix-proxy and llumnixctl (--config FILE, else $LLUMNIX_CONFIG,",
+        f"# else {SYSTEM_CONFIG} if it exists).",
         "# Command-line flags and --set section.key=value override the file. Regenerate: llumnixctl config example",
     ]
     for name, cls in sections():
