@@ -1,13 +1,27 @@
-"""Command-line plumbing shared by the daemons."""
+"""Command-line plumbing shared by the daemons: the config, --version, the console entry points."""
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import importlib
+import importlib.metadata
+import inspect
+from typing import Annotated, Any, Callable
 
 import typer
 
 from daemons import runtime
 from daemons.config import Config, ConfigError, load_config
+
+DISTRIBUTION = "llumnix-toolkit"  # pyproject.toml's [project] name
+
+
+def package_version() -> str:
+    """The installed distribution's version, as `--version` prints it."""
+    try:
+        return importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def load_or_exit(prog: str, path: str | None, overrides: list[str] | None, flags: dict[str, Any]) -> Config:
@@ -23,3 +37,55 @@ def load_or_exit(prog: str, path: str | None, overrides: list[str] | None, flags
     section = getattr(cfg, prog.removeprefix("llumnix-"), None)
     runtime.set_log_format(getattr(section, "log_format", "text"))
     return cfg
+
+
+def version_callback(prog: str):
+    """The callback of an eager ``--version`` flag: print ``PROG VERSION`` and exit 0."""
+
+    def show(value: bool) -> None:
+        if value:
+            typer.echo(f"{prog} {package_version()}")
+            raise typer.Exit(0)
+
+    return show
+
+
+def with_version(main: Callable, prog: str) -> Callable:
+    """``main`` (a typer command function) with one more option, ``--version``."""
+    sig = inspect.signature(main, eval_str=True)
+    version = inspect.Parameter("version", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=Annotated[
+        bool, typer.Option("--version", is_eager=True, callback=version_callback(prog), help="Print the version and exit.")])
+
+    @functools.wraps(main)
+    def command(*args, version: bool = False, **kwargs):
+        return main(*args, **kwargs)
+
+    params = [*sig.parameters.values(), version]
+    command.__signature__ = sig.replace(parameters=params)
+    command.__annotations__ = {p.name: p.annotation for p in params} | {"return": sig.return_annotation}
+    del command.__wrapped__  # typer reads the signature above, not main's
+    return command
+
+
+def run_app(app: typer.Typer, prog: str) -> None:
+    """Run a daemon's single-command typer app as ``prog``, with ``--version`` added to its options."""
+    info = app.registered_commands[0]
+    info.callback = with_version(info.callback, prog)
+    app(prog_name=prog)
+
+
+def run_daemon(module: str, prog: str) -> None:
+    run_app(importlib.import_module(module).app, prog)
+
+
+# Console entry points (pyproject.toml [project.scripts]): each daemon's app with --version.
+def manager() -> None:
+    run_daemon("daemons.manager", "llumnix-manager")
+
+
+def instance() -> None:
+    run_daemon("daemons.instance", "llumnix-instance")
+
+
+def proxy() -> None:
+    run_daemon("daemons.proxy.app", "llumnix-proxy")
