@@ -290,6 +290,9 @@ class TokenOut(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  
     finish_reason: str | None = None  # None while running; "stop" | "length" | "abort"
     logprob: float | None = None
     epoch: int = 0  # placement epoch of the copy that produced it: the proxy takes only its current owner's
+    # With sampling.logprobs = k > 0: the k most likely tokens at this position, (token id, logprob), most
+    # likely first (vLLM's top-k; the sampled token may or may not be among them). Never forms a cycle.
+    top: list[tuple[int, float]] | None = None
 
 
 class TokenBatch(msgspec.Struct, **_tagged(50)):

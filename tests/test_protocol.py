@@ -37,7 +37,9 @@ def test_earliest_stop_wins():
     (b'{"model": "m"}', "prompt"),
     (b'{"prompt": "x"}', "model"),
     (b'{"model": "m", "prompt": "x", "temperature": 9}', "temperature"),
-    (b'{"model": "m", "prompt": "x", "n": 2}', "n"),
+    (b'{"model": "m", "prompt": "x", "n": 0}', "n"),
+    (b'{"model": "m", "prompt": "x", "n": 33}', "n"),
+    (b'{"model": "m", "prompt": "x", "seed": 9223372036854775808}', "seed"),
     (b'{"model": "m", "prompt": {"a": 1}}', "prompt"),
 ])
 def test_bad_completion_bodies_name_the_param(body, param):
@@ -74,3 +76,52 @@ def test_priority():
     assert parse_priority("normal", "HIGH") == 1
     with pytest.raises(ApiError, match="priority must be one of"):
         parse_priority("urgent", None)
+
+
+@pytest.mark.parametrize("kind, extra, param", [
+    (CompletionRequest, '"logit_bias": {"5": 10}', "logit_bias"),
+    (CompletionRequest, '"echo": true', "echo"),
+    (CompletionRequest, '"suffix": "end"', "suffix"),
+    (CompletionRequest, '"best_of": 3', "best_of"),
+    (CompletionRequest, '"response_format": {"type": "json_object"}', "response_format"),
+    (CompletionRequest, '"guided_json": {"type": "object"}', "guided_json"),
+    (CompletionRequest, '"use_beam_search": true', "use_beam_search"),
+    (ChatRequest, '"tools": [{"type": "function", "function": {"name": "f"}}]', "tools"),
+    (ChatRequest, '"tool_choice": "auto"', "tool_choice"),
+    (ChatRequest, '"functions": [{"name": "f"}]', "functions"),
+    (ChatRequest, '"function_call": "auto"', "function_call"),
+    (ChatRequest, '"response_format": {"type": "json_schema", "json_schema": {}}', "response_format"),
+    (ChatRequest, '"top_logprobs": 2', "top_logprobs"),
+    (ChatRequest, '"modalities": ["audio"]', "modalities"),
+    (ChatRequest, '"messages": [{"role": "assistant", "tool_calls": [{"id": "x"}]}]', "messages"),
+])
+def test_unsupported_fields_are_refused_by_name(kind, extra, param):
+    base = '"prompt": "x"' if kind is CompletionRequest else '"messages": [{"role": "user", "content": "x"}]'
+    if extra.startswith('"messages"'):
+        base = ""
+    body = "{" + ", ".join(p for p in ('"model": "m"', base, extra) if p) + "}"
+    req = decode_body(body.encode(), kind)
+    with pytest.raises(ApiError) as exc:
+        req.unsupported()
+        if kind is ChatRequest:
+            req.prompt_messages()
+    assert exc.value.status == 400 and exc.value.param == param
+
+
+@pytest.mark.parametrize("kind, extra", [
+    (CompletionRequest, '"logit_bias": {}, "best_of": 2, "n": 2, "echo": false, "suffix": null'),
+    (CompletionRequest, '"response_format": {"type": "text"}'),
+    (ChatRequest, '"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "modalities": ["text"]'),
+    (ChatRequest, '"logprobs": true, "top_logprobs": 3, "parallel_tool_calls": false'),
+])
+def test_off_values_of_unsupported_fields_are_fine(kind, extra):
+    base = '"prompt": "x"' if kind is CompletionRequest else '"messages": [{"role": "user", "content": "x"}]'
+    decode_body(("{" + f'"model": "m", {base}, {extra}' + "}").encode(), kind).unsupported()
+
+
+def test_derived_seeds():
+    from daemons.proxy.protocol import derive_seed
+
+    assert derive_seed(None, 3) is None
+    assert [derive_seed(7, k) for k in range(3)] == [7, 8, 9]
+    assert derive_seed(2**63 - 1, 1) == -(2**63)

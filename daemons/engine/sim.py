@@ -71,6 +71,18 @@ def sim_token_id(request_id: str, index: int, vocab_size: int) -> int:
     return _draw(request_id, index, vocab_size)[0]
 
 
+def sim_logprobs(request_id: str, index: int, token: int, k: int, vocab_size: int) -> tuple[float, list | None]:
+    """The sim's logprob of the sampled ``token`` and its k alternatives (None for k = 0): deterministic, the
+    sampled token first (the sim samples as if greedy), then ids token+1, token+2, ... one nat apart each."""
+    digest = hashlib.blake2b(f"{request_id}:{index}:lp".encode(), digest_size=8).digest()
+    logprob = -0.05 - 2.0 * _unit(digest)
+    if not k:
+        return logprob, None
+    span = vocab_size - 3
+    top = [(token, logprob)] + [(3 + (token - 3 + i) % span, logprob - i) for i in range(1, k)]
+    return logprob, top
+
+
 class _Req:
     __slots__ = ("rid", "prompt_len", "sampling", "priority", "arrival_time", "generated", "blocks",
                  "preempted", "seed", "stop_ids", "max_total")
@@ -423,7 +435,10 @@ class SimEngine:
             self._unrun(req)
             del self._reqs[req.rid]
             self._release(req)
-        return TokenOut(request_id=req.rid, index=index, token_id=token, finish_reason=reason)
+        if sp.logprobs is None:
+            return TokenOut(request_id=req.rid, index=index, token_id=token, finish_reason=reason)
+        logprob, top = sim_logprobs(req.rid, index, token, sp.logprobs, self.cfg.vocab_size)
+        return TokenOut(request_id=req.rid, index=index, token_id=token, finish_reason=reason, logprob=logprob, top=top)
 
     def _write_kv(self, decoding: list[_Req], prefilling: list[_Req]) -> None:
         """Store K and V of every token computed this step: one indexed write per layer.

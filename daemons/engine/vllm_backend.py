@@ -125,13 +125,20 @@ class VllmEngine:
             if live is None:  # aborted while the step ran: nothing more is sent for it
                 continue
             tokens = o.new_token_ids
-            lps = o.new_logprobs.logprobs if o.new_logprobs is not None else None  # column 0: the sampled token
+            # Column 0: the sampled token; columns 1..k: the top k (k = the request's logprobs; the batch's
+            # arrays may be wider, for another request's larger k).
+            lps = o.new_logprobs
+            k = live.sampling.logprobs or 0
             last = len(tokens) - 1
             for j, token in enumerate(tokens):
                 reason = str(o.finish_reason) if j == last and o.finish_reason is not None else None
-                logprob = float(lps[j][0]) if lps is not None else None
+                logprob = top = None
+                if lps is not None:
+                    logprob = float(lps.logprobs[j][0])
+                    if k:
+                        top = list(zip(lps.logprob_token_ids[j][1:k + 1].tolist(), lps.logprobs[j][1:k + 1].tolist()))
                 outputs.append(TokenOut(request_id=live.rid, index=live.emitted, token_id=int(token),
-                                        finish_reason=reason, logprob=logprob))
+                                        finish_reason=reason, logprob=logprob, top=top))
                 live.emitted += 1
             if o.finish_reason is not None:
                 if not tokens:

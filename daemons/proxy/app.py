@@ -1,23 +1,43 @@
 """llumnix-proxy: OpenAI-compatible HTTP API over the cluster.
 
 Tokenizes, asks the manager where the request goes, forwards it, and streams the tokens back in order.
-Routes: /v1/completions, /v1/chat/completions (streamed or not, with usage), /v1/models, /health, /metrics.
+Routes: /v1/completions, /v1/chat/completions (streamed or not, with usage), /v1/models, /v1/models/{id},
+/tokenize, /detokenize, /version, /health, /metrics, /openapi.json (and /docs).
+
+- ``n > 1``: the proxy fans out n requests of its own, ``<id>-0`` .. ``<id>-<n-1>``, each dispatched like any
+  other (so the n sequences may run on different instances and migrate independently), with the same
+  sampling; a seeded request gives the k-th one seed + k (as vLLM does). Their outputs merge into one
+  response: n choices (index 0..n-1), usage counting the prompt once and every completion token; a stream
+  interleaves the choices' chunks, each with its index, a finish chunk per choice, then one usage chunk.
+  If one of them fails, the whole response fails (the others are aborted).
+- Request ids: ``cmpl-<hex>`` / ``chatcmpl-<hex>``, or with an ``x-request-id`` header ``cmpl-<header>`` /
+  ``chatcmpl-<header>`` (vLLM's form). The header must be 1..128 visible ASCII characters (else 400), and a
+  request whose id is in flight on this proxy is refused with 409 (``code: request_id_in_use``). The id is
+  the response ``id`` and the id ``llumnixctl requests`` shows; the response's ``x-request-id`` header is
+  the client's value (or the generated id).
+- Access log: one info line per completion or chat request on logger ``llumnix.access`` (id, model,
+  instance, status, prompt and completion tokens, TTFT, total time, finish reason; the same as ``extra``
+  fields for a JSON formatter); ``proxy.access_log = false`` turns it off.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
+import re
 import signal
 import socket
 import time
 import uuid
+import weakref
 from typing import Annotated, AsyncIterator, Optional
 
 import msgspec
 import typer
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -27,11 +47,13 @@ from daemons.cli import load_or_exit
 from daemons.config import Config
 from daemons.proxy.cluster import ClusterClient, NoInstance, Stream
 from daemons.proxy.protocol import (
-    ApiError, ChatRequest, CompletionRequest, StopChecker, decode_body, parse_priority,
+    ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, ErrorResponse, StopChecker, TokenizeRequest,
+    decode_body, derive_seed, openapi_components, parse_priority,
 )
 from daemons.proxy.tokenizer import Detokenizer, Tokenizer, TokenizerError, load_tokenizer
 
 log = logging.getLogger("llumnix.proxy")
+access_log = logging.getLogger("llumnix.access")
 
 M_REQUESTS = Counter("llumnix_proxy_requests_total", "HTTP API requests, by route and status", ["route", "status"])
 M_INFLIGHT = Gauge("llumnix_proxy_requests_in_flight", "Requests being served")
@@ -42,84 +64,158 @@ M_E2E = Histogram("llumnix_proxy_request_seconds", "From request arrival to its 
                   buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
 
 _json = msgspec.json.encode
+_REQUEST_ID = re.compile(r"[!-~]{1,128}")  # visible ASCII: safe in logs, tables and headers
+DISTRIBUTION = "llumnix-toolkit"
 
 
-class Job:
-    """One accepted API request: what it asked for and how its output is rendered."""
+def package_version() -> str:
+    try:
+        return importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
+        return "unknown"
 
-    def __init__(self, chat: bool, model: str, prompt_tokens: int, stops: list[str], include_usage: bool,
-                 detok: Detokenizer, token_text=None):
-        self.chat = chat
+
+class Choice:
+    """One sequence of a request: its stream, detokenizer, stop strings and what it has rendered."""
+
+    __slots__ = ("index", "detok", "stop", "lp", "lp_offset", "token_ids", "completion_tokens", "stream", "reason",
+                 "texts", "_text_head", "_text_tail")
+
+    def __init__(self, job: "Job", index: int, stops: list[str], detok: Detokenizer, want_ids: bool):
+        self.index = index
         self.detok = detok
-        self.token_text = token_text  # set when logprobs were asked for
-        self.lp: list[tuple[str, float | None]] = []  # (token text, logprob) not yet sent
-        self.lp_offset = 0  # completions' text_offset of the next entry
-        self.token_ids: list[int] | None = None  # collected when return_token_ids was asked for
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
-        self.model = model
-        self.prompt_tokens = prompt_tokens
-        self.completion_tokens = 0
         self.stop = StopChecker(stops)
-        self.include_usage = include_usage
-        self.arrival = time.perf_counter()
-        head = (f'data: {{"id":"{self.id}","object":"{"chat.completion.chunk" if chat else "text_completion"}",'
-                f'"created":{self.created},"model":{_json(model).decode()},"choices":[')
-        self._head = head
-        self._text_head = head + ('{"index":0,"delta":{"content":' if chat else '{"index":0,"text":')
-        self._text_tail = ('},"logprobs":null,"finish_reason":null}]}\n\n' if chat else ',"logprobs":null,"finish_reason":null}]}\n\n')
-
-    def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+        self.lp: list[tuple[int, float | None, list | None]] = []  # (token id, logprob, top) not yet sent
+        self.lp_offset = 0  # completions' text_offset of the next entry
+        self.token_ids: list[int] | None = [] if want_ids else None  # when return_token_ids was asked for
+        self.completion_tokens = 0
+        self.stream: Stream | None = None
+        self.reason: str | None = None  # finish reason, once finished
+        self.texts: list[str] = []  # a non-streamed response's text pieces
+        self._text_head = job._head + (f'{{"index":{index},"delta":{{"content":' if job.chat else f'{{"index":{index},"text":')
+        self._text_tail = ('},"logprobs":null,"finish_reason":null}]}\n\n' if job.chat
+                           else ',"logprobs":null,"finish_reason":null}]}\n\n')
 
     def text_chunk(self, text: str) -> str:
         return self._text_head + _json(text).decode() + self._text_tail
 
-    def first_chunk(self) -> str:
-        return self._head + '{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
 
-    def final_chunk(self, reason: str) -> str:
-        choice = {"index": 0, "logprobs": None, "finish_reason": reason}
+class Job:
+    """One accepted API request: what it asked for, how its output is rendered, and its access-log record."""
+
+    def __init__(self, chat: bool, request_id: str | None, arrival: float):
+        self.chat = chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + (request_id if request_id is not None else uuid.uuid4().hex)
+        self.created = int(time.time())
+        self.arrival = arrival
+        self.first_at: float | None = None  # perf_counter of the first token of any choice
+        self.model = ""
+        self.prompt_tokens = 0
+        self.include_usage = False
+        self.token_text = None  # set when logprobs were asked for
+        self.top_n = 0  # alternatives per token: completions' logprobs, chat's top_logprobs
+        self.choices: list[Choice] = []
+        self.status = 200
+        self.logged = False
+        self.ended = False
+        self._head = ""
+
+    def setup(self, model: str, prompt_tokens: int, include_usage: bool, token_text, top_n: int) -> None:
+        self.model, self.prompt_tokens, self.include_usage = model, prompt_tokens, include_usage
+        self.token_text, self.top_n = token_text, top_n
+        self._head = (f'data: {{"id":{_json(self.id).decode()},"object":"{"chat.completion.chunk" if self.chat else "text_completion"}",'
+                      f'"created":{self.created},"model":{_json(model).decode()},"choices":[')
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.completion_tokens for c in self.choices)
+
+    def usage(self) -> dict:
+        done = self.completion_tokens
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done, "total_tokens": self.prompt_tokens + done}
+
+    def first_chunks(self) -> str:
+        return "".join(self._head + f'{{"index":{c.index},"delta":{{"role":"assistant","content":""}},"logprobs":null,'
+                       '"finish_reason":null}]}\n\n' for c in self.choices)
+
+    def final_chunk(self, c: Choice) -> str:
+        choice = {"index": c.index, "logprobs": None, "finish_reason": c.reason}
         choice.update({"delta": {}} if self.chat else {"text": ""})
-        out = self._head + _json(choice).decode() + "]}\n\n"
-        if self.include_usage:
-            out += self._head + '],"usage":' + _json(self.usage()).decode() + "}\n\n"
-        return out
-
-    def take_logprobs(self) -> dict | None:
-        """The OpenAI logprobs object for the tokens consumed since the last call (sampled token only)."""
-        if self.token_text is None:
-            return None
-        entries, self.lp = self.lp, []
-        if self.chat:
-            return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                                for t, lp in entries]}
-        offsets = []
-        for t, _ in entries:
-            offsets.append(self.lp_offset)
-            self.lp_offset += len(t)
-        return {"tokens": [t for t, _ in entries], "token_logprobs": [lp for _, lp in entries],
-                "top_logprobs": None, "text_offset": offsets}
-
-    def rich_chunk(self, text: str) -> str:
-        """A chunk with logprobs or token ids (the slower general path, used only when asked for)."""
-        choice = {"index": 0, "logprobs": self.take_logprobs(), "finish_reason": None}
-        choice.update({"delta": {"content": text}} if self.chat else {"text": text})
-        if self.token_ids is not None:
-            choice["token_ids"], self.token_ids = self.token_ids, []
         return self._head + _json(choice).decode() + "]}\n\n"
 
-    def full_response(self, text: str, reason: str) -> dict:
-        lp = self.take_logprobs()
+    def end_chunks(self) -> str:
+        out = self._head + '],"usage":' + _json(self.usage()).decode() + "}\n\n" if self.include_usage else ""
+        return out + "data: [DONE]\n\n"
+
+    def take_logprobs(self, c: Choice) -> dict | None:
+        """The OpenAI logprobs object for the tokens consumed since the last call, as vLLM renders it:
+        completions' top_logprobs holds the sampled token and the top ``logprobs`` alternatives (one dict per
+        token), chat's the first ``top_logprobs`` of those (sampled token first, duplicates once)."""
+        if self.token_text is None:
+            return None
+        entries, c.lp = c.lp, []
+        text, k = self.token_text, self.top_n
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": reason}
-        if self.token_ids is not None:
-            choice["token_ids"] = self.token_ids
+            content = []
+            for tid, lp, top in entries:
+                t = text(tid)
+                alts = []
+                if k:
+                    ranked = {tid: lp}
+                    for alt, alt_lp in top or ():
+                        ranked[alt] = alt_lp
+                    for alt, alt_lp in list(ranked.items())[:k]:
+                        at = text(alt)
+                        alts.append({"token": at, "logprob": _clamp(alt_lp), "bytes": list(at.encode("utf-8", "replace"))})
+                content.append({"token": t, "logprob": _clamp(lp), "bytes": list(t.encode("utf-8", "replace")),
+                                "top_logprobs": alts})
+            return {"content": content}
+        tokens, offsets, top_logprobs = [], [], []
+        for tid, lp, top in entries:
+            t = text(tid)
+            tokens.append(t)
+            offsets.append(c.lp_offset)
+            c.lp_offset += len(t)
+            ranked = {tid: lp}
+            for alt, alt_lp in top or ():
+                ranked[alt] = alt_lp
+            top_logprobs.append({text(alt): _clamp(alt_lp) for alt, alt_lp in list(ranked.items())[:k + 1]})
+        return {"tokens": tokens, "token_logprobs": [_clamp(lp) for _, lp, _ in entries],
+                "top_logprobs": top_logprobs, "text_offset": offsets}
+
+    def rich_chunk(self, c: Choice, text: str) -> str:
+        """A chunk with logprobs or token ids (the slower general path, used only when asked for)."""
+        choice = {"index": c.index, "logprobs": self.take_logprobs(c), "finish_reason": None}
+        choice.update({"delta": {"content": text}} if self.chat else {"text": text})
+        if c.token_ids is not None:
+            choice["token_ids"], c.token_ids = c.token_ids, []
+        return self._head + _json(choice).decode() + "]}\n\n"
+
+    def full_response(self) -> dict:
+        choices = []
+        for c in self.choices:
+            text, lp = "".join(c.texts), self.take_logprobs(c)
+            if self.chat:
+                choice = {"index": c.index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                          "finish_reason": c.reason}
+            else:
+                choice = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.reason}
+            if c.token_ids is not None:
+                choice["token_ids"] = c.token_ids
+            choices.append(choice)
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage()}
+                "created": self.created, "model": self.model, "choices": choices, "usage": self.usage()}
+
+    def streams(self) -> list[Stream]:
+        return [c.stream for c in self.choices if c.stream is not None]
+
+
+def _token_id_text(token_id: int) -> str:
+    return f"token_id:{token_id}"
+
+
+def _clamp(lp: float | None) -> float | None:
+    return None if lp is None else max(lp, -9999.0)  # -inf is not JSON; OpenAI's and vLLM's floor
 
 
 class Proxy:
@@ -129,11 +225,13 @@ class Proxy:
         self.max_model_len = cfg.model.max_model_len
         self.tokenizer: Tokenizer = load_tokenizer(cfg.model.path, cfg.sim.vocab_size, cfg.sim.eos_token_id)
         self.cluster = ClusterClient(cfg)
+        self.access_log = bool(getattr(cfg.proxy, "access_log", True))
+        self.active: set[str] = set()  # ids of the requests this proxy is serving
 
     # ------------------------------------------------------------------ request intake
 
-    def _check_model(self, model: str) -> None:
-        if model != self.model:
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model:
             raise ApiError(404, f"The model `{model}` does not exist. This proxy serves `{self.model}`.", "model",
                            code="model_not_found")
 
@@ -154,6 +252,13 @@ class Proxy:
             raise ApiError(400, "prompt is empty", "prompt")
         return ids
 
+    def _chat_prompt(self, req: ChatRequest | TokenizeRequest, add_generation_prompt: bool) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(req.prompt_messages(), add_generation_prompt,
+                                                      req.chat_template_kwargs)
+        except TokenizerError as exc:
+            raise ApiError(400, str(exc), "messages") from None
+
     def _limits(self, prompt_len: int, max_tokens: int | None, default: int | None, prompt_param: str) -> int:
         room = self.max_model_len - prompt_len
         if room < 1:
@@ -167,142 +272,355 @@ class Proxy:
                                 f"for the completion). Please reduce the prompt or max_tokens.", "max_tokens")
         return max_tokens
 
+    def _request_id(self, request: Request) -> str | None:
+        """The client's x-request-id, validated (None when there is none)."""
+        value = request.headers.get("x-request-id")
+        if value is None:
+            return None
+        if not _REQUEST_ID.fullmatch(value):
+            raise ApiError(400, "x-request-id must be 1 to 128 visible ASCII characters (no spaces)", "x-request-id",
+                           code="invalid_request_id")
+        request.state.echo_id = value
+        return value
+
     async def completions(self, request: Request) -> Response:
-        req = decode_body(await request.body(), CompletionRequest)
-        self._check_model(req.model)
-        if req.echo:
-            raise ApiError(400, "echo is not supported", "echo")
-        ids = self._prompt_ids(req)
-        max_tokens = self._limits(len(ids), req.max_tokens, 16, "prompt")
-        sampling = req.sampling(max_tokens, req.logprobs)
-        return await self._serve(request, req, ids, sampling, chat=False)
+        return await self._handle(request, chat=False)
 
     async def chat(self, request: Request) -> Response:
-        req = decode_body(await request.body(), ChatRequest)
-        self._check_model(req.model)
-        try:
-            prompt = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages])
-        except TokenizerError as exc:
-            raise ApiError(400, str(exc), "messages") from None
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        max_tokens = self._limits(len(ids), req.max_completion_tokens or req.max_tokens, None, "messages")
-        sampling = req.sampling(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-        return await self._serve(request, req, ids, sampling, chat=True)
+        return await self._handle(request, chat=True)
 
-    async def _serve(self, request: Request, req, ids: list[int], sampling: wire.SamplingParams, chat: bool) -> Response:
+    async def _handle(self, request: Request, chat: bool) -> Response:
+        """One completion or chat request; logs it once it is answered (a stream: once it ends)."""
+        arrival = time.perf_counter()
+        job = None
+        try:
+            job = Job(chat, self._request_id(request), arrival)
+            response = await self._accept(request, job)
+        except ApiError as exc:
+            if job is None:
+                self._access(None, chat, arrival, exc.status)
+            else:
+                job.status = exc.status
+                self._access(job, chat, arrival, exc.status)
+            raise
+        except BaseException:
+            self._access(job, chat, arrival, 500)
+            raise
+        if not isinstance(response, StreamingResponse):  # a stream logs itself when it ends
+            self._access(job, chat, arrival, response.status_code)
+        return response
+
+    async def _accept(self, request: Request, job: Job) -> Response:
+        body = decode_body(await request.body(), ChatRequest if job.chat else CompletionRequest)
+        job.model = body.model
+        self._check_model(body.model)
+        body.unsupported()
+        if job.chat:
+            prompt = self._chat_prompt(body, body.add_generation_prompt)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            max_tokens = self._limits(len(ids), body.max_completion_tokens or body.max_tokens, None, "messages")
+            top_n = body.top_logprobs or 0
+            sampling = body.sampling(max_tokens, top_n if body.logprobs else None)
+        else:
+            ids = self._prompt_ids(body)
+            max_tokens = self._limits(len(ids), body.max_tokens, 16, "prompt")
+            top_n = body.logprobs or 0
+            sampling = body.sampling(max_tokens, body.logprobs)
+        return await self._serve(request, job, body, ids, sampling, top_n)
+
+    def _in_flight(self, job: Job, sub_ids: list[str]) -> bool:
+        return job.id in self.active or any(rid in self.cluster.streams for rid in sub_ids)
+
+    async def _serve(self, request: Request, job: Job, req, ids: list[int], sampling: wire.SamplingParams,
+                     top_n: int) -> Response:
         priority = parse_priority(req.priority, request.headers.get("x-llumnix-priority"))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        token_text = self.tokenizer.token_text if sampling.logprobs is not None else None
-        job = Job(chat, self.model, len(ids), req.stop_strings(), include_usage, self.tokenizer.detokenizer(), token_text)
-        if req.return_token_ids:
-            job.token_ids = []
-        submit = wire.Submit(job.id, ids, sampling, self.cluster.token_address, priority, time.time())
+        token_text = None
+        if sampling.logprobs is not None:
+            token_text = _token_id_text if req.return_tokens_as_token_ids else self.tokenizer.token_text
+        job.setup(self.model, len(ids), include_usage, token_text, top_n)
+        stops = req.stop_strings()
+        n = req.n
+        job.choices = [Choice(job, k, stops, self.tokenizer.detokenizer(), req.return_token_ids) for k in range(n)]
+        sub_ids = [job.id] if n == 1 else [f"{job.id}-{k}" for k in range(n)]
+        if self._in_flight(job, sub_ids):
+            raise ApiError(409, f"a request with id {job.id!r} is in flight on this proxy; ids must be unique",
+                           "x-request-id", code="request_id_in_use")
+        now = time.time()
+        submits = [wire.Submit(rid, ids, sampling if n == 1 else msgspec.structs.replace(
+            sampling, seed=derive_seed(sampling.seed, k)), self.cluster.token_address, priority, now)
+            for k, rid in enumerate(sub_ids)]
+        self.active.add(job.id)
+        handed_over = False  # to the streaming response, which cleans up when it ends
         try:
-            stream = await self.cluster.submit(submit)
-        except NoInstance as exc:
-            raise ApiError(503, f"no instance can take the request: {exc}", type_="service_unavailable") from None
-        try:
-            first = await _unless_disconnected(request, stream.take())
-        except BaseException:
-            self.cluster.finish(stream)
-            raise
-        if first is None:  # the client went away before the first token: abort it on its instance
-            self.cluster.finish(stream)
-            return Response(status_code=499)
-        if not first:
-            self.cluster.finish(stream)
-            raise ApiError(stream.status, stream.error or "request failed")
-        M_TTFT.observe(time.perf_counter() - job.arrival)
-        if req.stream:
-            return StreamingResponse(self._sse(job, stream, first), media_type="text/event-stream",
-                                     headers={"x-request-id": job.id})
-        M_INFLIGHT.inc()
-        try:
-            collected = await _unless_disconnected(request, self._collect(job, stream, first))
+            await self._submit(job, submits)
+            firsts = await _unless_disconnected(request, asyncio.gather(*(self._first(job, c) for c in job.choices)))
+            if firsts is None:  # the client went away before the first token: abort it on its instance
+                return Response(status_code=499)
+            for c, first in zip(job.choices, firsts):
+                if not first:
+                    raise ApiError(c.stream.status, c.stream.error or "request failed")
+            M_TTFT.observe(job.first_at - job.arrival)
+            headers = {"x-request-id": getattr(request.state, "echo_id", job.id)}
+            if req.stream:
+                body = self._sse(job, firsts)
+                # A client gone before the body starts means the generator never runs (nor its finally).
+                weakref.finalize(body, self._abandoned, job)
+                response = StreamingResponse(body, media_type="text/event-stream", headers=headers)
+                handed_over = True
+                return response
+            M_INFLIGHT.inc()
+            try:
+                failed = await _unless_disconnected(request, self._collect(job, firsts))
+            finally:
+                M_INFLIGHT.dec()
+            if failed is None:
+                return Response(status_code=499)
+            if failed is not True:
+                raise ApiError(failed.stream.status, failed.stream.error or "request failed")
+            return JSONResponse(job.full_response(), headers=headers)
         finally:
-            M_INFLIGHT.dec()
-            self.cluster.finish(stream)  # a client that went away: this aborts the request on its instance
-        if collected is None:
-            return Response(status_code=499)
-        text, reason, error = collected
-        if error:
-            raise ApiError(stream.status, error)
-        return JSONResponse(job.full_response(text, reason), headers={"x-request-id": job.id})
+            if not handed_over:
+                self._end(job)  # a client that went away: this aborts the request on its instances
+
+    async def _submit(self, job: Job, submits: list[wire.Submit]) -> None:
+        if len(submits) == 1:
+            try:
+                job.choices[0].stream = await self.cluster.submit(submits[0])
+            except NoInstance as exc:
+                raise ApiError(503, f"no instance can take the request: {exc}", type_="service_unavailable") from None
+            return
+        results = await asyncio.gather(*(self.cluster.submit(s) for s in submits), return_exceptions=True)
+        for c, res in zip(job.choices, results):
+            if isinstance(res, Stream):
+                c.stream = res
+        for res in results:
+            if isinstance(res, NoInstance):
+                raise ApiError(503, f"no instance can take the request: {res}", type_="service_unavailable")
+            if isinstance(res, BaseException):
+                raise res
+
+    async def _first(self, job: Job, c: Choice) -> list[wire.TokenOut]:
+        outs = await c.stream.take()
+        if outs and job.first_at is None:
+            job.first_at = time.perf_counter()
+        return outs
+
+    def _end(self, job: Job) -> None:
+        """Forget the request's streams (aborting what still runs) and its id; once (a later request may
+        reuse the id)."""
+        if job.ended:
+            return
+        job.ended = True
+        for stream in job.streams():
+            self.cluster.finish(stream)
+        self.active.discard(job.id)
+
+    def _abandoned(self, job: Job) -> None:
+        self._end(job)
+        self._access(job, job.chat, job.arrival, 499)
+
+    def _access(self, job: Job | None, chat: bool, arrival: float, status: int) -> None:
+        if job is not None:
+            if job.logged:
+                return
+            job.logged = True
+        if not self.access_log or not access_log.isEnabledFor(logging.INFO):
+            return
+        now = time.perf_counter()
+        streams = job.streams() if job is not None else []
+        reasons = [c.reason for c in job.choices if c.reason] if job is not None else []
+        rec = {
+            "request_id": job.id if job is not None else "-",
+            "route": "/v1/chat/completions" if chat else "/v1/completions",
+            "model": (job.model if job is not None else "") or "-",
+            "instance": ",".join(dict.fromkeys(s.instance_id for s in streams if s.instance_id)) or "-",
+            "status": status,
+            "n": len(job.choices) if job is not None and job.choices else 1,
+            "prompt_tokens": job.prompt_tokens if job is not None else 0,
+            "completion_tokens": job.completion_tokens if job is not None else 0,
+            "ttft_ms": round((job.first_at - arrival) * 1000, 1) if job is not None and job.first_at else None,
+            "total_ms": round((now - arrival) * 1000, 1),
+            "finish_reason": ",".join(dict.fromkeys(reasons)) or None,
+        }
+        access_log.info("%s %s model=%s instance=%s status=%d prompt_tokens=%d completion_tokens=%d ttft_ms=%s "
+                        "total_ms=%.1f finish_reason=%s", rec["request_id"], rec["route"], rec["model"], rec["instance"],
+                        status, rec["prompt_tokens"], rec["completion_tokens"],
+                        "-" if rec["ttft_ms"] is None else rec["ttft_ms"], rec["total_ms"], rec["finish_reason"] or "-",
+                        extra=rec)
 
     # ------------------------------------------------------------------ output
 
-    def _consume(self, job: Job, outs: list[wire.TokenOut]) -> tuple[list[str], str | None]:
-        """Turn token outputs into text pieces; returns (pieces, finish reason or None)."""
-        pieces, add, stop = [], job.detok.add, job.stop
+    def _consume(self, job: Job, c: Choice, outs: list[wire.TokenOut]) -> list[str]:
+        """Turn token outputs into text pieces; sets c.reason once the choice finished."""
+        pieces, add, stop = [], c.detok.add, c.stop
         for out in outs:
-            job.completion_tokens += 1
+            c.completion_tokens += 1
             if job.token_text is not None:
-                job.lp.append((job.token_text(out.token_id), out.logprob))
-            if job.token_ids is not None:
-                job.token_ids.append(out.token_id)
+                c.lp.append((out.token_id, out.logprob, out.top))
+            if c.token_ids is not None:
+                c.token_ids.append(out.token_id)
             text, stopped = stop.feed(add(out.token_id))
             if not stopped and out.finish_reason is not None:
-                more, stopped = stop.feed(job.detok.flush())
+                more, stopped = stop.feed(c.detok.flush())
                 text += more
             if text:
                 pieces.append(text)
             if stopped:
-                return pieces, "stop"
+                c.reason = "stop"
+                return pieces
             if out.finish_reason is not None:
                 tail = stop.flush()
                 if tail:
                     pieces.append(tail)
-                return pieces, out.finish_reason
-        return pieces, None
+                c.reason = out.finish_reason
+                return pieces
+        return pieces
 
-    async def _collect(self, job: Job, stream: Stream, outs: list[wire.TokenOut]) -> tuple[str, str, str | None]:
-        texts: list[str] = []
-        while True:
-            pieces, reason = self._consume(job, outs)
-            texts += pieces
-            if reason is not None:
-                M_TOKENS.inc(job.completion_tokens)
-                M_E2E.observe(time.perf_counter() - job.arrival)
-                return "".join(texts), reason, None
-            outs = await stream.take()
-            if not outs:
-                return "".join(texts), "error", stream.error
+    async def _collect(self, job: Job, firsts: list[list[wire.TokenOut]]) -> Choice | bool:
+        """Collect every choice's text; True when all finished, else the choice whose stream failed."""
+        for c, outs in zip(job.choices, firsts):
+            c.texts += self._consume(job, c, outs)
+        if len(job.choices) == 1:
+            c = job.choices[0]
+            while c.reason is None:
+                outs = await c.stream.take()
+                if not outs:
+                    return c
+                c.texts += self._consume(job, c, outs)
+        else:
+            pending = {asyncio.ensure_future(c.stream.take()): c for c in job.choices if c.reason is None}
+            try:
+                while pending:
+                    done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    for fut in done:
+                        c = pending.pop(fut)
+                        outs = fut.result()
+                        if not outs:
+                            return c
+                        c.texts += self._consume(job, c, outs)
+                        if c.reason is None:
+                            pending[asyncio.ensure_future(c.stream.take())] = c
+            finally:
+                for fut in pending:
+                    fut.cancel()
+        M_TOKENS.inc(job.completion_tokens)
+        M_E2E.observe(time.perf_counter() - job.arrival)
+        return True
 
-    async def _sse(self, job: Job, stream: Stream, outs: list[wire.TokenOut]) -> AsyncIterator[str]:
+    def _render(self, job: Job, c: Choice, outs: list[wire.TokenOut]) -> str:
+        pieces = self._consume(job, c, outs)
+        if job.token_text is None and c.token_ids is None:
+            chunk = "".join(map(c.text_chunk, pieces))
+        else:
+            chunk = job.rich_chunk(c, "".join(pieces))
+        if c.reason is not None:
+            chunk += job.final_chunk(c)
+        return chunk
+
+    def _stream_error(self, c: Choice) -> str:
+        err = ApiError(c.stream.status, c.stream.error or "request failed").body()
+        return f"data: {_json(err).decode()}\n\ndata: [DONE]\n\n"
+
+    async def _sse(self, job: Job, firsts: list[list[wire.TokenOut]]) -> AsyncIterator[str]:
         M_INFLIGHT.inc()
         sent = 0
+        pending: dict = {}
         try:
-            head = job.first_chunk() if job.chat else ""
-            while True:
-                pieces, reason = self._consume(job, outs)
-                if job.token_text is None and job.token_ids is None:
-                    chunk = head + "".join(map(job.text_chunk, pieces))
-                else:
-                    chunk = head + job.rich_chunk("".join(pieces))
-                head = ""
-                if reason is not None:
-                    yield chunk + job.final_chunk(reason) + "data: [DONE]\n\n"
-                    M_E2E.observe(time.perf_counter() - job.arrival)
-                    return
+            head = job.first_chunks() if job.chat else ""
+            if len(job.choices) == 1:
+                c, outs = job.choices[0], firsts[0]
+                while True:
+                    chunk = head + self._render(job, c, outs)
+                    head = ""
+                    if c.reason is not None:
+                        yield chunk + job.end_chunks()
+                        M_E2E.observe(time.perf_counter() - job.arrival)
+                        return
+                    if chunk:
+                        yield chunk
+                    M_TOKENS.inc(c.completion_tokens - sent)
+                    sent = c.completion_tokens
+                    outs = await c.stream.take()
+                    if not outs:
+                        job.status = c.stream.status
+                        yield self._stream_error(c)
+                        return
+            for c, outs in zip(job.choices, firsts):
+                head += self._render(job, c, outs)
+                if c.reason is None:
+                    pending[asyncio.ensure_future(c.stream.take())] = c
+            if head:
+                yield head
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                chunk = ""
+                for fut in done:
+                    c = pending.pop(fut)
+                    outs = fut.result()
+                    if not outs:
+                        job.status = c.stream.status
+                        yield chunk + self._stream_error(c)
+                        return
+                    chunk += self._render(job, c, outs)
+                    if c.reason is None:
+                        pending[asyncio.ensure_future(c.stream.take())] = c
                 if chunk:
                     yield chunk
-                M_TOKENS.inc(job.completion_tokens - sent)
-                sent = job.completion_tokens
-                outs = await stream.take()
-                if not outs:
-                    err = ApiError(stream.status, stream.error or "request failed").body()
-                    yield f"data: {_json(err).decode()}\n\ndata: [DONE]\n\n"
-                    return
+                done_tokens = job.completion_tokens
+                M_TOKENS.inc(done_tokens - sent)
+                sent = done_tokens
+            yield job.end_chunks()
+            M_E2E.observe(time.perf_counter() - job.arrival)
+        except BaseException:
+            if job.status == 200:
+                job.status = 499  # the client went away mid-stream (or the server is stopping)
+            raise
         finally:
+            for fut in pending:
+                fut.cancel()
             M_TOKENS.inc(job.completion_tokens - sent)
             M_INFLIGHT.dec()
-            self.cluster.finish(stream)
+            self._end(job)
+            self._access(job, job.chat, job.arrival, job.status)
 
     # ------------------------------------------------------------------ other routes
 
+    def model_card(self) -> dict:
+        return {"id": self.model, "object": "model", "created": 0, "owned_by": "llumnix", "root": self.model,
+                "max_model_len": self.max_model_len}
+
     def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "llumnix",
-                                            "max_model_len": self.max_model_len}]}
+        return {"object": "list", "data": [self.model_card()]}
+
+    def model_info(self, model_id: str) -> dict:
+        if model_id != self.model:
+            raise ApiError(404, f"The model `{model_id}` does not exist. This proxy serves `{self.model}`.", "model",
+                           code="model_not_found")
+        return self.model_card()
+
+    async def tokenize(self, request: Request) -> Response:
+        req = decode_body(await request.body(), TokenizeRequest)
+        self._check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise ApiError(400, "give either `prompt` or `messages`", "prompt" if req.prompt is None else "messages")
+        if req.messages is not None:
+            text = self._chat_prompt(req, req.add_generation_prompt)
+            ids = self.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
+        else:
+            ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+        body = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+                "token_strs": [self.tokenizer.token_str(t) for t in ids] if req.return_token_strs else None}
+        return JSONResponse(body)
+
+    async def detokenize(self, request: Request) -> Response:
+        req = decode_body(await request.body(), DetokenizeRequest)
+        self._check_model(req.model)
+        vocab = self.tokenizer.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"token id {bad} is out of range for this model's vocabulary (0..{vocab - 1})", "tokens")
+        return JSONResponse({"prompt": self.tokenizer.decode_all(req.tokens)})
 
     def health(self) -> Response:
         alive = len(self.cluster.alive())
@@ -311,28 +629,84 @@ class Proxy:
         return JSONResponse(body, status_code=200 if alive else 503)
 
 
+# ---------------------------------------------------------------------- the OpenAPI document
+
+_BODY_ROUTES = [  # (path, struct, summary, streams)
+    ("/v1/completions", CompletionRequest, "Create a completion", True),
+    ("/v1/chat/completions", ChatRequest, "Create a chat completion", True),
+    ("/tokenize", TokenizeRequest, "Tokenize a prompt or chat messages (vLLM's route)", False),
+    ("/detokenize", DetokenizeRequest, "Turn token ids into text (vLLM's route)", False),
+]
+_ERRORS = {"400": "Bad request (the body names the parameter)", "404": "Unknown model", "409": "Request id in flight",
+           "499": "The client went away", "503": "No instance can take the request", "504": "Request timed out"}
+
+
+def openapi_document(app: FastAPI, model: str) -> dict:
+    """FastAPI's document of the decorated routes, plus the msgspec-decoded POST routes with their request
+    schemas (from the same structs that decode them) and the OpenAI error body."""
+    doc = get_openapi(title="llumnix-proxy", version=package_version(), routes=app.routes,
+                      description="OpenAI-compatible API of a Llumnix cluster")
+    refs, components = openapi_components([kind for _, kind, _, _ in _BODY_ROUTES] + [ErrorResponse])
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    schemas.update(components)
+    for name in ("CompletionRequest", "ChatRequest"):  # the one model this proxy serves
+        schemas[name]["properties"]["model"] = {"type": "string", "enum": [model]}
+    error_ref = refs[-1]
+    error = {"content": {"application/json": {"schema": error_ref}}}
+    header = {"name": "x-request-id", "in": "header", "required": False,
+              "description": "the request id (echoed back); 1 to 128 visible ASCII characters",
+              "schema": {"type": "string", "pattern": "^[!-~]{1,128}$"}}
+    priority = {"name": "x-llumnix-priority", "in": "header", "required": False,
+                "schema": {"type": "string", "enum": ["normal", "high"]}}
+    for (path, _, summary, streams), ref in zip(_BODY_ROUTES, refs):
+        ok = {"application/json": {"schema": {"type": "object"}}}
+        if streams:
+            ok["text/event-stream"] = {"schema": {"type": "string"}}
+        op = {"summary": summary, "operationId": path.strip("/").replace("/", "_"),
+              "requestBody": {"required": True, "content": {"application/json": {"schema": ref}}},
+              "responses": {"200": {"description": "OK", "content": ok},
+                            **{code: {"description": text, **error} for code, text in _ERRORS.items()
+                               if streams or code in ("400", "404")}}}
+        if streams:
+            op["parameters"] = [header, priority]
+        doc["paths"][path] = {"post": op}
+    for path, item in doc["paths"].items():  # the decorated routes answer errors with the same body
+        for op in item.values():
+            op.setdefault("responses", {}).pop("422", None)  # FastAPI's validation error: never sent here
+            if path == "/v1/models/{model_id}":
+                op["responses"]["404"] = {"description": "Unknown model", **error}
+    doc["components"]["schemas"].pop("HTTPValidationError", None)
+    doc["components"]["schemas"].pop("ValidationError", None)
+    return doc
+
+
 def build_app(cfg: Config) -> FastAPI:
     """The HTTP app. Its cluster client is started and stopped by whoever serves it (see _serve)."""
     proxy = Proxy(cfg)
-    app = FastAPI(title="llumnix-proxy")
+    app = FastAPI(title="llumnix-proxy", version=package_version())
     app.state.proxy = proxy
+
+    def with_echo(request: Request, body: dict, status: int) -> JSONResponse:
+        echo = getattr(request.state, "echo_id", None)
+        return JSONResponse(body, status_code=status, headers={"x-request-id": echo} if echo else None)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
         M_REQUESTS.labels(request.url.path, str(exc.status)).inc()
         if exc.status >= 500:
             log.warning("%s failed: %s", request.url.path, exc.message)
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return with_echo(request, exc.body(), exc.status)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):
         log.exception("%s: internal error", request.url.path)
         M_REQUESTS.labels(request.url.path, "500").inc()
-        return JSONResponse(ApiError(500, f"internal error: {type(exc).__name__}: {exc}").body(), status_code=500)
+        return with_echo(request, ApiError(500, f"internal error: {type(exc).__name__}: {exc}").body(), 500)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+        return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
 
     def counted(route: str, handler):
         ok = M_REQUESTS.labels(route, "200")
@@ -345,22 +719,38 @@ def build_app(cfg: Config) -> FastAPI:
         return endpoint
 
     # The hot routes are plain Starlette routes: the body is decoded by msgspec, so FastAPI's per-request
-    # dependency and validation machinery would only add latency.
+    # dependency and validation machinery would only add latency. openapi_document describes them.
     app.add_route("/v1/completions", counted("/v1/completions", proxy.completions), methods=["POST"])
     app.add_route("/v1/chat/completions", counted("/v1/chat/completions", proxy.chat), methods=["POST"])
+    app.add_route("/tokenize", counted("/tokenize", proxy.tokenize), methods=["POST"])
+    app.add_route("/detokenize", counted("/detokenize", proxy.detokenize), methods=["POST"])
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", summary="List the served model")
     async def models():
         return proxy.models()
 
-    @app.get("/health")
+    @app.get("/v1/models/{model_id:path}", summary="The served model's card (404 for any other id)")
+    async def model(model_id: str):
+        return proxy.model_info(model_id)
+
+    @app.get("/version", summary="The llumnix-toolkit version")
+    async def version():
+        return {"version": package_version()}
+
+    @app.get("/health", summary="200 while an instance takes requests, else 503")
     async def health():
         return proxy.health()
 
-    @app.get("/metrics")
+    @app.get("/metrics", summary="Prometheus metrics")
     async def metrics():
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = openapi_document(app, proxy.model)
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
 
 

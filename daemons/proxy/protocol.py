@@ -3,6 +3,11 @@
 Bodies decode with msgspec (strict types, constraints), so every mistake becomes one 400 with an
 OpenAI-style error body naming the parameter. vLLM's extra sampling fields are accepted the way vLLM's own
 OpenAI server accepts them (``ignore_eos``, ``top_k``, ``min_tokens``, ``repetition_penalty``, ...).
+
+Fields of OpenAI's or vLLM's API that the proxy does not implement (tools, logit_bias, structured output,
+beam search, ...) are declared here too, so that a request using one is refused with a 400 naming it
+instead of being served as if the field were not there (``unsupported()``); unknown fields are ignored.
+The same structs describe the request bodies in ``/openapi.json`` (``openapi_components``).
 """
 
 from __future__ import annotations
@@ -18,6 +23,10 @@ from daemons.wire import SamplingParams
 NonNegInt = Annotated[int, Meta(ge=0)]
 PosInt = Annotated[int, Meta(ge=1)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+
+MAX_N = 32  # most sequences one request may ask for (n): each is a request of its own on the cluster
 
 
 class ApiError(Exception):
@@ -29,7 +38,8 @@ class ApiError(Exception):
         self.status, self.message, self.param = status, message, param
         # A streamed error has no HTTP status of its own: the code says what happened (e.g. "timeout").
         self.code = code or {504: "timeout"}.get(status)
-        self.type = type_ or {400: "invalid_request_error", 404: "not_found_error"}.get(status, "server_error")
+        self.type = type_ or {400: "invalid_request_error", 404: "not_found_error",
+                              409: "invalid_request_error"}.get(status, "server_error")
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -44,11 +54,11 @@ class _Common(msgspec.Struct, kw_only=True):
     max_tokens: PosInt | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
-    n: Annotated[int, Meta(ge=1, le=1)] = 1
+    n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     user: str | None = None
@@ -57,10 +67,34 @@ class _Common(msgspec.Struct, kw_only=True):
     min_tokens: NonNegInt = 0
     ignore_eos: bool = False
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] = 1.0
-    stop_token_ids: list[int] = []
+    stop_token_ids: list[TokenId] = []
     return_token_ids: bool = False  # vLLM's extension: the output token ids in each choice
+    return_tokens_as_token_ids: bool = False  # vLLM's extension: logprobs name tokens "token_id:<id>"
     # scheduling priority: "normal" or "high" (also the x-llumnix-priority header)
     priority: str | int | None = None
+    # Not implemented: accepted only at their "off" value (see unsupported()).
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    use_beam_search: bool = False
+    prompt_logprobs: int | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def unsupported(self) -> None:
+        """Refuse fields we do not implement when they ask for something (a 400 naming the field)."""
+        for name in self._NOT_OFF:
+            value = getattr(self, name)
+            if value is not None and value is not False and value != {} and value != []:
+                raise ApiError(400, f"`{name}` is not supported by this server", name, code="unsupported_parameter")
+        if self.response_format is not None and self.response_format != {"type": "text"}:
+            raise ApiError(400, '`response_format` is not supported by this server (only {"type": "text"})',
+                           "response_format", code="unsupported_parameter")
+
+    _NOT_OFF = ("logit_bias", "use_beam_search", "prompt_logprobs", "structured_outputs", "guided_json",
+                "guided_regex", "guided_choice", "guided_grammar")
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -82,6 +116,18 @@ class CompletionRequest(_Common, kw_only=True):
     prompt: Union[str, list[Union[str, int]]]
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     echo: bool = False
+    best_of: PosInt | None = None  # only as many as n: every sequence generated is returned
+    suffix: str | None = None
+
+    def unsupported(self) -> None:
+        super().unsupported()
+        if self.echo:
+            raise ApiError(400, "`echo` is not supported by this server", "echo", code="unsupported_parameter")
+        if self.suffix:
+            raise ApiError(400, "`suffix` is not supported by this server", "suffix", code="unsupported_parameter")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ApiError(400, f"`best_of` must equal n ({self.n}): this server returns every sequence it generates",
+                           "best_of", code="unsupported_parameter")
 
 
 class ContentPart(msgspec.Struct):
@@ -93,6 +139,7 @@ class ChatMessage(msgspec.Struct):
     role: str
     content: Union[str, list[ContentPart], None] = None
     name: str | None = None
+    tool_calls: list[Any] | None = None  # not supported (no tools)
 
     def text(self) -> str:
         if self.content is None:
@@ -107,11 +154,99 @@ class ChatMessage(msgspec.Struct):
         return "".join(parts)
 
 
+def _messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    out = []
+    for i, m in enumerate(messages):
+        if m.tool_calls:
+            raise ApiError(400, f"messages[{i}].tool_calls: tool calls are not supported by this server", "messages",
+                           code="unsupported_parameter")
+        out.append({"role": m.role, "content": m.text()})
+    return out
+
+
 class ChatRequest(_Common, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: PosInt | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # passed to the chat template, as vLLM does
+    add_generation_prompt: bool = True
+    # Not implemented (see unsupported())
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    chat_template: str | None = None
+    continue_final_message: bool = False
+    echo: bool = False
+
+    def unsupported(self) -> None:
+        super().unsupported()
+        for name in ("tools", "functions", "audio", "prediction", "chat_template", "continue_final_message", "echo"):
+            value = getattr(self, name)
+            if value is not None and value is not False and value != []:
+                raise ApiError(400, f"`{name}` is not supported by this server", name, code="unsupported_parameter")
+        for name in ("tool_choice", "function_call"):
+            value = getattr(self, name)
+            if value is not None and value != "none":
+                raise ApiError(400, f"`{name}` is not supported by this server (no tools)", name,
+                               code="unsupported_parameter")
+        if self.modalities is not None and any(m != "text" for m in self.modalities):
+            raise ApiError(400, "only the text modality is supported", "modalities", code="unsupported_parameter")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "when using `top_logprobs`, `logprobs` must be set to true", "top_logprobs")
+
+    def prompt_messages(self) -> list[dict[str, str]]:
+        return _messages(self.messages)
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """vLLM's /tokenize: a completion prompt or chat messages (exactly one of the two)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (as vLLM)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def prompt_messages(self) -> list[dict[str, str]]:
+        return _messages(self.messages or [])
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+class ErrorInfo(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(msgspec.Struct):
+    """Every 4xx and 5xx body (``ApiError.body``)."""
+
+    error: ErrorInfo
+
+
+def openapi_components(kinds: list[type]) -> tuple[list[dict], dict[str, dict]]:
+    """JSON Schemas (OpenAPI 3.1 components) of request and response structs: (one $ref per kind, components)."""
+    return msgspec.json.schema_components(kinds, ref_template="#/components/schemas/{name}")
+
+
+def derive_seed(seed: int | None, k: int) -> int | None:
+    """The seed of the k-th sequence of a seeded request with n > 1 (seed + k, as vLLM; wraps in int64)."""
+    if seed is None:
+        return None
+    return (seed + k + 2**63) % 2**64 - 2**63
 
 
 _PATH = re.compile(r"at `\$\.?([^`\[]*)")

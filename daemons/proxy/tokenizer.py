@@ -4,7 +4,9 @@
   and each token id decodes to a pronounceable pseudo-word.
 - ``HFTokenizer``: a real model's ``tokenizer.json`` (Hugging Face ``tokenizers``) with the chat template
   of its ``tokenizer_config.json``. Byte-level BPE pieces can end inside a UTF-8 character, so output is
-  detokenized incrementally: text is released only once it decodes cleanly.
+  detokenized incrementally: text is released only once it decodes cleanly, and what is still held back
+  when the output ends (an incomplete UTF-8 sequence) is dropped, as vLLM's detokenizer drops it
+  (tokenizers' ``DecodeStream`` never releases it).
 
 Each request gets its own detokenizer (``tokenizer.detokenizer()``), since text depends on context.
 """
@@ -26,17 +28,24 @@ class Detokenizer(Protocol):
         """The text this token adds to the output (may be "" until a character completes)."""
 
     def flush(self) -> str:
-        """Whatever is held back, at the end of the output."""
+        """What is held back, at the end of the output, unless it is an incomplete character (dropped)."""
 
 
 class Tokenizer(Protocol):
+    vocab_size: int
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def detokenizer(self) -> Detokenizer: ...
 
     def token_text(self, token_id: int) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str: ...
+    def token_str(self, token_id: int) -> str: ...
+
+    def decode_all(self, ids: list[int]) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                            extra: dict | None = None) -> str: ...
 
 
 class SimTokenizer:
@@ -68,12 +77,19 @@ class SimTokenizer:
     def token_text(self, token_id: int) -> str:
         return self.decode_token(token_id)
 
+    def token_str(self, token_id: int) -> str:
+        return self.decode_token(token_id)
+
+    def decode_all(self, ids: list[int]) -> str:
+        return "".join(map(self.decode_token, ids))
+
     def detokenizer(self) -> "_SimDetokenizer":
         return _SimDetokenizer(self.decode_token)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                            extra: dict | None = None) -> str:
         turns = [f"<|{m['role']}|> {m['content']}" for m in messages]
-        return "\n".join(turns) + "\n<|assistant|>"
+        return "\n".join(turns) + ("\n<|assistant|>" if add_generation_prompt else "")
 
 
 class _SimDetokenizer:
@@ -101,6 +117,7 @@ class HFTokenizer:
         if not file.exists():
             raise TokenizerError(f"{path}: no tokenizer.json (the proxy needs the model's fast tokenizer)")
         self._tok = _Tok.from_file(str(file))
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         conf_file = path / "tokenizer_config.json"
         conf = json.loads(conf_file.read_text()) if conf_file.exists() else {}
         self.bos_token = _token_text(conf.get("bos_token"))
@@ -131,14 +148,30 @@ class HFTokenizer:
     def token_text(self, token_id: int) -> str:
         return self._tok.decode([token_id], skip_special_tokens=False)
 
+    def token_str(self, token_id: int) -> str:
+        """The vocabulary entry (e.g. ``Ġhello``), as /tokenize's token_strs gives it."""
+        return self._tok.id_to_token(token_id) or ""
+
+    def decode_all(self, ids: list[int]) -> str:
+        """All of ``ids`` as text, special tokens included (/detokenize, like vLLM's)."""
+        return self._tok.decode(ids, skip_special_tokens=False)
+
     def detokenizer(self) -> "_IncrementalDetokenizer":
         return _IncrementalDetokenizer(self.decode)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                            extra: dict | None = None) -> str:
         if self._template is None:
             raise TokenizerError("this model's tokenizer has no chat template; use /v1/completions")
-        return self._template.render(messages=messages, add_generation_prompt=True,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        context = {k: v for k, v in (extra or {}).items() if k not in ("messages", "bos_token", "eos_token")}
+        context.update(messages=messages, add_generation_prompt=add_generation_prompt,
+                       bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        try:
+            return self._template.render(**context)
+        except TokenizerError:
+            raise
+        except Exception as exc:  # the template is data: whatever it trips over is the messages' fault
+            raise TokenizerError(f"the chat template could not render these messages: {type(exc).__name__}: {exc}") from None
 
 
 class _IncrementalDetokenizer:
@@ -165,10 +198,13 @@ class _IncrementalDetokenizer:
         return ""
 
     def flush(self) -> str:
+        """Held-back text ends in an incomplete character (that is why it was held): vLLM's detokenizer
+        never releases it, so neither do we (no trailing U+FFFD)."""
         prefix_text = self.decode(self.ids[self.prefix:self.read])
         text = self.decode(self.ids[self.prefix:])
         self.prefix = self.read = len(self.ids)
-        return text[len(prefix_text):]
+        held = text[len(prefix_text):]
+        return "" if held.endswith("\ufffd") else held
 
 
 def _token_text(value) -> str | None:
