@@ -29,9 +29,8 @@ import msgspec
 import typer
 import zmq
 import zmq.asyncio
-from prometheus_client import Counter, Gauge, Histogram
 
-from daemons import policy, runtime, wire
+from daemons import metrics, policy, runtime, wire
 from daemons.cli import load_or_exit
 from daemons.config import Config
 from daemons.engine import make_engine
@@ -44,22 +43,33 @@ from daemons.watchdog import Faults, Watchdog
 
 log = logging.getLogger("llumnix.instance")
 
-M_REQUESTS = Counter("llumnix_instance_requests_total", "Requests received from proxies")
-M_FINISHED = Counter("llumnix_instance_requests_finished_total", "Requests finished, by reason", ["reason"])
-M_REJECTED = Counter("llumnix_instance_requests_rejected_total", "Requests refused as invalid")
-M_TOKENS = Counter("llumnix_instance_tokens_total", "Output tokens generated")
-M_STEP = Histogram("llumnix_instance_step_seconds", "Wall time of one engine step, model time included",
-                   buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0))
-M_BLOCKS_USED = Gauge("llumnix_instance_kv_blocks_used", "KV blocks in use")
-M_BLOCKS_TOTAL = Gauge("llumnix_instance_kv_blocks_total", "KV blocks in all")
-M_RUNNING = Gauge("llumnix_instance_running_requests", "Requests running")
-M_WAITING = Gauge("llumnix_instance_waiting_requests", "Requests waiting")
-M_PREEMPTIONS = Gauge("llumnix_instance_preemptions", "Preemptions since start (recompute)")
-M_BAD_FRAMES = Counter("llumnix_instance_malformed_frames_total", "Frames dropped because they did not decode")
-M_REDISPATCHED = Counter("llumnix_instance_requests_redispatched_total", "Queued requests given back to their proxy for re-dispatch (draining)")
-M_ORPHANED = Counter("llumnix_instance_requests_orphaned_total", "Requests aborted because their proxy was gone")
-M_FAILOVERS_IN = Counter("llumnix_instance_failovers_in_total", "Requests taken over from another instance by re-prefill")
-M_HEALTHY = Gauge("llumnix_instance_healthy", "1 while engine steps make progress, 0 while stalled (instance.step_timeout_s)")
+M_REQUESTS = metrics.counter("instance", "llumnix_instance_requests_total", "Requests received from proxies")
+M_FINISHED = metrics.counter("instance", "llumnix_instance_requests_finished_total",
+                             "Requests finished here, by finished_reason (stop, length, abort)", ["finished_reason"],
+                             preset=[("stop",), ("length",), ("abort",)])
+M_REJECTED = metrics.counter("instance", "llumnix_instance_requests_rejected_total", "Requests refused as invalid")
+M_TOKENS = metrics.counter("instance", "llumnix_instance_generation_tokens_total", "Output tokens generated")
+M_STEP = metrics.histogram("instance", "llumnix_instance_step_seconds",
+                           "Wall time of one engine step, model time included",
+                           buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0))
+M_BLOCKS_USED = metrics.gauge("instance", "llumnix_instance_kv_blocks_used", "KV blocks in use")
+M_BLOCKS_TOTAL = metrics.gauge("instance", "llumnix_instance_kv_blocks_total", "KV blocks in all")
+M_KV_USAGE = metrics.gauge("instance", "llumnix_instance_kv_cache_usage_perc",
+                           "KV cache usage, blocks used / blocks in all: 1 means full (as vllm:kv_cache_usage_perc)")
+M_RUNNING = metrics.gauge("instance", "llumnix_instance_running_requests", "Requests running")
+M_WAITING = metrics.gauge("instance", "llumnix_instance_waiting_requests", "Requests waiting")
+M_PREEMPTIONS = metrics.counter("instance", "llumnix_instance_preemptions_total",
+                                "Preemptions (recompute) by the engine (as vllm:num_preemptions)")
+M_BAD_FRAMES = metrics.counter("instance", "llumnix_instance_malformed_frames_total",
+                               "Frames dropped because they did not decode")
+M_REDISPATCHED = metrics.counter("instance", "llumnix_instance_requests_redispatched_total",
+                                 "Queued requests given back to their proxy for re-dispatch (draining)")
+M_ORPHANED = metrics.counter("instance", "llumnix_instance_requests_orphaned_total",
+                             "Requests aborted because their proxy was gone")
+M_FAILOVERS_IN = metrics.counter("instance", "llumnix_instance_failovers_in_total",
+                                 "Requests taken over from another instance by re-prefill")
+M_HEALTHY = metrics.gauge("instance", "llumnix_instance_healthy",
+                          "1 while engine steps make progress, 0 while stalled (instance.step_timeout_s)")
 
 
 class Instance:
@@ -94,6 +104,8 @@ class Instance:
             # handshakes, whose latency is downtime): let it in sooner.
             sys.setswitchinterval(0.0005)
         self.last_load = engine.load()
+        self.phases = metrics.RequestPhases()  # queue, prefill and decode times of the requests held here
+        self.preemptions = metrics.PreemptionCounter(M_PREEMPTIONS, self.last_load.preemptions)
         self.wake = asyncio.Event()
         self.load_changed = asyncio.Event()
         self.accepting = True
@@ -182,6 +194,7 @@ class Instance:
                 log.info("request %s failed over to us: continues at token %d (epoch %d)", msg.request_id,
                          len(msg.output_token_ids), msg.epoch)
             self.requests.admit(msg.request_id, msg.reply_to, msg.epoch, len(msg.output_token_ids))
+            self.phases.admitted(msg.request_id)
 
     async def _after_reservation(self, msg: wire.Submit) -> None:
         await self.migrator.cancel_incoming(msg.request_id)
@@ -197,6 +210,7 @@ class Instance:
 
     def abort_local(self, request_id: str) -> bool:
         self.requests.forget(request_id)
+        self.phases.drop(request_id)
         if not self.engine.abort_request(request_id):
             return False
         M_FINISHED.labels("abort").inc()
@@ -306,6 +320,7 @@ class Instance:
                 result = self._step()
             watchdog.step_started = 0.0
             self.emit(result.outputs)
+            self.phases.outputs(result.outputs, start, max(result.model_time_s, loop_time() - start))
             remaining = max(result.model_time_s, self.ic.min_step_s) - (loop_time() - start)
             # Always yield once per step so sockets are served even when steps take no model time.
             await asyncio.sleep(remaining if remaining > 0 else 0)
@@ -368,6 +383,7 @@ class Instance:
                     or (only is not None and rid not in only)):
                 continue
             self.requests.forget(rid)
+            self.phases.drop(rid)
             self.engine.abort_request(rid)
             self._send(entry.reply_to, wire.Redispatch(rid, self.instance_id, self.draining or "rebalancing"))
             M_REDISPATCHED.inc()
@@ -419,9 +435,12 @@ class Instance:
             self._tell_manager(wire.LoadReport(self.instance_id, self.report_seq, load))
             M_BLOCKS_USED.set(load.blocks_used)
             M_BLOCKS_TOTAL.set(load.blocks_total)
+            M_KV_USAGE.set(load.blocks_used / load.blocks_total if load.blocks_total else 0.0)
             M_RUNNING.set(load.running)
             M_WAITING.set(load.waiting)
-            M_PREEMPTIONS.set(load.preemptions)
+            self.preemptions.update(load.preemptions)
+            if len(self.phases) > len(self.requests):  # some left by migration or a failure
+                self.phases.prune(self.requests)
             await asyncio.sleep(self.ic.load_report_min_interval_s)
 
     async def proxy_loop(self) -> None:
@@ -459,6 +478,7 @@ class Instance:
             self.request_address = self.ic.advertise_address
         if not self.instance_id:
             self.instance_id = f"{self.ic.host or socket.gethostname()}-{self.request_address.rsplit(':', 1)[-1]}"
+        metrics.bind("instance", self.cfg.model.name, self.instance_id)
         try:
             self.migrator = Migrator(self, self.cfg.migration, self.engine, self.requests, self.boundary, self.faults)
         except (RuntimeError, ValueError) as exc:  # the KV store's port is taken, or the host does not resolve

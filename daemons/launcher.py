@@ -17,13 +17,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from prometheus_client import Counter
-
+from daemons import metrics
 from daemons.config import ScalingConfig
 
 log = logging.getLogger("llumnix.launcher")
 
-M_LAUNCHES = Counter("llumnix_manager_launches_total", "Instances launched by the scaling launcher, by outcome", ["outcome"])
+M_LAUNCHES = metrics.counter("manager", "llumnix_manager_launches_total",
+                             "Instances launched by the scaling launcher, by outcome", ["outcome"])
 
 
 class LaunchError(Exception):

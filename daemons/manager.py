@@ -22,28 +22,35 @@ from typing import Annotated, Optional
 import typer
 import zmq
 import zmq.asyncio
-from prometheus_client import Counter, Gauge
 
-from daemons import policy, runtime, wire
+from daemons import metrics, policy, runtime, wire
 from daemons.cli import load_or_exit
 from daemons.config import Config
 from daemons.rescheduler import Rescheduler
 
 log = logging.getLogger("llumnix.manager")
 
-M_INSTANCES = Gauge("llumnix_manager_instances", "Instances in the cluster view, by state", ["state"])
-M_DISPATCHES = Counter("llumnix_manager_dispatches_total", "Dispatch decisions, by instance", ["instance"])
-M_NO_INSTANCE = Counter("llumnix_manager_dispatch_failures_total", "Dispatch queries with no eligible instance")
-M_DEATHS = Counter("llumnix_manager_instance_deaths_total", "Instances marked dead after missed heartbeats")
-M_FREENESS = Gauge("llumnix_instance_freeness", "Freeness (M - sum V) / B as the manager computes it (-Inf while draining)", ["instance"])
-M_USAGE = Gauge("llumnix_instance_virtual_usage_blocks", "Virtual usage sum V in blocks (+Inf while draining)", ["instance"])
-M_DRAINING = Gauge("llumnix_instance_draining", "1 while the instance drains (drain, remove, scale-in, stopping)", ["instance"])
-M_CORDONED = Gauge("llumnix_instance_cordoned", "1 while the instance takes no new requests", ["instance"])
-M_BLOCKS_USED = Gauge("llumnix_instance_blocks_used", "KV blocks in use, as last reported", ["instance"])
-M_RUNNING = Gauge("llumnix_instance_running", "Running requests, as last reported", ["instance"])
-M_WAITING = Gauge("llumnix_instance_waiting", "Waiting requests, as last reported", ["instance"])
-M_BAD_FRAMES = Counter("llumnix_manager_malformed_frames_total", "Frames dropped because they did not decode")
-_PER_INSTANCE = (M_FREENESS, M_USAGE, M_DRAINING, M_CORDONED, M_BLOCKS_USED, M_RUNNING, M_WAITING)
+M_INSTANCES = metrics.gauge("manager", "llumnix_manager_instances", "Instances in the cluster view, by state", ["state"],
+                            preset=[("alive",), ("stopping",), ("dead",)])
+M_DISPATCHES = metrics.counter("manager", "llumnix_manager_dispatches_total", "Dispatch decisions, by instance",
+                               ["instance_id"])
+M_NO_INSTANCE = metrics.counter("manager", "llumnix_manager_dispatch_failures_total",
+                                "Dispatch queries with no eligible instance")
+M_DEATHS = metrics.counter("manager", "llumnix_manager_instance_deaths_total",
+                           "Instances marked dead after missed heartbeats")
+# Per instance, what only the manager knows. What an instance knows of itself (blocks used, running and waiting
+# requests) is exported by the instance alone: llumnix_instance_kv_blocks_used, _running_requests, _waiting_requests.
+M_FREENESS = metrics.gauge("manager", "llumnix_instance_freeness",
+                           "Freeness (M - sum V) / B as the manager computes it (-Inf while draining)", ["instance_id"])
+M_USAGE = metrics.gauge("manager", "llumnix_instance_virtual_usage_blocks",
+                        "Virtual usage sum V in blocks (+Inf while draining)", ["instance_id"])
+M_DRAINING = metrics.gauge("manager", "llumnix_instance_draining",
+                           "1 while the instance drains (drain, remove, scale-in, stopping)", ["instance_id"])
+M_CORDONED = metrics.gauge("manager", "llumnix_instance_cordoned", "1 while the instance takes no new requests",
+                           ["instance_id"])
+M_BAD_FRAMES = metrics.counter("manager", "llumnix_manager_malformed_frames_total",
+                               "Frames dropped because they did not decode")
+_PER_INSTANCE = (M_FREENESS, M_USAGE, M_DRAINING, M_CORDONED)
 
 
 @dataclass
@@ -83,6 +90,7 @@ class InstanceRecord:
 
 class Manager:
     def __init__(self, cfg: Config):
+        metrics.bind("manager", cfg.model.name)
         self.cfg = cfg
         self.mc = cfg.manager
         self.sc = cfg.scheduling
@@ -156,9 +164,6 @@ class Manager:
         M_USAGE.labels(iid).set(policy.virtual_usage(s, self.sc.high_priority_headroom))
         M_DRAINING.labels(iid).set(1 if r.draining else 0)
         M_CORDONED.labels(iid).set(1 if r.cordoned else 0)
-        M_BLOCKS_USED.labels(iid).set(r.load.blocks_used)
-        M_RUNNING.labels(iid).set(r.load.running)
-        M_WAITING.labels(iid).set(r.load.waiting)
         self._update_gauges_states()
 
     def _update_gauges_states(self) -> None:
@@ -242,10 +247,8 @@ class Manager:
         del self.instances[rec.instance_id]
         log.info("instance %s forgotten: %s", rec.instance_id, why)
         for gauge in _PER_INSTANCE:
-            try:
-                gauge.remove(rec.instance_id)
-            except KeyError:  # never reported
-                pass
+            gauge.remove(rec.instance_id)  # (nothing to remove if it never reported)
+        M_DISPATCHES.remove(rec.instance_id)
         self._update_gauges_states()
 
     # ------------------------------------------------------------------ dispatch

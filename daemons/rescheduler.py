@@ -18,9 +18,8 @@ from collections import Counter as Tally
 from typing import TYPE_CHECKING
 
 import msgspec
-from prometheus_client import Counter, Gauge
 
-from daemons import policy, wire
+from daemons import metrics, policy, wire
 from daemons.launcher import Launcher, LaunchError
 
 if TYPE_CHECKING:
@@ -28,11 +27,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llumnix.manager")
 
-M_ORDERED = Counter("llumnix_manager_migrations_total", "Manager-ordered migrations that ended, by reason and outcome",
-                    ["reason", "outcome"])
-M_ORDERS_IN_FLIGHT = Gauge("llumnix_manager_migrations_in_flight", "Requests the manager ordered to migrate, not yet reported")
-M_SCALING = Counter("llumnix_manager_scaling_total", "Auto-scaling actions, by direction", ["direction"])
-M_CLUSTER_FREENESS = Gauge("llumnix_cluster_freeness", "Average freeness of the normal-priority load (the auto-scaling signal)")
+M_ORDERED = metrics.counter("manager", "llumnix_manager_migrations_total",
+                            "Manager-ordered migrations that ended, by reason and outcome", ["reason", "outcome"])
+M_ORDERS_IN_FLIGHT = metrics.gauge("manager", "llumnix_manager_migrations_in_flight",
+                                   "Requests the manager ordered to migrate, not yet reported")
+M_SCALING = metrics.counter("manager", "llumnix_manager_scaling_total", "Auto-scaling actions, by direction",
+                            ["direction"], preset=[("out",), ("in",)])
+M_CLUSTER_FREENESS = metrics.gauge("manager", "llumnix_cluster_freeness",
+                                   "Average freeness of the normal-priority load (the auto-scaling signal)")
 
 
 class Rescheduler:

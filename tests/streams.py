@@ -33,10 +33,25 @@ def samples(text: str) -> dict[str, float]:
     return out
 
 
+def _labels(key: str) -> dict[str, str]:
+    """The labels of a sample key ``name{a="x",b="y"}`` (label values here never hold '",')."""
+    if "{" not in key:
+        return {}
+    body = key[key.index("{") + 1: key.rindex("}")]
+    return dict((k, v.strip('"')) for k, v in (p.split("=", 1) for p in body.split('",') if p))
+
+
+def metric(samples_: dict[str, float], name: str, default=None, **labels: str):
+    """The sum of ``name``'s samples whose labels include ``labels`` (every metric also carries model_name,
+    an instance's instance_id); ``default`` when there is none."""
+    got = [v for k, v in samples_.items() if k.split("{", 1)[0] == name
+           and all(_labels(k).get(a) == b for a, b in labels.items())]
+    return sum(got) if got else default
+
+
 def proxy_metric(url: str, name: str) -> float:
     """The sum of a proxy metric over its labels."""
-    return sum(v for k, v in samples(httpx.get(url + "/metrics", timeout=10).text).items()
-               if k == name or k.startswith(name + "{"))
+    return metric(samples(httpx.get(url + "/metrics", timeout=10).text), name, default=0.0)
 
 
 class Stream(threading.Thread):

@@ -20,7 +20,7 @@ import pytest
 
 from llumnixctl.main import status_json
 from tests.conftest import ctl_json
-from tests.streams import Stream, proxy_metric, samples, wait_for
+from tests.streams import Stream, metric, proxy_metric, samples, wait_for
 from tests.test_e2e_migration import move
 
 pytestmark = pytest.mark.e2e
@@ -196,8 +196,8 @@ def test_client_disconnect_non_streaming_aborts_the_request(start_cluster):
     settle(c, ["i0", "i1"], timeout=5)
     assert ctl_json("requests", "--run-dir", str(c.run_dir))["requests"] == []
     m = instance_metrics(c, "i0")
-    assert m.get("llumnix_instance_requests_total") == 1
-    assert m.get('llumnix_instance_requests_finished_total{reason="abort"}') == 1, m
+    assert metric(m, "llumnix_instance_requests_total", instance_id="i0") == 1
+    assert metric(m, "llumnix_instance_requests_finished_total", finished_reason="abort") == 1, m
 
 
 def test_killed_proxy_orphans_are_aborted(start_cluster):
@@ -214,7 +214,7 @@ def test_killed_proxy_orphans_are_aborted(start_cluster):
     for s in streams:
         s.result(30)
         assert s.error is not None and len(s.ids) < 1000  # the client saw its connection drop
-    orphaned = sum(instance_metrics(c, i).get("llumnix_instance_requests_orphaned_total", 0) for i in ("i0", "i1"))
+    orphaned = sum(metric(instance_metrics(c, i), "llumnix_instance_requests_orphaned_total", 0) for i in ("i0", "i1"))
     assert orphaned == 2
     assert "is gone" in log_of(c, "instance-i0") and "is gone" in log_of(c, "instance-i1")
 

@@ -15,7 +15,7 @@ import pytest
 from llumnixctl.admin import ManagerUnreachable
 from llumnixctl.main import status_json
 from tests.conftest import ctl, ctl_json
-from tests.streams import wait_for
+from tests.streams import metric, samples, wait_for
 from tests.load import Load, Spec, failures, mean
 
 pytestmark = pytest.mark.e2e
@@ -43,7 +43,7 @@ def spread(c) -> float:
 
 
 def _metrics_line(text: str, name: str) -> float:
-    return next(float(x.split()[1]) for x in text.splitlines() if x.startswith(name + " "))
+    return metric(samples(text), name)
 
 
 def _metrics(c, daemon: str) -> dict[str, float]:
@@ -164,12 +164,12 @@ def test_drain_moves_everything_out_with_no_error(start_cluster):
     refused = ctl("migrate", "--from", "i1", "--to", "i0", "--run-dir", str(c.run_dir))
     assert refused.returncode == 1 and "destination i0 is draining" in refused.stderr and "undrain i0" in refused.stderr
     manager_metrics = _metrics(c, "manager")
-    assert manager_metrics['llumnix_instance_draining{instance="i0"}'] == 1.0
-    assert manager_metrics['llumnix_instance_draining{instance="i1"}'] == 0.0
-    assert manager_metrics['llumnix_instance_virtual_usage_blocks{instance="i0"}'] == float("inf")
-    assert manager_metrics['llumnix_instance_freeness{instance="i0"}'] == float("-inf")
-    assert manager_metrics['llumnix_manager_migrations_total{outcome="committed",reason="drain"}'] >= 1
-    assert "llumnix_cluster_freeness" in manager_metrics
+    assert metric(manager_metrics, "llumnix_instance_draining", instance_id="i0", model_name="llumnix-sim") == 1.0
+    assert metric(manager_metrics, "llumnix_instance_draining", instance_id="i1") == 0.0
+    assert metric(manager_metrics, "llumnix_instance_virtual_usage_blocks", instance_id="i0") == float("inf")
+    assert metric(manager_metrics, "llumnix_instance_freeness", instance_id="i0") == float("-inf")
+    assert metric(manager_metrics, "llumnix_manager_migrations_total", outcome="committed", reason="drain") >= 1
+    assert metric(manager_metrics, "llumnix_cluster_freeness") is not None
     # No new request goes to a drained instance; undrain takes it back into service.
     def received() -> int:
         client = c.admin()

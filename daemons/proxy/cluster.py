@@ -28,20 +28,27 @@ import msgspec
 
 import zmq
 import zmq.asyncio
-from prometheus_client import Counter
 
-from daemons import policy, runtime, wire
+from daemons import metrics, policy, runtime, wire
 
 log = logging.getLogger("llumnix.proxy")
 
-M_FALLBACK = Counter("llumnix_proxy_local_dispatches_total", "Requests dispatched from the proxy's own snapshot (manager slow or down)")
-M_RETRIES = Counter("llumnix_proxy_redispatches_total", "Requests sent to another instance after one failed before any token")
-M_GIVEN_BACK = Counter("llumnix_proxy_given_back_total", "Queued requests a draining instance gave back, dispatched again")
-M_BAD_FRAMES = Counter("llumnix_proxy_malformed_frames_total", "Frames dropped because they did not decode")
-M_DUPLICATES = Counter("llumnix_proxy_duplicate_tokens_total", "Token outputs dropped because their index was already emitted")
-M_FAILOVERS = Counter("llumnix_proxy_failovers_total", "Streams continued on another instance by re-prefill, by cause", ["cause"])
-M_FENCED = Counter("llumnix_proxy_fenced_total", "Token outputs or ownership claims refused because they came from a copy that is not the request's current owner")
-M_TIMEOUTS = Counter("llumnix_proxy_request_timeouts_total", "Requests ended because they passed proxy.request_timeout_s")
+M_FALLBACK = metrics.counter("proxy", "llumnix_proxy_local_dispatches_total",
+                             "Requests dispatched from the proxy's own snapshot (manager slow or down)")
+M_RETRIES = metrics.counter("proxy", "llumnix_proxy_redispatches_total",
+                            "Requests sent to another instance after one failed before any token")
+M_GIVEN_BACK = metrics.counter("proxy", "llumnix_proxy_given_back_total",
+                               "Queued requests a draining instance gave back, dispatched again")
+M_BAD_FRAMES = metrics.counter("proxy", "llumnix_proxy_malformed_frames_total", "Frames dropped because they did not decode")
+M_DUPLICATES = metrics.counter("proxy", "llumnix_proxy_duplicate_tokens_total",
+                               "Token outputs dropped because their index was already emitted")
+M_FAILOVERS = metrics.counter("proxy", "llumnix_proxy_failovers_total",
+                              "Streams continued on another instance by re-prefill, by cause", ["cause"],
+                              preset=[(c,) for c in ("dead", "silent", "unhealthy", "stalled", "refused", "full", "failed")])
+M_FENCED = metrics.counter("proxy", "llumnix_proxy_fenced_total", "Token outputs or ownership claims refused because "
+                           "they came from a copy that is not the request's current owner")
+M_TIMEOUTS = metrics.counter("proxy", "llumnix_proxy_request_timeouts_total",
+                             "Requests ended because they passed proxy.request_timeout_s")
 
 
 class NoInstance(Exception):
@@ -124,6 +131,7 @@ class Stream:
 
 class ClusterClient:
     def __init__(self, cfg):
+        metrics.bind("proxy", cfg.model.name)
         self.cfg = cfg
         self.pc = cfg.proxy
         self.ctx = zmq.asyncio.Context()
