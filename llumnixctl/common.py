@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -20,7 +21,7 @@ out = Console(width=None if sys.stdout.isatty() else 160)  # piped: never squeez
 
 RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", envvar="LLUMNIX_RUN_DIR", show_envvar=True,
                                                    help="local cluster state directory (default ~/.local/state/llumnix)")]
-ManagerOpt = Annotated[Optional[str], typer.Option("--manager", help="manager address, e.g. tcp://10.0.0.5:7100")]
+ManagerOpt = Annotated[Optional[str], typer.Option("--manager", help="manager address, e.g. tcp://10.0.0.5:7100 (default: $LLUMNIX_MANAGER)")]
 ConfigOpt = Annotated[Optional[str], typer.Option("--config", "-c", envvar="LLUMNIX_CONFIG", show_envvar=True, help="llumnix.toml")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON for scripts")]
 TimeoutOpt = Annotated[float, typer.Option("--timeout", help="seconds to wait for the manager")]
@@ -31,34 +32,54 @@ def die(message: str, code: int = 1) -> None:
     raise typer.Exit(code)
 
 
-def manager_address(manager: str | None, run_dir: Path | None, config: str | None) -> str:
-    """--manager, else the named run dir, else the named config, else the default run dir, else defaults."""
+def manager_source(manager: str | None, run_dir: Path | None, config: str | None) -> tuple[str, str]:
+    """The manager's address and where it came from: --manager, else $LLUMNIX_MANAGER, else the named run
+    dir, else the named config, else the default run dir, else the default config file, else defaults."""
     if manager:
-        return manager
+        return manager, "--manager"
+    if os.environ.get("LLUMNIX_MANAGER"):
+        return os.environ["LLUMNIX_MANAGER"], "$LLUMNIX_MANAGER"
     if run_dir is not None:
         state = localcluster.ClusterState.load(run_dir)
         if state is None:
             die(f"no local cluster in {run_dir} (no {localcluster.STATE_FILE}); start one with `llumnixctl up --run-dir {run_dir}`")
-        return state.manager_address
+        return state.manager_address, f"the local cluster in {run_dir}"
     if config is None:
         state = localcluster.ClusterState.load(localcluster.default_run_dir())
         if state is not None:
-            return state.manager_address
+            return state.manager_address, f"the local cluster in {localcluster.default_run_dir()}"
     try:
-        return load_config(config).manager.address
+        cfg = load_config(config)
     except ConfigError as exc:
         die(str(exc), 2)
+    return cfg.manager.address, f"manager.address of {cfg.source}" if cfg.source != "defaults" else "the default manager.address"
+
+
+def manager_address(manager: str | None, run_dir: Path | None, config: str | None) -> str:
+    """--manager, else $LLUMNIX_MANAGER, else the named run dir, else the named config, else the default run
+    dir, else the default config file (/etc/llumnix/llumnix.toml), else defaults."""
+    return manager_source(manager, run_dir, config)[0]
 
 
 def admin(manager: str | None, run_dir: Path | None, config: str | None, timeout: float) -> AdminClient:
-    return AdminClient(manager_address(manager, run_dir, config), timeout)
+    address, source = manager_source(manager, run_dir, config)
+    client = AdminClient(address, timeout)
+    client.source = source  # where the address came from, for the one-line error
+    return client
+
+
+def unreachable_message(client: AdminClient, exc: ManagerUnreachable) -> str:
+    source = getattr(client, "source", "")
+    source = "" if source == "--manager" else source
+    return (f"{exc}{f' (address from {source})' if source else ''}. Is the cluster up? Start one with "
+            f"`llumnixctl up`, or point at it with --manager, $LLUMNIX_MANAGER or --run-dir.")
 
 
 def ask(client: AdminClient, what):
     try:
         return what(client)
     except ManagerUnreachable as exc:
-        die(f"{exc}. Is the cluster up? Start one with `llumnixctl up`, or point at it with --manager or --run-dir.")
+        die(unreachable_message(client, exc))
 
 
 def print_json(data) -> None:
@@ -83,5 +104,6 @@ def instance_json(v: wire.InstanceView) -> dict:
         "migrations_committed": ld.migrations_committed, "migrations_aborted": ld.migrations_aborted,
         "virtual_usage": finite(v.virtual_usage), "cordoned": v.cordoned, "drain_reason": v.drain_reason,
         "migrations_ordered": v.migrations_ordered, "credit": v.credit, "high_priority": ld.high_priority,
-        "hol_demand_blocks": ld.hol_demand_blocks,
+        "hol_demand_blocks": ld.hol_demand_blocks, "max_model_len": v.max_model_len, "block_size": ld.block_size,
+        "stalled": ld.stalled,
     }

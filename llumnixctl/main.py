@@ -1,31 +1,48 @@
 """llumnixctl: inspect and operate a Llumnix cluster.
 
-Every command finds the manager from --manager, else the run directory named by --run-dir (or
-$LLUMNIX_RUN_DIR), else manager.address of the config named by --config (or $LLUMNIX_CONFIG), else the
-default run directory's local cluster, else the default manager address. Read commands take --json; its shape is a
-contract for scripts (fields are added, never renamed).
+Every command finds the manager from --manager, else $LLUMNIX_MANAGER, else the run directory named by
+--run-dir (or $LLUMNIX_RUN_DIR), else manager.address of the config named by --config (or $LLUMNIX_CONFIG),
+else the default run directory's local cluster, else manager.address of /etc/llumnix/llumnix.toml if it
+exists, else the default manager address. Read commands take --json; its shape is a contract for scripts
+(fields are added, never renamed).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.console import Group
+from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from daemons import wire
+from daemons.cli import version_callback
 from daemons.config import ConfigError, load_config, render_example, as_dict
 from llumnixctl import localcluster, operate
-from llumnixctl.admin import AdminClient
+from llumnixctl.admin import AdminClient, ManagerUnreachable
 from llumnixctl.common import (ConfigOpt, JsonOpt, ManagerOpt, RunDirOpt, TimeoutOpt, admin, ask, die, instance_json,
-                               out, print_json)
+                               out, print_json, unreachable_message)
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+# add_completion: --install-completion / --show-completion (bash, zsh, fish, PowerShell)
+app = typer.Typer(add_completion=True, no_args_is_help=True,
                   help="Operate a Llumnix cluster: local clusters, status, requests, benchmarks.")
 config_app = typer.Typer(no_args_is_help=True, help="Settings: the example file, the effective values.")
 app.add_typer(config_app, name="config")
+
+
+@app.callback()
+def _options(
+    version: Annotated[bool, typer.Option("--version", is_eager=True, callback=version_callback("llumnixctl"),
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    pass
 
 # ---------------------------------------------------------------------- local cluster
 
@@ -119,17 +136,10 @@ def _num(x: float | None, inf: str) -> str:
     return inf if x is None else f"{x:.2f}" if abs(x) < 1e6 else f"{x:.3g}"
 
 
-@app.command()
-def status(manager: ManagerOpt = None, run_dir: RunDirOpt = None, config: ConfigOpt = None,
-           timeout: TimeoutOpt = 2.0, json_: JsonOpt = False) -> None:
-    """Per instance: state and flags, blocks, running, waiting, virtual usage, freeness, migrations; totals."""
-    client = admin(manager, run_dir, config, timeout)
-    data = status_json(ask(client, AdminClient.status), client.address)
-    if json_:
-        print_json(data)
-        return
+def render_status(data: dict) -> Group:
+    """The status table and its summary lines, from status_json's data (what `status` prints)."""
     m = data["manager"]
-    table = Table(title=f"manager {client.address} · dispatch {m['dispatch_policy']} · migration "
+    table = Table(title=f"manager {m['address']} · dispatch {m['dispatch_policy']} · migration "
                         f"{m['pairing_policy'] if m['migrating'] else 'drains only'} · selection {m['request_selection']} "
                         f"· scaling {m['scaling_policy']}", title_justify="left")
     for col in ("ID", "HOST", "PID", "STATE", "BLOCKS USED/TOTAL", "RUNNING", "WAITING", "VIRTUAL USAGE", "FREENESS",
@@ -146,12 +156,97 @@ def status(manager: ManagerOpt = None, run_dir: RunDirOpt = None, config: Config
                   str(t["running"]), str(t["waiting"]), "",
                   "" if t["mean_freeness"] is None else f"{t['mean_freeness']:.2f} avg",
                   f"{t['migrations_in_flight']} in flight", "")
-    out.print(table)
+    parts: list = [table]
     ordered = ", ".join(f"{k} {v}" for k, v in sorted(t["ordered_migrations"].items())) or "none"
-    out.print(f"migrations: {t['migrations_committed']} committed, {t['migrations_aborted']} aborted, "
-              f"{t['migrations_in_flight']} in flight; ordered by the manager: {ordered}")
+    parts.append(f"migrations: {t['migrations_committed']} committed, {t['migrations_aborted']} aborted, "
+                 f"{t['migrations_in_flight']} in flight; ordered by the manager: {ordered}")
     if t["scale_outs"] or t["scale_ins"] or t["launching"] or m["scaling_policy"] != "off":
-        out.print(f"scaling: {t['scale_outs']} out, {t['scale_ins']} in, {t['launching']} launching")
+        parts.append(f"scaling: {t['scale_outs']} out, {t['scale_ins']} in, {t['launching']} launching")
+    return Group(*parts)
+
+
+@app.command()
+def status(manager: ManagerOpt = None, run_dir: RunDirOpt = None, config: ConfigOpt = None,
+           timeout: TimeoutOpt = 2.0, json_: JsonOpt = False,
+           watch: Annotated[bool, typer.Option("--watch", "-w", help="refresh every --interval seconds until Ctrl-C; with --json, one JSON object per line")] = False,
+           interval: Annotated[float, typer.Option("--interval", min=0.05, help="with --watch: seconds between refreshes")] = 1.0) -> None:
+    """Per instance: state and flags, blocks, running, waiting, virtual usage, freeness, migrations; totals.
+
+    With --watch, a live view refreshed every --interval seconds until Ctrl-C (exit 0); with --json as well,
+    one status object per line per interval (JSON lines)."""
+    client = admin(manager, run_dir, config, timeout)
+    data = status_json(ask(client, AdminClient.status), client.address)
+    if watch:
+        try:
+            (_watch_json if json_ else _watch_table)(client, data, interval)
+        except KeyboardInterrupt:
+            pass  # Ctrl-C is how a watch ends: exit 0
+        except BrokenPipeError:  # `status --watch --json | head -3`: the reader has had enough
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return
+    if json_:
+        print_json(data)
+        return
+    out.print(render_status(data))
+
+
+def _ticks(interval: float):
+    """Yield once every ``interval`` seconds (a slow answer delays the next tick; ticks never bunch up)."""
+    due = time.monotonic()
+    while True:
+        due += interval
+        time.sleep(max(0.0, due - time.monotonic()))
+        due = max(due, time.monotonic())
+        yield
+
+
+def _poll(client: AdminClient) -> tuple[dict | None, str]:
+    """(status data, "") or (None, the one-line reason) when the manager did not answer this time."""
+    try:
+        return status_json(client.status(), client.address), ""
+    except ManagerUnreachable as exc:
+        return None, unreachable_message(client, exc)
+
+
+def _watch_json(client: AdminClient, data: dict, interval: float) -> None:
+    def emit(data: dict) -> None:
+        sys.stdout.write(json.dumps(data) + "\n")
+        sys.stdout.flush()
+
+    emit(data)
+    for _ in _ticks(interval):
+        data, error = _poll(client)
+        if data is not None:
+            emit(data)
+        else:  # this interval has no line; the watch goes on
+            sys.stderr.write(f"llumnixctl: {error}\n")
+            sys.stderr.flush()
+
+
+def _watch_table(client: AdminClient, data: dict, interval: float) -> None:
+    def frame(error: str = "") -> Group:
+        note = f"{time.strftime('%H:%M:%S')} · every {interval:g}s · Ctrl-C to stop"
+        parts = [render_status(data), Text(note, style="dim")]
+        if error:  # the last answer stays on screen, with why it is not fresh
+            parts.append(Text(f"no answer now (retrying): {error}", style="red"))
+        return Group(*parts)
+
+    def frames():
+        nonlocal data
+        for _ in _ticks(interval):
+            fresh, error = _poll(client)
+            data = fresh or data
+            yield frame(error)
+
+    if not out.is_terminal:  # piped: one frame after another, not a screen redrawn in place
+        out.print(frame())
+        for f in frames():
+            out.print()
+            out.print(f)
+        return
+    with Live(frame(), console=out, auto_refresh=False, transient=False) as live:
+        for f in frames():
+            live.update(f, refresh=True)
 
 
 def _size(n: int) -> str:
@@ -205,14 +300,18 @@ def migrate(
         raise typer.Exit(1)
 
 
+def request_json(r: wire.RequestInfo) -> dict:
+    return {"id": r.request_id, "instance": r.instance_id, "state": r.state, "output_tokens": r.output_tokens,
+            "prompt_tokens": r.prompt_tokens, "blocks": r.blocks, "priority": r.priority}
+
+
 @app.command()
 def requests(manager: ManagerOpt = None, run_dir: RunDirOpt = None, config: ConfigOpt = None,
              timeout: TimeoutOpt = 3.0, json_: JsonOpt = False) -> None:
     """Requests in the cluster: id, instance, state, output tokens."""
     client = admin(manager, run_dir, config, timeout)
     reply = ask(client, AdminClient.requests)
-    rows = [{"id": r.request_id, "instance": r.instance_id, "state": r.state, "output_tokens": r.output_tokens,
-             "prompt_tokens": r.prompt_tokens, "blocks": r.blocks, "priority": r.priority} for r in reply.requests]
+    rows = [request_json(r) for r in reply.requests]
     if json_:
         print_json({"requests": rows, "unreachable": reply.unreachable})
         return
@@ -225,6 +324,72 @@ def requests(manager: ManagerOpt = None, run_dir: RunDirOpt = None, config: Conf
     out.print(f"{len(rows)} request(s)")
     if reply.unreachable:
         sys.stderr.write(f"llumnixctl: no answer from {', '.join(reply.unreachable)}\n")
+
+
+def describe_json(view: wire.InstanceView, reply: wire.RequestsReply) -> dict:
+    row = instance_json(view)
+    return {
+        "instance": row,  # the status row
+        "registered": {k: row[k] for k in ("host", "pid", "request_address", "metrics_address", "backend", "model",
+                                           "max_model_len", "block_size", "blocks_total", "max_batch_size")},
+        "migrations": {"out": row["migrating_out"], "in": row["migrating_in"],
+                       "committed": row["migrations_committed"], "aborted": row["migrations_aborted"],
+                       "ordered": row["migrations_ordered"]},
+        "requests": [request_json(r) for r in reply.requests if r.instance_id == view.instance_id],
+        # False when the instance is dead or did not answer the manager's query: its requests are unknown
+        "requests_answered": view.state != "dead" and view.instance_id not in reply.unreachable,
+    }
+
+
+@app.command()
+def describe(instance: Annotated[str, typer.Argument(help="instance id (see llumnixctl status)")],
+             manager: ManagerOpt = None, run_dir: RunDirOpt = None, config: ConfigOpt = None,
+             timeout: TimeoutOpt = 3.0, json_: JsonOpt = False) -> None:
+    """One instance: what it registered, its state, load and last report, its migrations, its requests."""
+    client = admin(manager, run_dir, config, timeout)
+    snap = ask(client, AdminClient.status)
+    view = next((v for v in snap.instances if v.instance_id == instance), None)
+    if view is None:
+        die(f"no instance {instance!r} in the cluster (instances: {', '.join(v.instance_id for v in snap.instances) or 'none'})")
+    data = describe_json(view, ask(client, AdminClient.requests))
+    if json_:
+        print_json(data)
+        return
+    r, reg, mig = data["instance"], data["registered"], data["migrations"]
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    notes = ["stalled (an engine step is stuck)"] if r["stalled"] else []
+    grid.add_row("state", _flags(r) + (f", {', '.join(notes)}" if notes else ""))
+    grid.add_row("host", f"{reg['host']}, pid {reg['pid']}")
+    grid.add_row("requests at", reg["request_address"])
+    grid.add_row("metrics", reg["metrics_address"] or "off")
+    grid.add_row("engine", f"{reg['backend']}, model {reg['model']}, max_model_len {reg['max_model_len']}, "
+                           f"{reg['blocks_total']} blocks of {reg['block_size']} tokens, batch up to {reg['max_batch_size']}")
+    grid.add_row("last report", f"{r['last_report_age_s']:.1f}s ago")
+    grid.add_row("load", f"{r['blocks_used']}/{r['blocks_total']} blocks used, {r['running']} running "
+                         f"({r['high_priority']} high priority), {r['waiting']} waiting, {r['preemptions']} preemptions")
+    grid.add_row("", f"virtual usage {_num(r['virtual_usage'], 'inf')}, freeness {_num(r['freeness'], '-inf')}"
+                     + (f", new-instance credit {r['credit']:.1f} blocks" if r["credit"] else ""))
+    grid.add_row("", f"head-of-line request needs {r['hol_demand_blocks']} blocks; "
+                     f"{r['pending_dispatches']} dispatched, not yet in its reports")
+    grid.add_row("migrations", f"{mig['out']} out, {mig['in']} in now ({mig['ordered']} ordered by the manager); "
+                               f"as source {mig['committed']} committed, {mig['aborted']} aborted")
+    out.print(Text(f"instance {r['id']}", style="bold"))
+    out.print(grid)
+    if not data["requests_answered"]:
+        out.print(f"requests: unknown ({'it is dead' if r['state'] == 'dead' else 'it did not answer the manager'})")
+        return
+    if not data["requests"]:
+        out.print("requests: none")
+        return
+    table = Table(title=f"requests: {len(data['requests'])}", title_justify="left")
+    for col in ("ID", "STATE", "PRIORITY", "OUTPUT TOKENS", "PROMPT TOKENS", "BLOCKS"):
+        table.add_column(col, justify="left" if col in ("ID", "STATE", "PRIORITY") else "right")
+    for q in data["requests"]:
+        table.add_row(q["id"], q["state"], "high" if q["priority"] else "normal", str(q["output_tokens"]),
+                      str(q["prompt_tokens"]), str(q["blocks"]))
+    out.print(table)
 
 
 # ---------------------------------------------------------------------- config
@@ -272,7 +437,7 @@ def entry() -> None:
 
     app.add_typer(bench.app, name="bench")
     app.add_typer(model.app, name="model")
-    app()
+    app(prog_name="llumnixctl")  # also under `python -m llumnixctl.main`: usage lines, completion
 
 
 if __name__ == "__main__":
