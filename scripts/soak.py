@@ -1,0 +1,416 @@
+"""Soak driver (scripts/soak.sh runs it): bounded streamed load on a local cluster, with random operator
+migrations, drains and kill -9 of instances; every stream is checked token by token against the sim.
+
+    soak.py run --run-dir DIR --duration S --out soak.json   load + chaos, settle, measure, write the report
+    soak.py check-stopped --out soak.json                    after `llumnixctl down`: are its pids all gone?
+
+A lost request is one that errored or got other tokens than the sim's (goal 0); leaked blocks are the KV
+blocks still held by live instances once the load stopped and the cluster settled (goal 0). Every loop is
+bounded in count and time; traffic goes only to the local cluster on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from daemons.engine.sim import sim_token_id  # noqa: E402
+from llumnixctl import localcluster  # noqa: E402
+from llumnixctl.admin import AdminClient, ManagerUnreachable  # noqa: E402
+from llumnixctl.main import status_json  # noqa: E402
+
+VOCAB = 32000
+REQUEST_DEADLINE_S = 300.0  # one stream, start to end, at most
+
+
+def now_s(t0: float) -> str:
+    return f"{time.monotonic() - t0:7.1f}s"
+
+
+# ---------------------------------------------------------------------- cluster views
+
+
+def procs(run_dir: Path) -> list[localcluster.Proc]:
+    state = localcluster.ClusterState.load(run_dir)
+    return [] if state is None else state.procs
+
+
+def rss(run_dir: Path) -> dict[str, dict]:
+    """RSS (MB) of every running daemon of the cluster, by name."""
+    out = {}
+    for p in procs(run_dir):
+        live = p.process()
+        if live is None:
+            continue
+        try:
+            out[p.name] = {"pid": p.pid, "rss_mb": round(live.memory_info().rss / 2**20, 1)}
+        except psutil.Error:
+            pass
+    return out
+
+
+def status(manager: str) -> dict | None:
+    client = AdminClient(manager, timeout_s=3)
+    try:
+        return status_json(client.status(), manager)
+    except ManagerUnreachable:
+        return None
+    finally:
+        client.close()
+
+
+def proxy_metric(url: str, name: str) -> float:
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return float("nan")
+    total = 0.0
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            if key == name or key.startswith(name + "{"):
+                total += float(value)
+    return total
+
+
+def ctl(run_dir: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run([sys.executable, "-m", "llumnixctl.main", *args, "--run-dir", str(run_dir)],
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(args, 124, "", f"timed out after {timeout:g}s")
+
+
+# ---------------------------------------------------------------------- load
+
+
+class Tally:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.sent = self.completed = 0
+        self.lost: list[dict] = []
+        self.tokens = 0
+
+    def add(self, ok: bool, n: int, detail: dict | None = None) -> None:
+        with self.lock:
+            self.tokens += n
+            if ok:
+                self.completed += 1
+            else:
+                self.lost.append(detail or {})
+
+
+def one_stream(client: httpx.Client, url: str, rnd: random.Random, tally: Tally) -> None:
+    max_tokens = rnd.randint(20, 200)
+    prompt = [rnd.randrange(3, VOCAB) for _ in range(rnd.randint(8, 300))]
+    body = {"model": "llumnix-sim", "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+            "return_token_ids": True, "stream_options": {"include_usage": True}}
+    ids: list[int] = []
+    rid, usage, error = "", None, None
+    start = time.monotonic()
+    try:
+        with client.stream("POST", url + "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                error = f"HTTP {resp.status_code}: {resp.read()[:300]!r}"
+            else:
+                for line in resp.iter_lines():
+                    if time.monotonic() - start > REQUEST_DEADLINE_S:
+                        error = f"not finished within {REQUEST_DEADLINE_S:g}s"
+                        break
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        error = f"stream error: {chunk['error']}"
+                        break
+                    rid = chunk["id"]
+                    usage = chunk.get("usage") or usage
+                    for ch in chunk["choices"]:
+                        ids += ch.get("token_ids") or []
+    except (httpx.HTTPError, ValueError) as exc:
+        error = repr(exc)
+    if error is None:
+        if ids != [sim_token_id(rid, i, VOCAB) for i in range(max_tokens)]:
+            error = f"wrong tokens: {len(ids)} of {max_tokens}"
+        elif not usage or usage.get("completion_tokens") != max_tokens or usage.get("prompt_tokens") != len(prompt):
+            error = f"wrong usage: {usage}"
+    tally.add(error is None, len(ids), None if error is None else
+              {"id": rid, "max_tokens": max_tokens, "got": len(ids), "error": str(error)[:300],
+               "seconds": round(time.monotonic() - start, 2)})
+
+
+def worker(url: str, seed: int, end: float, budget: threading.Semaphore, tally: Tally) -> None:
+    rnd = random.Random(seed)
+    with httpx.Client(timeout=httpx.Timeout(60.0, connect=10.0)) as client:
+        while time.monotonic() < end and budget.acquire(blocking=False):
+            with tally.lock:
+                tally.sent += 1
+            one_stream(client, url, rnd, tally)
+            time.sleep(rnd.uniform(0.0, 0.5))  # think time
+
+
+# ---------------------------------------------------------------------- chaos
+
+
+class Chaos(threading.Thread):
+    """Each kind of fault on its own timer, every 20-60 s (--chaos-min/--chaos-max)."""
+
+    def __init__(self, run_dir: Path, manager: str, rnd: random.Random, end: float, lo: float, hi: float, t0: float):
+        super().__init__(daemon=True)
+        self.run_dir, self.manager, self.rnd, self.end, self.lo, self.hi, self.t0 = run_dir, manager, rnd, end, lo, hi, t0
+        self.stop = threading.Event()
+        self.counts: dict[str, int] = {}
+        self.events: list[str] = []
+        self.drained: dict[str, float] = {}  # instance -> when to undrain it
+
+    def note(self, what: str) -> None:
+        line = f"{now_s(self.t0)} {' | '.join(what.splitlines())}"
+        self.events.append(line)
+        print("chaos", line, flush=True)
+
+    def count(self, kind: str) -> None:
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+
+    def view(self) -> dict[str, dict]:
+        st = status(self.manager)
+        return {} if st is None else {i["id"]: i for i in st["instances"]}
+
+    def live(self) -> dict[str, localcluster.Proc]:
+        return {p.name.removeprefix("instance-"): p for p in procs(self.run_dir)
+                if p.name.startswith("instance-") and p.process() is not None}
+
+    def kill(self) -> None:
+        live = self.live()
+        if len(live) < 3:
+            self.note(f"kill skipped: only {sorted(live)} run")
+            return
+        view = self.view()
+        busy = sorted(i for i in live if view.get(i, {}).get("running"))
+        iid = self.rnd.choice(busy or sorted(live))
+        proc = live[iid].process()
+        if proc is not None:
+            proc.kill()
+            self.count("kill")
+            self.note(f"kill -9 {iid} (pid {live[iid].pid}, {view.get(iid, {}).get('running', '?')} running)")
+
+    def migrate(self) -> None:
+        view = self.view()
+        srcs = sorted(i for i, v in view.items() if v["state"] == "alive" and v["running"])
+        dsts = sorted(i for i, v in view.items() if v["state"] == "alive" and not v["draining"])
+        if not srcs or len(dsts) < 2:
+            self.note(f"migrate skipped: sources {srcs}, destinations {dsts}")
+            return
+        src = self.rnd.choice(srcs)
+        dst = self.rnd.choice([d for d in dsts if d != src])
+        n = self.rnd.randint(1, 3)
+        res = ctl(self.run_dir, "migrate", "--from", src, "--to", dst, "--count", str(n), "--timeout", "60", timeout=90)
+        self.count("migrate")
+        self.note(f"migrate {n} {src} -> {dst}: rc {res.returncode}: {(res.stdout + res.stderr).strip()[:300]}")
+
+    def drain(self) -> None:
+        view = self.view()
+        serving = sorted(i for i, v in view.items() if v["state"] == "alive" and not v["draining"])
+        if len(serving) < 3 or self.drained:
+            self.note(f"drain skipped: serving {serving}, drained {sorted(self.drained)}")
+            return
+        iid = self.rnd.choice(serving)
+        res = ctl(self.run_dir, "drain", iid, timeout=30)
+        self.note(f"drain {iid}: rc {res.returncode}: {(res.stdout + res.stderr).strip()[:300]}")
+        if res.returncode == 0:
+            self.count("drain")
+            self.drained[iid] = time.monotonic() + self.rnd.uniform(5.0, 15.0)
+
+    def undrain(self, iid: str) -> None:
+        res = ctl(self.run_dir, "undrain", iid, timeout=30)
+        gone = "unknown instance" in res.stderr or "is dead" in res.stderr
+        if res.returncode == 0 or gone:
+            self.drained.pop(iid, None)
+            self.count("undrain")
+        self.note(f"undrain {iid}: rc {res.returncode}: {(res.stdout + res.stderr).strip()[:300]}")
+
+    def run(self) -> None:
+        actions = {"kill": self.kill, "migrate": self.migrate, "drain": self.drain}
+        due = {k: time.monotonic() + self.rnd.uniform(self.lo, self.hi) * 0.5 for k in actions}
+        while not self.stop.is_set() and time.monotonic() < self.end:
+            now = time.monotonic()
+            for iid, at in list(self.drained.items()):
+                if now >= at:
+                    self.undrain(iid)
+            for kind, at in sorted(due.items(), key=lambda kv: kv[1]):
+                if now >= at and now < self.end:
+                    try:
+                        actions[kind]()
+                    except Exception as exc:  # noqa: BLE001 - a chaos step must not end the soak
+                        self.note(f"{kind} failed: {exc!r}")
+                    due[kind] = time.monotonic() + self.rnd.uniform(self.lo, self.hi)
+            self.stop.wait(0.5)
+
+    def finish(self, timeout_s: float = 60) -> None:
+        """Undo the drains still in force (retried while the manager is slow; bounded)."""
+        deadline = time.monotonic() + timeout_s
+        while self.drained and time.monotonic() < deadline:
+            for iid in list(self.drained):
+                self.undrain(iid)
+            if self.drained:
+                time.sleep(1)
+
+
+# ---------------------------------------------------------------------- run
+
+
+def settle(manager: str, timeout_s: float) -> tuple[dict | None, float]:
+    """Wait until every live instance is idle and holds no block; returns the last status and the wait."""
+    start = time.monotonic()
+    st = None
+    while time.monotonic() - start < timeout_s:
+        st = status(manager) or st
+        if st is not None:
+            alive = [i for i in st["instances"] if i["state"] == "alive"]
+            busy = [i for i in alive if i["blocks_used"] or i["running"] or i["waiting"] or i["migrating_out"]
+                    or i["migrating_in"]]
+            if alive and not busy and not st["totals"]["launching"]:
+                break
+        time.sleep(1)
+    return st, time.monotonic() - start
+
+
+def run(args) -> int:
+    run_dir = Path(args.run_dir)
+    state = localcluster.ClusterState.load(run_dir)
+    if state is None:
+        print(f"soak: no local cluster in {run_dir}", file=sys.stderr)
+        return 2
+    url, manager = state.url, state.manager_address
+    assert url.startswith("http://127.0.0.1:"), url
+    t0 = time.monotonic()
+    rss_start = rss(run_dir)
+    end = t0 + args.duration
+    tally = Tally()
+    budget = threading.Semaphore(args.max_requests)
+    rnd = random.Random(args.seed)
+    chaos = Chaos(run_dir, manager, random.Random(args.seed + 1), end, args.chaos_min, args.chaos_max, t0)
+    workers = [threading.Thread(target=worker, args=(url, args.seed * 1000 + k, end, budget, tally), daemon=True)
+               for k in range(args.concurrency)]
+    print(f"soak: {args.duration:g}s, {args.concurrency} streams at a time (at most {args.max_requests}), "
+          f"chaos every {args.chaos_min:g}-{args.chaos_max:g}s, cluster {url}", flush=True)
+    for w in workers:
+        w.start()
+        time.sleep(rnd.uniform(0, 0.3))
+    chaos.start()
+    next_report = t0 + 30
+    while any(w.is_alive() for w in workers) and time.monotonic() < end + REQUEST_DEADLINE_S + 60:
+        time.sleep(1)
+        if time.monotonic() >= next_report:
+            next_report += 30
+            print(f"soak {now_s(t0)}: sent {tally.sent}, completed {tally.completed}, lost {len(tally.lost)}",
+                  flush=True)
+    stuck = sum(1 for w in workers if w.is_alive())
+    chaos.stop.set()
+    chaos.join(120)
+    chaos.finish()
+    load_s = time.monotonic() - t0
+    st, settle_s = settle(manager, args.settle_timeout)
+    alive = [i for i in (st or {}).get("instances", []) if i["state"] == "alive"]
+    leaked = sum(i["blocks_used"] for i in alive) if st is not None else None
+    rss_end = rss(run_dir)
+    report = {
+        "duration_s": args.duration, "load_s": round(load_s, 1), "settle_s": round(settle_s, 1),
+        "seed": args.seed, "concurrency": args.concurrency,
+        "requests": {"sent": tally.sent, "completed": tally.completed, "lost": len(tally.lost),
+                     "unfinished_workers": stuck, "tokens": tally.tokens},
+        "lost_samples": tally.lost[:20],
+        "leaked_blocks": leaked,
+        "instances_at_end": [{"id": i["id"], "blocks_used": i["blocks_used"], "running": i["running"],
+                              "waiting": i["waiting"]} for i in alive],
+        "manager_unreachable_at_end": st is None,
+        "proxy": {"failovers": proxy_metric(url, "llumnix_proxy_failovers_total"),
+                  "redispatches": proxy_metric(url, "llumnix_proxy_redispatches_total"),
+                  "given_back": proxy_metric(url, "llumnix_proxy_given_back_total"),
+                  "fenced": proxy_metric(url, "llumnix_proxy_fenced_total"),
+                  "duplicates": proxy_metric(url, "llumnix_proxy_duplicate_tokens_total")},
+        "migrations": None if st is None else {k: st["totals"][k] for k in (
+            "migrations_committed", "migrations_aborted", "scale_outs", "scale_ins")},
+        "chaos": chaos.counts, "chaos_events": chaos.events,
+        "rss_mb": {"start": rss_start, "end": rss_end},
+        "pids": sorted({p.pid for p in procs(run_dir)}),
+        "processes": [{"name": p.name, "pid": p.pid, "create_time": p.create_time} for p in procs(run_dir)],
+    }
+    report["ok"] = bool(report["requests"]["lost"] == 0 and leaked == 0 and stuck == 0 and tally.sent > 0)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print_summary(report)
+    return 0 if report["ok"] else 1
+
+
+def print_summary(r: dict) -> None:
+    q = r["requests"]
+    print("\n=== soak summary ===")
+    print(f"duration {r['duration_s']:g}s (load {r['load_s']}s, settle {r['settle_s']}s), seed {r['seed']}")
+    print(f"requests: sent {q['sent']}, completed {q['completed']}, lost {q['lost']} "
+          f"(unfinished workers {q['unfinished_workers']}), {q['tokens']} tokens")
+    for s in r["lost_samples"][:5]:
+        print(f"  lost: {s}")
+    print(f"leaked blocks after settling: {r['leaked_blocks']} over {len(r['instances_at_end'])} live instances")
+    print(f"proxy: {r['proxy']}")
+    print(f"migrations/scaling: {r['migrations']}")
+    print(f"chaos: {r['chaos']}")
+    names = sorted(set(r["rss_mb"]["start"]) | set(r["rss_mb"]["end"]))
+    print("RSS MB (start -> end):")
+    for n in names:
+        a, b = r["rss_mb"]["start"].get(n), r["rss_mb"]["end"].get(n)
+        fmt = lambda x: "-" if x is None else f"{x['rss_mb']:.1f} (pid {x['pid']})"  # noqa: E731
+        print(f"  {n:14s} {fmt(a)} -> {fmt(b)}")
+    print("RESULT:", "OK" if r["ok"] else "FAILED")
+
+
+def check_stopped(args) -> int:
+    path = Path(args.out)
+    report = json.loads(path.read_text())
+    left = []
+    for p in report.get("processes", []):
+        proc = localcluster.Proc(p["name"], p["pid"], p["create_time"], "", [])
+        if proc.process() is not None:
+            left.append(f"{p['name']} (pid {p['pid']})")
+    report["left_running_after_down"] = left
+    report["ok"] = bool(report.get("ok")) and not left
+    path.write_text(json.dumps(report, indent=2))
+    print(f"after down: {len(left)} of {len(report.get('processes', []))} recorded process(es) still running"
+          + (f": {', '.join(left)}" if left else ""))
+    print("FINAL:", "OK" if report["ok"] else "FAILED")
+    return 0 if report["ok"] else 1
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--run-dir", required=True)
+    r.add_argument("--duration", type=float, default=3600)
+    r.add_argument("--out", required=True)
+    r.add_argument("--concurrency", type=int, default=8)
+    r.add_argument("--max-requests", type=int, default=0, help="bound on requests sent (default: 4 per second)")
+    r.add_argument("--seed", type=int, default=1)
+    r.add_argument("--chaos-min", type=float, default=20)
+    r.add_argument("--chaos-max", type=float, default=60)
+    r.add_argument("--settle-timeout", type=float, default=120)
+    c = sub.add_parser("check-stopped")
+    c.add_argument("--out", required=True)
+    args = ap.parse_args()
+    if args.cmd == "run":
+        args.max_requests = args.max_requests or max(1, int(args.duration * 4))
+        return run(args)
+    return check_stopped(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Soak a local sim cluster: bounded streamed load for DURATION_S seconds (default 3600) with random
+# migrations, drains and kill -9 of instances every ~20-60 s (auto-scaling keeps 4 instances), every
+# stream checked token by token; then the leaked KV blocks and each daemon's RSS at start and end.
+# Writes OUT_DIR/soak.json (default: a new /tmp/llumnix-soak.* directory) and prints a summary; exits
+# non-zero if a request was lost, a block leaked or a process outlived `llumnixctl down`.
+#
+#   scripts/soak.sh [DURATION_S] [OUT_DIR]
+#
+# Environment: SOAK_CONCURRENCY (streams at once, default 8), SOAK_SEED (default 1).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DURATION=${1:-3600}
+OUT=${2:-$(mktemp -d /tmp/llumnix-soak.XXXXXX)}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+RUN_DIR="$OUT/run"
+PY=.venv/bin/python
+CTL=.venv/bin/llumnixctl
+export HF_HUB_OFFLINE=1
+
+stopped=0
+stop_cluster() {
+    if [[ $stopped == 0 && -f "$RUN_DIR/cluster.json" ]]; then
+        stopped=1
+        echo "soak: stopping the cluster ($RUN_DIR)"
+        timeout 120 "$CTL" down --run-dir "$RUN_DIR" || echo "soak: llumnixctl down failed" >&2
+    fi
+}
+driver=""
+on_signal() {
+    echo "soak: interrupted" >&2
+    [[ -n $driver ]] && kill "$driver" 2>/dev/null
+    exit 130  # the EXIT trap stops the cluster
+}
+trap stop_cluster EXIT
+trap on_signal INT TERM HUP
+
+echo "soak: ${DURATION}s, output in $OUT"
+timeout 180 "$CTL" up --instances 4 --port 0 --run-dir "$RUN_DIR" \
+    --set manager.heartbeat_interval_s=0.2 --set sim.time_scale=0.1 --set instance.min_step_s=0.02 \
+    --set instance.shutdown_grace_s=2 \
+    --set scaling.policy=llumnix --set scaling.min_instances=4 --set scaling.max_instances=6 \
+    --set scaling.launch_timeout_s=30 --set scaling.cooldown_s=5 --set scaling.sustain_s=10
+
+rc=0
+# In the background, so that a signal reaches our trap at once (bash runs traps only between commands).
+timeout $(( ${DURATION%.*} + 900 )) "$PY" scripts/soak.py run --run-dir "$RUN_DIR" --duration "$DURATION" \
+    --out "$OUT/soak.json" --concurrency "${SOAK_CONCURRENCY:-8}" --seed "${SOAK_SEED:-1}" &
+driver=$!
+wait "$driver" || rc=$?
+driver=""
+
+stop_cluster
+if [[ -f "$OUT/soak.json" ]]; then
+    "$PY" scripts/soak.py check-stopped --out "$OUT/soak.json" || rc=$(( rc ? rc : 1 ))
+else
+    echo "soak: no report was written" >&2
+    rc=$(( rc ? rc : 1 ))
+fi
+echo "soak: report in $OUT/soak.json"
+exit "$rc"
