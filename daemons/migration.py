@@ -40,6 +40,7 @@ from typing import Callable, Protocol
 import msgspec
 import zmq
 import zmq.asyncio
+import zmq.utils.monitor
 
 from daemons import metrics, runtime, wire
 from daemons.config import MigrationConfig
@@ -98,7 +99,11 @@ class Host(Protocol):
 @dataclass
 class _Out:
     mig_id: str
-    replies: asyncio.Queue = field(default_factory=asyncio.Queue)  # MigReady / MigDone from the destination
+    dst_address: str = ""
+    replies: asyncio.Queue = field(default_factory=asyncio.Queue)  # MigReady / MigDone / _GONE from the destination
+
+
+_GONE = object()  # put in a migration's replies when the connection to its destination drops
 
 
 @dataclass
@@ -154,9 +159,24 @@ class Migrator:
         sock = self.peers.get(address)
         if sock is None:
             sock = self.peers[address] = runtime.tune(self.inst.ctx.socket(zmq.DEALER))
+            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             sock.connect(address)
             self.spawn(self._read_peer(sock))
+            self.spawn(self._watch_peer(address, monitor))
         return sock
+
+    async def _watch_peer(self, address: str, monitor) -> None:
+        """A destination that dies drops its connection (the kernel closes it): end the waits of our
+        migrations to it at once rather than after migration.timeout_s, while the request is suspended."""
+        try:
+            while True:
+                event = await zmq.utils.monitor.recv_monitor_message(monitor)
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    for out in self.outgoing.values():
+                        if out.dst_address == address:
+                            out.replies.put_nowait(_GONE)
+        finally:
+            monitor.close(0)
 
     async def _read_peer(self, sock) -> None:
         while True:
@@ -178,6 +198,8 @@ class Migrator:
                 msg = await asyncio.wait_for(out.replies.get(), left)
             except asyncio.TimeoutError:
                 continue
+            if msg is _GONE:
+                raise Aborted(f"the connection to the destination dropped while waiting for {what} (did it die?)")
             if isinstance(msg, kind) and msg.stage == stage:
                 if not msg.ok:
                     raise Refused(f"destination refused: {msg.reason}")
@@ -187,7 +209,7 @@ class Migrator:
         """Move one request to ``dst``; never raises: the outcome says what happened. ``blocking`` skips
         pre-copy (suspend, then copy everything): the stop-and-copy baseline that benchmarks compare with."""
         me = self.inst.instance_id
-        out = _Out(uuid.uuid4().hex[:16])
+        out = _Out(uuid.uuid4().hex[:16], dst_address)
         result = wire.MigrationOutcome(request_id=request_id, src=me, dst=dst, outcome="aborted")
         start = time.perf_counter()
         suspended_at = 0.0

@@ -261,7 +261,10 @@ class ClusterClient:
                 continue
             state = states.get(stream.instance_id)
             # Absent: gone for good, unless we sent the request after the manager took this snapshot.
-            if state == "dead" or (state is None and settled and stream.sent_at < self._snapshot_asked_at):
+            # Absent from a settled manager's view counts only if our own view does not hear it either.
+            gone = (state is None and settled and stream.sent_at < self._snapshot_asked_at
+                    and (stream.instance_id not in self.heard or self._dead(stream.instance_id, stream.sent_at)))
+            if state == "dead" or gone:
                 self._instance_failed(stream, f"instance {stream.instance_id} died", cause="dead")
 
     # ------------------------------------------------------------------ dispatch
