@@ -48,7 +48,7 @@ from daemons.config import Config
 from daemons.proxy.cluster import ClusterClient, NoInstance, Stream
 from daemons.proxy.protocol import (
     ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, ErrorResponse, StopChecker, TokenizeRequest,
-    decode_body, derive_seed, openapi_components, parse_priority,
+    decode_body, derive_seed, document_schemas, openapi_components, parse_priority,
 )
 from daemons.proxy.tokenizer import Detokenizer, Tokenizer, TokenizerError, load_tokenizer
 
@@ -443,7 +443,7 @@ class Proxy:
             "total_ms": round((now - arrival) * 1000, 1),
             "finish_reason": ",".join(dict.fromkeys(reasons)) or None,
         }
-        access_log.info("%s %s model=%s instance=%s status=%d prompt_tokens=%d completion_tokens=%d ttft_ms=%s "
+        access_log.info("access %s %s model=%s instance=%s status=%d prompt_tokens=%d completion_tokens=%d ttft_ms=%s "
                         "total_ms=%.1f finish_reason=%s", rec["request_id"], rec["route"], rec["model"], rec["instance"],
                         status, rec["prompt_tokens"], rec["completion_tokens"],
                         "-" if rec["ttft_ms"] is None else rec["ttft_ms"], rec["total_ms"], rec["finish_reason"] or "-",
@@ -641,29 +641,37 @@ _ERRORS = {"400": "Bad request (the body names the parameter)", "404": "Unknown 
            "499": "The client went away", "503": "No instance can take the request", "504": "Request timed out"}
 
 
-def openapi_document(app: FastAPI, model: str) -> dict:
+def openapi_document(app: FastAPI, model: str, max_model_len: int) -> dict:
     """FastAPI's document of the decorated routes, plus the msgspec-decoded POST routes with their request
-    schemas (from the same structs that decode them) and the OpenAI error body."""
+    schemas (from the same structs that decode them, narrowed to what this proxy serves) and the OpenAI
+    error body."""
     doc = get_openapi(title="llumnix-proxy", version=package_version(), routes=app.routes,
                       description="OpenAI-compatible API of a Llumnix cluster")
     refs, components = openapi_components([kind for _, kind, _, _ in _BODY_ROUTES] + [ErrorResponse])
+    document_schemas(components, model, max_model_len)
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    schemas.pop("HTTPValidationError", None)  # FastAPI's 422 body: never sent here
+    schemas.pop("ValidationError", None)
     schemas.update(components)
-    for name in ("CompletionRequest", "ChatRequest"):  # the one model this proxy serves
-        schemas[name]["properties"]["model"] = {"type": "string", "enum": [model]}
-    error_ref = refs[-1]
-    error = {"content": {"application/json": {"schema": error_ref}}}
+    error = {"content": {"application/json": {"schema": refs[-1]}}}
     header = {"name": "x-request-id", "in": "header", "required": False,
               "description": "the request id (echoed back); 1 to 128 visible ASCII characters",
               "schema": {"type": "string", "pattern": "^[!-~]{1,128}$"}}
     priority = {"name": "x-llumnix-priority", "in": "header", "required": False,
                 "schema": {"type": "string", "enum": ["normal", "high"]}}
+    examples = {
+        "/v1/completions": {"model": model, "prompt": "Hello", "max_tokens": 8},
+        "/v1/chat/completions": {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8},
+        "/tokenize": {"model": model, "prompt": "Hello"},
+        "/detokenize": {"model": model, "tokens": [5, 6, 7]},
+    }
     for (path, _, summary, streams), ref in zip(_BODY_ROUTES, refs):
         ok = {"application/json": {"schema": {"type": "object"}}}
         if streams:
             ok["text/event-stream"] = {"schema": {"type": "string"}}
         op = {"summary": summary, "operationId": path.strip("/").replace("/", "_"),
-              "requestBody": {"required": True, "content": {"application/json": {"schema": ref}}},
+              "requestBody": {"required": True,
+                              "content": {"application/json": {"schema": ref, "example": examples[path]}}},
               "responses": {"200": {"description": "OK", "content": ok},
                             **{code: {"description": text, **error} for code, text in _ERRORS.items()
                                if streams or code in ("400", "404")}}}
@@ -672,11 +680,11 @@ def openapi_document(app: FastAPI, model: str) -> dict:
         doc["paths"][path] = {"post": op}
     for path, item in doc["paths"].items():  # the decorated routes answer errors with the same body
         for op in item.values():
-            op.setdefault("responses", {}).pop("422", None)  # FastAPI's validation error: never sent here
+            op.setdefault("responses", {}).pop("422", None)
             if path == "/v1/models/{model_id}":
                 op["responses"]["404"] = {"description": "Unknown model", **error}
-    doc["components"]["schemas"].pop("HTTPValidationError", None)
-    doc["components"]["schemas"].pop("ValidationError", None)
+                for param in op.get("parameters", []):
+                    param["example"] = model
     return doc
 
 
@@ -747,7 +755,7 @@ def build_app(cfg: Config) -> FastAPI:
 
     def openapi() -> dict:
         if app.openapi_schema is None:
-            app.openapi_schema = openapi_document(app, proxy.model)
+            app.openapi_schema = openapi_document(app, proxy.model, proxy.max_model_len)
         return app.openapi_schema
 
     app.openapi = openapi

@@ -113,7 +113,7 @@ class _Common(msgspec.Struct, kw_only=True):
 
 class CompletionRequest(_Common, kw_only=True):
     # a string, a list of one string, or token ids (msgspec allows one list type in a union; checked later)
-    prompt: Union[str, list[Union[str, int]]]
+    prompt: Union[str, list[Union[str, TokenId]]]
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     echo: bool = False
     best_of: PosInt | None = None  # only as many as n: every sequence generated is returned
@@ -240,6 +240,59 @@ class ErrorResponse(msgspec.Struct):
 def openapi_components(kinds: list[type]) -> tuple[list[dict], dict[str, dict]]:
     """JSON Schemas (OpenAPI 3.1 components) of request and response structs: (one $ref per kind, components)."""
     return msgspec.json.schema_components(kinds, ref_template="#/components/schemas/{name}")
+
+
+_NULL = {"type": "null"}
+_OFF = "not supported: accepted only as shown (absent, null, empty or off)"
+# The values of the unsupported fields that unsupported() lets through, for /openapi.json: a client that
+# follows the document is never refused.
+UNSUPPORTED_SCHEMAS: dict[str, dict] = {
+    "logit_bias": {"anyOf": [_NULL, {"type": "object", "maxProperties": 0}]},
+    "response_format": {"anyOf": [_NULL, {"type": "object", "properties": {"type": {"const": "text"}},
+                                           "required": ["type"], "additionalProperties": False}]},
+    "use_beam_search": {"const": False},
+    "prompt_logprobs": _NULL,
+    "structured_outputs": _NULL,
+    "guided_json": _NULL,
+    "guided_regex": _NULL,
+    "guided_choice": _NULL,
+    "guided_grammar": _NULL,
+    "echo": {"const": False},
+    "suffix": {"anyOf": [_NULL, {"const": ""}]},
+    "best_of": _NULL,  # or equal to n
+    "tools": {"anyOf": [_NULL, {"type": "array", "maxItems": 0}]},
+    "functions": {"anyOf": [_NULL, {"type": "array", "maxItems": 0}]},
+    "tool_choice": {"anyOf": [_NULL, {"const": "none"}]},
+    "function_call": {"anyOf": [_NULL, {"const": "none"}]},
+    "audio": _NULL,
+    "prediction": _NULL,
+    "modalities": {"anyOf": [_NULL, {"type": "array", "items": {"const": "text"}}]},
+    "chat_template": _NULL,
+    "continue_final_message": {"const": False},
+    "tool_calls": {"anyOf": [_NULL, {"type": "array", "maxItems": 0}]},
+}
+
+
+def document_schemas(schemas: dict[str, dict], model: str, max_model_len: int) -> None:
+    """Narrow the generated request schemas (in place) to what the proxy serves: its one model, the context
+    limit, the priorities, the prompt forms, and the "off" values of the unsupported fields."""
+    for name in ("CompletionRequest", "ChatRequest", "ChatMessage"):
+        props = schemas.get(name, {}).get("properties", {})
+        for field, schema in UNSUPPORTED_SCHEMAS.items():
+            if field in props:
+                props[field] = {**schema, "description": _OFF}
+        if name == "ChatMessage":
+            continue
+        props["model"] = {"type": "string", "enum": [model]}
+        for field in ("max_tokens", "max_completion_tokens"):
+            if field in props:
+                props[field] = {"anyOf": [{"type": "integer", "minimum": 1, "maximum": max_model_len}, _NULL],
+                                "default": None}
+        props["priority"] = {"anyOf": [{"type": "string", "enum": list(PRIORITIES)},
+                                       {"type": "integer", "enum": list(PRIORITIES.values())}, _NULL], "default": None}
+    schemas["CompletionRequest"]["properties"]["prompt"] = {"anyOf": [
+        {"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
+        {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}, "minItems": 1}]}
 
 
 def derive_seed(seed: int | None, k: int) -> int | None:
