@@ -118,6 +118,76 @@ def bound() -> dict[str, str]:
     return dict(_bound)
 
 
+# ---------------------------------------------------------------------------------------------- proxy
+
+P_REQUESTS = counter("proxy", "llumnix_proxy_requests_total", "HTTP API requests, by route and status",
+                     ["route", "status"])
+P_IN_FLIGHT = gauge("proxy", "llumnix_proxy_requests_in_flight", "Requests being served")
+P_TTFT = histogram("proxy", "llumnix_proxy_time_to_first_token_seconds",
+                   "From request arrival at the proxy to its first token (as vllm:time_to_first_token_seconds)",
+                   buckets=TIME_TO_FIRST_TOKEN_BUCKETS)
+P_ITL = histogram("proxy", "llumnix_proxy_inter_token_latency_seconds",
+                  "Time between two deliveries of a sequence's tokens to the proxy, after the first: one observation "
+                  "per delivery, as vLLM's one per engine step (as vllm:inter_token_latency_seconds)",
+                  buckets=INTER_TOKEN_LATENCY_BUCKETS)
+P_TPOT = histogram("proxy", "llumnix_proxy_request_time_per_output_token_seconds",
+                   "Per sequence of 2 tokens or more: (last token - first token) / (output tokens - 1) "
+                   "(as vllm:request_time_per_output_token_seconds)", buckets=INTER_TOKEN_LATENCY_BUCKETS)
+P_E2E = histogram("proxy", "llumnix_proxy_e2e_request_latency_seconds",
+                  "From request arrival to its end, across migrations and failovers "
+                  "(as vllm:e2e_request_latency_seconds)", buckets=REQUEST_LATENCY_BUCKETS)
+P_PROMPT_TOKENS = counter("proxy", "llumnix_proxy_prompt_tokens_total",
+                          "Prompt tokens of requests that produced a first token (as vllm:prompt_tokens)")
+P_GENERATION_TOKENS = counter("proxy", "llumnix_proxy_generation_tokens_total",
+                              "Output tokens sent to clients (as vllm:generation_tokens)")
+P_FINISHED = counter("proxy", "llumnix_proxy_requests_finished_total",
+                     "Sequences (one per choice) that ended after the proxy placed them, by finished_reason: stop, "
+                     "length, abort (the client went away), error (as vllm:request_success)", ["finished_reason"],
+                     preset=[(r,) for r in FINISHED_REASONS])
+
+
+class RequestTimer:
+    """One request's latencies as the proxy sees them, end to end across migrations and failovers: its
+    ``first_token``; each ``delivered`` batch of tokens of sequence (choice) ``k``; ``finished`` once, with
+    each placed sequence's finish reason (later calls are ignored)."""
+
+    __slots__ = ("arrival", "prompt_tokens", "first", "last", "tokens", "done")
+
+    def __init__(self, arrival: float, prompt_tokens: int, n: int = 1):
+        self.arrival = arrival  # perf_counter
+        self.prompt_tokens = prompt_tokens
+        self.first = [0.0] * n
+        self.last = [0.0] * n
+        self.tokens = [0] * n
+        self.done = False
+
+    def first_token(self, at: float) -> None:
+        P_TTFT.observe(at - self.arrival)
+        P_PROMPT_TOKENS.inc(self.prompt_tokens)
+
+    def delivered(self, k: int, n: int) -> None:
+        now = time.perf_counter()
+        if self.tokens[k]:
+            P_ITL.observe(now - self.last[k])
+        else:
+            self.first[k] = now
+        self.last[k] = now
+        self.tokens[k] += n
+
+    def finished(self, reasons: list[str | None]) -> None:
+        """``reasons[k]``: how sequence k ended; None for one that was never placed (not counted)."""
+        if self.done or not any(reasons):
+            return
+        self.done = True
+        P_E2E.observe(time.perf_counter() - self.arrival)
+        for k, reason in enumerate(reasons):
+            if reason is None:
+                continue
+            if self.tokens[k] > 1:
+                P_TPOT.observe((self.last[k] - self.first[k]) / (self.tokens[k] - 1))
+            P_FINISHED.labels(reason).inc()
+
+
 # ---------------------------------------------------------------------------------------------- instance
 
 I_QUEUE = histogram("instance", "llumnix_instance_request_queue_time_seconds",

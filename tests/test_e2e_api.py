@@ -198,8 +198,7 @@ def test_200_concurrent_streams_every_index_once_in_order(start_cluster):
     st = c.status()
     assert st["totals"]["running"] == 0 and st["totals"]["blocks_used"] == 0
     per = {r["id"]: r for r in st["instances"]}
-    metrics = httpx.get(c.url + "/metrics").text
-    assert "llumnix_proxy_duplicate_tokens_total 0.0" in metrics
+    assert 'llumnix_proxy_duplicate_tokens_total{model_name="llumnix-sim"} 0.0' in httpx.get(c.url + "/metrics").text
     assert len(per) == 3
 
 

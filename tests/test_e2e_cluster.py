@@ -255,7 +255,6 @@ def test_proxy_dispatches_by_the_clusters_policy_while_the_manager_is_away(start
         manager.send_signal(signal.SIGCONT)
     assert [r.status_code for r in results] == [200] * 6
     assert all(r.json()["usage"]["completion_tokens"] == 3 for r in results)
-    metrics = httpx.get(c.url + "/metrics").text.splitlines()
-    assert next(float(x.split()[1]) for x in metrics if x.startswith("llumnix_proxy_local_dispatches_total ")) == 6
+    assert proxy_metric(c.url, "llumnix_proxy_local_dispatches_total") == 6
     received = {v.instance_id: v.load.requests_received for v in c.admin().status().instances}
     assert received == {"i0": 6, "i1": 0}  # flood, as the manager would have: not the proxy's own preference

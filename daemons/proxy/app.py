@@ -39,10 +39,10 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from daemons import runtime, wire
+from daemons import metrics, runtime, wire
 from daemons.cli import load_or_exit
 from daemons.config import Config
 from daemons.proxy.cluster import ClusterClient, NoInstance, Stream
@@ -55,13 +55,10 @@ from daemons.proxy.tokenizer import Detokenizer, Tokenizer, TokenizerError, load
 log = logging.getLogger("llumnix.proxy")
 access_log = logging.getLogger("llumnix.access")
 
-M_REQUESTS = Counter("llumnix_proxy_requests_total", "HTTP API requests, by route and status", ["route", "status"])
-M_INFLIGHT = Gauge("llumnix_proxy_requests_in_flight", "Requests being served")
-M_TOKENS = Counter("llumnix_proxy_tokens_total", "Output tokens sent to clients")
-M_TTFT = Histogram("llumnix_proxy_time_to_first_token_seconds", "From request arrival to its first token",
-                   buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
-M_E2E = Histogram("llumnix_proxy_request_seconds", "From request arrival to its last token",
-                  buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+# Defined in daemons/metrics.py, with the latencies of each request (Job.timer).
+M_REQUESTS = metrics.P_REQUESTS
+M_INFLIGHT = metrics.P_IN_FLIGHT
+M_TOKENS = metrics.P_GENERATION_TOKENS
 
 _json = msgspec.json.encode
 _REQUEST_ID = re.compile(r"[!-~]{1,128}")  # visible ASCII: safe in logs, tables and headers
@@ -109,6 +106,7 @@ class Job:
         self.created = int(time.time())
         self.arrival = arrival
         self.first_at: float | None = None  # perf_counter of the first token of any choice
+        self.timer: metrics.RequestTimer | None = None  # its latencies, once its choices are known
         self.model = ""
         self.prompt_tokens = 0
         self.include_usage = False
@@ -342,6 +340,7 @@ class Proxy:
         stops = req.stop_strings()
         n = req.n
         job.choices = [Choice(job, k, stops, self.tokenizer.detokenizer(), req.return_token_ids) for k in range(n)]
+        job.timer = metrics.RequestTimer(job.arrival, len(ids), n)
         sub_ids = [job.id] if n == 1 else [f"{job.id}-{k}" for k in range(n)]
         if self._in_flight(job, sub_ids):
             raise ApiError(409, f"a request with id {job.id!r} is in flight on this proxy; ids must be unique",
@@ -360,7 +359,7 @@ class Proxy:
             for c, first in zip(job.choices, firsts):
                 if not first:
                     raise ApiError(c.stream.status, c.stream.error or "request failed")
-            M_TTFT.observe(job.first_at - job.arrival)
+            job.timer.first_token(job.first_at)
             headers = {"x-request-id": getattr(request.state, "echo_id", job.id)}
             if req.stream:
                 body = self._sse(job, firsts)
@@ -412,6 +411,9 @@ class Proxy:
         if job.ended:
             return
         job.ended = True
+        if job.timer is not None:  # each placed choice: its finish reason, or why it ended without one
+            job.timer.finished([None if c.stream is None else c.reason or ("error" if c.stream.error else "abort")
+                                for c in job.choices])
         for stream in job.streams():
             self.cluster.finish(stream)
         self.active.discard(job.id)
@@ -453,6 +455,7 @@ class Proxy:
 
     def _consume(self, job: Job, c: Choice, outs: list[wire.TokenOut]) -> list[str]:
         """Turn token outputs into text pieces; sets c.reason once the choice finished."""
+        job.timer.delivered(c.index, len(outs))
         pieces, add, stop = [], c.detok.add, c.stop
         for out in outs:
             c.completion_tokens += 1
@@ -505,7 +508,6 @@ class Proxy:
                 for fut in pending:
                     fut.cancel()
         M_TOKENS.inc(job.completion_tokens)
-        M_E2E.observe(time.perf_counter() - job.arrival)
         return True
 
     def _render(self, job: Job, c: Choice, outs: list[wire.TokenOut]) -> str:
@@ -535,7 +537,6 @@ class Proxy:
                     head = ""
                     if c.reason is not None:
                         yield chunk + job.end_chunks()
-                        M_E2E.observe(time.perf_counter() - job.arrival)
                         return
                     if chunk:
                         yield chunk
@@ -571,7 +572,6 @@ class Proxy:
                 M_TOKENS.inc(done_tokens - sent)
                 sent = done_tokens
             yield job.end_chunks()
-            M_E2E.observe(time.perf_counter() - job.arrival)
         except BaseException:
             if job.status == 200:
                 job.status = 499  # the client went away mid-stream (or the server is stopping)
