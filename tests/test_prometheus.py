@@ -1,4 +1,5 @@
-"""A real Prometheus (Debian's prometheus package, with promtool) scrapes a running local cluster.
+"""Metrics: daemons/metrics.py in-process, and a real Prometheus (Debian's prometheus package, with promtool)
+scraping a running local cluster.
 
 The shipped scripts/monitoring/ is checked here: the alert rules with `promtool check rules` and their unit
 tests with `promtool test rules`; the example config with `promtool check config`; targets.py writes the
@@ -8,6 +9,8 @@ requests (and one live migration) went through the cluster.
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import json
 import math
 import os
@@ -30,13 +33,127 @@ PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
 MISSING = ("prometheus/promtool not installed: Debian's prometheus package (scripts/install.sh installs it when "
            "it runs as root where apt-get is)")
-# Skipped where Prometheus is missing, except on CI, whose install step must have brought it.
-pytestmark = pytest.mark.skipif(not (PROMETHEUS and PROMTOOL) and not os.environ.get("CI"), reason=MISSING)
 
 
-@pytest.fixture(autouse=True)
-def _installed():
-    assert PROMETHEUS and PROMTOOL, MISSING
+@pytest.fixture
+def installed():
+    """Skips where Prometheus is missing, except on CI, whose install step must have brought it."""
+    if not (PROMETHEUS and PROMTOOL):
+        if not os.environ.get("CI"):
+            pytest.skip(MISSING)
+        pytest.fail(MISSING)
+
+
+# ---------------------------------------------------------------- daemons/metrics.py, in-process
+
+
+def sample(name: str, **labels: str) -> float | None:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(name, {"model_name": "m", **labels})
+
+
+class Out:
+    def __init__(self, rid: str, finish_reason: str | None = None):
+        self.request_id, self.finish_reason = rid, finish_reason
+
+
+def test_bind_exports_a_daemons_series_with_its_labels():
+    from daemons import metrics
+    import daemons.instance  # noqa: F401  (declares the instance's metrics)
+    import daemons.proxy.cluster  # noqa: F401
+
+    metrics.bind("instance", "bind-test", "i7")
+    assert sample("llumnix_instance_requests_total", model_name="bind-test", instance_id="i7") == 0
+    assert sample("llumnix_instance_requests_finished_total", model_name="bind-test", instance_id="i7",
+                  finished_reason="length") == 0
+    assert sample("llumnix_migrations_total", model_name="bind-test", instance_id="i7", outcome="aborted") == 0
+    assert sample("llumnix_instance_request_queue_time_seconds_bucket", model_name="bind-test", instance_id="i7",
+                  le="0.3") == 0
+    # Another daemon's metrics: not this process's.
+    assert sample("llumnix_proxy_local_dispatches_total", model_name="bind-test") is None
+    assert metrics.bound() == {"model_name": "bind-test", "instance_id": "i7"}
+
+
+def test_instance_request_phases():
+    from daemons import metrics
+
+    metrics.bind("instance", "m", "i8")
+    phases = metrics.RequestPhases()
+    phases.admitted("a")
+    phases.admitted("b")
+    t = time.perf_counter()
+    phases.outputs([Out("a"), Out("b", "length"), Out("migrated-in")], t, 0.05)  # b: one token only
+    assert sample("llumnix_instance_request_queue_time_seconds_count", instance_id="i8") == 2
+    assert sample("llumnix_instance_request_prefill_time_seconds_sum", instance_id="i8") == pytest.approx(0.1)
+    assert sample("llumnix_instance_request_decode_time_seconds_count", instance_id="i8") == 1  # b, 0 s
+    phases.outputs([Out("a"), Out("migrated-in", "stop")], t, 0.05)  # a decodes; one that came by migration: no
+    assert sample("llumnix_instance_request_decode_time_seconds_count", instance_id="i8") == 1
+    phases.outputs([Out("a", "stop")], t, 0.05)
+    assert sample("llumnix_instance_request_decode_time_seconds_count", instance_id="i8") == 2
+    assert sample("llumnix_instance_request_queue_time_seconds_count", instance_id="i8") == 2
+    assert len(phases) == 0
+    phases.admitted("c")
+    phases.admitted("d")
+    phases.drop("c")
+    phases.prune(set())
+    assert len(phases) == 0
+
+
+def test_preemptions_count_the_engines_increments():
+    from daemons import metrics
+
+    metrics.bind("instance", "m", "i9")
+    counter = metrics.PreemptionCounter(metrics.counter("instance", "test_preemptions", "for the test"), 0)
+    for p in (2, 2, 1, 3):  # 1: a preempted request left (migrated): the baseline moves, nothing is counted
+        counter.update(p)
+    assert sample("test_preemptions_total", instance_id="i9") == 4
+
+
+def test_proxy_request_timer():
+    from daemons import metrics
+
+    metrics.bind("proxy", "m")
+    before = {k: sample(k) or 0 for k in ("llumnix_proxy_time_to_first_token_seconds_count",
+                                           "llumnix_proxy_inter_token_latency_seconds_count",
+                                           "llumnix_proxy_request_time_per_output_token_seconds_count",
+                                           "llumnix_proxy_e2e_request_latency_seconds_count",
+                                           "llumnix_proxy_prompt_tokens_total")}
+    stop, abort = (sample("llumnix_proxy_requests_finished_total", finished_reason=r) for r in ("stop", "abort"))
+    timer = metrics.RequestTimer(time.perf_counter(), prompt_tokens=5, n=3)
+    timer.first_token(time.perf_counter())
+    timer.delivered(0, 1)
+    timer.delivered(0, 3)  # one delivery of three tokens: one inter-token latency
+    timer.delivered(1, 1)
+    timer.finished(["stop", "abort", None])  # choice 2 was never placed
+    timer.finished(["stop", "stop", "stop"])  # once
+    assert sample("llumnix_proxy_time_to_first_token_seconds_count") == before["llumnix_proxy_time_to_first_token_seconds_count"] + 1
+    assert sample("llumnix_proxy_prompt_tokens_total") == before["llumnix_proxy_prompt_tokens_total"] + 5
+    assert sample("llumnix_proxy_inter_token_latency_seconds_count") == before["llumnix_proxy_inter_token_latency_seconds_count"] + 1
+    assert (sample("llumnix_proxy_request_time_per_output_token_seconds_count")
+            == before["llumnix_proxy_request_time_per_output_token_seconds_count"] + 1)  # choice 0 only: 4 tokens
+    assert sample("llumnix_proxy_e2e_request_latency_seconds_count") == before["llumnix_proxy_e2e_request_latency_seconds_count"] + 1
+    assert sample("llumnix_proxy_requests_finished_total", finished_reason="stop") == stop + 1
+    assert sample("llumnix_proxy_requests_finished_total", finished_reason="abort") == abort + 1
+
+
+def test_vllm_bucket_boundaries():
+    from daemons import metrics
+
+    spec = importlib.util.find_spec("vllm")  # read, not imported (importing vLLM takes seconds)
+    path = spec and Path(spec.origin).parent / "v1" / "metrics" / "buckets.py"
+    if not path or not path.exists():
+        pytest.skip("vllm is not installed")
+    theirs = {t.id: ast.literal_eval(node.value) for node in ast.parse(path.read_text()).body
+              if isinstance(node, ast.AnnAssign | ast.Assign)
+              for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)
+              and t.id.endswith("_BUCKETS") and isinstance(node.value, ast.Tuple)}
+    for name in ("TIME_TO_FIRST_TOKEN_BUCKETS", "INTER_TOKEN_LATENCY_BUCKETS", "REQUEST_LATENCY_BUCKETS",
+                 "REQUEST_NUM_PREEMPTIONS_BUCKETS"):
+        assert getattr(metrics, name) == tuple(theirs[name]), name
+
+
+# ---------------------------------------------------------------- shipped monitoring files
 
 MODEL = "llumnix-sim"
 BODY = {"model": MODEL, "prompt": "hello " * 8, "max_tokens": 12, "ignore_eos": True}
@@ -46,14 +163,14 @@ def promtool(*args: str, cwd: Path = MONITORING) -> subprocess.CompletedProcess:
     return subprocess.run([PROMTOOL, *args], cwd=cwd, capture_output=True, text=True, timeout=60)
 
 
-def test_alert_rules_check_and_pass_their_unit_tests():
+def test_alert_rules_check_and_pass_their_unit_tests(installed):
     res = promtool("check", "rules", "llumnix-alerts.yml")
     assert res.returncode == 0 and "SUCCESS: 6 rules found" in res.stdout, res.stdout + res.stderr
     res = promtool("test", "rules", "llumnix-alerts.test.yml")
     assert res.returncode == 0 and "SUCCESS" in res.stdout, res.stdout + res.stderr
 
 
-def test_example_config_checks():
+def test_example_config_checks(installed):
     res = promtool("check", "config", "prometheus.yml")
     assert res.returncode == 0, res.stdout + res.stderr
 
@@ -112,7 +229,7 @@ def manager_metrics_address(c) -> str:
 
 
 @pytest.fixture
-def prometheus(tmp_path):
+def prometheus(tmp_path, installed):
     """start(config_text) -> Prom: a Prometheus on a free loopback port, data under tmp_path, stopped by pid."""
     procs: list[subprocess.Popen] = []
 
