@@ -148,8 +148,7 @@ def test_vllm_bucket_boundaries():
               if isinstance(node, ast.AnnAssign | ast.Assign)
               for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)
               and t.id.endswith("_BUCKETS") and isinstance(node.value, ast.Tuple)}
-    for name in ("TIME_TO_FIRST_TOKEN_BUCKETS", "INTER_TOKEN_LATENCY_BUCKETS", "REQUEST_LATENCY_BUCKETS",
-                 "REQUEST_NUM_PREEMPTIONS_BUCKETS"):
+    for name in ("TIME_TO_FIRST_TOKEN_BUCKETS", "INTER_TOKEN_LATENCY_BUCKETS", "REQUEST_LATENCY_BUCKETS"):
         assert getattr(metrics, name) == tuple(theirs[name]), name
 
 
