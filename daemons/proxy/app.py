@@ -364,7 +364,7 @@ class Proxy:
             if req.stream:
                 body = self._sse(job, firsts)
                 # A client gone before the body starts means the generator never runs (nor its finally).
-                weakref.finalize(body, self._abandoned, job)
+                weakref.finalize(body, self._abandoned, job).atexit = False  # not at exit: the cluster is gone
                 response = StreamingResponse(body, media_type="text/event-stream", headers=headers)
                 handed_over = True
                 return response
