@@ -86,6 +86,7 @@ class ProxyConfig:
     max_failovers: int = setting(3, "times a request that already streamed tokens may continue on another instance (re-prefill) after its instance died or stalled", minimum=0)
     request_timeout_s: float = setting(600.0, "a request not finished this long after it arrived ends with an error (504) and is aborted (0 = no deadline)", minimum=0.0)
     stall_timeout_s: float = setting(30.0, "a stream that produced tokens, or is missing one, and gets none for this long fails over to another instance (0 = never)", minimum=0.0)
+    access_log: bool = setting(True, "one info line per completion or chat request (id, model, instance, status, tokens, TTFT, total time, finish reason) on the llumnix.access logger")
     log_level: str = setting("info", "debug, info, warning or error", choices=("debug", "info", "warning", "error"))
     log_format: str = setting("text", "stderr log lines: text (time, level, daemon, message) or json (one object per line: ts, level, daemon, logger, msg and the call's extra fields)", choices=("text", "json"))
 

@@ -23,7 +23,6 @@ Routes: /v1/completions, /v1/chat/completions (streamed or not, with usage), /v1
 from __future__ import annotations
 
 import asyncio
-import importlib.metadata
 import logging
 import re
 import signal
@@ -43,7 +42,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from daemons import metrics, runtime, wire
-from daemons.cli import load_or_exit
+from daemons.cli import load_or_exit, package_version
 from daemons.config import Config
 from daemons.proxy.cluster import ClusterClient, NoInstance, Stream
 from daemons.proxy.protocol import (
@@ -62,14 +61,6 @@ M_TOKENS = metrics.P_GENERATION_TOKENS
 
 _json = msgspec.json.encode
 _REQUEST_ID = re.compile(r"[!-~]{1,128}")  # visible ASCII: safe in logs, tables and headers
-DISTRIBUTION = "llumnix-toolkit"
-
-
-def package_version() -> str:
-    try:
-        return importlib.metadata.version(DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
-        return "unknown"
 
 
 class Choice:
@@ -223,7 +214,7 @@ class Proxy:
         self.max_model_len = cfg.model.max_model_len
         self.tokenizer: Tokenizer = load_tokenizer(cfg.model.path, cfg.sim.vocab_size, cfg.sim.eos_token_id)
         self.cluster = ClusterClient(cfg)
-        self.access_log = bool(getattr(cfg.proxy, "access_log", True))
+        self.access_log = cfg.proxy.access_log
         self.active: set[str] = set()  # ids of the requests this proxy is serving
 
     # ------------------------------------------------------------------ request intake
