@@ -259,12 +259,15 @@ class ClusterClient:
         for stream in list(self.streams.values()):
             if stream.done or not stream.instance_id:
                 continue
-            state = states.get(stream.instance_id)
-            # Absent: gone for good, unless we sent the request after the manager took this snapshot.
-            # Absent from a settled manager's view counts only if our own view does not hear it either.
-            gone = (state is None and settled and stream.sent_at < self._snapshot_asked_at
-                    and (stream.instance_id not in self.heard or self._dead(stream.instance_id, stream.sent_at)))
-            if state == "dead" or gone:
+            iid = stream.instance_id
+            state = states.get(iid)
+            # The manager's word is confirmed by our own view: an instance whose tokens or heartbeats reached
+            # us within the manager's own dead-after time is alive, whatever a loaded manager concluded.
+            heard_lately = time.monotonic() - self.heard.get(iid, 0.0) < mc.heartbeat_interval_s * mc.dead_after_missed
+            # Absent: gone for good, unless we sent the request after the manager took this snapshot, or the
+            # manager has only just (re)started.
+            gone = state is None and settled and stream.sent_at < self._snapshot_asked_at
+            if (state == "dead" or gone) and not heard_lately:
                 self._instance_failed(stream, f"instance {stream.instance_id} died", cause="dead")
 
     # ------------------------------------------------------------------ dispatch
