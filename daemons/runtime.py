@@ -215,6 +215,8 @@ async def first_failure(stop: asyncio.Event, tasks: list[asyncio.Task]) -> BaseE
         done, _ = await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
     finally:
         stopped.cancel()
+    if stop.is_set():  # tasks that watch ``stop`` may end in the same moment: that is a stop, not a failure
+        return None
     for task in done:
         if task is stopped:
             continue
