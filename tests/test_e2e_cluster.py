@@ -124,12 +124,18 @@ def test_streams_on_a_killed_instance_fail_over_and_complete_exactly(start_clust
     """kill -9 of an instance mid-stream: every stream on it continues on the other instance by re-prefill.
     The client sees no error, every index once and in order (the sim's tokens are a function of the request
     id and index, so any mistake shows), and usage as if nothing happened; no blocks are left behind."""
-    c = start_cluster(instances=2, sets=["sim.time_scale=0.5", "manager.dispatch_policy=rr"])  # rr: no migrations
-    streams = [Stream(c.url, 300, ignore_eos=True) for _ in range(6)]
+    # rr: no migrations; 20 ms steps: the 400-token streams run ~8 s, so the kill lands mid-stream
+    c = start_cluster(instances=2, sets=["instance.min_step_s=0.02", "manager.dispatch_policy=rr"])
+    streams = [Stream(c.url, 400, ignore_eos=True) for _ in range(6)]
     for s in streams:
         s.wait_tokens(5)
+
     def placed() -> dict[str, str]:
-        got = {r["id"]: r["instance"] for r in ctl_json("requests", "--run-dir", str(c.run_dir))["requests"]}
+        client = c.admin()  # in-process: the CLI's start-up costs seconds on a loaded machine
+        try:
+            got = {r.request_id: r.instance_id for r in client.requests().requests}
+        finally:
+            client.close()
         return got if all(s.rid in got for s in streams) else {}
 
     where = wait_for(placed, 20, "requests --json did not show every stream")
@@ -137,7 +143,7 @@ def test_streams_on_a_killed_instance_fail_over_and_complete_exactly(start_clust
     survivor = "i1" if victim == "i0" else "i0"
     os.kill(c.proc(f"instance-{victim}").pid, signal.SIGKILL)
     for s in streams:
-        s.check_sim(300, prompt_tokens=1)
+        s.check_sim(400, prompt_tokens=1)
     assert proxy_metric(c.url, "llumnix_proxy_failovers_total") >= sum(1 for i in where.values() if i == victim), c.logs()
     wait_for(lambda: next(i for i in c.status()["instances"] if i["id"] == survivor)["blocks_used"] == 0, 10,
              "blocks left on the surviving instance")

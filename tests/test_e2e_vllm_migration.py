@@ -145,7 +145,8 @@ def test_stop_string_straddling_the_migration_point(vcluster):
     # Token strings, as the proxy's incremental detokenizer cut them (logprobs' "tokens").
     r = httpx.post(vcluster.url + "/v1/completions", json={**body, "model": "tiny-llama", "logprobs": 0}, timeout=60).json()
     pieces = r["choices"][0]["logprobs"]["tokens"]
-    assert "".join(pieces) == plain.text
+    # The text drops a trailing incomplete UTF-8 character, as vLLM's does; the per-token strings keep it.
+    assert "".join(pieces).rstrip("\ufffd") == plain.text
     at = 20
     # From inside token at-2 to inside token at+10: the move resumes a few tokens after `at`.
     stop = "".join(pieces[at - 2:at + 11])[1:-1]

@@ -162,7 +162,8 @@ def test_every_daemon_of_a_cluster_logs_json(start_cluster):
 
     sets = ["manager.log_format=json", "instance.log_format=json", "proxy.log_format=json"]
     c = start_cluster(instances=1, sets=sets)
-    r = httpx.post(c.url + "/v1/completions", json={"model": "llumnix-sim", "prompt": "hi", "max_tokens": 3}, timeout=30)
+    r = httpx.post(c.url + "/v1/completions", json={"model": "llumnix-sim", "prompt": "hi", "max_tokens": 3,
+                                                   "ignore_eos": True}, timeout=30)
     assert r.status_code == 200
     c.stop()
     names = {"manager": "llumnix-manager", "instance-i0": "llumnix-instance", "proxy": "llumnix-proxy"}
