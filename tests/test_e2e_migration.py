@@ -41,7 +41,8 @@ class Streamer(Stream):
 
 def migrate(cluster, *args: str, json_out: bool = True):
     res = ctl("migrate", *args, "--run-dir", str(cluster.run_dir), *(["--json"] if json_out else []))
-    return res, (json.loads(res.stdout) if json_out and res.stdout.strip() else None)
+    assert not json_out or res.stdout.strip(), f"llumnixctl migrate printed nothing (exit {res.returncode}): {res.stderr}"
+    return res, (json.loads(res.stdout) if json_out else None)
 
 
 def move(cluster, rid: str, dst: str) -> dict:
