@@ -203,7 +203,7 @@ def test_draining_the_only_instance_keeps_its_queue_until_another_joins(start_cl
 
 def test_cordon_keeps_running_requests_and_takes_no_new_ones(start_cluster):
     c = start_cluster(2, PACED)
-    load = Load(c.url, [Spec(0, 100) for _ in range(8)])
+    load = Load(c.url, [Spec(0, 400) for _ in range(8)])  # ~8 s each: still running when checked below
     wait_for(lambda: load.started() == 8, 30)
     assert ctl_json("cordon", "i0", "--run-dir", str(c.run_dir))["instance"]["cordoned"] is True
     received = {v.instance_id: v.load.requests_received for v in c.admin().status().instances}
