@@ -4,7 +4,7 @@ Messages are msgspec structs encoded as msgpack arrays (``array_like``) with an 
 the kind. New fields go at the end, with a default, so that an older peer still decodes a newer message.
 KV bytes never travel here; they go over Gloo.
 
-Sockets (see DESIGN.md):
+Sockets:
 - manager ROUTER  <- instance DEALER   Register, LoadReport, Goodbye / RegisterAck
 - manager ROUTER  <- proxy DEALER      Dispatch, SnapshotQuery / DispatchReply, Snapshot
 - manager ROUTER  <- llumnixctl DEALER StatusQuery, RequestsQuery / Snapshot, RequestsReply, ErrorReply
