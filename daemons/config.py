@@ -49,7 +49,8 @@ class ManagerConfig:
     query_timeout_s: float = setting(1.0, "how long the manager waits for instances to answer a fan-out query", minimum=0.01)
     dead_instance_ttl_s: float = setting(600.0, "a dead instance stays in the view (state dead) this long, then is forgotten", minimum=0.0)
     pending_dispatch_ttl_s: float = setting(5.0, "a dispatch not yet seen in its instance's reports stops counting as load after this long", minimum=0.0)
-    metrics_port: int = setting(7101, "port of the manager's Prometheus /metrics on 127.0.0.1 (0 = any free port, -1 = off)", minimum=-1, maximum=65535)
+    metrics_port: int = setting(7101, "port of the manager's Prometheus /metrics (0 = any free port, -1 = off)", minimum=-1, maximum=65535)
+    metrics_host: str = setting("127.0.0.1", "address the manager's /metrics listens on (0.0.0.0: every interface, for a Prometheus on another host)")
     log_level: str = setting("info", "debug, info, warning or error", choices=("debug", "info", "warning", "error"))
     log_format: str = setting("text", "stderr log lines: text (time, level, daemon, message) or json (one object per line: ts, level, daemon, logger, msg and the call's extra fields)", choices=("text", "json"))
 
@@ -64,7 +65,8 @@ class InstanceConfig:
     shutdown_grace_s: float = setting(30.0, "on SIGTERM (or llumnixctl remove) the instance drains for up to this long: queued requests are dispatched again, running ones migrate out or finish; what is left is then failed", minimum=0.0)
     min_step_s: float = setting(0.0, "every engine step takes at least this long (experiments: emulate a slower accelerator; 0 = off)", minimum=0.0)
     load_report_min_interval_s: float = setting(0.02, "load changes are reported at most this often (coalesced)", minimum=0.0)
-    metrics_port: int = setting(0, "port of the instance's Prometheus /metrics on 127.0.0.1 (0 = any free port, -1 = off)", minimum=-1, maximum=65535)
+    metrics_port: int = setting(0, "port of the instance's Prometheus /metrics (0 = any free port, -1 = off)", minimum=-1, maximum=65535)
+    metrics_host: str = setting("127.0.0.1", "address the instance's /metrics listens on (0.0.0.0: every interface, for a Prometheus on another host)")
     step_timeout_s: float = setting(60.0, "an engine step (or the event loop) stuck this long makes the instance unhealthy: its streams fail over, no new requests come, systemd's watchdog is no longer fed", minimum=0.1)
     hung_exit_s: float = setting(30.0, "an instance still unhealthy this long after step_timeout_s exits with status 3 (Restart=on-failure brings it back)", minimum=0.0)
     orphan_timeout_s: float = setting(15.0, "requests of a proxy not heard from for this long (it died) are aborted", minimum=0.1)
@@ -86,6 +88,9 @@ class ProxyConfig:
     max_failovers: int = setting(3, "times a request that already streamed tokens may continue on another instance (re-prefill) after its instance died or stalled", minimum=0)
     request_timeout_s: float = setting(600.0, "a request not finished this long after it arrived ends with an error (504) and is aborted (0 = no deadline)", minimum=0.0)
     stall_timeout_s: float = setting(30.0, "a stream that produced tokens, or is missing one, and gets none for this long fails over to another instance (0 = never)", minimum=0.0)
+    api_keys_file: str = setting("", "TOML file of API keys ([keys.NAME] with key or sha256, and high_priority = true to allow priority high); when set, every /v1 request needs Authorization: Bearer KEY (empty = no keys needed)")
+    max_body_bytes: int = setting(8388608, "largest HTTP request body accepted (larger: 413)", minimum=1024)
+    max_prompt_tokens: int = setting(0, "longest prompt accepted, in tokens (0 = model.max_model_len; longer: 400)", minimum=0)
     access_log: bool = setting(True, "one info line per completion or chat request (id, model, instance, status, tokens, TTFT, total time, finish reason) on the llumnix.access logger")
     log_level: str = setting("info", "debug, info, warning or error", choices=("debug", "info", "warning", "error"))
     log_format: str = setting("text", "stderr log lines: text (time, level, daemon, message) or json (one object per line: ts, level, daemon, logger, msg and the call's extra fields)", choices=("text", "json"))
@@ -175,6 +180,15 @@ class ScalingConfig:
 
 
 @dataclass
+class SecurityConfig:
+    keys_dir: str = setting("", "directory made by `llumnixctl keys generate`: public/ (the allowed keys, role by file name) and secret/ (this host's secret keys); when set, every cluster socket uses ZeroMQ CURVE (empty = no authentication: loopback or a trusted network only)")
+    key: str = setting("", "name of this process's own key in keys_dir/secret (empty: the daemon's role: manager, instance or proxy; llumnixctl: operator if present, else reader)")
+    trusted_network: bool = setting(False, "allow cluster sockets and the HTTP API to listen beyond loopback without keys (only on a network nobody else can reach)")
+    max_message_bytes: int = setting(67108864, "largest ZeroMQ message a cluster socket accepts; a peer that sends a larger one is disconnected", minimum=65536)
+    metrics_token_file: str = setting("", "file holding a bearer token that every daemon's /metrics then requires (Prometheus: authorization.credentials_file; empty = open)")
+
+
+@dataclass
 class Config:
     manager: ManagerConfig = field(default_factory=ManagerConfig)
     instance: InstanceConfig = field(default_factory=InstanceConfig)
@@ -185,6 +199,7 @@ class Config:
     migration: MigrationConfig = field(default_factory=MigrationConfig)
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     source: str = field(default="defaults", repr=False, compare=False, metadata={"internal": True})
 
