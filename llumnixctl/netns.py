@@ -33,6 +33,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -277,12 +278,68 @@ class Lab:
         elif delay_ms:
             _ip(*tc, "root", "handle", "10:", "netem", "delay", f"{delay_ms}ms", "limit", "100000")
 
+    def throughput(self, src: str, dst: str, nbytes: int = 64 << 20, timeout_s: float = 30.0) -> float:
+        """Bits per second of one TCP stream pushing ``nbytes`` from host ``src`` to host ``dst`` (what the
+        link gives a single connection, shaping and this machine's CPUs included). Bounded by ``timeout_s``."""
+        server = self.run_in(dst, _listen, self.address(dst), timeout_s=5)
+        sink = threading.Thread(target=_sink, args=(server, timeout_s), daemon=True)
+        try:
+            sink.start()
+            got, secs = self.run_in(src, _push, self.address(dst), server.getsockname()[1], nbytes, timeout_s,
+                                    timeout_s=timeout_s + 5)
+        finally:
+            sink.join(timeout_s)
+            server.close()
+        if got != nbytes:
+            raise LabError(f"throughput {src} -> {dst}: sent {nbytes} bytes, {got} arrived")
+        return nbytes * 8 / secs
+
     def shaping(self, name: str) -> str:
         """The qdiscs on host ``name``'s link (``tc qdisc show``, both ends): for the record."""
         out = []
         for ns, dev in ((self.netns(name), "eth0"), (self.bridge_ns, self._veth[name])):
             out.append(_ip("tc", "-n", ns, "qdisc", "show", "dev", dev, check=False).stdout.strip())
         return "\n".join(out)
+
+
+def _listen(host: str) -> socket.socket:
+    s = socket.socket()
+    s.bind((host, 0))
+    s.listen(1)
+    return s
+
+
+def _sink(server: socket.socket, timeout_s: float) -> None:
+    """Accept one connection, read it to the end, answer with the byte count."""
+    server.settimeout(timeout_s)
+    try:
+        conn, _ = server.accept()
+    except OSError:
+        return
+    with conn:
+        conn.settimeout(timeout_s)
+        got = 0
+        try:
+            while data := conn.recv(1 << 20):
+                got += len(data)
+            conn.sendall(str(got).encode())
+        except OSError:
+            pass
+
+
+def _push(host: str, port: int, nbytes: int, timeout_s: float) -> tuple[int, float]:
+    """Send ``nbytes`` to a _sink; returns (bytes it counted, seconds until it answered)."""
+    with socket.create_connection((host, port), timeout=timeout_s) as c:
+        chunk = memoryview(b"\0" * (1 << 20))
+        t0 = time.perf_counter()
+        left = nbytes
+        while left > 0:
+            n = min(left, len(chunk))
+            c.sendall(chunk[:n])
+            left -= n
+        c.shutdown(socket.SHUT_WR)
+        answer = c.recv(64)
+        return int(answer or b"0"), time.perf_counter() - t0
 
 
 def _terminate(pids: list[int], grace_s: float = 5.0) -> None:

@@ -46,36 +46,6 @@ def _listen(addr: str) -> socket.socket:
     return s
 
 
-def _send(addr: str, port: int, nbytes: int) -> tuple[int, float]:
-    """Send ``nbytes`` to a sink; returns (bytes it counted, seconds)."""
-    with socket.create_connection((addr, port), timeout=10) as c:
-        chunk = b"x" * (1 << 16)
-        t0 = time.perf_counter()
-        left = nbytes
-        while left > 0:
-            c.sendall(chunk[:left])
-            left -= len(chunk)
-        c.shutdown(socket.SHUT_WR)
-        got = int(c.recv(64) or b"0")
-        return got, time.perf_counter() - t0
-
-
-def _transfer(lab: Lab, nbytes: int) -> float:
-    """Seconds to push ``nbytes`` from host a to host b over TCP."""
-    server = lab.run_in("b", _listen, lab.address("b"), timeout_s=5)
-    import threading
-
-    t = threading.Thread(target=_serve, args=(server, "sink"), daemon=True)
-    t.start()
-    try:
-        got, secs = lab.run_in("a", _send, lab.address("b"), server.getsockname()[1], nbytes, timeout_s=20)
-    finally:
-        t.join(10)
-        server.close()
-    assert got == nbytes
-    return secs
-
-
 def test_parse_rate():
     assert parse_rate("10gbit") == 10_000_000_000
     assert parse_rate("500mbit") == 500_000_000
@@ -130,14 +100,15 @@ def test_lab_echo_shape_and_cleanup():
             lab.run_in("a", lambda: 1 / 0)
 
         # Shaping: a 200 Mbit/s limit on b's link (egress and, on the bridge's end, ingress).
-        free = _transfer(lab, 8 * MB)
+        free = lab.throughput("a", "b", 16 * MB, timeout_s=10) / 1e6
         lab.shape("b", rate="200mbit")
         assert "tbf" in lab.shaping("b")
-        shaped = _transfer(lab, 5 * MB)
-        mbit = 5 * MB * 8 / shaped / 1e6
+        mbit = lab.throughput("a", "b", 5 * MB, timeout_s=10) / 1e6  # 0.2 s at the limit
         assert mbit < 200 * 1.25, f"shaped to 200 Mbit/s, measured {mbit:.0f}"
         assert mbit > 200 * 0.5, f"shaped to 200 Mbit/s, measured only {mbit:.0f}"
-        assert 8 * MB * 8 / free / 1e6 > 2 * mbit, f"unshaped {8 * MB * 8 / free / 1e6:.0f} Mbit/s"
+        assert free > 2 * mbit, f"unshaped {free:.0f} Mbit/s"
+        back = lab.throughput("b", "a", 5 * MB, timeout_s=10) / 1e6  # b's egress is shaped too
+        assert back < 200 * 1.25, f"shaped to 200 Mbit/s, measured {back:.0f} from b"
         lab.unshape("b")
         assert "tbf" not in lab.shaping("b")
         if not lab.can_delay():
