@@ -17,7 +17,14 @@ Routes: /v1/completions, /v1/chat/completions (streamed or not, with usage), /v1
   the client's value (or the generated id).
 - Access log: one info line per completion or chat request on logger ``llumnix.access`` (id, model,
   instance, status, prompt and completion tokens, TTFT, total time, finish reason; the same as ``extra``
-  fields for a JSON formatter); ``proxy.access_log = false`` turns it off.
+  fields for a JSON formatter), and the name of the request's API key; ``proxy.access_log = false`` turns it
+  off.
+- API keys: with ``proxy.api_keys_file`` (see daemons/proxy/apikeys.py), every /v1 route and /tokenize,
+  /detokenize need ``Authorization: Bearer KEY`` (else 401), and priority high needs a key with
+  ``high_priority = true`` (else 403). ``/metrics`` needs the token of ``security.metrics_token_file`` when
+  that is set. ``/health``, ``/version``, ``/openapi.json`` and ``/docs`` stay open.
+- Limits: a body larger than ``proxy.max_body_bytes`` is refused with 413 (by its Content-Length, or as it
+  arrives), a prompt longer than ``proxy.max_prompt_tokens`` with 400.
 """
 
 from __future__ import annotations
@@ -41,9 +48,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from daemons import metrics, runtime, wire
+from daemons import metrics, runtime, security, wire
 from daemons.cli import load_or_exit, package_version
 from daemons.config import Config
+from daemons.proxy.apikeys import ApiKeys, ApiKeysError, Principal, check_token
 from daemons.proxy.cluster import ClusterClient, NoInstance, Stream
 from daemons.proxy.protocol import (
     ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, ErrorResponse, StopChecker, TokenizeRequest,
@@ -105,6 +113,7 @@ class Job:
         self.top_n = 0  # alternatives per token: completions' logprobs, chat's top_logprobs
         self.choices: list[Choice] = []
         self.status = 200
+        self.key_name = "-"  # the name of its API key (proxy.api_keys_file), never the key
         self.logged = False
         self.ended = False
         self._head = ""
@@ -213,9 +222,11 @@ class Proxy:
         self.model = cfg.model.name
         self.max_model_len = cfg.model.max_model_len
         self.tokenizer: Tokenizer = load_tokenizer(cfg.model.path, cfg.sim.vocab_size, cfg.sim.eos_token_id)
+        self.keys: ApiKeys | None = ApiKeys.load(cfg.proxy.api_keys_file) if cfg.proxy.api_keys_file else None
         self.cluster = ClusterClient(cfg)
         self.access_log = cfg.proxy.access_log
         self.active: set[str] = set()  # ids of the requests this proxy is serving
+        self.max_prompt_tokens = cfg.proxy.max_prompt_tokens  # 0: only the context limit
 
     # ------------------------------------------------------------------ request intake
 
@@ -249,6 +260,10 @@ class Proxy:
             raise ApiError(400, str(exc), "messages") from None
 
     def _limits(self, prompt_len: int, max_tokens: int | None, default: int | None, prompt_param: str) -> int:
+        if self.max_prompt_tokens and prompt_len > self.max_prompt_tokens:
+            raise ApiError(400, f"This proxy accepts prompts of at most {self.max_prompt_tokens} tokens "
+                                f"(proxy.max_prompt_tokens). However, your prompt has {prompt_len} tokens.",
+                           prompt_param, code="prompt_too_long")
         room = self.max_model_len - prompt_len
         if room < 1:
             raise ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, your "
@@ -282,12 +297,15 @@ class Proxy:
         """One completion or chat request; logs it once it is answered (a stream: once it ends)."""
         arrival = time.perf_counter()
         job = None
+        principal: Principal | None = getattr(request.state, "principal", None)
+        key_name = principal.name if principal is not None else "-"
         try:
             job = Job(chat, self._request_id(request), arrival)
+            job.key_name = key_name
             response = await self._accept(request, job)
         except ApiError as exc:
             if job is None:
-                self._access(None, chat, arrival, exc.status)
+                self._access(None, chat, arrival, exc.status, key_name)
             else:
                 job.status = exc.status
                 self._access(job, chat, arrival, exc.status)
@@ -323,6 +341,11 @@ class Proxy:
     async def _serve(self, request: Request, job: Job, req, ids: list[int], sampling: wire.SamplingParams,
                      top_n: int) -> Response:
         priority = parse_priority(req.priority, request.headers.get("x-llumnix-priority"))
+        principal: Principal | None = getattr(request.state, "principal", None)
+        if priority > 0 and principal is not None and not principal.high_priority:
+            raise ApiError(403, f"The API key '{principal.name}' may not send priority high: it lacks the "
+                                f"high_priority permission (high_priority = true in proxy.api_keys_file).",
+                           "priority", type_="invalid_request_error", code="permission_denied")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         token_text = None
         if sampling.logprobs is not None:
@@ -413,7 +436,7 @@ class Proxy:
         self._end(job)
         self._access(job, job.chat, job.arrival, 499)
 
-    def _access(self, job: Job | None, chat: bool, arrival: float, status: int) -> None:
+    def _access(self, job: Job | None, chat: bool, arrival: float, status: int, key_name: str = "-") -> None:
         if job is not None:
             if job.logged:
                 return
@@ -435,12 +458,13 @@ class Proxy:
             "ttft_ms": round((job.first_at - arrival) * 1000, 1) if job is not None and job.first_at else None,
             "total_ms": round((now - arrival) * 1000, 1),
             "finish_reason": ",".join(dict.fromkeys(reasons)) or None,
+            "key_name": job.key_name if job is not None else key_name,
         }
         access_log.info("access %s %s model=%s instance=%s status=%d prompt_tokens=%d completion_tokens=%d ttft_ms=%s "
-                        "total_ms=%.1f finish_reason=%s", rec["request_id"], rec["route"], rec["model"], rec["instance"],
-                        status, rec["prompt_tokens"], rec["completion_tokens"],
+                        "total_ms=%.1f finish_reason=%s key_name=%s", rec["request_id"], rec["route"], rec["model"],
+                        rec["instance"], status, rec["prompt_tokens"], rec["completion_tokens"],
                         "-" if rec["ttft_ms"] is None else rec["ttft_ms"], rec["total_ms"], rec["finish_reason"] or "-",
-                        extra=rec)
+                        rec["key_name"], extra=rec)
 
     # ------------------------------------------------------------------ output
 
@@ -629,13 +653,20 @@ _BODY_ROUTES = [  # (path, struct, summary, streams)
     ("/detokenize", DetokenizeRequest, "Turn token ids into text (vLLM's route)", False),
 ]
 _ERRORS = {"400": "Bad request (the body names the parameter)", "404": "Unknown model", "409": "Request id in flight",
-           "499": "The client went away", "503": "No instance can take the request", "504": "Request timed out"}
+           "413": "Request body larger than proxy.max_body_bytes", "499": "The client went away",
+           "503": "No instance can take the request", "504": "Request timed out"}
 
 
-def openapi_document(app: FastAPI, model: str, max_model_len: int) -> dict:
+def needs_key(path: str) -> bool:
+    """The routes that need an API key when proxy.api_keys_file is set."""
+    return path.startswith("/v1/") or path in ("/v1", "/tokenize", "/detokenize")
+
+
+def openapi_document(app: FastAPI, model: str, max_model_len: int, api_keys: bool = False,
+                     metrics_token: bool = False) -> dict:
     """FastAPI's document of the decorated routes, plus the msgspec-decoded POST routes with their request
     schemas (from the same structs that decode them, narrowed to what this proxy serves) and the OpenAI
-    error body."""
+    error body; with ``api_keys`` (``metrics_token``), the bearer scheme on the routes that need it."""
     doc = get_openapi(title="llumnix-proxy", version=package_version(), routes=app.routes,
                       description="OpenAI-compatible API of a Llumnix cluster")
     refs, components = openapi_components([kind for _, kind, _, _ in _BODY_ROUTES] + [ErrorResponse])
@@ -665,7 +696,7 @@ def openapi_document(app: FastAPI, model: str, max_model_len: int) -> dict:
                               "content": {"application/json": {"schema": ref, "example": examples[path]}}},
               "responses": {"200": {"description": "OK", "content": ok},
                             **{code: {"description": text, **error} for code, text in _ERRORS.items()
-                               if streams or code in ("400", "404")}}}
+                               if streams or code in ("400", "404", "413")}}}
         if streams:
             op["parameters"] = [header, priority]
         doc["paths"][path] = {"post": op}
@@ -676,25 +707,101 @@ def openapi_document(app: FastAPI, model: str, max_model_len: int) -> dict:
                 op["responses"]["404"] = {"description": "Unknown model", **error}
                 for param in op.get("parameters", []):
                     param["example"] = model
+            if (api_keys and needs_key(path)) or (metrics_token and path == "/metrics"):
+                op["security"] = [{"bearer": []}]
+                op["responses"]["401"] = {"description": "No API key, or an unknown or revoked one"
+                                          if path != "/metrics" else "No token, or the wrong one", **error}
+                if api_keys and path in ("/v1/completions", "/v1/chat/completions"):
+                    op["responses"]["403"] = {"description": "Priority high from a key without high_priority", **error}
+    if api_keys or metrics_token:
+        doc["components"]["securitySchemes"] = {"bearer": {
+            "type": "http", "scheme": "bearer",
+            "description": "an API key of proxy.api_keys_file" if api_keys else "the metrics token"}}
     return doc
+
+
+class _Guard:
+    """ASGI middleware, before any route: the API key of the routes that need one (proxy.api_keys_file), and
+    the body size of every request (proxy.max_body_bytes), by its Content-Length or counted as it arrives,
+    so that no body larger than the limit is ever held in memory."""
+
+    def __init__(self, app, proxy: "Proxy", max_body_bytes: int):
+        self.app = app
+        self.proxy = proxy
+        self.limit = max_body_bytes
+
+    def too_large(self) -> ApiError:
+        return ApiError(413, f"Request body too large: this proxy accepts at most {self.limit} bytes "
+                             "(proxy.max_body_bytes).", type_="invalid_request_error", code="request_too_large")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        keys = self.proxy.keys
+        if keys is not None and needs_key(scope["path"]):
+            try:
+                principal = keys.check(_header(scope, b"authorization"))
+            except ApiError as exc:
+                return await self.refuse(scope, receive, send, exc)
+            scope.setdefault("state", {})["principal"] = principal  # request.state.principal
+        length = _header(scope, b"content-length")
+        if length is not None and length.strip().isdigit() and int(length) > self.limit:
+            return await self.refuse(scope, receive, send, self.too_large())
+        received = 0
+
+        async def limited():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:  # a chunked body (or one longer than it said) grew past the limit
+                    raise self.too_large()  # to the route, whose error handler answers 413
+            return message
+
+        await self.app(scope, limited, send)
+
+    async def refuse(self, scope, receive, send, exc: ApiError) -> None:
+        """Answer before the route runs (its body unread: the server discards it); completion and chat
+        requests get their access line and count, as when a route refuses them."""
+        path = scope["path"]
+        if path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+            M_REQUESTS.labels(path, str(exc.status)).inc()
+        if path in ("/v1/completions", "/v1/chat/completions"):
+            self.proxy._access(None, path == "/v1/chat/completions", time.perf_counter(), exc.status)
+        response = JSONResponse(exc.body(), status_code=exc.status, headers=getattr(exc, "headers", None))
+        await response(scope, receive, send)
+
+
+def _header(scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
 
 
 def build_app(cfg: Config) -> FastAPI:
     """The HTTP app. Its cluster client is started and stopped by whoever serves it (see _serve)."""
+    try:
+        metrics_token = security.read_token(cfg.security.metrics_token_file)
+    except ValueError as exc:
+        raise runtime.StartupError(f"security.metrics_token_file: {exc}") from None
     proxy = Proxy(cfg)
     app = FastAPI(title="llumnix-proxy", version=package_version())
     app.state.proxy = proxy
+    app.add_middleware(_Guard, proxy=proxy, max_body_bytes=cfg.proxy.max_body_bytes)
 
-    def with_echo(request: Request, body: dict, status: int) -> JSONResponse:
+    def with_echo(request: Request, body: dict, status: int, headers: dict | None = None) -> JSONResponse:
         echo = getattr(request.state, "echo_id", None)
-        return JSONResponse(body, status_code=status, headers={"x-request-id": echo} if echo else None)
+        if echo:
+            headers = {**(headers or {}), "x-request-id": echo}
+        return JSONResponse(body, status_code=status, headers=headers)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
         M_REQUESTS.labels(request.url.path, str(exc.status)).inc()
         if exc.status >= 500:
             log.warning("%s failed: %s", request.url.path, exc.message)
-        return with_echo(request, exc.body(), exc.status)
+        return with_echo(request, exc.body(), exc.status, getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):
@@ -741,12 +848,15 @@ def build_app(cfg: Config) -> FastAPI:
         return proxy.health()
 
     @app.get("/metrics", summary="Prometheus metrics")
-    async def metrics():
+    async def metrics(request: Request):
+        if metrics_token:
+            check_token(request.headers.get("authorization"), metrics_token)
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     def openapi() -> dict:
         if app.openapi_schema is None:
-            app.openapi_schema = openapi_document(app, proxy.model, proxy.max_model_len)
+            app.openapi_schema = openapi_document(app, proxy.model, proxy.max_model_len, proxy.keys is not None,
+                                                  bool(metrics_token))
         return app.openapi_schema
 
     app.openapi = openapi
@@ -795,13 +905,27 @@ async def _unless_disconnected(request: Request, coro):
     return None
 
 
+def _check_exposure(cfg: Config) -> None:
+    """An API without keys listens only on loopback, unless the network is declared trusted."""
+    pc = cfg.proxy
+    host = f"[{pc.host}]" if ":" in pc.host and not pc.host.startswith("[") else pc.host  # a bare IPv6 address
+    if not pc.api_keys_file and not cfg.security.trusted_network and not security.is_loopback(host):
+        raise runtime.StartupError(
+            f"proxy.host = {pc.host} listens beyond loopback without proxy.api_keys_file; set it "
+            "(see llumnix-proxy(8)) or set security.trusted_network = true")
+
+
 async def _serve(cfg: Config) -> None:
     pc = cfg.proxy
+    _check_exposure(cfg)
     try:
         app = build_app(cfg)
-    except TokenizerError as exc:
+    except (TokenizerError, ApiKeysError) as exc:
         raise runtime.StartupError(str(exc)) from None
     cluster: ClusterClient = app.state.proxy.cluster
+    keys: ApiKeys | None = app.state.proxy.keys
+    if keys is not None:  # SIGHUP: read the keys file again now
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, keys.reload)
     listener = _listen(pc.host, pc.port)
     await cluster.start()
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
