@@ -9,6 +9,7 @@ auto-scaling), which records them in ``cluster.json`` too, under a lock. ``stop`
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -22,6 +23,7 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 import psutil
 
@@ -93,9 +95,13 @@ class ClusterState:
         return [p for p in self.procs if p.process() is not None]
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` (on loopback where ``host`` is not an address of this namespace)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        try:
+            s.bind((host, 0))
+        except OSError:
+            s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
@@ -120,8 +126,21 @@ def _daemon(name: str) -> list[str]:
     return [sys.executable, "-m", module]
 
 
+Placement = Callable[[str], "tuple[list[str], list[str]]"]
+
+
 def up(run_dir: Path, instances: int, backend: str, port: int, config: str | None, sets: list[str],
-       timeout_s: float = 60.0) -> ClusterState:
+       timeout_s: float = 60.0, *, place: Placement | None = None, manager_host: str = "127.0.0.1") -> ClusterState:
+    """Start the manager, ``instances`` instances (i0, i1, ...) and a proxy; wait until the proxy's /health
+    counts every instance alive.
+
+    ``place`` (optional) maps a daemon's name (``manager``, ``proxy``, ``instance-i0``, ...) to (argv prefix,
+    extra ``--set`` settings): e.g. ``(lab.prefix("i0"), ["instance.request_address=tcp://198.18.0.2:0",
+    "migration.kv_host=198.18.0.2"])`` runs that instance on another "host" (llumnixctl.netns). The extra
+    settings come after ``sets``. ``manager_host``: the address in ``manager.address`` (every daemon and this
+    function reach the manager there). The proxy is waited for at its own ``proxy.host`` (extra settings
+    included), so the caller must be able to reach the manager and the proxy: run it in their namespace.
+    Instances added later (``add``, auto-scaling) get no placement."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -130,21 +149,40 @@ def up(run_dir: Path, instances: int, backend: str, port: int, config: str | Non
     if old is not None and old.live():
         pids = ", ".join(str(p.pid) for p in old.live())
         raise ClusterError(f"a cluster from {run_dir} is already running (pids {pids}); run `llumnixctl down` first")
+    placed: dict[str, tuple[list[str], list[str]]] = {}
+
+    def where(name: str) -> tuple[list[str], list[str]]:
+        """(argv prefix, extra settings) of a daemon: its placement, if any."""
+        if place is None:
+            return [], []
+        if name not in placed:
+            prefix, extra = place(name)
+            placed[name] = (list(prefix), list(extra))
+        return placed[name]
+
+    def as_args(extra: list[str]) -> list[str]:
+        return [a for s in extra for a in ("--set", s)]
+
+    http_host = load_config(config, sets + where("proxy")[1]).proxy.host if place is not None else "127.0.0.1"
+    if http_host in ("", "0.0.0.0", "::"):
+        http_host = "127.0.0.1"
     if port:
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is no conflict
             try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                raise ClusterError(f"port {port} on 127.0.0.1 is in use; pick another with --port") from None
+                s.bind((http_host, port))
+            except OSError as exc:
+                if exc.errno != errno.EADDRNOTAVAIL:  # not an address of ours: the proxy's namespace checks
+                    raise ClusterError(f"port {port} on {http_host} is in use; pick another with --port") from None
     else:
-        port = free_port()
-    manager_address = f"tcp://127.0.0.1:{free_port()}"
+        port = free_port(http_host)
+    manager_address = f"tcp://{manager_host}:{free_port(manager_host)}"
     common = (["--config", config] if config else []) + [a for s in sets for a in ("--set", s)]
     common += ["--set", f"manager.address={manager_address}"]
     if not load_config(config, sets).scaling.launcher:  # add and auto-scaling start instances of this cluster
         common += ["--set", f"scaling.launcher={json.dumps(launcher_command(run_dir))}"]
-    state = ClusterState(manager_address, f"http://127.0.0.1:{port}", backend, config, args=common,
+    url_host = f"[{http_host}]" if ":" in http_host else http_host
+    state = ClusterState(manager_address, f"http://{url_host}:{port}", backend, config, args=common,
                          run_dir=str(run_dir))
 
     def fail(why: str, proc: Proc | None = None) -> ClusterError:
@@ -153,10 +191,12 @@ def up(run_dir: Path, instances: int, backend: str, port: int, config: str | Non
         return ClusterError(why + detail)
 
     try:
-        mgr = _spawn(run_dir, "manager", _daemon("manager") + common + ["--set", "manager.metrics_port=0", "--set", "manager.bind="])
+        prefix, extra = where("manager")
+        mgr = _spawn(run_dir, "manager", prefix + _daemon("manager") + common + ["--set", "manager.metrics_port=0",
+                                                                                 "--set", "manager.bind="] + as_args(extra))
         state.procs.append(mgr)
         state.save(run_dir)
-        client = AdminClient(manager_address, timeout_s=0.5)
+        client = AdminClient.for_settings(manager_address, config, sets, timeout_s=0.5)
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -168,9 +208,13 @@ def up(run_dir: Path, instances: int, backend: str, port: int, config: str | Non
                 if time.monotonic() > deadline:
                     raise fail(f"llumnix-manager did not answer within {timeout_s:g}s", mgr) from None
         for i in range(instances):
-            argv = _daemon("instance") + common + ["--set", f"instance.id=i{i}", "--set", f"instance.backend={backend}"]
+            prefix, extra = where(f"instance-i{i}")
+            argv = prefix + _daemon("instance") + common + ["--set", f"instance.id=i{i}", "--set",
+                                                            f"instance.backend={backend}"] + as_args(extra)
             state.procs.append(_spawn(run_dir, f"instance-i{i}", argv))
-        state.procs.append(_spawn(run_dir, "proxy", _daemon("proxy") + common + ["--set", f"proxy.port={port}"]))
+        prefix, extra = where("proxy")
+        state.procs.append(_spawn(run_dir, "proxy", prefix + _daemon("proxy") + common + ["--set", f"proxy.port={port}"]
+                                  + as_args(extra)))
         ours = list(state.procs)
         record(run_dir, state, [])  # keeps what a launch (auto-scaling from the start) recorded meanwhile
         while True:
@@ -253,7 +297,7 @@ def add_instance(run_dir: Path, state: ClusterState, instance_id: str, sets: lis
         proc = _spawn(run_dir, f"instance-{instance_id}", argv)
         state.procs = [p for p in state.procs if p.name != proc.name] + [proc]
         state.save(run_dir)
-    client = AdminClient(state.manager_address, timeout_s=1.0)
+    client = AdminClient.for_args(state.manager_address, state.args, timeout_s=1.0)
     deadline = time.monotonic() + timeout_s
     try:
         while True:
@@ -315,7 +359,7 @@ def _stop_procs(state: ClusterState, timeout_s: float = 15.0) -> list[Proc]:
     is switched off first: instances leaving would otherwise look like a cluster below its minimum."""
     if not state.live():
         return []  # nothing to stop (and no manager to ask)
-    client = AdminClient(state.manager_address, timeout_s=1.0)
+    client = AdminClient.for_args(state.manager_address, state.args, timeout_s=1.0)
     try:
         client.policy(scaling_policy="off")
     except (ManagerUnreachable, RuntimeError):
