@@ -13,6 +13,12 @@ For each request length L (prompt tokens), on instance i0 of a throw-away cluste
    ``--blocking`` (suspend first, then copy everything): its downtime.
 
 Nothing here asserts a timing; the figures depend on the machine (see the closing notes in the tracker).
+
+``--netns``: the same across "hosts" (llumnixctl.netns): each instance in its own network namespace, the
+manager, the proxy and the benchmark client in a control one, all on a private bridge; ``--rate`` and
+``--delay-ms`` shape the instances' links (tc). The command builds the namespaces, measures what one TCP
+stream gets from i0 to i1, then runs itself again inside the control namespace; the JSON's ``network``
+records all of it. Needs root and iproute2.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
+import subprocess
 import shutil
 import statistics
 import sys
@@ -42,6 +50,7 @@ from llumnixctl import localcluster
 from llumnixctl.admin import AdminClient
 
 DEFAULT_LENGTHS = "256,512,1024,2048,4096,8192"
+LAB_ENV = "LLUMNIX_BENCH_NETNS"  # set for the run inside the control namespace: the lab, as JSON
 KV_BYTES_PER_TOKEN = 64 * 1024  # the kv-heavy model: 32 layers x 8 KV heads x 64 x 2 (K, V) x 2 bytes
 
 
@@ -102,13 +111,13 @@ def _gaps_ms(times: list[float], start: float, end: float) -> list[float]:
     return [(b - a) * 1e3 for a, b in zip(times, times[1:]) if start <= a and b <= end]
 
 
-def _recompute_ms(request_address: str, prompt: list[int], timeout_s: float) -> float:
+def _recompute_ms(request_address: str, prompt: list[int], timeout_s: float, reply_host: str = "127.0.0.1") -> float:
     """Prefill ``prompt`` on one instance from scratch: time to its first token, over ZeroMQ."""
     ctx = zmq.Context.instance()
     pull = runtime.tune(ctx.socket(zmq.PULL))
     dealer = runtime.tune(ctx.socket(zmq.DEALER))
     try:
-        reply_to = runtime.bind(pull, "tcp://127.0.0.1:0")
+        reply_to = runtime.bind(pull, f"tcp://{reply_host}:0")
         dealer.connect(request_address)
         sub = wire.Submit(f"recompute-{uuid.uuid4().hex}", prompt, wire.SamplingParams(max_tokens=1, ignore_eos=True,
                                                                                        temperature=0), reply_to)
@@ -140,9 +149,33 @@ def _settings(backend: str, model: Path | None, lengths: list[int], decode_token
                      f"vllm.kv_cache_bytes={blocks_tokens * KV_BYTES_PER_TOKEN}", "vllm.max_num_seqs=8"]
 
 
+def _placement(lab: dict):
+    """localcluster.up's place and manager_host for a lab (Lab.describe()): instance iK on host iK, the
+    manager and the proxy here (the control host), every socket on the lab's addresses."""
+    hosts = lab["hosts"]
+    ctl = hosts["ctl"]["address"]
+    common = ["security.trusted_network=true"]  # no keys: the lab's bridge reaches nobody else
+
+    def place(name: str) -> tuple[list[str], list[str]]:
+        if name.startswith("instance-"):
+            iid = name.split("-", 1)[1]
+            h = hosts[iid]
+            return (["ip", "netns", "exec", h["netns"]],
+                    common + [f"instance.request_address=tcp://{h['address']}:0", f"migration.kv_host={h['address']}",
+                              f"instance.host={iid}"])
+        if name == "proxy":
+            return [], common + [f"proxy.token_address=tcp://{ctl}:0"]
+        return [], common
+
+    return place, ctl
+
+
 def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int, log, repeat: int = 4,
-        gap_tokens: int = 8) -> dict:
+        gap_tokens: int = 8, lab: dict | None = None) -> dict:
+    """The benchmark; ``lab``: run across the hosts of a llumnixctl.netns lab (Lab.describe() plus what
+    --netns measured), from inside its control host."""
     run_dir = Path(tempfile.mkdtemp(prefix="llumnix-bench-mig-"))
+    place, manager_host = _placement(lab) if lab else (None, "127.0.0.1")
     generated = backend == "vllm" and model is None
     try:
         if generated:
@@ -152,7 +185,7 @@ def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int
             model = write_tiny_model(run_dir / "kv-heavy", size="kv-heavy")
         log("starting two instances ...")
         state = localcluster.up(run_dir, 2, backend, 0, None, _settings(backend, model, lengths, decode_tokens),
-                                timeout_s=600)
+                                timeout_s=600, place=place, manager_host=manager_host)
     except localcluster.ClusterError as exc:
         shutil.rmtree(run_dir, ignore_errors=True)
         raise RuntimeError(str(exc)) from None
@@ -185,7 +218,8 @@ def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int
             quiet = [(b - a) * 1e3 for a, b in gaps if not any(a < end and b > t0 for t0, _, end in windows)]
             during = [(b - a) * 1e3 for a, b in gaps for t0, precopy_end, _ in windows if t0 <= a and b <= precopy_end]
             # (2) recomputation: an instance prefills what the request had when it first moved
-            recompute = _recompute_ms(addresses[here], prompt + s.ids[:outs[0].resumed_at], timeout_s=900)
+            recompute = _recompute_ms(addresses[here], prompt + s.ids[:outs[0].resumed_at], timeout_s=900,
+                                      reply_host=manager_host)
             # (3) blocking stop-and-copy of a request of the same length
             b = _Tokens(state.url, model_name, prompt, decode_tokens)
             b.wait(8, timeout=900)
@@ -213,7 +247,12 @@ def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int
         label = "sim (kv-heavy shape)"
     else:
         label = "kv-heavy (generated)" if generated else str(model)
-    return {"backend": backend, "model": label, "cores": psutil.cpu_count(), "results": results}
+    network = {"netns": False}
+    if lab:
+        network = {"netns": True, "rate": lab.get("rate") or None, "delay_ms": lab.get("delay_ms", 0.0),
+                   "link_gbps_measured": lab.get("link_gbps_measured"), "delay_available": lab.get("delay_available"),
+                   "hosts": {n: h["address"] for n, h in lab["hosts"].items()}}
+    return {"backend": backend, "model": label, "cores": psutil.cpu_count(), "network": network, "results": results}
 
 
 def _where(admin: AdminClient, request_id: str) -> str:
@@ -244,6 +283,9 @@ def command(
     decode_tokens: Annotated[int, typer.Option(help="max_tokens of each benchmark request")] = 160,
     repeat: Annotated[int, typer.Option(help="live migrations per length (back and forth)", min=1)] = 4,
     json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    netns: Annotated[bool, typer.Option("--netns", help="each instance on its own network namespace (\"host\"); manager, proxy and client on a control one (root)")] = False,
+    rate: Annotated[str, typer.Option(help="with --netns: limit each instance's link, both ways (tc rate: 10gbit, 1gbit; empty = no limit)")] = "",
+    delay_ms: Annotated[float, typer.Option(help="with --netns: added one-way latency between the instances (half on each instance's link, each way)", min=0.0)] = 0.0,
 ) -> None:
     """Live-migration downtime against blocking copy and recomputation, per request length (the paper's Fig 10)."""
     err = Console(stderr=True)
@@ -257,16 +299,31 @@ def command(
     if not sizes or sizes[0] < 1:
         err.print(f"llumnixctl: --lengths must be positive integers separated by commas; got {lengths!r}", markup=False)
         raise typer.Exit(2)
+    if (rate or delay_ms) and not netns:
+        err.print("llumnixctl: --rate and --delay-ms shape the links between namespaces: add --netns", markup=False)
+        raise typer.Exit(2)
+    lab = json.loads(os.environ[LAB_ENV]) if netns and os.environ.get(LAB_ENV) else None
+    if netns and lab is None:  # build the hosts, then run again inside the control one
+        argv = ["bench", "migration", "--backend", backend, "--lengths", lengths, "--decode-tokens", str(decode_tokens),
+                "--repeat", str(repeat), "--netns", "--rate", rate, "--delay-ms", str(delay_ms)]
+        argv += (["--model", str(model.resolve())] if model else []) + (["--json"] if json_ else [])
+        raise typer.Exit(_in_lab(argv, rate, delay_ms, err))
     try:
         result = run(backend, model.resolve() if model else None, sizes,
-                     max(decode_tokens, 8 + repeat * 24), lambda m: err.print(m, markup=False), repeat=repeat)
+                     max(decode_tokens, 8 + repeat * 24), lambda m: err.print(m, markup=False), repeat=repeat, lab=lab)
     except RuntimeError as exc:
         err.print(f"llumnixctl: {exc}", markup=False)
         raise typer.Exit(1) from None
     if json_:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
         return
-    table = Table(title=f"live migration · backend {backend} · {result['model']} · {result['cores']} cores")
+    title = f"live migration · backend {backend} · {result['model']} · {result['cores']} cores"
+    if result["network"]["netns"]:
+        net = result["network"]
+        title += (f" · across namespaces, link {net['rate'] or 'unshaped'}"
+                  + (f" + {net['delay_ms']:g} ms" if net["delay_ms"] else "")
+                  + (f" (one TCP stream: {net['link_gbps_measured']:.1f} Gbit/s)" if net.get("link_gbps_measured") else ""))
+    table = Table(title=title)
     for col in ("tokens", "MB moved", "stages", "downtime ms (median)", "migration ms (median)", "blocking copy ms",
                 "recompute ms", "decode step ms", "while migrating"):
         table.add_column(col, justify="right")
@@ -279,3 +336,50 @@ def command(
                       ms(r["migration_ms"]), ms(r["blocking_copy_ms"]), ms(r["recompute_ms"]),
                       ms(r["decode_step_ms"]), ms(r["decode_step_migrating_ms"]))
     Console(width=None if sys.stdout.isatty() else 160).print(table)  # piped: never squeeze the table
+
+
+def _in_lab(argv: list[str], rate: str, delay_ms: float, err: Console) -> int:
+    """Build a lab (ctl, i0, i1), shape the instances' links, measure i0 -> i1, and run ``llumnixctl argv``
+    inside ctl with the lab in $LLUMNIX_BENCH_NETNS. The namespaces and whatever runs in them are gone
+    when this returns (also on Ctrl-C or SIGTERM). Returns the inner run's exit status."""
+    from llumnixctl.netns import Lab, LabError, parse_rate
+
+    why = Lab.unavailable()
+    if why:
+        err.print(f"llumnixctl: --netns: {why}", markup=False)
+        return 2
+    old = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # leave through the with: the lab is removed
+    try:
+        with Lab(["ctl", "i0", "i1"]) as lab:
+            try:
+                bps = parse_rate(rate)
+                for host in ("i0", "i1"):
+                    if bps or delay_ms:
+                        lab.shape(host, rate=bps or None, delay_ms=delay_ms / 2)
+            except LabError as exc:
+                err.print(f"llumnixctl: --netns: {exc}", markup=False)
+                return 2
+            probe = min(256 << 20, max(16 << 20, bps // 8)) if bps else 256 << 20  # about a second at the rate
+            link = lab.throughput("i0", "i1", probe, timeout_s=60)
+            err.print(f"lab {lab.run_id}: instances at {lab.address('i0')}, {lab.address('i1')}; link "
+                      f"{rate or 'unshaped'}{f' + {delay_ms:g} ms' if delay_ms else ''}: one TCP stream "
+                      f"{link / 1e9:.2f} Gbit/s", markup=False)
+            desc = dict(lab.describe(), rate=rate, delay_ms=delay_ms, link_gbps_measured=round(link / 1e9, 3),
+                        delay_available=lab.can_delay())
+            env = dict(os.environ, **{LAB_ENV: json.dumps(desc)})
+            child = subprocess.Popen(lab.prefix("ctl") + [sys.executable, "-m", "llumnixctl.main"] + argv, env=env)
+            try:
+                return child.wait(timeout=6 * 3600)
+            except subprocess.TimeoutExpired:
+                err.print("llumnixctl: the benchmark ran for 6 hours; stopping it", markup=False)
+                return 1
+            finally:
+                if child.poll() is None:
+                    child.terminate()
+                    try:
+                        child.wait(timeout=30)
+                    except subprocess.TimeoutExpired:
+                        child.kill()
+                        child.wait(timeout=10)
+    finally:
+        signal.signal(signal.SIGTERM, old)
