@@ -11,6 +11,7 @@ cluster's average freeness and launches (daemons/launcher.py) or retires instanc
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -54,6 +55,7 @@ class Rescheduler:
         self.retiring: set[str] = set()
         self.in_flight = 0  # requests ordered to migrate, not yet reported
         self._turn = 0
+        self.kv_bytes_per_token = 0.0  # seen in committed migrations (cross_node_kv_bytes_per_token unset)
 
     # ------------------------------------------------------------------ migration orders
 
@@ -62,13 +64,27 @@ class Rescheduler:
             await asyncio.sleep(self.sc.migration_interval_s)
             self.pair_once()
 
+    def cross_node(self) -> policy.CrossNode:
+        """The cross-host cost check's figures: the settings, and the KV size migrations showed."""
+        sc = self.sc
+        return policy.CrossNode(sc.cross_node_bandwidth_gbps, sc.cross_node_kv_bytes_per_token or self.kv_bytes_per_token,
+                                sc.cross_node_recompute_ms_per_token, sc.cross_node_overhead_ms)
+
+    def learn(self, src: InstanceRecord | None, outcomes: list[wire.MigrationOutcome]) -> None:
+        """KV bytes per token, from what committed migrations moved (for the cross-host check)."""
+        block_size = src.load.block_size if src is not None else 0
+        for o in outcomes:
+            if o.outcome == "committed" and o.blocks > 0 and o.bytes > 0 and block_size > 0:
+                self.kv_bytes_per_token = o.bytes / (o.blocks * block_size)
+
     def pair_once(self, drains_only: bool = False) -> list[policy.Pair]:
         now = time.monotonic()
         live = [r for r in self.m.instances.values() if r.state != "dead"]
-        pairs = policy.pair([self.m.state(r, now) for r in live], self.sc.high_priority_headroom,
+        states = [dataclasses.replace(self.m.state(r, now), host=r.info.host) for r in live]
+        pairs = policy.pair(states, self.sc.high_priority_headroom,
                             self.sc.migrate_out_threshold, self.sc.migrate_in_threshold,
                             self.sc.max_migrations_per_instance, balance=self.m.migrating and not drains_only,
-                            turn=self._turn)
+                            turn=self._turn, cross_node=self.cross_node())
         self._turn += 1
         for p in pairs:
             src, dst = self.m.instances[p.src], self.m.instances[p.dst]
@@ -78,7 +94,8 @@ class Rescheduler:
                 src_usage=p.src_usage, dst_usage=p.dst_usage, dst_blocks=p.dst_blocks,
                 headroom=self.sc.high_priority_headroom, cooldown_s=self.sc.migration_cooldown_s,
                 dst_free_blocks=p.dst_free)
-            log.debug("pair %s -> %s (%s, up to %d)", p.src, p.dst, start.reason, p.count)
+            log.debug("pair %s -> %s (%s, up to %d%s)", p.src, p.dst, start.reason, p.count,
+                      f"; across hosts, at most {p.budget_blocks:.0f} blocks" if p.cross_node else "")
             self.m.spawn(self._run_order(src, start))
         return pairs
 
@@ -91,6 +108,7 @@ class Rescheduler:
             self.outcomes[f"{start.reason}/lost"] += 1
             M_ORDERED.labels(start.reason, "lost").inc()
             return
+        self.learn(src, result.outcomes)
         for o in result.outcomes:
             self.outcomes[f"{start.reason}/{o.outcome}"] += 1
             M_ORDERED.labels(start.reason, o.outcome).inc()
@@ -127,6 +145,7 @@ class Rescheduler:
         result = await self.order_migration(src, start, 1 if msg.request_id else msg.count)
         if isinstance(result, str):
             return wire.ErrorReply(msg.query_id, result)
+        self.learn(src, result.outcomes)
         return wire.MigrateReply(msg.query_id, result.outcomes)
 
     async def order_migration(self, src: InstanceRecord, start: wire.MigrateStart, count: int) -> wire.MigrateResult | str:

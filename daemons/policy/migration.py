@@ -9,6 +9,14 @@ one pair, and only where the source is less free than its destination and carrie
 Selection (the source's llumlet, when ordered): which of its requests go, in the policy's order, each
 only if moving it lowers the imbalance potential (sum V_i^2 / M_i) of the pair, so migrations never
 overshoot into ping-pong. A draining source sends everything.
+
+Across hosts (``CrossNode``, when scheduling.cross_node_bandwidth_gbps is set): a balancing move between
+instances on different hosts pays only when its KV crosses the link faster than the source could
+recompute what the move saves it: transfer_ms(b) + overhead_ms <= saving_ms, where transfer_ms(b) is b
+blocks' KV bytes at the link's bandwidth and saving_ms is the recomputation (prefill) of an average
+request of the source, the preemption that the move avoids. That bounds the blocks a cross-host order
+may move (``cross_node_budget_blocks``); a source none of whose requests could pay is not paired across
+hosts (another destination, maybe on its own host, is tried). Same-host pairs and drains are unaffected.
 """
 
 from __future__ import annotations
@@ -27,6 +35,48 @@ COPY_HEADROOM_BLOCKS = 4
 
 
 @dataclass(frozen=True)
+class CrossNode:
+    """The cross-host cost check: plain values from scheduling.cross_node_* (and what migrations showed)."""
+
+    bandwidth_gbps: float = 0.0  # what a migration between two hosts achieves, Gbit/s; 0: no check
+    kv_bytes_per_token: float = 0.0  # KV bytes of one token of the served model; 0: unknown, no check
+    recompute_ms_per_token: float = 0.1  # prefill time per token of context: what a preemption costs
+    overhead_ms: float = 50.0  # one migration's time besides moving its bytes: stages, handshakes, downtime
+
+    @property
+    def on(self) -> bool:
+        return self.bandwidth_gbps > 0 and self.kv_bytes_per_token > 0
+
+
+def crosses_hosts(a: InstanceState, b: InstanceState) -> bool:
+    """Whether a move between the two leaves a host. An instance of unknown host is taken as local."""
+    return bool(a.host) and bool(b.host) and a.host != b.host
+
+
+def transfer_ms(tokens: float, kv_bytes_per_token: float, bandwidth_gbps: float) -> float:
+    """Time to move ``tokens`` tokens' KV over a link of ``bandwidth_gbps``."""
+    if bandwidth_gbps <= 0:
+        return INF
+    return tokens * kv_bytes_per_token * 8 / (bandwidth_gbps * 1e6)
+
+
+def cross_node_saving_ms(src: InstanceState, cost: CrossNode) -> float:
+    """What moving a request off ``src`` saves it: the recomputation of a preempted request, taken as one
+    of the source's average context (its blocks per running request)."""
+    tokens = src.blocks_used / max(src.running, 1) * src.block_size
+    return cost.recompute_ms_per_token * tokens
+
+
+def cross_node_budget_blocks(src: InstanceState, cost: CrossNode) -> float:
+    """The most KV blocks (of the source's block size) a move from ``src`` to another host pays for:
+    transfer_ms + overhead_ms <= saving_ms. INF when the check is off; 0 when nothing pays."""
+    if not cost.on:
+        return INF
+    per_block = transfer_ms(src.block_size, cost.kv_bytes_per_token, cost.bandwidth_gbps)
+    return max(0.0, (cross_node_saving_ms(src, cost) - cost.overhead_ms) / per_block)
+
+
+@dataclass(frozen=True)
 class Pair:
     src: str
     dst: str
@@ -35,13 +85,18 @@ class Pair:
     src_usage: float  # the two instances' virtual usage when paired (the source's selection checks moves with it)
     dst_usage: float
     dst_blocks: int
-    dst_free: float  # blocks the destination really has free (what it can reserve)
+    dst_free: float  # blocks the destination really has free (what it can reserve); for a cross-host pair
+    # at most the budget (plus the copy headroom): the source's selection then skips larger requests
+    cross_node: bool = False  # the two are on different hosts and the cost check is on
+    budget_blocks: float = INF  # most blocks a move of this pair pays for (INF: no limit)
 
 
 def pair(states: list[InstanceState], headroom: float, out_threshold: float, in_threshold: float,
-         max_per_instance: int, balance: bool = True, turn: int = 0) -> list[Pair]:
+         max_per_instance: int, balance: bool = True, turn: int = 0, cross_node: CrossNode | None = None) -> list[Pair]:
     """Source/destination pairs for this interval. ``balance`` False: only draining instances are sources
-    (the baseline policies, and pairing_policy off). ``turn`` rotates the order of equally loaded instances."""
+    (the baseline policies, and pairing_policy off). ``turn`` rotates the order of equally loaded instances.
+    ``cross_node``: the cost check for pairs on different hosts (see the module docstring)."""
+    cost = cross_node or CrossNode()
     free = {s.instance_id: instance_freeness(s, headroom) for s in states}
     usage = {s.instance_id: virtual_usage(s, headroom) for s in states}
 
@@ -72,9 +127,15 @@ def pair(states: list[InstanceState], headroom: float, out_threshold: float, in_
                     continue
                 if usage[src.instance_id] / max(src.blocks_total, 1) <= usage[dst.instance_id] / max(dst.blocks_total, 1):
                     continue
+            dst_free = max(0.0, dst.blocks_total - real_usage(dst))
+            remote = cost.on and not src.draining and crosses_hosts(src, dst)
+            budget = cross_node_budget_blocks(src, cost) if remote else INF
+            if budget < 1:
+                continue  # no request of this source pays for the link: try a destination nearer by
             count = max_per_instance - max(src.migrations, dst.migrations)
             pairs.append(Pair(src.instance_id, dst.instance_id, count, src.draining, usage[src.instance_id],
-                              usage[dst.instance_id], dst.blocks_total, max(0.0, dst.blocks_total - real_usage(dst))))
+                              usage[dst.instance_id], dst.blocks_total, min(dst_free, budget + COPY_HEADROOM_BLOCKS),
+                              remote, budget))
             used.update((src.instance_id, dst.instance_id))
             break
     return pairs

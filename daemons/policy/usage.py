@@ -36,6 +36,7 @@ class InstanceState:
     credit: float = 0.0  # blocks of negative usage: a new instance is filled first
     migrations: int = 0  # manager-ordered migrations in flight with it as source or destination
     block_size: int = 16  # tokens per block
+    host: str = ""  # the host it runs on (instance.host; empty: unknown, taken as the same host as every other)
 
     @property
     def batch(self) -> int:
