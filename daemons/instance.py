@@ -30,7 +30,7 @@ import typer
 import zmq
 import zmq.asyncio
 
-from daemons import metrics, policy, runtime, wire
+from daemons import metrics, policy, runtime, security, wire
 from daemons.cli import load_or_exit
 from daemons.config import Config
 from daemons.engine import make_engine
@@ -78,13 +78,14 @@ class Instance:
         self.ic = cfg.instance
         self.engine = engine
         self.ctx = zmq.asyncio.Context()
-        self.router = runtime.tune(self.ctx.socket(zmq.ROUTER))
-        self.manager = runtime.tune(self.ctx.socket(zmq.DEALER))
+        self.sec = security.Security(cfg.security, "instance", self.ctx)
+        self.router = self.sec.server(runtime.tune(self.ctx.socket(zmq.ROUTER)), "instance")
+        self.manager = self.sec.client(runtime.tune(self.ctx.socket(zmq.DEALER)), "manager")
         # While the manager is away, reports are dropped rather than queued: a restarted manager must not get
         # a flood of stale ones (it asks us to register, and the next report is current).
         self.manager.setsockopt(zmq.IMMEDIATE, 1)
         self.manager.setsockopt(zmq.SNDHWM, 64)
-        self.proxies = ProxyLinks(self.ctx, self.ic.orphan_timeout_s)
+        self.proxies = ProxyLinks(self.ctx, self.ic.orphan_timeout_s, secure=lambda sock: self.sec.client(sock, "proxy"))
         self.requests = RequestTable()
         self.watchdog = Watchdog(self.ic.step_timeout_s, self.ic.hung_exit_s)
         self.faults = Faults(self.ic.id)
@@ -342,6 +343,8 @@ class Instance:
             frame = await self.manager.recv()
             msg = wire.decode(frame)
             if isinstance(msg, wire.RegisterAck):
+                if not msg.accepted and msg.final:
+                    raise runtime.StartupError(f"the manager refused our registration: {msg.reason}")
                 if not msg.accepted:
                     log.info("manager asks us to register (%s)", msg.reason)
                     self._tell_manager(self.register_msg())
@@ -473,6 +476,8 @@ class Instance:
     # ------------------------------------------------------------------ life cycle
 
     async def run(self) -> None:
+        self.sec.check_bind("instance.request_address", self.ic.request_address)
+        self.sec.check_bind("migration.kv_host", self.cfg.migration.kv_host)
         self.request_address = runtime.bind(self.router, self.ic.request_address)
         if self.ic.advertise_address:
             self.request_address = self.ic.advertise_address
@@ -481,10 +486,11 @@ class Instance:
         metrics.bind("instance", self.cfg.model.name, self.instance_id)
         try:
             self.migrator = Migrator(self, self.cfg.migration, self.engine, self.requests, self.boundary, self.faults)
-        except (RuntimeError, ValueError) as exc:  # the KV store's port is taken, or the host does not resolve
+        except (RuntimeError, ValueError, OSError) as exc:  # the KV store's port is taken, or the host does not resolve
             raise runtime.StartupError(f"cannot listen for KV transfer on {self.cfg.migration.kv_host}:"
                                        f"{self.cfg.migration.kv_port}: {exc}") from None
-        self.metrics_address = runtime.start_metrics_server(self.ic.metrics_port)
+        self.metrics_address = runtime.start_metrics_server(self.ic.metrics_port, self.ic.metrics_host,
+                                                            security.metrics_token(self.cfg))
         runtime.connect(self.manager, self.cfg.manager.address)
         self._tell_manager(self.register_msg())
         load = self.engine.load()
@@ -531,6 +537,7 @@ class Instance:
             self.fail(rid, entry.reply_to, f"instance {self.instance_id} stopped", retryable=True)
         self.engine.shutdown()
         self.proxies.close()  # with its linger: the failures above still go out
+        self.sec.close()
         self.ctx.destroy(linger=0)  # closes what is left; term() would wait on any socket still open
         log.info("stopped")
 
@@ -556,12 +563,19 @@ def main(
         "instance.log_level": log_level,
     })
     runtime.setup_logging(cfg.instance.log_level, "llumnix-instance")
+    try:  # before loading a model for minutes: are the keys and addresses acceptable?
+        pre = security.Security(cfg.security, "instance")
+        pre.check_bind("instance.request_address", cfg.instance.request_address)
+        pre.check_bind("migration.kv_host", cfg.migration.kv_host)
+    except runtime.StartupError as exc:
+        log.error("cannot start: %s", exc)
+        raise typer.Exit(1) from None
     try:
         engine = make_engine(cfg)
     except EngineError as exc:
         log.error("cannot start the %s engine: %s", cfg.instance.backend, exc)
         raise typer.Exit(1) from None
-    runtime.exit_on_startup_error("llumnix-instance", Instance(cfg, engine).run())
+    runtime.exit_on_startup_error("llumnix-instance", lambda: Instance(cfg, engine).run())
 
 
 def entry() -> None:

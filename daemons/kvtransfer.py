@@ -1,7 +1,10 @@
 """KV bytes between instances: Gloo (torch.distributed) pair groups, formed on demand.
 
 There is no world: every (source, destination) pair gets its own two-member ``ProcessGroupGloo`` the first
-time it migrates, named by a key the source picks, over the source's rendezvous ``TCPStore``. New
+time it migrates, named by a random key the source picks, over the source's rendezvous ``TCPStore`` (which
+listens on ``migration.kv_host`` only). The key reaches the destination only over the authenticated
+ZeroMQ channel, so nobody else can find the pair's entries in the store; Gloo itself neither
+authenticates nor encrypts (see the README's "Several hosts" for the firewall rule this needs). New
 instances join at any time and a dead peer breaks only its own pairs. Each pair runs its Gloo work on its
 own thread, so the engine keeps stepping and one slow peer does not hold up another.
 
@@ -15,6 +18,8 @@ from __future__ import annotations
 
 import logging
 import re
+import secrets
+import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,6 +40,21 @@ _set_num_threads = torch.set_num_threads
 def _one_thread() -> None:
     """Copies are memory-bound: one thread moves them as fast, and leaves the other cores to the engine."""
     _set_num_threads(1)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host`` only (raises OSError/ValueError as TCPStore would)."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 class TransferError(Exception):
@@ -161,9 +181,13 @@ class KvTransfer:
     def __init__(self, host: str, port: int, timeout_s: float):
         self.host = host
         self.timeout_s = timeout_s
-        # The store of the pairs this instance starts as a source; destinations connect to it.
-        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=timeout_s), use_libuv=True)
+        # The store of the pairs this instance starts as a source; destinations connect to it. TCPStore
+        # itself listens on every interface: hand it a socket bound to kv_host only.
+        listener = _listen(host, port)
+        self.store = dist.TCPStore(host, listener.getsockname()[1], is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=timeout_s), use_libuv=False,
+                                   master_listen_fd=listener.fileno())
+        listener.detach()  # the store owns the descriptor now
         self.address = f"{host}:{self.store.port}"
         self.pairs: dict[str, Pair] = {}
         self._lock = threading.Lock()
@@ -175,7 +199,9 @@ class KvTransfer:
             if pair is None or pair.broken:
                 if pair is not None:
                     pair.close()
-                key = f"{me}>{peer}/{time.time_ns():x}"
+                # The key names the pair in the store and is its one-time password: it travels only in
+                # MigrateStart/MigStage (authenticated ZeroMQ), and a pair's Gloo addresses are found under it.
+                key = f"{me}>{peer}/{secrets.token_hex(16)}"
                 pair = self.pairs[peer] = Pair(key, self.host, SOURCE_RANK, self.store, self.timeout_s)
             return pair
 

@@ -23,7 +23,7 @@ import typer
 import zmq
 import zmq.asyncio
 
-from daemons import metrics, policy, runtime, wire
+from daemons import metrics, policy, runtime, security, wire
 from daemons.cli import load_or_exit
 from daemons.config import Config
 from daemons.rescheduler import Rescheduler
@@ -50,6 +50,8 @@ M_CORDONED = metrics.gauge("manager", "llumnix_instance_cordoned", "1 while the 
                            ["instance_id"])
 M_BAD_FRAMES = metrics.counter("manager", "llumnix_manager_malformed_frames_total",
                                "Frames dropped because they did not decode")
+M_REFUSED = metrics.counter("manager", "llumnix_manager_refused_messages_total",
+                            "Messages refused because the sender's key (role) may not send them")
 _PER_INSTANCE = (M_FREENESS, M_USAGE, M_DRAINING, M_CORDONED)
 
 
@@ -70,6 +72,7 @@ class InstanceRecord:
     # usage so that a burst between two reports does not all land on the same "freest" instance.
     dispatched_n: int = 0
     pending: deque = field(default_factory=deque)
+    principal: str = ""  # role:name of the key it registered with (CURVE); another key cannot take its id
 
     @property
     def instance_id(self) -> str:
@@ -88,6 +91,16 @@ class InstanceRecord:
             self.pending.popleft()
 
 
+# Who may send what to the manager when cluster sockets use CURVE keys (the role comes from the key).
+_VERBS: dict[str, tuple[type, ...]] = {
+    "instance": (wire.Register, wire.LoadReport, wire.Goodbye, wire.RequestList, wire.MigrateResult),
+    "proxy": (wire.Dispatch, wire.SnapshotQuery, wire.StatusQuery),
+    "reader": (wire.StatusQuery, wire.SnapshotQuery, wire.RequestsQuery, wire.PolicyQuery),  # policy: read only
+    "operator": (wire.StatusQuery, wire.SnapshotQuery, wire.RequestsQuery, wire.PolicyQuery, wire.MigrateQuery,
+                 wire.DrainQuery, wire.RemoveQuery, wire.AddQuery),
+}
+
+
 class Manager:
     def __init__(self, cfg: Config):
         metrics.bind("manager", cfg.model.name)
@@ -104,13 +117,16 @@ class Manager:
         self.dispatched_total = 0
         self.started = time.monotonic()
         self.ctx = zmq.asyncio.Context()
-        self.sock = runtime.tune(self.ctx.socket(zmq.ROUTER))
+        self.sec = security.Security(cfg.security, "manager", self.ctx)
+        self.sock = self.sec.server(runtime.tune(self.ctx.socket(zmq.ROUTER)), "manager")
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.bound = ""
         self.query_ids = itertools.count(1)
         self._fanouts: dict[int, tuple[asyncio.Future, set[str], list]] = {}
         self._tasks: set[asyncio.Task] = set()
         self.resched = Rescheduler(self)
+        self._refused_logged: dict[tuple[str, str], float] = {}
+        self.sender = ""  # role:name of the message being handled (CURVE keys), for handlers that need it
         self._asked_to_register: dict[str, float] = {}  # instance id -> when we last asked it to register
 
     # ------------------------------------------------------------------ view
@@ -180,12 +196,20 @@ class Manager:
     def on_register(self, ident: bytes, msg: wire.Register) -> wire.Message:
         if msg.wire_version != wire.WIRE_VERSION:
             log.warning("instance %s speaks wire version %d, we speak %d: refused", msg.instance_id, msg.wire_version, wire.WIRE_VERSION)
-            return wire.RegisterAck(msg.instance_id, accepted=False, reason=f"wire version {msg.wire_version} != {wire.WIRE_VERSION}")
+            return wire.RegisterAck(msg.instance_id, accepted=False, final=True,
+                                    reason=f"wire version {msg.wire_version} != {wire.WIRE_VERSION}")
         now = time.monotonic()
         old = self.instances.get(msg.instance_id)
+        principal = self.sender
+        if old is not None and old.state != "dead" and old.principal != principal:
+            log.warning("refused a registration of instance %s by key %s: it is registered by key %s and alive",
+                        msg.instance_id, principal or "(none)", old.principal or "(none)")
+            return wire.RegisterAck(msg.instance_id, accepted=False, final=True,
+                                    reason=f"instance id {msg.instance_id} is taken by another key's live instance")
         rec = InstanceRecord(info=msg, identity=ident, load=msg.load, last_seen=now, registered_at=now,
                              credit_age0=msg.uptime_s)
         rec.dispatched_n = msg.load.requests_received
+        rec.principal = principal
         rec.cordoned = msg.cordoned
         rec.drain_reason = "" if msg.drain_reason == "stopping" else msg.drain_reason
         if msg.drain_reason == "stopping":
@@ -390,20 +414,47 @@ class Manager:
         reply = await coro
         await self.sock.send_multipart([ident, wire.encode(reply)])
 
+    def permitted(self, principal: str, msg: wire.Message) -> bool:
+        """With CURVE keys, may the sender (``role:name`` from its key) send ``msg``? A refused query is
+        answered with an error; anything refused is logged (once a minute per sender and verb)."""
+        role = principal.split(":", 1)[0]
+        ok = isinstance(msg, _VERBS.get(role, ()))
+        if ok and role == "reader" and isinstance(msg, wire.PolicyQuery):
+            ok = not any((msg.dispatch_policy, msg.pairing_policy, msg.request_selection, msg.scaling_policy))
+        if not ok:
+            M_REFUSED.inc()
+            verb = type(msg).__name__
+            now = time.monotonic()
+            if now - self._refused_logged.get((principal, verb), -60.0) >= 60.0:
+                self._refused_logged[(principal, verb)] = now
+                log.warning("refused %s from %s: role %r may not send it", verb, principal or "an unknown key", role)
+        return ok
+
     async def serve(self, stop: asyncio.Event) -> None:
-        async for batch in runtime.receive(self.sock, multipart=True):
+        secured = self.sec.enabled
+        async for batch in runtime.receive(self.sock, multipart=True, copy=not secured):
             dispatches: list[tuple[bytes, wire.Dispatch]] = []
             for frames in batch:
                 if len(frames) != 2:
                     M_BAD_FRAMES.inc()
                     log.warning("dropped a message of %d frames (expected 2)", len(frames))
                     continue
+                principal = ""
+                if secured:
+                    principal = self.sec.principal(frames[1])
+                    frames = [f.bytes for f in frames]
                 msg = wire.decode(frames[1])
                 if msg is None:
                     M_BAD_FRAMES.inc()
+                elif secured and not self.permitted(principal, msg):
+                    if hasattr(msg, "query_id"):
+                        reply = wire.ErrorReply(msg.query_id, f"permission denied: key {principal.split(':')[-1]!r} "
+                                                              f"may not send {type(msg).__name__} (needs an operator key)")
+                        await self.sock.send_multipart([frames[0], wire.encode(reply)])
                 elif isinstance(msg, wire.Dispatch):
                     dispatches.append((frames[0], msg))  # after the batch's reports: with the freshest loads
                 else:
+                    self.sender = principal
                     await self.handle(frames[0], msg)
             if dispatches:
                 replies = self.on_dispatch_batch([m for _, m in dispatches])
@@ -438,8 +489,9 @@ class Manager:
                     self.update_gauges(r, now)  # the credit fades between reports too
 
     async def run(self) -> None:
+        self.sec.check_bind("manager.bind" if self.mc.bind else "manager.address", self.mc.bind or self.mc.address)
         self.bound = runtime.bind(self.sock, self.mc.bind or self.mc.address)
-        metrics = runtime.start_metrics_server(self.mc.metrics_port)
+        metrics = runtime.start_metrics_server(self.mc.metrics_port, self.mc.metrics_host, security.metrics_token(self.cfg))
         log.info("serving on %s (dispatch %s, pairing %s, selection %s, scaling %s, heartbeat %.2fs, metrics %s)",
                  self.bound, self.dispatch_policy, self.pairing_policy if self.migrating else "drains only",
                  self.request_selection, self.scaling_policy, self.mc.heartbeat_interval_s, metrics or "off")
@@ -456,6 +508,7 @@ class Manager:
         for t in [*tasks, *self._tasks]:
             t.cancel()
         await asyncio.gather(*tasks, *self._tasks, return_exceptions=True)
+        self.sec.close()
         self.ctx.destroy(linger=0)
         if failure is not None:
             raise SystemExit(1)
@@ -480,7 +533,7 @@ def main(
         "manager.metrics_port": metrics_port, "manager.log_level": log_level,
     })
     runtime.setup_logging(cfg.manager.log_level, "llumnix-manager")
-    runtime.exit_on_startup_error("llumnix-manager", Manager(cfg).run())
+    runtime.exit_on_startup_error("llumnix-manager", lambda: Manager(cfg).run())
 
 
 def entry() -> None:

@@ -48,6 +48,7 @@ from daemons.engine.base import Engine, EngineError
 from daemons.kvtransfer import KvTransfer, TransferError
 from daemons.proxylinks import ProxyLinks
 from daemons.requests import RequestTable
+from daemons.security import Security
 from daemons.watchdog import Faults
 
 log = logging.getLogger("llumnix.migration")
@@ -81,6 +82,7 @@ class Host(Protocol):
     """What the migrator needs of its instance (daemons/instance.py)."""
 
     ctx: zmq.asyncio.Context
+    sec: Security
     instance_id: str
     request_address: str
     accepting: bool
@@ -158,7 +160,7 @@ class Migrator:
     def _peer(self, address: str) -> zmq.asyncio.Socket:
         sock = self.peers.get(address)
         if sock is None:
-            sock = self.peers[address] = runtime.tune(self.inst.ctx.socket(zmq.DEALER))
+            sock = self.peers[address] = self.inst.sec.client(runtime.tune(self.inst.ctx.socket(zmq.DEALER)), "instance")
             monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             sock.connect(address)
             self.spawn(self._read_peer(sock))

@@ -31,8 +31,10 @@ class _Link:
 
 
 class ProxyLinks:
-    def __init__(self, ctx: zmq.Context, orphan_timeout_s: float, max_backlog: int = 10_000, sndhwm: int = 100_000):
+    def __init__(self, ctx: zmq.Context, orphan_timeout_s: float, max_backlog: int = 10_000, sndhwm: int = 100_000,
+                 secure=None):
         self.ctx = ctx
+        self.secure = secure or (lambda sock: sock)  # CURVE: authenticate to the proxy's token socket
         self.orphan_timeout_s = orphan_timeout_s
         self.max_backlog = max_backlog
         self.sndhwm = sndhwm
@@ -44,6 +46,7 @@ class ProxyLinks:
             sock = self.ctx.socket(zmq.PUSH, socket_class=zmq.Socket)  # send-only: plain sends never wait
             sock.setsockopt(zmq.LINGER, 2000)  # let the last tokens out on shutdown, but never hang
             sock.setsockopt(zmq.SNDHWM, self.sndhwm)
+            self.secure(sock)
             sock.connect(address)
             link = self.links[address] = _Link(sock)
         return link

@@ -116,6 +116,7 @@ class RegisterAck(msgspec.Struct, **_tagged(2)):
     instance_id: str
     accepted: bool = True
     reason: str = ""
+    final: bool = False  # not accepted, and registering again will not help (id taken, wire version)
 
 
 class LoadReport(msgspec.Struct, **_tagged(3)):

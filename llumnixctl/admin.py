@@ -11,21 +11,47 @@ from daemons import wire
 
 
 class ManagerUnreachable(Exception):
-    pass
+    def __init__(self, message: str, refused: bool = False):
+        super().__init__(message)
+        self.refused = refused  # it answered the connection but refused our key (CURVE)
 
 
 class AdminClient:
-    def __init__(self, address: str, timeout_s: float = 2.0):
+    def __init__(self, address: str, timeout_s: float = 2.0, sec=None):
+        """``sec``: a daemons.security.Security for a cluster whose sockets use CURVE keys."""
         self.address = address
         self.timeout_s = timeout_s
+        self.sec = sec
         self._ids = itertools.count(1)
         self._ctx = zmq.Context.instance()
         self._sock = None
+        self._monitor = None
+
+    @classmethod
+    def for_settings(cls, address: str, config: str | None, sets: list[str], timeout_s: float = 2.0) -> "AdminClient":
+        """A client with the keys of these settings (``--config`` file and ``--set`` overrides), if any."""
+        from daemons.config import load_config
+        from daemons.security import Security
+
+        sc = load_config(config, sets).security
+        return cls(address, timeout_s, sec=Security(sc, "llumnixctl") if sc.keys_dir else None)
+
+    @classmethod
+    def for_args(cls, address: str, args: list[str], timeout_s: float = 2.0) -> "AdminClient":
+        """The same, from daemon arguments (``--config FILE``, ``--set section.key=value`` pairs)."""
+        config = next((b for a, b in zip(args, args[1:]) if a == "--config"), None)
+        sets = [b for a, b in zip(args, args[1:]) if a == "--set"]
+        return cls.for_settings(address, config, sets, timeout_s)
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
             self._sock = self._ctx.socket(zmq.DEALER)
             self._sock.setsockopt(zmq.LINGER, 0)
+            if self.sec is not None:
+                self.sec.client(self._sock, "manager")
+            # To say "key refused" or "the manager wants keys" rather than "no answer".
+            self._monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                                                          | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
             try:
                 self._sock.connect(self.address)
             except zmq.ZMQError as exc:
@@ -45,8 +71,31 @@ class AdminClient:
                 if isinstance(reply, wire.ErrorReply):
                     raise RuntimeError(reply.message)
                 return reply
+        refused = self._refused()
         self.close()  # a late reply must not be mistaken for the next one
+        if refused:
+            raise ManagerUnreachable(refused, refused=True)
         raise ManagerUnreachable(f"the manager at {self.address} did not answer within {self.timeout_s:g}s")
+
+    def _refused(self) -> str:
+        """Why the manager refused our key, if it did (CURVE handshake events)."""
+        if self._monitor is None:
+            return ""
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)
+            secured = self.sec is not None and self.sec.enabled
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH and secured:
+                return (f"the manager at {self.address} refused our key {self.sec.name!r} (not among its allowed "
+                        f"keys in security.keys_dir/public, or not a role that may connect)")
+            if event["event"] in (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
+                return (f"the manager at {self.address} refused our connection: it uses CURVE keys; set "
+                        f"security.keys_dir (and security.key) in the config given with --config"
+                        if not secured else
+                        f"the manager at {self.address} failed our CURVE handshake: does our "
+                        f"security.keys_dir hold its public/manager.key?")
+        return ""
 
     def status(self) -> wire.Snapshot:
         return self.ask(wire.StatusQuery)
@@ -71,6 +120,10 @@ class AdminClient:
         return self.ask(lambda qid: wire.PolicyQuery(qid, **changes))
 
     def close(self) -> None:
+        if self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(0)
+            self._monitor = None
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None

@@ -61,14 +61,42 @@ def manager_address(manager: str | None, run_dir: Path | None, config: str | Non
     return manager_source(manager, run_dir, config)[0]
 
 
+def security_for(config: str | None):
+    """This host's keys for the cluster's sockets (security.keys_dir of the config), or None."""
+    from daemons.runtime import StartupError
+    from daemons.security import Security
+
+    try:
+        cfg = load_config(config)
+    except ConfigError as exc:
+        die(str(exc), 2)
+    if not cfg.security.keys_dir:
+        return None
+    try:
+        return Security(cfg.security, "llumnixctl")
+    except StartupError as exc:
+        die(str(exc), 2)
+
+
 def admin(manager: str | None, run_dir: Path | None, config: str | None, timeout: float) -> AdminClient:
     address, source = manager_source(manager, run_dir, config)
-    client = AdminClient(address, timeout)
+    state = None
+    if source.startswith("the local cluster in ") and config is None:  # its keys, if it was started with some
+        state = localcluster.ClusterState.load(Path(source[len("the local cluster in "):]))
+    if state is not None:
+        try:
+            client = AdminClient.for_args(address, state.args, timeout)
+        except ConfigError as exc:
+            die(str(exc), 2)
+    else:
+        client = AdminClient(address, timeout, sec=security_for(config))
     client.source = source  # where the address came from, for the one-line error
     return client
 
 
 def unreachable_message(client: AdminClient, exc: ManagerUnreachable) -> str:
+    if getattr(exc, "refused", False):  # it is up, and said no to our key
+        return str(exc)
     source = getattr(client, "source", "")
     source = "" if source == "--manager" else source
     return (f"{exc}{f' (address from {source})' if source else ''}. Is the cluster up? Start one with "
@@ -80,6 +108,8 @@ def ask(client: AdminClient, what):
         return what(client)
     except ManagerUnreachable as exc:
         die(unreachable_message(client, exc))
+    except RuntimeError as exc:  # the manager's ErrorReply: a refused verb (key role), an unknown instance
+        die(str(exc))
 
 
 def print_json(data) -> None:

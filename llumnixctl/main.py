@@ -433,9 +433,10 @@ operate.register(app)
 
 
 def entry() -> None:
-    from llumnixctl import bench, model  # `llumnixctl bench ...`, `llumnixctl model ...`
+    from llumnixctl import bench, keys, model  # `llumnixctl bench ...`, `llumnixctl keys ...`, `llumnixctl model ...`
 
     app.add_typer(bench.app, name="bench")
+    app.add_typer(keys.app, name="keys")
     app.add_typer(model.app, name="model")
     app(prog_name="llumnixctl")  # also under `python -m llumnixctl.main`: usage lines, completion
 

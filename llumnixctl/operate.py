@@ -23,6 +23,8 @@ InstanceArg = Annotated[str, typer.Argument(help="instance id (see llumnixctl st
 def _call(client: AdminClient, what):
     try:
         return ask(client, what)
+    except typer.Exit:  # a RuntimeError too: ask() already said why
+        raise
     except RuntimeError as exc:  # the manager's refusal: unknown instance, bad name
         die(str(exc))
 

@@ -216,9 +216,11 @@ def test_llumnix_manager_env_comes_right_after_the_flag(cluster, tmp_path):
     # the flag wins over the variable
     got = ctl("status", "--json", "--manager", cluster.manager, env={"LLUMNIX_MANAGER": free_address()})
     assert got.returncode == 0, got.stderr
-    # the variable wins over --run-dir and --config (neither is even read)
+    # the variable wins over --run-dir (not even read) and the address in --config (read for its keys only)
     empty = tmp_path / "no-cluster-here"
-    got = ctl("status", "--json", "--run-dir", str(empty), "--config", str(tmp_path / "missing.toml"),
+    other = tmp_path / "other.toml"
+    other.write_text(f'[manager]\naddress = "{free_address()}"\n')
+    got = ctl("status", "--json", "--run-dir", str(empty), "--config", str(other),
               env={"LLUMNIX_MANAGER": cluster.manager})
     assert got.returncode == 0, got.stderr
     assert [i["id"] for i in json.loads(got.stdout)["instances"]] == ["i0", "i1"]

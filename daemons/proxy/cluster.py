@@ -29,7 +29,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from daemons import metrics, policy, runtime, wire
+from daemons import metrics, policy, runtime, security, wire
 
 log = logging.getLogger("llumnix.proxy")
 
@@ -135,9 +135,10 @@ class ClusterClient:
         self.cfg = cfg
         self.pc = cfg.proxy
         self.ctx = zmq.asyncio.Context()
-        self.pull = runtime.tune(self.ctx.socket(zmq.PULL))
+        self.sec = security.Security(cfg.security, "proxy", self.ctx)
+        self.pull = self.sec.server(runtime.tune(self.ctx.socket(zmq.PULL)), "proxy")  # only instances' keys
         self.pull.setsockopt(zmq.RCVHWM, 0)
-        self.manager = runtime.tune(self.ctx.socket(zmq.DEALER))
+        self.manager = self.sec.client(runtime.tune(self.ctx.socket(zmq.DEALER)), "manager")
         self.manager.setsockopt(zmq.IMMEDIATE, 1)  # while the manager is away, fail fast and dispatch locally
         self.instances: dict[str, zmq.Socket] = {}  # by request address: a restarted instance may move
         self.streams: dict[str, Stream] = {}
@@ -160,6 +161,7 @@ class ClusterClient:
     # ------------------------------------------------------------------ life cycle
 
     async def start(self) -> None:
+        self.sec.check_bind("proxy.token_address", self.pc.token_address)
         bound = runtime.bind(self.pull, self.pc.token_address)
         self.token_address = self.pc.advertise_address or bound
         runtime.connect(self.manager, self.cfg.manager.address)
@@ -177,6 +179,7 @@ class ClusterClient:
                 self._send_instance(stream.address, wire.Abort(rid))
         for sock in self.instances.values():
             sock.close(200)  # the aborts above still go out
+        self.sec.close()
         self.ctx.destroy(linger=0)
 
     # ------------------------------------------------------------------ manager
@@ -297,6 +300,7 @@ class ClusterClient:
         if sock is None:
             sock = runtime.tune(self.ctx.socket(zmq.DEALER, socket_class=zmq.Socket))  # send-only
             sock.setsockopt(zmq.SNDHWM, 100_000)
+            self.sec.client(sock, "instance")
             sock.connect(address)
             self.instances[address] = sock
         if not runtime.send_now(sock, wire.encode(msg)):
