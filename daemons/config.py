@@ -167,7 +167,7 @@ class SchedulingConfig:
     cross_node_bandwidth_gbps: float = setting(0.0, "what a live migration between instances on different hosts (instance.host) achieves, in Gbit/s (llumnixctl bench migration --netns measures it); > 0 turns on the cross-host cost check: a balancing move to another host must cross faster than the source could recompute what it saves (0 = off: hosts are not told apart)", minimum=0.0)
     cross_node_kv_bytes_per_token: int = setting(0, "KV bytes per token of the served model (2 x layers x KV heads x head dim x bytes per element) for the cross-host check; 0 = learned from the first committed migration (no check until then)", minimum=0)
     cross_node_recompute_ms_per_token: float = setting(0.1, "prefill time per token of context: what recomputing a preempted request costs, the saving a cross-host move is weighed against", minimum=0.0)
-    cross_node_overhead_ms: float = setting(50.0, "one migration's time besides moving its KV (stages, handshakes, downtime), added to its transfer time in the cross-host check", minimum=0.0)
+    cross_node_overhead_ms: float = setting(20.0, "one migration's time besides moving its KV (stages, handshakes, downtime), added to its transfer time in the cross-host check", minimum=0.0)
 
 
 @dataclass

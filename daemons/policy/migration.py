@@ -41,7 +41,7 @@ class CrossNode:
     bandwidth_gbps: float = 0.0  # what a migration between two hosts achieves, Gbit/s; 0: no check
     kv_bytes_per_token: float = 0.0  # KV bytes of one token of the served model; 0: unknown, no check
     recompute_ms_per_token: float = 0.1  # prefill time per token of context: what a preemption costs
-    overhead_ms: float = 50.0  # one migration's time besides moving its bytes: stages, handshakes, downtime
+    overhead_ms: float = 20.0  # one migration's time besides moving its bytes: stages, handshakes, downtime
 
     @property
     def on(self) -> bool:
