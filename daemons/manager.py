@@ -378,8 +378,28 @@ class Manager:
         task.add_done_callback(self._tasks.discard)
         return task
 
+    def _impostor(self, msg) -> bool:
+        """With keys: a message about a live instance from a key other than the one it registered with."""
+        rec = self.instances.get(msg.instance_id)
+        if rec is None or rec.state == "dead" or rec.principal == self.sender:
+            return False
+        M_REFUSED.inc()
+        now = time.monotonic()
+        if now - self._refused_logged.get((self.sender, msg.instance_id), -60.0) >= 60.0:
+            self._refused_logged[(self.sender, msg.instance_id)] = now
+            log.warning("refused %s about instance %s from key %s: it registered with key %s",
+                        type(msg).__name__, msg.instance_id, self.sender or "(none)", rec.principal or "(none)")
+        return True
+
     async def handle(self, ident: bytes, msg: wire.Message) -> None:
         reply: wire.Message | None = None
+        if (self.sec.enabled and isinstance(msg, (wire.LoadReport, wire.Goodbye, wire.RequestList, wire.MigrateResult))
+                and self._impostor(msg)):
+            if isinstance(msg, wire.LoadReport):  # it would wait forever to be asked to register: tell it why not
+                reply = wire.RegisterAck(msg.instance_id, accepted=False, final=True,
+                                         reason=f"instance id {msg.instance_id} is taken by another key's live instance")
+                await self.sock.send_multipart([ident, wire.encode(reply)])
+            return
         if isinstance(msg, wire.LoadReport):
             reply = self.on_report(ident, msg)
         elif isinstance(msg, wire.Register):

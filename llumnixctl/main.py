@@ -279,11 +279,8 @@ def migrate(
     if (request_id is None) == (from_ is None):
         die("give either REQUEST_ID or --from INSTANCE (with --count N)", 2)
     client = admin(manager, run_dir, config, timeout)
-    try:
-        reply = ask(client, lambda c: c.migrate(to, request_id=request_id or "", src=from_ or "", count=count,
-                                                      blocking=blocking))
-    except RuntimeError as exc:  # the manager's refusal: unknown instance or request
-        die(str(exc))
+    reply = ask(client, lambda c: c.migrate(to, request_id=request_id or "", src=from_ or "", count=count,
+                                            blocking=blocking))  # a refusal (unknown instance) is one line
     outcomes = [outcome_json(o) for o in reply.outcomes]
     if json_:
         print_json(outcomes[0] if request_id is not None and outcomes else outcomes)
