@@ -3,11 +3,33 @@
 from __future__ import annotations
 
 import itertools
+import os
+import threading
 import time
 
 import zmq
 
 from daemons import wire
+
+
+_contexts: dict[str, zmq.Context] = {}
+_contexts_lock = threading.Lock()
+
+
+def _context() -> zmq.Context:
+    """The process's ZeroMQ context, or one of the calling thread's own network namespace: a context's I/O
+    threads connect from the namespace they started in, and tests and benchmarks put threads on other
+    "hosts" (llumnixctl/netns.py)."""
+    try:
+        here, main = os.readlink("/proc/thread-self/ns/net"), os.readlink("/proc/self/ns/net")
+    except OSError:
+        return zmq.Context.instance()
+    if here == main:
+        return zmq.Context.instance()
+    with _contexts_lock:
+        if here not in _contexts:
+            _contexts[here] = zmq.Context()
+        return _contexts[here]
 
 
 class ManagerUnreachable(Exception):
@@ -23,7 +45,7 @@ class AdminClient:
         self.timeout_s = timeout_s
         self.sec = sec
         self._ids = itertools.count(1)
-        self._ctx = zmq.Context.instance()
+        self._ctx = _context()
         self._sock = None
         self._monitor = None
 
