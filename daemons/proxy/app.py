@@ -924,8 +924,10 @@ async def _serve(cfg: Config) -> None:
         raise runtime.StartupError(str(exc)) from None
     cluster: ClusterClient = app.state.proxy.cluster
     keys: ApiKeys | None = app.state.proxy.keys
-    if keys is not None:  # SIGHUP: read the keys file again now
-        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, keys.reload)
+    # SIGHUP (systemctl reload): read the keys file again now; without one there is nothing to reload,
+    # and a reload must not stop the proxy.
+    asyncio.get_running_loop().add_signal_handler(
+        signal.SIGHUP, keys.reload if keys is not None else lambda: log.info("SIGHUP: no proxy.api_keys_file to read again"))
     listener = _listen(pc.host, pc.port)
     await cluster.start()
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
