@@ -36,6 +36,10 @@ M_SCALING = metrics.counter("manager", "llumnix_manager_scaling_total", "Auto-sc
                             ["direction"], preset=[("out",), ("in",)])
 M_CLUSTER_FREENESS = metrics.gauge("manager", "llumnix_cluster_freeness",
                                    "Average freeness of the normal-priority load (the auto-scaling signal)")
+M_PAIRING_ROUND = metrics.histogram("manager", "llumnix_manager_pairing_round_seconds",
+                                    "Duration of one pairing round: pair the instances and send the migration orders",
+                                    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1,
+                                             0.25, 0.5, 1.0, 2.5))
 
 
 class Rescheduler:
@@ -62,7 +66,9 @@ class Rescheduler:
     async def pairing_loop(self) -> None:
         while True:
             await asyncio.sleep(self.sc.migration_interval_s)
+            start = time.perf_counter()
             self.pair_once()
+            M_PAIRING_ROUND.observe(time.perf_counter() - start)
 
     def cross_node(self) -> policy.CrossNode:
         """The cross-host cost check's figures: the settings, and the KV size migrations showed."""

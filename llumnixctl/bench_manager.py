@@ -1,0 +1,591 @@
+"""``llumnixctl bench manager``: the real llumnix-manager against many emulated instances.
+
+For each instance count the real ``llumnix-manager`` runs as a subprocess (``python -m daemons.manager``),
+and a few emulator processes each hold one ZeroMQ DEALER per emulated instance (its own identity), all
+served by one ``zmq.Poller``. An emulated instance registers as a real one does (daemons/instance.py
+``register_msg``), sends a LoadReport every ``manager.heartbeat_interval_s`` (staggered) and, like a
+real instance whose load changed, one more soon after it was dispatched requests (their count is its
+``requests_received``, which retires the manager's dispatch estimates). Loads vary: a quarter of the
+instances are loaded below ``scheduling.migrate_out_threshold``, a quarter nearly free, the rest in
+between, redrawn at every report, so that every pairing round has pairs to order. A MigrateStart is
+answered at once with a MigrateResult with no outcome (the source found nothing worth moving), a
+ListRequests with an empty RequestList.
+
+Then, per dispatch rate, a client process sends Dispatch queries open loop on one DEALER (as the
+proxy does, daemons/proxy/cluster.py): every millisecond, the ones due by then, whatever came back. Per
+dispatch, the round trip from its send to its DispatchReply; the achieved rate; the manager's CPU (and
+the emulators' and the client's: they share the machine). The manager's
+``llumnix_manager_pairing_round_seconds`` histogram, scraped from its /metrics before and after each
+phase, gives the pairing rounds of the phase (mean exact; p99 and max from the bucket bounds).
+
+Nothing here asserts a timing; the figures depend on the machine and on what else runs on it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Annotated, Optional
+
+import msgspec
+import psutil
+import typer
+import zmq
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
+from rich.table import Table
+
+from daemons import wire
+from llumnixctl.admin import AdminClient, ManagerUnreachable
+from llumnixctl.localcluster import free_port
+
+MODEL = "llumnix-emulated"
+PER_EMULATOR = 400  # emulated instances per emulator process
+BLOCKS = 2000
+BLOCK_SIZE = 16
+HISTOGRAM = "llumnix_manager_pairing_round_seconds"
+
+
+# ---------------------------------------------------------------------- emulated instances (a subprocess)
+
+
+def _load(rng: random.Random, kind: int, received: int) -> wire.InstanceLoad:
+    """A load of class ``kind``: 0 loaded (freeness 1-5, below the default migrate-out threshold 6),
+    1 nearly free (freeness in the hundreds), 2 and 3 in between (freeness 6.2-7.8: neither)."""
+    if kind == 0:
+        running, free = rng.randint(16, 24), rng.uniform(1.0, 5.0)
+    elif kind == 1:
+        running, free = rng.randint(1, 4), rng.uniform(300.0, 450.0)
+    else:
+        running, free = rng.randint(8, 12), rng.uniform(6.2, 7.8)
+    used = max(0, min(BLOCKS, int(BLOCKS - free * running)))
+    return wire.InstanceLoad(blocks_total=BLOCKS, blocks_used=used, running=running, waiting=0, batch_size=256,
+                             block_size=BLOCK_SIZE, requests_received=received, running_blocks=used)
+
+
+def emulate(spec: dict) -> None:
+    """Run emulated instances ``spec["ids"]`` (global indexes ``spec["first"]``...) until SIGTERM or
+    ``spec["max_s"]``; write what they did to ``spec["out"]``."""
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    signal.signal(signal.SIGINT, lambda *_: stop.append(1))
+    deadline = time.monotonic() + spec["max_s"]
+    ids: list[str] = spec["ids"]
+    hb = spec["heartbeat_s"]
+    min_interval = spec["min_interval_s"]
+    rng = random.Random(spec["first"])
+    ctx = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, len(ids) + 64)
+    poller = zmq.Poller()
+    socks: list[zmq.Socket] = []
+    index: dict[zmq.Socket, int] = {}
+    kinds = [(spec["first"] + k) % 4 for k in range(len(ids))]
+    received = [0] * len(ids)
+    seq = [0] * len(ids)
+    last_report = [0.0] * len(ids)
+    dirty: set[int] = set()
+    stats = {"registers": 0, "reports": 0, "migrate_starts": 0, "list_requests": 0, "other": 0, "acks": 0,
+             "refused": 0}
+    by_id = {iid: k for k, iid in enumerate(ids)}
+    feed = ctx.socket(zmq.PULL)
+    feed.setsockopt(zmq.LINGER, 0)
+    feed.bind(spec["feed"])
+    poller.register(feed, zmq.POLLIN)
+
+    def register(k: int) -> None:
+        msg = wire.Register(instance_id=ids[k], host="emulated", pid=os.getpid(),
+                            request_address=f"tcp://127.0.0.1:9/{ids[k]}", backend="emulated", model=MODEL,
+                            load=_load(rng, kinds[k], received[k]), max_model_len=4096, uptime_s=60.0)
+        _send(socks[k], msg)
+        stats["registers"] += 1
+
+    def report(k: int, now: float) -> None:
+        seq[k] += 1
+        last_report[k] = now
+        _send(socks[k], wire.LoadReport(ids[k], seq[k], _load(rng, kinds[k], received[k])))
+        stats["reports"] += 1
+
+    for k, iid in enumerate(ids):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.IDENTITY, f"emu-{iid}".encode())
+        s.connect(spec["manager"])
+        socks.append(s)
+        index[s] = k
+        poller.register(s, zmq.POLLIN)
+        register(k)
+    start = time.monotonic()
+    due = [(start + hb * (k + 1) / len(ids), k) for k in range(len(ids))]  # staggered over one interval
+    heapq.heapify(due)
+    try:
+        while not stop and time.monotonic() < deadline:
+            now = time.monotonic()
+            while due and due[0][0] <= now:
+                _, k = heapq.heappop(due)
+                dirty.discard(k)
+                report(k, now)
+                heapq.heappush(due, (now + hb, k))
+            for k in [k for k in dirty if now - last_report[k] >= min_interval]:
+                dirty.discard(k)
+                report(k, now)  # its load changed: a real instance reports at once (coalesced)
+            wait = min(due[0][0] - now if due else hb, 0.02 if dirty else hb)
+            for sock, _ in poller.poll(max(1, int(wait * 1000))):
+                for _ in range(1000):
+                    try:
+                        frame = sock.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    if sock is feed:
+                        for iid, n in msgspec.msgpack.decode(frame).items():
+                            k = by_id.get(iid)
+                            if k is not None:
+                                received[k] += n
+                                dirty.add(k)
+                        continue
+                    k = index[sock]
+                    msg = wire.decode(frame)
+                    if isinstance(msg, wire.RegisterAck):
+                        stats["acks"] += 1
+                        if not msg.accepted:
+                            stats["refused"] += 1
+                            if not msg.final:
+                                register(k)
+                    elif isinstance(msg, wire.MigrateStart):
+                        stats["migrate_starts"] += 1  # nothing worth moving: no outcome
+                        _send(sock, wire.MigrateResult(msg.query_id, ids[k], []))
+                    elif isinstance(msg, wire.ListRequests):
+                        stats["list_requests"] += 1
+                        _send(sock, wire.RequestList(msg.query_id, ids[k], []))
+                    else:
+                        stats["other"] += 1
+    finally:
+        Path(spec["out"]).write_text(json.dumps(stats))
+        ctx.destroy(linger=0)
+
+
+def _send(sock: zmq.Socket, msg) -> None:
+    try:
+        sock.send(wire.encode(msg), zmq.NOBLOCK)
+    except zmq.Again:
+        pass  # the manager is not reading: as a real instance, drop (the next report says it again)
+
+
+# ---------------------------------------------------------------------- the dispatch client (a subprocess)
+
+
+def _ms(xs: list[float]) -> dict:
+    if not xs:
+        return {"mean": None, "p50": None, "p99": None, "p999": None, "max": None}
+    xs = sorted(xs)
+
+    def pct(p: float) -> float:
+        return round(xs[min(len(xs) - 1, int(p / 100 * len(xs)))] * 1e3, 4)
+
+    return {"mean": round(statistics.fmean(xs) * 1e3, 4), "p50": pct(50), "p99": pct(99), "p999": pct(99.9),
+            "max": round(xs[-1] * 1e3, 4)}
+
+
+def client(spec: dict) -> None:
+    """Send ``rate`` Dispatch queries a second for ``seconds``, open loop; write the round trips to ``out``."""
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    signal.signal(signal.SIGINT, lambda *_: stop.append(1))
+    rate, seconds, grace = spec["rate"], spec["seconds"], spec["grace_s"]
+    total = max(1, int(rate * seconds))
+    owner: dict[str, int] = spec["owner"]  # instance id -> emulator index (its feed)
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.SNDHWM, 1_000_000)
+    dealer.setsockopt(zmq.RCVHWM, 1_000_000)
+    dealer.connect(spec["manager"])
+    feeds = []
+    for address in spec["feeds"]:
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(address)
+        feeds.append(push)
+    rng = random.Random(spec.get("seed", 0))
+    prompts = [rng.randint(16, 1024) for _ in range(1024)]
+    sent_at = [0.0] * total
+    late = [0.0] * total  # how far behind its schedule each one was sent (the client's own lag)
+    latencies: list[float] = []
+    failed = answered = 0
+    counts: list[dict[str, int]] = [{} for _ in feeds]
+    cpu0 = psutil.Process().cpu_times()
+    t0 = time.perf_counter()
+    last_feed = t0
+    i = 0
+    send_end = last_answer = t0
+    deadline = t0 + seconds + grace
+    while not stop:
+        now = time.perf_counter()
+        target = min(total, int((now - t0) * rate) + 1)
+        while i < target:
+            try:
+                dealer.send(wire.encode(wire.Dispatch(i, f"r{i}", prompts[i % 1024])), zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            sent_at[i] = time.perf_counter()
+            late[i] = sent_at[i] - (t0 + i / rate)
+            i += 1
+        if i == total and send_end == t0:
+            send_end = time.perf_counter()
+        for _ in range(10_000):
+            try:
+                frame = dealer.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            got = time.perf_counter()
+            msg = wire.decode(frame)
+            if not isinstance(msg, wire.DispatchReply) or not 0 <= msg.query_id < i:
+                continue
+            answered += 1
+            last_answer = got
+            latencies.append(got - sent_at[msg.query_id])
+            if not msg.instance_id:
+                failed += 1
+            else:
+                e = owner.get(msg.instance_id)
+                if e is not None:
+                    counts[e][msg.instance_id] = counts[e].get(msg.instance_id, 0) + 1
+        now = time.perf_counter()
+        if now - last_feed >= 0.02:  # the Submits the instances would have received by now
+            last_feed = now
+            for e, c in enumerate(counts):
+                if c:
+                    try:
+                        feeds[e].send(msgspec.msgpack.encode(c), zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass
+                    counts[e] = {}
+        if (i == total and answered >= total) or now > deadline:
+            break
+        dealer.poll(1)
+    cpu1 = psutil.Process().cpu_times()
+    send_s = (send_end if send_end > t0 else time.perf_counter()) - t0
+    out = {"rate": rate, "seconds": seconds, "sent": i, "answered": answered, "no_instance": failed,
+           "unanswered": i - answered, "achieved_rate": round(i / send_s, 1) if send_s > 0 else 0.0,
+           "send_s": round(send_s, 3),
+           "answered_rate": round(answered / (last_answer - t0), 1) if last_answer > t0 else 0.0,
+           "latency_ms": _ms(latencies),
+           "send_lag_ms": _ms(late[:i]),
+           "client_cpu_percent": round(100 * (cpu1.user + cpu1.system - cpu0.user - cpu0.system)
+                                       / max(time.perf_counter() - t0, 1e-9), 1)}
+    Path(spec["out"]).write_text(json.dumps(out))
+    ctx.destroy(linger=0)
+
+
+# ---------------------------------------------------------------------- orchestration
+
+
+def _spawn(argv: list[str], log: Path, procs: list[subprocess.Popen]) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "LLUMNIX_CONFIG"}  # the bench's settings only
+    with open(log, "ab") as f:
+        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env,
+                             start_new_session=True)
+    procs.append(p)
+    return p
+
+
+def _stop(procs: list[subprocess.Popen], timeout_s: float = 15.0) -> None:
+    """SIGTERM each (by pid), then SIGKILL what is left after ``timeout_s``; reap them all."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.kill(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait(5)
+    procs.clear()
+
+
+def _scrape(port: int) -> tuple[dict[float, float], float, float, dict[str, float]]:
+    """The pairing histogram (cumulative buckets by bound, sum, count) and a few counters."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    buckets: dict[float, float] = {}
+    total = count = 0.0
+    counters: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == HISTOGRAM + "_bucket":
+                buckets[float(s.labels["le"])] = s.value
+            elif s.name == HISTOGRAM + "_sum":
+                total = s.value
+            elif s.name == HISTOGRAM + "_count":
+                count = s.value
+            elif s.name in ("llumnix_manager_instance_deaths_total", "llumnix_manager_dispatch_failures_total"):
+                counters[s.name] = counters.get(s.name, 0.0) + s.value
+    return buckets, total, count, counters
+
+
+def _rounds(before, after) -> dict:
+    """Pairing rounds between two scrapes: count, mean (exact), p99 (interpolated in its bucket, as
+    Prometheus's histogram_quantile) and the upper bound of the highest bucket any round fell in."""
+    b0, s0, c0, _ = before
+    b1, s1, c1, _ = after
+    n = c1 - c0
+    out = {"count": int(n), "mean_ms": None, "p99_ms": None, "max_ms_le": None}
+    if n <= 0:
+        return out
+    out["mean_ms"] = round((s1 - s0) / n * 1e3, 4)
+    bounds = sorted(b1)
+    cum = [b1[b] - b0.get(b, 0.0) for b in bounds]
+    rank = 0.99 * n
+    prev_b, prev_c = 0.0, 0.0
+    for b, c in zip(bounds, cum):
+        if c >= rank:
+            if math.isinf(b):
+                out["p99_ms"] = round(prev_b * 1e3, 4)
+            else:
+                frac = (rank - prev_c) / (c - prev_c) if c > prev_c else 1.0
+                out["p99_ms"] = round((prev_b + (b - prev_b) * frac) * 1e3, 4)
+            break
+        prev_b, prev_c = b, c
+    prev_c = 0.0
+    for b, c in zip(bounds, cum):
+        if c > prev_c:
+            out["max_ms_le"] = b * 1e3 if not math.isinf(b) else None
+        prev_c = c
+    return out
+
+
+def _cpu(ps: list[psutil.Process]) -> float:
+    total = 0.0
+    for p in ps:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def _wait_for(pred, timeout_s: float, what: str, alive: list[subprocess.Popen]):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = pred()
+        if got:
+            return got
+        for p in alive:
+            if p.poll() is not None:
+                raise RuntimeError(f"{what}: a process it needs exited (pid {p.pid}, status {p.returncode})")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what}: not within {timeout_s:g}s")
+        time.sleep(0.2)
+
+
+def run(instances: list[int], rates: list[int], seconds: float, heartbeat_s: float, sets: list[str],
+        up_timeout_s: float = 60.0, log_dir: Path | None = None, echo=lambda s: None, profile: str = "") -> dict:
+    """The whole benchmark; every process it starts is stopped (by pid) before it returns or raises."""
+    work = Path(tempfile.mkdtemp(prefix="llumnix-bench-manager-"))
+    log_dir = log_dir or work
+    procs: list[subprocess.Popen] = []
+    started: list[int] = []
+    out = {"cores": os.cpu_count(), "seconds": seconds, "heartbeat_s": heartbeat_s, "settings": sets,
+           "emulated_per_process": PER_EMULATOR, "runs": []}
+    py = sys.executable
+    try:
+        for n in instances:
+            port, mport = free_port(), free_port()
+            address = f"tcp://127.0.0.1:{port}"
+            settings = [f"manager.address={address}", "manager.bind=", f"manager.metrics_port={mport}",
+                        "manager.log_level=warning", f"manager.heartbeat_interval_s={heartbeat_s}",
+                        f"model.name={MODEL}", *sets]
+            prof = ["-m", "cProfile", "-o", f"{profile}.{n}"] if profile else []  # written when it stops
+            mgr = _spawn([py, *prof, "-m", "daemons.manager", *[a for s in settings for a in ("--set", s)]],
+                         log_dir / f"manager-{n}.log", procs)
+            started.append(mgr.pid)
+            admin = AdminClient(address, timeout_s=2.0)
+            try:
+                def status():
+                    try:
+                        return admin.status()
+                    except ManagerUnreachable:
+                        return None
+
+                _wait_for(status, up_timeout_s, "llumnix-manager answering", [mgr])
+                ids = [f"e{k:04d}" for k in range(n)]
+                chunks = [ids[j:j + PER_EMULATOR] for j in range(0, n, PER_EMULATOR)]
+                feeds, emus, emu_out, owner = [], [], [], {}
+                for e, chunk in enumerate(chunks):
+                    feed = f"tcp://127.0.0.1:{free_port()}"
+                    spec = {"ids": chunk, "first": e * PER_EMULATOR, "manager": address, "feed": feed,
+                            "heartbeat_s": heartbeat_s, "min_interval_s": 0.02,
+                            "max_s": up_timeout_s + len(rates) * (seconds + 30) + 30,
+                            "out": str(work / f"emu-{n}-{e}.json")}
+                    p = _spawn([py, "-m", "llumnixctl.bench_manager", "emulate", json.dumps(spec)],
+                               log_dir / f"emulator-{n}-{e}.log", procs)
+                    started.append(p.pid)
+                    emus.append(p)
+                    emu_out.append(Path(spec["out"]))
+                    feeds.append(feed)
+                    owner.update({iid: e for iid in chunk})
+                t_up = time.monotonic()
+
+                def all_alive():
+                    s = status()
+                    return s if s and sum(1 for v in s.instances if v.state == "alive") == n else None
+
+                snap = _wait_for(all_alive, up_timeout_s, f"{n} emulated instances registered", [mgr, *emus])
+                run_n = {"instances": n, "registered": len(snap.instances), "emulators": len(emus),
+                         "register_s": round(time.monotonic() - t_up, 2), "phases": []}
+                echo(f"{n} instances registered in {run_n['register_s']}s")
+                pm, pe = psutil.Process(mgr.pid), [psutil.Process(p.pid) for p in emus]
+                c0, t0 = _cpu([pm]), time.monotonic()
+                time.sleep(max(1.0, 2 * heartbeat_s))  # a few report rounds before the first phase
+                run_n["idle_manager_cpu_percent"] = round(100 * (_cpu([pm]) - c0) / (time.monotonic() - t0), 1)
+                for rate in rates:
+                    before = _scrape(mport)
+                    c_mgr, c_emu, t0 = _cpu([pm]), _cpu(pe), time.monotonic()
+                    spec = {"manager": address, "rate": rate, "seconds": seconds, "grace_s": 5.0, "feeds": feeds,
+                            "owner": owner, "out": str(work / f"client-{n}-{rate}.json")}
+                    cl = _spawn([py, "-m", "llumnixctl.bench_manager", "client", json.dumps(spec)],
+                                log_dir / f"client-{n}-{rate}.log", procs)
+                    started.append(cl.pid)
+                    try:
+                        cl.wait(seconds + 60)
+                    except subprocess.TimeoutExpired:
+                        raise RuntimeError(f"the dispatch client at {rate}/s did not finish") from None
+                    finally:
+                        procs.remove(cl) if cl.returncode is not None else None
+                    wall = time.monotonic() - t0
+                    c_mgr, c_emu = _cpu([pm]) - c_mgr, _cpu(pe) - c_emu
+                    after = _scrape(mport)
+                    res = json.loads(Path(spec["out"]).read_text())
+                    deaths = after[3].get("llumnix_manager_instance_deaths_total", 0) - \
+                        before[3].get("llumnix_manager_instance_deaths_total", 0)
+                    phase = {**res, "pairing_round": _rounds(before, after),
+                             "manager_cpu_percent": round(100 * c_mgr / wall, 1),
+                             "emulators_cpu_percent": round(100 * c_emu / wall, 1),
+                             "instance_deaths": int(deaths)}
+                    # Whatever the manager still has queued (a saturated phase) is not the next phase's:
+                    # wait until a status query, queued behind it all, is answered.
+                    t_drain = time.monotonic()
+                    _wait_for(status, 120.0, "llumnix-manager catching up after a phase", [mgr, *emus])
+                    phase["catch_up_s"] = round(time.monotonic() - t_drain, 2)
+                    run_n["phases"].append(phase)
+                    echo(f"{n} instances, {rate}/s: p50 {phase['latency_ms']['p50']} ms, p99 "
+                         f"{phase['latency_ms']['p99']} ms, achieved {phase['achieved_rate']}/s")
+                snap = status()
+                run_n["alive_at_end"] = sum(1 for v in snap.instances if v.state == "alive") if snap else None
+                run_n["dispatched_total"] = snap.dispatched_total if snap else None
+            finally:
+                admin.close()
+                _stop(procs)
+            emu_stats: dict[str, int] = {}
+            for f in emu_out:
+                try:
+                    for k, v in json.loads(f.read_text()).items():
+                        emu_stats[k] = emu_stats.get(k, 0) + v
+                except (OSError, ValueError):
+                    pass
+            run_n["emulated"] = emu_stats
+            out["runs"].append(run_n)
+    except RuntimeError as exc:
+        raise RuntimeError(f"{exc} (logs in {log_dir})") from None
+    else:
+        if log_dir == work:
+            shutil.rmtree(work, ignore_errors=True)
+    finally:
+        _stop(procs)
+        out["pids"] = started
+    return out
+
+
+# ---------------------------------------------------------------------- the command
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        xs = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{what}: comma-separated whole numbers, e.g. 64,256") from None
+    if not xs or min(xs) < 1:
+        raise typer.BadParameter(f"{what}: at least one, each 1 or more")
+    return xs
+
+
+def command(
+    instances: Annotated[str, typer.Option(help="comma-separated emulated instance counts")] = "64,256,1000",
+    rates: Annotated[str, typer.Option(help="comma-separated dispatch rates, queries/s")] = "1000,10000",
+    seconds: Annotated[float, typer.Option(help="seconds of dispatching per rate", min=0.5)] = 5.0,
+    heartbeat: Annotated[float, typer.Option(help="manager.heartbeat_interval_s (every instance's report interval)", min=0.05)] = 0.5,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="extra manager setting: section.key=value")] = None,
+    up_timeout: Annotated[float, typer.Option(help="seconds the manager and the instances may take to come up", min=1.0)] = 60.0,
+    profile: Annotated[str, typer.Option(help="run the manager under cProfile: stats to FILE.N per instance count")] = "",
+    json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """The real llumnix-manager against emulated instances over ZeroMQ: dispatch latency, pairing rounds.
+
+    For each instance count, the manager starts as a subprocess and emulator
+    processes register that many instances, which report varying loads every
+    heartbeat (and after they were dispatched to) and decline every
+    migration order at once. For each rate, a client sends Dispatch queries
+    open loop for --seconds and times each one's round trip.
+
+    --json prints {"cores", "seconds", "heartbeat_s", "settings", "runs": [{
+    "instances", "registered", "emulators", "register_s", "alive_at_end",
+    "dispatched_total", "emulated": {"registers", "reports",
+    "migrate_starts", ...}, "phases": [{"rate", "sent", "answered",
+    "no_instance", "unanswered", "achieved_rate", "latency_ms" and
+    "send_lag_ms": {"mean", "p50", "p99", "p999", "max"}, "pairing_round":
+    {"count", "mean_ms", "p99_ms", "max_ms_le"}, "manager_cpu_percent",
+    "emulators_cpu_percent", "client_cpu_percent", "instance_deaths"}]}],
+    "pids"}.
+    """
+    ns, rs = _ints(instances, "--instances"), _ints(rates, "--rates")
+    console = Console(stderr=json_)
+    try:
+        data = run(ns, rs, seconds, heartbeat, list(set_ or []), up_timeout,
+                   echo=lambda s: console.print(f"[dim]{s}[/dim]"), profile=profile)
+    except RuntimeError as exc:
+        console.print(f"[red]bench manager: {exc}[/red]")
+        raise typer.Exit(1) from None
+    if json_:
+        print(json.dumps(data, indent=1))
+        return
+    table = Table(title=f"llumnix-manager with emulated instances ({data['cores']} cores, {seconds:g}s per rate)")
+    for col in ("instances", "target/s", "achieved/s", "answered", "p50 ms", "p99 ms", "max ms", "pairing rounds",
+                "round mean ms", "round p99 ms", "manager CPU %", "others CPU %"):
+        table.add_column(col, justify="right")
+    for r in data["runs"]:
+        for p in r["phases"]:
+            lat, pr = p["latency_ms"], p["pairing_round"]
+            table.add_row(str(r["instances"]), str(p["rate"]), f"{p['achieved_rate']:.0f}",
+                          f"{p['answered']}/{p['sent']}", f"{lat['p50']:.3f}", f"{lat['p99']:.3f}",
+                          f"{lat['max']:.1f}", str(pr["count"]),
+                          "-" if pr["mean_ms"] is None else f"{pr['mean_ms']:.2f}",
+                          "-" if pr["p99_ms"] is None else f"{pr['p99_ms']:.2f}",
+                          f"{p['manager_cpu_percent']:.0f}",
+                          f"{p['emulators_cpu_percent'] + p['client_cpu_percent']:.0f}")
+    console.print(table)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] in ("emulate", "client"):
+        (emulate if sys.argv[1] == "emulate" else client)(json.loads(sys.argv[2]))
+    else:
+        sys.exit("usage: python -m llumnixctl.bench_manager emulate|client SPEC_JSON (started by llumnixctl bench manager)")
