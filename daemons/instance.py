@@ -72,6 +72,19 @@ M_HEALTHY = metrics.gauge("instance", "llumnix_instance_healthy",
                           "1 while engine steps make progress, 0 while stalled (instance.step_timeout_s)")
 
 
+def migrants_for(msg: wire.MigrateStart, requests: list[wire.RequestLoad], keep: set[str], load: wire.InstanceLoad,
+                 block_size: int) -> list[policy.Choice]:
+    """What a source sends for an order: the order's selection policy over the engine's requests (an
+    operator's ``--from --count``: lower priority, then shorter, with no balance check). Also run by the
+    virtual-time simulator (llumnixctl/simulate.py)."""
+    operator = not msg.reason
+    return policy.select_migrants(
+        msg.selection or "llumnix", requests, msg.count, src_usage=policy.INF if operator else msg.src_usage,
+        src_blocks=load.blocks_total, dst_usage=msg.dst_usage, dst_blocks=msg.dst_blocks or load.blocks_total,
+        headroom=msg.headroom, block_size=block_size, drain=msg.drain or operator, exclude=keep,
+        dst_free=policy.INF if msg.dst_free_blocks < 0 else msg.dst_free_blocks)
+
+
 class Instance:
     def __init__(self, cfg: Config, engine: Engine):
         self.cfg = cfg
@@ -415,13 +428,7 @@ class Instance:
         keep = self.requests.migrating() | {r.request_id for r in requests if r.request_id not in self.requests}
         if msg.reason and not msg.drain:  # balancing: a request that just arrived by migration stays a while
             keep |= self.requests.arrived_since(time.monotonic() - msg.cooldown_s)
-        load = self.last_load
-        operator = not msg.reason
-        chosen = policy.select_migrants(
-            msg.selection or "llumnix", requests, msg.count, src_usage=policy.INF if operator else msg.src_usage,
-            src_blocks=load.blocks_total, dst_usage=msg.dst_usage, dst_blocks=msg.dst_blocks or load.blocks_total,
-            headroom=msg.headroom, block_size=self.engine.block_size, drain=msg.drain or operator, exclude=keep,
-            dst_free=policy.INF if msg.dst_free_blocks < 0 else msg.dst_free_blocks)
+        chosen = migrants_for(msg, requests, keep, self.last_load, self.engine.block_size)
         queued = {c.request_id for c in chosen if c.redispatch}
         if queued:
             self.redispatch_queued(queued)

@@ -83,8 +83,9 @@ class Rescheduler:
             if o.outcome == "committed" and o.blocks > 0 and o.bytes > 0 and block_size > 0:
                 self.kv_bytes_per_token = o.bytes / (o.blocks * block_size)
 
-    def pair_once(self, drains_only: bool = False) -> list[policy.Pair]:
-        now = time.monotonic()
+    def plan(self, now: float, drains_only: bool = False) -> list[tuple[policy.Pair, wire.MigrateStart]]:
+        """This interval's pairs and the order each source gets, from the current view (no side effects
+        but the pairing turn; the virtual-time simulator, llumnixctl/simulate.py, runs this too)."""
         live = [r for r in self.m.instances.values() if r.state != "dead"]
         states = [dataclasses.replace(self.m.state(r, now), host=r.info.host) for r in live]
         pairs = policy.pair(states, self.sc.high_priority_headroom,
@@ -92,18 +93,24 @@ class Rescheduler:
                             self.sc.max_migrations_per_instance, balance=self.m.migrating and not drains_only,
                             turn=self._turn, cross_node=self.cross_node())
         self._turn += 1
+        orders = []
         for p in pairs:
-            src, dst = self.m.instances[p.src], self.m.instances[p.dst]
-            start = wire.MigrateStart(
+            dst = self.m.instances[p.dst]
+            orders.append((p, wire.MigrateStart(
                 0, dst=p.dst, dst_address=dst.info.request_address, count=p.count,
                 reason="drain" if p.drain else "balance", selection=self.m.request_selection, drain=p.drain,
                 src_usage=p.src_usage, dst_usage=p.dst_usage, dst_blocks=p.dst_blocks,
                 headroom=self.sc.high_priority_headroom, cooldown_s=self.sc.migration_cooldown_s,
-                dst_free_blocks=p.dst_free)
+                dst_free_blocks=p.dst_free)))
+        return orders
+
+    def pair_once(self, drains_only: bool = False) -> list[policy.Pair]:
+        orders = self.plan(time.monotonic(), drains_only)
+        for p, start in orders:
             log.debug("pair %s -> %s (%s, up to %d%s)", p.src, p.dst, start.reason, p.count,
                       f"; across hosts, at most {p.budget_blocks:.0f} blocks" if p.cross_node else "")
-            self.m.spawn(self._run_order(src, start))
-        return pairs
+            self.m.spawn(self._run_order(self.m.instances[p.src], start))
+        return [p for p, _ in orders]
 
     async def _run_order(self, src: InstanceRecord, start: wire.MigrateStart) -> None:
         result = await self.order_migration(src, start, start.count)

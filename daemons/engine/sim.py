@@ -172,7 +172,9 @@ _priority = attrgetter("priority")
 class SimEngine:
     backend = "sim"
 
-    def __init__(self, sim: SimConfig, model: ModelConfig):
+    def __init__(self, sim: SimConfig, model: ModelConfig, kv: bool = True):
+        """``kv`` False: no KV tensors (the virtual-time simulator, llumnixctl/simulate.py): the same
+        scheduling, block accounting and step times, nothing written or copied."""
         self.cfg = sim
         self.block_size = sim.block_size
         self.max_model_len = model.max_model_len
@@ -180,7 +182,7 @@ class SimEngine:
         self._watermark_blocks = sim.watermark * sim.num_blocks
         dtype = _DTYPES[sim.kv_dtype]
         shape = (sim.num_blocks, 2, sim.block_size, sim.kv_heads, sim.head_dim)
-        self.kv_caches: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype) for _ in range(sim.kv_layers)]
+        self.kv_caches: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype) for _ in range(sim.kv_layers if kv else 0)]
         # Layer l stores (x + l, -(x + l)), so a copy that mixes up layers shows.
         self._layer_shift = [torch.tensor([l, -l], dtype=torch.float64)[None, :, None, None] for l in range(sim.kv_layers)]
         self._free: deque[int] = deque(range(sim.num_blocks))
@@ -446,7 +448,7 @@ class SimEngine:
         Each request contributes a run of positions: a decode the single position P + g (room was made in
         step (1)), a prefill positions 0 .. P + g (prompt, earlier output, and the token sampled now).
         """
-        if not decoding and not prefilling:
+        if (not decoding and not prefilling) or not self.kv_caches:
             return
         bs = self.block_size
         starts, lens, seeds, first_blk, blk_off, table = [], [], [], [], [], []

@@ -1,0 +1,510 @@
+"""``llumnixctl simulate``: a cluster in virtual time, on the daemons' own code.
+
+A discrete-event simulation of N instances, the manager and the proxies' dispatch. Nothing here
+re-implements a policy or a scheduler:
+
+- each instance is the sim engine (``daemons/engine/sim.py``: blocks, continuous batching, chunked
+  admission, preemption by recompute, priorities) without KV tensors, stepped by a virtual clock: a step
+  takes the model time the engine returns for it, and its tokens come out at its end;
+- the manager is a real ``daemons.manager.Manager`` (no socket is bound) whose clock is the virtual one:
+  it takes the instances' registrations and load reports (``on_register``, ``on_report``), answers
+  dispatches (``on_dispatch_batch``, pending dispatches counted as in the daemon) and plans migrations
+  every ``scheduling.migration_interval_s`` (``Rescheduler.plan``); a source picks its requests with the
+  instance's own ``migrants_for``;
+- load reports go out as the instance sends them (on change, at most every
+  ``instance.load_report_min_interval_s``, and every heartbeat) and reach the manager ``--report-lag-ms``
+  later; a dispatch costs the proxy a round trip to the manager (``--dispatch-rtt-ms``);
+- a migration runs the protocol's stages on the engines' verbs (reserve on the destination, pre-copy
+  stages while the source decodes, suspend at a step boundary, the last stage, commit, drop): each stage
+  lasts its blocks' bytes at the link's bandwidth plus a message latency, and it aborts for the reasons a
+  real one does (the request finished or was preempted, the destination has no room).
+
+What it does not model (yet): auto-scaling, failures, several migrations sharing one link's bandwidth.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import itertools
+import math
+import time
+from array import array
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Annotated, Optional
+
+import typer
+
+from daemons import manager as manager_module
+from daemons import rescheduler as rescheduler_module, wire
+from daemons.config import Config, ConfigError, load_config
+from daemons.engine.base import EngineError, EngineRequest
+from daemons.engine.sim import SimEngine
+from daemons.instance import migrants_for
+from llumnixctl.common import ConfigOpt, JsonOpt, die, out, print_json
+from llumnixctl.trace import TraceRequest
+
+
+@dataclass
+class Network:
+    """Times of the simulated cluster's messages and KV copies."""
+
+    report_lag_s: float = 0.002  # a load report's way to the manager
+    dispatch_rtt_s: float = 0.001  # the proxy asks the manager where a request goes
+    submit_s: float = 0.0005  # the proxy's request to the instance
+    message_s: float = 0.0005  # one migration control message
+    kv_gbps: float = 10.0  # what one migration's copy achieves (before migration.bandwidth_limit_mbps)
+    kv_bytes_per_token: int = 0  # 0: from the sim engine's KV shape
+
+
+@dataclass
+class _Req:
+    trace: TraceRequest
+    rid: str
+    owner: str = ""
+    first: float = -1.0
+    last: float = -1.0
+    tokens: int = 0
+    finish: str = ""
+    error: str = ""
+    dispatches: int = 0
+
+
+@dataclass
+class _Instance:
+    iid: str
+    engine: SimEngine
+    ident: bytes
+    stepping: bool = False
+    free_at: float = 0.0
+    seq: int = 0
+    last_report: float = -1e9
+    report_due: bool = False
+    boundary: list = field(default_factory=list)  # callables run before the next step (suspends)
+    migrating: set = field(default_factory=set)  # request ids in or out
+    arrived: dict = field(default_factory=dict)  # request id -> when it arrived by migration
+
+
+class _Clock:
+    """What daemons.manager and daemons.rescheduler read of ``time``, in virtual seconds."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return 1.7e9 + self.now
+
+
+@contextlib.contextmanager
+def _virtual_time(clock: _Clock):
+    saved = manager_module.time, rescheduler_module.time
+    shim = SimpleNamespace(monotonic=clock.monotonic, perf_counter=clock.perf_counter, time=clock.time,
+                           sleep=time.sleep)
+    manager_module.time = rescheduler_module.time = shim
+    try:
+        yield
+    finally:
+        manager_module.time, rescheduler_module.time = saved
+
+
+class Simulation:
+    def __init__(self, cfg: Config, instances: int, trace: list[TraceRequest], net: Network | None = None):
+        self.cfg = cfg
+        self.net = net or Network()
+        self.trace = trace
+        self.clock = _Clock()
+        self._events: list = []
+        self._seq = itertools.count()
+        self.requests: dict[str, _Req] = {}
+        self.itls = array("d")
+        self.outcomes: Counter = Counter()
+        self.downtimes: list[float] = []
+        self.events = 0
+        self._qid = itertools.count(1)
+        self.n_instances = instances
+        sim = cfg.sim
+        self.kv_bytes_per_token = self.net.kv_bytes_per_token or (
+            sim.kv_layers * 2 * sim.kv_heads * sim.head_dim * (4 if sim.kv_dtype == "float32" else 2))
+
+    # ------------------------------------------------------------------ the event loop
+
+    def at(self, t: float, fn, *args) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), fn, args))
+
+    def run(self) -> dict:
+        wall = time.perf_counter()
+        with _virtual_time(self.clock):
+            self.mgr = manager_module.Manager(self.cfg)
+            try:
+                self._start()
+                while self._events:
+                    t, _, fn, args = heapq.heappop(self._events)
+                    self.clock.now = t
+                    self.events += 1
+                    fn(*args)
+                    if self._done():
+                        break
+            finally:
+                self.mgr.sec.close()
+                self.mgr.ctx.destroy(linger=0)
+        return self.result(time.perf_counter() - wall)
+
+    def _done(self) -> bool:
+        return self._left == 0
+
+    def _start(self) -> None:
+        self.instances: dict[str, _Instance] = {}
+        for i in range(self.n_instances):
+            iid = f"i{i}"
+            inst = _Instance(iid, SimEngine(self.cfg.sim, self.cfg.model, kv=False), ident=iid.encode())
+            self.instances[iid] = inst
+            load = inst.engine.load()
+            self.mgr.on_register(inst.ident, wire.Register(
+                iid, self.cfg.instance.host or "sim", 0, f"sim://{iid}", "sim", self.cfg.model.name, load,
+                max_model_len=self.cfg.model.max_model_len))
+            self.at(self.cfg.manager.heartbeat_interval_s * (i + 1) / self.n_instances, self._heartbeat, inst)
+        self._left = len(self.trace)
+        for k, tr in enumerate(self.trace):
+            rid = f"r{k}"
+            self.requests[rid] = _Req(tr, rid)
+            self.at(tr.arrival_s, self._arrive, rid, ())
+        self.at(self.cfg.scheduling.migration_interval_s, self._pair)
+
+    # ------------------------------------------------------------------ proxy and manager
+
+    def _arrive(self, rid: str, exclude: tuple) -> None:
+        """The proxy asks the manager where the request goes (half a round trip each way)."""
+        self.at(self.clock.now + self.net.dispatch_rtt_s / 2, self._dispatch, rid, exclude)
+
+    def _dispatch(self, rid: str, exclude: tuple) -> None:
+        req = self.requests[rid]
+        tr = req.trace
+        prio = 1 if tr.priority == "high" else 0
+        reply = self.mgr.on_dispatch_batch([wire.Dispatch(next(self._qid), rid, tr.prompt_tokens, prio,
+                                                          list(exclude))])[0]
+        if not reply.instance_id:
+            return self._fail(req, reply.reason or "no instance")
+        req.dispatches += 1
+        self.at(self.clock.now + self.net.dispatch_rtt_s / 2 + self.net.submit_s, self._submit, rid, reply.instance_id)
+
+    def _submit(self, rid: str, iid: str) -> None:
+        req = self.requests[rid]
+        inst = self.instances[iid]
+        tr = req.trace
+        sampling = wire.SamplingParams(max_tokens=max(1, tr.output_tokens), ignore_eos=True)
+        try:
+            inst.engine.add_request(EngineRequest(rid, [0] * tr.prompt_tokens, sampling,
+                                                  priority=1 if tr.priority == "high" else 0,
+                                                  arrival_time=tr.arrival_s))
+        except EngineError as exc:
+            return self._fail(req, str(exc))
+        req.owner = iid
+        self._changed(inst)
+        self._kick(inst)
+
+    def _fail(self, req: _Req, why: str) -> None:
+        req.error = why
+        self._left -= 1
+
+    def _pair(self) -> None:
+        for p, start in self.mgr.resched.plan(self.clock.now):
+            self.mgr.resched._count_orders(p.src, p.dst, p.count)
+            self.outcomes[f"{start.reason}/ordered"] += 1
+            self.at(self.clock.now + self.net.message_s, self._order, self.instances[p.src], start)
+        self.at(self.clock.now + self.cfg.scheduling.migration_interval_s, self._pair)
+
+    # ------------------------------------------------------------------ instances
+
+    def _kick(self, inst: _Instance) -> None:
+        if not inst.stepping and (inst.engine.has_work() or inst.boundary):
+            inst.stepping = True
+            self.at(max(self.clock.now, inst.free_at), self._step, inst)
+
+    def _step(self, inst: _Instance) -> None:
+        calls, inst.boundary = inst.boundary, []
+        for call in calls:  # what waited for a step boundary (a migration's suspend)
+            call()
+        if not inst.engine.has_work():
+            inst.stepping = False
+            return
+        result = inst.engine.step()
+        dt = max(result.model_time_s, self.cfg.instance.min_step_s)
+        inst.free_at = self.clock.now + dt
+        self.at(inst.free_at, self._step_done, inst, result.outputs)
+
+    def _step_done(self, inst: _Instance, outputs: list) -> None:
+        now = self.clock.now
+        for tok in outputs:
+            req = self.requests[tok.request_id]
+            if req.tokens == 0:
+                req.first = now
+            else:
+                self.itls.append(now - req.last)
+            req.last = now
+            req.tokens += 1
+            if tok.finish_reason is not None:
+                req.finish = tok.finish_reason
+                self._left -= 1
+        inst.stepping = False
+        self._changed(inst)
+        self._kick(inst)
+
+    def _changed(self, inst: _Instance) -> None:
+        """Its load changed: report now, or as soon as the minimum interval allows."""
+        if inst.report_due:
+            return
+        due = inst.last_report + self.cfg.instance.load_report_min_interval_s
+        if due <= self.clock.now:
+            self._report(inst)
+        else:
+            inst.report_due = True
+            self.at(due, self._report, inst)
+
+    def _heartbeat(self, inst: _Instance) -> None:
+        if self.clock.now - inst.last_report >= self.cfg.manager.heartbeat_interval_s * 0.99:
+            self._report(inst)
+        self.at(self.clock.now + self.cfg.manager.heartbeat_interval_s, self._heartbeat, inst)
+
+    def _report(self, inst: _Instance) -> None:
+        inst.report_due = False
+        inst.last_report = self.clock.now
+        inst.seq += 1
+        msg = wire.LoadReport(inst.iid, inst.seq, inst.engine.load())
+        self.at(self.clock.now + self.net.report_lag_s, self.mgr.on_report, inst.ident, msg)
+
+    # ------------------------------------------------------------------ migration
+
+    def _order(self, src: _Instance, start: wire.MigrateStart) -> None:
+        keep = set(src.migrating)
+        if start.reason and not start.drain:
+            keep |= {r for r, t in src.arrived.items() if self.clock.now - t < start.cooldown_s}
+        chosen = migrants_for(start, src.engine.requests(), keep, src.engine.load(), src.engine.block_size)
+        moving = [c.request_id for c in chosen if not c.redispatch]
+        for c in chosen:
+            if c.redispatch:  # a queued request goes back through dispatch
+                src.engine.abort_request(c.request_id)
+                self._changed(src)
+                self.at(self.clock.now + self.net.message_s, self._arrive, c.request_id, (src.iid,))
+        unused = start.count - len(moving)
+        if unused > 0:
+            self.mgr.resched._count_orders(src.iid, start.dst, -unused)
+        for rid in moving:
+            self._migrate(src, self.instances[start.dst], rid, start.reason)
+
+    def _migrate(self, src: _Instance, dst: _Instance, rid: str, reason: str) -> None:
+        mig = SimpleNamespace(src=src, dst=dst, rid=rid, reason=reason, stage=0, sent=0, reserved=False,
+                              request=src.engine.migrating_request(rid), started=self.clock.now)
+        src.migrating.add(rid)
+        dst.migrating.add(rid)
+        self._stage(mig)
+
+    def _block_s(self, blocks: int) -> float:
+        bs = self.cfg.sim.block_size
+        gbps = self.net.kv_gbps
+        cap = self.cfg.migration.bandwidth_limit_mbps * 8e6
+        rate = min(gbps * 1e9, cap) if cap > 0 else gbps * 1e9
+        return blocks * bs * self.kv_bytes_per_token * 8 / rate
+
+    def _stage(self, mig) -> None:
+        """One pre-copy stage, or the last one: as daemons/migration.py runs them."""
+        src, dst = mig.src, mig.dst
+        view = src.engine.migration_view(mig.rid)
+        if view is None:
+            return self._end(mig, "aborted", "the request finished or was preempted on the source")
+        bs = src.engine.block_size
+        remaining = -(-view.computed_tokens // bs) - mig.sent
+        mc = self.cfg.migration
+        if remaining <= mc.last_stage_max_blocks or mig.stage >= mc.max_stages:
+            src.boundary.append(lambda: self._last_stage(mig))
+            return self._kick(src)
+        headroom = (mc.last_stage_max_blocks + 2) * bs
+        try:
+            dst.engine.reserve(mig.request, min(view.computed_tokens + headroom, mig.request.max_total or 1 << 30))
+        except EngineError as exc:
+            return self._end(mig, "aborted", f"the destination refused: {exc}")
+        mig.reserved = True
+        full = view.computed_tokens // bs
+        n = full - mig.sent
+        mig.sent = full
+        mig.stage += 1
+        self.at(self.clock.now + 2 * self.net.message_s + self._block_s(n), self._stage, mig)
+
+    def _last_stage(self, mig) -> None:
+        src, dst = mig.src, mig.dst
+        view = src.engine.migration_view(mig.rid)
+        if view is None:
+            return self._end(mig, "aborted", "the request finished or was preempted before the last stage")
+        state = src.engine.suspend(mig.rid)
+        bs = src.engine.block_size
+        try:
+            dst.engine.reserve(mig.request, view.computed_tokens)
+        except EngineError as exc:
+            src.engine.resume(mig.rid)
+            return self._end(mig, "aborted", f"the destination refused the last stage: {exc}")
+        mig.reserved = True
+        n = -(-view.computed_tokens // bs) - mig.sent
+        downtime = 2 * self.net.message_s + self._block_s(n)  # one round trip: the blocks, then the commit
+        self.at(self.clock.now + downtime, self._commit, mig, state, downtime)
+
+    def _commit(self, mig, state, downtime: float) -> None:
+        src, dst = mig.src, mig.dst
+        dst.engine.commit(mig.rid, state)
+        src.engine.drop_migrated(mig.rid)
+        self.requests[mig.rid].owner = dst.iid
+        dst.arrived[mig.rid] = self.clock.now
+        self.downtimes.append(downtime)
+        self._end(mig, "committed", "")
+        self._kick(dst)
+
+    def _end(self, mig, outcome: str, why: str) -> None:
+        src, dst = mig.src, mig.dst
+        if outcome != "committed" and mig.reserved:
+            dst.engine.release(mig.rid)
+        src.migrating.discard(mig.rid)
+        dst.migrating.discard(mig.rid)
+        self.mgr.resched._count_orders(src.iid, dst.iid, -1)
+        self.outcomes[f"{mig.reason or 'operator'}/{outcome}"] += 1
+        if why:
+            self.outcomes[f"aborted: {why.split(':')[0]}"] += 1
+        for inst in (src, dst):
+            self._changed(inst)
+            self._kick(inst)
+
+    # ------------------------------------------------------------------ figures
+
+    def result(self, wall_s: float) -> dict:
+        done = [r for r in self.requests.values() if r.finish]
+        end = max((r.last for r in done), default=0.0)
+        start = min((r.trace.arrival_s for r in self.requests.values()), default=0.0)
+        duration = max(end - start, 1e-9)
+        ttfts = [r.first - r.trace.arrival_s for r in done]
+        e2el = [r.last - r.trace.arrival_s for r in done]
+        tpots = [(r.last - r.first) / (r.tokens - 1) for r in done if r.tokens > 1]
+        inputs = [r.trace.prompt_tokens for r in done]
+        outputs = [r.tokens for r in done]
+        out = {
+            "completed": len(done), "failed": sum(1 for r in self.requests.values() if r.error),
+            "duration": duration, "total_input_tokens": sum(inputs), "total_output_tokens": sum(outputs),
+            "request_throughput": len(done) / duration, "output_throughput": sum(outputs) / duration,
+            "total_token_throughput": (sum(inputs) + sum(outputs)) / duration,
+        }
+        for name, xs in (("ttft", ttfts), ("tpot", tpots), ("itl", list(self.itls)), ("e2el", e2el)):
+            out.update(_stats(name, xs))
+        loads = [i.engine.load() for i in self.instances.values()]
+        out.update({
+            "instances": self.n_instances, "instance_seconds": self.n_instances * duration,
+            "preemptions": sum(ld.preemptions for ld in loads),
+            "migrations": dict(sorted(self.outcomes.items())),
+            "migration_downtime_ms": _stats("downtime", self.downtimes)["mean_downtime_ms"] if self.downtimes else None,
+            "dispatch_policy": self.mgr.dispatch_policy, "events": self.events, "wall_s": wall_s,
+            "leaked_blocks": sum(ld.blocks_used for ld in loads),
+        })
+        return out
+
+
+def _stats(name: str, xs: list[float]) -> dict:
+    """vLLM's ``bench serve`` statistics of one latency, in ms (numpy's percentiles: linear)."""
+    if not xs:
+        return {f"{k}_{name}_ms": 0.0 for k in ("mean", "median", "std", "p99")}
+    ys = sorted(xs)
+
+    def pct(q: float) -> float:
+        pos = (len(ys) - 1) * q / 100
+        lo = math.floor(pos)
+        hi = min(lo + 1, len(ys) - 1)
+        return ys[lo] + (ys[hi] - ys[lo]) * (pos - lo)
+
+    mean = sum(ys) / len(ys)
+    std = math.sqrt(sum((y - mean) ** 2 for y in ys) / len(ys))
+    return {f"mean_{name}_ms": mean * 1e3, f"median_{name}_ms": pct(50) * 1e3, f"std_{name}_ms": std * 1e3,
+            f"p99_{name}_ms": pct(99) * 1e3}
+
+
+def simulate(cfg: Config, instances: int, trace: list[TraceRequest], net: Network | None = None) -> dict:
+    """Run ``trace`` on ``instances`` simulated instances with the settings of ``cfg``; the figures."""
+    if instances < 1:
+        raise ValueError("a cluster needs at least one instance")
+    return Simulation(cfg, instances, trace, net).run()
+
+
+
+# ---------------------------------------------------------------------- the command
+
+def _trace(path, requests: int, rate: float, arrival: str, cv: float, prompt: tuple[int, int],
+           output: tuple[int, int], alpha: float, high_fraction: float, seed: int) -> list[TraceRequest]:
+    from llumnixctl import trace as trace_mod
+
+    if path is None:
+        return trace_mod.generate(requests, rate=rate, arrival=arrival, cv=cv, prompt=prompt, output=output,
+                                  alpha=alpha, high_fraction=high_fraction, seed=seed)
+    from llumnixctl import traces
+
+    return traces.load(path)
+
+
+def command(
+    instances: Annotated[int, typer.Option("--instances", "-n", help="simulated instances", min=1)] = 16,
+    trace_file: Annotated[Optional[Path], typer.Option("--trace", help="a trace file (any format `llumnixctl trace show` reads); default: generate one")] = None,
+    requests: Annotated[int, typer.Option(help="generated trace: requests", min=1)] = 1000,
+    rate: Annotated[float, typer.Option(help="generated trace: arrivals per second", min=0.001)] = 10.0,
+    arrival: Annotated[str, typer.Option(help="generated trace: poisson or gamma")] = "poisson",
+    cv: Annotated[float, typer.Option(help="generated trace: coefficient of variation of gamma gaps", min=0.01)] = 1.0,
+    prompt_min: Annotated[int, typer.Option(help="generated trace: shortest prompt", min=1)] = 16,
+    prompt_max: Annotated[int, typer.Option(help="generated trace: longest prompt", min=1)] = 1024,
+    output_min: Annotated[int, typer.Option(help="generated trace: shortest output", min=1)] = 16,
+    output_max: Annotated[int, typer.Option(help="generated trace: longest output", min=1)] = 1024,
+    alpha: Annotated[float, typer.Option(help="generated trace: power-law exponent of lengths")] = 1.0,
+    high_fraction: Annotated[float, typer.Option(help="generated trace: share of high-priority requests", min=0.0, max=1.0)] = 0.0,
+    seed: Annotated[int, typer.Option(help="generated trace: seed")] = 0,
+    policy_: Annotated[Optional[str], typer.Option("--policy", help="dispatch policy: llumnix, infaas++, rr (manager.dispatch_policy)")] = None,
+    report_lag_ms: Annotated[float, typer.Option(help="a load report's delay to the manager", min=0.0)] = 2.0,
+    dispatch_rtt_ms: Annotated[float, typer.Option(help="the proxy's round trip to the manager per request", min=0.0)] = 1.0,
+    kv_gbps: Annotated[float, typer.Option(help="what one migration's KV copy achieves, Gbit/s", min=0.001)] = 10.0,
+    kv_bytes_per_token: Annotated[int, typer.Option(help="KV bytes per token (0: from the sim settings' KV shape)", min=0)] = 0,
+    config: ConfigOpt = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="any setting: section.key=value (sim.*, scheduling.*, migration.*, ...)")] = None,
+    json_: JsonOpt = False,
+) -> None:
+    """A cluster in virtual time, on the daemons' own scheduler and policy code (see llumnixctl/simulate.py)."""
+    sets = list(set_ or []) + ([f"manager.dispatch_policy={policy_}"] if policy_ else [])
+    try:
+        cfg = load_config(config, sets)
+    except ConfigError as exc:
+        die(str(exc), 2)
+    try:
+        reqs = _trace(trace_file, requests, rate, arrival, cv, (prompt_min, prompt_max), (output_min, output_max),
+                      alpha, high_fraction, seed)
+    except (OSError, ValueError) as exc:
+        die(f"cannot read the trace: {exc}", 2)
+    net = Network(report_lag_s=report_lag_ms / 1e3, dispatch_rtt_s=dispatch_rtt_ms / 1e3, kv_gbps=kv_gbps,
+                  kv_bytes_per_token=kv_bytes_per_token)
+    import logging
+
+    logging.getLogger("llumnix").setLevel(logging.WARNING)  # the manager's info lines are per event here
+    res = simulate(cfg, instances, reqs, net)
+    if json_:
+        print_json(res)
+        return
+    out.print(result_block(res), markup=False, highlight=False)
+
+
+def result_block(res: dict) -> str:
+    from llumnixctl import bench_serve
+
+    block = bench_serve.result_block({**res, "prompt_token_mismatches": 0, "short_outputs": 0,
+                                      "migrations": {"committed": sum(v for k, v in res["migrations"].items()
+                                                                      if k.endswith("/committed")),
+                                                     "aborted": sum(v for k, v in res["migrations"].items()
+                                                                    if k.endswith("/aborted"))}})
+    extra = [f"{'Instances:':<40} {res['instances']}", f"{'Instance-seconds:':<40} {res['instance_seconds']:.1f}",
+             f"{'Simulated in (s, wall):':<40} {res['wall_s']:.2f}"]
+    return block.rstrip("=").rstrip() + "\n" + "\n".join(extra) + "\n" + "=" * 50
