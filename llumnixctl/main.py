@@ -436,6 +436,9 @@ def entry() -> None:
     app.add_typer(keys.app, name="keys")
     app.add_typer(model.app, name="model")
     app.add_typer(__import__("llumnixctl.traces", fromlist=["app"]).app, name="trace")  # `llumnixctl trace ...`
+    from llumnixctl import simulate
+
+    app.command("simulate")(simulate.command)
     app(prog_name="llumnixctl")  # also under `python -m llumnixctl.main`: usage lines, completion
 
 
