@@ -30,6 +30,8 @@ def test_tiny_run_has_the_documented_shape_and_leaves_nothing_behind():
     # The manager saw every emulated instance register (its status, through an AdminClient) and kept them alive.
     assert run["instances"] == run["registered"] == run["alive_at_end"] == 16 and run["emulators"] == 1
     assert run["emulated"]["registers"] >= 16 and run["emulated"]["reports"] > 16
+    assert set(run["service_us"]) == {"dispatch_1", "dispatch_10", "report", "pairing_round"}
+    assert all(v > 0 for v in run["service_us"].values())
     [phase] = run["phases"]
     # Every dispatch answered, by an instance.
     assert phase["rate"] == 200 and phase["sent"] == phase["answered"] == 400, phase
