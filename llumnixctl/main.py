@@ -439,6 +439,9 @@ def entry() -> None:
     from llumnixctl import simulate
 
     app.command("simulate")(simulate.command)
+    from llumnixctl import profile
+
+    app.command("profile")(profile.command)
     app(prog_name="llumnixctl")  # also under `python -m llumnixctl.main`: usage lines, completion
 
 

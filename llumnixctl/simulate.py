@@ -132,6 +132,10 @@ class Simulation:
         self._qid = itertools.count(1)
         self.n_instances = instances
         sim = cfg.sim
+        if not self.net.kv_bytes_per_token and sim.profile:
+            from daemons.engine.profile import LatencyProfile
+
+            self.net.kv_bytes_per_token = LatencyProfile.load(sim.profile).kv_bytes_per_token
         self.kv_bytes_per_token = self.net.kv_bytes_per_token or (
             sim.kv_layers * 2 * sim.kv_heads * sim.head_dim * (4 if sim.kv_dtype == "float32" else 2))
 

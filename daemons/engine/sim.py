@@ -196,6 +196,14 @@ class SimEngine:
         self._preemptions = 0
         self._received = 0
         self._tokens_generated = 0
+        self._profile = None
+        if sim.profile:
+            from daemons.engine.profile import LatencyProfile, ProfileError
+
+            try:
+                self._profile = LatencyProfile.load(sim.profile)
+            except ProfileError as exc:
+                raise EngineError(f"sim.profile: {exc}") from None
 
     # ---------------------------------------------------------------- serving
 
@@ -489,6 +497,8 @@ class SimEngine:
 
     def _model_time(self, prefill_tokens: int, n_decoding: int, context_tokens: int) -> float:
         c = self.cfg
+        if self._profile is not None:
+            return c.time_scale * self._profile.step_ms(prefill_tokens, n_decoding, context_tokens) / 1000.0
         ms = 0.0
         if prefill_tokens > 0:
             ms += c.prefill_ms_per_token * prefill_tokens + c.prefill_ms
