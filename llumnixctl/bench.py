@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from daemons import runtime, wire
-from llumnixctl import bench_manager, bench_migration, bench_policies, localcluster
+from llumnixctl import bench_manager, bench_migration, bench_policies, bench_serve, localcluster
 from llumnixctl.admin import AdminClient
 
 app = typer.Typer(no_args_is_help=True, help="Benchmarks that print their figures.")
@@ -278,4 +278,5 @@ def engine(
 
 app.command("migration")(bench_migration.command)
 app.command("policies")(bench_policies.command)
+app.command("serve")(bench_serve.command)
 app.command("manager")(bench_manager.command)

@@ -25,14 +25,14 @@ import time
 from pathlib import Path
 from typing import Annotated, Optional
 
-import httpx
+import numpy as np
 import psutil
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from daemons.config import ConfigError, load_config
-from llumnixctl import localcluster, trace
+from llumnixctl import bench_serve, localcluster, trace
 from llumnixctl.admin import AdminClient, ManagerUnreachable
 
 DEFAULT_POLICIES = "rr,infaas++,llumnix"
@@ -42,70 +42,30 @@ PRESSURE = ["sim.num_blocks=320", "sim.block_size=16", "sim.time_scale=1.0"]
 QUIET = ["instance.log_level=warning", "proxy.log_level=warning", "manager.log_level=warning"]
 
 
-def _pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
-
-
 def _dist_ms(xs: list[float]) -> dict | None:
     if not xs:
         return None
-    return {"mean": statistics.fmean(xs) * 1e3, "p50": _pct(xs, 50) * 1e3, "p99": _pct(xs, 99) * 1e3}
+    s = bench_serve.stats_ms(xs)  # numpy's, as `bench serve` (and vLLM's) figures
+    return {"mean": s["mean"], "p50": s["median"], "p99": s["p99"]}
 
 
-# ---------------------------------------------------------------------- the client
+# ---------------------------------------------------------------------- the client (bench serve's replay core)
 
 
-async def _one(client: httpx.AsyncClient, url: str, req: trace.TraceRequest, t0: float, timeout_s: float) -> dict:
-    """Send one trace request at its arrival time and follow its stream; times are seconds from ``sent``."""
-    await asyncio.sleep(max(0.0, t0 + req.arrival_s - time.perf_counter()))
-    body = {"model": MODEL, "prompt": [100 + i % 1000 for i in range(req.prompt_tokens)],
+def _body(req: trace.TraceRequest) -> dict:
+    return {"model": MODEL, "prompt": [100 + i % 1000 for i in range(req.prompt_tokens)],
             "max_tokens": req.output_tokens, "ignore_eos": True, "stream": True, "priority": req.priority,
             "stream_options": {"include_usage": True}}
-    sent = time.perf_counter()
-    out = {"index": req.index, "priority": req.priority, "expected": req.output_tokens,
-           "lag_s": sent - (t0 + req.arrival_s), "id": None, "tokens": 0, "error": None,
-           "first_s": None, "last_s": None}
-
-    async def follow() -> None:
-        async with client.stream("POST", url + "/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                out["error"] = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-                return
-            # Raw bytes, split into SSE events here: the client shares the cores with the cluster, and
-            # decoding every line costs it about twice as much CPU per token.
-            pending = b""
-            async for data in resp.aiter_raw():
-                now = time.perf_counter() - sent
-                *events, pending = (pending + data).split(b"\n\n")
-                for ev in events:
-                    if not ev.startswith(b"data: {"):
-                        continue
-                    if ev.startswith(b'data: {"error"'):
-                        out["error"] = json.loads(ev[6:])["error"].get("message", "error event")
-                        return
-                    if b'"usage":{' in ev:
-                        out["tokens"] = json.loads(ev[6:])["usage"]["completion_tokens"]
-                        continue
-                    if out["id"] is None:
-                        out["id"] = json.loads(ev[6:])["id"]
-                        out["first_s"] = now
-                    out["last_s"] = now
-
-    try:
-        await asyncio.wait_for(follow(), timeout_s)
-    except asyncio.TimeoutError:
-        out["error"] = f"timeout after {timeout_s:g}s"
-    except httpx.HTTPError as exc:
-        out["error"] = repr(exc)
-    return out
 
 
-async def _replay(url: str, reqs: list[trace.TraceRequest], timeout_s: float) -> list[dict]:
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=10.0)) as client:
-        t0 = time.perf_counter() + 0.2  # every task is created before the first send
-        return await asyncio.gather(*(_one(client, url, r, t0, timeout_s) for r in reqs))
+def _replay(url: str, reqs: list[trace.TraceRequest], timeout_s: float) -> list[dict]:
+    """Every request at its arrival time; per request its id, streamed tokens, error and the times (seconds
+    from sending) of its first and last token events."""
+    results, _ = asyncio.run(bench_serve.replay(url, reqs, _body, timeout_s=timeout_s))
+    return [{"index": q.index, "priority": q.priority, "expected": q.output_tokens, "lag_s": r["lag_s"],
+             "id": r["id"], "tokens": r["completion_tokens"] or 0, "error": r["error"],
+             "first_s": r["times"][0] if r["times"] else None, "last_s": r["times"][-1] if r["times"] else None}
+            for q, r in zip(reqs, results)]
 
 
 # ---------------------------------------------------------------------- the sampler
@@ -170,10 +130,10 @@ def _cpu(p: psutil.Process) -> float:
 
 
 def _tpot(r: dict) -> float | None:
-    """Mean time per output token after the first: (last token - first token) / (tokens - 1)."""
-    if r["tokens"] < 2 or r["first_s"] is None:
+    """Mean time per output token after the first: (last token - first token) / (tokens - 1), as vLLM's."""
+    if r["first_s"] is None:
         return None
-    return (r["last_s"] - r["first_s"]) / (r["tokens"] - 1)
+    return bench_serve.tpot_s({"error": r["error"], "times": [r["first_s"], r["last_s"]]}, r["tokens"])
 
 
 def _summarize(results: list[dict]) -> dict:
@@ -203,7 +163,7 @@ def run_policy(policy: str, reqs: list[trace.TraceRequest], instances: int, sets
         sampler = _Sampler(state.manager_address)
         procs = [psutil.Process()] + [p for p in (q.process() for q in state.procs) if p is not None]
         cpu0, t0 = [_cpu(p) for p in procs], time.perf_counter()
-        results = asyncio.run(_replay(state.url, reqs, timeout_s))
+        results = _replay(state.url, reqs, timeout_s)
         wall = time.perf_counter() - t0
         cpu = [b - a for a, b in zip(cpu0, (_cpu(p) for p in procs))]
         sampled = sampler.end()
@@ -236,7 +196,7 @@ def run_policy(policy: str, reqs: list[trace.TraceRequest], instances: int, sets
     lags = [r["lag_s"] for r in results]
     # Cores busy: near the machine's count means steps wait for the CPU, not for the latency model.
     out["cpu"] = {"client_s": cpu[0], "cluster_s": sum(cpu[1:]), "busy_cores": sum(cpu) / wall,
-                  "send_lag_ms_p99": _pct(lags, 99) * 1e3}
+                  "send_lag_ms_p99": float(np.percentile(lags, 99)) * 1e3}
     out["first_errors"] = sorted({r["error"] for r in results if r["error"]})[:5]
     if per_request:
         out["per_request"] = [_request_row(r, sampler) for r in results]

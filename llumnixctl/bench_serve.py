@@ -1,0 +1,455 @@
+"""``llumnixctl bench serve``: replay a trace open loop against any OpenAI-compatible endpoint.
+
+The target may be our proxy, vLLM's own server (``vllm serve``) or another router: every request is a
+streamed ``/v1/completions`` with its prompt as a list of token ids of exactly the trace's length and
+``max_tokens`` = its output length (with ``ignore_eos`` unless --no-ignore-eos), sent at its arrival time
+whatever happened to the ones before it (open loop; --max-concurrency caps the requests in flight).
+
+The figures are those of vLLM's ``vllm bench serve`` (vllm/benchmarks/serve.py), with its definitions,
+its result block and its JSON keys, so that they compare with what people run today:
+
+- TTFT: from sending the request to the first streamed chunk with a choice;
+- E2EL: from sending to the last chunk with a choice;
+- TPOT: (E2EL - TTFT) / (output tokens - 1), for requests of more than one output token;
+- ITL: every gap between consecutive chunks with a choice (all requests' gaps pooled);
+- output tokens and input lengths: the usage chunk's ``completion_tokens`` and ``prompt_tokens``;
+- mean, median, std and P99 as numpy computes them, in ms; aggregates over the successful requests.
+
+The replay core here (:func:`stream_completion`, :func:`replay`) is also what ``bench policies`` uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated, Callable, Optional
+
+import httpx
+import numpy as np
+import typer
+from rich.console import Console
+
+from llumnixctl import trace as trace_mod
+
+# A neutral text to tokenize once: prompts are its token ids, rotated per request and repeated to length.
+BASE_TEXT = (
+    "The quick brown fox jumps over the lazy dog while the old river keeps running toward the sea. "
+    "Every morning the baker opens the shop, the children walk to school, and the city slowly wakes up. "
+    "Numbers such as 17, 42 and 1984 appear in books, on maps, in songs and in the news of the day. "
+)
+METRICS = (("ttft", "TTFT", "Time to First Token"), ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
+           ("itl", "ITL", "Inter-token Latency"), ("e2el", "E2EL", "End-to-end Latency"))
+
+
+# ---------------------------------------------------------------------- the replay core (shared)
+
+
+async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, headers: dict | None,
+                            timeout_s: float, texts: bool = False) -> dict:
+    """POST one streamed completion and follow it. Times are seconds from sending: ``times`` has one
+    entry per chunk with a choice (the first is the TTFT, the last the end-to-end latency)."""
+    out = {"id": None, "error": None, "times": [], "prompt_tokens": None, "completion_tokens": None, "text": ""}
+    sent = time.perf_counter()
+    out["sent"] = sent
+
+    async def follow() -> None:
+        async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as resp:
+            if resp.status_code != 200:
+                out["error"] = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return
+            # Raw bytes, split into SSE events here: a client that shares the cores with the server pays
+            # about twice as much CPU per token to decode every line (the JSON is parsed only when needed).
+            pending = b""
+            async for data in resp.aiter_raw():
+                now = time.perf_counter() - sent
+                *events, pending = (pending + data).replace(b"\r\n", b"\n").split(b"\n\n")
+                for ev in events:
+                    ev = ev.strip()
+                    if not ev.startswith(b"data: {") and not ev.startswith(b"data:{"):
+                        continue
+                    payload = ev[5:].lstrip()
+                    if payload.startswith(b'{"error"'):
+                        err = json.loads(payload)["error"]
+                        out["error"] = err.get("message", "error event") if isinstance(err, dict) else str(err)
+                        return
+                    has_usage = b'"usage":{' in payload
+                    if not (has_usage or texts or out["id"] is None):
+                        out["times"].append(now)  # the common case: a token chunk, not parsed
+                        continue
+                    doc = json.loads(payload)
+                    out["id"] = out["id"] or doc.get("id")
+                    if has_usage and isinstance(doc.get("usage"), dict):
+                        out["prompt_tokens"] = doc["usage"].get("prompt_tokens")
+                        out["completion_tokens"] = doc["usage"].get("completion_tokens")
+                    if doc.get("choices"):
+                        out["text"] += (doc["choices"][0].get("text") or "") if texts else ""
+                        out["times"].append(now)
+
+    try:
+        await asyncio.wait_for(follow(), timeout_s)
+    except asyncio.TimeoutError:
+        out["error"] = f"timeout after {timeout_s:g}s"
+    except httpx.HTTPError as exc:
+        out["error"] = repr(exc)
+    if out["error"] is None and not out["times"]:
+        out["error"] = "no chunk with a choice in the stream"
+    return out
+
+
+async def replay(url: str, reqs: list[trace_mod.TraceRequest], body: Callable[[trace_mod.TraceRequest], dict], *,
+                 timeout_s: float, headers: dict | None = None, max_concurrency: int | None = None,
+                 rate_scale: float = 1.0, texts: bool = False,
+                 on_done: Callable[[dict], None] | None = None) -> tuple[list[dict], float]:
+    """Send every request at ``arrival_s / rate_scale`` after the start (open loop), at most
+    ``max_concurrency`` in flight. Returns the results in trace order (each ``stream_completion``'s dict
+    plus ``index``, ``lag_s``: how late it was sent, and ``start_s``: when, from the start) and the
+    benchmark's duration (the start to the end of the last request)."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=10.0)) as client:
+        t0 = time.perf_counter() + 0.2  # every task is created before the first send
+
+        async def one(req: trace_mod.TraceRequest) -> dict:
+            due = t0 + req.arrival_s / rate_scale
+            await asyncio.sleep(max(0.0, due - time.perf_counter()))
+            if gate is not None:
+                await gate.acquire()
+            try:
+                r = await stream_completion(client, url, body(req), headers, timeout_s, texts)
+            finally:
+                if gate is not None:
+                    gate.release()
+            r.update(index=req.index, lag_s=r["sent"] - due, start_s=r["sent"] - t0)
+            if on_done is not None:
+                on_done(r)
+            return r
+
+        results = await asyncio.gather(*(one(r) for r in reqs))
+        return list(results), time.perf_counter() - t0
+
+
+def tpot_s(r: dict, tokens: int | None = None) -> float | None:
+    """Time per output token after the first, vLLM's way: (E2EL - TTFT) / (output tokens - 1)."""
+    n = r["completion_tokens"] if tokens is None else tokens
+    if r["error"] is not None or not r["times"] or not n or n < 2:
+        return None
+    return (r["times"][-1] - r["times"][0]) / (n - 1)
+
+
+def stats_ms(xs: list[float]) -> dict:
+    """numpy's mean, median, std and P99 of seconds, in ms (0 for no samples, as vLLM does)."""
+    xs = xs or [0.0]
+    return {"mean": float(np.mean(xs)) * 1e3, "median": float(np.median(xs)) * 1e3,
+            "std": float(np.std(xs)) * 1e3, "p99": float(np.percentile(xs, 99)) * 1e3}
+
+
+# ---------------------------------------------------------------------- vLLM's figures
+
+
+def metrics(reqs: list[trace_mod.TraceRequest], results: list[dict], duration_s: float) -> dict:
+    """vLLM's result JSON (the keys of ``vllm bench serve --save-result``) from the replay's results."""
+    ok = [r for r in results if r["error"] is None]
+    out_lens = [(r["completion_tokens"] or 0) if r["error"] is None else 0 for r in results]
+    in_lens = [r["prompt_tokens"] if r["prompt_tokens"] is not None else q.prompt_tokens
+               for q, r in zip(reqs, results)]
+    ttfts = [r["times"][0] for r in ok]
+    e2els = [r["times"][-1] for r in ok]
+    tpots = [t for t in (tpot_s(r) for r in ok) if t is not None]
+    itls = [b - a for r in ok for a, b in zip(r["times"], r["times"][1:])]
+    total_in = sum(n for n, r in zip(in_lens, results) if r["error"] is None)
+    total_out = sum(out_lens)
+    res = {
+        "duration": duration_s, "completed": len(ok), "failed": len(results) - len(ok),
+        "total_input_tokens": total_in, "total_output_tokens": total_out,
+        "request_throughput": len(ok) / duration_s, "output_throughput": total_out / duration_s,
+        "total_token_throughput": (total_in + total_out) / duration_s,
+        "input_lens": in_lens, "output_lens": out_lens,
+        "ttfts": [r["times"][0] if r["error"] is None else 0.0 for r in results],
+        "itls": [[b - a for a, b in zip(r["times"], r["times"][1:])] if r["error"] is None else []
+                 for r in results],
+        "latencies": [r["times"][-1] if r["error"] is None else 0.0 for r in results],
+        "start_times": [r["start_s"] for r in results],
+        "generated_texts": [r["text"] for r in results],
+        "errors": [r["error"] or "" for r in results],
+    }
+    for key, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2els)):
+        s = stats_ms(values)
+        for stat in ("mean", "median", "std", "p99"):
+            res[f"{stat}_{key}_ms"] = s[stat]
+    # Ours: how exact the lengths were.
+    res["expected_input_lens"] = [q.prompt_tokens for q in reqs]
+    res["expected_output_lens"] = [q.output_tokens for q in reqs]
+    res["prompt_token_mismatches"] = sum(r["error"] is None and r["prompt_tokens"] != q.prompt_tokens
+                                         for q, r in zip(reqs, results))
+    res["short_outputs"] = sum(r["error"] is None and (r["completion_tokens"] or 0) != q.output_tokens
+                               for q, r in zip(reqs, results))
+    return res
+
+
+def result_block(res: dict) -> str:
+    """vLLM's ``Serving Benchmark Result`` block (its layout, plus the E2EL section and our extras)."""
+    lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="=")]
+    row = lambda label, v: lines.append("{:<40} {:<10}".format(label, v))  # noqa: E731
+    rowf = lambda label, v: lines.append("{:<40} {:<10.2f}".format(label, v))  # noqa: E731
+    row("Successful requests:", res["completed"])
+    row("Failed requests:", res["failed"])
+    if res.get("max_concurrency") is not None:
+        row("Maximum request concurrency:", res["max_concurrency"])
+    if res.get("request_rate") is not None:
+        rowf("Request rate configured (RPS):", res["request_rate"])
+    rowf("Benchmark duration (s):", res["duration"])
+    row("Total input tokens:", res["total_input_tokens"])
+    row("Total generated tokens:", res["total_output_tokens"])
+    rowf("Request throughput (req/s):", res["request_throughput"])
+    rowf("Output token throughput (tok/s):", res["output_throughput"])
+    rowf("Total Token throughput (tok/s):", res["total_token_throughput"])
+    for key, name, header in METRICS:
+        lines.append("{s:{c}^{n}}".format(s=header, n=50, c="-"))
+        rowf(f"Mean {name} (ms):", res[f"mean_{key}_ms"])
+        rowf(f"Median {name} (ms):", res[f"median_{key}_ms"])
+        rowf(f"P99 {name} (ms):", res[f"p99_{key}_ms"])
+    if "preemptions" in res or res["prompt_token_mismatches"] or res["short_outputs"]:
+        lines.append("{s:{c}^{n}}".format(s="Llumnix", n=50, c="-"))
+        if "preemptions" in res:
+            row("Preemptions:", res["preemptions"])
+            row("Migrations committed:", res["migrations"]["committed"])
+            row("Migrations aborted:", res["migrations"]["aborted"])
+        row("Prompt token mismatches:", res["prompt_token_mismatches"])
+        row("Outputs not of the trace's length:", res["short_outputs"])
+    lines.append("=" * 50)
+    return "\n".join(lines)
+
+
+def plot_cdfs(res: dict, out_dir: Path) -> list[Path]:
+    """TTFT, TPOT and E2EL CDF PNGs (needs matplotlib: the ``plot`` extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [i for i, e in enumerate(res["errors"]) if not e]
+    series = {
+        "ttft": [res["ttfts"][i] * 1e3 for i in ok],
+        "tpot": [(res["latencies"][i] - res["ttfts"][i]) / (res["output_lens"][i] - 1) * 1e3
+                 for i in ok if res["output_lens"][i] > 1],
+        "e2el": [res["latencies"][i] * 1e3 for i in ok],
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for key, xs in series.items():
+        fig, ax = plt.subplots(figsize=(6, 4))
+        xs = np.sort(np.asarray(xs, dtype=float))
+        if len(xs):
+            ax.step(xs, np.arange(1, len(xs) + 1) / len(xs), where="post")
+        ax.set_xlabel(f"{key.upper()} (ms)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_title(f"{key.upper()} CDF · {res['completed']} requests · {res.get('model_id', '')}")
+        ax.grid(alpha=0.3)
+        path = out_dir / f"{key}_cdf.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+# ---------------------------------------------------------------------- the target
+
+
+def load_trace(path: Path, fmt: str | None, tokenizer: str | None = None, rate: float = 4.0,
+               seed: int = 0) -> list[trace_mod.TraceRequest]:
+    """llumnixctl.traces.load (any of its formats; ShareGPT's text is counted with ``tokenizer`` and given
+    Poisson arrivals at ``rate``); without that module, our JSONL (arrival_s, prompt_tokens, output_tokens)."""
+    try:
+        from llumnixctl import traces
+    except ImportError:
+        traces = None
+    if traces is None:
+        reqs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [trace_mod.TraceRequest(i, float(d["arrival_s"]), int(d["prompt_tokens"]), int(d["output_tokens"]),
+                                       d.get("priority", "normal")) for i, d in enumerate(reqs)]
+    options: dict = {}
+    if (fmt or traces.sniff(path)) == "sharegpt":
+        if not tokenizer:
+            raise ValueError("a ShareGPT trace has text, not token counts: give --tokenizer PATH to count them")
+        options = {"model_path": tokenizer, "rate": rate, "seed": seed}
+    return traces.load(path, fmt, **options)
+
+
+def token_pool(client: httpx.Client, url: str, model: str, tokenizer: str | None) -> list[int]:
+    """Token ids of BASE_TEXT for the served model: from --tokenizer, else the server's /tokenize."""
+    if tokenizer:
+        from transformers import AutoTokenizer
+
+        ids = AutoTokenizer.from_pretrained(tokenizer).encode(BASE_TEXT, add_special_tokens=False)
+    else:
+        resp = client.post(url + "/tokenize", json={"model": model, "prompt": BASE_TEXT, "add_special_tokens": False})
+        if resp.status_code != 200:
+            raise RuntimeError(f"{url}/tokenize answered HTTP {resp.status_code}; name the model's tokenizer "
+                               "with --tokenizer PATH")
+        ids = resp.json()["tokens"]
+    if not ids:
+        raise RuntimeError("the tokenizer gave no tokens for the base text")
+    return list(ids)
+
+
+def prompt_ids(pool: list[int], req: trace_mod.TraceRequest) -> list[int]:
+    """Exactly ``req.prompt_tokens`` ids: the pool rotated by the request's index, repeated and trimmed."""
+    k = (req.index * 7) % len(pool)
+    rot = pool[k:] + pool[:k]
+    reps = -(-req.prompt_tokens // len(rot))
+    return (rot * reps)[:req.prompt_tokens]
+
+
+def _cluster_counters(client) -> dict | None:
+    from llumnixctl.admin import ManagerUnreachable
+
+    try:
+        snap = client.status()
+    except (ManagerUnreachable, RuntimeError):
+        return None
+    loads = [v.load for v in snap.instances]
+    return {"preemptions": sum(ld.preemptions for ld in loads),
+            "committed": sum(ld.migrations_committed for ld in loads),
+            "aborted": sum(ld.migrations_aborted for ld in loads),
+            "busy": sum(ld.running + ld.waiting for ld in loads)}
+
+
+# ---------------------------------------------------------------------- the command
+
+
+def command(
+    url: Annotated[str, typer.Option(help="the endpoint's base URL, e.g. http://127.0.0.1:8000")],
+    trace: Annotated[Optional[Path], typer.Option("--trace", help="trace file to replay (see --trace-format)")] = None,
+    trace_format: Annotated[Optional[str], typer.Option(help="jsonl, sharegpt, burstgpt or azure (default: from the file)")] = None,
+    requests: Annotated[Optional[int], typer.Option(help="without --trace: generate a trace of this many requests", min=1)] = None,
+    rate: Annotated[float, typer.Option(help="with --requests or a ShareGPT trace: mean Poisson arrival rate, requests/s", min=0.001)] = 4.0,
+    prompt_min: Annotated[int, typer.Option(help="with --requests: shortest prompt, tokens", min=1)] = 16,
+    prompt_max: Annotated[int, typer.Option(help="with --requests: longest prompt, tokens", min=1)] = 512,
+    output_min: Annotated[int, typer.Option(help="with --requests: shortest output, tokens", min=1)] = 16,
+    output_max: Annotated[int, typer.Option(help="with --requests: longest output, tokens", min=1)] = 512,
+    seed: Annotated[int, typer.Option(help="with --requests: trace seed")] = 0,
+    model: Annotated[Optional[str], typer.Option(help="model name to send (default: the first of GET /v1/models)")] = None,
+    tokenizer: Annotated[Optional[str], typer.Option(help="tokenizer path or name for the prompts (default: the server's /tokenize)")] = None,
+    api_key: Annotated[Optional[str], typer.Option(envvar="LLUMNIX_API_KEY", help="sent as Authorization: Bearer KEY")] = None,
+    max_concurrency: Annotated[Optional[int], typer.Option(help="at most this many requests in flight", min=1)] = None,
+    rate_scale: Annotated[float, typer.Option(help="arrivals this many times faster than the trace's", min=0.001)] = 1.0,
+    ignore_eos: Annotated[bool, typer.Option(help="send ignore_eos so outputs are of the trace's length")] = True,
+    request_timeout: Annotated[float, typer.Option(help="seconds a request may take before it counts as failed", min=1.0)] = 600.0,
+    run_dir: Annotated[Optional[Path], typer.Option("--run-dir", help="our local cluster: report its preemptions and migrations")] = None,
+    manager: Annotated[Optional[str], typer.Option("--manager", help="our cluster's manager: report its preemptions and migrations")] = None,
+    save: Annotated[Optional[Path], typer.Option(help="write the result JSON to this file")] = None,
+    plot: Annotated[Optional[Path], typer.Option(help="write TTFT/TPOT/E2EL CDF PNGs into this directory (needs matplotlib)")] = None,
+    json_: Annotated[bool, typer.Option("--json", help="print the result JSON instead of the result block")] = False,
+) -> None:
+    """Replay a trace open loop against any OpenAI-compatible endpoint; vLLM's `bench serve` figures.
+
+    Each request is a streamed /v1/completions whose prompt is a list of
+    token ids of exactly the trace's length, with max_tokens its output
+    length and ignore_eos. Prints vLLM's Serving Benchmark Result block;
+    --json prints (and --save writes) the JSON vLLM saves: completed, failed,
+    duration, total_input_tokens, total_output_tokens, request_throughput,
+    output_throughput, total_token_throughput, mean/median/std/p99 of
+    ttft, tpot, itl and e2el (_ms), the per-request input_lens,
+    output_lens, ttfts, itls, latencies, start_times, generated_texts,
+    errors; plus ours: prompt_token_mismatches, short_outputs,
+    expected_input_lens, expected_output_lens, and with --run-dir or
+    --manager preemptions and migrations {committed, aborted} during the run.
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from llumnixctl import common
+
+    err = Console(stderr=True)
+    url = url.rstrip("/")
+    if (trace is None) == (requests is None):
+        common.die("give either --trace FILE or --requests N (with --rate)", 2)
+    if prompt_min > prompt_max or output_min > output_max:
+        common.die("--prompt-min/--output-min must not exceed --prompt-max/--output-max", 2)
+    try:
+        if trace is not None:
+            reqs = load_trace(trace, trace_format, tokenizer, rate, seed)
+        else:
+            reqs = trace_mod.generate(requests, rate=rate, prompt=(prompt_min, prompt_max),
+                                      output=(output_min, output_max), seed=seed)
+    except (OSError, ValueError, KeyError) as exc:
+        common.die(f"cannot read the trace {trace}: {exc}", 2)
+    if not reqs:
+        common.die("the trace has no requests", 2)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        with httpx.Client(timeout=30.0, headers=headers) as c:
+            if model is None:
+                resp = c.get(url + "/v1/models")
+                if resp.status_code != 200 or not resp.json().get("data"):
+                    common.die(f"{url}/v1/models answered HTTP {resp.status_code}; name the model with --model")
+                model = resp.json()["data"][0]["id"]
+            pool = token_pool(c, url, model, tokenizer)
+    except httpx.HTTPError as exc:
+        common.die(f"cannot reach {url}: {exc!r}")
+    except RuntimeError as exc:
+        common.die(str(exc))
+
+    admin = common.admin(manager, run_dir, None, 5.0) if (run_dir is not None or manager) else None
+    before = _cluster_counters(admin) if admin is not None else None
+
+    def body(req: trace_mod.TraceRequest) -> dict:
+        b = {"model": model, "prompt": prompt_ids(pool, req), "max_tokens": req.output_tokens, "stream": True,
+             "stream_options": {"include_usage": True}}
+        if ignore_eos:
+            b["ignore_eos"] = True
+        return b
+
+    progress = Progress(TextColumn("bench serve"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=err, transient=True)
+    with progress:
+        task = progress.add_task("requests", total=len(reqs))
+        results, duration = asyncio.run(replay(url, reqs, body, timeout_s=request_timeout, headers=headers,
+                                               max_concurrency=max_concurrency, rate_scale=rate_scale, texts=True,
+                                               on_done=lambda r: progress.advance(task)))
+    res = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "openai", "endpoint": url + "/v1/completions",
+           "model_id": model, "tokenizer_id": tokenizer or f"{url}/tokenize", "num_prompts": len(reqs),
+           "request_rate": rate * rate_scale if trace is None else None, "rate_scale": rate_scale,
+           "max_concurrency": max_concurrency, "trace": str(trace) if trace else None,
+           **metrics(reqs, results, duration)}
+    if admin is not None:
+        after = None
+        deadline = time.monotonic() + 5.0  # the instances' last load reports reach the manager
+        while time.monotonic() < deadline:
+            after = _cluster_counters(admin)
+            if after is None or after["busy"] == 0:
+                break
+            time.sleep(0.2)
+        admin.close()
+        if before is not None and after is not None:
+            res["preemptions"] = after["preemptions"] - before["preemptions"]
+            res["migrations"] = {"committed": after["committed"] - before["committed"],
+                                 "aborted": after["aborted"] - before["aborted"]}
+        else:
+            err.print("bench serve: the manager did not answer; no preemptions or migrations", markup=False)
+    if res["prompt_token_mismatches"]:
+        err.print(f"bench serve: {res['prompt_token_mismatches']} requests' usage.prompt_tokens differ from the "
+                  "trace's prompt length", markup=False)
+    firsts = sorted({e for e in res["errors"] if e})
+    if firsts:
+        err.print(f"bench serve: {res['failed']} requests failed; first error: {firsts[0][:300]}", markup=False)
+    if save is not None:
+        save.write_text(json.dumps(res, indent=2) + "\n")
+    if plot is not None:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            err.print("bench serve: matplotlib is not installed (pip install 'llumnix-toolkit[plot]'); no plots", markup=False)
+        else:
+            for p in plot_cdfs(res, plot):
+                err.print(f"bench serve: wrote {p}", markup=False)
+    if json_:
+        sys.stdout.write(json.dumps(res, indent=2) + "\n")
+    else:
+        sys.stdout.write(result_block(res) + "\n")
+    if res["completed"] == 0:
+        raise typer.Exit(1)
