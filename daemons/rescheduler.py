@@ -321,15 +321,20 @@ class Rescheduler:
             await asyncio.sleep(period)
             self.scale_once(time.monotonic())
 
-    def scale_once(self, now: float) -> str | None:
+    def scaling_decision(self, now: float, launching: int) -> tuple[str | None, float | None, int, list]:
+        """(decision "up"/"down"/None, the average freeness, instances serving, the states) from the
+        current view; the virtual-time simulator (llumnixctl/simulate.py) runs this too."""
         states = [self.m.state(r, now) for r in self.m.instances.values()]
         avg = policy.average_freeness(states)
         M_CLUSTER_FREENESS.set(math.nan if avg is None else avg)
+        serving = len(policy.scaling.serving(states))
         if self.m.scaling_policy == "off":
             self.scaler.reset()
-            return None
-        serving = len(policy.scaling.serving(states))
-        decision = self.scaler.observe(now, avg, serving, len(self.launcher.launches))
+            return None, avg, serving, states
+        return self.scaler.observe(now, avg, serving, launching), avg, serving, states
+
+    def scale_once(self, now: float) -> str | None:
+        decision, avg, serving, states = self.scaling_decision(now, len(self.launcher.launches))
         if decision == "up":
             if not self.scfg.launcher.strip():
                 log.warning("auto-scaling wants another instance, but scaling.launcher is empty")

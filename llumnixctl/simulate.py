@@ -19,7 +19,11 @@ re-implements a policy or a scheduler:
   lasts its blocks' bytes at the link's bandwidth plus a message latency, and it aborts for the reasons a
   real one does (the request finished or was preempted, the destination has no room).
 
-What it does not model (yet): auto-scaling, failures, several migrations sharing one link's bandwidth.
+- auto-scaling is the manager's own decision (``Rescheduler.scaling_decision``) every second: a launched
+  instance registers ``Network.launch_s`` later; a scaled-in one drains (its requests migrate out or are
+  dispatched again, by the pairing plan's drain orders) and stops when nothing is left on it.
+
+What it does not model (yet): failures, several migrations sharing one link's bandwidth.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from typing import Annotated, Optional
 import typer
 
 from daemons import manager as manager_module
-from daemons import rescheduler as rescheduler_module, wire
+from daemons import policy, rescheduler as rescheduler_module, wire
 from daemons.config import Config, ConfigError, load_config
 from daemons.engine.base import EngineError, EngineRequest
 from daemons.engine.sim import SimEngine
@@ -58,6 +62,7 @@ class Network:
     message_s: float = 0.0005  # one migration control message
     kv_gbps: float = 10.0  # what one migration's copy achieves (before migration.bandwidth_limit_mbps)
     kv_bytes_per_token: int = 0  # 0: from the sim engine's KV shape
+    launch_s: float = 30.0  # auto-scaling: a launched instance loads its model and registers this much later
 
 
 @dataclass
@@ -86,6 +91,9 @@ class _Instance:
     boundary: list = field(default_factory=list)  # callables run before the next step (suspends)
     migrating: set = field(default_factory=set)  # request ids in or out
     arrived: dict = field(default_factory=dict)  # request id -> when it arrived by migration
+    born: float = 0.0
+    gone: float | None = None  # when it stopped (scaled in)
+    retiring: bool = False
 
 
 class _Clock:
@@ -117,8 +125,16 @@ def _virtual_time(clock: _Clock):
 
 
 class Simulation:
-    def __init__(self, cfg: Config, instances: int, trace: list[TraceRequest], net: Network | None = None):
+    def __init__(self, cfg: Config, instances: int, trace: list[TraceRequest], net: Network | None = None,
+                 sample_s: float = 0.0):
+        """``sample_s`` > 0: every so often (virtual seconds) look for fragmentation (a queue head that the
+        cluster's free blocks could hold but no single instance's can) and call the "sample" observers."""
         self.cfg = cfg
+        self.sample_s = sample_s
+        self.observers: list = []  # fn(kind, simulation, data): "dispatch", "step", "migration", "scale", "sample"
+        self.scaling: list[dict] = []
+        self.fragmentation = Counter()
+        self._launching = 0
         self.net = net or Network()
         self.trace = trace
         self.clock = _Clock()
@@ -140,6 +156,14 @@ class Simulation:
             sim.kv_layers * 2 * sim.kv_heads * sim.head_dim * (4 if sim.kv_dtype == "float32" else 2))
 
     # ------------------------------------------------------------------ the event loop
+
+    def observe(self, fn) -> None:
+        """Call ``fn(kind, simulation, data)`` at each event of a kind: figures measure what they need."""
+        self.observers.append(fn)
+
+    def _notify(self, kind: str, **data) -> None:
+        for fn in self.observers:
+            fn(kind, self, data)
 
     def at(self, t: float, fn, *args) -> None:
         heapq.heappush(self._events, (t, next(self._seq), fn, args))
@@ -167,21 +191,83 @@ class Simulation:
 
     def _start(self) -> None:
         self.instances: dict[str, _Instance] = {}
-        for i in range(self.n_instances):
-            iid = f"i{i}"
-            inst = _Instance(iid, SimEngine(self.cfg.sim, self.cfg.model, kv=False), ident=iid.encode())
-            self.instances[iid] = inst
-            load = inst.engine.load()
-            self.mgr.on_register(inst.ident, wire.Register(
-                iid, self.cfg.instance.host or "sim", 0, f"sim://{iid}", "sim", self.cfg.model.name, load,
-                max_model_len=self.cfg.model.max_model_len))
-            self.at(self.cfg.manager.heartbeat_interval_s * (i + 1) / self.n_instances, self._heartbeat, inst)
+        self._next_index = itertools.count()
+        for _ in range(self.n_instances):
+            self._add_instance()
+        if self.cfg.scaling.policy != "off":
+            self.at(min(1.0, self.cfg.manager.heartbeat_interval_s), self._scale)
+        if self.sample_s > 0:
+            self.at(self.sample_s, self._sample)
         self._left = len(self.trace)
         for k, tr in enumerate(self.trace):
             rid = f"r{k}"
             self.requests[rid] = _Req(tr, rid)
             self.at(tr.arrival_s, self._arrive, rid, ())
         self.at(self.cfg.scheduling.migration_interval_s, self._pair)
+
+    def _add_instance(self) -> _Instance:
+        iid = f"i{next(self._next_index)}"
+        inst = _Instance(iid, SimEngine(self.cfg.sim, self.cfg.model, kv=False), ident=iid.encode(), born=self.clock.now)
+        self.instances[iid] = inst
+        self.mgr.on_register(inst.ident, wire.Register(
+            iid, self.cfg.instance.host or "sim", 0, f"sim://{iid}", "sim", self.cfg.model.name, inst.engine.load(),
+            max_model_len=self.cfg.model.max_model_len))
+        beat = self.cfg.manager.heartbeat_interval_s
+        self.at(self.clock.now + beat * (1 + len(self.instances) % 7) / 7, self._heartbeat, inst)
+        return inst
+
+    # ------------------------------------------------------------------ auto-scaling
+
+    def _scale(self) -> None:
+        now = self.clock.now
+        decision, avg, serving, states = self.mgr.resched.scaling_decision(now, self._launching)
+        if decision == "up":
+            self._launching += 1
+            self.at(now + self.net.launch_s, self._launched)
+            self._scaled("out", "", avg)
+        elif decision == "down":
+            victim = policy.scale_in_victim(states)
+            if victim is not None:
+                rec = self.mgr.instances[victim]
+                rec.drain_reason = "scale-in"
+                self.instances[victim].retiring = True
+                self._scaled("in", victim, avg)
+                self._maybe_gone(self.instances[victim])
+        self.at(now + min(1.0, self.cfg.manager.heartbeat_interval_s), self._scale)
+
+    def _launched(self) -> None:
+        self._launching -= 1
+        inst = self._add_instance()
+        self._notify("scale", what="registered", instance=inst.iid)
+
+    def _scaled(self, what: str, iid: str, avg) -> None:
+        self.scaling.append({"t": self.clock.now, "what": what, "instance": iid,
+                             "average_freeness": None if avg is None else round(avg, 3),
+                             "serving": sum(1 for i in self.instances.values() if i.gone is None and not i.retiring)})
+        self._notify("scale", what=what, instance=iid)
+
+    def _maybe_gone(self, inst: _Instance) -> None:
+        """A scaled-in instance stops once nothing is left on it (its drain moved everything out)."""
+        if inst.retiring and inst.gone is None and not inst.engine.has_work() and not inst.migrating:
+            inst.gone = self.clock.now
+            self.mgr.forget(self.mgr.instances[inst.iid], "scaled in (simulated)")
+
+    def _sample(self) -> None:
+        """Fragmentation: queue heads blocked for room, and those the cluster's free blocks could hold."""
+        live = [i for i in self.instances.values() if i.gone is None]
+        loads = [i.engine.load() for i in live]
+        free = [ld.blocks_total - ld.blocks_used for ld in loads]
+        total = sum(free)
+        c = self.fragmentation
+        c["samples"] += 1
+        blocked = [ld.hol_demand_blocks for ld, f in zip(loads, free) if ld.waiting and ld.hol_demand_blocks > f]
+        if blocked:
+            c["blocked"] += 1
+            if any(d <= total and all(f < d for f in free) for d in blocked):
+                c["fragmented"] += 1
+        self._notify("sample", loads=loads)
+        if self._left:
+            self.at(self.clock.now + self.sample_s, self._sample)
 
     # ------------------------------------------------------------------ proxy and manager
 
@@ -198,6 +284,7 @@ class Simulation:
         if not reply.instance_id:
             return self._fail(req, reply.reason or "no instance")
         req.dispatches += 1
+        self._notify("dispatch", request=rid, instance=reply.instance_id)
         self.at(self.clock.now + self.net.dispatch_rtt_s / 2 + self.net.submit_s, self._submit, rid, reply.instance_id)
 
     def _submit(self, rid: str, iid: str) -> None:
@@ -261,6 +348,8 @@ class Simulation:
         inst.stepping = False
         self._changed(inst)
         self._kick(inst)
+        self._notify("step", instance=inst, outputs=outputs)
+        self._maybe_gone(inst)
 
     def _changed(self, inst: _Instance) -> None:
         """Its load changed: report now, or as soon as the minimum interval allows."""
@@ -274,12 +363,16 @@ class Simulation:
             self.at(due, self._report, inst)
 
     def _heartbeat(self, inst: _Instance) -> None:
+        if inst.gone is not None:
+            return
         if self.clock.now - inst.last_report >= self.cfg.manager.heartbeat_interval_s * 0.99:
             self._report(inst)
         self.at(self.clock.now + self.cfg.manager.heartbeat_interval_s, self._heartbeat, inst)
 
     def _report(self, inst: _Instance) -> None:
         inst.report_due = False
+        if inst.gone is not None:
+            return
         inst.last_report = self.clock.now
         inst.seq += 1
         msg = wire.LoadReport(inst.iid, inst.seq, inst.engine.load())
@@ -298,6 +391,7 @@ class Simulation:
                 src.engine.abort_request(c.request_id)
                 self._changed(src)
                 self.at(self.clock.now + self.net.message_s, self._arrive, c.request_id, (src.iid,))
+        self._maybe_gone(src)
         unused = start.count - len(moving)
         if unused > 0:
             self.mgr.resched._count_orders(src.iid, start.dst, -unused)
@@ -382,6 +476,9 @@ class Simulation:
         for inst in (src, dst):
             self._changed(inst)
             self._kick(inst)
+        self._notify("migration", src=src.iid, dst=dst.iid, request=mig.rid, outcome=outcome, reason=mig.reason,
+                     started=mig.started, why=why)
+        self._maybe_gone(src)
 
     # ------------------------------------------------------------------ figures
 
@@ -404,8 +501,14 @@ class Simulation:
         for name, xs in (("ttft", ttfts), ("tpot", tpots), ("itl", list(self.itls)), ("e2el", e2el)):
             out.update(_stats(name, xs))
         loads = [i.engine.load() for i in self.instances.values()]
+        seconds = sum(max(0.0, (i.gone if i.gone is not None else end) - max(i.born, start))
+                      for i in self.instances.values())
         out.update({
-            "instances": self.n_instances, "instance_seconds": self.n_instances * duration,
+            "instances": self.n_instances, "instance_seconds": seconds,
+            "instances_at_end": sum(1 for i in self.instances.values() if i.gone is None),
+            "scaling": {"out": sum(e["what"] == "out" for e in self.scaling),
+                        "in": sum(e["what"] == "in" for e in self.scaling), "events": self.scaling},
+            "fragmentation": dict(self.fragmentation),
             "preemptions": sum(ld.preemptions for ld in loads),
             "migrations": dict(sorted(self.outcomes.items())),
             "migration_downtime_ms": _stats("downtime", self.downtimes)["mean_downtime_ms"] if self.downtimes else None,
@@ -433,11 +536,15 @@ def _stats(name: str, xs: list[float]) -> dict:
             f"p99_{name}_ms": pct(99) * 1e3}
 
 
-def simulate(cfg: Config, instances: int, trace: list[TraceRequest], net: Network | None = None) -> dict:
+def simulate(cfg: Config, instances: int, trace: list[TraceRequest], net: Network | None = None,
+             sample_s: float = 0.0, observers: tuple = ()) -> dict:
     """Run ``trace`` on ``instances`` simulated instances with the settings of ``cfg``; the figures."""
     if instances < 1:
         raise ValueError("a cluster needs at least one instance")
-    return Simulation(cfg, instances, trace, net).run()
+    sim = Simulation(cfg, instances, trace, net, sample_s)
+    for fn in observers:
+        sim.observe(fn)
+    return sim.run()
 
 
 

@@ -3,7 +3,9 @@ engines' invariants, and is deterministic and fast."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections import Counter
 
 import pytest
 
@@ -102,3 +104,25 @@ def test_command_json():
 def test_the_cli_has_the_command():
     res = ctl("simulate", "--help")
     assert res.returncode == 0 and "virtual time" in res.stdout
+
+
+def test_auto_scaling_adds_under_load_and_retires_after():
+    cfg = load_config(None, PRESSURE + ["scaling.policy=llumnix", "scaling.min_instances=1", "scaling.max_instances=6",
+                                        "scaling.sustain_s=3", "scaling.cooldown_s=5"])
+    burst = trace.generate(500, rate=20.0, prompt=(16, 256), output=(16, 256), seed=5)
+    calm = trace.generate(60, rate=1.0, prompt=(16, 64), output=(16, 64), seed=6)  # then a quiet minute
+    reqs = burst + [dataclasses.replace(r, index=500 + r.index, arrival_s=burst[-1].arrival_s + r.arrival_s)
+                    for r in calm]
+    res = simulate(cfg, 1, reqs, Network(launch_s=10.0))
+    assert res["completed"] == 560 and res["leaked_blocks"] == 0
+    assert res["scaling"]["out"] >= 1 and res["scaling"]["in"] >= 1, res["scaling"]
+    assert res["instances_at_end"] < 1 + res["scaling"]["out"]  # some retired again
+    assert 0 < res["instance_seconds"] < (1 + res["scaling"]["out"]) * res["duration"]
+
+
+def test_observers_and_fragmentation_samples():
+    seen = Counter()
+    cfg = load_config(None, PRESSURE)
+    res = simulate(cfg, 3, _trace(200), sample_s=0.2, observers=(lambda kind, sim, data: seen.update([kind]),))
+    assert seen["dispatch"] == 200 and seen["step"] > 0 and seen["sample"] == res["fragmentation"]["samples"] > 0
+    assert res["fragmentation"].get("fragmented", 0) <= res["fragmentation"].get("blocked", 0)
