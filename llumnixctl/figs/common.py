@@ -1,0 +1,89 @@
+"""What the figure modules share: the cluster that stands in for the paper's, running simulations on
+every core, and writing results/figNN.json (and a PNG when matplotlib is there) with the paper's numbers
+beside ours.
+
+The paper (Llumnix, OSDI'24) serves LLaMA-7B on A10 GPUs (24 GB). ``PAPER_LIKE`` is a sim instance of
+that shape: 512 KiB of KV per token (32 layers, 32 KV heads of 128, fp16), about 18k tokens of KV cache
+(1,150 blocks of 16) and step times of that order (prefill 0.2 ms per token + 10 ms, decode 20 ms +
+0.3 ms per request + 1 us per context token). These are estimates, not measurements of an A10; pass your
+own profile with ``sim.profile`` (``llumnixctl profile`` on the GPU node) to replace them.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from daemons.config import load_config
+from llumnixctl.simulate import Network, simulate
+from llumnixctl.trace import TraceRequest
+
+PAPER_LIKE = [
+    "sim.block_size=16", "sim.num_blocks=1150", "sim.max_num_seqs=256", "sim.max_num_batched_tokens=4096",
+    "sim.kv_layers=32", "sim.kv_heads=32", "sim.head_dim=128", "sim.kv_dtype=float16",
+    "sim.prefill_ms_per_token=0.2", "sim.prefill_ms=10", "sim.decode_ms=20", "sim.decode_ms_per_seq=0.3",
+    "sim.decode_ms_per_token=0.001", "model.max_model_len=16384",
+    "instance.log_level=warning", "manager.log_level=warning",
+]
+PAPER_NET = {"kv_gbps": 16.0}  # what one migration's copy gets between the paper's nodes (an estimate)
+POLICIES = ("llumnix", "infaas++", "rr")
+
+
+def _one(job: dict) -> dict:
+    import logging
+
+    logging.getLogger("llumnix").setLevel(logging.WARNING)
+    cfg = load_config(None, PAPER_LIKE + list(job.get("sets", ())))
+    net = Network(**{**PAPER_NET, **job.get("net", {})})
+    res = simulate(cfg, job["instances"], job["trace"], net, sample_s=job.get("sample_s", 0.0))
+    res["scaling"].pop("events", None) if not job.get("keep_events") else None
+    return {"label": job["label"], **{k: v for k, v in job.items() if k in ("params",)}, "result": res}
+
+
+def run_all(jobs: list[dict], processes: int | None = None) -> list[dict]:
+    """Run simulations (dicts: label, instances, trace, sets, net, sample_s, params) on every core."""
+    n = processes or min(len(jobs), os.cpu_count() or 1)
+    if n <= 1:
+        return [_one(j) for j in jobs]
+    with multiprocessing.get_context("fork").Pool(n) as pool:
+        return pool.map(_one, jobs)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """b / a (how many times lower ``a`` is), None when it cannot be said."""
+    if not a or b is None:
+        return None
+    return b / a
+
+
+def write(out_dir: Path, name: str, data: dict, plot: Callable[[Any, dict], None] | None = None) -> list[Path]:
+    """results/NAME.json, and NAME.png through ``plot(pyplot, data)`` when matplotlib is installed."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = [out_dir / f"{name}.json"]
+    written[0].write_text(json.dumps(data, indent=1, default=str) + "\n")
+    if plot is not None:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print(f"{name}: matplotlib is not installed (pip install 'llumnix-toolkit[plot]'): no PNG",
+                  file=sys.stderr)
+        else:
+            plot(plt, data)
+            png = out_dir / f"{name}.png"
+            plt.savefig(png, dpi=120, bbox_inches="tight")
+            plt.close("all")
+            written.append(png)
+    return written
+
+
+def trace_summary(trace: list[TraceRequest]) -> dict:
+    from llumnixctl import trace as trace_mod
+
+    return trace_mod.summary(trace)
