@@ -168,13 +168,24 @@ def test_status_watch_goes_on_while_the_manager_does_not_answer(start_cluster):
 
 
 def test_describe_one_instance(cluster):
+    from typer.testing import CliRunner
+
+    from llumnixctl.main import app
+
+    runner = CliRunner()  # in-process: the request (seconds of decoding) outlasts the calls on a loaded machine
+
+    def describe(*args):
+        res = runner.invoke(app, ["describe", *args, "--run-dir", str(cluster.run_dir)])
+        assert res.exit_code == 0, res.output
+        return res
+
     s = Stream(cluster.url, max_tokens=4000, ignore_eos=True)  # seconds of decoding at the tests' sim speed
     try:
         assert s.started.wait(30) and s.error is None, s.error
         rid = s.rid
         found = {}
         for iid in ("i0", "i1"):
-            d = ctl_json("describe", iid, "--run-dir", str(cluster.run_dir))
+            d = json.loads(describe(iid, "--json").stdout)
             assert d["instance"]["id"] == iid and d["requests_answered"] is True
             reg = d["registered"]
             assert reg["backend"] == "sim" and reg["model"] == "llumnix-sim" and reg["max_model_len"] > 0
@@ -185,8 +196,7 @@ def test_describe_one_instance(cluster):
             found.update({r["id"]: (iid, r) for r in d["requests"]})
         iid, row = found[rid]
         assert row["instance"] == iid and row["state"] in ("running", "waiting")
-        human = ctl("describe", iid, "--run-dir", str(cluster.run_dir))
-        assert human.returncode == 0, human.stderr
+        human = describe(iid)
         for word in (f"instance {iid}", "requests at", "last report", "virtual usage", "migrations", rid):
             assert word in human.stdout, human.stdout
     finally:
