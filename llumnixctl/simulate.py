@@ -63,6 +63,7 @@ class Network:
     kv_gbps: float = 10.0  # what one migration's copy achieves (before migration.bandwidth_limit_mbps)
     kv_bytes_per_token: int = 0  # 0: from the sim engine's KV shape
     launch_s: float = 30.0  # auto-scaling: a launched instance loads its model and registers this much later
+    step_overhead_s: float = 0.0  # the daemon's own cost per step (event loop, sockets), on top of model time
 
 
 @dataclass
@@ -328,7 +329,7 @@ class Simulation:
             inst.stepping = False
             return
         result = inst.engine.step()
-        dt = max(result.model_time_s, self.cfg.instance.min_step_s)
+        dt = max(result.model_time_s + self.net.step_overhead_s, self.cfg.instance.min_step_s)
         inst.free_at = self.clock.now + dt
         self.at(inst.free_at, self._step_done, inst, result.outputs)
 
