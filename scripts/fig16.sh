@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Reproduce the Llumnix paper's Fig 16 (scheduling stall at 64 instances: the manager's wall time per
+# dispatch and per pairing round, against the step time) in virtual time
+# (llumnixctl.simulate: the daemons' own manager, policy and sim engine; an estimated LLaMA-7B-on-A10
+# instance, llumnixctl/figs/common.py PAPER_LIKE), the paper's numbers written beside ours.
+#
+#   bash scripts/fig16.sh [OUT_DIR] [ARGS...]   -> OUT_DIR/fig16.json, OUT_DIR/fig16.png (default: ./results)
+#
+# ARGS go to python -m llumnixctl.figs.fig16 (--quick, --requests N, --instances N).
+# Takes about 2 minutes on an idle 2-core machine (simulations run on every core).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-results}"
+shift || true
+venv="${LLUMNIX_VENV:-.venv}"
+if [ ! -x "$venv/bin/llumnixctl" ]; then
+    LLUMNIX_EXTRAS="${LLUMNIX_EXTRAS:-test}" bash scripts/install.sh
+fi
+if ! "$venv/bin/python" -c "import matplotlib" 2>/dev/null; then
+    "$venv/bin/python" -m pip install --quiet "matplotlib>=3.8"
+fi
+"$venv/bin/python" -m llumnixctl.figs.fig16 --out "$out" "$@"
+echo "wrote $out/fig16.json and $out/fig16.png"
