@@ -73,6 +73,10 @@ class InstanceRecord:
     dispatched_n: int = 0
     pending: deque = field(default_factory=deque)
     principal: str = ""  # role:name of the key it registered with (CURVE); another key cannot take its id
+    gauge_state: str = ""  # its state as llumnix_manager_instances last counted it
+    reports: int = 0  # load reports taken (the cached policy state below is of one of them)
+    state_key: tuple = ()
+    cached_state: object = None
 
     @property
     def instance_id(self) -> str:
@@ -140,10 +144,20 @@ class Manager:
         return self.mc.heartbeat_interval_s * self.mc.dead_after_missed
 
     def state(self, r: InstanceRecord, now: float, excluded: bool = False) -> policy.InstanceState:
-        return policy.state_of(
+        # Every dispatch batch and pairing round reads every instance's state: build it again only when
+        # something it is made of changed (a report, a dispatch or its retirement, a flag, an order, the
+        # credit while it fades).
+        credit = r.credit(now, self.sc.new_instance_credit_s) if r.credit0 else 0.0
+        key = (r.reports, r.dispatched_n, len(r.pending), r.state, r.drain_reason, r.cordoned, r.orders, credit)
+        if not excluded and r.state_key == key:
+            return r.cached_state
+        s = policy.state_of(
             r.instance_id, r.load, pending_blocks=sum(b for _, b, _ in r.pending), pending_requests=len(r.pending),
             alive=r.state != "dead" and not r.load.stalled and not excluded, draining=r.draining, cordoned=r.cordoned,
-            credit=r.credit(now, self.sc.new_instance_credit_s), migrations=r.orders)
+            credit=credit, migrations=r.orders)
+        if not excluded:
+            r.state_key, r.cached_state = key, s
+        return s
 
     def states(self, now: float) -> list[policy.InstanceState]:
         return [self.state(r, now) for r in self.instances.values()]
@@ -180,7 +194,9 @@ class Manager:
         M_USAGE.labels(iid).set(policy.virtual_usage(s, self.sc.high_priority_headroom))
         M_DRAINING.labels(iid).set(1 if r.draining else 0)
         M_CORDONED.labels(iid).set(1 if r.cordoned else 0)
-        self._update_gauges_states()
+        if r.gauge_state != r.state:  # counting every instance on every report is O(N) per report
+            r.gauge_state = r.state
+            self._update_gauges_states()
 
     def _update_gauges_states(self) -> None:
         for state in ("alive", "stopping", "dead"):
@@ -250,6 +266,7 @@ class Manager:
             return wire.RegisterAck(msg.instance_id, accepted=False, reason="unknown instance: register again")
         now = time.monotonic()
         rec.identity, rec.load, rec.last_seen = ident, msg.load, now
+        rec.reports += 1
         if rec.state == "dead":
             log.info("instance %s is reporting again: alive", msg.instance_id)
             rec.state = "alive"
@@ -480,6 +497,7 @@ class Manager:
                 replies = self.on_dispatch_batch([m for _, m in dispatches])
                 for (ident, _), reply in zip(dispatches, replies):
                     await self.sock.send_multipart([ident, wire.encode(reply)])
+            await asyncio.sleep(0)  # under a backlog, let the pairing loop and the heartbeat watch run too
 
     async def watch_heartbeats(self, stop: asyncio.Event) -> None:
         period = self.mc.heartbeat_interval_s / 2

@@ -140,6 +140,30 @@ def test_batch_dispatch_serves_higher_priority_first(ss, requests, turn, headroo
         assert instance_freeness(pick, 0.0) == pytest.approx(best)
 
 
+def _batch_one_by_one(policy_name, ss, requests, turn, headroom):
+    """The definition dispatch_batch must agree with: one dispatch per request, earlier ones counted."""
+    from dataclasses import replace as _replace
+
+    by_id = {s.instance_id: s for s in ss}
+    order = sorted(range(len(requests)), key=lambda i: -requests[i][0])
+    chosen = [None] * len(requests)
+    for k, i in enumerate(order):
+        iid = dispatch(policy_name, list(by_id.values()), turn + k, headroom, requests[i][0])
+        chosen[i] = iid
+        if iid is not None:
+            s = by_id[iid]
+            by_id[iid] = _replace(s, pending_blocks=s.pending_blocks + blocks_for(requests[i][1], s.block_size),
+                                  pending_requests=s.pending_requests + 1)
+    return chosen
+
+
+@given(states, st.sampled_from(policy.DISPATCH_POLICIES),
+       st.lists(st.tuples(st.sampled_from([0, 1]), st.integers(1, 2000)), min_size=1, max_size=20),
+       st.integers(0, 1000), HEADROOMS)
+def test_batch_dispatch_is_one_dispatch_per_request(ss, name, requests, turn, headroom):
+    assert dispatch_batch(name, ss, requests, turn, headroom) == _batch_one_by_one(name, ss, requests, turn, headroom)
+
+
 def test_headroom_keeps_normal_requests_away_and_gathers_high_ones():
     a = InstanceState("a", 1000, blocks_used=100, running=4, high_priority=1)  # runs a high-priority request
     b = InstanceState("b", 1000, blocks_used=300, running=6)

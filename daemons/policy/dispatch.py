@@ -43,15 +43,47 @@ def dispatch_batch(policy: str, states: list[InstanceState], requests: list[tupl
                    headroom: float = 0.0) -> list[str | None]:
     """Dispatch requests that arrived together, given as (priority, prompt tokens): higher
     scheduling priority first, each to the freest instance once the ones before it are counted there.
-    Returns the chosen instance per request, in the order given."""
-    by_id = {s.instance_id: s for s in states}
+    Returns the chosen instance per request, in the order given.
+
+    The same choices as calling ``dispatch`` once per request with the earlier ones counted, but each
+    instance is scored once per batch and again only when a request lands on it (a manager of hundreds
+    of instances answers batches of dispatches without re-scoring them all for each)."""
+    if policy not in DISPATCH_POLICIES:
+        raise ValueError(f"unknown dispatch policy {policy!r} (known: {', '.join(DISPATCH_POLICIES)})")
     order = sorted(range(len(requests)), key=lambda i: -requests[i][0])  # stable: arrival order within a priority
     chosen: list[str | None] = [None] * len(requests)
+    eligible = sorted((s for s in states if s.dispatchable), key=lambda s: s.instance_id)
+    if not eligible:
+        return chosen
+    if policy in ("rr", "flood"):
+        for k, i in enumerate(order):
+            chosen[i] = eligible[(turn + k) % len(eligible) if policy == "rr" else 0].instance_id
+        return chosen
+    ids = [s.instance_id for s in eligible]
+
+    def score_fn(h: float):
+        return (lambda s: instance_freeness(s, h)) if policy == "llumnix" else real_freeness
+
+    scores: dict[float, list[float]] = {}  # by the headroom used: normal requests' and high ones' (0)
+
+    def scored(h: float) -> list[float]:
+        if h not in scores:
+            fn = score_fn(h)
+            scores[h] = [fn(s) for s in eligible]
+        return scores[h]
+
     for k, i in enumerate(order):
-        iid = dispatch(policy, list(by_id.values()), turn + k, headroom, requests[i][0])
-        chosen[i] = iid
-        if iid is not None:
-            s = by_id[iid]
-            by_id[iid] = replace(s, pending_blocks=s.pending_blocks + blocks_for(requests[i][1], s.block_size),
-                                 pending_requests=s.pending_requests + 1)
+        prio, tokens = requests[i]
+        h = 0.0 if prio > 0 else headroom
+        xs = scored(h)
+        best = max(xs)
+        tol = 1e-9 * max(1.0, abs(best))
+        ties = [j for j, f in enumerate(xs) if best - f <= tol]
+        j = ties[(turn + k) % len(ties)]
+        chosen[i] = ids[j]
+        s = eligible[j]
+        s = eligible[j] = replace(s, pending_blocks=s.pending_blocks + blocks_for(tokens, s.block_size),
+                                  pending_requests=s.pending_requests + 1)
+        for hh, ys in scores.items():
+            ys[j] = score_fn(hh)(s)
     return chosen
