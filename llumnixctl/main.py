@@ -429,20 +429,27 @@ def model_settings(cfg, model: Path | None, run_dir: Path) -> list[str]:
 operate.register(app)
 
 
+_complete = False
+
+
+def full_app() -> typer.Typer:
+    """The CLI with every command group (imported on first use: they pull in engines and benchmarks)."""
+    global _complete
+    if not _complete:
+        from llumnixctl import bench, keys, model, profile, simulate, traces
+
+        app.add_typer(bench.app, name="bench")
+        app.add_typer(keys.app, name="keys")
+        app.add_typer(model.app, name="model")
+        app.add_typer(traces.app, name="trace")
+        app.command("simulate")(simulate.command)
+        app.command("profile")(profile.command)
+        _complete = True
+    return app
+
+
 def entry() -> None:
-    from llumnixctl import bench, keys, model  # `llumnixctl bench ...`, `llumnixctl keys ...`, `llumnixctl model ...`
-
-    app.add_typer(bench.app, name="bench")
-    app.add_typer(keys.app, name="keys")
-    app.add_typer(model.app, name="model")
-    app.add_typer(__import__("llumnixctl.traces", fromlist=["app"]).app, name="trace")  # `llumnixctl trace ...`
-    from llumnixctl import simulate
-
-    app.command("simulate")(simulate.command)
-    from llumnixctl import profile
-
-    app.command("profile")(profile.command)
-    app(prog_name="llumnixctl")  # also under `python -m llumnixctl.main`: usage lines, completion
+    full_app()(prog_name="llumnixctl")  # also under `python -m llumnixctl.main`: usage lines, completion
 
 
 if __name__ == "__main__":

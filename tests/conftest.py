@@ -108,6 +108,19 @@ def ctl(*args: str, timeout: float = 60, env: dict | None = None) -> subprocess.
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
+def cli(*args: str) -> subprocess.CompletedProcess:
+    """llumnixctl in this process (no interpreter start-up: seconds saved per call on a loaded machine);
+    the same exit status, stdout and stderr as ``ctl``."""
+    from typer.testing import CliRunner
+
+    from llumnixctl.main import full_app
+
+    res = CliRunner().invoke(full_app(), list(args), prog_name="llumnixctl")
+    if res.exception is not None and not isinstance(res.exception, SystemExit):
+        raise res.exception
+    return subprocess.CompletedProcess(["llumnixctl", *args], res.exit_code, res.stdout, res.stderr)
+
+
 def ctl_json(*args: str) -> dict:
     res = ctl(*args, "--json")
     assert res.returncode == 0, res.stderr

@@ -19,7 +19,7 @@ import psutil
 import pytest
 import zmq
 
-from conftest import FAST, Cluster, ctl
+from conftest import FAST, Cluster, cli
 from daemons import runtime, security, wire
 from daemons.config import SecurityConfig
 from llumnixctl import localcluster
@@ -32,9 +32,9 @@ MAX_MESSAGE = 1 << 20
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("keys")
-    res = ctl("keys", "generate", str(d))
+    res = cli("keys", "generate", str(d))
     assert res.returncode == 0, res.stderr
-    assert ctl("keys", "generate", str(d), "--name", "instance-spare").returncode == 0
+    assert cli("keys", "generate", str(d), "--name", "instance-spare").returncode == 0
     return d
 
 
@@ -73,7 +73,7 @@ def status(secured: Cluster, keys: Path) -> dict:
 
 
 def test_keys_generate_lists_roles_and_never_overwrites(keys, tmp_path):
-    listed = json.loads(ctl("keys", "list", str(keys), "--json").stdout)
+    listed = json.loads(cli("keys", "list", str(keys), "--json").stdout)
     assert {k["name"]: k["role"] for k in listed} == {
         "manager": "manager", "instance": "instance", "proxy": "proxy", "operator": "operator",
         "reader": "reader", "instance-spare": "instance"}
@@ -81,10 +81,10 @@ def test_keys_generate_lists_roles_and_never_overwrites(keys, tmp_path):
     assert (keys / "secret").stat().st_mode & 0o077 == 0
     assert all(p.stat().st_mode & 0o077 == 0 for p in (keys / "secret").iterdir())
     before = (keys / "public" / "operator.key").read_bytes()
-    again = ctl("keys", "generate", str(keys))
+    again = cli("keys", "generate", str(keys))
     assert again.returncode == 1 and "already exist" in again.stderr and "--force" in again.stderr
     assert (keys / "public" / "operator.key").read_bytes() == before
-    bad = ctl("keys", "generate", str(tmp_path / "k"), "--name", "admin-bob")
+    bad = cli("keys", "generate", str(tmp_path / "k"), "--name", "admin-bob")
     assert bad.returncode == 2 and "must start with a role" in bad.stderr
 
 
@@ -93,12 +93,12 @@ def test_keys_generate_lists_roles_and_never_overwrites(keys, tmp_path):
 
 def test_operator_key_runs_every_verb_and_traffic_flows(secured, keys, tmp_path):
     cfg = config_for(tmp_path, keys, "operator")
-    got = ctl("status", "--json", "--manager", secured.manager, "--config", cfg)
+    got = cli("status", "--json", "--manager", secured.manager, "--config", cfg)
     assert got.returncode == 0, got.stderr
     assert [i["id"] for i in json.loads(got.stdout)["instances"]] == ["i0", "i1"]
-    assert ctl("cordon", "i0", "--manager", secured.manager, "--config", cfg).returncode == 0, secured.logs()
+    assert cli("cordon", "i0", "--manager", secured.manager, "--config", cfg).returncode == 0, secured.logs()
     assert status(secured, keys)["i0"].cordoned
-    assert ctl("uncordon", "i0", "--manager", secured.manager, "--config", cfg).returncode == 0
+    assert cli("uncordon", "i0", "--manager", secured.manager, "--config", cfg).returncode == 0
     assert not status(secured, keys)["i0"].cordoned
     # requests are served and migrate between instances over authenticated sockets
     api = secured.openai()
@@ -116,11 +116,11 @@ def test_operator_key_runs_every_verb_and_traffic_flows(secured, keys, tmp_path)
 
 def test_reader_key_reads_but_may_not_change_anything(secured, keys, tmp_path):
     cfg = config_for(tmp_path, keys, "reader")
-    assert ctl("status", "--json", "--manager", secured.manager, "--config", cfg).returncode == 0
-    assert ctl("requests", "--json", "--manager", secured.manager, "--config", cfg).returncode == 0
+    assert cli("status", "--json", "--manager", secured.manager, "--config", cfg).returncode == 0
+    assert cli("requests", "--json", "--manager", secured.manager, "--config", cfg).returncode == 0
     for verb in (["drain", "i0"], ["remove", "i1"], ["add"], ["migrate", "i0", "--to", "i1"],
                  ["policy", "--dispatch", "rr"]):
-        res = ctl(*verb, "--manager", secured.manager, "--config", cfg)
+        res = cli(*verb, "--manager", secured.manager, "--config", cfg)
         assert res.returncode == 1, (verb, res.stdout, res.stderr)
         assert "permission denied" in res.stderr and "operator" in res.stderr, res.stderr
         assert len(res.stderr.strip().splitlines()) == 1, res.stderr
@@ -139,11 +139,11 @@ def test_daemon_keys_may_not_run_admin_verbs(secured, keys, key):
 
 def test_unknown_key_and_no_key_are_refused_and_logged(secured, keys, tmp_path):
     other = tmp_path / "other"
-    assert ctl("keys", "generate", str(other)).returncode == 0
+    assert cli("keys", "generate", str(other)).returncode == 0
     (other / "public" / "manager.key").write_bytes((keys / "public" / "manager.key").read_bytes())
-    res = ctl("status", "--manager", secured.manager, "--config", config_for(tmp_path, other, "operator"))
+    res = cli("status", "--manager", secured.manager, "--config", config_for(tmp_path, other, "operator"))
     assert res.returncode == 1 and "refused our key 'operator'" in res.stderr, res.stderr
-    res = ctl("status", "--manager", secured.manager, "--timeout", "2")
+    res = cli("status", "--manager", secured.manager, "--timeout", "2")
     assert res.returncode == 1 and "uses CURVE keys" in res.stderr, res.stderr
     wait_for(lambda: "refused a connection to the manager socket: unknown key" in secured.logs(), 10,
              "the manager logs the unknown key")
