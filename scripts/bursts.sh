@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Reproduce the bursts study (a reviewer's question; no paper figure): Gamma arrivals with CV 4 and 8,
+# migrations in flight and KV bytes per second at the peak, with and without the migration caps, and latency
+# with the virtual-time simulator (llumnixctl/simulate.py: the daemons' own manager, policies and sim engine;
+# a sim instance approximating LLaMA-7B on an A10, llumnixctl/figs/common.py). No GPU needed.
+#
+#   bash scripts/bursts.sh [OUT_DIR] [-- extra args]   -> OUT_DIR/bursts.json, OUT_DIR/bursts.png (default: ./results)
+#
+# Takes about 3-5 minutes on a 2-core machine (simulations run on every core). Extra arguments go to
+# python -m llumnixctl.figs.bursts (--quick, --requests N, --instances N, ...).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-results}"
+shift || true
+[ "${1:-}" = "--" ] && shift
+mkdir -p "$out"
+venv="${LLUMNIX_VENV:-.venv}"
+if [ ! -x "$venv/bin/python" ]; then
+    LLUMNIX_EXTRAS="${LLUMNIX_EXTRAS:-test}" bash scripts/install.sh
+fi
+if ! "$venv/bin/python" -c "import matplotlib" 2>/dev/null; then
+    "$venv/bin/python" -m pip install --quiet "matplotlib>=3.8"
+fi
+"$venv/bin/python" -m llumnixctl.figs.bursts --out "$out" "$@"

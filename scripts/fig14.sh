@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Reproduce the Llumnix paper's Fig 14 and Fig 15 (auto-scaling: instance-seconds against P99 latency, llumnix vs
+# INFaaS++ under the same freeness-based scaling rule, on a low-high-low trace, sweeping the scaling thresholds)
+# with the virtual-time simulator (llumnixctl/simulate.py: the daemons' own manager, policies and sim engine;
+# a sim instance approximating LLaMA-7B on an A10, llumnixctl/figs/common.py). No GPU needed.
+#
+#   bash scripts/fig14.sh [OUT_DIR] [-- extra args]   -> OUT_DIR/fig14.json, OUT_DIR/fig14.png (default: ./results)
+#
+# Takes about 3-5 minutes on a 2-core machine (simulations run on every core). Extra arguments go to
+# python -m llumnixctl.figs.fig14 (--quick, --requests N, --instances N, ...).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-results}"
+shift || true
+[ "${1:-}" = "--" ] && shift
+mkdir -p "$out"
+venv="${LLUMNIX_VENV:-.venv}"
+if [ ! -x "$venv/bin/python" ]; then
+    LLUMNIX_EXTRAS="${LLUMNIX_EXTRAS:-test}" bash scripts/install.sh
+fi
+if ! "$venv/bin/python" -c "import matplotlib" 2>/dev/null; then
+    "$venv/bin/python" -m pip install --quiet "matplotlib>=3.8"
+fi
+"$venv/bin/python" -m llumnixctl.figs.fig14 --out "$out" "$@"
