@@ -220,7 +220,7 @@ def parse(argv):
     args = p.parse_args(argv)
     args.headrooms = [float(x) for x in args.headrooms.split(",")]
     if args.quick:
-        args.requests, args.instances = args.requests or 80, args.instances or 2
+        args.requests, args.instances = args.requests or 60, args.instances or 2
         args.rates, args.mix = args.rates or "8", args.mix or "S-S"
         args.headrooms = args.headrooms[-1:]
     args.mix = args.mix or "M-M"
