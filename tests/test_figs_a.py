@@ -59,6 +59,8 @@ def test_fig16(tmp_path):
     assert row["dispatch_wall"]["calls"] >= row["latency"]["completed"]
     assert 0 < row["dispatch_wall"]["mean_ms"] < 1000
     assert row["pairing_round_wall"]["calls"] > 0
+    assert row["dispatch_cpu"]["calls"] == row["dispatch_wall"]["calls"]
+    assert 0 <= row["dispatch_cpu"]["mean_ms"] < 1000
     assert row["mean_step_ms"] > 0 and row["dispatch_mean_over_step"] is not None
     _sane(row["latency"])
 

@@ -16,7 +16,7 @@ import time
 from collections import defaultdict
 
 from llumnixctl.figs.common import PAPER_LIKE, PAPER_NET, trace_summary, write
-from llumnixctl.figs.fig11 import COMMON_SETS, latency, parser, run_jobs
+from llumnixctl.figs.fig11 import COMMON_SETS, bounds, latency, parser, run_jobs
 from llumnixctl.traces import paper_trace
 
 POLICIES = ("llumnix", "infaas++")
@@ -64,9 +64,10 @@ def main(argv: list[str] | None = None) -> dict:
     for mix, arrival, cv, rates in (QUICK if args.quick else SWEEP):
         for r16 in rates:
             rate = r16 * instances / 16
-            tr = paper_trace(mix, n, rate, arrival=arrival, cv=cv, seed=1)
+            tr = paper_trace(mix, n, rate, arrival=arrival, cv=cv, seed=1, **bounds(args.quick))
             key = f"{mix}/{arrival}(cv={cv})/{rate:g}"
             traces[key] = {"mix": mix, "arrival": arrival, "cv": cv, "rate": rate, "seed": 1,
+                           "length_bounds": bounds(args.quick)["prompt_bounds"],
                            "summary": trace_summary(tr)}
             for pol in POLICIES:
                 jobs.append({"label": f"{key}/{pol}", "instances": instances, "trace": tr, "sample_s": SAMPLE_S,

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from llumnixctl.figs.common import PAPER_LIKE, PAPER_NET, trace_summary, write
-from llumnixctl.figs.fig11 import COMMON_SETS, _pct, latency, parser, run_jobs
+from llumnixctl.figs.fig11 import COMMON_SETS, bounds, _pct, latency, parser, run_jobs
 from llumnixctl.traces import paper_trace
 
 MIX, ARRIVAL, CV, RATE16 = "M-M", "gamma", 2.0, 120
@@ -67,24 +67,28 @@ def main(argv: list[str] | None = None) -> dict:
     for k in sizes:
         rate = (40 if args.quick else RATE16) * k / 16
         m = n if k == big else max(1, n * k // big)
-        tr = paper_trace(MIX, m, rate, arrival=ARRIVAL, cv=CV, seed=1)
-        traces[k] = {"mix": MIX, "arrival": ARRIVAL, "cv": CV, "rate": rate, "seed": 1, "summary": trace_summary(tr)}
+        tr = paper_trace(MIX, m, rate, arrival=ARRIVAL, cv=CV, seed=1, **bounds(args.quick))
+        traces[k] = {"mix": MIX, "arrival": ARRIVAL, "cv": CV, "rate": rate, "seed": 1,
+                     "length_bounds": bounds(args.quick)["prompt_bounds"], "summary": trace_summary(tr)}
         jobs.append({"label": f"{k}", "instances": k, "trace": tr, "timing": True, "cost": k,
                      "sets": COMMON_SETS + ["manager.dispatch_policy=llumnix"], "params": {"instances": k}})
     rows = []
     for r in run_jobs(jobs):
         res = r["result"]
-        w = res["manager_wall_s"]
-        d, p = _stats_ms(w["dispatch"]), _stats_ms(w["plan"])
+        w, c = res["manager_wall_s"], res["manager_cpu_s"]
+        d, p = _stats_ms(c["dispatch"]), _stats_ms(c["plan"])
         step_ms = res["mean_itl_ms"]
         sim_s = res["duration"]
+        arriving = traces[r["params"]["instances"]]["summary"]["duration_s"]
         rows.append({
             "instances": r["params"]["instances"], "latency": latency(res),
-            "dispatch_wall": d, "pairing_round_wall": p,
+            "dispatch_cpu": d, "pairing_round_cpu": p,
+            "dispatch_wall": _stats_ms(w["dispatch"]), "pairing_round_wall": _stats_ms(w["plan"]),
             "mean_step_ms": step_ms, "median_step_ms": res["median_itl_ms"],
             "dispatch_mean_over_step": (d.get("mean_ms") or 0) / step_ms if step_ms else None,
             "pairing_round_mean_over_step": (p.get("mean_ms") or 0) / step_ms if step_ms else None,
             "manager_busy_share": (d.get("total_s", 0) + p.get("total_s", 0)) / sim_s if sim_s else None,
+            "dispatch_busy_share_while_arriving": d.get("total_s", 0) / arriving if arriving else None,
             "served_s_virtual": sim_s, "migrations": res["migrations"],
         })
     rows.sort(key=lambda x: -x["instances"])
@@ -92,11 +96,14 @@ def main(argv: list[str] | None = None) -> dict:
         "figure": "fig16",
         "what": "Fig 16: the manager's wall time per dispatch and per pairing round at 64 instances, vs the step time",
         "method": "a subclass of llumnixctl.simulate.Simulation wraps the real Manager.on_dispatch_batch and "
-                  "Rescheduler.plan with time.perf_counter (real seconds; the simulation's clock is virtual, "
+                  "Rescheduler.plan with time.thread_time (CPU seconds: *_cpu, the ratios and busy shares use "
+                  "these, as they do not depend on other processes sharing the cores) and time.perf_counter "
+                  "(*_wall: real seconds, inflated by the shared machine; the simulation's clock is virtual, "
                   "so this cost is not charged to the simulated requests). Step time: the mean inter-token "
                   "latency (one decode step) of the same run. manager_busy_share: the manager's wall time in "
-                  "these calls over the virtual seconds served, i.e. the share of one core the decisions "
-                  "would take in real time at this load",
+                  "these calls (CPU) over the virtual seconds served (long tails included), i.e. the share of one "
+                  "core the decisions would take in real time; dispatch_busy_share_while_arriving: dispatch "
+                  "CPU time over the span of the arrivals (the share of a core dispatching takes at this rate)",
         "stall_in_this_design": "instances never wait for the manager between steps (reports are asynchronous, "
                                 "migration runs beside decoding; only a migration's last stage suspends a "
                                 "request, for its downtime), so the step-loop stall is zero by construction; "
@@ -119,9 +126,9 @@ def main(argv: list[str] | None = None) -> dict:
     }
     write(args.out, "fig16", data, plot)
     for x in rows:
-        print(f"fig16: {x['instances']} instances: dispatch {x['dispatch_wall'].get('mean_ms', 0):.3f} ms mean "
-              f"(p99 {x['dispatch_wall'].get('p99_ms', 0):.3f}), pairing round "
-              f"{x['pairing_round_wall'].get('mean_ms', 0):.3f} ms, step {x['mean_step_ms']:.1f} ms")
+        print(f"fig16: {x['instances']} instances: dispatch {x['dispatch_cpu'].get('mean_ms', 0):.3f} ms CPU mean "
+              f"(p99 {x['dispatch_cpu'].get('p99_ms', 0):.3f}), pairing round "
+              f"{x['pairing_round_cpu'].get('mean_ms', 0):.3f} ms, step {x['mean_step_ms']:.1f} ms")
     return data
 
 
@@ -129,13 +136,14 @@ def plot(plt, data):
     rows = sorted(data["rows"], key=lambda x: x["instances"])
     fig, ax = plt.subplots(figsize=(6, 3.5))
     xs = range(len(rows))
-    for j, (k, lab) in enumerate((("dispatch_wall", "dispatch (mean)"), ("pairing_round_wall", "pairing round (mean)"))):
+    for j, (k, lab) in enumerate((("dispatch_cpu", "dispatch (mean CPU)"),
+                                    ("pairing_round_cpu", "pairing round (mean CPU)"))):
         ax.bar([x + 0.27 * j for x in xs], [r[k].get("mean_ms", 0) for r in rows], 0.27, label=lab)
     ax.bar([x + 0.54 for x in xs], [r["mean_step_ms"] for r in rows], 0.27, label="decode step (mean ITL)")
     ax.set_xticks([x + 0.27 for x in xs])
     ax.set_xticklabels([f"{r['instances']} instances" for r in rows])
     ax.set_yscale("log")
-    ax.set_ylabel("ms (wall for the manager; virtual for the step)")
+    ax.set_ylabel("ms (CPU for the manager; virtual for the step)")
     ax.legend(fontsize=7)
     ax.set_title("Fig 16 (simulated): manager decision cost vs step time", fontsize=9)
     fig.tight_layout()

@@ -12,7 +12,7 @@ import os
 import time
 
 from llumnixctl.figs.common import PAPER_LIKE, PAPER_NET, trace_summary, write
-from llumnixctl.figs.fig11 import COMMON_SETS, HERD_WINDOW_S, latency, parser, run_jobs
+from llumnixctl.figs.fig11 import COMMON_SETS, bounds, HERD_WINDOW_S, latency, parser, run_jobs
 from llumnixctl.traces import paper_trace
 
 LAGS_MS = (0, 10, 50, 200, 1000)
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> dict:
     lags = (0, 200) if args.quick else LAGS_MS
     rate = (40 if args.quick else RATE16) * instances / 16
     t0 = time.perf_counter()
-    tr = paper_trace(MIX, n, rate, arrival=ARRIVAL, cv=CV, seed=1)
+    tr = paper_trace(MIX, n, rate, arrival=ARRIVAL, cv=CV, seed=1, **bounds(args.quick))
     jobs = []
     for mode, s in MODES.items():
         for lag in lags:
@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "settings": PAPER_LIKE + COMMON_SETS + ["manager.dispatch_policy=llumnix"], "modes": MODES,
                 "lags_ms": list(lags), "network": PAPER_NET,
                 "trace": {"mix": MIX, "arrival": ARRIVAL, "cv": CV, "rate": rate, "seed": 1,
+                          "length_bounds": bounds(args.quick)["prompt_bounds"],
                           "summary": trace_summary(tr)},
                 "wall_s": time.perf_counter() - t0, "cores": os.cpu_count()},
         "herding_definition": HERDING,
