@@ -6,7 +6,7 @@
 #
 #   bash scripts/bursts.sh [OUT_DIR] [-- extra args]   -> OUT_DIR/bursts.json, OUT_DIR/bursts.png (default: ./results)
 #
-# Takes about 3-5 minutes on a 2-core machine (simulations run on every core). Extra arguments go to
+# Takes about 1-1.5 minutes on a 2-core machine (simulations run on every core). Extra arguments go to
 # python -m llumnixctl.figs.bursts (--quick, --requests N, --instances N, ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -6,7 +6,7 @@
 #
 #   bash scripts/fig13.sh [OUT_DIR] [-- extra args]   -> OUT_DIR/fig13.json, OUT_DIR/fig13.png (default: ./results)
 #
-# Takes about 1-2 minutes on a 2-core machine (simulations run on every core). Extra arguments go to
+# Takes about 1-2.5 minutes on a 2-core machine (simulations run on every core). Extra arguments go to
 # python -m llumnixctl.figs.fig13 (--quick, --requests N, --instances N, ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -5,8 +5,9 @@
 # a sim instance approximating LLaMA-7B on an A10, llumnixctl/figs/common.py). No GPU needed.
 #
 #   bash scripts/fig14.sh [OUT_DIR] [-- extra args]   -> OUT_DIR/fig14.json, OUT_DIR/fig14.png (default: ./results)
+#                                                     and OUT_DIR/fig14-gentle.json/.png (a milder step: 10 -> 24 req/s)
 #
-# Takes about 3-5 minutes on a 2-core machine (simulations run on every core). Extra arguments go to
+# Takes about 2-4 minutes (both traces) on a 2-core machine (simulations run on every core). Extra arguments go to
 # python -m llumnixctl.figs.fig14 (--quick, --requests N, --instances N, ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,3 +23,4 @@ if ! "$venv/bin/python" -c "import matplotlib" 2>/dev/null; then
     "$venv/bin/python" -m pip install --quiet "matplotlib>=3.8"
 fi
 "$venv/bin/python" -m llumnixctl.figs.fig14 --out "$out" "$@"
+"$venv/bin/python" -m llumnixctl.figs.fig14 --out "$out" --rates 10,24 --name fig14-gentle "$@"
