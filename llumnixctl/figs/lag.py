@@ -72,6 +72,11 @@ def main(argv: list[str] | None = None) -> dict:
         "herding_definition": HERDING,
         "rows": rows,
         "paper": PAPER,
+        "notes": ["Even at 0 ms lag, dispatch without pending counting herds: an instance's report reflects a "
+                  "dispatch only after the proxy's submit (half the dispatch round trip + submit_s) and the "
+                  "instance's coalescing (instance.load_report_min_interval_s=0.02), so a burst of dispatches "
+                  "within ~20 ms sees the same freest instance; counting in-flight dispatches removes that at "
+                  "every lag measured here."],
         "differences": ["No paper figure to compare with. In the simulator a load report is the instance's exact "
                         "state delayed by the lag; real reports also coalesce (instance.load_report_min_interval_s) "
                         "and jitter, which the simulator models only as the fixed minimum interval."],
