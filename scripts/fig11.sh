@@ -8,7 +8,7 @@
 #   bash scripts/fig11.sh [OUT_DIR] [ARGS...]   -> OUT_DIR/fig11.json, OUT_DIR/fig11.png (default: ./results)
 #
 # ARGS go to python -m llumnixctl.figs.fig11 (--quick, --requests N, --instances N).
-# Takes about 6 minutes on an idle 2-core machine (30 simulations of 2,000 requests, on every core).
+# Takes about 6 minutes on an idle 2-core machine (33 simulations of 2,000 requests, on every core).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-results}"
