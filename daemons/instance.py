@@ -333,6 +333,13 @@ class Instance:
             else:
                 result = self._step()
             watchdog.step_started = 0.0
+            if self.executor is None and result.model_time_s > 0:
+                # A modelled step (the sim) computed its tokens at once; they exist when its model time is up.
+                ahead = result.model_time_s - (loop_time() - start)
+                if ahead > 0:
+                    self.stepping = True  # the step is not over: engine calls wait for its boundary
+                    await asyncio.sleep(ahead)
+                    self.stepping = False
             self.emit(result.outputs)
             self.phases.outputs(result.outputs, start, max(result.model_time_s, loop_time() - start))
             remaining = max(result.model_time_s, self.ic.min_step_s) - (loop_time() - start)
