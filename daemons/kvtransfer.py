@@ -1,8 +1,8 @@
 """KV bytes between instances: Gloo (torch.distributed) pair groups, formed on demand.
 
 There is no world: every (source, destination) pair gets its own two-member ``ProcessGroupGloo`` the first
-time it migrates, named by a random key the source picks, over the source's rendezvous ``TCPStore`` (which
-listens on ``migration.kv_host`` only). The key reaches the destination only over the authenticated
+time it migrates, named by a random key the source picks, over the source's rendezvous ``TCPStore`` (Gloo's own
+connections use ``migration.kv_host``; the store listens on every interface). The key reaches the destination only over the authenticated
 ZeroMQ channel, so nobody else can find the pair's entries in the store; Gloo itself neither
 authenticates nor encrypts (see the README's "Several hosts" for the firewall rule this needs). New
 instances join at any time and a dead peer breaks only its own pairs. Each pair runs its Gloo work on its
@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import re
 import secrets
-import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,21 +39,6 @@ _set_num_threads = torch.set_num_threads
 def _one_thread() -> None:
     """Copies are memory-bound: one thread moves them as fast, and leaves the other cores to the engine."""
     _set_num_threads(1)
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host`` only (raises OSError/ValueError as TCPStore would)."""
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    family, kind, proto, _, address = infos[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(128)
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 class TransferError(Exception):
@@ -182,12 +166,10 @@ class KvTransfer:
         self.host = host
         self.timeout_s = timeout_s
         # The store of the pairs this instance starts as a source; destinations connect to it. TCPStore
-        # itself listens on every interface: hand it a socket bound to kv_host only.
-        listener = _listen(host, port)
-        self.store = dist.TCPStore(host, listener.getsockname()[1], is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=timeout_s), use_libuv=False,
-                                   master_listen_fd=listener.fileno())
-        listener.detach()  # the store owns the descriptor now
+        # listens on every interface whatever ``host`` says (its libuv server takes no bound socket, and the
+        # older server that does stalled migrations here): a firewall rule keeps its port to the GPU nodes.
+        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=timeout_s), use_libuv=True)
         self.address = f"{host}:{self.store.port}"
         self.pairs: dict[str, Pair] = {}
         self._lock = threading.Lock()

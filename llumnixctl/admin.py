@@ -45,7 +45,6 @@ class AdminClient:
         self.timeout_s = timeout_s
         self.sec = sec
         self._ids = itertools.count(1)
-        self._ctx = _context()
         self._sock = None
         self._monitor = None
 
@@ -67,7 +66,7 @@ class AdminClient:
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
-            self._sock = self._ctx.socket(zmq.DEALER)
+            self._sock = _context().socket(zmq.DEALER)  # of the network namespace it is used in
             self._sock.setsockopt(zmq.LINGER, 0)
             if self.sec is not None:
                 self.sec.client(self._sock, "manager")

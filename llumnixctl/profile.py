@@ -15,15 +15,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from daemons.config import ConfigError, load_config
-from daemons.engine.base import EngineError, EngineRequest
-from daemons.engine.profile import LatencyProfile
-from daemons.wire import SamplingParams
 from llumnixctl.common import ConfigOpt, JsonOpt, die, out, print_json
+
+if TYPE_CHECKING:
+    from daemons.engine.profile import LatencyProfile
 
 
 def _ints(text: str, name: str) -> list[int]:
@@ -40,6 +40,10 @@ def measure(engine, prefill: list[int], batch: list[int], context: list[int], re
             vocab: int = 1000) -> LatencyProfile:
     """Step times of ``engine`` (any Engine; steps are timed on the wall clock unless the engine reports
     a model time, as the sim does)."""
+    from daemons.engine.base import EngineRequest
+    from daemons.engine.profile import LatencyProfile
+    from daemons.wire import SamplingParams
+
     rng = random.Random(0)
     ids = iter(range(1 << 30))
 
@@ -108,6 +112,8 @@ def command(
     json_: JsonOpt = False,
 ) -> None:
     """Measure an engine's step times (prefill by length, decode by batch and context) into a profile file."""
+    from daemons.engine.base import EngineError
+    from daemons.engine.profile import LatencyProfile
     pre, bat, ctx = _ints(prefill, "prefill"), _ints(batch, "batch"), _ints(context, "context")
     err = lambda m: print(m, file=sys.stderr)  # noqa: E731
     sets = list(set_ or [])

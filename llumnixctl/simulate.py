@@ -45,11 +45,20 @@ import typer
 from daemons import manager as manager_module
 from daemons import policy, rescheduler as rescheduler_module, wire
 from daemons.config import Config, ConfigError, load_config
-from daemons.engine.base import EngineError, EngineRequest
-from daemons.engine.sim import SimEngine
-from daemons.instance import migrants_for
 from llumnixctl.common import ConfigOpt, JsonOpt, die, out, print_json
 from llumnixctl.trace import TraceRequest
+
+
+def _engine_code() -> None:
+    """Import the engine and instance code (torch and all) when a simulation runs, not when llumnixctl
+    starts: every command would pay seconds for it."""
+    global EngineError, EngineRequest, SimEngine, migrants_for
+    from daemons.engine.base import EngineError, EngineRequest  # noqa: F811
+    from daemons.engine.sim import SimEngine  # noqa: F811
+    from daemons.instance import migrants_for  # noqa: F811
+
+
+EngineError = EngineRequest = SimEngine = migrants_for = None  # set by _engine_code()
 
 
 @dataclass
@@ -130,6 +139,7 @@ class Simulation:
                  sample_s: float = 0.0):
         """``sample_s`` > 0: every so often (virtual seconds) look for fragmentation (a queue head that the
         cluster's free blocks could hold but no single instance's can) and call the "sample" observers."""
+        _engine_code()
         self.cfg = cfg
         self.sample_s = sample_s
         self.observers: list = []  # fn(kind, simulation, data): "dispatch", "step", "migration", "scale", "sample"
