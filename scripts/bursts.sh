@@ -9,16 +9,5 @@
 # Takes about 1-1.5 minutes on a 2-core machine (simulations run on every core). Extra arguments go to
 # python -m llumnixctl.figs.bursts (--quick, --requests N, --instances N, ...).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-out="${1:-results}"
-shift || true
-[ "${1:-}" = "--" ] && shift
-mkdir -p "$out"
-venv="${LLUMNIX_VENV:-.venv}"
-if [ ! -x "$venv/bin/python" ]; then
-    LLUMNIX_EXTRAS="${LLUMNIX_EXTRAS:-test}" bash scripts/install.sh
-fi
-if ! "$venv/bin/python" -c "import matplotlib" 2>/dev/null; then
-    "$venv/bin/python" -m pip install --quiet "matplotlib>=3.8"
-fi
+source "$(dirname "$0")/figure-env.sh"  # the repository, $out (default results/), .venv with matplotlib
 "$venv/bin/python" -m llumnixctl.figs.bursts --out "$out" "$@"

@@ -10,15 +10,6 @@
 # ARGS go to python -m llumnixctl.figs.fig11 (--quick, --requests N, --instances N).
 # Takes about 6 minutes on an idle 2-core machine (33 simulations of 2,000 requests, on every core).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-out="${1:-results}"
-shift || true
-venv="${LLUMNIX_VENV:-.venv}"
-if [ ! -x "$venv/bin/llumnixctl" ]; then
-    LLUMNIX_EXTRAS="${LLUMNIX_EXTRAS:-test}" bash scripts/install.sh
-fi
-if ! "$venv/bin/python" -c "import matplotlib" 2>/dev/null; then
-    "$venv/bin/python" -m pip install --quiet "matplotlib>=3.8"
-fi
+source "$(dirname "$0")/figure-env.sh"  # the repository, $out (default results/), .venv with matplotlib
 "$venv/bin/python" -m llumnixctl.figs.fig11 --out "$out" "$@"
 echo "wrote $out/fig11.json and $out/fig11.png"

@@ -10,15 +10,6 @@
 # Takes seconds when OUT_DIR/fig11.json is there (it reads the fragmentation samples of the Fig 11 runs:
 # run scripts/fig11.sh first); else (or with --own-runs) about 2 minutes on an idle 2-core machine.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-out="${1:-results}"
-shift || true
-venv="${LLUMNIX_VENV:-.venv}"
-if [ ! -x "$venv/bin/llumnixctl" ]; then
-    LLUMNIX_EXTRAS="${LLUMNIX_EXTRAS:-test}" bash scripts/install.sh
-fi
-if ! "$venv/bin/python" -c "import matplotlib" 2>/dev/null; then
-    "$venv/bin/python" -m pip install --quiet "matplotlib>=3.8"
-fi
+source "$(dirname "$0")/figure-env.sh"  # the repository, $out (default results/), .venv with matplotlib
 "$venv/bin/python" -m llumnixctl.figs.fig12 --out "$out" "$@"
 echo "wrote $out/fig12.json and $out/fig12.png"

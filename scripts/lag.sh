@@ -9,15 +9,6 @@
 # ARGS go to python -m llumnixctl.figs.lag (--quick, --requests N, --instances N).
 # Takes about 3 minutes on an idle 2-core machine (10 simulations of 1,500 requests, on every core).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-out="${1:-results}"
-shift || true
-venv="${LLUMNIX_VENV:-.venv}"
-if [ ! -x "$venv/bin/llumnixctl" ]; then
-    LLUMNIX_EXTRAS="${LLUMNIX_EXTRAS:-test}" bash scripts/install.sh
-fi
-if ! "$venv/bin/python" -c "import matplotlib" 2>/dev/null; then
-    "$venv/bin/python" -m pip install --quiet "matplotlib>=3.8"
-fi
+source "$(dirname "$0")/figure-env.sh"  # the repository, $out (default results/), .venv with matplotlib
 "$venv/bin/python" -m llumnixctl.figs.lag --out "$out" "$@"
 echo "wrote $out/lag.json and $out/lag.png"
