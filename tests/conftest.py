@@ -60,7 +60,9 @@ class Cluster:
         return AdminClient(self.manager, timeout_s=3)
 
     def status(self) -> dict:
-        return ctl_json("status", "--run-dir", str(self.run_dir))
+        res = cli("status", "--json", "--run-dir", str(self.run_dir))  # in-process: tests poll it
+        assert res.returncode == 0, res.stderr
+        return json.loads(res.stdout)
 
     def proc(self, name: str) -> localcluster.Proc:
         return [p for p in self.state.procs if p.name == name][-1]  # the newest of that name
