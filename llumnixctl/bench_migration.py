@@ -46,6 +46,7 @@ from rich.console import Console
 from rich.table import Table
 
 from daemons import runtime, wire
+from daemons.config import ConfigError, load_config
 from llumnixctl import localcluster
 from llumnixctl.admin import AdminClient
 
@@ -171,9 +172,9 @@ def _placement(lab: dict):
 
 
 def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int, log, repeat: int = 4,
-        gap_tokens: int = 8, lab: dict | None = None) -> dict:
+        gap_tokens: int = 8, lab: dict | None = None, extra: list[str] | None = None) -> dict:
     """The benchmark; ``lab``: run across the hosts of a llumnixctl.netns lab (Lab.describe() plus what
-    --netns measured), from inside its control host."""
+    --netns measured), from inside its control host; ``extra``: settings after the benchmark's own (--set)."""
     run_dir = Path(tempfile.mkdtemp(prefix="llumnix-bench-mig-"))
     place, manager_host = _placement(lab) if lab else (None, "127.0.0.1")
     generated = backend == "vllm" and model is None
@@ -184,7 +185,8 @@ def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int
             log("writing the kv-heavy test model ...")
             model = write_tiny_model(run_dir / "kv-heavy", size="kv-heavy")
         log("starting two instances ...")
-        state = localcluster.up(run_dir, 2, backend, 0, None, _settings(backend, model, lengths, decode_tokens),
+        state = localcluster.up(run_dir, 2, backend, 0, None,
+                                _settings(backend, model, lengths, decode_tokens) + list(extra or []),
                                 timeout_s=600, place=place, manager_host=manager_host)
     except localcluster.ClusterError as exc:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -286,6 +288,7 @@ def command(
     netns: Annotated[bool, typer.Option("--netns", help="each instance on its own network namespace (\"host\"); manager, proxy and client on a control one (root)")] = False,
     rate: Annotated[str, typer.Option(help="with --netns: limit each instance's link, both ways (tc rate: 10gbit, 1gbit; empty = no limit)")] = "",
     delay_ms: Annotated[float, typer.Option(help="with --netns: added one-way latency between the instances (half on each instance's link, each way)", min=0.0)] = 0.0,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="setting for every daemon, after the benchmark's own (e.g. vllm.gpu_memory_utilization=0.4): section.key=value")] = None,
 ) -> None:
     """Live-migration downtime against blocking copy and recomputation, per request length (the paper's Fig 10)."""
     err = Console(stderr=True)
@@ -302,15 +305,23 @@ def command(
     if (rate or delay_ms) and not netns:
         err.print("llumnixctl: --rate and --delay-ms shape the links between namespaces: add --netns", markup=False)
         raise typer.Exit(2)
+    extra = list(set_ or [])
+    try:  # a bad setting fails here, not in a daemon's log
+        load_config(None, _settings(backend, model, sizes, decode_tokens) + extra, {"instance.backend": backend})
+    except ConfigError as exc:
+        sys.stderr.write(f"llumnixctl: {exc}\n")  # one line, never wrapped
+        raise typer.Exit(2)
     lab = json.loads(os.environ[LAB_ENV]) if netns and os.environ.get(LAB_ENV) else None
     if netns and lab is None:  # build the hosts, then run again inside the control one
         argv = ["bench", "migration", "--backend", backend, "--lengths", lengths, "--decode-tokens", str(decode_tokens),
                 "--repeat", str(repeat), "--netns", "--rate", rate, "--delay-ms", str(delay_ms)]
         argv += (["--model", str(model.resolve())] if model else []) + (["--json"] if json_ else [])
+        argv += [a for x in extra for a in ("--set", x)]
         raise typer.Exit(_in_lab(argv, rate, delay_ms, err))
     try:
         result = run(backend, model.resolve() if model else None, sizes,
-                     max(decode_tokens, 8 + repeat * 24), lambda m: err.print(m, markup=False), repeat=repeat, lab=lab)
+                     max(decode_tokens, 8 + repeat * 24), lambda m: err.print(m, markup=False), repeat=repeat, lab=lab,
+                     extra=extra)
     except RuntimeError as exc:
         err.print(f"llumnixctl: {exc}", markup=False)
         raise typer.Exit(1) from None

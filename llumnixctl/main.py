@@ -436,9 +436,10 @@ def full_app() -> typer.Typer:
     """The CLI with every command group (imported on first use: they pull in engines and benchmarks)."""
     global _complete
     if not _complete:
-        from llumnixctl import bench, keys, model, profile, simulate, traces
+        from llumnixctl import bench, check, keys, model, profile, simulate, traces
 
         app.add_typer(bench.app, name="bench")
+        app.add_typer(check.app, name="check")
         app.add_typer(keys.app, name="keys")
         app.add_typer(model.app, name="model")
         app.add_typer(traces.app, name="trace")

@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# The GPU check, for a CUDA node (one GPU is enough: the two instances of each step share it). Live migration
+# between two vLLM instances must stream exactly what an unmigrated run streams (llumnixctl check migration),
+# also with tensor parallelism when two or more GPUs are visible; then the Fig 10 figures (bench migration).
+#
+#   bash scripts/gpu-check.sh [OUT_DIR]      (default OUT_DIR: gpu-check)
+#
+# Writes OUT_DIR/<step>.json (the step's JSON output) and OUT_DIR/<step>.log (its standard error) per step,
+# OUT_DIR/nvidia-smi.txt, and OUT_DIR/gpu-check.json: {"gpu": nvidia-smi -L lines, "torch", "vllm",
+# "steps": {step: {"rc", "result"}}}. Prints one line per step; exits 1 when a step failed or there is no GPU.
+#
+# Environment:
+#   MODEL         checkpoint directory for every step (default: the tiny model for the checks and the
+#                 kv-heavy one for the benchmark, generated into OUT_DIR/models by `llumnixctl model tiny`)
+#   LLUMNIX_VENV  a venv with CUDA vLLM and this toolkit (`pip install vllm`, then `pip install -e .` here;
+#                 default .venv). This script installs nothing: scripts/install.sh would install CPU wheels.
+#   TIMEOUT_S     seconds per step (default 900); a step past it gets SIGINT (its cluster is stopped), then
+#                 SIGKILL a minute later
+#   LENGTHS       bench migration --lengths (default: the benchmark's own)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+die() {
+    echo "gpu-check: $*" >&2
+    exit 1
+}
+
+command -v nvidia-smi > /dev/null 2>&1 || die "no nvidia-smi on PATH: not a CUDA node (run this on a machine with an NVIDIA GPU and its driver)"
+out="${1:-gpu-check}"
+venv="${LLUMNIX_VENV:-.venv}"
+timeout_s="${TIMEOUT_S:-900}"
+mkdir -p "$out"
+nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || die "nvidia-smi failed: $(tail -n 1 "$out/nvidia-smi.txt")"
+gpu_lines="$(nvidia-smi -L 2> /dev/null | grep '^GPU ' || true)"
+[ -n "$gpu_lines" ] || die "nvidia-smi lists no GPU (see $out/nvidia-smi.txt)"
+echo "$gpu_lines"
+[ -x "$venv/bin/llumnixctl" ] || die "no $venv/bin/llumnixctl: set LLUMNIX_VENV to a venv with CUDA vLLM and this toolkit (pip install vllm; pip install -e .)"
+py="$venv/bin/python"
+"$py" -c "import torch; assert torch.cuda.is_available()" 2> "$out/torch.log" \
+    || die "torch in $venv sees no CUDA GPU (see $out/torch.log): it needs CUDA torch and vLLM, not the CPU wheels"
+torch_version="$("$py" -c "import torch; print(f'{torch.__version__} (CUDA {torch.version.cuda})')")"
+vllm_version="$("$py" -c "import vllm; print(vllm.__version__)" 2>> "$out/torch.log")" \
+    || die "vllm does not import in $venv (see $out/torch.log)"
+visible="$("$py" -c "import torch; print(torch.cuda.device_count())")"
+echo "torch $torch_version, vllm $vllm_version, $visible GPU(s) visible"
+export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"
+
+steps=()
+step() {  # step NAME LLUMNIXCTL-ARGS...: stdout to OUT_DIR/NAME.json, stderr to OUT_DIR/NAME.log
+    local name="$1" rc=0
+    shift
+    steps+=("$name")
+    echo "$name: llumnixctl $* ..."
+    timeout -s INT -k 60 "$timeout_s" "$venv/bin/llumnixctl" "$@" > "$out/$name.json" 2> "$out/$name.log" || rc=$?
+    echo "$rc" > "$out/$name.rc"
+}
+
+if [ -n "${MODEL:-}" ]; then
+    check_model=(--model "$MODEL")
+    bench_model=(--model "$MODEL")
+else
+    for size in tiny kv-heavy; do
+        if [ ! -e "$out/models/$size/config.json" ]; then
+            timeout "$timeout_s" "$venv/bin/llumnixctl" model tiny "$out/models/$size" --size "$size" --force >> "$out/models.log" 2>&1 \
+                || die "could not write the $size model into $out/models/$size (see $out/models.log)"
+        fi
+    done
+    check_model=(--model "$out/models/tiny")
+    bench_model=(--model "$out/models/kv-heavy")
+fi
+gpu_sets=(--set vllm.block_size=16 --set vllm.omp_threads=0 --set vllm.dtype=bfloat16)
+
+step check-migration check migration --json "${check_model[@]}" --set vllm.gpu_memory_utilization=0.4 "${gpu_sets[@]}"
+if [ "$visible" -ge 2 ]; then  # two instances of 2 ranks on GPUs 0 and 1: two ranks per GPU
+    step check-migration-tp2 check migration --json --tp 2 "${check_model[@]}" \
+        --set vllm.gpu_memory_utilization=0.2 "${gpu_sets[@]}"
+fi
+bench=(bench migration --json "${bench_model[@]}" --set vllm.gpu_memory_utilization=0.4 --set vllm.omp_threads=0)
+if [ -n "${LENGTHS:-}" ]; then
+    bench+=(--lengths "$LENGTHS")
+fi
+step bench-migration "${bench[@]}"
+
+GPU_LINES="$gpu_lines" TORCH_VERSION="$torch_version" VLLM_VERSION="$vllm_version" \
+    "$py" - "$out" "${steps[@]}" << 'EOF'
+import json
+import os
+import sys
+from pathlib import Path
+
+out, names = Path(sys.argv[1]), sys.argv[2:]
+steps = {}
+for name in names:
+    try:
+        result = json.loads((out / f"{name}.json").read_text())
+    except ValueError:
+        result = None
+    steps[name] = {"rc": int((out / f"{name}.rc").read_text()), "result": result}
+    rc, r = steps[name]["rc"], result
+    if rc == 0 and name.startswith("check-"):
+        moves = sum(q["migrations"] for q in r["requests"])
+        worst = max(q["downtime_ms"] for q in r["requests"])
+        line = f"ok: {len(r['requests'])} requests identical, {moves} migrations, downtime up to {worst:.2f} ms, {r['elapsed_s']:.0f} s"
+    elif rc == 0:
+        line = "ok: " + ", ".join(f"{x['tokens']} tokens: downtime {x['downtime_ms']:.2f} ms" for x in r["results"])
+    else:
+        log = (out / f"{name}.log").read_text(errors="replace").strip().splitlines()
+        why = next((x for x in reversed(log) if x.startswith("llumnixctl:")), log[-1] if log else "no output")
+        line = f"FAILED (exit {rc}{', timed out' if rc in (124, 137) else ''}): {why[:300]}"
+    print(f"{name}: {line}")
+record = {"gpu": os.environ["GPU_LINES"].splitlines(), "torch": os.environ["TORCH_VERSION"],
+          "vllm": os.environ["VLLM_VERSION"], "steps": steps}
+(out / "gpu-check.json").write_text(json.dumps(record, indent=2) + "\n")
+print(f"wrote {out / 'gpu-check.json'}")
+EOF
+
+for name in "${steps[@]}"; do
+    [ "$(cat "$out/$name.rc")" = 0 ] || exit 1
+done
