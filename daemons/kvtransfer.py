@@ -27,7 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from daemons.engine.base import KvBlocks
+from daemons.engine.kvblocks import KvBlocks, Staging
 
 log = logging.getLogger("llumnix.kvtransfer")
 
@@ -57,7 +57,8 @@ class Pair:
         self.timeout = timedelta(seconds=timeout_s)
         self.broken = False
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"kv-{key[-8:]}", initializer=_one_thread)
-        self._buffers: list[torch.Tensor] = []
+        self._buffers: Staging | None = None
+        self.two_hop: bool | None = None  # None: stage through the device when the KV is not on the CPU
         self._pg: dist.ProcessGroup | None = None
         self._pool.submit(self._connect, host, store)
 
@@ -73,10 +74,11 @@ class Pair:
             self.broken = True
             log.warning("KV pair %s could not form: %s", self.key, exc)
 
-    def _staging(self, nbytes: int) -> list[torch.Tensor]:
-        if not self._buffers or self._buffers[0].numel() < nbytes:
-            self._buffers = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(2)]
-        return self._buffers
+    def _staging(self, kv: KvBlocks, nbytes: int) -> Staging:
+        st = self._buffers
+        if st is None or st.kv is not kv or st.nbytes < nbytes:
+            st = self._buffers = Staging(kv, nbytes, two_hop=self.two_hop)
+        return st
 
     def _ready(self) -> dist.ProcessGroup:
         if self.broken or self._pg is None:
@@ -115,16 +117,15 @@ class Pair:
 
     def _send_chunks(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int, limit_bytes_s: float) -> int:
         pg = self._ready()
-        bufs = self._staging(chunk_blocks * kv.block_nbytes)
+        st = self._staging(kv, chunk_blocks * kv.block_nbytes)
         inflight: list = [None, None]
         start, sent = time.perf_counter(), 0
         for i, chunk in enumerate(self._chunks(block_ids, chunk_blocks)):
             b = i % 2
             if inflight[b] is not None:
                 self._wait(inflight[b])  # that buffer is free again
-            n = len(chunk) * kv.block_nbytes
-            kv.gather(chunk, bufs[b])
-            inflight[b] = pg.send([bufs[b][:n]], self.peer, 0)
+            n = st.load(b, chunk)
+            inflight[b] = pg.send([st.host(b)[:n]], self.peer, 0)
             sent += n
             if limit_bytes_s > 0:  # pace to the cap: sleep until this many bytes are due
                 ahead = sent / limit_bytes_s - (time.perf_counter() - start)
@@ -137,19 +138,18 @@ class Pair:
 
     def _recv_chunks(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int) -> int:
         pg = self._ready()
-        bufs = self._staging(chunk_blocks * kv.block_nbytes)
+        st = self._staging(kv, chunk_blocks * kv.block_nbytes)
         chunks = self._chunks(block_ids, chunk_blocks)
 
         def post(i: int):
             n = len(chunks[i]) * kv.block_nbytes
-            return pg.recv([bufs[i % 2][:n]], self.peer, 0)
+            return pg.recv([st.host(i % 2)[:n]], self.peer, 0)
 
         pending = [post(i) for i in range(min(2, len(chunks)))]
         got = 0
         for i, chunk in enumerate(chunks):
             self._wait(pending[i % 2])
-            kv.scatter(chunk, bufs[i % 2])
-            got += len(chunk) * kv.block_nbytes
+            got += st.store(i % 2, chunk)
             if i + 2 < len(chunks):
                 pending[i % 2] = post(i + 2)
         return got

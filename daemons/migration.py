@@ -45,6 +45,7 @@ import zmq.utils.monitor
 from daemons import metrics, runtime, wire
 from daemons.config import MigrationConfig
 from daemons.engine.base import Engine, EngineError
+from daemons.engine.kvblocks import KvLayout
 from daemons.kvtransfer import KvTransfer, TransferError
 from daemons.proxylinks import ProxyLinks
 from daemons.requests import RequestTable
@@ -137,6 +138,9 @@ class Migrator:
         self.boundary = boundary
         self.faults = faults or Faults("", "")
         self.kv = KvTransfer(self.cfg.kv_host, self.cfg.kv_port, self.cfg.timeout_s)
+        transport = getattr(engine, "kv_transport", None)  # a tensor-parallel engine moves KV rank by rank
+        if transport is not None:
+            self.kv = transport(self.kv, boundary)
         self.outgoing: dict[str, _Out] = {}  # by migration id
         self.incoming: dict[str, _In] = {}  # by migration id
         self.peers: dict[str, zmq.asyncio.Socket] = {}  # destination request address -> our DEALER
@@ -442,7 +446,7 @@ class Migrator:
             return f"instance {self.inst.instance_id} is draining"
         spec = self.engine.kv_blocks().spec
         if msg.kv_spec != spec:
-            return f"KV layout differs: source {msg.kv_spec!r}, destination {spec!r}"
+            return f"KV layout differs: {KvLayout.difference(msg.kv_spec, spec)}"
         if self.busy >= self.cfg.max_in_flight:
             return f"already in {self.busy} migrations (migration.max_in_flight)"
         if msg.request.request_id in self.requests:

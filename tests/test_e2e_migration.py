@@ -202,7 +202,7 @@ def test_different_kv_layout_is_refused(start_cluster):
     s.wait_tokens(3)  # on i0, the only instance so far
     localcluster.add_instance(c.run_dir, c.state, "f32", ["sim.kv_dtype=float32"])
     res, out = migrate(c, s.rid, "--to", "f32")
-    assert out["outcome"] == "aborted" and "KV layout differs" in out["reason"], out
+    assert out["outcome"] == "aborted" and "KV layout differs: KV dtype differs: source float16, destination float32" in out["reason"], out
     s.check_complete(300)
     settle(c)
 

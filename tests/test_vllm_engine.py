@@ -438,4 +438,5 @@ def test_migration_reserve_refuses_and_release_frees(model_dir):
         e.suspend("r")
         assert not e.has_work() and [r.state for r in e.requests()] == ["migrating"]
         assert e.abort_request("r") and pool_used(e) == 0
-        assert e.kv_blocks().spec.startswith("vllm-0.32")
+        kb = e.kv_blocks()
+        assert kb.layout.engine.startswith("vllm-0.32") and kb.layout.layout == "LBHNC" and kb.layout.tp == 1, kb.spec

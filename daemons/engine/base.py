@@ -17,8 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import torch
-
+from daemons.engine.kvblocks import KvBlocks, KvLayout  # noqa: F401  (re-exported: engines build them)
 from daemons.wire import InstanceLoad, MigratingRequest, RequestLoad, RequestState, SamplingParams, TokenOut
 
 
@@ -86,50 +85,6 @@ class MigrationView:
 
     block_ids: list[int]  # in token order; blocks past ``computed_tokens`` may be allocated ahead
     computed_tokens: int  # tokens whose KV is written; full blocks below this never change again
-
-
-class KvBlocks:
-    """Block-granular copies between an engine's per-layer KV tensors and one flat byte buffer.
-
-    Every layer tensor must have the block index as its first dimension and be contiguous. A block is opaque
-    bytes here ("block fusion": n blocks of all layers become one buffer, layer-major), so the layout inside a
-    block (which depends on attention kernel, dtype and block size) only has to match between two engines,
-    which ``spec`` names for the migration handshake.
-    """
-
-    def __init__(self, caches: list[torch.Tensor], describe: str):
-        if not caches:
-            raise ValueError("no KV tensors")
-        self.caches = caches
-        self.rows = [c.view(c.shape[0], -1) for c in caches]  # [num_blocks, elements per block] views
-        self.dtype = caches[0].dtype
-        self.block_elems = self.rows[0].shape[1]
-        if any(r.dtype != self.dtype or r.shape[1] != self.block_elems for r in self.rows):
-            raise ValueError("KV layers differ in dtype or block shape")
-        self.layer_block_nbytes = self.block_elems * self.dtype.itemsize
-        self.block_nbytes = self.layer_block_nbytes * len(caches)  # one block of every layer
-        shape = "x".join(str(d) for d in caches[0].shape[1:])
-        self.spec = f"{describe};layers={len(caches)};block={shape};dtype={str(self.dtype).removeprefix('torch.')}"
-
-    def _view(self, buf: torch.Tensor, n: int) -> torch.Tensor:
-        nbytes = n * self.block_nbytes
-        if buf.dtype != torch.uint8 or buf.numel() < nbytes:
-            raise ValueError(f"staging buffer holds {buf.numel()} bytes; {n} blocks need {nbytes}")
-        return buf[:nbytes].view(self.dtype).view(len(self.rows), n, self.block_elems)
-
-    def gather(self, block_ids: list[int], out: torch.Tensor) -> None:
-        """Copy the blocks ``block_ids`` of every layer into ``out`` (uint8, at least n * block_nbytes)."""
-        dst = self._view(out, len(block_ids))
-        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.rows[0].device)
-        for layer, rows in enumerate(self.rows):
-            torch.index_select(rows, 0, idx, out=dst[layer])
-
-    def scatter(self, block_ids: list[int], buf: torch.Tensor) -> None:
-        """Write what ``gather`` produced into the blocks ``block_ids`` (the same count, any ids)."""
-        src = self._view(buf, len(block_ids))
-        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.rows[0].device)
-        for layer, rows in enumerate(self.rows):
-            rows.index_copy_(0, idx, src[layer])
 
 
 class Engine(Protocol):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 import msgspec
 
@@ -23,6 +24,8 @@ from daemons.config import ModelConfig, VllmConfig
 from daemons.engine.base import (EngineError, EngineRequest, KvBlocks, MigrationView, StepResult, check_incoming,
                                   check_request)
 from daemons.engine.vllm_internals import _Vllm, set_env, set_num_threads
+from daemons.engine.vllm_tp import KvShards, TpTransfer
+from daemons.kvtransfer import KvTransfer
 from daemons.wire import InstanceLoad, MigratingRequest, RequestLoad, RequestState, TokenOut
 
 log = logging.getLogger("llumnix.engine.vllm")
@@ -66,11 +69,13 @@ class VllmEngine:
         self._live: dict[str, _Live] = {}
         self._suspended: set[str] = set()
         self._reserved: dict[str, _Live] = {}
-        self._kv_blocks: KvBlocks | None = None
+        self._kv_blocks: KvBlocks | KvShards | None = None
         self._finished_preemptions = 0
         self._received = 0
         self._tokens_generated = 0
         self._closed = False
+        if not self._v.in_process:
+            self.kv_blocks()
 
     def init_thread(self) -> None:
         """Run first on the thread that will call ``step``. OpenMP's thread count is per thread, taken from
@@ -196,8 +201,19 @@ class VllmEngine:
 
     def kv_blocks(self) -> KvBlocks:
         if self._kv_blocks is None:
-            self._kv_blocks = KvBlocks(list(self._v.kv_caches()), self._v.kv_layout())
+            v = self._v
+            if v.in_process:
+                self._kv_blocks = KvBlocks(list(v.kv_caches()), v.kv_describe(), v.kv_cache_layout())
+            else:  # asked of every rank once, before the first step (collective_rpc is for between steps)
+                self._kv_blocks = KvShards.of(v.rpc("llumnix_kv_layout", v.kv_layout(), v.kv_cache_layout(),
+                                                    v.tensor_parallel_size))
         return self._kv_blocks
+
+    def kv_transport(self, kv: KvTransfer, boundary: Callable) -> KvTransfer | TpTransfer:
+        """How this engine's KV moves: through ``kv`` itself (the KV is in this process), or rank by rank."""
+        if self._v.in_process:
+            return kv
+        return TpTransfer(kv, self._v.rpc, boundary, self._v.tensor_parallel_size)
 
     def migration_view(self, request_id: str) -> MigrationView | None:
         live = self._live.get(request_id)

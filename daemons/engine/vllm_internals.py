@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 from daemons.config import ModelConfig, VllmConfig
 from daemons.engine.base import EngineError
+from daemons.engine.vllm_worker import attention_backends, commit_runner_state, generator_state
 
 TESTED_VERSION = "0.32"  # major.minor the _Vllm section was checked against
 UNTESTED_ENV = "LLUMNIX_VLLM_UNTESTED"
@@ -160,10 +161,13 @@ class _Vllm:
             enforce_eager=cfg.enforce_eager,
             enable_prefix_caching=cfg.enable_prefix_caching,
             seed=cfg.seed,
-            distributed_executor_backend="uni",
             disable_log_stats=True,
             scheduling_policy="priority",  # see the class docstring for vLLM's sign
+            async_scheduling=False,  # migration suspends requests between steps
+            **self.parallel_args(cfg),
         )
+        if cfg.gpu_memory_utilization > 0:
+            args.gpu_memory_utilization = cfg.gpu_memory_utilization
         try:
             self.config = args.create_engine_config(m.UsageContext.ENGINE_CONTEXT)
             self.core = m.EngineCore(self.config, m.Executor.get_class(self.config), log_stats=False)
@@ -180,6 +184,24 @@ class _Vllm:
         if getattr(self.config.scheduler_config, "async_scheduling", False):
             raise EngineError("vLLM chose async scheduling; the vllm backend steps synchronously "
                               "(migration suspends requests between steps)")
+
+    @staticmethod
+    def parallel_args(cfg: VllmConfig) -> dict:
+        """One rank: the ``uni`` executor, the worker in this process. Several: vLLM's multiprocess executor,
+        one worker process per rank, with our worker extension (``vllm_worker.LlumnixWorker``) mixed in."""
+        if cfg.tensor_parallel_size <= 1:
+            return {"distributed_executor_backend": "uni"}
+        return {"distributed_executor_backend": "mp", "tensor_parallel_size": cfg.tensor_parallel_size,
+                "worker_extension_cls": "daemons.engine.vllm_worker.LlumnixWorker"}
+
+    @property
+    def in_process(self) -> bool:
+        """True when the model runner (KV tensors, per-request state) lives in this process."""
+        return self.tensor_parallel_size <= 1
+
+    def rpc(self, method: str, *args) -> list:
+        """Call a ``LlumnixWorker`` method on every rank (between steps only); one result per rank."""
+        return self.core.model_executor.collective_rpc(method, args=args)
 
     # ---- requests
     def sampling_params(self, sp) -> object:
@@ -266,7 +288,8 @@ class _Vllm:
         return self.core.model_executor.driver_worker.worker.model_runner
 
     def kv_layout(self) -> str:
-        """What decides the bytes inside a block besides shape and dtype: device and attention kernel."""
+        """What decides the bytes inside a block besides shape, dtype and layout: device and kernel ISA (the
+        runner's side adds its attention backends: ``vllm_worker.attention_backends``)."""
         from vllm.platforms import current_platform
 
         kind = "cpu" if current_platform.is_cpu() else current_platform.device_name
@@ -275,15 +298,27 @@ class _Vllm:
             isa = "-amx" if os.environ.get(AMX_ENV) == "1" else "-noamx"
         return f"vllm-{self.m.version}-{kind}{isa}"
 
+    def kv_describe(self) -> str:
+        """``kv_layout`` plus the attention backends (in-process runner only)."""
+        return f"{self.kv_layout()}/{attention_backends(self.runner())}"
+
+    def kv_cache_layout(self) -> str:
+        """vLLM's resolved ``KVCacheLayout`` name (the stride order of its KV allocation), e.g. LBHNC."""
+        return str(self.config.cache_config.kv_cache_layout or "")
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.config.parallel_config.tensor_parallel_size
+
     # ---- migration
     def is_running(self, req) -> bool:
         return req.status == self.m.RUNNING and req.num_output_placeholders == 0 and not req.spec_token_ids
 
     def suspend(self, req) -> bytes:
         self.scheduler.running.remove(req)
-        state = self.runner().requests.get(req.request_id)
-        gen = getattr(state, "generator", None)
-        return bytes(gen.get_state().numpy().tobytes()) if gen is not None else b""
+        if self.in_process:
+            return generator_state(self.runner(), req.request_id)
+        return self.rpc("llumnix_generator_state", req.request_id)[0]  # every rank samples alike
 
     def resume(self, req) -> None:
         self.scheduler.running.append(req)
@@ -322,8 +357,6 @@ class _Vllm:
         self.kv.free(req)
 
     def commit(self, req, outputs: list[int], engine_state: bytes) -> None:
-        import torch
-
         self._held.discard(req.request_id)
         req.append_output_token_ids(outputs)
         req.num_computed_tokens = req.num_tokens - 1  # the last sampled token's KV is computed by the next step
@@ -331,26 +364,17 @@ class _Vllm:
         req.status = self.m.RUNNING
         if self.config.cache_config.enable_prefix_caching:
             self.kv.cache_blocks(req, req.num_computed_tokens)
-        generator = None
         params = req.sampling_params
-        if params.sampling_type == self.m.RANDOM_SEED:
-            generator = torch.Generator(device=self.runner().device)
-            generator.manual_seed(params.seed)
-            if engine_state:
-                generator.set_state(torch.frombuffer(bytearray(engine_state), dtype=torch.uint8))
-        runner = self.runner()
         rid = req.request_id
-        if rid in self.scheduler.finished_req_ids:
-            # It left this engine (migrated away) and came back before a step let the runner forget it.
+        came_back = rid in self.scheduler.finished_req_ids
+        if came_back:  # it left this engine (migrated away) and came back before a step let the runner forget it
             self.scheduler.finished_req_ids.discard(rid)
-            runner.requests.pop(rid, None)
-            runner.num_prompt_logprobs.pop(rid, None)
-        runner.input_batch.remove_request(rid)  # a stale row would keep its old tokens and blocks
-        runner.requests[rid] = self.m.CachedRequestState(
-            req_id=req.request_id, prompt_token_ids=req.prompt_token_ids, mm_features=[], sampling_params=params,
-            pooling_params=None, generator=generator, block_ids=(list(self.block_ids(req.request_id)),),
-            num_computed_tokens=req.num_computed_tokens, output_token_ids=list(req.output_token_ids),
-            lora_request=None)
+        args = (rid, req.prompt_token_ids, params, params.sampling_type == self.m.RANDOM_SEED, engine_state,
+                list(self.block_ids(rid)), req.num_computed_tokens, list(req.output_token_ids), came_back)
+        if self.in_process:
+            commit_runner_state(self.runner(), self.m.CachedRequestState, *args)
+        else:
+            self.rpc("llumnix_commit", *args)
         self.scheduler.requests[req.request_id] = req
         self.scheduler.running.append(req)
 

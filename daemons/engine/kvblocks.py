@@ -1,0 +1,231 @@
+"""KV blocks as bytes: block-granular copies between an engine's KV tensors and flat staging buffers.
+
+An engine hands over one tensor per layer whose first dimension is the block index (vLLM's manager views
+``[B, H, N, C]``, the sim's ``[B, 2, N, heads, head_dim]``); what lies inside a block (K and V, heads,
+tokens, the attention kernel's own order) is opaque bytes here, which only has to match between the two
+ends of a migration. ``KvLayout`` names everything that decides those bytes and the handshake compares it
+field by field, so a refusal says what differs.
+
+How the tensors sit in memory varies. vLLM 0.32 allocates one backing buffer and views it per layer with
+the stride order of a ``KVCacheLayout``: layer-outermost layouts (``LBHNC``, ``LBNHC``) give each layer a
+contiguous region; ``LHBNC`` spreads a block over the heads; block-outermost ones (``BLHNC``, ``BLNHC``,
+``BHLNC``) interleave the layers block by block. ``KvBlocks`` picks the cheapest copy for what it finds:
+
+- ``fused``: all layers' pages of a block are one contiguous run (block-outermost, block-compact): one
+  ``index_select`` over ``[num_blocks, layers * page]`` moves all layers of n blocks at once;
+- ``rows``: each layer's block is one contiguous run (its order inside does not matter): one
+  ``index_select`` per layer over ``[num_blocks, page]``;
+- ``strided``: anything else: an ``index_select`` per layer over its strided view (it gathers correctly
+  from any strides, at the cost of a strided read).
+
+A chunk's bytes are layer-major (rows, strided) or block-major (fused); both ends use the same path because
+they have the same layout. Layers that share one tensor (cross-layer KV sharing) are copied once.
+
+KV on a GPU (``Staging``): blocks are gathered on the device into a device buffer, copied to a pinned host
+buffer on a CUDA stream of the transfer's own (the model's stream keeps running), and sent from there; the
+receiver does the reverse. On CPU the gather writes the host buffer directly, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    """What decides a KV block's bytes. Two engines exchange blocks only when every field agrees."""
+
+    engine: str  # backend and version, device kind and kernel choice (e.g. vllm-0.32-cpu-noamx, sim)
+    layout: str  # vLLM's KVCacheLayout name, or "block-major" for tensors that start with the block index
+    layers: int  # KV tensors (after de-duplicating shared ones)
+    block: str  # shape of one layer's block, e.g. 2x32x128 ([H, N, C])
+    dtype: str
+    tp: int = 1  # tensor-parallel ranks: each holds its own shard of every block
+
+    # In the order a refusal names them: the first that differs is the cause (a TP size changes the shape).
+    _NAMES = {"engine": "engine", "tp": "tensor-parallel size", "layout": "KV cache layout", "layers": "KV layers",
+              "dtype": "KV dtype", "block": "block shape"}
+
+    @property
+    def spec(self) -> str:
+        return ";".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
+
+    @staticmethod
+    def parse(spec: str) -> dict[str, str]:
+        out = {}
+        for part in spec.split(";"):
+            key, sep, value = part.partition("=")
+            if sep:
+                out[key] = value
+        return out
+
+    @classmethod
+    def difference(cls, source: str, destination: str) -> str:
+        """One line naming what differs between two specs ('' when they agree)."""
+        if source == destination:
+            return ""
+        a, b = cls.parse(source), cls.parse(destination)
+        for key, name in cls._NAMES.items():
+            if a.get(key) != b.get(key):
+                return f"{name} differs: source {a.get(key, '?')}, destination {b.get(key, '?')}"
+        return f"source {source!r}, destination {destination!r}"
+
+
+def _storage_offset_bytes(t: torch.Tensor) -> int:
+    return t.storage_offset() * t.element_size()
+
+
+def _unique(caches: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Drop tensors that view the same bytes as an earlier one (layers sharing a KV cache)."""
+    seen, out = set(), []
+    for c in caches:
+        key = (c.untyped_storage().data_ptr(), c.storage_offset(), tuple(c.shape), tuple(c.stride()), c.dtype)
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
+
+
+class KvBlocks:
+    """Block copies between per-layer KV tensors (block index first) and one flat uint8 buffer."""
+
+    def __init__(self, caches: list[torch.Tensor], describe: str, layout: str = "", tp: int = 1):
+        caches = _unique(list(caches))
+        if not caches:
+            raise ValueError("no KV tensors")
+        first = caches[0]
+        self.dtype = first.dtype
+        self.device = first.device
+        self.num_blocks = first.shape[0]
+        inner = tuple(first.shape[1:])
+        if any(c.dtype != self.dtype or tuple(c.shape) != (self.num_blocks, *inner) or c.device != self.device
+               for c in caches):
+            raise ValueError("KV layers differ in dtype, shape or device")
+        self.caches = caches
+        self.inner = inner
+        self.block_elems = 1
+        for d in inner:
+            self.block_elems *= d
+        self.layer_block_nbytes = self.block_elems * self.dtype.itemsize
+        self.block_nbytes = self.layer_block_nbytes * len(caches)  # one block of every layer
+        # Bytes are bytes: copy through an integer type of the element's size (exact for any float, and
+        # index_select/index_copy_ exist for it on every device; not for float8 on CPU, for one).
+        self._word = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[self.dtype.itemsize]
+        self.path, self._fused, self.rows = self._choose([c.view(self._word) for c in caches])
+        self.layout = KvLayout(engine=describe, layout=layout or "block-major", layers=len(caches),
+                               block="x".join(str(d) for d in inner), dtype=str(self.dtype).removeprefix("torch."),
+                               tp=tp)
+        self.spec = self.layout.spec
+
+    @staticmethod
+    def _block_is_one_run(c: torch.Tensor) -> bool:
+        """True when each block's elements of ``c`` fill one contiguous run (in whatever order inside)."""
+        expect = 1
+        for stride, size in sorted((c.stride(d), c.shape[d]) for d in range(1, c.dim()) if c.shape[d] != 1):
+            if stride != expect:
+                return False
+            expect *= size
+        return True
+
+    def _choose(self, caches: list[torch.Tensor]):
+        page, n = self.block_elems, len(caches)
+        if not all(self._block_is_one_run(c) for c in caches):
+            return "strided", None, caches
+        stride0 = caches[0].stride(0)
+        storage = caches[0].untyped_storage().data_ptr()
+        base = caches[0].storage_offset()
+        if (n > 1 and stride0 == page * n
+                and all(c.untyped_storage().data_ptr() == storage and c.stride(0) == stride0 for c in caches)
+                and all(c.storage_offset() == base + i * page for i, c in enumerate(caches))):
+            return "fused", torch.as_strided(caches[0], (self.num_blocks, page * n), (stride0, 1), base), []
+        return "rows", None, [torch.as_strided(c, (self.num_blocks, page), (c.stride(0), 1), c.storage_offset())
+                              for c in caches]
+
+    def _view(self, buf: torch.Tensor, n: int) -> torch.Tensor:
+        nbytes = n * self.block_nbytes
+        if buf.dtype != torch.uint8 or buf.numel() < nbytes:
+            raise ValueError(f"staging buffer holds {buf.numel()} bytes; {n} blocks need {nbytes}")
+        flat = buf[:nbytes].view(self._word)
+        if self.path == "fused":
+            return flat.view(n, len(self.caches) * self.block_elems)
+        if self.path == "rows":
+            return flat.view(len(self.caches), n, self.block_elems)
+        return flat.view(len(self.caches), n, *self.inner)
+
+    def _index(self, block_ids: list[int]) -> torch.Tensor:
+        return torch.tensor(block_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+
+    def gather(self, block_ids: list[int], out: torch.Tensor) -> None:
+        """Copy the blocks ``block_ids`` of every layer into ``out`` (uint8, on the KV's device, at least
+        n * block_nbytes)."""
+        dst = self._view(out, len(block_ids))
+        idx = self._index(block_ids)
+        if self.path == "fused":
+            torch.index_select(self._fused, 0, idx, out=dst)
+        else:
+            for layer, src in enumerate(self.rows):
+                torch.index_select(src, 0, idx, out=dst[layer])
+
+    def scatter(self, block_ids: list[int], buf: torch.Tensor) -> None:
+        """Write what ``gather`` produced into the blocks ``block_ids`` (the same count, any ids)."""
+        src = self._view(buf, len(block_ids))
+        idx = self._index(block_ids)
+        if self.path == "fused":
+            self._fused.index_copy_(0, idx, src)
+        else:
+            for layer, dst in enumerate(self.rows):
+                dst.index_copy_(0, idx, src[layer])
+
+
+class Staging:
+    """A transfer's two staging slots for one KV: host buffers that Gloo sends from and receives into,
+    and for KV on a GPU (or with ``two_hop``) device buffers and a copy stream between the two.
+
+    ``load(i, ids)`` leaves blocks ``ids`` in ``host(i)``; ``store(i, ids)`` writes ``host(i)`` into blocks
+    ``ids``. Both return when the bytes are where they should be (the stream is synchronized), so the
+    caller may post the send, or tell the peer the blocks are in, right after.
+    """
+
+    def __init__(self, kv: KvBlocks, nbytes: int, two_hop: bool | None = None):
+        self.kv = kv
+        self.nbytes = nbytes
+        self.two_hop = kv.device.type != "cpu" if two_hop is None else two_hop
+        pin = kv.device.type == "cuda"
+        self._host = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        self._dev = [torch.empty(nbytes, dtype=torch.uint8, device=kv.device) for _ in range(2)] if self.two_hop else []
+        self._stream = torch.cuda.Stream(device=kv.device) if kv.device.type == "cuda" else None
+
+    def host(self, i: int) -> torch.Tensor:
+        return self._host[i]
+
+    def _on_stream(self):
+        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+
+    def _sync(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    def load(self, i: int, block_ids: list[int]) -> int:
+        n = len(block_ids) * self.kv.block_nbytes
+        if not self.two_hop:
+            self.kv.gather(block_ids, self._host[i])
+            return n
+        with self._on_stream():
+            self.kv.gather(block_ids, self._dev[i])
+            self._host[i][:n].copy_(self._dev[i][:n], non_blocking=True)
+        self._sync()
+        return n
+
+    def store(self, i: int, block_ids: list[int]) -> int:
+        n = len(block_ids) * self.kv.block_nbytes
+        if not self.two_hop:
+            self.kv.scatter(block_ids, self._host[i])
+            return n
+        with self._on_stream():
+            self._dev[i][:n].copy_(self._host[i][:n], non_blocking=True)
+            self.kv.scatter(block_ids, self._dev[i])
+        self._sync()
+        return n

@@ -1,0 +1,160 @@
+"""KV transfer for a tensor-parallel vLLM instance: the llumlet runs one migration protocol, every rank
+moves its own shard.
+
+The migration protocol (daemons/migration.py) sees the same interface as ``kvtransfer.KvTransfer``: pairs
+with a key, ``send`` and ``recv`` that resolve to the bytes moved. Here a pair stands for N Gloo pairs, one
+per rank, each between rank r of the source and rank r of the destination (``vllm_worker._RankKv``), all
+found under the pair's key in this instance's rendezvous store. A send or receive asks every rank to start
+(one ``collective_rpc`` between steps), then polls them between steps; it resolves when every rank has
+moved its blocks, and fails as soon as one rank fails (the migration then aborts, and the destination
+releases its reservation only once no rank can still write). Commit happens after that, so a request
+commits only when every rank has its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import secrets
+from dataclasses import dataclass
+from typing import Callable
+
+from daemons.engine.kvblocks import KvLayout
+from daemons.kvtransfer import KvTransfer, TransferError
+
+log = logging.getLogger("llumnix.engine.vllm.tp")
+
+# Between polls of the ranks' transfers, doubling up to MAX_POLL_S (each poll also waits for a step boundary;
+# a short stage, the last one above all, is seen done within a millisecond or two).
+POLL_S = 0.0005
+MAX_POLL_S = 0.008
+
+
+@dataclass(frozen=True)
+class KvShards:
+    """What the migration protocol reads of a KV it cannot touch: the layout and a block's bytes (all ranks)."""
+
+    spec: str
+    block_nbytes: int
+    ranks: int
+
+    @property
+    def layout(self) -> KvLayout:
+        fields = KvLayout.parse(self.spec)
+        return KvLayout(fields["engine"], fields["layout"], int(fields["layers"]), fields["block"], fields["dtype"],
+                        int(fields["tp"]))
+
+    @classmethod
+    def of(cls, per_rank: list[tuple[str, int]]) -> KvShards:
+        specs = {spec for spec, _ in per_rank}
+        if len(specs) != 1:
+            raise RuntimeError(f"the tensor-parallel ranks disagree on their KV layout: {sorted(specs)}")
+        return cls(per_rank[0][0], sum(n for _, n in per_rank), len(per_rank))
+
+
+class TpPair:
+    """One pair key, N ranks. ``send``/``recv`` return asyncio futures (the protocol awaits them)."""
+
+    _ops = itertools.count(1)
+
+    def __init__(self, owner: TpTransfer, key: str, role: str, store_address: str):
+        self.owner = owner
+        self.key = key
+        self.role = role
+        self.store_address = store_address
+        self.broken = False
+
+    def send(self, kv, block_ids: list[int], chunk_blocks: int, limit_bytes_s: float = 0.0) -> asyncio.Task:
+        return asyncio.ensure_future(self._run("send", list(block_ids), chunk_blocks, limit_bytes_s))
+
+    def recv(self, kv, block_ids: list[int], chunk_blocks: int) -> asyncio.Task:
+        return asyncio.ensure_future(self._run("recv", list(block_ids), chunk_blocks, 0.0))
+
+    async def _run(self, role: str, block_ids: list[int], chunk_blocks: int, limit_bytes_s: float) -> int:
+        if self.broken:
+            raise TransferError(f"KV pair {self.key} is not connected")
+        o = self.owner
+        op = next(self._ops)
+        # The cap is per instance: each rank moves 1/N of the bytes, so each gets 1/N of the rate.
+        per_rank = limit_bytes_s / o.ranks if limit_bytes_s > 0 else 0.0
+        wait = POLL_S
+        try:
+            await o.boundary(lambda: o.rpc("llumnix_kv_start", op, role, self.key, self.store_address, o.host,
+                                           block_ids, chunk_blocks, per_rank, o.timeout_s))
+            while True:
+                states = [r[op] for r in await o.boundary(lambda: o.rpc("llumnix_kv_poll", [op]))]
+                failed = [s[1] for s in states if s[0] == "error"]
+                if failed:
+                    self.broken = True
+                    if any(s[0] == "pending" for s in states):
+                        # Another rank may still be writing: wait until it ends (its own timeout bounds it).
+                        await self._drain(op)
+                    raise TransferError("; ".join(failed)[:300])
+                if all(s[0] == "done" for s in states):
+                    return sum(s[1] for s in states)
+                await asyncio.sleep(wait)
+                wait = min(wait * 2, MAX_POLL_S)
+        except TransferError:
+            raise
+        except Exception as exc:  # the executor failed (a worker died): the instance is going down anyway
+            self.broken = True
+            raise TransferError(f"tensor-parallel workers unreachable: {exc}") from None
+
+    async def _drain(self, op: int) -> None:
+        o = self.owner
+        while True:
+            states = [r[op] for r in await o.boundary(lambda: o.rpc("llumnix_kv_poll", [op]))]
+            if not any(s[0] == "pending" for s in states):
+                return
+            await asyncio.sleep(0.01)
+
+
+class TpTransfer:
+    """``KvTransfer``'s interface for a tensor-parallel engine; its rendezvous store is the instance's."""
+
+    def __init__(self, kv: KvTransfer, rpc: Callable, boundary: Callable, ranks: int):
+        self.kv = kv
+        self.host = kv.host
+        self.timeout_s = kv.timeout_s
+        self.address = kv.address
+        self.rpc = rpc
+        self.boundary = boundary
+        self.ranks = ranks
+        self.pairs: dict[str, TpPair] = {}
+
+    def source_pair(self, me: str, peer: str) -> TpPair:
+        pair = self.pairs.get(peer)
+        if pair is None or pair.broken:
+            if pair is not None:
+                self.forget(peer)
+            key = f"{me}>{peer}/{secrets.token_hex(16)}"
+            pair = self.pairs[peer] = TpPair(self, key, "send", self.address)
+        return pair
+
+    def dest_pair(self, key: str, store_address: str) -> TpPair:
+        pair = self.pairs.get(key)
+        if pair is None or pair.broken:
+            host, _, port = store_address.rpartition(":")
+            if not host or not port.isdigit():
+                raise TransferError(f"bad KV store address {store_address!r} (expected HOST:PORT)")
+            family = key.rsplit("/", 1)[0] + "/"
+            for old in [k for k in self.pairs if k.startswith(family)]:
+                self.forget(old)
+            pair = self.pairs[key] = TpPair(self, key, "recv", store_address)
+        return pair
+
+    def forget(self, name: str) -> None:
+        pair = self.pairs.pop(name, None)
+        if pair is None:
+            return
+        pair.broken = True
+        try:
+            fut = self.boundary(lambda: self.rpc("llumnix_kv_forget", pair.key + "/"))
+        except RuntimeError:  # no running loop (shutting down): the workers go with the engine
+            return
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # best effort: nothing waits for it
+
+    def close(self) -> None:
+        self.pairs.clear()
+        self.kv.close()

@@ -1,0 +1,139 @@
+"""KV blocks in every layout vLLM allocates: gather -> Gloo transfer -> scatter reproduces each block exactly.
+
+The KV tensors come from vLLM's own code (``get_kv_cache_config_from_groups`` and ``allocate_kv_cache``,
+the functions its model runners call), one allocation per ``KVCacheLayout`` member, not shapes written by
+hand; the transfer is a real Gloo pair over a real TCPStore on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch = pytest.importorskip("torch")
+vllm_kv = pytest.importorskip("vllm.v1.kv_cache_interface")
+
+import torch.distributed as dist  # noqa: E402
+from vllm.config import VllmConfig  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups  # noqa: E402
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
+
+from daemons.engine.kvblocks import KvBlocks, KvLayout, Staging  # noqa: E402
+from daemons.kvtransfer import DEST_RANK, SOURCE_RANK, Pair  # noqa: E402
+
+LAYERS = 3
+NUM_BLOCKS = 24
+
+
+def vllm_kv_caches(layout: KVCacheLayout, dtype=torch.bfloat16, heads: int = 2, head_size: int = 8,
+                   block_size: int = 16, shared_last: bool = False) -> list[torch.Tensor]:
+    """Per-layer KV views exactly as vLLM 0.32 allocates them for ``layout`` (random contents)."""
+    vc = VllmConfig()
+    vc.cache_config.kv_cache_layout = layout.name
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    spec = vllm_kv.FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=head_size, dtype=dtype)
+    cfg = get_kv_cache_config_from_groups(vc, [vllm_kv.KVCacheGroupSpec(names, spec)],
+                                          NUM_BLOCKS * LAYERS * spec.page_size_bytes)
+    assert cfg.num_blocks == NUM_BLOCKS
+    kv = allocate_kv_cache(cfg, torch.device("cpu"), layout)
+    caches = [kv[n] for n in names]
+    raw = caches[0].untyped_storage()
+    whole = torch.empty(0, dtype=torch.uint8).set_(raw)  # the backing allocation, every byte of it
+    whole.copy_(torch.randint(0, 256, (raw.nbytes(),), dtype=torch.uint8))
+    if shared_last:  # cross-layer KV sharing: the last layer reuses the first one's tensor
+        caches.append(caches[0])
+    return caches
+
+
+def blocks_equal(src: list[torch.Tensor], src_ids: list[int], dst: list[torch.Tensor], dst_ids: list[int]) -> bool:
+    """Byte for byte (random bytes make NaNs, which never equal themselves as floats)."""
+    return all(torch.equal(d[dst_ids].contiguous().view(torch.uint8), s[src_ids].contiguous().view(torch.uint8))
+               for s, d in zip(src, dst))
+
+
+@pytest.fixture(scope="module")
+def gloo_pair():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30),
+                          use_libuv=True)
+    key = "layouts/test"
+    src = Pair(key, "127.0.0.1", SOURCE_RANK, store, 30)
+    dst = Pair(key, "127.0.0.1", DEST_RANK,
+               lambda: dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=30),
+                                     use_libuv=True), 30)
+    yield src, dst
+    src.close()
+    dst.close()
+
+
+LAYOUTS = list(KVCacheLayout)
+RUNS = {"contiguous": ([3, 4, 5, 6, 7], [10, 11, 12, 13, 14]), "scattered": ([9, 2, 17, 5, 23, 0], [1, 20, 4, 8, 15, 3])}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[x.name for x in LAYOUTS])
+@pytest.mark.parametrize("run", list(RUNS))
+@pytest.mark.parametrize("two_hop", [False, True], ids=["host", "device-staged"])
+def test_every_layout_round_trips_over_gloo(gloo_pair, layout, run, two_hop):
+    src_pair, dst_pair = gloo_pair
+    a, b = vllm_kv_caches(layout), vllm_kv_caches(layout)
+    before = [t.clone() for t in b]
+    ka, kb = KvBlocks(a, "vllm-test", layout.name), KvBlocks(b, "vllm-test", layout.name)
+    assert ka.spec == kb.spec and ka.block_nbytes == LAYERS * a[0][0].numel() * a[0].element_size()
+    src_ids, dst_ids = RUNS[run]
+    src_pair.two_hop = dst_pair.two_hop = two_hop
+    recv = dst_pair.recv(kb, dst_ids, 2)  # chunks of 2 blocks: the double buffer turns over
+    sent = src_pair.send(ka, src_ids, 2).result(30)
+    assert recv.result(30) == sent == len(src_ids) * ka.block_nbytes
+    assert blocks_equal(a, src_ids, b, dst_ids)
+    others = [i for i in range(NUM_BLOCKS) if i not in dst_ids]
+    assert blocks_equal(before, others, b, others)  # nothing else was written
+
+
+def test_layouts_take_the_cheapest_copy_that_is_correct():
+    paths = {x.name: KvBlocks(vllm_kv_caches(x), "t", x.name).path for x in KVCacheLayout}
+    # A layer's block is one run in LBHNC/LBNHC; all layers' pages of a block are one run in BLHNC/BLNHC;
+    # LHBNC and BHLNC spread a block over the heads.
+    assert paths == {"LBHNC": "rows", "LBNHC": "rows", "BLHNC": "fused", "BLNHC": "fused", "LHBNC": "strided",
+                     "BHLNC": "strided"}
+
+
+def test_layers_that_share_a_tensor_move_once():
+    caches = vllm_kv_caches(KVCacheLayout.LBHNC, shared_last=True)
+    kb = KvBlocks(caches, "t", "LBHNC")
+    assert kb.layout.layers == LAYERS and kb.block_nbytes == LAYERS * caches[0][0].numel() * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float8_e4m3fn], ids=str)
+def test_other_dtypes_and_head_shapes(dtype):
+    a = vllm_kv_caches(KVCacheLayout.BLHNC, dtype=dtype, heads=4, head_size=16, block_size=32)
+    b = vllm_kv_caches(KVCacheLayout.BLHNC, dtype=dtype, heads=4, head_size=16, block_size=32)
+    ka, kb = KvBlocks(a, "t", "BLHNC"), KvBlocks(b, "t", "BLHNC")
+    st_a, st_b = Staging(ka, 3 * ka.block_nbytes), Staging(kb, 3 * kb.block_nbytes)
+    st_a.load(0, [5, 1, 7])
+    st_b.host(1).copy_(st_a.host(0))
+    st_b.store(1, [2, 3, 4])
+    assert blocks_equal(a, [5, 1, 7], b, [2, 3, 4])
+
+
+def test_the_handshake_names_what_differs():
+    base = vllm_kv_caches(KVCacheLayout.LBHNC)
+    spec = KvBlocks(base, "vllm-0.32.0-cpu-noamx/CPU_ATTN", "LBHNC").spec
+    assert KvLayout.difference(spec, spec) == ""
+    tp2 = KvBlocks(base, "vllm-0.32.0-cpu-noamx/CPU_ATTN", "LBHNC", tp=2).spec
+    assert KvLayout.difference(tp2, spec) == "tensor-parallel size differs: source 2, destination 1"
+    other = KvBlocks(vllm_kv_caches(KVCacheLayout.BLHNC), "vllm-0.32.0-cpu-noamx/CPU_ATTN", "BLHNC").spec
+    assert KvLayout.difference(spec, other) == "KV cache layout differs: source LBHNC, destination BLHNC"
+    f32 = KvBlocks(vllm_kv_caches(KVCacheLayout.LBHNC, dtype=torch.float32), "vllm-0.32.0-cpu-noamx/CPU_ATTN",
+                   "LBHNC").spec
+    assert KvLayout.difference(spec, f32) == "KV dtype differs: source bfloat16, destination float32"
+    wide = KvBlocks(vllm_kv_caches(KVCacheLayout.LBHNC, heads=4), "vllm-0.32.0-cpu-noamx/CPU_ATTN", "LBHNC").spec
+    assert KvLayout.difference(spec, wide).startswith("block shape differs: source 2x16x16, destination 4x16x16")
+
+
+def test_staging_refuses_a_buffer_too_small():
+    kb = KvBlocks(vllm_kv_caches(KVCacheLayout.LBHNC), "t", "LBHNC")
+    with pytest.raises(ValueError, match="staging buffer"):
+        kb.gather([1, 2], torch.empty(kb.block_nbytes, dtype=torch.uint8))
