@@ -146,7 +146,10 @@ def _settings(backend: str, model: Path | None, lengths: list[int], decode_token
         return common + ["sim.kv_layers=32", "sim.kv_heads=8", "sim.head_dim=64", "sim.kv_dtype=bfloat16",
                          "sim.block_size=32", f"sim.num_blocks={blocks_tokens // 32 + 1}", "sim.eos_rate=0",
                          f"sim.max_num_batched_tokens={longest}"]
-    return common + [f"model.path={model}", "model.name=bench", "vllm.block_size=32",
+    # A CPU prefill of thousands of tokens holds the GIL for seconds at a time (vLLM's CPU attention op), so
+    # the instance's event loop may hear nothing for longer than the watchdog and proxy-liveness defaults.
+    return common + ["instance.step_timeout_s=900", "instance.orphan_timeout_s=900",
+                     f"model.path={model}", "model.name=bench", "vllm.block_size=32",
                      f"vllm.kv_cache_bytes={blocks_tokens * KV_BYTES_PER_TOKEN}", "vllm.max_num_seqs=8"]
 
 

@@ -22,7 +22,7 @@ from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups  # noqa:
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
-from daemons.engine.kvblocks import KvBlocks, KvLayout, Staging  # noqa: E402
+from daemons.engine.kvblocks import MAX_RUNS, KvBlocks, KvLayout, Staging  # noqa: E402
 from daemons.kvtransfer import DEST_RANK, SOURCE_RANK, Pair  # noqa: E402
 
 LAYERS = 3
@@ -70,7 +70,9 @@ def gloo_pair():
 
 
 LAYOUTS = list(KVCacheLayout)
-RUNS = {"contiguous": ([3, 4, 5, 6, 7], [10, 11, 12, 13, 14]), "scattered": ([9, 2, 17, 5, 23, 0], [1, 20, 4, 8, 15, 3])}
+RUNS = {"contiguous": ([3, 4, 5, 6, 7], [10, 11, 12, 13, 14]), "scattered": ([9, 2, 17, 5, 23, 0], [1, 20, 4, 8, 15, 3]),
+        # more runs of consecutive ids than KvBlocks copies run by run: the index_select/index_copy_ path
+        "many-runs": ([23, 0, 21, 2, 19, 4, 17, 6, 15, 8, 13, 10], [1, 3, 5, 7, 9, 11, 22, 14, 16, 18, 20, 12])}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[x.name for x in LAYOUTS])
@@ -83,9 +85,11 @@ def test_every_layout_round_trips_over_gloo(gloo_pair, layout, run, two_hop):
     ka, kb = KvBlocks(a, "vllm-test", layout.name), KvBlocks(b, "vllm-test", layout.name)
     assert ka.spec == kb.spec and ka.block_nbytes == LAYERS * a[0][0].numel() * a[0].element_size()
     src_ids, dst_ids = RUNS[run]
+    assert (min(len(KvBlocks._runs(src_ids)), len(KvBlocks._runs(dst_ids))) > MAX_RUNS) == (run == "many-runs")
     src_pair.two_hop = dst_pair.two_hop = two_hop
-    recv = dst_pair.recv(kb, dst_ids, 2)  # chunks of 2 blocks: the double buffer turns over
-    sent = src_pair.send(ka, src_ids, 2).result(30)
+    chunk = 12 if run == "many-runs" else 2  # chunks of 2 blocks: the double buffer turns over
+    recv = dst_pair.recv(kb, dst_ids, chunk)
+    sent = src_pair.send(ka, src_ids, chunk).result(30)
     assert recv.result(30) == sent == len(src_ids) * ka.block_nbytes
     assert blocks_equal(a, src_ids, b, dst_ids)
     others = [i for i in range(NUM_BLOCKS) if i not in dst_ids]

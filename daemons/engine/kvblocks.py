@@ -74,8 +74,7 @@ class KvLayout:
         return f"source {source!r}, destination {destination!r}"
 
 
-def _storage_offset_bytes(t: torch.Tensor) -> int:
-    return t.storage_offset() * t.element_size()
+MAX_RUNS = 8  # a chunk in at most this many runs of consecutive blocks is copied run by run
 
 
 def _unique(caches: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -158,26 +157,51 @@ class KvBlocks:
     def _index(self, block_ids: list[int]) -> torch.Tensor:
         return torch.tensor(block_ids, dtype=torch.int64).to(self.device, non_blocking=True)
 
+    @staticmethod
+    def _runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
+        """(position in the chunk, first block, count) for each run of consecutive block ids."""
+        runs: list[tuple[int, int, int]] = []
+        for pos, b in enumerate(block_ids):
+            if runs and runs[-1][1] + runs[-1][2] == b:
+                pos0, first, n = runs[-1]
+                runs[-1] = (pos0, first, n + 1)
+            else:
+                runs.append((pos, b, 1))
+        return runs
+
+    def _sources(self):
+        return [self._fused] if self.path == "fused" else self.rows
+
+    def _slots(self, view: torch.Tensor):
+        return [view] if self.path == "fused" else list(view)
+
     def gather(self, block_ids: list[int], out: torch.Tensor) -> None:
         """Copy the blocks ``block_ids`` of every layer into ``out`` (uint8, on the KV's device, at least
-        n * block_nbytes)."""
+        n * block_nbytes). Runs of consecutive ids are sliced (a plain copy); many short runs go through
+        ``index_select``."""
         dst = self._view(out, len(block_ids))
+        runs = self._runs(block_ids)
+        if len(runs) <= MAX_RUNS:
+            for src, slot in zip(self._sources(), self._slots(dst)):
+                for pos, first, n in runs:
+                    slot[pos:pos + n].copy_(src[first:first + n])
+            return
         idx = self._index(block_ids)
-        if self.path == "fused":
-            torch.index_select(self._fused, 0, idx, out=dst)
-        else:
-            for layer, src in enumerate(self.rows):
-                torch.index_select(src, 0, idx, out=dst[layer])
+        for src, slot in zip(self._sources(), self._slots(dst)):
+            torch.index_select(src, 0, idx, out=slot)
 
     def scatter(self, block_ids: list[int], buf: torch.Tensor) -> None:
         """Write what ``gather`` produced into the blocks ``block_ids`` (the same count, any ids)."""
         src = self._view(buf, len(block_ids))
+        runs = self._runs(block_ids)
+        if len(runs) <= MAX_RUNS:
+            for dst, slot in zip(self._sources(), self._slots(src)):
+                for pos, first, n in runs:
+                    dst[first:first + n].copy_(slot[pos:pos + n])
+            return
         idx = self._index(block_ids)
-        if self.path == "fused":
-            self._fused.index_copy_(0, idx, src)
-        else:
-            for layer, dst in enumerate(self.rows):
-                dst.index_copy_(0, idx, src[layer])
+        for dst, slot in zip(self._sources(), self._slots(src)):
+            dst.index_copy_(0, idx, slot)
 
 
 class Staging:
