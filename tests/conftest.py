@@ -124,7 +124,8 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def ctl_json(*args: str) -> dict:
-    res = ctl(*args, "--json")
+    """A cluster verb's JSON, run in this process (``cli``): the tests call it often."""
+    res = cli(*args, "--json")
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout)
 

@@ -116,7 +116,7 @@ def _other(instance: str) -> str:
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-@pytest.mark.parametrize("plan", [[1], [20], [30], [6, 16, 26]], ids=["after-prefill", "middle", "near-the-end", "back-and-forth"])
+@pytest.mark.parametrize("plan", [[1], [30], [6, 16, 26]], ids=["after-prefill", "near-the-end", "back-and-forth"])
 def test_migrated_stream_equals_unmigrated(vcluster, kind, plan):
     body = {"prompt": PROMPT, "max_tokens": 40, **KINDS[kind]}
     ref = Stream(vcluster.url, body).result()

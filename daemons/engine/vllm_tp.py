@@ -66,10 +66,17 @@ class TpPair:
         self.broken = False
 
     def send(self, kv, block_ids: list[int], chunk_blocks: int, limit_bytes_s: float = 0.0) -> asyncio.Task:
-        return asyncio.ensure_future(self._run("send", list(block_ids), chunk_blocks, limit_bytes_s))
+        return self._task(self._run("send", list(block_ids), chunk_blocks, limit_bytes_s))
 
     def recv(self, kv, block_ids: list[int], chunk_blocks: int) -> asyncio.Task:
-        return asyncio.ensure_future(self._run("recv", list(block_ids), chunk_blocks, 0.0))
+        return self._task(self._run("recv", list(block_ids), chunk_blocks, 0.0))
+
+    @staticmethod
+    def _task(coro) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        # A migration that gave up (timed out) no longer awaits it: its outcome is logged there, not here.
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return task
 
     async def _run(self, role: str, block_ids: list[int], chunk_blocks: int, limit_bytes_s: float) -> int:
         if self.broken:
