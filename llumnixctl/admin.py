@@ -6,6 +6,7 @@ import itertools
 import os
 import threading
 import time
+import uuid
 
 import zmq
 
@@ -71,8 +72,11 @@ class AdminClient:
             if self.sec is not None:
                 self.sec.client(self._sock, "manager")
             # To say "key refused" or "the manager wants keys" rather than "no answer".
-            self._monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                                                          | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+            # A name of its own: pyzmq's default (the socket's fd) is reused by the next socket, and a client
+            # nobody closed still holds it, in this context, while it lives (in-process callers make many).
+            self._monitor = self._sock.get_monitor_socket(
+                zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                addr=f"inproc://llumnixctl-monitor-{uuid.uuid4().hex}")
             try:
                 self._sock.connect(self.address)
             except zmq.ZMQError as exc:
