@@ -49,6 +49,7 @@ from daemons import runtime, wire
 from daemons.config import ConfigError, load_config
 from llumnixctl import localcluster
 from llumnixctl.admin import AdminClient
+from llumnixctl.common import sse_chunks
 
 DEFAULT_LENGTHS = "256,512,1024,2048,4096,8192"
 LAB_ENV = "LLUMNIX_BENCH_NETNS"  # set for the run inside the control namespace: the lab, as JSON
@@ -76,10 +77,7 @@ class _Tokens(threading.Thread):
                 if resp.status_code != 200:
                     self.error = f"HTTP {resp.status_code}: {resp.read()[:300]!r}"
                     return
-                for line in resp.iter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    chunk = json.loads(line[6:])
+                for chunk in sse_chunks(resp):
                     if "error" in chunk:
                         self.error = str(chunk["error"])
                         return

@@ -37,7 +37,7 @@ from daemons.config import ConfigError, load_config
 from llumnixctl import localcluster
 from llumnixctl.admin import AdminClient
 from llumnixctl.bench_migration import _wait_idle
-from llumnixctl.common import die
+from llumnixctl.common import die, sse_chunks
 
 app = typer.Typer(no_args_is_help=True, help="Checks that pass or fail: exit status 0 or 1.")
 
@@ -116,10 +116,7 @@ class _Stream(threading.Thread):
             if resp.status_code != 200:
                 self.error = f"HTTP {resp.status_code}: {resp.read()[:300]!r}"
                 return True
-            for line in resp.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[6:])
+            for chunk in sse_chunks(resp):
                 if "error" in chunk:
                     self.error = str(chunk["error"])
                     return True

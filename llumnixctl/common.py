@@ -27,6 +27,13 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON for scripts")]
 TimeoutOpt = Annotated[float, typer.Option("--timeout", help="seconds to wait for the manager")]
 
 
+def sse_chunks(resp):
+    """The JSON chunks of an OpenAI-style event stream (its ``data: {...}`` lines), in order."""
+    for line in resp.iter_lines():
+        if line.startswith("data: {"):
+            yield json.loads(line[6:])
+
+
 def die(message: str, code: int = 1) -> None:
     sys.stderr.write(f"llumnixctl: {message}\n")  # one line, never wrapped: scripts grep it
     raise typer.Exit(code)
