@@ -6,7 +6,7 @@ KV bytes never travel here; they go over Gloo.
 
 Sockets:
 - manager ROUTER  <- instance DEALER   Register, LoadReport, Goodbye / RegisterAck
-- manager ROUTER  <- proxy DEALER      Dispatch, SnapshotQuery / DispatchReply, Snapshot
+- manager ROUTER  <- proxy DEALER      Dispatch, SnapshotQuery / DispatchReply, Snapshot; Dispatched (no reply)
 - manager ROUTER  <- llumnixctl DEALER StatusQuery, RequestsQuery / Snapshot, RequestsReply, ErrorReply
 - instance ROUTER <- proxy DEALER      Submit, Abort (fire and forget: failures come back on the token path)
 - instance ROUTER <- manager           ListRequests / RequestList (for ``llumnixctl requests``)
@@ -150,6 +150,17 @@ class DispatchReply(msgspec.Struct, **_tagged(11)):
 
 class SnapshotQuery(msgspec.Struct, **_tagged(12)):
     query_id: int
+    proxy: str = ""  # the asking proxy's token address: the manager ranks the proxies it hears from
+
+
+class Dispatched(msgspec.Struct, **_tagged(14)):
+    """proxy -> manager, fire and forget: the proxy placed a request from its own view. The manager counts
+    it as it counts the dispatches it answers (pending usage, totals, pairing and scaling)."""
+
+    request_id: str
+    instance_id: str
+    prompt_tokens: int
+    priority: int = 0
 
 
 class InstanceView(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -190,6 +201,8 @@ class Snapshot(msgspec.Struct, **_tagged(13)):
     scale_outs: int = 0
     scale_ins: int = 0
     launching: int = 0  # instances launched that have not registered yet
+    proxies: int = 0  # proxies heard from lately (their snapshot queries)
+    proxy_rank: int = 0  # the asking proxy's place among them: it offsets the proxies' tie rotations
 
 
 # ---------------------------------------------------------------- admin (llumnixctl) <-> manager
@@ -337,6 +350,7 @@ class Heartbeat(msgspec.Struct, **_tagged(54)):
     healthy: bool = True  # False: a step has run past instance.step_timeout_s (streams fail over)
     load: InstanceLoad | None = None
     accepting: bool = True  # takes new requests (not draining, cordoned or stopping)
+    taken: int = 0  # Submits from this proxy taken in by the step boundary whose load this is (monotonic)
 
 
 # ---------------------------------------------------------------- migration
@@ -538,6 +552,7 @@ Message = (
     | DispatchReply
     | SnapshotQuery
     | Snapshot
+    | Dispatched
     | StatusQuery
     | RequestsQuery
     | RequestsReply
