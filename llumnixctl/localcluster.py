@@ -73,6 +73,11 @@ class ClusterState:
     procs: list[Proc] = field(default_factory=list)
     args: list[str] = field(default_factory=list)  # the settings every daemon of this cluster got
     run_dir: str | None = None  # where its cluster.json is (set by up and load; not saved)
+    urls: list[str] = field(default_factory=list)  # every proxy's URL, the first one's (= url) first
+
+    def __post_init__(self) -> None:
+        if not self.urls:  # a state file from before several proxies: its one proxy
+            self.urls = [self.url]
 
     def save(self, run_dir: Path) -> None:
         data = asdict(self)
@@ -129,10 +134,31 @@ def _daemon(name: str) -> list[str]:
 Placement = Callable[[str], "tuple[list[str], list[str]]"]
 
 
+def proxy_names(proxies: int) -> list[str]:
+    """The proxies of a local cluster: ``proxy`` (the one at ``url``), then ``proxy-1``, ``proxy-2``, ..."""
+    return ["proxy"] + [f"proxy-{k}" for k in range(1, proxies)]
+
+
+def _distinct_ports(host: str, ports: list[int], n: int) -> list[int]:
+    """``ports`` plus free ports up to ``n`` in all, no two alike (free_port may hand out a port twice:
+    nothing holds it between calls)."""
+    ports = list(ports)
+    while len(ports) < n:
+        candidate = free_port(host)
+        if candidate not in ports:
+            ports.append(candidate)
+    return ports
+
+
 def up(run_dir: Path, instances: int, backend: str, port: int, config: str | None, sets: list[str],
-       timeout_s: float = 60.0, *, place: Placement | None = None, manager_host: str = "127.0.0.1") -> ClusterState:
-    """Start the manager, ``instances`` instances (i0, i1, ...) and a proxy; wait until the proxy's /health
-    counts every instance alive.
+       timeout_s: float = 60.0, *, place: Placement | None = None, manager_host: str = "127.0.0.1",
+       proxies: int = 1) -> ClusterState:
+    """Start the manager, ``instances`` instances (i0, i1, ...) and ``proxies`` proxies; wait until every
+    proxy's /health counts every instance alive.
+
+    The first proxy listens on ``port`` (its URL is ``url``); the others (``proxy-1``, ...) on free ports of
+    the same host, each with its own token address (``proxy.token_address`` binds port 0 unless set: with
+    a fixed port in ``sets`` only one proxy could bind it). ``urls`` lists every proxy's URL.
 
     ``place`` (optional) maps a daemon's name (``manager``, ``proxy``, ``instance-i0``, ...) to (argv prefix,
     extra ``--set`` settings): e.g. ``(lab.prefix("i0"), ["instance.request_address=tcp://198.18.0.2:0",
@@ -141,6 +167,12 @@ def up(run_dir: Path, instances: int, backend: str, port: int, config: str | Non
     function reach the manager there). The proxy is waited for at its own ``proxy.host`` (extra settings
     included), so the caller must be able to reach the manager and the proxy: run it in their namespace.
     Instances added later (``add``, auto-scaling) get no placement."""
+    if proxies < 1:
+        raise ClusterError(f"a cluster needs at least one proxy (got {proxies})")
+    token_address = load_config(config, sets).proxy.token_address
+    if proxies > 1 and not token_address.endswith(":0"):
+        raise ClusterError(f"{proxies} proxies cannot share proxy.token_address={token_address}: leave it at "
+                           "port 0 (each proxy binds a free port)")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -182,8 +214,9 @@ def up(run_dir: Path, instances: int, backend: str, port: int, config: str | Non
     if not load_config(config, sets).scaling.launcher:  # add and auto-scaling start instances of this cluster
         common += ["--set", f"scaling.launcher={json.dumps(launcher_command(run_dir))}"]
     url_host = f"[{http_host}]" if ":" in http_host else http_host
-    state = ClusterState(manager_address, f"http://{url_host}:{port}", backend, config, args=common,
-                         run_dir=str(run_dir))
+    ports = _distinct_ports(http_host, [port], proxies)
+    urls = [f"http://{url_host}:{p}" for p in ports]
+    state = ClusterState(manager_address, urls[0], backend, config, args=common, run_dir=str(run_dir), urls=urls)
 
     def fail(why: str, proc: Proc | None = None) -> ClusterError:
         stop(state)
@@ -212,16 +245,17 @@ def up(run_dir: Path, instances: int, backend: str, port: int, config: str | Non
             argv = prefix + _daemon("instance") + common + ["--set", f"instance.id=i{i}", "--set",
                                                             f"instance.backend={backend}"] + as_args(extra)
             state.procs.append(_spawn(run_dir, f"instance-i{i}", argv))
-        prefix, extra = where("proxy")
-        state.procs.append(_spawn(run_dir, "proxy", prefix + _daemon("proxy") + common + ["--set", f"proxy.port={port}"]
-                                  + as_args(extra)))
+        for name, proxy_port in zip(proxy_names(proxies), ports):
+            prefix, extra = where(name)
+            state.procs.append(_spawn(run_dir, name, prefix + _daemon("proxy") + common
+                                      + ["--set", f"proxy.port={proxy_port}"] + as_args(extra)))
         ours = list(state.procs)
         record(run_dir, state, [])  # keeps what a launch (auto-scaling from the start) recorded meanwhile
         while True:
             for p in ours:
                 if p.process() is None:
                     raise fail(f"{p.name} exited during start-up", p)
-            if _healthy(state.url, instances):
+            if all(_healthy(u, instances) for u in state.urls):
                 break
             if time.monotonic() > deadline:
                 raise fail(f"the cluster did not come up within {timeout_s:g}s (see logs in {run_dir})", state.procs[-1])

@@ -53,6 +53,7 @@ def up(
     backend: Annotated[str, typer.Option(help="engine backend of the instances: sim or vllm")] = "sim",
     model: Annotated[Optional[Path], typer.Option(help="checkpoint directory (vllm; default: a tiny random model in the run dir)")] = None,
     port: Annotated[int, typer.Option(help="proxy HTTP port on 127.0.0.1 (0 = any free port)")] = 8000,
+    proxies: Annotated[int, typer.Option("--proxies", min=1, help="number of proxies: the first on --port, the others on free ports")] = 1,
     config: ConfigOpt = None,
     run_dir: RunDirOpt = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="setting for every daemon: section.key=value")] = None,
@@ -68,15 +69,16 @@ def up(
             sets += model_settings(cfg, model, run_dir)
         elif model is not None:
             die("--model is for --backend vllm: the sim engine has no model", 2)
-        state = localcluster.up(run_dir, instances, backend, port, config, sets, timeout)
+        state = localcluster.up(run_dir, instances, backend, port, config, sets, timeout, proxies=proxies)
     except (ConfigError, localcluster.ClusterError) as exc:
         die(str(exc), 2 if isinstance(exc, ConfigError) else 1)
     if json_:
-        print_json({"url": state.url, "manager": state.manager_address, "run_dir": str(run_dir),
+        print_json({"url": state.url, "urls": state.urls, "manager": state.manager_address, "run_dir": str(run_dir),
                     "processes": [{"name": p.name, "pid": p.pid, "log": p.log} for p in state.procs]})
         return
-    out.print(f"cluster up: {instances} {backend} instance(s)")
-    out.print(f"  OpenAI API  {state.url}/v1")
+    out.print(f"cluster up: {instances} {backend} instance(s)" + (f", {proxies} proxies" if proxies > 1 else ""))
+    for url in state.urls:
+        out.print(f"  OpenAI API  {url}/v1")
     out.print(f"  manager     {state.manager_address}")
     out.print(f"  run dir     {run_dir} (logs: *.log)")
     out.print("stop it with: llumnixctl down" + ("" if run_dir == localcluster.default_run_dir() else f" --run-dir {run_dir}"))
