@@ -12,6 +12,9 @@ A stage's blocks travel in chunks of ``chunk_blocks`` fused blocks (all layers o
 Two staging buffers per pair make it a pipeline: the sender gathers chunk i+1 while chunk i is on the wire,
 the receiver scatters chunk i while chunk i+1 arrives. Both ends post their operations in the order the
 control messages (ZeroMQ, in order on one connection) put them in, so no tags are needed.
+
+A transfer with ``tail_tokens`` sends its last block as only that many token slots (the written part of a
+request's partial last block), as one message after the full blocks' chunks.
 """
 
 from __future__ import annotations
@@ -88,13 +91,16 @@ class Pair:
     def _wait(self, work) -> None:
         work.wait(self.timeout)
 
-    def send(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int, limit_bytes_s: float = 0.0) -> Future:
-        """Gather and send ``block_ids`` in chunks; the future resolves to the bytes sent."""
-        return self._pool.submit(self._send, kv, list(block_ids), chunk_blocks, limit_bytes_s)
+    def send(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int, limit_bytes_s: float = 0.0,
+             tail_tokens: int = 0) -> Future:
+        """Gather and send ``block_ids`` in chunks; the future resolves to the bytes sent. ``tail_tokens``:
+        of the last block send only its first this many token slots (0: all of it)."""
+        return self._pool.submit(self._send, kv, list(block_ids), chunk_blocks, limit_bytes_s, tail_tokens)
 
-    def recv(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int) -> Future:
-        """Receive into ``block_ids`` (the same count the peer sends, in order); resolves to the bytes received."""
-        return self._pool.submit(self._recv, kv, list(block_ids), chunk_blocks)
+    def recv(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int, tail_tokens: int = 0) -> Future:
+        """Receive into ``block_ids`` (the same count and ``tail_tokens`` the peer sends, in order); resolves
+        to the bytes received."""
+        return self._pool.submit(self._recv, kv, list(block_ids), chunk_blocks, tail_tokens)
 
     def _chunks(self, block_ids: list[int], chunk_blocks: int) -> list[list[int]]:
         return [block_ids[i:i + chunk_blocks] for i in range(0, len(block_ids), chunk_blocks)]
@@ -109,22 +115,35 @@ class Pair:
             text = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).splitlines()[0]).split(". This is typically")[0]
             raise TransferError(text[:300]) from None
 
-    def _send(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int, limit_bytes_s: float) -> int:
-        return self._gloo(self._send_chunks, kv, block_ids, chunk_blocks, limit_bytes_s)
+    def _send(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int, limit_bytes_s: float,
+              tail_tokens: int) -> int:
+        return self._gloo(self._send_chunks, kv, block_ids, chunk_blocks, limit_bytes_s, tail_tokens)
 
-    def _recv(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int) -> int:
-        return self._gloo(self._recv_chunks, kv, block_ids, chunk_blocks)
+    def _recv(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int, tail_tokens: int) -> int:
+        return self._gloo(self._recv_chunks, kv, block_ids, chunk_blocks, tail_tokens)
 
-    def _send_chunks(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int, limit_bytes_s: float) -> int:
+    @staticmethod
+    def _split(block_ids: list[int], tail_tokens: int) -> tuple[list[int], int | None]:
+        """(the blocks that go whole, the partial one or None)."""
+        if tail_tokens and block_ids:
+            return block_ids[:-1], block_ids[-1]
+        return block_ids, None
+
+    def _send_chunks(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int, limit_bytes_s: float,
+                     tail_tokens: int) -> int:
         pg = self._ready()
         st = self._staging(kv, chunk_blocks * kv.block_nbytes)
+        whole, tail = self._split(block_ids, tail_tokens)
+        loads = [lambda b, c=chunk: st.load(b, c) for chunk in self._chunks(whole, chunk_blocks)]
+        if tail is not None:
+            loads.append(lambda b: st.load_tail(b, tail, tail_tokens))
         inflight: list = [None, None]
         start, sent = time.perf_counter(), 0
-        for i, chunk in enumerate(self._chunks(block_ids, chunk_blocks)):
+        for i, load in enumerate(loads):
             b = i % 2
             if inflight[b] is not None:
                 self._wait(inflight[b])  # that buffer is free again
-            n = st.load(b, chunk)
+            n = load(b)
             inflight[b] = pg.send([st.host(b)[:n]], self.peer, 0)
             sent += n
             if limit_bytes_s > 0:  # pace to the cap: sleep until this many bytes are due
@@ -136,21 +155,24 @@ class Pair:
                 self._wait(work)
         return sent
 
-    def _recv_chunks(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int) -> int:
+    def _recv_chunks(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int, tail_tokens: int) -> int:
         pg = self._ready()
         st = self._staging(kv, chunk_blocks * kv.block_nbytes)
-        chunks = self._chunks(block_ids, chunk_blocks)
+        whole, tail = self._split(block_ids, tail_tokens)
+        # (bytes, how to write them out of staging slot b) per message, in the sender's order
+        parts = [(len(c) * kv.block_nbytes, lambda b, c=c: st.store(b, c)) for c in self._chunks(whole, chunk_blocks)]
+        if tail is not None:
+            parts.append((kv.tail_nbytes(tail_tokens), lambda b: st.store_tail(b, tail, tail_tokens)))
 
         def post(i: int):
-            n = len(chunks[i]) * kv.block_nbytes
-            return pg.recv([st.host(i % 2)[:n]], self.peer, 0)
+            return pg.recv([st.host(i % 2)[:parts[i][0]]], self.peer, 0)
 
-        pending = [post(i) for i in range(min(2, len(chunks)))]
+        pending = [post(i) for i in range(min(2, len(parts)))]
         got = 0
-        for i, chunk in enumerate(chunks):
+        for i, (_, store) in enumerate(parts):
             self._wait(pending[i % 2])
-            got += st.store(i % 2, chunk)
-            if i + 2 < len(chunks):
+            got += store(i % 2)
+            if i + 2 < len(parts):
                 pending[i % 2] = post(i + 2)
         return got
 

@@ -6,8 +6,10 @@ Source, for one request (README.md "Live migration"):
                 MigReady; the full blocks written so far go over Gloo while the request keeps decoding; MigDone
     stage k     the same for the blocks that filled up during stage k-1
     last stage  once at most ``last_stage_max_blocks`` remain (or after ``max_stages``): suspend the request
-                at a step boundary, send the rest (the partial block included) and the request's state;
-                the destination commits it (it is running there now) and answers MigDone
+                at a step boundary, send the rest and the request's state (of the partial last block only
+                its written token slots); the destination commits it (it is running there now) and answers
+                MigDone. When the destination's reservation already covers the request (the usual case),
+                this is the stage's one round trip: the blocks follow the message without a MigReady.
     then        drop the request here; its tokens come from the destination, at the next index, to the same
                 proxy (which is told the request moved)
 
@@ -279,6 +281,8 @@ class Migrator:
                 else:
                     upto = view.computed_tokens // bs  # full blocks only: they never change again
                 ids = view.block_ids[len(sent):upto]
+                # Only the last stage sends a partial block, and no stage follows it that could see it grow.
+                tail = view.computed_tokens % bs if last else 0
                 # Before the last stage the destination holds a few blocks more than written so far: the last
                 # stage, which the request spends suspended, then needs no new reservation there.
                 tokens = view.computed_tokens if last else min(view.computed_tokens + headroom, info.max_total or 1 << 30)
@@ -288,7 +292,7 @@ class Migrator:
                 await_ready = not (last and stage > 0 and _cdiv(tokens, bs) <= _cdiv(reserved, bs))
                 msg = wire.MigStage(mig_id=out.mig_id, stage=stage, tokens=tokens, first_block=len(sent),
                                     n_blocks=len(ids), last=last, state=state, chunk_blocks=chunk_blocks,
-                                    await_ready=await_ready)
+                                    await_ready=await_ready, tail_tokens=tail)
                 if stage == 0:
                     msg = msgspec.structs.replace(msg, request=info, kv_spec=kb.spec, src=me,
                                                   kv_address=self.kv.address, pair_key=pair.key)
@@ -300,7 +304,7 @@ class Migrator:
                 if await_ready:
                     await self._reply(out, wire.MigReady, stage, "the reservation" if stage == 0 else f"stage {stage}")
                 t_ready = time.perf_counter()
-                sending = asyncio.wrap_future(pair.send(kb, ids, chunk_blocks, limit)) if ids else None
+                sending = asyncio.wrap_future(pair.send(kb, ids, chunk_blocks, limit, tail)) if ids else None
                 if sending is not None and await_ready:
                     result.bytes += await self._sent(sending, dst, len(ids) * kb.block_nbytes)
                 t_sent = time.perf_counter()
@@ -477,9 +481,12 @@ class Migrator:
                 ids = inc.ids
                 if msg.first_block + msg.n_blocks > len(ids):
                     raise Aborted(f"stage {msg.stage} sends blocks past the reservation")
+                if not 0 <= msg.tail_tokens < self.engine.block_size or (msg.tail_tokens and not msg.n_blocks):
+                    raise Aborted(f"stage {msg.stage} sends a partial block of {msg.tail_tokens} tokens")
                 if msg.n_blocks:
                     target = ids[msg.first_block:msg.first_block + msg.n_blocks]
-                    inc.receiving = asyncio.wrap_future(inc.pair.recv(self.engine.kv_blocks(), target, msg.chunk_blocks))
+                    receive = inc.pair.recv(self.engine.kv_blocks(), target, msg.chunk_blocks, msg.tail_tokens)
+                    inc.receiving = asyncio.wrap_future(receive)
                 if msg.await_ready:
                     self._answer(inc.identity, wire.MigReady(msg.mig_id, msg.stage))
                 if inc.receiving is not None:

@@ -455,6 +455,7 @@ class MigStage(msgspec.Struct, **_tagged(64)):
     pair_key: str = ""  # names the Gloo pair group (formed on first use, reused after)
     chunk_blocks: int = 0  # blocks per Gloo message
     await_ready: bool = True  # False: the reservation already covers it; the blocks follow at once, no MigReady
+    tail_tokens: int = 0  # > 0: the last of the n_blocks travels as only its first tail_tokens token slots
 
 
 class MigReady(msgspec.Struct, **_tagged(65)):

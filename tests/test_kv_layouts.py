@@ -96,6 +96,56 @@ def test_every_layout_round_trips_over_gloo(gloo_pair, layout, run, two_hop):
     assert blocks_equal(before, others, b, others)  # nothing else was written
 
 
+def tail_equal(src: list[torch.Tensor], src_id: int, dst: list[torch.Tensor], dst_id: int, tokens: int) -> bool:
+    """The first ``tokens`` token slots (dim 2 of vLLM's [B, H, N, C] views), byte for byte."""
+    return all(torch.equal(d[dst_id, :, :tokens].contiguous().view(torch.uint8),
+                           s[src_id, :, :tokens].contiguous().view(torch.uint8)) for s, d in zip(src, dst))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[x.name for x in LAYOUTS])
+@pytest.mark.parametrize("tokens", [1, 7, 15])
+@pytest.mark.parametrize("apart", [False, True], ids=["one-buffer", "layer-tensors"])
+@pytest.mark.parametrize("two_hop", [False, True], ids=["host", "device-staged"])
+def test_partial_last_block_moves_only_its_written_slots(gloo_pair, layout, tokens, apart, two_hop):
+    """A last stage: full blocks, then the first ``tokens`` slots of the partial block; its other slots on
+    the destination, and every other block, keep their bytes. ``apart``: each layer in a storage of its
+    own (clone keeps the strides), so the tail is copied layer by layer instead of in one strided view."""
+    src_pair, dst_pair = gloo_pair
+    a, b = vllm_kv_caches(layout), vllm_kv_caches(layout)
+    if apart:
+        a, b = [t.clone() for t in a], [t.clone() for t in b]
+    before = [t.clone() for t in b]
+    ka, kb = KvBlocks(a, "vllm-test", layout.name), KvBlocks(b, "vllm-test", layout.name)
+    assert (ka._layer_step is None) == apart and ka.block_tokens == 16
+    src_ids, dst_ids = [9, 2, 17, 5], [1, 20, 4, 8]
+    src_pair.two_hop = dst_pair.two_hop = two_hop
+    recv = dst_pair.recv(kb, dst_ids, 2, tail_tokens=tokens)
+    sent = src_pair.send(ka, src_ids, 2, tail_tokens=tokens).result(30)
+    tail_bytes = LAYERS * 2 * tokens * 16 * a[0].element_size()  # layers x heads x tokens x 2 * head_size
+    assert recv.result(30) == sent == 3 * ka.block_nbytes + tail_bytes and ka.tail_nbytes(tokens) == tail_bytes
+    assert blocks_equal(a, src_ids[:3], b, dst_ids[:3])
+    assert tail_equal(a, 5, b, 8, tokens)
+    assert all(torch.equal(x[8, :, tokens:].contiguous().view(torch.uint8), y[8, :, tokens:].contiguous().view(torch.uint8))
+               for x, y in zip(before, b))  # the unwritten slots are left alone
+    others = [i for i in range(NUM_BLOCKS) if i not in dst_ids]
+    assert blocks_equal(before, others, b, others)
+
+
+def test_a_tail_alone_and_a_bad_tail():
+    a, b = vllm_kv_caches(KVCacheLayout.BLNHC), vllm_kv_caches(KVCacheLayout.BLNHC)
+    ka, kb = KvBlocks(a, "t", "BLNHC"), KvBlocks(b, "t", "BLNHC")
+    st_a, st_b = Staging(ka, ka.block_nbytes), Staging(kb, kb.block_nbytes)
+    n = st_a.load_tail(0, 3, 16)  # a full block through the tail path is the whole block
+    assert n == ka.block_nbytes
+    st_b.host(1).copy_(st_a.host(0))
+    st_b.store_tail(1, 6, 16)
+    assert blocks_equal(a, [3], b, [6])
+    with pytest.raises(ValueError, match="1..16 tokens"):
+        ka.gather_tail(3, 17, st_a.host(0))
+    with pytest.raises(ValueError, match="staging buffer"):
+        ka.gather_tail(3, 4, torch.empty(ka.tail_nbytes(4) - 1, dtype=torch.uint8))
+
+
 def test_layouts_take_the_cheapest_copy_that_is_correct():
     paths = {x.name: KvBlocks(vllm_kv_caches(x), "t", x.name).path for x in KVCacheLayout}
     # A layer's block is one run in LBHNC/LBNHC; all layers' pages of a block are one run in BLHNC/BLNHC;

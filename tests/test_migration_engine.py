@@ -30,11 +30,19 @@ def req(rid: str, prompt: int = 10, max_tokens: int = 30, priority: int = 0) -> 
     return EngineRequest(rid, [7] * prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), priority=priority)
 
 
-def copy(src: SimEngine, dst: SimEngine, src_ids: list[int], dst_ids: list[int]) -> None:
+def copy(src: SimEngine, dst: SimEngine, src_ids: list[int], dst_ids: list[int], tail: int = 0) -> int:
+    """Copy blocks; ``tail`` > 0: of the last one only its first ``tail`` token slots (the last stage's
+    partial block). Returns the bytes moved."""
     kb = src.kv_blocks()
-    buf = torch.empty(len(src_ids) * kb.block_nbytes, dtype=torch.uint8)
-    kb.gather(src_ids, buf)
-    dst.kv_blocks().scatter(dst_ids, buf)
+    whole = len(src_ids) - (1 if tail and src_ids else 0)
+    buf = torch.empty(max(1, len(src_ids)) * kb.block_nbytes, dtype=torch.uint8)
+    kb.gather(src_ids[:whole], buf)
+    dst.kv_blocks().scatter(dst_ids[:whole], buf)
+    moved = whole * kb.block_nbytes
+    if whole < len(src_ids):
+        moved += kb.gather_tail(src_ids[-1], tail, buf)
+        dst.kv_blocks().scatter_tail(dst_ids[-1], tail, buf)
+    return moved
 
 
 def migrate(src: SimEngine, dst: SimEngine, rid: str, steps_between: int = 1, out: list | None = None) -> int:
@@ -60,7 +68,7 @@ def migrate(src: SimEngine, dst: SimEngine, rid: str, steps_between: int = 1, ou
         src.resume(rid)
         raise
     upto = math.ceil(view.computed_tokens / BS)
-    copy(src, dst, view.block_ids[full:upto], dst_ids[full:upto])
+    copy(src, dst, view.block_ids[full:upto], dst_ids[full:upto], view.computed_tokens % BS)  # as the last stage
     dst.commit(rid, state)
     src.drop_migrated(rid)
     return state.emitted
@@ -79,6 +87,33 @@ def check_kv(e: SimEngine, rid: str, tokens: int) -> None:
             k, v = kv_value(rid, pos, layer)
             got = cache[table[pos // BS], :, pos % BS]
             assert got[0].flatten()[0].item() == pytest.approx(k) and got[1].flatten()[0].item() == pytest.approx(v)
+
+
+def test_last_stage_moves_only_the_written_slots_of_the_partial_block():
+    """A destination block that held another request's KV keeps it past the written slots; the request
+    overwrites them as it grows there, token by token, and its KV and outputs are those of an unmoved one."""
+    a, b = sim(), sim()
+    b.add_request(req("old", prompt=40, max_tokens=1))  # leaves its KV in b's free blocks
+    drain(b, [])
+    a.add_request(req("r", prompt=9, max_tokens=20))
+    out = a.step().outputs  # 9 + 1 = 10 tokens: 2 full blocks and 2 slots of the third
+    view = a.migration_view("r")
+    assert view.computed_tokens == 10
+    ids = b.reserve(a.migrating_request("r"), 10)
+    stale = b.kv_caches[0][ids[2]].clone()
+    state = a.suspend("r")
+    kb = a.kv_blocks()
+    moved = copy(a, b, view.block_ids[:3], ids, tail=2)
+    assert moved == 2 * kb.block_nbytes + kb.tail_nbytes(2) and kb.tail_nbytes(2) * BS == 2 * kb.block_nbytes
+    assert torch.equal(b.kv_caches[0][ids[2], :, 2:], stale[:, 2:])  # nothing written past the tail
+    b.commit("r", state)
+    a.drop_migrated("r")
+    check_kv(b, "r", 10)
+    for _ in range(4):  # through the rest of the partial block and into the next
+        out += b.step().outputs
+    check_kv(b, "r", 14)
+    drain(b, out)
+    assert [o.token_id for o in out] == [sim_token_id("r", i, 1000) for i in range(20)]
 
 
 @pytest.mark.parametrize("at", [1, 2, 15, 29])

@@ -21,6 +21,10 @@ contiguous region; ``LHBNC`` spreads a block over the heads; block-outermost one
 A chunk's bytes are layer-major (rows, strided) or block-major (fused); both ends use the same path because
 they have the same layout. Layers that share one tensor (cross-layer KV sharing) are copied once.
 
+A request's last block is usually partly written: ``gather_tail``/``scatter_tail`` copy only its first t
+token slots of every layer (the token dimension is dim 2 of a block view, ``[B, H, N, C]`` or
+``[B, 2, N, heads, dim]``), layer-major; the slots past t on the destination keep what they held.
+
 KV on a GPU (``Staging``): blocks are gathered on the device into a device buffer, copied to a pinned host
 buffer on a CUDA stream of the transfer's own (the model's stream keeps running), and sent from there; the
 receiver does the reverse. On CPU the gather writes the host buffer directly, as before.
@@ -113,7 +117,11 @@ class KvBlocks:
         # Bytes are bytes: copy through an integer type of the element's size (exact for any float, and
         # index_select/index_copy_ exist for it on every device; not for float8 on CPU, for one).
         self._word = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[self.dtype.itemsize]
-        self.path, self._fused, self.rows = self._choose([c.view(self._word) for c in caches])
+        words = [c.view(self._word) for c in caches]
+        self.path, self._fused, self.rows = self._choose(words)
+        self.block_tokens = inner[1] if len(inner) > 1 else 1  # N: token slots per block
+        self._words = words
+        self._layer_step = self._even_layers(words)
         self.layout = KvLayout(engine=describe, layout=layout or "block-major", layers=len(caches),
                                block="x".join(str(d) for d in inner), dtype=str(self.dtype).removeprefix("torch."),
                                tp=tp)
@@ -142,6 +150,57 @@ class KvBlocks:
             return "fused", torch.as_strided(caches[0], (self.num_blocks, page * n), (stride0, 1), base), []
         return "rows", None, [torch.as_strided(c, (self.num_blocks, page), (c.stride(0), 1), c.storage_offset())
                               for c in caches]
+
+    @staticmethod
+    def _even_layers(caches: list[torch.Tensor]) -> int | None:
+        """The element distance between consecutive layers when they are views of one storage at one
+        stride, evenly spaced (then one strided view covers every layer); else None."""
+        first = caches[0]
+        step = caches[1].storage_offset() - first.storage_offset() if len(caches) > 1 else 0
+        storage = first.untyped_storage().data_ptr()
+        if all(c.untyped_storage().data_ptr() == storage and c.stride() == first.stride()
+               and c.storage_offset() == first.storage_offset() + i * step for i, c in enumerate(caches)):
+            return step
+        return None
+
+    def tail_nbytes(self, tokens: int) -> int:
+        """Bytes of the first ``tokens`` token slots of one block, every layer."""
+        return self.block_nbytes // self.block_tokens * tokens
+
+    def _tail_views(self, block_id: int, tokens: int) -> list[torch.Tensor]:
+        """Views of the first ``tokens`` slots of block ``block_id``: one over all layers where the layers
+        are evenly spaced in one storage (a single copy), else one per layer."""
+        if not 0 < tokens <= self.block_tokens:
+            raise ValueError(f"a block holds 1..{self.block_tokens} tokens; asked for {tokens}")
+        first = self._words[0]
+        shape = (self.inner[0], tokens, *self.inner[2:])
+        if self._layer_step is not None:
+            return [torch.as_strided(first, (len(self._words), *shape), (self._layer_step, *first.stride()[1:]),
+                                     first.storage_offset() + block_id * first.stride(0))]
+        return [c[block_id, :, :tokens] for c in self._words]
+
+    def _tail_buffer(self, buf: torch.Tensor, tokens: int, views: list[torch.Tensor]) -> list[torch.Tensor]:
+        nbytes = self.tail_nbytes(tokens)
+        if buf.dtype != torch.uint8 or buf.numel() < nbytes:
+            raise ValueError(f"staging buffer holds {buf.numel()} bytes; {tokens} token slots need {nbytes}")
+        flat = buf[:nbytes].view(self._word)
+        each = flat.numel() // len(views)
+        return [flat[i * each:(i + 1) * each].view(v.shape) for i, v in enumerate(views)]
+
+    def gather_tail(self, block_id: int, tokens: int, out: torch.Tensor) -> int:
+        """Copy the first ``tokens`` token slots of block ``block_id`` (every layer) into ``out``; returns
+        the bytes written (``tail_nbytes``)."""
+        views = self._tail_views(block_id, tokens)
+        for view, slot in zip(views, self._tail_buffer(out, tokens, views)):
+            slot.copy_(view)
+        return self.tail_nbytes(tokens)
+
+    def scatter_tail(self, block_id: int, tokens: int, buf: torch.Tensor) -> int:
+        """Write what ``gather_tail`` produced into the first ``tokens`` slots of block ``block_id``."""
+        views = self._tail_views(block_id, tokens)
+        for view, slot in zip(views, self._tail_buffer(buf, tokens, views)):
+            view.copy_(slot)
+        return self.tail_nbytes(tokens)
 
     def _view(self, buf: torch.Tensor, n: int) -> torch.Tensor:
         nbytes = n * self.block_nbytes
@@ -240,6 +299,27 @@ class Staging:
         with self._on_stream():
             self.kv.gather(block_ids, self._dev[i])
             self._host[i][:n].copy_(self._dev[i][:n], non_blocking=True)
+        self._sync()
+        return n
+
+    def load_tail(self, i: int, block_id: int, tokens: int) -> int:
+        """Like ``load``, for the first ``tokens`` slots of one block (``KvBlocks.gather_tail``)."""
+        if not self.two_hop:
+            return self.kv.gather_tail(block_id, tokens, self._host[i])
+        with self._on_stream():
+            n = self.kv.gather_tail(block_id, tokens, self._dev[i])
+            self._host[i][:n].copy_(self._dev[i][:n], non_blocking=True)
+        self._sync()
+        return n
+
+    def store_tail(self, i: int, block_id: int, tokens: int) -> int:
+        """Like ``store``, for the first ``tokens`` slots of one block (``KvBlocks.scatter_tail``)."""
+        n = self.kv.tail_nbytes(tokens)
+        if not self.two_hop:
+            return self.kv.scatter_tail(block_id, tokens, self._host[i])
+        with self._on_stream():
+            self._dev[i][:n].copy_(self._host[i][:n], non_blocking=True)
+            self.kv.scatter_tail(block_id, tokens, self._dev[i])
         self._sync()
         return n
 

@@ -65,11 +65,12 @@ class TpPair:
         self.store_address = store_address
         self.broken = False
 
-    def send(self, kv, block_ids: list[int], chunk_blocks: int, limit_bytes_s: float = 0.0) -> asyncio.Task:
-        return self._task(self._run("send", list(block_ids), chunk_blocks, limit_bytes_s))
+    def send(self, kv, block_ids: list[int], chunk_blocks: int, limit_bytes_s: float = 0.0,
+             tail_tokens: int = 0) -> asyncio.Task:
+        return self._task(self._run("send", list(block_ids), chunk_blocks, limit_bytes_s, tail_tokens))
 
-    def recv(self, kv, block_ids: list[int], chunk_blocks: int) -> asyncio.Task:
-        return self._task(self._run("recv", list(block_ids), chunk_blocks, 0.0))
+    def recv(self, kv, block_ids: list[int], chunk_blocks: int, tail_tokens: int = 0) -> asyncio.Task:
+        return self._task(self._run("recv", list(block_ids), chunk_blocks, 0.0, tail_tokens))
 
     @staticmethod
     def _task(coro) -> asyncio.Task:
@@ -78,7 +79,8 @@ class TpPair:
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return task
 
-    async def _run(self, role: str, block_ids: list[int], chunk_blocks: int, limit_bytes_s: float) -> int:
+    async def _run(self, role: str, block_ids: list[int], chunk_blocks: int, limit_bytes_s: float,
+                   tail_tokens: int) -> int:
         if self.broken:
             raise TransferError(f"KV pair {self.key} is not connected")
         o = self.owner
@@ -88,7 +90,7 @@ class TpPair:
         wait = POLL_S
         try:
             await o.boundary(lambda: o.rpc("llumnix_kv_start", op, role, self.key, self.store_address, o.host,
-                                           block_ids, chunk_blocks, per_rank, o.timeout_s))
+                                           block_ids, chunk_blocks, per_rank, o.timeout_s, tail_tokens))
             while True:
                 states = [r[op] for r in await o.boundary(lambda: o.rpc("llumnix_kv_poll", [op]))]
                 failed = [s[1] for s in states if s[0] == "error"]

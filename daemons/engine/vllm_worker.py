@@ -100,12 +100,12 @@ class _RankKv:
         return pair
 
     def start(self, op: int, role: str, key: str, store_address: str, host: str, block_ids: list[int],
-              chunk_blocks: int, limit_bytes_s: float, timeout_s: float) -> None:
+              chunk_blocks: int, limit_bytes_s: float, timeout_s: float, tail_tokens: int = 0) -> None:
         pair = self.pair(key, role, store_address, host, timeout_s)
         if role == "send":
-            self.ops[op] = pair.send(self.kv, block_ids, chunk_blocks, limit_bytes_s)
+            self.ops[op] = pair.send(self.kv, block_ids, chunk_blocks, limit_bytes_s, tail_tokens)
         else:
-            self.ops[op] = pair.recv(self.kv, block_ids, chunk_blocks)
+            self.ops[op] = pair.recv(self.kv, block_ids, chunk_blocks, tail_tokens)
 
     def poll(self, ops: list[int]) -> dict[int, tuple]:
         """Each op's state; an ended op's stays answerable (other ranks may still be at it, so the engine
@@ -152,9 +152,9 @@ class LlumnixWorker:
         return rank_kv.kv.spec, rank_kv.kv.block_nbytes
 
     def llumnix_kv_start(self, op: int, role: str, key: str, store_address: str, host: str, block_ids: list[int],
-                         chunk_blocks: int, limit_bytes_s: float, timeout_s: float) -> None:
+                         chunk_blocks: int, limit_bytes_s: float, timeout_s: float, tail_tokens: int = 0) -> None:
         self._llumnix_rank().start(op, role, key, store_address, host, block_ids, chunk_blocks, limit_bytes_s,
-                                   timeout_s)
+                                   timeout_s, tail_tokens)
 
     def llumnix_kv_poll(self, ops: list[int]) -> dict[int, tuple]:
         return self._llumnix_rank().poll(ops)
