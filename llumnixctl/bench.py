@@ -505,7 +505,11 @@ def proxy(
         Console(stderr=True).print(f"llumnixctl: {exc}", markup=False)
         raise typer.Exit(2) from None
     result = {"instances": instances, "cores": psutil.cpu_count(), "settings": extra,
-              "dispatch": getattr(cfg.proxy, "dispatch", "manager")}  # before proxy.dispatch: always the manager
+              "dispatch": getattr(cfg.proxy, "dispatch", "manager"),  # before proxy.dispatch: always the manager
+              # a part skipped (0) keeps its keys, null: scripts read them whatever ran
+              "direct_ttft_ms": None, "proxy_ttft_ms": None, "added_ttft_ms_p50": None, "streams": streams,
+              "concurrency": concurrency, "tokens": 0, "expected_tokens": streams * tokens, "tokens_per_s": None,
+              "proxy_cpu_us_per_token": None, "short_requests": None, "short_requests_per_s": None, "burst": None}
     if requests or streams or short_seconds > 0:
         result |= _overhead_run(instances, requests, streams, concurrency, tokens, short_seconds, short_connections,
                                 short_clients, client, extra)
@@ -523,9 +527,7 @@ def _overhead_run(instances: int, requests: int, streams: int, concurrency: int,
     run_dir = Path(tempfile.mkdtemp(prefix="llumnix-bench-"))
     sets = ["sim.time_scale=0", "sim.max_num_seqs=256", "proxy.log_level=warning", "instance.log_level=warning"] + extra
     state = _start(run_dir, instances, "sim", sets)
-    out: dict = {"direct_ttft_ms": None, "proxy_ttft_ms": None, "added_ttft_ms_p50": None, "streams": streams,
-                 "concurrency": concurrency, "tokens": 0, "expected_tokens": streams * tokens, "tokens_per_s": None,
-                 "proxy_cpu_us_per_token": None, "short_requests": None, "short_requests_per_s": None}
+    out: dict = {}
     try:
         if requests:
             out |= _ttft_comparison(state, requests)

@@ -6,6 +6,7 @@ import json
 import urllib.request
 
 import psutil
+import pytest
 
 from conftest import FAST, cli
 from llumnixctl import localcluster
@@ -49,3 +50,56 @@ def test_a_state_file_from_before_several_proxies_loads(tmp_path):
     del data["urls"]  # as an older llumnixctl wrote it
     (tmp_path / localcluster.STATE_FILE).write_text(json.dumps(data))
     assert localcluster.ClusterState.load(tmp_path).urls == ["http://127.0.0.1:2"]
+
+
+OLD_KEYS = {"instances", "cores", "direct_ttft_ms", "proxy_ttft_ms", "added_ttft_ms_p50", "streams", "concurrency",
+            "tokens", "expected_tokens", "tokens_per_s", "proxy_cpu_us_per_token"}  # scripts read these
+SHORT_KEYS = {"stream", "requests", "failures", "requests_per_s", "latency_ms", "proxy_cpu_us_per_request",
+              "proxy_cores", "manager_cores", "instance_cores", "client_cores", "client_parallelism",
+              "client_saturated", "machine_busy_cores"}
+
+
+def bench_proxy(*args: str) -> dict:
+    """`llumnixctl bench proxy ARGS --json` in this process (no seconds of imports per run)."""
+    from typer.testing import CliRunner
+
+    from llumnixctl import bench
+
+    res = CliRunner().invoke(bench.app, ["proxy", *args, "--json"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+def test_bench_proxy_json_keeps_its_keys_and_adds_the_short_rate():
+    d = bench_proxy("--instances", "2", "--requests", "3", "--streams", "4", "--tokens", "4", "--short-seconds",
+                    "0.5", "--short-connections", "4", "--short-client", "python")
+    assert OLD_KEYS <= set(d), OLD_KEYS - set(d)
+    assert d["tokens"] == d["expected_tokens"] == 16 and set(d["direct_ttft_ms"]) == {"p50", "p99"}
+    short = d["short_requests"]
+    assert (short["client"], short["connections"], short["max_tokens"]) == ("python", 4, 1)
+    for kind in ("stream", "plain"):
+        assert SHORT_KEYS <= set(short[kind]), SHORT_KEYS - set(short[kind])
+        assert short[kind]["requests"] > 0 and short[kind]["failures"] == 0
+        assert short[kind]["stream"] is (kind == "stream") and short[kind]["client_parallelism"] == 2
+    assert d["short_requests_per_s"] == short["stream"]["requests_per_s"]
+    assert d["burst"] is None
+
+
+def test_bench_proxy_burst_over_two_proxies_counts_every_request():
+    d = bench_proxy("--instances", "2", "--requests", "0", "--streams", "0", "--short-seconds", "0", "--burst", "6",
+                    "--proxies", "2", "--burst-tokens", "2", "--set", "sim.time_scale=0.1")
+    assert OLD_KEYS <= set(d) and d["tokens_per_s"] is d["short_requests"] is None  # skipped: null, not absent
+    b = d["burst"]
+    assert (b["proxies"], b["requests"], b["completed"], b["failures"]) == (2, 6, 6, 0)
+    assert sum(b["received_per_instance"].values()) == 6 and set(b["received_per_instance"]) == {"i0", "i1"}
+    assert b["ttft_ms"]["p50"] <= b["ttft_ms"]["p99"] <= b["ttft_ms"]["max"]
+    assert d["settings"] == ["sim.time_scale=0.1"] and b["time_scale"] == 0.1
+
+
+def test_bench_proxy_falls_back_to_its_own_client_without_wrk(monkeypatch):
+    from llumnixctl import bench
+
+    monkeypatch.setattr(bench.shutil, "which", lambda name: None)
+    assert bench.pick_client("auto") == "python"
+    with pytest.raises(ValueError, match="wrk is not installed"):
+        bench.pick_client("wrk")
