@@ -390,7 +390,7 @@ def pick_client(client: str) -> str:
 async def _burst_stream(conn, request: bytes, t0: float) -> float | None:
     """Read one streamed response; its time to the first token event since ``t0``, None if it failed."""
     reader, writer = conn
-    first = None
+    first, status = None, b""
     try:
         status = await reader.readline()
         async for line in reader:  # Connection: close: the stream ends with the connection
