@@ -94,6 +94,7 @@ def test_bench_proxy_burst_over_two_proxies_counts_every_request():
     assert sum(b["received_per_instance"].values()) == 6 and set(b["received_per_instance"]) == {"i0", "i1"}
     assert b["ttft_ms"]["p50"] <= b["ttft_ms"]["p99"] <= b["ttft_ms"]["max"]
     assert d["settings"] == ["sim.time_scale=0.1"] and b["time_scale"] == 0.1
+    assert b["over_batch"] == sum(max(0, n - b["max_num_seqs"]) for n in b["received_per_instance"].values())
 
 
 def test_bench_proxy_falls_back_to_its_own_client_without_wrk(monkeypatch):
