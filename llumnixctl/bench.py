@@ -510,11 +510,15 @@ def proxy(
               "direct_ttft_ms": None, "proxy_ttft_ms": None, "added_ttft_ms_p50": None, "streams": streams,
               "concurrency": concurrency, "tokens": 0, "expected_tokens": streams * tokens, "tokens_per_s": None,
               "proxy_cpu_us_per_token": None, "short_requests": None, "short_requests_per_s": None, "burst": None}
-    if requests or streams or short_seconds > 0:
-        result |= _overhead_run(instances, requests, streams, concurrency, tokens, short_seconds, short_connections,
-                                short_clients, client, extra)
-    if burst_requests:
-        result["burst"] = _burst_run(instances, proxies, burst_requests, burst_tokens, burst_seqs, extra, cfg)
+    try:
+        if requests or streams or short_seconds > 0:
+            result |= _overhead_run(instances, requests, streams, concurrency, tokens, short_seconds,
+                                    short_connections, short_clients, client, extra)
+        if burst_requests:
+            result["burst"] = _burst_run(instances, proxies, burst_requests, burst_tokens, burst_seqs, extra)
+    except RuntimeError as exc:  # a client or the cluster failed mid-run (the cluster is stopped by then)
+        Console(stderr=True).print(f"llumnixctl: bench proxy: {exc}", markup=False)
+        raise typer.Exit(1) from None
     if json_:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
         return
@@ -569,7 +573,7 @@ def _throughput(state, streams: int, concurrency: int, tokens: int) -> dict:
     return {"tokens": total, "tokens_per_s": total / wall, "proxy_cpu_us_per_token": cpu / max(total, 1) * 1e6}
 
 
-def _burst_run(instances: int, proxies: int, k: int, tokens: int, seqs: int, extra: list[str], cfg) -> dict:
+def _burst_run(instances: int, proxies: int, k: int, tokens: int, seqs: int, extra: list[str]) -> dict:
     """A cluster of ``proxies`` proxies whose sim steps take model time (sim.time_scale as set, 1 by default),
     batches of ``seqs``: a burst that herds onto few instances queues there, and its TTFT shows it."""
     run_dir = Path(tempfile.mkdtemp(prefix="llumnix-bench-"))
