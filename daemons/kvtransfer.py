@@ -15,6 +15,10 @@ control messages (ZeroMQ, in order on one connection) put them in, so no tags ar
 
 A transfer with ``tail_tokens`` sends its last block as only that many token slots (the written part of a
 request's partial last block), as one message after the full blocks' chunks.
+
+A chunk whose blocks are one run of consecutive ids in a CPU KV tensor (fused and rows paths) needs no
+staging at that end: Gloo sends from, or receives into, the KV tensor itself (``KvBlocks.direct``), framed
+as the staged chunk is (one message per layer on the rows path), so either end decides for itself.
 """
 
 from __future__ import annotations
@@ -129,49 +133,75 @@ class Pair:
             return block_ids[:-1], block_ids[-1]
         return block_ids, None
 
+    def _send_parts(self, kv: KvBlocks, st: Staging, block_ids: list[int], chunk_blocks: int, tail_tokens: int):
+        """Per chunk, a function of its staging slot that returns the tensors to send, in order."""
+        whole, tail = self._split(block_ids, tail_tokens)
+        parts = []
+        for chunk in self._chunks(whole, chunk_blocks):
+            direct = None if st.two_hop else kv.direct(chunk)
+            if direct is not None:  # one run of blocks on the CPU: send out of the KV tensor itself
+                parts.append(lambda b, d=direct: d)
+            else:
+                parts.append(lambda b, c=chunk: (st.load(b, c), kv.frames(st.host(b), len(c)))[1])
+        if tail is not None:
+            parts.append(lambda b: [st.host(b)[:st.load_tail(b, tail, tail_tokens)]])
+        return parts
+
+    def _recv_parts(self, kv: KvBlocks, st: Staging, block_ids: list[int], chunk_blocks: int, tail_tokens: int):
+        """Per chunk, (the tensors to receive into from staging slot b, what writes slot b out then)."""
+        whole, tail = self._split(block_ids, tail_tokens)
+        parts = []
+        for chunk in self._chunks(whole, chunk_blocks):
+            direct = None if st.two_hop else kv.direct(chunk)
+            if direct is not None:  # one run of blocks on the CPU: receive into the KV tensor itself
+                parts.append((lambda b, d=direct: d, lambda b: 0))
+            else:
+                parts.append((lambda b, c=chunk: kv.frames(st.host(b), len(c)), lambda b, c=chunk: st.store(b, c)))
+        if tail is not None:
+            parts.append((lambda b: [st.host(b)[:kv.tail_nbytes(tail_tokens)]],
+                          lambda b: st.store_tail(b, tail, tail_tokens)))
+        return parts
+
     def _send_chunks(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int, limit_bytes_s: float,
                      tail_tokens: int) -> int:
         pg = self._ready()
         st = self._staging(kv, chunk_blocks * kv.block_nbytes)
-        whole, tail = self._split(block_ids, tail_tokens)
-        loads = [lambda b, c=chunk: st.load(b, c) for chunk in self._chunks(whole, chunk_blocks)]
-        if tail is not None:
-            loads.append(lambda b: st.load_tail(b, tail, tail_tokens))
-        inflight: list = [None, None]
+        parts = self._send_parts(kv, st, block_ids, chunk_blocks, tail_tokens)
+        inflight: list = [[], []]  # the sends of the last two chunks, by staging slot
         start, sent = time.perf_counter(), 0
-        for i, load in enumerate(loads):
+        for i, part in enumerate(parts):
             b = i % 2
-            if inflight[b] is not None:
-                self._wait(inflight[b])  # that buffer is free again
-            n = load(b)
-            inflight[b] = pg.send([st.host(b)[:n]], self.peer, 0)
-            sent += n
+            for work in inflight[b]:
+                self._wait(work)  # that slot is free again
+            frames = part(b)
+            inflight[b] = [pg.send([f], self.peer, 0) for f in frames]
+            sent += sum(f.numel() for f in frames)
             if limit_bytes_s > 0:  # pace to the cap: sleep until this many bytes are due
                 ahead = sent / limit_bytes_s - (time.perf_counter() - start)
                 if ahead > 0:
                     time.sleep(ahead)
-        for work in inflight:
-            if work is not None:
+        for works in inflight:
+            for work in works:
                 self._wait(work)
         return sent
 
     def _recv_chunks(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int, tail_tokens: int) -> int:
         pg = self._ready()
         st = self._staging(kv, chunk_blocks * kv.block_nbytes)
-        whole, tail = self._split(block_ids, tail_tokens)
-        # (bytes, how to write them out of staging slot b) per message, in the sender's order
-        parts = [(len(c) * kv.block_nbytes, lambda b, c=c: st.store(b, c)) for c in self._chunks(whole, chunk_blocks)]
-        if tail is not None:
-            parts.append((kv.tail_nbytes(tail_tokens), lambda b: st.store_tail(b, tail, tail_tokens)))
+        parts = self._recv_parts(kv, st, block_ids, chunk_blocks, tail_tokens)
 
-        def post(i: int):
-            return pg.recv([st.host(i % 2)[:parts[i][0]]], self.peer, 0)
+        def post(i: int) -> tuple[list, int]:
+            frames = parts[i][0](i % 2)
+            return [pg.recv([f], self.peer, 0) for f in frames], sum(f.numel() for f in frames)
 
         pending = [post(i) for i in range(min(2, len(parts)))]
         got = 0
         for i, (_, store) in enumerate(parts):
-            self._wait(pending[i % 2])
-            got += store(i % 2)
+            works, nbytes = pending[i % 2]
+            for work in works:
+                self._wait(work)
+            store(i % 2)
+            got += nbytes
             if i + 2 < len(parts):
                 pending[i % 2] = post(i + 2)
         return got

@@ -304,7 +304,9 @@ class Migrator:
                 if await_ready:
                     await self._reply(out, wire.MigReady, stage, "the reservation" if stage == 0 else f"stage {stage}")
                 t_ready = time.perf_counter()
-                sending = asyncio.wrap_future(pair.send(kb, ids, chunk_blocks, limit, tail)) if ids else None
+                # The cap spares the engine during pre-copy; the last stage is downtime: never paced.
+                cap = 0.0 if last else limit
+                sending = asyncio.wrap_future(pair.send(kb, ids, chunk_blocks, cap, tail)) if ids else None
                 if sending is not None and await_ready:
                     result.bytes += await self._sent(sending, dst, len(ids) * kb.block_nbytes)
                 t_sent = time.perf_counter()

@@ -71,6 +71,8 @@ def gloo_pair():
 
 LAYOUTS = list(KVCacheLayout)
 RUNS = {"contiguous": ([3, 4, 5, 6, 7], [10, 11, 12, 13, 14]), "scattered": ([9, 2, 17, 5, 23, 0], [1, 20, 4, 8, 15, 3]),
+        # one end sends out of its KV tensor (one run), the other stages (and the reverse)
+        "run-to-scattered": ([3, 4, 5, 6, 7], [1, 20, 4, 8, 15]), "scattered-to-run": ([9, 2, 17, 5], [10, 11, 12, 13]),
         # more runs of consecutive ids than KvBlocks copies run by run: the index_select/index_copy_ path
         "many-runs": ([23, 0, 21, 2, 19, 4, 17, 6, 15, 8, 13, 10], [1, 3, 5, 7, 9, 11, 22, 14, 16, 18, 20, 12])}
 
@@ -152,6 +154,22 @@ def test_layouts_take_the_cheapest_copy_that_is_correct():
     # LHBNC and BHLNC spread a block over the heads.
     assert paths == {"LBHNC": "rows", "LBNHC": "rows", "BLHNC": "fused", "BLNHC": "fused", "LHBNC": "strided",
                      "BHLNC": "strided"}
+
+
+def test_a_run_of_blocks_moves_out_of_the_kv_tensor_itself():
+    """Fused and rows paths on the CPU: one run of blocks is the KV's own bytes, framed as a staged chunk."""
+    for layout in KVCacheLayout:
+        caches = vllm_kv_caches(layout)
+        kb = KvBlocks(caches, "t", layout.name)
+        direct = kb.direct([4, 5, 6])
+        assert (direct is None) == (kb.path == "strided") and kb.direct([4, 6]) is None
+        if direct is not None:
+            buf = torch.empty(3 * kb.block_nbytes, dtype=torch.uint8)
+            kb.gather([4, 5, 6], buf)
+            frames = kb.frames(buf, 3)
+            assert [f.numel() for f in direct] == [f.numel() for f in frames]
+            assert all(torch.equal(d, f) for d, f in zip(direct, frames))
+            assert direct[0].untyped_storage().data_ptr() == caches[0].untyped_storage().data_ptr()
 
 
 def test_layers_that_share_a_tensor_move_once():

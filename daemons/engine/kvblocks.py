@@ -202,6 +202,27 @@ class KvBlocks:
             view.copy_(slot)
         return self.tail_nbytes(tokens)
 
+    def frames(self, buf: torch.Tensor, n: int) -> list[torch.Tensor]:
+        """The messages a chunk of ``n`` blocks travels in, as slices of its staged bytes ``buf``: one per
+        layer on the rows path (so that either end may use the KV rows themselves, see ``direct``), else one."""
+        nbytes = n * self.block_nbytes
+        if self.path != "rows":
+            return [buf[:nbytes]]
+        each = n * self.layer_block_nbytes
+        return [buf[i * each:(i + 1) * each] for i in range(len(self.rows))]
+
+    def direct(self, block_ids: list[int]) -> list[torch.Tensor] | None:
+        """The KV's own bytes of ``block_ids``, framed as ``frames`` frames them, when the ids are one run of
+        consecutive blocks that is contiguous in memory on the CPU (fused and rows paths): a transfer then
+        sends from (or receives into) the KV tensor with no gather or scatter. None otherwise."""
+        first, n = block_ids[0], len(block_ids)
+        if self.device.type != "cpu" or self.path == "strided" or block_ids != list(range(first, first + n)):
+            return None
+        views = [src[first:first + n] for src in self._sources()]
+        if not all(v.is_contiguous() for v in views):
+            return None
+        return [v.reshape(-1).view(torch.uint8) for v in views]
+
     def _view(self, buf: torch.Tensor, n: int) -> torch.Tensor:
         nbytes = n * self.block_nbytes
         if buf.dtype != torch.uint8 or buf.numel() < nbytes:
