@@ -80,6 +80,7 @@ class ProxyConfig:
     port: int = setting(8000, "HTTP listen port", minimum=0, maximum=65535)
     token_address: str = setting("tcp://127.0.0.1:0", "ZeroMQ address the proxy binds for token outputs from instances (port 0 = any free port)")
     advertise_address: str = setting("", "address instances use to reach this proxy; empty = the bound token address")
+    dispatch: str = setting("local", "who chooses a new request's instance: local (this proxy, by the cluster's dispatch policy over the instances' streamed loads and its own in-flight dispatches; the manager is told afterwards) or manager (ask the manager for every request, one round trip)", choices=("local", "manager"))
     dispatch_timeout_s: float = setting(0.5, "wait this long for the manager's dispatch answer, then choose from the last snapshot", minimum=0.001)
     snapshot_interval_s: float = setting(0.5, "how often the proxy refreshes its copy of the cluster view", minimum=0.01)
     shutdown_grace_s: float = setting(5.0, "on SIGTERM, open streams may finish for this long", minimum=0.0)

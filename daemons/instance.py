@@ -103,6 +103,7 @@ class Instance:
         self.watchdog = Watchdog(self.ic.step_timeout_s, self.ic.hung_exit_s)
         self.faults = Faults(self.ic.id)
         self.inbox: list[wire.Submit | wire.Abort] = []
+        self.taken: dict[str, int] = {}  # by proxy token address: its Submits taken in at step boundaries
         self.list_queries: list[int] = []  # ListRequests answered at the next step boundary
         self.boundary_calls: list[tuple[Callable, asyncio.Future]] = []
         self.stepping = False  # an engine step runs on the executor thread right now
@@ -181,15 +182,17 @@ class Instance:
             if isinstance(msg, wire.Abort):
                 self.on_abort(msg)
                 continue
+            if self.migrator is not None and self.migrator.receiving(msg.request_id):
+                # A failover of a request we were receiving by migration (its source died): the proxy's new
+                # placement wins; drop the reservation first, then take the request (counted then).
+                self.migrator.spawn(self._after_reservation(msg))
+                continue
+            # The proxy counts this dispatch as ours until a heartbeat's load shows it (wire.Heartbeat.taken).
+            self.taken[msg.reply_to] = self.taken.get(msg.reply_to, 0) + 1
             if not self.accepting or (self.draining and self.elsewhere):
                 M_REDISPATCHED.inc()
                 self._send(msg.reply_to, wire.Redispatch(msg.request_id, self.instance_id,
                                                          "shutting down" if not self.accepting else "draining"))
-                continue
-            if self.migrator is not None and self.migrator.receiving(msg.request_id):
-                # A failover of a request we were receiving by migration (its source died): the proxy's new
-                # placement wins; drop the reservation first, then take the request.
-                self.migrator.spawn(self._after_reservation(msg))
                 continue
             held = self.requests.get(msg.request_id)
             if held is not None and held.epoch < msg.epoch and not held.migrating:
@@ -450,6 +453,7 @@ class Instance:
             load = self.last_load
             self.report_seq += 1
             self._tell_manager(wire.LoadReport(self.instance_id, self.report_seq, load))
+            self.beat_proxies(not self.watchdog.stalled)
             M_BLOCKS_USED.set(load.blocks_used)
             M_BLOCKS_TOTAL.set(load.blocks_total)
             M_KV_USAGE.set(load.blocks_used / load.blocks_total if load.blocks_total else 0.0)
@@ -471,12 +475,18 @@ class Instance:
             if not healthy and not self.last_load.stalled:
                 self.last_load = msgspec.structs.replace(self.last_load, stalled=True)
                 self.load_changed.set()  # the manager stops dispatching to us now, not at the next step
-            accepting = self.accepting and not self.draining and not self.cordoned
-            self.proxies.heartbeat(wire.Heartbeat(self.instance_id, self.request_address, healthy, self.last_load,
-                                                  accepting))
+            self.beat_proxies(healthy)
             for address, why in self.proxies.gone(self.requests.proxies()):
                 self.boundary(lambda address=address, why=why: self.abort_orphans(address, why))
             await asyncio.sleep(min(heartbeat, self.ic.step_timeout_s / 4))
+
+    def beat_proxies(self, healthy: bool) -> None:
+        """Liveness and load to every proxy we serve: each heartbeat, and (from the report loop) on every load
+        change, so that proxies dispatch from a current view. ``taken`` and the load are of the same step
+        boundary, which lets a proxy retire exactly the dispatches the load already counts."""
+        accepting = self.accepting and not self.draining and not self.cordoned
+        self.proxies.heartbeat(wire.Heartbeat(self.instance_id, self.request_address, healthy, self.last_load,
+                                              accepting), self.taken)
 
     def abort_orphans(self, address: str, why: str) -> int:
         rids = self.requests.of_proxy(address)
@@ -485,6 +495,7 @@ class Instance:
             M_ORPHANED.inc(n)
             log.warning("proxy %s is gone (%s): aborted its %d request(s)", address, why, n)
         self.proxies.drop(address)
+        self.taken.pop(address, None)
         return n
 
     # ------------------------------------------------------------------ life cycle

@@ -98,7 +98,7 @@ class InstanceRecord:
 # Who may send what to the manager when cluster sockets use CURVE keys (the role comes from the key).
 _VERBS: dict[str, tuple[type, ...]] = {
     "instance": (wire.Register, wire.LoadReport, wire.Goodbye, wire.RequestList, wire.MigrateResult),
-    "proxy": (wire.Dispatch, wire.SnapshotQuery, wire.StatusQuery),
+    "proxy": (wire.Dispatch, wire.Dispatched, wire.SnapshotQuery, wire.StatusQuery),
     "reader": (wire.StatusQuery, wire.SnapshotQuery, wire.RequestsQuery, wire.PolicyQuery),  # policy: read only
     "operator": (wire.StatusQuery, wire.SnapshotQuery, wire.RequestsQuery, wire.PolicyQuery, wire.MigrateQuery,
                  wire.DrainQuery, wire.RemoveQuery, wire.AddQuery),
@@ -132,6 +132,7 @@ class Manager:
         self._refused_logged: dict[tuple[str, str], float] = {}
         self.sender = ""  # role:name of the message being handled (CURVE keys), for handlers that need it
         self._asked_to_register: dict[str, float] = {}  # instance id -> when we last asked it to register
+        self.proxies: dict[str, float] = {}  # proxy token address -> when it last asked for a snapshot
 
     # ------------------------------------------------------------------ view
 
@@ -178,14 +179,28 @@ class Manager:
             ))
         return out
 
-    def snapshot(self, query_id: int) -> wire.Snapshot:
+    def proxy_rank(self, proxy: str, now: float) -> tuple[int, int]:
+        """(rank, count) of ``proxy`` among the proxies whose snapshot queries we heard lately. Proxies that
+        dispatch from their own views offset their tie rotations by it, so that a burst over equally free
+        instances spreads instead of every proxy picking the same first one."""
+        if proxy:
+            self.proxies[proxy] = now
+        horizon = now - max(10 * self.mc.heartbeat_interval_s, 5.0)
+        if any(t < horizon for t in self.proxies.values()):
+            self.proxies = {p: t for p, t in self.proxies.items() if t >= horizon}
+        ranked = sorted(self.proxies)
+        return (ranked.index(proxy) if proxy in self.proxies else 0), len(ranked)
+
+    def snapshot(self, query_id: int, proxy: str = "") -> wire.Snapshot:
         now = time.monotonic()
+        rank, proxies = self.proxy_rank(proxy, now)
         return wire.Snapshot(query_id=query_id, instances=self.view(now), dispatch_policy=self.dispatch_policy,
                              uptime_s=round(now - self.started, 3), dispatched_total=self.dispatched_total,
                              pairing_policy=self.pairing_policy, request_selection=self.request_selection,
                              scaling_policy=self.scaling_policy, migrating=self.migrating,
                              ordered_migrations=dict(self.resched.outcomes), scale_outs=self.resched.scale_outs,
-                             scale_ins=self.resched.scale_ins, launching=len(self.resched.launcher.launches))
+                             scale_ins=self.resched.scale_ins, launching=len(self.resched.launcher.launches),
+                             proxies=proxies, proxy_rank=rank)
 
     def update_gauges(self, r: InstanceRecord, now: float | None = None) -> None:
         iid = r.instance_id
@@ -267,6 +282,9 @@ class Manager:
         now = time.monotonic()
         rec.identity, rec.load, rec.last_seen = ident, msg.load, now
         rec.reports += 1
+        # Dispatches we never heard of (a proxy's notice lost while we were away) must not make the ones we
+        # hear of later look reported already.
+        rec.dispatched_n = max(rec.dispatched_n, msg.load.requests_received)
         if rec.state == "dead":
             log.info("instance %s is reporting again: alive", msg.instance_id)
             rec.state = "alive"
@@ -330,7 +348,15 @@ class Manager:
             replies.append(wire.DispatchReply(msg.query_id, instance_id=iid, request_address=rec.info.request_address))
         return replies
 
-    def _count_dispatch(self, rec: InstanceRecord, msg: wire.Dispatch, now: float) -> None:
+    def on_dispatched(self, msg: wire.Dispatched) -> None:
+        """A proxy placed a request from its own view: count it as if we had chosen it (an instance we do
+        not know, or that died meanwhile, is left to the proxy's failover)."""
+        rec = self.instances.get(msg.instance_id)
+        if rec is not None and rec.state != "dead":
+            rec.retire_pending(time.monotonic(), self.mc.pending_dispatch_ttl_s)
+            self._count_dispatch(rec, msg, time.monotonic())
+
+    def _count_dispatch(self, rec: InstanceRecord, msg: wire.Dispatch | wire.Dispatched, now: float) -> None:
         rec.dispatched_n += 1
         rec.pending.append((rec.dispatched_n, policy.blocks_for(msg.prompt_tokens + 1, rec.load.block_size), now))
         self.dispatched_total += 1
@@ -421,7 +447,11 @@ class Manager:
             reply = self.on_report(ident, msg)
         elif isinstance(msg, wire.Register):
             reply = self.on_register(ident, msg)
-        elif isinstance(msg, (wire.StatusQuery, wire.SnapshotQuery)):
+        elif isinstance(msg, wire.Dispatched):
+            self.on_dispatched(msg)
+        elif isinstance(msg, wire.SnapshotQuery):
+            reply = self.snapshot(msg.query_id, msg.proxy)
+        elif isinstance(msg, wire.StatusQuery):
             reply = self.snapshot(msg.query_id)
         elif isinstance(msg, wire.RequestsQuery):
             self.spawn(self._reply_later(ident, self.on_requests(msg)))

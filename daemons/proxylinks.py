@@ -13,6 +13,7 @@ import logging
 import time
 from collections import deque
 
+import msgspec
 import zmq
 
 from daemons import runtime, wire
@@ -80,9 +81,12 @@ class ProxyLinks:
         """The proxy at ``address`` spoke to us (a request, ProxyAlive)."""
         self._link(address).seen = time.monotonic()
 
-    def heartbeat(self, msg: wire.Heartbeat) -> None:
+    def heartbeat(self, msg: wire.Heartbeat, taken: dict[str, int] | None = None) -> None:
+        """``msg`` to every proxy, each with the count of its own Submits we took in (``taken``)."""
+        taken = taken or {}
         for address in list(self.links):
-            self.send(address, msg)
+            n = taken.get(address, 0)
+            self.send(address, msgspec.structs.replace(msg, taken=n) if n else msg)
 
     def gone(self, addresses: set[str]) -> list[tuple[str, str]]:
         """Of ``addresses`` (proxies with requests here), those that are gone, each with why."""

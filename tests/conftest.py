@@ -24,6 +24,12 @@ from llumnixctl.admin import AdminClient
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# Property tests run beside daemons that load both cores: time is no measure of a strategy there.
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile("suite", suppress_health_check=[HealthCheck.too_slow], deadline=None)
+settings.load_profile("suite")
+
 # Fast clusters for tests: short heartbeats, steps at a tenth of the default latency model.
 FAST = ["manager.heartbeat_interval_s=0.2", "sim.time_scale=0.1", "instance.shutdown_grace_s=1"]
 

@@ -112,6 +112,50 @@ def test_a_burst_spreads_over_equal_instances():
     assert picks == {f"i{k}": 10 for k in range(4)}
 
 
+@given(states, st.sampled_from(policy.DISPATCH_POLICIES), st.integers(0, 10_000), HEADROOMS, st.floats(0, 0.999))
+def test_a_start_still_picks_a_freest_eligible_instance(ss, name, turn, headroom, start):
+    eligible = [s for s in ss if s.dispatchable]
+    chosen = dispatch(name, ss, turn, headroom, start=start)
+    assert (chosen is None) == (not eligible)
+    if eligible and name in ("llumnix", "infaas++"):
+        score = (lambda s: instance_freeness(s, headroom)) if name == "llumnix" else real_freeness
+        pick = next(s for s in eligible if s.instance_id == chosen)
+        assert score(pick) == pytest.approx(max(score(s) for s in eligible))
+
+
+def _proxies_burst(n_instances: int, n_proxies: int, each: int, base: float) -> Counter:
+    """Proxies that see the same idle instances and only their own dispatches, each placing ``each`` requests
+    with evenly spaced starts: where the burst lands."""
+    landed = Counter()
+    for rank in range(n_proxies):
+        mine = Counter()
+        for turn in range(each):
+            ss = [InstanceState(f"i{k:02d}", 1000, pending_blocks=4 * mine[f"i{k:02d}"],
+                                pending_requests=mine[f"i{k:02d}"]) for k in range(n_instances)]
+            iid = dispatch("llumnix", ss, turn, start=(base + rank / n_proxies) % 1.0)
+            mine[iid] += 1
+        landed.update(mine)
+    return landed
+
+
+@settings(max_examples=60)
+@given(st.integers(1, 4), st.integers(1, 4), st.integers(1, 2), st.floats(0, 0.999))
+def test_proxies_with_spaced_starts_fan_a_burst_out_evenly(per_proxy, n_proxies, rounds, base):
+    # Each proxy fills its own stretch of the instances first: with no shared view at all, a burst of any
+    # whole number of rounds lands evenly.
+    n = per_proxy * n_proxies
+    assert _proxies_burst(n, n_proxies, per_proxy * rounds, base) == {f"i{k:02d}": rounds for k in range(n)}
+
+
+def test_proxies_with_one_start_herd():
+    # What the starts prevent: proxies that break ties alike all pick the same instances.
+    landed = Counter()
+    for _ in range(4):
+        ss = [InstanceState(f"i{k}", 1000) for k in range(4)]
+        landed[dispatch("llumnix", ss, 1)] += 1
+    assert landed == {"i1": 4}
+
+
 def test_round_robin_and_flood():
     ss = [InstanceState(f"i{k}", 100, blocks_used=90 - k, running=8) for k in range(3)]
     assert [dispatch("rr", ss, t) for t in range(4)] == ["i0", "i1", "i2", "i0"]

@@ -16,6 +16,8 @@ def _samples():
         wire.Dispatch(1, "r", 5, 1, ["i1"]),
         wire.DispatchReply(1, "i0", "tcp://a"),
         wire.SnapshotQuery(2),
+        wire.SnapshotQuery(3, "tcp://127.0.0.1:5555"),
+        wire.Dispatched("r", "i0", 5, 1),
         wire.Snapshot(2, [view]),
         wire.StatusQuery(3),
         wire.RequestsQuery(4),

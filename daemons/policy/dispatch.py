@@ -11,11 +11,18 @@ DISPATCH_POLICIES = ("llumnix", "infaas++", "rr", "flood")
 MIGRATING_POLICIES = ("llumnix",)
 
 
-def dispatch(policy: str, states: list[InstanceState], turn: int, headroom: float = 0.0, priority: int = 0) -> str | None:
+def dispatch(policy: str, states: list[InstanceState], turn: int, headroom: float = 0.0, priority: int = 0,
+             start: float | None = None) -> str | None:
     """Pick the instance for a new request of ``priority``, or None when no instance may take one.
 
     ``turn`` is a counter the caller advances on every dispatch: round-robin uses it, and the freeness
     policies use it to rotate among equally free instances, so that ties do not starve anyone.
+
+    ``start`` (a fraction in [0, 1)), for dispatchers that share the instances but not their dispatches
+    (several proxies): the freeness policies then take the first tie at or after that point of the
+    instances in id order, cyclically. Dispatchers given evenly spaced starts each fill their own stretch
+    first, so that a burst that reaches them all at once fans out over equally free instances instead of
+    every dispatcher choosing the same one.
 
     The high-priority headroom is there to keep *normal* requests away from instances running high-priority
     ones; a high-priority request itself is placed by virtual usage without it, so high-priority requests
@@ -35,7 +42,11 @@ def dispatch(policy: str, states: list[InstanceState], turn: int, headroom: floa
     score = (lambda s: instance_freeness(s, headroom)) if policy == "llumnix" else real_freeness
     scored = [(score(s), s.instance_id) for s in eligible]
     best = max(f for f, _ in scored)
-    ties = [iid for f, iid in scored if best - f <= 1e-9 * max(1.0, abs(best))]
+    tol = 1e-9 * max(1.0, abs(best))
+    if start is not None:
+        first = int(start % 1.0 * len(scored) + 1e-9) % len(scored)  # (a start of k/n is k, not k - 1)
+        return next(iid for f, iid in scored[first:] + scored[:first] if best - f <= tol)
+    ties = [iid for f, iid in scored if best - f <= tol]
     return ties[turn % len(ties)]
 
 

@@ -23,6 +23,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections import deque
 
 import msgspec
 
@@ -33,8 +34,11 @@ from daemons import metrics, policy, runtime, security, wire
 
 log = logging.getLogger("llumnix.proxy")
 
-M_FALLBACK = metrics.counter("proxy", "llumnix_proxy_local_dispatches_total",
-                             "Requests dispatched from the proxy's own snapshot (manager slow or down)")
+M_LOCAL = metrics.counter("proxy", "llumnix_proxy_local_dispatches_total",
+                          "Requests dispatched from the proxy's own view (proxy.dispatch = local, or the manager "
+                          "slow or down)")
+M_ASKED = metrics.counter("proxy", "llumnix_proxy_manager_dispatches_total",
+                          "Requests whose instance the manager chose (proxy.dispatch = manager, or no view yet)")
 M_RETRIES = metrics.counter("proxy", "llumnix_proxy_redispatches_total",
                             "Requests sent to another instance after one failed before any token")
 M_GIVEN_BACK = metrics.counter("proxy", "llumnix_proxy_given_back_total",
@@ -155,6 +159,12 @@ class ClusterClient:
         self._queries: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
         self._turn = 0
+        self.rank, self.proxies = 0, 1  # our place among the proxies the manager hears from (see tie_start)
+        # Our own dispatches per instance that its heartbeats do not show yet: (our Submit number to it, blocks,
+        # time). They count as its load, as the manager counts the dispatches it answers.
+        self.mine: dict[str, deque] = {}
+        self.sent: dict[str, int] = {}  # instance id -> Submits we sent it (its heartbeats' ``taken`` counts them)
+        self.taken: dict[str, int] = {}  # instance id -> ``taken`` of its last heartbeat
         self._tasks: list[asyncio.Task] = []
         self.essential: list[asyncio.Task] = []  # if one of these ends, the proxy exits (it would be deaf)
 
@@ -235,8 +245,12 @@ class ClusterClient:
             msg = wire.decode(await self.manager.recv())
             if isinstance(msg, wire.Snapshot):
                 self.snapshot, self.snapshot_at = msg.instances, time.monotonic()
+                self.rank, self.proxies = msg.proxy_rank, msg.proxies
                 for v in msg.instances:
                     self.addresses[v.instance_id] = v.request_address
+                    if v.state != "dead" and v.request_address and v.request_address not in self.instances:
+                        # An instance streams its load to the proxies it knows: tell it about us now.
+                        self._send_instance(v.request_address, wire.ProxyAlive(self.token_address))
                 if msg.dispatch_policy in policy.DISPATCH_POLICIES:
                     self.dispatch_policy = msg.dispatch_policy
                 self._check_gone(msg.uptime_s)
@@ -250,7 +264,7 @@ class ClusterClient:
     async def _poll_snapshot(self) -> None:
         while True:
             self._snapshot_asked_at = time.monotonic()
-            await self._ask(wire.SnapshotQuery(next(self._ids)), self.pc.snapshot_interval_s)
+            await self._ask(wire.SnapshotQuery(next(self._ids), self.token_address), self.pc.snapshot_interval_s)
             await asyncio.sleep(self.pc.snapshot_interval_s)
 
     def _check_gone(self, manager_uptime_s: float) -> None:
@@ -276,24 +290,72 @@ class ClusterClient:
     # ------------------------------------------------------------------ dispatch
 
     async def _choose(self, stream: Stream) -> tuple[str, str]:
+        """Where the request goes: by default from our own view (the manager hears of it afterwards);
+        with proxy.dispatch = manager, or before we have any view, the manager's answer."""
         sub = stream.submit
-        if self.manager_ok() or not self.snapshot:
+        ask = not self.snapshot if self.pc.dispatch == "local" else (self.manager_ok() or not self.snapshot)
+        if ask:
             q = wire.Dispatch(next(self._ids), sub.request_id, len(sub.prompt_token_ids), sub.priority, stream.exclude)
             reply = await self._ask(q, self.pc.dispatch_timeout_s)
             if reply is not None:
                 if not reply.instance_id and not any(v.instance_id not in stream.exclude for v in self.alive()):
                     raise NoInstance(reply.reason or "no live instance")
             if reply is not None and reply.instance_id:
+                M_ASKED.inc()
                 self.addresses[reply.instance_id] = reply.request_address
                 return reply.instance_id, reply.request_address
-        M_FALLBACK.inc()
+        M_LOCAL.inc()
         views = [v for v in self.alive() if v.instance_id not in stream.exclude]
-        states = [policy.state_of(v.instance_id, v.load, pending_requests=v.pending_dispatches) for v in views]
-        self._turn += 1
-        chosen = policy.dispatch(self.dispatch_policy, states, self._turn, priority=sub.priority)
+        chosen = self._choose_here(views, sub.priority)
         if chosen is None:
-            raise NoInstance("no live instance (the manager is unreachable and the last snapshot has none)")
+            raise NoInstance("no live instance" if self.manager_ok() else
+                             "no live instance (the manager is unreachable and the last snapshot has none)")
+        self._tell_manager(wire.Dispatched(sub.request_id, chosen, len(sub.prompt_token_ids), sub.priority))
         return chosen, next(v.request_address for v in views if v.instance_id == chosen)
+
+    def _choose_here(self, views: list[wire.InstanceView], priority: int) -> str | None:
+        """The dispatch policy over our view: the instances' streamed loads plus our own dispatches they do not
+        show yet (the manager's snapshot adds flags, a new instance's credit and ordered migrations)."""
+        now = time.monotonic()
+        ttl = self.cfg.manager.pending_dispatch_ttl_s
+        states = []
+        for v in views:
+            mine = self.mine.get(v.instance_id)
+            while mine and now - mine[0][2] > ttl:
+                mine.popleft()
+            states.append(policy.state_of(
+                v.instance_id, v.load, pending_blocks=sum(b for _, b, _ in mine) if mine else 0,
+                pending_requests=len(mine) if mine else 0, credit=v.credit, migrations=v.migrations_ordered))
+        self._turn += 1
+        return policy.dispatch(self.dispatch_policy, states, self._turn, self.cfg.scheduling.high_priority_headroom,
+                               priority, start=self.tie_start())
+
+    def tie_start(self) -> float:
+        """Where our ties start among the instances: the proxies' starts are evenly spaced by their ranks,
+        and all move on together once a second (wall clock), so that no instance is everyone's first tie."""
+        return (time.time() // 1.0 * 0.618034 + self.rank / max(self.proxies, 1)) % 1.0
+
+    def _tell_manager(self, msg: wire.Message) -> None:
+        if not runtime.send_now(self.manager, wire.encode(msg)):
+            log.debug("manager unreachable; it will not count a %s", type(msg).__name__)
+
+    def _count_sent(self, instance_id: str, load: wire.InstanceLoad | None, prompt_tokens: int) -> None:
+        """A Submit went to ``instance_id``: it counts as that instance's load until a heartbeat shows it."""
+        n = self.sent[instance_id] = self.sent.get(instance_id, 0) + 1
+        block_size = load.block_size if load is not None else 16
+        self.mine.setdefault(instance_id, deque()).append((n, policy.blocks_for(prompt_tokens + 1, block_size),
+                                                           time.monotonic()))
+
+    def _heard_load(self, beat: wire.Heartbeat) -> None:
+        """A heartbeat's load counts our Submits up to ``taken``: those stop counting as pending."""
+        iid = beat.instance_id
+        if beat.taken < self.taken.get(iid, 0):  # it restarted, and its count with it
+            self.sent[iid] = beat.taken
+            self.mine.pop(iid, None)
+        self.taken[iid] = beat.taken
+        mine = self.mine.get(iid)
+        while mine and mine[0][0] <= beat.taken:
+            mine.popleft()
 
     def _send_instance(self, address: str, msg: wire.Message) -> bool:
         sock = self.instances.get(address)
@@ -332,6 +394,9 @@ class ClusterClient:
         stream.owner_from = stream.next_index
         stream.early.clear()  # a gap's tokens came from the copy we left: the new one sends them again
         submit = msgspec.structs.replace(stream.submit, epoch=stream.epoch, output_token_ids=list(stream.token_ids))
+        beat = self.beats.get(instance_id)
+        self._count_sent(instance_id, beat.load if beat is not None else None,
+                         len(submit.prompt_token_ids) + len(submit.output_token_ids))
         if not self._send_instance(address, submit):
             self._instance_failed(stream, f"the request path to instance {instance_id} is full", cause="full")
 
@@ -462,6 +527,7 @@ class ClusterClient:
                 elif isinstance(msg, wire.Heartbeat):
                     self.heard[msg.instance_id] = time.monotonic()
                     self.beats[msg.instance_id] = msg
+                    self._heard_load(msg)
                     self.addresses[msg.instance_id] = msg.request_address
                 elif isinstance(msg, wire.Moved):  # a migration committed: follow the request to its new owner
                     stream = streams.get(msg.request_id)
