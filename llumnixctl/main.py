@@ -122,7 +122,7 @@ def status_json(snap: wire.Snapshot, address: str) -> dict:
             "manager": {"address": address, "uptime_s": snap.uptime_s, "dispatch_policy": snap.dispatch_policy,
                         "dispatched_total": snap.dispatched_total, "pairing_policy": snap.pairing_policy,
                         "request_selection": snap.request_selection, "scaling_policy": snap.scaling_policy,
-                        "migrating": snap.migrating}}
+                        "migrating": snap.migrating, "proxies": snap.proxies}}
 
 
 def _flags(r: dict) -> str:

@@ -39,6 +39,8 @@ M_LOCAL = metrics.counter("proxy", "llumnix_proxy_local_dispatches_total",
                           "slow or down)")
 M_ASKED = metrics.counter("proxy", "llumnix_proxy_manager_dispatches_total",
                           "Requests whose instance the manager chose (proxy.dispatch = manager, or no view yet)")
+M_PEERS = metrics.gauge("proxy", "llumnix_proxy_peers", "Proxies the manager hears from, this one included (with "
+                        "proxy.dispatch = local their tie starts are spread over the instances by rank)")
 M_RETRIES = metrics.counter("proxy", "llumnix_proxy_redispatches_total",
                             "Requests sent to another instance after one failed before any token")
 M_GIVEN_BACK = metrics.counter("proxy", "llumnix_proxy_given_back_total",
@@ -246,6 +248,7 @@ class ClusterClient:
             if isinstance(msg, wire.Snapshot):
                 self.snapshot, self.snapshot_at = msg.instances, time.monotonic()
                 self.rank, self.proxies = msg.proxy_rank, msg.proxies
+                M_PEERS.set(msg.proxies)
                 for v in msg.instances:
                     self.addresses[v.instance_id] = v.request_address
                     if v.state != "dead" and v.request_address and v.request_address not in self.instances:

@@ -1,0 +1,108 @@
+"""Dispatch at the edge (proxy.dispatch = local): several proxies choose instances from their own views, a
+burst that reaches them all at once fans out instead of herding, and the manager still counts every dispatch."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from llumnixctl import localcluster
+from tests.conftest import FAST, Cluster
+from tests.streams import proxy_metric
+
+PROXIES = 4
+INSTANCES = 4
+
+
+def _wait(cond, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("edge")
+    # No pairing: migrations would move requests after dispatch, and this is about where they land.
+    state = localcluster.up(run_dir, INSTANCES, "sim", 0, None, FAST + ["scheduling.pairing_policy=off"],
+                            timeout_s=90, proxies=PROXIES)
+    try:
+        c = Cluster(state, run_dir)
+        # Every proxy knows its rank among all four (the manager counts them from their snapshot queries).
+        _wait(lambda: all(proxy_metric(u, "llumnix_proxy_peers") == PROXIES for u in state.urls), 15,
+              "every proxy to be ranked among 4")
+        yield c
+    finally:
+        localcluster.stop(state)
+
+
+def _received(c: Cluster) -> dict[str, int]:
+    return {v.instance_id: v.load.requests_received for v in c.admin().status().instances}
+
+
+def _idle(c: Cluster) -> bool:
+    snap = c.admin().status()
+    return all(v.load.running == 0 and v.load.waiting == 0 and v.pending_dispatches == 0 for v in snap.instances)
+
+
+def _burst(urls: list[str], per_proxy: int, max_tokens: int = 30) -> list[int]:
+    """``per_proxy`` completions on every proxy, all released at once; their status codes."""
+    clients = [httpx.Client(base_url=u, timeout=60) for u in urls for _ in range(per_proxy)]
+    for cl in clients:  # connections open before the release, so the requests leave together
+        assert cl.get("/health").status_code == 200
+    go = threading.Barrier(len(clients))
+    codes: list[int] = []
+
+    def one(cl: httpx.Client) -> None:
+        go.wait(timeout=30)
+        r = cl.post("/v1/completions", json={"model": "llumnix-sim", "prompt": "a burst", "max_tokens": max_tokens,
+                                             "ignore_eos": True})
+        codes.append(r.status_code)
+
+    threads = [threading.Thread(target=one, args=(cl,)) for cl in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    for cl in clients:
+        cl.close()
+    return codes
+
+
+def test_a_burst_over_four_proxies_lands_one_per_instance(fleet):
+    # One request per proxy at once over equally free instances: every proxy sees the same idle view and none
+    # sees the others' dispatches; alike tie-breaking would send all four to one instance.
+    for _ in range(3):
+        _wait(lambda: _idle(fleet), 30, "an idle cluster")
+        before = _received(fleet)
+        total0 = fleet.admin().status().dispatched_total
+        assert _burst(fleet.state.urls, 1) == [200] * PROXIES
+        after = _received(fleet)
+        assert {i: after[i] - before[i] for i in after} == {f"i{k}": 1 for k in range(INSTANCES)}
+        assert fleet.admin().status().dispatched_total == total0 + PROXIES  # the manager heard of each
+
+
+def test_a_larger_burst_spreads_and_the_manager_accounts_for_every_dispatch(fleet):
+    _wait(lambda: _idle(fleet), 30, "an idle cluster")
+    before = _received(fleet)
+    total0 = fleet.admin().status().dispatched_total
+    local0 = sum(proxy_metric(u, "llumnix_proxy_local_dispatches_total") for u in fleet.state.urls)
+    assert _burst(fleet.state.urls, 4) == [200] * (4 * PROXIES)
+    after = _received(fleet)
+    got = sorted(after[i] - before[i] for i in after)
+    assert sum(got) == 4 * PROXIES
+    # Each proxy fills its own stretch of the instances first; what one proxy hears of the others mid-burst can
+    # shift a request by one, never pile them up.
+    assert got[-1] - got[0] <= 2, got
+    # The manager counted every dispatch, none of which it chose; its pending estimates all retired.
+    assert fleet.admin().status().dispatched_total == total0 + 4 * PROXIES
+    assert sum(proxy_metric(u, "llumnix_proxy_local_dispatches_total") for u in fleet.state.urls) == local0 + 4 * PROXIES
+    assert sum(proxy_metric(u, "llumnix_proxy_manager_dispatches_total") for u in fleet.state.urls) == 0
+    _wait(lambda: _idle(fleet), 30, "pending dispatches to retire")
