@@ -8,8 +8,8 @@ Source, for one request (README.md "Live migration"):
     last stage  once at most ``last_stage_max_blocks`` remain (or after ``max_stages``): suspend the request
                 at a step boundary, send the rest and the request's state (of the partial last block only
                 its written token slots); the destination commits it (it is running there now) and answers
-                MigDone. When the destination's reservation already covers the request (the usual case),
-                this is the stage's one round trip: the blocks follow the message without a MigReady.
+                MigDone: one round trip, the blocks right behind the message, no MigReady (a destination
+                whose reservation the request outgrew grows it first; stage 0's headroom makes that rare)
     then        drop the request here; its tokens come from the destination, at the next index, to the same
                 proxy (which is told the request moved)
 
@@ -250,7 +250,6 @@ class Migrator:
             limit = self.cfg.bandwidth_limit_mbps * 1e6
             bs = self.engine.block_size
             headroom = (self.cfg.last_stage_max_blocks + 2) * bs
-            reserved = 0  # tokens the destination holds blocks for
             pair = self.kv.source_pair(me, dst)
             sock = self._peer(dst_address)
             while True:
@@ -287,9 +286,10 @@ class Migrator:
                 # stage, which the request spends suspended, then needs no new reservation there.
                 tokens = view.computed_tokens if last else min(view.computed_tokens + headroom, info.max_total or 1 << 30)
                 tokens = max(tokens, view.computed_tokens)
-                # The last stage is the request's downtime: when the destination holds enough blocks already,
-                # skip its MigReady round trip and send the blocks right behind the message.
-                await_ready = not (last and stage > 0 and _cdiv(tokens, bs) <= _cdiv(reserved, bs))
+                # The last stage is the request's downtime: one round trip (MigStage, MigDone). The blocks go
+                # right behind the message; the destination, which knows the pair and the request by now,
+                # grows its reservation first if the request outgrew it (then Gloo waits for its receive).
+                await_ready = not (last and stage > 0)
                 msg = wire.MigStage(mig_id=out.mig_id, stage=stage, tokens=tokens, first_block=len(sent),
                                     n_blocks=len(ids), last=last, state=state, chunk_blocks=chunk_blocks,
                                     await_ready=await_ready, tail_tokens=tail)
@@ -300,7 +300,6 @@ class Migrator:
                 if not runtime.send_now(sock, wire.encode(msg)):
                     raise Aborted("the destination's socket is not accepting messages")
                 last_sent = last
-                reserved = max(reserved, tokens)
                 if await_ready:
                     await self._reply(out, wire.MigReady, stage, "the reservation" if stage == 0 else f"stage {stage}")
                 t_ready = time.perf_counter()
@@ -474,8 +473,6 @@ class Migrator:
                     except TransferError as exc:
                         raise Aborted(str(exc)) from None
                 if _cdiv(msg.tokens, self.engine.block_size) > len(inc.ids):
-                    if not msg.await_ready:
-                        raise Aborted("the last stage needs more blocks than were reserved")
                     try:
                         inc.ids = await self.boundary(lambda: self.engine.reserve(inc.request, msg.tokens))
                     except EngineError as exc:

@@ -454,7 +454,7 @@ class MigStage(msgspec.Struct, **_tagged(64)):
     kv_address: str = ""  # host:port of the source's rendezvous store
     pair_key: str = ""  # names the Gloo pair group (formed on first use, reused after)
     chunk_blocks: int = 0  # blocks per Gloo message
-    await_ready: bool = True  # False: the reservation already covers it; the blocks follow at once, no MigReady
+    await_ready: bool = True  # False (a last stage after stage 0): the blocks follow at once, no MigReady
     tail_tokens: int = 0  # > 0: the last of the n_blocks travels as only its first tail_tokens token slots
 
 
