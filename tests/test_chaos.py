@@ -29,8 +29,8 @@ pytestmark = pytest.mark.e2e
 
 SEEDS = [int(s) for s in os.environ.get("LLUMNIX_CHAOS_SEEDS", "20240611").split(",") if s.strip()]
 
-REQUESTS = 90
-SPAN_S = 40.0  # arrivals spread over this long
+REQUESTS = 68
+SPAN_S = 30.0  # arrivals spread over this long
 CONCURRENCY = 10  # streams open at once, at most
 CHAOS_FROM_S, CHAOS_UNTIL_S = 3.0, SPAN_S - 2.0
 
