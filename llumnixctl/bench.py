@@ -32,7 +32,7 @@ from rich.table import Table
 
 from daemons import runtime, wire
 from daemons.config import ConfigError, load_config
-from llumnixctl import bench_manager, bench_migration, bench_policies, bench_serve, localcluster
+from llumnixctl import bench_engine, bench_manager, bench_migration, bench_policies, bench_serve, localcluster
 from llumnixctl.admin import AdminClient
 
 app = typer.Typer(no_args_is_help=True, help="Benchmarks that print their figures.")
@@ -622,102 +622,7 @@ def _print_proxy(result: dict) -> None:
     Console().print(table)
 
 
-# Offline vLLM in a child process: vLLM sets process-wide state (threads, seeds, torch.distributed).
-_OFFLINE = r"""
-import json, sys, time
-from daemons.config import VllmConfig
-from daemons.engine.vllm_internals import apply_workarounds
-a = json.loads(sys.argv[1])
-cfg = VllmConfig(**a["vllm"])
-apply_workarounds(cfg)
-from vllm import LLM, SamplingParams
-t0 = time.perf_counter()
-llm = LLM(model=a["model"], enforce_eager=True, dtype=cfg.dtype, block_size=cfg.block_size, seed=0,
-          max_num_seqs=cfg.max_num_seqs, kv_cache_memory_bytes=cfg.kv_cache_bytes or None,
-          enable_prefix_caching=cfg.enable_prefix_caching)
-start = time.perf_counter() - t0
-import os
-def rate(n_req, n_tok):
-    sp = SamplingParams(temperature=0, max_tokens=n_tok, ignore_eos=True)
-    prompts = [{"prompt_token_ids": list(a["prompt"])} for _ in range(n_req)]
-    t, c = time.perf_counter(), os.times()
-    outs = llm.generate(prompts, sp, use_tqdm=False)
-    wall, c2 = time.perf_counter() - t, os.times()
-    return sum(len(o.outputs[0].token_ids) for o in outs) / wall, (c2.user + c2.system - c.user - c.system) / wall
-rate(1, 8)
-single, _ = rate(1, a["tokens"])
-batched, cores = rate(a["batch"], a["batch_tokens"])
-print(json.dumps({"start_s": start, "single": single, "batched": batched, "cores": cores}))
-"""
-
-
-@app.command()
-def engine(
-    model: Annotated[Path | None, typer.Option(help="checkpoint directory (default: a tiny random model)")] = None,
-    tokens: Annotated[int, typer.Option(help="output tokens of the single stream")] = 256,
-    batch: Annotated[int, typer.Option(help="concurrent streams of the batched run")] = 32,
-    batch_tokens: Annotated[int, typer.Option(help="output tokens per batched stream")] = 256,
-    json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
-) -> None:
-    """vLLM through the whole cluster (proxy, manager, one instance) against vLLM's own offline run."""
-    from daemons.config import VllmConfig
-    from llumnixctl.model import write_tiny_model
-
-    run_dir = Path(tempfile.mkdtemp(prefix="llumnix-bench-"))
-    path = model or write_tiny_model(run_dir / "tiny-llama")
-    vcfg = VllmConfig(max_num_seqs=max(batch, 1), kv_cache_bytes=256 << 20)  # prefix caching off on both sides
-    prompt = [5, 17, 300, 42, 7, 99, 12, 8]
-    sets = [f"model.path={path.resolve()}", "model.name=bench", f"vllm.max_num_seqs={vcfg.max_num_seqs}",
-            f"vllm.kv_cache_bytes={vcfg.kv_cache_bytes}", "instance.log_level=warning", "proxy.log_level=warning"]
-    err = Console(stderr=True)
-    err.print("offline vLLM run ...")
-    args = {"model": str(path), "vllm": {"max_num_seqs": vcfg.max_num_seqs, "kv_cache_bytes": vcfg.kv_cache_bytes},
-            "prompt": prompt, "tokens": tokens, "batch": batch, "batch_tokens": batch_tokens}
-    child = subprocess.run([sys.executable, "-c", _OFFLINE, json.dumps(args)], capture_output=True, text=True)
-    if child.returncode != 0:
-        err.print(f"llumnixctl: the offline vLLM run failed:\n{child.stderr[-2000:]}", markup=False)
-        raise typer.Exit(1)
-    offline = json.loads(child.stdout.strip().splitlines()[-1])
-    err.print("cluster run ...")
-    t0 = time.perf_counter()
-    state = _start(run_dir, 1, "vllm", sets, timeout_s=300)
-    up_s = time.perf_counter() - t0
-    try:
-        asyncio.run(_load(state.url, "bench", 1, 1, 8, prompt, 0.0))  # warm-up
-        t = time.perf_counter()
-        single = asyncio.run(_load(state.url, "bench", 1, 1, tokens, prompt, 0.0)) / (time.perf_counter() - t)
-        inst = next(p for p in state.procs if p.name.startswith("instance")).process()
-        t, cpu = time.perf_counter(), sum(inst.cpu_times()[:2])
-        batched_tokens = asyncio.run(_load(state.url, "bench", batch, batch, batch_tokens, prompt, 0.0))  # greedy, as offline
-        wall = time.perf_counter() - t
-        batched, cores = batched_tokens / wall, (sum(inst.cpu_times()[:2]) - cpu) / wall
-        rss = inst.memory_info().rss
-    finally:
-        localcluster.stop(state)
-        shutil.rmtree(run_dir, ignore_errors=True)
-    result = {
-        "offline_engine_start_s": offline["start_s"], "cluster_up_s": up_s, "instance_rss_mib": rss / 2**20,
-        "single_stream_tokens_per_s": {"cluster": single, "offline": offline["single"], "ratio": single / offline["single"]},
-        "batched_tokens_per_s": {"cluster": batched, "offline": offline["batched"], "ratio": batched / offline["batched"]},
-        "batched_cores_used": {"instance": cores, "offline": offline["cores"]},
-        "batch": batch, "tokens": tokens, "batch_tokens": batch_tokens, "model": str(model or "tiny (random)"),
-    }
-    if json_:
-        sys.stdout.write(json.dumps(result, indent=2) + "\n")
-        return
-    table = Table(title=f"vLLM through the cluster vs offline · {psutil.cpu_count()} cores · model {result['model']}")
-    for col in ("measure", "cluster", "offline vLLM", "ratio"):
-        table.add_column(col, justify="left" if col == "measure" else "right")
-    s, b = result["single_stream_tokens_per_s"], result["batched_tokens_per_s"]
-    table.add_row(f"single stream ({tokens} tokens), tokens/s", f"{s['cluster']:.0f}", f"{s['offline']:.0f}", f"{s['ratio']:.2f}")
-    table.add_row(f"batched ({batch} x {batch_tokens} tokens), tokens/s", f"{b['cluster']:.0f}", f"{b['offline']:.0f}", f"{b['ratio']:.2f}")
-    table.add_row("start (cluster up / offline engine), s", f"{up_s:.1f}", f"{offline['start_s']:.1f}", "")
-    table.add_row("cores busy during the batched run", f"{cores:.2f}", f"{offline['cores']:.2f}", "")
-    table.add_row("instance RSS, MiB", f"{result['instance_rss_mib']:.0f}", "", "")
-    Console().print(table)
-
-
-
+app.command("engine")(bench_engine.command)
 app.command("migration")(bench_migration.command)
 app.command("policies")(bench_policies.command)
 app.command("serve")(bench_serve.command)

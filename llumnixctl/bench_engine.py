@@ -1,0 +1,285 @@
+"""``llumnixctl bench engine``: vLLM through the whole cluster against vLLM alone.
+
+Three runs of one checkpoint with the same settings (eager, the ``[vllm]`` kernel choice and OpenMP
+threads, ``--batch`` sequences, a 256 MiB KV cache, no prefix caching), one after the other so that they
+never share the cores:
+
+- offline: vLLM's ``LLM.generate`` in a child process, every prompt handed over at once (the ceiling);
+- api_server: vLLM's own OpenAI server (``vllm.entrypoints.openai.api_server``), what people deploy;
+- cluster: a local cluster (proxy, manager, one ``vllm`` instance).
+
+The two servers are measured with the same streaming client (``bench._load``): one greedy stream of
+``--tokens``, then ``--batch`` concurrent streams of ``--batch-tokens``, all with ``ignore_eos``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Annotated
+
+import httpx
+import psutil
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from llumnixctl import localcluster
+
+PROMPT = [5, 17, 300, 42, 7, 99, 12, 8]
+KV_CACHE_BYTES = 256 << 20
+
+# Offline vLLM in a child process: vLLM sets process-wide state (threads, seeds, torch.distributed).
+_OFFLINE = r"""
+import json, sys, time
+from daemons.config import VllmConfig
+from daemons.engine.vllm_internals import apply_workarounds
+a = json.loads(sys.argv[1])
+cfg = VllmConfig(**a["vllm"])
+apply_workarounds(cfg)
+from vllm import LLM, SamplingParams
+t0 = time.perf_counter()
+llm = LLM(model=a["model"], enforce_eager=True, dtype=cfg.dtype, block_size=cfg.block_size, seed=0,
+          max_num_seqs=cfg.max_num_seqs, kv_cache_memory_bytes=cfg.kv_cache_bytes or None,
+          enable_prefix_caching=cfg.enable_prefix_caching)
+start = time.perf_counter() - t0
+import os
+def rate(n_req, n_tok):
+    sp = SamplingParams(temperature=0, max_tokens=n_tok, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(a["prompt"])} for _ in range(n_req)]
+    t, c = time.perf_counter(), os.times()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    wall, c2 = time.perf_counter() - t, os.times()
+    return sum(len(o.outputs[0].token_ids) for o in outs) / wall, (c2.user + c2.system - c.user - c.system) / wall
+rate(1, 8)
+single = max(rate(1, a["tokens"])[0] for _ in range(a["repeat"]))
+batched, cores = max(rate(a["batch"], a["batch_tokens"]) for _ in range(a["repeat"]))
+print(json.dumps({"start_s": start, "single": single, "batched": batched, "cores": cores}))
+"""
+
+# vLLM's server with the instance's environment and kernel choice (the same process-wide fixes), then
+# its own entry point as ``python -m`` would run it.
+_API_SERVER = r"""
+import json, runpy, sys
+from daemons.config import VllmConfig
+from daemons.engine.vllm_internals import apply_workarounds
+cfg = VllmConfig(**json.loads(sys.argv.pop(1)))
+apply_workarounds(cfg)
+import os
+os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # set_env's in-process core is ours; the server runs vLLM's way
+runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
+"""
+
+
+class BenchError(Exception):
+    """A reference run that did not come up; the message says why."""
+
+
+def _cpu(procs: list[psutil.Process]) -> float:
+    total = 0.0
+    for p in procs:
+        try:
+            total += sum(p.cpu_times()[:2])
+        except psutil.NoSuchProcess:
+            continue
+    return total
+
+
+def measure(url: str, procs: list[psutil.Process], tokens: int, batch: int, batch_tokens: int, repeat: int) -> dict:
+    """Tokens/s of one greedy stream and of ``batch`` concurrent ones (the best of ``repeat`` each), and the
+    cores ``procs`` kept busy during the best batched run."""
+    from llumnixctl.bench import _load  # bench imports this module for its command: import it when run
+
+    asyncio.run(_load(url, "bench", 1, 1, 8, PROMPT, 0.0))  # warm-up
+    single = 0.0
+    for _ in range(repeat):
+        t = time.perf_counter()
+        single = max(single, asyncio.run(_load(url, "bench", 1, 1, tokens, PROMPT, 0.0)) / (time.perf_counter() - t))
+    batched, cores = 0.0, 0.0
+    for _ in range(repeat):
+        t, cpu = time.perf_counter(), _cpu(procs)
+        n = asyncio.run(_load(url, "bench", batch, batch, batch_tokens, PROMPT, 0.0))  # greedy, as offline
+        wall = time.perf_counter() - t
+        batched, cores = max((batched, cores), (n / wall, (_cpu(procs) - cpu) / wall))
+    return {"single": single, "batched": batched, "cores": cores}
+
+
+def offline_run(path: Path, vllm: dict, tokens: int, batch: int, batch_tokens: int, repeat: int) -> dict:
+    args = {"model": str(path), "vllm": vllm, "prompt": PROMPT, "tokens": tokens, "batch": batch,
+            "batch_tokens": batch_tokens, "repeat": repeat}
+    child = subprocess.run([sys.executable, "-c", _OFFLINE, json.dumps(args)], capture_output=True, text=True)
+    if child.returncode != 0:
+        raise BenchError(f"the offline vLLM run failed:\n{child.stderr[-2000:]}")
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def start_api_server(path: Path, vllm: dict, run_dir: Path, timeout_s: float = 300.0) -> tuple[subprocess.Popen, str]:
+    """vLLM's OpenAI server on ``path`` as model ``bench``, listening on 127.0.0.1; returns once /health
+    answers. Its output goes to ``run_dir/api_server.log``."""
+    url = f"http://127.0.0.1:{localcluster.free_port()}"
+    argv = [sys.executable, "-c", _API_SERVER, json.dumps(vllm), "--model", str(path), "--served-model-name", "bench",
+            "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1], "--enforce-eager", "--seed", "0",
+            "--distributed-executor-backend", "uni",  # the executor an instance runs (in the engine core process)
+            "--block-size", str(vllm["block_size"]), "--max-num-seqs", str(vllm["max_num_seqs"]),
+            "--kv-cache-memory-bytes", str(vllm["kv_cache_bytes"]), "--no-enable-prefix-caching",
+            "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    log = run_dir / "api_server.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise BenchError(f"vLLM's api_server exited with {proc.returncode}:\n{log.read_text()[-2000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            stop_api_server(proc)
+            raise BenchError(f"vLLM's api_server was not healthy within {timeout_s:g}s:\n{log.read_text()[-2000:]}")
+        try:
+            proc.wait(0.5)  # its exit, or half a second before asking /health again
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _tree(proc: subprocess.Popen) -> list[psutil.Process]:
+    """The server and its engine core process (vLLM runs the core in a child)."""
+    try:
+        root = psutil.Process(proc.pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def stop_api_server(proc: subprocess.Popen) -> None:
+    """By pid: the server, then its children if they outlived it."""
+    children = _tree(proc)[1:]
+    proc.terminate()
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+    _, alive = psutil.wait_procs(children, timeout=10)
+    for p in alive:
+        p.kill()
+
+
+def api_server_run(path: Path, vllm: dict, run_dir: Path, tokens: int, batch: int, batch_tokens: int,
+                   repeat: int) -> dict:
+    t0 = time.perf_counter()
+    proc, url = start_api_server(path, vllm, run_dir)
+    try:
+        return {"up_s": time.perf_counter() - t0, **measure(url, _tree(proc), tokens, batch, batch_tokens, repeat)}
+    finally:
+        stop_api_server(proc)
+
+
+def cluster_run(path: Path, vllm: dict, run_dir: Path, tokens: int, batch: int, batch_tokens: int,
+                repeat: int) -> dict:
+    from llumnixctl.bench import _start
+
+    sets = [f"model.path={path.resolve()}", "model.name=bench", f"vllm.max_num_seqs={vllm['max_num_seqs']}",
+            f"vllm.kv_cache_bytes={vllm['kv_cache_bytes']}", "instance.log_level=warning", "proxy.log_level=warning"]
+    t0 = time.perf_counter()
+    state = _start(run_dir, 1, "vllm", sets, timeout_s=300)
+    up_s = time.perf_counter() - t0
+    try:
+        inst = next(p for p in state.procs if p.name.startswith("instance")).process()
+        figures = measure(state.url, [inst], tokens, batch, batch_tokens, repeat)
+        return {"up_s": up_s, "rss": inst.memory_info().rss, **figures}
+    finally:
+        localcluster.stop(state)
+
+
+def _ratio(a: float, b: float | None) -> float | None:
+    return a / b if b else None
+
+
+def result_of(cluster: dict, offline: dict, api: dict | None, model: Path | None, tokens: int, batch: int,
+              batch_tokens: int, repeat: int) -> dict:
+    """The JSON: the keys scripts already read, plus the api_server's figures and ratios to it."""
+    res = {
+        "offline_engine_start_s": offline["start_s"], "cluster_up_s": cluster["up_s"],
+        "instance_rss_mib": cluster["rss"] / 2**20,
+        "batch": batch, "tokens": tokens, "batch_tokens": batch_tokens, "model": str(model or "tiny (random)"),
+        "repeat": repeat, "api_server_up_s": api["up_s"] if api else None,
+    }
+    for key, k in (("single_stream_tokens_per_s", "single"), ("batched_tokens_per_s", "batched")):
+        res[key] = {"cluster": cluster[k], "offline": offline[k], "ratio": cluster[k] / offline[k],
+                    "api_server": api[k] if api else None,
+                    "ratio_api_server": _ratio(cluster[k], api[k] if api else None)}
+    res["batched_cores_used"] = {"instance": cluster["cores"], "offline": offline["cores"],
+                                 "api_server": api["cores"] if api else None}
+    return res
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "" if x is None else format(x, spec)
+
+
+def print_table(res: dict) -> None:
+    table = Table(title=f"vLLM through the cluster vs vLLM alone · {psutil.cpu_count()} cores · model {res['model']}")
+    for col in ("measure", "cluster", "offline vLLM", "ratio", "vLLM api_server", "ratio"):
+        table.add_column(col, justify="left" if col == "measure" else "right")
+    s, b = res["single_stream_tokens_per_s"], res["batched_tokens_per_s"]
+    for label, r in ((f"single stream ({res['tokens']} tokens), tokens/s", s),
+                     (f"batched ({res['batch']} x {res['batch_tokens']} tokens), tokens/s", b)):
+        table.add_row(label, f"{r['cluster']:.0f}", f"{r['offline']:.0f}", f"{r['ratio']:.2f}",
+                      _fmt(r["api_server"], ".0f"), _fmt(r["ratio_api_server"], ".2f"))
+    c = res["batched_cores_used"]
+    table.add_row("start (cluster up / offline engine / api_server up), s", f"{res['cluster_up_s']:.1f}",
+                  f"{res['offline_engine_start_s']:.1f}", "", _fmt(res["api_server_up_s"], ".1f"), "")
+    table.add_row("cores busy during the batched run", f"{c['instance']:.2f}", f"{c['offline']:.2f}", "",
+                  _fmt(c["api_server"], ".2f"), "")
+    table.add_row("instance RSS, MiB", f"{res['instance_rss_mib']:.0f}", "", "", "", "")
+    Console().print(table)
+
+
+def command(
+    model: Annotated[Path | None, typer.Option(help="checkpoint directory (default: a tiny random model)")] = None,
+    tokens: Annotated[int, typer.Option(help="output tokens of the single stream")] = 256,
+    batch: Annotated[int, typer.Option(help="concurrent streams of the batched run")] = 32,
+    batch_tokens: Annotated[int, typer.Option(help="output tokens per batched stream")] = 256,
+    api_server: Annotated[bool, typer.Option("--api-server/--no-api-server", help="also measure vLLM's own OpenAI server")] = True,
+    repeat: Annotated[int, typer.Option(help="runs of each measure; the best counts (shared cores are noisy)", min=1)] = 1,
+    json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """vLLM through the whole cluster (proxy, manager, one instance) against vLLM's offline run and its api_server."""
+    from daemons.config import VllmConfig
+    from llumnixctl.model import write_tiny_model
+
+    run_dir = Path(tempfile.mkdtemp(prefix="llumnix-bench-"))
+    path = model or write_tiny_model(run_dir / "tiny-llama")
+    cfg = VllmConfig(max_num_seqs=max(batch, 1), kv_cache_bytes=KV_CACHE_BYTES)  # prefix caching off on all sides
+    vllm = {"max_num_seqs": cfg.max_num_seqs, "kv_cache_bytes": cfg.kv_cache_bytes, "block_size": cfg.block_size}
+    err = Console(stderr=True)
+    try:
+        err.print("offline vLLM run ...")
+        offline = offline_run(path, vllm, tokens, batch, batch_tokens, repeat)
+        api = None
+        if api_server:
+            err.print("vLLM api_server run ...")
+            api = api_server_run(path, vllm, run_dir, tokens, batch, batch_tokens, repeat)
+        err.print("cluster run ...")
+        cluster = cluster_run(path, vllm, run_dir, tokens, batch, batch_tokens, repeat)
+    except BenchError as exc:
+        err.print(f"llumnixctl: {exc}", markup=False)
+        raise typer.Exit(1) from None
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    res = result_of(cluster, offline, api, model, tokens, batch, batch_tokens, repeat)
+    if json_:
+        sys.stdout.write(json.dumps(res, indent=2) + "\n")
+        return
+    print_table(res)
