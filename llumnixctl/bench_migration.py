@@ -6,7 +6,8 @@ For each request length L (prompt tokens), on instance i0 of a throw-away cluste
    (multi-stage pre-copy) to the other instance, and back, ``--repeat`` times, with a few tokens of steady
    decoding in between. Figures: the medians of the migrations' downtime and total time (the outcome that
    ``llumnixctl migrate`` prints), and the request's mean decode step time (gaps between its tokens at the
-   client) outside the migrations and inside their pre-copy stages.
+   client) outside the migrations and inside their pre-copy stages; and the client's gap: the longest wait
+   between two tokens that overlaps a migration's last stage (downtime plus what the steps around it add).
 2. Recomputation, the alternative to moving KV: i1 prefills the request's tokens (prompt plus output so far)
    from scratch: the time to its first token, submitted straight to i1's request socket.
 3. Blocking copy, the other alternative: another request of the same length is migrated with
@@ -220,6 +221,9 @@ def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int
             gaps = list(zip(s.times, s.times[1:]))
             quiet = [(b - a) * 1e3 for a, b in gaps if not any(a < end and b > t0 for t0, _, end in windows)]
             during = [(b - a) * 1e3 for a, b in gaps for t0, precopy_end, _ in windows if t0 <= a and b <= precopy_end]
+            # What the client sees of the last stage: the longest gap between tokens that overlaps it
+            stalls = [max([(b - a) * 1e3 for a, b in gaps if a < end and b > last], default=0.0)
+                      for _, last, end in windows]
             # (2) recomputation: an instance prefills what the request had when it first moved
             recompute = _recompute_ms(addresses[here], prompt + s.ids[:outs[0].resumed_at], timeout_s=900,
                                       reply_host=manager_host)
@@ -240,6 +244,7 @@ def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int
                 "decode_step_ms": statistics.mean(quiet) if quiet else None,
                 "decode_step_migrating_ms": statistics.mean(during) if during else None,
                 "decode_steps": len(quiet), "decode_steps_during_migration": len(during),
+                "client_gap_ms": statistics.median(stalls),
             })
             _wait_idle(admin)
     finally:
@@ -337,7 +342,7 @@ def command(
                   + (f" (one TCP stream: {net['link_gbps_measured']:.1f} Gbit/s)" if net.get("link_gbps_measured") else ""))
     table = Table(title=title)
     for col in ("tokens", "MB moved", "stages", "downtime ms (median)", "migration ms (median)", "blocking copy ms",
-                "recompute ms", "decode step ms", "while migrating"):
+                "recompute ms", "decode step ms", "while migrating", "client gap ms"):
         table.add_column(col, justify="right")
 
     def ms(x):
@@ -346,7 +351,7 @@ def command(
     for r in result["results"]:
         table.add_row(str(r["tokens"]), f"{r['bytes'] / 1e6:.1f}", str(r["stages"]), ms(r["downtime_ms"]),
                       ms(r["migration_ms"]), ms(r["blocking_copy_ms"]), ms(r["recompute_ms"]),
-                      ms(r["decode_step_ms"]), ms(r["decode_step_migrating_ms"]))
+                      ms(r["decode_step_ms"]), ms(r["decode_step_migrating_ms"]), ms(r["client_gap_ms"]))
     Console(width=None if sys.stdout.isatty() else 160).print(table)  # piped: never squeeze the table
 
 
