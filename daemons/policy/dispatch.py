@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import chain
 
 from daemons.policy.usage import InstanceState, blocks_for, instance_freeness, real_freeness
 
@@ -28,25 +29,44 @@ def dispatch(policy: str, states: list[InstanceState], turn: int, headroom: floa
     ones; a high-priority request itself is placed by virtual usage without it, so high-priority requests
     gather where normal load is light instead of each one spreading headroom over another instance.
     """
+    eligible = sorted((s for s in states if s.dispatchable), key=lambda s: s.instance_id)
+    score = scorer(policy, headroom, priority)
+    return pick(policy, [s.instance_id for s in eligible], [score(s) for s in eligible] if score else [], turn, start)
+
+
+def scorer(policy: str, headroom: float = 0.0, priority: int = 0):
+    """What ``dispatch`` ranks instances by for a request of ``priority``: a function of an InstanceState
+    (higher is freer), or None for the policies that do not look at load. A dispatcher that keeps scores
+    between dispatches (a proxy's view of hundreds of instances) recomputes only the instances that changed."""
     if policy not in DISPATCH_POLICIES:
         raise ValueError(f"unknown dispatch policy {policy!r} (known: {', '.join(DISPATCH_POLICIES)})")
-    eligible = sorted((s for s in states if s.dispatchable), key=lambda s: s.instance_id)
-    if not eligible:
+    if policy in ("rr", "flood"):
+        return None
+    if policy == "infaas++":
+        return real_freeness
+    h = 0.0 if priority > 0 else headroom
+    return lambda s: instance_freeness(s, h)
+
+
+def pick(policy: str, ids: list[str], scores: list[float], turn: int, start: float | None = None) -> str | None:
+    """``dispatch``'s choice among the eligible instances ``ids`` (in id order) with their ``scores`` (by
+    ``scorer``; ignored by rr and flood)."""
+    if not ids:
         return None
     if policy == "rr":
-        return eligible[turn % len(eligible)].instance_id
+        return ids[turn % len(ids)]
     if policy == "flood":
-        return eligible[0].instance_id
-    if priority > 0:
-        headroom = 0.0
-    score = (lambda s: instance_freeness(s, headroom)) if policy == "llumnix" else real_freeness
-    scored = [(score(s), s.instance_id) for s in eligible]
-    best = max(f for f, _ in scored)
+        return ids[0]
+    best = max(scores)
     tol = 1e-9 * max(1.0, abs(best))
+    floor = best - tol
     if start is not None:
-        first = int(start % 1.0 * len(scored) + 1e-9) % len(scored)  # (a start of k/n is k, not k - 1)
-        return next(iid for f, iid in scored[first:] + scored[:first] if best - f <= tol)
-    ties = [iid for f, iid in scored if best - f <= tol]
+        n = len(ids)
+        first = int(start % 1.0 * n + 1e-9) % n  # (a start of k/n is k, not k - 1)
+        for j in chain(range(first, n), range(first)):
+            if scores[j] >= floor:
+                return ids[j]
+    ties = [iid for iid, f in zip(ids, scores) if f >= floor]
     return ties[turn % len(ties)]
 
 

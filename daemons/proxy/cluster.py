@@ -23,7 +23,6 @@ import asyncio
 import itertools
 import logging
 import time
-from collections import deque
 
 import msgspec
 
@@ -31,6 +30,7 @@ import zmq
 import zmq.asyncio
 
 from daemons import metrics, policy, runtime, security, wire
+from daemons.proxy.view import DispatchView
 
 log = logging.getLogger("llumnix.proxy")
 
@@ -55,6 +55,9 @@ M_FENCED = metrics.counter("proxy", "llumnix_proxy_fenced_total", "Token outputs
                            "they came from a copy that is not the request's current owner")
 M_TIMEOUTS = metrics.counter("proxy", "llumnix_proxy_request_timeouts_total",
                              "Requests ended because they passed proxy.request_timeout_s")
+
+
+TIE_TURN_S = 60.0
 
 
 class NoInstance(Exception):
@@ -162,11 +165,7 @@ class ClusterClient:
         self._ids = itertools.count(1)
         self._turn = 0
         self.rank, self.proxies = 0, 1  # our place among the proxies the manager hears from (see tie_start)
-        # Our own dispatches per instance that its heartbeats do not show yet: (our Submit number to it, blocks,
-        # time). They count as its load, as the manager counts the dispatches it answers.
-        self.mine: dict[str, deque] = {}
-        self.sent: dict[str, int] = {}  # instance id -> Submits we sent it (its heartbeats' ``taken`` counts them)
-        self.taken: dict[str, int] = {}  # instance id -> ``taken`` of its last heartbeat
+        self.view = DispatchView(cfg.manager.pending_dispatch_ttl_s, cfg.scheduling.high_priority_headroom)
         self._tasks: list[asyncio.Task] = []
         self.essential: list[asyncio.Task] = []  # if one of these ends, the proxy exits (it would be deaf)
 
@@ -247,6 +246,7 @@ class ClusterClient:
             msg = wire.decode(await self.manager.recv())
             if isinstance(msg, wire.Snapshot):
                 self.snapshot, self.snapshot_at = msg.instances, time.monotonic()
+                self.view.invalidate()
                 self.rank, self.proxies = msg.proxy_rank, msg.proxies
                 M_PEERS.set(msg.proxies)
                 for v in msg.instances:
@@ -308,57 +308,37 @@ class ClusterClient:
                 self.addresses[reply.instance_id] = reply.request_address
                 return reply.instance_id, reply.request_address
         M_LOCAL.inc()
-        views = [v for v in self.alive() if v.instance_id not in stream.exclude]
-        chosen = self._choose_here(views, sub.priority)
+        chosen = self._choose_here(stream)
         if chosen is None:
             raise NoInstance("no live instance" if self.manager_ok() else
                              "no live instance (the manager is unreachable and the last snapshot has none)")
         self._tell_manager(wire.Dispatched(sub.request_id, chosen, len(sub.prompt_token_ids), sub.priority))
-        return chosen, next(v.request_address for v in views if v.instance_id == chosen)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("request %s -> %s (own view: %s)", sub.request_id, chosen, self.view.describe(chosen))
+        return chosen, self.addresses[chosen]
 
-    def _choose_here(self, views: list[wire.InstanceView], priority: int) -> str | None:
-        """The dispatch policy over our view: the instances' streamed loads plus our own dispatches they do not
-        show yet (the manager's snapshot adds flags, a new instance's credit and ordered migrations)."""
-        now = time.monotonic()
-        ttl = self.cfg.manager.pending_dispatch_ttl_s
-        states = []
-        for v in views:
-            mine = self.mine.get(v.instance_id)
-            while mine and now - mine[0][2] > ttl:
-                mine.popleft()
-            states.append(policy.state_of(
-                v.instance_id, v.load, pending_blocks=sum(b for _, b, _ in mine) if mine else 0,
-                pending_requests=len(mine) if mine else 0, credit=v.credit, migrations=v.migrations_ordered))
+    def _choose_here(self, stream: Stream) -> str | None:
+        """The dispatch policy over our view (daemons/proxy/view.py): the instances' streamed loads plus our
+        own dispatches they do not show yet; the manager's snapshot adds flags, a new instance's credit and
+        ordered migrations. A request that failed somewhere avoids those instances (rare: built afresh)."""
         self._turn += 1
+        priority = stream.submit.priority
+        if not stream.exclude:
+            return self.view.choose(self.alive, self.dispatch_policy, priority, self._turn, self.tie_start())
+        now = time.monotonic()
+        states = [self.view.state_of(v, v.load, now) for v in self.alive() if v.instance_id not in stream.exclude]
         return policy.dispatch(self.dispatch_policy, states, self._turn, self.cfg.scheduling.high_priority_headroom,
                                priority, start=self.tie_start())
 
     def tie_start(self) -> float:
-        """Where our ties start among the instances: the proxies' starts are evenly spaced by their ranks,
-        and all move on together once a second (wall clock), so that no instance is everyone's first tie."""
-        return (time.time() // 1.0 * 0.618034 + self.rank / max(self.proxies, 1)) % 1.0
+        """Where our ties start among the instances: the proxies' starts are evenly spaced by their ranks, and
+        all move on together every TIE_TURN_S (wall clock), so that over time no instance is always the first
+        tie; seldom enough that a burst almost never straddles a turn (its proxies would start anew)."""
+        return (time.time() // TIE_TURN_S * 0.618034 + self.rank / max(self.proxies, 1)) % 1.0
 
     def _tell_manager(self, msg: wire.Message) -> None:
         if not runtime.send_now(self.manager, wire.encode(msg)):
             log.debug("manager unreachable; it will not count a %s", type(msg).__name__)
-
-    def _count_sent(self, instance_id: str, load: wire.InstanceLoad | None, prompt_tokens: int) -> None:
-        """A Submit went to ``instance_id``: it counts as that instance's load until a heartbeat shows it."""
-        n = self.sent[instance_id] = self.sent.get(instance_id, 0) + 1
-        block_size = load.block_size if load is not None else 16
-        self.mine.setdefault(instance_id, deque()).append((n, policy.blocks_for(prompt_tokens + 1, block_size),
-                                                           time.monotonic()))
-
-    def _heard_load(self, beat: wire.Heartbeat) -> None:
-        """A heartbeat's load counts our Submits up to ``taken``: those stop counting as pending."""
-        iid = beat.instance_id
-        if beat.taken < self.taken.get(iid, 0):  # it restarted, and its count with it
-            self.sent[iid] = beat.taken
-            self.mine.pop(iid, None)
-        self.taken[iid] = beat.taken
-        mine = self.mine.get(iid)
-        while mine and mine[0][0] <= beat.taken:
-            mine.popleft()
 
     def _send_instance(self, address: str, msg: wire.Message) -> bool:
         sock = self.instances.get(address)
@@ -398,8 +378,8 @@ class ClusterClient:
         stream.early.clear()  # a gap's tokens came from the copy we left: the new one sends them again
         submit = msgspec.structs.replace(stream.submit, epoch=stream.epoch, output_token_ids=list(stream.token_ids))
         beat = self.beats.get(instance_id)
-        self._count_sent(instance_id, beat.load if beat is not None else None,
-                         len(submit.prompt_token_ids) + len(submit.output_token_ids))
+        self.view.sent_to(instance_id, beat.load if beat is not None else None,
+                          len(submit.prompt_token_ids) + len(submit.output_token_ids))
         if not self._send_instance(address, submit):
             self._instance_failed(stream, f"the request path to instance {instance_id} is full", cause="full")
 
@@ -529,8 +509,8 @@ class ClusterClient:
                             self._fence(stream, iid, out.epoch)
                 elif isinstance(msg, wire.Heartbeat):
                     self.heard[msg.instance_id] = time.monotonic()
+                    self.view.heard(msg, self.beats.get(msg.instance_id))
                     self.beats[msg.instance_id] = msg
-                    self._heard_load(msg)
                     self.addresses[msg.instance_id] = msg.request_address
                 elif isinstance(msg, wire.Moved):  # a migration committed: follow the request to its new owner
                     stream = streams.get(msg.request_id)
