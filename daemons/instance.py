@@ -106,7 +106,9 @@ class Instance:
         self.taken: dict[str, int] = {}  # by proxy token address: its Submits taken in at step boundaries
         self.list_queries: list[int] = []  # ListRequests answered at the next step boundary
         self.boundary_calls: list[tuple[Callable, asyncio.Future]] = []
-        self.stepping = False  # an engine step runs on the executor thread right now
+        self.stepping = False  # engine steps run on the executor thread right now
+        self.halt_steps = False  # the step loop was cancelled: the engine thread stops after its step
+        self.emit_failure: BaseException | None = None  # raised by the step loop, as if it had emitted itself
         self.steps = 0
         self.migrator: Migrator | None = None
         # A real engine's step takes milliseconds of compute: run it on a worker thread so sockets stay
@@ -298,8 +300,9 @@ class Instance:
         self.last_load = self.current_load()
         self.load_changed.set()
 
-    def current_load(self) -> wire.InstanceLoad:
-        load = self.engine.load()
+    def current_load(self, load: wire.InstanceLoad | None = None) -> wire.InstanceLoad:
+        """The engine's load (``load``: as the engine thread just read it) with the llumlet's own state."""
+        load = self.engine.load() if load is None else load
         m = self.migrator
         if m is not None and (m.busy or m.committed or m.aborted):
             load = msgspec.structs.replace(load, migrating_out=len(m.outgoing), migrating_in=len(m.incoming),
@@ -318,37 +321,96 @@ class Instance:
         return self.engine.step()
 
     async def step_loop(self) -> None:
-        loop_time = time.perf_counter
-        loop = asyncio.get_running_loop()
-        watchdog = self.watchdog
         while True:
             self.at_boundary()
             if not self.engine.has_work():
                 self.wake.clear()
                 await self.wake.wait()
                 continue
-            start = loop_time()
-            watchdog.step_started = time.monotonic()
-            if self.executor is not None:
-                self.stepping = True  # engine calls from coroutines wait for the boundary meanwhile
-                result = await loop.run_in_executor(self.executor, self._step)
-                self.stepping = False  # (left set if cancelled: the thread may still be stepping)
+            if self.executor is not None and not self.ic.min_step_s:
+                await self.run_steps()
             else:
-                result = self._step()
+                await self.step_once()
+
+    async def run_steps(self) -> None:
+        """Steps on the engine thread, back to back until the boundary has work (or there is none left):
+        its outputs reach the sockets from the event loop while the next step runs, instead of the engine
+        waiting a loop round trip, the emit and a boundary after every step."""
+        loop = asyncio.get_running_loop()
+        self.stepping = True  # engine calls from coroutines wait for the boundary meanwhile
+        try:
+            await loop.run_in_executor(self.executor, self._steps, loop)
+        except asyncio.CancelledError:
+            self.halt_steps = True  # (stepping stays set: the thread may still be in its step)
+            raise
+        self.stepping = False
+        if self.emit_failure is not None:
+            raise self.emit_failure
+
+    def _boundary_wanted(self) -> bool:
+        """(Engine thread) Whether the step loop must take the boundary before another step: requests,
+        aborts, engine calls or queries wait, or the loop is stopping. Reads only: the loop owns these."""
+        return bool(self.inbox or self.boundary_calls or self.list_queries or self.halt_steps
+                    or self.emit_failure is not None)
+
+    def _steps(self, loop: asyncio.AbstractEventLoop) -> None:
+        """(Engine thread) Step until the boundary is wanted. Each step's outputs and the load after it go to
+        the loop in step order (call_soon_threadsafe is FIFO, and the loop's wake-up for this call's end
+        comes after them): the boundary sees every output of the steps before it emitted."""
+        watchdog = self.watchdog
+        clock = time.perf_counter
+        while True:
+            start = clock()
+            watchdog.step_started = time.monotonic()
+            result = self._step()
             watchdog.step_started = 0.0
-            if self.executor is None and result.model_time_s > 0:
-                # A modelled step (the sim) computed its tokens at once; they exist when its model time is up.
-                ahead = result.model_time_s - (loop_time() - start)
-                if ahead > 0:
-                    self.stepping = True  # the step is not over: engine calls wait for its boundary
-                    await asyncio.sleep(ahead)
-                    self.stepping = False
-            self.emit(result.outputs)
-            self.phases.outputs(result.outputs, start, max(result.model_time_s, loop_time() - start))
-            remaining = max(result.model_time_s, self.ic.min_step_s) - (loop_time() - start)
-            # Always yield once per step so sockets are served even when steps take no model time.
-            await asyncio.sleep(remaining if remaining > 0 else 0)
-            M_STEP.observe(loop_time() - start)
+            step_s = clock() - start
+            loop.call_soon_threadsafe(self._stepped, result.outputs, start, step_s, self.engine.load())
+            if self._boundary_wanted() or not self.engine.has_work():
+                return
+
+    def _stepped(self, outputs: list[wire.TokenOut], start: float, step_s: float, load: wire.InstanceLoad) -> None:
+        """(Event loop) One step of ``run_steps`` ended: its tokens go out, its load is current."""
+        if self.halt_steps or self.emit_failure is not None:
+            return
+        try:
+            self.emit(outputs)
+            self.phases.outputs(outputs, start, step_s)
+            self.proxies.flush()
+            self.last_load = self.current_load(load)
+        except Exception as exc:  # a loop callback's exception would only be logged: the step loop raises it
+            self.emit_failure = exc
+            return
+        self.load_changed.set()
+        M_STEP.observe(step_s)
+
+    async def step_once(self) -> None:
+        """One step, then the boundary: the sim (its steps take model time on the loop's clock) and
+        ``instance.min_step_s`` (every step padded to it)."""
+        loop_time = time.perf_counter
+        watchdog = self.watchdog
+        start = loop_time()
+        watchdog.step_started = time.monotonic()
+        if self.executor is not None:
+            self.stepping = True  # engine calls from coroutines wait for the boundary meanwhile
+            result = await asyncio.get_running_loop().run_in_executor(self.executor, self._step)
+            self.stepping = False  # (left set if cancelled: the thread may still be stepping)
+        else:
+            result = self._step()
+        watchdog.step_started = 0.0
+        if self.executor is None and result.model_time_s > 0:
+            # A modelled step (the sim) computed its tokens at once; they exist when its model time is up.
+            ahead = result.model_time_s - (loop_time() - start)
+            if ahead > 0:
+                self.stepping = True  # the step is not over: engine calls wait for its boundary
+                await asyncio.sleep(ahead)
+                self.stepping = False
+        self.emit(result.outputs)
+        self.phases.outputs(result.outputs, start, max(result.model_time_s, loop_time() - start))
+        remaining = max(result.model_time_s, self.ic.min_step_s) - (loop_time() - start)
+        # Always yield once per step so sockets are served even when steps take no model time.
+        await asyncio.sleep(remaining if remaining > 0 else 0)
+        M_STEP.observe(loop_time() - start)
 
     # ------------------------------------------------------------------ manager
 

@@ -1,0 +1,183 @@
+"""The instance's step path with an engine whose steps block (as vLLM's do): steps run back to back on the
+engine thread, their tokens go out in order from the event loop, and everything that must happen between
+steps (requests, engine calls, cancellation) still does. In process, on the sim engine, in well under a
+second."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+
+import pytest
+
+from daemons import wire
+from daemons.config import Config
+from daemons.engine.sim import SimEngine
+from daemons.instance import Instance
+
+REPLY_TO = "tcp://127.0.0.1:9"  # never dialled: the tests catch what the instance sends
+
+
+class BlockingSim(SimEngine):
+    """The sim, stepped off the event loop like vLLM; records each step's batch and thread."""
+
+    blocking_step = True
+
+    def __init__(self, cfg: Config, step_s: float = 0.0):
+        super().__init__(cfg.sim, cfg.model)
+        self.step_s = step_s
+        self.batches: list[int] = []
+        self.threads: set[str] = set()
+        self.in_step = False
+
+    def step(self):
+        self.in_step = True
+        self.threads.add(threading.current_thread().name)
+        if self.step_s:
+            time.sleep(self.step_s)  # a step's compute, on the engine thread
+        self.batches.append(self.load().running + self.load().waiting)
+        result = super().step()
+        self.in_step = False
+        return result
+
+
+class Harness:
+    """An Instance that sends into a list. ``wait_tokens(n)`` waits until n tokens went out."""
+
+    def __init__(self, step_s: float = 0.0):
+        cfg = Config()
+        cfg.sim.time_scale = 0.0
+        cfg.sim.eos_rate = 0.0
+        self.switch = sys.getswitchinterval()
+        self.engine = BlockingSim(cfg, step_s)
+        self.inst = Instance(cfg, self.engine)
+        self.sent: list[wire.Message] = []
+        self.grew = asyncio.Event()
+        self.inst._send = self._catch
+        self.hand_offs = 0
+        steps = self.inst._steps
+
+        def counted(loop):
+            self.hand_offs += 1
+            return steps(loop)
+
+        self.inst._steps = counted
+
+    def _catch(self, address: str, msg: wire.Message) -> None:
+        self.sent.append(msg)
+        self.grew.set()
+
+    def tokens(self) -> list[wire.TokenOut]:
+        return [t for m in self.sent if isinstance(m, wire.TokenBatch) for t in m.outputs]
+
+    async def wait_tokens(self, n: int, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while len(self.tokens()) < n:
+            self.grew.clear()
+            await asyncio.wait_for(self.grew.wait(), deadline - time.monotonic())
+
+    def submit(self, rid: str, max_tokens: int) -> None:
+        self.inst.inbox.append(wire.Submit(rid, [1, 2, 3], wire.SamplingParams(max_tokens=max_tokens), REPLY_TO))
+        self.inst.wake.set()
+
+    def close(self) -> None:
+        self.inst.executor.shutdown(wait=True)
+        self.inst.ctx.destroy(linger=0)
+        sys.setswitchinterval(self.switch)
+
+
+@pytest.fixture
+def harness():
+    made: list[Harness] = []
+
+    def make(step_s: float = 0.0) -> Harness:
+        made.append(Harness(step_s))
+        return made[-1]
+
+    yield make
+    for h in made:
+        h.close()
+
+
+def by_request(tokens: list[wire.TokenOut]) -> dict[str, list[wire.TokenOut]]:
+    out: dict[str, list[wire.TokenOut]] = {}
+    for t in tokens:
+        out.setdefault(t.request_id, []).append(t)
+    return out
+
+
+def test_a_burst_steps_back_to_back_in_one_hand_off(harness):
+    h = harness()
+
+    async def go():
+        for i in range(4):  # a burst that landed while the engine was idle
+            h.submit(f"r{i}", 20)
+        loop = asyncio.create_task(h.inst.step_loop())
+        await h.wait_tokens(80)
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+
+    asyncio.run(go())
+    assert h.engine.batches == [4] * 20  # the first step has all four; no partial steps
+    assert h.hand_offs == 1  # the engine thread ran every step without waiting for the loop
+    assert h.engine.threads == {"engine_0"}
+    for rid, outs in by_request(h.tokens()).items():
+        assert [t.index for t in outs] == list(range(20)), rid
+        assert [t.finish_reason for t in outs] == [None] * 19 + ["length"]
+    assert len(h.inst.requests) == 0 and not h.inst.stepping
+
+
+def test_engine_calls_and_new_requests_wait_for_the_boundary(harness):
+    h = harness(step_s=0.002)
+
+    async def go():
+        h.submit("a", 60)
+        loop = asyncio.create_task(h.inst.step_loop())
+        await h.wait_tokens(3)
+        seen = await h.inst.boundary(lambda: (h.engine.in_step, len(h.engine.batches)))
+        h.submit("b", 5)  # arrives mid-run: taken in at the next boundary
+        await h.wait_tokens(65)
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+        return seen
+
+    in_step, steps_then = asyncio.run(go())
+    assert not in_step and 3 <= steps_then < 60  # between two steps, while the request still ran
+    outs = by_request(h.tokens())
+    assert [t.index for t in outs["a"]] == list(range(60))
+    assert [t.index for t in outs["b"]] == list(range(5))
+    assert h.hand_offs >= 2  # the engine thread came back for the call and for "b"
+
+
+def test_cancelling_the_loop_stops_the_engine_thread_after_its_step(harness):
+    h = harness(step_s=0.001)
+
+    async def go():
+        h.submit("long", 100000)
+        loop = asyncio.create_task(h.inst.step_loop())
+        await h.wait_tokens(5)
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+
+    asyncio.run(go())
+    h.inst.executor.shutdown(wait=True)  # what the instance's shutdown does: returns after the step in flight
+    assert len(h.engine.batches) < 1000
+
+
+def test_a_failed_emit_fails_the_step_loop(harness):
+    h = harness(step_s=0.002)
+
+    def broken(address, msg):
+        raise RuntimeError("token path broke")
+
+    h.inst._send = broken
+
+    async def go():
+        h.submit("a", 50)
+        await h.inst.step_loop()
+
+    with pytest.raises(RuntimeError, match="token path broke"):
+        asyncio.run(go())
+    assert len(h.engine.batches) < 10  # the engine thread stopped at its next boundary check, not at the end
