@@ -280,8 +280,9 @@ class Migrator:
                 else:
                     upto = view.computed_tokens // bs  # full blocks only: they never change again
                 ids = view.block_ids[len(sent):upto]
-                # Only the last stage sends a partial block, and no stage follows it that could see it grow.
-                tail = view.computed_tokens % bs if last else 0
+                # Only the last stage sends a partial block, and no stage follows it that could see it grow;
+                # only its written token slots, where the KV's bytes say which those are.
+                tail = view.computed_tokens % bs if last and getattr(kb, "token_slots", False) else 0
                 # Before the last stage the destination holds a few blocks more than written so far: the last
                 # stage, which the request spends suspended, then needs no new reservation there.
                 tokens = view.computed_tokens if last else min(view.computed_tokens + headroom, info.max_total or 1 << 30)

@@ -23,7 +23,9 @@ they have the same layout. Layers that share one tensor (cross-layer KV sharing)
 
 A request's last block is usually partly written: ``gather_tail``/``scatter_tail`` copy only its first t
 token slots of every layer (the token dimension is dim 2 of a block view, ``[B, H, N, C]`` or
-``[B, 2, N, heads, dim]``), layer-major; the slots past t on the destination keep what they held.
+``[B, 2, N, heads, dim]``), layer-major; the slots past t on the destination keep what they held. Only
+where the engine says dim 2 is its token slots (``token_slots``: the sim); a migration from vLLM, whose
+attention kernels read a block's bytes in their own order, sends the partial block whole.
 
 KV on a GPU (``Staging``): blocks are gathered on the device into a device buffer, copied to a pinned host
 buffer on a CUDA stream of the transfer's own (the model's stream keeps running), and sent from there; the
@@ -95,7 +97,12 @@ def _unique(caches: list[torch.Tensor]) -> list[torch.Tensor]:
 class KvBlocks:
     """Block copies between per-layer KV tensors (block index first) and one flat uint8 buffer."""
 
-    def __init__(self, caches: list[torch.Tensor], describe: str, layout: str = "", tp: int = 1):
+    def __init__(self, caches: list[torch.Tensor], describe: str, layout: str = "", tp: int = 1,
+                 token_slots: bool = False):
+        """``token_slots``: dim 2 of a block view indexes the token slots the engine writes, so a partial
+        block's first t tokens are ``[:, :t]`` (the sim). vLLM's attention kernels may keep a block's bytes
+        in their own order: off, and the last stage sends its partial block whole."""
+        self.token_slots = token_slots
         caches = _unique(list(caches))
         if not caches:
             raise ValueError("no KV tensors")

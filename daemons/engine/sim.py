@@ -327,7 +327,7 @@ class SimEngine:
 
     def kv_blocks(self) -> KvBlocks:
         if self._kv_blocks is None:
-            self._kv_blocks = KvBlocks(self.kv_caches, "sim")
+            self._kv_blocks = KvBlocks(self.kv_caches, "sim", token_slots=True)
         return self._kv_blocks
 
     def migration_view(self, request_id: str) -> MigrationView | None:
