@@ -1,0 +1,41 @@
+"""``llumnixctl bench engine``'s JSON and options, without running vLLM: the keys scripts read stay, the
+api_server's figures and ratios come beside them."""
+
+from __future__ import annotations
+
+from typer.testing import CliRunner
+
+from llumnixctl import bench_engine
+from llumnixctl.bench import app
+
+CLUSTER = {"up_s": 30.0, "rss": 800 * 2**20, "single": 150.0, "batched": 900.0, "cores": 0.9}
+OFFLINE = {"start_s": 8.0, "single": 100.0, "batched": 1000.0, "cores": 0.8}
+API = {"up_s": 60.0, "single": 120.0, "batched": 1200.0, "cores": 1.4}
+
+
+def test_the_old_keys_stay_and_the_api_server_comes_beside_them():
+    res = bench_engine.result_of(CLUSTER, OFFLINE, API, None, 256, 32, 256, 2)
+    for key in ("offline_engine_start_s", "cluster_up_s", "instance_rss_mib", "single_stream_tokens_per_s",
+                "batched_tokens_per_s", "batched_cores_used", "batch", "tokens", "batch_tokens", "model"):
+        assert key in res, key
+    s, b = res["single_stream_tokens_per_s"], res["batched_tokens_per_s"]
+    assert (s["cluster"], s["offline"], s["ratio"]) == (150.0, 100.0, 1.5)
+    assert (b["cluster"], b["offline"], b["ratio"]) == (900.0, 1000.0, 0.9)
+    assert (s["api_server"], s["ratio_api_server"]) == (120.0, 1.25)
+    assert (b["api_server"], b["ratio_api_server"]) == (1200.0, 0.75)
+    assert res["batched_cores_used"] == {"instance": 0.9, "offline": 0.8, "api_server": 1.4}
+    assert res["instance_rss_mib"] == 800 and res["api_server_up_s"] == 60.0 and res["model"] == "tiny (random)"
+
+
+def test_without_the_api_server_its_figures_are_null():
+    res = bench_engine.result_of(CLUSTER, OFFLINE, None, None, 256, 32, 256, 1)
+    assert res["batched_tokens_per_s"]["api_server"] is None
+    assert res["batched_tokens_per_s"]["ratio_api_server"] is None
+    assert res["api_server_up_s"] is None and res["batched_cores_used"]["api_server"] is None
+    bench_engine.print_table(res)  # renders with the blanks
+
+
+def test_the_command_keeps_its_options():
+    out = CliRunner().invoke(app, ["engine", "--help"], env={"COLUMNS": "200"}).output
+    for option in ("--model", "--tokens", "--batch", "--batch-tokens", "--json", "--api-server", "--repeat"):
+        assert option in out, option
