@@ -31,9 +31,12 @@ class BlockingSim(SimEngine):
         self.batches: list[int] = []
         self.threads: set[str] = set()
         self.in_step = False
+        self.watchdog = None  # the instance's: each step checks that the watchdog times it
+        self.timed: list[bool] = []
 
     def step(self):
         self.in_step = True
+        self.timed.append(self.watchdog.step_started > 0)
         self.threads.add(threading.current_thread().name)
         if self.step_s:
             time.sleep(self.step_s)  # a step's compute, on the engine thread
@@ -53,6 +56,7 @@ class Harness:
         self.switch = sys.getswitchinterval()
         self.engine = BlockingSim(cfg, step_s)
         self.inst = Instance(cfg, self.engine)
+        self.engine.watchdog = self.inst.watchdog
         self.sent: list[wire.Message] = []
         self.grew = asyncio.Event()
         self.inst._send = self._catch
@@ -149,6 +153,7 @@ def test_engine_calls_and_new_requests_wait_for_the_boundary(harness):
     assert [t.index for t in outs["a"]] == list(range(60))
     assert [t.index for t in outs["b"]] == list(range(5))
     assert h.hand_offs >= 2  # the engine thread came back for the call and for "b"
+    assert all(h.engine.timed) and h.inst.watchdog.step_started == 0.0  # every step was timed, none is now
 
 
 def test_cancelling_the_loop_stops_the_engine_thread_after_its_step(harness):
