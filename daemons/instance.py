@@ -452,6 +452,7 @@ class Instance:
         self.draining = (msg.reason or "operator") if msg.draining else ""
         self.cordoned = msg.cordoned
         self.elsewhere = msg.elsewhere
+        self.load_changed.set()  # proxies dispatching from their own views hear of it with the next report
         if self.draining and not was:
             log.info("draining (%s): running requests migrate out; queued ones go back to their proxies%s",
                      self.draining, "" if msg.elsewhere else " once another instance takes requests")

@@ -155,6 +155,7 @@ class ClusterClient:
         # Our own view of the instances, from their heartbeats: it outlives the manager.
         self.heard: dict[str, float] = {}  # instance id -> monotonic time of its last heartbeat or tokens
         self.beats: dict[str, wire.Heartbeat] = {}  # instance id -> its last heartbeat
+        self.beat_at: dict[str, float] = {}  # instance id -> monotonic time of its last heartbeat
         self.addresses: dict[str, str] = {}  # instance id -> request address
         self._orphans: dict[str, None] = {}  # request ids we asked instances to abort (insertion-ordered)
         self.dispatch_policy = "llumnix"  # the manager's, from its snapshots: our fallback dispatches the same way
@@ -203,9 +204,13 @@ class ClusterClient:
         unhealthy, with the load of their latest heartbeat when it is newer."""
         out = []
         for v in self.snapshot:
-            if v.state != "alive" or v.draining or v.cordoned or self._dead(v.instance_id):
-                continue
             beat = self.beats.get(v.instance_id)
+            # A drain or cordon (or their end) reaches the instance first: its heartbeat, if newer than the
+            # snapshot, says whether it takes requests.
+            flagged = (v.draining or v.cordoned) and not (beat is not None and self.beat_at.get(v.instance_id, 0.0)
+                                                          > self.snapshot_at and beat.accepting)
+            if v.state != "alive" or flagged or self._dead(v.instance_id):
+                continue
             if beat is not None and beat.load is not None:
                 if not beat.healthy or not beat.accepting:
                     continue
@@ -294,10 +299,25 @@ class ClusterClient:
 
     async def _choose(self, stream: Stream) -> tuple[str, str]:
         """Where the request goes: by default from our own view (the manager hears of it afterwards);
-        with proxy.dispatch = manager, or before we have any view, the manager's answer."""
+        with proxy.dispatch = manager, before we have any view, or when our view has no instance for it (one
+        that just joined may not be in it yet), the manager's answer."""
         sub = stream.submit
-        ask = not self.snapshot if self.pc.dispatch == "local" else (self.manager_ok() or not self.snapshot)
-        if ask:
+        if self.pc.dispatch == "local" and self.snapshot:
+            chosen = self._choose_here(stream)
+            if chosen is not None:
+                return self._chose(sub, chosen)
+        return await self._ask_or_choose(stream)
+
+    def _chose(self, sub: wire.Submit, chosen: str) -> tuple[str, str]:
+        M_LOCAL.inc()
+        self._tell_manager(wire.Dispatched(sub.request_id, chosen, len(sub.prompt_token_ids), sub.priority))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("request %s -> %s (own view: %s)", sub.request_id, chosen, self.view.describe(chosen))
+        return chosen, self.addresses[chosen]
+
+    async def _ask_or_choose(self, stream: Stream) -> tuple[str, str]:
+        sub = stream.submit
+        if self.manager_ok() or not self.snapshot:
             q = wire.Dispatch(next(self._ids), sub.request_id, len(sub.prompt_token_ids), sub.priority, stream.exclude)
             reply = await self._ask(q, self.pc.dispatch_timeout_s)
             if reply is not None:
@@ -307,15 +327,11 @@ class ClusterClient:
                 M_ASKED.inc()
                 self.addresses[reply.instance_id] = reply.request_address
                 return reply.instance_id, reply.request_address
-        M_LOCAL.inc()
         chosen = self._choose_here(stream)
         if chosen is None:
             raise NoInstance("no live instance" if self.manager_ok() else
                              "no live instance (the manager is unreachable and the last snapshot has none)")
-        self._tell_manager(wire.Dispatched(sub.request_id, chosen, len(sub.prompt_token_ids), sub.priority))
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("request %s -> %s (own view: %s)", sub.request_id, chosen, self.view.describe(chosen))
-        return chosen, self.addresses[chosen]
+        return self._chose(sub, chosen)
 
     def _choose_here(self, stream: Stream) -> str | None:
         """The dispatch policy over our view (daemons/proxy/view.py): the instances' streamed loads plus our
@@ -508,7 +524,7 @@ class ClusterClient:
                             M_FENCED.inc()
                             self._fence(stream, iid, out.epoch)
                 elif isinstance(msg, wire.Heartbeat):
-                    self.heard[msg.instance_id] = time.monotonic()
+                    self.heard[msg.instance_id] = self.beat_at[msg.instance_id] = time.monotonic()
                     self.view.heard(msg, self.beats.get(msg.instance_id))
                     self.beats[msg.instance_id] = msg
                     self.addresses[msg.instance_id] = msg.request_address
