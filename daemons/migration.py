@@ -302,7 +302,12 @@ class Migrator:
                     raise Aborted("the destination's socket is not accepting messages")
                 last_sent = last
                 if await_ready:
-                    await self._reply(out, wire.MigReady, stage, "the reservation" if stage == 0 else f"stage {stage}")
+                    ready = await self._reply(out, wire.MigReady, stage, "the reservation" if stage == 0 else f"stage {stage}")
+                    if stage == 0 and 0 < ready.cached_blocks <= len(ids):
+                        # The destination's prefix cache holds the request's first blocks: they stay out of the copy.
+                        result.cached_blocks = ready.cached_blocks
+                        sent += ids[:ready.cached_blocks]
+                        ids = ids[ready.cached_blocks:]
                 t_ready = time.perf_counter()
                 # The cap spares the engine during pre-copy; the last stage is downtime: never paced.
                 cap = 0.0 if last else limit
@@ -483,12 +488,15 @@ class Migrator:
                     raise Aborted(f"stage {msg.stage} sends blocks past the reservation")
                 if not 0 <= msg.tail_tokens < self.engine.block_size or (msg.tail_tokens and not msg.n_blocks):
                     raise Aborted(f"stage {msg.stage} sends a partial block of {msg.tail_tokens} tokens")
-                if msg.n_blocks:
-                    target = ids[msg.first_block:msg.first_block + msg.n_blocks]
+                # Stage 0: the blocks of the request's prompt that the destination's prefix cache held at the
+                # reservation are in place already; the source leaves them out (MigReady.cached_blocks).
+                cached = min(self.engine.cached_blocks(inc.request_id), msg.n_blocks) if msg.stage == 0 else 0
+                if msg.n_blocks > cached:
+                    target = ids[msg.first_block + cached:msg.first_block + msg.n_blocks]
                     receive = inc.pair.recv(self.engine.kv_blocks(), target, msg.chunk_blocks, msg.tail_tokens)
                     inc.receiving = asyncio.wrap_future(receive)
                 if msg.await_ready:
-                    self._answer(inc.identity, wire.MigReady(msg.mig_id, msg.stage))
+                    self._answer(inc.identity, wire.MigReady(msg.mig_id, msg.stage, cached_blocks=cached))
                 if inc.receiving is not None:
                     try:
                         got = await inc.receiving

@@ -389,6 +389,7 @@ class MigrationOutcome(msgspec.Struct, array_like=True, omit_defaults=True):
     downtime_ms: float = 0.0  # suspend on the source to commit acknowledged (0 if it never suspended)
     total_ms: float = 0.0
     resumed_at: int = -1  # output index of the first token the destination produced (-1: not committed)
+    cached_blocks: int = 0  # blocks not sent: the destination held them already (prefix cache)
 
 
 class MigrateQuery(msgspec.Struct, **_tagged(60)):
@@ -463,6 +464,8 @@ class MigReady(msgspec.Struct, **_tagged(65)):
     stage: int
     ok: bool = True
     reason: str = ""
+    # (stage 0) leading blocks of the request the destination holds already (its prefix cache): not sent
+    cached_blocks: int = 0
 
 
 class MigDone(msgspec.Struct, **_tagged(66)):

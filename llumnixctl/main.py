@@ -261,7 +261,7 @@ def _size(n: int) -> str:
 def outcome_json(o: wire.MigrationOutcome) -> dict:
     return {"outcome": o.outcome, "reason": o.reason, "stages": o.stages, "blocks": o.blocks, "bytes": o.bytes,
             "downtime_ms": round(o.downtime_ms, 3), "total_ms": round(o.total_ms, 3), "request_id": o.request_id,
-            "from": o.src, "to": o.dst, "resumed_at": o.resumed_at}
+            "from": o.src, "to": o.dst, "resumed_at": o.resumed_at, "cached_blocks": o.cached_blocks}
 
 
 @app.command()
@@ -291,8 +291,9 @@ def migrate(
     else:
         for o in outcomes:
             if o["outcome"] == "committed":
-                out.print(f"{o['request_id']}: {o['from']} -> {o['to']} committed: {o['stages']} stages, {o['blocks']} blocks, "
-                          f"{_size(o['bytes'])}, downtime {o['downtime_ms']:.2f} ms, total {o['total_ms']:.1f} ms")
+                cached = f" ({o['cached_blocks']} already there)" if o["cached_blocks"] else ""
+                out.print(f"{o['request_id']}: {o['from']} -> {o['to']} committed: {o['stages']} stages, {o['blocks']} blocks"
+                          f"{cached}, {_size(o['bytes'])}, downtime {o['downtime_ms']:.2f} ms, total {o['total_ms']:.1f} ms")
             else:
                 out.print(f"{o['request_id']}: {o['from']} -> {o['to']} aborted: {o['reason']}")
     if not outcomes or any(o["outcome"] != "committed" for o in outcomes):

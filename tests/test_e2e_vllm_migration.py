@@ -43,7 +43,9 @@ def _up(model_dir, run_dir, extra: list[str] = ()) -> Cluster:
 
 @pytest.fixture(scope="module")
 def vcluster(model_dir, tmp_path_factory):
-    c = _up(model_dir, tmp_path_factory.mktemp("vmig"))
+    # Prefix caching on: a request that comes back, or shares a prompt prefix with one the destination
+    # served, finds those blocks there; every migration below must still stream exactly what it would unmoved.
+    c = _up(model_dir, tmp_path_factory.mktemp("vmig"), ["vllm.enable_prefix_caching=true"])
     try:
         yield c
     finally:
@@ -135,6 +137,34 @@ def test_migrated_stream_equals_unmigrated(vcluster, kind, plan):
     assert s.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
     assert s.text == ref.text and s.finish == "length"
     assert s.usage["completion_tokens"] == 40  # max_tokens counted across the moves
+    settle(vcluster)
+
+
+def test_blocks_the_destination_has_cached_stay_out_of_the_copy(vcluster):
+    """A shared system prompt (six full blocks) that the destination has served: its blocks are not sent, the
+    reservation takes them from the destination's cache, and the output is what it is unmigrated."""
+    shared = [(7 * k) % 500 + 600 for k in range(6 * 32)]
+    warm = Stream(vcluster.url, {"prompt": shared + [3, 4], "max_tokens": 30, "temperature": 0, "ignore_eos": True})
+    warm.wait_tokens(2)
+    src = where(vcluster, warm.rid)
+    dst = _other(src)
+    first = move(vcluster, warm.rid, dst)
+    assert first["outcome"] == "committed" and first["cached_blocks"] == 0, first  # dst now holds the prefix
+    block_bytes = first["bytes"] // first["blocks"]
+    warm.result()
+    body = {"prompt": shared + list(range(50, 90)), "max_tokens": 40, **KINDS["greedy"]}
+    ref = Stream(vcluster.url, body).result()
+    s = Stream(vcluster.url, body)
+    s.wait_tokens(2)
+    assert where(vcluster, s.rid) == src  # flood: every new request starts on the same instance
+    out = move(vcluster, s.rid, dst)
+    assert out["outcome"] == "committed", (out, vcluster.logs())
+    assert out["cached_blocks"] == 6, out
+    # Everything else moved, whole blocks on vLLM: the request's blocks past the shared prefix, none of the six.
+    assert out["blocks"] > 6 and out["bytes"] == (out["blocks"] - 6) * block_bytes, (out, block_bytes)
+    s.result()
+    assert s.ids == ref.ids and s.text == ref.text
+    assert s.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
     settle(vcluster)
 
 

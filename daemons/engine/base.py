@@ -138,6 +138,10 @@ class Engine(Protocol):
         """Hold blocks for ``tokens`` tokens of an incoming request (first call) or grow that hold; returns
         all its block ids. Raises EngineError if there is no room or the request is invalid here."""
 
+    def cached_blocks(self, request_id: str) -> int:
+        """Of a reservation, the leading blocks that hold the request's KV already (its prompt's prefix
+        found in this engine's prefix cache at the first ``reserve``): the source need not send them."""
+
     def commit(self, request_id: str, state: RequestState) -> None:
         """Insert the reserved request as running with its KV written: it continues at its next token."""
 

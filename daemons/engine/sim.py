@@ -376,6 +376,9 @@ class SimEngine:
         self._reserved[rid] = req
         return list(req.blocks)
 
+    def cached_blocks(self, request_id: str) -> int:
+        return 0  # no prefix cache
+
     def commit(self, request_id: str, state: RequestState) -> None:
         req = self._reserved[request_id]
         generated = len(state.output_token_ids)

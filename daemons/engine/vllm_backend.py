@@ -69,6 +69,7 @@ class VllmEngine:
         self._live: dict[str, _Live] = {}
         self._suspended: set[str] = set()
         self._reserved: dict[str, _Live] = {}
+        self._cached: dict[str, int] = {}  # reservation -> its leading blocks found in the prefix cache
         self._kv_blocks: KvBlocks | KvShards | None = None
         self._finished_preemptions = 0
         self._received = 0
@@ -263,14 +264,21 @@ class VllmEngine:
             live = _Live(rid, req, request.sampling)
         if tokens > self.max_model_len:
             raise EngineError(f"{tokens} tokens exceed this instance's context limit {self.max_model_len}")
-        blocks = self._v.allocate(live.req, tokens)
+        if rid not in self._reserved:  # the first hold takes what the prefix cache has of the prompt
+            blocks, self._cached[rid] = self._v.allocate_first(live.req, tokens) or (None, 0)
+        else:
+            blocks = self._v.allocate(live.req, tokens)
         if blocks is None:
             if rid not in self._reserved:
                 self._v.free(live.req)
+                self._cached.pop(rid, None)
             raise EngineError(f"no room: {-(-tokens // self.block_size)} blocks wanted, "
                               f"{self._v.blocks_free()} free")
         self._reserved[rid] = live
         return list(blocks)
+
+    def cached_blocks(self, request_id: str) -> int:
+        return self._cached.get(request_id, 0)
 
     def commit(self, request_id: str, state: RequestState) -> None:
         live = self._reserved[request_id]
@@ -278,12 +286,14 @@ class VllmEngine:
         if -(-tokens // self.block_size) > len(self._v.block_ids(request_id)):
             raise EngineError(f"the reservation cannot hold {tokens} tokens")
         del self._reserved[request_id]
+        self._cached.pop(request_id, None)
         self._v.commit(live.req, list(state.output_token_ids), state.engine_state)
         live.emitted = state.emitted
         self._live[request_id] = live
 
     def release(self, request_id: str) -> bool:
         live = self._reserved.pop(request_id, None)
+        self._cached.pop(request_id, None)
         if live is None:
             return False
         self._v.free(live.req)

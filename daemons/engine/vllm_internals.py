@@ -336,12 +336,33 @@ class _Vllm:
         req, _wave = self.core.preprocess_add_request(ecr)
         return req
 
+    def allocate_first(self, req, tokens: int) -> tuple[list[int], int] | None:
+        """The first hold of an incoming request: with prefix caching, the blocks of its prompt's longest
+        cached prefix are taken from the cache (shared, counted once: only the rest is new), and how many
+        leading blocks that is comes back with the block ids."""
+        if not self.config.cache_config.enable_prefix_caching:
+            blocks = self.allocate(req, tokens)
+            return None if blocks is None else (blocks, 0)
+        computed, hit, _ = self.kv.get_computed_blocks(req)
+        if not hit:
+            blocks = self.allocate(req, tokens)
+            return None if blocks is None else (blocks, 0)
+        if self._allocate(req, tokens - hit, hit, computed) is None:
+            return None
+        return self.block_ids(req.request_id), hit // self.block_size
+
     def allocate(self, req, tokens: int) -> list[int] | None:
         """Grow ``req``'s blocks to cover ``tokens`` tokens (num_computed_tokens stays 0 until commit)."""
         have = len(self.kv.get_block_ids(req.request_id)[0]) if req.request_id in self._held else 0
         if -(-tokens // self.block_size) <= have:
             return self.block_ids(req.request_id)
-        blocks = self.kv.allocate_slots(req, tokens, delay_cache_blocks=True)
+        if self._allocate(req, tokens) is None:
+            return None
+        return self.block_ids(req.request_id)
+
+    def _allocate(self, req, new_tokens: int, hit: int = 0, computed=None):
+        blocks = self.kv.allocate_slots(req, new_tokens, num_new_computed_tokens=hit, new_computed_blocks=computed,
+                                        delay_cache_blocks=True)
         if blocks is None:
             return None
         self._held.add(req.request_id)
@@ -350,7 +371,7 @@ class _Vllm:
             pending = getattr(manager, "new_block_ids", None)
             if pending:  # the runner would zero these at the next step, perhaps after we wrote them
                 manager.new_block_ids = [b for b in pending if b not in new]
-        return self.block_ids(req.request_id)
+        return blocks
 
     def free(self, req) -> None:
         self._held.discard(req.request_id)
