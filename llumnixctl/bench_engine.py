@@ -161,9 +161,9 @@ def _tree(proc: subprocess.Popen) -> list[psutil.Process]:
         return []
 
 
-def stop_api_server(proc: subprocess.Popen) -> None:
-    """By pid: the server, then its children if they outlived it."""
-    children = _tree(proc)[1:]
+def stop_api_server(proc: subprocess.Popen, children: list[psutil.Process] | None = None) -> None:
+    """By pid: the server, then its children (``children``: as noted while it ran) if they outlived it."""
+    children = _tree(proc)[1:] or (children or [])
     proc.terminate()
     try:
         proc.wait(20)

@@ -171,17 +171,11 @@ class VllmServer:
                 pass
 
     def stop(self) -> None:
-        """By pid: the server, then its engine core if it outlived it."""
+        """By pid: the server, then its engine core if it outlived it (as bench engine stops its own)."""
+        from llumnixctl.bench_engine import stop_api_server
+
         self._note_children()
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
-        _, alive = psutil.wait_procs(self.children, timeout=10)
-        for p in alive:
-            p.kill()
+        stop_api_server(self.proc, self.children)
 
 
 @pytest.fixture(scope="module")
