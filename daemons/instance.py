@@ -43,6 +43,7 @@ from daemons.watchdog import Faults, Watchdog
 
 log = logging.getLogger("llumnix.instance")
 
+PREFIX_QUERY_TOKENS = 1 << 16  # at most this many prompt tokens go in one prefix query to a destination
 M_REQUESTS = metrics.counter("instance", "llumnix_instance_requests_total", "Requests received from proxies")
 M_FINISHED = metrics.counter("instance", "llumnix_instance_requests_finished_total",
                              "Requests finished here, by finished_reason (stop, length, abort)", ["finished_reason"],
@@ -73,16 +74,17 @@ M_HEALTHY = metrics.gauge("instance", "llumnix_instance_healthy",
 
 
 def migrants_for(msg: wire.MigrateStart, requests: list[wire.RequestLoad], keep: set[str], load: wire.InstanceLoad,
-                 block_size: int) -> list[policy.Choice]:
+                 block_size: int, cached: dict[str, int] | None = None) -> list[policy.Choice]:
     """What a source sends for an order: the order's selection policy over the engine's requests (an
-    operator's ``--from --count``: lower priority, then shorter, with no balance check). Also run by the
+    operator's ``--from --count``: lower priority, then fewer blocks to move, with no balance check).
+    ``cached``: the leading blocks of each request that the destination holds already. Also run by the
     virtual-time simulator (llumnixctl/simulate.py)."""
     operator = not msg.reason
     return policy.select_migrants(
         msg.selection or "llumnix", requests, msg.count, src_usage=policy.INF if operator else msg.src_usage,
         src_blocks=load.blocks_total, dst_usage=msg.dst_usage, dst_blocks=msg.dst_blocks or load.blocks_total,
         headroom=msg.headroom, block_size=block_size, drain=msg.drain or operator, exclude=keep,
-        dst_free=policy.INF if msg.dst_free_blocks < 0 else msg.dst_free_blocks)
+        dst_free=policy.INF if msg.dst_free_blocks < 0 else msg.dst_free_blocks, cached=cached)
 
 
 class Instance:
@@ -240,7 +242,7 @@ class Instance:
         async for batch in runtime.receive(self.router, multipart=True):
             for frames in batch:
                 msg = wire.decode(frames[-1]) if len(frames) == 2 else None
-                if isinstance(msg, (wire.MigStage, wire.MigAbort)):
+                if isinstance(msg, (wire.MigStage, wire.MigAbort, wire.PrefixQuery)):
                     self.migrator.on_peer_message(frames[0], msg)
                     continue
                 if isinstance(msg, wire.ProxyAlive):
@@ -483,7 +485,11 @@ class Instance:
 
     async def migrate_command(self, msg: wire.MigrateStart) -> None:
         """The manager's (or an operator's) order: migrate these requests, or ``count`` of our choice."""
-        rids = list(msg.request_ids) or await self.boundary(lambda: self.choose_migrants(msg))
+        if msg.request_ids:
+            rids = list(msg.request_ids)
+        else:
+            cached = await self.cached_at_destination(msg) if self.engine.prefix_caching else None
+            rids = await self.boundary(lambda: self.choose_migrants(msg, cached))
         slots = asyncio.Semaphore(self.cfg.migration.max_in_flight)
 
         async def one(rid: str) -> wire.MigrationOutcome:
@@ -493,15 +499,47 @@ class Instance:
         outcomes = await asyncio.gather(*(one(r) for r in rids))
         self._tell_manager(wire.MigrateResult(msg.query_id, self.instance_id, list(outcomes)))
 
-    def choose_migrants(self, msg: wire.MigrateStart) -> list[str]:
-        """The requests to send, by the order's selection policy (an operator's ``--from --count``: lower
-        priority, then shorter, with no balance check). Queued ones chosen are re-dispatched right here;
-        the running ones are returned for migration."""
-        requests = self.engine.requests()
+    async def cached_at_destination(self, msg: wire.MigrateStart) -> dict[str, int]:
+        """With prefix caching: of the requests that could go, the leading blocks the destination holds
+        already (asked of it, wire.PrefixQuery): blocks a move would not send, which selection weighs."""
+
+        def prompts() -> dict[str, list[int]]:
+            out: dict[str, list[int]] = {}
+            budget = PREFIX_QUERY_TOKENS
+            requests = self.engine.requests()
+            keep = self._keep(msg, requests)
+            bs = self.engine.block_size
+            for r in requests:
+                if r.state != "running" or r.request_id in keep or r.prompt_tokens <= bs:
+                    continue
+                whole = r.prompt_tokens // bs * bs
+                if whole > budget:
+                    continue
+                # one token past the whole blocks, as the destination's first hold sees the prompt (a cache
+                # hit never covers a prompt's last token)
+                out[r.request_id] = list(self.engine.migrating_request(r.request_id).prompt_token_ids[:whole + 1])
+                budget -= whole
+            return out
+
+        asked = await self.boundary(prompts)
+        if not asked:
+            return {}
+        hits = await self.migrator.prefix_hits(msg.dst_address, list(asked.values()))
+        return {rid: n for rid, n in zip(asked, hits) if n}
+
+    def _keep(self, msg: wire.MigrateStart, requests: list[wire.RequestLoad]) -> set[str]:
+        """Requests that must stay for this order: already migrating, not ours, or (balancing) just arrived."""
         keep = self.requests.migrating() | {r.request_id for r in requests if r.request_id not in self.requests}
         if msg.reason and not msg.drain:  # balancing: a request that just arrived by migration stays a while
             keep |= self.requests.arrived_since(time.monotonic() - msg.cooldown_s)
-        chosen = migrants_for(msg, requests, keep, self.last_load, self.engine.block_size)
+        return keep
+
+    def choose_migrants(self, msg: wire.MigrateStart, cached: dict[str, int] | None = None) -> list[str]:
+        """The requests to send, by the order's selection policy (an operator's ``--from --count``: lower
+        priority, then fewer blocks to move, with no balance check). Queued ones chosen are re-dispatched
+        right here; the running ones are returned for migration."""
+        requests = self.engine.requests()
+        chosen = migrants_for(msg, requests, self._keep(msg, requests), self.last_load, self.engine.block_size, cached)
         queued = {c.request_id for c in chosen if c.redispatch}
         if queued:
             self.redispatch_queued(queued)

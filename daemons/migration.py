@@ -108,6 +108,7 @@ class _Out:
     replies: asyncio.Queue = field(default_factory=asyncio.Queue)  # MigReady / MigDone / _GONE from the destination
 
 
+PREFIX_QUERY_TIMEOUT_S = 1.0  # a destination that does not answer is taken to hold nothing
 _GONE = object()  # put in a migration's replies when the connection to its destination drops
 
 
@@ -149,6 +150,8 @@ class Migrator:
         self._dst_locks: dict[str, asyncio.Lock] = {}
         self.committed = 0
         self.aborted = 0
+        self._prefix_queries = 0
+        self._prefix_waits: dict[int, asyncio.Future] = {}
         self._tasks: set[asyncio.Task] = set()
 
     @property
@@ -193,6 +196,10 @@ class Migrator:
                 out = self.outgoing.get(msg.mig_id)
                 if out is not None:
                     out.replies.put_nowait(msg)
+            elif isinstance(msg, wire.PrefixHits):
+                waiting = self._prefix_waits.get(msg.query_id)
+                if waiting is not None and not waiting.done():
+                    waiting.set_result(msg.blocks)
             else:
                 log.warning("dropped an unexpected message from a migration peer")
 
@@ -440,6 +447,39 @@ class Migrator:
                 inc.aborted = True  # a commit waiting for its step boundary will not happen
                 log.info("migration of %s from %s aborted by the source: %s", inc.request_id, inc.src, msg.reason)
                 self.spawn(self._end_in(inc))
+        elif isinstance(msg, wire.PrefixQuery):
+            self.spawn(self._answer_prefix(identity, msg))
+
+    # ---------------------------------------------------------------- what a move would not need to send
+
+    async def prefix_hits(self, dst_address: str, prompts: list[list[int]]) -> list[int]:
+        """Of each prompt, the leading full blocks the destination's prefix cache holds: blocks a migration
+        there would not send. Zeros where the destination does not answer within PREFIX_QUERY_TIMEOUT_S."""
+        self._prefix_queries += 1
+        qid = self._prefix_queries
+        waiting = self._prefix_waits[qid] = asyncio.get_running_loop().create_future()
+        try:
+            runtime.send_now(self._peer(dst_address), wire.encode(wire.PrefixQuery(qid, prompts)))
+            blocks = await asyncio.wait_for(waiting, PREFIX_QUERY_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            log.info("%s did not say within %gs what of %d prompt(s) it holds; choosing as if nothing",
+                     dst_address, PREFIX_QUERY_TIMEOUT_S, len(prompts))
+            return [0] * len(prompts)
+        finally:
+            self._prefix_waits.pop(qid, None)
+        if len(blocks) != len(prompts):
+            log.warning("%s answered a prefix query about %d prompts with %d counts; ignored",
+                        dst_address, len(prompts), len(blocks))
+            return [0] * len(prompts)
+        return [max(0, int(b)) for b in blocks]
+
+    async def _answer_prefix(self, identity: bytes, msg: wire.PrefixQuery) -> None:
+        try:
+            blocks = await self.boundary(lambda: self.engine.prefix_hits(msg.prompts))
+        except EngineError as exc:  # a prompt this engine cannot hash (out of its vocabulary)
+            log.info("prefix query: %s", exc)
+            blocks = [0] * len(msg.prompts)
+        self._answer(identity, wire.PrefixHits(msg.query_id, blocks))
 
     def receiving(self, request_id: str) -> bool:
         return any(inc.request_id == request_id and not inc.ended for inc in self.incoming.values())

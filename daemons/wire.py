@@ -482,6 +482,19 @@ class MigAbort(msgspec.Struct, **_tagged(67)):
     reason: str = ""
 
 
+class PrefixQuery(msgspec.Struct, **_tagged(68)):
+    """source -> destination, before a source chooses what to send: of each prompt, how many leading full
+    blocks does your prefix cache hold? (Those would not move: see MigReady.cached_blocks.)"""
+
+    query_id: int
+    prompts: list[list[int]]
+
+
+class PrefixHits(msgspec.Struct, **_tagged(69)):
+    query_id: int
+    blocks: list[int]  # one per prompt of the query, in its order
+
+
 # ---------------------------------------------------------------- operations (llumnixctl) <-> manager
 
 
@@ -581,6 +594,8 @@ Message = (
     | MigReady
     | MigDone
     | MigAbort
+    | PrefixQuery
+    | PrefixHits
     | DrainQuery
     | DrainReply
     | RemoveQuery

@@ -166,6 +166,19 @@ def test_blocks_the_destination_has_cached_stay_out_of_the_copy(vcluster):
     assert s.ids == ref.ids and s.text == ref.text
     assert s.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
     settle(vcluster)
+    # Choosing what goes weighs what would move: of two requests on the source, the one with more blocks
+    # (8, six of them the prefix the destination holds) moves 2, the other (3 blocks, nothing shared) 3.
+    body = {"max_tokens": 200, **KINDS["greedy"]}
+    shared_one = Stream(vcluster.url, {**body, "prompt": shared + list(range(300, 340))})
+    shared_one.wait_tokens(1)
+    plain = Stream(vcluster.url, {**body, "prompt": PROMPT})
+    plain.wait_tokens(2)
+    assert where(vcluster, shared_one.rid) == where(vcluster, plain.rid) == src
+    res, outs = migrate(vcluster, "--from", src, "--to", dst, "--count", "1")
+    assert res.returncode == 0, res.stderr
+    assert [(o["request_id"], o["outcome"], o["cached_blocks"]) for o in outs] == [(shared_one.rid, "committed", 6)]
+    assert len(shared_one.result().ids) == len(plain.result().ids) == 200
+    settle(vcluster)
 
 
 def test_stop_string_straddling_the_migration_point(vcluster):
@@ -194,16 +207,17 @@ def test_stop_string_straddling_the_migration_point(vcluster):
 
 
 def test_migrate_count_and_cli_outcome(vcluster):
-    streams = [Stream(vcluster.url, {"prompt": PROMPT[:20 + 30 * i], "max_tokens": 100, "temperature": 0,
+    # Long enough that all three still run when the CLI's order arrives (it starts slowly on a busy machine).
+    streams = [Stream(vcluster.url, {"prompt": PROMPT[:20 + 30 * i], "max_tokens": 250, "temperature": 0,
                                      "ignore_eos": True}) for i in range(3)]
     for s in streams:
         s.wait_tokens(2)
     src = where(vcluster, streams[0].rid)
     res, out = migrate(vcluster, "--from", src, "--to", _other(src), "--count", "3")
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 0, res.stdout
     assert [o["outcome"] for o in out] == ["committed"] * 3
     for s in streams:
-        assert len(s.result().ids) == 100
+        assert len(s.result().ids) == 250
     settle(vcluster)
 
 

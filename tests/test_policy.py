@@ -338,6 +338,26 @@ def test_selection_orders():
     assert ids("llumnix", dst_free=8) == ["q", "b"]
 
 
+def test_selection_weighs_the_blocks_that_would_move():
+    """With prefix caching, a request whose prompt the destination holds costs only what it lacks."""
+    reqs = [RequestLoad("long-shared", "running", 10, 300, 5, 0), RequestLoad("short", "running", 3, 40, 2, 0),
+            RequestLoad("mid", "running", 5, 60, 9, 0)]
+    common = dict(src_usage=INF, src_blocks=100, dst_usage=0, dst_blocks=100, headroom=0.1, block_size=32, drain=True)
+
+    def ids(count, **kw):
+        return [c.request_id for c in select_migrants("llumnix", reqs, count, **{**common, **kw})]
+
+    assert ids(1) == ["short"]  # nothing cached: fewest blocks first
+    assert ids(1, cached={"long-shared": 9}) == ["long-shared"]  # 1 block to move, not 10
+    assert ids(3, cached={"mid": 3}) == ["mid", "short", "long-shared"]  # 2, 3 and 10 blocks to move
+    assert ids(3, cached={"long-shared": 50}) == ["long-shared", "short", "mid"]  # never below zero
+    # Room at the destination counts only the blocks that move (plus the copy headroom of 4).
+    assert ids(3, dst_free=6) == []
+    assert ids(3, dst_free=6, cached={"long-shared": 9}) == ["long-shared"]
+    # Other orders do not change: longest frees the most, whatever moves.
+    assert [c.request_id for c in select_migrants("longest", reqs, 1, **common, cached={"short": 2})] == ["long-shared"]
+
+
 # ---------------------------------------------------------------- scaling
 
 

@@ -41,6 +41,8 @@ def _samples():
         wire.MigReady("m", 0, False, "no room"),
         wire.MigDone("m", 1),
         wire.MigAbort("m", "finished"),
+        wire.PrefixQuery(1, [[1, 2, 3], []]),
+        wire.PrefixHits(1, [2, 0]),
         wire.MigrateStart(9, "i1", "tcp://b", count=2, reason="drain", selection="llumnix", drain=True,
                           src_usage=float("inf"), dst_usage=10.5, dst_blocks=100, headroom=0.1, cooldown_s=10),
         wire.SetDraining(True, "operator", cordoned=True),

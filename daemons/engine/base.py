@@ -91,6 +91,7 @@ class Engine(Protocol):
     backend: str
     block_size: int
     max_model_len: int
+    prefix_caching: bool  # it keeps a prefix cache: a source asks its destination what it holds (prefix_hits)
 
     # ---- serving
     def add_request(self, request: EngineRequest) -> None:
@@ -141,6 +142,10 @@ class Engine(Protocol):
     def cached_blocks(self, request_id: str) -> int:
         """Of a reservation, the leading blocks that hold the request's KV already (its prompt's prefix
         found in this engine's prefix cache at the first ``reserve``): the source need not send them."""
+
+    def prefix_hits(self, prompts: list[list[int]]) -> list[int]:
+        """Of each prompt, how many leading full blocks this engine's prefix cache holds now: what a
+        migration of a request with that prompt to here would not need to send (zeros: no prefix cache)."""
 
     def commit(self, request_id: str, state: RequestState) -> None:
         """Insert the reserved request as running with its KV written: it continues at its next token."""

@@ -171,6 +171,7 @@ _priority = attrgetter("priority")
 
 class SimEngine:
     backend = "sim"
+    prefix_caching = False
 
     def __init__(self, sim: SimConfig, model: ModelConfig, kv: bool = True):
         """``kv`` False: no KV tensors (the virtual-time simulator, llumnixctl/simulate.py): the same
@@ -378,6 +379,9 @@ class SimEngine:
 
     def cached_blocks(self, request_id: str) -> int:
         return 0  # no prefix cache
+
+    def prefix_hits(self, prompts: list[list[int]]) -> list[int]:
+        return [0] * len(prompts)
 
     def commit(self, request_id: str, state: RequestState) -> None:
         req = self._reserved[request_id]

@@ -26,7 +26,7 @@ from daemons.engine.base import (EngineError, EngineRequest, KvBlocks, Migration
 from daemons.engine.vllm_internals import _Vllm, set_env, set_num_threads
 from daemons.engine.vllm_tp import KvShards, TpTransfer
 from daemons.kvtransfer import KvTransfer
-from daemons.wire import InstanceLoad, MigratingRequest, RequestLoad, RequestState, TokenOut
+from daemons.wire import InstanceLoad, MigratingRequest, RequestLoad, RequestState, SamplingParams, TokenOut
 
 log = logging.getLogger("llumnix.engine.vllm")
 
@@ -65,6 +65,7 @@ class VllmEngine:
         self.version = self._v.m.version
         self.block_size = self._v.block_size
         self.max_model_len = self._v.max_model_len
+        self.prefix_caching = bool(vllm.enable_prefix_caching)
         self.eos_token_id = self._v.eos_token_id
         self._live: dict[str, _Live] = {}
         self._suspended: set[str] = set()
@@ -279,6 +280,12 @@ class VllmEngine:
 
     def cached_blocks(self, request_id: str) -> int:
         return self._cached.get(request_id, 0)
+
+    def prefix_hits(self, prompts: list[list[int]]) -> list[int]:
+        try:
+            return self._v.prefix_hits(prompts, self._v.sampling_params(SamplingParams(max_tokens=1)))
+        except self._v.m.request_errors as exc:
+            raise EngineError(str(exc)) from exc
 
     def commit(self, request_id: str, state: RequestState) -> None:
         live = self._reserved[request_id]

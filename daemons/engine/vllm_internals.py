@@ -8,6 +8,7 @@ Upgrading vLLM means re-reading this module against the new source, nothing else
 from __future__ import annotations
 
 import os
+import time
 from types import SimpleNamespace
 
 from daemons.config import ModelConfig, VllmConfig
@@ -350,6 +351,21 @@ class _Vllm:
         if self._allocate(req, tokens - hit, hit, computed) is None:
             return None
         return self.block_ids(req.request_id), hit // self.block_size
+
+    def prefix_hits(self, prompts: list[list[int]], params) -> list[int]:
+        """Of each prompt, the leading full blocks its longest cached prefix covers here now (as the first
+        hold of a migrating request with that prompt would find them)."""
+        if not self.config.cache_config.enable_prefix_caching:
+            return [0] * len(prompts)
+        hits = []
+        for i, prompt in enumerate(prompts):
+            if len(prompt) <= self.block_size:
+                hits.append(0)
+                continue
+            probe = self.build(f"llumnix-prefix-probe-{i}", list(prompt), params, time.time(), 0)
+            _, hit, _ = self.kv.get_computed_blocks(probe)
+            hits.append(hit // self.block_size)
+        return hits
 
     def allocate(self, req, tokens: int) -> list[int] | None:
         """Grow ``req``'s blocks to cover ``tokens`` tokens (num_computed_tokens stays 0 until commit)."""

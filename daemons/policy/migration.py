@@ -8,7 +8,8 @@ one pair, and only where the source is less free than its destination and carrie
 
 Selection (the source's llumlet, when ordered): which of its requests go, in the policy's order, each
 only if moving it lowers the imbalance potential (sum V_i^2 / M_i) of the pair, so migrations never
-overshoot into ping-pong. A draining source sends everything.
+overshoot into ping-pong. A draining source sends everything. With prefix caching, the cost of a move is
+the blocks the destination does not hold already (the source asks it first: wire.PrefixQuery).
 
 Across hosts (``CrossNode``, when scheduling.cross_node_bandwidth_gbps is set): a balancing move between
 instances on different hosts pays only when its KV crosses the link faster than the source could
@@ -21,6 +22,7 @@ hosts (another destination, maybe on its own host, is tried). Same-host pairs an
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from daemons.policy.usage import (INF, InstanceState, blocks_for, instance_freeness, move_lowers_potential,
@@ -154,7 +156,8 @@ def _redispatchable(r: RequestLoad) -> bool:
 
 def select_migrants(policy: str, requests: list[RequestLoad], count: int, *, src_usage: float, src_blocks: int,
                     dst_usage: float, dst_blocks: int, headroom: float, block_size: int, drain: bool = False,
-                    exclude: frozenset[str] | set[str] = frozenset(), dst_free: float = INF) -> list[Choice]:
+                    exclude: frozenset[str] | set[str] = frozenset(), dst_free: float = INF,
+                    cached: Mapping[str, int] | None = None) -> list[Choice]:
     """Up to ``count`` requests for the source to send, in the policy's order, each lowering the pair's
     potential given the ones chosen before it (a draining source: no such check).
 
@@ -163,7 +166,12 @@ def select_migrants(policy: str, requests: list[RequestLoad], count: int, *, src
     that never produced a token is re-dispatched instead (first-waiting puts those first, up to ``count``;
     a drain re-dispatches all of them, besides ``count`` migrations). The migrations chosen must fit in
     ``dst_free`` blocks, with the few blocks of headroom each reserves while it copies.
+
+    ``cached``: by request, the leading blocks the destination's prefix cache holds already (a shared
+    prompt prefix), which a move would not send. The llumnix and first-waiting orders weigh a request by
+    the blocks that would move (fewest first); its room at the destination counts only those.
     """
+    cached = cached or {}
     if policy not in SELECTION_POLICIES:
         raise ValueError(f"unknown request selection policy {policy!r} (known: {', '.join(SELECTION_POLICIES)})")
     running = [r for r in requests if r.state == "running" and r.request_id not in exclude]
@@ -172,7 +180,7 @@ def select_migrants(policy: str, requests: list[RequestLoad], count: int, *, src
     elif policy == "longest":
         running.sort(key=lambda r: -r.blocks)
     else:
-        running.sort(key=lambda r: (r.priority, r.blocks))
+        running.sort(key=lambda r: (r.priority, r.blocks - min(cached.get(r.request_id, 0), r.blocks)))
     ordered: list[tuple[RequestLoad, bool]] = [(r, False) for r in running]
     if policy == "first-waiting" or drain:
         queued = [r for r in requests if _redispatchable(r) and r.request_id not in exclude]
@@ -190,7 +198,7 @@ def select_migrants(policy: str, requests: list[RequestLoad], count: int, *, src
             into = request_usage(r.blocks, r.priority > 0, dst_blocks, headroom)
         if not drain and not move_lowers_potential(src_usage, src_blocks, dst_usage, dst_blocks, out, into):
             continue
-        room = 0 if redispatch else r.blocks + COPY_HEADROOM_BLOCKS
+        room = 0 if redispatch else r.blocks - min(cached.get(r.request_id, 0), r.blocks) + COPY_HEADROOM_BLOCKS
         if room > dst_free:
             continue
         dst_free -= room
