@@ -93,6 +93,7 @@ class ProxyConfig:
     max_body_bytes: int = setting(8388608, "largest HTTP request body accepted (larger: 413)", minimum=1024)
     max_prompt_tokens: int = setting(0, "longest prompt accepted, in tokens (0 = model.max_model_len; longer: 400)", minimum=0)
     access_log: bool = setting(True, "one info line per completion or chat request (id, model, instance, status, tokens, TTFT, total time, finish reason) on the llumnix.access logger")
+    fast_path: bool = setting(True, "answer POST /v1/completions and /v1/chat/completions before FastAPI's router and middlewares (same answers, less CPU per request and per token); false: through FastAPI")
     log_level: str = setting("info", "debug, info, warning or error", choices=("debug", "info", "warning", "error"))
     log_format: str = setting("text", "stderr log lines: text (time, level, daemon, message) or json (one object per line: ts, level, daemon, logger, msg and the call's extra fields)", choices=("text", "json"))
 
@@ -154,6 +155,7 @@ class MigrationConfig:
     timeout_s: float = setting(10.0, "a migration step (reserve, a stage's copy, commit) not acknowledged within this long aborts the migration", minimum=0.1)
     dest_idle_timeout_s: float = setting(15.0, "a destination that hears nothing from the source for this long releases its reservation", minimum=0.1)
     max_in_flight: int = setting(2, "most migrations an instance takes part in at once (out plus in)", minimum=1)
+    max_decode_slowdown: float = setting(0.03, "pace pre-copy so the source's engine steps stay within this fraction of their time without a migration (0.03: 3% slower at most; AIMD on the share of time the copy runs; bandwidth_limit_mbps stays the hard cap; 0 = off: full speed)", minimum=0.0)
 
 
 @dataclass

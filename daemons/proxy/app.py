@@ -35,7 +35,6 @@ import re
 import signal
 import socket
 import time
-import uuid
 import weakref
 from typing import Annotated, AsyncIterator, Optional
 
@@ -43,7 +42,6 @@ import msgspec
 import typer
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -53,11 +51,14 @@ from daemons.cli import load_or_exit, package_version
 from daemons.config import Config
 from daemons.proxy.apikeys import ApiKeys, ApiKeysError, Principal, check_token
 from daemons.proxy.cluster import ClusterClient, NoInstance, Stream
+from daemons.proxy.fastpath import Call, FastPath, Reply, too_large
+from daemons.proxy.openapi import needs_key, openapi_document
 from daemons.proxy.protocol import (
-    ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, ErrorResponse, StopChecker, TokenizeRequest,
-    decode_body, derive_seed, document_schemas, openapi_components, parse_priority,
+    ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, decode_body, derive_seed,
+    parse_priority,
 )
-from daemons.proxy.tokenizer import Detokenizer, Tokenizer, TokenizerError, load_tokenizer
+from daemons.proxy.render import Choice, Job, token_id_text
+from daemons.proxy.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 log = logging.getLogger("llumnix.proxy")
 access_log = logging.getLogger("llumnix.access")
@@ -69,151 +70,6 @@ M_TOKENS = metrics.P_GENERATION_TOKENS
 
 _json = msgspec.json.encode
 _REQUEST_ID = re.compile(r"[!-~]{1,128}")  # visible ASCII: safe in logs, tables and headers
-
-
-class Choice:
-    """One sequence of a request: its stream, detokenizer, stop strings and what it has rendered."""
-
-    __slots__ = ("index", "detok", "stop", "lp", "lp_offset", "token_ids", "completion_tokens", "stream", "reason",
-                 "texts", "_text_head", "_text_tail")
-
-    def __init__(self, job: "Job", index: int, stops: list[str], detok: Detokenizer, want_ids: bool):
-        self.index = index
-        self.detok = detok
-        self.stop = StopChecker(stops)
-        self.lp: list[tuple[int, float | None, list | None]] = []  # (token id, logprob, top) not yet sent
-        self.lp_offset = 0  # completions' text_offset of the next entry
-        self.token_ids: list[int] | None = [] if want_ids else None  # when return_token_ids was asked for
-        self.completion_tokens = 0
-        self.stream: Stream | None = None
-        self.reason: str | None = None  # finish reason, once finished
-        self.texts: list[str] = []  # a non-streamed response's text pieces
-        self._text_head = job._head + (f'{{"index":{index},"delta":{{"content":' if job.chat else f'{{"index":{index},"text":')
-        self._text_tail = ('},"logprobs":null,"finish_reason":null}]}\n\n' if job.chat
-                           else ',"logprobs":null,"finish_reason":null}]}\n\n')
-
-    def text_chunk(self, text: str) -> str:
-        return self._text_head + _json(text).decode() + self._text_tail
-
-
-class Job:
-    """One accepted API request: what it asked for, how its output is rendered, and its access-log record."""
-
-    def __init__(self, chat: bool, request_id: str | None, arrival: float):
-        self.chat = chat
-        self.id = ("chatcmpl-" if chat else "cmpl-") + (request_id if request_id is not None else uuid.uuid4().hex)
-        self.created = int(time.time())
-        self.arrival = arrival
-        self.first_at: float | None = None  # perf_counter of the first token of any choice
-        self.timer: metrics.RequestTimer | None = None  # its latencies, once its choices are known
-        self.model = ""
-        self.prompt_tokens = 0
-        self.include_usage = False
-        self.token_text = None  # set when logprobs were asked for
-        self.top_n = 0  # alternatives per token: completions' logprobs, chat's top_logprobs
-        self.choices: list[Choice] = []
-        self.status = 200
-        self.key_name = "-"  # the name of its API key (proxy.api_keys_file), never the key
-        self.logged = False
-        self.ended = False
-        self._head = ""
-
-    def setup(self, model: str, prompt_tokens: int, include_usage: bool, token_text, top_n: int) -> None:
-        self.model, self.prompt_tokens, self.include_usage = model, prompt_tokens, include_usage
-        self.token_text, self.top_n = token_text, top_n
-        self._head = (f'data: {{"id":{_json(self.id).decode()},"object":"{"chat.completion.chunk" if self.chat else "text_completion"}",'
-                      f'"created":{self.created},"model":{_json(model).decode()},"choices":[')
-
-    @property
-    def completion_tokens(self) -> int:
-        return sum(c.completion_tokens for c in self.choices)
-
-    def usage(self) -> dict:
-        done = self.completion_tokens
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done, "total_tokens": self.prompt_tokens + done}
-
-    def first_chunks(self) -> str:
-        return "".join(self._head + f'{{"index":{c.index},"delta":{{"role":"assistant","content":""}},"logprobs":null,'
-                       '"finish_reason":null}]}\n\n' for c in self.choices)
-
-    def final_chunk(self, c: Choice) -> str:
-        choice = {"index": c.index, "logprobs": None, "finish_reason": c.reason}
-        choice.update({"delta": {}} if self.chat else {"text": ""})
-        return self._head + _json(choice).decode() + "]}\n\n"
-
-    def end_chunks(self) -> str:
-        out = self._head + '],"usage":' + _json(self.usage()).decode() + "}\n\n" if self.include_usage else ""
-        return out + "data: [DONE]\n\n"
-
-    def take_logprobs(self, c: Choice) -> dict | None:
-        """The OpenAI logprobs object for the tokens consumed since the last call, as vLLM renders it:
-        completions' top_logprobs holds the sampled token and the top ``logprobs`` alternatives (one dict per
-        token), chat's the first ``top_logprobs`` of those (sampled token first, duplicates once)."""
-        if self.token_text is None:
-            return None
-        entries, c.lp = c.lp, []
-        text, k = self.token_text, self.top_n
-        if self.chat:
-            content = []
-            for tid, lp, top in entries:
-                t = text(tid)
-                alts = []
-                if k:
-                    ranked = {tid: lp}
-                    for alt, alt_lp in top or ():
-                        ranked[alt] = alt_lp
-                    for alt, alt_lp in list(ranked.items())[:k]:
-                        at = text(alt)
-                        alts.append({"token": at, "logprob": _clamp(alt_lp), "bytes": list(at.encode("utf-8", "replace"))})
-                content.append({"token": t, "logprob": _clamp(lp), "bytes": list(t.encode("utf-8", "replace")),
-                                "top_logprobs": alts})
-            return {"content": content}
-        tokens, offsets, top_logprobs = [], [], []
-        for tid, lp, top in entries:
-            t = text(tid)
-            tokens.append(t)
-            offsets.append(c.lp_offset)
-            c.lp_offset += len(t)
-            ranked = {tid: lp}
-            for alt, alt_lp in top or ():
-                ranked[alt] = alt_lp
-            top_logprobs.append({text(alt): _clamp(alt_lp) for alt, alt_lp in list(ranked.items())[:k + 1]})
-        return {"tokens": tokens, "token_logprobs": [_clamp(lp) for _, lp, _ in entries],
-                "top_logprobs": top_logprobs, "text_offset": offsets}
-
-    def rich_chunk(self, c: Choice, text: str) -> str:
-        """A chunk with logprobs or token ids (the slower general path, used only when asked for)."""
-        choice = {"index": c.index, "logprobs": self.take_logprobs(c), "finish_reason": None}
-        choice.update({"delta": {"content": text}} if self.chat else {"text": text})
-        if c.token_ids is not None:
-            choice["token_ids"], c.token_ids = c.token_ids, []
-        return self._head + _json(choice).decode() + "]}\n\n"
-
-    def full_response(self) -> dict:
-        choices = []
-        for c in self.choices:
-            text, lp = "".join(c.texts), self.take_logprobs(c)
-            if self.chat:
-                choice = {"index": c.index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                          "finish_reason": c.reason}
-            else:
-                choice = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.reason}
-            if c.token_ids is not None:
-                choice["token_ids"] = c.token_ids
-            choices.append(choice)
-        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": choices, "usage": self.usage()}
-
-    def streams(self) -> list[Stream]:
-        return [c.stream for c in self.choices if c.stream is not None]
-
-
-def _token_id_text(token_id: int) -> str:
-    return f"token_id:{token_id}"
-
-
-def _clamp(lp: float | None) -> float | None:
-    return None if lp is None else max(lp, -9999.0)  # -inf is not JSON; OpenAI's and vLLM's floor
 
 
 class Proxy:
@@ -276,33 +132,28 @@ class Proxy:
                                 f"for the completion). Please reduce the prompt or max_tokens.", "max_tokens")
         return max_tokens
 
-    def _request_id(self, request: Request) -> str | None:
+    def _request_id(self, call: Call) -> str | None:
         """The client's x-request-id, validated (None when there is none)."""
-        value = request.headers.get("x-request-id")
+        value = call.headers.get("x-request-id")
         if value is None:
             return None
         if not _REQUEST_ID.fullmatch(value):
             raise ApiError(400, "x-request-id must be 1 to 128 visible ASCII characters (no spaces)", "x-request-id",
                            code="invalid_request_id")
-        request.state.echo_id = value
+        call.echo_id = value
         return value
 
-    async def completions(self, request: Request) -> Response:
-        return await self._handle(request, chat=False)
-
-    async def chat(self, request: Request) -> Response:
-        return await self._handle(request, chat=True)
-
-    async def _handle(self, request: Request, chat: bool) -> Response:
-        """One completion or chat request; logs it once it is answered (a stream: once it ends)."""
+    async def handle(self, call: Call, chat: bool) -> Reply:
+        """One completion or chat request; logs it once it is answered (a stream: once it ends). Raises
+        ApiError for an answer that is an error."""
         arrival = time.perf_counter()
         job = None
-        principal: Principal | None = getattr(request.state, "principal", None)
+        principal = call.principal
         key_name = principal.name if principal is not None else "-"
         try:
-            job = Job(chat, self._request_id(request), arrival)
+            job = Job(chat, self._request_id(call), arrival)
             job.key_name = key_name
-            response = await self._accept(request, job)
+            reply = await self._accept(call, job)
         except ApiError as exc:
             if job is None:
                 self._access(None, chat, arrival, exc.status, key_name)
@@ -313,12 +164,12 @@ class Proxy:
         except BaseException:
             self._access(job, chat, arrival, 500)
             raise
-        if not isinstance(response, StreamingResponse):  # a stream logs itself when it ends
-            self._access(job, chat, arrival, response.status_code)
-        return response
+        if reply.stream is None:  # a stream logs itself when it ends
+            self._access(job, chat, arrival, reply.status)
+        return reply
 
-    async def _accept(self, request: Request, job: Job) -> Response:
-        body = decode_body(await request.body(), ChatRequest if job.chat else CompletionRequest)
+    async def _accept(self, call: Call, job: Job) -> Reply:
+        body = decode_body(await call.read(), ChatRequest if job.chat else CompletionRequest)
         job.model = body.model
         self._check_model(body.model)
         body.unsupported()
@@ -333,15 +184,15 @@ class Proxy:
             max_tokens = self._limits(len(ids), body.max_tokens, 16, "prompt")
             top_n = body.logprobs or 0
             sampling = body.sampling(max_tokens, body.logprobs)
-        return await self._serve(request, job, body, ids, sampling, top_n)
+        return await self._serve(call, job, body, ids, sampling, top_n)
 
     def _in_flight(self, job: Job, sub_ids: list[str]) -> bool:
         return job.id in self.active or any(rid in self.cluster.streams for rid in sub_ids)
 
-    async def _serve(self, request: Request, job: Job, req, ids: list[int], sampling: wire.SamplingParams,
-                     top_n: int) -> Response:
-        priority = parse_priority(req.priority, request.headers.get("x-llumnix-priority"))
-        principal: Principal | None = getattr(request.state, "principal", None)
+    async def _serve(self, call: Call, job: Job, req, ids: list[int], sampling: wire.SamplingParams,
+                     top_n: int) -> Reply:
+        priority = parse_priority(req.priority, call.headers.get("x-llumnix-priority"))
+        principal = call.principal
         if priority > 0 and principal is not None and not principal.high_priority:
             raise ApiError(403, f"The API key '{principal.name}' may not send priority high: it lacks the "
                                 f"high_priority permission (high_priority = true in proxy.api_keys_file).",
@@ -349,7 +200,7 @@ class Proxy:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         token_text = None
         if sampling.logprobs is not None:
-            token_text = _token_id_text if req.return_tokens_as_token_ids else self.tokenizer.token_text
+            token_text = token_id_text if req.return_tokens_as_token_ids else self.tokenizer.token_text
         job.setup(self.model, len(ids), include_usage, token_text, top_n)
         stops = req.stop_strings()
         n = req.n
@@ -364,34 +215,33 @@ class Proxy:
             sampling, seed=derive_seed(sampling.seed, k)), self.cluster.token_address, priority, now)
             for k, rid in enumerate(sub_ids)]
         self.active.add(job.id)
-        handed_over = False  # to the streaming response, which cleans up when it ends
+        handed_over = False  # to the streaming reply, which cleans up when it ends
         try:
             await self._submit(job, submits)
-            firsts = await _unless_disconnected(request, asyncio.gather(*(self._first(job, c) for c in job.choices)))
+            firsts = await call.unless_disconnected(self._firsts(job))
             if firsts is None:  # the client went away before the first token: abort it on its instance
-                return Response(status_code=499)
+                return Reply(499)
             for c, first in zip(job.choices, firsts):
                 if not first:
                     raise ApiError(c.stream.status, c.stream.error or "request failed")
             job.timer.first_token(job.first_at)
-            headers = {"x-request-id": getattr(request.state, "echo_id", job.id)}
+            headers = {"x-request-id": call.echo_id or job.id}
             if req.stream:
                 body = self._sse(job, firsts)
                 # A client gone before the body starts means the generator never runs (nor its finally).
                 weakref.finalize(body, self._abandoned, job).atexit = False  # not at exit: the cluster is gone
-                response = StreamingResponse(body, media_type="text/event-stream", headers=headers)
                 handed_over = True
-                return response
+                return Reply(200, headers=headers, stream=body, job=job)
             M_INFLIGHT.inc()
             try:
-                failed = await _unless_disconnected(request, self._collect(job, firsts))
+                failed = await call.unless_disconnected(self._collect(job, firsts))
             finally:
                 M_INFLIGHT.dec()
             if failed is None:
-                return Response(status_code=499)
+                return Reply(499)
             if failed is not True:
                 raise ApiError(failed.stream.status, failed.stream.error or "request failed")
-            return JSONResponse(job.full_response(), headers=headers)
+            return Reply(200, _json(job.full_response()), headers)
         finally:
             if not handed_over:
                 self._end(job)  # a client that went away: this aborts the request on its instances
@@ -412,6 +262,12 @@ class Proxy:
                 raise ApiError(503, f"no instance can take the request: {res}", type_="service_unavailable")
             if isinstance(res, BaseException):
                 raise res
+
+    async def _firsts(self, job: Job) -> list[list[wire.TokenOut]]:
+        """Every choice's first outputs ([] for one that failed)."""
+        if len(job.choices) == 1:
+            return [await self._first(job, job.choices[0])]
+        return await asyncio.gather(*(self._first(job, c) for c in job.choices))
 
     async def _first(self, job: Job, c: Choice) -> list[wire.TokenOut]:
         outs = await c.stream.take()
@@ -468,44 +324,17 @@ class Proxy:
 
     # ------------------------------------------------------------------ output
 
-    def _consume(self, job: Job, c: Choice, outs: list[wire.TokenOut]) -> list[str]:
-        """Turn token outputs into text pieces; sets c.reason once the choice finished."""
-        job.timer.delivered(c.index, len(outs))
-        pieces, add, stop = [], c.detok.add, c.stop
-        for out in outs:
-            c.completion_tokens += 1
-            if job.token_text is not None:
-                c.lp.append((out.token_id, out.logprob, out.top))
-            if c.token_ids is not None:
-                c.token_ids.append(out.token_id)
-            text, stopped = stop.feed(add(out.token_id))
-            if not stopped and out.finish_reason is not None:
-                more, stopped = stop.feed(c.detok.flush())
-                text += more
-            if text:
-                pieces.append(text)
-            if stopped:
-                c.reason = "stop"
-                return pieces
-            if out.finish_reason is not None:
-                tail = stop.flush()
-                if tail:
-                    pieces.append(tail)
-                c.reason = out.finish_reason
-                return pieces
-        return pieces
-
     async def _collect(self, job: Job, firsts: list[list[wire.TokenOut]]) -> Choice | bool:
         """Collect every choice's text; True when all finished, else the choice whose stream failed."""
         for c, outs in zip(job.choices, firsts):
-            c.texts += self._consume(job, c, outs)
+            c.texts += job.consume(c, outs)
         if len(job.choices) == 1:
             c = job.choices[0]
             while c.reason is None:
                 outs = await c.stream.take()
                 if not outs:
                     return c
-                c.texts += self._consume(job, c, outs)
+                c.texts += job.consume(c, outs)
         else:
             pending = {asyncio.ensure_future(c.stream.take()): c for c in job.choices if c.reason is None}
             try:
@@ -516,7 +345,7 @@ class Proxy:
                         outs = fut.result()
                         if not outs:
                             return c
-                        c.texts += self._consume(job, c, outs)
+                        c.texts += job.consume(c, outs)
                         if c.reason is None:
                             pending[asyncio.ensure_future(c.stream.take())] = c
             finally:
@@ -525,31 +354,21 @@ class Proxy:
         M_TOKENS.inc(job.completion_tokens)
         return True
 
-    def _render(self, job: Job, c: Choice, outs: list[wire.TokenOut]) -> str:
-        pieces = self._consume(job, c, outs)
-        if job.token_text is None and c.token_ids is None:
-            chunk = "".join(map(c.text_chunk, pieces))
-        else:
-            chunk = job.rich_chunk(c, "".join(pieces))
-        if c.reason is not None:
-            chunk += job.final_chunk(c)
-        return chunk
-
-    def _stream_error(self, c: Choice) -> str:
+    def _stream_error(self, c: Choice) -> bytes:
         err = ApiError(c.stream.status, c.stream.error or "request failed").body()
-        return f"data: {_json(err).decode()}\n\ndata: [DONE]\n\n"
+        return b"data: " + _json(err) + b"\n\ndata: [DONE]\n\n"
 
-    async def _sse(self, job: Job, firsts: list[list[wire.TokenOut]]) -> AsyncIterator[str]:
+    async def _sse(self, job: Job, firsts: list[list[wire.TokenOut]]) -> AsyncIterator[bytes]:
         M_INFLIGHT.inc()
         sent = 0
         pending: dict = {}
         try:
-            head = job.first_chunks() if job.chat else ""
+            head = job.first_chunks() if job.chat else b""
             if len(job.choices) == 1:
                 c, outs = job.choices[0], firsts[0]
                 while True:
-                    chunk = head + self._render(job, c, outs)
-                    head = ""
+                    chunk = head + job.render(c, outs)
+                    head = b""
                     if c.reason is not None:
                         yield chunk + job.end_chunks()
                         return
@@ -563,14 +382,14 @@ class Proxy:
                         yield self._stream_error(c)
                         return
             for c, outs in zip(job.choices, firsts):
-                head += self._render(job, c, outs)
+                head += job.render(c, outs)
                 if c.reason is None:
                     pending[asyncio.ensure_future(c.stream.take())] = c
             if head:
                 yield head
             while pending:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                chunk = ""
+                chunk = b""
                 for fut in done:
                     c = pending.pop(fut)
                     outs = fut.result()
@@ -578,7 +397,7 @@ class Proxy:
                         job.status = c.stream.status
                         yield chunk + self._stream_error(c)
                         return
-                    chunk += self._render(job, c, outs)
+                    chunk += job.render(c, outs)
                     if c.reason is None:
                         pending[asyncio.ensure_future(c.stream.take())] = c
                 if chunk:
@@ -646,80 +465,6 @@ class Proxy:
 
 # ---------------------------------------------------------------------- the OpenAPI document
 
-_BODY_ROUTES = [  # (path, struct, summary, streams)
-    ("/v1/completions", CompletionRequest, "Create a completion", True),
-    ("/v1/chat/completions", ChatRequest, "Create a chat completion", True),
-    ("/tokenize", TokenizeRequest, "Tokenize a prompt or chat messages (vLLM's route)", False),
-    ("/detokenize", DetokenizeRequest, "Turn token ids into text (vLLM's route)", False),
-]
-_ERRORS = {"400": "Bad request (the body names the parameter)", "404": "Unknown model", "409": "Request id in flight",
-           "413": "Request body larger than proxy.max_body_bytes", "499": "The client went away",
-           "503": "No instance can take the request", "504": "Request timed out"}
-
-
-def needs_key(path: str) -> bool:
-    """The routes that need an API key when proxy.api_keys_file is set."""
-    return path.startswith("/v1/") or path in ("/v1", "/tokenize", "/detokenize")
-
-
-def openapi_document(app: FastAPI, model: str, max_model_len: int, api_keys: bool = False,
-                     metrics_token: bool = False) -> dict:
-    """FastAPI's document of the decorated routes, plus the msgspec-decoded POST routes with their request
-    schemas (from the same structs that decode them, narrowed to what this proxy serves) and the OpenAI
-    error body; with ``api_keys`` (``metrics_token``), the bearer scheme on the routes that need it."""
-    doc = get_openapi(title="llumnix-proxy", version=package_version(), routes=app.routes,
-                      description="OpenAI-compatible API of a Llumnix cluster")
-    refs, components = openapi_components([kind for _, kind, _, _ in _BODY_ROUTES] + [ErrorResponse])
-    document_schemas(components, model, max_model_len)
-    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-    schemas.pop("HTTPValidationError", None)  # FastAPI's 422 body: never sent here
-    schemas.pop("ValidationError", None)
-    schemas.update(components)
-    error = {"content": {"application/json": {"schema": refs[-1]}}}
-    header = {"name": "x-request-id", "in": "header", "required": False,
-              "description": "the request id (echoed back); 1 to 128 visible ASCII characters",
-              "schema": {"type": "string", "pattern": "^[!-~]{1,128}$"}}
-    priority = {"name": "x-llumnix-priority", "in": "header", "required": False,
-                "schema": {"type": "string", "enum": ["normal", "high"]}}
-    examples = {
-        "/v1/completions": {"model": model, "prompt": "Hello", "max_tokens": 8},
-        "/v1/chat/completions": {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8},
-        "/tokenize": {"model": model, "prompt": "Hello"},
-        "/detokenize": {"model": model, "tokens": [5, 6, 7]},
-    }
-    for (path, _, summary, streams), ref in zip(_BODY_ROUTES, refs):
-        ok = {"application/json": {"schema": {"type": "object"}}}
-        if streams:
-            ok["text/event-stream"] = {"schema": {"type": "string"}}
-        op = {"summary": summary, "operationId": path.strip("/").replace("/", "_"),
-              "requestBody": {"required": True,
-                              "content": {"application/json": {"schema": ref, "example": examples[path]}}},
-              "responses": {"200": {"description": "OK", "content": ok},
-                            **{code: {"description": text, **error} for code, text in _ERRORS.items()
-                               if streams or code in ("400", "404", "413")}}}
-        if streams:
-            op["parameters"] = [header, priority]
-        doc["paths"][path] = {"post": op}
-    for path, item in doc["paths"].items():  # the decorated routes answer errors with the same body
-        for op in item.values():
-            op.setdefault("responses", {}).pop("422", None)
-            if path == "/v1/models/{model_id}":
-                op["responses"]["404"] = {"description": "Unknown model", **error}
-                for param in op.get("parameters", []):
-                    param["example"] = model
-            if (api_keys and needs_key(path)) or (metrics_token and path == "/metrics"):
-                op["security"] = [{"bearer": []}]
-                op["responses"]["401"] = {"description": "No API key, or an unknown or revoked one"
-                                          if path != "/metrics" else "No token, or the wrong one", **error}
-                if api_keys and path in ("/v1/completions", "/v1/chat/completions"):
-                    op["responses"]["403"] = {"description": "Priority high from a key without high_priority", **error}
-    if api_keys or metrics_token:
-        doc["components"]["securitySchemes"] = {"bearer": {
-            "type": "http", "scheme": "bearer",
-            "description": "an API key of proxy.api_keys_file" if api_keys else "the metrics token"}}
-    return doc
-
-
 class _Guard:
     """ASGI middleware, before any route: the API key of the routes that need one (proxy.api_keys_file), and
     the body size of every request (proxy.max_body_bytes), by its Content-Length or counted as it arrives,
@@ -731,8 +476,7 @@ class _Guard:
         self.limit = max_body_bytes
 
     def too_large(self) -> ApiError:
-        return ApiError(413, f"Request body too large: this proxy accepts at most {self.limit} bytes "
-                             "(proxy.max_body_bytes).", type_="invalid_request_error", code="request_too_large")
+        return too_large(self.limit)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -824,10 +568,26 @@ def build_app(cfg: Config) -> FastAPI:
 
         return endpoint
 
-    # The hot routes are plain Starlette routes: the body is decoded by msgspec, so FastAPI's per-request
-    # dependency and validation machinery would only add latency. openapi_document describes them.
-    app.add_route("/v1/completions", counted("/v1/completions", proxy.completions), methods=["POST"])
-    app.add_route("/v1/chat/completions", counted("/v1/chat/completions", proxy.chat), methods=["POST"])
+    def completion(chat: bool):
+        async def endpoint(request: Request) -> Response:
+            call = Call(request.headers, getattr(request.state, "principal", None), request.receive, request.body)
+            try:
+                reply = await proxy.handle(call, chat)
+            finally:
+                if call.echo_id:
+                    request.state.echo_id = call.echo_id
+            if reply.stream is not None:
+                return StreamingResponse(reply.stream, media_type="text/event-stream", headers=reply.headers)
+            return Response(reply.body, status_code=reply.status, headers=reply.headers,
+                            media_type="application/json" if reply.body else None)
+
+        return endpoint
+
+    # The body routes are plain Starlette routes: the body is decoded by msgspec, so FastAPI's per-request
+    # dependency and validation machinery would only add latency. openapi_document describes them. With
+    # proxy.fast_path (the default), the completion routes are answered before FastAPI (daemons/proxy/fastpath.py).
+    app.add_route("/v1/completions", counted("/v1/completions", completion(False)), methods=["POST"])
+    app.add_route("/v1/chat/completions", counted("/v1/chat/completions", completion(True)), methods=["POST"])
     app.add_route("/tokenize", counted("/tokenize", proxy.tokenize), methods=["POST"])
     app.add_route("/detokenize", counted("/detokenize", proxy.detokenize), methods=["POST"])
 
@@ -863,6 +623,13 @@ def build_app(cfg: Config) -> FastAPI:
     return app
 
 
+def serving_app(cfg: Config, app: FastAPI):
+    """What the server runs: the completion routes' fast path in front of ``app`` (proxy.fast_path), or ``app``."""
+    if not cfg.proxy.fast_path:
+        return app
+    return FastPath(app, app.state.proxy, cfg.proxy.max_body_bytes)
+
+
 class _Stopped(Exception):
     """SIGTERM or SIGINT, re-raised by uvicorn after its graceful shutdown."""
 
@@ -884,25 +651,6 @@ def _listen(host: str, port: int) -> socket.socket:
     sock.listen(2048)
     sock.setblocking(False)
     return sock
-
-
-async def _unless_disconnected(request: Request, coro):
-    """``await coro``, or None as soon as the client disconnects (a non-streaming request's handler is not
-    cancelled by the server when its client leaves, so without this it would wait out the whole request)."""
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    work = asyncio.ensure_future(coro)
-    gone = asyncio.ensure_future(disconnected())
-    try:
-        done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if work in done:
-        return work.result()
-    work.cancel()
-    return None
 
 
 def _check_exposure(cfg: Config) -> None:
@@ -930,7 +678,7 @@ async def _serve(cfg: Config) -> None:
         signal.SIGHUP, keys.reload if keys is not None else lambda: log.info("SIGHUP: no proxy.api_keys_file to read again"))
     listener = _listen(pc.host, pc.port)
     await cluster.start()
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
+    server = uvicorn.Server(uvicorn.Config(serving_app(cfg, app), log_config=None, access_log=False, lifespan="off",
                                            timeout_graceful_shutdown=pc.shutdown_grace_s))
 
     async def notify_when_started() -> None:

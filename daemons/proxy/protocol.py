@@ -348,10 +348,9 @@ class StopChecker:
 
     def feed(self, piece: str) -> tuple[str, bool]:
         """Add a token's text; return (text now safe to send, whether a stop string ended the output)."""
+        if not self.stops:  # nothing is held back (nor kept: the output's text would grow with every token)
+            return piece, False
         self.text += piece
-        if not self.stops:
-            out, self.sent = self.text[self.sent:], len(self.text)
-            return out, False
         start = max(0, self.sent - self.hold)
         cut = min((i for i in (self.text.find(s, start) for s in self.stops) if i >= 0), default=-1)
         if cut >= 0:

@@ -1,0 +1,199 @@
+"""The completion routes without FastAPI: POST /v1/completions and /v1/chat/completions as a raw ASGI app in
+front of the FastAPI app, which serves every other request (and these two when ``proxy.fast_path = false``).
+
+Per request FastAPI's way costs a router match, Starlette's Request, four middlewares wrapping ``send``, and
+for a stream a task group with a task that listens for the client's disconnect; here the request is read
+and answered by ``send`` itself, and a stream has one watcher that cancels it if the client goes away. Both
+ways run the same request logic (``Proxy.handle`` in daemons/proxy/app.py, which takes a ``Call`` and
+returns a ``Reply``) and answer with the same status, headers and bytes: API keys, the body size limit, the
+OpenAI error bodies, x-request-id, the access log and the request counts behave alike
+(tests/test_proxy_fastpath.py compares them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import AsyncIterator, Awaitable, Callable
+
+import msgspec
+
+from daemons import metrics
+from daemons.proxy.apikeys import Principal
+from daemons.proxy.openapi import needs_key
+from daemons.proxy.protocol import ApiError
+
+log = logging.getLogger("llumnix.proxy")
+M_REQUESTS = metrics.P_REQUESTS
+
+_json = msgspec.json.encode
+ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
+SSE_TYPE = "text/event-stream; charset=utf-8"  # as Starlette's StreamingResponse names it
+JSON_TYPE = "application/json"
+
+
+class Call:
+    """What the completion logic reads of an HTTP request, whichever way it came in."""
+
+    __slots__ = ("headers", "principal", "receive", "read", "echo_id")
+
+    def __init__(self, headers, principal: Principal | None, receive, read: Callable[[], Awaitable[bytes]]):
+        self.headers = headers  # .get(lower-case name) -> str | None
+        self.principal = principal  # its API key's owner (proxy.api_keys_file), or None
+        self.receive = receive  # the ASGI receive: a non-streamed request watches it for the client leaving
+        self.read = read  # the body
+        self.echo_id: str | None = None  # the client's valid x-request-id: echoed in every answer
+
+    async def unless_disconnected(self, coro):
+        """``await coro``, or None as soon as the client disconnects (a non-streaming request's handler is
+        not cancelled by the server when its client leaves, so without this it would wait out the request)."""
+        async def disconnected() -> None:
+            while (await self.receive())["type"] != "http.disconnect":
+                pass
+
+        work = asyncio.ensure_future(coro)
+        gone = asyncio.ensure_future(disconnected())
+        try:
+            done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if work in done:
+            return work.result()
+        work.cancel()
+        return None
+
+
+class Reply:
+    """A completion's answer: a JSON body (bytes), or an SSE ``stream`` of byte chunks; ``job`` ends it."""
+
+    __slots__ = ("status", "body", "headers", "stream", "job")
+
+    def __init__(self, status: int, body: bytes = b"", headers: dict[str, str] | None = None,
+                 stream: AsyncIterator[bytes] | None = None, job=None):
+        self.status, self.body, self.headers, self.stream, self.job = status, body, headers or {}, stream, job
+
+
+class _Headers:
+    """An ASGI scope's headers, looked up by lower-case name (the first of a repeated one, as Starlette)."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, raw: list[tuple[bytes, bytes]]):
+        self.raw = raw
+
+    def get(self, name: str, default: str | None = None) -> str | None:
+        key = name.encode()
+        for k, v in self.raw:
+            if k == key:
+                return v.decode("latin-1")
+        return default
+
+
+def too_large(limit: int) -> ApiError:
+    return ApiError(413, f"Request body too large: this proxy accepts at most {limit} bytes (proxy.max_body_bytes).",
+                    type_="invalid_request_error", code="request_too_large")
+
+
+def error_reply(exc: ApiError, echo_id: str | None) -> Reply:
+    headers = dict(getattr(exc, "headers", None) or {})
+    if echo_id:
+        headers["x-request-id"] = echo_id
+    return Reply(exc.status, _json(exc.body()), headers)
+
+
+class FastPath:
+    """ASGI app: the completion routes here, everything else to ``app`` (FastAPI)."""
+
+    def __init__(self, app, proxy, max_body_bytes: int):
+        self.app = app
+        self.proxy = proxy
+        self.limit = max_body_bytes
+        self.ok = {path: M_REQUESTS.labels(path, "200") for path in ROUTES}
+
+    async def __call__(self, scope, receive, send):
+        chat = ROUTES.get(scope.get("path")) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if chat is None:
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        headers = _Headers(scope["headers"])
+        call = None
+        try:
+            principal = None
+            keys = self.proxy.keys
+            if keys is not None and needs_key(path):
+                principal = keys.check(headers.get("authorization"))
+            length = headers.get("content-length")
+            if length is not None and length.strip().isdigit() and int(length) > self.limit:
+                raise too_large(self.limit)
+        except ApiError as exc:  # refused before the request is read: still one access line and count
+            self.proxy._access(None, chat, time.perf_counter(), exc.status)
+            return await self._answer(send, path, error_reply(exc, None))
+        call = Call(headers, principal, receive, lambda: self._body(receive))
+        try:
+            reply = await self.proxy.handle(call, chat)
+        except ApiError as exc:
+            if exc.status >= 500:
+                log.warning("%s failed: %s", path, exc.message)
+            return await self._answer(send, path, error_reply(exc, call.echo_id))
+        except Exception as exc:
+            log.exception("%s: internal error", path)
+            return await self._answer(send, path, error_reply(
+                ApiError(500, f"internal error: {type(exc).__name__}: {exc}"), call.echo_id))
+        if reply.stream is None:
+            return await self._answer(send, path, reply)
+        self.ok[path].inc()
+        await self._stream(receive, send, reply)
+
+    async def _body(self, receive) -> bytes:
+        """The request body, refused (413) as soon as it grows past the limit: never held whole if larger."""
+        body = b""
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # http.disconnect
+                raise ApiError(499, "the client went away before sending its whole body")
+            body += message.get("body", b"")
+            if len(body) > self.limit:  # a chunked body, or one longer than it said
+                raise too_large(self.limit)
+            if not message.get("more_body", False):
+                return body
+
+    async def _answer(self, send, path: str, reply: Reply) -> None:
+        (self.ok[path] if reply.status == 200 else M_REQUESTS.labels(path, str(reply.status))).inc()
+        raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in reply.headers.items()]
+        raw.append((b"content-length", str(len(reply.body)).encode()))
+        if reply.body:  # (an empty one: 499, the client went away)
+            raw.append((b"content-type", JSON_TYPE.encode()))
+        await send({"type": "http.response.start", "status": reply.status, "headers": raw})
+        await send({"type": "http.response.body", "body": reply.body})
+
+    async def _stream(self, receive, send, reply: Reply) -> None:
+        """Write the SSE chunks as they come, one write each; a client that leaves cancels the stream."""
+        raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in reply.headers.items()]
+        raw.append((b"content-type", SSE_TYPE.encode()))
+        task = asyncio.current_task()
+        state = {"done": False, "gone": False}
+
+        async def watch() -> None:  # ends with the response (uvicorn then answers http.disconnect) or the client
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if not state["done"]:
+                state["gone"] = True
+                task.cancel()
+
+        watcher = asyncio.ensure_future(watch())
+        body = reply.stream
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": raw})
+            async for chunk in body:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            state["done"] = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not state["gone"]:
+                raise
+            task.uncancel()  # the client left: the stream's end is logged (499); nothing to tell the server
+        finally:
+            state["done"] = True
+            watcher.cancel()
+            await body.aclose()  # runs its cleanup now (the request's abort, its access line), if not yet run
