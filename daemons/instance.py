@@ -385,6 +385,8 @@ class Instance:
             return
         self.load_changed.set()
         M_STEP.observe(step_s)
+        if self.migrator is not None:
+            self.migrator.stepped(step_s)  # paces a migration's pre-copy (daemons/pacing.py)
 
     async def step_once(self) -> None:
         """One step, then the boundary: the sim (its steps take model time on the loop's clock) and
@@ -413,6 +415,8 @@ class Instance:
         # Always yield once per step so sockets are served even when steps take no model time.
         await asyncio.sleep(remaining if remaining > 0 else 0)
         M_STEP.observe(loop_time() - start)
+        if self.migrator is not None:
+            self.migrator.stepped(loop_time() - start)  # paces a migration's pre-copy (daemons/pacing.py)
 
     # ------------------------------------------------------------------ manager
 

@@ -19,6 +19,10 @@ request's partial last block), as one message after the full blocks' chunks.
 A chunk whose blocks are one run of consecutive ids in a CPU KV tensor (fused and rows paths) needs no
 staging at that end: Gloo sends from, or receives into, the KV tensor itself (``KvBlocks.direct``), framed
 as the staged chunk is (one message per layer on the rows path), so either end decides for itself.
+
+A send may be paced two ways: a hard cap in bytes per second, and a duty (daemons/pacing.py), the share of
+time the copy may run, which the migration lowers while the engine's steps slow down. A send with a duty
+below 1 runs one chunk at a time (gather, send, wait), then rests.
 """
 
 from __future__ import annotations
@@ -30,11 +34,13 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from daemons.engine.kvblocks import KvBlocks, Staging
+from daemons.pacing import rest_s
 
 log = logging.getLogger("llumnix.kvtransfer")
 
@@ -43,7 +49,7 @@ SOURCE_RANK, DEST_RANK = 0, 1
 _set_num_threads = torch.set_num_threads
 
 
-def _one_thread() -> None:
+def _init_thread() -> None:
     """Copies are memory-bound: one thread moves them as fast, and leaves the other cores to the engine."""
     _set_num_threads(1)
 
@@ -63,7 +69,7 @@ class Pair:
         self.peer = 1 - rank
         self.timeout = timedelta(seconds=timeout_s)
         self.broken = False
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"kv-{key[-8:]}", initializer=_one_thread)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"kv-{key[-8:]}", initializer=_init_thread)
         self._buffers: Staging | None = None
         self.two_hop: bool | None = None  # None: stage through the device when the KV is not on the CPU
         self._pg: dist.ProcessGroup | None = None
@@ -96,10 +102,11 @@ class Pair:
         work.wait(self.timeout)
 
     def send(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int, limit_bytes_s: float = 0.0,
-             tail_tokens: int = 0) -> Future:
+             tail_tokens: int = 0, duty: Callable[[], float] | None = None) -> Future:
         """Gather and send ``block_ids`` in chunks; the future resolves to the bytes sent. ``tail_tokens``:
-        of the last block send only its first this many token slots (0: all of it)."""
-        return self._pool.submit(self._send, kv, list(block_ids), chunk_blocks, limit_bytes_s, tail_tokens)
+        of the last block send only its first this many token slots (0: all of it). ``duty``: read before
+        each chunk, the share of time the copy may run (1: as fast as it goes)."""
+        return self._pool.submit(self._send, kv, list(block_ids), chunk_blocks, limit_bytes_s, tail_tokens, duty)
 
     def recv(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int, tail_tokens: int = 0) -> Future:
         """Receive into ``block_ids`` (the same count and ``tail_tokens`` the peer sends, in order); resolves
@@ -120,8 +127,8 @@ class Pair:
             raise TransferError(text[:300]) from None
 
     def _send(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int, limit_bytes_s: float,
-              tail_tokens: int) -> int:
-        return self._gloo(self._send_chunks, kv, block_ids, chunk_blocks, limit_bytes_s, tail_tokens)
+              tail_tokens: int, duty: Callable[[], float] | None) -> int:
+        return self._gloo(self._send_chunks, kv, block_ids, chunk_blocks, limit_bytes_s, tail_tokens, duty)
 
     def _recv(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int, tail_tokens: int) -> int:
         return self._gloo(self._recv_chunks, kv, block_ids, chunk_blocks, tail_tokens)
@@ -163,7 +170,7 @@ class Pair:
         return parts
 
     def _send_chunks(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int, limit_bytes_s: float,
-                     tail_tokens: int) -> int:
+                     tail_tokens: int, duty: Callable[[], float] | None = None) -> int:
         pg = self._ready()
         st = self._staging(kv, chunk_blocks * kv.block_nbytes)
         parts = self._send_parts(kv, st, block_ids, chunk_blocks, tail_tokens)
@@ -171,11 +178,18 @@ class Pair:
         start, sent = time.perf_counter(), 0
         for i, part in enumerate(parts):
             b = i % 2
+            share = duty() if duty is not None else 1.0
+            began = time.perf_counter()
             for work in inflight[b]:
                 self._wait(work)  # that slot is free again
             frames = part(b)
             inflight[b] = [pg.send([f], self.peer, 0) for f in frames]
             sent += sum(f.numel() for f in frames)
+            if share < 1.0:  # paced by duty: this chunk's whole cost, then a rest in proportion
+                for work in inflight[b]:
+                    self._wait(work)
+                inflight[b] = []
+                time.sleep(rest_s(time.perf_counter() - began, share))
             if limit_bytes_s > 0:  # pace to the cap: sleep until this many bytes are due
                 ahead = sent / limit_bytes_s - (time.perf_counter() - start)
                 if ahead > 0:

@@ -13,6 +13,10 @@ Source, for one request (README.md "Live migration"):
     then        drop the request here; its tokens come from the destination, at the next index, to the same
                 proxy (which is told the request moved)
 
+Pre-copy is paced (daemons/pacing.py): with ``max_decode_slowdown`` set, the copy runs only so much of the
+time that the engine's steps stay within that much of their time without a migration (``stepped``, which
+the instance calls after every step), under ``bandwidth_limit_mbps`` as the hard cap; the last stage never.
+
 Every step is acknowledged and has a timeout. The source aborts when the request finishes or is preempted
 during pre-copy, or when the destination refuses, times out, dies or a transfer fails; it resumes the
 request if it had suspended it, and tells the destination to release. A destination that hears nothing for
@@ -49,6 +53,7 @@ from daemons.config import MigrationConfig
 from daemons.engine.base import Engine, EngineError
 from daemons.engine.kvblocks import KvLayout
 from daemons.kvtransfer import KvTransfer, TransferError
+from daemons.pacing import MIN_DUTY, Baseline, DutyPacer
 from daemons.proxylinks import ProxyLinks
 from daemons.requests import RequestTable
 from daemons.security import Security
@@ -153,10 +158,22 @@ class Migrator:
         self._prefix_queries = 0
         self._prefix_waits: dict[int, asyncio.Future] = {}
         self._tasks: set[asyncio.Task] = set()
+        self.step_baseline = Baseline()  # engine steps while no migration runs here
+        self._pacers: dict[str, DutyPacer] = {}  # by migration id, while its pre-copy sends
 
     @property
     def busy(self) -> int:
         return len(self.outgoing) + len(self.incoming)
+
+    def stepped(self, step_s: float) -> None:
+        """(Instance, after each engine step) A step with no migration here joins the baseline; one during a
+        paced pre-copy adjusts that copy's duty."""
+        if self._pacers:
+            baseline = self.step_baseline.value()
+            for pacer in self._pacers.values():
+                pacer.step(step_s, baseline)
+        elif not self.outgoing and not self.incoming:
+            self.step_baseline.add(step_s)
 
     def spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
@@ -259,6 +276,7 @@ class Migrator:
             headroom = (self.cfg.last_stage_max_blocks + 2) * bs
             pair = self.kv.source_pair(me, dst)
             sock = self._peer(dst_address)
+            pacer = DutyPacer(self.cfg.max_decode_slowdown) if self.cfg.max_decode_slowdown > 0 else None
             while True:
                 if stage > 0:
                     view = await self.boundary(lambda: self.engine.migration_view(request_id))
@@ -318,17 +336,25 @@ class Migrator:
                 t_ready = time.perf_counter()
                 # The cap spares the engine during pre-copy; the last stage is downtime: never paced.
                 cap = 0.0 if last else limit
-                sending = asyncio.wrap_future(pair.send(kb, ids, chunk_blocks, cap, tail)) if ids else None
+                paced = pacer if ids and not last else None
+                duty = (lambda: pacer.duty) if paced else None
+                sending = asyncio.wrap_future(pair.send(kb, ids, chunk_blocks, cap, tail, duty)) if ids else None
                 if sending is not None and await_ready:
-                    result.bytes += await self._sent(sending, dst, len(ids) * kb.block_nbytes)
+                    if paced:
+                        self._pacers[out.mig_id] = paced
+                    try:
+                        result.bytes += await self._sent(sending, dst, len(ids) * kb.block_nbytes, paced is not None)
+                    finally:
+                        self._pacers.pop(out.mig_id, None)
                 t_sent = time.perf_counter()
                 await self._reply(out, wire.MigDone, stage, "the commit" if last else f"stage {stage}'s copy")
                 t_done = time.perf_counter()  # after the last stage: the request runs on the destination
                 if sending is not None and not await_ready:  # done: the destination got it all
                     result.bytes += await self._sent(sending, dst, len(ids) * kb.block_nbytes)
-                log.debug("migration %s stage %d%s: %d blocks; ready %.2f ms, copy %.2f ms, done %.2f ms",
+                log.debug("migration %s stage %d%s: %d blocks; ready %.2f ms, copy %.2f ms, done %.2f ms%s",
                           out.mig_id, stage, " (last)" if last else "", len(ids), (t_ready - t_msg) * 1e3,
-                          (t_sent - t_ready) * 1e3, (t_done - t_sent) * 1e3)
+                          (t_sent - t_ready) * 1e3, (t_done - t_sent) * 1e3,
+                          f"; duty {pacer.duty:.2f} ({pacer.over}/{pacer.steps} steps over)" if paced else "")
                 sent += ids
                 stage += 1
                 if last:
@@ -378,9 +404,10 @@ class Migrator:
                  result.blocks, result.bytes / 1e6, result.downtime_ms, result.total_ms)
         return result
 
-    async def _sent(self, sending: asyncio.Future, dst: str, nbytes: int) -> int:
+    async def _sent(self, sending: asyncio.Future, dst: str, nbytes: int, paced: bool = False) -> int:
+        rate = 1e8 * (MIN_DUTY if paced else 1.0)  # at least 100 MB/s, or that at the lowest duty where paced
         try:
-            sent = await asyncio.wait_for(sending, self.cfg.timeout_s + nbytes / 1e8)
+            sent = await asyncio.wait_for(sending, self.cfg.timeout_s + nbytes / rate)
         except (TransferError, asyncio.TimeoutError) as exc:
             raise Aborted(f"KV transfer failed: {exc or 'timed out'}") from None
         M_BYTES.labels("out").inc(sent)
