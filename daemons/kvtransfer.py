@@ -23,11 +23,14 @@ as the staged chunk is (one message per layer on the rows path), so either end d
 A send may be paced two ways: a hard cap in bytes per second, and a duty (daemons/pacing.py), the share of
 time the copy may run, which the migration lowers while the engine's steps slow down. A send with a duty
 below 1 runs one chunk at a time (gather, send, wait), then rests.
+
+A pair's thread runs off the engine's cores where the process has more than one (``transfer_cores``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import secrets
 import threading
@@ -49,9 +52,47 @@ SOURCE_RANK, DEST_RANK = 0, 1
 _set_num_threads = torch.set_num_threads
 
 
+_pinned: set[int] = set()  # native ids of the pair threads pinned so far (not the engine's)
+
+
+def transfer_cores(allowed: set[int], bound: list[set[int]]) -> set[int] | None:
+    """The cores a pair thread runs on, given the process's ``allowed`` cores and the affinities of its
+    other threads (``bound``): a thread pinned to fewer cores than allowed is the engine's (vLLM's CPU
+    worker binds its OpenMP threads, vllm.cpu_bind), and the copy takes the other cores. None (leave the
+    thread where the kernel puts it): one core, an engine bound nowhere (nobind, the default: the kernel
+    balances both threads over the cores better than a fixed core would; on 2 cores shared by two
+    instances no choice keeps a copy off every engine), or an engine bound to every core."""
+    if len(allowed) < 2:
+        return None
+    engine = set().union(*[b for b in bound if b < allowed])
+    if not engine:
+        return None
+    return (allowed - engine) or None
+
+
+def _pin_off_engine() -> None:
+    tid = threading.get_native_id()
+    try:
+        allowed = os.sched_getaffinity(0)
+        bound = []
+        for name in os.listdir("/proc/self/task"):
+            if name.isdigit() and int(name) != tid and int(name) not in _pinned:
+                try:
+                    bound.append(os.sched_getaffinity(int(name)))
+                except OSError:  # the thread ended meanwhile
+                    pass
+        cores = transfer_cores(allowed.union(*bound), bound)
+        if cores is not None:
+            os.sched_setaffinity(tid, cores)
+            _pinned.add(tid)
+    except (OSError, AttributeError) as exc:  # no /proc, or no sched_*affinity (not Linux)
+        log.debug("KV transfer thread left unpinned: %s", exc)
+
+
 def _init_thread() -> None:
     """Copies are memory-bound: one thread moves them as fast, and leaves the other cores to the engine."""
     _set_num_threads(1)
+    _pin_off_engine()
 
 
 class TransferError(Exception):

@@ -1,4 +1,5 @@
-"""Pre-copy pacing (daemons/pacing.py) over plain numbers, and the copy's rests on a real Gloo pair."""
+"""Pre-copy pacing (daemons/pacing.py) over plain numbers, the copy's rests on a real Gloo pair, and where
+the pair's thread runs (kvtransfer.transfer_cores)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,15 @@ def test_duty_stays_in_bounds_and_slower_steps_never_give_more_duty(target, step
 def test_a_rest_makes_the_busy_time_its_duty_of_the_whole(busy, duty):
     assert busy / (busy + rest_s(busy, duty)) == pytest.approx(duty)
     assert rest_s(busy, 1.0) == 0.0
+
+
+def test_the_transfer_thread_runs_off_the_engines_cores():
+    from daemons.kvtransfer import transfer_cores
+
+    assert transfer_cores({0}, [{0}]) is None  # one core: nowhere else to go
+    assert transfer_cores({0, 1, 2, 3}, [{0, 1, 2, 3}, {0, 1, 2, 3}]) is None  # engine unbound: the kernel balances
+    assert transfer_cores({0, 1, 2, 3}, [{0}, {1}, {0, 1, 2, 3}]) == {2, 3}  # OpenMP threads bound to 0 and 1
+    assert transfer_cores({0, 1}, [{0}, {1}]) is None  # the engine has every core: stay unpinned
 
 
 @pytest.fixture(scope="module")
