@@ -67,7 +67,7 @@ class NoInstance(Exception):
 class Stream:
     """One request's outputs, in index order, each index once, from its current owner only."""
 
-    __slots__ = ("request_id", "submit", "ready", "next_index", "early", "event", "done", "error", "status",
+    __slots__ = ("request_id", "submit", "ready", "next_index", "early", "waiter", "done", "error", "status",
                  "instance_id", "address", "tried", "sent_at", "given_back", "epoch", "owner_from", "token_ids",
                  "failovers", "progress_at", "deadline", "fenced", "exclude")
 
@@ -77,7 +77,7 @@ class Stream:
         self.ready: list[wire.TokenOut] = []
         self.next_index = 0
         self.early: dict[int, wire.TokenOut] = {}
-        self.event = asyncio.Event()
+        self.waiter: asyncio.Future | None = None  # take()'s, while it waits (cheaper than an asyncio.Event)
         self.done = False
         self.error: str | None = None
         self.status = 200
@@ -113,7 +113,7 @@ class Stream:
         while self.next_index in self.early:
             self._accept(self.early.pop(self.next_index))
         self.progress_at = time.monotonic()
-        self.event.set()
+        self._wake()
 
     def _accept(self, out: wire.TokenOut) -> None:
         self.ready.append(out)
@@ -125,15 +125,23 @@ class Stream:
     def fail(self, message: str, status: int = 503) -> None:
         if not self.done:
             self.error, self.status, self.done = message, status, True
-            self.event.set()
+            self._wake()
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def take(self) -> list[wire.TokenOut]:
         """Wait for outputs; returns [] only when the stream ended with an error."""
         while not self.ready:
             if self.done:
                 return []
-            self.event.clear()
-            await self.event.wait()
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
         out, self.ready = self.ready, []
         return out
 
@@ -168,6 +176,7 @@ class ClusterClient:
         self.rank, self.proxies = 0, 1  # our place among the proxies the manager hears from (see tie_start)
         self.view = DispatchView(cfg.manager.pending_dispatch_ttl_s, cfg.scheduling.high_priority_headroom)
         self._tasks: list[asyncio.Task] = []
+        self._soon: list[wire.Message] = []  # for the manager at the end of this loop turn (_tell_manager_soon)
         self.essential: list[asyncio.Task] = []  # if one of these ends, the proxy exits (it would be deaf)
 
     # ------------------------------------------------------------------ life cycle
@@ -310,7 +319,7 @@ class ClusterClient:
 
     def _chose(self, sub: wire.Submit, chosen: str) -> tuple[str, str]:
         M_LOCAL.inc()
-        self._tell_manager(wire.Dispatched(sub.request_id, chosen, len(sub.prompt_token_ids), sub.priority))
+        self._tell_manager_soon(wire.Dispatched(sub.request_id, chosen, len(sub.prompt_token_ids), sub.priority))
         if log.isEnabledFor(logging.DEBUG):
             log.debug("request %s -> %s (own view: %s)", sub.request_id, chosen, self.view.describe(chosen))
         return chosen, self.addresses[chosen]
@@ -355,6 +364,19 @@ class ClusterClient:
     def _tell_manager(self, msg: wire.Message) -> None:
         if not runtime.send_now(self.manager, wire.encode(msg)):
             log.debug("manager unreachable; it will not count a %s", type(msg).__name__)
+
+    def _tell_manager_soon(self, msg: wire.Message) -> None:
+        """Tell the manager at the end of this loop turn: the request itself goes out first, and the turn's
+        messages go together. Every ZeroMQ send that finds the I/O thread asleep wakes it (tens of us on a
+        loaded or virtual machine); sends in a row mostly find it awake."""
+        if not self._soon:
+            asyncio.get_running_loop().call_soon(self._flush_soon)
+        self._soon.append(msg)
+
+    def _flush_soon(self) -> None:
+        soon, self._soon = self._soon, []
+        for msg in soon:
+            self._tell_manager(msg)
 
     def _send_instance(self, address: str, msg: wire.Message) -> bool:
         sock = self.instances.get(address)

@@ -31,6 +31,7 @@ _json = msgspec.json.encode
 ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
 SSE_TYPE = "text/event-stream; charset=utf-8"  # as Starlette's StreamingResponse names it
 JSON_TYPE = "application/json"
+_DONE = b"data: [DONE]\n\n"
 
 
 class Call:
@@ -62,6 +63,54 @@ class Call:
             return work.result()
         work.cancel()
         return None
+
+
+class _FastCall(Call):
+    """A Call whose client is watched by one task for the whole request (not two tasks and a wait per
+    phase): while ``guarded``, the client's leaving cancels the request's task, which takes it as the client
+    gone (``gone``) and stops."""
+
+    __slots__ = ("task", "watcher", "guarded", "gone")
+
+    def __init__(self, headers, principal: Principal | None, receive, read):
+        super().__init__(headers, principal, receive, read)
+        self.task = asyncio.current_task()
+        self.watcher: asyncio.Future | None = None
+        self.guarded = False
+        self.gone = False
+
+    def watch(self) -> None:
+        if self.watcher is None:
+            self.watcher = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        # uvicorn answers http.disconnect once the client left or the response is complete
+        while (await self.receive())["type"] != "http.disconnect":
+            pass
+        self.gone = True
+        if self.guarded:
+            self.task.cancel()
+
+    def stop_watching(self) -> None:
+        self.guarded = False
+        if self.watcher is not None:
+            self.watcher.cancel()
+
+    async def unless_disconnected(self, coro):
+        if self.gone:
+            coro.close()
+            return None
+        self.watch()
+        self.guarded = True
+        try:
+            return await coro
+        except asyncio.CancelledError:
+            if not self.gone:
+                raise
+            self.task.uncancel()  # the cancel was ours: the client left
+            return None
+        finally:
+            self.guarded = False
 
 
 class Reply:
@@ -129,21 +178,24 @@ class FastPath:
         except ApiError as exc:  # refused before the request is read: still one access line and count
             self.proxy._access(None, chat, time.perf_counter(), exc.status)
             return await self._answer(send, path, error_reply(exc, None))
-        call = Call(headers, principal, receive, lambda: self._body(receive))
+        call = _FastCall(headers, principal, receive, lambda: self._body(receive))
         try:
-            reply = await self.proxy.handle(call, chat)
-        except ApiError as exc:
-            if exc.status >= 500:
-                log.warning("%s failed: %s", path, exc.message)
-            return await self._answer(send, path, error_reply(exc, call.echo_id))
-        except Exception as exc:
-            log.exception("%s: internal error", path)
-            return await self._answer(send, path, error_reply(
-                ApiError(500, f"internal error: {type(exc).__name__}: {exc}"), call.echo_id))
-        if reply.stream is None:
-            return await self._answer(send, path, reply)
-        self.ok[path].inc()
-        await self._stream(receive, send, reply)
+            try:
+                reply = await self.proxy.handle(call, chat)
+            except ApiError as exc:
+                if exc.status >= 500:
+                    log.warning("%s failed: %s", path, exc.message)
+                return await self._answer(send, path, error_reply(exc, call.echo_id))
+            except Exception as exc:
+                log.exception("%s: internal error", path)
+                return await self._answer(send, path, error_reply(
+                    ApiError(500, f"internal error: {type(exc).__name__}: {exc}"), call.echo_id))
+            if reply.stream is None:
+                return await self._answer(send, path, reply)
+            self.ok[path].inc()
+            await self._stream(call, send, reply)
+        finally:
+            call.stop_watching()
 
     async def _body(self, receive) -> bytes:
         """The request body, refused (413) as soon as it grows past the limit: never held whole if larger."""
@@ -167,33 +219,31 @@ class FastPath:
         await send({"type": "http.response.start", "status": reply.status, "headers": raw})
         await send({"type": "http.response.body", "body": reply.body})
 
-    async def _stream(self, receive, send, reply: Reply) -> None:
-        """Write the SSE chunks as they come, one write each; a client that leaves cancels the stream."""
+    async def _stream(self, call: _FastCall, send, reply: Reply) -> None:
+        """Write the SSE chunks as they come, one write each (the last one with the end of the body); a client
+        that leaves cancels the stream."""
         raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in reply.headers.items()]
         raw.append((b"content-type", SSE_TYPE.encode()))
-        task = asyncio.current_task()
-        state = {"done": False, "gone": False}
-
-        async def watch() -> None:  # ends with the response (uvicorn then answers http.disconnect) or the client
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            if not state["done"]:
-                state["gone"] = True
-                task.cancel()
-
-        watcher = asyncio.ensure_future(watch())
         body = reply.stream
+        if call.gone:  # the generator never runs: its finalizer ends the request (Proxy._abandoned)
+            return
+        call.watch()
+        call.guarded = True
         try:
             await send({"type": "http.response.start", "status": 200, "headers": raw})
             async for chunk in body:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            state["done"] = True
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                if chunk.endswith(_DONE):  # the stream's last event: the response ends with it
+                    call.guarded = False
+                    await send({"type": "http.response.body", "body": chunk, "more_body": False})
+                else:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if call.guarded:
+                call.guarded = False
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
-            if not state["gone"]:
+            if not call.gone:
                 raise
-            task.uncancel()  # the client left: the stream's end is logged (499); nothing to tell the server
+            call.task.uncancel()  # the client left: the stream's end is logged (499); nothing to tell the server
         finally:
-            state["done"] = True
-            watcher.cancel()
+            call.guarded = False
             await body.aclose()  # runs its cleanup now (the request's abort, its access line), if not yet run

@@ -8,8 +8,8 @@ text, one chunk from a pre-rendered head and tail around the JSON string, and on
 
 from __future__ import annotations
 
+import os
 import time
-import uuid
 
 import msgspec
 
@@ -53,7 +53,7 @@ class Job:
 
     def __init__(self, chat: bool, request_id: str | None, arrival: float):
         self.chat = chat
-        self.id = ("chatcmpl-" if chat else "cmpl-") + (request_id if request_id is not None else uuid.uuid4().hex)
+        self.id = ("chatcmpl-" if chat else "cmpl-") + (request_id if request_id is not None else os.urandom(16).hex())
         self.created = int(time.time())
         self.arrival = arrival
         self.first_at: float | None = None  # perf_counter of the first token of any choice
