@@ -13,6 +13,13 @@ For each request length L (prompt tokens), on instance i0 of a throw-away cluste
 3. Blocking copy, the other alternative: another request of the same length is migrated with
    ``--blocking`` (suspend first, then copy everything): its downtime.
 
+``--shared-prefix P`` (vLLM, prefix caching on) measures what a long shared prefix saves instead: per length
+L above P, a request whose prompt is a P-token prefix plus its own tokens decodes on one instance and is
+migrated once to the other, first while the destination holds nothing of it ("before": the bytes and
+downtime of a migration without prefix caching), then, for a request with a new prefix, after the
+destination served a request that starts with that prefix ("after": its prefix cache holds it, and those
+blocks stay out of the copy). The JSON's ``shared_prefix`` holds both; ``results`` is then empty.
+
 Nothing here asserts a timing; the figures depend on the machine (see the closing notes in the tracker).
 
 ``--netns``: the same across "hosts" (llumnixctl.netns): each instance in its own network namespace, the
@@ -136,7 +143,8 @@ def _recompute_ms(request_address: str, prompt: list[int], timeout_s: float, rep
         pull.close(0)
 
 
-def _settings(backend: str, model: Path | None, lengths: list[int], decode_tokens: int) -> list[str]:
+def _settings(backend: str, model: Path | None, lengths: list[int], decode_tokens: int,
+              prefix_caching: bool = False) -> list[str]:
     longest = max(max(lengths) + decode_tokens + 64, 4096)
     blocks_tokens = 2 * longest + 1024  # a migrated request and the blocking-copy one may overlap briefly
     common = ["manager.dispatch_policy=flood", f"instance.log_level={os.environ.get('LLUMNIX_BENCH_LOG', 'warning')}", "proxy.log_level=warning",
@@ -149,7 +157,8 @@ def _settings(backend: str, model: Path | None, lengths: list[int], decode_token
     # the instance's event loop may hear nothing for longer than the watchdog and proxy-liveness defaults.
     return common + ["instance.step_timeout_s=900", "instance.orphan_timeout_s=900",
                      f"model.path={model}", "model.name=bench", "vllm.block_size=32",
-                     f"vllm.kv_cache_bytes={blocks_tokens * KV_BYTES_PER_TOKEN}", "vllm.max_num_seqs=8"]
+                     f"vllm.kv_cache_bytes={blocks_tokens * KV_BYTES_PER_TOKEN}", "vllm.max_num_seqs=8"] + \
+        (["vllm.enable_prefix_caching=true"] if prefix_caching else [])
 
 
 def _placement(lab: dict):
@@ -174,9 +183,10 @@ def _placement(lab: dict):
 
 
 def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int, log, repeat: int = 4,
-        gap_tokens: int = 8, lab: dict | None = None, extra: list[str] | None = None) -> dict:
+        gap_tokens: int = 8, lab: dict | None = None, extra: list[str] | None = None, shared_prefix: int = 0) -> dict:
     """The benchmark; ``lab``: run across the hosts of a llumnixctl.netns lab (Lab.describe() plus what
-    --netns measured), from inside its control host; ``extra``: settings after the benchmark's own (--set)."""
+    --netns measured), from inside its control host; ``extra``: settings after the benchmark's own (--set);
+    ``shared_prefix``: measure a shared prefix of this many tokens instead (vLLM)."""
     run_dir = Path(tempfile.mkdtemp(prefix="llumnix-bench-mig-"))
     place, manager_host = _placement(lab) if lab else (None, "127.0.0.1")
     generated = backend == "vllm" and model is None
@@ -188,18 +198,41 @@ def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int
             model = write_tiny_model(run_dir / "kv-heavy", size="kv-heavy")
         log("starting two instances ...")
         state = localcluster.up(run_dir, 2, backend, 0, None,
-                                _settings(backend, model, lengths, decode_tokens) + list(extra or []),
+                                _settings(backend, model, lengths, decode_tokens, shared_prefix > 0) + list(extra or []),
                                 timeout_s=600, place=place, manager_host=manager_host)
     except localcluster.ClusterError as exc:
         shutil.rmtree(run_dir, ignore_errors=True)
         raise RuntimeError(str(exc)) from None
     admin = AdminClient(state.manager_address, timeout_s=600)
-    results = []
+    results, prefix_rows = [], []
     try:
         addresses = {v.instance_id: v.request_address for v in admin.status().instances}
         rng = random.Random(0)
         model_name = "bench" if backend == "vllm" else "llumnix-sim"
-        for n in lengths:
+        for n in lengths if shared_prefix else []:
+            if n <= shared_prefix:
+                log(f"{n} tokens: not longer than the shared prefix ({shared_prefix}); skipped")
+                continue
+            log(f"{n} tokens, {shared_prefix} of them a shared prefix ...")
+            row = {"tokens": n}
+            for when in ("before", "after"):
+                prefix = [rng.randrange(10, 1000) for _ in range(shared_prefix)]  # new each time: cached nowhere
+                s = _Tokens(state.url, model_name, prefix + [rng.randrange(10, 1000) for _ in range(n - shared_prefix)],
+                            decode_tokens)
+                s.wait(8, timeout=900)
+                there = _other(_where(admin, s.rid), addresses)
+                if when == "after":  # the destination serves another request with the same prefix first
+                    _recompute_ms(addresses[there], prefix + [rng.randrange(10, 1000) for _ in range(32)],
+                                  timeout_s=900, reply_host=manager_host)
+                out = admin.migrate(there, request_id=s.rid).outcomes[0]
+                s.end()
+                if out.outcome != "committed":
+                    raise RuntimeError(f"the {n}-token migration ({when} the shared prefix) aborted: {out.reason}")
+                row[when] = {"bytes": out.bytes, "blocks": out.blocks, "cached_blocks": out.cached_blocks,
+                             "downtime_ms": out.downtime_ms, "migration_ms": out.total_ms}
+                _wait_idle(admin)
+            prefix_rows.append(row)
+        for n in [] if shared_prefix else lengths:
             log(f"{n} tokens ...")
             prompt = [rng.randrange(10, 1000) for _ in range(n)]
             # (1) live migrations with pre-copy, back and forth, and the decode step time around them
@@ -245,6 +278,8 @@ def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int
                 "decode_step_migrating_ms": statistics.mean(during) if during else None,
                 "decode_steps": len(quiet), "decode_steps_during_migration": len(during),
                 "client_gap_ms": statistics.median(stalls),
+                "decode_slowdown_pct": (statistics.mean(during) / statistics.mean(quiet) - 1) * 100
+                if quiet and during else None,
             })
             _wait_idle(admin)
     finally:
@@ -260,7 +295,10 @@ def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int
         network = {"netns": True, "rate": lab.get("rate") or None, "delay_ms": lab.get("delay_ms", 0.0),
                    "link_gbps_measured": lab.get("link_gbps_measured"), "delay_available": lab.get("delay_available"),
                    "hosts": {n: h["address"] for n, h in lab["hosts"].items()}}
-    return {"backend": backend, "model": label, "cores": psutil.cpu_count(), "network": network, "results": results}
+    result = {"backend": backend, "model": label, "cores": psutil.cpu_count(), "network": network, "results": results}
+    if shared_prefix:
+        result["shared_prefix"] = {"tokens": shared_prefix, "results": prefix_rows}
+    return result
 
 
 def _where(admin: AdminClient, request_id: str) -> str:
@@ -295,6 +333,7 @@ def command(
     rate: Annotated[str, typer.Option(help="with --netns: limit each instance's link, both ways (tc rate: 10gbit, 1gbit; empty = no limit)")] = "",
     delay_ms: Annotated[float, typer.Option(help="with --netns: added one-way latency between the instances (half on each instance's link, each way)", min=0.0)] = 0.0,
     set_: Annotated[list[str] | None, typer.Option("--set", help="setting for every daemon, after the benchmark's own (e.g. vllm.gpu_memory_utilization=0.4): section.key=value")] = None,
+    shared_prefix: Annotated[int, typer.Option(help="vllm: measure instead what prefix caching saves a migration whose prompt starts with a prefix of this many tokens that the destination served before (bytes, cached blocks, downtime; before/after); lengths up to it are skipped", min=0)] = 0,
 ) -> None:
     """Live-migration downtime against blocking copy and recomputation, per request length (the paper's Fig 10)."""
     err = Console(stderr=True)
@@ -308,12 +347,20 @@ def command(
     if not sizes or sizes[0] < 1:
         err.print(f"llumnixctl: --lengths must be positive integers separated by commas; got {lengths!r}", markup=False)
         raise typer.Exit(2)
+    if shared_prefix and backend != "vllm":
+        err.print("llumnixctl: --shared-prefix needs --backend vllm (the sim has no prefix cache)", markup=False)
+        raise typer.Exit(2)
+    if shared_prefix and sizes[-1] <= shared_prefix:
+        err.print(f"llumnixctl: --shared-prefix {shared_prefix} leaves no length to measure: give --lengths longer "
+                  "than it", markup=False)
+        raise typer.Exit(2)
     if (rate or delay_ms) and not netns:
         err.print("llumnixctl: --rate and --delay-ms shape the links between namespaces: add --netns", markup=False)
         raise typer.Exit(2)
     extra = list(set_ or [])
     try:  # a bad setting fails here, not in a daemon's log
-        load_config(None, _settings(backend, model, sizes, decode_tokens) + extra, {"instance.backend": backend})
+        load_config(None, _settings(backend, model, sizes, decode_tokens, shared_prefix > 0) + extra,
+                    {"instance.backend": backend})
     except ConfigError as exc:
         sys.stderr.write(f"llumnixctl: {exc}\n")  # one line, never wrapped
         raise typer.Exit(2)
@@ -322,12 +369,12 @@ def command(
         argv = ["bench", "migration", "--backend", backend, "--lengths", lengths, "--decode-tokens", str(decode_tokens),
                 "--repeat", str(repeat), "--netns", "--rate", rate, "--delay-ms", str(delay_ms)]
         argv += (["--model", str(model.resolve())] if model else []) + (["--json"] if json_ else [])
-        argv += [a for x in extra for a in ("--set", x)]
+        argv += [a for x in extra for a in ("--set", x)] + (["--shared-prefix", str(shared_prefix)] if shared_prefix else [])
         raise typer.Exit(_in_lab(argv, rate, delay_ms, err))
     try:
         result = run(backend, model.resolve() if model else None, sizes,
                      max(decode_tokens, 8 + repeat * 24), lambda m: err.print(m, markup=False), repeat=repeat, lab=lab,
-                     extra=extra)
+                     extra=extra, shared_prefix=shared_prefix)
     except RuntimeError as exc:
         err.print(f"llumnixctl: {exc}", markup=False)
         raise typer.Exit(1) from None
@@ -340,19 +387,32 @@ def command(
         title += (f" · across namespaces, link {net['rate'] or 'unshaped'}"
                   + (f" + {net['delay_ms']:g} ms" if net["delay_ms"] else "")
                   + (f" (one TCP stream: {net['link_gbps_measured']:.1f} Gbit/s)" if net.get("link_gbps_measured") else ""))
-    table = Table(title=title)
-    for col in ("tokens", "MB moved", "stages", "downtime ms (median)", "migration ms (median)", "blocking copy ms",
-                "recompute ms", "decode step ms", "while migrating", "client gap ms"):
-        table.add_column(col, justify="right")
+    console = Console(width=None if sys.stdout.isatty() else 160)  # piped: never squeeze the table
 
     def ms(x):
         return "-" if x is None else f"{x:.2f}"
 
+    if shared_prefix:
+        table = Table(title=f"{title} · shared prefix of {shared_prefix} tokens, prefix caching on")
+        for col in ("tokens", "before: MB moved", "downtime ms", "after: MB moved", "cached blocks", "downtime ms"):
+            table.add_column(col, justify="right")
+        for r in result["shared_prefix"]["results"]:
+            b, a = r["before"], r["after"]
+            table.add_row(str(r["tokens"]), f"{b['bytes'] / 1e6:.1f}", ms(b["downtime_ms"]), f"{a['bytes'] / 1e6:.1f}",
+                          str(a["cached_blocks"]), ms(a["downtime_ms"]))
+        console.print(table)
+        return
+    table = Table(title=title)
+    for col in ("tokens", "MB moved", "stages", "downtime ms (median)", "migration ms (median)", "blocking copy ms",
+                "recompute ms", "decode step ms", "while migrating", "slowdown %", "client gap ms"):
+        table.add_column(col, justify="right")
     for r in result["results"]:
+        slowdown = r.get("decode_slowdown_pct")
         table.add_row(str(r["tokens"]), f"{r['bytes'] / 1e6:.1f}", str(r["stages"]), ms(r["downtime_ms"]),
                       ms(r["migration_ms"]), ms(r["blocking_copy_ms"]), ms(r["recompute_ms"]),
-                      ms(r["decode_step_ms"]), ms(r["decode_step_migrating_ms"]), ms(r["client_gap_ms"]))
-    Console(width=None if sys.stdout.isatty() else 160).print(table)  # piped: never squeeze the table
+                      ms(r["decode_step_ms"]), ms(r["decode_step_migrating_ms"]),
+                      "-" if slowdown is None else f"{slowdown:+.1f}", ms(r["client_gap_ms"]))
+    console.print(table)
 
 
 def _in_lab(argv: list[str], rate: str, delay_ms: float, err: Console) -> int:
