@@ -9,6 +9,7 @@ same access lines. A client that leaves mid-stream or before its first token abo
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import re
@@ -44,16 +45,14 @@ class FakeInstance:
         batches = [outs[:1]] + [outs[i:i + 2] for i in range(1, len(outs), 2)]
         if self.hold:
             batches = batches[:1]
-        loop = asyncio.get_running_loop()
-
-        def feed(k: int = 0) -> None:
-            if k < len(batches) and not stream.done:
-                for out in batches[k]:
-                    stream.feed(out)
-                loop.call_soon(feed, k + 1)
-
-        loop.call_soon(feed)
+        asyncio.get_running_loop().call_soon(self.feed, stream, batches, 0)
         return stream
+
+    def feed(self, stream: Stream, batches: list[list[wire.TokenOut]], k: int) -> None:
+        if k < len(batches) and not stream.done:
+            for out in batches[k]:
+                stream.feed(out)
+            asyncio.get_running_loop().call_soon(self.feed, stream, batches, k + 1)
 
     @staticmethod
     def out(sub: wire.Submit, i: int) -> wire.TokenOut:
@@ -259,3 +258,52 @@ def test_client_leaving_aborts_both_ways(both, stream):
             assert not both[1].active and not both[1].cluster.streams, way
     finally:
         instance.hold = False
+
+
+def test_request_path_leaves_no_reference_cycles(both):
+    """Every object a request makes on the fast path is freed by reference counting: the proxy runs the
+    garbage collector rarely on that basis (GC_THRESHOLD in daemons/proxy/app.py); a cycle per request (a
+    cancelled task's traceback, a closure that names itself) would be garbage only the collector frees."""
+    fast = both[0]["fast"].app
+    bodies = [json.dumps({"model": "llumnix-sim", **req}).encode() for req in (
+        {"prompt": "x y", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}},
+        {"prompt": [5, 6], "max_tokens": 2},
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 2, "stream": True},
+        {"prompt": "x", "max_tokens": 2, "logprobs": 2, "stop": ["zz"]},
+        {"prompt": "x", "model": "other"},  # 404
+    )]
+
+    async def one(body: bytes) -> None:  # a driver that makes no cycles of its own
+        pending = [{"type": "http.request", "body": body, "more_body": False}]
+        ended = asyncio.Event()
+
+        async def receive():
+            if pending:
+                return pending.pop()
+            await ended.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                ended.set()
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions" if b"prompt" in body else
+                 "/v1/chat/completions", "headers": [(b"authorization", f"Bearer {KEY}".encode())]}
+        await fast(scope, receive, send)
+        await asyncio.sleep(0)  # the watcher's last turn
+
+    async def run() -> list[str]:
+        for body in bodies * 2:  # warm: caches, metric children
+            await one(body)
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            for body in bodies * 4:
+                await one(body)
+            gc.collect()
+            return [type(o).__name__ for o in gc.garbage]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+
+    assert asyncio.run(run()) == []

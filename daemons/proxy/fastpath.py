@@ -92,9 +92,11 @@ class _FastCall(Call):
             self.task.cancel()
 
     def stop_watching(self) -> None:
+        # Not cancelled: the watcher ends by itself once the response is complete (uvicorn then answers
+        # http.disconnect), and a cancelled one would leave a reference cycle (its CancelledError's traceback
+        # holds this call) for the garbage collector, per request.
         self.guarded = False
-        if self.watcher is not None:
-            self.watcher.cancel()
+        self.watcher = None
 
     async def unless_disconnected(self, coro):
         if self.gone:
