@@ -20,6 +20,11 @@ A chunk whose blocks are one run of consecutive ids in a CPU KV tensor (fused an
 staging at that end: Gloo sends from, or receives into, the KV tensor itself (``KvBlocks.direct``), framed
 as the staged chunk is (one message per layer on the rows path), so either end decides for itself.
 
+A transfer with ``one_message`` stages every chunk and sends it as one message, whatever the path: on the
+rows path a chunk otherwise travels as one message per layer, and each message costs Gloo a round of its
+own, which for the few blocks of a last stage costs more than the staging copy (32 layers: 6 ms against
+2 ms for one 2 MiB block on 2 loaded cores). Both ends pass the same flag (the last stage's).
+
 A send may be paced two ways: a hard cap in bytes per second, and a duty (daemons/pacing.py), the share of
 time the copy may run, which the migration lowers while the engine's steps slow down. A send with a duty
 below 1 runs one chunk at a time (gather, send, wait), then rests.
@@ -143,16 +148,19 @@ class Pair:
         work.wait(self.timeout)
 
     def send(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int, limit_bytes_s: float = 0.0,
-             tail_tokens: int = 0, duty: Callable[[], float] | None = None) -> Future:
+             tail_tokens: int = 0, duty: Callable[[], float] | None = None, one_message: bool = False) -> Future:
         """Gather and send ``block_ids`` in chunks; the future resolves to the bytes sent. ``tail_tokens``:
         of the last block send only its first this many token slots (0: all of it). ``duty``: read before
-        each chunk, the share of time the copy may run (1: as fast as it goes)."""
-        return self._pool.submit(self._send, kv, list(block_ids), chunk_blocks, limit_bytes_s, tail_tokens, duty)
+        each chunk, the share of time the copy may run (1: as fast as it goes). ``one_message``: each chunk
+        staged and sent as one message (the receiver must say the same)."""
+        return self._pool.submit(self._send, kv, list(block_ids), chunk_blocks, limit_bytes_s, tail_tokens, duty,
+                                 one_message)
 
-    def recv(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int, tail_tokens: int = 0) -> Future:
-        """Receive into ``block_ids`` (the same count and ``tail_tokens`` the peer sends, in order); resolves
-        to the bytes received."""
-        return self._pool.submit(self._recv, kv, list(block_ids), chunk_blocks, tail_tokens)
+    def recv(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int, tail_tokens: int = 0,
+             one_message: bool = False) -> Future:
+        """Receive into ``block_ids`` (the same count, ``tail_tokens`` and ``one_message`` the peer sends, in
+        order); resolves to the bytes received."""
+        return self._pool.submit(self._recv, kv, list(block_ids), chunk_blocks, tail_tokens, one_message)
 
     def _chunks(self, block_ids: list[int], chunk_blocks: int) -> list[list[int]]:
         return [block_ids[i:i + chunk_blocks] for i in range(0, len(block_ids), chunk_blocks)]
@@ -168,11 +176,13 @@ class Pair:
             raise TransferError(text[:300]) from None
 
     def _send(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int, limit_bytes_s: float,
-              tail_tokens: int, duty: Callable[[], float] | None) -> int:
-        return self._gloo(self._send_chunks, kv, block_ids, chunk_blocks, limit_bytes_s, tail_tokens, duty)
+              tail_tokens: int, duty: Callable[[], float] | None, one_message: bool) -> int:
+        return self._gloo(self._send_chunks, kv, block_ids, chunk_blocks, limit_bytes_s, tail_tokens, duty,
+                          one_message)
 
-    def _recv(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int, tail_tokens: int) -> int:
-        return self._gloo(self._recv_chunks, kv, block_ids, chunk_blocks, tail_tokens)
+    def _recv(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int, tail_tokens: int,
+              one_message: bool) -> int:
+        return self._gloo(self._recv_chunks, kv, block_ids, chunk_blocks, tail_tokens, one_message)
 
     @staticmethod
     def _split(block_ids: list[int], tail_tokens: int) -> tuple[list[int], int | None]:
@@ -181,40 +191,47 @@ class Pair:
             return block_ids[:-1], block_ids[-1]
         return block_ids, None
 
-    def _send_parts(self, kv: KvBlocks, st: Staging, block_ids: list[int], chunk_blocks: int, tail_tokens: int):
+    @staticmethod
+    def _frames(kv: KvBlocks, buf, n: int, one_message: bool) -> list:
+        return [buf[:n * kv.block_nbytes]] if one_message else kv.frames(buf, n)
+
+    def _send_parts(self, kv: KvBlocks, st: Staging, block_ids: list[int], chunk_blocks: int, tail_tokens: int,
+                    one_message: bool = False):
         """Per chunk, a function of its staging slot that returns the tensors to send, in order."""
         whole, tail = self._split(block_ids, tail_tokens)
         parts = []
         for chunk in self._chunks(whole, chunk_blocks):
-            direct = None if st.two_hop else kv.direct(chunk)
+            direct = None if st.two_hop or one_message else kv.direct(chunk)
             if direct is not None:  # one run of blocks on the CPU: send out of the KV tensor itself
                 parts.append(lambda b, d=direct: d)
             else:
-                parts.append(lambda b, c=chunk: (st.load(b, c), kv.frames(st.host(b), len(c)))[1])
+                parts.append(lambda b, c=chunk: (st.load(b, c), self._frames(kv, st.host(b), len(c), one_message))[1])
         if tail is not None:
             parts.append(lambda b: [st.host(b)[:st.load_tail(b, tail, tail_tokens)]])
         return parts
 
-    def _recv_parts(self, kv: KvBlocks, st: Staging, block_ids: list[int], chunk_blocks: int, tail_tokens: int):
+    def _recv_parts(self, kv: KvBlocks, st: Staging, block_ids: list[int], chunk_blocks: int, tail_tokens: int,
+                    one_message: bool = False):
         """Per chunk, (the tensors to receive into from staging slot b, what writes slot b out then)."""
         whole, tail = self._split(block_ids, tail_tokens)
         parts = []
         for chunk in self._chunks(whole, chunk_blocks):
-            direct = None if st.two_hop else kv.direct(chunk)
+            direct = None if st.two_hop or one_message else kv.direct(chunk)
             if direct is not None:  # one run of blocks on the CPU: receive into the KV tensor itself
                 parts.append((lambda b, d=direct: d, lambda b: 0))
             else:
-                parts.append((lambda b, c=chunk: kv.frames(st.host(b), len(c)), lambda b, c=chunk: st.store(b, c)))
+                parts.append((lambda b, c=chunk: self._frames(kv, st.host(b), len(c), one_message),
+                              lambda b, c=chunk: st.store(b, c)))
         if tail is not None:
             parts.append((lambda b: [st.host(b)[:kv.tail_nbytes(tail_tokens)]],
                           lambda b: st.store_tail(b, tail, tail_tokens)))
         return parts
 
     def _send_chunks(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int, limit_bytes_s: float,
-                     tail_tokens: int, duty: Callable[[], float] | None = None) -> int:
+                     tail_tokens: int, duty: Callable[[], float] | None = None, one_message: bool = False) -> int:
         pg = self._ready()
         st = self._staging(kv, chunk_blocks * kv.block_nbytes)
-        parts = self._send_parts(kv, st, block_ids, chunk_blocks, tail_tokens)
+        parts = self._send_parts(kv, st, block_ids, chunk_blocks, tail_tokens, one_message)
         inflight: list = [[], []]  # the sends of the last two chunks, by staging slot
         start, sent = time.perf_counter(), 0
         for i, part in enumerate(parts):
@@ -240,10 +257,11 @@ class Pair:
                 self._wait(work)
         return sent
 
-    def _recv_chunks(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int, tail_tokens: int) -> int:
+    def _recv_chunks(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int, tail_tokens: int,
+                     one_message: bool = False) -> int:
         pg = self._ready()
         st = self._staging(kv, chunk_blocks * kv.block_nbytes)
-        parts = self._recv_parts(kv, st, block_ids, chunk_blocks, tail_tokens)
+        parts = self._recv_parts(kv, st, block_ids, chunk_blocks, tail_tokens, one_message)
 
         def post(i: int) -> tuple[list, int]:
             frames = parts[i][0](i % 2)

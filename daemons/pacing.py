@@ -21,7 +21,7 @@ START_DUTY = 0.5  # before the first steps say anything
 INCREASE = 0.05  # added to the duty per step within the target
 DECREASE = 0.5  # the duty's factor per step over the target
 RECENT = 3  # steps whose median is compared with the baseline (one slow step is noise)
-BASELINE = 32  # quiet steps the baseline is the median of
+BASELINE = 8  # quiet steps the baseline is the median of: the latest, for a step's time grows with the context
 MIN_BASELINE = 4  # fewer quiet steps than this: no baseline, the duty stays where it starts
 
 

@@ -108,3 +108,27 @@ def test_a_send_with_a_duty_rests_after_each_chunk_in_proportion(gloo_pair, monk
         assert len(rests) == 3 and all(r > 0 for r in rests)
     else:
         assert rests == []  # at full duty the double buffer runs as before, no rests
+
+
+@pytest.mark.parametrize("ids", [[3, 4, 5, 6, 7], [9, 2, 11, 5, 0]], ids=["one-run", "scattered"])
+def test_one_message_chunks_round_trip_on_the_rows_path(gloo_pair, monkeypatch, ids):
+    """The last stage's framing: each chunk one message, staged at both ends, even where a run of blocks
+    could go straight out of the per-layer KV tensors (one message per layer)."""
+    torch, src, dst = gloo_pair
+    from daemons.engine.kvblocks import KvBlocks
+    from daemons.kvtransfer import Pair
+
+    a = [torch.randint(0, 1000, (16, 2, 4, 8), dtype=torch.int16) for _ in range(3)]  # a tensor per layer: rows
+    b = [torch.zeros_like(t) for t in a]
+    ka, kb = KvBlocks(a, "t"), KvBlocks(b, "t")
+    assert ka.path == "rows" and ka.direct([3, 4, 5]) is not None
+    framed = []
+    real = Pair._frames
+    monkeypatch.setattr(Pair, "_frames", staticmethod(lambda kv, buf, n, one: framed.append(real(kv, buf, n, one))
+                                                      or framed[-1]))
+    dst_ids = [10, 11, 12, 13, 14]
+    recv = dst.recv(kb, dst_ids, 2, one_message=True)
+    sent = src.send(ka, ids, 2, one_message=True).result(30)
+    assert recv.result(30) == sent == 5 * ka.block_nbytes
+    assert all(torch.equal(y[dst_ids], x[ids]) for x, y in zip(a, b))
+    assert len(framed) == 6 and all(len(f) == 1 for f in framed)  # 3 chunks at each end, one message each
