@@ -4,7 +4,7 @@ front of the FastAPI app, which serves every other request (and these two when `
 Per request FastAPI's way costs a router match, Starlette's Request, four middlewares wrapping ``send``, and
 for a stream a task group with a task that listens for the client's disconnect; here the request is read
 and answered by ``send`` itself, and a stream has one watcher that cancels it if the client goes away. Both
-ways run the same request logic (``Proxy.handle`` in daemons/proxy/app.py, which takes a ``Call`` and
+ways run the same request logic (``Proxy.handle`` in daemons/proxy/service.py, which takes a ``Call`` and
 returns a ``Reply``) and answer with the same status, headers and bytes: API keys, the body size limit, the
 OpenAI error bodies, x-request-id, the access log and the request counts behave alike
 (tests/test_proxy_fastpath.py compares them).

@@ -3,7 +3,7 @@ stream (bytes, ready to write), the body of a non-streamed response, and logprob
 
 The common stream (no stop strings, logprobs or token ids) takes the short way per token: the detokenizer's
 text, one chunk from a pre-rendered head and tail around the JSON string, and one write per batch of tokens
-(daemons/proxy/app.py).
+(daemons/proxy/service.py).
 """
 
 from __future__ import annotations
