@@ -15,7 +15,6 @@ import pytest
 from daemons.config import Config, SimConfig
 from daemons.engine.sim import sim_logprobs, sim_token_id
 from daemons.proxy.tokenizer import HFTokenizer, SimTokenizer
-from tests.conftest import ctl_json
 
 pytestmark = pytest.mark.e2e
 
@@ -317,7 +316,11 @@ def test_request_id_in_flight_is_a_conflict(cluster):
         # n > 1 whose sub-request ids would collide: cmpl-dup-0 is free, but a request "dup" with n = 2 is too
         assert post(cluster, "/v1/completions", {"model": "llumnix-sim", "prompt": "x", "max_tokens": 1, "n": 2},
                     headers={"x-request-id": "dup"}).status_code == 409
-        listed = [row["id"] for row in ctl_json("requests", "--run-dir", str(cluster.run_dir))["requests"]]
+        client = cluster.admin()  # in-process: the CLI's start-up on a busy machine can outlast the stream
+        try:
+            listed = [r.request_id for r in client.requests().requests]
+        finally:
+            client.close()
         assert "cmpl-dup" in listed
     finally:
         seen["stop"] = True
