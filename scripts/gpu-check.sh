@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check, for a CUDA node (one GPU is enough: the two instances of each step share it). Live migration
 # between two vLLM instances must stream exactly what an unmigrated run streams (llumnixctl check migration),
-# also with tensor parallelism when two or more GPUs are visible; then the Fig 10 figures (bench migration).
+# also with tensor parallelism when two or more GPUs are visible and with prefix caching on; then the Fig 10
+# figures (bench migration).
 #
 #   bash scripts/gpu-check.sh [OUT_DIR]      (default OUT_DIR: gpu-check)
 #
@@ -71,6 +72,10 @@ fi
 gpu_sets=(--set vllm.block_size=16 --set vllm.omp_threads=0 --set vllm.dtype=bfloat16)
 
 step check-migration check migration --json "${check_model[@]}" --set vllm.gpu_memory_utilization=0.4 "${gpu_sets[@]}"
+# The same with vLLM's prefix caching on: a destination that holds a request's prompt prefix takes those
+# blocks from its own cache, and the output must still be identical.
+step check-migration-prefix check migration --json "${check_model[@]}" --set vllm.gpu_memory_utilization=0.4 \
+    --set vllm.enable_prefix_caching=true "${gpu_sets[@]}"
 if [ "$visible" -ge 2 ]; then  # two instances of 2 ranks on GPUs 0 and 1: two ranks per GPU
     step check-migration-tp2 check migration --json --tp 2 "${check_model[@]}" \
         --set vllm.gpu_memory_utilization=0.2 "${gpu_sets[@]}"
