@@ -32,7 +32,7 @@ from daemons.wire import RequestLoad
 PAIRING_POLICIES = ("llumnix", "off")
 SELECTION_POLICIES = ("llumnix", "last-running", "longest", "first-waiting")
 # What a destination holds beyond a migrating request's blocks while it copies (migration.py reserves
-# last_stage_max_blocks + 2 at its default of 2), so that the last stage needs no new reservation.
+# last_stage_max_blocks + 2: 3 at its default of 1, 4 at 2), so that the last stage needs no new reservation.
 COPY_HEADROOM_BLOCKS = 4
 
 
