@@ -337,6 +337,8 @@ class Migrator:
                         sent += ids[:ready.cached_blocks]
                         ids = ids[ready.cached_blocks:]
                 t_ready = time.perf_counter()
+                if last:
+                    result.last_stage_blocks = len(ids)
                 # The cap spares the engine during pre-copy; the last stage is downtime: never paced.
                 cap = 0.0 if last else limit
                 paced = pacer if ids and not last else None

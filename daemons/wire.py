@@ -390,6 +390,7 @@ class MigrationOutcome(msgspec.Struct, array_like=True, omit_defaults=True):
     total_ms: float = 0.0
     resumed_at: int = -1  # output index of the first token the destination produced (-1: not committed)
     cached_blocks: int = 0  # blocks not sent: the destination held them already (prefix cache)
+    last_stage_blocks: int = 0  # blocks the last stage (the request's downtime) copied
 
 
 class MigrateQuery(msgspec.Struct, **_tagged(60)):

@@ -261,7 +261,8 @@ def _size(n: int) -> str:
 def outcome_json(o: wire.MigrationOutcome) -> dict:
     return {"outcome": o.outcome, "reason": o.reason, "stages": o.stages, "blocks": o.blocks, "bytes": o.bytes,
             "downtime_ms": round(o.downtime_ms, 3), "total_ms": round(o.total_ms, 3), "request_id": o.request_id,
-            "from": o.src, "to": o.dst, "resumed_at": o.resumed_at, "cached_blocks": o.cached_blocks}
+            "from": o.src, "to": o.dst, "resumed_at": o.resumed_at, "cached_blocks": o.cached_blocks,
+            "last_stage_blocks": o.last_stage_blocks}
 
 
 @app.command()
