@@ -173,7 +173,7 @@ def test_blocks_the_destination_has_cached_stay_out_of_the_copy(vcluster):
     body = {"max_tokens": 200, **KINDS["greedy"]}
     shared_one = Stream(vcluster.url, {**body, "prompt": shared + list(range(300, 340))})
     shared_one.wait_tokens(1)
-    plain = Stream(vcluster.url, {**body, "prompt": PROMPT})
+    plain = Stream(vcluster.url, {**body, "prompt": list(range(700, 790))})  # a prompt no earlier test sent
     plain.wait_tokens(2)
     assert where(vcluster, shared_one.rid) == where(vcluster, plain.rid) == src
     res, outs = migrate(vcluster, "--from", src, "--to", dst, "--count", "1")
