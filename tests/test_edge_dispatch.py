@@ -15,6 +15,7 @@ from tests.streams import proxy_metric
 
 PROXIES = 4
 INSTANCES = 4
+LONG_TOKENS = 1500  # ~2-3 s of sim decode at FAST's time scale
 
 
 def _wait(cond, timeout_s: float, what: str):
@@ -94,13 +95,17 @@ def test_a_larger_burst_spreads_and_the_manager_accounts_for_every_dispatch(flee
     before = _received(fleet)
     total0 = fleet.admin().status().dispatched_total
     local0 = sum(proxy_metric(u, "llumnix_proxy_local_dispatches_total") for u in fleet.state.urls)
-    assert _burst(fleet.state.urls, 4) == [200] * (4 * PROXIES)
+    # The requests outlast the burst: on a loaded machine the 16 client threads leave over hundreds of
+    # milliseconds, and short requests that end meanwhile make their instance the freest again (the policy
+    # rightly sends the next one there), which says nothing about herding.
+    assert _burst(fleet.state.urls, 4, max_tokens=LONG_TOKENS) == [200] * (4 * PROXIES)
     after = _received(fleet)
-    got = sorted(after[i] - before[i] for i in after)
+    per_instance = {i: after[i] - before[i] for i in after}
+    got = sorted(per_instance.values())
     assert sum(got) == 4 * PROXIES
     # Each proxy fills its own stretch of the instances first; what one proxy hears of the others mid-burst
     # shifts some requests, but nothing piles up (alike tie-breaking would put 4 on one instance at once).
-    assert got[0] >= 1 and got[-1] <= 6, got
+    assert got[0] >= 1 and got[-1] <= 6, per_instance
     # The manager counted every dispatch, none of which it chose; its pending estimates all retired.
     assert fleet.admin().status().dispatched_total == total0 + 4 * PROXIES
     assert sum(proxy_metric(u, "llumnix_proxy_local_dispatches_total") for u in fleet.state.urls) == local0 + 4 * PROXIES
