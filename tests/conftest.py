@@ -136,6 +136,31 @@ def ctl_json(*args: str) -> dict:
     return json.loads(res.stdout)
 
 
+# ------------------------------------------------------------------ daemons only in e2e modules
+
+_REAL_POPEN_INIT = subprocess.Popen.__init__
+
+
+@pytest.fixture(autouse=True)
+def _daemons_only_where_marked(request, monkeypatch):
+    """scripts/test.sh runs the modules without the e2e mark side by side on every core and the e2e ones one
+    at a time: a test that starts a daemon must carry the mark (its module then runs alone), or it fails."""
+    if request.node.get_closest_marker("e2e") is not None:
+        yield
+        return
+    daemons: list[str] = []
+
+    def init(self, args, *a, **kw):
+        argv = [str(x) for x in args] if isinstance(args, (list, tuple)) else [str(args)]
+        if any(x.startswith("daemons.") or x == "local-instance" for x in argv):
+            daemons.append(" ".join(argv)[:200])
+        _REAL_POPEN_INIT(self, args, *a, **kw)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", init)
+    yield
+    assert not daemons, f"started daemons without pytest.mark.e2e on the test or its module: {daemons}"
+
+
 # ------------------------------------------------------------------ no process outlives the test run
 
 RUN_MARKER = "LLUMNIX_TEST_RUN"

@@ -24,6 +24,8 @@ from llumnixctl import common
 from tests.conftest import ctl, ctl_json
 from tests.streams import Stream
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 VERSION = importlib.metadata.version("llumnix-toolkit")

@@ -77,6 +77,7 @@ def test_bad_override():
         load_config(None, ["sim.eos_rate=-1"])
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("module", ["daemons.manager", "daemons.instance", "daemons.proxy.app"])
 def test_daemon_refuses_bad_config_with_one_line(tmp_path, module):
     p = tmp_path / "bad.toml"

@@ -13,6 +13,8 @@ from llumnixctl import localcluster
 from tests.conftest import FAST, Cluster
 from tests.streams import proxy_metric
 
+pytestmark = pytest.mark.e2e
+
 PROXIES = 4
 INSTANCES = 4
 LONG_TOKENS = 1500  # ~2-3 s of sim decode at FAST's time scale

@@ -21,6 +21,8 @@ import pytest
 
 from daemons import runtime
 
+pytestmark = pytest.mark.e2e
+
 MANAGER = [sys.executable, "-m", "daemons.manager", "--address", "tcp://127.0.0.1:0", "--metrics-port", "-1"]
 
 

@@ -11,6 +11,8 @@ import pytest
 from conftest import FAST, cli
 from llumnixctl import localcluster
 
+pytestmark = pytest.mark.e2e
+
 
 def complete(url: str) -> dict:
     body = json.dumps({"model": "llumnix-sim", "prompt": "hello", "max_tokens": 2}).encode()

@@ -12,7 +12,7 @@ import pytest
 
 from llumnixctl.netns import Lab, LabError, parse_rate
 
-pytestmark = pytest.mark.skipif(Lab.unavailable() is not None, reason=Lab.unavailable() or "")
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(Lab.unavailable() is not None, reason=Lab.unavailable() or "")]
 
 MB = 1 << 20
 

@@ -28,6 +28,8 @@ from llumnixctl.admin import AdminClient
 from llumnixctl.localcluster import free_port
 from tests.streams import Stream, wait_for
 
+pytestmark = pytest.mark.e2e
+
 MONITORING = Path(__file__).resolve().parents[1] / "scripts" / "monitoring"
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")

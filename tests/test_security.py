@@ -27,6 +27,8 @@ from llumnixctl import localcluster
 from llumnixctl.admin import AdminClient
 from streams import wait_for
 
+pytestmark = pytest.mark.e2e
+
 MAX_MESSAGE = 1 << 20
 
 

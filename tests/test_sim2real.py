@@ -9,7 +9,7 @@ import pytest
 from llumnixctl import trace
 from llumnixctl.sim2real import compare
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
 def test_simulator_and_daemons_agree_on_a_small_trace():

@@ -31,7 +31,7 @@ from daemons.engine.vllm_internals import UNTESTED_ENV, apply_workarounds  # noq
 from daemons.wire import SamplingParams, TokenOut  # noqa: E402
 from llumnixctl.model import kv_bytes_per_token, write_tiny_model  # noqa: E402
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 # Small and fast; the same values configure the offline reference.
 BASE = dict(max_model_len=1024, block_size=32, kv_cache_bytes=16 << 20, max_num_seqs=16)
