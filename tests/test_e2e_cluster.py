@@ -157,19 +157,29 @@ def _garbage_everywhere(addresses: list[str], rounds: int = 30) -> None:
         for _ in range(5):  # not even ZeroMQ: raw TCP bytes
             with socket.create_connection((host, int(port)), timeout=2) as s:
                 s.sendall(rnd.randbytes(rnd.randint(1, 300)))
+        # Every daemon socket is a ROUTER: a DEALER's frames arrive; a PUSH fails the ZMTP handshake (incompatible
+        # socket type), after which libzmq drops the pipe and never reconnects, so a later send would block
+        # forever. A bounded send stops that socket's round instead: the refused handshake is itself the garbage.
         for kind in (zmq.DEALER, zmq.PUSH):
             sock = ctx.socket(kind)
             sock.setsockopt(zmq.LINGER, 500)
+            sock.setsockopt(zmq.SNDTIMEO, 2000)
             sock.connect(address)
-            for _ in range(rounds):
-                frames = [rnd.randbytes(rnd.randint(0, 64)) for _ in range(rnd.randint(1, 3))]
-                sock.send_multipart(frames)
+            frames_list = [[rnd.randbytes(rnd.randint(0, 64)) for _ in range(rnd.randint(1, 3))] for _ in range(rounds)]
             # well-formed but wrong for this socket, and malformed msgpack of the right shape
-            sock.send(wire.encode(wire.TokenBatch("x", [wire.TokenOut("nope", 0, 1)])))
-            sock.send(wire.encode(wire.Submit("r", [], wire.SamplingParams(), "tcp://127.0.0.1:1")))
-            sock.send(msgspec.msgpack.encode([40, "r", "not a list"]))
-            sock.send(wire.encode(wire.Abort("unknown")))
-            sock.close()
+            frames_list += [
+                [wire.encode(wire.TokenBatch("x", [wire.TokenOut("nope", 0, 1)]))],
+                [wire.encode(wire.Submit("r", [], wire.SamplingParams(), "tcp://127.0.0.1:1"))],
+                [msgspec.msgpack.encode([40, "r", "not a list"])],
+                [wire.encode(wire.Abort("unknown"))],
+            ]
+            try:
+                for frames in frames_list:
+                    sock.send_multipart(frames)
+            except zmq.Again:
+                assert kind == zmq.PUSH, f"a DEALER could not send to {address} for 2 s"
+            finally:
+                sock.close()
 
 
 def test_random_bytes_on_every_socket_leave_daemons_serving(start_cluster):
