@@ -36,6 +36,16 @@ def instances(c) -> dict[str, dict]:
     return {i["id"]: i for i in status(c)["instances"]}
 
 
+def view_showing(c, ok, message: str, timeout: float = 5.0) -> dict[str, dict]:
+    """The view once ``ok(view)`` holds. It lags the streams' tokens by a load report (a step's tokens go out
+    before its report), so a check made the moment a client saw a token reads it through this."""
+    def got() -> dict[str, dict] | None:
+        v = instances(c)
+        return v if ok(v) else None
+
+    return wait_for(got, timeout, message)
+
+
 def spread(c) -> float:
     """Freeness spread over the serving instances, relative to their mean."""
     fs = [i["freeness"] for i in instances(c).values() if i["state"] == "alive" and not i["draining"]]
@@ -64,8 +74,8 @@ def test_flood_then_llumnix_equalizes_freeness(start_cluster):
                                   "scheduling.migrate_out_threshold=inf", "scheduling.migrate_in_threshold=-inf"])
     load = Load(c.url, [Spec(0.0, 500, prompt_tokens=64) for _ in range(24)])
     wait_for(lambda: load.started() == 24, 30, message="the streams did not start")
-    before = instances(c)
-    assert before["i0"]["running"] == 24 and before["i1"]["running"] == before["i2"]["running"] == 0
+    before = view_showing(c, lambda v: v["i0"]["running"] == 24, "the view did not show the 24 streams on i0")
+    assert before["i1"]["running"] == before["i2"]["running"] == 0
     assert spread(c) > 1.0
     assert instances(c)["i0"]["migrating_out"] == 0  # flood is a baseline: it never migrates to balance
 
@@ -84,27 +94,37 @@ def test_flood_then_llumnix_equalizes_freeness(start_cluster):
     print(f"balanced in {balanced_after:.2f}s with {st['totals']['migrations_committed']} migrations")
 
 
-def _long_prompt_wait(start_cluster, dispatch: str) -> tuple[float, dict]:
+def _long_prompt_wait(start_cluster, dispatch: str) -> tuple[float, dict, str]:
     """Two instances of 256 blocks, each running 6 requests of 17+ blocks; then a 2600-token prompt (163
     blocks) that fits neither instance's free blocks, though the cluster has room for it. Returns how long
-    it waited for its first token, and the final status."""
-    c = start_cluster(2, PACED + [f"manager.dispatch_policy={dispatch}", "sim.num_blocks=256"])
+    it waited for its first token, the final status, and what to show if the check fails (the view while
+    the long prompt waited, and the logs: the manager's at debug level names every pair it ordered)."""
+    c = start_cluster(2, PACED + [f"manager.dispatch_policy={dispatch}", "sim.num_blocks=256", "manager.log_level=debug"])
     load = Load(c.url, [Spec(0.0, 120, prompt_tokens=256) for _ in range(12)])
     wait_for(lambda: load.started() == 12, 30, message="the streams did not start")
-    assert [i["running"] for i in instances(c).values()] == [6, 6]
-    free = [i["blocks_total"] - i["blocks_used"] for i in instances(c).values()]
+    view = view_showing(c, lambda v: [i["running"] for i in v.values()] == [6, 6],
+                        "the manager's view did not show 6 streams running on each instance")
+    free = [i["blocks_total"] - i["blocks_used"] for i in view.values()]
     assert max(free) < 163 + 3 <= sum(free), free  # fits nowhere, though the cluster has the room
     long = Load(c.url, [Spec(0.0, 8, prompt_tokens=2600)])
+    views = []
+    while long.started() == 0 and len(views) < 200:
+        views.append({k: (i["running"], i["waiting"], i["blocks_used"], i["freeness"], i["migrations_ordered"])
+                      for k, i in instances(c).items()})
+        time.sleep(0.05)  # a sample of the view every 50 ms while the prompt waits, for the failure message
     results = long.wait() + load.wait()
     assert not failures(results), failures(results)
-    return results[0].ttft, status(c)
+    st = status(c)
+    shown = (f"ordered: {st['totals']['ordered_migrations']}\n(running, waiting, blocks, freeness, orders) every 50 ms "
+             f"while the long prompt waited:\n" + "\n".join(map(str, views)) + "\n" + c.logs())
+    return results[0].ttft, st, shown
 
 
 def test_a_long_prompt_is_admitted_after_migrations_make_room(start_cluster):
-    waited, st = _long_prompt_wait(start_cluster, "llumnix")
-    assert st["totals"]["ordered_migrations"].get("balance/committed", 0) >= 1
-    baseline, base_st = _long_prompt_wait(start_cluster, "infaas++")
-    assert base_st["totals"]["migrations_committed"] == 0
+    waited, st, shown = _long_prompt_wait(start_cluster, "llumnix")
+    assert st["totals"]["ordered_migrations"].get("balance/committed", 0) >= 1, shown
+    baseline, base_st, shown = _long_prompt_wait(start_cluster, "infaas++")
+    assert base_st["totals"]["migrations_committed"] == 0, shown
     print(f"long prompt's first token: llumnix {waited:.2f}s ({st['totals']['migrations_committed']} migrations), "
           f"infaas++ {baseline:.2f}s")
     assert waited < 0.6 * baseline
@@ -147,8 +167,7 @@ def _drain_load(c) -> Load:
 def test_drain_moves_everything_out_with_no_error(start_cluster):
     c = start_cluster(3, PACED + ["sim.max_num_seqs=6"])
     load = _drain_load(c)
-    before = instances(c)["i0"]
-    assert before["running"] == 6
+    view_showing(c, lambda v: v["i0"]["running"] == 6, "the view did not show i0's 6 slots full")
     res = ctl("drain", "i0", "--wait", "--timeout", "60", "--json", "--run-dir", str(c.run_dir), timeout=90)
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
