@@ -75,7 +75,8 @@ class AdminClient:
             # A name of its own: pyzmq's default (the socket's fd) is reused by the next socket, and a client
             # nobody closed still holds it, in this context, while it lives (in-process callers make many).
             self._monitor = self._sock.get_monitor_socket(
-                zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
                 addr=f"inproc://llumnixctl-monitor-{uuid.uuid4().hex}")
             try:
                 self._sock.connect(self.address)
@@ -103,23 +104,35 @@ class AdminClient:
         raise ManagerUnreachable(f"the manager at {self.address} did not answer within {self.timeout_s:g}s")
 
     def _refused(self) -> str:
-        """Why the manager refused our key, if it did (CURVE handshake events)."""
+        """Why the manager refused our key or our connection, if it did (ZMTP handshake events).
+
+        A CURVE manager that a client without keys reaches fails the handshake on the mechanism (PROTOCOL).
+        On a loaded host it may also close the connection before we read its greeting (NO_DETAIL), and
+        that can repeat on every reconnect: it counts too, as the least certain sign."""
         if self._monitor is None:
             return ""
         from zmq.utils.monitor import recv_monitor_message
 
+        seen: set[int] = set()
         while self._monitor.poll(0):
-            event = recv_monitor_message(self._monitor)
-            secured = self.sec is not None and self.sec.enabled
-            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH and secured:
-                return (f"the manager at {self.address} refused our key {self.sec.name!r} (not among its allowed "
-                        f"keys in security.keys_dir/public, or not a role that may connect)")
-            if event["event"] in (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
-                return (f"the manager at {self.address} refused our connection: it uses CURVE keys; set "
-                        f"security.keys_dir (and security.key) in the config given with --config"
-                        if not secured else
-                        f"the manager at {self.address} failed our CURVE handshake: does our "
-                        f"security.keys_dir hold its public/manager.key?")
+            seen.add(recv_monitor_message(self._monitor)["event"])
+        secured = self.sec is not None and self.sec.enabled
+        if zmq.EVENT_HANDSHAKE_FAILED_AUTH in seen and secured:
+            return (f"the manager at {self.address} refused our key {self.sec.name!r} (not among its allowed "
+                    f"keys in security.keys_dir/public, or not a role that may connect)")
+        if seen & {zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL}:
+            return (f"the manager at {self.address} refused our connection: it uses CURVE keys; set "
+                    f"security.keys_dir (and security.key) in the config given with --config"
+                    if not secured else
+                    f"the manager at {self.address} failed our CURVE handshake: does our "
+                    f"security.keys_dir hold its public/manager.key?")
+        if zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL in seen:
+            return (f"the manager at {self.address} closed our connection during the handshake: most likely it "
+                    f"uses CURVE keys; set security.keys_dir (and security.key) in the config given with --config "
+                    f"(or the address is not a llumnix manager's)"
+                    if not secured else
+                    f"the manager at {self.address} closed our connection during the CURVE handshake: does our "
+                    f"security.keys_dir hold its public/manager.key?")
         return ""
 
     def status(self) -> wire.Snapshot:
