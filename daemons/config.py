@@ -44,7 +44,9 @@ class ManagerConfig:
     address: str = setting("tcp://127.0.0.1:7100", "ZeroMQ address where instances, proxies and llumnixctl reach the manager")
     bind: str = setting("", "address the manager binds; empty = same as address (use tcp://*:PORT to listen on all interfaces)")
     heartbeat_interval_s: float = setting(0.5, "an instance reports its load at least this often", minimum=0.01)
-    dead_after_missed: int = setting(3, "heartbeats an instance may miss before it is marked dead", minimum=1)
+    dead_after_missed: int = setting(3, "heartbeats an instance may miss before it counts as late; a late instance whose connection is up stays in dispatch (slow is not dead), one whose connection cannot be watched is marked dead", minimum=1)
+    link_timeout_s: float = setting(3.0, "an instance whose connection answers no keepalive for this long is marked dead (its process or host is gone); keepalives are answered by ZeroMQ's I/O thread, so a busy instance keeps answering, and a killed one closes its connection at once", minimum=0.05)
+    silent_dead_s: float = setting(30.0, "an instance whose connection is up but that sends no report for this long is marked dead (a wedged process)", minimum=0.1)
     dispatch_policy: str = setting("llumnix", "where new requests go: llumnix (freest by virtual usage; migrates), infaas++ (freest by real usage, no migration), rr (round-robin, no migration), flood (all to one, no migration; tests)", choices=("llumnix", "infaas++", "rr", "flood"))
     query_timeout_s: float = setting(1.0, "how long the manager waits for instances to answer a fan-out query", minimum=0.01)
     dead_instance_ttl_s: float = setting(600.0, "a dead instance stays in the view (state dead) this long, then is forgotten", minimum=0.0)
@@ -85,7 +87,7 @@ class ProxyConfig:
     snapshot_interval_s: float = setting(0.5, "how often the proxy refreshes its copy of the cluster view", minimum=0.01)
     shutdown_grace_s: float = setting(5.0, "on SIGTERM, open streams may finish for this long", minimum=0.0)
     max_dispatch_attempts: int = setting(3, "instances a request may be sent to before it fails (only while nothing was generated)", minimum=1)
-    instance_timeout_s: float = setting(3.0, "an instance that holds streams and has not been heard from (heartbeats, tokens) for this long is taken as dead: its streams fail over, whatever the manager says", minimum=0.05)
+    instance_timeout_s: float = setting(3.0, "an instance whose connection answers no keepalive for this long is taken as dead and its streams fail over (a killed instance closes its connection at once); keepalives are answered by ZeroMQ's I/O thread, so a busy instance is never taken for dead; an instance whose connection never came up is judged by silence (heartbeats, tokens) for this long", minimum=0.05)
     max_failovers: int = setting(3, "times a request that already streamed tokens may continue on another instance (re-prefill) after its instance died or stalled", minimum=0)
     request_timeout_s: float = setting(600.0, "a request not finished this long after it arrived ends with an error (504) and is aborted (0 = no deadline)", minimum=0.0)
     stall_timeout_s: float = setting(30.0, "a stream that produced tokens, or is missing one, and gets none for this long fails over to another instance (0 = never)", minimum=0.0)
@@ -96,6 +98,15 @@ class ProxyConfig:
     fast_path: bool = setting(True, "answer POST /v1/completions and /v1/chat/completions before FastAPI's router and middlewares (same answers, less CPU per request and per token); false: through FastAPI")
     log_level: str = setting("info", "debug, info, warning or error", choices=("debug", "info", "warning", "error"))
     log_format: str = setting("text", "stderr log lines: text (time, level, daemon, message) or json (one object per line: ts, level, daemon, logger, msg and the call's extra fields)", choices=("text", "json"))
+
+
+@dataclass
+class AdmissionConfig:
+    max_queued_requests: int = setting(8, "requests waiting to start, per instance that takes requests, past which a proxy answers new normal-priority requests 429 with Retry-After (the instances' queues as their heartbeats show them, plus the proxy's own dispatches they do not show yet; 0 = no bound)", minimum=0)
+    max_queued_tokens: int = setting(-1, "prompt tokens waiting to be prefilled, per instance that takes requests, past which new normal-priority requests get 429 (-1 = the instance's KV cache in tokens; 0 = no bound)", minimum=-1)
+    high_priority_factor: float = setting(2.0, "high-priority requests are refused only past this many times the bounds above: high priority is never refused while normal work is admitted", minimum=1.0)
+    queue_timeout_s: float = setting(30.0, "a request that finds no instance that can take it right now (all busy being stalled, draining or cordoned) waits this long for one, then gets 503; with no live instance at all, 503 comes at once", minimum=0.0)
+    retry_after_s: int = setting(1, "the Retry-After (seconds) of a 429 or 503 from admission control", minimum=0)
 
 
 @dataclass
@@ -203,6 +214,7 @@ class Config:
     manager: ManagerConfig = field(default_factory=ManagerConfig)
     instance: InstanceConfig = field(default_factory=InstanceConfig)
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     sim: SimConfig = field(default_factory=SimConfig)
     vllm: VllmConfig = field(default_factory=VllmConfig)

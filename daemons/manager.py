@@ -1,8 +1,8 @@
 """llumnix-manager: the global scheduler.
 
 Holds the cluster view (instances and their latest load reports, draining and cordoned flags), answers
-dispatch queries by virtual usage, marks instances dead after missed heartbeats, and serves admin
-queries. The rescheduler (daemons/rescheduler.py) pairs instances for migration, drains, removes and
+dispatch queries by virtual usage, marks an instance dead when its connection says its process is gone
+(daemons/links.py: a late report alone only makes it late), and serves admin queries. The rescheduler (daemons/rescheduler.py) pairs instances for migration, drains, removes and
 scales them. The manager keeps no durable state: after a restart, instances re-register on their next
 report (the manager answers an unknown reporter with a RegisterAck that asks for it), repeating the
 flags they were given.
@@ -26,6 +26,7 @@ import zmq.asyncio
 from daemons import metrics, policy, runtime, security, wire
 from daemons.cli import load_or_exit
 from daemons.config import Config
+from daemons.links import DOWN, UP, LinkWatch
 from daemons.rescheduler import Rescheduler
 
 log = logging.getLogger("llumnix.manager")
@@ -37,7 +38,11 @@ M_DISPATCHES = metrics.counter("manager", "llumnix_manager_dispatches_total", "D
 M_NO_INSTANCE = metrics.counter("manager", "llumnix_manager_dispatch_failures_total",
                                 "Dispatch queries with no eligible instance")
 M_DEATHS = metrics.counter("manager", "llumnix_manager_instance_deaths_total",
-                           "Instances marked dead after missed heartbeats")
+                           "Instances marked dead: their connection went down, or (connection not watched, or up "
+                           "but silent past manager.silent_dead_s) they stopped reporting")
+M_LATE = metrics.counter("manager", "llumnix_manager_late_instances_total",
+                         "Times an instance missed manager.dead_after_missed heartbeats while its connection was "
+                         "up: late, kept in dispatch, not marked dead")
 # Per instance, what only the manager knows. What an instance knows of itself (blocks used, running and waiting
 # requests) is exported by the instance alone: llumnix_instance_kv_blocks_used, _running_requests, _waiting_requests.
 M_FREENESS = metrics.gauge("manager", "llumnix_instance_freeness",
@@ -61,7 +66,7 @@ class InstanceRecord:
     identity: bytes
     load: wire.InstanceLoad
     last_seen: float
-    state: str = "alive"  # alive | stopping (said goodbye, still serves what it has) | dead (missed heartbeats)
+    state: str = "alive"  # alive | stopping (said goodbye, still serves what it has) | dead (connection lost)
     drain_reason: str = ""  # non-empty while draining: operator, remove, scale-in (stopping drains too)
     cordoned: bool = False
     registered_at: float = 0.0
@@ -77,6 +82,8 @@ class InstanceRecord:
     reports: int = 0  # load reports taken (the cached policy state below is of one of them)
     state_key: tuple = ()
     cached_state: object = None
+    late: bool = False  # missed heartbeats with its connection up (logged once per episode)
+    probe: object = None  # a DEALER to its request socket that only carries keepalives (daemons/links.py)
 
     @property
     def instance_id(self) -> str:
@@ -133,6 +140,7 @@ class Manager:
         self.sender = ""  # role:name of the message being handled (CURVE keys), for handlers that need it
         self._asked_to_register: dict[str, float] = {}  # instance id -> when we last asked it to register
         self.proxies: dict[str, float] = {}  # proxy token address -> when it last asked for a snapshot
+        self.links = LinkWatch(self.mc.link_timeout_s, self._link_changed)
 
     # ------------------------------------------------------------------ view
 
@@ -259,6 +267,7 @@ class Manager:
                      f", credit {rec.credit(now, self.sc.new_instance_credit_s):.0f} blocks" if rec.credit0 else "")
             self.resched.launcher.registered(msg.instance_id)
         self.instances[msg.instance_id] = rec
+        self._probe(rec, old)
         self.update_gauges(rec, now)
         if rec.drain_reason or rec.cordoned:  # it forgot (restarted) or we did: say it again
             self.resched.tell(rec)
@@ -302,7 +311,53 @@ class Manager:
                      msg.reason or "shutdown")
             self.update_gauges(rec)
 
+    def _probe(self, rec: InstanceRecord, old: InstanceRecord | None) -> None:
+        """Watch the connection to ``rec``'s request socket (daemons/links.py): kept from ``old`` when the
+        address is the same, else made anew. An address we cannot connect to is left unwatched (UNKNOWN)."""
+        address = rec.info.request_address
+        if old is not None and old.probe is not None:
+            if old.info.request_address == address and not old.probe.closed:
+                rec.probe = old.probe
+                return
+            self._unprobe(old)
+        sock = self.links.prepare(runtime.tune(self.ctx.socket(zmq.DEALER)))
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        try:
+            self.sec.client(sock, "instance")
+            sock.connect(address)
+        except (zmq.ZMQError, runtime.StartupError) as exc:
+            log.warning("cannot watch the connection to instance %s at %r (%s): it is marked dead after "
+                        "manager.dead_after_missed missed heartbeats", rec.instance_id, address, exc)
+            sock.close(0)
+            return
+        rec.probe = sock
+        self.links.watch(rec.instance_id, sock)
+
+    def _unprobe(self, rec: InstanceRecord) -> None:
+        if rec.probe is not None:
+            self.links.forget(rec.instance_id)
+            rec.probe.close(0)
+            rec.probe = None
+
+    def _link_changed(self, instance_id: str, state: str) -> None:
+        rec = self.instances.get(instance_id)
+        if rec is None or state != DOWN:
+            return
+        if rec.state == "alive":
+            self.mark_dead(rec, "its connection went down (process gone or host unreachable)")
+        elif rec.state == "stopping":
+            self.forget(rec, "it stopped (connection closed)")
+
+    def mark_dead(self, rec: InstanceRecord, why: str) -> None:
+        rec.state = "dead"
+        rec.pending.clear()
+        self.resched.fail_migrations_from(rec.instance_id)
+        M_DEATHS.inc()
+        log.warning("instance %s marked dead: %s", rec.instance_id, why)
+        self.update_gauges(rec)
+
     def forget(self, rec: InstanceRecord, why: str) -> None:
+        self._unprobe(rec)
         del self.instances[rec.instance_id]
         log.info("instance %s forgotten: %s", rec.instance_id, why)
         for gauge in _PER_INSTANCE:
@@ -541,20 +596,35 @@ class Manager:
                 log.warning("manager stalled for %.2fs; re-checking heartbeats after reading reports", now - before)
                 continue
             for r in list(self.instances.values()):
-                if r.state == "stopping" and now - r.last_seen > self.dead_after():
+                silent = now - r.last_seen
+                if r.state == "stopping" and silent > self.dead_after() and self.links.state(r.instance_id) != UP:
                     self.forget(r, "it stopped")
-                elif r.state == "dead" and now - r.last_seen > self.mc.dead_instance_ttl_s:
+                elif r.state == "dead" and silent > self.mc.dead_instance_ttl_s:
                     self.forget(r, f"dead for over {self.mc.dead_instance_ttl_s:g}s")
-                elif r.state == "alive" and now - r.last_seen > self.dead_after():
-                    r.state = "dead"
-                    r.pending.clear()
-                    self.resched.fail_migrations_from(r.instance_id)
-                    M_DEATHS.inc()
-                    log.warning("instance %s marked dead: no report for %.2fs (%d heartbeats)", r.instance_id,
-                                now - r.last_seen, self.mc.dead_after_missed)
-                    self.update_gauges(r, now)
-                elif r.credit0 and not math.isclose(r.credit(now, self.sc.new_instance_credit_s), 0.0):
+                elif r.state == "alive" and silent > self.dead_after():
+                    self._silent(r, silent)
+                elif r.late and silent <= self.dead_after():
+                    r.late = False
+                    log.info("instance %s reports again (it was late)", r.instance_id)
+                if r.state == "alive" and r.credit0 and not math.isclose(r.credit(now, self.sc.new_instance_credit_s), 0.0):
                     self.update_gauges(r, now)  # the credit fades between reports too
+
+    def _silent(self, r: InstanceRecord, silent: float) -> None:
+        """No report for over dead_after_missed heartbeats. Slow is not dead: with its connection up (its
+        process is there; a busy host delays reports, not keepalives) it is only late, and stays in dispatch
+        until manager.silent_dead_s; with a connection we cannot watch, silence is all we have."""
+        link = self.links.state(r.instance_id)
+        if link == UP and silent <= self.mc.silent_dead_s:
+            if not r.late:
+                r.late = True
+                M_LATE.inc()
+                log.info("instance %s has not reported for %.2fs, but its connection is up: late, not dead",
+                         r.instance_id, silent)
+            return
+        why = (f"connection up, but no report for {silent:.1f}s (manager.silent_dead_s)" if link == UP else
+               f"no report for {silent:.2f}s ({self.mc.dead_after_missed} heartbeats) and its connection is "
+               f"{'down' if link == DOWN else 'not watched'}")
+        self.mark_dead(r, why)
 
     async def run(self) -> None:
         self.sec.check_bind("manager.bind" if self.mc.bind else "manager.address", self.mc.bind or self.mc.address)
@@ -576,6 +646,7 @@ class Manager:
         for t in [*tasks, *self._tasks]:
             t.cancel()
         await asyncio.gather(*tasks, *self._tasks, return_exceptions=True)
+        self.links.close()
         self.sec.close()
         self.ctx.destroy(linger=0)
         if failure is not None:

@@ -78,7 +78,8 @@ SERVER_ROLES = ("manager", "instance", "proxy")  # roles whose key also serves t
 # Which roles may connect to each kind of server socket (its ZAP domain).
 DOMAINS = {
     "manager": frozenset({"instance", "proxy", "operator", "reader"}),
-    "instance": frozenset({"proxy", "instance", "operator"}),  # submits (proxies, benchmarks), migration peers
+    # submits (proxies, benchmarks), migration peers; the manager's connection only carries keepalives
+    "instance": frozenset({"proxy", "instance", "operator", "manager"}),
     "proxy": frozenset({"instance"}),  # token outputs
 }
 

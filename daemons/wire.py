@@ -89,6 +89,7 @@ class InstanceLoad(msgspec.Struct, array_like=True, omit_defaults=True):
     migrations_aborted: int = 0  # monotonic, as source
     high_priority: int = 0  # running requests of high execution priority (each adds headroom to virtual usage)
     stalled: bool = False  # an engine step has run past instance.step_timeout_s: unhealthy, no dispatches
+    waiting_tokens: int = 0  # tokens the waiting requests have yet to prefill (the proxies' admission control)
 
 
 # ---------------------------------------------------------------- instance <-> manager

@@ -108,12 +108,13 @@ class _Waiting:
     """Waiting requests: higher priority first, FCFS within a priority. One deque per priority that has
     waiting requests, so every verb but ``remove`` is O(1) while there are only a few priorities."""
 
-    __slots__ = ("_classes", "_order", "_len")
+    __slots__ = ("_classes", "_order", "_len", "tokens")
 
     def __init__(self):
         self._classes: dict[int, deque[_Req]] = {}
         self._order: list[int] = []  # priorities of the non-empty classes, highest first
         self._len = 0
+        self.tokens = 0  # the tokens they will prefill (prompt and, if preempted, what they generated)
 
     def _class(self, priority: int) -> deque[_Req]:
         q = self._classes.get(priority)
@@ -132,11 +133,13 @@ class _Waiting:
         """A new arrival: behind every waiting request of its priority."""
         self._class(req.priority).append(req)
         self._len += 1
+        self.tokens += req.prompt_len + req.generated
 
     def appendleft(self, req: _Req) -> None:
         """A preempted request: it arrived before every waiting request of its priority."""
         self._class(req.priority).appendleft(req)
         self._len += 1
+        self.tokens += req.prompt_len + req.generated
 
     def head(self) -> _Req:
         return self._classes[self._order[0]][0]
@@ -146,17 +149,20 @@ class _Waiting:
         req = self._classes[priority].popleft()
         self._drop_if_empty(priority)
         self._len -= 1
+        self.tokens -= req.prompt_len + req.generated
         return req
 
     def remove(self, req: _Req) -> None:
         self._classes[req.priority].remove(req)  # O(its class), but aborts are rare next to steps
         self._drop_if_empty(req.priority)
         self._len -= 1
+        self.tokens -= req.prompt_len + req.generated
 
     def clear(self) -> None:
         self._classes.clear()
         self._order.clear()
         self._len = 0
+        self.tokens = 0
 
     def __len__(self) -> int:
         return self._len
@@ -308,6 +314,7 @@ class SimEngine:
             running_blocks=used - sum(len(r.blocks) for r in self._suspended.values())
             - sum(len(r.blocks) for r in self._reserved.values()),
             high_priority=sum(n for p, n in self._running_per_priority.items() if p > 0),
+            waiting_tokens=self._waiting.tokens,
         )
 
     def requests(self) -> list[RequestLoad]:

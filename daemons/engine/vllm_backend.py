@@ -173,6 +173,7 @@ class VllmEngine:
             tokens_generated=self._tokens_generated,
             running_blocks=sum(len(v.block_ids(r.request_id)) for r in v.running()),
             high_priority=v.high_priority_running(),
+            waiting_tokens=v.waiting_tokens(),
         )
 
     def requests(self) -> list[RequestLoad]:

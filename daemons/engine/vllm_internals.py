@@ -263,6 +263,10 @@ class _Vllm:
     def waiting(self) -> list:
         return list(self.scheduler.waiting)
 
+    def waiting_tokens(self) -> int:
+        """Tokens the waiting requests have yet to prefill (a preempted one's output included)."""
+        return sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting)
+
     def head_waiting(self):
         queue = self.scheduler.waiting
         return queue.peek_request() if queue else None

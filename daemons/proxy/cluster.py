@@ -11,10 +11,17 @@ Ownership: every placement of a request (dispatch, migration commit, failover) h
 stream takes tokens only from its current owner (instance, epoch), or from an older placement for the
 indices before the current one began. A copy that lost a race is aborted by epoch (daemons/requests.py).
 
-Failover: the proxy keeps its own view of instance liveness from the instances' heartbeats (and the
-manager's snapshots while it answers). When the instance that holds a stream dies, stalls, stops or says
-it is unhealthy, the request is submitted to another instance with its prompt plus every token already
+Failover: the proxy keeps its own view of instance liveness: its connection to each instance (daemons/links.py:
+a killed instance closes it at once, a frozen or unreachable one stops answering keepalives), the
+instances' heartbeats, and the manager's snapshots while it answers. Slow is not dead: a late heartbeat
+alone fails nothing over. When the instance that holds a stream dies, stalls, stops or says it is
+unhealthy, the request is submitted to another instance with its prompt plus every token already
 streamed, under a new epoch; it continues at the next index, so the client sees nothing but a pause.
+
+Admission: a new request is refused at once (429, Retry-After) while the cluster's queued work is past the
+``[admission]`` bounds, counted from the instances' heartbeats and our own dispatches they do not show yet;
+high priority has larger bounds. A request that finds no instance that can take it right now waits for
+one (admission.queue_timeout_s); with no live instance at all it is refused at once (503).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import zmq
 import zmq.asyncio
 
 from daemons import metrics, policy, runtime, security, wire
+from daemons.links import DOWN, UP, LinkWatch
 from daemons.proxy.view import DispatchView
 
 log = logging.getLogger("llumnix.proxy")
@@ -55,6 +63,17 @@ M_FENCED = metrics.counter("proxy", "llumnix_proxy_fenced_total", "Token outputs
                            "they came from a copy that is not the request's current owner")
 M_TIMEOUTS = metrics.counter("proxy", "llumnix_proxy_request_timeouts_total",
                              "Requests ended because they passed proxy.request_timeout_s")
+REJECT_REASONS = ("queued_requests", "queued_tokens", "no_instance", "wait_timeout")
+M_REJECTED = metrics.counter("proxy", "llumnix_proxy_admission_rejections_total",
+                             "Requests refused by admission control, by reason: queued_requests and queued_tokens "
+                             "(429: the cluster's queue is past [admission]'s bounds), no_instance (503: no live "
+                             "instance), wait_timeout (503: none could take it within admission.queue_timeout_s)",
+                             ["reason"], preset=[(r,) for r in REJECT_REASONS])
+M_WAITED = metrics.counter("proxy", "llumnix_proxy_dispatch_waits_total",
+                           "Requests that found no instance able to take them at once and waited for one")
+M_LINKS_DOWN = metrics.counter("proxy", "llumnix_proxy_instance_links_lost_total",
+                               "Connections to instances lost (process gone, or no keepalive answered within "
+                               "proxy.instance_timeout_s)")
 
 
 TIE_TURN_S = 60.0
@@ -62,6 +81,18 @@ TIE_TURN_S = 60.0
 
 class NoInstance(Exception):
     """No live instance can take the request."""
+
+    def __init__(self, message: str, reason: str = "no_instance"):
+        super().__init__(message)
+        self.reason = reason
+
+
+class Overloaded(Exception):
+    """Admission control: the cluster's queued work is past the bounds for this request's priority."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
 
 
 class Stream:
@@ -178,6 +209,10 @@ class ClusterClient:
         self._tasks: list[asyncio.Task] = []
         self._soon: list[wire.Message] = []  # for the manager at the end of this loop turn (_tell_manager_soon)
         self.essential: list[asyncio.Task] = []  # if one of these ends, the proxy exits (it would be deaf)
+        self.adm = cfg.admission
+        self.links = LinkWatch(self.pc.instance_timeout_s, self._link_changed)  # by request address
+        self._changed: list[asyncio.Future] = []  # dispatches waiting for an instance to take them
+        self.placing: dict[str, int] = {}  # request id -> prompt tokens, while it waits for an instance
 
     # ------------------------------------------------------------------ life cycle
 
@@ -198,6 +233,7 @@ class ClusterClient:
         for rid, stream in list(self.streams.items()):
             if not stream.done and stream.address:
                 self._send_instance(stream.address, wire.Abort(rid))
+        self.links.close()
         for sock in self.instances.values():
             sock.close(200)  # the aborts above still go out
         self.sec.close()
@@ -239,9 +275,26 @@ class ClusterClient:
         return self.pc.instance_timeout_s
 
     def _dead(self, instance_id: str, since: float = 0.0) -> bool:
-        """Not heard from for proxy.instance_timeout_s (counting from ``since`` if later: a dispatch)."""
+        """Its connection went down (daemons/links.py). An instance whose connection is up is alive however
+        late its heartbeats; one whose connection never came up is judged by silence: not heard from for
+        proxy.instance_timeout_s (counting from ``since`` if later: a dispatch)."""
+        link = self.links.state(self.addresses.get(instance_id, ""))
+        if link != "unknown":
+            return link == DOWN
         last = max(self.heard.get(instance_id, 0.0), since)
         return last > 0 and time.monotonic() - last > self.pc.instance_timeout_s
+
+    def _link_changed(self, address: str, state: str) -> None:
+        if state == DOWN:
+            M_LINKS_DOWN.inc()
+            ids = [iid for iid, a in self.addresses.items() if a == address]
+            log.warning("lost the connection to instance %s at %s (its process is gone, or it answered no keepalive "
+                        "for %gs)", "/".join(ids) or "?", address, self.pc.instance_timeout_s)
+            self.view.invalidate()
+            self.check_streams(time.monotonic())
+        elif state == UP:
+            self.view.invalidate()
+            self._wake_waiting()
 
     async def _ask(self, msg, timeout: float):
         fut = asyncio.get_running_loop().create_future()
@@ -260,6 +313,7 @@ class ClusterClient:
             msg = wire.decode(await self.manager.recv())
             if isinstance(msg, wire.Snapshot):
                 self.snapshot, self.snapshot_at = msg.instances, time.monotonic()
+                self._wake_waiting()
                 self.view.invalidate()
                 self.rank, self.proxies = msg.proxy_rank, msg.proxies
                 M_PEERS.set(msg.proxies)
@@ -342,6 +396,104 @@ class ClusterClient:
                              "no live instance (the manager is unreachable and the last snapshot has none)")
         return self._chose(sub, chosen)
 
+    async def _place(self, stream: Stream) -> tuple[str, str]:
+        """``_choose``, waiting while no instance can take the request right now but some live instance could
+        later (stalled, draining, cordoned, or not in our view yet): until one can, for at most
+        admission.queue_timeout_s. With no live instance at all, NoInstance at once."""
+        deadline = 0.0
+        try:
+            while True:
+                try:
+                    return await self._choose(stream)
+                except NoInstance as exc:
+                    if not self._could_serve(stream):
+                        raise
+                    now = time.monotonic()
+                    if not deadline:
+                        deadline = now + self.adm.queue_timeout_s
+                        M_WAITED.inc()
+                        self.placing[stream.request_id] = len(stream.submit.prompt_token_ids)
+                        log.info("request %s: %s; waiting up to %gs for an instance (admission.queue_timeout_s)",
+                                 stream.request_id, exc, self.adm.queue_timeout_s)
+                    if now >= deadline or stream.done:
+                        raise NoInstance(f"{exc}; no instance could take it within {self.adm.queue_timeout_s:g}s "
+                                         f"(admission.queue_timeout_s)", "wait_timeout") from None
+                    await self._wait_change(min(deadline - now, 1.0))
+        finally:
+            self.placing.pop(stream.request_id, None)
+
+    def _could_serve(self, stream: Stream) -> bool:
+        """Whether some live instance that the request has not failed on exists, taking requests or not."""
+        exclude = stream.exclude
+        states = {v.instance_id: v.state for v in self.snapshot}
+        for iid in {*states, *self.beats}:
+            if iid in exclude or states.get(iid) == "dead" or self._dead(iid):
+                continue
+            if iid in states or self.links.state(self.addresses.get(iid, "")) == UP:
+                return True
+        return False
+
+    async def _wait_change(self, timeout: float) -> None:
+        """Until a heartbeat, a snapshot or a connection changes what instances can take (or ``timeout``)."""
+        fut = asyncio.get_running_loop().create_future()
+        self._changed.append(fut)
+        try:
+            await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            if fut in self._changed:
+                self._changed.remove(fut)
+
+    def _wake_waiting(self) -> None:
+        waiting, self._changed = self._changed, []
+        for fut in waiting:
+            if not fut.done():
+                fut.set_result(None)
+
+    # ------------------------------------------------------------------ admission
+
+    def admit(self, priority: int) -> None:
+        """Raise Overloaded if the cluster's queued work is past [admission]'s bounds for ``priority``:
+        requests and prompt tokens waiting to start on the instances that take requests (from their
+        heartbeats), plus our own dispatches they do not show yet and the requests waiting here for an
+        instance. High priority's bounds are admission.high_priority_factor times larger."""
+        adm = self.adm
+        if not adm.max_queued_requests and not adm.max_queued_tokens:
+            return
+        serving = requests = tokens = capacity = 0
+        for iid, beat in self.beats.items():
+            load = beat.load
+            if load is None or not beat.accepting or not beat.healthy or self._dead(iid):
+                continue
+            serving += 1
+            requests += load.waiting
+            tokens += load.waiting_tokens
+            capacity += load.blocks_total * load.block_size if adm.max_queued_tokens < 0 else adm.max_queued_tokens
+        if not serving:
+            return  # nothing to measure against: placement waits for an instance, or says none is alive
+        fresh = time.monotonic() - self.view.ttl_s
+        for iid, mine in self.view.mine.items():
+            beat = self.beats.get(iid)
+            block = beat.load.block_size if beat is not None and beat.load is not None else 16
+            for _, blocks, at in mine:
+                if at > fresh:
+                    requests += 1
+                    tokens += blocks * block
+        requests += len(self.placing)
+        tokens += sum(self.placing.values())
+        factor = adm.high_priority_factor if priority > 0 else 1.0
+        if adm.max_queued_requests and requests >= adm.max_queued_requests * serving * factor:
+            raise Overloaded(f"the cluster is overloaded: {requests} requests are queued on its {serving} instance(s) "
+                             f"(admission.max_queued_requests = {adm.max_queued_requests} per instance"
+                             f"{', x' + format(factor, 'g') + ' for high priority' if priority > 0 else ''})",
+                             "queued_requests")
+        if adm.max_queued_tokens and tokens >= capacity * factor:
+            raise Overloaded(f"the cluster is overloaded: {tokens} prompt tokens are queued on its {serving} "
+                             f"instance(s) (admission.max_queued_tokens: {capacity} in all"
+                             f"{', x' + format(factor, 'g') + ' for high priority' if priority > 0 else ''})",
+                             "queued_tokens")
+
     def _choose_here(self, stream: Stream) -> str | None:
         """The dispatch policy over our view (daemons/proxy/view.py): the instances' streamed loads plus our
         own dispatches they do not show yet; the manager's snapshot adds flags, a new instance's credit and
@@ -383,9 +535,16 @@ class ClusterClient:
         if sock is None:
             sock = runtime.tune(self.ctx.socket(zmq.DEALER, socket_class=zmq.Socket))  # send-only
             sock.setsockopt(zmq.SNDHWM, 100_000)
-            self.sec.client(sock, "instance")
-            sock.connect(address)
+            self.sec.client(self.links.prepare(sock), "instance")
+            try:
+                sock.connect(address)
+            except zmq.ZMQError as exc:
+                sock.close(0)
+                log.warning("cannot connect to instance address %r (%s); not sending it a %s", address, exc,
+                            type(msg).__name__)
+                return False
             self.instances[address] = sock
+            self.links.watch(address, sock)
         if not runtime.send_now(sock, wire.encode(msg)):
             log.warning("request path to %s is full; could not send a %s", address, type(msg).__name__)
             return False
@@ -405,7 +564,7 @@ class ClusterClient:
     async def _dispatch(self, stream: Stream) -> None:
         """Place the request (again) under a new epoch; a placement after tokens were streamed continues
         from them (re-prefill)."""
-        instance_id, address = await self._choose(stream)
+        instance_id, address = await self._place(stream)
         if stream.done:  # ended (client gone, deadline) while we chose
             return
         stream.instance_id, stream.address = instance_id, address
@@ -516,8 +675,13 @@ class ClusterClient:
                 continue
             beat = self.beats.get(iid)
             if self._dead(iid, stream.sent_at):
-                self._instance_failed(stream, f"instance {iid} has not been heard from for over "
-                                      f"{self.pc.instance_timeout_s:g}s", cause="silent")
+                if self.links.state(stream.address) == DOWN:
+                    self._instance_failed(stream, f"lost the connection to instance {iid} (its process is gone, or "
+                                          f"it answered no keepalive for {self.pc.instance_timeout_s:g}s)", cause="dead")
+                else:
+                    self._instance_failed(stream, f"instance {iid} has not been heard from for over "
+                                          f"{self.pc.instance_timeout_s:g}s (its connection never came up)",
+                                          cause="silent")
             elif beat is not None and not beat.healthy:
                 self._instance_failed(stream, f"instance {iid} is unhealthy (its engine makes no progress)",
                                       cause="unhealthy")
@@ -550,6 +714,8 @@ class ClusterClient:
                     self.view.heard(msg, self.beats.get(msg.instance_id))
                     self.beats[msg.instance_id] = msg
                     self.addresses[msg.instance_id] = msg.request_address
+                    if self._changed:
+                        self._wake_waiting()
                 elif isinstance(msg, wire.Moved):  # a migration committed: follow the request to its new owner
                     stream = streams.get(msg.request_id)
                     if stream is not None and not stream.done:

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from daemons import metrics, wire
 from daemons.config import Config
 from daemons.proxy.apikeys import ApiKeys
-from daemons.proxy.cluster import ClusterClient, NoInstance, Stream
+from daemons.proxy.cluster import M_REJECTED, ClusterClient, NoInstance, Overloaded, Stream
 from daemons.proxy.fastpath import Call, Reply
 from daemons.proxy.protocol import (
     ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, decode_body, derive_seed,
@@ -134,11 +134,29 @@ class Proxy:
             self._access(job, chat, arrival, reply.status)
         return reply
 
+    def _admit(self, priority: int) -> None:
+        """Admission control (daemons/proxy/cluster.py ``admit``): 429 with Retry-After, before any tokenizing."""
+        try:
+            self.cluster.admit(priority)
+        except Overloaded as exc:
+            M_REJECTED.labels(exc.reason).inc()
+            raise self._retry_later(429, str(exc), "rate_limit_exceeded") from None
+
+    def _retry_later(self, status: int, message: str, code: str) -> ApiError:
+        err = ApiError(status, message, type_="rate_limit_exceeded" if status == 429 else "service_unavailable",
+                       code=code)
+        err.headers = {"Retry-After": str(self.cfg.admission.retry_after_s)}
+        return err
+
     async def _accept(self, call: Call, job: Job) -> Reply:
+        header_priority = call.headers.get("x-llumnix-priority")
+        if header_priority is not None:  # refused before the body is read, however large
+            self._admit(parse_priority(None, header_priority))
         body = decode_body(await call.read(), ChatRequest if job.chat else CompletionRequest)
         job.model = body.model
         self._check_model(body.model)
         body.unsupported()
+        self._admit(parse_priority(body.priority, header_priority))
         if job.chat:
             prompt = self._chat_prompt(body, body.add_generation_prompt)
             ids = self.tokenizer.encode(prompt, add_special_tokens=False)
@@ -217,7 +235,7 @@ class Proxy:
             try:
                 job.choices[0].stream = await self.cluster.submit(submits[0])
             except NoInstance as exc:
-                raise ApiError(503, f"no instance can take the request: {exc}", type_="service_unavailable") from None
+                raise self._no_instance(exc) from None
             return
         results = await asyncio.gather(*(self.cluster.submit(s) for s in submits), return_exceptions=True)
         for c, res in zip(job.choices, results):
@@ -225,9 +243,13 @@ class Proxy:
                 c.stream = res
         for res in results:
             if isinstance(res, NoInstance):
-                raise ApiError(503, f"no instance can take the request: {res}", type_="service_unavailable")
+                raise self._no_instance(res)
             if isinstance(res, BaseException):
                 raise res
+
+    def _no_instance(self, exc: NoInstance) -> ApiError:
+        M_REJECTED.labels(exc.reason).inc()
+        return self._retry_later(503, f"no instance can take the request: {exc}", exc.reason)
 
     async def _firsts(self, job: Job) -> list[list[wire.TokenOut]]:
         """Every choice's first outputs ([] for one that failed)."""
