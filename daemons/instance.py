@@ -320,6 +320,14 @@ class Instance:
             log.warning("fault injection: this engine step never ends")
             while True:
                 time.sleep(3600)
+        busy_at = self.faults.get("busy_step_after")
+        if busy_at and self.steps == busy_at:
+            # As a CPU prefill that holds the interpreter: on the sim (steps on the event loop) nothing of the
+            # llumlet runs meanwhile; only ZeroMQ's I/O thread does.
+            log.warning("fault injection: this step keeps the interpreter busy for %gs", self.faults.get("busy_step_s"))
+            end = time.monotonic() + self.faults.get("busy_step_s")
+            while time.monotonic() < end:
+                pass
         return self.engine.step()
 
     async def step_loop(self) -> None:
