@@ -43,6 +43,7 @@ from daemons.watchdog import Faults, Watchdog
 
 log = logging.getLogger("llumnix.instance")
 
+MOVED_LATELY_S = 30.0  # a request listing names the requests that migrated out this recently
 PREFIX_QUERY_TOKENS = 1 << 16  # at most this many prompt tokens go in one prefix query to a destination
 M_REQUESTS = metrics.counter("instance", "llumnix_instance_requests_total", "Requests received from proxies")
 M_FINISHED = metrics.counter("instance", "llumnix_instance_requests_finished_total",
@@ -295,8 +296,13 @@ class Instance:
                 self._run_boundary_call(fn, fut)
         if self.list_queries:
             requests = self.engine.requests()
+            migrating = self.requests.migrating()
+            if migrating:  # pre-copy too, not only the suspended last stage
+                requests = [msgspec.structs.replace(r, state="migrating") if r.request_id in migrating else r
+                            for r in requests]
+            moved = self.requests.moved_lately(MOVED_LATELY_S)
             for qid in self.list_queries:
-                self._tell_manager(wire.RequestList(qid, self.instance_id, requests))
+                self._tell_manager(wire.RequestList(qid, self.instance_id, requests, moved))
             self.list_queries.clear()
         self.proxies.flush()
         self.last_load = self.current_load()

@@ -102,6 +102,19 @@ class InstanceRecord:
             self.pending.popleft()
 
 
+LOOKUP_TIMEOUT_S = 10.0  # how long a lookup of one request waits for busy instances (it ends once one holds it)
+
+
+@dataclass
+class _Fanout:
+    """A ListRequests query out to instances."""
+
+    done: asyncio.Future
+    missing: set[str]  # instances that have not answered yet
+    results: dict[str, wire.RequestList]  # answers by instance id
+    want: str = ""  # one request id: done as soon as an instance holds it
+
+
 # Who may send what to the manager when cluster sockets use CURVE keys (the role comes from the key).
 _VERBS: dict[str, tuple[type, ...]] = {
     "instance": (wire.Register, wire.LoadReport, wire.Goodbye, wire.RequestList, wire.MigrateResult),
@@ -133,7 +146,7 @@ class Manager:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.bound = ""
         self.query_ids = itertools.count(1)
-        self._fanouts: dict[int, tuple[asyncio.Future, set[str], list]] = {}
+        self._fanouts: dict[int, _Fanout] = {}
         self._tasks: set[asyncio.Task] = set()
         self.resched = Rescheduler(self)
         self._refused_logged: dict[tuple[str, str], float] = {}
@@ -419,39 +432,68 @@ class Manager:
 
     # ------------------------------------------------------------------ admin queries
 
-    async def on_requests(self, msg: wire.RequestsQuery) -> wire.RequestsReply:
+    async def on_requests(self, msg: wire.RequestsQuery, want: str = "") -> wire.RequestsReply:
+        """Every request on every live instance. A request that migrated while the query was out can be in
+        neither answer (the destination answered before its commit, the source after it): the source names
+        it among its recent moves, and the destination is asked again. ``want``: one request id; the answer
+        may stop at the first instance that holds it, and busy instances are given longer (a lookup before
+        an operator's migration must not miss a request on an instance in the middle of a long step)."""
         alive = {r.instance_id: r for r in self.instances.values() if r.state != "dead"}  # stopping ones still serve
+        timeout = self.lookup_timeout() if want else self.mc.query_timeout_s
+        results, missing = await self._list(alive, timeout, want)
+        listed = {q.request_id for rl in results.values() for q in rl.requests}
+        if not (want and want in listed):
+            by_address = {r.info.request_address: r for r in alive.values()}
+            again = {}
+            for rl in list(results.values()):
+                for rid, address in rl.moved.items():
+                    dst = by_address.get(address)
+                    if rid not in listed and (not want or rid == want) and dst is not None:
+                        again[dst.instance_id] = dst
+            if again:
+                more, _ = await self._list(again, timeout, want)
+                results.update(more)
+        rows: dict[str, wire.RequestInfo] = {}
+        for rl in results.values():
+            for q in rl.requests:
+                seen = rows.get(q.request_id)
+                if seen is not None and seen.state != "migrating":
+                    continue  # listed by both ends of a migration that committed meanwhile: the new owner's row
+                rows[q.request_id] = wire.RequestInfo(
+                    request_id=q.request_id, instance_id=rl.instance_id, state=q.state, output_tokens=q.output_tokens,
+                    prompt_tokens=q.prompt_tokens, blocks=q.blocks, priority=q.priority)
+        return wire.RequestsReply(msg.query_id, requests=list(rows.values()), unreachable=sorted(missing))
+
+    def lookup_timeout(self) -> float:
+        return max(self.mc.query_timeout_s, LOOKUP_TIMEOUT_S)
+
+    async def _list(self, instances: dict[str, InstanceRecord], timeout: float,
+                    want: str = "") -> tuple[dict[str, wire.RequestList], set[str]]:
+        """Ask ``instances`` for their requests; (answers by instance, those that did not answer in time)."""
         qid = next(self.query_ids)
-        fut = asyncio.get_running_loop().create_future()
-        results: list[wire.RequestList] = []
-        self._fanouts[qid] = (fut, set(alive), results)
-        for r in alive.values():
+        fan = _Fanout(asyncio.get_running_loop().create_future(), set(instances), {}, want)
+        self._fanouts[qid] = fan
+        for r in instances.values():
             self.send(r, wire.ListRequests(qid))
         try:
-            if alive:
-                await asyncio.wait_for(asyncio.shield(fut), self.mc.query_timeout_s)
+            if instances:
+                await asyncio.wait_for(asyncio.shield(fan.done), timeout)
         except asyncio.TimeoutError:
             pass
         finally:
-            _, missing, _ = self._fanouts.pop(qid)
-        reqs = [
-            wire.RequestInfo(request_id=q.request_id, instance_id=rl.instance_id, state=q.state,
-                             output_tokens=q.output_tokens, prompt_tokens=q.prompt_tokens, blocks=q.blocks,
-                             priority=q.priority)
-            for rl in results for q in rl.requests
-        ]
-        return wire.RequestsReply(msg.query_id, requests=reqs, unreachable=sorted(missing))
+            self._fanouts.pop(qid, None)
+        return fan.results, fan.missing
 
     def on_request_list(self, msg: wire.RequestList) -> None:
-        entry = self._fanouts.get(msg.query_id)
-        if entry is None:
+        fan = self._fanouts.get(msg.query_id)
+        if fan is None:
             return  # late answer to a finished query
-        fut, missing, results = entry
-        if msg.instance_id in missing:
-            missing.discard(msg.instance_id)
-            results.append(msg)
-        if not missing and not fut.done():
-            fut.set_result(None)
+        if msg.instance_id in fan.missing:
+            fan.missing.discard(msg.instance_id)
+            fan.results[msg.instance_id] = msg
+        found = fan.want and any(q.request_id == fan.want and q.state != "migrating" for q in msg.requests)
+        if (not fan.missing or found) and not fan.done.done():
+            fan.done.set_result(None)
 
     def on_policy(self, msg: wire.PolicyQuery) -> wire.Message:
         changes = {"dispatch_policy": (msg.dispatch_policy, policy.DISPATCH_POLICIES),

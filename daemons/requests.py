@@ -142,6 +142,11 @@ class RequestTable:
             return AbortAction.DEFERRED
         return AbortAction.HERE
 
+    def moved_lately(self, within_s: float) -> dict[str, str]:
+        """Requests handed over in the last ``within_s`` seconds: id -> the destination's request address."""
+        since = time.monotonic() - within_s
+        return {rid: address for rid, (address, at) in self._moved.items() if at > since}
+
     def moved_to(self, request_id: str) -> str | None:
         """Where it migrated (once: an abort follows a request one hop at a time)."""
         moved = self._moved.pop(request_id, None)

@@ -140,11 +140,18 @@ class Rescheduler:
             return wire.ErrorReply(msg.query_id, f"destination {msg.dst} is {flag}: it takes no requests "
                                                  f"(llumnixctl {undo} {msg.dst} first)")
         if msg.request_id:
-            held = await self.m.on_requests(wire.RequestsQuery(0))
-            src_id = next((q.instance_id for q in held.requests if q.request_id == msg.request_id), None)
-            if src_id is None:
+            held = await self.m.on_requests(wire.RequestsQuery(0), want=msg.request_id)
+            row = next((q for q in held.requests if q.request_id == msg.request_id), None)
+            if row is None:
+                busy = (f"; instance(s) {', '.join(held.unreachable)} did not answer within "
+                        f"{self.m.lookup_timeout():g}s" if held.unreachable else "")
                 return wire.ErrorReply(msg.query_id, f"request {msg.request_id!r} is not on any instance "
-                                                     "(finished, or never started; see llumnixctl requests)")
+                                                     f"(finished, or never started; see llumnixctl requests){busy}")
+            if row.state == "migrating":
+                return wire.ErrorReply(msg.query_id, f"request {msg.request_id!r} is migrating out of "
+                                                     f"{row.instance_id} right now; try again once it has landed "
+                                                     "(llumnixctl requests shows where)")
+            src_id = row.instance_id
         else:
             src_id = msg.src
         src = self.m.instances.get(src_id)

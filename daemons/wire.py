@@ -264,7 +264,10 @@ class Shutdown(msgspec.Struct, **_tagged(33)):
 class RequestList(msgspec.Struct, **_tagged(31)):
     query_id: int
     instance_id: str
-    requests: list[RequestLoad]
+    requests: list[RequestLoad]  # "migrating": a migration out of here is in progress
+    # Requests that migrated out of here lately: id -> the destination's request address (the destination
+    # may have answered the same query before it committed: the manager asks it again).
+    moved: dict[str, str] = {}
 
 
 # ---------------------------------------------------------------- proxy -> instance
