@@ -70,6 +70,13 @@ M_ORPHANED = metrics.counter("instance", "llumnix_instance_requests_orphaned_tot
                              "Requests aborted because their proxy was gone")
 M_FAILOVERS_IN = metrics.counter("instance", "llumnix_instance_failovers_in_total",
                                  "Requests taken over from another instance by re-prefill")
+M_BEAT_LATE = metrics.histogram("instance", "llumnix_instance_heartbeat_lateness_seconds",
+                                "How late each heartbeat tick of the llumlet ran (0: on time): what a busy engine or "
+                                "host costs the liveness and load signals",
+                                buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0))
+M_QUERY = metrics.histogram("instance", "llumnix_instance_query_seconds",
+                            "From a request-list query's arrival to its answer (answered at a step boundary)",
+                            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0))
 M_HEALTHY = metrics.gauge("instance", "llumnix_instance_healthy",
                           "1 while engine steps make progress, 0 while stalled (instance.step_timeout_s)")
 
@@ -107,7 +114,7 @@ class Instance:
         self.faults = Faults(self.ic.id)
         self.inbox: list[wire.Submit | wire.Abort] = []
         self.taken: dict[str, int] = {}  # by proxy token address: its Submits taken in at step boundaries
-        self.list_queries: list[int] = []  # ListRequests answered at the next step boundary
+        self.list_queries: list[tuple[int, float]] = []  # ListRequests (id, arrival) answered at the next boundary
         self.boundary_calls: list[tuple[Callable, asyncio.Future]] = []
         self.stepping = False  # engine steps run on the executor thread right now
         self.halt_steps = False  # the step loop was cancelled: the engine thread stops after its step
@@ -301,8 +308,10 @@ class Instance:
                 requests = [msgspec.structs.replace(r, state="migrating") if r.request_id in migrating else r
                             for r in requests]
             moved = self.requests.moved_lately(MOVED_LATELY_S)
-            for qid in self.list_queries:
+            now = time.monotonic()
+            for qid, arrived in self.list_queries:
                 self._tell_manager(wire.RequestList(qid, self.instance_id, requests, moved))
+                M_QUERY.observe(now - arrived)
             self.list_queries.clear()
         self.proxies.flush()
         self.last_load = self.current_load()
@@ -454,7 +463,7 @@ class Instance:
                     log.info("manager asks us to register (%s)", msg.reason)
                     self._tell_manager(self.register_msg())
             elif isinstance(msg, wire.ListRequests):
-                self.list_queries.append(msg.query_id)
+                self.list_queries.append((msg.query_id, time.monotonic()))
                 self.wake.set()
             elif isinstance(msg, wire.MigrateStart):
                 self.migrator.spawn(self.migrate_command(msg))
@@ -586,9 +595,13 @@ class Instance:
     async def proxy_loop(self) -> None:
         """Each heartbeat: tell every proxy we serve that we are alive (and whether healthy); abort the
         requests of proxies that are gone. Also the event loop's tick for the watchdog."""
-        heartbeat = self.cfg.manager.heartbeat_interval_s
+        period = min(self.cfg.manager.heartbeat_interval_s, self.ic.step_timeout_s / 4)
+        due = time.monotonic()
         while True:
-            self.watchdog.loop_beat = time.monotonic()
+            now = time.monotonic()
+            M_BEAT_LATE.observe(max(now - due, 0.0))
+            due = now + period
+            self.watchdog.loop_beat = now
             healthy = not self.watchdog.stalled
             M_HEALTHY.set(1 if healthy else 0)
             if not healthy and not self.last_load.stalled:
@@ -597,7 +610,7 @@ class Instance:
             self.beat_proxies(healthy)
             for address, why in self.proxies.gone(self.requests.proxies()):
                 self.boundary(lambda address=address, why=why: self.abort_orphans(address, why))
-            await asyncio.sleep(min(heartbeat, self.ic.step_timeout_s / 4))
+            await asyncio.sleep(period)
 
     def beat_proxies(self, healthy: bool) -> None:
         """Liveness and load to every proxy we serve: each heartbeat, and (from the report loop) on every load

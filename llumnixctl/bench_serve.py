@@ -218,6 +218,15 @@ def result_block(res: dict) -> str:
             row("Preemptions:", res["preemptions"])
             row("Migrations committed:", res["migrations"]["committed"])
             row("Migrations aborted:", res["migrations"]["aborted"])
+        st = res.get("steadiness")
+        if st is not None:
+            row("Instances marked dead:", len(st["instances_dead"]))
+            row("Failovers, refusals (429/503):", f"{st['proxy_failovers']:g}, {st['proxy_rejected']:g}")
+            for key, label in (("heartbeat_lateness_ms", "Heartbeat lateness"), ("query_ms", "Query answer")):
+                worst = max((v["p99_ms"] for v in st[key].values()), default=None)
+                top = max((v["max_ms"] for v in st[key].values()), default=None)
+                if worst is not None:
+                    row(f"{label} P99, max (ms, <=):", f"{worst:g}, {top:g}")
         row("Prompt token mismatches:", res["prompt_token_mismatches"])
         row("Outputs not of the trace's length:", res["short_outputs"])
     lines.append("=" * 50)
@@ -316,7 +325,62 @@ def _cluster_counters(client) -> dict | None:
     return {"preemptions": sum(ld.preemptions for ld in loads),
             "committed": sum(ld.migrations_committed for ld in loads),
             "aborted": sum(ld.migrations_aborted for ld in loads),
-            "busy": sum(ld.running + ld.waiting for ld in loads)}
+            "busy": sum(ld.running + ld.waiting for ld in loads),
+            "dead": sorted(v.instance_id for v in snap.instances if v.state == "dead"),
+            "metrics": {v.instance_id: v.metrics_address for v in snap.instances if v.metrics_address}}
+
+
+STEADY_HISTOGRAMS = {"heartbeat_lateness": "llumnix_instance_heartbeat_lateness_seconds",
+                     "query": "llumnix_instance_query_seconds"}
+PROXY_COUNTERS = {"failovers": "llumnix_proxy_failovers_total", "rejected": "llumnix_proxy_admission_rejections_total",
+                  "waited": "llumnix_proxy_dispatch_waits_total"}
+
+
+def _scrape(address: str) -> dict[str, float]:
+    """Every sample of a /metrics page (``host:port`` or a URL), by name and labels; {} if it cannot be read."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url = address if address.startswith("http") else f"http://{address}/metrics"
+    try:
+        resp = httpx.get(url, timeout=10)
+        if resp.status_code != 200:
+            return {}
+        out: dict[str, float] = {}
+        for fam in text_string_to_metric_families(resp.text):
+            for smp in fam.samples:
+                key = smp.name + "".join(f"|{k}={v}" for k, v in sorted(smp.labels.items()) if k == "le")
+                out[key] = out.get(key, 0.0) + smp.value
+        return out
+    except (httpx.HTTPError, ValueError):  # unreachable, or not a Prometheus page
+        return {}
+
+
+def _quantile(before: dict[str, float], after: dict[str, float], name: str, q: float) -> float | None:
+    """The ``q`` quantile of a histogram's observations between two scrapes: the upper bound of the bucket it
+    falls in (None with no observation)."""
+    prefix = name + "_bucket|le="
+    buckets = sorted((float(k[len(prefix):]), after[k] - before.get(k, 0.0)) for k in after if k.startswith(prefix))
+    total = buckets[-1][1] if buckets else 0.0
+    if total <= 0:
+        return None
+    return next(bound for bound, n in buckets if n >= q * total)
+
+
+def steadiness(before: dict, after: dict, proxy_before: dict, proxy_after: dict) -> dict:
+    """What the run cost the llumlets' liveness and query paths (per instance: p99 and the largest bucket
+    reached, ms), instances marked dead meanwhile, and the proxy's failovers, refusals and waits."""
+    out: dict = {"instances_dead": sorted(set(after["dead"]) - set(before["dead"]))}
+    for key, name in STEADY_HISTOGRAMS.items():
+        per = {}
+        for iid, address in after["metrics"].items():
+            b, a = before.get("scrapes", {}).get(iid, {}), after.get("scrapes", {}).get(iid, {})
+            p99, top = _quantile(b, a, name, 0.99), _quantile(b, a, name, 1.0)
+            if p99 is not None:
+                per[iid] = {"p99_ms": p99 * 1000, "max_ms": top * 1000}
+        out[f"{key}_ms"] = per
+    for key, name in PROXY_COUNTERS.items():
+        out[f"proxy_{key}"] = proxy_after.get(name, 0.0) - proxy_before.get(name, 0.0)
+    return out
 
 
 # ---------------------------------------------------------------------- the command
@@ -396,6 +460,9 @@ def command(
 
     admin = common.admin(manager, run_dir, None, 5.0) if (run_dir is not None or manager) else None
     before = _cluster_counters(admin) if admin is not None else None
+    if before is not None:
+        before["scrapes"] = {iid: _scrape(a) for iid, a in before["metrics"].items()}
+        proxy_before = _scrape(url)
 
     def body(req: trace_mod.TraceRequest) -> dict:
         b = {"model": model, "prompt": prompt_ids(pool, req), "max_tokens": req.output_tokens, "stream": True,
@@ -429,6 +496,8 @@ def command(
             res["preemptions"] = after["preemptions"] - before["preemptions"]
             res["migrations"] = {"committed": after["committed"] - before["committed"],
                                  "aborted": after["aborted"] - before["aborted"]}
+            after["scrapes"] = {iid: _scrape(a) for iid, a in after["metrics"].items()}
+            res["steadiness"] = steadiness(before, after, proxy_before, _scrape(url))
         else:
             err.print("bench serve: the manager did not answer; no preemptions or migrations", markup=False)
     if res["prompt_token_mismatches"]:

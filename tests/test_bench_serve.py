@@ -92,6 +92,10 @@ def test_sim_cluster_vllm_keys_consistent_and_cluster_counters(vllm_server, clus
     _check(d)
     assert d["model_id"] == "llumnix-sim" and d["max_concurrency"] == 4
     assert isinstance(d["preemptions"], int) and set(d["migrations"]) == {"committed", "aborted"}
+    st = d["steadiness"]  # each instance's heartbeat ticks during the run, read off its /metrics
+    assert st["instances_dead"] == [] and st["proxy_failovers"] == 0 and st["proxy_rejected"] == 0
+    assert sorted(st["heartbeat_lateness_ms"]) == ["i0", "i1"], st
+    assert all(v["p99_ms"] <= v["max_ms"] for v in st["heartbeat_lateness_ms"].values()), st
     # The printed block is vLLM's, with the saved figures.
     v = _block_values(res.stdout)
     assert v["Successful requests:"] == str(len(TRACE)) and v["Maximum request concurrency:"] == "4"
@@ -101,6 +105,7 @@ def test_sim_cluster_vllm_keys_consistent_and_cluster_counters(vllm_server, clus
         assert v[f"Mean {name} (ms):"] == f"{d[f'mean_{key}_ms']:.2f}"
         assert v[f"P99 {name} (ms):"] == f"{d[f'p99_{key}_ms']:.2f}"
     assert "Time per Output Token (excl. 1st token)" in res.stdout and "Preemptions:" in res.stdout
+    assert "Heartbeat lateness P99, max (ms, <=):" in res.stdout and v["Instances marked dead:"] == "0"
     if importlib.util.find_spec("matplotlib") is None:
         assert "no plots" in res.stderr
     else:
