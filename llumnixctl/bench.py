@@ -32,7 +32,8 @@ from rich.table import Table
 
 from daemons import runtime, wire
 from daemons.config import ConfigError, load_config
-from llumnixctl import bench_engine, bench_manager, bench_migration, bench_policies, bench_serve, localcluster
+from llumnixctl import (bench_engine, bench_manager, bench_migration, bench_policies, bench_serve, bench_steady,
+                        localcluster)
 from llumnixctl.admin import AdminClient
 
 app = typer.Typer(no_args_is_help=True, help="Benchmarks that print their figures.")
@@ -627,3 +628,4 @@ app.command("migration")(bench_migration.command)
 app.command("policies")(bench_policies.command)
 app.command("serve")(bench_serve.command)
 app.command("manager")(bench_manager.command)
+app.command("steady")(bench_steady.command)

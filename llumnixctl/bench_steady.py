@@ -1,0 +1,172 @@
+"""``llumnixctl bench steady``: the cluster on a busy host, side by side with a plain router.
+
+The same bursty trace (Gamma arrivals) is replayed (``bench serve``) against two vLLM instances behind our proxy
+and, with ``--router``, against two vLLM ``api_server``s (same model, KV size and batch) behind a plain router
+(``vllm-router``, round robin), in interleaved rounds. Per round and system: failed requests and their first
+error, TTFT, and for ours the instances marked dead, failovers, refusals and the llumlets' heartbeat lateness
+(P99 and the largest bucket reached) and query answer times during the run. The engines share the host's
+cores with everything else, which is the point: a saturated 2-core machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import httpx
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from llumnixctl import bench_engine, localcluster, trace as trace_mod, traces
+
+BYTES_PER_TOKEN = 1024  # the tiny model's KV: 2 layers x (K, V) x 2 heads x 64 x bf16
+
+
+def _serve(url: str, trace: Path, extra: list[str]) -> dict:
+    """``bench serve --json`` in a child process (its own interpreter: the client's CPU is not ours)."""
+    argv = [sys.executable, "-m", "llumnixctl.main", "bench", "serve", "--url", url, "--trace", str(trace), "--json",
+            "--request-timeout", "600", *extra]
+    out = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if not out.stdout.strip():
+        raise RuntimeError(f"bench serve failed ({out.returncode}): {out.stderr[-2000:]}")
+    return json.loads(out.stdout)
+
+
+def _summary(system: str, rnd: int, res: dict) -> dict:
+    errors = sorted({e for e in res.get("errors", []) if e})
+    row = {"system": system, "round": rnd, "completed": res["completed"], "failed": res["failed"],
+           "first_error": errors[0][:300] if errors else "", "duration_s": res["duration"],
+           "mean_ttft_ms": res["mean_ttft_ms"], "p99_ttft_ms": res["p99_ttft_ms"], "p99_e2el_ms": res["p99_e2el_ms"]}
+    st = res.get("steadiness")
+    if st is not None:
+        beats = st["heartbeat_lateness_ms"].values()
+        queries = st["query_ms"].values()
+        row.update(instances_dead=st["instances_dead"], failovers=st["proxy_failovers"], refused=st["proxy_rejected"],
+                   heartbeat_p99_ms=max((v["p99_ms"] for v in beats), default=None),
+                   heartbeat_max_ms=max((v["max_ms"] for v in beats), default=None),
+                   query_p99_ms=max((v["p99_ms"] for v in queries), default=None),
+                   preemptions=res.get("preemptions"), migrations=res.get("migrations"))
+    return row
+
+
+def ours(model: Path, run_dir: Path, trace: Path, kv_bytes: int, max_num_seqs: int, sets: list[str]) -> dict:
+    state = localcluster.up(run_dir, 2, "vllm", 0, None,
+                            [f"model.path={model}", "model.name=bench", f"vllm.kv_cache_bytes={kv_bytes}",
+                             f"vllm.max_num_seqs={max_num_seqs}", "instance.log_level=warning", *sets], timeout_s=300)
+    try:
+        return _serve(state.url, trace, ["--run-dir", str(run_dir)])
+    finally:
+        localcluster.stop(state)
+
+
+def plain_router(router: str, model: Path, run_dir: Path, trace: Path, kv_bytes: int, max_num_seqs: int) -> dict:
+    vllm = {"max_num_seqs": max_num_seqs, "kv_cache_bytes": kv_bytes, "block_size": 128}
+    servers = []
+    router_proc = None
+    try:
+        for k in range(2):
+            d = run_dir / f"api{k}"
+            d.mkdir(parents=True, exist_ok=True)
+            servers.append(bench_engine.start_api_server(model, vllm, d))
+        port = localcluster.free_port()
+        url = f"http://127.0.0.1:{port}"
+        with open(run_dir / "router.log", "wb") as log:
+            router_proc = subprocess.Popen([router, "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
+                                            "--worker-urls", *(u for _, u in servers)],
+                                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if router_proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the router did not come up: {(run_dir / 'router.log').read_text()[-2000:]}")
+            time.sleep(0.5)
+        return _serve(url, trace, ["--model", "bench"])
+    finally:
+        if router_proc is not None:
+            router_proc.terminate()
+            try:
+                router_proc.wait(10)
+            except subprocess.TimeoutExpired:
+                router_proc.kill()
+                router_proc.wait(5)
+        for proc, _ in servers:
+            bench_engine.stop_api_server(proc)
+
+
+def command(
+    requests: Annotated[int, typer.Option(help="requests per round", min=1)] = 300,
+    rate: Annotated[float, typer.Option(help="mean arrival rate, requests/s", min=0.01)] = 4.0,
+    cv: Annotated[float, typer.Option(help="Gamma arrivals' coefficient of variation (burstiness)", min=0.1)] = 4.0,
+    prompt_max: Annotated[int, typer.Option(help="longest prompt, tokens")] = 2048,
+    output_max: Annotated[int, typer.Option(help="longest output, tokens")] = 1024,
+    kv_tokens: Annotated[int, typer.Option(help="KV cache of each engine, in tokens", min=4096)] = 4096,
+    max_num_seqs: Annotated[int, typer.Option(help="batch size of each engine", min=1)] = 64,
+    rounds: Annotated[int, typer.Option(help="interleaved rounds", min=1)] = 3,
+    router: Annotated[Optional[str], typer.Option(help="a plain router to compare with: the vllm-router binary "
+                                                       "(pip install vllm-router, in a venv of its own)")] = None,
+    model: Annotated[Optional[Path], typer.Option(help="checkpoint directory (default: a tiny random model)")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="a setting for our cluster: section.key=value")] = None,
+    seed: Annotated[int, typer.Option(help="trace seed (round k uses seed + k)")] = 0,
+    save: Annotated[Optional[Path], typer.Option(help="write the JSON here")] = None,
+    json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """Our cluster on a saturated host against a plain router, same engines and trace: failures, deaths, lateness."""
+    from llumnixctl.model import write_tiny_model
+
+    err = Console(stderr=True)
+    work = Path(tempfile.mkdtemp(prefix="llumnix-steady-"))
+    path = (model or write_tiny_model(work / "tiny-llama")).resolve()
+    kv_bytes = (kv_tokens + 128) * BYTES_PER_TOKEN  # vLLM keeps one block of 128 tokens back (its null block)
+    rows = []
+    try:
+        for k in range(rounds):
+            reqs = trace_mod.generate(requests, rate=rate, arrival="gamma", cv=cv, prompt=(16, prompt_max),
+                                      output=(16, output_max), alpha=1.0, seed=seed + k)
+            reqs = traces.clip(reqs, kv_tokens)
+            tfile = work / f"trace{k}.jsonl"
+            traces.save_jsonl(reqs, tfile)
+            systems = [("llumnix", lambda d: ours(path, d, tfile, kv_bytes, max_num_seqs, set_ or []))]
+            if router:
+                systems.append(("plain router", lambda d: plain_router(router, path, d, tfile, kv_bytes, max_num_seqs)))
+            if k % 2:
+                systems.reverse()  # interleaved: neither always runs first
+            for name, run in systems:
+                err.print(f"round {k + 1}/{rounds}: {name} ...")
+                d = work / f"r{k}-{name.replace(' ', '-')}"
+                d.mkdir()
+                rows.append(_summary(name, k + 1, run(d)))
+                err.print(json.dumps(rows[-1]))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    res = {"requests": requests, "rate": rate, "cv": cv, "kv_tokens": kv_tokens, "max_num_seqs": max_num_seqs,
+           "cores": os.cpu_count(), "rounds": rows}
+    if save is not None:
+        save.write_text(json.dumps(res, indent=2) + "\n")
+    if json_:
+        sys.stdout.write(json.dumps(res, indent=2) + "\n")
+        return
+    table = Table(title=f"{requests} requests, Gamma CV {cv:g} at {rate:g}/s, KV {kv_tokens} tokens per engine")
+    for col in ("round", "system", "failed", "dead", "failovers", "refused", "heartbeat P99/max ms", "query P99 ms",
+                "mean TTFT ms", "P99 TTFT ms"):
+        table.add_column(col)
+    for r in rows:
+        ours_ = "heartbeat_p99_ms" in r
+        table.add_row(str(r["round"]), r["system"], str(r["failed"]),
+                      str(len(r["instances_dead"])) if ours_ else "", f"{r['failovers']:g}" if ours_ else "",
+                      f"{r['refused']:g}" if ours_ else "",
+                      f"{r['heartbeat_p99_ms']:g}/{r['heartbeat_max_ms']:g}" if ours_ and r["heartbeat_p99_ms"] else "",
+                      f"{r['query_p99_ms']:g}" if ours_ and r.get("query_p99_ms") else "",
+                      f"{r['mean_ttft_ms']:.0f}", f"{r['p99_ttft_ms']:.0f}")
+    Console().print(table)
