@@ -73,7 +73,7 @@ M_FAILOVERS_IN = metrics.counter("instance", "llumnix_instance_failovers_in_tota
 M_BEAT_LATE = metrics.histogram("instance", "llumnix_instance_heartbeat_lateness_seconds",
                                 "How late each heartbeat tick of the llumlet ran (0: on time): what a busy engine or "
                                 "host costs the liveness and load signals",
-                                buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0))
+                                buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0))
 M_QUERY = metrics.histogram("instance", "llumnix_instance_query_seconds",
                             "From a request-list query's arrival to its answer (answered at a step boundary)",
                             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0))

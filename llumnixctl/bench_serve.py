@@ -340,7 +340,9 @@ def _scrape(address: str) -> dict[str, float]:
     """Every sample of a /metrics page (``host:port`` or a URL), by name and labels; {} if it cannot be read."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    url = address if address.startswith("http") else f"http://{address}/metrics"
+    url = address if address.startswith("http") else f"http://{address}"
+    if not url.rstrip("/").endswith("/metrics"):
+        url = url.rstrip("/") + "/metrics"
     try:
         resp = httpx.get(url, timeout=10)
         if resp.status_code != 200:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -125,6 +126,10 @@ def command(
     """Our cluster on a saturated host against a plain router, same engines and trace: failures, deaths, lateness."""
     from llumnixctl.model import write_tiny_model
 
+    def interrupted(*_):
+        raise KeyboardInterrupt  # SIGTERM too stops the servers started so far (the finally blocks below)
+
+    signal.signal(signal.SIGTERM, interrupted)
     err = Console(stderr=True)
     work = Path(tempfile.mkdtemp(prefix="llumnix-steady-"))
     path = (model or write_tiny_model(work / "tiny-llama")).resolve()

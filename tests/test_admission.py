@@ -48,12 +48,20 @@ def test_requests_bound_is_per_instance_that_takes_requests():
 
 
 def test_tokens_bound_defaults_to_the_kv_cache():
-    c = client("admission.max_queued_requests=0")  # max_queued_tokens = -1: each instance's KV, 100 x 16 tokens
-    c.beats = {"a": beat("a", 1, waiting_tokens=1599)}
+    c = client("admission.max_queued_requests=0")  # max_queued_tokens = -1: twice each instance's KV, 100 x 16 tokens
+    c.beats = {"a": beat("a", 1, waiting_tokens=3199)}
     assert refused(c) is None
-    c.beats = {"a": beat("a", 1, waiting_tokens=1600)}
+    c.beats = {"a": beat("a", 1, waiting_tokens=3200)}
     assert refused(c) == "queued_tokens"
     assert refused(c, priority=1) is None  # x2 for high priority
+
+
+def test_requests_bound_defaults_to_the_batch_size():
+    c = client("admission.max_queued_tokens=0")  # max_queued_requests = -1: each instance's batch (8)
+    c.beats = {"a": beat("a", 7), "b": beat("b", 8)}
+    assert refused(c) is None  # 15 < 16
+    c.beats["a"] = beat("a", 8)
+    assert refused(c) == "queued_requests"
 
 
 def test_requests_waiting_here_and_unshown_dispatches_count():
@@ -76,7 +84,7 @@ def test_no_bound_and_no_instance_admit():
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 4000), st.booleans()), min_size=1, max_size=6),
-       st.integers(0, 8), st.sampled_from([-1, 0, 500]), st.floats(1.0, 4.0))
+       st.integers(-1, 8), st.sampled_from([-1, 0, 500]), st.floats(1.0, 4.0))
 def test_high_priority_is_never_refused_while_normal_is_admitted(loads, max_requests, max_tokens, factor):
     c = client(f"admission.max_queued_requests={max_requests}", f"admission.max_queued_tokens={max_tokens}",
                f"admission.high_priority_factor={factor}")

@@ -109,7 +109,7 @@ def test_overload_is_refused_at_once_with_429_and_high_priority_still_admitted(s
     assert r.headers["retry-after"] == "1"
     err = r.json()["error"]
     assert err["type"] == "rate_limit_exceeded" and err["code"] == "rate_limit_exceeded", err
-    assert "admission.max_queued_requests" in err["message"], err
+    assert "admission.max_queued_requests: 2 in all" in err["message"], err
     high = Stream(c.url, 3, ignore_eos=True, priority="high")
     assert _quick(c.url).status_code == 429  # normal still refused while high is admitted
     high.result()

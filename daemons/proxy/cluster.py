@@ -461,7 +461,7 @@ class ClusterClient:
         adm = self.adm
         if not adm.max_queued_requests and not adm.max_queued_tokens:
             return
-        serving = requests = tokens = capacity = 0
+        serving = requests = tokens = room = capacity = 0
         for iid, beat in self.beats.items():
             load = beat.load
             if load is None or not beat.accepting or not beat.healthy or self._dead(iid):
@@ -469,7 +469,8 @@ class ClusterClient:
             serving += 1
             requests += load.waiting
             tokens += load.waiting_tokens
-            capacity += load.blocks_total * load.block_size if adm.max_queued_tokens < 0 else adm.max_queued_tokens
+            room += load.batch_size if adm.max_queued_requests < 0 else adm.max_queued_requests
+            capacity += 2 * load.blocks_total * load.block_size if adm.max_queued_tokens < 0 else adm.max_queued_tokens
         if not serving:
             return  # nothing to measure against: placement waits for an instance, or says none is alive
         fresh = time.monotonic() - self.view.ttl_s
@@ -483,9 +484,9 @@ class ClusterClient:
         requests += len(self.placing)
         tokens += sum(self.placing.values())
         factor = adm.high_priority_factor if priority > 0 else 1.0
-        if adm.max_queued_requests and requests >= adm.max_queued_requests * serving * factor:
+        if adm.max_queued_requests and requests >= room * factor:
             raise Overloaded(f"the cluster is overloaded: {requests} requests are queued on its {serving} instance(s) "
-                             f"(admission.max_queued_requests = {adm.max_queued_requests} per instance"
+                             f"(admission.max_queued_requests: {room} in all"
                              f"{', x' + format(factor, 'g') + ' for high priority' if priority > 0 else ''})",
                              "queued_requests")
         if adm.max_queued_tokens and tokens >= capacity * factor:
