@@ -77,6 +77,11 @@ M_LINKS_DOWN = metrics.counter("proxy", "llumnix_proxy_instance_links_lost_total
 
 
 TIE_TURN_S = 60.0
+# Admission's defaults (-1), per instance: this many batches of requests and KV caches of prompt tokens may wait.
+# Enough that a bursty trace that saturates the cluster for minutes is served whole (bench steady); sustained
+# overload fills them and is refused at once.
+AUTO_BATCHES = 4
+AUTO_KV_CACHES = 8
 
 
 class NoInstance(Exception):
@@ -454,14 +459,13 @@ class ClusterClient:
     # ------------------------------------------------------------------ admission
 
     def admit(self, priority: int) -> None:
-        """Raise Overloaded if the cluster's queued work is past [admission]'s bounds for ``priority``:
-        requests and prompt tokens waiting to start on the instances that take requests (from their
-        heartbeats), plus our own dispatches they do not show yet and the requests waiting here for an
-        instance. High priority's bounds are admission.high_priority_factor times larger."""
+        """Raise Overloaded if the work that would wait in the cluster is past [admission]'s bounds for
+        ``priority``. Requests that would wait: those waiting to start on the instances that take requests
+        (their heartbeats), our own dispatches they do not show yet, the requests waiting here for an
+        instance and this one, less the free batch slots; prompt tokens likewise, less the free KV. High
+        priority's bounds are admission.high_priority_factor times larger."""
         adm = self.adm
-        if not adm.max_queued_requests and not adm.max_queued_tokens:
-            return
-        serving = requests = tokens = room = capacity = 0
+        serving = requests = tokens = free_slots = free_tokens = room = capacity = 0
         for iid, beat in self.beats.items():
             load = beat.load
             if load is None or not beat.accepting or not beat.healthy or self._dead(iid):
@@ -469,8 +473,11 @@ class ClusterClient:
             serving += 1
             requests += load.waiting
             tokens += load.waiting_tokens
-            room += load.batch_size if adm.max_queued_requests < 0 else adm.max_queued_requests
-            capacity += 2 * load.blocks_total * load.block_size if adm.max_queued_tokens < 0 else adm.max_queued_tokens
+            free_slots += max(load.batch_size - load.running, 0)
+            free_tokens += max(load.blocks_total - load.blocks_used, 0) * load.block_size
+            room += AUTO_BATCHES * load.batch_size if adm.max_queued_requests < 0 else adm.max_queued_requests
+            capacity += (AUTO_KV_CACHES * load.blocks_total * load.block_size if adm.max_queued_tokens < 0
+                         else adm.max_queued_tokens)
         if not serving:
             return  # nothing to measure against: placement waits for an instance, or says none is alive
         fresh = time.monotonic() - self.view.ttl_s
@@ -481,18 +488,16 @@ class ClusterClient:
                 if at > fresh:
                     requests += 1
                     tokens += blocks * block
-        requests += len(self.placing)
+        requests += len(self.placing) + 1  # with this one
         tokens += sum(self.placing.values())
         factor = adm.high_priority_factor if priority > 0 else 1.0
-        if adm.max_queued_requests and requests >= room * factor:
-            raise Overloaded(f"the cluster is overloaded: {requests} requests are queued on its {serving} instance(s) "
-                             f"(admission.max_queued_requests: {room} in all"
-                             f"{', x' + format(factor, 'g') + ' for high priority' if priority > 0 else ''})",
-                             "queued_requests")
-        if adm.max_queued_tokens and tokens >= capacity * factor:
-            raise Overloaded(f"the cluster is overloaded: {tokens} prompt tokens are queued on its {serving} "
-                             f"instance(s) (admission.max_queued_tokens: {capacity} in all"
-                             f"{', x' + format(factor, 'g') + ' for high priority' if priority > 0 else ''})",
+        high = f", x{factor:g} for high priority" if priority > 0 else ""
+        if requests - free_slots > room * factor:
+            raise Overloaded(f"the cluster is overloaded: {requests - free_slots} requests would wait on its {serving} "
+                             f"instance(s) (admission.max_queued_requests: {room} in all{high})", "queued_requests")
+        if tokens - free_tokens > capacity * factor:
+            raise Overloaded(f"the cluster is overloaded: {tokens - free_tokens} prompt tokens would wait on its "
+                             f"{serving} instance(s) (admission.max_queued_tokens: {capacity} in all{high})",
                              "queued_tokens")
 
     def _choose_here(self, stream: Stream) -> str | None:
