@@ -32,8 +32,8 @@ from rich.table import Table
 
 from daemons import runtime, wire
 from daemons.config import ConfigError, load_config
-from llumnixctl import (bench_engine, bench_manager, bench_migration, bench_policies, bench_serve, bench_steady,
-                        localcluster)
+from llumnixctl import (bench_engine, bench_manager, bench_migration, bench_overload, bench_policies, bench_serve,
+                        bench_steady, localcluster)
 from llumnixctl.admin import AdminClient
 
 app = typer.Typer(no_args_is_help=True, help="Benchmarks that print their figures.")
@@ -629,3 +629,4 @@ app.command("policies")(bench_policies.command)
 app.command("serve")(bench_serve.command)
 app.command("manager")(bench_manager.command)
 app.command("steady")(bench_steady.command)
+app.command("overload")(bench_overload.command)

@@ -58,6 +58,8 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, hea
 
     async def follow() -> None:
         async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as resp:
+            out["status"], out["answered_s"] = resp.status_code, time.perf_counter() - sent
+            out["retry_after"] = resp.headers.get("retry-after")
             if resp.status_code != 200:
                 out["error"] = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                 return

@@ -96,10 +96,10 @@ def test_waiting_is_bounded_then_503_with_retry_after(start_cluster):
 def test_overload_is_refused_at_once_with_429_and_high_priority_still_admitted(start_cluster):
     """One instance of batch 2 with two long streams running: requests queue behind them; past
     admission.max_queued_requests (2 per instance) a normal request gets 429 with Retry-After at once, while a
-    high-priority one is still admitted (its bound is twice as large) and served first."""
+    high-priority one is still admitted (its bound is twice as large) and served."""
     c = start_cluster(instances=1, sets=["sim.max_num_seqs=2", "admission.max_queued_requests=2",
                                          "instance.min_step_s=0.02"])
-    running = [Stream(c.url, 150, ignore_eos=True) for _ in range(2)]
+    running = [Stream(c.url, 3000, ignore_eos=True) for _ in range(2)]  # a minute: they outlast every check
     for s in running:
         s.wait_tokens(1)
     queued = [Stream(c.url, 3, ignore_eos=True) for _ in range(2)]
@@ -111,10 +111,13 @@ def test_overload_is_refused_at_once_with_429_and_high_priority_still_admitted(s
     assert err["type"] == "rate_limit_exceeded" and err["code"] == "rate_limit_exceeded", err
     assert "admission.max_queued_requests: 2 in all" in err["message"], err
     high = Stream(c.url, 3, ignore_eos=True, priority="high")
+    wait_for(lambda: c.admin().status().instances[0].load.waiting == 3, 20, "the high-priority request did not queue")
     assert _quick(c.url).status_code == 429  # normal still refused while high is admitted
+    for s in running:
+        s.stop_after = 0  # the clients leave: their requests are aborted, and the queued ones run, high first
     high.result()
     assert high.error is None, high.error
-    for s in [*running, *queued]:
+    for s in queued:
         assert s.result().error is None, s.error
     m = samples(httpx.get(c.url + "/metrics").text)
     assert metric(m, "llumnix_proxy_admission_rejections_total", reason="queued_requests") >= 2

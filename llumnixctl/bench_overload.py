@@ -1,0 +1,169 @@
+"""``llumnixctl bench overload``: admission control at several times the cluster's capacity (sim engine).
+
+A local sim cluster is measured three ways: its capacity (a closed loop that keeps every batch slot busy;
+completed requests per second), its unloaded time to first token (requests one at a time), then an open loop of
+Poisson arrivals at ``--factor`` times that capacity for ``--seconds``, a share of them high priority. Printed:
+how many were admitted, refused (429) or answered 503, how fast a refusal came (P50, P99, max) and with which
+Retry-After, the admitted requests' TTFT against the unloaded figure, requests that ended in any other error
+(a timeout: nothing should wait to one), and high-priority refusals beside normal admissions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import httpx
+import numpy as np
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from llumnixctl import localcluster
+from llumnixctl.bench_serve import stream_completion
+
+MODEL = "llumnix-sim"
+
+
+def _body(prompt: int, output: int, high: bool, k: int) -> dict:
+    body = {"model": MODEL, "prompt": [(k * 31 + i) % 30000 + 3 for i in range(prompt)], "max_tokens": output,
+            "ignore_eos": True, "stream": True}
+    if high:
+        body["priority"] = "high"
+    return body
+
+
+async def _capacity(url: str, concurrency: int, seconds: float, prompt: int, output: int, timeout: float) -> float:
+    """Completed requests per second with ``concurrency`` requests always in flight."""
+    done = 0
+    stop = time.perf_counter() + seconds
+
+    async def worker(w: int, client: httpx.AsyncClient) -> None:
+        nonlocal done
+        k = 0
+        while time.perf_counter() < stop:
+            r = await stream_completion(client, url, _body(prompt, output, False, w * 100_000 + k), None, timeout)
+            k += 1
+            if r["error"] is None and time.perf_counter() <= stop:
+                done += 1
+
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=None), timeout=timeout) as client:
+        await asyncio.gather(*(worker(w, client) for w in range(concurrency)))
+    return done / (time.perf_counter() - t0)
+
+
+async def _unloaded(url: str, n: int, prompt: int, output: int, timeout: float) -> list[float]:
+    ttfts = []
+    async with httpx.AsyncClient(timeout=timeout) as client:
+        for k in range(n):
+            r = await stream_completion(client, url, _body(prompt, min(output, 8), False, 900_000 + k), None, timeout)
+            if r["error"] is None:
+                ttfts.append(r["times"][0])
+    return ttfts
+
+
+async def _overload(url: str, rate: float, seconds: float, prompt: int, output: int, high_fraction: float,
+                    timeout: float, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    arrivals, t = [], 0.0
+    while True:
+        t += rng.expovariate(rate)
+        if t > seconds:
+            break
+        arrivals.append((t, rng.random() < high_fraction))
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout, connect=10.0)) as client:
+        t0 = time.perf_counter() + 0.2
+
+        async def one(k: int, at: float, high: bool) -> dict:
+            await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+            r = await stream_completion(client, url, _body(prompt, output, high, k), None, timeout)
+            r["high"] = high
+            return r
+
+        return list(await asyncio.gather(*(one(k, at, high) for k, (at, high) in enumerate(arrivals))))
+
+
+def _ms(xs: list[float], q: float) -> float | None:
+    return float(np.percentile(xs, q) * 1000) if xs else None
+
+
+def analyse(results: list[dict], unloaded: list[float], capacity: float, rate: float) -> dict:
+    ok = [r for r in results if r["error"] is None]
+    refused = [r for r in results if r.get("status") == 429]
+    unavailable = [r for r in results if r.get("status") == 503]
+    other = [r for r in results if r["error"] is not None and r.get("status") not in (429, 503)]
+    ttft = [r["times"][0] for r in ok]
+    refusal = [r["answered_s"] for r in refused + unavailable]
+    unloaded_p99 = _ms(unloaded, 99)
+    admitted_p99 = _ms(ttft, 99)
+    return {
+        "capacity_rps": capacity, "offered_rps": rate, "requests": len(results), "admitted": len(ok),
+        "refused_429": len(refused), "refused_503": len(unavailable), "other_errors": len(other),
+        "first_other_error": other[0]["error"][:300] if other else "",
+        "retry_after": sorted({r.get("retry_after") for r in refused + unavailable if r.get("retry_after")}),
+        "refusal_p50_ms": _ms(refusal, 50), "refusal_p99_ms": _ms(refusal, 99),
+        "refusal_max_ms": max(refusal) * 1000 if refusal else None,
+        "unloaded_ttft_p99_ms": unloaded_p99, "admitted_ttft_p50_ms": _ms(ttft, 50), "admitted_ttft_p99_ms": admitted_p99,
+        "ttft_p99_ratio": admitted_p99 / unloaded_p99 if admitted_p99 and unloaded_p99 else None,
+        "high_refused": sum(1 for r in refused + unavailable if r["high"]),
+        "high_admitted": sum(1 for r in ok if r["high"]), "normal_admitted": sum(1 for r in ok if not r["high"]),
+    }
+
+
+def command(
+    instances: Annotated[int, typer.Option(help="sim instances", min=1)] = 2,
+    batch: Annotated[int, typer.Option(help="sim.max_num_seqs of each instance", min=1)] = 8,
+    factor: Annotated[float, typer.Option(help="offered load, times the measured capacity", min=0.1)] = 10.0,
+    seconds: Annotated[float, typer.Option(help="length of the overload, s", min=1.0)] = 120.0,
+    prompt: Annotated[int, typer.Option(help="prompt tokens of every request", min=1)] = 128,
+    output: Annotated[int, typer.Option(help="output tokens of every request", min=1)] = 200,
+    high_fraction: Annotated[float, typer.Option(help="share of high-priority requests", min=0.0, max=1.0)] = 0.1,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="a setting of the cluster: section.key=value")] = None,
+    seed: Annotated[int, typer.Option(help="arrivals seed")] = 0,
+    save: Annotated[Optional[Path], typer.Option(help="write the JSON here")] = None,
+    json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """Admission control at --factor times the cluster's capacity: refusals, their speed, admitted TTFT."""
+    err = Console(stderr=True)
+    run_dir = Path(tempfile.mkdtemp(prefix="llumnix-overload-"))
+    sets = [f"sim.max_num_seqs={batch}", "instance.log_level=warning", "proxy.log_level=warning",
+            "proxy.access_log=false", *(set_ or [])]
+    timeout = 600.0
+    state = localcluster.up(run_dir, instances, "sim", 0, None, sets, timeout_s=60)
+    try:
+        err.print("capacity ...")
+        capacity = asyncio.run(_capacity(state.url, instances * batch, 15.0, prompt, output, timeout))
+        err.print(f"capacity {capacity:.2f} requests/s; unloaded TTFT ...")
+        unloaded = asyncio.run(_unloaded(state.url, 30, prompt, output, timeout))
+        rate = factor * capacity
+        err.print(f"overload: {rate:.1f} requests/s for {seconds:g}s ...")
+        results = asyncio.run(_overload(state.url, rate, seconds, prompt, output, high_fraction, timeout, seed))
+    finally:
+        localcluster.stop(state)
+        shutil.rmtree(run_dir, ignore_errors=True)
+    res = {"instances": instances, "batch": batch, "factor": factor, "seconds": seconds, "prompt": prompt,
+           "output": output, "high_fraction": high_fraction, "sets": set_ or [],
+           **analyse(results, unloaded, capacity, rate)}
+    if save is not None:
+        save.write_text(json.dumps(res, indent=2) + "\n")
+    if json_:
+        sys.stdout.write(json.dumps(res, indent=2) + "\n")
+        return
+    table = Table(title=f"{factor:g}x capacity ({res['capacity_rps']:.2f} requests/s) for {seconds:g}s, "
+                        f"{instances} sim instances of batch {batch}")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for key, value in res.items():
+        if key in ("sets",) or isinstance(value, (list, dict)) and not value:
+            continue
+        table.add_row(key, f"{value:.2f}" if isinstance(value, float) else str(value))
+    Console().print(table)
