@@ -104,7 +104,7 @@ class ProxyConfig:
 class AdmissionConfig:
     max_queued_requests: int = setting(-1, "requests that may wait to start, per instance that takes requests (beyond the free batch slots); past it a proxy answers new normal-priority requests 429 with Retry-After; counted from the instances' heartbeats plus the proxy's own dispatches they do not show yet (-1 = four times the instance's batch size; 0 = none: admit only into a free slot)", minimum=-1)
     max_queued_tokens: int = setting(-1, "prompt tokens that may wait to be prefilled, per instance that takes requests (beyond the free KV cache); past it new normal-priority requests get 429 (-1 = eight times the instance's KV cache in tokens; 0 = none)", minimum=-1)
-    high_priority_factor: float = setting(2.0, "high-priority requests are refused only past this many times the bounds above: high priority is never refused while normal work is admitted", minimum=1.0)
+    high_priority_factor: float = setting(2.0, "high-priority requests are refused only past this many times the bounds above (and at least one more waiting request and KV cache per instance): high priority is never refused while normal work is admitted", minimum=1.0)
     queue_timeout_s: float = setting(30.0, "a request that finds no instance that can take it right now (all busy being stalled, draining or cordoned) waits this long for one, then gets 503; with no live instance at all, 503 comes at once", minimum=0.0)
     retry_after_s: int = setting(1, "the Retry-After (seconds) of a 429 or 503 from admission control", minimum=0)
 

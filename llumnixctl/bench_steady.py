@@ -96,12 +96,7 @@ def plain_router(router: str, model: Path, run_dir: Path, trace: Path, kv_bytes:
         return _serve(url, trace, ["--model", "bench"])
     finally:
         if router_proc is not None:
-            router_proc.terminate()
-            try:
-                router_proc.wait(10)
-            except subprocess.TimeoutExpired:
-                router_proc.kill()
-                router_proc.wait(5)
+            bench_engine.stop_api_server(router_proc)  # by pid, then its children
         for proc, _ in servers:
             bench_engine.stop_api_server(proc)
 

@@ -59,6 +59,10 @@ def test_free_batch_slots_take_requests_before_any_waits():
     assert refused(c) == "queued_requests"
     c.beats = {"a": beat("a", 2, running=5)}  # 3 free slots: the 2 waiting (about to start) and this one
     assert refused(c) is None
+    c.beats = {"a": beat("a", 0, running=8)}
+    assert refused(c, priority=1) is None  # high priority may still wait, one per instance
+    c.beats = {"a": beat("a", 1, running=8)}
+    assert refused(c, priority=1) == "queued_requests"
 
 
 def test_tokens_bound_defaults_to_eight_kv_caches():

@@ -465,7 +465,7 @@ class ClusterClient:
         instance and this one, less the free batch slots; prompt tokens likewise, less the free KV. High
         priority's bounds are admission.high_priority_factor times larger."""
         adm = self.adm
-        serving = requests = tokens = free_slots = free_tokens = room = capacity = 0
+        serving = requests = tokens = free_slots = free_tokens = room = capacity = kv = 0
         for iid, beat in self.beats.items():
             load = beat.load
             if load is None or not beat.accepting or not beat.healthy or self._dead(iid):
@@ -475,6 +475,7 @@ class ClusterClient:
             tokens += load.waiting_tokens
             free_slots += max(load.batch_size - load.running, 0)
             free_tokens += max(load.blocks_total - load.blocks_used, 0) * load.block_size
+            kv += load.blocks_total * load.block_size
             room += AUTO_BATCHES * load.batch_size if adm.max_queued_requests < 0 else adm.max_queued_requests
             capacity += (AUTO_KV_CACHES * load.blocks_total * load.block_size if adm.max_queued_tokens < 0
                          else adm.max_queued_tokens)
@@ -491,11 +492,13 @@ class ClusterClient:
         requests += len(self.placing) + 1  # with this one
         tokens += sum(self.placing.values())
         factor = adm.high_priority_factor if priority > 0 else 1.0
-        high = f", x{factor:g} for high priority" if priority > 0 else ""
-        if requests - free_slots > room * factor:
+        high = " for high priority" if priority > 0 else ""
+        if priority > 0 and factor > 1:  # room for high priority even where normal may not wait at all
+            room, capacity = max(room * factor, room + serving), max(capacity * factor, capacity + kv)
+        if requests - free_slots > room:
             raise Overloaded(f"the cluster is overloaded: {requests - free_slots} requests would wait on its {serving} "
                              f"instance(s) (admission.max_queued_requests: {room} in all{high})", "queued_requests")
-        if tokens - free_tokens > capacity * factor:
+        if tokens - free_tokens > capacity:
             raise Overloaded(f"the cluster is overloaded: {tokens - free_tokens} prompt tokens would wait on its "
                              f"{serving} instance(s) (admission.max_queued_tokens: {capacity} in all{high})",
                              "queued_tokens")
