@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check, for a CUDA node (one GPU is enough: the two instances of each step share it). Live migration
 # between two vLLM instances must stream exactly what an unmigrated run streams (llumnixctl check migration),
-# also with tensor parallelism when two or more GPUs are visible and with prefix caching on; then the Fig 10
-# figures (bench migration).
+# also with tensor parallelism when two or more GPUs are visible and with prefix caching on; a saturating
+# bursty trace that must fail no request (bench steady); then the Fig 10 figures (bench migration).
 #
 #   bash scripts/gpu-check.sh [OUT_DIR]      (default OUT_DIR: gpu-check)
 #
@@ -80,6 +80,10 @@ if [ "$visible" -ge 2 ]; then  # two instances of 2 ranks on GPUs 0 and 1: two r
     step check-migration-tp2 check migration --json --tp 2 "${check_model[@]}" \
         --set vllm.gpu_memory_utilization=0.2 "${gpu_sets[@]}"
 fi
+# A saturating bursty trace on two instances sharing the GPU: no request may fail and no instance may be marked
+# dead (liveness by connection); the llumlets' heartbeat lateness and the proxy's refusals are in the JSON.
+step steady bench steady --json --rounds 1 --requests 300 --rate 16 "${check_model[@]}" \
+    --set vllm.gpu_memory_utilization=0.4 "${gpu_sets[@]}"
 bench=(bench migration --json "${bench_model[@]}" --set vllm.gpu_memory_utilization=0.4 --set vllm.omp_threads=0)
 if [ -n "${LENGTHS:-}" ]; then
     bench+=(--lengths "$LENGTHS")
