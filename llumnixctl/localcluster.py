@@ -13,6 +13,7 @@ import errno
 import fcntl
 import json
 import os
+import random
 import shlex
 import signal
 import socket
@@ -100,8 +101,33 @@ class ClusterState:
         return [p for p in self.procs if p.process() is not None]
 
 
+def _ephemeral_start() -> int:
+    """The first port the kernel hands out as the source port of an outgoing connection."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` (on loopback where ``host`` is not an address of this namespace)."""
+    """A TCP port free on ``host`` (on loopback where ``host`` is not an address of this namespace).
+
+    Chosen below the kernel's ephemeral range where it can: a port from that range (what binding port 0
+    gives) can be taken, before the daemon that is told to listen on it starts, as the source port of any
+    outgoing connection on the machine ("Address already in use")."""
+    top = _ephemeral_start()
+    rng = random.Random()
+    for _ in range(64) if top > 12000 else ():
+        port = rng.randrange(10000, top)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            return port
     with socket.socket() as s:
         try:
             s.bind((host, 0))
