@@ -47,8 +47,9 @@ class LinkWatch:
         return sock
 
     def watch(self, key: str, sock: zmq.Socket) -> None:
-        """Follow ``sock``'s connection (a socket made by a zmq.asyncio context, prepared, connected or
-        about to be). A key watched again replaces the old watch."""
+        """Follow ``sock``'s connection (a socket made by a zmq.asyncio context, prepared, and connected
+        only after this: a handshake before the monitor starts would go unseen). A key watched again
+        replaces the old watch."""
         self.forget(key)
         mon = sock.get_monitor_socket(_EVENTS)
         self._state[key] = UNKNOWN

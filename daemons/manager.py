@@ -337,14 +337,15 @@ class Manager:
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         try:
             self.sec.client(sock, "instance")
+            self.links.watch(rec.instance_id, sock)  # before the connect: its handshake must not go unseen
             sock.connect(address)
         except (zmq.ZMQError, runtime.StartupError) as exc:
             log.warning("cannot watch the connection to instance %s at %r (%s): it is marked dead after "
                         "manager.dead_after_missed missed heartbeats", rec.instance_id, address, exc)
+            self.links.forget(rec.instance_id)
             sock.close(0)
             return
         rec.probe = sock
-        self.links.watch(rec.instance_id, sock)
 
     def _unprobe(self, rec: InstanceRecord) -> None:
         if rec.probe is not None:

@@ -545,15 +545,16 @@ class ClusterClient:
             sock = runtime.tune(self.ctx.socket(zmq.DEALER, socket_class=zmq.Socket))  # send-only
             sock.setsockopt(zmq.SNDHWM, 100_000)
             self.sec.client(self.links.prepare(sock), "instance")
+            self.links.watch(address, sock)  # before the connect: its handshake must not go unseen
             try:
                 sock.connect(address)
             except zmq.ZMQError as exc:
+                self.links.forget(address)
                 sock.close(0)
                 log.warning("cannot connect to instance address %r (%s); not sending it a %s", address, exc,
                             type(msg).__name__)
                 return False
             self.instances[address] = sock
-            self.links.watch(address, sock)
         if not runtime.send_now(sock, wire.encode(msg)):
             log.warning("request path to %s is full; could not send a %s", address, type(msg).__name__)
             return False
