@@ -333,13 +333,15 @@ class Manager:
                 rec.probe = old.probe
                 return
             self._unprobe(old)
+        if not address.startswith(("tcp://", "ipc://")):  # the simulator's instances have no socket
+            return
         sock = self.links.prepare(runtime.tune(self.ctx.socket(zmq.DEALER)))
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         try:
             self.sec.client(sock, "instance")
             self.links.watch(rec.instance_id, sock)  # before the connect: its handshake must not go unseen
             sock.connect(address)
-        except (zmq.ZMQError, runtime.StartupError) as exc:
+        except (zmq.ZMQError, runtime.StartupError, RuntimeError) as exc:  # RuntimeError: no event loop
             log.warning("cannot watch the connection to instance %s at %r (%s): it is marked dead after "
                         "manager.dead_after_missed missed heartbeats", rec.instance_id, address, exc)
             self.links.forget(rec.instance_id)
