@@ -125,3 +125,16 @@ def test_derived_seeds():
     assert derive_seed(None, 3) is None
     assert [derive_seed(7, k) for k in range(3)] == [7, 8, 9]
     assert derive_seed(2**63 - 1, 1) == -(2**63)
+
+
+@pytest.mark.parametrize("kind, field", [
+    (CompletionRequest, "min_tokens"), (CompletionRequest, "max_tokens"), (CompletionRequest, "top_k"),
+    (CompletionRequest, "best_of"), (ChatRequest, "max_completion_tokens"), (ChatRequest, "min_tokens"),
+])
+def test_counts_past_the_wire_limit_are_a_400_naming_the_field(kind, field):
+    # Found by the schema fuzzer: min_tokens = 20019767709656006656 reached the wire and msgpack raised (a 500).
+    base = '"prompt": "x"' if kind is CompletionRequest else '"messages": [{"role": "user", "content": "x"}]'
+    for value in (2**31, 20019767709656006656):
+        with pytest.raises(ApiError) as exc:
+            decode_body(f'{{"model": "m", {base}, "{field}": {value}}}'.encode(), kind)
+        assert exc.value.status == 400 and field in exc.value.message

@@ -20,8 +20,11 @@ from msgspec import Meta
 
 from daemons.wire import SamplingParams
 
-NonNegInt = Annotated[int, Meta(ge=0)]
-PosInt = Annotated[int, Meta(ge=1)]
+# Counts are bounded where they enter: an integer past 64 bits cannot go on the wire (msgpack), and no count of
+# tokens or sequences comes near 2**31.
+COUNT_MAX = 2**31 - 1
+NonNegInt = Annotated[int, Meta(ge=0, le=COUNT_MAX)]
+PosInt = Annotated[int, Meta(ge=1, le=COUNT_MAX)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
@@ -63,7 +66,7 @@ class _Common(msgspec.Struct, kw_only=True):
     frequency_penalty: Penalty = 0.0
     user: str | None = None
     # vLLM's extra sampling fields
-    top_k: Annotated[int, Meta(ge=-1)] = -1
+    top_k: Annotated[int, Meta(ge=-1, le=COUNT_MAX)] = -1
     min_tokens: NonNegInt = 0
     ignore_eos: bool = False
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] = 1.0
