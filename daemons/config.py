@@ -69,6 +69,7 @@ class InstanceConfig:
     load_report_min_interval_s: float = setting(0.02, "load changes are reported at most this often (coalesced)", minimum=0.0)
     metrics_port: int = setting(0, "port of the instance's Prometheus /metrics (0 = any free port, -1 = off)", minimum=-1, maximum=65535)
     metrics_host: str = setting("127.0.0.1", "address the instance's /metrics listens on (0.0.0.0: every interface, for a Prometheus on another host)")
+    engine_nice: int = setting(0, "niceness added to the engine's step thread (and the threads it starts) over the daemon's: on a host whose CPUs are busy, the llumlet's event loop (heartbeats, load reports, token sends, migration control) then wins the CPU over a long step; 0 = same as the daemon", minimum=0, maximum=19)
     step_timeout_s: float = setting(60.0, "an engine step (or the event loop) stuck this long makes the instance unhealthy: its streams fail over, no new requests come, systemd's watchdog is no longer fed", minimum=0.1)
     hung_exit_s: float = setting(30.0, "an instance still unhealthy this long after step_timeout_s exits with status 3 (Restart=on-failure brings it back)", minimum=0.0)
     orphan_timeout_s: float = setting(15.0, "requests of a proxy not heard from for this long (it died) are aborted", minimum=0.1)

@@ -21,6 +21,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Callable, Optional
@@ -123,7 +124,7 @@ class Instance:
         self.migrator: Migrator | None = None
         # A real engine's step takes milliseconds of compute: run it on a worker thread so sockets stay
         # served. The engine is only ever touched between steps, from the event loop thread.
-        self.executor = (ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=getattr(engine, "init_thread", None))
+        self.executor = (ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=self._init_engine_thread)
                          if getattr(engine, "blocking_step", False) else None)
         if self.executor is not None:
             # The step thread runs Python between its kernels and holds the GIL meanwhile; by default a
@@ -146,6 +147,19 @@ class Instance:
         self.request_address = ""
         self.metrics_address = ""
         self.report_seq = 0
+
+    def _init_engine_thread(self) -> None:
+        """(Engine thread, first) Lower this thread's priority by ``instance.engine_nice`` (Linux: niceness is
+        per thread, and threads it starts inherit it), then the engine's own set-up."""
+        if self.ic.engine_nice:
+            tid = threading.get_native_id()
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + self.ic.engine_nice)
+            except OSError as exc:
+                log.warning("instance.engine_nice=%d not applied: %s", self.ic.engine_nice, exc)
+        init = getattr(self.engine, "init_thread", None)
+        if init is not None:
+            init()
 
     # ------------------------------------------------------------------ token path
 

@@ -6,6 +6,7 @@ second."""
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import threading
 import time
@@ -33,9 +34,11 @@ class BlockingSim(SimEngine):
         self.in_step = False
         self.watchdog = None  # the instance's: each step checks that the watchdog times it
         self.timed: list[bool] = []
+        self.nice: set[int] = set()  # the step thread's niceness
 
     def step(self):
         self.in_step = True
+        self.nice.add(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
         self.timed.append(self.watchdog.step_started > 0)
         self.threads.add(threading.current_thread().name)
         if self.step_s:
@@ -49,8 +52,9 @@ class BlockingSim(SimEngine):
 class Harness:
     """An Instance that sends into a list. ``wait_tokens(n)`` waits until n tokens went out."""
 
-    def __init__(self, step_s: float = 0.0):
+    def __init__(self, step_s: float = 0.0, engine_nice: int = 0):
         cfg = Config()
+        cfg.instance.engine_nice = engine_nice
         cfg.sim.time_scale = 0.0
         cfg.sim.eos_rate = 0.0
         self.switch = sys.getswitchinterval()
@@ -96,8 +100,8 @@ class Harness:
 def harness():
     made: list[Harness] = []
 
-    def make(step_s: float = 0.0) -> Harness:
-        made.append(Harness(step_s))
+    def make(step_s: float = 0.0, engine_nice: int = 0) -> Harness:
+        made.append(Harness(step_s, engine_nice))
         return made[-1]
 
     yield make
@@ -131,6 +135,22 @@ def test_a_burst_steps_back_to_back_in_one_hand_off(harness):
         assert [t.index for t in outs] == list(range(20)), rid
         assert [t.finish_reason for t in outs] == [None] * 19 + ["length"]
     assert len(h.inst.requests) == 0
+
+
+def test_engine_nice_lowers_the_step_thread_alone(harness):
+    h = harness(engine_nice=5)
+    loop_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    async def go():
+        h.submit("a", 5)
+        loop = asyncio.create_task(h.inst.step_loop())
+        await h.wait_tokens(5)
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+
+    asyncio.run(go())
+    assert h.engine.nice == {min(loop_nice + 5, 19)}  # every step ran on the lowered thread
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == loop_nice  # the loop's is untouched
 
 
 def test_engine_calls_and_new_requests_wait_for_the_boundary(harness):
