@@ -4,7 +4,8 @@ The same bursty trace (Gamma arrivals) is replayed (``bench serve``) against two
 and, with ``--router``, against two vLLM ``api_server``s (same model, KV size and batch) behind a plain router
 (``vllm-router``, round robin), in interleaved rounds. Per round and system: failed requests and their first
 error, TTFT, and for ours the instances marked dead, failovers, refusals and the llumlets' heartbeat lateness
-(P99 and the largest bucket reached) and query answer times during the run. The engines share the host's
+(P99 and the largest bucket reached), the llumlets' query answer times, and what an operator sees meanwhile:
+``llumnixctl requests`` every half second, its round-trip times and answers that left an instance out. The engines share the host's
 cores with everything else, which is the point: a saturated 2-core machine.
 """
 
@@ -17,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -41,6 +43,46 @@ def _serve(url: str, trace: Path, extra: list[str]) -> dict:
     return json.loads(out.stdout)
 
 
+class OperatorProbe(threading.Thread):
+    """``llumnixctl requests`` every ``every`` seconds while the trace runs: how long an operator waits for the
+    cluster's request list when every instance is saturated, and how many answers left an instance out (the
+    manager asks every instance; a llumlet answers between two engine steps)."""
+
+    def __init__(self, manager: str, every: float = 0.5, timeout_s: float = 30.0):
+        super().__init__(name="operator-probe", daemon=True)
+        self.manager, self.every, self.timeout_s = manager, every, timeout_s
+        self.ms: list[float] = []
+        self.incomplete = 0  # answers naming an unreachable instance
+        self.failed = 0  # no answer from the manager in timeout_s
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        from llumnixctl.admin import AdminClient, ManagerUnreachable
+
+        client = AdminClient(self.manager, timeout_s=self.timeout_s)
+        try:
+            while not self.done.wait(self.every):
+                t0 = time.monotonic()
+                try:
+                    reply = client.requests()
+                except ManagerUnreachable:
+                    self.failed += 1
+                    continue
+                self.ms.append((time.monotonic() - t0) * 1000)
+                self.incomplete += bool(reply.unreachable)
+        finally:
+            client.close()
+
+    def summary(self) -> dict:
+        ms = sorted(self.ms)
+
+        def q(f: float) -> float | None:
+            return round(ms[min(len(ms) - 1, int(f * len(ms)))], 1) if ms else None
+
+        return {"count": len(ms), "p50_ms": q(0.5), "p99_ms": q(0.99), "max_ms": q(1.0),
+                "incomplete": self.incomplete, "failed": self.failed}
+
+
 def _summary(system: str, rnd: int, res: dict) -> dict:
     errors = sorted({e for e in res.get("errors", []) if e})
     row = {"system": system, "round": rnd, "completed": res["completed"], "failed": res["failed"],
@@ -55,6 +97,8 @@ def _summary(system: str, rnd: int, res: dict) -> dict:
                    heartbeat_max_ms=max((v["max_ms"] for v in beats), default=None),
                    query_p99_ms=max((v["p99_ms"] for v in queries), default=None),
                    preemptions=res.get("preemptions"), migrations=res.get("migrations"))
+    if "operator_requests" in res:
+        row["operator_requests"] = res["operator_requests"]
     return row
 
 
@@ -62,9 +106,16 @@ def ours(model: Path, run_dir: Path, trace: Path, kv_bytes: int, max_num_seqs: i
     state = localcluster.up(run_dir, 2, "vllm", 0, None,
                             [f"model.path={model}", "model.name=bench", f"vllm.kv_cache_bytes={kv_bytes}",
                              f"vllm.max_num_seqs={max_num_seqs}", "instance.log_level=warning", *sets], timeout_s=300)
+    probe = OperatorProbe(state.manager_address)
     try:
-        return _serve(state.url, trace, ["--run-dir", str(run_dir)])
+        probe.start()
+        res = _serve(state.url, trace, ["--run-dir", str(run_dir)])
+        probe.done.set()
+        probe.join(probe.timeout_s + 5)
+        res["operator_requests"] = probe.summary()
+        return res
     finally:
+        probe.done.set()
         localcluster.stop(state)
 
 
@@ -159,7 +210,7 @@ def command(
         return
     table = Table(title=f"{requests} requests, Gamma CV {cv:g} at {rate:g}/s, KV {kv_tokens} tokens per engine")
     for col in ("round", "system", "failed", "dead", "failovers", "refused", "heartbeat P99/max ms", "query P99 ms",
-                "mean TTFT ms", "P99 TTFT ms"):
+                "llumnixctl requests P99/max ms", "mean TTFT ms", "P99 TTFT ms"):
         table.add_column(col)
     for r in rows:
         ours_ = "heartbeat_p99_ms" in r
@@ -168,5 +219,7 @@ def command(
                       f"{r['refused']:g}" if ours_ else "",
                       f"{r['heartbeat_p99_ms']:g}/{r['heartbeat_max_ms']:g}" if ours_ and r["heartbeat_p99_ms"] else "",
                       f"{r['query_p99_ms']:g}" if ours_ and r.get("query_p99_ms") else "",
+                      (f"{op['p99_ms']:g}/{op['max_ms']:g}" + (f" ({op['incomplete']} incomplete)" if op["incomplete"] else "")
+                       if (op := r.get("operator_requests")) and op["count"] else ""),
                       f"{r['mean_ttft_ms']:.0f}", f"{r['p99_ttft_ms']:.0f}")
     Console().print(table)
