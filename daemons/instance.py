@@ -45,6 +45,11 @@ from daemons.watchdog import Faults, Watchdog
 log = logging.getLogger("llumnix.instance")
 
 MOVED_LATELY_S = 30.0  # a request listing names the requests that migrated out this recently
+# After a request listing, the engine's request rows are kept current (after every step and boundary) for this
+# long, so that the next listings are answered at once instead of after the step in progress; a step this
+# long keeps them too (the rows cost well under 1% of it).
+LISTING_WINDOW_S = 30.0
+LONG_STEP_S = 0.1
 PREFIX_QUERY_TOKENS = 1 << 16  # at most this many prompt tokens go in one prefix query to a destination
 M_REQUESTS = metrics.counter("instance", "llumnix_instance_requests_total", "Requests received from proxies")
 M_FINISHED = metrics.counter("instance", "llumnix_instance_requests_finished_total",
@@ -116,6 +121,10 @@ class Instance:
         self.inbox: list[wire.Submit | wire.Abort] = []
         self.taken: dict[str, int] = {}  # by proxy token address: its Submits taken in at step boundaries
         self.list_queries: list[tuple[int, float]] = []  # ListRequests (id, arrival) answered at the next boundary
+        # The engine's request rows as of the end of the last step or boundary (None: not kept, or stale), and
+        # until when they are kept (see LISTING_WINDOW_S).
+        self.rows: list[wire.RequestLoad] | None = None
+        self.rows_until = 0.0
         self.boundary_calls: list[tuple[Callable, asyncio.Future]] = []
         self.stepping = False  # engine steps run on the executor thread right now
         self.halt_steps = False  # the step loop was cancelled: the engine thread stops after its step
@@ -315,21 +324,35 @@ class Instance:
             calls, self.boundary_calls = self.boundary_calls, []
             for fn, fut in calls:
                 self._run_boundary_call(fn, fut)
+        self.rows = None
+        if self.list_queries or time.monotonic() < self.rows_until:
+            self.rows = self.engine.requests()
         if self.list_queries:
-            requests = self.engine.requests()
-            migrating = self.requests.migrating()
-            if migrating:  # pre-copy too, not only the suspended last stage
-                requests = [msgspec.structs.replace(r, state="migrating") if r.request_id in migrating else r
-                            for r in requests]
-            moved = self.requests.moved_lately(MOVED_LATELY_S)
-            now = time.monotonic()
             for qid, arrived in self.list_queries:
-                self._tell_manager(wire.RequestList(qid, self.instance_id, requests, moved))
-                M_QUERY.observe(now - arrived)
+                self.answer_listing(qid, arrived, self.rows)
             self.list_queries.clear()
         self.proxies.flush()
         self.last_load = self.current_load()
         self.load_changed.set()
+
+    def on_list_requests(self, qid: int) -> None:
+        """A request listing: during steps, answered now from the rows of the last step or boundary when they
+        are kept (the step in flight may be long; nothing but it has touched the engine since: engine calls
+        and new requests wait for the boundary), else at the next boundary."""
+        now = time.monotonic()
+        self.rows_until = now + LISTING_WINDOW_S
+        if self.stepping and self.rows is not None and not self.list_queries:
+            self.answer_listing(qid, now, self.rows)
+        else:
+            self.list_queries.append((qid, now))
+            self.wake.set()
+
+    def answer_listing(self, qid: int, arrived: float, rows: list[wire.RequestLoad]) -> None:
+        migrating = self.requests.migrating()
+        if migrating:  # pre-copy too, not only the suspended last stage
+            rows = [msgspec.structs.replace(r, state="migrating") if r.request_id in migrating else r for r in rows]
+        self._tell_manager(wire.RequestList(qid, self.instance_id, rows, self.requests.moved_lately(MOVED_LATELY_S)))
+        M_QUERY.observe(time.monotonic() - arrived)
 
     def current_load(self, load: wire.InstanceLoad | None = None) -> wire.InstanceLoad:
         """The engine's load (``load``: as the engine thread just read it) with the llumlet's own state."""
@@ -404,12 +427,16 @@ class Instance:
             result = self._step()
             watchdog.step_started = 0.0
             step_s = clock() - start
-            loop.call_soon_threadsafe(self._stepped, result.outputs, start, step_s, self.engine.load())
+            rows = self.engine.requests() if step_s >= LONG_STEP_S or time.monotonic() < self.rows_until else None
+            loop.call_soon_threadsafe(self._stepped, result.outputs, start, step_s, self.engine.load(), rows)
             if self._boundary_wanted() or not self.engine.has_work():
                 return
 
-    def _stepped(self, outputs: list[wire.TokenOut], start: float, step_s: float, load: wire.InstanceLoad) -> None:
-        """(Event loop) One step of ``run_steps`` ended: its tokens go out, its load is current."""
+    def _stepped(self, outputs: list[wire.TokenOut], start: float, step_s: float, load: wire.InstanceLoad,
+                 rows: list[wire.RequestLoad] | None = None) -> None:
+        """(Event loop) One step of ``run_steps`` ended: its tokens go out, its load (and the request rows, when
+        kept) are current."""
+        self.rows = rows
         if self.halt_steps or self.emit_failure is not None:
             return
         try:
@@ -477,8 +504,7 @@ class Instance:
                     log.info("manager asks us to register (%s)", msg.reason)
                     self._tell_manager(self.register_msg())
             elif isinstance(msg, wire.ListRequests):
-                self.list_queries.append((msg.query_id, time.monotonic()))
-                self.wake.set()
+                self.on_list_requests(msg.query_id)
             elif isinstance(msg, wire.MigrateStart):
                 self.migrator.spawn(self.migrate_command(msg))
             elif isinstance(msg, wire.SetDraining):

@@ -35,9 +35,16 @@ class BlockingSim(SimEngine):
         self.watchdog = None  # the instance's: each step checks that the watchdog times it
         self.timed: list[bool] = []
         self.nice: set[int] = set()  # the step thread's niceness
+        self.gate = threading.Event()  # a step waits here while it is clear (a long step, as long as a test wants)
+        self.gate.set()
+        self.held = threading.Event()  # a step is waiting at the gate
 
     def step(self):
         self.in_step = True
+        if not self.gate.is_set():
+            self.held.set()
+            self.gate.wait(30)
+            self.held.clear()
         self.nice.add(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
         self.timed.append(self.watchdog.step_started > 0)
         self.threads.add(threading.current_thread().name)
@@ -174,6 +181,45 @@ def test_engine_calls_and_new_requests_wait_for_the_boundary(harness):
     assert [t.index for t in outs["b"]] == list(range(5))
     assert h.hand_offs >= 2  # the engine thread came back for the call and for "b"
     assert all(h.engine.timed) and h.inst.watchdog.step_started == 0.0  # every step was timed, none is now
+
+
+def test_a_listing_during_a_long_step_is_answered_before_the_step_ends(harness):
+    """The first listing in a while waits for the boundary; once listings come, the engine thread keeps its
+    request rows current after every step, and a listing during a step (a long CPU prefill, say) is answered
+    from them at once, by the event loop, while the step goes on."""
+    h = harness()
+    listings: list[tuple[wire.RequestList, bool]] = []
+    h.inst._tell_manager = lambda msg: listings.append((msg, h.engine.held.is_set())) \
+        if isinstance(msg, wire.RequestList) else None
+
+    async def until(cond, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not cond():
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.001)
+
+    async def go():
+        h.submit("r0", 100000)
+        loop = asyncio.create_task(h.inst.step_loop())
+        await h.wait_tokens(2)
+        h.inst.on_list_requests(1)
+        await until(lambda: len(listings) == 1)  # at a boundary
+        h.engine.gate.clear()
+        await until(h.engine.held.is_set)  # the engine thread is inside a step that does not end
+        steps = len(h.engine.batches)
+        h.inst.on_list_requests(2)
+        answered_in_step = len(listings) == 2 and len(h.engine.batches) == steps
+        h.engine.gate.set()
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+        return answered_in_step
+
+    assert asyncio.run(go())
+    (first, first_held), (second, second_held) = listings
+    assert not first_held and second_held  # the second answer went out while the step was held
+    for msg, qid in ((first, 1), (second, 2)):
+        assert msg.query_id == qid and [(r.request_id, r.state) for r in msg.requests] == [("r0", "running")]
+    assert second.requests[0].output_tokens >= first.requests[0].output_tokens >= 2
 
 
 def test_cancelling_the_loop_stops_the_engine_thread_after_its_step(harness):
