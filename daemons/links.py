@@ -7,9 +7,17 @@ process or an unreachable host stops answering keepalives and the connection is 
 ``timeout_s``. So a watched connection tells "gone" from "slow": the manager and the proxies mark an instance
 dead when its connection goes down, not when its heartbeat is late.
 
+A dropped connection is not yet a dead peer. When a whole machine stalls (a virtual machine whose host
+throttles it once it has used its CPU quota: every thread in it stops for seconds, and the observer's own
+keepalive timer expires the moment it runs again), the connection is dropped although the peer is there.
+ZeroMQ reconnects at once; so a drop becomes ``DOWN`` only when the reconnection is refused (the peer's
+process is gone: its port is closed) or has not completed a handshake within ``timeout_s`` (the host is
+unreachable, or the peer's process is frozen). A reconnection that completes keeps the link ``UP``.
+
 ``LinkWatch`` sets the keepalive options on a connecting socket and follows its monitor events: a link is
-``UP`` once a handshake succeeded, ``DOWN`` after a disconnect, ``UNKNOWN`` before its first handshake (a
-peer that could never be reached, or whose keys refuse us: callers then fall back to silence rules).
+``UP`` once a handshake succeeded, ``DOWN`` after a disconnect that no reconnection healed, ``UNKNOWN``
+before its first handshake (a peer that could never be reached, or whose keys refuse us: callers then fall
+back to silence rules).
 """
 
 from __future__ import annotations
@@ -25,18 +33,30 @@ from zmq.utils.monitor import parse_monitor_message
 log = logging.getLogger("llumnix.links")
 
 UP, DOWN, UNKNOWN = "up", "down", "unknown"
-_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED
+# A reconnection window's timer that ran this late found our own process (or machine) stalled: the events that
+# came in meanwhile (a completed reconnection, say) are handled before it decides, within REGRACE_S.
+LATE_S = 0.25
+REGRACE_S = 1.0
+_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+           | zmq.EVENT_MONITOR_STOPPED)
 
 
 class LinkWatch:
     """The connection state of each watched peer, by key (an address)."""
 
-    def __init__(self, timeout_s: float, on_change: Callable[[str, str], None] | None = None):
+    def __init__(self, timeout_s: float, on_change: Callable[[str, str], None] | None = None,
+                 on_heal: Callable[[str], None] | None = None):
+        """``on_change(key, state)``: a link's state changed; ``on_heal(key)``: a drop that a reconnection
+        healed (the state stayed UP)."""
         self.timeout_s = timeout_s
         self.on_change = on_change
+        self.on_heal = on_heal
         self._state: dict[str, str] = {}
         self._since: dict[str, float] = {}
         self._tasks: dict[str, tuple[zmq.Socket, asyncio.Task]] = {}
+        # UP links reconnecting since a drop: (when, its DOWN timer, reconnections ZeroMQ scheduled since)
+        self._dropped: dict[str, list] = {}
+        self.came_back = 0  # drops that a reconnection healed
 
     def prepare(self, sock: zmq.Socket) -> zmq.Socket:
         """Keepalives on ``sock`` (before it connects): a ping every third of the timeout; no answer to
@@ -66,6 +86,7 @@ class LinkWatch:
         return (time.monotonic() if now is None else now) - self._since.get(key, 0.0)
 
     def forget(self, key: str) -> None:
+        self._undrop(key)
         entry = self._tasks.pop(key, None)
         self._state.pop(key, None)
         self._since.pop(key, None)
@@ -90,16 +111,57 @@ class LinkWatch:
         if self.on_change is not None:
             self.on_change(key, state)
 
+    def _undrop(self, key: str) -> float | None:
+        """End ``key``'s reconnection window; when it had one, the time it began."""
+        entry = self._dropped.pop(key, None)
+        if entry is None:
+            return None
+        entry[1].cancel()
+        return entry[0]
+
+    def _down(self, key: str, why: str) -> None:
+        if self._undrop(key) is not None:
+            log.info("connection to %s dropped and %s", key, why)
+            self._set(key, DOWN)
+
+    def _expire(self, key: str, due: float) -> None:
+        entry = self._dropped.get(key)
+        if entry is None:
+            return
+        if time.monotonic() - due > LATE_S:
+            # We were stalled ourselves: what arrived meanwhile is read first (this runs before it).
+            grace = min(self.timeout_s, REGRACE_S)
+            entry[1] = asyncio.get_running_loop().call_later(grace, self._expire, key, time.monotonic() + grace)
+            return
+        self._down(key, f"no reconnection completed within {(time.monotonic() - entry[0]):.1f}s")
+
     async def _follow(self, key: str, mon) -> None:
+        loop = asyncio.get_running_loop()
         try:
             while True:
                 event = parse_monitor_message(await mon.recv_multipart())["event"]
                 if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    since = self._undrop(key)
+                    if since is not None:
+                        self.came_back += 1
+                        log.warning("connection to %s dropped (no keepalive answer for %gs) and came back after "
+                                    "%.0f ms: its process is there (this host or the peer's stalled)", key,
+                                    self.timeout_s, (time.monotonic() - since) * 1000)
+                        if self.on_heal is not None:
+                            self.on_heal(key)
                     self._set(key, UP)
                 elif event == zmq.EVENT_DISCONNECTED:
                     # Before any handshake a refused or failed connection says nothing of the peer's process.
-                    if self._state.get(key) == UP:
-                        self._set(key, DOWN)
+                    if self._state.get(key) == UP and key not in self._dropped:
+                        now = time.monotonic()
+                        timer = loop.call_later(self.timeout_s, self._expire, key, now + self.timeout_s)
+                        self._dropped[key] = [now, timer, 0]
+                elif event == zmq.EVENT_CONNECT_RETRIED and key in self._dropped:
+                    # ZeroMQ says so when it schedules a reconnection: once right after the drop, then again
+                    # after each attempt that failed.
+                    self._dropped[key][2] += 1
+                    if self._dropped[key][2] > 1:
+                        self._down(key, "the reconnection was refused (nothing listens there)")
                 elif event == zmq.EVENT_MONITOR_STOPPED:
                     return
         except (asyncio.CancelledError, zmq.ZMQError):

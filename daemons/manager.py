@@ -43,6 +43,9 @@ M_DEATHS = metrics.counter("manager", "llumnix_manager_instance_deaths_total",
 M_LATE = metrics.counter("manager", "llumnix_manager_late_instances_total",
                          "Times an instance missed manager.dead_after_missed heartbeats while its connection was "
                          "up: late, kept in dispatch, not marked dead")
+M_LINKS_HEALED = metrics.counter("manager", "llumnix_manager_instance_links_healed_total",
+                                 "Connections to instances dropped (no keepalive answered within "
+                                 "manager.link_timeout_s) that a reconnection healed: not marked dead")
 # Per instance, what only the manager knows. What an instance knows of itself (blocks used, running and waiting
 # requests) is exported by the instance alone: llumnix_instance_kv_blocks_used, _running_requests, _waiting_requests.
 M_FREENESS = metrics.gauge("manager", "llumnix_instance_freeness",
@@ -153,7 +156,7 @@ class Manager:
         self.sender = ""  # role:name of the message being handled (CURVE keys), for handlers that need it
         self._asked_to_register: dict[str, float] = {}  # instance id -> when we last asked it to register
         self.proxies: dict[str, float] = {}  # proxy token address -> when it last asked for a snapshot
-        self.links = LinkWatch(self.mc.link_timeout_s, self._link_changed)
+        self.links = LinkWatch(self.mc.link_timeout_s, self._link_changed, lambda _: M_LINKS_HEALED.inc())
 
     # ------------------------------------------------------------------ view
 

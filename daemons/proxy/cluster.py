@@ -74,6 +74,9 @@ M_WAITED = metrics.counter("proxy", "llumnix_proxy_dispatch_waits_total",
 M_LINKS_DOWN = metrics.counter("proxy", "llumnix_proxy_instance_links_lost_total",
                                "Connections to instances lost (process gone, or no keepalive answered within "
                                "proxy.instance_timeout_s)")
+M_LINKS_HEALED = metrics.counter("proxy", "llumnix_proxy_instance_links_healed_total",
+                                 "Connections to instances dropped (no keepalive answered within "
+                                 "proxy.instance_timeout_s) that a reconnection healed: nothing failed over")
 
 
 TIE_TURN_S = 60.0
@@ -215,7 +218,8 @@ class ClusterClient:
         self._soon: list[wire.Message] = []  # for the manager at the end of this loop turn (_tell_manager_soon)
         self.essential: list[asyncio.Task] = []  # if one of these ends, the proxy exits (it would be deaf)
         self.adm = cfg.admission
-        self.links = LinkWatch(self.pc.instance_timeout_s, self._link_changed)  # by request address
+        self.links = LinkWatch(self.pc.instance_timeout_s, self._link_changed,  # by request address
+                               lambda _: M_LINKS_HEALED.inc())
         self._changed: list[asyncio.Future] = []  # dispatches waiting for an instance to take them
         self.placing: dict[str, int] = {}  # request id -> prompt tokens, while it waits for an instance
 
