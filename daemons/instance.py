@@ -50,6 +50,7 @@ MOVED_LATELY_S = 30.0  # a request listing names the requests that migrated out 
 # long keeps them too (the rows cost well under 1% of it).
 LISTING_WINDOW_S = 30.0
 LONG_STEP_S = 0.1
+ROWS_EVERY_S = 0.2  # during a run of steps the rows are refreshed at most this often
 PREFIX_QUERY_TOKENS = 1 << 16  # at most this many prompt tokens go in one prefix query to a destination
 M_REQUESTS = metrics.counter("instance", "llumnix_instance_requests_total", "Requests received from proxies")
 M_FINISHED = metrics.counter("instance", "llumnix_instance_requests_finished_total",
@@ -125,6 +126,7 @@ class Instance:
         # until when they are kept (see LISTING_WINDOW_S).
         self.rows: list[wire.RequestLoad] | None = None
         self.rows_until = 0.0
+        self.rows_at = 0.0  # when they were read
         self.boundary_calls: list[tuple[Callable, asyncio.Future]] = []
         self.stepping = False  # engine steps run on the executor thread right now
         self.halt_steps = False  # the step loop was cancelled: the engine thread stops after its step
@@ -326,7 +328,7 @@ class Instance:
                 self._run_boundary_call(fn, fut)
         self.rows = None
         if self.list_queries or time.monotonic() < self.rows_until:
-            self.rows = self.engine.requests()
+            self.rows, self.rows_at = self.engine.requests(), time.monotonic()
         if self.list_queries:
             for qid, arrived in self.list_queries:
                 self.answer_listing(qid, arrived, self.rows)
@@ -427,7 +429,9 @@ class Instance:
             result = self._step()
             watchdog.step_started = 0.0
             step_s = clock() - start
-            rows = self.engine.requests() if step_s >= LONG_STEP_S or time.monotonic() < self.rows_until else None
+            now = time.monotonic()
+            rows = (self.engine.requests() if (step_s >= LONG_STEP_S or now < self.rows_until)
+                    and now - self.rows_at >= ROWS_EVERY_S else None)
             loop.call_soon_threadsafe(self._stepped, result.outputs, start, step_s, self.engine.load(), rows)
             if self._boundary_wanted() or not self.engine.has_work():
                 return
@@ -435,8 +439,9 @@ class Instance:
     def _stepped(self, outputs: list[wire.TokenOut], start: float, step_s: float, load: wire.InstanceLoad,
                  rows: list[wire.RequestLoad] | None = None) -> None:
         """(Event loop) One step of ``run_steps`` ended: its tokens go out, its load (and the request rows, when
-        kept) are current."""
-        self.rows = rows
+        kept) are current. Rows a few steps old stay good until the boundary: only steps have run since."""
+        if rows is not None and self.stepping:
+            self.rows, self.rows_at = rows, time.monotonic()
         if self.halt_steps or self.emit_failure is not None:
             return
         try:
