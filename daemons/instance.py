@@ -339,11 +339,13 @@ class Instance:
 
     def on_list_requests(self, qid: int) -> None:
         """A request listing: during steps, answered now from the rows of the last step or boundary when they
-        are kept (the step in flight may be long; nothing but it has touched the engine since: engine calls
-        and new requests wait for the boundary), else at the next boundary."""
+        are kept and nothing waits for the boundary (the step in flight may be long; nothing but steps has
+        touched the engine since), else at the next boundary: a request, an abort (a fenced copy, say) or an
+        engine call (a migration's commit) that waits for it must be in the answer, as it would be there."""
         now = time.monotonic()
         self.rows_until = now + LISTING_WINDOW_S
-        if self.stepping and self.rows is not None and not self.list_queries:
+        if (self.stepping and self.rows is not None and not self.list_queries and not self.inbox
+                and not self.boundary_calls):
             self.answer_listing(qid, now, self.rows)
         else:
             self.list_queries.append((qid, now))

@@ -222,6 +222,44 @@ def test_a_listing_during_a_long_step_is_answered_before_the_step_ends(harness):
     assert second.requests[0].output_tokens >= first.requests[0].output_tokens >= 2
 
 
+def test_a_listing_with_an_abort_waiting_is_answered_at_the_boundary(harness):
+    """An abort (a copy the proxy fenced, say) waits for the boundary: a listing during the step waits with it,
+    so that it never names a request the instance is about to drop."""
+    h = harness()
+    listings: list[tuple[wire.RequestList, bool]] = []
+    h.inst._tell_manager = lambda msg: listings.append((msg, h.engine.held.is_set())) \
+        if isinstance(msg, wire.RequestList) else None
+
+    async def until(cond, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not cond():
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.001)
+
+    async def go():
+        h.submit("r0", 100000)
+        h.submit("r1", 100000)
+        loop = asyncio.create_task(h.inst.step_loop())
+        await h.wait_tokens(4)
+        h.inst.on_list_requests(1)
+        await until(lambda: len(listings) == 1)
+        h.engine.gate.clear()
+        await until(h.engine.held.is_set)
+        h.inst.inbox.append(wire.Abort("r1"))
+        h.inst.on_list_requests(2)
+        waited = len(listings) == 1
+        h.engine.gate.set()
+        await until(lambda: len(listings) == 2)
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+        return waited
+
+    assert asyncio.run(go())
+    (first, _), (second, second_held) = listings
+    assert sorted(r.request_id for r in first.requests) == ["r0", "r1"]
+    assert not second_held and [r.request_id for r in second.requests] == ["r0"]
+
+
 def test_cancelling_the_loop_stops_the_engine_thread_after_its_step(harness):
     h = harness(step_s=0.001)
 
