@@ -46,6 +46,18 @@ def default_run_dir() -> Path:
     return Path(base) / "llumnix"
 
 
+def boot_start(pid: int) -> float | None:
+    """When process ``pid`` started, in seconds since boot (Linux), or None. Unlike psutil's create_time,
+    which adds the boot time as the wall clock now puts it, it does not move when the clock is set (a virtual
+    machine's clock is stepped after its host paused it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        return int(stat[stat.rfind(")") + 2:].split()[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 @dataclass
 class Proc:
     name: str
@@ -53,12 +65,16 @@ class Proc:
     create_time: float
     log: str
     argv: list[str]
+    started: float = 0.0  # boot_start(pid) when known (0: compare create_time)
 
     def process(self) -> psutil.Process | None:
         """The live process, only if it is still the one we started."""
         try:
             p = psutil.Process(self.pid)
-            if abs(p.create_time() - self.create_time) < 0.01 and p.status() != psutil.STATUS_ZOMBIE:
+            started = boot_start(self.pid) if self.started else None
+            same = (abs(started - self.started) < 0.05 if started is not None
+                    else abs(p.create_time() - self.create_time) < 0.01)
+            if same and p.status() != psutil.STATUS_ZOMBIE:
                 return p
         except psutil.Error:
             pass
@@ -141,7 +157,8 @@ def _spawn(run_dir: Path, name: str, argv: list[str]) -> Proc:
     with open(log_path, "ab") as log:
         popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                  start_new_session=True)
-    return Proc(name, popen.pid, psutil.Process(popen.pid).create_time(), str(log_path), argv)
+    return Proc(name, popen.pid, psutil.Process(popen.pid).create_time(), str(log_path), argv,
+                boot_start(popen.pid) or 0.0)
 
 
 def _tail(path: str, lines: int = 15) -> str:

@@ -54,7 +54,8 @@ class Cluster:
         if not isinstance(proc, localcluster.Proc):
             live = psutil.Process(proc if isinstance(proc, int) else proc.pid)
             with live.oneshot():
-                proc = localcluster.Proc(name or live.name(), live.pid, live.create_time(), log, live.cmdline())
+                proc = localcluster.Proc(name or live.name(), live.pid, live.create_time(), log, live.cmdline(),
+                                         localcluster.boot_start(live.pid) or 0.0)
         localcluster.record(self.run_dir, self.state, [proc])
         return proc
 
