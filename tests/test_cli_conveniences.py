@@ -54,17 +54,25 @@ class Lines:
         return self.lines.get(timeout=timeout)
 
 
+def _interruptible() -> None:
+    """(In the child) Ctrl-C as at a terminal: a suite that a non-interactive shell started in the background
+    inherits SIGINT ignored, and a Python started so never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def ctl_popen(*args: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "llumnixctl.main", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
+                            preexec_fn=_interruptible)
 
 
 def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> int:
-    """Stop a child by its pid (SIGKILL if it does not go within 10 s); its exit status."""
+    """Stop a child by its pid (SIGKILL if it does not go within 30 s: this VM can stall for seconds); its exit
+    status."""
     if proc.poll() is None:
         os.kill(proc.pid, sig)
         try:
-            proc.wait(10)
+            proc.wait(30)
         except subprocess.TimeoutExpired:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(10)
