@@ -194,23 +194,25 @@ def test_request_finishing_during_precopy_aborts_and_destination_releases(start_
 
 def test_destination_without_room_refuses(start_cluster):
     c = start_cluster(1, PACED)
-    s = Streamer(c.url, 300, prompt="does not fit " * 40)
+    # 1000 tokens (20 s at the paced step): still streaming once an instance has started and the CLI with it
+    # (300 were over first on a slow machine: "not on any instance")
+    s = Streamer(c.url, 1000, prompt="does not fit " * 40)
     s.wait_tokens(3)  # on i0, the only instance so far
     localcluster.add_instance(c.run_dir, c.state, "small", ["sim.num_blocks=4"])
     res, out = migrate(c, s.rid, "--to", "small")
     assert out["outcome"] == "aborted" and "no room" in out["reason"], out
-    s.check_complete(300)
+    s.check_complete(1000)
     settle(c)
 
 
 def test_different_kv_layout_is_refused(start_cluster):
     c = start_cluster(1, PACED)
-    s = Streamer(c.url, 300)
+    s = Streamer(c.url, 1000)  # still streaming once the instance and the CLI have started (see above)
     s.wait_tokens(3)  # on i0, the only instance so far
     localcluster.add_instance(c.run_dir, c.state, "f32", ["sim.kv_dtype=float32"])
     res, out = migrate(c, s.rid, "--to", "f32")
     assert out["outcome"] == "aborted" and "KV layout differs: KV dtype differs: source float16, destination float32" in out["reason"], out
-    s.check_complete(300)
+    s.check_complete(1000)
     settle(c)
 
 
