@@ -183,20 +183,27 @@ def test_engine_calls_and_new_requests_wait_for_the_boundary(harness):
     assert all(h.engine.timed) and h.inst.watchdog.step_started == 0.0  # every step was timed, none is now
 
 
+def catch_listings(h: Harness) -> list[tuple[wire.RequestList, bool]]:
+    """The instance's request listings to the manager, each with whether a step was held at the gate then."""
+    listings: list[tuple[wire.RequestList, bool]] = []
+    h.inst._tell_manager = lambda msg: listings.append((msg, h.engine.held.is_set())) \
+        if isinstance(msg, wire.RequestList) else None
+    return listings
+
+
+async def until(cond, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.001)
+
+
 def test_a_listing_during_a_long_step_is_answered_before_the_step_ends(harness):
     """The first listing in a while waits for the boundary; once listings come, the engine thread keeps its
     request rows current after every step, and a listing during a step (a long CPU prefill, say) is answered
     from them at once, by the event loop, while the step goes on."""
     h = harness()
-    listings: list[tuple[wire.RequestList, bool]] = []
-    h.inst._tell_manager = lambda msg: listings.append((msg, h.engine.held.is_set())) \
-        if isinstance(msg, wire.RequestList) else None
-
-    async def until(cond, timeout_s: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not cond():
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.001)
+    listings = catch_listings(h)
 
     async def go():
         h.submit("r0", 100000)
@@ -226,15 +233,7 @@ def test_a_listing_with_an_abort_waiting_is_answered_at_the_boundary(harness):
     """An abort (a copy the proxy fenced, say) waits for the boundary: a listing during the step waits with it,
     so that it never names a request the instance is about to drop."""
     h = harness()
-    listings: list[tuple[wire.RequestList, bool]] = []
-    h.inst._tell_manager = lambda msg: listings.append((msg, h.engine.held.is_set())) \
-        if isinstance(msg, wire.RequestList) else None
-
-    async def until(cond, timeout_s: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not cond():
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.001)
+    listings = catch_listings(h)
 
     async def go():
         h.submit("r0", 100000)
