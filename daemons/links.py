@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import zmq
@@ -41,6 +42,15 @@ _EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CO
            | zmq.EVENT_MONITOR_STOPPED)
 
 
+@dataclass
+class _Drop:
+    """An UP link reconnecting since a drop."""
+
+    since: float
+    timer: asyncio.TimerHandle  # makes it DOWN when no reconnection has completed
+    retries: int = 0  # reconnections ZeroMQ scheduled since the drop
+
+
 class LinkWatch:
     """The connection state of each watched peer, by key (an address)."""
 
@@ -54,8 +64,7 @@ class LinkWatch:
         self._state: dict[str, str] = {}
         self._since: dict[str, float] = {}
         self._tasks: dict[str, tuple[zmq.Socket, asyncio.Task]] = {}
-        # UP links reconnecting since a drop: (when, its DOWN timer, reconnections ZeroMQ scheduled since)
-        self._dropped: dict[str, list] = {}
+        self._dropped: dict[str, _Drop] = {}
         self.came_back = 0  # drops that a reconnection healed
 
     def prepare(self, sock: zmq.Socket) -> zmq.Socket:
@@ -113,11 +122,11 @@ class LinkWatch:
 
     def _undrop(self, key: str) -> float | None:
         """End ``key``'s reconnection window; when it had one, the time it began."""
-        entry = self._dropped.pop(key, None)
-        if entry is None:
+        drop = self._dropped.pop(key, None)
+        if drop is None:
             return None
-        entry[1].cancel()
-        return entry[0]
+        drop.timer.cancel()
+        return drop.since
 
     def _down(self, key: str, why: str) -> None:
         if self._undrop(key) is not None:
@@ -125,15 +134,15 @@ class LinkWatch:
             self._set(key, DOWN)
 
     def _expire(self, key: str, due: float) -> None:
-        entry = self._dropped.get(key)
-        if entry is None:
+        drop = self._dropped.get(key)
+        if drop is None:
             return
         if time.monotonic() - due > LATE_S:
             # We were stalled ourselves: what arrived meanwhile is read first (this runs before it).
             grace = min(self.timeout_s, REGRACE_S)
-            entry[1] = asyncio.get_running_loop().call_later(grace, self._expire, key, time.monotonic() + grace)
+            drop.timer = asyncio.get_running_loop().call_later(grace, self._expire, key, time.monotonic() + grace)
             return
-        self._down(key, f"no reconnection completed within {(time.monotonic() - entry[0]):.1f}s")
+        self._down(key, f"no reconnection completed within {(time.monotonic() - drop.since):.1f}s")
 
     async def _follow(self, key: str, mon) -> None:
         loop = asyncio.get_running_loop()
@@ -154,13 +163,14 @@ class LinkWatch:
                     # Before any handshake a refused or failed connection says nothing of the peer's process.
                     if self._state.get(key) == UP and key not in self._dropped:
                         now = time.monotonic()
-                        timer = loop.call_later(self.timeout_s, self._expire, key, now + self.timeout_s)
-                        self._dropped[key] = [now, timer, 0]
+                        self._dropped[key] = _Drop(now, loop.call_later(self.timeout_s, self._expire, key,
+                                                                        now + self.timeout_s))
                 elif event == zmq.EVENT_CONNECT_RETRIED and key in self._dropped:
                     # ZeroMQ says so when it schedules a reconnection: once right after the drop, then again
                     # after each attempt that failed.
-                    self._dropped[key][2] += 1
-                    if self._dropped[key][2] > 1:
+                    drop = self._dropped[key]
+                    drop.retries += 1
+                    if drop.retries > 1:
                         self._down(key, "the reconnection was refused (nothing listens there)")
                 elif event == zmq.EVENT_MONITOR_STOPPED:
                     return
