@@ -156,17 +156,20 @@ def test_high_priority_requests_get_lower_latency(start_cluster):
     assert tpot["high"] < 0.9 * tpot["normal"] and tpot["high"] < 0.9 * tpot["untagged"]  # smaller batch
 
 
-def _drain_load(c) -> Load:
+def _drain_load(c, tokens: int = 150) -> Load:
     # 3 instances of 6 slots: 24 long streams fill them and queue some; those queued on the drained
     # instance are given back and dispatched again, the running ones migrate.
-    load = Load(c.url, [Spec(0.02 * i, 150, prompt_tokens=48) for i in range(24)])
+    load = Load(c.url, [Spec(0.02 * i, tokens, prompt_tokens=48) for i in range(24)])
     wait_for(lambda: load.started() >= 18, 30, message="the streams did not start")
     return load
 
 
 def test_drain_moves_everything_out_with_no_error(start_cluster):
     c = start_cluster(3, PACED + ["sim.max_num_seqs=6"])
-    load = _drain_load(c)
+    # 500 tokens (10 s at the paced step): the first streams still run when the drain CLI has started, so
+    # those queued behind them on i0 are still queued (with 150, on a slow machine they had all started:
+    # nothing was given back)
+    load = _drain_load(c, 500)
     view_showing(c, lambda v: v["i0"]["running"] == 6, "the view did not show i0's 6 slots full")
     res = ctl("drain", "i0", "--wait", "--timeout", "60", "--json", "--run-dir", str(c.run_dir), timeout=90)
     assert res.returncode == 0, res.stderr
