@@ -52,7 +52,7 @@ from daemons import metrics, runtime, wire
 from daemons.config import MigrationConfig
 from daemons.engine.base import Engine, EngineError
 from daemons.engine.kvblocks import KvLayout
-from daemons.kvtransfer import KvTransfer, Pair, TransferError
+from daemons.kvtransfer import KvTransfer, TransferError
 from daemons.pacing import MIN_DUTY, Baseline, DutyPacer
 from daemons.proxylinks import ProxyLinks
 from daemons.requests import RequestTable
@@ -276,10 +276,9 @@ class Migrator:
             headroom = (self.cfg.last_stage_max_blocks + 2) * bs
             pair = self.kv.source_pair(me, dst)
             sock = self._peer(dst_address)
-            # Pacing and one-message chunks are this process's pairs' (a tensor-parallel engine's ranks move
-            # their shards on their own pairs, unpaced, framed as always: both ends have the same TP size).
-            local = isinstance(pair, Pair)
-            pacer = DutyPacer(self.cfg.max_decode_slowdown) if self.cfg.max_decode_slowdown > 0 and local else None
+            # Pacing and one-message chunks alike for this process's pairs and a tensor-parallel engine's ranks
+            # (each rank's pair reads the duty the engine last handed it; both ends have the same TP size).
+            pacer = DutyPacer(self.cfg.max_decode_slowdown) if self.cfg.max_decode_slowdown > 0 else None
             while True:
                 if stage > 0:
                     view = await self.boundary(lambda: self.engine.migration_view(request_id))
@@ -343,8 +342,9 @@ class Migrator:
                 cap = 0.0 if last else limit
                 paced = pacer if ids and not last else None
                 # The last stage's few blocks go as one message per chunk (kvtransfer: fewer Gloo rounds).
-                how = {"duty": (lambda: pacer.duty) if paced else None, "one_message": last} if local else {}
-                sending = asyncio.wrap_future(pair.send(kb, ids, chunk_blocks, cap, tail, **how)) if ids else None
+                duty = (lambda: pacer.duty) if paced else None
+                sending = (asyncio.wrap_future(pair.send(kb, ids, chunk_blocks, cap, tail, duty=duty, one_message=last))
+                           if ids else None)
                 if sending is not None and await_ready:
                     if paced:
                         self._pacers[out.mig_id] = paced
@@ -566,8 +566,8 @@ class Migrator:
                 cached = min(self.engine.cached_blocks(inc.request_id), msg.n_blocks) if msg.stage == 0 else 0
                 if msg.n_blocks > cached:
                     target = ids[msg.first_block + cached:msg.first_block + msg.n_blocks]
-                    how = {"one_message": msg.last} if isinstance(inc.pair, Pair) else {}
-                    receive = inc.pair.recv(self.engine.kv_blocks(), target, msg.chunk_blocks, msg.tail_tokens, **how)
+                    receive = inc.pair.recv(self.engine.kv_blocks(), target, msg.chunk_blocks, msg.tail_tokens,
+                                            one_message=msg.last)
                     inc.receiving = asyncio.wrap_future(receive)
                 if msg.await_ready:
                     self._answer(inc.identity, wire.MigReady(msg.mig_id, msg.stage, cached_blocks=cached))

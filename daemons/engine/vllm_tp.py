@@ -3,7 +3,7 @@ moves its own shard.
 
 The migration protocol (daemons/migration.py) sees the same interface as ``kvtransfer.KvTransfer``: pairs
 with a key, ``send`` and ``recv`` that resolve to the bytes moved. Here a pair stands for N Gloo pairs, one
-per rank, each between rank r of the source and rank r of the destination (``vllm_worker._RankKv``), all
+per rank, each between rank r of the source and rank r of the destination (``vllm_worker.RankKv``), all
 found under the pair's key in this instance's rendezvous store. A send or receive asks every rank to start
 (one ``collective_rpc`` between steps), then polls them between steps; it resolves when every rank has
 moved its blocks, and fails as soon as one rank fails (the migration then aborts, and the destination
@@ -66,11 +66,15 @@ class TpPair:
         self.broken = False
 
     def send(self, kv, block_ids: list[int], chunk_blocks: int, limit_bytes_s: float = 0.0,
-             tail_tokens: int = 0) -> asyncio.Task:
-        return self._task(self._run("send", list(block_ids), chunk_blocks, limit_bytes_s, tail_tokens))
+             tail_tokens: int = 0, duty: Callable[[], float] | None = None, one_message: bool = False) -> asyncio.Task:
+        """As ``kvtransfer.Pair.send``. ``duty`` is read here and handed to every rank with each poll (a rank
+        reads the latest it was given before each chunk)."""
+        return self._task(self._run("send", list(block_ids), chunk_blocks, limit_bytes_s, tail_tokens, duty,
+                                    one_message))
 
-    def recv(self, kv, block_ids: list[int], chunk_blocks: int, tail_tokens: int = 0) -> asyncio.Task:
-        return self._task(self._run("recv", list(block_ids), chunk_blocks, 0.0, tail_tokens))
+    def recv(self, kv, block_ids: list[int], chunk_blocks: int, tail_tokens: int = 0,
+             one_message: bool = False) -> asyncio.Task:
+        return self._task(self._run("recv", list(block_ids), chunk_blocks, 0.0, tail_tokens, None, one_message))
 
     @staticmethod
     def _task(coro) -> asyncio.Task:
@@ -80,7 +84,7 @@ class TpPair:
         return task
 
     async def _run(self, role: str, block_ids: list[int], chunk_blocks: int, limit_bytes_s: float,
-                   tail_tokens: int) -> int:
+                   tail_tokens: int, duty: Callable[[], float] | None, one_message: bool) -> int:
         if self.broken:
             raise TransferError(f"KV pair {self.key} is not connected")
         o = self.owner
@@ -89,10 +93,13 @@ class TpPair:
         per_rank = limit_bytes_s / o.ranks if limit_bytes_s > 0 else 0.0
         wait = POLL_S
         try:
+            first = duty() if duty is not None else None
             await o.boundary(lambda: o.rpc("llumnix_kv_start", op, role, self.key, self.store_address, o.host,
-                                           block_ids, chunk_blocks, per_rank, o.timeout_s, tail_tokens))
+                                           block_ids, chunk_blocks, per_rank, o.timeout_s, tail_tokens, first,
+                                           one_message))
             while True:
-                states = [r[op] for r in await o.boundary(lambda: o.rpc("llumnix_kv_poll", [op]))]
+                now = {op: duty()} if duty is not None else None
+                states = [r[op] for r in await o.boundary(lambda: o.rpc("llumnix_kv_poll", [op], now))]
                 failed = [s[1] for s in states if s[0] == "error"]
                 if failed:
                     self.broken = True

@@ -68,16 +68,15 @@ def commit_runner_state(runner, cached_request_state, request_id: str, prompt_to
 # ==================================================================== KV shards (tensor parallelism)
 
 
-class _RankKv:
+class RankKv:
     """One worker's end of KV transfer: its KV blocks, its Gloo pairs, its transfers in flight."""
 
-    def __init__(self, runner, rank: int, describe: str, layout: str, tp: int):
-        from daemons.engine.kvblocks import KvBlocks
-
+    def __init__(self, kv, rank: int):
         self.rank = rank
-        self.kv = KvBlocks(list(runner.kv_caches), f"{describe}/{attention_backends(runner)}", layout, tp)
+        self.kv = kv  # KvBlocks over this rank's shard
         self.pairs: dict[str, object] = {}
         self.ops: dict[int, Future] = {}
+        self.duties: dict[int, float] = {}  # a paced send's share of time, as the engine last said
         self.ended: OrderedDict[int, tuple] = OrderedDict()
 
     def pair(self, key: str, role: str, store_address: str, host: str, timeout_s: float):
@@ -100,21 +99,33 @@ class _RankKv:
         return pair
 
     def start(self, op: int, role: str, key: str, store_address: str, host: str, block_ids: list[int],
-              chunk_blocks: int, limit_bytes_s: float, timeout_s: float, tail_tokens: int = 0) -> None:
+              chunk_blocks: int, limit_bytes_s: float, timeout_s: float, tail_tokens: int = 0,
+              duty: float | None = None, one_message: bool = False) -> None:
+        """``duty``: None for an unpaced send, else its share of time until a poll says otherwise.
+        ``one_message``: each chunk as one message (both ends of a pair are told the same)."""
         pair = self.pair(key, role, store_address, host, timeout_s)
         if role == "send":
-            self.ops[op] = pair.send(self.kv, block_ids, chunk_blocks, limit_bytes_s, tail_tokens)
+            paced = None
+            if duty is not None:
+                self.duties[op] = duty
+                paced = lambda: self.duties.get(op, 1.0)  # noqa: E731
+            self.ops[op] = pair.send(self.kv, block_ids, chunk_blocks, limit_bytes_s, tail_tokens, duty=paced,
+                                     one_message=one_message)
         else:
-            self.ops[op] = pair.recv(self.kv, block_ids, chunk_blocks, tail_tokens)
+            self.ops[op] = pair.recv(self.kv, block_ids, chunk_blocks, tail_tokens, one_message=one_message)
 
-    def poll(self, ops: list[int]) -> dict[int, tuple]:
+    def poll(self, ops: list[int], duties: dict[int, float] | None = None) -> dict[int, tuple]:
         """Each op's state; an ended op's stays answerable (other ranks may still be at it, so the engine
-        polls again) among the last ``KEEP_ENDED``."""
+        polls again) among the last ``KEEP_ENDED``. ``duties``: paced sends' new shares of time."""
+        for op, duty in (duties or {}).items():
+            if op in self.duties:
+                self.duties[op] = duty
         out = {}
         for op in ops:
             fut = self.ops.get(op)
             if fut is not None and fut.done():
                 del self.ops[op]
+                self.duties.pop(op, None)
                 exc = fut.exception()
                 self.ended[op] = ("done", fut.result()) if exc is None else ("error", f"rank {self.rank}: {exc}")
                 while len(self.ended) > KEEP_ENDED:
@@ -135,7 +146,7 @@ class _RankKv:
 class LlumnixWorker:
     """Mixed into vLLM's worker class (``worker_extension_cls``); ``self`` is the worker."""
 
-    def _llumnix_rank(self) -> _RankKv:
+    def _llumnix_rank(self) -> RankKv:
         rank_kv = getattr(self, "_llumnix_kv", None)
         if rank_kv is None:
             raise RuntimeError("llumnix_kv_layout was not called on this worker")
@@ -145,19 +156,23 @@ class LlumnixWorker:
         """This rank's KV spec (``describe`` plus its attention backends) and a block's bytes on this rank."""
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
+        from daemons.engine.kvblocks import KvBlocks
+
         rank_kv = getattr(self, "_llumnix_kv", None)
         if rank_kv is None:
-            rank_kv = self._llumnix_kv = _RankKv(self.model_runner, get_tensor_model_parallel_rank(), describe,
-                                                 layout, tp)
+            runner = self.model_runner
+            kv = KvBlocks(list(runner.kv_caches), f"{describe}/{attention_backends(runner)}", layout, tp)
+            rank_kv = self._llumnix_kv = RankKv(kv, get_tensor_model_parallel_rank())
         return rank_kv.kv.spec, rank_kv.kv.block_nbytes
 
     def llumnix_kv_start(self, op: int, role: str, key: str, store_address: str, host: str, block_ids: list[int],
-                         chunk_blocks: int, limit_bytes_s: float, timeout_s: float, tail_tokens: int = 0) -> None:
+                         chunk_blocks: int, limit_bytes_s: float, timeout_s: float, tail_tokens: int = 0,
+                         duty: float | None = None, one_message: bool = False) -> None:
         self._llumnix_rank().start(op, role, key, store_address, host, block_ids, chunk_blocks, limit_bytes_s,
-                                   timeout_s, tail_tokens)
+                                   timeout_s, tail_tokens, duty, one_message)
 
-    def llumnix_kv_poll(self, ops: list[int]) -> dict[int, tuple]:
-        return self._llumnix_rank().poll(ops)
+    def llumnix_kv_poll(self, ops: list[int], duties: dict[int, float] | None = None) -> dict[int, tuple]:
+        return self._llumnix_rank().poll(ops, duties)
 
     def llumnix_kv_forget(self, prefix: str) -> None:
         self._llumnix_rank().forget(prefix)
