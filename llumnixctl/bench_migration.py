@@ -143,9 +143,14 @@ def _recompute_ms(request_address: str, prompt: list[int], timeout_s: float, rep
         pull.close(0)
 
 
+def _longest(lengths: list[int], decode_tokens: int) -> int:
+    """The instances' context length (model.max_model_len)."""
+    return max(max(lengths) + decode_tokens + 64, 4096)
+
+
 def _settings(backend: str, model: Path | None, lengths: list[int], decode_tokens: int,
               prefix_caching: bool = False) -> list[str]:
-    longest = max(max(lengths) + decode_tokens + 64, 4096)
+    longest = _longest(lengths, decode_tokens)
     blocks_tokens = 2 * longest + 1024  # a migrated request and the blocking-copy one may overlap briefly
     common = ["manager.dispatch_policy=flood", f"instance.log_level={os.environ.get('LLUMNIX_BENCH_LOG', 'warning')}", "proxy.log_level=warning",
               f"model.max_model_len={longest}", "migration.timeout_s=60"]
@@ -235,8 +240,10 @@ def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int
         for n in [] if shared_prefix else lengths:
             log(f"{n} tokens ...")
             prompt = [rng.randrange(10, 1000) for _ in range(n)]
-            # (1) live migrations with pre-copy, back and forth, and the decode step time around them
-            s = _Tokens(state.url, model_name, prompt, decode_tokens)
+            # (1) live migrations with pre-copy, back and forth, and the decode step time around them. The
+            # request may run to the context's end: it is ended after its last move (a pre-copy that outlasts
+            # the tokens left on a loaded machine would otherwise find it finished and abort).
+            s = _Tokens(state.url, model_name, prompt, max(decode_tokens, _longest(lengths, decode_tokens) - n - 64))
             s.wait(8, timeout=900)
             here = _where(admin, s.rid)
             outs, windows = [], []
@@ -248,7 +255,7 @@ def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int
                     raise RuntimeError(f"the {n}-token migration aborted: {out.reason}")
                 outs.append(out)
                 windows.append((t0, t0 + (out.total_ms - out.downtime_ms) / 1e3, t0 + out.total_ms / 1e3))
-                s.wait(min(len(s.ids) + gap_tokens, decode_tokens), timeout=300)  # steady decoding in between
+                s.wait(min(len(s.ids) + gap_tokens, s.max_tokens), timeout=300)  # steady decoding in between
                 here = there
             s.end()
             gaps = list(zip(s.times, s.times[1:]))
