@@ -125,10 +125,12 @@ class Pair:
         opts = dist.ProcessGroupGloo._Options()
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
         opts._timeout = self.timeout
+        began = time.perf_counter()
         try:
             if callable(store):
                 store = store()
             self._pg = dist.ProcessGroupGloo(dist.PrefixStore(self.key, store), self.rank, 2, opts)
+            log.debug("KV pair %s formed in %.1f ms", self.key, (time.perf_counter() - began) * 1e3)
         except (RuntimeError, ValueError) as exc:  # the peer never came, or its address does not route
             self.broken = True
             log.warning("KV pair %s could not form: %s", self.key, exc)

@@ -22,5 +22,5 @@ rc=0
 echo "== ${#parallel[@]} modules without daemons, on $workers workers" >&2
 "${PYTEST[@]}" -n "$workers" "${parallel[@]}" || rc=$?
 echo "== ${#serial[@]} modules with daemons or engines, one at a time" >&2
-"${PYTEST[@]}" "${serial[@]}" || { s=$?; [ "$rc" != 0 ] || rc=$s; }
+"${PYTEST[@]}" --durations=25 "${serial[@]}" || { s=$?; [ "$rc" != 0 ] || rc=$s; }
 exit "$rc"
