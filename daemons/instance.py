@@ -102,6 +102,15 @@ def migrants_for(msg: wire.MigrateStart, requests: list[wire.RequestLoad], keep:
         dst_free=policy.INF if msg.dst_free_blocks < 0 else msg.dst_free_blocks, cached=cached)
 
 
+def keep_for(msg: wire.MigrateStart, migrating: set[str], arrivals: dict[str, float], now: float) -> set[str]:
+    """Requests that stay for this order: those migrating already and, for a balancing order, those that
+    arrived by migration within its cooldown (``arrivals``: request id -> when). Also run by the simulator."""
+    keep = set(migrating)
+    if msg.reason and not msg.drain:
+        keep |= {rid for rid, at in arrivals.items() if now - at < msg.cooldown_s}
+    return keep
+
+
 class Instance:
     def __init__(self, cfg: Config, engine: Engine):
         self.cfg = cfg
@@ -603,10 +612,8 @@ class Instance:
 
     def _keep(self, msg: wire.MigrateStart, requests: list[wire.RequestLoad]) -> set[str]:
         """Requests that must stay for this order: already migrating, not ours, or (balancing) just arrived."""
-        keep = self.requests.migrating() | {r.request_id for r in requests if r.request_id not in self.requests}
-        if msg.reason and not msg.drain:  # balancing: a request that just arrived by migration stays a while
-            keep |= self.requests.arrived_since(time.monotonic() - msg.cooldown_s)
-        return keep
+        keep = keep_for(msg, self.requests.migrating(), self.requests.arrivals(), time.monotonic())
+        return keep | {r.request_id for r in requests if r.request_id not in self.requests}
 
     def choose_migrants(self, msg: wire.MigrateStart, cached: dict[str, int] | None = None) -> list[str]:
         """The requests to send, by the order's selection policy (an operator's ``--from --count``: lower

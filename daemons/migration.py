@@ -48,7 +48,7 @@ import zmq
 import zmq.asyncio
 import zmq.utils.monitor
 
-from daemons import metrics, runtime, wire
+from daemons import metrics, runtime, stages, wire
 from daemons.config import MigrationConfig
 from daemons.engine.base import Engine, EngineError
 from daemons.engine.kvblocks import KvLayout
@@ -72,10 +72,6 @@ M_BYTES = metrics.counter("instance", "llumnix_migration_bytes_total", "KV bytes
                           preset=[("out",), ("in",)])
 M_IN_FLIGHT = metrics.gauge("instance", "llumnix_migrations_in_flight", "Migrations in progress, by role", ["role"],
                             preset=[("source",), ("destination",)])
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class Aborted(Exception):
@@ -273,7 +269,6 @@ class Migrator:
             chunk_blocks = max(1, self.cfg.chunk_bytes // kb.block_nbytes)
             limit = self.cfg.bandwidth_limit_mbps * 1e6
             bs = self.engine.block_size
-            headroom = (self.cfg.last_stage_max_blocks + 2) * bs
             pair = self.kv.source_pair(me, dst)
             sock = self._peer(dst_address)
             # Pacing and one-message chunks alike for this process's pairs and a tensor-parallel engine's ranks
@@ -286,8 +281,8 @@ class Migrator:
                         raise Aborted("the request finished or was preempted on the source during pre-copy")
                 if view.block_ids[:len(sent)] != sent:
                     raise Aborted("the request was preempted on the source (its blocks changed)")
-                remaining = _cdiv(view.computed_tokens, bs) - len(sent)
-                last = blocking or remaining <= self.cfg.last_stage_max_blocks or stage >= self.cfg.max_stages
+                last = stages.is_last(view.computed_tokens, len(sent), stage, bs, self.cfg.last_stage_max_blocks,
+                                      self.cfg.max_stages, blocking)
                 state = None
                 if last:
                     def suspend():
@@ -303,17 +298,13 @@ class Migrator:
                     result.resumed_at = state.emitted
                     if view.block_ids[:len(sent)] != sent:
                         raise Aborted("the request was preempted on the source (its blocks changed)")
-                    upto = _cdiv(view.computed_tokens, bs)
-                else:
-                    upto = view.computed_tokens // bs  # full blocks only: they never change again
-                ids = view.block_ids[len(sent):upto]
-                # Only the last stage sends a partial block, and no stage follows it that could see it grow;
-                # only its written token slots, where the KV's bytes say which those are.
-                tail = view.computed_tokens % bs if last and getattr(kb, "token_slots", False) else 0
-                # Before the last stage the destination holds a few blocks more than written so far: the last
-                # stage, which the request spends suspended, then needs no new reservation there.
-                tokens = view.computed_tokens if last else min(view.computed_tokens + headroom, info.max_total or 1 << 30)
-                tokens = max(tokens, view.computed_tokens)
+                # Pre-copy sends full blocks only and reserves headroom for the last stage; the last stage sends
+                # the rest, of its partial block only the written token slots where the KV's bytes say which
+                # those are (daemons/stages.py).
+                planned = stages.plan(view.computed_tokens, len(sent), last, bs, self.cfg.last_stage_max_blocks,
+                                      info.max_total, getattr(kb, "token_slots", False))
+                ids = view.block_ids[planned.first_block:planned.upto]
+                tail, tokens = planned.tail_tokens, planned.tokens
                 # The last stage is the request's downtime: one round trip (MigStage, MigDone). The blocks go
                 # right behind the message; the destination, which knows the pair and the request by now,
                 # grows its reservation first if the request outgrew it (then Gloo waits for its receive).
@@ -551,7 +542,7 @@ class Migrator:
                         inc.pair = self.kv.dest_pair(msg.pair_key, msg.kv_address)
                     except TransferError as exc:
                         raise Aborted(str(exc)) from None
-                if _cdiv(msg.tokens, self.engine.block_size) > len(inc.ids):
+                if stages.cdiv(msg.tokens, self.engine.block_size) > len(inc.ids):
                     try:
                         inc.ids = await self.boundary(lambda: self.engine.reserve(inc.request, msg.tokens))
                     except EngineError as exc:

@@ -158,9 +158,9 @@ class RequestTable:
     def proxies(self) -> set[str]:
         return {e.reply_to for e in self._reqs.values()}
 
-    def arrived_since(self, since: float) -> set[str]:
-        """Requests that came by migration after ``since`` (monotonic): they stay a while (cooldown)."""
-        return {rid for rid, e in self._reqs.items() if e.arrived > since}
+    def arrivals(self) -> dict[str, float]:
+        """Requests that came by migration, and when (monotonic): they stay a while (cooldown)."""
+        return {rid: e.arrived for rid, e in self._reqs.items() if e.arrived > 0}
 
     def migrating(self) -> set[str]:
         return {rid for rid, e in self._reqs.items() if e.migrating}

@@ -173,7 +173,7 @@ class Rescheduler:
         qid = next(self.m.query_ids)
         fut = asyncio.get_running_loop().create_future()
         self._migrations[qid] = (fut, src.instance_id)
-        self._count_orders(src.instance_id, start.dst, count)
+        self.count_orders(src.instance_id, start.dst, count)
         try:
             self.m.send(src, msgspec.structs.replace(start, query_id=qid))
             result = await asyncio.wait_for(fut, self.migrate_timeout(count))
@@ -181,7 +181,7 @@ class Rescheduler:
             return f"instance {src.instance_id} did not report the migration's outcome in time"
         finally:
             self._migrations.pop(qid, None)
-            self._count_orders(src.instance_id, start.dst, -count)
+            self.count_orders(src.instance_id, start.dst, -count)
         if result is None:
             return f"source instance {src.instance_id} died during the migration"
         return result
@@ -196,7 +196,7 @@ class Rescheduler:
             if src == instance_id and not fut.done():
                 fut.set_result(None)
 
-    def _count_orders(self, src_id: str, dst_id: str, count: int) -> None:
+    def count_orders(self, src_id: str, dst_id: str, count: int) -> None:
         """Count ``count`` (negative: done) migrations in flight on both instances of an order."""
         for iid in (src_id, dst_id):
             r = self.m.instances.get(iid)

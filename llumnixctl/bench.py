@@ -468,7 +468,7 @@ def burst(state, model: str, k: int, tokens: int, snapshot_interval_s: float) ->
             "received_per_instance": got, "imbalance": max(got.values(), default=0) / mean if mean else None}
 
 
-def _start(run_dir: Path, instances: int, backend: str, sets: list[str], timeout_s: float = 60.0):
+def start_cluster(run_dir: Path, instances: int, backend: str, sets: list[str], timeout_s: float = 60.0):
     """A throw-away local cluster for one benchmark; on failure, one line, exit 1, and no leftovers."""
     try:
         return localcluster.up(run_dir, instances, backend, 0, None, sets, timeout_s=timeout_s)
@@ -531,7 +531,7 @@ def _overhead_run(instances: int, requests: int, streams: int, concurrency: int,
     """The zero-step-time cluster with one proxy: TTFT direct vs proxied, streamed tokens/s, one-token rate."""
     run_dir = Path(tempfile.mkdtemp(prefix="llumnix-bench-"))
     sets = ["sim.time_scale=0", "sim.max_num_seqs=256", "proxy.log_level=warning", "instance.log_level=warning"] + extra
-    state = _start(run_dir, instances, "sim", sets)
+    state = start_cluster(run_dir, instances, "sim", sets)
     out: dict = {}
     try:
         if requests:

@@ -187,12 +187,12 @@ def api_server_run(path: Path, vllm: dict, run_dir: Path, tokens: int, batch: in
 
 def cluster_run(path: Path, vllm: dict, run_dir: Path, tokens: int, batch: int, batch_tokens: int,
                 repeat: int) -> dict:
-    from llumnixctl.bench import _start
+    from llumnixctl.bench import start_cluster
 
     sets = [f"model.path={path.resolve()}", "model.name=bench", f"vllm.max_num_seqs={vllm['max_num_seqs']}",
             f"vllm.kv_cache_bytes={vllm['kv_cache_bytes']}", "instance.log_level=warning", "proxy.log_level=warning"]
     t0 = time.perf_counter()
-    state = _start(run_dir, 1, "vllm", sets, timeout_s=300)
+    state = start_cluster(run_dir, 1, "vllm", sets, timeout_s=300)
     up_s = time.perf_counter() - t0
     try:
         inst = next(p for p in state.procs if p.name.startswith("instance")).process()

@@ -235,7 +235,7 @@ def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int
                     raise RuntimeError(f"the {n}-token migration ({when} the shared prefix) aborted: {out.reason}")
                 row[when] = {"bytes": out.bytes, "blocks": out.blocks, "cached_blocks": out.cached_blocks,
                              "downtime_ms": out.downtime_ms, "migration_ms": out.total_ms}
-                _wait_idle(admin)
+                wait_idle(admin)
             prefix_rows.append(row)
         for n in [] if shared_prefix else lengths:
             log(f"{n} tokens ...")
@@ -288,7 +288,7 @@ def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int
                 "decode_slowdown_pct": (statistics.mean(during) / statistics.mean(quiet) - 1) * 100
                 if quiet and during else None,
             })
-            _wait_idle(admin)
+            wait_idle(admin)
     finally:
         admin.close()
         localcluster.stop(state)
@@ -321,7 +321,7 @@ def _other(instance_id: str, addresses: dict[str, str]) -> str:
     return next(i for i in sorted(addresses) if i != instance_id)
 
 
-def _wait_idle(admin: AdminClient, timeout: float = 120) -> None:
+def wait_idle(admin: AdminClient, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while any(v.load.running or v.load.waiting or v.load.blocks_used for v in admin.status().instances):
         if time.monotonic() > deadline:

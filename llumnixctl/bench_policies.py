@@ -154,7 +154,7 @@ def run_policy(policy: str, reqs: list[trace.TraceRequest], instances: int, sets
     run_dir = Path(tempfile.mkdtemp(prefix="llumnix-bench-pol-"))
     log(f"{policy}: starting {instances} sim instances ...")
     t_up = time.perf_counter()
-    state = bench._start(run_dir, instances, "sim", sets + [f"manager.dispatch_policy={policy}"],
+    state = bench.start_cluster(run_dir, instances, "sim", sets + [f"manager.dispatch_policy={policy}"],
                          timeout_s=up_timeout_s)
     up_s = time.perf_counter() - t_up
     sampler = None

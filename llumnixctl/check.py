@@ -36,7 +36,7 @@ from rich.table import Table
 from daemons.config import ConfigError, load_config
 from llumnixctl import localcluster
 from llumnixctl.admin import AdminClient
-from llumnixctl.bench_migration import _wait_idle
+from llumnixctl.bench_migration import wait_idle
 from llumnixctl.common import die, sse_chunks
 
 app = typer.Typer(no_args_is_help=True, help="Checks that pass or fail: exit status 0 or 1.")
@@ -218,7 +218,7 @@ def check_one(url: str, admin: AdminClient, addresses: list[str], req: dict, req
         outcomes.append(out)
         at = out.resumed_at + GAP_TOKENS
     got = s.result(600)
-    _wait_idle(admin)  # the next request starts on an idle pair
+    wait_idle(admin)  # the next request starts on an idle pair
     mismatch = first_mismatch(ref, got, tol)
     if mismatch is not None:
         reasons.insert(0, f"token {mismatch[0]} differs: {mismatch[1]}")

@@ -152,7 +152,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _spawn(run_dir: Path, name: str, argv: list[str]) -> Proc:
+def spawn(run_dir: Path, name: str, argv: list[str]) -> Proc:
     log_path = run_dir / f"{name}.log"
     with open(log_path, "ab") as log:
         popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -168,7 +168,7 @@ def _tail(path: str, lines: int = 15) -> str:
         return ""
 
 
-def _daemon(name: str) -> list[str]:
+def daemon_argv(name: str) -> list[str]:
     """Run a daemon with this interpreter, so a cluster works from a venv that is not on PATH."""
     module = {"manager": "daemons.manager", "instance": "daemons.instance", "proxy": "daemons.proxy.app"}[name]
     return [sys.executable, "-m", module]
@@ -268,7 +268,7 @@ def up(run_dir: Path, instances: int, backend: str, port: int, config: str | Non
 
     try:
         prefix, extra = where("manager")
-        mgr = _spawn(run_dir, "manager", prefix + _daemon("manager") + common + ["--set", "manager.metrics_port=0",
+        mgr = spawn(run_dir, "manager", prefix + daemon_argv("manager") + common + ["--set", "manager.metrics_port=0",
                                                                                  "--set", "manager.bind="] + as_args(extra))
         state.procs.append(mgr)
         state.save(run_dir)
@@ -285,12 +285,12 @@ def up(run_dir: Path, instances: int, backend: str, port: int, config: str | Non
                     raise fail(f"llumnix-manager did not answer within {timeout_s:g}s", mgr) from None
         for i in range(instances):
             prefix, extra = where(f"instance-i{i}")
-            argv = prefix + _daemon("instance") + common + ["--set", f"instance.id=i{i}", "--set",
+            argv = prefix + daemon_argv("instance") + common + ["--set", f"instance.id=i{i}", "--set",
                                                             f"instance.backend={backend}"] + as_args(extra)
-            state.procs.append(_spawn(run_dir, f"instance-i{i}", argv))
+            state.procs.append(spawn(run_dir, f"instance-i{i}", argv))
         for name, proxy_port in zip(proxy_names(proxies), ports):
             prefix, extra = where(name)
-            state.procs.append(_spawn(run_dir, name, prefix + _daemon("proxy") + common
+            state.procs.append(spawn(run_dir, name, prefix + daemon_argv("proxy") + common
                                       + ["--set", f"proxy.port={proxy_port}"] + as_args(extra)))
         ours = list(state.procs)
         record(run_dir, state, [])  # keeps what a launch (auto-scaling from the start) recorded meanwhile
@@ -368,10 +368,10 @@ def add_instance(run_dir: Path, state: ClusterState, instance_id: str, sets: lis
         state.procs = current.procs
         if any(p.name == f"instance-{instance_id}" and p.process() is not None for p in state.procs):
             raise ClusterError(f"instance {instance_id} of this cluster is already running")
-        argv = _daemon("instance") + state.args + ["--set", f"instance.id={instance_id}", "--set",
+        argv = daemon_argv("instance") + state.args + ["--set", f"instance.id={instance_id}", "--set",
                                                    f"instance.backend={state.backend}"]
         argv += [a for s in sets or [] for a in ("--set", s)]
-        proc = _spawn(run_dir, f"instance-{instance_id}", argv)
+        proc = spawn(run_dir, f"instance-{instance_id}", argv)
         state.procs = [p for p in state.procs if p.name != proc.name] + [proc]
         state.save(run_dir)
     client = AdminClient.for_args(state.manager_address, state.args, timeout_s=1.0)
@@ -466,7 +466,7 @@ def _stop_procs(state: ClusterState, timeout_s: float = 15.0) -> list[Proc]:
     return stopped
 
 
-def _gone(p: psutil.Process) -> bool:
+def gone(p: psutil.Process) -> bool:
     try:
         return p.status() == psutil.STATUS_ZOMBIE  # exited; its parent (maybe not us) has yet to reap it
     except psutil.NoSuchProcess:
@@ -481,7 +481,7 @@ def _wait_gone(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Pro
     left = list(procs)
     while left:
         _, left = psutil.wait_procs(left, timeout=0.05)  # reaps our own children
-        left = [p for p in left if not _gone(p)]
+        left = [p for p in left if not gone(p)]
         if not left or time.monotonic() > deadline:
             break
     return left

@@ -10,12 +10,13 @@ re-implements a policy or a scheduler:
   it takes the instances' registrations and load reports (``on_register``, ``on_report``), answers
   dispatches (``on_dispatch_batch``, pending dispatches counted as in the daemon) and plans migrations
   every ``scheduling.migration_interval_s`` (``Rescheduler.plan``); a source picks its requests with the
-  instance's own ``migrants_for``;
+  instance's own ``migrants_for`` and ``keep_for``;
 - load reports go out as the instance sends them (on change, at most every
   ``instance.load_report_min_interval_s``, and every heartbeat) and reach the manager ``--report-lag-ms``
   later; a dispatch costs the proxy a round trip to the manager (``--dispatch-rtt-ms``);
 - a migration runs the protocol's stages on the engines' verbs (reserve on the destination, pre-copy
-  stages while the source decodes, suspend at a step boundary, the last stage, commit, drop): each stage
+  stages while the source decodes, suspend at a step boundary, the last stage, commit, drop), planned by
+  the daemons' own stage arithmetic (``daemons.stages``): each stage
   lasts its blocks' bytes at the link's bandwidth plus a message latency, and it aborts for the reasons a
   real one does (the request finished or was preempted, the destination has no room).
 
@@ -43,7 +44,7 @@ from typing import Annotated, Optional
 import typer
 
 from daemons import manager as manager_module
-from daemons import policy, rescheduler as rescheduler_module, wire
+from daemons import policy, rescheduler as rescheduler_module, stages, wire
 from daemons.config import Config, ConfigError, load_config
 from llumnixctl.common import ConfigOpt, JsonOpt, die, out, print_json
 from llumnixctl.trace import TraceRequest
@@ -52,13 +53,13 @@ from llumnixctl.trace import TraceRequest
 def _engine_code() -> None:
     """Import the engine and instance code (torch and all) when a simulation runs, not when llumnixctl
     starts: every command would pay seconds for it."""
-    global EngineError, EngineRequest, SimEngine, migrants_for
+    global EngineError, EngineRequest, SimEngine, keep_for, migrants_for
     from daemons.engine.base import EngineError, EngineRequest  # noqa: F811
     from daemons.engine.sim import SimEngine  # noqa: F811
-    from daemons.instance import migrants_for  # noqa: F811
+    from daemons.instance import keep_for, migrants_for  # noqa: F811
 
 
-EngineError = EngineRequest = SimEngine = migrants_for = None  # set by _engine_code()
+EngineError = EngineRequest = SimEngine = keep_for = migrants_for = None  # set by _engine_code()
 
 
 @dataclass
@@ -319,7 +320,7 @@ class Simulation:
 
     def _pair(self) -> None:
         for p, start in self.mgr.resched.plan(self.clock.now):
-            self.mgr.resched._count_orders(p.src, p.dst, p.count)
+            self.mgr.resched.count_orders(p.src, p.dst, p.count)
             self.outcomes[f"{start.reason}/ordered"] += 1
             self.at(self.clock.now + self.net.message_s, self._order, self.instances[p.src], start)
         self.at(self.clock.now + self.cfg.scheduling.migration_interval_s, self._pair)
@@ -392,9 +393,7 @@ class Simulation:
     # ------------------------------------------------------------------ migration
 
     def _order(self, src: _Instance, start: wire.MigrateStart) -> None:
-        keep = set(src.migrating)
-        if start.reason and not start.drain:
-            keep |= {r for r, t in src.arrived.items() if self.clock.now - t < start.cooldown_s}
+        keep = keep_for(start, src.migrating, src.arrived, self.clock.now)
         chosen = migrants_for(start, src.engine.requests(), keep, src.engine.load(), src.engine.block_size)
         moving = [c.request_id for c in chosen if not c.redispatch]
         for c in chosen:
@@ -405,7 +404,7 @@ class Simulation:
         self._maybe_gone(src)
         unused = start.count - len(moving)
         if unused > 0:
-            self.mgr.resched._count_orders(src.iid, start.dst, -unused)
+            self.mgr.resched.count_orders(src.iid, start.dst, -unused)
         for rid in moving:
             self._migrate(src, self.instances[start.dst], rid, start.reason)
 
@@ -430,22 +429,20 @@ class Simulation:
         if view is None:
             return self._end(mig, "aborted", "the request finished or was preempted on the source")
         bs = src.engine.block_size
-        remaining = -(-view.computed_tokens // bs) - mig.sent
         mc = self.cfg.migration
-        if remaining <= mc.last_stage_max_blocks or mig.stage >= mc.max_stages:
+        if stages.is_last(view.computed_tokens, mig.sent, mig.stage, bs, mc.last_stage_max_blocks, mc.max_stages):
             src.boundary.append(lambda: self._last_stage(mig))
             return self._kick(src)
-        headroom = (mc.last_stage_max_blocks + 2) * bs
+        planned = stages.plan(view.computed_tokens, mig.sent, False, bs, mc.last_stage_max_blocks,
+                              mig.request.max_total)
         try:
-            dst.engine.reserve(mig.request, min(view.computed_tokens + headroom, mig.request.max_total or 1 << 30))
+            dst.engine.reserve(mig.request, planned.tokens)
         except EngineError as exc:
             return self._end(mig, "aborted", f"the destination refused: {exc}")
         mig.reserved = True
-        full = view.computed_tokens // bs
-        n = full - mig.sent
-        mig.sent = full
+        mig.sent = planned.upto
         mig.stage += 1
-        self.at(self.clock.now + 2 * self.net.message_s + self._block_s(n), self._stage, mig)
+        self.at(self.clock.now + 2 * self.net.message_s + self._block_s(planned.n_blocks), self._stage, mig)
 
     def _last_stage(self, mig) -> None:
         src, dst = mig.src, mig.dst
@@ -453,15 +450,16 @@ class Simulation:
         if view is None:
             return self._end(mig, "aborted", "the request finished or was preempted before the last stage")
         state = src.engine.suspend(mig.rid)
-        bs = src.engine.block_size
+        planned = stages.plan(view.computed_tokens, mig.sent, True, src.engine.block_size,
+                              self.cfg.migration.last_stage_max_blocks, mig.request.max_total)
         try:
-            dst.engine.reserve(mig.request, view.computed_tokens)
+            dst.engine.reserve(mig.request, planned.tokens)
         except EngineError as exc:
             src.engine.resume(mig.rid)
             return self._end(mig, "aborted", f"the destination refused the last stage: {exc}")
         mig.reserved = True
-        n = -(-view.computed_tokens // bs) - mig.sent
-        downtime = 2 * self.net.message_s + self._block_s(n)  # one round trip: the blocks, then the commit
+        # one round trip: the blocks, then the commit
+        downtime = 2 * self.net.message_s + self._block_s(planned.n_blocks)
         self.at(self.clock.now + downtime, self._commit, mig, state, downtime)
 
     def _commit(self, mig, state, downtime: float) -> None:
@@ -480,7 +478,7 @@ class Simulation:
             dst.engine.release(mig.rid)
         src.migrating.discard(mig.rid)
         dst.migrating.discard(mig.rid)
-        self.mgr.resched._count_orders(src.iid, dst.iid, -1)
+        self.mgr.resched.count_orders(src.iid, dst.iid, -1)
         self.outcomes[f"{mig.reason or 'operator'}/{outcome}"] += 1
         if why:
             self.outcomes[f"aborted: {why.split(':')[0]}"] += 1
@@ -510,7 +508,7 @@ class Simulation:
             "total_token_throughput": (sum(inputs) + sum(outputs)) / duration,
         }
         for name, xs in (("ttft", ttfts), ("tpot", tpots), ("itl", list(self.itls)), ("e2el", e2el)):
-            out.update(_stats(name, xs))
+            out.update(stats_of(name, xs))
         loads = [i.engine.load() for i in self.instances.values()]
         seconds = sum(max(0.0, (i.gone if i.gone is not None else end) - max(i.born, start))
                       for i in self.instances.values())
@@ -522,14 +520,14 @@ class Simulation:
             "fragmentation": dict(self.fragmentation),
             "preemptions": sum(ld.preemptions for ld in loads),
             "migrations": dict(sorted(self.outcomes.items())),
-            "migration_downtime_ms": _stats("downtime", self.downtimes)["mean_downtime_ms"] if self.downtimes else None,
+            "migration_downtime_ms": stats_of("downtime", self.downtimes)["mean_downtime_ms"] if self.downtimes else None,
             "dispatch_policy": self.mgr.dispatch_policy, "events": self.events, "wall_s": wall_s,
             "leaked_blocks": sum(ld.blocks_used for ld in loads),
         })
         return out
 
 
-def _stats(name: str, xs: list[float]) -> dict:
+def stats_of(name: str, xs: list[float]) -> dict:
     """vLLM's ``bench serve`` statistics of one latency, in ms (numpy's percentiles: linear)."""
     if not xs:
         return {f"{k}_{name}_ms": 0.0 for k in ("mean", "median", "std", "p99")}

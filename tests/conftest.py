@@ -61,7 +61,7 @@ class Cluster:
 
     def spawn(self, name: str, argv: list[str]) -> localcluster.Proc:
         """Start a process as localcluster does (log in the run dir, own session) and register it."""
-        return self.register(localcluster._spawn(self.run_dir, name, argv))
+        return self.register(localcluster.spawn(self.run_dir, name, argv))
 
     def admin(self) -> AdminClient:
         return AdminClient(self.manager, timeout_s=3)
@@ -194,7 +194,7 @@ def _marked(marker: str) -> list[psutil.Process]:
 
 
 def _still_running(procs: list[psutil.Process]) -> list[psutil.Process]:
-    return [p for p in procs if p.is_running() and not localcluster._gone(p)]
+    return [p for p in procs if p.is_running() and not localcluster.gone(p)]
 
 
 def _leftovers(marker: str) -> list[psutil.Process]:

@@ -318,7 +318,7 @@ def test_a_restarted_manager_keeps_drains_and_cordons(start_cluster):
     live = old.process()
     live.send_signal(signal.SIGTERM)
     assert live.wait(15) == 0
-    new = localcluster._spawn(c.run_dir, "manager", old.argv)  # it keeps no state: all it knows comes back
+    new = localcluster.spawn(c.run_dir, "manager", old.argv)  # it keeps no state: all it knows comes back
     c.state.procs = [p for p in c.state.procs if p is not old] + [new]  # stopped at teardown
 
     def registered() -> dict | None:

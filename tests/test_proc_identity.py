@@ -14,7 +14,7 @@ from llumnixctl import localcluster
 
 
 def test_a_stepped_wall_clock_leaves_a_process_recognized(tmp_path, monkeypatch):
-    proc = localcluster._spawn(tmp_path, "sleeper", [sys.executable, "-c", "import time; time.sleep(60)"])
+    proc = localcluster.spawn(tmp_path, "sleeper", [sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         assert proc.started > 0 and proc.process() is not None
         wall = psutil.Process.create_time

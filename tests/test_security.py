@@ -154,7 +154,7 @@ def test_unknown_key_and_no_key_are_refused_and_logged(secured, keys, tmp_path):
 
 
 def test_a_second_key_cannot_take_a_live_instance_id(secured, keys):
-    argv = localcluster._daemon("instance") + secured.state.args + [
+    argv = localcluster.daemon_argv("instance") + secured.state.args + [
         "--set", "instance.id=i0", "--set", "instance.backend=sim", "--set", "security.key=instance-spare"]
     proc = secured.spawn("instance-impostor", argv)
     live = psutil.Process(proc.pid)
@@ -342,7 +342,7 @@ def test_instances_listen_on_loopback_only(secured):
     ("instance", "migration.kv_host=0.0.0.0"),
 ])
 def test_no_listening_beyond_loopback_without_keys(daemon, setting):
-    argv = localcluster._daemon(daemon) + ["--set", setting, "--set", "instance.backend=sim",
+    argv = localcluster.daemon_argv(daemon) + ["--set", setting, "--set", "instance.backend=sim",
                                            "--set", "manager.metrics_port=-1"]
     res = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert res.returncode == 1, res.stderr
@@ -352,7 +352,7 @@ def test_no_listening_beyond_loopback_without_keys(daemon, setting):
 
 
 def test_a_trusted_network_may_listen_without_keys(tmp_path):
-    argv = localcluster._daemon("manager") + ["--set", "manager.address=tcp://0.0.0.0:0", "--set",
+    argv = localcluster.daemon_argv("manager") + ["--set", "manager.address=tcp://0.0.0.0:0", "--set",
                                               "manager.metrics_port=-1", "--set", "security.trusted_network=true"]
     log = tmp_path / "manager.log"
     with open(log, "w") as out:
@@ -366,7 +366,7 @@ def test_a_trusted_network_may_listen_without_keys(tmp_path):
 
 
 def test_bad_keys_dir_is_one_line_naming_the_setting(tmp_path):
-    argv = localcluster._daemon("manager") + ["--set", f"security.keys_dir={tmp_path / 'nowhere'}",
+    argv = localcluster.daemon_argv("manager") + ["--set", f"security.keys_dir={tmp_path / 'nowhere'}",
                                               "--set", "manager.metrics_port=-1"]
     res = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert res.returncode == 1

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from daemons.config import load_config
 from llumnixctl.figs import common
-from llumnixctl.simulate import Network, Simulation, _stats
+from llumnixctl.simulate import Network, Simulation, stats_of
 from llumnixctl.traces import paper_trace
 
 METRICS = ("ttft", "tpot", "e2el")
@@ -33,9 +33,9 @@ class PrioritySimulation(Simulation):
         for prio in ("high", "normal"):
             done = [r for r in self.requests.values() if r.finish and (r.trace.priority == "high") == (prio == "high")]
             figs = {"completed": len(done)}
-            figs.update(_stats("ttft", [r.first - r.trace.arrival_s for r in done]))
-            figs.update(_stats("tpot", [(r.last - r.first) / (r.tokens - 1) for r in done if r.tokens > 1]))
-            figs.update(_stats("e2el", [r.last - r.trace.arrival_s for r in done]))
+            figs.update(stats_of("ttft", [r.first - r.trace.arrival_s for r in done]))
+            figs.update(stats_of("tpot", [(r.last - r.first) / (r.tokens - 1) for r in done if r.tokens > 1]))
+            figs.update(stats_of("e2el", [r.last - r.trace.arrival_s for r in done]))
             out["by_priority"][prio] = figs
         return out
 
