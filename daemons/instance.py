@@ -366,6 +366,8 @@ class Instance:
             rows = [msgspec.structs.replace(r, state="migrating") if r.request_id in migrating else r for r in rows]
         self._tell_manager(wire.RequestList(qid, self.instance_id, rows, self.requests.moved_lately(MOVED_LATELY_S)))
         M_QUERY.observe(time.monotonic() - arrived)
+        log.debug("listing %d: %d rows (%s), %d requests held", qid, len(rows),
+                  "during a step" if self.stepping else "at the boundary", len(self.requests))
 
     def current_load(self, load: wire.InstanceLoad | None = None) -> wire.InstanceLoad:
         """The engine's load (``load``: as the engine thread just read it) with the llumlet's own state."""

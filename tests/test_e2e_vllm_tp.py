@@ -2,13 +2,17 @@
 multiprocess executor, each rank a real worker process), live migration rank by rank over Gloo.
 
 A migrated request gives exactly the tokens and logprobs of the same request unmigrated, greedy and
-seeded, and every block is free again on both sides afterwards. Every worker process the instances started
-is gone at the end.
+seeded, and every block is free again on both sides afterwards; the operator verbs (``requests``,
+``describe``, ``migrate``, ``drain``) work on TP instances as on TP 1; a TP-1 destination is refused with
+the reason. Every worker process the instances started is gone at the end.
+
+On this 2-core machine 2 instances x 2 ranks take both cores (vLLM's workers spin between steps): the
+streams are long enough to outlast a slow move, and every wait is on a condition.
 """
 
 from __future__ import annotations
 
-import os
+import json
 
 import psutil
 import pytest
@@ -17,17 +21,13 @@ pytest.importorskip("vllm")
 
 from llumnixctl import localcluster  # noqa: E402
 from llumnixctl.model import write_tiny_model  # noqa: E402
-from tests.conftest import Cluster  # noqa: E402
+from tests.conftest import Cluster, cli, ctl_json  # noqa: E402
 from tests.test_e2e_migration import move, settle, where  # noqa: E402
 from tests.test_e2e_vllm_migration import BASE, KINDS, PROMPT, Stream  # noqa: E402
 
-# Opt-in (LLUMNIX_TP_TESTS=1): on a 2-core machine, 2 instances x 2 ranks leave an instance silent for seconds
-# while the first Gloo pairs between two instances' ranks form, so the proxy and the manager may take it for
-# dead and fail its stream over mid-migration (see the README's "GPU nodes"). Until that is fixed the module
-# is left out of the default run rather than run with liveness timeouts that hide it.
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900),
-              pytest.mark.skipif(os.environ.get("LLUMNIX_TP_TESTS") != "1",
-                                 reason="tensor-parallel e2e tests are opt-in: LLUMNIX_TP_TESTS=1")]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+TOKENS = 240  # at instance.min_step_s 0.05, over 12 s: a stream outlasts two moves on a loaded machine
 
 
 def _instances(run_dir) -> list[localcluster.Proc]:
@@ -52,7 +52,8 @@ def tp_cluster(tmp_path_factory):
     state = localcluster.up(run_dir, 2, "vllm", 0, None,
                             # 2 instances x 2 ranks on this machine's 2 cores: give the migrations and the heartbeats time
                             BASE + [f"model.path={model}", "vllm.tensor_parallel_size=2", "migration.timeout_s=30",
-                                    "migration.dest_idle_timeout_s=20", "manager.heartbeat_interval_s=2"],
+                                    "migration.dest_idle_timeout_s=20", "manager.heartbeat_interval_s=2",
+                                    "instance.min_step_s=0.05"],
                             timeout_s=400)
     c = Cluster(state, run_dir)
     workers = []
@@ -81,23 +82,27 @@ def test_tp_instances_run_one_worker_process_per_rank(tp_cluster):
     assert ranks == {f"instance-i{i}": ["VLLM::Worker_TP0", "VLLM::Worker_TP1"] for i in (0, 1)}, ranks
 
 
+def _other(instance: str) -> str:
+    return "i1" if instance == "i0" else "i0"
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_tp_migrated_stream_equals_unmigrated(tp_cluster, kind):
     """Greedy checks the KV that moved; seeded also the sampler's state. One stream at a time: two
     instances of two ranks already take this machine's two cores."""
     c = tp_cluster
-    body = {"prompt": PROMPT, "max_tokens": 96, **KINDS[kind]}
+    body = {"prompt": PROMPT, "max_tokens": TOKENS, **KINDS[kind]}
     ref = Stream(c.url, body).result()
-    assert len(ref.ids) == 96
+    assert len(ref.ids) == TOKENS
     s = Stream(c.url, body)
     s.wait_tokens(4)
     here = where(c, s.rid)
     for _ in range(2):  # there and back, mid-decode
         at = len(s.ids)
-        there = "i1" if here == "i0" else "i0"
+        there = _other(here)
         out = move(c, s.rid, there)
         assert out["outcome"] == "committed", (out, c.logs())
-        assert at <= out["resumed_at"] < 96 and out["bytes"] > 0, out
+        assert at <= out["resumed_at"] < TOKENS and out["bytes"] > 0, out
         print(f"{kind} move at {at}: downtime {out['downtime_ms']:.1f} ms, total {out['total_ms']:.1f} ms, "
               f"{out['stages']} stages")
         here = there
@@ -105,7 +110,49 @@ def test_tp_migrated_stream_equals_unmigrated(tp_cluster, kind):
     s.result()
     assert s.ids == ref.ids
     assert s.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
-    st = settle(c, timeout=20)  # every block of both ranks' KV is free again on both instances
+    st = settle(c, timeout=30)  # every block of both ranks' KV is free again on both instances
     assert all(i["blocks_used"] == 0 for i in st["instances"])
-    # The handshake's layout carries the TP size (a TP-1 destination is refused by it: KvLayout.difference,
-    # tests/test_kv_layouts.py; the refusal path itself on a live cluster: test_e2e_migration.py).
+
+
+def test_operator_verbs_find_move_and_drain_a_tp_request(tp_cluster):
+    """What an operator runs, on TP instances: the request is listed and described where it runs, moved by
+    ``migrate REQ --to``, found at its new owner, and moved back by draining that owner."""
+    c = tp_cluster
+    run = ["--run-dir", str(c.run_dir)]
+    s = Stream(c.url, {"prompt": PROMPT, "max_tokens": TOKENS, **KINDS["greedy"]})
+    s.wait_tokens(20)
+    rows = ctl_json("requests", *run)
+    assert rows["unreachable"] == []
+    row = next(r for r in rows["requests"] if r["id"] == s.rid)
+    assert row["state"] == "running" and row["output_tokens"] >= 20 and row["blocks"] >= 3, row
+    here = row["instance"]
+    described = ctl_json("describe", here, *run)
+    assert described["requests_answered"] and s.rid in [r["id"] for r in described["requests"]], described
+    res = cli("migrate", s.rid, "--to", _other(here), "--json", *run)
+    out = json.loads(res.stdout)
+    assert res.returncode == 0 and out["outcome"] == "committed", (res.stderr, out)
+    assert where(c, s.rid) == _other(here)
+    assert s.rid in [r["id"] for r in ctl_json("describe", _other(here), *run)["requests"]]
+    drained = ctl_json("drain", _other(here), "--wait", "--timeout", "180", *run)
+    try:
+        assert drained["drained"] is True, drained
+        assert where(c, s.rid) == here  # the drain moved it back
+    finally:
+        ctl_json("undrain", _other(here), *run)
+    assert len(s.result().ids) == TOKENS and s.finish == "length"
+    settle(c, timeout=30)
+
+
+def test_a_tp1_destination_is_refused_with_the_reason(tp_cluster):
+    """A TP-1 instance joins the TP-2 cluster: a migration to it is refused at the handshake, and the request
+    runs on where it was."""
+    c = tp_cluster
+    localcluster.add_instance(c.run_dir, c.state, "tp1", ["vllm.tensor_parallel_size=1"], timeout_s=300)
+    s = Stream(c.url, {"prompt": PROMPT, "max_tokens": TOKENS, **KINDS["greedy"]})
+    s.wait_tokens(4)
+    here = where(c, s.rid)
+    out = move(c, s.rid, "tp1")
+    assert out["outcome"] == "aborted" and "tensor-parallel size differs: source 2, destination 1" in out["reason"], out
+    assert where(c, s.rid) == here
+    assert len(s.result().ids) == TOKENS
+    settle(c, timeout=30)

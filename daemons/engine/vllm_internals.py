@@ -7,6 +7,7 @@ Upgrading vLLM means re-reading this module against the new source, nothing else
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from types import SimpleNamespace
@@ -17,6 +18,8 @@ from daemons.engine.vllm_worker import attention_backends, commit_runner_state, 
 
 TESTED_VERSION = "0.32"  # major.minor the _Vllm section was checked against
 UNTESTED_ENV = "LLUMNIX_VLLM_UNTESTED"
+log = logging.getLogger("llumnix.engine.vllm")
+
 AMX_ENV = "LLUMNIX_VLLM_AMX_ATTENTION"  # =1 keeps vLLM's AMX attention kernel (see _Vllm.workarounds)
 
 
@@ -175,6 +178,8 @@ class _Vllm:
         except (ValueError, OSError) as exc:  # bad path, bad config, KV cache too small for max_model_len
             raise EngineError(f"vLLM could not start on {model.path!r}: {exc}") from exc
         self.model_config = self.config.model_config
+        if cfg.tensor_parallel_size > 1 and cfg.worker_nice > 0:
+            self.renice_workers(cfg.worker_nice)
         self.scheduler = self.core.scheduler
         self.kv = self.scheduler.kv_cache_manager
         self.pool = self.kv.block_pool
@@ -199,6 +204,20 @@ class _Vllm:
     def in_process(self) -> bool:
         """True when the model runner (KV tensors, per-request state) lives in this process."""
         return self.tensor_parallel_size <= 1
+
+    def worker_pids(self) -> list[int]:
+        """The worker processes of vLLM's multiprocess executor (none for the ``uni`` executor)."""
+        workers = getattr(self.core.model_executor, "workers", None) or []
+        return [w.proc.pid for w in workers if getattr(w, "proc", None) is not None and w.proc.pid]
+
+    def renice_workers(self, increment: int) -> None:
+        """Lower the workers' priority by ``increment`` (all their threads: niceness is per thread on Linux)."""
+        for pid in self.worker_pids():
+            try:
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    os.setpriority(os.PRIO_PROCESS, int(tid), os.getpriority(os.PRIO_PROCESS, int(tid)) + increment)
+            except OSError as exc:  # gone, or no /proc (not Linux): they run at our priority
+                log.warning("could not renice worker process %d: %s", pid, exc)
 
     def rpc(self, method: str, *args) -> list:
         """Call a ``LlumnixWorker`` method on every rank (between steps only); one result per rank."""
