@@ -16,6 +16,7 @@ import time
 import httpx
 import pytest
 
+from daemons.engine.sim import sim_token_id
 from llumnixctl import localcluster
 from tests.conftest import ctl
 from tests.streams import Stream, metric, samples
@@ -195,14 +196,22 @@ def test_request_finishing_during_precopy_aborts_and_destination_releases(start_
 def test_destination_without_room_refuses(start_cluster):
     c = start_cluster(1, PACED)
     # 1000 tokens (20 s at the paced step): still streaming once an instance has started and the CLI with it
-    # (300 were over first on a slow machine: "not on any instance")
+    # (300 were over first on a slow machine: "not on any instance"); the client leaves once it is refused
     s = Streamer(c.url, 1000, prompt="does not fit " * 40)
     s.wait_tokens(3)  # on i0, the only instance so far
     localcluster.add_instance(c.run_dir, c.state, "small", ["sim.num_blocks=4"])
     res, out = migrate(c, s.rid, "--to", "small")
     assert out["outcome"] == "aborted" and "no room" in out["reason"], out
-    s.check_complete(1000)
+    _runs_on_after_refusal(s)
     settle(c)
+
+
+def _runs_on_after_refusal(s: Streamer, more: int = 10) -> None:
+    """The refused request streams on where it was, exactly; then its client leaves (an abort)."""
+    s.stop_after = len(s.ids) + more
+    s.result()
+    assert s.error is None and len(s.ids) >= s.stop_after, (s.error, len(s.ids))
+    assert s.ids == [sim_token_id(s.rid, i, VOCAB) for i in range(len(s.ids))]
 
 
 def test_different_kv_layout_is_refused(start_cluster):
@@ -212,7 +221,7 @@ def test_different_kv_layout_is_refused(start_cluster):
     localcluster.add_instance(c.run_dir, c.state, "f32", ["sim.kv_dtype=float32"])
     res, out = migrate(c, s.rid, "--to", "f32")
     assert out["outcome"] == "aborted" and "KV layout differs: KV dtype differs: source float16, destination float32" in out["reason"], out
-    s.check_complete(1000)
+    _runs_on_after_refusal(s)
     settle(c)
 
 
