@@ -14,7 +14,6 @@ import asyncio
 import itertools
 import logging
 import math
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Annotated, Optional
@@ -24,6 +23,7 @@ import zmq
 import zmq.asyncio
 
 from daemons import metrics, policy, runtime, security, wire
+from daemons.clock import Clock
 from daemons.cli import load_or_exit
 from daemons.config import Config
 from daemons.links import DOWN, UP, LinkWatch
@@ -129,9 +129,10 @@ _VERBS: dict[str, tuple[type, ...]] = {
 
 
 class Manager:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, clock: Clock | None = None):
         metrics.bind("manager", cfg.model.name)
         self.cfg = cfg
+        self.clock = clock or Clock()  # the simulator passes its virtual clock
         self.mc = cfg.manager
         self.sc = cfg.scheduling
         # The policies in force: from the config, changed at run time by `llumnixctl policy`.
@@ -142,7 +143,7 @@ class Manager:
         self.instances: dict[str, InstanceRecord] = {}
         self.turn = 0
         self.dispatched_total = 0
-        self.started = time.monotonic()
+        self.started = self.clock.monotonic()
         self.ctx = zmq.asyncio.Context()
         self.sec = security.Security(cfg.security, "manager", self.ctx)
         self.sock = self.sec.server(runtime.tune(self.ctx.socket(zmq.ROUTER)), "manager")
@@ -216,7 +217,7 @@ class Manager:
         return (ranked.index(proxy) if proxy in self.proxies else 0), len(ranked)
 
     def snapshot(self, query_id: int, proxy: str = "") -> wire.Snapshot:
-        now = time.monotonic()
+        now = self.clock.monotonic()
         rank, proxies = self.proxy_rank(proxy, now)
         return wire.Snapshot(query_id=query_id, instances=self.view(now), dispatch_policy=self.dispatch_policy,
                              uptime_s=round(now - self.started, 3), dispatched_total=self.dispatched_total,
@@ -228,7 +229,7 @@ class Manager:
 
     def update_gauges(self, r: InstanceRecord, now: float | None = None) -> None:
         iid = r.instance_id
-        s = self.state(r, time.monotonic() if now is None else now)
+        s = self.state(r, self.clock.monotonic() if now is None else now)
         M_FREENESS.labels(iid).set(policy.instance_freeness(s, self.sc.high_priority_headroom))
         M_USAGE.labels(iid).set(policy.virtual_usage(s, self.sc.high_priority_headroom))
         M_DRAINING.labels(iid).set(1 if r.draining else 0)
@@ -253,7 +254,7 @@ class Manager:
             log.warning("instance %s speaks wire version %d, we speak %d: refused", msg.instance_id, msg.wire_version, wire.WIRE_VERSION)
             return wire.RegisterAck(msg.instance_id, accepted=False, final=True,
                                     reason=f"wire version {msg.wire_version} != {wire.WIRE_VERSION}")
-        now = time.monotonic()
+        now = self.clock.monotonic()
         old = self.instances.get(msg.instance_id)
         principal = self.sender
         if old is not None and old.state != "dead" and old.principal != principal:
@@ -297,14 +298,14 @@ class Manager:
             # We restarted, or it was removed, or a new process took a dead one's id (its address and pid
             # differ): ask it to register again, once per heartbeat at most, so that reports it queued while
             # we were away do not each cost a registration.
-            now = time.monotonic()
+            now = self.clock.monotonic()
             if now - self._asked_to_register.get(msg.instance_id, -1e9) < self.mc.heartbeat_interval_s:
                 return None
             self._asked_to_register[msg.instance_id] = now
             if len(self._asked_to_register) > 10_000:
                 self._asked_to_register.clear()
             return wire.RegisterAck(msg.instance_id, accepted=False, reason="unknown instance: register again")
-        now = time.monotonic()
+        now = self.clock.monotonic()
         rec.identity, rec.load, rec.last_seen = ident, msg.load, now
         rec.reports += 1
         # Dispatches we never heard of (a proxy's notice lost while we were away) must not make the ones we
@@ -389,7 +390,7 @@ class Manager:
     def on_dispatch_batch(self, msgs: list[wire.Dispatch]) -> list[wire.DispatchReply]:
         """Dispatch queries that arrived together: higher scheduling priority first, each to the freest
         instance with the ones before it counted there."""
-        now = time.monotonic()
+        now = self.clock.monotonic()
         for r in self.instances.values():
             r.retire_pending(now, self.mc.pending_dispatch_ttl_s)
         headroom = self.sc.high_priority_headroom
@@ -427,8 +428,8 @@ class Manager:
         not know, or that died meanwhile, is left to the proxy's failover)."""
         rec = self.instances.get(msg.instance_id)
         if rec is not None and rec.state != "dead":
-            rec.retire_pending(time.monotonic(), self.mc.pending_dispatch_ttl_s)
-            self._count_dispatch(rec, msg, time.monotonic())
+            rec.retire_pending(self.clock.monotonic(), self.mc.pending_dispatch_ttl_s)
+            self._count_dispatch(rec, msg, self.clock.monotonic())
 
     def _count_dispatch(self, rec: InstanceRecord, msg: wire.Dispatch | wire.Dispatched, now: float) -> None:
         rec.dispatched_n += 1
@@ -530,7 +531,7 @@ class Manager:
         if rec is None or rec.state == "dead" or rec.principal == self.sender:
             return False
         M_REFUSED.inc()
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if now - self._refused_logged.get((self.sender, msg.instance_id), -60.0) >= 60.0:
             self._refused_logged[(self.sender, msg.instance_id)] = now
             log.warning("refused %s about instance %s from key %s: it registered with key %s",
@@ -594,7 +595,7 @@ class Manager:
         if not ok:
             M_REFUSED.inc()
             verb = type(msg).__name__
-            now = time.monotonic()
+            now = self.clock.monotonic()
             if now - self._refused_logged.get((principal, verb), -60.0) >= 60.0:
                 self._refused_logged[(principal, verb)] = now
                 log.warning("refused %s from %s: role %r may not send it", verb, principal or "an unknown key", role)
@@ -635,9 +636,9 @@ class Manager:
     async def watch_heartbeats(self, stop: asyncio.Event) -> None:
         period = self.mc.heartbeat_interval_s / 2
         while not stop.is_set():
-            before = time.monotonic()
+            before = self.clock.monotonic()
             await asyncio.sleep(period)
-            now = time.monotonic()
+            now = self.clock.monotonic()
             if now - before > 2 * period:
                 # We were stalled (no CPU, swapped out): reports may be waiting unread in the socket. Judge
                 # nobody on a stale view; read them first.

@@ -105,7 +105,7 @@ class Rescheduler:
         return orders
 
     def pair_once(self, drains_only: bool = False) -> list[policy.Pair]:
-        orders = self.plan(time.monotonic(), drains_only)
+        orders = self.plan(self.m.clock.monotonic(), drains_only)
         for p, start in orders:
             log.debug("pair %s -> %s (%s, up to %d%s)", p.src, p.dst, start.reason, p.count,
                       f"; across hosts, at most {p.budget_blocks:.0f} blocks" if p.cross_node else "")
@@ -208,7 +208,7 @@ class Rescheduler:
     # ------------------------------------------------------------------ drain, cordon, remove
 
     def tell(self, r: InstanceRecord) -> None:
-        now = time.monotonic()
+        now = self.m.clock.monotonic()
         elsewhere = any(x is not r and self.m.state(x, now).dispatchable for x in self.m.instances.values())
         self.m.send(r, wire.SetDraining(bool(r.drain_reason), r.drain_reason, r.cordoned, elsewhere))
         self.m.update_gauges(r)
@@ -230,7 +230,7 @@ class Rescheduler:
             r.drain_reason = ""  # a remove or scale-in waiting on it gives up
         log.info("instance %s: %s (llumnixctl)", r.instance_id, verb)
         self.tell(r)
-        now = time.monotonic()
+        now = self.m.clock.monotonic()
         return wire.DrainReply(msg.query_id, next(v for v in self.m.view(now) if v.instance_id == r.instance_id))
 
     async def on_remove(self, msg: wire.RemoveQuery) -> wire.Message:
@@ -263,7 +263,7 @@ class Rescheduler:
             return f"instance {instance_id} is already being removed"
         self.retiring.add(instance_id)
         try:
-            start = time.monotonic()
+            start = self.m.clock.monotonic()
             committed0 = r.load.migrations_committed
             if r.drain_reason in ("", "operator"):
                 r.drain_reason = reason
@@ -279,7 +279,7 @@ class Rescheduler:
                 ld = r.load
                 if ld.running == ld.waiting == ld.migrating_out == ld.migrating_in == 0 and not r.pending and not r.orders:
                     break
-                if time.monotonic() - start > timeout_s:
+                if self.m.clock.monotonic() - start > timeout_s:
                     if undrain_on_timeout:
                         r.drain_reason = ""
                         self.tell(r)
@@ -287,12 +287,12 @@ class Rescheduler:
                             f"after {timeout_s:g}s; " + ("it serves again" if undrain_on_timeout else
                                                          f"it stays draining (llumnixctl undrain {instance_id} to cancel)"))
                 await asyncio.sleep(poll)
-            drained_s = time.monotonic() - start
+            drained_s = self.m.clock.monotonic() - start
             migrated = r.load.migrations_committed - committed0
             log.info("instance %s drained in %.2fs (%d migrations out); telling it to stop", instance_id, drained_s, migrated)
             self.m.send(r, wire.Shutdown(reason))
-            deadline = time.monotonic() + max(10.0, 4 * self.m.dead_after())
-            while time.monotonic() < deadline:
+            deadline = self.m.clock.monotonic() + max(10.0, 4 * self.m.dead_after())
+            while self.m.clock.monotonic() < deadline:
                 r = self.m.instances.get(instance_id)
                 if r is None or r.state != "alive":
                     return drained_s, migrated
@@ -326,7 +326,7 @@ class Rescheduler:
         period = min(1.0, self.m.mc.heartbeat_interval_s)
         while True:
             await asyncio.sleep(period)
-            self.scale_once(time.monotonic())
+            self.scale_once(self.m.clock.monotonic())
 
     def scaling_decision(self, now: float, launching: int) -> tuple[str | None, float | None, int, list]:
         """(decision "up"/"down"/None, the average freeness, instances serving, the states) from the

@@ -6,7 +6,7 @@ re-implements a policy or a scheduler:
 - each instance is the sim engine (``daemons/engine/sim.py``: blocks, continuous batching, chunked
   admission, preemption by recompute, priorities) without KV tensors, stepped by a virtual clock: a step
   takes the model time the engine returns for it, and its tokens come out at its end;
-- the manager is a real ``daemons.manager.Manager`` (no socket is bound) whose clock is the virtual one:
+- the manager is a real ``daemons.manager.Manager`` (no socket is bound) given the virtual clock (``daemons.clock``):
   it takes the instances' registrations and load reports (``on_register``, ``on_report``), answers
   dispatches (``on_dispatch_batch``, pending dispatches counted as in the daemon) and plans migrations
   every ``scheduling.migration_interval_s`` (``Rescheduler.plan``); a source picks its requests with the
@@ -29,8 +29,6 @@ What it does not model (yet): failures, several migrations sharing one link's ba
 
 from __future__ import annotations
 
-import contextlib
-import heapq
 import itertools
 import math
 import time
@@ -44,7 +42,8 @@ from typing import Annotated, Optional
 import typer
 
 from daemons import manager as manager_module
-from daemons import policy, rescheduler as rescheduler_module, stages, wire
+from daemons import policy, stages, wire
+from daemons.clock import VirtualClock
 from daemons.config import Config, ConfigError, load_config
 from llumnixctl.common import ConfigOpt, JsonOpt, die, out, print_json
 from llumnixctl.trace import TraceRequest
@@ -107,34 +106,6 @@ class _Instance:
     retiring: bool = False
 
 
-class _Clock:
-    """What daemons.manager and daemons.rescheduler read of ``time``, in virtual seconds."""
-
-    def __init__(self):
-        self.now = 0.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def perf_counter(self) -> float:
-        return self.now
-
-    def time(self) -> float:
-        return 1.7e9 + self.now
-
-
-@contextlib.contextmanager
-def _virtual_time(clock: _Clock):
-    saved = manager_module.time, rescheduler_module.time
-    shim = SimpleNamespace(monotonic=clock.monotonic, perf_counter=clock.perf_counter, time=clock.time,
-                           sleep=time.sleep)
-    manager_module.time = rescheduler_module.time = shim
-    try:
-        yield
-    finally:
-        manager_module.time, rescheduler_module.time = saved
-
-
 class Simulation:
     def __init__(self, cfg: Config, instances: int, trace: list[TraceRequest], net: Network | None = None,
                  sample_s: float = 0.0):
@@ -149,9 +120,7 @@ class Simulation:
         self._launching = 0
         self.net = net or Network()
         self.trace = trace
-        self.clock = _Clock()
-        self._events: list = []
-        self._seq = itertools.count()
+        self.clock = VirtualClock()  # the manager's clock too, and the simulation's event queue
         self.requests: dict[str, _Req] = {}
         self.itls = array("d")
         self.outcomes: Counter = Counter()
@@ -178,24 +147,21 @@ class Simulation:
             fn(kind, self, data)
 
     def at(self, t: float, fn, *args) -> None:
-        heapq.heappush(self._events, (t, next(self._seq), fn, args))
+        self.clock.call_at(t, fn, *args)
 
     def run(self) -> dict:
         wall = time.perf_counter()
-        with _virtual_time(self.clock):
-            self.mgr = manager_module.Manager(self.cfg)
-            try:
-                self._start()
-                while self._events:
-                    t, _, fn, args = heapq.heappop(self._events)
-                    self.clock.now = t
-                    self.events += 1
-                    fn(*args)
-                    if self._done():
-                        break
-            finally:
-                self.mgr.sec.close()
-                self.mgr.ctx.destroy(linger=0)
+        self.mgr = manager_module.Manager(self.cfg, clock=self.clock)
+        try:
+            self._start()
+            while self.clock.pending():
+                self.events += 1
+                self.clock.run_next()
+                if self._done():
+                    break
+        finally:
+            self.mgr.sec.close()
+            self.mgr.ctx.destroy(linger=0)
         return self.result(time.perf_counter() - wall)
 
     def _done(self) -> bool:
