@@ -17,7 +17,7 @@ pytestmark = pytest.mark.e2e
 
 PROXIES = 4
 INSTANCES = 4
-LONG_TOKENS = 1500  # ~2-3 s of sim decode at FAST's time scale
+LONG_TOKENS = 4000  # ~6-8 s of sim decode at FAST's time scale; the held burst ends them after its last dispatch
 
 
 def _wait(cond, timeout_s: float, what: str):
@@ -79,6 +79,40 @@ def _burst(urls: list[str], per_proxy: int, max_tokens: int = 30) -> list[int]:
     return codes
 
 
+def _held_burst(urls: list[str], per_proxy: int, max_tokens: int) -> list[int]:
+    """Like ``_burst``, streamed: each client holds its stream open until every client has its first token,
+    then leaves (the proxy aborts the request). So every request of the burst is running when the last is
+    dispatched, however the machine spreads the clients out: none ends early and frees its instance."""
+    clients = [httpx.Client(base_url=u, timeout=60) for u in urls for _ in range(per_proxy)]
+    for cl in clients:
+        assert cl.get("/health").status_code == 200
+    go, held = threading.Barrier(len(clients)), threading.Barrier(len(clients))
+    codes: list[int] = []
+
+    def one(cl: httpx.Client) -> None:
+        go.wait(timeout=30)
+        body = {"model": "llumnix-sim", "prompt": "a burst", "max_tokens": max_tokens, "ignore_eos": True,
+                "stream": True}
+        try:
+            with cl.stream("POST", "/v1/completions", json=body) as r:
+                code = r.status_code
+                if code == 200:
+                    code = next((200 for line in r.iter_lines() if line.startswith("data: {")), 599)
+                codes.append(code)
+                held.wait(timeout=60)
+        except threading.BrokenBarrierError:
+            pass
+
+    threads = [threading.Thread(target=one, args=(cl,)) for cl in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    for cl in clients:
+        cl.close()
+    return codes
+
+
 def test_a_burst_over_four_proxies_lands_one_per_instance(fleet):
     # One request per proxy at once over equally free instances: every proxy sees the same idle view and none
     # sees the others' dispatches; alike tie-breaking would send all four to one instance.
@@ -97,10 +131,10 @@ def test_a_larger_burst_spreads_and_the_manager_accounts_for_every_dispatch(flee
     before = _received(fleet)
     total0 = fleet.admin().status().dispatched_total
     local0 = sum(proxy_metric(u, "llumnix_proxy_local_dispatches_total") for u in fleet.state.urls)
-    # The requests outlast the burst: on a loaded machine the 16 client threads leave over hundreds of
-    # milliseconds, and short requests that end meanwhile make their instance the freest again (the policy
-    # rightly sends the next one there), which says nothing about herding.
-    assert _burst(fleet.state.urls, 4, max_tokens=LONG_TOKENS) == [200] * (4 * PROXIES)
+    # The requests outlast the burst by construction: on a loaded machine the 16 client threads leave over
+    # hundreds of milliseconds (seconds when it stalls), and a request that ended meanwhile would make its
+    # instance the freest again (the policy rightly sends the next one there), which says nothing about herding.
+    assert _held_burst(fleet.state.urls, 4, max_tokens=LONG_TOKENS) == [200] * (4 * PROXIES)
     after = _received(fleet)
     per_instance = {i: after[i] - before[i] for i in after}
     got = sorted(per_instance.values())
