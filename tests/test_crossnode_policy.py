@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from daemons import wire
+from daemons.clock import Clock
 from daemons.config import SchedulingConfig
 from daemons.policy import (INF, CrossNode, InstanceState, cross_node_budget_blocks, cross_node_saving_ms,
                             crosses_hosts, pair, select_migrants, transfer_ms)
@@ -157,7 +158,7 @@ def test_rescheduler_learns_kv_size_and_pairs_with_hosts():
         instances={"i0": record("i0", "a", src_load), "i1": record("i1", "b", dst_load)},
         state=lambda r, now: InstanceState(r.instance_id, r.load.blocks_total, blocks_used=r.load.blocks_used,
                                            running=r.load.running, block_size=r.load.block_size),
-        migrating=True, request_selection="llumnix", spawn=spawned.append)
+        migrating=True, request_selection="llumnix", spawn=spawned.append, clock=Clock())
     [p] = rs.pair_once()
     assert not p.cross_node  # KV size not known yet: no check
     rs.learn(rs.m.instances["i0"], [wire.MigrationOutcome("r", "i0", "i1", "committed", blocks=9, bytes=9 * 16 * KV)])
