@@ -162,6 +162,43 @@ def _daemons_only_where_marked(request, monkeypatch):
     assert not daemons, f"started daemons without pytest.mark.e2e on the test or its module: {daemons}"
 
 
+# ------------------------------------------------------------------ what the daemons said, when a test fails
+
+DAEMON_LOG_LINES = 60
+
+
+def daemon_warnings(run_dir: Path, limit: int = DAEMON_LOG_LINES) -> str:
+    """The WARNING and ERROR lines of every daemon log in ``run_dir`` (one cluster's), oldest first, at most
+    ``limit`` of them (the last): what a failure report needs to tell a death, a stall or a refusal apart."""
+    found: list[tuple[str, str]] = []
+    for path in sorted(Path(run_dir).glob("*.log")):
+        try:
+            text = path.read_text(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if " WARNING " in line or " ERROR " in line or line.startswith("Traceback"):
+                found.append((line[:23], f"{path.stem}| {line[:400]}"))
+    found.sort(key=lambda t: t[0])
+    return "\n".join(line for _, line in found[-limit:])
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed:
+        seen = set()
+        for value in getattr(item, "funcargs", {}).values():
+            run_dir = getattr(value, "run_dir", None)
+            # Duck-typed: tests import tests.conftest, pytest loads this file as conftest (two Cluster classes).
+            if run_dir is not None and hasattr(value, "state") and run_dir not in seen:
+                seen.add(run_dir)
+                text = daemon_warnings(run_dir)
+                if text:
+                    report.sections.append((f"daemon warnings ({Path(run_dir).name})", text))
+    return report
+
+
 # ------------------------------------------------------------------ no process outlives the test run
 
 RUN_MARKER = "LLUMNIX_TEST_RUN"
