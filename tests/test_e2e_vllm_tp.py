@@ -53,6 +53,9 @@ def tp_cluster(tmp_path_factory):
                             # 2 instances x 2 ranks on this machine's 2 cores: give the migrations and the heartbeats time
                             BASE + [f"model.path={model}", "vllm.tensor_parallel_size=2", "migration.timeout_s=30",
                                     "migration.dest_idle_timeout_s=20", "manager.heartbeat_interval_s=2",
+                                    # an instance whose I/O thread waits for a core behind four workers is slow,
+                                    # not gone (a killed one is still seen at once: its port refuses)
+                                    "manager.link_timeout_s=10", "proxy.instance_timeout_s=10",
                                     "instance.min_step_s=0.05"],
                             timeout_s=400)
     c = Cluster(state, run_dir)
