@@ -16,7 +16,7 @@ from daemons.clock import Clock
 from daemons.config import SchedulingConfig
 from daemons.policy import (INF, CrossNode, InstanceState, cross_node_budget_blocks, cross_node_saving_ms,
                             crosses_hosts, pair, select_migrants, transfer_ms)
-from daemons.rescheduler import Rescheduler
+from daemons.manager.rescheduler import Rescheduler
 from daemons.wire import RequestLoad
 from llumnixctl import localcluster
 from llumnixctl.admin import AdminClient

@@ -5,7 +5,7 @@ destination) pairs, and each source is ordered to send some of its requests (it 
 policy/migration.py). Draining instances (drained by an operator, being removed or scaled in, or stopping
 after SIGTERM) are always sources; balancing pairs only when the dispatch policy is llumnix and pairing is
 on. A removed or scaled-in instance is told to stop once nothing is left on it. Auto-scaling watches the
-cluster's average freeness and launches (daemons/launcher.py) or retires instances.
+cluster's average freeness and launches (launcher.py) or retires instances.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from daemons import metrics, policy, wire
-from daemons.launcher import Launcher, LaunchError
+from daemons.manager.launcher import LaunchError, Launcher
 
 if TYPE_CHECKING:
     from daemons.manager import InstanceRecord, Manager

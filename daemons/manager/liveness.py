@@ -1,0 +1,114 @@
+"""Whether an instance is there: its connection watched (daemons/links.py), its reports timed. Slow is not
+dead: a late instance whose connection is up stays in dispatch; one whose connection went down (its process
+is gone, or its host unreachable) is marked dead, and the migrations from it fail."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+
+import zmq
+
+from daemons import runtime
+from daemons.links import DOWN, UP
+from daemons.manager.records import M_DEATHS, M_LATE, InstanceRecord
+
+log = logging.getLogger("llumnix.manager")
+
+
+class LivenessMixin:
+    """Of the Manager: owns ``links`` (set up by the Manager) and each record's ``probe``, ``late`` and ``state``."""
+
+    def dead_after(self) -> float:
+        return self.mc.heartbeat_interval_s * self.mc.dead_after_missed
+
+    def _probe(self, rec: InstanceRecord, old: InstanceRecord | None) -> None:
+        """Watch the connection to ``rec``'s request socket (daemons/links.py): kept from ``old`` when the
+        address is the same, else made anew. An address we cannot connect to is left unwatched (UNKNOWN)."""
+        address = rec.info.request_address
+        if old is not None and old.probe is not None:
+            if old.info.request_address == address and not old.probe.closed:
+                rec.probe = old.probe
+                return
+            self._unprobe(old)
+        if not address.startswith(("tcp://", "ipc://")):  # the simulator's instances have no socket
+            return
+        sock = self.links.prepare(runtime.tune(self.ctx.socket(zmq.DEALER)))
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        try:
+            self.sec.client(sock, "instance")
+            self.links.watch(rec.instance_id, sock)  # before the connect: its handshake must not go unseen
+            sock.connect(address)
+        except (zmq.ZMQError, runtime.StartupError, RuntimeError) as exc:  # RuntimeError: no event loop
+            log.warning("cannot watch the connection to instance %s at %r (%s): it is marked dead after "
+                        "manager.dead_after_missed missed heartbeats", rec.instance_id, address, exc)
+            self.links.forget(rec.instance_id)
+            sock.close(0)
+            return
+        rec.probe = sock
+
+    def _unprobe(self, rec: InstanceRecord) -> None:
+        if rec.probe is not None:
+            self.links.forget(rec.instance_id)
+            rec.probe.close(0)
+            rec.probe = None
+
+    def _link_changed(self, instance_id: str, state: str) -> None:
+        rec = self.instances.get(instance_id)
+        if rec is None or state != DOWN:
+            return
+        if rec.state == "alive":
+            self.mark_dead(rec, "its connection went down (process gone or host unreachable)")
+        elif rec.state == "stopping":
+            self.forget(rec, "it stopped (connection closed)")
+
+    def mark_dead(self, rec: InstanceRecord, why: str) -> None:
+        rec.state = "dead"
+        rec.pending.clear()
+        self.resched.fail_migrations_from(rec.instance_id)
+        M_DEATHS.inc()
+        log.warning("instance %s marked dead: %s", rec.instance_id, why)
+        self.update_gauges(rec)
+
+    async def watch_heartbeats(self, stop: asyncio.Event) -> None:
+        period = self.mc.heartbeat_interval_s / 2
+        while not stop.is_set():
+            before = self.clock.monotonic()
+            await asyncio.sleep(period)
+            now = self.clock.monotonic()
+            if now - before > 2 * period:
+                # We were stalled (no CPU, swapped out): reports may be waiting unread in the socket. Judge
+                # nobody on a stale view; read them first.
+                log.warning("manager stalled for %.2fs; re-checking heartbeats after reading reports", now - before)
+                continue
+            for r in list(self.instances.values()):
+                silent = now - r.last_seen
+                if r.state == "stopping" and silent > self.dead_after() and self.links.state(r.instance_id) != UP:
+                    self.forget(r, "it stopped")
+                elif r.state == "dead" and silent > self.mc.dead_instance_ttl_s:
+                    self.forget(r, f"dead for over {self.mc.dead_instance_ttl_s:g}s")
+                elif r.state == "alive" and silent > self.dead_after():
+                    self._silent(r, silent)
+                elif r.late and silent <= self.dead_after():
+                    r.late = False
+                    log.info("instance %s reports again (it was late)", r.instance_id)
+                if r.state == "alive" and r.credit0 and not math.isclose(r.credit(now, self.sc.new_instance_credit_s), 0.0):
+                    self.update_gauges(r, now)  # the credit fades between reports too
+
+    def _silent(self, r: InstanceRecord, silent: float) -> None:
+        """No report for over dead_after_missed heartbeats. Slow is not dead: with its connection up (its
+        process is there; a busy host delays reports, not keepalives) it is only late, and stays in dispatch
+        until manager.silent_dead_s; with a connection we cannot watch, silence is all we have."""
+        link = self.links.state(r.instance_id)
+        if link == UP and silent <= self.mc.silent_dead_s:
+            if not r.late:
+                r.late = True
+                M_LATE.inc()
+                log.info("instance %s has not reported for %.2fs, but its connection is up: late, not dead",
+                         r.instance_id, silent)
+            return
+        why = (f"connection up, but no report for {silent:.1f}s (manager.silent_dead_s)" if link == UP else
+               f"no report for {silent:.2f}s ({self.mc.dead_after_missed} heartbeats) and its connection is "
+               f"{'down' if link == DOWN else 'not watched'}")
+        self.mark_dead(r, why)
