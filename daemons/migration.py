@@ -83,7 +83,7 @@ class Refused(Aborted):
 
 
 class Host(Protocol):
-    """What the migrator needs of its instance (daemons/instance.py)."""
+    """What the migrator needs of its instance (daemons/instance/)."""
 
     ctx: zmq.asyncio.Context
     sec: Security

@@ -1,6 +1,6 @@
 """An instance's requests: whose tokens they are, at which placement epoch, and how far they got.
 
-The one home of per-request state on an instance. The llumlet (daemons/instance.py), the migrator
+The one home of per-request state on an instance. The llumlet (daemons/instance/), the migrator
 (daemons/migration.py) and the failover path all change it through the verbs below, so each rule of
 ownership lives here once:
 

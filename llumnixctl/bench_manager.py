@@ -2,7 +2,7 @@
 
 For each instance count the real ``llumnix-manager`` runs as a subprocess (``python -m daemons.manager``),
 and a few emulator processes each hold one ZeroMQ DEALER per emulated instance (its own identity), all
-served by one ``zmq.Poller``. An emulated instance registers as a real one does (daemons/instance.py
+served by one ``zmq.Poller``. An emulated instance registers as a real one does (daemons/instance/
 ``register_msg``), sends a LoadReport every ``manager.heartbeat_interval_s`` (staggered) and, like a
 real instance whose load changed, one more soon after it was dispatched requests (their count is its
 ``requests_received``, which retires the manager's dispatch estimates). Loads vary: a quarter of the

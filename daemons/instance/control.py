@@ -1,0 +1,148 @@
+"""The instance's side of the manager protocol (registration, drain flags, re-dispatch of queued requests),
+its load reports and heartbeats, and the liveness of the proxies it serves."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+
+import msgspec
+
+from daemons import runtime, wire
+from daemons.instance.telemetry import (
+    M_BAD_FRAMES, M_BEAT_LATE, M_BLOCKS_TOTAL, M_BLOCKS_USED, M_HEALTHY, M_KV_USAGE, M_ORPHANED, M_REDISPATCHED,
+    M_RUNNING, M_WAITING)
+from daemons.requests import AbortAction
+
+log = logging.getLogger("llumnix.instance")
+
+
+class ControlMixin:
+    """Of the Instance: talks to the manager on ``msock``; beats the proxies on ``proxies``."""
+
+    def register_msg(self) -> wire.Register:
+        return wire.Register(
+            instance_id=self.instance_id, host=self.ic.host or socket.gethostname(), pid=os.getpid(),
+            request_address=self.request_address, backend=self.engine.backend, model=self.cfg.model.name,
+            load=self.last_load, metrics_address=self.metrics_address, max_model_len=self.engine.max_model_len,
+            drain_reason="stopping" if not self.accepting else self.draining, cordoned=self.cordoned,
+            uptime_s=round(time.monotonic() - self.started, 3),
+        )
+
+    async def serve_manager(self) -> None:
+        while True:
+            frame = await self.manager.recv()
+            msg = wire.decode(frame)
+            if isinstance(msg, wire.RegisterAck):
+                if not msg.accepted and msg.final:
+                    raise runtime.StartupError(f"the manager refused our registration: {msg.reason}")
+                if not msg.accepted:
+                    log.info("manager asks us to register (%s)", msg.reason)
+                    self._tell_manager(self.register_msg())
+            elif isinstance(msg, wire.ListRequests):
+                self.on_list_requests(msg.query_id)
+            elif isinstance(msg, wire.MigrateStart):
+                self.migrator.spawn(self.migrate_command(msg))
+            elif isinstance(msg, wire.SetDraining):
+                self.set_draining(msg)
+            elif isinstance(msg, wire.Shutdown):
+                log.info("the manager asks us to stop (%s)", msg.reason or "no reason given")
+                self.stop_reason = f"stopped by the manager ({msg.reason})" if msg.reason else "stopped by the manager"
+                self.stop.set()
+            else:
+                M_BAD_FRAMES.inc()
+
+    def set_draining(self, msg: wire.SetDraining) -> None:
+        was = self.draining
+        self.draining = (msg.reason or "operator") if msg.draining else ""
+        self.cordoned = msg.cordoned
+        self.elsewhere = msg.elsewhere
+        self.load_changed.set()  # proxies dispatching from their own views hear of it with the next report
+        if self.draining and not was:
+            log.info("draining (%s): running requests migrate out; queued ones go back to their proxies%s",
+                     self.draining, "" if msg.elsewhere else " once another instance takes requests")
+            if msg.elsewhere:  # else the manager's drain orders give them back when there is a destination
+                self.boundary(self.redispatch_queued)
+        elif was and not self.draining:
+            log.info("no longer draining")
+
+    def redispatch_queued(self, only: set[str] | None = None) -> int:
+        """Give queued requests that produced nothing back to their proxies, which dispatch them again
+        (at a step boundary: the engine is touched). ``only``: just these. Returns how many went."""
+        gone = 0
+        for r in self.engine.requests():
+            rid = r.request_id
+            entry = self.requests.get(rid)
+            if (r.state != "waiting" or r.output_tokens or entry is None or entry.emitted
+                    or (only is not None and rid not in only)):
+                continue
+            self.requests.forget(rid)
+            self.phases.drop(rid)
+            self.engine.abort_request(rid)
+            self._send(entry.reply_to, wire.Redispatch(rid, self.instance_id, self.draining or "rebalancing"))
+            M_REDISPATCHED.inc()
+            gone += 1
+        if gone:
+            log.info("gave %d queued request(s) back for re-dispatch", gone)
+        return gone
+
+    async def report_loop(self) -> None:
+        """Report on change, at most once per min interval, and at least once per heartbeat."""
+        heartbeat = self.cfg.manager.heartbeat_interval_s
+        while True:
+            await runtime.wait_event(self.load_changed, heartbeat)
+            self.load_changed.clear()
+            load = self.last_load
+            self.report_seq += 1
+            self._tell_manager(wire.LoadReport(self.instance_id, self.report_seq, load))
+            self.beat_proxies(not self.watchdog.stalled)
+            M_BLOCKS_USED.set(load.blocks_used)
+            M_BLOCKS_TOTAL.set(load.blocks_total)
+            M_KV_USAGE.set(load.blocks_used / load.blocks_total if load.blocks_total else 0.0)
+            M_RUNNING.set(load.running)
+            M_WAITING.set(load.waiting)
+            self.preemptions.update(load.preemptions)
+            if len(self.phases) > len(self.requests):  # some left by migration or a failure
+                self.phases.prune(self.requests)
+            await asyncio.sleep(self.ic.load_report_min_interval_s)
+
+    async def proxy_loop(self) -> None:
+        """Each heartbeat: tell every proxy we serve that we are alive (and whether healthy); abort the
+        requests of proxies that are gone. Also the event loop's tick for the watchdog."""
+        period = min(self.cfg.manager.heartbeat_interval_s, self.ic.step_timeout_s / 4)
+        due = time.monotonic()
+        while True:
+            now = time.monotonic()
+            M_BEAT_LATE.observe(max(now - due, 0.0))
+            due = now + period
+            self.watchdog.loop_beat = now
+            healthy = not self.watchdog.stalled
+            M_HEALTHY.set(1 if healthy else 0)
+            if not healthy and not self.last_load.stalled:
+                self.last_load = msgspec.structs.replace(self.last_load, stalled=True)
+                self.load_changed.set()  # the manager stops dispatching to us now, not at the next step
+            self.beat_proxies(healthy)
+            for address, why in self.proxies.gone(self.requests.proxies()):
+                self.boundary(lambda address=address, why=why: self.abort_orphans(address, why))
+            await asyncio.sleep(period)
+
+    def beat_proxies(self, healthy: bool) -> None:
+        """Liveness and load to every proxy we serve: each heartbeat, and (from the report loop) on every load
+        change, so that proxies dispatch from a current view. ``taken`` and the load are of the same step
+        boundary, which lets a proxy retire exactly the dispatches the load already counts."""
+        accepting = self.accepting and not self.draining and not self.cordoned
+        self.proxies.heartbeat(wire.Heartbeat(self.instance_id, self.request_address, healthy, self.last_load,
+                                              accepting), self.taken)
+
+    def abort_orphans(self, address: str, why: str) -> int:
+        rids = self.requests.of_proxy(address)
+        n = sum(1 for rid in rids if self.requests.abort(rid) is AbortAction.HERE and self.abort_local(rid))
+        if rids:
+            M_ORPHANED.inc(n)
+            log.warning("proxy %s is gone (%s): aborted its %d request(s)", address, why, n)
+        self.proxies.drop(address)
+        self.taken.pop(address, None)
+        return n

@@ -1,0 +1,48 @@
+"""The instance's metrics, and the constants that tune its request listings and prefix queries."""
+
+from __future__ import annotations
+
+from daemons import metrics
+
+MOVED_LATELY_S = 30.0  # a request listing names the requests that migrated out this recently
+# After a request listing, the engine's request rows are kept current (after every step and boundary) for this
+# long, so that the next listings are answered at once instead of after the step in progress; a step this
+# long keeps them too (the rows cost well under 1% of it).
+LISTING_WINDOW_S = 30.0
+LONG_STEP_S = 0.1
+ROWS_EVERY_S = 0.2  # during a run of steps the rows are refreshed at most this often
+PREFIX_QUERY_TOKENS = 1 << 16  # at most this many prompt tokens go in one prefix query to a destination
+M_REQUESTS = metrics.counter("instance", "llumnix_instance_requests_total", "Requests received from proxies")
+M_FINISHED = metrics.counter("instance", "llumnix_instance_requests_finished_total",
+                             "Requests finished here, by finished_reason (stop, length, abort)", ["finished_reason"],
+                             preset=[("stop",), ("length",), ("abort",)])
+M_REJECTED = metrics.counter("instance", "llumnix_instance_requests_rejected_total", "Requests refused as invalid")
+M_TOKENS = metrics.counter("instance", "llumnix_instance_generation_tokens_total", "Output tokens generated")
+M_STEP = metrics.histogram("instance", "llumnix_instance_step_seconds",
+                           "Wall time of one engine step, model time included",
+                           buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0))
+M_BLOCKS_USED = metrics.gauge("instance", "llumnix_instance_kv_blocks_used", "KV blocks in use")
+M_BLOCKS_TOTAL = metrics.gauge("instance", "llumnix_instance_kv_blocks_total", "KV blocks in all")
+M_KV_USAGE = metrics.gauge("instance", "llumnix_instance_kv_cache_usage_perc",
+                           "KV cache usage, blocks used / blocks in all: 1 means full (as vllm:kv_cache_usage_perc)")
+M_RUNNING = metrics.gauge("instance", "llumnix_instance_running_requests", "Requests running")
+M_WAITING = metrics.gauge("instance", "llumnix_instance_waiting_requests", "Requests waiting")
+M_PREEMPTIONS = metrics.counter("instance", "llumnix_instance_preemptions_total",
+                                "Preemptions (recompute) by the engine (as vllm:num_preemptions)")
+M_BAD_FRAMES = metrics.counter("instance", "llumnix_instance_malformed_frames_total",
+                               "Frames dropped because they did not decode")
+M_REDISPATCHED = metrics.counter("instance", "llumnix_instance_requests_redispatched_total",
+                                 "Queued requests given back to their proxy for re-dispatch (draining)")
+M_ORPHANED = metrics.counter("instance", "llumnix_instance_requests_orphaned_total",
+                             "Requests aborted because their proxy was gone")
+M_FAILOVERS_IN = metrics.counter("instance", "llumnix_instance_failovers_in_total",
+                                 "Requests taken over from another instance by re-prefill")
+M_BEAT_LATE = metrics.histogram("instance", "llumnix_instance_heartbeat_lateness_seconds",
+                                "How late each heartbeat tick of the llumlet ran (0: on time): what a busy engine or "
+                                "host costs the liveness and load signals",
+                                buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0))
+M_QUERY = metrics.histogram("instance", "llumnix_instance_query_seconds",
+                            "From a request-list query's arrival to its answer (answered at a step boundary)",
+                            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0))
+M_HEALTHY = metrics.gauge("instance", "llumnix_instance_healthy",
+                          "1 while engine steps make progress, 0 while stalled (instance.step_timeout_s)")
