@@ -135,7 +135,7 @@ class Proxy:
         return reply
 
     def _admit(self, priority: int) -> None:
-        """Admission control (daemons/proxy/cluster.py ``admit``): 429 with Retry-After, before any tokenizing."""
+        """Admission control (daemons/proxy/admission.py ``admit``): 429 with Retry-After, before any tokenizing."""
         try:
             self.cluster.admit(priority)
         except Overloaded as exc:

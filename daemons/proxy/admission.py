@@ -1,0 +1,61 @@
+"""Admission: a new request is refused at once (429) while the cluster's queued work is past the [admission]
+bounds, or (503) when no instance lives."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from daemons.proxy.stream import Overloaded
+from daemons.proxy.telemetry import AUTO_BATCHES, AUTO_KV_CACHES
+
+log = logging.getLogger("llumnix.proxy")
+
+
+class AdmissionMixin:
+    """Of the ClusterClient: reads the instances' heartbeats and our own dispatches they do not show yet."""
+
+    def admit(self, priority: int) -> None:
+        """Raise Overloaded if the work that would wait in the cluster is past [admission]'s bounds for
+        ``priority``. Requests that would wait: those waiting to start on the instances that take requests
+        (their heartbeats), our own dispatches they do not show yet, the requests waiting here for an
+        instance and this one, less the free batch slots; prompt tokens likewise, less the free KV. High
+        priority's bounds are admission.high_priority_factor times larger."""
+        adm = self.adm
+        serving = requests = tokens = free_slots = free_tokens = room = capacity = kv = 0
+        for iid, beat in self.beats.items():
+            load = beat.load
+            if load is None or not beat.accepting or not beat.healthy or self._dead(iid):
+                continue
+            serving += 1
+            requests += load.waiting
+            tokens += load.waiting_tokens
+            free_slots += max(load.batch_size - load.running, 0)
+            free_tokens += max(load.blocks_total - load.blocks_used, 0) * load.block_size
+            kv += load.blocks_total * load.block_size
+            room += AUTO_BATCHES * load.batch_size if adm.max_queued_requests < 0 else adm.max_queued_requests
+            capacity += (AUTO_KV_CACHES * load.blocks_total * load.block_size if adm.max_queued_tokens < 0
+                         else adm.max_queued_tokens)
+        if not serving:
+            return  # nothing to measure against: placement waits for an instance, or says none is alive
+        fresh = time.monotonic() - self.view.ttl_s
+        for iid, mine in self.view.mine.items():
+            beat = self.beats.get(iid)
+            block = beat.load.block_size if beat is not None and beat.load is not None else 16
+            for _, blocks, at in mine:
+                if at > fresh:
+                    requests += 1
+                    tokens += blocks * block
+        requests += len(self.placing) + 1  # with this one
+        tokens += sum(self.placing.values())
+        factor = adm.high_priority_factor if priority > 0 else 1.0
+        high = " for high priority" if priority > 0 else ""
+        if priority > 0 and factor > 1:  # room for high priority even where normal may not wait at all
+            room, capacity = max(room * factor, room + serving), max(capacity * factor, capacity + kv)
+        if requests - free_slots > room:
+            raise Overloaded(f"the cluster is overloaded: {requests - free_slots} requests would wait on its {serving} "
+                             f"instance(s) (admission.max_queued_requests: {room} in all{high})", "queued_requests")
+        if tokens - free_tokens > capacity:
+            raise Overloaded(f"the cluster is overloaded: {tokens - free_tokens} prompt tokens would wait on its "
+                             f"{serving} instance(s) (admission.max_queued_tokens: {capacity} in all{high})",
+                             "queued_tokens")

@@ -1,0 +1,128 @@
+"""Failover and fencing: a stream whose instance died, stalled, stopped or refused continues on another by
+re-prefill under a new epoch; copies that lost a race are fenced; streams past their deadline end."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from daemons import wire
+from daemons.links import DOWN
+from daemons.proxy.stream import NoInstance, Stream
+from daemons.proxy.telemetry import M_FAILOVERS, M_GIVEN_BACK, M_RETRIES, M_TIMEOUTS
+
+log = logging.getLogger("llumnix.proxy")
+
+
+class FailoverMixin:
+    """Of the ClusterClient: watches the streams and the instances that hold them."""
+
+    def _instance_failed(self, stream: Stream, message: str, retryable: bool = True, status: int = 503,
+                         cause: str = "failed") -> None:
+        """The stream's owner failed it, died, stalled or went unhealthy: place it elsewhere, or fail it."""
+        if stream.done:
+            return
+        if retryable and stream.next_index == 0 and len(stream.tried) - stream.given_back < self.pc.max_dispatch_attempts:
+            log.warning("request %s: %s; sending it elsewhere", stream.request_id, message)
+            M_RETRIES.inc()
+        elif retryable and stream.next_index > 0 and stream.failovers < self.pc.max_failovers:
+            stream.failovers += 1
+            M_FAILOVERS.labels(cause).inc()
+            log.warning("request %s: %s; continuing it elsewhere from token %d (failover %d of %d)", stream.request_id,
+                        message, stream.next_index, stream.failovers, self.pc.max_failovers)
+        else:
+            if stream.next_index:
+                message += f" after {stream.next_index} tokens (proxy.max_failovers = {self.pc.max_failovers})"
+            stream.fail(message, status)
+            return
+        self._fence_owner(stream)
+        if stream.instance_id and stream.instance_id not in stream.exclude:
+            stream.exclude.append(stream.instance_id)
+        stream.instance_id = stream.address = ""
+        self._spawn(self._redispatch(stream, message))
+
+    def _fence_owner(self, stream: Stream) -> None:
+        """The copy we leave may still be running (a stalled or unhealthy instance): abort it by epoch."""
+        if stream.address:
+            self._fence(stream, stream.instance_id, stream.epoch, stream.address)
+
+    def _fence(self, stream: Stream, instance_id: str, epoch: int, address: str = "") -> None:
+        key = (instance_id, epoch)
+        if key in stream.fenced:
+            return
+        stream.fenced.add(key)
+        address = address or self.addresses.get(instance_id, "")
+        if address:
+            self._send_instance(address, wire.Abort(stream.request_id, epoch))
+
+    def _give_back(self, stream: Stream, msg: wire.Redispatch) -> None:
+        if stream.next_index:  # it produced tokens meanwhile (cannot happen: the instance checks); keep it there
+            return
+        log.debug("request %s: instance %s gave it back (%s); dispatching it again", stream.request_id,
+                 msg.instance_id, msg.reason or "draining")
+        M_GIVEN_BACK.inc()
+        stream.given_back += 1
+        stream.instance_id = stream.address = ""
+        self._spawn(self._redispatch(stream, f"instance {msg.instance_id} gave it back"))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+
+    async def _redispatch(self, stream: Stream, why: str) -> None:
+        try:
+            await self._dispatch(stream)
+        except NoInstance as exc:
+            stream.fail(f"{why}; no other instance: {exc}")
+
+    def finish(self, stream: Stream) -> None:
+        """Forget a stream; abort it on its instance if it is still running there (client went away, stop string)."""
+        self.streams.pop(stream.request_id, None)
+        if not stream.done and stream.address:
+            self._send_instance(stream.address, wire.Abort(stream.request_id, stream.epoch))
+        stream.done = True
+
+    # ------------------------------------------------------------------ liveness
+
+    async def _watch(self) -> None:
+        """Each heartbeat: tell the instances we are here; fail over streams whose instance is silent,
+        unhealthy or stalled; end requests past their deadline."""
+        period = min(self.cfg.manager.heartbeat_interval_s, self.pc.instance_timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            alive = wire.ProxyAlive(self.token_address)
+            for address in list(self.instances):
+                self._send_instance(address, alive)
+            self.check_streams(time.monotonic())
+
+    def check_streams(self, now: float) -> None:
+        stall = self.pc.stall_timeout_s
+        for stream in list(self.streams.values()):
+            if stream.done:
+                continue
+            if stream.deadline and now > stream.deadline:
+                M_TIMEOUTS.inc()
+                self._fence_owner(stream)
+                stream.fail(f"the request did not finish within proxy.request_timeout_s "
+                            f"({self.pc.request_timeout_s:g}s)", 504)
+                continue
+            iid = stream.instance_id
+            if not iid:  # being placed
+                continue
+            beat = self.beats.get(iid)
+            if self._dead(iid, stream.sent_at):
+                if self.links.state(stream.address) == DOWN:
+                    self._instance_failed(stream, f"lost the connection to instance {iid} (its process is gone, or "
+                                          f"it answered no keepalive for {self.pc.instance_timeout_s:g}s)", cause="dead")
+                else:
+                    self._instance_failed(stream, f"instance {iid} has not been heard from for over "
+                                          f"{self.pc.instance_timeout_s:g}s (its connection never came up)",
+                                          cause="silent")
+            elif beat is not None and not beat.healthy:
+                self._instance_failed(stream, f"instance {iid} is unhealthy (its engine makes no progress)",
+                                      cause="unhealthy")
+            elif stall and (stream.next_index or stream.early) and now - stream.progress_at > stall:
+                self._instance_failed(stream, f"no token for {now - stream.progress_at:.1f}s on instance {iid}"
+                                      f"{' (a token is missing)' if stream.early else ''}", cause="stalled")

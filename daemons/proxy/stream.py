@@ -1,0 +1,111 @@
+"""One request's stream: token outputs in index order, each index once, from its current owner (instance,
+epoch) only; and the errors that end a dispatch."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from daemons import wire
+from daemons.proxy.telemetry import M_DUPLICATES
+
+log = logging.getLogger("llumnix.proxy")
+
+
+class NoInstance(Exception):
+    """No live instance can take the request."""
+
+    def __init__(self, message: str, reason: str = "no_instance"):
+        super().__init__(message)
+        self.reason = reason
+
+
+class Overloaded(Exception):
+    """Admission control: the cluster's queued work is past the bounds for this request's priority."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+class Stream:
+    """One request's outputs, in index order, each index once, from its current owner only."""
+
+    __slots__ = ("request_id", "submit", "ready", "next_index", "early", "waiter", "done", "error", "status",
+                 "instance_id", "address", "tried", "sent_at", "given_back", "epoch", "owner_from", "token_ids",
+                 "failovers", "progress_at", "deadline", "fenced", "exclude")
+
+    def __init__(self, request_id: str, submit: wire.Submit, timeout_s: float = 0.0):
+        self.request_id = request_id
+        self.submit = submit
+        self.ready: list[wire.TokenOut] = []
+        self.next_index = 0
+        self.early: dict[int, wire.TokenOut] = {}
+        self.waiter: asyncio.Future | None = None  # take()'s, while it waits (cheaper than an asyncio.Event)
+        self.done = False
+        self.error: str | None = None
+        self.status = 200
+        self.instance_id = ""  # the owner: (instance_id, epoch)
+        self.address = ""
+        self.tried: list[str] = []
+        self.sent_at = 0.0
+        self.given_back = 0  # times a draining instance gave it back (not failed attempts)
+        self.epoch = 0
+        self.owner_from = 0  # the first index the current owner produces
+        self.token_ids: list[int] = []  # every token accepted, in order: a failover re-prefills them
+        self.failovers = 0
+        self.progress_at = time.monotonic()
+        self.deadline = time.monotonic() + timeout_s if timeout_s > 0 else 0.0
+        self.fenced: set[tuple[str, int]] = set()  # copies already told to abort
+        self.exclude: list[str] = []  # instances that failed it: not placed there again
+
+    def owns(self, instance_id: str, out: wire.TokenOut) -> bool:
+        """Whether ``out`` may reach the client: from the current owner, or from an earlier placement for an
+        index before the current one began (tokens in flight from a migration's source)."""
+        if out.epoch == self.epoch:
+            return instance_id == self.instance_id
+        return out.epoch < self.epoch and out.index < self.owner_from
+
+    def feed(self, out: wire.TokenOut) -> None:
+        if self.done or out.index < self.next_index or out.index in self.early:
+            M_DUPLICATES.inc()
+            return
+        if out.index != self.next_index:
+            self.early[out.index] = out
+            return
+        self._accept(out)
+        while self.next_index in self.early:
+            self._accept(self.early.pop(self.next_index))
+        self.progress_at = time.monotonic()
+        self._wake()
+
+    def _accept(self, out: wire.TokenOut) -> None:
+        self.ready.append(out)
+        self.token_ids.append(out.token_id)
+        self.next_index += 1
+        if out.finish_reason is not None:
+            self.done = True
+
+    def fail(self, message: str, status: int = 503) -> None:
+        if not self.done:
+            self.error, self.status, self.done = message, status, True
+            self._wake()
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def take(self) -> list[wire.TokenOut]:
+        """Wait for outputs; returns [] only when the stream ended with an error."""
+        while not self.ready:
+            if self.done:
+                return []
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        out, self.ready = self.ready, []
+        return out

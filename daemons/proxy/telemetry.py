@@ -1,0 +1,49 @@
+"""The proxy's metrics, and the constants of its dispatch and admission."""
+
+from __future__ import annotations
+
+from daemons import metrics
+
+M_LOCAL = metrics.counter("proxy", "llumnix_proxy_local_dispatches_total",
+                          "Requests dispatched from the proxy's own view (proxy.dispatch = local, or the manager "
+                          "slow or down)")
+M_ASKED = metrics.counter("proxy", "llumnix_proxy_manager_dispatches_total",
+                          "Requests whose instance the manager chose (proxy.dispatch = manager, or no view yet)")
+M_PEERS = metrics.gauge("proxy", "llumnix_proxy_peers", "Proxies the manager hears from, this one included (with "
+                        "proxy.dispatch = local their tie starts are spread over the instances by rank)")
+M_RETRIES = metrics.counter("proxy", "llumnix_proxy_redispatches_total",
+                            "Requests sent to another instance after one failed before any token")
+M_GIVEN_BACK = metrics.counter("proxy", "llumnix_proxy_given_back_total",
+                               "Queued requests a draining instance gave back, dispatched again")
+M_BAD_FRAMES = metrics.counter("proxy", "llumnix_proxy_malformed_frames_total", "Frames dropped because they did not decode")
+M_DUPLICATES = metrics.counter("proxy", "llumnix_proxy_duplicate_tokens_total",
+                               "Token outputs dropped because their index was already emitted")
+M_FAILOVERS = metrics.counter("proxy", "llumnix_proxy_failovers_total",
+                              "Streams continued on another instance by re-prefill, by cause", ["cause"],
+                              preset=[(c,) for c in ("dead", "silent", "unhealthy", "stalled", "refused", "full", "failed")])
+M_FENCED = metrics.counter("proxy", "llumnix_proxy_fenced_total", "Token outputs or ownership claims refused because "
+                           "they came from a copy that is not the request's current owner")
+M_TIMEOUTS = metrics.counter("proxy", "llumnix_proxy_request_timeouts_total",
+                             "Requests ended because they passed proxy.request_timeout_s")
+REJECT_REASONS = ("queued_requests", "queued_tokens", "no_instance", "wait_timeout")
+M_REJECTED = metrics.counter("proxy", "llumnix_proxy_admission_rejections_total",
+                             "Requests refused by admission control, by reason: queued_requests and queued_tokens "
+                             "(429: the cluster's queue is past [admission]'s bounds), no_instance (503: no live "
+                             "instance), wait_timeout (503: none could take it within admission.queue_timeout_s)",
+                             ["reason"], preset=[(r,) for r in REJECT_REASONS])
+M_WAITED = metrics.counter("proxy", "llumnix_proxy_dispatch_waits_total",
+                           "Requests that found no instance able to take them at once and waited for one")
+M_LINKS_DOWN = metrics.counter("proxy", "llumnix_proxy_instance_links_lost_total",
+                               "Connections to instances lost (process gone, or no keepalive answered within "
+                               "proxy.instance_timeout_s)")
+M_LINKS_HEALED = metrics.counter("proxy", "llumnix_proxy_instance_links_healed_total",
+                                 "Connections to instances dropped (no keepalive answered within "
+                                 "proxy.instance_timeout_s) that a reconnection healed: nothing failed over")
+
+
+TIE_TURN_S = 60.0
+# Admission's defaults (-1), per instance: this many batches of requests and KV caches of prompt tokens may wait.
+# Enough that a bursty trace that saturates the cluster for minutes is served whole (bench steady); sustained
+# overload fills them and is refused at once.
+AUTO_BATCHES = 4
+AUTO_KV_CACHES = 8

@@ -1,0 +1,113 @@
+"""The instance traffic: requests and aborts out, tokens, moves and give-backs in."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import zmq
+import zmq.asyncio
+
+from daemons import runtime, wire
+from daemons.proxy.stream import Stream
+from daemons.proxy.telemetry import M_BAD_FRAMES, M_FENCED
+
+log = logging.getLogger("llumnix.proxy")
+
+
+class TokenPathMixin:
+    """Of the ClusterClient: sends on ``instances`` (one socket per request address), receives on ``pull``."""
+
+    def _send_instance(self, address: str, msg: wire.Message) -> bool:
+        sock = self.instances.get(address)
+        if sock is None:
+            sock = runtime.tune(self.ctx.socket(zmq.DEALER, socket_class=zmq.Socket))  # send-only
+            sock.setsockopt(zmq.SNDHWM, 100_000)
+            self.sec.client(self.links.prepare(sock), "instance")
+            self.links.watch(address, sock)  # before the connect: its handshake must not go unseen
+            try:
+                sock.connect(address)
+            except zmq.ZMQError as exc:
+                self.links.forget(address)
+                sock.close(0)
+                log.warning("cannot connect to instance address %r (%s); not sending it a %s", address, exc,
+                            type(msg).__name__)
+                return False
+            self.instances[address] = sock
+        if not runtime.send_now(sock, wire.encode(msg)):
+            log.warning("request path to %s is full; could not send a %s", address, type(msg).__name__)
+            return False
+        return True
+
+    async def _recv_tokens(self) -> None:
+        streams = self.streams
+        async for frames in runtime.receive(self.pull):
+            for frame in frames:
+                msg = wire.decode(frame)
+                if isinstance(msg, wire.TokenBatch):
+                    iid = msg.instance_id
+                    self.heard[iid] = time.monotonic()
+                    for out in msg.outputs:
+                        stream = streams.get(out.request_id)
+                        if stream is None:
+                            self._orphan(iid, out)
+                            continue
+                        if stream.owns(iid, out):
+                            stream.feed(out)
+                        elif not stream.done:
+                            M_FENCED.inc()
+                            self._fence(stream, iid, out.epoch)
+                elif isinstance(msg, wire.Heartbeat):
+                    self.heard[msg.instance_id] = self.beat_at[msg.instance_id] = time.monotonic()
+                    self.view.heard(msg, self.beats.get(msg.instance_id))
+                    self.beats[msg.instance_id] = msg
+                    self.addresses[msg.instance_id] = msg.request_address
+                    if self._changed:
+                        self._wake_waiting()
+                elif isinstance(msg, wire.Moved):  # a migration committed: follow the request to its new owner
+                    stream = streams.get(msg.request_id)
+                    if stream is not None and not stream.done:
+                        self._moved(stream, msg)
+                elif isinstance(msg, wire.Redispatch):
+                    stream = streams.get(msg.request_id)
+                    if stream is not None and not stream.done and stream.instance_id == msg.instance_id:
+                        self._give_back(stream, msg)
+                elif isinstance(msg, wire.RequestFailed):
+                    stream = streams.get(msg.request_id)
+                    if stream is not None and stream.instance_id == msg.instance_id:
+                        # A request that already streamed tokens was valid: an instance that refuses to
+                        # continue it (a smaller context limit or cache) is that instance's limit, not the request's.
+                        retryable = msg.retryable or (stream.next_index > 0 and msg.status == 400)
+                        self._instance_failed(stream, msg.message, retryable, msg.status, cause="refused")
+                else:
+                    M_BAD_FRAMES.inc()
+
+    def _orphan(self, instance_id: str, out: wire.TokenOut) -> None:
+        """Tokens of a request we do not know (we restarted at the same address, or already let it go):
+        nobody will read them; ask their instance to stop, once per request."""
+        if out.finish_reason is not None or out.request_id in self._orphans:
+            return
+        address = self.addresses.get(instance_id)
+        if address:
+            self._orphans[out.request_id] = None
+            if len(self._orphans) > 10_000:
+                self._orphans.pop(next(iter(self._orphans)))
+            self._send_instance(address, wire.Abort(out.request_id, out.epoch))
+
+    def _moved(self, stream: Stream, msg: wire.Moved) -> None:
+        """An ownership claim: the first one heard for a newer epoch wins; a claim that lost (a late commit
+        against a resumed source, or the reverse) is aborted by epoch."""
+        self.addresses[msg.instance_id] = msg.request_address
+        if msg.request_address not in self.instances:  # it holds our streams now: it must hear that we live
+            self._send_instance(msg.request_address, wire.ProxyAlive(self.token_address))
+        if msg.epoch > stream.epoch:
+            stream.instance_id, stream.address = msg.instance_id, msg.request_address
+            stream.epoch, stream.owner_from = msg.epoch, msg.from_index
+            stream.sent_at = time.monotonic()
+            if msg.instance_id not in stream.tried:
+                stream.tried.append(msg.instance_id)
+        elif msg.epoch < stream.epoch or msg.instance_id != stream.instance_id:
+            M_FENCED.inc()
+            log.warning("request %s: instance %s claims epoch %d, but %s owns epoch %d; aborting that copy",
+                        stream.request_id, msg.instance_id, msg.epoch, stream.instance_id, stream.epoch)
+            self._fence(stream, msg.instance_id, msg.epoch, msg.request_address)
