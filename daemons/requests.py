@@ -1,7 +1,7 @@
 """An instance's requests: whose tokens they are, at which placement epoch, and how far they got.
 
 The one home of per-request state on an instance. The llumlet (daemons/instance/), the migrator
-(daemons/migration.py) and the failover path all change it through the verbs below, so each rule of
+(daemons/migration/) and the failover path all change it through the verbs below, so each rule of
 ownership lives here once:
 
 - ``admit``      a proxy placed the request here (first dispatch, or a failover that re-prefills it);

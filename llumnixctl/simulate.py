@@ -389,7 +389,7 @@ class Simulation:
         return blocks * bs * self.kv_bytes_per_token * 8 / rate
 
     def _stage(self, mig) -> None:
-        """One pre-copy stage, or the last one: as daemons/migration.py runs them."""
+        """One pre-copy stage, or the last one: as daemons/migration/ runs them."""
         src, dst = mig.src, mig.dst
         view = src.engine.migration_view(mig.rid)
         if view is None:

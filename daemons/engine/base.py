@@ -6,7 +6,7 @@ it adds and aborts requests between steps, calls ``step()`` in a loop while ther
 
 Migration verbs (source: view, gather, suspend, resume, drop; destination: reserve, scatter, commit,
 release) move one running request with its KV cache to another engine of the same KV layout. The llumlet
-runs the protocol (daemons/migration.py); engines only do what each verb says, between steps. ``gather``
+runs the protocol (daemons/migration/); engines only do what each verb says, between steps. ``gather``
 and ``scatter`` are the exception: they touch only blocks no step writes (full blocks of a running
 request, reserved blocks of an incoming one), so the llumlet runs them on its transfer thread while the
 engine keeps stepping.

@@ -1,7 +1,7 @@
 """KV transfer for a tensor-parallel vLLM instance: the llumlet runs one migration protocol, every rank
 moves its own shard.
 
-The migration protocol (daemons/migration.py) sees the same interface as ``kvtransfer.KvTransfer``: pairs
+The migration protocol (daemons/migration/) sees the same interface as ``kvtransfer.KvTransfer``: pairs
 with a key, ``send`` and ``recv`` that resolve to the bytes moved. Here a pair stands for N Gloo pairs, one
 per rank, each between rank r of the source and rank r of the destination (``vllm_worker.RankKv``), all
 found under the pair's key in this instance's rendezvous store. A send or receive asks every rank to start

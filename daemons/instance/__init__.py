@@ -3,7 +3,7 @@
 The llumlet owns the step loop: between steps it applies the requests and aborts that proxies sent, after
 each step it pushes every token straight to the proxy that owns the request, and it reports load to the
 manager on change (coalesced to a bounded rate) and at least once per heartbeat interval. It runs live
-migrations in and out (daemons/migration.py); their engine calls wait for a step boundary (``boundary``).
+migrations in and out (daemons/migration/); their engine calls wait for a step boundary (``boundary``).
 When the manager orders migrations out, the llumlet picks which requests go (policy.select_migrants).
 While draining (told by the manager, or after SIGTERM) it gives queued requests that produced nothing back
 to their proxies for re-dispatch, and its running requests migrate out as the manager orders.

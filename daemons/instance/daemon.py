@@ -39,7 +39,7 @@ from daemons.instance.tokens import TokenPathMixin
 
 class Instance(TokenPathMixin, IntakeMixin, StepLoopMixin, ControlMixin, OrdersMixin):
     """One engine plus its llumlet: the state below, and a mixin per concern in the file named for it; the
-    migrator (daemons/migration.py) runs the migrations in and out."""
+    migrator (daemons/migration/) runs the migrations in and out."""
 
     def __init__(self, cfg: Config, engine: Engine):
         self.cfg = cfg

@@ -37,7 +37,7 @@ def keep_for(msg: wire.MigrateStart, migrating: set[str], arrivals: dict[str, fl
 
 
 class OrdersMixin:
-    """Of the Instance: turns a MigrateStart into migrations out (daemons/migration.py runs each one)."""
+    """Of the Instance: turns a MigrateStart into migrations out (daemons/migration/ runs each one)."""
 
     async def migrate_command(self, msg: wire.MigrateStart) -> None:
         """The manager's (or an operator's) order: migrate these requests, or ``count`` of our choice."""

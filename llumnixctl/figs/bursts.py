@@ -175,7 +175,7 @@ def build_jobs(args) -> tuple[list[dict], dict]:
              "kv_bytes_per_token": 32 * 2 * 32 * 128 * 2, "bin_s": BIN_S,
              "caps_note": "the simulator runs the manager, so scheduling.max_migrations_per_instance (orders in "
                           "flight per instance, as source or destination) binds here; migration.max_in_flight is "
-                          "the instance daemon's own semaphore (daemons/migration.py), which the simulator does not "
+                          "the instance daemon's own semaphore (daemons/migration/), which the simulator does not "
                           "run, so it is set alike but only the manager's cap acts. bandwidth_limit_mbps caps each "
                           "copy (MB/s) below the 16 Gbit/s link"}
     return jobs, setup

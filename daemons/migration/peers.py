@@ -1,0 +1,134 @@
+"""The sockets between instances: one DEALER per destination (its replies routed to their migrations, its
+drop watched), the messages a source receives as a destination, and prefix queries (which leading blocks
+a destination holds already, so they stay out of the copy)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import zmq
+import zmq.asyncio
+import zmq.utils.monitor
+
+from daemons import runtime, wire
+from daemons.engine.base import EngineError
+from daemons.migration.records import GONE, PREFIX_QUERY_TIMEOUT_S, Aborted, Incoming, Outgoing, Refused
+from daemons.migration.telemetry import M_IN_FLIGHT
+
+log = logging.getLogger("llumnix.migration")
+
+
+class PeersMixin:
+    """Of the Migrator: owns ``peers`` and the prefix queries."""
+
+    def _peer(self, address: str) -> zmq.asyncio.Socket:
+        sock = self.peers.get(address)
+        if sock is None:
+            sock = self.peers[address] = self.inst.sec.client(runtime.tune(self.inst.ctx.socket(zmq.DEALER)), "instance")
+            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            sock.connect(address)
+            self.spawn(self._read_peer(sock))
+            self.spawn(self._watch_peer(address, monitor))
+        return sock
+
+    async def _watch_peer(self, address: str, monitor) -> None:
+        """A destination that dies drops its connection (the kernel closes it): end the waits of our
+        migrations to it at once rather than after migration.timeout_s, while the request is suspended."""
+        try:
+            while True:
+                event = await zmq.utils.monitor.recv_monitor_message(monitor)
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    for out in self.outgoing.values():
+                        if out.dst_address == address:
+                            out.replies.put_nowait(GONE)
+        finally:
+            monitor.close(0)
+
+    async def _read_peer(self, sock) -> None:
+        while True:
+            msg = wire.decode(await sock.recv())
+            if isinstance(msg, (wire.MigReady, wire.MigDone)):
+                out = self.outgoing.get(msg.mig_id)
+                if out is not None:
+                    out.replies.put_nowait(msg)
+            elif isinstance(msg, wire.PrefixHits):
+                waiting = self._prefix_waits.get(msg.query_id)
+                if waiting is not None and not waiting.done():
+                    waiting.set_result(msg.blocks)
+            else:
+                log.warning("dropped an unexpected message from a migration peer")
+
+    async def _reply(self, out: Outgoing, kind: type, stage: int, what: str):
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Aborted(f"destination did not answer {what} within {self.cfg.timeout_s:g}s")
+            try:
+                msg = await asyncio.wait_for(out.replies.get(), left)
+            except asyncio.TimeoutError:
+                continue
+            if msg is GONE:
+                raise Aborted(f"the connection to the destination dropped while waiting for {what} (did it die?)")
+            if isinstance(msg, kind) and msg.stage == stage:
+                if not msg.ok:
+                    raise Refused(f"destination refused: {msg.reason}")
+                return msg
+
+    def on_peer_message(self, identity: bytes, msg) -> None:
+        if isinstance(msg, wire.MigStage):
+            inc = self.incoming.get(msg.mig_id)
+            if inc is None:
+                if msg.stage != 0 or msg.request is None:
+                    self._answer(identity, wire.MigReady(msg.mig_id, msg.stage, False, "unknown migration (released?)"))
+                    return
+                refusal = self._refusal(msg)
+                if refusal:
+                    self._answer(identity, wire.MigReady(msg.mig_id, msg.stage, False, refusal))
+                    return
+                inc = self.incoming[msg.mig_id] = Incoming(msg.mig_id, msg.request.request_id, identity, msg.src, msg.request)
+                M_IN_FLIGHT.labels("destination").inc()
+                self.spawn(self._watch(inc))
+            inc.last_heard = time.monotonic()
+            self.spawn(self._stage_in(inc, msg))
+        elif isinstance(msg, wire.MigAbort):
+            inc = self.incoming.get(msg.mig_id)
+            if inc is not None:
+                inc.aborted = True  # a commit waiting for its step boundary will not happen
+                log.info("migration of %s from %s aborted by the source: %s", inc.request_id, inc.src, msg.reason)
+                self.spawn(self._end_in(inc))
+        elif isinstance(msg, wire.PrefixQuery):
+            self.spawn(self._answer_prefix(identity, msg))
+
+    # ---------------------------------------------------------------- what a move would not need to send
+
+    async def prefix_hits(self, dst_address: str, prompts: list[list[int]]) -> list[int]:
+        """Of each prompt, the leading full blocks the destination's prefix cache holds: blocks a migration
+        there would not send. Zeros where the destination does not answer within PREFIX_QUERY_TIMEOUT_S."""
+        self._prefix_queries += 1
+        qid = self._prefix_queries
+        waiting = self._prefix_waits[qid] = asyncio.get_running_loop().create_future()
+        try:
+            runtime.send_now(self._peer(dst_address), wire.encode(wire.PrefixQuery(qid, prompts)))
+            blocks = await asyncio.wait_for(waiting, PREFIX_QUERY_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            log.info("%s did not say within %gs what of %d prompt(s) it holds; choosing as if nothing",
+                     dst_address, PREFIX_QUERY_TIMEOUT_S, len(prompts))
+            return [0] * len(prompts)
+        finally:
+            self._prefix_waits.pop(qid, None)
+        if len(blocks) != len(prompts):
+            log.warning("%s answered a prefix query about %d prompts with %d counts; ignored",
+                        dst_address, len(prompts), len(blocks))
+            return [0] * len(prompts)
+        return [max(0, int(b)) for b in blocks]
+
+    async def _answer_prefix(self, identity: bytes, msg: wire.PrefixQuery) -> None:
+        try:
+            blocks = await self.boundary(lambda: self.engine.prefix_hits(msg.prompts))
+        except EngineError as exc:  # a prompt this engine cannot hash (out of its vocabulary)
+            log.info("prefix query: %s", exc)
+            blocks = [0] * len(msg.prompts)
+        self._answer(identity, wire.PrefixHits(msg.query_id, blocks))

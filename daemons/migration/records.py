@@ -1,0 +1,70 @@
+"""What a migration is made of: its outcomes as exceptions, what the migrator needs of its instance, and
+the state of one move on each side."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import zmq.asyncio
+
+from daemons import wire
+from daemons.proxylinks import ProxyLinks
+from daemons.security import Security
+
+
+class Aborted(Exception):
+    """Ends a migration; the message is the reason reported to the operator."""
+
+
+class Refused(Aborted):
+    """The destination said no: it holds no copy of the request."""
+
+
+class Host(Protocol):
+    """What the migrator needs of its instance (daemons/instance/)."""
+
+    ctx: zmq.asyncio.Context
+    sec: Security
+    instance_id: str
+    request_address: str
+    accepting: bool
+    draining: str
+    wake: asyncio.Event
+    proxies: ProxyLinks
+
+    def reply_peer(self, identity: bytes, msg: wire.Message) -> None: ...
+
+    def announce_move(self, request_id: str, address: str, instance_id: str, request_address: str, epoch: int,
+                      from_index: int) -> None: ...
+
+    def abort_local(self, request_id: str) -> bool: ...
+
+
+@dataclass
+class Outgoing:
+    mig_id: str
+    dst_address: str = ""
+    replies: asyncio.Queue = field(default_factory=asyncio.Queue)  # MigReady / MigDone / GONE from the destination
+
+
+PREFIX_QUERY_TIMEOUT_S = 1.0  # a destination that does not answer is taken to hold nothing
+GONE = object()  # put in a migration's replies when the connection to its destination drops
+
+
+@dataclass
+class Incoming:
+    mig_id: str
+    request_id: str
+    identity: bytes  # the source's socket identity on our ROUTER: replies go there
+    src: str
+    request: wire.MigratingRequest
+    pair: object = None
+    last_heard: float = field(default_factory=time.monotonic)
+    busy: asyncio.Lock = field(default_factory=asyncio.Lock)  # stages of one migration run one at a time
+    receiving: asyncio.Future | None = None  # a Gloo receive that may still write our blocks
+    ids: list[int] = field(default_factory=list)  # the blocks reserved so far, in token order
+    ended: bool = False
+    aborted: bool = False  # the source sent MigAbort: never commit

@@ -1,0 +1,17 @@
+"""Migration metrics (exported by the instance)."""
+
+from __future__ import annotations
+
+from daemons import metrics
+
+M_MIGRATIONS = metrics.counter("instance", "llumnix_migrations_total", "Migrations out of this instance, by outcome",
+                               ["outcome"], preset=[("committed",), ("aborted",)])
+M_DOWNTIME = metrics.histogram("instance", "llumnix_migration_downtime_seconds",
+                               "Time a committed migration kept its request suspended",
+                               buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
+M_DURATION = metrics.histogram("instance", "llumnix_migration_seconds", "Duration of migrations out, start to outcome",
+                               buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
+M_BYTES = metrics.counter("instance", "llumnix_migration_bytes_total", "KV bytes moved, by direction", ["direction"],
+                          preset=[("out",), ("in",)])
+M_IN_FLIGHT = metrics.gauge("instance", "llumnix_migrations_in_flight", "Migrations in progress, by role", ["role"],
+                            preset=[("source",), ("destination",)])
