@@ -5,10 +5,11 @@
 # With none, the suite runs in three parts; all three run even when one fails, and the exit status is the
 # first non-zero one:
 #   1. the tests that start no daemon and no engine (not marked e2e), on every core (pytest-xdist);
-#   2. the e2e tests (they start daemons or engines) on two workers, each module whole on one worker; the
-#      modules with vLLM engines (or network namespaces) one after another on the same worker
-#      (tests/conftest.py: SERIAL_GROUPS), the sim ones beside them;
-#   3. the e2e tests marked alone (they measure real time), one at a time with nothing beside them.
+#   2. the e2e tests (they start daemons or engines) in two streams side by side, each a pytest run that takes
+#      its modules one at a time: the modules with vLLM engines or network namespaces (HEAVY below: two vLLM
+#      clusters at once would want more than two cores, and the namespaces' names and addresses are fixed)
+#      with a few sim ones, and the other sim modules. Stream 1 prints when it ends, stream 2 as it goes;
+#   3. the e2e tests marked alone (they measure real time), with nothing beside them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
@@ -17,14 +18,35 @@ PYTEST=(.venv/bin/python -m pytest -q)
 if [ $# -gt 0 ]; then
   exec "${PYTEST[@]}" "$@"
 fi
-mapfile -t serial < <(grep -l -E 'pytest\.mark\.e2e' tests/test_*.py)
+HEAVY=(tests/test_e2e_vllm.py tests/test_e2e_vllm_migration.py tests/test_e2e_vllm_tp.py tests/test_vllm_engine.py
+       tests/test_bench_serve.py tests/test_multihost.py tests/test_netns.py
+       tests/test_e2e_cluster.py tests/test_steadiness.py)  # the last two even out the streams' lengths
+mapfile -t e2e < <(grep -l -E 'pytest\.mark\.e2e' tests/test_*.py)
+heavy=() light=()
+for m in "${e2e[@]}"; do
+  if [[ " ${HEAVY[*]} " == *" $m "* ]]; then heavy+=("$m"); else light+=("$m"); fi
+done
 workers=$(nproc 2>/dev/null || echo 2)
 [ "$workers" -ge 2 ] || workers=2
 rc=0
+keep() { [ "$rc" != 0 ] || rc=$1; }
 echo "== tests without daemons, on $workers workers" >&2
-"${PYTEST[@]}" -n "$workers" -m "not e2e" tests/ || rc=$?
-echo "== tests with daemons or engines, on 2 workers, each module whole (${#serial[@]} modules)" >&2
-"${PYTEST[@]}" -n 2 --dist loadgroup --durations=25 -m "e2e and not alone" "${serial[@]}" || { s=$?; [ "$rc" != 0 ] || rc=$s; }
+"${PYTEST[@]}" -n "$workers" -m "not e2e" tests/ || keep $?
+tmp=$(mktemp -d)
+one=""
+trap '[ -z "$one" ] || kill -INT "$one" 2>/dev/null || true; rm -rf "$tmp"' EXIT
+echo "== tests with daemons or engines: ${#heavy[@]} modules (stream 1) beside ${#light[@]} (stream 2)" >&2
+"${PYTEST[@]}" --basetemp="$tmp/1" --durations=15 -m "e2e and not alone" "${heavy[@]}" > "$tmp/stream1.log" 2>&1 &
+one=$!
+"${PYTEST[@]}" --basetemp="$tmp/2" --durations=15 -m "e2e and not alone" "${light[@]}" || keep $?
+s1=0
+wait "$one" || s1=$?
+one=""
+echo "== stream 1 (${heavy[*]#tests/})" >&2
+cat "$tmp/stream1.log"
+keep "$s1"
 echo "== tests that measure real time, alone" >&2
-"${PYTEST[@]}" --durations=5 -m "e2e and alone" "${serial[@]}" || { s=$?; [ "$rc" != 0 ] || rc=$s; }
+one=""
+mapfile -t alone < <(grep -l -E 'pytest\.mark\.alone' "${e2e[@]}")
+"${PYTEST[@]}" --basetemp="$tmp/3" --durations=5 -m "e2e and alone" "${alone[@]}" || keep $?
 exit "$rc"

@@ -162,28 +162,6 @@ def _daemons_only_where_marked(request, monkeypatch):
     assert not daemons, f"started daemons without pytest.mark.e2e on the test or its module: {daemons}"
 
 
-# ------------------------------------------------------------------ how scripts/test.sh spreads the e2e tests
-
-# The e2e tests run on two workers (pytest-xdist, --dist loadgroup), each module whole on one worker (its
-# clusters are module fixtures). The modules that run vLLM engines share one group: two vLLM clusters at
-# once would need more than this machine's two cores; the netns ones are with them (their namespaces and
-# addresses are fixed). The sim modules spread over both workers beside them.
-SERIAL_GROUPS = {
-    "vllm": {"test_e2e_vllm.py", "test_e2e_vllm_migration.py", "test_e2e_vllm_tp.py", "test_vllm_engine.py",
-             "test_bench_serve.py", "test_multihost.py", "test_netns.py"},
-}
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups (it suffixes node ids with them)
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.get_closest_marker("e2e") is None or item.get_closest_marker("xdist_group") is not None:
-            continue
-        module = item.path.name
-        group = next((g for g, members in SERIAL_GROUPS.items() if module in members), module)
-        item.add_marker(pytest.mark.xdist_group(group))
-
-
 # ------------------------------------------------------------------ what the daemons said, when a test fails
 
 DAEMON_LOG_LINES = 60
