@@ -96,6 +96,7 @@ def start_cluster(tmp_path_factory):
         started.append(cluster)
         return cluster
 
+    start.started = started  # what a failure report reads the daemons' warnings from
     yield start
     for cluster in started:
         cluster.stop()
@@ -188,7 +189,10 @@ def pytest_runtest_makereport(item, call):
     report = yield
     if report.failed:
         seen = set()
+        clusters = []
         for value in getattr(item, "funcargs", {}).values():
+            clusters += getattr(value, "started", None) or [value]  # start_cluster: the clusters it started
+        for value in clusters:
             run_dir = getattr(value, "run_dir", None)
             # Duck-typed: tests import tests.conftest, pytest loads this file as conftest (two Cluster classes).
             if run_dir is not None and hasattr(value, "state") and run_dir not in seen:

@@ -195,7 +195,7 @@ class SourceMixin:
         try:
             sent = await asyncio.wait_for(sending, self.cfg.timeout_s + nbytes / rate)
         except (TransferError, asyncio.TimeoutError) as exc:
-            raise Aborted(f"KV transfer failed: {exc or 'timed out'}") from None
+            raise Aborted(f"KV transfer failed: {str(exc) or 'timed out'}") from None
         M_BYTES.labels("out").inc(sent)
         return sent
 
