@@ -17,7 +17,9 @@ One concern per file:
 - ``liveness.py``: connections watched and reports timed: late, dead;
 - ``dispatch.py``: dispatch decisions and the pending-dispatch ledger;
 - ``queries.py``: request listings fanned out to the instances, policy changes;
-- ``rescheduler.py``: migration orders (its own and operators'), drain and remove, auto-scaling;
+- ``rescheduler.py``: migration orders (its own and operators');
+- ``lifecycle.py``: drain and cordon, remove, add (the rescheduler's);
+- ``scaling.py``: auto-scaling (the rescheduler's);
 - ``launcher.py``: starting instances for scale-out and ``llumnixctl add``.
 """
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 import time
 from collections import Counter as Tally
 from typing import TYPE_CHECKING
@@ -21,7 +20,9 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from daemons import metrics, policy, wire
-from daemons.manager.launcher import LaunchError, Launcher
+from daemons.manager.launcher import Launcher
+from daemons.manager.lifecycle import LifecycleMixin
+from daemons.manager.scaling import ScalingMixin
 
 if TYPE_CHECKING:
     from daemons.manager import InstanceRecord, Manager
@@ -32,17 +33,16 @@ M_ORDERED = metrics.counter("manager", "llumnix_manager_migrations_total",
                             "Manager-ordered migrations that ended, by reason and outcome", ["reason", "outcome"])
 M_ORDERS_IN_FLIGHT = metrics.gauge("manager", "llumnix_manager_migrations_in_flight",
                                    "Requests the manager ordered to migrate, not yet reported")
-M_SCALING = metrics.counter("manager", "llumnix_manager_scaling_total", "Auto-scaling actions, by direction",
-                            ["direction"], preset=[("out",), ("in",)])
-M_CLUSTER_FREENESS = metrics.gauge("manager", "llumnix_cluster_freeness",
-                                   "Average freeness of the normal-priority load (the auto-scaling signal)")
 M_PAIRING_ROUND = metrics.histogram("manager", "llumnix_manager_pairing_round_seconds",
                                     "Duration of one pairing round: pair the instances and send the migration orders",
                                     buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1,
                                              0.25, 0.5, 1.0, 2.5))
 
 
-class Rescheduler:
+class Rescheduler(LifecycleMixin, ScalingMixin):
+    """Migration orders here (the pairing loop, operators' migrations, their results); drains, removals and
+    additions in lifecycle.py; auto-scaling in scaling.py."""
+
     def __init__(self, manager: Manager):
         self.m = manager
         self.sc = manager.cfg.scheduling
@@ -204,171 +204,3 @@ class Rescheduler:
                 r.orders = max(0, r.orders + count)
         self.in_flight += count
         M_ORDERS_IN_FLIGHT.set(self.in_flight)
-
-    # ------------------------------------------------------------------ drain, cordon, remove
-
-    def tell(self, r: InstanceRecord) -> None:
-        now = self.m.clock.monotonic()
-        elsewhere = any(x is not r and self.m.state(x, now).dispatchable for x in self.m.instances.values())
-        self.m.send(r, wire.SetDraining(bool(r.drain_reason), r.drain_reason, r.cordoned, elsewhere))
-        self.m.update_gauges(r)
-
-    def on_drain(self, msg: wire.DrainQuery) -> wire.Message:
-        r = self.m.instances.get(msg.instance_id)
-        if r is None:
-            return wire.ErrorReply(msg.query_id, f"unknown instance {msg.instance_id!r} (see llumnixctl status)")
-        if r.state == "dead":
-            return wire.ErrorReply(msg.query_id, f"instance {msg.instance_id} is dead (see llumnixctl status)")
-        verb = ("cordon" if msg.drain else "uncordon") if msg.cordon_only else ("drain" if msg.drain else "undrain")
-        if msg.cordon_only:
-            r.cordoned = msg.drain
-        elif msg.drain:
-            r.drain_reason = r.drain_reason or "operator"
-        else:
-            if r.state == "stopping":
-                return wire.ErrorReply(msg.query_id, f"instance {msg.instance_id} is stopping; it cannot be undrained")
-            r.drain_reason = ""  # a remove or scale-in waiting on it gives up
-        log.info("instance %s: %s (llumnixctl)", r.instance_id, verb)
-        self.tell(r)
-        now = self.m.clock.monotonic()
-        return wire.DrainReply(msg.query_id, next(v for v in self.m.view(now) if v.instance_id == r.instance_id))
-
-    async def on_remove(self, msg: wire.RemoveQuery) -> wire.Message:
-        r = self.m.instances.get(msg.instance_id)
-        if r is None:
-            return wire.ErrorReply(msg.query_id, f"unknown instance {msg.instance_id!r} (see llumnixctl status)")
-        if r.state == "dead":
-            self.m.forget(r, "removed by llumnixctl (it was dead)")
-            return wire.RemoveReply(msg.query_id, msg.instance_id, 0.0, was_dead=True)
-        outcome = await self.retire(msg.instance_id, "remove", msg.timeout_s)
-        if isinstance(outcome, str):
-            return wire.ErrorReply(msg.query_id, outcome)
-        drained_s, migrated = outcome
-        return wire.RemoveReply(msg.query_id, msg.instance_id, round(drained_s, 3), migrated)
-
-    def resume_retirement(self, r: InstanceRecord) -> None:
-        """An instance that was being removed or scaled in when the manager restarted: finish the job."""
-        log.info("instance %s was being retired (%s) before we restarted; going on", r.instance_id, r.drain_reason)
-        if r.drain_reason == "scale-in":
-            self.m.spawn(self.scale_in(r.instance_id))
-        else:
-            self.m.spawn(self.retire(r.instance_id, r.drain_reason, self.scfg.launch_timeout_s))
-
-    async def retire(self, instance_id: str, reason: str, timeout_s: float,
-                     undrain_on_timeout: bool = False) -> tuple[float, int] | str:
-        """Drain the instance until nothing is left on it, then tell it to stop and wait until it said
-        goodbye. Returns (seconds drained, migrations out that committed) or why it did not happen."""
-        r = self.m.instances[instance_id]
-        if instance_id in self.retiring:
-            return f"instance {instance_id} is already being removed"
-        self.retiring.add(instance_id)
-        try:
-            start = self.m.clock.monotonic()
-            committed0 = r.load.migrations_committed
-            if r.drain_reason in ("", "operator"):
-                r.drain_reason = reason
-            self.tell(r)
-            log.info("instance %s: draining for %s", instance_id, reason)
-            poll = min(0.05, self.m.mc.heartbeat_interval_s / 4)
-            while True:
-                r = self.m.instances.get(instance_id)
-                if r is None or r.state == "dead":
-                    return f"instance {instance_id} went away while draining"
-                if not r.draining:
-                    return f"instance {instance_id} was undrained before it was empty; not stopped"
-                ld = r.load
-                if ld.running == ld.waiting == ld.migrating_out == ld.migrating_in == 0 and not r.pending and not r.orders:
-                    break
-                if self.m.clock.monotonic() - start > timeout_s:
-                    if undrain_on_timeout:
-                        r.drain_reason = ""
-                        self.tell(r)
-                    return (f"instance {instance_id} still has {ld.running} running and {ld.waiting} queued requests "
-                            f"after {timeout_s:g}s; " + ("it serves again" if undrain_on_timeout else
-                                                         f"it stays draining (llumnixctl undrain {instance_id} to cancel)"))
-                await asyncio.sleep(poll)
-            drained_s = self.m.clock.monotonic() - start
-            migrated = r.load.migrations_committed - committed0
-            log.info("instance %s drained in %.2fs (%d migrations out); telling it to stop", instance_id, drained_s, migrated)
-            self.m.send(r, wire.Shutdown(reason))
-            deadline = self.m.clock.monotonic() + max(10.0, 4 * self.m.dead_after())
-            while self.m.clock.monotonic() < deadline:
-                r = self.m.instances.get(instance_id)
-                if r is None or r.state != "alive":
-                    return drained_s, migrated
-                await asyncio.sleep(poll)
-            return f"instance {instance_id} was drained but did not stop within {deadline - start - drained_s:.0f}s"
-        finally:
-            self.retiring.discard(instance_id)
-
-    # ------------------------------------------------------------------ adding instances
-
-    async def on_add(self, msg: wire.AddQuery) -> wire.Message:
-        if not self.scfg.launcher.strip():
-            return wire.ErrorReply(msg.query_id, "no launcher is configured: set scaling.launcher in the manager's "
-                                                 "config (e.g. \"systemctl start llumnix-instance@{n}\")")
-        results = await asyncio.gather(*(self.launcher.launch(msg.timeout_s) for _ in range(max(1, msg.count))),
-                                       return_exceptions=True)
-        ids = [x for x in results if isinstance(x, str)]
-        errors = [str(x) for x in results if isinstance(x, LaunchError)]
-        unexpected = [x for x in results if isinstance(x, BaseException) and not isinstance(x, LaunchError)]
-        for exc in unexpected:
-            log.error("launch failed unexpectedly: %r", exc)
-            errors.append(f"internal error: {exc!r}")
-        if errors:
-            started = f" (started: {', '.join(ids)})" if ids else ""
-            return wire.ErrorReply(msg.query_id, "; ".join(errors) + started)
-        return wire.AddReply(msg.query_id, ids)
-
-    # ------------------------------------------------------------------ auto-scaling
-
-    async def scaling_loop(self) -> None:
-        period = min(1.0, self.m.mc.heartbeat_interval_s)
-        while True:
-            await asyncio.sleep(period)
-            self.scale_once(self.m.clock.monotonic())
-
-    def scaling_decision(self, now: float, launching: int) -> tuple[str | None, float | None, int, list]:
-        """(decision "up"/"down"/None, the average freeness, instances serving, the states) from the
-        current view; the virtual-time simulator (llumnixctl/simulate.py) runs this too."""
-        states = [self.m.state(r, now) for r in self.m.instances.values()]
-        avg = policy.average_freeness(states)
-        M_CLUSTER_FREENESS.set(math.nan if avg is None else avg)
-        serving = len(policy.scaling.serving(states))
-        if self.m.scaling_policy == "off":
-            self.scaler.reset()
-            return None, avg, serving, states
-        return self.scaler.observe(now, avg, serving, launching), avg, serving, states
-
-    def scale_once(self, now: float) -> str | None:
-        decision, avg, serving, states = self.scaling_decision(now, len(self.launcher.launches))
-        if decision == "up":
-            if not self.scfg.launcher.strip():
-                log.warning("auto-scaling wants another instance, but scaling.launcher is empty")
-                return None
-            log.info("auto-scaling out: average freeness %s, %d serving", "n/a" if avg is None else f"{avg:.2f}", serving)
-            self.m.spawn(self._scale_out())
-        elif decision == "down":
-            victim = policy.scale_in_victim(states)
-            if victim is None:
-                return None
-            log.info("auto-scaling in: average freeness %.2f, %d serving; retiring %s", avg, serving, victim)
-            self.m.spawn(self.scale_in(victim))
-        return decision
-
-    async def scale_in(self, instance_id: str) -> None:
-        outcome = await self.retire(instance_id, "scale-in", self.scfg.launch_timeout_s, undrain_on_timeout=True)
-        if isinstance(outcome, str):
-            log.warning("auto-scaling in: %s", outcome)
-            return
-        self.scale_ins += 1
-        M_SCALING.labels("in").inc()
-
-    async def _scale_out(self) -> None:
-        try:
-            await self.launcher.launch()
-        except LaunchError as exc:
-            log.warning("auto-scaling out failed: %s", exc)
-            return
-        self.scale_outs += 1
-        M_SCALING.labels("out").inc()
