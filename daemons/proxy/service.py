@@ -1,44 +1,42 @@
 """The proxy's request logic, whichever HTTP path calls it (daemons/proxy/fastpath.py, or FastAPI's routes in
 daemons/proxy/app.py): a completion or chat request is checked, tokenized, dispatched over the cluster
-(daemons/proxy/cluster.py) and its tokens rendered (daemons/proxy/render.py); also the other routes' answers
-(models, tokenize, detokenize, health) and the access log."""
+(daemons/proxy/cluster.py) and its tokens rendered (daemons/proxy/render.py), with the access log. What a
+request must be is in checks.py, how its answer goes out in output.py, the other routes (models, tokenize,
+detokenize, health) in routes.py."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 import weakref
-from typing import AsyncIterator
 
 import msgspec
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response
 
 from daemons import metrics, wire
 from daemons.config import Config
 from daemons.proxy.apikeys import ApiKeys
+from daemons.proxy.checks import ChecksMixin
 from daemons.proxy.cluster import M_REJECTED, ClusterClient, NoInstance, Overloaded, Stream
 from daemons.proxy.fastpath import Call, Reply
-from daemons.proxy.protocol import (
-    ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, decode_body, derive_seed,
-    parse_priority,
-)
+from daemons.proxy.output import OutputMixin
+from daemons.proxy.protocol import ApiError, ChatRequest, CompletionRequest, decode_body, derive_seed, parse_priority
 from daemons.proxy.render import Choice, Job, token_id_text
-from daemons.proxy.tokenizer import Tokenizer, TokenizerError, load_tokenizer
+from daemons.proxy.routes import RoutesMixin
+from daemons.proxy.tokenizer import Tokenizer, load_tokenizer
 
 access_log = logging.getLogger("llumnix.access")
 
 # Defined in daemons/metrics.py, with the latencies of each request (Job.timer).
 M_INFLIGHT = metrics.P_IN_FLIGHT
-M_TOKENS = metrics.P_GENERATION_TOKENS
 
 _json = msgspec.json.encode
-_REQUEST_ID = re.compile(r"[!-~]{1,128}")  # visible ASCII: safe in logs, tables and headers
 
 
-class Proxy:
+class Proxy(ChecksMixin, OutputMixin, RoutesMixin):
+    """The request path: admit, dispatch, serve and log each request; the checks, the output and the other
+    routes are in the files named for them."""
+
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.model = cfg.model.name
@@ -49,66 +47,6 @@ class Proxy:
         self.access_log = cfg.proxy.access_log
         self.active: set[str] = set()  # ids of the requests this proxy is serving
         self.max_prompt_tokens = cfg.proxy.max_prompt_tokens  # 0: only the context limit
-
-    # ------------------------------------------------------------------ request intake
-
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model:
-            raise ApiError(404, f"The model `{model}` does not exist. This proxy serves `{self.model}`.", "model",
-                           code="model_not_found")
-
-    def _prompt_ids(self, req: CompletionRequest) -> list[int]:
-        prompt = req.prompt
-        if isinstance(prompt, list) and any(isinstance(p, str) for p in prompt):
-            if len(prompt) != 1:
-                raise ApiError(400, "prompt must be a string, a list of one string, or a list of token ids; "
-                                    "send one request per prompt", "prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
-            if any(t < 0 for t in ids):
-                raise ApiError(400, "token ids in prompt must be >= 0", "prompt")
-        if not ids:
-            raise ApiError(400, "prompt is empty", "prompt")
-        return ids
-
-    def _chat_prompt(self, req: ChatRequest | TokenizeRequest, add_generation_prompt: bool) -> str:
-        try:
-            return self.tokenizer.apply_chat_template(req.prompt_messages(), add_generation_prompt,
-                                                      req.chat_template_kwargs)
-        except TokenizerError as exc:
-            raise ApiError(400, str(exc), "messages") from None
-
-    def _limits(self, prompt_len: int, max_tokens: int | None, default: int | None, prompt_param: str) -> int:
-        if self.max_prompt_tokens and prompt_len > self.max_prompt_tokens:
-            raise ApiError(400, f"This proxy accepts prompts of at most {self.max_prompt_tokens} tokens "
-                                f"(proxy.max_prompt_tokens). However, your prompt has {prompt_len} tokens.",
-                           prompt_param, code="prompt_too_long")
-        room = self.max_model_len - prompt_len
-        if room < 1:
-            raise ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                                f"prompt has {prompt_len} tokens, leaving no room for output.", prompt_param)
-        if max_tokens is None:
-            max_tokens = room if default is None else min(default, room)
-        if prompt_len + max_tokens > self.max_model_len:
-            raise ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                                f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} "
-                                f"for the completion). Please reduce the prompt or max_tokens.", "max_tokens")
-        return max_tokens
-
-    def _request_id(self, call: Call) -> str | None:
-        """The client's x-request-id, validated (None when there is none)."""
-        value = call.headers.get("x-request-id")
-        if value is None:
-            return None
-        if not _REQUEST_ID.fullmatch(value):
-            raise ApiError(400, "x-request-id must be 1 to 128 visible ASCII characters (no spaces)", "x-request-id",
-                           code="invalid_request_id")
-        call.echo_id = value
-        return value
-
     async def handle(self, call: Call, chat: bool) -> Reply:
         """One completion or chat request; logs it once it is answered (a stream: once it ends). Raises
         ApiError for an answer that is an error."""
@@ -309,146 +247,3 @@ class Proxy:
                         rec["instance"], status, rec["prompt_tokens"], rec["completion_tokens"],
                         "-" if rec["ttft_ms"] is None else rec["ttft_ms"], rec["total_ms"], rec["finish_reason"] or "-",
                         rec["key_name"], extra=rec)
-
-    # ------------------------------------------------------------------ output
-
-    async def _collect(self, job: Job, firsts: list[list[wire.TokenOut]]) -> Choice | bool:
-        """Collect every choice's text; True when all finished, else the choice whose stream failed."""
-        for c, outs in zip(job.choices, firsts):
-            c.texts += job.consume(c, outs)
-        if len(job.choices) == 1:
-            c = job.choices[0]
-            while c.reason is None:
-                outs = await c.stream.take()
-                if not outs:
-                    return c
-                c.texts += job.consume(c, outs)
-        else:
-            pending = {asyncio.ensure_future(c.stream.take()): c for c in job.choices if c.reason is None}
-            try:
-                while pending:
-                    done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                    for fut in done:
-                        c = pending.pop(fut)
-                        outs = fut.result()
-                        if not outs:
-                            return c
-                        c.texts += job.consume(c, outs)
-                        if c.reason is None:
-                            pending[asyncio.ensure_future(c.stream.take())] = c
-            finally:
-                for fut in pending:
-                    fut.cancel()
-        M_TOKENS.inc(job.completion_tokens)
-        return True
-
-    def _stream_error(self, c: Choice) -> bytes:
-        err = ApiError(c.stream.status, c.stream.error or "request failed").body()
-        return b"data: " + _json(err) + b"\n\ndata: [DONE]\n\n"
-
-    async def _sse(self, job: Job, firsts: list[list[wire.TokenOut]]) -> AsyncIterator[bytes]:
-        M_INFLIGHT.inc()
-        sent = 0
-        pending: dict = {}
-        try:
-            head = job.first_chunks() if job.chat else b""
-            if len(job.choices) == 1:
-                c, outs = job.choices[0], firsts[0]
-                while True:
-                    chunk = head + job.render(c, outs)
-                    head = b""
-                    if c.reason is not None:
-                        yield chunk + job.end_chunks()
-                        return
-                    if chunk:
-                        yield chunk
-                    M_TOKENS.inc(c.completion_tokens - sent)
-                    sent = c.completion_tokens
-                    outs = await c.stream.take()
-                    if not outs:
-                        job.status = c.stream.status
-                        yield self._stream_error(c)
-                        return
-            for c, outs in zip(job.choices, firsts):
-                head += job.render(c, outs)
-                if c.reason is None:
-                    pending[asyncio.ensure_future(c.stream.take())] = c
-            if head:
-                yield head
-            while pending:
-                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                chunk = b""
-                for fut in done:
-                    c = pending.pop(fut)
-                    outs = fut.result()
-                    if not outs:
-                        job.status = c.stream.status
-                        yield chunk + self._stream_error(c)
-                        return
-                    chunk += job.render(c, outs)
-                    if c.reason is None:
-                        pending[asyncio.ensure_future(c.stream.take())] = c
-                if chunk:
-                    yield chunk
-                done_tokens = job.completion_tokens
-                M_TOKENS.inc(done_tokens - sent)
-                sent = done_tokens
-            yield job.end_chunks()
-        except BaseException:
-            if job.status == 200:
-                job.status = 499  # the client went away mid-stream (or the server is stopping)
-            raise
-        finally:
-            for fut in pending:
-                fut.cancel()
-            M_TOKENS.inc(job.completion_tokens - sent)
-            M_INFLIGHT.dec()
-            self._end(job)
-            self._access(job, job.chat, job.arrival, job.status)
-
-    # ------------------------------------------------------------------ other routes
-
-    def model_card(self) -> dict:
-        return {"id": self.model, "object": "model", "created": 0, "owned_by": "llumnix", "root": self.model,
-                "max_model_len": self.max_model_len}
-
-    def models(self) -> dict:
-        return {"object": "list", "data": [self.model_card()]}
-
-    def model_info(self, model_id: str) -> dict:
-        if model_id != self.model:
-            raise ApiError(404, f"The model `{model_id}` does not exist. This proxy serves `{self.model}`.", "model",
-                           code="model_not_found")
-        return self.model_card()
-
-    async def tokenize(self, request: Request) -> Response:
-        req = decode_body(await request.body(), TokenizeRequest)
-        self._check_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise ApiError(400, "give either `prompt` or `messages`", "prompt" if req.prompt is None else "messages")
-        if req.messages is not None:
-            text = self._chat_prompt(req, req.add_generation_prompt)
-            ids = self.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
-        else:
-            ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
-        body = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
-                "token_strs": [self.tokenizer.token_str(t) for t in ids] if req.return_token_strs else None}
-        return JSONResponse(body)
-
-    async def detokenize(self, request: Request) -> Response:
-        req = decode_body(await request.body(), DetokenizeRequest)
-        self._check_model(req.model)
-        vocab = self.tokenizer.vocab_size
-        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ApiError(400, f"token id {bad} is out of range for this model's vocabulary (0..{vocab - 1})", "tokens")
-        return JSONResponse({"prompt": self.tokenizer.decode_all(req.tokens)})
-
-    def health(self) -> Response:
-        alive = len(self.cluster.alive())
-        body = {"status": "ok" if alive else "unavailable", "instances_alive": alive,
-                "manager": "ok" if self.cluster.manager_ok() else "unreachable"}
-        return JSONResponse(body, status_code=200 if alive else 503)
-
-
-# ---------------------------------------------------------------------- the OpenAPI document

@@ -1,0 +1,73 @@
+"""What a completion or chat request must be before it is dispatched: the model named, the prompt's token ids
+(text, ids or chat messages through the tokenizer), the length limits, the client's request id."""
+
+from __future__ import annotations
+
+import re
+
+from daemons.proxy.fastpath import Call
+from daemons.proxy.protocol import ApiError, ChatRequest, CompletionRequest, TokenizeRequest
+from daemons.proxy.tokenizer import TokenizerError
+
+_REQUEST_ID = re.compile(r"[!-~]{1,128}")  # visible ASCII: safe in logs, tables and headers
+
+
+class ChecksMixin:
+    """Of the Proxy: reads ``tokenizer`` and the limits; raises ApiError (a 4xx body) for what is wrong."""
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model:
+            raise ApiError(404, f"The model `{model}` does not exist. This proxy serves `{self.model}`.", "model",
+                           code="model_not_found")
+
+    def _prompt_ids(self, req: CompletionRequest) -> list[int]:
+        prompt = req.prompt
+        if isinstance(prompt, list) and any(isinstance(p, str) for p in prompt):
+            if len(prompt) != 1:
+                raise ApiError(400, "prompt must be a string, a list of one string, or a list of token ids; "
+                                    "send one request per prompt", "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            if any(t < 0 for t in ids):
+                raise ApiError(400, "token ids in prompt must be >= 0", "prompt")
+        if not ids:
+            raise ApiError(400, "prompt is empty", "prompt")
+        return ids
+
+    def _chat_prompt(self, req: ChatRequest | TokenizeRequest, add_generation_prompt: bool) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(req.prompt_messages(), add_generation_prompt,
+                                                      req.chat_template_kwargs)
+        except TokenizerError as exc:
+            raise ApiError(400, str(exc), "messages") from None
+
+    def _limits(self, prompt_len: int, max_tokens: int | None, default: int | None, prompt_param: str) -> int:
+        if self.max_prompt_tokens and prompt_len > self.max_prompt_tokens:
+            raise ApiError(400, f"This proxy accepts prompts of at most {self.max_prompt_tokens} tokens "
+                                f"(proxy.max_prompt_tokens). However, your prompt has {prompt_len} tokens.",
+                           prompt_param, code="prompt_too_long")
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                                f"prompt has {prompt_len} tokens, leaving no room for output.", prompt_param)
+        if max_tokens is None:
+            max_tokens = room if default is None else min(default, room)
+        if prompt_len + max_tokens > self.max_model_len:
+            raise ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                                f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} "
+                                f"for the completion). Please reduce the prompt or max_tokens.", "max_tokens")
+        return max_tokens
+
+    def _request_id(self, call: Call) -> str | None:
+        """The client's x-request-id, validated (None when there is none)."""
+        value = call.headers.get("x-request-id")
+        if value is None:
+            return None
+        if not _REQUEST_ID.fullmatch(value):
+            raise ApiError(400, "x-request-id must be 1 to 128 visible ASCII characters (no spaces)", "x-request-id",
+                           code="invalid_request_id")
+        call.echo_id = value
+        return value
