@@ -2,7 +2,7 @@
 test) advances event by event.
 
 A core reads ``clock.monotonic()`` where it would read ``time.monotonic()``; the daemons pass ``Clock()``,
-the simulator (llumnixctl/simulate.py) a ``VirtualClock``, which is also its event queue: ``call_at`` and
+the simulator (llumnixctl/experiments/simulate.py) a ``VirtualClock``, which is also its event queue: ``call_at`` and
 ``call_later`` schedule a callback at a virtual time, ``run_next`` advances the time to the earliest one and
 runs it. No module global is patched.
 """

@@ -20,7 +20,7 @@ _contexts_lock = threading.Lock()
 def _context() -> zmq.Context:
     """The process's ZeroMQ context, or one of the calling thread's own network namespace: a context's I/O
     threads connect from the namespace they started in, and tests and benchmarks put threads on other
-    "hosts" (llumnixctl/netns.py)."""
+    "hosts" (llumnixctl/lab/netns.py)."""
     try:
         here, main = os.readlink("/proc/thread-self/ns/net"), os.readlink("/proc/self/ns/net")
     except OSError:

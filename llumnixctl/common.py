@@ -14,8 +14,8 @@ from rich.console import Console
 
 from daemons import wire
 from daemons.config import ConfigError, load_config
-from llumnixctl import localcluster
 from llumnixctl.admin import AdminClient, ManagerUnreachable
+from llumnixctl.lab import localcluster
 
 out = Console(width=None if sys.stdout.isatty() else 160)  # piped: never squeeze the table
 

@@ -25,10 +25,11 @@ from rich.text import Text
 from daemons import wire
 from daemons.cli import version_callback
 from daemons.config import ConfigError, load_config, render_example, as_dict
-from llumnixctl import localcluster, operate
+from llumnixctl import operate
 from llumnixctl.admin import AdminClient, ManagerUnreachable
 from llumnixctl.common import (ConfigOpt, JsonOpt, ManagerOpt, RunDirOpt, TimeoutOpt, admin, ask, die, instance_json,
                                out, print_json, unreachable_message)
+from llumnixctl.lab import localcluster
 
 # add_completion: --install-completion / --show-completion (bash, zsh, fish, PowerShell)
 app = typer.Typer(add_completion=True, no_args_is_help=True,
@@ -414,7 +415,7 @@ def config_show(config: ConfigOpt = None,
 
 def model_settings(cfg, model: Path | None, run_dir: Path) -> list[str]:
     """--set lines that point a vllm cluster at its checkpoint: --model, else model.path, else a tiny model."""
-    from llumnixctl.model import write_tiny_model
+    from llumnixctl.lab.model import write_tiny_model
 
     path = model or (Path(cfg.model.path) if cfg.model.path else None)
     if path is None:
@@ -440,7 +441,9 @@ def full_app() -> typer.Typer:
     """The CLI with every command group (imported on first use: they pull in engines and benchmarks)."""
     global _complete
     if not _complete:
-        from llumnixctl import bench, check, keys, model, profile, simulate, traces
+        from llumnixctl import keys
+        from llumnixctl.experiments import bench, check, profile, simulate, tracefiles as traces
+        from llumnixctl.lab import model
 
         app.add_typer(bench.app, name="bench")
         app.add_typer(check.app, name="check")

@@ -13,9 +13,9 @@ from typing import Annotated, Optional
 import typer
 
 from daemons import wire
-from llumnixctl import localcluster
 from llumnixctl.admin import AdminClient
 from llumnixctl.common import ConfigOpt, JsonOpt, ManagerOpt, RunDirOpt, admin, ask, die, instance_json, out, print_json
+from llumnixctl.lab import localcluster
 
 InstanceArg = Annotated[str, typer.Argument(help="instance id (see llumnixctl status)")]
 

@@ -26,8 +26,8 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from daemons.engine.sim import sim_token_id  # noqa: E402
-from llumnixctl import localcluster  # noqa: E402
 from llumnixctl.admin import AdminClient, ManagerUnreachable  # noqa: E402
+from llumnixctl.lab import localcluster  # noqa: E402
 from llumnixctl.main import status_json  # noqa: E402
 
 VOCAB = 32000

@@ -19,8 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from llumnixctl import localcluster
 from llumnixctl.admin import AdminClient
+from llumnixctl.lab import localcluster
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -23,7 +23,7 @@ from daemons.config import SimConfig
 from daemons.engine.sim import sim_token_id
 from daemons.proxy.apikeys import ApiKeys, ApiKeysError, Principal, Unauthorized, parse
 from daemons.proxy.tokenizer import SimTokenizer
-from llumnixctl import localcluster
+from llumnixctl.lab import localcluster
 from tests.conftest import FAST, Cluster
 
 pytestmark = pytest.mark.e2e

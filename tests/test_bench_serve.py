@@ -24,7 +24,7 @@ def serve(*args: str):
     """`llumnixctl bench serve ARGS` in this process (no 3-6 s of imports per run): exit_code, stdout, stderr."""
     from typer.testing import CliRunner
 
-    from llumnixctl import bench
+    from llumnixctl.experiments import bench
 
     return CliRunner().invoke(bench.app, ["serve", *args], catch_exceptions=False)
 
@@ -138,7 +138,7 @@ class VllmServer:
     """vLLM's OpenAI server on the tiny model, started at once; ``ready()`` waits for its /health."""
 
     def __init__(self, tmp_path_factory):
-        from llumnixctl.model import write_tiny_model
+        from llumnixctl.lab.model import write_tiny_model
 
         self.model = str(write_tiny_model(tmp_path_factory.mktemp("tiny")))
         self.log = tmp_path_factory.mktemp("vllm") / "server.log"
@@ -177,7 +177,7 @@ class VllmServer:
 
     def stop(self) -> None:
         """By pid: the server, then its engine core if it outlived it (as bench engine stops its own)."""
-        from llumnixctl.bench_engine import stop_api_server
+        from llumnixctl.experiments.bench_engine import stop_api_server
 
         self._note_children()
         stop_api_server(self.proc, self.children)

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import psutil
 import pytest
 
-from llumnixctl import localcluster
 from llumnixctl.admin import AdminClient, ManagerUnreachable
+from llumnixctl.lab import localcluster
 from llumnixctl.main import status_json
 from tests.conftest import ctl, ctl_json
 from tests.streams import Stream, proxy_metric

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from llumnixctl.check import Sample, first_mismatch
+from llumnixctl.experiments.check import Sample, first_mismatch
 from tests.conftest import cli
 
 pytestmark = pytest.mark.timeout(180)

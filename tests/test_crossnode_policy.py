@@ -18,8 +18,8 @@ from daemons.policy import (INF, CrossNode, InstanceState, cross_node_budget_blo
                             crosses_hosts, pair, select_migrants, transfer_ms)
 from daemons.manager.rescheduler import Rescheduler
 from daemons.wire import RequestLoad
-from llumnixctl import localcluster
 from llumnixctl.admin import AdminClient
+from llumnixctl.lab import localcluster
 from llumnixctl.main import status_json
 from tests.conftest import FAST, ctl_json
 from tests.load import Load, Spec, failures

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from daemons.engine.sim import sim_token_id
-from llumnixctl import localcluster
+from llumnixctl.lab import localcluster
 from tests.conftest import ctl
 from tests.streams import Stream, metric, samples
 

@@ -309,7 +309,7 @@ def test_add_reports_a_failing_launcher(start_cluster):
 
 
 def test_a_restarted_manager_keeps_drains_and_cordons(start_cluster):
-    from llumnixctl import localcluster
+    from llumnixctl.lab import localcluster
 
     c = start_cluster(3, PACED)
     ctl_json("drain", "i1", "--run-dir", str(c.run_dir))

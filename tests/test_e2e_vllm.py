@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from llumnixctl import localcluster  # noqa: E402
-from llumnixctl.model import write_tiny_model  # noqa: E402
+from llumnixctl.lab import localcluster  # noqa: E402
+from llumnixctl.lab.model import write_tiny_model  # noqa: E402
 from tests.conftest import Cluster  # noqa: E402
 
 pytestmark = pytest.mark.e2e

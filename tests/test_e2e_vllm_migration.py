@@ -18,8 +18,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from llumnixctl import localcluster  # noqa: E402
-from llumnixctl.model import write_tiny_model  # noqa: E402
+from llumnixctl.lab import localcluster  # noqa: E402
+from llumnixctl.lab.model import write_tiny_model  # noqa: E402
 from tests.conftest import Cluster  # noqa: E402
 from tests.test_e2e_migration import migrate, move, settle, where  # noqa: E402
 

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from llumnixctl import localcluster
+from llumnixctl.lab import localcluster
 from tests.conftest import FAST, Cluster
 from tests.streams import proxy_metric
 

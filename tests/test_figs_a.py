@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from llumnixctl.figs import fig11, fig12, fig16, lag
+from llumnixctl.experiments.figs import fig11, fig12, fig16, lag
 
 
 def _run(mod, tmp_path, name):

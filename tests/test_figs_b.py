@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from llumnixctl.figs import bursts, fig13, fig14
+from llumnixctl.experiments.figs import bursts, fig13, fig14
 
 
 def _load(tmp_path, name: str) -> dict:

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from llumnixctl import localcluster
+from llumnixctl.lab import localcluster
 from tests.conftest import RUN_MARKER, ctl_json
 
 pytestmark = pytest.mark.e2e

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from llumnixctl import localcluster
+from llumnixctl.lab import localcluster
 from tests.streams import Stream
 from tests.test_e2e_migration import move, where
 

@@ -18,7 +18,7 @@ from safetensors.torch import load_file  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
-from llumnixctl.model import BOS, EOS, PAD, SIZES, app, kv_bytes_per_token, write_tiny_model  # noqa: E402
+from llumnixctl.lab.model import BOS, EOS, PAD, SIZES, app, kv_bytes_per_token, write_tiny_model  # noqa: E402
 
 FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
 TEXTS = [

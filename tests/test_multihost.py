@@ -1,5 +1,5 @@
 """A cluster on several "hosts" for real: network namespaces joined by veth pairs on a bridge
-(llumnixctl/netns.py, addresses from 198.18.0.0/15 inside those namespaces only), CURVE keys on every
+(llumnixctl/lab/netns.py, addresses from 198.18.0.0/15 inside those namespaces only), CURVE keys on every
 cluster socket. The manager and the proxy run on host ctl, one vLLM instance on each of i0 and i1, and
 an outsider without the cluster's keys on host x.
 
@@ -27,10 +27,10 @@ pytest.importorskip("vllm")
 from conftest import Cluster, ctl  # noqa: E402
 from daemons import runtime, security, wire  # noqa: E402
 from daemons.config import SecurityConfig  # noqa: E402
-from llumnixctl import localcluster  # noqa: E402
 from llumnixctl.admin import AdminClient  # noqa: E402
-from llumnixctl.model import write_tiny_model  # noqa: E402
-from llumnixctl.netns import Lab  # noqa: E402
+from llumnixctl.lab import localcluster  # noqa: E402
+from llumnixctl.lab.model import write_tiny_model  # noqa: E402
+from llumnixctl.lab.netns import Lab  # noqa: E402
 from tests.test_e2e_vllm_migration import BASE, PROMPT, Stream  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600),

@@ -1,4 +1,4 @@
-"""llumnixctl.netns: hosts as network namespaces on a private bridge (198.18.0.0/15), shaped with tc."""
+"""llumnixctl.lab.netns: hosts as network namespaces on a private bridge (198.18.0.0/15), shaped with tc."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from llumnixctl.netns import Lab, LabError, parse_rate
+from llumnixctl.lab.netns import Lab, LabError, parse_rate
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(Lab.unavailable() is not None, reason=Lab.unavailable() or "")]
 

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import psutil
 
-from llumnixctl import localcluster
+from llumnixctl.lab import localcluster
 
 
 def test_a_stepped_wall_clock_leaves_a_process_recognized(tmp_path, monkeypatch):

@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from llumnixctl.admin import AdminClient
-from llumnixctl.localcluster import free_port
+from llumnixctl.lab.localcluster import free_port
 from tests.streams import Stream, wait_for
 
 pytestmark = pytest.mark.e2e

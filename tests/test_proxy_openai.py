@@ -379,7 +379,7 @@ def _ends_in_partial_char(tok: HFTokenizer, vocab: int, n: int) -> str:
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from llumnixctl.model import write_tiny_model
+    from llumnixctl.lab.model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
 

@@ -42,7 +42,7 @@ def _check(case, response) -> None:
 def fuzzed(tmp_path_factory):
     """The shared cluster's settings, but steps take no model time and the context is 512 tokens: a fuzzed
     n * max_tokens cannot make the run long."""
-    from llumnixctl import localcluster
+    from llumnixctl.lab import localcluster
     from tests.conftest import FAST, Cluster
 
     run_dir = tmp_path_factory.mktemp("fuzz")

@@ -23,8 +23,8 @@ import zmq
 from conftest import FAST, Cluster, cli
 from daemons import runtime, security, wire
 from daemons.config import SecurityConfig
-from llumnixctl import localcluster
 from llumnixctl.admin import AdminClient
+from llumnixctl.lab import localcluster
 from streams import wait_for
 
 pytestmark = pytest.mark.e2e

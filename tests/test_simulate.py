@@ -13,8 +13,8 @@ from conftest import ctl
 from daemons import policy
 from daemons.config import load_config
 from daemons.engine.sim import SimEngine
-from llumnixctl import trace
-from llumnixctl.simulate import Network, simulate
+from llumnixctl.experiments import tracegen as trace
+from llumnixctl.experiments.simulate import Network, simulate
 
 # Small instances under KV pressure: preemptions happen, and pairing has sources and destinations.
 PRESSURE = ["sim.num_blocks=300", "sim.max_num_seqs=32", "instance.log_level=warning"]
@@ -85,7 +85,7 @@ def test_command_json():
     import typer
     from typer.testing import CliRunner
 
-    from llumnixctl import simulate as simulate_cmd
+    from llumnixctl.experiments import simulate as simulate_cmd
 
     app = typer.Typer()
     app.command()(simulate_cmd.command)

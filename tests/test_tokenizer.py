@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from daemons.proxy.tokenizer import HFTokenizer, SimTokenizer, TokenizerError, load_tokenizer
-from llumnixctl.model import write_tiny_model
+from llumnixctl.lab.model import write_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import statistics
 
 import pytest
 
-from llumnixctl import trace
+from llumnixctl.experiments import tracegen as trace
 
 N = 20_000
 

@@ -1,4 +1,4 @@
-"""Traces in the formats people have (llumnixctl/traces.py): the paper's mixes, the loaders, the transformations, the CLI.
+"""Traces in the formats people have (llumnixctl/experiments/tracefiles.py): the paper's mixes, the loaders, the transformations, the CLI.
 
 Small files written here in each format; values checked exactly. The ShareGPT counts come from the tiny
 model's tokenizer (trained here, nothing downloaded).
@@ -16,8 +16,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from typer.testing import CliRunner
 
-from llumnixctl import model, trace, traces
-from llumnixctl.trace import TraceRequest
+from llumnixctl.experiments import tracegen as trace, tracefiles as traces
+from llumnixctl.experiments.tracegen import TraceRequest
+from llumnixctl.lab import model
 
 runner = CliRunner()
 

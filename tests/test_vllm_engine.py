@@ -29,7 +29,7 @@ from daemons.engine.base import EngineError, EngineRequest  # noqa: E402
 from daemons.engine.vllm_backend import VllmEngine  # noqa: E402
 from daemons.engine.vllm_internals import UNTESTED_ENV, apply_workarounds  # noqa: E402
 from daemons.wire import SamplingParams, TokenOut  # noqa: E402
-from llumnixctl.model import kv_bytes_per_token, write_tiny_model  # noqa: E402
+from llumnixctl.lab.model import kv_bytes_per_token, write_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -166,7 +166,7 @@ def test_short_prompts_alone(model_dir):
 
 SMALL_HEADS = """
 import dataclasses, sys
-import llumnixctl.model as m
+import llumnixctl.lab.model as m
 from daemons.config import ModelConfig, VllmConfig
 from daemons.engine.base import EngineRequest
 from daemons.engine.vllm_backend import VllmEngine

@@ -22,11 +22,11 @@ from daemons.cli import load_or_exit
 from daemons.config import Config
 from daemons.engine import make_engine
 from daemons.engine.base import Engine, EngineError
+from daemons.instance.telemetry import M_PREEMPTIONS
 from daemons.migration import Migrator
 from daemons.proxylinks import ProxyLinks
 from daemons.requests import RequestTable
 from daemons.watchdog import Faults, Watchdog
-from daemons.instance.telemetry import M_PREEMPTIONS
 
 log = logging.getLogger("llumnix.instance")
 

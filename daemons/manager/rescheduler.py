@@ -85,7 +85,7 @@ class Rescheduler(LifecycleMixin, ScalingMixin):
 
     def plan(self, now: float, drains_only: bool = False) -> list[tuple[policy.Pair, wire.MigrateStart]]:
         """This interval's pairs and the order each source gets, from the current view (no side effects
-        but the pairing turn; the virtual-time simulator, llumnixctl/simulate.py, runs this too)."""
+        but the pairing turn; the virtual-time simulator, llumnixctl/experiments/simulate.py, runs this too)."""
         live = [r for r in self.m.instances.values() if r.state != "dead"]
         states = [dataclasses.replace(self.m.state(r, now), host=r.info.host) for r in live]
         pairs = policy.pair(states, self.sc.high_priority_headroom,

@@ -29,7 +29,7 @@ class ScalingMixin:
 
     def scaling_decision(self, now: float, launching: int) -> tuple[str | None, float | None, int, list]:
         """(decision "up"/"down"/None, the average freeness, instances serving, the states) from the
-        current view; the virtual-time simulator (llumnixctl/simulate.py) runs this too."""
+        current view; the virtual-time simulator (llumnixctl/experiments/simulate.py) runs this too."""
         states = [self.m.state(r, now) for r in self.m.instances.values()]
         avg = policy.average_freeness(states)
         M_CLUSTER_FREENESS.set(math.nan if avg is None else avg)

@@ -13,10 +13,10 @@ import zmq.utils.monitor
 from daemons.config import MigrationConfig
 from daemons.engine.base import Engine
 from daemons.kvtransfer import KvTransfer
+from daemons.migration.records import Host, Outgoing, Incoming
 from daemons.pacing import Baseline, DutyPacer
 from daemons.requests import RequestTable
 from daemons.watchdog import Faults
-from daemons.migration.records import Host, Outgoing, Incoming
 
 log = logging.getLogger("llumnix.migration")
 

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from daemons.config import load_config
-from llumnixctl.simulate import Network, simulate
-from llumnixctl.trace import TraceRequest
+from llumnixctl.experiments.simulate import Network, simulate
+from llumnixctl.experiments.tracegen import TraceRequest
 
 PAPER_LIKE = [
     "sim.block_size=16", "sim.num_blocks=1150", "sim.max_num_seqs=256", "sim.max_num_batched_tokens=4096",
@@ -84,6 +84,6 @@ def write(out_dir: Path, name: str, data: dict, plot: Callable[[Any, dict], None
 
 
 def trace_summary(trace: list[TraceRequest]) -> dict:
-    from llumnixctl import trace as trace_mod
+    from llumnixctl.experiments import tracegen as trace_mod
 
     return trace_mod.summary(trace)

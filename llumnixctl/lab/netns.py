@@ -2,7 +2,7 @@
 
 ::
 
-    from llumnixctl.netns import Lab
+    from llumnixctl.lab.netns import Lab
 
     with Lab(["ctl", "i0", "i1"]) as lab:           # 198.18.0.1, .2, .3 (198.18.0.0/15: benchmarking)
         lab.address("i0")                           # "198.18.0.2"

@@ -3,7 +3,7 @@ cost in wall-clock time, per dispatch (``Manager.on_dispatch_batch``) and per pa
 (``Rescheduler.plan``), measured around the real calls while the virtual-time simulator serves a heavy
 load on 64 instances (and on 16 for comparison), set against an instance's step time.
 
-    python -m llumnixctl.figs.fig16 [--out results] [--quick] [--requests N] [--instances N]
+    python -m llumnixctl.experiments.figs.fig16 [--out results] [--quick] [--requests N] [--instances N]
 
 Also cites results/manager_scale.json (``llumnixctl bench manager``: the real manager process over
 ZeroMQ) when it is there.
@@ -16,9 +16,9 @@ import os
 import time
 from pathlib import Path
 
-from llumnixctl.figs.common import PAPER_LIKE, PAPER_NET, trace_summary, write
-from llumnixctl.figs.fig11 import COMMON_SETS, bounds, _pct, latency, parser, run_jobs
-from llumnixctl.traces import paper_trace
+from llumnixctl.experiments.figs.common import PAPER_LIKE, PAPER_NET, trace_summary, write
+from llumnixctl.experiments.figs.fig11 import COMMON_SETS, bounds, _pct, latency, parser, run_jobs
+from llumnixctl.experiments.tracefiles import paper_trace
 
 MIX, ARRIVAL, CV, RATE16 = "M-M", "gamma", 2.0, 120
 
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
     data = {
         "figure": "fig16",
         "what": "Fig 16: the manager's wall time per dispatch and per pairing round at 64 instances, vs the step time",
-        "method": "a subclass of llumnixctl.simulate.Simulation wraps the real Manager.on_dispatch_batch and "
+        "method": "a subclass of llumnixctl.experiments.simulate.Simulation wraps the real Manager.on_dispatch_batch and "
                   "Rescheduler.plan with time.thread_time (CPU seconds: *_cpu, the ratios and busy shares use "
                   "these, as they do not depend on other processes sharing the cores) and time.perf_counter "
                   "(*_wall: real seconds, inflated by the shared machine; the simulation's clock is virtual, "

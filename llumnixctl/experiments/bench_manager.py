@@ -49,7 +49,7 @@ from rich.table import Table
 
 from daemons import wire
 from llumnixctl.admin import AdminClient, ManagerUnreachable
-from llumnixctl.localcluster import free_port
+from llumnixctl.lab.localcluster import free_port
 
 MODEL = "llumnix-emulated"
 PER_EMULATOR = 400  # emulated instances per emulator process
@@ -487,7 +487,7 @@ def run(instances: list[int], rates: list[int], seconds: float, heartbeat_s: flo
                             "heartbeat_s": heartbeat_s, "min_interval_s": 0.02,
                             "max_s": up_timeout_s + len(rates) * (seconds + 30) + 30,
                             "out": str(work / f"emu-{n}-{e}.json")}
-                    p = _spawn([py, "-m", "llumnixctl.bench_manager", "emulate", json.dumps(spec)],
+                    p = _spawn([py, "-m", "llumnixctl.experiments.bench_manager", "emulate", json.dumps(spec)],
                                log_dir / f"emulator-{n}-{e}.log", procs)
                     started.append(p.pid)
                     emus.append(p)
@@ -513,7 +513,7 @@ def run(instances: list[int], rates: list[int], seconds: float, heartbeat_s: flo
                     c_mgr, c_emu, t0 = _cpu([pm]), _cpu(pe), time.monotonic()
                     spec = {"manager": address, "rate": rate, "seconds": seconds, "grace_s": 5.0, "feeds": feeds,
                             "owner": owner, "out": str(work / f"client-{n}-{rate}.json")}
-                    cl = _spawn([py, "-m", "llumnixctl.bench_manager", "client", json.dumps(spec)],
+                    cl = _spawn([py, "-m", "llumnixctl.experiments.bench_manager", "client", json.dumps(spec)],
                                 log_dir / f"client-{n}-{rate}.log", procs)
                     started.append(cl.pid)
                     try:
@@ -655,4 +655,4 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] in ("emulate", "client"):
         (emulate if sys.argv[1] == "emulate" else client)(json.loads(sys.argv[2]))
     else:
-        sys.exit("usage: python -m llumnixctl.bench_manager emulate|client SPEC_JSON (started by llumnixctl bench manager)")
+        sys.exit("usage: python -m llumnixctl.experiments.bench_manager emulate|client SPEC_JSON (started by llumnixctl bench manager)")

@@ -33,7 +33,7 @@ import numpy as np
 import typer
 from rich.console import Console
 
-from llumnixctl import trace as trace_mod
+from llumnixctl.experiments import tracegen as trace_mod
 
 # A neutral text to tokenize once: prompts are its token ids, rotated per request and repeated to length.
 BASE_TEXT = (
@@ -273,10 +273,10 @@ def plot_cdfs(res: dict, out_dir: Path) -> list[Path]:
 
 def load_trace(path: Path, fmt: str | None, tokenizer: str | None = None, rate: float = 4.0,
                seed: int = 0) -> list[trace_mod.TraceRequest]:
-    """llumnixctl.traces.load (any of its formats; ShareGPT's text is counted with ``tokenizer`` and given
+    """llumnixctl.experiments.tracefiles.load (any of its formats; ShareGPT's text is counted with ``tokenizer`` and given
     Poisson arrivals at ``rate``); without that module, our JSONL (arrival_s, prompt_tokens, output_tokens)."""
     try:
-        from llumnixctl import traces
+        from llumnixctl.experiments import tracefiles as traces
     except ImportError:
         traces = None
     if traces is None:

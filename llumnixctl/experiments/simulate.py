@@ -46,7 +46,7 @@ from daemons import policy, stages, wire
 from daemons.clock import VirtualClock
 from daemons.config import Config, ConfigError, load_config
 from llumnixctl.common import ConfigOpt, JsonOpt, die, out, print_json
-from llumnixctl.trace import TraceRequest
+from llumnixctl.experiments.tracegen import TraceRequest
 
 
 def _engine_code() -> None:
@@ -527,12 +527,12 @@ def simulate(cfg: Config, instances: int, trace: list[TraceRequest], net: Networ
 
 def _trace(path, requests: int, rate: float, arrival: str, cv: float, prompt: tuple[int, int],
            output: tuple[int, int], alpha: float, high_fraction: float, seed: int) -> list[TraceRequest]:
-    from llumnixctl import trace as trace_mod
+    from llumnixctl.experiments import tracegen as trace_mod
 
     if path is None:
         return trace_mod.generate(requests, rate=rate, arrival=arrival, cv=cv, prompt=prompt, output=output,
                                   alpha=alpha, high_fraction=high_fraction, seed=seed)
-    from llumnixctl import traces
+    from llumnixctl.experiments import tracefiles as traces
 
     return traces.load(path)
 
@@ -560,7 +560,7 @@ def command(
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="any setting: section.key=value (sim.*, scheduling.*, migration.*, ...)")] = None,
     json_: JsonOpt = False,
 ) -> None:
-    """A cluster in virtual time, on the daemons' own scheduler and policy code (see llumnixctl/simulate.py)."""
+    """A cluster in virtual time, on the daemons' own scheduler and policy code (see llumnixctl/experiments/simulate.py)."""
     sets = list(set_ or []) + ([f"manager.dispatch_policy={policy_}"] if policy_ else [])
     try:
         cfg = load_config(config, sets)
@@ -584,7 +584,7 @@ def command(
 
 
 def result_block(res: dict) -> str:
-    from llumnixctl import bench_serve
+    from llumnixctl.experiments import bench_serve
 
     block = bench_serve.result_block({**res, "prompt_token_mismatches": 0, "short_outputs": 0,
                                       "migrations": {"committed": sum(v for k, v in res["migrations"].items()

@@ -31,7 +31,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from llumnixctl import localcluster
+from llumnixctl.lab import localcluster
 
 PROMPT = [5, 17, 300, 42, 7, 99, 12, 8]
 KV_CACHE_BYTES = 256 << 20
@@ -95,7 +95,7 @@ def _cpu(procs: list[psutil.Process]) -> float:
 def measure(url: str, procs: list[psutil.Process], tokens: int, batch: int, batch_tokens: int, repeat: int) -> dict:
     """Tokens/s of one greedy stream and of ``batch`` concurrent ones (the best of ``repeat`` each), and the
     cores ``procs`` kept busy during the best batched run."""
-    from llumnixctl.bench import _load  # bench imports this module for its command: import it when run
+    from llumnixctl.experiments.bench import _load  # bench imports this module for its command: import it when run
 
     asyncio.run(_load(url, "bench", 1, 1, 8, PROMPT, 0.0))  # warm-up
     single = 0.0
@@ -187,7 +187,7 @@ def api_server_run(path: Path, vllm: dict, run_dir: Path, tokens: int, batch: in
 
 def cluster_run(path: Path, vllm: dict, run_dir: Path, tokens: int, batch: int, batch_tokens: int,
                 repeat: int) -> dict:
-    from llumnixctl.bench import start_cluster
+    from llumnixctl.experiments.bench import start_cluster
 
     sets = [f"model.path={path.resolve()}", "model.name=bench", f"vllm.max_num_seqs={vllm['max_num_seqs']}",
             f"vllm.kv_cache_bytes={vllm['kv_cache_bytes']}", "instance.log_level=warning", "proxy.log_level=warning"]
@@ -257,7 +257,7 @@ def command(
 ) -> None:
     """vLLM through the whole cluster (proxy, manager, one instance) against vLLM's offline run and its api_server."""
     from daemons.config import VllmConfig
-    from llumnixctl.model import write_tiny_model
+    from llumnixctl.lab.model import write_tiny_model
 
     run_dir = Path(tempfile.mkdtemp(prefix="llumnix-bench-"))
     path = model or write_tiny_model(run_dir / "tiny-llama")

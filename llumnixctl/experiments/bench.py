@@ -32,9 +32,10 @@ from rich.table import Table
 
 from daemons import runtime, wire
 from daemons.config import ConfigError, load_config
-from llumnixctl import (bench_engine, bench_manager, bench_migration, bench_overload, bench_policies, bench_serve,
-                        bench_steady, localcluster)
+from llumnixctl.experiments import (bench_engine, bench_manager, bench_migration, bench_overload, bench_policies,
+                                    bench_serve, bench_steady)
 from llumnixctl.admin import AdminClient
+from llumnixctl.lab import localcluster
 
 app = typer.Typer(no_args_is_help=True, help="Benchmarks that print their figures.")
 
@@ -234,7 +235,7 @@ class _PythonClients:
         for n in [n for n in _split(connections, procs) if n]:
             args = {"host": host, "port": port, "connections": n, "seconds": seconds, "body": body.decode()}
             self.procs.append(subprocess.Popen(
-                [sys.executable, "-c", "from llumnixctl.bench import short_client_main; short_client_main()",
+                [sys.executable, "-c", "from llumnixctl.experiments.bench import short_client_main; short_client_main()",
                  json.dumps(args)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
         self.parallelism = len(self.procs)
 

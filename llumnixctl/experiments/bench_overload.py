@@ -26,8 +26,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from llumnixctl import localcluster
-from llumnixctl.bench_serve import stream_completion
+from llumnixctl.experiments.bench_serve import stream_completion
+from llumnixctl.lab import localcluster
 
 MODEL = "llumnix-sim"
 

@@ -2,10 +2,10 @@
 end-to-end; mean and P99) with and without headroom for high priority, llumnix against INFaaS++, with a
 10% high-priority share; and what the normal requests pay for it.
 
-    python -m llumnixctl.figs.fig13 [--out results/] [--quick] [--requests N] [--instances N]
+    python -m llumnixctl.experiments.figs.fig13 [--out results/] [--quick] [--requests N] [--instances N]
 
 The simulator's result has no per-priority split, so ``PrioritySimulation`` (a subclass of
-``llumnixctl.simulate.Simulation``) adds ``by_priority`` to it from its own requests.
+``llumnixctl.experiments.simulate.Simulation``) adds ``by_priority`` to it from its own requests.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 from daemons.config import load_config
-from llumnixctl.figs import common
-from llumnixctl.simulate import Network, Simulation, stats_of
-from llumnixctl.traces import paper_trace
+from llumnixctl.experiments.figs import common
+from llumnixctl.experiments.simulate import Network, Simulation, stats_of
+from llumnixctl.experiments.tracefiles import paper_trace
 
 METRICS = ("ttft", "tpot", "e2el")
 
@@ -207,7 +207,7 @@ def plot(plt, data: dict) -> None:
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="python -m llumnixctl.figs.fig13", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m llumnixctl.experiments.figs.fig13", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("results"))
     p.add_argument("--quick", action="store_true", help="a tiny version (tests)")
     p.add_argument("--requests", type=int, default=None)

@@ -205,7 +205,7 @@ def up(run_dir: Path, instances: int, backend: str, port: int, config: str | Non
 
     ``place`` (optional) maps a daemon's name (``manager``, ``proxy``, ``instance-i0``, ...) to (argv prefix,
     extra ``--set`` settings): e.g. ``(lab.prefix("i0"), ["instance.request_address=tcp://198.18.0.2:0",
-    "migration.kv_host=198.18.0.2"])`` runs that instance on another "host" (llumnixctl.netns). The extra
+    "migration.kv_host=198.18.0.2"])`` runs that instance on another "host" (llumnixctl.lab.netns). The extra
     settings come after ``sets``. ``manager_host``: the address in ``manager.address`` (every daemon and this
     function reach the manager there). The proxy is waited for at its own ``proxy.host`` (extra settings
     included), so the caller must be able to reach the manager and the proxy: run it in their namespace.

@@ -4,7 +4,7 @@ migration concurrency and bandwidth caps (``migration.max_in_flight``,
 ``scheduling.max_migrations_per_instance``, ``migration.bandwidth_limit_mbps``), and what that does to
 latency (INFaaS++, which never migrates, beside them).
 
-    python -m llumnixctl.figs.bursts [--out results/] [--quick] [--requests N] [--instances N]
+    python -m llumnixctl.experiments.figs.bursts [--out results/] [--quick] [--requests N] [--instances N]
 
 Bytes are measured where the simulator times each copy: every pre-copy stage and last stage moves its
 blocks x block size x KV bytes per token (``Simulation.kv_bytes_per_token``: 512 KiB for LLaMA-7B fp16)
@@ -20,10 +20,10 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from llumnixctl.figs import common
-from llumnixctl.figs.fig13 import run_jobs
-from llumnixctl.simulate import Simulation
-from llumnixctl.traces import paper_trace
+from llumnixctl.experiments.figs import common
+from llumnixctl.experiments.figs.fig13 import run_jobs
+from llumnixctl.experiments.simulate import Simulation
+from llumnixctl.experiments.tracefiles import paper_trace
 
 BIN_S = 1.0
 
@@ -258,7 +258,7 @@ def plot(plt, data: dict) -> None:
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="python -m llumnixctl.figs.bursts", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m llumnixctl.experiments.figs.bursts", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("results"))
     p.add_argument("--quick", action="store_true", help="a tiny version (tests)")
     p.add_argument("--requests", type=int, default=None)

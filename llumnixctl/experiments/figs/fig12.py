@@ -3,9 +3,9 @@ load (16 instances), in virtual time.
 
 Fragmentation, sampled every 100 ms of virtual time: a sample is *blocked* when some instance's queue head
 waits for room, and *fragmented* when such a head would fit in the cluster's total free KV blocks but in
-no single instance's (llumnixctl.simulate's ``sample_s``).
+no single instance's (llumnixctl.experiments.simulate's ``sample_s``).
 
-    python -m llumnixctl.figs.fig12 [--out results] [--quick] [--requests N] [--instances N]
+    python -m llumnixctl.experiments.figs.fig12 [--out results] [--quick] [--requests N] [--instances N]
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import os
 import time
 from collections import defaultdict
 
-from llumnixctl.figs.common import PAPER_LIKE, PAPER_NET, trace_summary, write
-from llumnixctl.figs.fig11 import COMMON_SETS, bounds, latency, parser, run_jobs
-from llumnixctl.traces import paper_trace
+from llumnixctl.experiments.figs.common import PAPER_LIKE, PAPER_NET, trace_summary, write
+from llumnixctl.experiments.figs.fig11 import COMMON_SETS, bounds, latency, parser, run_jobs
+from llumnixctl.experiments.tracefiles import paper_trace
 
 POLICIES = ("llumnix", "infaas++")
 SWEEP = [("M-M", "gamma", 2.0, (80, 120, 150)), ("L-L", "gamma", 2.0, (20, 30))]  # as Fig 11's gamma points

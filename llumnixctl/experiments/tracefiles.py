@@ -1,7 +1,7 @@
 """Traces in the formats people have: the paper's generated mixes, ShareGPT, BurstGPT, Azure, our JSONL.
 
 Everything here returns ``list[trace.TraceRequest]`` in arrival order, indexed 0..n-1, ready for
-``llumnixctl bench policies`` and friends (llumnixctl/trace.py has the generators this builds on).
+``llumnixctl bench policies`` and friends (llumnixctl/experiments/tracegen.py has the generators this builds on).
 
 The paper's mixes (Llumnix, OSDI'24, §6.1): input and output lengths from power-law distributions of
 short (S), medium (M) and long (L) mean, 128, 256 and 512 tokens, named input-output, e.g. "S-L" is short
@@ -58,9 +58,9 @@ from typing import Annotated, Callable, Iterable, Optional, TextIO
 
 import typer
 
-from llumnixctl import trace
 from llumnixctl.common import JsonOpt, die, out, print_json
-from llumnixctl.trace import TraceRequest
+from llumnixctl.experiments import tracegen as trace
+from llumnixctl.experiments.tracegen import TraceRequest
 
 FORMATS = ("sharegpt", "burstgpt", "azure", "jsonl")
 PAPER_MEANS = {"S": 128, "M": 256, "L": 512}

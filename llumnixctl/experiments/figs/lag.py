@@ -3,7 +3,7 @@ load reports' lag to the manager grows (0, 10, 50, 200, 1000 ms), with and witho
 dispatches (dispatches not yet in an instance's reports count as pending usage;
 ``manager.pending_dispatch_ttl_s=0`` turns that off). 16 instances, llumnix dispatch, virtual time.
 
-    python -m llumnixctl.figs.lag [--out results] [--quick] [--requests N] [--instances N]
+    python -m llumnixctl.experiments.figs.lag [--out results] [--quick] [--requests N] [--instances N]
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 import time
 
-from llumnixctl.figs.common import PAPER_LIKE, PAPER_NET, trace_summary, write
-from llumnixctl.figs.fig11 import COMMON_SETS, bounds, HERD_WINDOW_S, latency, parser, run_jobs
-from llumnixctl.traces import paper_trace
+from llumnixctl.experiments.figs.common import PAPER_LIKE, PAPER_NET, trace_summary, write
+from llumnixctl.experiments.figs.fig11 import COMMON_SETS, bounds, HERD_WINDOW_S, latency, parser, run_jobs
+from llumnixctl.experiments.tracefiles import paper_trace
 
 LAGS_MS = (0, 10, 50, 200, 1000)
 MODES = {"pending counted": "manager.pending_dispatch_ttl_s=5.0",

@@ -22,7 +22,7 @@ blocks stay out of the copy). The JSON's ``shared_prefix`` holds both; ``results
 
 Nothing here asserts a timing; the figures depend on the machine (see the closing notes in the tracker).
 
-``--netns``: the same across "hosts" (llumnixctl.netns): each instance in its own network namespace, the
+``--netns``: the same across "hosts" (llumnixctl.lab.netns): each instance in its own network namespace, the
 manager, the proxy and the benchmark client in a control one, all on a private bridge; ``--rate`` and
 ``--delay-ms`` shape the instances' links (tc). The command builds the namespaces, measures what one TCP
 stream gets from i0 to i1, then runs itself again inside the control namespace; the JSON's ``network``
@@ -55,9 +55,9 @@ from rich.table import Table
 
 from daemons import runtime, wire
 from daemons.config import ConfigError, load_config
-from llumnixctl import localcluster
 from llumnixctl.admin import AdminClient
 from llumnixctl.common import sse_chunks
+from llumnixctl.lab import localcluster
 
 DEFAULT_LENGTHS = "256,512,1024,2048,4096,8192"
 LAB_ENV = "LLUMNIX_BENCH_NETNS"  # set for the run inside the control namespace: the lab, as JSON
@@ -189,7 +189,7 @@ def _placement(lab: dict):
 
 def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int, log, repeat: int = 4,
         gap_tokens: int = 8, lab: dict | None = None, extra: list[str] | None = None, shared_prefix: int = 0) -> dict:
-    """The benchmark; ``lab``: run across the hosts of a llumnixctl.netns lab (Lab.describe() plus what
+    """The benchmark; ``lab``: run across the hosts of a llumnixctl.lab.netns lab (Lab.describe() plus what
     --netns measured), from inside its control host; ``extra``: settings after the benchmark's own (--set);
     ``shared_prefix``: measure a shared prefix of this many tokens instead (vLLM)."""
     run_dir = Path(tempfile.mkdtemp(prefix="llumnix-bench-mig-"))
@@ -197,7 +197,7 @@ def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int
     generated = backend == "vllm" and model is None
     try:
         if generated:
-            from llumnixctl.model import write_tiny_model
+            from llumnixctl.lab.model import write_tiny_model
 
             log("writing the kv-heavy test model ...")
             model = write_tiny_model(run_dir / "kv-heavy", size="kv-heavy")
@@ -426,7 +426,7 @@ def _in_lab(argv: list[str], rate: str, delay_ms: float, err: Console) -> int:
     """Build a lab (ctl, i0, i1), shape the instances' links, measure i0 -> i1, and run ``llumnixctl argv``
     inside ctl with the lab in $LLUMNIX_BENCH_NETNS. The namespaces and whatever runs in them are gone
     when this returns (also on Ctrl-C or SIGTERM). Returns the inner run's exit status."""
-    from llumnixctl.netns import Lab, LabError, parse_rate
+    from llumnixctl.lab.netns import Lab, LabError, parse_rate
 
     why = Lab.unavailable()
     if why:

@@ -119,7 +119,7 @@ def command(
     sets = list(set_ or [])
     tmp = None
     if backend == "vllm" and model is None:
-        from llumnixctl.model import write_tiny_model
+        from llumnixctl.lab.model import write_tiny_model
 
         tmp = tempfile.TemporaryDirectory(prefix="llumnix-profile-")
         err("writing the tiny test model ...")

@@ -28,7 +28,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from llumnixctl import bench_engine, localcluster, trace as trace_mod, traces
+from llumnixctl.experiments import bench_engine, tracegen as trace_mod, tracefiles as traces
+from llumnixctl.lab import localcluster
 
 BYTES_PER_TOKEN = 1024  # the tiny model's KV: 2 layers x (K, V) x 2 heads x 64 x bf16
 
@@ -170,7 +171,7 @@ def command(
     json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Our cluster on a saturated host against a plain router, same engines and trace: failures, deaths, lateness."""
-    from llumnixctl.model import write_tiny_model
+    from llumnixctl.lab.model import write_tiny_model
 
     def interrupted(*_):
         raise KeyboardInterrupt  # SIGTERM too stops the servers started so far (the finally blocks below)

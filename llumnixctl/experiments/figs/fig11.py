@@ -1,9 +1,9 @@
 """Fig 11 of the Llumnix paper (OSDI'24): serving latency of 16 instances under llumnix, INFaaS++ and
 round-robin dispatch, over the paper's length mixes and arrival processes, the request rate swept from
-light to heavy load, in virtual time (``llumnixctl.simulate``: the daemons' own manager, policy and sim
+light to heavy load, in virtual time (``llumnixctl.experiments.simulate``: the daemons' own manager, policy and sim
 engine).
 
-    python -m llumnixctl.figs.fig11 [--out results] [--quick] [--requests N] [--instances N]
+    python -m llumnixctl.experiments.figs.fig11 [--out results] [--quick] [--requests N] [--instances N]
 
 -> results/fig11.json, results/fig11.png. Also the shared runner of the other figure modules
 (fig12, fig16, lag): ``run_jobs`` runs simulations on every core with optional probes (preemption loss,
@@ -21,9 +21,9 @@ from pathlib import Path
 
 from daemons.config import load_config
 from daemons.engine import sim as sim_engine
-from llumnixctl.figs.common import PAPER_LIKE, PAPER_NET, ratio, trace_summary, write
-from llumnixctl.simulate import Network, Simulation
-from llumnixctl.traces import PAPER_BOUNDS, paper_trace
+from llumnixctl.experiments.figs.common import PAPER_LIKE, PAPER_NET, ratio, trace_summary, write
+from llumnixctl.experiments.simulate import Network, Simulation
+from llumnixctl.experiments.tracefiles import PAPER_BOUNDS, paper_trace
 
 POLICIES = ("llumnix", "infaas++", "rr")
 # The same for every policy and every point (infaas++ and rr never migrate, so only llumnix reads the

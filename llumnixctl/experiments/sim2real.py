@@ -1,7 +1,7 @@
 """Sim-to-real: one trace through real daemons (sim instances, real time, real ZeroMQ and HTTP) and
 through ``llumnixctl simulate`` with the same settings; do they agree?
 
-    python -m llumnixctl.sim2real [--instances 4] [--requests 400] [--rate 12] [--out results/sim2real.json]
+    python -m llumnixctl.experiments.sim2real [--instances 4] [--requests 400] [--rate 12] [--out results/sim2real.json]
 
 The real run replays the trace open loop against a local cluster's proxy (``bench serve``'s replay), the
 simulated one runs the daemons' scheduler and policy code in virtual time. The figures compared are
@@ -20,9 +20,10 @@ import tempfile
 from pathlib import Path
 
 from daemons.config import load_config
-from llumnixctl import bench_serve, localcluster, trace as trace_mod
 from llumnixctl.admin import AdminClient
-from llumnixctl.simulate import Network, simulate
+from llumnixctl.experiments import bench_serve, tracegen as trace_mod
+from llumnixctl.experiments.simulate import Network, simulate
+from llumnixctl.lab import localcluster
 
 KEYS = ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "mean_e2el_ms", "p99_e2el_ms")
 SETS = ["instance.log_level=warning", "proxy.log_level=warning", "manager.log_level=warning",

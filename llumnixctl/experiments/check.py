@@ -34,10 +34,10 @@ from rich.console import Console
 from rich.table import Table
 
 from daemons.config import ConfigError, load_config
-from llumnixctl import localcluster
 from llumnixctl.admin import AdminClient
-from llumnixctl.bench_migration import wait_idle
 from llumnixctl.common import die, sse_chunks
+from llumnixctl.experiments.bench_migration import wait_idle
+from llumnixctl.lab import localcluster
 
 app = typer.Typer(no_args_is_help=True, help="Checks that pass or fail: exit status 0 or 1.")
 
@@ -239,7 +239,7 @@ def run(backend: str, model: Path | None, tp: int, extra: list[str], requests: i
     try:
         generated = backend == "vllm" and model is None
         if generated:
-            from llumnixctl.model import write_tiny_model
+            from llumnixctl.lab.model import write_tiny_model
 
             log("writing the tiny test model ...")
             model = write_tiny_model(run_dir / "tiny")

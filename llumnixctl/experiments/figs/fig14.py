@@ -4,7 +4,7 @@ instance count) against P99 latency, llumnix against INFaaS++ under the same fre
 the scaling thresholds are swept to trace a cost-latency curve (the paper's Fig 15 sweeps the scale-up
 threshold).
 
-    python -m llumnixctl.figs.fig14 [--out results/] [--quick] [--requests N] [--instances N]
+    python -m llumnixctl.experiments.figs.fig14 [--out results/] [--quick] [--requests N] [--instances N]
 
 ``--instances`` is the most instances the cluster may scale to (scaling.max_instances); it starts with a
 quarter of that. A launched instance registers ``--launch-s`` (default 20 s) later: loading LLaMA-7B's
@@ -19,10 +19,10 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from llumnixctl.figs import common
-from llumnixctl.figs.fig13 import run_jobs
-from llumnixctl.trace import TraceRequest
-from llumnixctl.traces import paper_trace, reindex
+from llumnixctl.experiments.figs import common
+from llumnixctl.experiments.figs.fig13 import run_jobs
+from llumnixctl.experiments.tracefiles import paper_trace, reindex
+from llumnixctl.experiments.tracegen import TraceRequest
 
 PAPER = {
     "setup": "LLaMA-7B on A10s with auto-scaling by average freeness; Fig 14 varies the Poisson rate and the "
@@ -175,7 +175,7 @@ def plot(plt, data: dict) -> None:
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="python -m llumnixctl.figs.fig14", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m llumnixctl.experiments.figs.fig14", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("results"))
     p.add_argument("--quick", action="store_true", help="a tiny version (tests)")
     p.add_argument("--requests", type=int, default=None)
