@@ -220,7 +220,15 @@ def test_draining_the_only_instance_keeps_its_queue_until_another_joins(start_cl
              message="the drain did not move the requests to the new instance")
     results = load.wait()
     assert not failures(results), failures(results)
-    assert _metrics_line(httpx.get(c.url + "/metrics").text, "llumnix_proxy_given_back_total") == 4
+    # Each of the 8 is accounted for once: given back to the proxy while it still queued on i0, migrated out
+    # once it ran, or (on a machine slow enough that i1 took longer than a request) finished on i0. Which way
+    # a queued one goes depends on whether a slot freed by a migration took it first (a CI run on a loaded
+    # machine saw all 4 start on i0 and migrate); the sum does not.
+    given_back = _metrics_line(httpx.get(c.url + "/metrics").text, "llumnix_proxy_given_back_total")
+    i0 = samples(httpx.get(f"http://{instances(c)['i0']['metrics_address']}/metrics").text)
+    moved = metric(i0, "llumnix_migrations_total", default=0.0, outcome="committed")
+    finished = metric(i0, "llumnix_instance_requests_finished_total", default=0.0, finished_reason="length")
+    assert given_back + moved + finished == 8 and given_back <= 4, (given_back, moved, finished)
 
 
 def test_cordon_keeps_running_requests_and_takes_no_new_ones(start_cluster):
