@@ -40,7 +40,10 @@ class Manager(ViewMixin, RegistryMixin, LivenessMixin, DispatchMixin, QueriesMix
     """The global scheduler: the state below, and a mixin per concern (view, registry, liveness, dispatch,
     queries) in the file named for it; the rescheduler (migration orders, drains, scaling) is a part."""
 
-    def __init__(self, cfg: Config, clock: Clock | None = None):
+    def __init__(self, cfg: Config, clock: Clock | None = None, sock=None):
+        """``clock``: the time it reads (the simulator and tests/support pass a virtual one). ``sock``: what it
+        sends and replies with, in place of its ROUTER socket (tests/support passes an in-memory one; the
+        daemon's ``run`` binds the ROUTER, ``serve`` reads it)."""
         metrics.bind("manager", cfg.model.name)
         self.cfg = cfg
         self.clock = clock or Clock()  # the simulator passes its virtual clock
@@ -57,8 +60,10 @@ class Manager(ViewMixin, RegistryMixin, LivenessMixin, DispatchMixin, QueriesMix
         self.started = self.clock.monotonic()
         self.ctx = zmq.asyncio.Context()
         self.sec = security.Security(cfg.security, "manager", self.ctx)
-        self.sock = self.sec.server(runtime.tune(self.ctx.socket(zmq.ROUTER)), "manager")
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if sock is None:
+            sock = self.sec.server(runtime.tune(self.ctx.socket(zmq.ROUTER)), "manager")
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.sock = sock
         self.bound = ""
         self.query_ids = itertools.count(1)
         self._fanouts: dict[int, Fanout] = {}

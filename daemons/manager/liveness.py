@@ -82,19 +82,23 @@ class LivenessMixin:
                 # nobody on a stale view; read them first.
                 log.warning("manager stalled for %.2fs; re-checking heartbeats after reading reports", now - before)
                 continue
-            for r in list(self.instances.values()):
-                silent = now - r.last_seen
-                if r.state == "stopping" and silent > self.dead_after() and self.links.state(r.instance_id) != UP:
-                    self.forget(r, "it stopped")
-                elif r.state == "dead" and silent > self.mc.dead_instance_ttl_s:
-                    self.forget(r, f"dead for over {self.mc.dead_instance_ttl_s:g}s")
-                elif r.state == "alive" and silent > self.dead_after():
-                    self._silent(r, silent)
-                elif r.late and silent <= self.dead_after():
-                    r.late = False
-                    log.info("instance %s reports again (it was late)", r.instance_id)
-                if r.state == "alive" and r.credit0 and not math.isclose(r.credit(now, self.sc.new_instance_credit_s), 0.0):
-                    self.update_gauges(r, now)  # the credit fades between reports too
+            self.check_heartbeats(now)
+
+    def check_heartbeats(self, now: float) -> None:
+        """Judge each instance by the time since its last report (and its connection): late, dead, forgotten."""
+        for r in list(self.instances.values()):
+            silent = now - r.last_seen
+            if r.state == "stopping" and silent > self.dead_after() and self.links.state(r.instance_id) != UP:
+                self.forget(r, "it stopped")
+            elif r.state == "dead" and silent > self.mc.dead_instance_ttl_s:
+                self.forget(r, f"dead for over {self.mc.dead_instance_ttl_s:g}s")
+            elif r.state == "alive" and silent > self.dead_after():
+                self._silent(r, silent)
+            elif r.late and silent <= self.dead_after():
+                r.late = False
+                log.info("instance %s reports again (it was late)", r.instance_id)
+            if r.state == "alive" and r.credit0 and not math.isclose(r.credit(now, self.sc.new_instance_credit_s), 0.0):
+                self.update_gauges(r, now)  # the credit fades between reports too
 
     def _silent(self, r: InstanceRecord, silent: float) -> None:
         """No report for over dead_after_missed heartbeats. Slow is not dead: with its connection up (its
