@@ -261,9 +261,9 @@ def up(run_dir: Path, instances: int, backend: str, port: int, config: str | Non
     urls = [f"http://{url_host}:{p}" for p in ports]
     state = ClusterState(manager_address, urls[0], backend, config, args=common, run_dir=str(run_dir), urls=urls)
 
-    def fail(why: str, proc: Proc | None = None) -> ClusterError:
+    def fail(why: str, proc: Proc | None = None, also: list[Proc] = ()) -> ClusterError:
         stop(state)
-        detail = f"\n--- last lines of {proc.log} ---\n{_tail(proc.log)}" if proc else ""
+        detail = "".join(f"\n--- last lines of {p.log} ---\n{_tail(p.log)}" for p in [*also, *([proc] if proc else [])])
         return ClusterError(why + detail)
 
     try:
@@ -301,7 +301,9 @@ def up(run_dir: Path, instances: int, backend: str, port: int, config: str | Non
             if all(_healthy(u, instances) for u in state.urls):
                 break
             if time.monotonic() > deadline:
-                raise fail(f"the cluster did not come up within {timeout_s:g}s (see logs in {run_dir})", state.procs[-1])
+                why = _not_up(state, client, instances)
+                raise fail(f"the cluster did not come up within {timeout_s:g}s (see logs in {run_dir}): {why}",
+                           state.procs[-1], also=[mgr, *(p for p in ours if p.name.startswith("instance-"))])
             time.sleep(0.1)
         client.close()
     except KeyboardInterrupt:
@@ -391,6 +393,27 @@ def add_instance(run_dir: Path, state: ClusterState, instance_id: str, sets: lis
             time.sleep(0.1)
     finally:
         client.close()
+
+
+def _not_up(state: ClusterState, client: AdminClient, instances: int) -> str:
+    """Why a cluster is not up yet, in one line: what each proxy counts and what the manager sees."""
+    parts = []
+    for u in state.urls:
+        try:
+            with urllib.request.urlopen(u + "/health", timeout=2) as resp:
+                body = resp.read().decode(errors="replace")
+        except urllib.error.HTTPError as exc:
+            body = exc.read().decode(errors="replace")
+        except (urllib.error.URLError, OSError) as exc:
+            body = f"no answer ({exc})"
+        parts.append(f"{u}/health says {body.strip()}")
+    try:
+        views = client.status().instances
+        seen = ", ".join(f"{v.instance_id} {v.state}" for v in views) or "none"
+        parts.append(f"the manager sees {len(views)} of {instances} instance(s): {seen}")
+    except ManagerUnreachable as exc:
+        parts.append(f"the manager does not answer ({exc})")
+    return "; ".join(parts)
 
 
 def _healthy(url: str, instances: int) -> bool:
