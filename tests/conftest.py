@@ -32,6 +32,11 @@ settings.load_profile("suite")
 
 # Fast clusters for tests: short heartbeats, steps at a tenth of the default latency model.
 FAST = ["manager.heartbeat_interval_s=0.2", "sim.time_scale=0.1", "instance.shutdown_grace_s=1"]
+# How long a test cluster may take to come up. A sim cluster starts in ~5 s on a quiet machine, but in CI (two test
+# streams on 2 cores, on a busy host) a passing run took 55 s and a failing one passed 60 s with every daemon
+# running: a slow start is not a broken one. A start that never completes still fails, saying why
+# (localcluster names what the proxies count and what the manager sees).
+UP_TIMEOUT_S = 180
 
 
 class Cluster:
@@ -91,7 +96,7 @@ def start_cluster(tmp_path_factory):
 
     def start(instances: int = 2, sets: list[str] | None = None) -> Cluster:
         run_dir = tmp_path_factory.mktemp("run")
-        state = localcluster.up(run_dir, instances, "sim", 0, None, FAST + (sets or []), timeout_s=60)
+        state = localcluster.up(run_dir, instances, "sim", 0, None, FAST + (sets or []), timeout_s=UP_TIMEOUT_S)
         cluster = Cluster(state, run_dir)
         started.append(cluster)
         return cluster
@@ -106,7 +111,7 @@ def start_cluster(tmp_path_factory):
 def cluster(tmp_path_factory):
     """One shared 2-instance cluster for tests that do not disturb it."""
     run_dir = tmp_path_factory.mktemp("shared")
-    shared = Cluster(localcluster.up(run_dir, 2, "sim", 0, None, FAST, timeout_s=60), run_dir)
+    shared = Cluster(localcluster.up(run_dir, 2, "sim", 0, None, FAST, timeout_s=UP_TIMEOUT_S), run_dir)
     try:
         yield shared
     finally:

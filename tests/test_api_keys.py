@@ -24,7 +24,7 @@ from daemons.engine.sim import sim_token_id
 from daemons.proxy.apikeys import ApiKeys, ApiKeysError, Principal, Unauthorized, parse
 from daemons.proxy.tokenizer import SimTokenizer
 from llumnixctl.lab import localcluster
-from tests.conftest import FAST, Cluster
+from tests.conftest import FAST, UP_TIMEOUT_S, Cluster
 
 pytestmark = pytest.mark.e2e
 
@@ -70,7 +70,7 @@ def keyed(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("keyed")
     sets = FAST + [f"proxy.api_keys_file={keys_path}", f"security.metrics_token_file={token_path}",
                    f"proxy.max_body_bytes={MAX_BODY}", f"proxy.max_prompt_tokens={MAX_PROMPT}"]
-    cluster = Cluster(localcluster.up(run_dir, 1, "sim", 0, None, sets, timeout_s=60), run_dir)
+    cluster = Cluster(localcluster.up(run_dir, 1, "sim", 0, None, sets, timeout_s=UP_TIMEOUT_S), run_dir)
     cluster.keys_path = keys_path
     cluster.proxy_pid = cluster.proc("proxy").pid
     try:

@@ -21,7 +21,7 @@ from daemons.wire import RequestLoad
 from llumnixctl.admin import AdminClient
 from llumnixctl.lab import localcluster
 from llumnixctl.main import status_json
-from tests.conftest import FAST, ctl_json
+from tests.conftest import FAST, UP_TIMEOUT_S, ctl_json
 from tests.load import Load, Spec, failures
 from tests.streams import wait_for
 
@@ -186,7 +186,7 @@ def test_manager_weighs_moves_between_hosts(tmp_path, pays):
     def place(name: str) -> tuple[list[str], list[str]]:
         return [], [f"instance.host=host-{name}"] if name.startswith("instance-") else []
 
-    state = localcluster.up(tmp_path, 2, "sim", 0, None, sets, timeout_s=60, place=place)
+    state = localcluster.up(tmp_path, 2, "sim", 0, None, sets, timeout_s=UP_TIMEOUT_S, place=place)
     admin = AdminClient(state.manager_address, timeout_s=3)
     try:
         def status() -> dict:

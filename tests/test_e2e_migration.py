@@ -18,7 +18,7 @@ import pytest
 
 from daemons.engine.sim import sim_token_id
 from llumnixctl.lab import localcluster
-from tests.conftest import ctl
+from tests.conftest import UP_TIMEOUT_S, ctl
 from tests.streams import Stream, metric, samples
 
 pytestmark = pytest.mark.e2e
@@ -84,7 +84,7 @@ def mcluster(tmp_path_factory):
     from tests.conftest import FAST, Cluster
 
     run_dir = tmp_path_factory.mktemp("mig")
-    state = localcluster.up(run_dir, 2, "sim", 0, None, FAST + PACED, timeout_s=60)
+    state = localcluster.up(run_dir, 2, "sim", 0, None, FAST + PACED, timeout_s=UP_TIMEOUT_S)
     try:
         yield Cluster(state, run_dir)
     finally:

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from llumnixctl.lab import localcluster
-from tests.conftest import FAST, Cluster
+from tests.conftest import FAST, UP_TIMEOUT_S, Cluster
 from tests.streams import proxy_metric
 
 pytestmark = pytest.mark.e2e
@@ -35,7 +35,7 @@ def fleet(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("edge")
     # No pairing: migrations would move requests after dispatch, and this is about where they land.
     state = localcluster.up(run_dir, INSTANCES, "sim", 0, None, FAST + ["scheduling.pairing_policy=off"],
-                            timeout_s=90, proxies=PROXIES)
+                            timeout_s=UP_TIMEOUT_S, proxies=PROXIES)
     try:
         c = Cluster(state, run_dir)
         # Every proxy knows its rank among all four (the manager counts them from their snapshot queries).

@@ -24,10 +24,10 @@ SETS = ["instance.min_step_s=0.02", "manager.dispatch_policy=flood", "migration.
 
 @pytest.fixture(scope="module")
 def small_kv(tmp_path_factory):
-    from tests.conftest import FAST, Cluster
+    from tests.conftest import FAST, UP_TIMEOUT_S, Cluster
 
     run_dir = tmp_path_factory.mktemp("last-stage")
-    state = localcluster.up(run_dir, 2, "sim", 0, None, FAST + SETS, timeout_s=60)
+    state = localcluster.up(run_dir, 2, "sim", 0, None, FAST + SETS, timeout_s=UP_TIMEOUT_S)
     try:
         yield Cluster(state, run_dir)
     finally:
