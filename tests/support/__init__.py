@@ -1,0 +1,1 @@
+"""Test support: in-process daemon cores on virtual time (virtual.py, manager.py)."""
