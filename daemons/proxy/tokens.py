@@ -40,47 +40,50 @@ class TokenPathMixin:
         return True
 
     async def _recv_tokens(self) -> None:
-        streams = self.streams
         async for frames in runtime.receive(self.pull):
             for frame in frames:
-                msg = wire.decode(frame)
-                if isinstance(msg, wire.TokenBatch):
-                    iid = msg.instance_id
-                    self.heard[iid] = time.monotonic()
-                    for out in msg.outputs:
-                        stream = streams.get(out.request_id)
-                        if stream is None:
-                            self._orphan(iid, out)
-                            continue
-                        if stream.owns(iid, out):
-                            stream.feed(out)
-                        elif not stream.done:
-                            M_FENCED.inc()
-                            self._fence(stream, iid, out.epoch)
-                elif isinstance(msg, wire.Heartbeat):
-                    self.heard[msg.instance_id] = self.beat_at[msg.instance_id] = time.monotonic()
-                    self.view.heard(msg, self.beats.get(msg.instance_id))
-                    self.beats[msg.instance_id] = msg
-                    self.addresses[msg.instance_id] = msg.request_address
-                    if self._changed:
-                        self._wake_waiting()
-                elif isinstance(msg, wire.Moved):  # a migration committed: follow the request to its new owner
-                    stream = streams.get(msg.request_id)
-                    if stream is not None and not stream.done:
-                        self._moved(stream, msg)
-                elif isinstance(msg, wire.Redispatch):
-                    stream = streams.get(msg.request_id)
-                    if stream is not None and not stream.done and stream.instance_id == msg.instance_id:
-                        self._give_back(stream, msg)
-                elif isinstance(msg, wire.RequestFailed):
-                    stream = streams.get(msg.request_id)
-                    if stream is not None and stream.instance_id == msg.instance_id:
-                        # A request that already streamed tokens was valid: an instance that refuses to
-                        # continue it (a smaller context limit or cache) is that instance's limit, not the request's.
-                        retryable = msg.retryable or (stream.next_index > 0 and msg.status == 400)
-                        self._instance_failed(stream, msg.message, retryable, msg.status, cause="refused")
-                else:
-                    M_BAD_FRAMES.inc()
+                self.on_instance_message(wire.decode(frame))
+
+    def on_instance_message(self, msg: wire.Message | None) -> None:
+        """One message on the token path (tokens, heartbeats, ownership claims, give-backs, refusals)."""
+        streams = self.streams
+        if isinstance(msg, wire.TokenBatch):
+            iid = msg.instance_id
+            self.heard[iid] = time.monotonic()
+            for out in msg.outputs:
+                stream = streams.get(out.request_id)
+                if stream is None:
+                    self._orphan(iid, out)
+                    continue
+                if stream.owns(iid, out):
+                    stream.feed(out)
+                elif not stream.done:
+                    M_FENCED.inc()
+                    self._fence(stream, iid, out.epoch)
+        elif isinstance(msg, wire.Heartbeat):
+            self.heard[msg.instance_id] = self.beat_at[msg.instance_id] = time.monotonic()
+            self.view.heard(msg, self.beats.get(msg.instance_id))
+            self.beats[msg.instance_id] = msg
+            self.addresses[msg.instance_id] = msg.request_address
+            if self._changed:
+                self._wake_waiting()
+        elif isinstance(msg, wire.Moved):  # a migration committed: follow the request to its new owner
+            stream = streams.get(msg.request_id)
+            if stream is not None and not stream.done:
+                self._moved(stream, msg)
+        elif isinstance(msg, wire.Redispatch):
+            stream = streams.get(msg.request_id)
+            if stream is not None and not stream.done and stream.instance_id == msg.instance_id:
+                self._give_back(stream, msg)
+        elif isinstance(msg, wire.RequestFailed):
+            stream = streams.get(msg.request_id)
+            if stream is not None and stream.instance_id == msg.instance_id:
+                # A request that already streamed tokens was valid: an instance that refuses to
+                # continue it (a smaller context limit or cache) is that instance's limit, not the request's.
+                retryable = msg.retryable or (stream.next_index > 0 and msg.status == 400)
+                self._instance_failed(stream, msg.message, retryable, msg.status, cause="refused")
+        else:
+            M_BAD_FRAMES.inc()
 
     def _orphan(self, instance_id: str, out: wire.TokenOut) -> None:
         """Tokens of a request we do not know (we restarted at the same address, or already let it go):
