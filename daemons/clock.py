@@ -16,6 +16,13 @@ import time
 from typing import Callable
 
 
+def loop_time() -> float:
+    """The running event loop's clock, for code on the loop whose deadlines pair with the loop's own timeouts
+    (``asyncio.wait_for``, ``sleep``): the monotonic clock in the daemons, virtual time where a test runs them
+    on a virtual-time loop (tests/support/virtual.py)."""
+    return asyncio.get_running_loop().time()
+
+
 class Clock:
     """The real clock (monotonic seconds; sleeping and timers on the running asyncio loop)."""
 

@@ -17,6 +17,7 @@ import typer
 import zmq
 import zmq.asyncio
 
+from daemons.clock import loop_time
 from daemons import metrics, runtime, security, wire
 from daemons.cli import load_or_exit
 from daemons.config import Config
@@ -41,11 +42,15 @@ class Instance(TokenPathMixin, IntakeMixin, StepLoopMixin, ControlMixin, OrdersM
     """One engine plus its llumlet: the state below, and a mixin per concern in the file named for it; the
     migrator (daemons/migration/) runs the migrations in and out."""
 
-    def __init__(self, cfg: Config, engine: Engine):
+    def __init__(self, cfg: Config, engine: Engine, kv=None, ctx: zmq.asyncio.Context | None = None):
+        """``kv``: the migrator's KV transport (default: Gloo pairs; see daemons/migration/migrator.py). ``ctx``:
+        the ZeroMQ context its sockets are made in (default: its own; tests/support/cluster.py shares one
+        between daemons in one process, for inproc:// addresses)."""
         self.cfg = cfg
+        self.kv = kv
         self.ic = cfg.instance
         self.engine = engine
-        self.ctx = zmq.asyncio.Context()
+        self.ctx = ctx if ctx is not None else zmq.asyncio.Context()
         self.sec = security.Security(cfg.security, "instance", self.ctx)
         self.router = self.sec.server(runtime.tune(self.ctx.socket(zmq.ROUTER)), "instance")
         self.manager = self.sec.client(runtime.tune(self.ctx.socket(zmq.DEALER)), "manager")
@@ -120,7 +125,8 @@ class Instance(TokenPathMixin, IntakeMixin, StepLoopMixin, ControlMixin, OrdersM
             self.instance_id = f"{self.ic.host or socket.gethostname()}-{self.request_address.rsplit(':', 1)[-1]}"
         metrics.bind("instance", self.cfg.model.name, self.instance_id)
         try:
-            self.migrator = Migrator(self, self.cfg.migration, self.engine, self.requests, self.boundary, self.faults)
+            self.migrator = Migrator(self, self.cfg.migration, self.engine, self.requests, self.boundary, self.faults,
+                                     self.kv)
         except (RuntimeError, ValueError, OSError) as exc:  # the KV store's port is taken, or the host does not resolve
             raise runtime.StartupError(f"cannot listen for KV transfer on {self.cfg.migration.kv_host}:"
                                        f"{self.cfg.migration.kv_port}: {exc}") from None
@@ -155,8 +161,8 @@ class Instance(TokenPathMixin, IntakeMixin, StepLoopMixin, ControlMixin, OrdersM
         self.accepting = False
         self._tell_manager(wire.Goodbye(self.instance_id, reason))
         log.info("stopping: %d requests in flight, draining for up to %.1fs", len(self.requests), grace)
-        deadline = time.monotonic() + grace
-        while (len(self.requests) or (self.migrator is not None and self.migrator.busy)) and time.monotonic() < deadline:
+        deadline = loop_time() + grace
+        while (len(self.requests) or (self.migrator is not None and self.migrator.busy)) and loop_time() < deadline:
             await asyncio.sleep(0.05)
         self.watchdog.stop()
         for t in tasks:

@@ -40,10 +40,11 @@ class Manager(ViewMixin, RegistryMixin, LivenessMixin, DispatchMixin, QueriesMix
     """The global scheduler: the state below, and a mixin per concern (view, registry, liveness, dispatch,
     queries) in the file named for it; the rescheduler (migration orders, drains, scaling) is a part."""
 
-    def __init__(self, cfg: Config, clock: Clock | None = None, sock=None):
+    def __init__(self, cfg: Config, clock: Clock | None = None, sock=None, ctx: zmq.asyncio.Context | None = None):
         """``clock``: the time it reads (the simulator and tests/support pass a virtual one). ``sock``: what it
         sends and replies with, in place of its ROUTER socket (tests/support passes an in-memory one; the
-        daemon's ``run`` binds the ROUTER, ``serve`` reads it)."""
+        daemon's ``run`` binds the ROUTER, ``serve`` reads it). ``ctx``: the ZeroMQ context its sockets are
+        made in (default: its own)."""
         metrics.bind("manager", cfg.model.name)
         self.cfg = cfg
         self.clock = clock or Clock()  # the simulator passes its virtual clock
@@ -58,7 +59,7 @@ class Manager(ViewMixin, RegistryMixin, LivenessMixin, DispatchMixin, QueriesMix
         self.turn = 0
         self.dispatched_total = 0
         self.started = self.clock.monotonic()
-        self.ctx = zmq.asyncio.Context()
+        self.ctx = ctx if ctx is not None else zmq.asyncio.Context()
         self.sec = security.Security(cfg.security, "manager", self.ctx)
         if sock is None:
             sock = self.sec.server(runtime.tune(self.ctx.socket(zmq.ROUTER)), "manager")

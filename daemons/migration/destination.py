@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 
+from daemons.clock import loop_time
 from daemons import stages, wire
 from daemons.engine.base import EngineError
 from daemons.engine.kvblocks import KvLayout
@@ -86,7 +87,7 @@ class DestinationMixin:
                         inc.receiving = None
                     M_BYTES.labels("in").inc(got)
                 t_got = time.perf_counter()
-                inc.last_heard = time.monotonic()
+                inc.last_heard = loop_time()
                 if msg.last:
                     if msg.state is None:
                         raise Aborted("the last stage carried no request state")
@@ -151,7 +152,7 @@ class DestinationMixin:
             await asyncio.sleep(min(idle, 1.0) / 2)
             if inc.ended or inc.busy.locked():
                 continue  # a stage in progress has its own timeouts
-            if time.monotonic() - inc.last_heard > idle:
+            if loop_time() - inc.last_heard > idle:
                 log.warning("migration of %s from %s: no word from the source for %.1fs; releasing its blocks",
                             inc.request_id, inc.src, idle)
                 await self._end_in(inc)

@@ -30,14 +30,17 @@ class Migrator(PeersMixin, SourceMixin, DestinationMixin):
     between engine steps) and its request table, through whose verbs a migration hands requests over."""
 
     def __init__(self, host: Host, cfg: MigrationConfig, engine: Engine, requests: RequestTable, boundary: Callable,
-                 faults: Faults | None = None):
+                 faults: Faults | None = None, kv=None):
+        """``kv``: the KV transport (``source_pair``, ``dest_pair``, ``forget``, ``close``, ``address``; pairs
+        with ``send`` and ``recv`` returning futures): Gloo pairs (daemons/kvtransfer.py) unless given
+        (tests/support/kv.py moves blocks in memory)."""
         self.inst = host
         self.cfg = cfg
         self.engine = engine
         self.requests = requests
         self.boundary = boundary
         self.faults = faults or Faults("", "")
-        self.kv = KvTransfer(self.cfg.kv_host, self.cfg.kv_port, self.cfg.timeout_s)
+        self.kv = kv if kv is not None else KvTransfer(self.cfg.kv_host, self.cfg.kv_port, self.cfg.timeout_s)
         transport = getattr(engine, "kv_transport", None)  # a tensor-parallel engine moves KV rank by rank
         if transport is not None:
             self.kv = transport(self.kv, boundary)

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 import zmq
 import zmq.asyncio
 import zmq.utils.monitor
 
+from daemons.clock import loop_time
 from daemons import runtime, wire
 from daemons.engine.base import EngineError
 from daemons.migration.records import GONE, PREFIX_QUERY_TIMEOUT_S, Aborted, Incoming, Outgoing, Refused
@@ -61,9 +61,9 @@ class PeersMixin:
                 log.warning("dropped an unexpected message from a migration peer")
 
     async def _reply(self, out: Outgoing, kind: type, stage: int, what: str):
-        deadline = time.monotonic() + self.cfg.timeout_s
+        deadline = loop_time() + self.cfg.timeout_s
         while True:
-            left = deadline - time.monotonic()
+            left = deadline - loop_time()
             if left <= 0:
                 raise Aborted(f"destination did not answer {what} within {self.cfg.timeout_s:g}s")
             try:
@@ -91,7 +91,7 @@ class PeersMixin:
                 inc = self.incoming[msg.mig_id] = Incoming(msg.mig_id, msg.request.request_id, identity, msg.src, msg.request)
                 M_IN_FLIGHT.labels("destination").inc()
                 self.spawn(self._watch(inc))
-            inc.last_heard = time.monotonic()
+            inc.last_heard = loop_time()
             self.spawn(self._stage_in(inc, msg))
         elif isinstance(msg, wire.MigAbort):
             inc = self.incoming.get(msg.mig_id)

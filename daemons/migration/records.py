@@ -4,12 +4,12 @@ the state of one move on each side."""
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import zmq.asyncio
 
+from daemons.clock import loop_time
 from daemons import wire
 from daemons.proxylinks import ProxyLinks
 from daemons.security import Security
@@ -62,7 +62,7 @@ class Incoming:
     src: str
     request: wire.MigratingRequest
     pair: object = None
-    last_heard: float = field(default_factory=time.monotonic)
+    last_heard: float = field(default_factory=loop_time)  # made on the loop, timed by its clock
     busy: asyncio.Lock = field(default_factory=asyncio.Lock)  # stages of one migration run one at a time
     receiving: asyncio.Future | None = None  # a Gloo receive that may still write our blocks
     ids: list[int] = field(default_factory=list)  # the blocks reserved so far, in token order

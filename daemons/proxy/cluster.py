@@ -53,11 +53,12 @@ class ClusterClient(ManagerLinkMixin, DispatchMixin, AdmissionMixin, FailoverMix
     """The proxy's side of the cluster: the state below, and a mixin per concern in the file named for it
     (managerlink, dispatch, admission, failover, tokens)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, ctx: zmq.asyncio.Context | None = None):
+        """``ctx``: the ZeroMQ context its sockets are made in (default: its own)."""
         metrics.bind("proxy", cfg.model.name)
         self.cfg = cfg
         self.pc = cfg.proxy
-        self.ctx = zmq.asyncio.Context()
+        self.ctx = ctx if ctx is not None else zmq.asyncio.Context()
         self.sec = security.Security(cfg.security, "proxy", self.ctx)
         self.pull = self.sec.server(runtime.tune(self.ctx.socket(zmq.PULL)), "proxy")  # only instances' keys
         self.pull.setsockopt(zmq.RCVHWM, 0)

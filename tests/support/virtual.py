@@ -15,6 +15,7 @@ scenario awaits something that nobody will do).
 from __future__ import annotations
 
 import asyncio
+import math
 import selectors
 from typing import Awaitable, Callable, TypeVar
 
@@ -53,9 +54,19 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         super().__init__(selector)
         selector.loop = self
         self.now = start
+        self._clock_resolution = 0.0
 
     def time(self) -> float:
         return self.now
+
+    def _run_once(self) -> None:
+        # With nothing ready to run, time moves to the earliest timer (just past it: a timer runs once its
+        # time is strictly past, the clock resolution being 0). asyncio would run a timer due within its
+        # clock resolution at once; on a real clock time passes meanwhile, here it would not, and code that
+        # re-arms a timeout for the little time left (deadline - now) would spin at one instant.
+        if not self._ready and self._scheduled:
+            self.now = max(self.now, math.nextafter(self._scheduled[0]._when, math.inf))
+        super()._run_once()
 
     def stall(self, seconds: float) -> None:
         """As if the running callback held the thread for ``seconds``."""

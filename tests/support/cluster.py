@@ -1,0 +1,161 @@
+"""A whole cluster in one process on virtual time: the real manager, instances (sim engine, llumlet, migrator)
+and the proxy's cluster client, as the daemons run them, wired by ZeroMQ's in-process transport (inproc://:
+in-memory queues, delivered in the sending thread) with KV moved in memory (tests/support/kv.py), on one
+virtual-time event loop (tests/support/virtual.py).
+
+One thread and no network: whatever a scenario does happens in the order the code and the timers say, and a
+protocol run of minutes takes milliseconds. What the harness cannot show is left to the e2e tests: real TCP
+connections and their keepalives (inproc connections are never watched: liveness falls back to the
+heartbeat rules), Gloo, the HTTP front end, separate processes.
+
+    def test_x():
+        async def scenario(c: VirtualCluster):
+            s = await c.request(max_tokens=50)
+            await c.tokens(s, 5)
+            ...
+        VirtualCluster.run(scenario, instances=2)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Awaitable, Callable
+
+import zmq.asyncio
+
+from daemons import wire
+from daemons.config import load_config
+from daemons.engine.sim import SimEngine, sim_token_id
+from daemons.instance import Instance
+from daemons.manager import Manager
+from daemons.proxy.cluster import ClusterClient, Stream
+from tests.support import virtual
+from tests.support.kv import Hub
+
+class SharedContext(zmq.asyncio.Context):
+    """A daemon's view of the process's one ZeroMQ context (inproc:// works only within one): its ``destroy``
+    closes the daemon's own sockets and leaves the context to the others."""
+
+    def term(self) -> None:
+        pass
+
+
+SETTINGS = ["manager.heartbeat_interval_s=0.2", "manager.metrics_port=-1", "instance.metrics_port=-1",
+            "instance.shutdown_grace_s=1", "manager.address=inproc://manager"]
+
+
+class VirtualCluster:
+    def __init__(self, loop: virtual.VirtualTimeLoop, sets: list[str]) -> None:
+        self.loop = loop
+        self.sets = SETTINGS + sets
+        self.cfg = load_config(None, self.sets)
+        self.hub = Hub()
+        self.zmq = zmq.asyncio.Context()
+        self.manager = Manager(self.cfg, clock=virtual.LoopClock(loop), ctx=self.context())
+        self.instances: dict[str, Instance] = {}
+        self.runs: dict[str, asyncio.Task] = {}
+        self.proxy: ClusterClient | None = None
+        self._rids = itertools.count(1)
+
+    def context(self) -> SharedContext:
+        return SharedContext.shadow(self.zmq.underlying)
+
+    @classmethod
+    def run(cls, scenario: Callable[[VirtualCluster], Awaitable], instances: int = 2, sets: list[str] = ()):
+        async def main(loop):
+            c = cls(loop, list(sets))
+            try:
+                await c.start(instances)
+                return await scenario(c)
+            finally:
+                await c.close()
+        return virtual.run(main)
+
+    # ------------------------------------------------------------------ life cycle
+
+    async def start(self, instances: int) -> None:
+        self.runs["manager"] = asyncio.ensure_future(self.manager.run())
+        for i in range(instances):
+            self.add(f"i{i}")
+        proxy_cfg = load_config(None, self.sets + ["proxy.token_address=inproc://proxy"])
+        self.proxy = ClusterClient(proxy_cfg, ctx=self.context())
+        await self.proxy.start()
+        await self.until(lambda: len(self.proxy.alive()) == instances, 10, "the instances did not come up")
+
+    def add(self, iid: str, *sets: str) -> Instance:
+        cfg = load_config(None, self.sets + [f"instance.id={iid}", "instance.backend=sim",
+                                             f"instance.request_address=inproc://{iid}", *sets])
+        inst = Instance(cfg, SimEngine(cfg.sim, cfg.model), kv=self.hub.transport(iid), ctx=self.context())
+        self.instances[iid] = inst
+        self.runs[iid] = asyncio.ensure_future(inst.run())
+        return inst
+
+    def kill(self, iid: str) -> None:
+        """As kill -9: the instance's tasks end where they are, its sockets close, nothing is said."""
+        inst = self.instances.pop(iid)
+        self.runs.pop(iid).cancel()
+        inst.watchdog.stop()
+        inst.ctx.destroy(linger=0)
+
+    async def close(self) -> None:
+        if self.proxy is not None:
+            await self.proxy.stop()
+        for iid in list(self.instances):
+            inst = self.instances.pop(iid)
+            inst.stop.set()
+        await asyncio.gather(*(t for k, t in self.runs.items() if k != "manager"), return_exceptions=True)
+        self.runs["manager"].cancel()
+        await asyncio.gather(self.runs["manager"], return_exceptions=True)
+        m = self.manager
+        m.links.close()
+        m.sec.close()
+        m.ctx.destroy(linger=0)
+        self.zmq.destroy(linger=0)
+
+    # ------------------------------------------------------------------ requests
+
+    async def request(self, max_tokens: int = 20, prompt_tokens: int = 16, **sampling) -> Stream:
+        """A request through the proxy's cluster client (dispatched by the manager), as the HTTP front end
+        sends one; its stream."""
+        rid = f"req-{next(self._rids)}"
+        params = wire.SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)
+        submit = wire.Submit(rid, list(range(100, 100 + prompt_tokens)), params, self.proxy.token_address)
+        return await self.proxy.submit(submit)
+
+    async def tokens(self, stream: Stream, n: int, within_s: float = 30) -> None:
+        """Wait (virtual time) until the stream has at least ``n`` tokens (or ended)."""
+        await self.until(lambda: stream.next_index >= n or stream.done, within_s, f"{stream.request_id}: {n} tokens")
+
+    async def result(self, stream: Stream, within_s: float = 120) -> list[wire.TokenOut]:
+        """Every output of the stream, once it ended (as a client reads them); the proxy forgets it then."""
+        out: list[wire.TokenOut] = []
+        end = self.loop.time() + within_s
+        while True:
+            got = await asyncio.wait_for(stream.take(), max(end - self.loop.time(), 0.001))
+            out += got
+            if stream.done and not stream.ready:
+                break
+        self.proxy.finish(stream)
+        return out
+
+    def expected(self, stream: Stream, n: int) -> list[int]:
+        """The sim's tokens for ``stream``'s first ``n`` indices: what an unmigrated run streams."""
+        return [sim_token_id(stream.request_id, i, self.cfg.sim.vocab_size) for i in range(n)]
+
+    def holders(self, request_id: str) -> list[str]:
+        """The instances whose request tables hold the request (two while a race is being resolved)."""
+        return [iid for iid, inst in self.instances.items() if request_id in inst.requests]
+
+    async def migrate(self, request_id: str, dst: str) -> wire.Message:
+        """As `llumnixctl migrate REQ DST`: the manager's answer."""
+        reply = await self.manager.resched.on_migrate(wire.MigrateQuery(0, dst=dst, request_id=request_id))
+        return reply
+
+    async def until(self, cond: Callable[[], bool], within_s: float, what: str) -> float:
+        start = self.loop.time()
+        while not cond():
+            if self.loop.time() - start > within_s:
+                raise AssertionError(f"{what}: not within {within_s:g} virtual seconds")
+            await asyncio.sleep(0.01)
+        return self.loop.time() - start
