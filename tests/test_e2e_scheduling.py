@@ -304,7 +304,9 @@ def test_autoscaling_adds_under_load_and_retires_when_idle(start_cluster):
     assert 1 <= min(counts) and max(counts) <= 2
     retired = next(p for p in c.state.__class__.load(c.run_dir).procs if p.name.startswith("instance-")
                    and p.name != f"instance-{serving()[0]}")
-    wait_for(lambda: retired.process() is None, 15, message="the retired instance did not exit")
+    # It was told to stop once drained; its exit (a grace period, then an interpreter holding torch) can take
+    # tens of seconds on a starved host (a CI run's instances answered no keepalive for 3 s meanwhile).
+    wait_for(lambda: retired.process() is None, 60, message="the retired instance did not exit")
     # The new instance was filled by migration too (the manager's tally: a retired instance's own counters go with it).
     assert st["totals"]["ordered_migrations"].get("balance/committed", 0) >= 1
 

@@ -132,8 +132,9 @@ def test_operator_verbs_find_move_and_drain_a_tp_request(tp_cluster):
     described = ctl_json("describe", here, *run)
     assert described["requests_answered"] and s.rid in [r["id"] for r in described["requests"]], described
     res = cli("migrate", s.rid, "--to", _other(here), "--json", *run)
+    assert res.returncode == 0 and res.stdout.strip(), f"exit {res.returncode}: {res.stderr}"
     out = json.loads(res.stdout)
-    assert res.returncode == 0 and out["outcome"] == "committed", (res.stderr, out)
+    assert out["outcome"] == "committed", (res.stderr, out)
     assert where(c, s.rid) == _other(here)
     assert s.rid in [r["id"] for r in ctl_json("describe", _other(here), *run)["requests"]]
     drained = ctl_json("drain", _other(here), "--wait", "--timeout", "180", *run)
