@@ -99,3 +99,21 @@ def test_a_request_migrated_twice_streams_every_index_once(at):
         assert ids(await c.result(s)) == c.expected(s, 200)
 
     VirtualCluster.run(scenario, sets=PACED)
+
+
+def test_a_destination_killed_right_after_the_commit_fails_the_stream_back_over_exactly(caplog):
+    async def scenario(c: VirtualCluster):
+        s = await c.request(max_tokens=300)
+        await c.tokens(s, 10)
+        reply = await c.migrate(s.request_id, "i1")
+        assert [o.outcome for o in reply.outcomes] == ["committed"], reply
+        await c.until(lambda: s.instance_id == "i1", 5, "the proxy did not follow the request to i1")
+        at_kill = s.next_index
+        c.kill("i1")  # as kill -9: nothing said; the manager's heartbeat rules find it dead
+        assert ids(await c.result(s)) == c.expected(s, 300)  # continued on i0 by re-prefill, exact tokens
+        assert s.failovers == 1 and s.instance_id == "i0" and at_kill < 300
+        await c.until(lambda: idle(c)["i0"] == (0, 0, 0), 5, f"not idle: {idle(c)}")
+
+    VirtualCluster.run(scenario, sets=PACED)
+    assert "instance i1 marked dead" in caplog.text
+    assert "failed over to us" in caplog.text

@@ -17,7 +17,7 @@ import typer
 import zmq
 import zmq.asyncio
 
-from daemons.clock import loop_time
+from daemons.clock import Clock, loop_time
 from daemons import metrics, runtime, security, wire
 from daemons.cli import load_or_exit
 from daemons.config import Config
@@ -42,10 +42,13 @@ class Instance(TokenPathMixin, IntakeMixin, StepLoopMixin, ControlMixin, OrdersM
     """One engine plus its llumlet: the state below, and a mixin per concern in the file named for it; the
     migrator (daemons/migration/) runs the migrations in and out."""
 
-    def __init__(self, cfg: Config, engine: Engine, kv=None, ctx: zmq.asyncio.Context | None = None):
+    def __init__(self, cfg: Config, engine: Engine, kv=None, ctx: zmq.asyncio.Context | None = None,
+                 clock: Clock | None = None):
         """``kv``: the migrator's KV transport (default: Gloo pairs; see daemons/migration/migrator.py). ``ctx``:
         the ZeroMQ context its sockets are made in (default: its own; tests/support/cluster.py shares one
-        between daemons in one process, for inproc:// addresses)."""
+        between daemons in one process, for inproc:// addresses). ``clock``: what its step loop times steps with
+        (default: the monotonic clock; tests/support passes the virtual loop's)."""
+        self.clock = clock or Clock()
         self.cfg = cfg
         self.kv = kv
         self.ic = cfg.instance

@@ -191,9 +191,9 @@ class StepLoopMixin:
 
     async def step_once(self) -> None:
         """One step, then the boundary: the sim (its steps take model time on the loop's clock) and
-        ``instance.min_step_s`` (every step padded to it). Timed on the event loop's clock (the monotonic clock;
-        virtual time in tests/support), as the model time is waited for on it."""
-        loop_time = asyncio.get_running_loop().time
+        ``instance.min_step_s`` (every step padded to it). Timed on the instance's clock (the monotonic clock;
+        the virtual loop's in tests/support), on which the model time is waited for."""
+        loop_time = self.clock.monotonic
         watchdog = self.watchdog
         start = loop_time()
         watchdog.step_started = time.monotonic()

@@ -4,7 +4,6 @@ bounds, or (503) when no instance lives."""
 from __future__ import annotations
 
 import logging
-import time
 
 from daemons.proxy.stream import Overloaded
 from daemons.proxy.telemetry import AUTO_BATCHES, AUTO_KV_CACHES
@@ -38,7 +37,7 @@ class AdmissionMixin:
                          else adm.max_queued_tokens)
         if not serving:
             return  # nothing to measure against: placement waits for an instance, or says none is alive
-        fresh = time.monotonic() - self.view.ttl_s
+        fresh = self.clock.monotonic() - self.view.ttl_s
         for iid, mine in self.view.mine.items():
             beat = self.beats.get(iid)
             block = beat.load.block_size if beat is not None and beat.load is not None else 16

@@ -34,6 +34,7 @@ import zmq
 import zmq.asyncio
 
 from daemons import metrics, runtime, security, wire
+from daemons.clock import Clock
 from daemons.links import LinkWatch
 from daemons.proxy.admission import AdmissionMixin
 from daemons.proxy.dispatch import DispatchMixin
@@ -53,8 +54,11 @@ class ClusterClient(ManagerLinkMixin, DispatchMixin, AdmissionMixin, FailoverMix
     """The proxy's side of the cluster: the state below, and a mixin per concern in the file named for it
     (managerlink, dispatch, admission, failover, tokens)."""
 
-    def __init__(self, cfg, ctx: zmq.asyncio.Context | None = None):
-        """``ctx``: the ZeroMQ context its sockets are made in (default: its own)."""
+    def __init__(self, cfg, ctx: zmq.asyncio.Context | None = None, clock: Clock | None = None):
+        """``ctx``: the ZeroMQ context its sockets are made in (default: its own). ``clock``: the time its
+        liveness, dispatch and stream checks read (default: the monotonic clock; tests/support passes the
+        virtual loop's)."""
+        self.clock = clock or Clock()
         metrics.bind("proxy", cfg.model.name)
         self.cfg = cfg
         self.pc = cfg.proxy
@@ -81,7 +85,8 @@ class ClusterClient(ManagerLinkMixin, DispatchMixin, AdmissionMixin, FailoverMix
         self._ids = itertools.count(1)
         self._turn = 0
         self.rank, self.proxies = 0, 1  # our place among the proxies the manager hears from (see tie_start)
-        self.view = DispatchView(cfg.manager.pending_dispatch_ttl_s, cfg.scheduling.high_priority_headroom)
+        self.view = DispatchView(cfg.manager.pending_dispatch_ttl_s, cfg.scheduling.high_priority_headroom,
+                                 self.clock.monotonic)
         self._tasks: list[asyncio.Task] = []
         self._soon: list[wire.Message] = []  # for the manager at the end of this loop turn (_tell_manager_soon)
         self.essential: list[asyncio.Task] = []  # if one of these ends, the proxy exits (it would be deaf)

@@ -68,7 +68,7 @@ class DispatchMixin:
                 except NoInstance as exc:
                     if not self._could_serve(stream):
                         raise
-                    now = time.monotonic()
+                    now = self.clock.monotonic()
                     if not deadline:
                         deadline = now + self.adm.queue_timeout_s
                         M_WAITED.inc()
@@ -119,7 +119,7 @@ class DispatchMixin:
         priority = stream.submit.priority
         if not stream.exclude:
             return self.view.choose(self.alive, self.dispatch_policy, priority, self._turn, self.tie_start())
-        now = time.monotonic()
+        now = self.clock.monotonic()
         states = [self.view.state_of(v, v.load, now) for v in self.alive() if v.instance_id not in stream.exclude]
         return policy.dispatch(self.dispatch_policy, states, self._turn, self.cfg.scheduling.high_priority_headroom,
                                priority, start=self.tie_start())
@@ -132,7 +132,7 @@ class DispatchMixin:
 
     async def submit(self, submit: wire.Submit) -> Stream:
         """Dispatch and send a request; the returned stream yields its tokens. Raises NoInstance."""
-        stream = Stream(submit.request_id, submit, self.pc.request_timeout_s)
+        stream = Stream(submit.request_id, submit, self.pc.request_timeout_s, self.clock.monotonic())
         self.streams[submit.request_id] = stream
         try:
             await self._dispatch(stream)
@@ -149,7 +149,7 @@ class DispatchMixin:
             return
         stream.instance_id, stream.address = instance_id, address
         stream.tried.append(instance_id)
-        stream.sent_at = stream.progress_at = time.monotonic()
+        stream.sent_at = stream.progress_at = self.clock.monotonic()
         stream.epoch += 1
         stream.owner_from = stream.next_index
         stream.early.clear()  # a gap's tokens came from the copy we left: the new one sends them again

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from daemons import wire
 from daemons.links import DOWN
@@ -95,7 +94,7 @@ class FailoverMixin:
             alive = wire.ProxyAlive(self.token_address)
             for address in list(self.instances):
                 self._send_instance(address, alive)
-            self.check_streams(time.monotonic())
+            self.check_streams(self.clock.monotonic())
 
     def check_streams(self, now: float) -> None:
         stall = self.pc.stall_timeout_s

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 import msgspec
 
@@ -20,7 +19,7 @@ class ManagerLinkMixin:
     """Of the ClusterClient: talks to the manager on ``manager``; keeps ``snapshot``, ``heard`` and ``beats``."""
 
     def manager_ok(self) -> bool:
-        return time.monotonic() - self.snapshot_at < max(3 * self.pc.snapshot_interval_s, 1.0)
+        return self.clock.monotonic() - self.snapshot_at < max(3 * self.pc.snapshot_interval_s, 1.0)
 
     def alive(self) -> list[wire.InstanceView]:
         """Instances that take requests: the manager's view, less those our own view says are dead or
@@ -42,7 +41,7 @@ class ManagerLinkMixin:
         # Instances the manager does not show (it restarted and they have not registered again yet) but that
         # we hear from.
         known = {v.instance_id for v in self.snapshot}
-        now = time.monotonic()
+        now = self.clock.monotonic()
         for iid, beat in self.beats.items():
             if (iid not in known and beat.load is not None and beat.healthy and beat.accepting
                     and now - self.heard.get(iid, 0.0) < self.pc.instance_timeout_s):
@@ -60,7 +59,7 @@ class ManagerLinkMixin:
         if link != "unknown":
             return link == DOWN
         last = max(self.heard.get(instance_id, 0.0), since)
-        return last > 0 and time.monotonic() - last > self.pc.instance_timeout_s
+        return last > 0 and self.clock.monotonic() - last > self.pc.instance_timeout_s
 
     def _link_changed(self, address: str, state: str) -> None:
         if state == DOWN:
@@ -69,7 +68,7 @@ class ManagerLinkMixin:
             log.warning("lost the connection to instance %s at %s (its process is gone, or it answered no keepalive "
                         "for %gs)", "/".join(ids) or "?", address, self.pc.instance_timeout_s)
             self.view.invalidate()
-            self.check_streams(time.monotonic())
+            self.check_streams(self.clock.monotonic())
         elif state == UP:
             self.view.invalidate()
             self._wake_waiting()
@@ -90,7 +89,7 @@ class ManagerLinkMixin:
         while True:
             msg = wire.decode(await self.manager.recv())
             if isinstance(msg, wire.Snapshot):
-                self.snapshot, self.snapshot_at = msg.instances, time.monotonic()
+                self.snapshot, self.snapshot_at = msg.instances, self.clock.monotonic()
                 self._wake_waiting()
                 self.view.invalidate()
                 self.rank, self.proxies = msg.proxy_rank, msg.proxies
@@ -112,7 +111,7 @@ class ManagerLinkMixin:
 
     async def _poll_snapshot(self) -> None:
         while True:
-            self._snapshot_asked_at = time.monotonic()
+            self._snapshot_asked_at = self.clock.monotonic()
             await self._ask(wire.SnapshotQuery(next(self._ids), self.token_address), self.pc.snapshot_interval_s)
             await asyncio.sleep(self.pc.snapshot_interval_s)
 
@@ -129,7 +128,7 @@ class ManagerLinkMixin:
             state = states.get(iid)
             # The manager's word is confirmed by our own view: an instance whose tokens or heartbeats reached
             # us within the manager's own dead-after time is alive, whatever a loaded manager concluded.
-            heard_lately = time.monotonic() - self.heard.get(iid, 0.0) < mc.heartbeat_interval_s * mc.dead_after_missed
+            heard_lately = self.clock.monotonic() - self.heard.get(iid, 0.0) < mc.heartbeat_interval_s * mc.dead_after_missed
             # Absent: gone for good, unless we sent the request after the manager took this snapshot, or the
             # manager has only just (re)started.
             gone = state is None and settled and stream.sent_at < self._snapshot_asked_at

@@ -36,7 +36,9 @@ class Stream:
                  "instance_id", "address", "tried", "sent_at", "given_back", "epoch", "owner_from", "token_ids",
                  "failovers", "progress_at", "deadline", "fenced", "exclude")
 
-    def __init__(self, request_id: str, submit: wire.Submit, timeout_s: float = 0.0):
+    def __init__(self, request_id: str, submit: wire.Submit, timeout_s: float = 0.0, now: float | None = None):
+        """``now``: its client's clock (default: the monotonic clock); ``feed`` callers keep ``progress_at``."""
+        now = time.monotonic() if now is None else now
         self.request_id = request_id
         self.submit = submit
         self.ready: list[wire.TokenOut] = []
@@ -55,8 +57,8 @@ class Stream:
         self.owner_from = 0  # the first index the current owner produces
         self.token_ids: list[int] = []  # every token accepted, in order: a failover re-prefills them
         self.failovers = 0
-        self.progress_at = time.monotonic()
-        self.deadline = time.monotonic() + timeout_s if timeout_s > 0 else 0.0
+        self.progress_at = now
+        self.deadline = now + timeout_s if timeout_s > 0 else 0.0
         self.fenced: set[tuple[str, int]] = set()  # copies already told to abort
         self.exclude: list[str] = []  # instances that failed it: not placed there again
 
@@ -67,7 +69,7 @@ class Stream:
             return instance_id == self.instance_id
         return out.epoch < self.epoch and out.index < self.owner_from
 
-    def feed(self, out: wire.TokenOut) -> None:
+    def feed(self, out: wire.TokenOut, now: float | None = None) -> None:
         if self.done or out.index < self.next_index or out.index in self.early:
             M_DUPLICATES.inc()
             return
@@ -77,7 +79,7 @@ class Stream:
         self._accept(out)
         while self.next_index in self.early:
             self._accept(self.early.pop(self.next_index))
-        self.progress_at = time.monotonic()
+        self.progress_at = time.monotonic() if now is None else now
         self._wake()
 
     def _accept(self, out: wire.TokenOut) -> None:

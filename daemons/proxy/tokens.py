@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 
 import zmq
 import zmq.asyncio
@@ -49,19 +48,19 @@ class TokenPathMixin:
         streams = self.streams
         if isinstance(msg, wire.TokenBatch):
             iid = msg.instance_id
-            self.heard[iid] = time.monotonic()
+            self.heard[iid] = now = self.clock.monotonic()
             for out in msg.outputs:
                 stream = streams.get(out.request_id)
                 if stream is None:
                     self._orphan(iid, out)
                     continue
                 if stream.owns(iid, out):
-                    stream.feed(out)
+                    stream.feed(out, now)
                 elif not stream.done:
                     M_FENCED.inc()
                     self._fence(stream, iid, out.epoch)
         elif isinstance(msg, wire.Heartbeat):
-            self.heard[msg.instance_id] = self.beat_at[msg.instance_id] = time.monotonic()
+            self.heard[msg.instance_id] = self.beat_at[msg.instance_id] = self.clock.monotonic()
             self.view.heard(msg, self.beats.get(msg.instance_id))
             self.beats[msg.instance_id] = msg
             self.addresses[msg.instance_id] = msg.request_address
@@ -106,7 +105,7 @@ class TokenPathMixin:
         if msg.epoch > stream.epoch:
             stream.instance_id, stream.address = msg.instance_id, msg.request_address
             stream.epoch, stream.owner_from = msg.epoch, msg.from_index
-            stream.sent_at = time.monotonic()
+            stream.sent_at = self.clock.monotonic()
             if msg.instance_id not in stream.tried:
                 stream.tried.append(msg.instance_id)
         elif msg.epoch < stream.epoch or msg.instance_id != stream.instance_id:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import Callable
 
 from daemons import policy, wire
 
@@ -32,7 +33,8 @@ class _Entry:
 
 
 class DispatchView:
-    def __init__(self, ttl_s: float, headroom: float):
+    def __init__(self, ttl_s: float, headroom: float, now: Callable[[], float] = time.monotonic):
+        self.now = now  # its client's clock
         self.ttl_s = ttl_s
         self.headroom = headroom
         # Our own dispatches per instance not yet in its heartbeats' load: (our Submit number to it, blocks, time).
@@ -75,7 +77,7 @@ class DispatchView:
         """A Submit of ``tokens`` went to ``instance_id``: its load until a heartbeat shows it."""
         n = self.sent[instance_id] = self.sent.get(instance_id, 0) + 1
         block_size = load.block_size if load is not None else 16
-        self.mine.setdefault(instance_id, deque()).append((n, policy.blocks_for(tokens + 1, block_size), time.monotonic()))
+        self.mine.setdefault(instance_id, deque()).append((n, policy.blocks_for(tokens + 1, block_size), self.now()))
         self.dirty.add(instance_id)
 
     # ------------------------------------------------------------------ the dispatch
@@ -83,7 +85,7 @@ class DispatchView:
     def choose(self, alive, dispatch_policy: str, priority: int, turn: int, start: float | None) -> str | None:
         """The instance for a new request. ``alive`` gives the client's merged view of the instances that
         take requests (called only when membership must be built again)."""
-        now = time.monotonic()
+        now = self.now()
         if self.stale or now - self.built_at > REFRESH_S:
             self._build(alive(), now)
         elif self.dirty:

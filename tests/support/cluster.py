@@ -52,7 +52,8 @@ class VirtualCluster:
         self.cfg = load_config(None, self.sets)
         self.hub = Hub()
         self.zmq = zmq.asyncio.Context()
-        self.manager = Manager(self.cfg, clock=virtual.LoopClock(loop), ctx=self.context())
+        self.clock = virtual.LoopClock(loop)
+        self.manager = Manager(self.cfg, clock=self.clock, ctx=self.context())
         self.instances: dict[str, Instance] = {}
         self.runs: dict[str, asyncio.Task] = {}
         self.proxy: ClusterClient | None = None
@@ -79,14 +80,15 @@ class VirtualCluster:
         for i in range(instances):
             self.add(f"i{i}")
         proxy_cfg = load_config(None, self.sets + ["proxy.token_address=inproc://proxy"])
-        self.proxy = ClusterClient(proxy_cfg, ctx=self.context())
+        self.proxy = ClusterClient(proxy_cfg, ctx=self.context(), clock=self.clock)
         await self.proxy.start()
         await self.until(lambda: len(self.proxy.alive()) == instances, 10, "the instances did not come up")
 
     def add(self, iid: str, *sets: str) -> Instance:
         cfg = load_config(None, self.sets + [f"instance.id={iid}", "instance.backend=sim",
                                              f"instance.request_address=inproc://{iid}", *sets])
-        inst = Instance(cfg, SimEngine(cfg.sim, cfg.model), kv=self.hub.transport(iid), ctx=self.context())
+        inst = Instance(cfg, SimEngine(cfg.sim, cfg.model), kv=self.hub.transport(iid), ctx=self.context(),
+                        clock=self.clock)
         self.instances[iid] = inst
         self.runs[iid] = asyncio.ensure_future(inst.run())
         return inst
