@@ -6,6 +6,8 @@ the same way on every run: one outcome is asserted, not either of two."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from daemons import wire
@@ -117,3 +119,83 @@ def test_a_destination_killed_right_after_the_commit_fails_the_stream_back_over_
     VirtualCluster.run(scenario, sets=PACED)
     assert "instance i1 marked dead" in caplog.text
     assert "failed over to us" in caplog.text
+
+
+SLOW_KV = 40_000.0  # bytes per virtual second: a prompt of a few blocks takes seconds to copy
+
+
+def test_a_client_that_leaves_after_a_move_has_its_request_aborted_on_the_destination():
+    async def scenario(c: VirtualCluster):
+        s = await c.request(max_tokens=3000)
+        await c.tokens(s, 5)
+        reply = await c.migrate(s.request_id, "i1")
+        assert [o.outcome for o in reply.outcomes] == ["committed"], reply
+        await c.until(lambda: s.instance_id == "i1", 5, "the proxy did not follow the request to i1")
+        c.proxy.finish(s)  # the client went away: the abort goes to where the request is now
+        await c.until(lambda: all(v == (0, 0, 0) for v in idle(c).values()), 2, f"not freed: {idle(c)}")
+
+    VirtualCluster.run(scenario, sets=PACED)
+
+
+def test_a_request_finishing_during_pre_copy_aborts_the_migration_and_the_destination_releases():
+    async def scenario(c: VirtualCluster):
+        s = await c.request(max_tokens=60, prompt_tokens=600)  # 38 blocks: ~10 s to copy; it ends first
+        await c.tokens(s, 3)
+        reply = await c.migrate(s.request_id, "i1")
+        (o,) = reply.outcomes
+        assert o.outcome == "aborted" and "finished" in o.reason and o.downtime_ms == 0, o
+        assert ids(await c.result(s)) == c.expected(s, 60)
+        await c.until(lambda: all(v == (0, 0, 0) for v in idle(c).values()), 30, f"not idle: {idle(c)}")
+
+    VirtualCluster.run(scenario, sets=PACED + ["migration.timeout_s=30"], kv_bytes_per_s=SLOW_KV)
+
+
+def test_a_destination_without_room_refuses_and_the_request_streams_on():
+    async def scenario(c: VirtualCluster):
+        s = await c.request(max_tokens=200, prompt_tokens=300)
+        await c.tokens(s, 3)
+        c.add("small", "sim.num_blocks=4")
+        await c.until(lambda: "small" in {v.instance_id for v in c.proxy.alive()}, 5, "small did not join")
+        reply = await c.migrate(s.request_id, "small")
+        (o,) = reply.outcomes
+        assert o.outcome == "aborted" and "no room" in o.reason, o
+        assert c.holders(s.request_id) == ["i0"]
+        assert ids(await c.result(s)) == c.expected(s, 200)
+        assert idle(c)["small"] == (0, 0, 0)
+
+    VirtualCluster.run(scenario, instances=1, sets=PACED)
+
+
+def test_a_destination_killed_mid_copy_aborts_and_the_source_keeps_the_request():
+    async def scenario(c: VirtualCluster):
+        s = await c.request(max_tokens=250, prompt_tokens=600)
+        await c.tokens(s, 3)
+        moving = asyncio.ensure_future(c.migrate(s.request_id, "i1"))
+        await c.until(lambda: c.instances["i1"].migrator.busy > 0, 5, "the copy did not start")
+        c.kill("i1")
+        reply = await moving
+        outcome = reply.outcomes[0] if isinstance(reply, wire.MigrateReply) else None
+        assert outcome is not None and outcome.outcome == "aborted", reply
+        assert c.holders(s.request_id) == ["i0"]
+        assert ids(await c.result(s)) == c.expected(s, 250)
+        await c.until(lambda: idle(c)["i0"] == (0, 0, 0), 5, f"not idle: {idle(c)}")
+
+    VirtualCluster.run(scenario, sets=PACED + ["migration.timeout_s=3"], kv_bytes_per_s=SLOW_KV)
+
+
+def test_a_source_killed_mid_copy_has_the_destination_release_and_the_stream_fail_over_exactly():
+    async def scenario(c: VirtualCluster):
+        s = await c.request(max_tokens=250, prompt_tokens=600)
+        await c.tokens(s, 3)
+        moving = asyncio.ensure_future(c.migrate(s.request_id, "i1"))
+        await c.until(lambda: c.instances["i1"].migrator.busy > 0, 5, "the copy did not start")
+        assert c.instances["i1"].engine.load().blocks_used > 0  # reserved
+        c.kill("i0")
+        reply = await moving
+        assert isinstance(reply, wire.ErrorReply) and "died during the migration" in reply.message, reply
+        # The proxy continued the stream on i1 by re-prefill; the migration's reservation there was released.
+        assert ids(await c.result(s)) == c.expected(s, 250)
+        assert s.failovers == 1 and s.instance_id == "i1"
+        await c.until(lambda: idle(c)["i1"] == (0, 0, 0), 30, f"not idle: {idle(c)}")
+
+    VirtualCluster.run(scenario, sets=PACED + ["migration.timeout_s=3"], kv_bytes_per_s=SLOW_KV)

@@ -46,11 +46,11 @@ SETTINGS = ["manager.heartbeat_interval_s=0.2", "manager.metrics_port=-1", "inst
 
 
 class VirtualCluster:
-    def __init__(self, loop: virtual.VirtualTimeLoop, sets: list[str]) -> None:
+    def __init__(self, loop: virtual.VirtualTimeLoop, sets: list[str], kv_bytes_per_s: float = 0.0) -> None:
         self.loop = loop
         self.sets = SETTINGS + sets
         self.cfg = load_config(None, self.sets)
-        self.hub = Hub()
+        self.hub = Hub(kv_bytes_per_s)
         self.zmq = zmq.asyncio.Context()
         self.clock = virtual.LoopClock(loop)
         self.manager = Manager(self.cfg, clock=self.clock, ctx=self.context())
@@ -63,9 +63,12 @@ class VirtualCluster:
         return SharedContext.shadow(self.zmq.underlying)
 
     @classmethod
-    def run(cls, scenario: Callable[[VirtualCluster], Awaitable], instances: int = 2, sets: list[str] = ()):
+    def run(cls, scenario: Callable[[VirtualCluster], Awaitable], instances: int = 2, sets: list[str] = (),
+            kv_bytes_per_s: float = 0.0):
+        """Run ``scenario(cluster)`` on a fresh virtual-time loop with ``instances`` instances (i0, i1, ...);
+        ``kv_bytes_per_s``: how fast migrations copy KV (0: at once)."""
         async def main(loop):
-            c = cls(loop, list(sets))
+            c = cls(loop, list(sets), kv_bytes_per_s)
             try:
                 await c.start(instances)
                 return await scenario(c)

@@ -7,6 +7,7 @@ timeouts end it, as with a dead peer)."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections import deque
 from concurrent.futures import Future
@@ -19,7 +20,10 @@ from daemons.engine.kvblocks import KvBlocks
 class Hub:
     """The pairs of every instance in the process, by key."""
 
-    def __init__(self) -> None:
+    def __init__(self, bytes_per_s: float = 0.0) -> None:
+        """``bytes_per_s``: how fast a matched transfer completes, in virtual time (0: at once), as a copy over
+        a slow link would."""
+        self.bytes_per_s = bytes_per_s
         self.sends: dict[str, deque] = {}
         self.recvs: dict[str, deque] = {}
         self._ids = itertools.count(1)
@@ -49,8 +53,16 @@ class Hub:
             kv.scatter_tail(last, want_tail, tail)
         nbytes = data.numel() + (tail.numel() if tail is not None else 0)
         self.moved_bytes += nbytes
-        done_send.set_result(nbytes)
-        done_recv.set_result(nbytes)
+
+        def done() -> None:
+            for fut in (done_send, done_recv):
+                if not fut.done():
+                    fut.set_result(nbytes)
+
+        if self.bytes_per_s > 0:
+            asyncio.get_running_loop().call_later(nbytes / self.bytes_per_s, done)
+        else:
+            done()
 
     def drop(self, key: str) -> None:
         self.sends.pop(key, None)
