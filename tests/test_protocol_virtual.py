@@ -154,8 +154,7 @@ def test_a_destination_without_room_refuses_and_the_request_streams_on():
     async def scenario(c: VirtualCluster):
         s = await c.request(max_tokens=200, prompt_tokens=300)
         await c.tokens(s, 3)
-        c.add("small", "sim.num_blocks=4")
-        await c.until(lambda: "small" in {v.instance_id for v in c.proxy.alive()}, 5, "small did not join")
+        await c.join("small", "sim.num_blocks=4")
         reply = await c.migrate(s.request_id, "small")
         (o,) = reply.outcomes
         assert o.outcome == "aborted" and "no room" in o.reason, o
@@ -199,3 +198,61 @@ def test_a_source_killed_mid_copy_has_the_destination_release_and_the_stream_fai
         await c.until(lambda: idle(c)["i1"] == (0, 0, 0), 30, f"not idle: {idle(c)}")
 
     VirtualCluster.run(scenario, sets=PACED + ["migration.timeout_s=3"], kv_bytes_per_s=SLOW_KV)
+
+
+async def _streams(c: VirtualCluster, n: int, max_tokens: int, prompt_tokens: int = 48) -> list:
+    return [await c.request(max_tokens=max_tokens, prompt_tokens=prompt_tokens) for _ in range(n)]
+
+
+def test_a_drain_moves_running_requests_out_and_gives_queued_ones_back_with_no_error():
+    async def scenario(c: VirtualCluster):
+        streams = await _streams(c, 9, 300)  # flood: all on i0, 6 running and 3 queued
+        await c.until(lambda: c.instances["i0"].engine.load().running == 6, 5, "i0's slots did not fill")
+        assert c.instances["i0"].engine.load().waiting == 3
+        reply = c.manager.resched.on_drain(wire.DrainQuery(1, "i0"))
+        assert isinstance(reply, wire.DrainReply) and reply.instance.draining
+        await c.until(lambda: idle(c)["i0"] == (0, 0, 0), 30, f"i0 was not emptied: {idle(c)}")
+        for s in streams:
+            assert ids(await c.result(s)) == c.expected(s, 300), s.request_id
+        assert sum(s.given_back for s in streams) == 3  # the queued ones went back to the proxy ...
+        assert c.manager.resched.outcomes["drain/committed"] == 6  # ... the running ones migrated
+        later = await _streams(c, 4, 5)
+        assert all(s.instance_id != "i0" for s in later)  # a drained instance takes nothing new
+        for s in later:
+            await c.result(s)
+
+    VirtualCluster.run(scenario, instances=3, sets=PACED + ["sim.max_num_seqs=6"])
+
+
+def test_draining_the_only_instance_keeps_its_queue_until_another_joins():
+    async def scenario(c: VirtualCluster):
+        streams = await _streams(c, 8, 600)
+        await c.until(lambda: c.instances["i0"].engine.load().running == 4, 5, "i0's slots did not fill")
+        c.manager.resched.on_drain(wire.DrainQuery(1, "i0"))
+        await asyncio.sleep(1.0)
+        assert c.instances["i0"].engine.load().waiting == 4  # nowhere else to go: giving them back would fail them
+        assert sum(s.given_back for s in streams) == 0
+        await c.join("i1")
+        await c.until(lambda: idle(c)["i0"] == (0, 0, 0), 30, "the drain did not empty i0")
+        for s in streams:
+            assert ids(await c.result(s)) == c.expected(s, 600), s.request_id
+        assert all(s.instance_id == "i1" for s in streams)
+        assert sum(s.given_back for s in streams) + c.manager.resched.outcomes["drain/committed"] == 8
+
+    VirtualCluster.run(scenario, instances=1, sets=PACED + ["sim.max_num_seqs=4"])
+
+
+def test_a_cordoned_instance_keeps_what_it_runs_and_takes_nothing_new():
+    async def scenario(c: VirtualCluster):
+        first = await _streams(c, 4, 300)
+        await c.until(lambda: c.instances["i0"].engine.load().running == 4, 5, "i0's requests did not start")
+        reply = c.manager.resched.on_drain(wire.DrainQuery(1, "i0", cordon_only=True))
+        assert reply.instance.cordoned and not reply.instance.draining
+        await c.until(lambda: all(v.instance_id != "i0" for v in c.proxy.alive()), 2, "the proxy never saw the cordon")
+        later = await _streams(c, 6, 5)
+        assert all(s.instance_id == "i1" for s in later)
+        for s in later + first:
+            await c.result(s)
+        assert all(s.instance_id == "i0" and s.failovers == 0 for s in first)  # it kept what it ran
+
+    VirtualCluster.run(scenario, sets=PACED)

@@ -96,6 +96,12 @@ class VirtualCluster:
         self.runs[iid] = asyncio.ensure_future(inst.run())
         return inst
 
+    async def join(self, iid: str, *sets: str) -> Instance:
+        """``add``, then wait until the proxy counts the new instance among those that take requests."""
+        inst = self.add(iid, *sets)
+        await self.until(lambda: iid in {v.instance_id for v in self.proxy.alive()}, 10, f"{iid} did not join")
+        return inst
+
     def kill(self, iid: str) -> None:
         """As kill -9: the instance's tasks end where they are, its sockets close, nothing is said."""
         inst = self.instances.pop(iid)
