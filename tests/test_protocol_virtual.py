@@ -256,3 +256,18 @@ def test_a_cordoned_instance_keeps_what_it_runs_and_takes_nothing_new():
         assert all(s.instance_id == "i0" and s.failovers == 0 for s in first)  # it kept what it ran
 
     VirtualCluster.run(scenario, sets=PACED)
+
+
+def test_a_destination_with_another_kv_layout_refuses_with_the_difference():
+    async def scenario(c: VirtualCluster):
+        s = await c.request(max_tokens=200)
+        await c.tokens(s, 3)
+        await c.join("f32", "sim.kv_dtype=float32")
+        reply = await c.migrate(s.request_id, "f32")
+        (o,) = reply.outcomes
+        assert o.outcome == "aborted" and "KV layout differs: KV dtype differs: source float16, destination float32" \
+            in o.reason, o
+        assert c.holders(s.request_id) == ["i0"] and idle(c)["f32"] == (0, 0, 0)
+        assert ids(await c.result(s)) == c.expected(s, 200)
+
+    VirtualCluster.run(scenario, instances=1, sets=PACED)
