@@ -7,6 +7,7 @@ the same way on every run: one outcome is asserted, not either of two."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 
@@ -45,6 +46,7 @@ def test_a_migrated_stream_equals_the_unmigrated_one_and_frees_the_source():
 
 
 def test_a_commit_later_than_the_source_waits_leaves_exactly_one_copy_on_the_source(monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="llumnix")  # the daemons' INFO lines, whatever ran in this process before
     """The destination's commit waits 10 s; the source gives up after 4 s, says so (MigAbort) and resumes
     under epoch+1. The destination sees the abort before its commit and refuses to commit."""
     monkeypatch.setenv("LLUMNIX_FAULTS", "i1:slow_commit_s=10")
@@ -67,6 +69,7 @@ def test_a_commit_later_than_the_source_waits_leaves_exactly_one_copy_on_the_sou
 
 
 def test_a_lost_commit_acknowledgement_keeps_the_destination_and_fences_the_source(monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="llumnix")  # the daemons' INFO lines, whatever ran in this process before
     """The destination commits (epoch+1) and tells the proxy, but its MigDone is lost; the source times out
     and resumes under epoch+1 too, and claims the request. The proxy heard the destination's claim first: it
     keeps that copy and aborts the source's by epoch."""
@@ -104,6 +107,7 @@ def test_a_request_migrated_twice_streams_every_index_once(at):
 
 
 def test_a_destination_killed_right_after_the_commit_fails_the_stream_back_over_exactly(caplog):
+    caplog.set_level(logging.INFO, logger="llumnix")  # the daemons' INFO lines, whatever ran in this process before
     async def scenario(c: VirtualCluster):
         s = await c.request(max_tokens=300)
         await c.tokens(s, 10)
