@@ -442,14 +442,14 @@ def full_app() -> typer.Typer:
     global _complete
     if not _complete:
         from llumnixctl import keys
-        from llumnixctl.experiments import bench, check, profile, simulate, tracefiles as traces
+        from llumnixctl.experiments import bench, check, profile, simulate, tracecli
         from llumnixctl.lab import model
 
         app.add_typer(bench.app, name="bench")
         app.add_typer(check.app, name="check")
         app.add_typer(keys.app, name="keys")
         app.add_typer(model.app, name="model")
-        app.add_typer(traces.app, name="trace")
+        app.add_typer(tracecli.app, name="trace")
         app.command("simulate")(simulate.command)
         app.command("profile")(profile.command)
         _complete = True

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from typer.testing import CliRunner
 
-from llumnixctl.experiments import tracegen as trace, tracefiles as traces
+from llumnixctl.experiments import tracecli, tracegen as trace, tracefiles as traces, tracemix
 from llumnixctl.experiments.tracegen import TraceRequest
 from llumnixctl.lab import model
 
@@ -24,7 +24,7 @@ runner = CliRunner()
 
 
 def _cli(*args: str):
-    return runner.invoke(traces.app, list(args), prog_name="llumnixctl trace")
+    return runner.invoke(tracecli.app, list(args), prog_name="llumnixctl trace")
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +54,10 @@ def R(i, t, p, o, prio="normal"):
 @pytest.mark.parametrize("mean,bounds", [(128, (1, 6000)), (256, (1, 6000)), (512, (1, 6000)), (100, (16, 512)),
                                          (300, (16, 512)), (10, (4, 12))])
 def test_fit_alpha_gives_the_exact_integer_mean(mean, bounds):
-    alpha = traces.fit_alpha(mean, *bounds)
-    assert traces.power_law_int_mean(*bounds, alpha) == pytest.approx(mean, rel=1e-7)
+    alpha = tracemix.fit_alpha(mean, *bounds)
+    assert tracemix.power_law_int_mean(*bounds, alpha) == pytest.approx(mean, rel=1e-7)
     # the exact integer mean is the continuous one less about a half
-    assert traces.power_law_int_mean(*bounds, alpha) == pytest.approx(trace.power_law_mean(*bounds, alpha) - 0.5, abs=0.1)
+    assert tracemix.power_law_int_mean(*bounds, alpha) == pytest.approx(trace.power_law_mean(*bounds, alpha) - 0.5, abs=0.1)
 
 
 def test_int_mean_by_enumeration():
@@ -65,22 +65,22 @@ def test_int_mean_by_enumeration():
     lo, hi, alpha = 3, 40, 1.7
     a, b, e = lo, hi + 1, 1 - alpha
     F = lambda x: (x ** e - a ** e) / (b ** e - a ** e)  # noqa: E731
-    assert traces.power_law_int_mean(lo, hi, alpha) == pytest.approx(sum(k * (F(k + 1) - F(k)) for k in range(lo, hi + 1)))
-    assert traces.power_law_int_mean(lo, hi, 1.0) == pytest.approx(
+    assert tracemix.power_law_int_mean(lo, hi, alpha) == pytest.approx(sum(k * (F(k + 1) - F(k)) for k in range(lo, hi + 1)))
+    assert tracemix.power_law_int_mean(lo, hi, 1.0) == pytest.approx(
         sum(k * math.log((k + 1) / k) for k in range(lo, hi + 1)) / math.log(b / a))
 
 
 def test_fit_alpha_refuses_a_mean_outside_the_bounds():
     for m in (16, 512, 600, 3):
         with pytest.raises(ValueError, match="no power law"):
-            traces.fit_alpha(m, 16, 512)
+            tracemix.fit_alpha(m, 16, 512)
 
 
 @pytest.mark.parametrize("mix", ["S-S", "M-M", "L-L", "S-L", "L-S", "m-l"])
 def test_paper_mixes_hit_their_means(mix):
     n = 20_000
-    reqs = traces.paper_trace(mix, n, rate=10.0, seed=5)
-    pm, om = traces.parse_mix(mix)
+    reqs = tracemix.paper_trace(mix, n, rate=10.0, seed=5)
+    pm, om = tracemix.parse_mix(mix)
     for key, target in (("prompt_tokens", pm), ("output_tokens", om)):
         xs = [getattr(r, key) for r in reqs]
         assert min(xs) >= 1 and max(xs) <= 6000
@@ -90,22 +90,22 @@ def test_paper_mixes_hit_their_means(mix):
 
 
 def test_paper_trace_shares_arrivals_and_priorities_with_generate():
-    a = traces.paper_trace("S-L", 300, rate=2.0, arrival="gamma", cv=3.0, high_fraction=0.25, seed=9)
+    a = tracemix.paper_trace("S-L", 300, rate=2.0, arrival="gamma", cv=3.0, high_fraction=0.25, seed=9)
     b = trace.generate(300, rate=2.0, arrival="gamma", cv=3.0, high_fraction=0.25, seed=9)
     assert [(r.arrival_s, r.priority) for r in a] == [(r.arrival_s, r.priority) for r in b]
-    assert a == traces.paper_trace("S-L", 300, rate=2.0, arrival="gamma", cv=3.0, high_fraction=0.25, seed=9)
+    assert a == tracemix.paper_trace("S-L", 300, rate=2.0, arrival="gamma", cv=3.0, high_fraction=0.25, seed=9)
     # one mean per side: the S-L prompts are the S-S prompts, its outputs the L-L outputs
-    ss, ll = (traces.paper_trace(m, 300, rate=2.0, arrival="gamma", cv=3.0, seed=9) for m in ("S-S", "L-L"))
+    ss, ll = (tracemix.paper_trace(m, 300, rate=2.0, arrival="gamma", cv=3.0, seed=9) for m in ("S-S", "L-L"))
     assert [r.prompt_tokens for r in a] == [r.prompt_tokens for r in ss]
     assert [r.output_tokens for r in a] == [r.output_tokens for r in ll]
 
 
 def test_parse_mix():
-    assert traces.parse_mix("M-L") == (256, 512)
-    assert traces.parse_mix(" s-m ") == (128, 256)
+    assert tracemix.parse_mix("M-L") == (256, 512)
+    assert tracemix.parse_mix(" s-m ") == (128, 256)
     for bad in ("X-L", "M", "M-M-M", ""):
         with pytest.raises(ValueError, match="unknown mix"):
-            traces.parse_mix(bad)
+            tracemix.parse_mix(bad)
 
 
 # ---------------------------------------------------------------------- our JSONL
@@ -115,7 +115,7 @@ def test_parse_mix():
 @given(st.lists(st.tuples(st.floats(0, 1e6, allow_nan=False), st.integers(1, 10 ** 6), st.integers(1, 10 ** 6),
                           st.sampled_from(["high", "normal"])), max_size=30))
 def test_jsonl_round_trip(tmp_path_factory, rows):
-    reqs = traces.reindex(sorted((R(0, t, p, o, q) for t, p, o, q in rows), key=lambda r: r.arrival_s))
+    reqs = tracemix.reindex(sorted((R(0, t, p, o, q) for t, p, o, q in rows), key=lambda r: r.arrival_s))
     path = tmp_path_factory.mktemp("rt") / "t.jsonl"
     traces.save_jsonl(reqs, path)
     assert traces.load_jsonl(path) == reqs
@@ -351,7 +351,7 @@ def test_sniff(tmp_path):
 # ---------------------------------------------------------------------- transformations
 
 reqs_st = st.lists(st.tuples(st.floats(0, 1000, allow_nan=False), st.integers(1, 5000), st.integers(1, 5000)),
-                   max_size=40).map(lambda rows: traces.reindex(sorted((R(0, t, p, o) for t, p, o in rows),
+                   max_size=40).map(lambda rows: tracemix.reindex(sorted((R(0, t, p, o) for t, p, o in rows),
                                                                         key=lambda r: r.arrival_s)))
 
 
@@ -359,16 +359,16 @@ reqs_st = st.lists(st.tuples(st.floats(0, 1000, allow_nan=False), st.integers(1,
 @given(reqs_st, st.floats(0.01, 100), st.floats(0, 1000), st.floats(0, 1000), st.integers(0, 50), st.integers(2, 6000))
 def test_transformations(reqs, factor, a, b, n, max_len):
     start, end = min(a, b), max(a, b)
-    scaled = traces.scale_rate(reqs, factor)
+    scaled = tracemix.scale_rate(reqs, factor)
     assert [r.arrival_s for r in scaled] == [r.arrival_s / factor for r in reqs]
     assert [(r.prompt_tokens, r.output_tokens) for r in scaled] == [(r.prompt_tokens, r.output_tokens) for r in reqs]
-    w = traces.window(reqs, start, end)
+    w = tracemix.window(reqs, start, end)
     assert [r.arrival_s for r in w] == [r.arrival_s - start for r in reqs if start <= r.arrival_s < end]
     assert all(0 <= r.arrival_s <= end - start for r in w)
-    assert traces.window(reqs) == reqs
-    lim = traces.limit(reqs, n)
+    assert tracemix.window(reqs) == reqs
+    lim = tracemix.limit(reqs, n)
     assert lim == reqs[:n]
-    c = traces.clip(reqs, max_len)
+    c = tracemix.clip(reqs, max_len)
     assert len(c) == len(reqs)
     for before, after in zip(reqs, c):
         assert after.prompt_tokens + after.output_tokens <= max_len and after.output_tokens >= 1
@@ -376,7 +376,7 @@ def test_transformations(reqs, factor, a, b, n, max_len):
             assert after == before
         else:
             assert after.prompt_tokens == min(before.prompt_tokens, max_len - 1)
-    assert traces.clip(reqs, max_len, drop=True) == traces.reindex(
+    assert tracemix.clip(reqs, max_len, drop=True) == tracemix.reindex(
         r for r in reqs if r.prompt_tokens + r.output_tokens <= max_len)
     for out in (scaled, w, lim, c):
         assert [r.index for r in out] == list(range(len(out)))
@@ -384,25 +384,25 @@ def test_transformations(reqs, factor, a, b, n, max_len):
 
 def test_transformations_refuse_nonsense():
     reqs = [R(0, 1.0, 5, 5)]
-    for call in (lambda: traces.scale_rate(reqs, 0), lambda: traces.scale_rate(reqs, -1),
-                 lambda: traces.window(reqs, 5, 1), lambda: traces.limit(reqs, -1), lambda: traces.clip(reqs, 1),
-                 lambda: traces.with_priorities(reqs, 1.5)):
+    for call in (lambda: tracemix.scale_rate(reqs, 0), lambda: tracemix.scale_rate(reqs, -1),
+                 lambda: tracemix.window(reqs, 5, 1), lambda: tracemix.limit(reqs, -1), lambda: tracemix.clip(reqs, 1),
+                 lambda: tracemix.with_priorities(reqs, 1.5)):
         with pytest.raises(ValueError):
             call()
 
 
 def test_with_priorities_matches_generate():
     plain = trace.generate(200, rate=3.0, seed=4)
-    assert traces.with_priorities(plain, 0.3, seed=4) == trace.generate(200, rate=3.0, seed=4, high_fraction=0.3)
-    assert {r.priority for r in traces.with_priorities(plain, 1.0)} == {"high"}
+    assert tracemix.with_priorities(plain, 0.3, seed=4) == trace.generate(200, rate=3.0, seed=4, high_fraction=0.3)
+    assert {r.priority for r in tracemix.with_priorities(plain, 1.0)} == {"high"}
 
 
 def test_stats():
-    s = traces.stats([R(0, 0.5, 10, 1), R(1, 2.0, 30, 3, "high"), R(2, 4.0, 20, 2)])
+    s = tracemix.stats([R(0, 0.5, 10, 1), R(1, 2.0, 30, 3, "high"), R(2, 4.0, 20, 2)])
     assert s["requests"] == 3 and s["duration_s"] == 4.0 and s["offered_rate"] == 0.75
     assert s["prompt_tokens"] == {"mean": 20, "median": 20, "max": 30, "min": 10, "p90": 30, "p99": 30, "total": 60}
     assert s["high_priority"] == 1 and s["first_arrival_s"] == 0.5
-    assert traces.stats([]) == {"requests": 0}
+    assert tracemix.stats([]) == {"requests": 0}
 
 
 # ---------------------------------------------------------------------- CLI
@@ -415,7 +415,7 @@ def test_cli_generate_convert_show(tmp_path):
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
     assert data["mix"] == "M-L" and data["prompt_mean"] == 256 and data["summary"]["requests"] == 500
-    assert traces.load(out) == traces.paper_trace("M-L", 500, 5.0, "gamma", 2.0, 0.2, 1)
+    assert traces.load(out) == tracemix.paper_trace("M-L", 500, 5.0, "gamma", 2.0, 0.2, 1)
 
     res = _cli("generate", "-", "-n", "50", "--prompt-min", "8", "--prompt-max", "64", "--alpha", "0.5")
     assert res.exit_code == 0, res.output

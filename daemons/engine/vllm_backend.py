@@ -8,7 +8,7 @@ llumlet reach the scheduler, the KV cache manager and the model runner's KV tens
 Request ids are passed to vLLM unchanged (we build vLLM's ``EngineCoreRequest`` ourselves and skip the
 input processor that appends a random suffix), so vLLM's internal id is the llumnix request id.
 
-Every vLLM name and private attribute this backend touches lives in ``vllm_internals._Vllm``, with the
+Every vLLM name and private attribute this backend touches lives in ``vllm_internals.VllmInternals``, with the
 version it was checked against.
 """
 
@@ -21,12 +21,12 @@ from typing import Callable
 import msgspec
 
 from daemons.config import ModelConfig, VllmConfig
-from daemons.engine.base import (EngineError, EngineRequest, KvBlocks, MigrationView, StepResult, check_incoming,
-                                  check_request)
-from daemons.engine.vllm_internals import _Vllm, set_env, set_num_threads
+from daemons.engine.base import EngineError, EngineRequest, KvBlocks, StepResult, check_request
+from daemons.engine.vllm_internals import VllmInternals, set_env, set_num_threads
+from daemons.engine.vllm_migration import LiveRequest, VllmMigrationMixin
 from daemons.engine.vllm_tp import KvShards, TpTransfer
 from daemons.kvtransfer import KvTransfer
-from daemons.wire import InstanceLoad, MigratingRequest, RequestLoad, RequestState, SamplingParams, TokenOut
+from daemons.wire import InstanceLoad, RequestLoad, TokenOut
 
 log = logging.getLogger("llumnix.engine.vllm")
 
@@ -38,17 +38,7 @@ def _cdiv(a: int, b: int) -> int:
 # ==================================================================== the engine
 
 
-class _Live:
-    __slots__ = ("rid", "req", "emitted", "sampling")
-
-    def __init__(self, rid: str, req, sampling):
-        self.rid = rid
-        self.req = req  # vLLM's Request
-        self.emitted = 0  # tokens sent out: the next TokenOut's index
-        self.sampling = sampling  # ours, as the client gave it: travels with a migration
-
-
-class VllmEngine:
+class VllmEngine(VllmMigrationMixin):
     """The Engine protocol over vLLM. Not thread-safe: add, abort and step mutate one scheduler, so every
     call must come from one thread (or be serialized), as the protocol says."""
 
@@ -61,15 +51,15 @@ class VllmEngine:
                               "(write a test model with `llumnixctl model tiny DIR`)")
         set_env(vllm)
         self.cfg = vllm
-        self._v = _Vllm(model, vllm)
+        self._v = VllmInternals(model, vllm)
         self.version = self._v.m.version
         self.block_size = self._v.block_size
         self.max_model_len = self._v.max_model_len
         self.prefix_caching = bool(vllm.enable_prefix_caching)
         self.eos_token_id = self._v.eos_token_id
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, LiveRequest] = {}
         self._suspended: set[str] = set()
-        self._reserved: dict[str, _Live] = {}
+        self._reserved: dict[str, LiveRequest] = {}
         self._cached: dict[str, int] = {}  # reservation -> its leading blocks found in the prefix cache
         self._kv_blocks: KvBlocks | KvShards | None = None
         self._finished_preemptions = 0
@@ -106,7 +96,7 @@ class VllmEngine:
         except self._v.m.request_errors as exc:  # vLLM's validation errors carry a client-ready message
             raise EngineError(str(exc)) from exc
         req = self._v.add(rid, list(prompt), params, request.arrival_time or time.time(), request.priority)
-        live = self._live[rid] = _Live(rid, req, sp)
+        live = self._live[rid] = LiveRequest(rid, req, sp)
         live.emitted = len(done)
         self._received += 1
 
@@ -197,7 +187,7 @@ class VllmEngine:
 
     @property
     def kv_caches(self) -> list:
-        """The model runner's KV tensors, one per layer (see ``_Vllm.kv_caches`` for the layout)."""
+        """The model runner's KV tensors, one per layer (see ``VllmInternals.kv_caches`` for the layout)."""
         return self._v.kv_caches()
 
     # ---------------------------------------------------------------- migration, source
@@ -218,95 +208,6 @@ class VllmEngine:
             return kv
         return TpTransfer(kv, self._v.rpc, boundary, self._v.tensor_parallel_size)
 
-    def migration_view(self, request_id: str) -> MigrationView | None:
-        live = self._live.get(request_id)
-        if live is None or request_id in self._suspended or not self._v.is_running(live.req):
-            return None
-        return MigrationView(block_ids=list(self._v.block_ids(request_id)), computed_tokens=live.req.num_computed_tokens)
-
-    def migrating_request(self, request_id: str) -> MigratingRequest:
-        live = self._live[request_id]
-        r = live.req
-        return MigratingRequest(request_id=request_id, prompt_token_ids=list(r.prompt_token_ids), sampling=live.sampling,
-                                reply_to="", priority=self._v.priority(r), arrival_time=r.arrival_time,
-                                max_total=min(r.num_prompt_tokens + live.sampling.max_tokens, self.max_model_len))
-
-    def suspend(self, request_id: str) -> RequestState:
-        live = self._live[request_id]
-        if request_id in self._suspended or not self._v.is_running(live.req):
-            raise KeyError(request_id)
-        engine_state = self._v.suspend(live.req)
-        self._suspended.add(request_id)
-        return RequestState(output_token_ids=list(live.req.output_token_ids), emitted=live.emitted,
-                            engine_state=engine_state)
-
-    def resume(self, request_id: str) -> None:
-        self._suspended.remove(request_id)
-        self._v.resume(self._live[request_id].req)
-
-    def drop_migrated(self, request_id: str) -> None:
-        self._suspended.remove(request_id)
-        live = self._live[request_id]
-        self._v.drop_suspended(live.req)
-        self._forget(live)
-
-    # ---------------------------------------------------------------- migration, destination
-
-    def reserve(self, request: MigratingRequest, tokens: int) -> list[int]:
-        rid = request.request_id
-        live = self._reserved.get(rid)
-        if live is None:
-            check_incoming(request, rid in self._live, self.max_model_len, self._v.vocab_size)
-            try:
-                params = self._v.sampling_params(request.sampling)
-            except self._v.m.request_errors as exc:
-                raise EngineError(str(exc)) from exc
-            req = self._v.build(rid, list(request.prompt_token_ids), params, request.arrival_time or time.time(),
-                                request.priority)
-            live = _Live(rid, req, request.sampling)
-        if tokens > self.max_model_len:
-            raise EngineError(f"{tokens} tokens exceed this instance's context limit {self.max_model_len}")
-        if rid not in self._reserved:  # the first hold takes what the prefix cache has of the prompt
-            blocks, self._cached[rid] = self._v.allocate_first(live.req, tokens) or (None, 0)
-        else:
-            blocks = self._v.allocate(live.req, tokens)
-        if blocks is None:
-            if rid not in self._reserved:
-                self._v.free(live.req)
-                self._cached.pop(rid, None)
-            raise EngineError(f"no room: {-(-tokens // self.block_size)} blocks wanted, "
-                              f"{self._v.blocks_free()} free")
-        self._reserved[rid] = live
-        return list(blocks)
-
-    def cached_blocks(self, request_id: str) -> int:
-        return self._cached.get(request_id, 0)
-
-    def prefix_hits(self, prompts: list[list[int]]) -> list[int]:
-        try:
-            return self._v.prefix_hits(prompts, self._v.sampling_params(SamplingParams(max_tokens=1)))
-        except self._v.m.request_errors as exc:
-            raise EngineError(str(exc)) from exc
-
-    def commit(self, request_id: str, state: RequestState) -> None:
-        live = self._reserved[request_id]
-        tokens = len(live.req.prompt_token_ids) + len(state.output_token_ids) - 1
-        if -(-tokens // self.block_size) > len(self._v.block_ids(request_id)):
-            raise EngineError(f"the reservation cannot hold {tokens} tokens")
-        del self._reserved[request_id]
-        self._cached.pop(request_id, None)
-        self._v.commit(live.req, list(state.output_token_ids), state.engine_state)
-        live.emitted = state.emitted
-        self._live[request_id] = live
-
-    def release(self, request_id: str) -> bool:
-        live = self._reserved.pop(request_id, None)
-        self._cached.pop(request_id, None)
-        if live is None:
-            return False
-        self._v.free(live.req)
-        return True
-
     def shutdown(self) -> None:
         if self._closed:
             return
@@ -316,6 +217,6 @@ class VllmEngine:
 
     # ---------------------------------------------------------------- internals
 
-    def _forget(self, live: _Live) -> None:
+    def _forget(self, live: LiveRequest) -> None:
         del self._live[live.rid]
         self._finished_preemptions += live.req.num_preemptions

@@ -1,26 +1,27 @@
 """vLLM's internals, in one place: every vLLM module path, class and private attribute the vllm backend
 touches, with the version they were checked against, and the process environment vLLM needs first.
 
-Upgrading vLLM means re-reading this module against the new source, nothing else: the engine
-(``vllm_backend``) talks to vLLM only through ``_Vllm`` and ``set_env``.
+Upgrading vLLM means re-reading this module and its two parts (``vllm_internals_state``: what the
+scheduler, cache manager and runner hold; ``vllm_internals_migration``: requests taken out and put back)
+against the new source, nothing else: the engine (``vllm_backend``) talks to vLLM only through
+``VllmInternals`` and ``set_env``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import time
 from types import SimpleNamespace
 
 from daemons.config import ModelConfig, VllmConfig
 from daemons.engine.base import EngineError
-from daemons.engine.vllm_worker import attention_backends, commit_runner_state, generator_state
+from daemons.engine.vllm_internals_migration import VllmMigrationMixin
+from daemons.engine.vllm_internals_state import AMX_ENV, VllmStateMixin
 
-TESTED_VERSION = "0.32"  # major.minor the _Vllm section was checked against
+TESTED_VERSION = "0.32"  # major.minor the VllmInternals section was checked against
 UNTESTED_ENV = "LLUMNIX_VLLM_UNTESTED"
 log = logging.getLogger("llumnix.engine.vllm")
 
-AMX_ENV = "LLUMNIX_VLLM_AMX_ATTENTION"  # =1 keeps vLLM's AMX attention kernel (see _Vllm.workarounds)
 
 
 def set_env(cfg: VllmConfig) -> None:
@@ -54,7 +55,7 @@ _set_num_threads = None  # torch's own set_num_threads, saved before vLLM replac
 # ==================================================================== vLLM internals (checked: 0.32.0)
 
 
-class _Vllm:
+class VllmInternals(VllmStateMixin, VllmMigrationMixin):
     """The only place that knows vLLM's module paths, classes and attributes.
 
     Public-ish API used: ``EngineArgs.create_engine_config``, ``Executor.get_class``, ``EngineCore``
@@ -254,196 +255,12 @@ class _Vllm:
     def shutdown(self) -> None:
         self.core.shutdown()
 
-    # ---- state
-    @property
-    def vocab_size(self) -> int:
-        return self.model_config.get_vocab_size()
-
-    @property
-    def max_model_len(self) -> int:
-        return self.model_config.max_model_len
-
-    @property
-    def block_size(self) -> int:
-        return self.scheduler.block_size
-
-    def blocks_total(self) -> int:
-        return self.pool.num_gpu_blocks - 1  # block 0 is vLLM's null block, never allocated
-
-    def blocks_free(self) -> int:
-        return self.pool.get_num_free_blocks()  # includes cached blocks that prefix caching may evict
-
-    def counts(self) -> tuple[int, int]:
-        return self.scheduler.get_request_counts()  # (running, waiting)
-
-    def running(self) -> list:
-        return self.scheduler.running
-
-    def waiting(self) -> list:
-        return list(self.scheduler.waiting)
-
-    def waiting_tokens(self) -> int:
-        """Tokens the waiting requests have yet to prefill (a preempted one's output included)."""
-        return sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting)
-
-    def head_waiting(self):
-        queue = self.scheduler.waiting
-        return queue.peek_request() if queue else None
-
-    @staticmethod
-    def priority(req) -> int:
-        """Our priority (1 = high) of a request ``build`` made."""
-        return -req.priority
-
-    def high_priority_running(self) -> int:
-        return sum(1 for r in self.scheduler.running if r.priority < 0)
-
-    def is_preempted(self, req) -> bool:
-        return req.status == self.m.PREEMPTED
-
-    def block_ids(self, request_id: str) -> list[int]:
-        return self.kv.get_block_ids(request_id)[0]  # group 0: the full-attention layers
-
-    def kv_caches(self) -> list:
-        """Per layer ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` on the CPU backend."""
-        return self.runner().kv_caches
-
-    def runner(self):
-        return self.core.model_executor.driver_worker.worker.model_runner
-
-    def kv_layout(self) -> str:
-        """What decides the bytes inside a block besides shape, dtype and layout: device and kernel ISA (the
-        runner's side adds its attention backends: ``vllm_worker.attention_backends``)."""
-        from vllm.platforms import current_platform
-
-        kind = "cpu" if current_platform.is_cpu() else current_platform.device_name
-        isa = ""
-        if current_platform.is_cpu():
-            isa = "-amx" if os.environ.get(AMX_ENV) == "1" else "-noamx"
-        return f"vllm-{self.m.version}-{kind}{isa}"
-
-    def kv_describe(self) -> str:
-        """``kv_layout`` plus the attention backends (in-process runner only)."""
-        return f"{self.kv_layout()}/{attention_backends(self.runner())}"
-
-    def kv_cache_layout(self) -> str:
-        """vLLM's resolved ``KVCacheLayout`` name (the stride order of its KV allocation), e.g. LBHNC."""
-        return str(self.config.cache_config.kv_cache_layout or "")
-
-    @property
-    def tensor_parallel_size(self) -> int:
-        return self.config.parallel_config.tensor_parallel_size
-
-    # ---- migration
-    def is_running(self, req) -> bool:
-        return req.status == self.m.RUNNING and req.num_output_placeholders == 0 and not req.spec_token_ids
-
-    def suspend(self, req) -> bytes:
-        self.scheduler.running.remove(req)
-        if self.in_process:
-            return generator_state(self.runner(), req.request_id)
-        return self.rpc("llumnix_generator_state", req.request_id)[0]  # every rank samples alike
-
-    def resume(self, req) -> None:
-        self.scheduler.running.append(req)
-
-    def drop_suspended(self, req) -> None:
-        self.scheduler.running.append(req)  # so the scheduler's own abort path finds it where it expects
-        self.core.abort_requests([req.request_id])
-
-    def build(self, request_id: str, prompt: list[int], params, arrival_time: float, priority: int):
-        """A vLLM ``Request`` for our ``priority`` (1 = high), which vLLM serves first as -1."""
-        ecr = self.m.EngineCoreRequest(
-            request_id=request_id, prompt_token_ids=prompt, mm_features=None, sampling_params=params,
-            pooling_params=None, arrival_time=arrival_time, lora_request=None, cache_salt=None,
-            data_parallel_rank=None, priority=-priority)
-        req, _wave = self.core.preprocess_add_request(ecr)
-        return req
-
-    def allocate_first(self, req, tokens: int) -> tuple[list[int], int] | None:
-        """The first hold of an incoming request: with prefix caching, the blocks of its prompt's longest
-        cached prefix are taken from the cache (shared, counted once: only the rest is new), and how many
-        leading blocks that is comes back with the block ids."""
-        if not self.config.cache_config.enable_prefix_caching:
-            blocks = self.allocate(req, tokens)
-            return None if blocks is None else (blocks, 0)
-        computed, hit, _ = self.kv.get_computed_blocks(req)
-        if not hit:
-            blocks = self.allocate(req, tokens)
-            return None if blocks is None else (blocks, 0)
-        if self._allocate(req, tokens - hit, hit, computed) is None:
-            return None
-        return self.block_ids(req.request_id), hit // self.block_size
-
-    def prefix_hits(self, prompts: list[list[int]], params) -> list[int]:
-        """Of each prompt, the leading full blocks its longest cached prefix covers here now (as the first
-        hold of a migrating request with that prompt would find them)."""
-        if not self.config.cache_config.enable_prefix_caching:
-            return [0] * len(prompts)
-        hits = []
-        for i, prompt in enumerate(prompts):
-            if len(prompt) <= self.block_size:
-                hits.append(0)
-                continue
-            probe = self.build(f"llumnix-prefix-probe-{i}", list(prompt), params, time.time(), 0)
-            _, hit, _ = self.kv.get_computed_blocks(probe)
-            hits.append(hit // self.block_size)
-        return hits
-
-    def allocate(self, req, tokens: int) -> list[int] | None:
-        """Grow ``req``'s blocks to cover ``tokens`` tokens (num_computed_tokens stays 0 until commit)."""
-        have = len(self.kv.get_block_ids(req.request_id)[0]) if req.request_id in self._held else 0
-        if -(-tokens // self.block_size) <= have:
-            return self.block_ids(req.request_id)
-        if self._allocate(req, tokens) is None:
-            return None
-        return self.block_ids(req.request_id)
-
-    def _allocate(self, req, new_tokens: int, hit: int = 0, computed=None):
-        blocks = self.kv.allocate_slots(req, new_tokens, num_new_computed_tokens=hit, new_computed_blocks=computed,
-                                        delay_cache_blocks=True)
-        if blocks is None:
-            return None
-        self._held.add(req.request_id)
-        new = set(blocks.get_block_ids()[0])
-        for manager in getattr(self.kv.coordinator, "single_type_managers", ()):
-            pending = getattr(manager, "new_block_ids", None)
-            if pending:  # the runner would zero these at the next step, perhaps after we wrote them
-                manager.new_block_ids = [b for b in pending if b not in new]
-        return blocks
-
-    def free(self, req) -> None:
-        self._held.discard(req.request_id)
-        self.kv.free(req)
-
-    def commit(self, req, outputs: list[int], engine_state: bytes) -> None:
-        self._held.discard(req.request_id)
-        req.append_output_token_ids(outputs)
-        req.num_computed_tokens = req.num_tokens - 1  # the last sampled token's KV is computed by the next step
-        req.num_cached_tokens = req.num_computed_tokens
-        req.status = self.m.RUNNING
-        if self.config.cache_config.enable_prefix_caching:
-            self.kv.cache_blocks(req, req.num_computed_tokens)
-        params = req.sampling_params
-        rid = req.request_id
-        came_back = rid in self.scheduler.finished_req_ids
-        if came_back:  # it left this engine (migrated away) and came back before a step let the runner forget it
-            self.scheduler.finished_req_ids.discard(rid)
-        args = (rid, req.prompt_token_ids, params, params.sampling_type == self.m.RANDOM_SEED, engine_state,
-                list(self.block_ids(rid)), req.num_computed_tokens, list(req.output_token_ids), came_back)
-        if self.in_process:
-            commit_runner_state(self.runner(), self.m.CachedRequestState, *args)
-        else:
-            self.rpc("llumnix_commit", *args)
-        self.scheduler.requests[req.request_id] = req
-        self.scheduler.running.append(req)
-
 
 def apply_workarounds(vllm: VllmConfig | None = None) -> None:
     """What VllmEngine does to vLLM before it starts (environment, kernel choice), for code that builds
     vLLM's own ``LLM`` in the same process and wants the same kernels (tests comparing against it)."""
     set_env(vllm or VllmConfig())
-    _Vllm.workarounds()
+    VllmInternals.workarounds()
 
 
 def set_num_threads(n: int) -> None:

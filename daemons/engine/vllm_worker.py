@@ -46,7 +46,7 @@ def generator_state(runner, request_id: str) -> bytes:
 def commit_runner_state(runner, cached_request_state, request_id: str, prompt_token_ids: list[int], params,
                         seeded: bool, engine_state: bytes, block_ids: list[int], num_computed_tokens: int,
                         output_token_ids: list[int], came_back: bool) -> None:
-    """Give the runner the cached state of a request that arrives running (see ``_Vllm.commit``)."""
+    """Give the runner the cached state of a request that arrives running (see ``VllmInternals.commit``)."""
     import torch
 
     generator = None

@@ -33,7 +33,7 @@ from rich.table import Table
 
 from daemons.config import ConfigError, load_config
 from llumnixctl.admin import AdminClient, ManagerUnreachable
-from llumnixctl.experiments import bench_serve, tracegen as trace
+from llumnixctl.experiments import bench_serve, bench_serve_figures, tracegen as trace
 from llumnixctl.lab import localcluster
 
 DEFAULT_POLICIES = "rr,infaas++,llumnix"
@@ -46,7 +46,7 @@ QUIET = ["instance.log_level=warning", "proxy.log_level=warning", "manager.log_l
 def _dist_ms(xs: list[float]) -> dict | None:
     if not xs:
         return None
-    s = bench_serve.stats_ms(xs)  # numpy's, as `bench serve` (and vLLM's) figures
+    s = bench_serve_figures.stats_ms(xs)  # numpy's, as `bench serve` (and vLLM's) figures
     return {"mean": s["mean"], "p50": s["median"], "p99": s["p99"]}
 
 
@@ -134,7 +134,7 @@ def _tpot(r: dict) -> float | None:
     """Mean time per output token after the first: (last token - first token) / (tokens - 1), as vLLM's."""
     if r["first_s"] is None:
         return None
-    return bench_serve.tpot_s({"error": r["error"], "times": [r["first_s"], r["last_s"]]}, r["tokens"])
+    return bench_serve_figures.tpot_s({"error": r["error"], "times": [r["first_s"], r["last_s"]]}, r["tokens"])
 
 
 def _summarize(results: list[dict]) -> dict:

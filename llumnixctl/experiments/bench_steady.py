@@ -28,7 +28,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from llumnixctl.experiments import bench_engine, tracegen as trace_mod, tracefiles as traces
+from llumnixctl.experiments import bench_engine, tracegen as trace_mod, tracefiles as traces, tracemix
 from llumnixctl.lab import localcluster
 
 BYTES_PER_TOKEN = 1024  # the tiny model's KV: 2 layers x (K, V) x 2 heads x 64 x bf16
@@ -186,7 +186,7 @@ def command(
         for k in range(rounds):
             reqs = trace_mod.generate(requests, rate=rate, arrival="gamma", cv=cv, prompt=(16, prompt_max),
                                       output=(16, output_max), alpha=1.0, seed=seed + k)
-            reqs = traces.clip(reqs, kv_tokens)
+            reqs = tracemix.clip(reqs, kv_tokens)
             tfile = work / f"trace{k}.jsonl"
             traces.save_jsonl(reqs, tfile)
             systems = [("llumnix", lambda d: ours(path, d, tfile, kv_bytes, max_num_seqs, set_ or []))]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from daemons.config import load_config
 from llumnixctl.admin import AdminClient
-from llumnixctl.experiments import bench_serve, tracegen as trace_mod
+from llumnixctl.experiments import bench_serve, bench_serve_figures, tracegen as trace_mod
 from llumnixctl.experiments.simulate import Network, simulate
 from llumnixctl.lab import localcluster
 
@@ -43,7 +43,7 @@ def real_run(trace: list[trace_mod.TraceRequest], instances: int, sets: list[str
             probe = trace_mod.generate(10, rate=2.0, prompt=(16, 16), output=(8, 8), seed=99)
             calibration, _ = asyncio.run(bench_serve.replay(state.url, probe, body, timeout_s=60, max_concurrency=1))
             results, duration = asyncio.run(bench_serve.replay(state.url, trace, body, timeout_s=600))
-            res = bench_serve.metrics(trace, results, duration)
+            res = bench_serve_figures.metrics(trace, results, duration)
             snap = AdminClient(state.manager_address, timeout_s=5).status()
             res["preemptions"] = sum(v.load.preemptions for v in snap.instances)
             res["migrations_committed"] = sum(v.load.migrations_committed for v in snap.instances)

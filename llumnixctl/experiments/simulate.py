@@ -36,29 +36,29 @@ from array import array
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Annotated, Optional
 
 import typer
 
 from daemons import manager as manager_module
-from daemons import policy, stages, wire
+from daemons import wire
 from daemons.clock import VirtualClock
 from daemons.config import Config, ConfigError, load_config
 from llumnixctl.common import ConfigOpt, JsonOpt, die, out, print_json
+from llumnixctl.experiments.simmigrate import MigrationMixin
+from llumnixctl.experiments.simscale import ScalingMixin
 from llumnixctl.experiments.tracegen import TraceRequest
 
 
 def _engine_code() -> None:
     """Import the engine and instance code (torch and all) when a simulation runs, not when llumnixctl
     starts: every command would pay seconds for it."""
-    global EngineError, EngineRequest, SimEngine, keep_for, migrants_for
+    global EngineError, EngineRequest, SimEngine
     from daemons.engine.base import EngineError, EngineRequest  # noqa: F811
     from daemons.engine.sim import SimEngine  # noqa: F811
-    from daemons.instance import keep_for, migrants_for  # noqa: F811
 
 
-EngineError = EngineRequest = SimEngine = keep_for = migrants_for = None  # set by _engine_code()
+EngineError = EngineRequest = SimEngine = None  # set by _engine_code()
 
 
 @dataclass
@@ -76,7 +76,7 @@ class Network:
 
 
 @dataclass
-class _Req:
+class SimulatedRequest:
     trace: TraceRequest
     rid: str
     owner: str = ""
@@ -89,7 +89,7 @@ class _Req:
 
 
 @dataclass
-class _Instance:
+class SimulatedInstance:
     iid: str
     engine: SimEngine
     ident: bytes
@@ -106,7 +106,7 @@ class _Instance:
     retiring: bool = False
 
 
-class Simulation:
+class Simulation(ScalingMixin, MigrationMixin):
     def __init__(self, cfg: Config, instances: int, trace: list[TraceRequest], net: Network | None = None,
                  sample_s: float = 0.0):
         """``sample_s`` > 0: every so often (virtual seconds) look for fragmentation (a queue head that the
@@ -121,7 +121,7 @@ class Simulation:
         self.net = net or Network()
         self.trace = trace
         self.clock = VirtualClock()  # the manager's clock too, and the simulation's event queue
-        self.requests: dict[str, _Req] = {}
+        self.requests: dict[str, SimulatedRequest] = {}
         self.itls = array("d")
         self.outcomes: Counter = Counter()
         self.downtimes: list[float] = []
@@ -168,7 +168,7 @@ class Simulation:
         return self._left == 0
 
     def _start(self) -> None:
-        self.instances: dict[str, _Instance] = {}
+        self.instances: dict[str, SimulatedInstance] = {}
         self._next_index = itertools.count()
         for _ in range(self.n_instances):
             self._add_instance()
@@ -179,13 +179,13 @@ class Simulation:
         self._left = len(self.trace)
         for k, tr in enumerate(self.trace):
             rid = f"r{k}"
-            self.requests[rid] = _Req(tr, rid)
+            self.requests[rid] = SimulatedRequest(tr, rid)
             self.at(tr.arrival_s, self._arrive, rid, ())
         self.at(self.cfg.scheduling.migration_interval_s, self._pair)
 
-    def _add_instance(self) -> _Instance:
+    def _add_instance(self) -> SimulatedInstance:
         iid = f"i{next(self._next_index)}"
-        inst = _Instance(iid, SimEngine(self.cfg.sim, self.cfg.model, kv=False), ident=iid.encode(), born=self.clock.now)
+        inst = SimulatedInstance(iid, SimEngine(self.cfg.sim, self.cfg.model, kv=False), ident=iid.encode(), born=self.clock.now)
         self.instances[iid] = inst
         self.mgr.on_register(inst.ident, wire.Register(
             iid, self.cfg.instance.host or "sim", 0, f"sim://{iid}", "sim", self.cfg.model.name, inst.engine.load(),
@@ -193,42 +193,6 @@ class Simulation:
         beat = self.cfg.manager.heartbeat_interval_s
         self.at(self.clock.now + beat * (1 + len(self.instances) % 7) / 7, self._heartbeat, inst)
         return inst
-
-    # ------------------------------------------------------------------ auto-scaling
-
-    def _scale(self) -> None:
-        now = self.clock.now
-        decision, avg, serving, states = self.mgr.resched.scaling_decision(now, self._launching)
-        if decision == "up":
-            self._launching += 1
-            self.at(now + self.net.launch_s, self._launched)
-            self._scaled("out", "", avg)
-        elif decision == "down":
-            victim = policy.scale_in_victim(states)
-            if victim is not None:
-                rec = self.mgr.instances[victim]
-                rec.drain_reason = "scale-in"
-                self.instances[victim].retiring = True
-                self._scaled("in", victim, avg)
-                self._maybe_gone(self.instances[victim])
-        self.at(now + min(1.0, self.cfg.manager.heartbeat_interval_s), self._scale)
-
-    def _launched(self) -> None:
-        self._launching -= 1
-        inst = self._add_instance()
-        self._notify("scale", what="registered", instance=inst.iid)
-
-    def _scaled(self, what: str, iid: str, avg) -> None:
-        self.scaling.append({"t": self.clock.now, "what": what, "instance": iid,
-                             "average_freeness": None if avg is None else round(avg, 3),
-                             "serving": sum(1 for i in self.instances.values() if i.gone is None and not i.retiring)})
-        self._notify("scale", what=what, instance=iid)
-
-    def _maybe_gone(self, inst: _Instance) -> None:
-        """A scaled-in instance stops once nothing is left on it (its drain moved everything out)."""
-        if inst.retiring and inst.gone is None and not inst.engine.has_work() and not inst.migrating:
-            inst.gone = self.clock.now
-            self.mgr.forget(self.mgr.instances[inst.iid], "scaled in (simulated)")
 
     def _sample(self) -> None:
         """Fragmentation: queue heads blocked for room, and those the cluster's free blocks could hold."""
@@ -280,7 +244,7 @@ class Simulation:
         self._changed(inst)
         self._kick(inst)
 
-    def _fail(self, req: _Req, why: str) -> None:
+    def _fail(self, req: SimulatedRequest, why: str) -> None:
         req.error = why
         self._left -= 1
 
@@ -293,12 +257,12 @@ class Simulation:
 
     # ------------------------------------------------------------------ instances
 
-    def _kick(self, inst: _Instance) -> None:
+    def _kick(self, inst: SimulatedInstance) -> None:
         if not inst.stepping and (inst.engine.has_work() or inst.boundary):
             inst.stepping = True
             self.at(max(self.clock.now, inst.free_at), self._step, inst)
 
-    def _step(self, inst: _Instance) -> None:
+    def _step(self, inst: SimulatedInstance) -> None:
         calls, inst.boundary = inst.boundary, []
         for call in calls:  # what waited for a step boundary (a migration's suspend)
             call()
@@ -310,7 +274,7 @@ class Simulation:
         inst.free_at = self.clock.now + dt
         self.at(inst.free_at, self._step_done, inst, result.outputs)
 
-    def _step_done(self, inst: _Instance, outputs: list) -> None:
+    def _step_done(self, inst: SimulatedInstance, outputs: list) -> None:
         now = self.clock.now
         for tok in outputs:
             req = self.requests[tok.request_id]
@@ -329,7 +293,7 @@ class Simulation:
         self._notify("step", instance=inst, outputs=outputs)
         self._maybe_gone(inst)
 
-    def _changed(self, inst: _Instance) -> None:
+    def _changed(self, inst: SimulatedInstance) -> None:
         """Its load changed: report now, or as soon as the minimum interval allows."""
         if inst.report_due:
             return
@@ -340,14 +304,14 @@ class Simulation:
             inst.report_due = True
             self.at(due, self._report, inst)
 
-    def _heartbeat(self, inst: _Instance) -> None:
+    def _heartbeat(self, inst: SimulatedInstance) -> None:
         if inst.gone is not None:
             return
         if self.clock.now - inst.last_report >= self.cfg.manager.heartbeat_interval_s * 0.99:
             self._report(inst)
         self.at(self.clock.now + self.cfg.manager.heartbeat_interval_s, self._heartbeat, inst)
 
-    def _report(self, inst: _Instance) -> None:
+    def _report(self, inst: SimulatedInstance) -> None:
         inst.report_due = False
         if inst.gone is not None:
             return
@@ -355,105 +319,6 @@ class Simulation:
         inst.seq += 1
         msg = wire.LoadReport(inst.iid, inst.seq, inst.engine.load())
         self.at(self.clock.now + self.net.report_lag_s, self.mgr.on_report, inst.ident, msg)
-
-    # ------------------------------------------------------------------ migration
-
-    def _order(self, src: _Instance, start: wire.MigrateStart) -> None:
-        keep = keep_for(start, src.migrating, src.arrived, self.clock.now)
-        chosen = migrants_for(start, src.engine.requests(), keep, src.engine.load(), src.engine.block_size)
-        moving = [c.request_id for c in chosen if not c.redispatch]
-        for c in chosen:
-            if c.redispatch:  # a queued request goes back through dispatch
-                src.engine.abort_request(c.request_id)
-                self._changed(src)
-                self.at(self.clock.now + self.net.message_s, self._arrive, c.request_id, (src.iid,))
-        self._maybe_gone(src)
-        unused = start.count - len(moving)
-        if unused > 0:
-            self.mgr.resched.count_orders(src.iid, start.dst, -unused)
-        for rid in moving:
-            self._migrate(src, self.instances[start.dst], rid, start.reason)
-
-    def _migrate(self, src: _Instance, dst: _Instance, rid: str, reason: str) -> None:
-        mig = SimpleNamespace(src=src, dst=dst, rid=rid, reason=reason, stage=0, sent=0, reserved=False,
-                              request=src.engine.migrating_request(rid), started=self.clock.now)
-        src.migrating.add(rid)
-        dst.migrating.add(rid)
-        self._stage(mig)
-
-    def _block_s(self, blocks: int) -> float:
-        bs = self.cfg.sim.block_size
-        gbps = self.net.kv_gbps
-        cap = self.cfg.migration.bandwidth_limit_mbps * 8e6
-        rate = min(gbps * 1e9, cap) if cap > 0 else gbps * 1e9
-        return blocks * bs * self.kv_bytes_per_token * 8 / rate
-
-    def _stage(self, mig) -> None:
-        """One pre-copy stage, or the last one: as daemons/migration/ runs them."""
-        src, dst = mig.src, mig.dst
-        view = src.engine.migration_view(mig.rid)
-        if view is None:
-            return self._end(mig, "aborted", "the request finished or was preempted on the source")
-        bs = src.engine.block_size
-        mc = self.cfg.migration
-        if stages.is_last(view.computed_tokens, mig.sent, mig.stage, bs, mc.last_stage_max_blocks, mc.max_stages):
-            src.boundary.append(lambda: self._last_stage(mig))
-            return self._kick(src)
-        planned = stages.plan(view.computed_tokens, mig.sent, False, bs, mc.last_stage_max_blocks,
-                              mig.request.max_total)
-        try:
-            dst.engine.reserve(mig.request, planned.tokens)
-        except EngineError as exc:
-            return self._end(mig, "aborted", f"the destination refused: {exc}")
-        mig.reserved = True
-        mig.sent = planned.upto
-        mig.stage += 1
-        self.at(self.clock.now + 2 * self.net.message_s + self._block_s(planned.n_blocks), self._stage, mig)
-
-    def _last_stage(self, mig) -> None:
-        src, dst = mig.src, mig.dst
-        view = src.engine.migration_view(mig.rid)
-        if view is None:
-            return self._end(mig, "aborted", "the request finished or was preempted before the last stage")
-        state = src.engine.suspend(mig.rid)
-        planned = stages.plan(view.computed_tokens, mig.sent, True, src.engine.block_size,
-                              self.cfg.migration.last_stage_max_blocks, mig.request.max_total)
-        try:
-            dst.engine.reserve(mig.request, planned.tokens)
-        except EngineError as exc:
-            src.engine.resume(mig.rid)
-            return self._end(mig, "aborted", f"the destination refused the last stage: {exc}")
-        mig.reserved = True
-        # one round trip: the blocks, then the commit
-        downtime = 2 * self.net.message_s + self._block_s(planned.n_blocks)
-        self.at(self.clock.now + downtime, self._commit, mig, state, downtime)
-
-    def _commit(self, mig, state, downtime: float) -> None:
-        src, dst = mig.src, mig.dst
-        dst.engine.commit(mig.rid, state)
-        src.engine.drop_migrated(mig.rid)
-        self.requests[mig.rid].owner = dst.iid
-        dst.arrived[mig.rid] = self.clock.now
-        self.downtimes.append(downtime)
-        self._end(mig, "committed", "")
-        self._kick(dst)
-
-    def _end(self, mig, outcome: str, why: str) -> None:
-        src, dst = mig.src, mig.dst
-        if outcome != "committed" and mig.reserved:
-            dst.engine.release(mig.rid)
-        src.migrating.discard(mig.rid)
-        dst.migrating.discard(mig.rid)
-        self.mgr.resched.count_orders(src.iid, dst.iid, -1)
-        self.outcomes[f"{mig.reason or 'operator'}/{outcome}"] += 1
-        if why:
-            self.outcomes[f"aborted: {why.split(':')[0]}"] += 1
-        for inst in (src, dst):
-            self._changed(inst)
-            self._kick(inst)
-        self._notify("migration", src=src.iid, dst=dst.iid, request=mig.rid, outcome=outcome, reason=mig.reason,
-                     started=mig.started, why=why)
-        self._maybe_gone(src)
 
     # ------------------------------------------------------------------ figures
 
@@ -584,9 +449,9 @@ def command(
 
 
 def result_block(res: dict) -> str:
-    from llumnixctl.experiments import bench_serve
+    from llumnixctl.experiments import bench_serve_figures
 
-    block = bench_serve.result_block({**res, "prompt_token_mismatches": 0, "short_outputs": 0,
+    block = bench_serve_figures.result_block({**res, "prompt_token_mismatches": 0, "short_outputs": 0,
                                       "migrations": {"committed": sum(v for k, v in res["migrations"].items()
                                                                       if k.endswith("/committed")),
                                                      "aborted": sum(v for k, v in res["migrations"].items()

@@ -1,14 +1,8 @@
-"""Traces in the formats people have: the paper's generated mixes, ShareGPT, BurstGPT, Azure, our JSONL.
+"""Traces in the formats people have: ShareGPT, BurstGPT, Azure, our JSONL (the paper's generated mixes are
+in tracemix.py).
 
 Everything here returns ``list[trace.TraceRequest]`` in arrival order, indexed 0..n-1, ready for
 ``llumnixctl bench policies`` and friends (llumnixctl/experiments/tracegen.py has the generators this builds on).
-
-The paper's mixes (Llumnix, OSDI'24, §6.1): input and output lengths from power-law distributions of
-short (S), medium (M) and long (L) mean, 128, 256 and 512 tokens, named input-output, e.g. "S-L" is short
-prompts with long outputs. The means are the paper's as remembered here; the bounds are not stated here
-from the paper but chosen: ``PAPER_BOUNDS`` = [1, 6000] tokens per side, which for "L" gives a median of
-~37 and a 99th percentile of ~5300 tokens, about the long tail of the paper's Table 1 as remembered (not
-checked against the paper). The exponent for a mean is fitted exactly to the integer draws (``fit_alpha``).
 
 File formats (``load`` picks one from the extension and the first line; ``.gz`` files are read too):
 
@@ -43,7 +37,6 @@ from __future__ import annotations
 import calendar
 import csv
 import datetime
-import functools
 import gzip
 import io
 import json
@@ -51,20 +44,15 @@ import math
 import os
 import random
 import re
-import sys
-from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Callable, Iterable, Optional, TextIO
+from typing import Callable, Iterable, TextIO
 
-import typer
 
-from llumnixctl.common import JsonOpt, die, out, print_json
 from llumnixctl.experiments import tracegen as trace
 from llumnixctl.experiments.tracegen import TraceRequest
+from llumnixctl.experiments.tracemix import by_arrival
 
 FORMATS = ("sharegpt", "burstgpt", "azure", "jsonl")
-PAPER_MEANS = {"S": 128, "M": 256, "L": 512}
-PAPER_BOUNDS = (1, 6000)
 HUMAN_ROLES = {"human", "user"}
 MODEL_ROLES = {"gpt", "chatgpt", "assistant", "bing", "bard", "model"}
 
@@ -77,142 +65,6 @@ class TraceFormatError(ValueError):
 
 def _err(path, where, message: str) -> TraceFormatError:
     return TraceFormatError(f"{path}, {where}: {message}" if where else f"{path}: {message}")
-
-
-# ---------------------------------------------------------------------- the paper's mixes
-
-
-def power_law_int_mean(lo: int, hi: int, alpha: float) -> float:
-    """The exact mean of ``trace.power_law``'s integer draws: E[floor X] = lo + sum_{k>lo} P(X >= k)."""
-    import numpy as np
-
-    if lo < 1 or hi < lo:
-        raise ValueError(f"power-law bounds must satisfy 1 <= lo <= hi; got [{lo}, {hi}]")
-    a, b = float(lo), float(hi + 1)
-    k = np.arange(lo + 1, hi + 1, dtype=np.float64)
-    if abs(alpha - 1.0) < 1e-12:
-        below = np.log(k / a) / math.log(b / a)  # P(X < k)
-    else:
-        e = 1.0 - alpha
-        below = (k ** e - a ** e) / (b ** e - a ** e)
-    return lo + float(np.sum(1.0 - below))
-
-
-@functools.lru_cache(maxsize=256)
-def fit_alpha(mean: float, lo: int, hi: int) -> float:
-    """The exponent whose bounded power law on [lo, hi] has integer draws of mean ``mean`` (bisection)."""
-    lo_a, hi_a = -30.0, 30.0  # the mean falls as alpha rises; these ends are near hi and near lo
-    if not power_law_int_mean(lo, hi, hi_a) < mean < power_law_int_mean(lo, hi, lo_a):
-        raise ValueError(f"no power law on [{lo}, {hi}] has mean {mean}: it must lie strictly between the bounds")
-    for _ in range(100):
-        mid = (lo_a + hi_a) / 2
-        if power_law_int_mean(lo, hi, mid) > mean:
-            lo_a = mid
-        else:
-            hi_a = mid
-        if hi_a - lo_a < 1e-10:
-            break
-    return (lo_a + hi_a) / 2
-
-
-def parse_mix(mix: str) -> tuple[int, int]:
-    """"M-L" -> (256, 512): the mean prompt and output lengths of a paper mix (input-output)."""
-    parts = mix.strip().upper().split("-")
-    if len(parts) != 2 or any(p not in PAPER_MEANS for p in parts):
-        names = ", ".join(f"{a}-{b}" for a in PAPER_MEANS for b in PAPER_MEANS)
-        raise ValueError(f"unknown mix {mix!r}: give input-output lengths of S, M or L ({names})")
-    return PAPER_MEANS[parts[0]], PAPER_MEANS[parts[1]]
-
-
-def paper_trace(mix: str = "M-M", n: int = 1000, rate: float = 1.0, arrival: str = "gamma", cv: float = 2.0,
-                high_fraction: float = 0.0, seed: int = 0, prompt_bounds: tuple[int, int] = PAPER_BOUNDS,
-                output_bounds: tuple[int, int] = PAPER_BOUNDS) -> list[TraceRequest]:
-    """A paper mix: power-law prompts and outputs of the mix's means within the bounds.
-
-    Same seed, same streams as ``trace.generate``: only the exponents differ per side."""
-    pmean, omean = parse_mix(mix)
-    pa, oa = fit_alpha(pmean, *prompt_bounds), fit_alpha(omean, *output_bounds)
-    kw = dict(rate=rate, arrival=arrival, cv=cv, prompt=prompt_bounds, output=output_bounds,
-              high_fraction=high_fraction, seed=seed)
-    prompts = trace.generate(n, alpha=pa, **kw)  # the streams are separate: a second call with the
-    outputs = prompts if oa == pa else trace.generate(n, alpha=oa, **kw)  # output exponent gives the outputs
-    return [replace(p, output_tokens=o.output_tokens) for p, o in zip(prompts, outputs)]
-
-
-# ---------------------------------------------------------------------- transformations
-
-
-def reindex(reqs: Iterable[TraceRequest]) -> list[TraceRequest]:
-    return [r if r.index == i else replace(r, index=i) for i, r in enumerate(reqs)]
-
-
-def _sorted(reqs: list[TraceRequest]) -> list[TraceRequest]:
-    return reindex(sorted(reqs, key=lambda r: r.arrival_s))
-
-
-def scale_rate(reqs: list[TraceRequest], factor: float) -> list[TraceRequest]:
-    """Arrivals compressed by ``factor``: the rate times ``factor`` (2 = twice as fast)."""
-    if not factor > 0 or math.isinf(factor):
-        raise ValueError(f"the rate scale must be positive and finite; got {factor}")
-    return reindex(replace(r, arrival_s=r.arrival_s / factor) for r in reqs)
-
-
-def window(reqs: list[TraceRequest], start_s: float = 0.0, end_s: float | None = None) -> list[TraceRequest]:
-    """The requests arriving in [start_s, end_s), with ``start_s`` as the new 0."""
-    if end_s is not None and end_s < start_s:
-        raise ValueError(f"the window ends ({end_s}) before it starts ({start_s})")
-    return reindex(replace(r, arrival_s=r.arrival_s - start_s) for r in reqs
-                   if r.arrival_s >= start_s and (end_s is None or r.arrival_s < end_s))
-
-
-def limit(reqs: list[TraceRequest], n: int) -> list[TraceRequest]:
-    """The first ``n`` requests."""
-    if n < 0:
-        raise ValueError(f"the limit must be >= 0; got {n}")
-    return reindex(reqs[:n])
-
-
-def clip(reqs: list[TraceRequest], max_model_len: int, drop: bool = False) -> list[TraceRequest]:
-    """Fit every request in a context of ``max_model_len`` tokens (prompt + output, at least 1 output token).
-
-    Prompts are cut to ``max_model_len - 1`` and then outputs to what is left; with ``drop``, requests
-    that do not fit are left out instead."""
-    if max_model_len < 2:
-        raise ValueError(f"max_model_len must be >= 2; got {max_model_len}")
-    out = []
-    for r in reqs:
-        if r.prompt_tokens + r.output_tokens <= max_model_len:
-            out.append(r)
-        elif not drop:
-            p = min(r.prompt_tokens, max_model_len - 1)
-            out.append(replace(r, prompt_tokens=p, output_tokens=min(r.output_tokens, max_model_len - p)))
-    return reindex(out)
-
-
-def with_priorities(reqs: list[TraceRequest], high_fraction: float, seed: int = 0) -> list[TraceRequest]:
-    """Each request high priority with probability ``high_fraction``, else normal; the stream is
-    ``trace.generate``'s, so a generated trace gets the priorities it would have had."""
-    if not 0.0 <= high_fraction <= 1.0:
-        raise ValueError(f"the high-priority fraction must be in [0, 1]; got {high_fraction}")
-    rng = random.Random(f"llumnix-trace:{seed}:priority")
-    return reindex(replace(r, priority="high" if rng.random() < high_fraction else "normal") for r in reqs)
-
-
-def _pct(xs: list[int], q: float) -> int:
-    return xs[max(0, min(len(xs) - 1, math.ceil(q * len(xs)) - 1))]  # nearest rank
-
-
-def stats(reqs: list[TraceRequest]) -> dict:
-    """``trace.summary`` plus min, percentiles and totals of the lengths and the high-priority share."""
-    data = trace.summary(reqs)
-    if not reqs:
-        return data
-    for key in ("prompt_tokens", "output_tokens"):
-        xs = sorted(getattr(r, key) for r in reqs)
-        data[key].update({"min": xs[0], "p90": _pct(xs, 0.9), "p99": _pct(xs, 0.99), "total": sum(xs)})
-    data["first_arrival_s"] = reqs[0].arrival_s
-    data["high_fraction"] = data["high_priority"] / len(reqs)
-    return data
 
 
 # ---------------------------------------------------------------------- files
@@ -287,7 +139,7 @@ def load_jsonl(path: str | Path) -> list[TraceRequest]:
             if p < 1 or o < 1:
                 raise _err(path, where, "prompt_tokens and output_tokens must be >= 1")
             reqs.append(TraceRequest(len(reqs), _seconds(obj["arrival_s"], path, where, "arrival_s"), p, o, priority))
-    return _sorted(reqs)
+    return by_arrival(reqs)
 
 
 def save_jsonl(reqs: Iterable[TraceRequest], path: str | Path | TextIO) -> None:
@@ -557,191 +409,3 @@ def load(path: str | Path, fmt: str | None = None, **options) -> list[TraceReque
     if fmt not in LOADERS:
         raise ValueError(f"unknown trace format {fmt!r} (known: {', '.join(FORMATS)})")
     return LOADERS[fmt](path, **options)
-
-
-# ---------------------------------------------------------------------- CLI
-
-app = typer.Typer(no_args_is_help=True, help="Request traces: generate, convert (ShareGPT, BurstGPT, Azure), show.")
-
-RateOpt = Annotated[float, typer.Option("--rate", help="requests/s of the generated arrivals")]
-ArrivalOpt = Annotated[str, typer.Option("--arrival", help="arrival process: poisson or gamma")]
-CvOpt = Annotated[float, typer.Option("--cv", help="gamma arrivals: coefficient of variation (1 = Poisson)")]
-SeedOpt = Annotated[int, typer.Option("--seed", help="seed of the generated arrivals, lengths and priorities")]
-FormatOpt = Annotated[Optional[str], typer.Option("--format", "-f", help="sharegpt, burstgpt, azure or jsonl (default: from the file)")]
-ModelOpt = Annotated[Optional[Path], typer.Option("--model", help="ShareGPT: a model directory whose tokenizer counts the tokens")]
-FilterModelOpt = Annotated[Optional[str], typer.Option("--filter-model", help="BurstGPT: keep only this Model (e.g. GPT-4)")]
-LogTypeOpt = Annotated[Optional[str], typer.Option("--log-type", help="BurstGPT: keep only Log Types containing this (e.g. conversation)")]
-
-
-def _write(reqs: list[TraceRequest], output: str, json_: bool, extra: dict) -> None:
-    try:
-        save_jsonl(reqs, sys.stdout if output == "-" else Path(output))
-    except OSError as exc:
-        die(f"cannot write {output}: {exc.strerror or exc}")
-    if output == "-":
-        return  # stdout is the trace
-    data = {"path": output, **extra, "summary": stats(reqs)}
-    if json_:
-        print_json(data)
-        return
-    s = data["summary"]
-    if not reqs:
-        out.print(f"wrote 0 requests to {output}", markup=False, highlight=False)
-        return
-    out.print(f"wrote {s['requests']} requests to {output}: {s['duration_s']:.1f} s"
-              + (f", {s['offered_rate']:.2f} req/s" if s["offered_rate"] else "")
-              + f", prompts mean {s['prompt_tokens']['mean']:.1f} tokens, outputs mean {s['output_tokens']['mean']:.1f}"
-              + (f", {s['high_priority']} high priority" if s["high_priority"] else ""), markup=False, highlight=False)
-
-
-def _check_arrival(arrival: str) -> None:
-    if arrival not in trace.ARRIVALS:
-        die(f"unknown --arrival {arrival!r} (known: {', '.join(trace.ARRIVALS)})", 2)
-
-
-@app.command("generate")
-def generate_cmd(
-    output: Annotated[str, typer.Argument(help="JSONL file to write (- for stdout)")],
-    mix: Annotated[Optional[str], typer.Option("--mix", help="a paper mix, input-output of S/M/L (means 128/256/512), e.g. M-L")] = None,
-    requests: Annotated[int, typer.Option("--requests", "-n", min=0, help="requests in the trace")] = 1000,
-    rate: RateOpt = 1.0, arrival: ArrivalOpt = "poisson", cv: CvOpt = 1.0,
-    prompt_min: Annotated[Optional[int], typer.Option(help="shortest prompt (default 1 with --mix, else 16)")] = None,
-    prompt_max: Annotated[Optional[int], typer.Option(help="longest prompt (default 6000 with --mix, else 512)")] = None,
-    output_min: Annotated[Optional[int], typer.Option(help="shortest output (default 1 with --mix, else 16)")] = None,
-    output_max: Annotated[Optional[int], typer.Option(help="longest output (default 6000 with --mix, else 1024)")] = None,
-    alpha: Annotated[Optional[float], typer.Option(help="without --mix: the power-law exponent of both lengths (default 1)")] = None,
-    high_fraction: Annotated[float, typer.Option(help="share of high-priority requests")] = 0.0,
-    seed: SeedOpt = 0, json_: JsonOpt = False,
-) -> None:
-    """Write a generated trace: a paper mix (--mix) or power-law lengths within explicit bounds."""
-    _check_arrival(arrival)
-    d = (PAPER_BOUNDS[0], PAPER_BOUNDS[1], PAPER_BOUNDS[0], PAPER_BOUNDS[1]) if mix else (16, 512, 16, 1024)
-    pb = (d[0] if prompt_min is None else prompt_min, d[1] if prompt_max is None else prompt_max)
-    ob = (d[2] if output_min is None else output_min, d[3] if output_max is None else output_max)
-    extra: dict = {"requests": requests, "rate": rate, "arrival": arrival, "cv": cv if arrival == "gamma" else 1.0,
-                   "prompt": list(pb), "output": list(ob), "high_fraction": high_fraction, "seed": seed}
-    try:
-        if mix:
-            if alpha is not None:
-                die("--alpha is for explicit bounds: a --mix fits its own exponents to its means", 2)
-            pmean, omean = parse_mix(mix)
-            reqs = paper_trace(mix, requests, rate, arrival, cv, high_fraction, seed, pb, ob)
-            extra.update(mix=mix.upper(), prompt_mean=pmean, output_mean=omean,
-                         prompt_alpha=fit_alpha(pmean, *pb), output_alpha=fit_alpha(omean, *ob))
-        else:
-            a = 1.0 if alpha is None else alpha
-            reqs = trace.generate(requests, rate=rate, arrival=arrival, cv=cv, prompt=pb, output=ob, alpha=a,
-                                  high_fraction=high_fraction, seed=seed)
-            extra["alpha"] = a
-    except ValueError as exc:
-        die(str(exc), 2)
-    _write(reqs, output, json_, extra)
-
-
-def _load_cli(input: Path, fmt: str | None, model: Path | None, rate: float, arrival: str, cv: float, seed: int,
-              history: bool, filter_model: str | None, log_type: str | None, early_limit: int | None,
-              skipped: list) -> tuple[str, list[TraceRequest]]:
-    _check_arrival(arrival)
-    if fmt is not None and fmt not in FORMATS:
-        die(f"unknown --format {fmt!r} (known: {', '.join(FORMATS)})", 2)
-    try:
-        fmt = fmt or sniff(input)
-        if fmt != "sharegpt" and (model is not None or history):
-            die(f"--model and --history are for ShareGPT; {input} is {fmt}", 2)
-        if fmt != "burstgpt" and (filter_model is not None or log_type is not None):
-            die(f"--filter-model and --log-type are for BurstGPT; {input} is {fmt}", 2)
-        if fmt == "sharegpt":
-            if model is None:
-                die(f"{input} is ShareGPT (text, no token counts): give --model DIR, a model whose tokenizer "
-                    "counts the tokens (e.g. one from `llumnixctl model tiny DIR`)", 2)
-            opts = dict(model_path=model, rate=rate, arrival=arrival, cv=cv, seed=seed, history=history,
-                        limit=early_limit)
-        elif fmt == "burstgpt":
-            opts = dict(model=filter_model, log_type=log_type)
-        else:
-            opts = {}
-        if fmt != "jsonl":
-            opts["skipped"] = skipped
-        return fmt, load(input, fmt, **opts)
-    except FileNotFoundError:
-        die(f"no such file: {input}")
-    except OSError as exc:
-        die(f"cannot read {input}: {exc.strerror or exc}")
-    except UnicodeDecodeError:
-        die(f"{input}: not UTF-8 text (a gzip file needs the .gz extension)")
-    except (TraceFormatError, ValueError) as exc:
-        die(str(exc))
-    raise AssertionError  # die raised
-
-
-@app.command("convert")
-def convert_cmd(
-    input: Annotated[Path, typer.Argument(help="the trace: ShareGPT .json/.jsonl, BurstGPT or Azure .csv, our .jsonl (.gz too)")],
-    output: Annotated[str, typer.Argument(help="JSONL file to write (- for stdout)")],
-    fmt: FormatOpt = None, model: ModelOpt = None,
-    rate: Annotated[float, typer.Option("--rate", help="ShareGPT: requests/s of the generated arrivals")] = 1.0,
-    arrival: ArrivalOpt = "poisson", cv: CvOpt = 1.0, seed: SeedOpt = 0,
-    history: Annotated[bool, typer.Option("--history", help="ShareGPT: prompts count the earlier turns of their conversation")] = False,
-    filter_model: FilterModelOpt = None, log_type: LogTypeOpt = None,
-    start: Annotated[float, typer.Option("--start", help="keep arrivals from this second on (the new 0)")] = 0.0,
-    end: Annotated[Optional[float], typer.Option("--end", help="keep arrivals before this second")] = None,
-    rate_scale: Annotated[float, typer.Option("--rate-scale", help="compress arrivals: the rate times this (after --start/--end)")] = 1.0,
-    limit_: Annotated[Optional[int], typer.Option("--limit", min=0, help="keep the first N requests (after the window)")] = None,
-    max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", min=2, help="clip prompt + output to this context")] = None,
-    high_fraction: Annotated[Optional[float], typer.Option(help="assign high priority to this share of requests (seeded by --seed)")] = None,
-    json_: JsonOpt = False,
-) -> None:
-    """Convert a trace to our JSONL: window (--start/--end), then --rate-scale, --limit, --max-model-len, priorities."""
-    skipped: list = []
-    early = limit_ if start == 0 and end is None else None  # ShareGPT: tokenize no more than needed
-    fmt, reqs = _load_cli(input, fmt, model, rate, arrival, cv, seed, history, filter_model, log_type, early, skipped)
-    loaded = len(reqs)
-    try:
-        reqs = window(reqs, start, end)
-        reqs = scale_rate(reqs, rate_scale)
-        if limit_ is not None:
-            reqs = limit(reqs, limit_)
-        if max_model_len is not None:
-            reqs = clip(reqs, max_model_len)
-        if high_fraction is not None:
-            reqs = with_priorities(reqs, high_fraction, seed)
-    except ValueError as exc:
-        die(str(exc), 2)
-    reasons: dict[str, int] = {}
-    for _, why in skipped:
-        reasons[why] = reasons.get(why, 0) + 1
-    if skipped and output != "-" and not json_:
-        sys.stderr.write(f"llumnixctl: skipped {len(skipped)} row(s) of {input}: "
-                         + ", ".join(f"{n} {why}" for why, n in sorted(reasons.items())) + "\n")
-    _write(reqs, output, json_, {"input": str(input), "format": fmt, "loaded": loaded, "skipped": reasons})
-
-
-@app.command("show")
-def show_cmd(
-    input: Annotated[Path, typer.Argument(help="a trace in any known format")],
-    fmt: FormatOpt = None, model: ModelOpt = None,
-    rate: Annotated[float, typer.Option("--rate", help="ShareGPT: requests/s of the generated arrivals")] = 1.0,
-    arrival: ArrivalOpt = "poisson", cv: CvOpt = 1.0, seed: SeedOpt = 0,
-    history: Annotated[bool, typer.Option("--history", help="ShareGPT: prompts count the earlier turns of their conversation")] = False,
-    filter_model: FilterModelOpt = None, log_type: LogTypeOpt = None,
-    json_: JsonOpt = False,
-) -> None:
-    """Summarize a trace: requests, duration, rate, prompt and output lengths, priorities."""
-    skipped: list = []
-    fmt, reqs = _load_cli(input, fmt, model, rate, arrival, cv, seed, history, filter_model, log_type, None, skipped)
-    data = {"path": str(input), "format": fmt, "skipped": len(skipped), "summary": stats(reqs)}
-    if json_:
-        print_json(data)
-        return
-    s = data["summary"]
-    out.print(f"{input} ({fmt}): {s['requests']} requests" + (f", {len(skipped)} rows skipped" if skipped else ""),
-              markup=False, highlight=False)
-    if not reqs:
-        return
-    rate_s = f"{s['offered_rate']:.3f} req/s" if s["offered_rate"] else "all at once"
-    out.print(f"  arrivals  {s['first_arrival_s']:.3f} .. {s['duration_s']:.3f} s, {rate_s}", markup=False, highlight=False)
-    for key in ("prompt_tokens", "output_tokens"):
-        x = s[key]
-        out.print(f"  {key.split('_')[0]:<8}  mean {x['mean']:.1f}, min {x['min']}, median {x['median']}, p90 {x['p90']}, "
-                  f"p99 {x['p99']}, max {x['max']}, total {x['total']}", markup=False, highlight=False)
-    out.print(f"  priority  {s['high_priority']} high ({100 * s['high_fraction']:.1f}%)", markup=False, highlight=False)

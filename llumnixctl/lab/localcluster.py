@@ -13,7 +13,6 @@ import errno
 import fcntl
 import json
 import os
-import random
 import shlex
 import signal
 import socket
@@ -30,6 +29,7 @@ import psutil
 
 from daemons.config import load_config
 from llumnixctl.admin import AdminClient, ManagerUnreachable
+from llumnixctl.lab.ports import distinct_ports, free_port
 
 STATE_FILE = "cluster.json"
 
@@ -117,41 +117,6 @@ class ClusterState:
         return [p for p in self.procs if p.process() is not None]
 
 
-def _ephemeral_start() -> int:
-    """The first port the kernel hands out as the source port of an outgoing connection."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` (on loopback where ``host`` is not an address of this namespace).
-
-    Chosen below the kernel's ephemeral range where it can: a port from that range (what binding port 0
-    gives) can be taken, before the daemon that is told to listen on it starts, as the source port of any
-    outgoing connection on the machine ("Address already in use")."""
-    top = _ephemeral_start()
-    rng = random.Random()
-    for _ in range(64) if top > 12000 else ():
-        port = rng.randrange(10000, top)
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    continue
-            return port
-    with socket.socket() as s:
-        try:
-            s.bind((host, 0))
-        except OSError:
-            s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn(run_dir: Path, name: str, argv: list[str]) -> Proc:
     log_path = run_dir / f"{name}.log"
     with open(log_path, "ab") as log:
@@ -180,17 +145,6 @@ Placement = Callable[[str], "tuple[list[str], list[str]]"]
 def proxy_names(proxies: int) -> list[str]:
     """The proxies of a local cluster: ``proxy`` (the one at ``url``), then ``proxy-1``, ``proxy-2``, ..."""
     return ["proxy"] + [f"proxy-{k}" for k in range(1, proxies)]
-
-
-def _distinct_ports(host: str, ports: list[int], n: int) -> list[int]:
-    """``ports`` plus free ports up to ``n`` in all, no two alike (free_port may hand out a port twice:
-    nothing holds it between calls)."""
-    ports = list(ports)
-    while len(ports) < n:
-        candidate = free_port(host)
-        if candidate not in ports:
-            ports.append(candidate)
-    return ports
 
 
 def up(run_dir: Path, instances: int, backend: str, port: int, config: str | None, sets: list[str],
@@ -257,7 +211,7 @@ def up(run_dir: Path, instances: int, backend: str, port: int, config: str | Non
     if not load_config(config, sets).scaling.launcher:  # add and auto-scaling start instances of this cluster
         common += ["--set", f"scaling.launcher={json.dumps(launcher_command(run_dir))}"]
     url_host = f"[{http_host}]" if ":" in http_host else http_host
-    ports = _distinct_ports(http_host, [port], proxies)
+    ports = distinct_ports(http_host, [port], proxies)
     urls = [f"http://{url_host}:{p}" for p in ports]
     state = ClusterState(manager_address, urls[0], backend, config, args=common, run_dir=str(run_dir), urls=urls)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from llumnixctl.experiments.figs import common
 from llumnixctl.experiments.figs.fig13 import run_jobs
-from llumnixctl.experiments.tracefiles import paper_trace, reindex
+from llumnixctl.experiments.tracemix import paper_trace, reindex
 from llumnixctl.experiments.tracegen import TraceRequest
 
 PAPER = {

@@ -1,0 +1,103 @@
+"""The sim engine's requests and its waiting queue (daemons/engine/sim.py)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import deque
+from collections.abc import Iterator
+
+from daemons.engine.base import EngineRequest
+from daemons.engine.sim_values import unit
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class SimRequest:
+    __slots__ = ("rid", "prompt_len", "sampling", "priority", "arrival_time", "generated", "blocks",
+                 "preempted", "seed", "stop_ids", "max_total")
+
+    def __init__(self, request: EngineRequest, max_model_len: int):
+        self.rid = request.request_id
+        self.prompt_len = len(request.prompt_token_ids)
+        self.sampling = request.sampling
+        self.priority = request.priority
+        self.arrival_time = request.arrival_time
+        # A failover continues where another instance stopped: like a preempted request, it re-prefills the
+        # prompt and what it generated (the sim's tokens depend on the request id and index alone).
+        self.generated = len(request.output_token_ids)
+        self.blocks: list[int] = []  # block table: append-only while running, emptied on preemption
+        self.preempted = False
+        self.seed = unit(hashlib.blake2b(self.rid.encode(), digest_size=8).digest())
+        self.stop_ids = frozenset(request.sampling.stop_token_ids)
+        # The most tokens it can ever hold: it finishes on max_tokens or at the context limit.
+        self.max_total = min(self.prompt_len + request.sampling.max_tokens, max_model_len)
+
+
+class WaitingQueue:
+    """Waiting requests: higher priority first, FCFS within a priority. One deque per priority that has
+    waiting requests, so every verb but ``remove`` is O(1) while there are only a few priorities."""
+
+    __slots__ = ("_classes", "_order", "_len", "tokens")
+
+    def __init__(self):
+        self._classes: dict[int, deque[SimRequest]] = {}
+        self._order: list[int] = []  # priorities of the non-empty classes, highest first
+        self._len = 0
+        self.tokens = 0  # the tokens they will prefill (prompt and, if preempted, what they generated)
+
+    def _class(self, priority: int) -> deque[SimRequest]:
+        q = self._classes.get(priority)
+        if q is None:
+            q = self._classes[priority] = deque()
+            self._order.append(priority)
+            self._order.sort(reverse=True)
+        return q
+
+    def _drop_if_empty(self, priority: int) -> None:
+        if not self._classes[priority]:
+            del self._classes[priority]
+            self._order.remove(priority)
+
+    def append(self, req: SimRequest) -> None:
+        """A new arrival: behind every waiting request of its priority."""
+        self._class(req.priority).append(req)
+        self._len += 1
+        self.tokens += req.prompt_len + req.generated
+
+    def appendleft(self, req: SimRequest) -> None:
+        """A preempted request: it arrived before every waiting request of its priority."""
+        self._class(req.priority).appendleft(req)
+        self._len += 1
+        self.tokens += req.prompt_len + req.generated
+
+    def head(self) -> SimRequest:
+        return self._classes[self._order[0]][0]
+
+    def popleft(self) -> SimRequest:
+        priority = self._order[0]
+        req = self._classes[priority].popleft()
+        self._drop_if_empty(priority)
+        self._len -= 1
+        self.tokens -= req.prompt_len + req.generated
+        return req
+
+    def remove(self, req: SimRequest) -> None:
+        self._classes[req.priority].remove(req)  # O(its class), but aborts are rare next to steps
+        self._drop_if_empty(req.priority)
+        self._len -= 1
+        self.tokens -= req.prompt_len + req.generated
+
+    def clear(self) -> None:
+        self._classes.clear()
+        self._order.clear()
+        self._len = 0
+        self.tokens = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[SimRequest]:
+        for priority in self._order:
+            yield from self._classes[priority]
