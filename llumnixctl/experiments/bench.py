@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import re
 import shutil
 import socket
 import statistics
@@ -34,7 +33,7 @@ from llumnixctl.experiments import (bench_engine, bench_manager, bench_migration
                                     bench_serve, bench_steady)
 from llumnixctl.admin import AdminClient
 from llumnixctl.experiments.bench_proxy_short import (SHORT_GOAL_RPS, host_port, open_nodelay, pct, pick_client,
-                                                     short_rate)
+                                                     short_rate, stream_load)
 from llumnixctl.lab import localcluster
 
 app = typer.Typer(no_args_is_help=True, help="Benchmarks that print their figures.")
@@ -89,34 +88,6 @@ def proxy_ttft(url: str, model: str, n: int, prompt: list[int]) -> list[float]:
     return samples
 
 
-_USAGE = re.compile(rb'"completion_tokens":(\d+)')
-
-
-async def _stream_one(host: str, port: int, body: bytes) -> int:
-    """One streamed completion over a raw connection; returns the completion tokens its usage reports."""
-    reader, writer = await asyncio.open_connection(host, port)
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
-    tokens = 0
-    async for line in reader:
-        if line.startswith(b"data: {") and b'"usage"' in line:
-            tokens = int(_USAGE.search(line).group(1))
-    writer.close()
-    return tokens
-
-
-async def _load(url: str, model: str, streams: int, concurrency: int, tokens: int,
-                prompt: str | list[int] = "benchmark the proxy", temperature: float = 1.0) -> int:
-    host, port = url.removeprefix("http://").split(":")
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "stream": True,
-                       "temperature": temperature, "stream_options": {"include_usage": True}}).encode()
-    sem = asyncio.Semaphore(concurrency)
-
-    async def one() -> int:
-        async with sem:
-            return await _stream_one(host, int(port), body)
-
-    return sum(await asyncio.gather(*(one() for _ in range(streams))))
 
 
 # ---------------------------------------------------------------- a burst over several proxies
@@ -302,7 +273,7 @@ def _throughput(state, streams: int, concurrency: int, tokens: int) -> dict:
     proxy_proc = next(p for p in state.procs if p.name == "proxy").process()
     cpu0 = sum(proxy_proc.cpu_times()[:2])
     t0 = time.perf_counter()
-    total = asyncio.run(_load(state.url, "llumnix-sim", streams, concurrency, tokens))
+    total = asyncio.run(stream_load(state.url, "llumnix-sim", streams, concurrency, tokens))
     wall = time.perf_counter() - t0
     cpu = sum(proxy_proc.cpu_times()[:2]) - cpu0
     return {"tokens": total, "tokens_per_s": total / wall, "proxy_cpu_us_per_token": cpu / max(total, 1) * 1e6}

@@ -8,7 +8,7 @@ never share the cores:
 - api_server: vLLM's own OpenAI server (``vllm.entrypoints.openai.api_server``), what people deploy;
 - cluster: a local cluster (proxy, manager, one ``vllm`` instance).
 
-The two servers are measured with the same streaming client (``bench._load``): one greedy stream of
+The two servers are measured with the same streaming client (``bench_proxy_short.stream_load``): one greedy stream of
 ``--tokens``, then ``--batch`` concurrent streams of ``--batch-tokens``, all with ``ignore_eos``.
 """
 
@@ -31,6 +31,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from llumnixctl.experiments.bench_proxy_short import stream_load
 from llumnixctl.lab import localcluster
 
 PROMPT = [5, 17, 300, 42, 7, 99, 12, 8]
@@ -95,17 +96,16 @@ def _cpu(procs: list[psutil.Process]) -> float:
 def measure(url: str, procs: list[psutil.Process], tokens: int, batch: int, batch_tokens: int, repeat: int) -> dict:
     """Tokens/s of one greedy stream and of ``batch`` concurrent ones (the best of ``repeat`` each), and the
     cores ``procs`` kept busy during the best batched run."""
-    from llumnixctl.experiments.bench import _load  # bench imports this module for its command: import it when run
 
-    asyncio.run(_load(url, "bench", 1, 1, 8, PROMPT, 0.0))  # warm-up
+    asyncio.run(stream_load(url, "bench", 1, 1, 8, PROMPT, 0.0))  # warm-up
     single = 0.0
     for _ in range(repeat):
         t = time.perf_counter()
-        single = max(single, asyncio.run(_load(url, "bench", 1, 1, tokens, PROMPT, 0.0)) / (time.perf_counter() - t))
+        single = max(single, asyncio.run(stream_load(url, "bench", 1, 1, tokens, PROMPT, 0.0)) / (time.perf_counter() - t))
     batched, cores = 0.0, 0.0
     for _ in range(repeat):
         t, cpu = time.perf_counter(), _cpu(procs)
-        n = asyncio.run(_load(url, "bench", batch, batch, batch_tokens, PROMPT, 0.0))  # greedy, as offline
+        n = asyncio.run(stream_load(url, "bench", batch, batch, batch_tokens, PROMPT, 0.0))  # greedy, as offline
         wall = time.perf_counter() - t
         batched, cores = max((batched, cores), (n / wall, (_cpu(procs) - cpu) / wall))
     return {"single": single, "batched": batched, "cores": cores}

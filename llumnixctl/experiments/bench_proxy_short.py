@@ -17,6 +17,9 @@ from pathlib import Path
 import psutil
 
 
+_USAGE = re.compile(rb'"completion_tokens":(\d+)')
+
+
 def pct(xs: list[float], p: float) -> float:
     """The ``p``-th percentile (nearest rank) of ``xs``."""
     xs = sorted(xs)
@@ -283,3 +286,34 @@ def pick_client(client: str) -> str:
     if client == "wrk" and not shutil.which("wrk"):
         raise ValueError("--short-client wrk: wrk is not installed (apt-get install wrk), or use python")
     return client
+
+
+# ---------------------------------------------------------------- streamed completions (bench proxy, bench engine)
+
+
+async def _stream_one(host: str, port: int, body: bytes) -> int:
+    """One streamed completion over a raw connection; returns the completion tokens its usage reports."""
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+    tokens = 0
+    async for line in reader:
+        if line.startswith(b"data: {") and b'"usage"' in line:
+            tokens = int(_USAGE.search(line).group(1))
+    writer.close()
+    return tokens
+
+
+async def stream_load(url: str, model: str, streams: int, concurrency: int, tokens: int,
+                      prompt: str | list[int] = "benchmark the proxy", temperature: float = 1.0) -> int:
+    """``streams`` streamed completions, ``concurrency`` at a time; the completion tokens their usage reports."""
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "stream": True,
+                       "temperature": temperature, "stream_options": {"include_usage": True}}).encode()
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one() -> int:
+        async with sem:
+            return await _stream_one(host, int(port), body)
+
+    return sum(await asyncio.gather(*(one() for _ in range(streams))))
