@@ -22,6 +22,13 @@ def ids(outs: list[wire.TokenOut]) -> list[int]:
     return [o.token_id for o in outs]
 
 
+async def moved(c: VirtualCluster, s, dst: str) -> None:
+    """Migrate the stream's request to ``dst``; it commits and the proxy follows it there."""
+    reply = await c.migrate(s.request_id, dst)
+    assert [o.outcome for o in reply.outcomes] == ["committed"], reply
+    await c.until(lambda: s.instance_id == dst, 5, f"the proxy did not follow the request to {dst}")
+
+
 def idle(c: VirtualCluster) -> dict[str, tuple[int, int, int]]:
     """(requests, blocks used, migrations in flight) of every instance."""
     out = {}
@@ -111,9 +118,7 @@ def test_a_destination_killed_right_after_the_commit_fails_the_stream_back_over_
     async def scenario(c: VirtualCluster):
         s = await c.request(max_tokens=300)
         await c.tokens(s, 10)
-        reply = await c.migrate(s.request_id, "i1")
-        assert [o.outcome for o in reply.outcomes] == ["committed"], reply
-        await c.until(lambda: s.instance_id == "i1", 5, "the proxy did not follow the request to i1")
+        await moved(c, s, "i1")
         at_kill = s.next_index
         c.kill("i1")  # as kill -9: nothing said; the manager's heartbeat rules find it dead
         assert ids(await c.result(s)) == c.expected(s, 300)  # continued on i0 by re-prefill, exact tokens
@@ -132,9 +137,7 @@ def test_a_client_that_leaves_after_a_move_has_its_request_aborted_on_the_destin
     async def scenario(c: VirtualCluster):
         s = await c.request(max_tokens=3000)
         await c.tokens(s, 5)
-        reply = await c.migrate(s.request_id, "i1")
-        assert [o.outcome for o in reply.outcomes] == ["committed"], reply
-        await c.until(lambda: s.instance_id == "i1", 5, "the proxy did not follow the request to i1")
+        await moved(c, s, "i1")
         c.proxy.finish(s)  # the client went away: the abort goes to where the request is now
         await c.until(lambda: all(v == (0, 0, 0) for v in idle(c).values()), 2, f"not freed: {idle(c)}")
 
