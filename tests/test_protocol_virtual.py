@@ -172,12 +172,18 @@ def test_a_destination_without_room_refuses_and_the_request_streams_on():
     VirtualCluster.run(scenario, instances=1, sets=PACED)
 
 
+async def copying(c: VirtualCluster, max_tokens: int = 250):
+    """A request with a long prompt on i0, whose move to i1 has started copying: (the stream, the move)."""
+    s = await c.request(max_tokens=max_tokens, prompt_tokens=600)
+    await c.tokens(s, 3)
+    move = asyncio.ensure_future(c.migrate(s.request_id, "i1"))
+    await c.until(lambda: c.instances["i1"].migrator.busy > 0, 5, "the copy did not start")
+    return s, move
+
+
 def test_a_destination_killed_mid_copy_aborts_and_the_source_keeps_the_request():
     async def scenario(c: VirtualCluster):
-        s = await c.request(max_tokens=250, prompt_tokens=600)
-        await c.tokens(s, 3)
-        moving = asyncio.ensure_future(c.migrate(s.request_id, "i1"))
-        await c.until(lambda: c.instances["i1"].migrator.busy > 0, 5, "the copy did not start")
+        s, moving = await copying(c)
         c.kill("i1")
         reply = await moving
         outcome = reply.outcomes[0] if isinstance(reply, wire.MigrateReply) else None
@@ -191,10 +197,7 @@ def test_a_destination_killed_mid_copy_aborts_and_the_source_keeps_the_request()
 
 def test_a_source_killed_mid_copy_has_the_destination_release_and_the_stream_fail_over_exactly():
     async def scenario(c: VirtualCluster):
-        s = await c.request(max_tokens=250, prompt_tokens=600)
-        await c.tokens(s, 3)
-        moving = asyncio.ensure_future(c.migrate(s.request_id, "i1"))
-        await c.until(lambda: c.instances["i1"].migrator.busy > 0, 5, "the copy did not start")
+        s, moving = await copying(c)
         assert c.instances["i1"].engine.load().blocks_used > 0  # reserved
         c.kill("i0")
         reply = await moving
