@@ -113,6 +113,7 @@ class Lab:
         self._addr = {n: str(hosts[i]) for i, n in enumerate(names)}
         self._veth = {n: f"v{i}" for i, n in enumerate(names)}  # the bridge's end, in the bridge namespace
         self._made: list[str] = []  # namespaces created so far, in order
+        self._spawned: list[subprocess.Popen] = []  # processes started inside by spawn()
         self._lock = threading.Lock()
         self._delay: bool | None = None
 
@@ -170,14 +171,29 @@ class Lab:
         Idempotent; bounded (a few seconds per stubborn process at most)."""
         with self._lock:
             made, self._made = self._made, []
+            spawned, self._spawned = self._spawned, []
         _open_labs.discard(self)
         if not made:
             return
+        # What we spawned, through its Popen (so that its exit status is kept), running inside or not yet
+        # (`ip netns exec` enters the namespace only once it runs: one started just before close is not among
+        # the namespace's pids yet) ...
+        running = [p for p in spawned if p.poll() is None]
+        for proc in running:
+            proc.terminate()
+        # ... and whatever else runs inside.
+        ours = {p.pid for p in spawned}
         pids: list[int] = []
         for ns in made:
             out = _ip("ip", "netns", "pids", ns, check=False)
-            pids += [int(p) for p in out.stdout.split() if p.isdigit() and int(p) != os.getpid()]
+            pids += [int(p) for p in out.stdout.split() if p.isdigit() and int(p) != os.getpid() and int(p) not in ours]
         _terminate(pids)
+        for proc in running:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
         for ns in reversed(made):
             _ip("ip", "netns", "del", ns, check=False)
 
@@ -198,8 +214,11 @@ class Lab:
         return ["ip", "netns", "exec", self.netns(name)]
 
     def spawn(self, name: str, argv: list[str], **popen: Any) -> subprocess.Popen:
-        """subprocess.Popen(prefix(name) + argv, **popen)."""
-        return subprocess.Popen(self.prefix(name) + list(argv), **popen)
+        """subprocess.Popen(prefix(name) + argv, **popen); stopped when the lab closes, if still running."""
+        proc = subprocess.Popen(self.prefix(name) + list(argv), **popen)
+        with self._lock:
+            self._spawned.append(proc)
+        return proc
 
     def describe(self) -> dict:
         """Plain data a child process can use (JSON): host -> {"netns", "address"}, and the subnet."""
