@@ -40,6 +40,6 @@ One concern per file: ``migrator.py`` (the Migrator: both roles, transport, paci
 """
 
 from daemons.migration.migrator import Migrator
-from daemons.migration.records import Aborted, Host, Refused
+from daemons.migration.records import Aborted, DestinationFailed, Host, Refused
 
-__all__ = ["Aborted", "Host", "Migrator", "Refused"]
+__all__ = ["Aborted", "DestinationFailed", "Host", "Migrator", "Refused"]

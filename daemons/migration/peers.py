@@ -14,7 +14,8 @@ import zmq.utils.monitor
 from daemons.clock import loop_time
 from daemons import runtime, wire
 from daemons.engine.base import EngineError
-from daemons.migration.records import GONE, PREFIX_QUERY_TIMEOUT_S, Aborted, Incoming, Outgoing, Refused
+from daemons.migration.records import (GONE, PREFIX_QUERY_TIMEOUT_S, DestinationFailed, Incoming, Outgoing,
+                                       Refused)
 from daemons.migration.telemetry import M_IN_FLIGHT
 
 log = logging.getLogger("llumnix.migration")
@@ -65,13 +66,13 @@ class PeersMixin:
         while True:
             left = deadline - loop_time()
             if left <= 0:
-                raise Aborted(f"destination did not answer {what} within {self.cfg.timeout_s:g}s")
+                raise DestinationFailed(f"destination did not answer {what} within {self.cfg.timeout_s:g}s")
             try:
                 msg = await asyncio.wait_for(out.replies.get(), left)
             except asyncio.TimeoutError:
                 continue
             if msg is GONE:
-                raise Aborted(f"the connection to the destination dropped while waiting for {what} (did it die?)")
+                raise DestinationFailed(f"the connection to the destination dropped while waiting for {what} (did it die?)")
             if isinstance(msg, kind) and msg.stage == stage:
                 if not msg.ok:
                     raise Refused(f"destination refused: {msg.reason}")

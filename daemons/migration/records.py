@@ -19,7 +19,11 @@ class Aborted(Exception):
     """Ends a migration; the message is the reason reported to the operator."""
 
 
-class Refused(Aborted):
+class DestinationFailed(Aborted):
+    """The destination's end failed the move: it did not answer, its connection dropped, the copy to it failed."""
+
+
+class Refused(DestinationFailed):
     """The destination said no: it holds no copy of the request."""
 
 
