@@ -44,7 +44,7 @@ def test_a_migrated_stream_equals_the_unmigrated_one_and_frees_the_source():
         await c.tokens(s, 20)
         assert c.holders(s.request_id) == ["i0"]
         reply = await c.migrate(s.request_id, "i1")
-        assert [o.outcome for o in reply.outcomes] == ["committed"], reply
+        assert [(o.outcome, o.ended) for o in reply.outcomes] == [("committed", "committed")], reply
         assert c.holders(s.request_id) == ["i1"]
         assert ids(await c.result(s)) == c.expected(s, 300)
         await c.until(lambda: all(v == (0, 0, 0) for v in idle(c).values()), 5, f"not idle: {idle(c)}")
@@ -63,7 +63,7 @@ def test_a_commit_later_than_the_source_waits_leaves_exactly_one_copy_on_the_sou
         await c.tokens(s, 10)
         reply = await c.migrate(s.request_id, "i1")
         (o,) = reply.outcomes
-        assert o.outcome == "aborted" and "did not answer the commit" in o.reason, o
+        assert o.outcome == "aborted" and o.ended == "uncertain" and "did not answer the commit" in o.reason, o
         assert c.holders(s.request_id) == ["i0"]
         await c.until(lambda: c.instances["i1"].migrator.busy == 0, 30, "the destination's migration did not end")
         assert c.holders(s.request_id) == ["i0"] and idle(c)["i1"] == (0, 0, 0)
@@ -88,7 +88,7 @@ def test_a_lost_commit_acknowledgement_keeps_the_destination_and_fences_the_sour
         epoch = s.epoch
         reply = await c.migrate(s.request_id, "i1")
         (o,) = reply.outcomes
-        assert o.outcome == "aborted" and "did not answer the commit" in o.reason, o
+        assert o.outcome == "aborted" and o.ended == "uncertain" and "did not answer the commit" in o.reason, o
         await c.until(lambda: c.holders(s.request_id) == ["i1"], 10, "the source's copy was not aborted")
         assert s.instance_id == "i1" and s.epoch == epoch + 1
         assert ("i0", epoch + 1) in s.fenced
@@ -150,7 +150,7 @@ def test_a_request_finishing_during_pre_copy_aborts_the_migration_and_the_destin
         await c.tokens(s, 3)
         reply = await c.migrate(s.request_id, "i1")
         (o,) = reply.outcomes
-        assert o.outcome == "aborted" and "finished" in o.reason and o.downtime_ms == 0, o
+        assert o.outcome == "aborted" and o.ended == "aborted-src" and "finished" in o.reason and o.downtime_ms == 0, o
         assert ids(await c.result(s)) == c.expected(s, 60)
         await c.until(lambda: all(v == (0, 0, 0) for v in idle(c).values()), 30, f"not idle: {idle(c)}")
 
@@ -164,7 +164,7 @@ def test_a_destination_without_room_refuses_and_the_request_streams_on():
         await c.join("small", "sim.num_blocks=4")
         reply = await c.migrate(s.request_id, "small")
         (o,) = reply.outcomes
-        assert o.outcome == "aborted" and "no room" in o.reason, o
+        assert o.outcome == "aborted" and o.ended == "aborted-dst" and "no room" in o.reason, o
         assert c.holders(s.request_id) == ["i0"]
         assert ids(await c.result(s)) == c.expected(s, 200)
         assert idle(c)["small"] == (0, 0, 0)
@@ -187,7 +187,7 @@ def test_a_destination_killed_mid_copy_aborts_and_the_source_keeps_the_request()
         c.kill("i1")
         reply = await moving
         outcome = reply.outcomes[0] if isinstance(reply, wire.MigrateReply) else None
-        assert outcome is not None and outcome.outcome == "aborted", reply
+        assert outcome is not None and (outcome.outcome, outcome.ended) == ("aborted", "aborted-dst"), reply
         assert c.holders(s.request_id) == ["i0"]
         assert ids(await c.result(s)) == c.expected(s, 250)
         await c.until(lambda: idle(c)["i0"] == (0, 0, 0), 5, f"not idle: {idle(c)}")
