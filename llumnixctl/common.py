@@ -20,9 +20,9 @@ from llumnixctl.lab import localcluster
 out = Console(width=None if sys.stdout.isatty() else 160)  # piped: never squeeze the table
 
 RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", envvar="LLUMNIX_RUN_DIR", show_envvar=True,
-                                                   help="local cluster state directory (default ~/.local/state/llumnix)")]
+                                                   help="run directory of a local cluster: its cluster.json and logs (default $XDG_STATE_HOME/llumnix, else ~/.local/state/llumnix)")]
 ManagerOpt = Annotated[Optional[str], typer.Option("--manager", help="manager address, e.g. tcp://10.0.0.5:7100 (default: $LLUMNIX_MANAGER)")]
-ConfigOpt = Annotated[Optional[str], typer.Option("--config", "-c", envvar="LLUMNIX_CONFIG", show_envvar=True, help="llumnix.toml")]
+ConfigOpt = Annotated[Optional[str], typer.Option("--config", "-c", envvar="LLUMNIX_CONFIG", show_envvar=True, metavar="FILE", help="settings file (llumnix.toml)")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON for scripts")]
 TimeoutOpt = Annotated[float, typer.Option("--timeout", help="seconds to wait for the manager")]
 

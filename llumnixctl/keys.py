@@ -16,8 +16,8 @@ app = typer.Typer(no_args_is_help=True, help="Cluster keys (ZeroMQ CURVE): gener
 
 @app.command("generate")
 def generate(
-    keys_dir: Annotated[Path, typer.Argument(help="directory to create the keys in (public/ and secret/)")],
-    name: Annotated[Optional[list[str]], typer.Option("--name", help="a key to add, named ROLE or ROLE-SUFFIX (e.g. operator-alice, instance-gpu3); repeatable (default: one key per role)")] = None,
+    keys_dir: Annotated[Path, typer.Argument(metavar="dir", help="directory to create the keys in (public/ and secret/)")],
+    name: Annotated[Optional[list[str]], typer.Option("--name", metavar="NAME", help="a key to add, named ROLE or ROLE-SUFFIX (e.g. operator-alice, instance-gpu3); repeatable (default: one key per role)")] = None,
     force: Annotated[bool, typer.Option("--force", help="replace keys that exist (every host then needs the new public keys)")] = False,
     json_: JsonOpt = False,
 ) -> None:
@@ -46,7 +46,7 @@ def generate(
 
 @app.command("list")
 def list_(
-    keys_dir: Annotated[Path, typer.Argument(help="a keys directory (security.keys_dir)")],
+    keys_dir: Annotated[Path, typer.Argument(metavar="dir", help="a keys directory (security.keys_dir)")],
     json_: JsonOpt = False,
 ) -> None:
     """The keys the cluster admits (public/), their roles, and which secrets this host holds."""

@@ -51,14 +51,15 @@ def _options(
 @app.command()
 def up(
     instances: Annotated[int, typer.Option("--instances", "-n", min=1, help="number of instances")] = 2,
-    backend: Annotated[str, typer.Option(help="engine backend of the instances: sim or vllm")] = "sim",
-    model: Annotated[Optional[Path], typer.Option(help="checkpoint directory (vllm; default: a tiny random model in the run dir)")] = None,
+    backend: Annotated[str, typer.Option(metavar="sim|vllm", help="engine backend of the instances: sim or vllm")] = "sim",
+    model: Annotated[Optional[Path], typer.Option(metavar="DIR", help="checkpoint directory for the vllm backend (default: model.path, else a tiny random model in the run dir)")] = None,
     port: Annotated[int, typer.Option(help="proxy HTTP port on 127.0.0.1 (0 = any free port)")] = 8000,
-    proxies: Annotated[int, typer.Option("--proxies", min=1, help="number of proxies: the first on --port, the others on free ports")] = 1,
-    config: ConfigOpt = None,
+    proxies: Annotated[int, typer.Option("--proxies", min=1, help="number of proxies: the first on --port, the others on free ports; every URL is printed")] = 1,
+    config: Annotated[Optional[str], typer.Option("--config", "-c", envvar="LLUMNIX_CONFIG", show_envvar=True, metavar="FILE",
+                                                  help="settings file (llumnix.toml), passed to every daemon")] = None,
     run_dir: RunDirOpt = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="setting for every daemon: section.key=value")] = None,
-    timeout: Annotated[float, typer.Option(help="seconds to wait for the cluster to serve")] = 60.0,
+    timeout: Annotated[float, typer.Option(help="seconds to wait for the cluster to serve (a large model on the vllm backend may need more)")] = 60.0,
     json_: JsonOpt = False,
 ) -> None:
     """Start a local cluster in the background (manager, instances, proxy) and wait until it serves."""
@@ -172,7 +173,7 @@ def render_status(data: dict) -> Group:
 def status(manager: ManagerOpt = None, run_dir: RunDirOpt = None, config: ConfigOpt = None,
            timeout: TimeoutOpt = 2.0, json_: JsonOpt = False,
            watch: Annotated[bool, typer.Option("--watch", "-w", help="refresh every --interval seconds until Ctrl-C; with --json, one JSON object per line")] = False,
-           interval: Annotated[float, typer.Option("--interval", min=0.05, help="with --watch: seconds between refreshes")] = 1.0) -> None:
+           interval: Annotated[float, typer.Option("--interval", min=0.05, help="with --watch: seconds between refreshes (an answer slower than that delays the next one)")] = 1.0) -> None:
     """Per instance: state and flags, blocks, running, waiting, virtual usage, freeness, migrations; totals.
 
     With --watch, a live view refreshed every --interval seconds until Ctrl-C (exit 0); with --json as well,
@@ -263,16 +264,16 @@ def outcome_json(o: wire.MigrationOutcome) -> dict:
     return {"outcome": o.outcome, "reason": o.reason, "stages": o.stages, "blocks": o.blocks, "bytes": o.bytes,
             "downtime_ms": round(o.downtime_ms, 3), "total_ms": round(o.total_ms, 3), "request_id": o.request_id,
             "from": o.src, "to": o.dst, "resumed_at": o.resumed_at, "cached_blocks": o.cached_blocks,
-            "last_stage_blocks": o.last_stage_blocks}
+            "last_stage_blocks": o.last_stage_blocks, "ended": o.ended}
 
 
 @app.command()
 def migrate(
-    request_id: Annotated[Optional[str], typer.Argument(help="the request to move (see llumnixctl requests)")] = None,
-    to: Annotated[str, typer.Option("--to", help="destination instance id")] = ...,
-    from_: Annotated[Optional[str], typer.Option("--from", help="source instance: move --count of its running requests")] = None,
+    request_id: Annotated[Optional[str], typer.Argument(help="the request to move: the id of the proxy's response (see llumnixctl requests)")] = None,
+    to: Annotated[str, typer.Option("--to", metavar="INSTANCE", help="destination instance id; it must be alive (a draining or cordoned one is accepted)")] = ...,
+    from_: Annotated[Optional[str], typer.Option("--from", metavar="INSTANCE", help="source instance: move --count of its running requests")] = None,
     count: Annotated[int, typer.Option("--count", min=1, help="with --from: how many requests (lower priority, shorter first)")] = 1,
-    blocking: Annotated[bool, typer.Option("--blocking", help="stop-and-copy: suspend first, copy everything (a baseline, not for production)")] = False,
+    blocking: Annotated[bool, typer.Option("--blocking", help="stop-and-copy: suspend the request first, then copy all its blocks in one stage; its downtime grows with its length (the baseline bench migration compares with, not for production)")] = False,
     manager: ManagerOpt = None, run_dir: RunDirOpt = None, config: ConfigOpt = None,
     timeout: Annotated[float, typer.Option("--timeout", help="seconds to wait for the outcome")] = 120.0,
     json_: JsonOpt = False,
@@ -405,7 +406,7 @@ def config_example() -> None:
 
 @config_app.command("show")
 def config_show(config: ConfigOpt = None,
-                set_: Annotated[Optional[list[str]], typer.Option("--set", help="section.key=value")] = None) -> None:
+                set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a setting: section.key=value")] = None) -> None:
     """Print the effective settings (defaults, file, overrides) as JSON; exits 2 on a bad setting."""
     try:
         print_json(as_dict(load_config(config, set_ or [])))

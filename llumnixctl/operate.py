@@ -120,10 +120,10 @@ def add(count: Annotated[int, typer.Option("--count", "-n", min=1, help="instanc
         out.print(f"added {', '.join(reply.instance_ids)}")
 
 
-def policy(dispatch: Annotated[Optional[str], typer.Option("--dispatch", help="llumnix, infaas++, rr or flood")] = None,
-           pairing: Annotated[Optional[str], typer.Option("--pairing", help="llumnix or off")] = None,
-           selection: Annotated[Optional[str], typer.Option("--selection", help="llumnix, last-running, longest or first-waiting")] = None,
-           scaling: Annotated[Optional[str], typer.Option("--scaling", help="off or llumnix")] = None,
+def policy(dispatch: Annotated[Optional[str], typer.Option("--dispatch", metavar="POLICY", help="llumnix, infaas++, rr or flood (manager.dispatch_policy)")] = None,
+           pairing: Annotated[Optional[str], typer.Option("--pairing", metavar="POLICY", help="llumnix or off (scheduling.pairing_policy)")] = None,
+           selection: Annotated[Optional[str], typer.Option("--selection", metavar="POLICY", help="llumnix, last-running, longest or first-waiting (scheduling.request_selection)")] = None,
+           scaling: Annotated[Optional[str], typer.Option("--scaling", metavar="POLICY", help="off or llumnix (scaling.policy)")] = None,
            manager: ManagerOpt = None, run_dir: RunDirOpt = None, config: ConfigOpt = None, json_: JsonOpt = False) -> None:
     """Show the manager's policies, or change them while it runs (until it restarts: then the config rules)."""
     client = admin(manager, run_dir, config, 5.0)

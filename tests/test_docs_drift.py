@@ -1,10 +1,13 @@
-"""The man pages cannot drift from the code: every setting of the config declaration is documented in
-llumnix.toml(5) under its table with its type, default and bounds, and nothing else is; every command and
-flag of llumnixctl and of each daemon is in its page, and no page names a flag that does not exist."""
+"""The man pages cannot drift from the code: their synopses, option tables and setting headers are what
+llumnixctl/lab/manpages.py makes from the Typer apps and the config declaration; every setting of the
+declaration is documented in llumnix.toml(5) under its table with its type, default and bounds, and nothing
+else is; every command and flag of llumnixctl and of each daemon is in its page, and no page names a flag that
+does not exist."""
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 from pathlib import Path
 
@@ -12,6 +15,7 @@ import pytest
 import typer.main
 
 from daemons import config
+from llumnixctl.lab import manpages
 
 ROOT = Path(__file__).resolve().parent.parent
 MAN = ROOT / "man"
@@ -140,3 +144,64 @@ QUOTED = {"--now"}
 
 def _all_flags(cli) -> set[str]:
     return {f for cmd in _commands(cli).values() for f in _flags(cmd)}
+
+
+# ------------------------------------------------------------------ generated parts
+
+
+@pytest.mark.parametrize("page_name", manpages.PAGES)
+def test_the_man_pages_are_what_the_generator_makes(page_name):
+    text = (MAN / page_name).read_text()
+    made = manpages.render(page_name, text)
+    diff = "".join(difflib.unified_diff(text.splitlines(True), made.splitlines(True), f"man/{page_name}",
+                                        f"man/{page_name} (generated)"))
+    assert made == text, (f"man/{page_name} is not what the generator makes of the code: run "
+                          f"`.venv/bin/python -m llumnixctl.lab.manpages` and commit the pages\n{diff}")
+
+
+def _cut(text: str, first: str, last: str, keep_ends: bool = False) -> str:
+    """``text`` without the lines from the one equal to ``first`` to the next one equal to ``last``."""
+    lines = text.split("\n")
+    i = lines.index(first)
+    j = lines.index(last, i + 1)
+    return "\n".join(lines[:i + keep_ends] + lines[j + 1 - keep_ends:])
+
+
+def test_the_generator_rewrites_the_setting_lines_and_entries():
+    text = (MAN / "llumnix.toml.5").read_text()
+    line = '.BR heartbeat_interval_s " (float, default " 0.5 ", minimum 0.01)"'
+    assert line in text
+    wrong = text.replace(line, '.BR heartbeat_interval_s " (integer, default " 9 ", maximum 2)"')
+    bind = '.TP\n.BR bind " ('
+    gone = wrong.replace(bind, '.TP\n.BR no_such_key " (integer, default " 1 )\nGone.\n' + bind)
+    assert gone.count("no_such_key") == 1
+    assert manpages.render("llumnix.toml.5", gone) == text
+
+    entry = '.BR retry_after_s " (integer, default " 1 ", minimum 0)"'
+    lines = text.split("\n")
+    at = lines.index(entry)
+    end = next(i for i in range(at + 1, len(lines)) if lines[i].startswith((".TP", ".PP", ".SS")))
+    missing = "\n".join(lines[:at - 1] + lines[end:])  # without its .TP, its line and its text
+    made = manpages.render("llumnix.toml.5", missing).split("\n")
+    back = made.index(entry)  # added again, with the declaration's help
+    declared = next(f for f in dataclasses.fields(config.AdmissionConfig) if f.name == "retry_after_s")
+    assert made[back - 1] == ".TP" and made[back + 1] == manpages.prose(declared.metadata["help"])
+    assert "\n".join(made).count("retry_after_s \"") == 1
+
+
+def test_the_generator_rewrites_the_synopsis_and_the_option_tables():
+    text = (MAN / "llumnixctl.1").read_text()
+    lines = text.split("\n")
+    proxies = lines.index(".RB [ \\-\\-proxies", lines.index(".B llumnixctl up"))
+    assert lines[proxies + 1].startswith(".IR ")
+    del lines[proxies:proxies + 2]  # --proxies left out of the synopsis
+    table = lines.index(manpages.begin("options: up"))
+    assert lines[table + 1] == ".TP" and lines[table + 3] != "old words"
+    lines[table + 3] = "old words"  # the first option's help
+    broken = _cut("\n".join(lines), manpages.begin("options: down"), manpages.END)  # the whole table of `down`
+    assert manpages.render("llumnixctl.1", broken) == text
+
+    page = (MAN / "llumnix-proxy.8").read_text()
+    emptied = _cut(page, manpages.begin("options"), manpages.END, keep_ends=True)
+    assert "\\-\\-port" not in emptied.split(".SH OPTIONS")[1].split(".SH SIGNALS")[0]
+    assert manpages.render("llumnix-proxy.8", emptied) == page

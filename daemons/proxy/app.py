@@ -322,12 +322,12 @@ app = typer.Typer(add_completion=False, help="llumnix-proxy: OpenAI-compatible H
 
 @app.command()
 def main(
-    config: Annotated[Optional[str], typer.Option("--config", "-c", help="llumnix.toml (default: $LLUMNIX_CONFIG)")] = None,
+    config: Annotated[Optional[str], typer.Option("--config", "-c", help="read settings from this file (default: $LLUMNIX_CONFIG, else /etc/llumnix/llumnix.toml if it exists, else none: the defaults)")] = None,
     host: Annotated[Optional[str], typer.Option(help="HTTP listen address (proxy.host)")] = None,
-    port: Annotated[Optional[int], typer.Option(help="HTTP listen port (proxy.port)")] = None,
-    manager: Annotated[Optional[str], typer.Option(help="manager address (manager.address)")] = None,
-    log_level: Annotated[Optional[str], typer.Option(help="debug, info, warning, error (proxy.log_level)")] = None,
-    set_: Annotated[Optional[list[str]], typer.Option("--set", help="override any setting: section.key=value")] = None,
+    port: Annotated[Optional[int], typer.Option(help="HTTP listen port; 0 lets the system choose one, which the proxy logs (proxy.port)")] = None,
+    manager: Annotated[Optional[str], typer.Option(help="address of the manager (manager.address)")] = None,
+    log_level: Annotated[Optional[str], typer.Option(help="debug, info, warning or error (proxy.log_level)")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="override any setting: section.key=value; model.path and model.name have no flag of their own and are set this way or in the file")] = None,
 ) -> None:
     """Serve the OpenAI API until SIGTERM."""
     cfg = load_or_exit("llumnix-proxy", config, set_, {

@@ -247,7 +247,7 @@ def print_table(res: dict) -> None:
 
 
 def command(
-    model: Annotated[Path | None, typer.Option(help="checkpoint directory (default: a tiny random model)")] = None,
+    model: Annotated[Path | None, typer.Option(metavar="DIR", help="checkpoint directory (default: a tiny random model)")] = None,
     tokens: Annotated[int, typer.Option(help="output tokens of the single stream")] = 256,
     batch: Annotated[int, typer.Option(help="concurrent streams of the batched run")] = 32,
     batch_tokens: Annotated[int, typer.Option(help="output tokens per batched stream")] = 256,

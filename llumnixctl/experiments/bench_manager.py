@@ -351,13 +351,13 @@ def _ints(text: str, what: str) -> list[int]:
 
 
 def command(
-    instances: Annotated[str, typer.Option(help="comma-separated emulated instance counts")] = "64,256,1000",
-    rates: Annotated[str, typer.Option(help="comma-separated dispatch rates, queries/s")] = "1000,10000",
+    instances: Annotated[str, typer.Option(metavar="N,N...", help="comma-separated emulated instance counts")] = "64,256,1000",
+    rates: Annotated[str, typer.Option(metavar="R,R...", help="comma-separated dispatch rates, queries/s")] = "1000,10000",
     seconds: Annotated[float, typer.Option(help="seconds of dispatching per rate", min=0.5)] = 5.0,
     heartbeat: Annotated[float, typer.Option(help="manager.heartbeat_interval_s (every instance's report interval)", min=0.05)] = 0.5,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="extra manager setting: section.key=value")] = None,
     up_timeout: Annotated[float, typer.Option(help="seconds the manager and the instances may take to come up", min=1.0)] = 60.0,
-    profile: Annotated[str, typer.Option(help="run the manager under cProfile: stats to FILE.N per instance count")] = "",
+    profile: Annotated[str, typer.Option(metavar="FILE", help="run the manager under cProfile: stats to FILE.N per instance count")] = "",
     json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """The real llumnix-manager against emulated instances over ZeroMQ: dispatch latency, pairing rounds.

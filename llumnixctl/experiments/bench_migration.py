@@ -330,16 +330,16 @@ def wait_idle(admin: AdminClient, timeout: float = 120) -> None:
 
 
 def command(
-    backend: Annotated[str, typer.Option(help="vllm (a generated KV-heavy model, or --model) or sim (same KV shape)")] = "vllm",
-    lengths: Annotated[str, typer.Option(help="comma-separated prompt lengths, in tokens")] = DEFAULT_LENGTHS,
-    model: Annotated[Path | None, typer.Option(help="vllm: checkpoint directory (default: generate the kv-heavy model)")] = None,
-    decode_tokens: Annotated[int, typer.Option(help="max_tokens of each benchmark request")] = 160,
+    backend: Annotated[str, typer.Option(metavar="vllm|sim", help="vllm (a generated KV-heavy model, or --model) or sim (same KV shape); another value gives status 2")] = "vllm",
+    lengths: Annotated[str, typer.Option(metavar="N,N...", help="comma-separated prompt lengths, in tokens; anything but positive integers gives status 2")] = DEFAULT_LENGTHS,
+    model: Annotated[Path | None, typer.Option(metavar="DIR", help="vllm: checkpoint directory (default: generate the kv-heavy model)")] = None,
+    decode_tokens: Annotated[int, typer.Option(help="max_tokens of each benchmark request (raised to 8 + 24 per repetition if less)")] = 160,
     repeat: Annotated[int, typer.Option(help="live migrations per length (back and forth)", min=1)] = 4,
     json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
     netns: Annotated[bool, typer.Option("--netns", help="each instance on its own network namespace (\"host\"); manager, proxy and client on a control one (root)")] = False,
-    rate: Annotated[str, typer.Option(help="with --netns: limit each instance's link, both ways (tc rate: 10gbit, 1gbit; empty = no limit)")] = "",
+    rate: Annotated[str, typer.Option(metavar="RATE", help="with --netns: limit each instance's link, both ways (tc rate: 10gbit, 1gbit; empty = no limit)")] = "",
     delay_ms: Annotated[float, typer.Option(help="with --netns: added one-way latency between the instances (half on each instance's link, each way)", min=0.0)] = 0.0,
-    set_: Annotated[list[str] | None, typer.Option("--set", help="setting for every daemon, after the benchmark's own (e.g. vllm.gpu_memory_utilization=0.4): section.key=value")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="setting for every daemon, after the benchmark's own (so it wins over them): section.key=value; on a GPU node e.g. vllm.gpu_memory_utilization=0.4 (the two instances share the GPU) and vllm.omp_threads=0 (leave OpenMP alone); a bad one gives status 2")] = None,
     shared_prefix: Annotated[int, typer.Option(help="vllm: measure instead what prefix caching saves a migration whose prompt starts with a prefix of this many tokens that the destination served before (bytes, cached blocks, downtime; before/after); lengths up to it are skipped", min=0)] = 0,
 ) -> None:
     """Live-migration downtime against blocking copy and recomputation, per request length (the paper's Fig 10)."""

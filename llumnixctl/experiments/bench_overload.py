@@ -129,7 +129,7 @@ def command(
     high_fraction: Annotated[float, typer.Option(help="share of high-priority requests", min=0.0, max=1.0)] = 0.1,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="a setting of the cluster: section.key=value")] = None,
     seed: Annotated[int, typer.Option(help="arrivals seed")] = 0,
-    save: Annotated[Optional[Path], typer.Option(help="write the JSON here")] = None,
+    save: Annotated[Optional[Path], typer.Option(metavar="FILE", help="write the JSON here")] = None,
     json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Admission control at --factor times the cluster's capacity: refusals, their speed, admitted TTFT."""

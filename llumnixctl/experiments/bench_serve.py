@@ -255,9 +255,9 @@ def steadiness(before: dict, after: dict, proxy_before: dict, proxy_after: dict)
 
 
 def command(
-    url: Annotated[str, typer.Option(help="the endpoint's base URL, e.g. http://127.0.0.1:8000")],
-    trace: Annotated[Optional[Path], typer.Option("--trace", help="trace file to replay (see --trace-format)")] = None,
-    trace_format: Annotated[Optional[str], typer.Option(help="jsonl, sharegpt, burstgpt or azure (default: from the file)")] = None,
+    url: Annotated[str, typer.Option(metavar="URL", help="the endpoint's base URL, e.g. http://127.0.0.1:8000")],
+    trace: Annotated[Optional[Path], typer.Option("--trace", metavar="FILE", help="trace file to replay (see --trace-format)")] = None,
+    trace_format: Annotated[Optional[str], typer.Option(metavar="jsonl|sharegpt|burstgpt|azure", help="the trace's format (default: from the file)")] = None,
     requests: Annotated[Optional[int], typer.Option(help="without --trace: generate a trace of this many requests", min=1)] = None,
     rate: Annotated[float, typer.Option(help="with --requests or a ShareGPT trace: mean Poisson arrival rate, requests/s", min=0.001)] = 4.0,
     prompt_min: Annotated[int, typer.Option(help="with --requests: shortest prompt, tokens", min=1)] = 16,
@@ -265,17 +265,17 @@ def command(
     output_min: Annotated[int, typer.Option(help="with --requests: shortest output, tokens", min=1)] = 16,
     output_max: Annotated[int, typer.Option(help="with --requests: longest output, tokens", min=1)] = 512,
     seed: Annotated[int, typer.Option(help="with --requests: trace seed")] = 0,
-    model: Annotated[Optional[str], typer.Option(help="model name to send (default: the first of GET /v1/models)")] = None,
-    tokenizer: Annotated[Optional[str], typer.Option(help="tokenizer path or name for the prompts (default: the server's /tokenize)")] = None,
-    api_key: Annotated[Optional[str], typer.Option(envvar="LLUMNIX_API_KEY", help="sent as Authorization: Bearer KEY")] = None,
+    model: Annotated[Optional[str], typer.Option(metavar="NAME", help="model name to send (default: the first of GET /v1/models)")] = None,
+    tokenizer: Annotated[Optional[str], typer.Option(metavar="PATH", help="tokenizer path or name for the prompts (default: the server's /tokenize)")] = None,
+    api_key: Annotated[Optional[str], typer.Option(envvar="LLUMNIX_API_KEY", metavar="KEY", help="sent as Authorization: Bearer KEY")] = None,
     max_concurrency: Annotated[Optional[int], typer.Option(help="at most this many requests in flight", min=1)] = None,
     rate_scale: Annotated[float, typer.Option(help="arrivals this many times faster than the trace's", min=0.001)] = 1.0,
     ignore_eos: Annotated[bool, typer.Option(help="send ignore_eos so outputs are of the trace's length")] = True,
     request_timeout: Annotated[float, typer.Option(help="seconds a request may take before it counts as failed", min=1.0)] = 600.0,
     run_dir: Annotated[Optional[Path], typer.Option("--run-dir", help="our local cluster: report its preemptions and migrations")] = None,
     manager: Annotated[Optional[str], typer.Option("--manager", help="our cluster's manager: report its preemptions and migrations")] = None,
-    save: Annotated[Optional[Path], typer.Option(help="write the result JSON to this file")] = None,
-    plot: Annotated[Optional[Path], typer.Option(help="write TTFT/TPOT/E2EL CDF PNGs into this directory (needs matplotlib)")] = None,
+    save: Annotated[Optional[Path], typer.Option(metavar="FILE", help="write the result JSON to this file")] = None,
+    plot: Annotated[Optional[Path], typer.Option(metavar="DIR", help="write TTFT/TPOT/E2EL CDF PNGs into this directory (needs matplotlib)")] = None,
     json_: Annotated[bool, typer.Option("--json", help="print the result JSON instead of the result block")] = False,
 ) -> None:
     """Replay a trace open loop against any OpenAI-compatible endpoint; vLLM's `bench serve` figures.

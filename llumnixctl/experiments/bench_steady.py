@@ -164,10 +164,10 @@ def command(
     rounds: Annotated[int, typer.Option(help="interleaved rounds", min=1)] = 3,
     router: Annotated[Optional[str], typer.Option(help="a plain router to compare with: the vllm-router binary "
                                                        "(pip install vllm-router, in a venv of its own)")] = None,
-    model: Annotated[Optional[Path], typer.Option(help="checkpoint directory (default: a tiny random model)")] = None,
+    model: Annotated[Optional[Path], typer.Option(metavar="DIR", help="checkpoint directory (default: a tiny random model)")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="a setting for our cluster: section.key=value")] = None,
     seed: Annotated[int, typer.Option(help="trace seed (round k uses seed + k)")] = 0,
-    save: Annotated[Optional[Path], typer.Option(help="write the JSON here")] = None,
+    save: Annotated[Optional[Path], typer.Option(metavar="FILE", help="write the JSON here")] = None,
     json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Our cluster on a saturated host against a plain router, same engines and trace: failures, deaths, lateness."""

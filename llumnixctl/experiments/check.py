@@ -273,10 +273,10 @@ def run(backend: str, model: Path | None, tp: int, extra: list[str], requests: i
 
 @app.command("migration")
 def migration(
-    backend: Annotated[str, typer.Option(help="vllm (the tiny generated model, or --model) or sim")] = "vllm",
-    model: Annotated[Optional[Path], typer.Option(help="vllm: checkpoint directory (default: generate the tiny model)")] = None,
-    tp: Annotated[int, typer.Option("--tp", min=1, help="vllm: tensor-parallel size of each instance (vllm.tensor_parallel_size)")] = 1,
-    set_: Annotated[Optional[list[str]], typer.Option("--set", help="setting for every daemon, after the check's own: section.key=value")] = None,
+    backend: Annotated[str, typer.Option(metavar="vllm|sim", help="vllm (the tiny generated model, or --model) or sim; another value gives status 2")] = "vllm",
+    model: Annotated[Optional[Path], typer.Option(metavar="DIR", help="vllm: checkpoint directory (default: generate the tiny model); with sim, or a directory without config.json, status 2")] = None,
+    tp: Annotated[int, typer.Option("--tp", min=1, help="vllm only: tensor-parallel size of each instance (vllm.tensor_parallel_size; 1 sets nothing)")] = 1,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="setting for every daemon, after the check's own (so it wins over them): section.key=value, e.g. vllm.block_size=16, vllm.gpu_memory_utilization=0.4, vllm.dtype=bfloat16; a bad one gives status 2")] = None,
     requests: Annotated[int, typer.Option(min=1, help="requests to check: the first half greedy, the rest seeded (temperature 0.8, top_p 0.9)")] = 4,
     max_tokens: Annotated[int, typer.Option(min=FIRST_MOVE_AT + 4, help="tokens each request makes")] = 48,
     logprobs: Annotated[int, typer.Option(min=0, max=20, help="top alternatives compared per token, besides the sampled token's logprob")] = 2,

@@ -100,12 +100,12 @@ def measure(engine, prefill: list[int], batch: list[int], context: list[int], re
 
 
 def command(
-    out_file: Annotated[Path, typer.Option("--out", "-o", help="the profile file to write (JSON)")],
-    backend: Annotated[str, typer.Option(help="vllm (in this process) or sim (its own latency model: for checking)")] = "vllm",
-    model: Annotated[Optional[Path], typer.Option(help="vllm: checkpoint directory (default: generate the tiny test model)")] = None,
-    prefill: Annotated[str, typer.Option(help="prompt lengths of the prefill steps")] = "16,64,256,1024,2048",
-    batch: Annotated[str, typer.Option(help="batch sizes of the decode steps")] = "1,4,16,32",
-    context: Annotated[str, typer.Option(help="context lengths per request of the decode steps")] = "128,512,1024",
+    out_file: Annotated[Path, typer.Option("--out", "-o", metavar="FILE", help="the profile file to write (JSON)")],
+    backend: Annotated[str, typer.Option(metavar="vllm|sim", help="vllm (in this process) or sim (its own latency model: for checking)")] = "vllm",
+    model: Annotated[Optional[Path], typer.Option(metavar="DIR", help="vllm: checkpoint directory (default: generate the tiny test model)")] = None,
+    prefill: Annotated[str, typer.Option(metavar="N,N...", help="prompt lengths of the prefill steps")] = "16,64,256,1024,2048",
+    batch: Annotated[str, typer.Option(metavar="N,N...", help="batch sizes of the decode steps")] = "1,4,16,32",
+    context: Annotated[str, typer.Option(metavar="N,N...", help="context lengths per request of the decode steps")] = "128,512,1024",
     repeat: Annotated[int, typer.Option(help="steps per point (the median is kept)", min=1)] = 5,
     config: ConfigOpt = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="engine settings: section.key=value (vllm.*, sim.*, model.*)")] = None,

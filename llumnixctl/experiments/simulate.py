@@ -404,10 +404,10 @@ def _trace(path, requests: int, rate: float, arrival: str, cv: float, prompt: tu
 
 def command(
     instances: Annotated[int, typer.Option("--instances", "-n", help="simulated instances", min=1)] = 16,
-    trace_file: Annotated[Optional[Path], typer.Option("--trace", help="a trace file (any format `llumnixctl trace show` reads); default: generate one")] = None,
+    trace_file: Annotated[Optional[Path], typer.Option("--trace", metavar="FILE", help="a trace file (any format `llumnixctl trace show` reads); default: generate one")] = None,
     requests: Annotated[int, typer.Option(help="generated trace: requests", min=1)] = 1000,
     rate: Annotated[float, typer.Option(help="generated trace: arrivals per second", min=0.001)] = 10.0,
-    arrival: Annotated[str, typer.Option(help="generated trace: poisson or gamma")] = "poisson",
+    arrival: Annotated[str, typer.Option(metavar="poisson|gamma", help="generated trace: poisson or gamma")] = "poisson",
     cv: Annotated[float, typer.Option(help="generated trace: coefficient of variation of gamma gaps", min=0.01)] = 1.0,
     prompt_min: Annotated[int, typer.Option(help="generated trace: shortest prompt", min=1)] = 16,
     prompt_max: Annotated[int, typer.Option(help="generated trace: longest prompt", min=1)] = 1024,
@@ -416,7 +416,7 @@ def command(
     alpha: Annotated[float, typer.Option(help="generated trace: power-law exponent of lengths")] = 1.0,
     high_fraction: Annotated[float, typer.Option(help="generated trace: share of high-priority requests", min=0.0, max=1.0)] = 0.0,
     seed: Annotated[int, typer.Option(help="generated trace: seed")] = 0,
-    policy_: Annotated[Optional[str], typer.Option("--policy", help="dispatch policy: llumnix, infaas++, rr (manager.dispatch_policy)")] = None,
+    policy_: Annotated[Optional[str], typer.Option("--policy", metavar="POLICY", help="dispatch policy: llumnix, infaas++, rr (manager.dispatch_policy)")] = None,
     report_lag_ms: Annotated[float, typer.Option(help="a load report's delay to the manager", min=0.0)] = 2.0,
     dispatch_rtt_ms: Annotated[float, typer.Option(help="the proxy's round trip to the manager per request", min=0.0)] = 1.0,
     kv_gbps: Annotated[float, typer.Option(help="what one migration's KV copy achieves, Gbit/s", min=0.001)] = 10.0,

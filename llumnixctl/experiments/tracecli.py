@@ -19,11 +19,11 @@ from llumnixctl.experiments.tracegen import TraceRequest
 app = typer.Typer(no_args_is_help=True, help="Request traces: generate, convert (ShareGPT, BurstGPT, Azure), show.")
 
 RateOpt = Annotated[float, typer.Option("--rate", help="requests/s of the generated arrivals")]
-ArrivalOpt = Annotated[str, typer.Option("--arrival", help="arrival process: poisson or gamma")]
+ArrivalOpt = Annotated[str, typer.Option("--arrival", metavar="poisson|gamma", help="arrival process: poisson or gamma")]
 CvOpt = Annotated[float, typer.Option("--cv", help="gamma arrivals: coefficient of variation (1 = Poisson)")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="seed of the generated arrivals, lengths and priorities")]
-FormatOpt = Annotated[Optional[str], typer.Option("--format", "-f", help="sharegpt, burstgpt, azure or jsonl (default: from the file)")]
-ModelOpt = Annotated[Optional[Path], typer.Option("--model", help="ShareGPT: a model directory whose tokenizer counts the tokens")]
+FormatOpt = Annotated[Optional[str], typer.Option("--format", "-f", metavar="sharegpt|burstgpt|azure|jsonl", help="the input's format (default: from the file)")]
+ModelOpt = Annotated[Optional[Path], typer.Option("--model", metavar="DIR", help="ShareGPT: a model directory whose tokenizer counts the tokens")]
 FilterModelOpt = Annotated[Optional[str], typer.Option("--filter-model", help="BurstGPT: keep only this Model (e.g. GPT-4)")]
 LogTypeOpt = Annotated[Optional[str], typer.Option("--log-type", help="BurstGPT: keep only Log Types containing this (e.g. conversation)")]
 
@@ -56,8 +56,8 @@ def _check_arrival(arrival: str) -> None:
 
 @app.command("generate")
 def generate_cmd(
-    output: Annotated[str, typer.Argument(help="JSONL file to write (- for stdout)")],
-    mix: Annotated[Optional[str], typer.Option("--mix", help="a paper mix, input-output of S/M/L (means 128/256/512), e.g. M-L")] = None,
+    output: Annotated[str, typer.Argument(metavar="out.jsonl", help="JSONL file to write (- for stdout)")],
+    mix: Annotated[Optional[str], typer.Option("--mix", metavar="IN-OUT", help="a paper mix, input-output of S/M/L (means 128/256/512), e.g. M-L")] = None,
     requests: Annotated[int, typer.Option("--requests", "-n", min=0, help="requests in the trace")] = 1000,
     rate: RateOpt = 1.0, arrival: ArrivalOpt = "poisson", cv: CvOpt = 1.0,
     prompt_min: Annotated[Optional[int], typer.Option(help="shortest prompt (default 1 with --mix, else 16)")] = None,
@@ -132,7 +132,7 @@ def _load_cli(input: Path, fmt: str | None, model: Path | None, rate: float, arr
 @app.command("convert")
 def convert_cmd(
     input: Annotated[Path, typer.Argument(help="the trace: ShareGPT .json/.jsonl, BurstGPT or Azure .csv, our .jsonl (.gz too)")],
-    output: Annotated[str, typer.Argument(help="JSONL file to write (- for stdout)")],
+    output: Annotated[str, typer.Argument(metavar="out.jsonl", help="JSONL file to write (- for stdout)")],
     fmt: FormatOpt = None, model: ModelOpt = None,
     rate: Annotated[float, typer.Option("--rate", help="ShareGPT: requests/s of the generated arrivals")] = 1.0,
     arrival: ArrivalOpt = "poisson", cv: CvOpt = 1.0, seed: SeedOpt = 0,
