@@ -1,7 +1,11 @@
-"""Virtual-usage scheduling with real daemons on the sim engine: load balancing, de-fragmentation,
-priorities, drain, remove, auto-scaling. Real ZeroMQ, Gloo and HTTP; every stream is checked token by
-token. Steps are paced (instance.min_step_s) so that timing does not hang on how busy the machine is.
-"""
+"""Scheduling with real daemons on the sim engine, for what only separate processes show: the drain, remove
+and undrain verbs of the CLI with their JSON and metrics, SIGTERM, auto-scaling that launches and retires real
+instance processes, a failing launcher, and `down` while scaling would replace instances. Real ZeroMQ, Gloo
+and HTTP; every stream is checked. Steps are paced (instance.min_step_s) so that timing does not hang on how
+busy the machine is.
+
+Load balancing, de-fragmentation and priorities run in process on virtual time (tests/test_scheduling_virtual.py),
+as do a restarted manager learning drains and cordons again (tests/test_manager_core.py)."""
 
 from __future__ import annotations
 
@@ -12,11 +16,10 @@ import time
 import httpx
 import pytest
 
-from llumnixctl.admin import ManagerUnreachable
 from llumnixctl.main import status_json
 from tests.conftest import ctl, ctl_json
 from tests.streams import metric, samples, wait_for
-from tests.load import Load, Spec, failures, mean
+from tests.load import Load, Spec, failures
 
 pytestmark = pytest.mark.e2e
 
@@ -46,12 +49,6 @@ def view_showing(c, ok, message: str, timeout: float = 5.0) -> dict[str, dict]:
     return wait_for(got, timeout, message)
 
 
-def spread(c) -> float:
-    """Freeness spread over the serving instances, relative to their mean."""
-    fs = [i["freeness"] for i in instances(c).values() if i["state"] == "alive" and not i["draining"]]
-    return (max(fs) - min(fs)) / (sum(fs) / len(fs))
-
-
 def _metrics_line(text: str, name: str) -> float:
     return metric(samples(text), name)
 
@@ -66,94 +63,6 @@ def _metrics(c, daemon: str) -> dict[str, float]:
             name, value = x.rsplit(" ", 1)
             samples[name] = float(value)
     return samples
-
-
-def test_flood_then_llumnix_equalizes_freeness(start_cluster):
-    c = start_cluster(3, PACED + ["manager.dispatch_policy=flood", "sim.num_blocks=512",
-                                  # every instance may shed and take: balance until the imbalance stops falling
-                                  "scheduling.migrate_out_threshold=inf", "scheduling.migrate_in_threshold=-inf"])
-    load = Load(c.url, [Spec(0.0, 500, prompt_tokens=64) for _ in range(24)])
-    wait_for(lambda: load.started() == 24, 30, message="the streams did not start")
-    before = view_showing(c, lambda v: v["i0"]["running"] == 24, "the view did not show the 24 streams on i0")
-    assert before["i1"]["running"] == before["i2"]["running"] == 0
-    assert spread(c) > 1.0
-    assert instances(c)["i0"]["migrating_out"] == 0  # flood is a baseline: it never migrates to balance
-
-    switched = ctl_json("policy", "--dispatch", "llumnix", "--run-dir", str(c.run_dir))
-    assert switched["dispatch_policy"] == "llumnix" and switched["migrating"] is True
-    t0 = time.monotonic()
-    wait_for(lambda: spread(c) < 0.5, 30 * 0.2, "freeness not equalized within 30 intervals", every=0.05)
-    balanced_after = time.monotonic() - t0
-    after = instances(c)
-    assert all(after[i]["running"] >= 4 for i in ("i0", "i1", "i2")), after
-    results = load.wait()
-    assert not failures(results), failures(results)
-    st = status(c)
-    assert st["totals"]["ordered_migrations"].get("balance/committed", 0) >= 8
-    assert st["totals"]["migrations_committed"] == st["totals"]["ordered_migrations"]["balance/committed"]
-    print(f"balanced in {balanced_after:.2f}s with {st['totals']['migrations_committed']} migrations")
-
-
-def _long_prompt_wait(start_cluster, dispatch: str) -> tuple[float, dict, str]:
-    """Two instances of 256 blocks, each running 6 requests of 17+ blocks; then a 2600-token prompt (163
-    blocks) that fits neither instance's free blocks, though the cluster has room for it. Returns how long
-    it waited for its first token, the final status, and what to show if the check fails (the view while
-    the long prompt waited, and the logs: the manager's at debug level names every pair it ordered)."""
-    c = start_cluster(2, PACED + [f"manager.dispatch_policy={dispatch}", "sim.num_blocks=256", "manager.log_level=debug"])
-    load = Load(c.url, [Spec(0.0, 120, prompt_tokens=256) for _ in range(12)])
-    wait_for(lambda: load.started() == 12, 30, message="the streams did not start")
-    view = view_showing(c, lambda v: [i["running"] for i in v.values()] == [6, 6],
-                        "the manager's view did not show 6 streams running on each instance")
-    free = [i["blocks_total"] - i["blocks_used"] for i in view.values()]
-    assert max(free) < 163 + 3 <= sum(free), free  # fits nowhere, though the cluster has the room
-    long = Load(c.url, [Spec(0.0, 8, prompt_tokens=2600)])
-    views = []
-    while long.started() == 0 and len(views) < 200:
-        views.append({k: (i["running"], i["waiting"], i["blocks_used"], i["freeness"], i["migrations_ordered"])
-                      for k, i in instances(c).items()})
-        time.sleep(0.05)  # a sample of the view every 50 ms while the prompt waits, for the failure message
-    results = long.wait() + load.wait()
-    assert not failures(results), failures(results)
-    st = status(c)
-    shown = (f"ordered: {st['totals']['ordered_migrations']}\n(running, waiting, blocks, freeness, orders) every 50 ms "
-             f"while the long prompt waited:\n" + "\n".join(map(str, views)) + "\n" + c.logs())
-    return results[0].ttft, st, shown
-
-
-def test_a_long_prompt_is_admitted_after_migrations_make_room(start_cluster):
-    waited, st, shown = _long_prompt_wait(start_cluster, "llumnix")
-    assert st["totals"]["ordered_migrations"].get("balance/committed", 0) >= 1, shown
-    baseline, base_st, shown = _long_prompt_wait(start_cluster, "infaas++")
-    assert base_st["totals"]["migrations_committed"] == 0, shown
-    print(f"long prompt's first token: llumnix {waited:.2f}s ({st['totals']['migrations_committed']} migrations), "
-          f"infaas++ {baseline:.2f}s")
-    assert waited < 0.6 * baseline
-
-
-def _priority_run(start_cluster, tag_high: bool) -> tuple[list, list, dict]:
-    """40 normal requests over 3.2 s on 2 instances that queue (12 slots each) and decode slower with a
-    bigger batch (2 ms per request in the batch), and 4 more requests, tagged high or not."""
-    c = start_cluster(2, ["sim.time_scale=1", "sim.decode_ms=5", "sim.decode_ms_per_seq=2", "sim.max_num_seqs=12",
-                          "sim.num_blocks=512", "scheduling.migration_interval_s=0.2",
-                          "scheduling.high_priority_headroom=0.5"])
-    normal = [Spec(i * 0.08, 100) for i in range(40)]
-    high = [Spec(0.6 + 0.5 * k, 100, priority="high" if tag_high else "normal") for k in range(4)]
-    results = Load(c.url, normal + high).wait()
-    assert not failures(results), failures(results)
-    return results[:40], results[40:], status(c)
-
-
-def test_high_priority_requests_get_lower_latency(start_cluster):
-    normal, high, st = _priority_run(start_cluster, True)
-    _, untagged, _ = _priority_run(start_cluster, False)
-    ttft = {"normal": mean(r.ttft for r in normal), "high": mean(r.ttft for r in high),
-            "untagged": mean(r.ttft for r in untagged)}
-    tpot = {"normal": mean(r.tpot for r in normal), "high": mean(r.tpot for r in high),
-            "untagged": mean(r.tpot for r in untagged)}
-    print("TTFT ms", {k: round(v * 1e3) for k, v in ttft.items()}, "TPOT ms", {k: round(v * 1e3, 1) for k, v in tpot.items()},
-          "migrations", st["totals"]["ordered_migrations"])
-    assert ttft["high"] < 0.8 * ttft["normal"] and ttft["high"] < 0.8 * ttft["untagged"]  # queued ahead
-    assert tpot["high"] < 0.9 * tpot["normal"] and tpot["high"] < 0.9 * tpot["untagged"]  # smaller batch
 
 
 def _drain_load(c, tokens: int = 150) -> Load:
@@ -283,35 +192,6 @@ def test_add_reports_a_failing_launcher(start_cluster):
     res = ctl("add", "--run-dir", str(c.run_dir), "--timeout", "20")
     assert res.returncode == 1 and "exited with status 3" in res.stderr, res.stderr
     assert len(status(c)["instances"]) == 1
-
-
-def test_a_restarted_manager_keeps_drains_and_cordons(start_cluster):
-    from llumnixctl.lab import localcluster
-
-    c = start_cluster(3, PACED)
-    ctl_json("drain", "i1", "--run-dir", str(c.run_dir))
-    ctl_json("cordon", "i2", "--run-dir", str(c.run_dir))
-    old = c.proc("manager")
-    live = old.process()
-    live.send_signal(signal.SIGTERM)
-    assert live.wait(15) == 0
-    new = localcluster.spawn(c.run_dir, "manager", old.argv)  # it keeps no state: all it knows comes back
-    c.state.procs = [p for p in c.state.procs if p is not old] + [new]  # stopped at teardown
-
-    def registered() -> dict | None:
-        try:
-            view = instances(c)
-        except ManagerUnreachable:  # not serving yet
-            return None
-        return view if len(view) == 3 else None
-
-    view = wait_for(registered, 20, message="the instances did not register with the new manager")
-    assert (view["i1"]["draining"], view["i1"]["drain_reason"], view["i1"]["cordoned"]) == (True, "operator", False)
-    assert (view["i2"]["draining"], view["i2"]["cordoned"]) == (False, True)
-    assert not view["i0"]["draining"] and not view["i0"]["cordoned"]
-    assert not failures(Load(c.url, [Spec(0, 4) for _ in range(5)]).wait())
-    received = {v.instance_id: v.load.requests_received for v in c.admin().status().instances}
-    assert received["i1"] == received["i2"] == 0 and received["i0"] == 5
 
 
 def test_down_leaves_no_instance_behind_when_scaling_would_replace_them(start_cluster, tmp_path):

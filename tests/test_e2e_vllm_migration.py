@@ -324,76 +324,23 @@ def test_vllm_source_killed_mid_copy(slow):
         time.sleep(0.2)
 
 
-# ---------------------------------------------------------------- failures: fencing and failover on vLLM
+# ---------------------------------------------------------------- failover on vLLM
+
+# The races of the last stage (a lost commit acknowledgement, a commit later than the source waits) are the
+# protocol's, not the engine's: they run in process on virtual time (tests/test_protocol_virtual.py), where
+# each goes one way every time. Here, a killed instance's stream continues by re-prefill on vLLM, exactly.
 
 
-@pytest.fixture(scope="module")
-def faulty(model_dir, tmp_path_factory):
-    """i1 commits incoming migrations but its last acknowledgement is lost; i0 commits 4 s late."""
-    old = os.environ.get("LLUMNIX_FAULTS")
-    os.environ["LLUMNIX_FAULTS"] = "i1:drop_commit_ack=1;i0:slow_commit_s=4"
-    try:
-        c = _up(model_dir, tmp_path_factory.mktemp("vfaulty"), ["migration.timeout_s=1.5"])
-    finally:
-        if old is None:
-            os.environ.pop("LLUMNIX_FAULTS")
-        else:
-            os.environ["LLUMNIX_FAULTS"] = old
-    try:
-        yield c
-    finally:
-        localcluster.stop(c.state, timeout_s=20)
-
-
-def _fenced(c: Cluster) -> float:
-    from tests.streams import proxy_metric
-
-    return proxy_metric(c.url, "llumnix_proxy_fenced_total")
-
-
-@pytest.mark.parametrize("kind", list(KINDS))
-def test_vllm_lost_commit_ack_leaves_one_owner(faulty, kind):
-    """i0 -> i1: i1 commits, the source never hears so, resumes and claims the request too; the proxy keeps
-    the first claim (i1's) and aborts the other copy. The client's tokens are those of an undisturbed run."""
-    body = {"prompt": PROMPT, "max_tokens": 60, **KINDS[kind]}
-    ref = Stream(faulty.url, body).result()
-    s = Stream(faulty.url, body)
-    s.wait_tokens(5)
-    assert where(faulty, s.rid) == "i0"  # flood
-    out = move(faulty, s.rid, "i1")
-    assert out["outcome"] == "aborted", out  # the source could not know
-    s.result()
-    assert s.ids == ref.ids and s.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
-    assert _fenced(faulty) > 0
-    settle(faulty)
-
-
-def test_vllm_slow_commit_resolves_to_one_owner(faulty):
-    """i1 -> i0 where i0 commits 4 s after the source gave up: the source resumed, the destination refuses
-    its late commit (it was told to abort), and exactly one copy decodes."""
-    body = {"prompt": PROMPT, "max_tokens": 80, **KINDS["greedy"]}
-    ref = Stream(faulty.url, body).result()
-    s = Stream(faulty.url, body)
-    s.wait_tokens(3)
-    assert move(faulty, s.rid, "i1")["outcome"] == "aborted"  # (i1 drops its acknowledgement)
-    deadline = time.monotonic() + 20
-    while where(faulty, s.rid) != "i1":
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    out = move(faulty, s.rid, "i0")
-    assert out["outcome"] == "aborted" and "did not answer" in out["reason"], out
-    assert s.result().ids == ref.ids
-    settle(faulty)
-
-
-def test_vllm_instance_killed_mid_stream_fails_over_with_identical_greedy_output(faulty):
+def test_vllm_instance_killed_mid_stream_fails_over_with_identical_greedy_output(vcluster):
+    """(Last in the module: it leaves vcluster with one instance.)"""
+    c = vcluster
     body = {"prompt": PROMPT, "max_tokens": 60, **KINDS["greedy"]}
-    ref = Stream(faulty.url, body).result()
-    s = Stream(faulty.url, body)
+    ref = Stream(c.url, body).result()
+    s = Stream(c.url, body)
     s.wait_tokens(10)
-    victim = where(faulty, s.rid)
-    os.kill(faulty.proc(f"instance-{victim}").pid, signal.SIGKILL)
+    victim = where(c, s.rid)
+    os.kill(c.proc(f"instance-{victim}").pid, signal.SIGKILL)
     s.result()
     assert s.ids == ref.ids and s.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
     assert s.usage["completion_tokens"] == 60
-    settle(faulty)
+    settle(c)
