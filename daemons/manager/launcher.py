@@ -13,11 +13,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Awaitable, Callable
 
 from daemons import metrics
+from daemons.clock import Clock
 from daemons.config import ScalingConfig
 
 log = logging.getLogger("llumnix.launcher")
@@ -34,15 +34,24 @@ class LaunchError(Exception):
 class Launch:
     n: int
     instance_id: str
-    started: float = field(default_factory=time.monotonic)
+    started: float
     registered: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
+# Runs one launch's command: (command, instance id) -> the command's exit status, once it exited.
+Start = Callable[[str, str], Awaitable[int]]
+
+
 class Launcher:
-    def __init__(self, cfg: ScalingConfig, manager_address: str, known_ids: Callable[[], set[str]]):
+    def __init__(self, cfg: ScalingConfig, manager_address: str, known_ids: Callable[[], set[str]],
+                 clock: Clock | None = None, start: Start | None = None):
+        """``start``: how a command runs (default: a shell, its output relayed to the log); tests/support
+        starts instances in process instead. ``clock``: the manager's."""
         self.cfg = cfg
         self.manager_address = manager_address
         self.known_ids = known_ids
+        self.clock = clock or Clock()
+        self.start = start or self.run_shell
         self.launches: dict[str, Launch] = {}  # by the id given to the command, in launch order
 
     def _free_index(self) -> int:
@@ -69,33 +78,27 @@ class Launcher:
             raise LaunchError("no launcher is configured: set scaling.launcher (e.g. "
                               "\"systemctl start llumnix-instance@{n}\")")
         n = self._free_index()
-        launch = Launch(n, f"i{n}")
+        launch = Launch(n, f"i{n}", self.clock.monotonic())
         self.launches[launch.instance_id] = launch
         cmd = self.command(n, launch.instance_id)
         log.info("launching instance %s: %s", launch.instance_id, cmd)
-        proc = None
         try:
-            proc = await asyncio.create_subprocess_shell(
-                cmd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT, start_new_session=True)
-            output = asyncio.ensure_future(self._relay(launch.instance_id, proc))
-            exited = asyncio.ensure_future(proc.wait())
+            exited = asyncio.ensure_future(self.start(cmd, launch.instance_id))
             timeout_s = timeout_s or self.cfg.launch_timeout_s
             deadline = launch.started + timeout_s
             pending = {launch.registered, exited}
             while not launch.registered.done():
-                done, pending = await asyncio.wait(pending, timeout=max(0.0, deadline - time.monotonic()),
+                done, pending = await asyncio.wait(pending, timeout=max(0.0, deadline - self.clock.monotonic()),
                                                    return_when=asyncio.FIRST_COMPLETED)
                 if not done:
                     raise LaunchError(f"launch of {launch.instance_id} timed out: nothing registered within "
                                       f"{timeout_s:g}s")
-                if exited in done and proc.returncode != 0 and not launch.registered.done():
-                    await asyncio.wait_for(output, 2.0)
-                    raise LaunchError(f"launcher for {launch.instance_id} exited with status {proc.returncode} "
+                if exited in done and exited.result() != 0 and not launch.registered.done():
+                    raise LaunchError(f"launcher for {launch.instance_id} exited with status {exited.result()} "
                                       "before an instance registered (its output is in the manager's log)")
             M_LAUNCHES.labels("registered").inc()
             registered = launch.registered.result()
-            log.info("launched instance %s registered (%.1fs)", registered, time.monotonic() - launch.started)
+            log.info("launched instance %s registered (%.1fs)", registered, self.clock.monotonic() - launch.started)
             return registered
         except OSError as exc:
             M_LAUNCHES.labels("failed").inc()
@@ -105,6 +108,17 @@ class Launcher:
             raise
         finally:
             self.launches.pop(launch.instance_id, None)
+
+    async def run_shell(self, cmd: str, instance_id: str) -> int:
+        """The default ``start``: the command in a shell of its own session, its output in the log."""
+        proc = await asyncio.create_subprocess_shell(
+            cmd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+        relay = asyncio.ensure_future(self._relay(instance_id, proc))  # (an instance it starts may keep the pipe)
+        status = await proc.wait()
+        if status != 0:
+            await asyncio.wait({relay}, timeout=2.0)  # its last words in the log before the error
+        return status
 
     async def _relay(self, instance_id: str, proc) -> None:
         async for line in proc.stdout:

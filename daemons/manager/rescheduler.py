@@ -50,7 +50,7 @@ class Rescheduler(LifecycleMixin, ScalingMixin):
         self.outcomes: Tally[str] = Tally()  # "reason/outcome" -> ended manager-ordered migrations
         self.scale_outs = 0
         self.scale_ins = 0
-        self.launcher = Launcher(self.scfg, manager.mc.address, lambda: set(manager.instances))
+        self.launcher = Launcher(self.scfg, manager.mc.address, lambda: set(manager.instances), manager.clock)
         self.scaler = policy.Scaler(self.scfg.scale_up_threshold, self.scfg.scale_down_threshold,
                                     self.scfg.sustain_s, self.scfg.cooldown_s, self.scfg.min_instances,
                                     self.scfg.max_instances,
