@@ -56,14 +56,26 @@ class VirtualCluster:
         self.hub = Hub(kv_bytes_per_s)
         self.zmq = zmq.asyncio.Context()
         self.clock = virtual.LoopClock(loop)
-        self.manager = Manager(self.cfg, clock=self.clock, ctx=self.context())
+        self.manager = self.new_manager()
         self.instances: dict[str, Instance] = {}
         self.runs: dict[str, asyncio.Task] = {}
         self.proxy: ClusterClient | None = None
         self._rids = itertools.count(1)
+        self._managers = 0  # restarts
 
     def context(self) -> SharedContext:
         return SharedContext.shadow(self.zmq.underlying)
+
+    def new_manager(self, cfg=None) -> Manager:
+        m = Manager(cfg or self.cfg, clock=self.clock, ctx=self.context())
+        m.resched.launcher.start = self.launched  # scaling.launcher starts instances here, in process
+        return m
+
+    async def launched(self, cmd: str, iid: str) -> int:
+        """A launch (scaling.launcher, any command): instance ``iid`` starts in process; the command "exits"
+        0 at once, as ``systemctl start`` does."""
+        self.add(iid)
+        return 0
 
     @classmethod
     def run(cls, scenario: Callable[[VirtualCluster], Awaitable], instances: int = 2, sets: list[str] = (),
@@ -105,18 +117,46 @@ class VirtualCluster:
         await self.until(lambda: iid in {v.instance_id for v in self.proxy.alive()}, 10, f"{iid} did not join")
         return inst
 
+    def _cancel_tasks_of(self, *owners) -> None:
+        for task in asyncio.all_tasks(self.loop):
+            frame = task.get_coro().cr_frame
+            if frame is not None and any(frame.f_locals.get("self") is o for o in owners):
+                task.cancel()
+
     def kill(self, iid: str) -> None:
         """As kill -9: every task of the instance (its loops, its migrations) ends where it is, its sockets
         close, nothing is said."""
         inst = self.instances.pop(iid)
         self.runs.pop(iid).cancel()
-        mine = (inst, inst.migrator, inst.proxies)
-        for task in asyncio.all_tasks(self.loop):
-            frame = task.get_coro().cr_frame
-            if frame is not None and frame.f_locals.get("self") in mine:
-                task.cancel()
+        self._cancel_tasks_of(inst, inst.migrator, inst.proxies)
         inst.watchdog.stop()
         inst.ctx.destroy(linger=0)
+
+    async def restart_manager(self) -> Manager:
+        """As kill -9 of the manager, then a new one on its address: it keeps no state, all it knows comes
+        back from the instances' registrations and reports."""
+        old = self.manager
+        self.runs["manager"].cancel()
+        self._cancel_tasks_of(old, old.resched)
+        await asyncio.gather(self.runs["manager"], return_exceptions=True)
+        self._close_manager(old)
+        # Over TCP, ZeroMQ reconnects the daemons to the new manager by itself; an inproc connection whose
+        # peer closed is never made again, so the harness makes it, as the reconnect timer would. To a new
+        # name: the old one is released only once ZeroMQ's reaper thread has closed the old socket.
+        self._managers += 1
+        old_address, address = old.mc.address, f"{self.cfg.manager.address}-{self._managers}"
+        self.manager = self.new_manager(load_config(None, self.sets + [f"manager.address={address}"]))
+        self.runs["manager"] = asyncio.ensure_future(self.manager.run())
+        for sock in [inst.manager for inst in self.instances.values()] + [self.proxy.manager]:
+            sock.disconnect(old_address)
+            sock.connect(address)
+        return self.manager
+
+    @staticmethod
+    def _close_manager(m: Manager) -> None:
+        m.links.close()
+        m.sec.close()
+        m.ctx.destroy(linger=0)
 
     async def close(self) -> None:
         if self.proxy is not None:
@@ -127,10 +167,7 @@ class VirtualCluster:
         await asyncio.gather(*(t for k, t in self.runs.items() if k != "manager"), return_exceptions=True)
         self.runs["manager"].cancel()
         await asyncio.gather(self.runs["manager"], return_exceptions=True)
-        m = self.manager
-        m.links.close()
-        m.sec.close()
-        m.ctx.destroy(linger=0)
+        self._close_manager(self.manager)
         self.zmq.destroy(linger=0)
 
     # ------------------------------------------------------------------ requests
@@ -168,10 +205,10 @@ class VirtualCluster:
         """The instances whose request tables hold the request (two while a race is being resolved)."""
         return [iid for iid, inst in self.instances.items() if request_id in inst.requests]
 
-    async def migrate(self, request_id: str, dst: str) -> wire.Message:
-        """As `llumnixctl migrate REQ DST`: the manager's answer."""
-        reply = await self.manager.resched.on_migrate(wire.MigrateQuery(0, dst=dst, request_id=request_id))
-        return reply
+    async def migrate(self, request_id: str, dst: str, src: str = "", count: int = 1) -> wire.Message:
+        """As `llumnixctl migrate REQ --to DST` (or `--from SRC --count N --to DST`): the manager's answer."""
+        query = wire.MigrateQuery(0, dst=dst, request_id=request_id, src=src, count=count)
+        return await self.manager.resched.on_migrate(query)
 
     async def until(self, cond: Callable[[], bool], within_s: float, what: str) -> float:
         start = self.loop.time()

@@ -1,0 +1,135 @@
+"""Instances and the manager coming and going, and the operator's verbs, on the harness (tests/support/cluster.py):
+auto-scaling that launches an instance under load and retires one when idle, an instance told to stop
+(SIGTERM) that drains before it exits, a manager that restarts under load, a migration of N requests from
+an instance, and a request past its deadline. Real manager, sim instances and the proxy's cluster client on
+virtual time: the same run on every machine, every stream checked token by token.
+
+What these leave to the e2e tests (tests/test_e2e_scheduling.py, tests/test_e2e_failures.py): real processes
+and signals, the launcher's shell command, the CLI and the HTTP answers."""
+
+from __future__ import annotations
+
+
+from daemons import wire
+from tests.support.cluster import VirtualCluster
+
+PACED = ["instance.min_step_s=0.02", "scheduling.migration_interval_s=0.2"]
+
+
+def ids(outs: list[wire.TokenOut]) -> list[int]:
+    return [o.token_id for o in outs]
+
+
+def serving(c: VirtualCluster) -> list[str]:
+    return [v.instance_id for v in c.manager.view(c.clock.monotonic()) if v.state == "alive" and not v.draining]
+
+
+def test_autoscaling_adds_under_load_and_retires_when_idle():
+    async def scenario(c: VirtualCluster):
+        counts: list[int] = []
+
+        def count() -> int:
+            counts.append(len(serving(c)))
+            return counts[-1]
+
+        streams = [await c.request(max_tokens=600, prompt_tokens=64) for _ in range(30)]
+        await c.until(lambda: count() == 2, 30, "no instance was added under load")
+        (added,) = [i for i in serving(c) if i != "i0"]
+        assert added == "i1"  # the launch's id: the lowest index no instance uses
+        for s in streams:
+            assert ids(await c.result(s)) == c.expected(s, 600), s.request_id
+        await c.until(lambda: count() == 1, 60, "no instance was retired when idle")
+        r = c.manager.resched
+        await c.until(lambda: r.scale_ins == 1, 30, "the scale-in did not finish")
+        assert r.scale_outs == 1 and 1 <= min(counts) and max(counts) <= 2
+        retired = next(i for i in ("i0", "i1") if i not in serving(c))
+        await c.until(lambda: c.runs[retired].done(), 30, f"the retired instance {retired} did not stop")
+        assert r.outcomes.get("balance/committed", 0) >= 1  # the new instance was filled by migration too
+
+    VirtualCluster.run(scenario, instances=1, sets=PACED + [
+        "sim.num_blocks=256", "scaling.policy=llumnix", "scaling.min_instances=1", "scaling.max_instances=2",
+        "scaling.scale_up_threshold=8", "scaling.scale_down_threshold=128", "scaling.sustain_s=1",
+        "scaling.cooldown_s=2", "scaling.launcher=in process (tests/support/cluster.py)"])
+
+
+def test_a_failing_launch_is_reported_and_adds_nothing():
+    async def scenario(c: VirtualCluster):
+        async def exits_3(cmd: str, iid: str) -> int:
+            return 3
+
+        c.manager.resched.launcher.start = exits_3
+        reply = await c.manager.resched.on_add(wire.AddQuery(1))
+        assert isinstance(reply, wire.ErrorReply) and "exited with status 3" in reply.message, reply
+        assert serving(c) == ["i0"]
+
+    VirtualCluster.run(scenario, instances=1, sets=["scaling.launcher=exit 3"])
+
+
+def test_an_instance_told_to_stop_drains_its_requests_out_before_it_exits():
+    async def scenario(c: VirtualCluster):
+        streams = [await c.request(max_tokens=500, prompt_tokens=48) for _ in range(18)]
+        await c.until(lambda: all(inst.engine.load().running for inst in c.instances.values()), 5,
+                      "the streams did not start on every instance")
+        victim = c.instances["i2"]
+        held = len(victim.requests)
+        assert held >= 1
+        start = c.loop.time()
+        victim.stop.set()  # what SIGTERM does (runtime.install_stop_signals)
+        await c.until(lambda: c.runs["i2"].done(), 60, "i2 did not exit")
+        took = c.loop.time() - start
+        for s in streams:
+            assert ids(await c.result(s)) == c.expected(s, 500), s.request_id
+        assert all(s.failovers == 0 for s in streams)  # moved, none failed over
+        assert victim.migrator.committed >= held - victim.engine.load().waiting
+        assert took < 5, f"the drain took {took:.1f} virtual s: its requests finished instead of migrating"
+
+    VirtualCluster.run(scenario, instances=3, sets=PACED + ["sim.max_num_seqs=6", "instance.shutdown_grace_s=60"])
+
+
+def test_a_manager_restarted_under_load_learns_the_cluster_again_and_no_stream_breaks():
+    async def scenario(c: VirtualCluster):
+        streams = [await c.request(max_tokens=400) for _ in range(6)]
+        await c.until(lambda: all(s.next_index >= 5 for s in streams), 10, "the streams did not start")
+        m = await c.restart_manager()
+        await c.until(lambda: sorted(serving(c)) == ["i0", "i1"], 10, "the instances did not register again")
+        assert sum(v.load.running for v in m.view(c.clock.monotonic())) == 6  # it knows what runs, from reports
+        later = [await c.request(max_tokens=20) for _ in range(4)]  # dispatched by the new manager's view
+        s = streams[0]
+        dst = "i1" if s.instance_id == "i0" else "i0"
+        reply = await c.migrate(s.request_id, dst)  # it orders migrations again
+        assert [o.outcome for o in reply.outcomes] == ["committed"], reply
+        for s in streams + later:
+            assert ids(await c.result(s)) == c.expected(s, s.submit.sampling.max_tokens), s.request_id
+        assert all(s.failovers == 0 for s in streams + later)
+
+    VirtualCluster.run(scenario, sets=PACED)
+
+
+def test_migrate_from_an_instance_moves_count_requests_and_each_stream_stays_exact():
+    async def scenario(c: VirtualCluster):
+        streams = [await c.request(max_tokens=300 + 10 * k) for k in range(5)]
+        await c.until(lambda: c.instances["i0"].engine.load().running == 5, 5, "the streams did not start on i0")
+        reply = await c.migrate("", "i1", src="i0", count=3)
+        assert [o.outcome for o in reply.outcomes] == ["committed"] * 3, reply
+        moved = sorted(o.request_id for o in reply.outcomes)
+        assert len(set(moved)) == 3
+        for s in streams:
+            assert ids(await c.result(s)) == c.expected(s, s.submit.sampling.max_tokens), s.request_id
+        assert sorted(s.request_id for s in streams if s.instance_id == "i1") == moved
+
+    VirtualCluster.run(scenario, sets=PACED + ["manager.dispatch_policy=flood"])
+
+
+def test_a_request_past_its_deadline_ends_with_504_and_is_aborted_on_its_instance():
+    async def scenario(c: VirtualCluster):
+        t0 = c.loop.time()
+        s = await c.request(max_tokens=5000)
+        quick = await c.request(max_tokens=20)
+        assert ids(await c.result(quick)) == c.expected(quick, 20)  # a request within the deadline is untouched
+        await c.until(lambda: s.done, 10, "the deadline did not end the stream")
+        assert s.status == 504 and "proxy.request_timeout_s" in s.error, (s.status, s.error)
+        assert 2.0 <= c.loop.time() - t0 < 4.0  # the deadline, and the proxy's check interval after it
+        await c.until(lambda: not c.holders(s.request_id), 5, "the instance kept the request")
+        assert all(inst.engine.load().blocks_used == 0 for inst in c.instances.values())
+
+    VirtualCluster.run(scenario, sets=PACED + ["proxy.request_timeout_s=2"])
