@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from typing import Callable
 
 import msgspec
 import zmq
@@ -24,17 +25,19 @@ log = logging.getLogger("llumnix.instance")
 class _Link:
     __slots__ = ("sock", "backlog", "seen", "full_since")
 
-    def __init__(self, sock: zmq.Socket):
+    def __init__(self, sock: zmq.Socket, now: float):
         self.sock = sock
         self.backlog: deque[bytes] = deque()
-        self.seen = time.monotonic()
+        self.seen = now
         self.full_since = 0.0
 
 
 class ProxyLinks:
     def __init__(self, ctx: zmq.Context, orphan_timeout_s: float, max_backlog: int = 10_000, sndhwm: int = 100_000,
-                 secure=None):
+                 secure=None, clock: Callable[[], float] = time.monotonic):
+        """``clock``: when a proxy was last heard from (the instance's; virtual in tests/support)."""
         self.ctx = ctx
+        self.clock = clock
         self.secure = secure or (lambda sock: sock)  # CURVE: authenticate to the proxy's token socket
         self.orphan_timeout_s = orphan_timeout_s
         self.max_backlog = max_backlog
@@ -49,7 +52,7 @@ class ProxyLinks:
             sock.setsockopt(zmq.SNDHWM, self.sndhwm)
             self.secure(sock)
             sock.connect(address)
-            link = self.links[address] = _Link(sock)
+            link = self.links[address] = _Link(sock, self.clock())
         return link
 
     def send(self, address: str, msg: wire.Message) -> None:
@@ -59,7 +62,7 @@ class ProxyLinks:
             link.backlog.append(frame)
         elif not runtime.send_now(link.sock, frame):
             if not link.backlog:
-                link.full_since = time.monotonic()
+                link.full_since = self.clock()
                 log.warning("token path to %s is full; holding its messages", address)
             link.backlog.append(frame)
 
@@ -79,7 +82,7 @@ class ProxyLinks:
 
     def seen(self, address: str) -> None:
         """The proxy at ``address`` spoke to us (a request, ProxyAlive)."""
-        self._link(address).seen = time.monotonic()
+        self._link(address).seen = self.clock()
 
     def heartbeat(self, msg: wire.Heartbeat, taken: dict[str, int] | None = None) -> None:
         """``msg`` to every proxy, each with the count of its own Submits we took in (``taken``)."""
@@ -90,7 +93,7 @@ class ProxyLinks:
 
     def gone(self, addresses: set[str]) -> list[tuple[str, str]]:
         """Of ``addresses`` (proxies with requests here), those that are gone, each with why."""
-        now = time.monotonic()
+        now = self.clock()
         out = []
         for address in addresses:
             link = self._link(address)

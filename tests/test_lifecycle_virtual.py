@@ -133,3 +133,18 @@ def test_a_request_past_its_deadline_ends_with_504_and_is_aborted_on_its_instanc
         assert all(inst.engine.load().blocks_used == 0 for inst in c.instances.values())
 
     VirtualCluster.run(scenario, sets=PACED + ["proxy.request_timeout_s=2"])
+
+
+def test_the_requests_of_a_killed_proxy_are_aborted_as_orphans():
+    async def scenario(c: VirtualCluster):
+        streams = [await c.request(max_tokens=1000) for _ in range(2)]  # rr: one on each instance
+        await c.until(lambda: all(s.next_index >= 5 for s in streams), 5, "the streams did not start")
+        assert sorted(s.instance_id for s in streams) == ["i0", "i1"]
+        c.kill_proxy()
+        took = await c.until(lambda: not any(inst.requests for inst in c.instances.values()), 10,
+                             "the instances kept the dead proxy's requests")
+        # Not heard from for orphan_timeout_s, then the next heartbeat tick notices.
+        assert 1.5 <= took <= 1.5 + 2 * 0.2, took
+        assert all(inst.engine.load().blocks_used == 0 for inst in c.instances.values())
+
+    VirtualCluster.run(scenario, sets=PACED + ["manager.dispatch_policy=rr", "instance.orphan_timeout_s=1.5"])

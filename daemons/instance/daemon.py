@@ -61,7 +61,8 @@ class Instance(TokenPathMixin, IntakeMixin, StepLoopMixin, ControlMixin, OrdersM
         # a flood of stale ones (it asks us to register, and the next report is current).
         self.manager.setsockopt(zmq.IMMEDIATE, 1)
         self.manager.setsockopt(zmq.SNDHWM, 64)
-        self.proxies = ProxyLinks(self.ctx, self.ic.orphan_timeout_s, secure=lambda sock: self.sec.client(sock, "proxy"))
+        self.proxies = ProxyLinks(self.ctx, self.ic.orphan_timeout_s, secure=lambda sock: self.sec.client(sock, "proxy"),
+                                  clock=self.clock.monotonic)
         self.requests = RequestTable()
         self.watchdog = Watchdog(self.ic.step_timeout_s, self.ic.hung_exit_s)
         self.faults = Faults(self.ic.id)
