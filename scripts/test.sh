@@ -20,7 +20,7 @@ if [ $# -gt 0 ]; then
 fi
 HEAVY=(tests/test_e2e_vllm.py tests/test_e2e_vllm_migration.py tests/test_e2e_vllm_tp.py tests/test_vllm_engine.py
        tests/test_bench_serve.py tests/test_multihost.py tests/test_netns.py
-       tests/test_e2e_cluster.py tests/test_steadiness.py)  # the last two even out the streams' lengths
+       tests/test_e2e_cluster.py)  # the last evens out the streams' lengths (about 10.5 minutes each here)
 mapfile -t e2e < <(grep -l -E 'pytest\.mark\.e2e' tests/test_*.py)
 heavy=() light=()
 for m in "${e2e[@]}"; do
