@@ -410,21 +410,25 @@ def _stop_and_forget(state: ClusterState, run_dir: Path, timeout_s: float) -> li
 
 def _stop_procs(state: ClusterState, timeout_s: float = 15.0) -> list[Proc]:
     """SIGTERM the proxy, then instances, then the manager; SIGKILL what outlives the timeout. Auto-scaling
-    is switched off first: instances leaving would otherwise look like a cluster below its minimum."""
+    is switched off first: instances leaving would otherwise look like a cluster below its minimum. A manager
+    that does not confirm it (too busy to answer, or not running) is stopped first instead, so that it launches
+    nothing while the instances stop."""
     if not state.live():
         return []  # nothing to stop (and no manager to ask)
-    client = AdminClient.for_args(state.manager_address, state.args, timeout_s=1.0)
+    client = AdminClient.for_args(state.manager_address, state.args, timeout_s=5.0)
+    manager_rank = 2
     try:
         client.policy(scaling_policy="off")
     except (ManagerUnreachable, RuntimeError):
-        pass  # not running, or too old to know: nothing to switch off
+        manager_rank = -1
     finally:
         client.close()
+
     def rank(p: Proc) -> int:  # the proxy first, the manager last; instances and anything else between
-        return {"proxy": 0, "manager": 2}.get(p.name.split("-")[0], 1)
+        return {"proxy": 0, "manager": manager_rank}.get(p.name.split("-")[0], 1)
 
     stopped = []
-    for group in (0, 1, 2):
+    for group in (-1, 0, 1, 2):
         procs = [(p, p.process()) for p in state.procs if rank(p) == group]
         procs = [(p, live) for p, live in procs if live is not None]
         for _, live in procs:
