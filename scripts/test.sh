@@ -18,7 +18,7 @@ PYTEST=(.venv/bin/python -m pytest -q)
 if [ $# -gt 0 ]; then
   exec "${PYTEST[@]}" "$@"
 fi
-HEAVY=(tests/test_e2e_vllm.py tests/test_e2e_vllm_migration.py tests/test_e2e_vllm_tp.py tests/test_vllm_engine.py
+HEAVY=(tests/test_e2e_vllm.py tests/test_e2e_vllm_migration.py tests/test_e2e_vllm_migration_aborts.py tests/test_e2e_vllm_tp.py tests/test_vllm_engine.py
        tests/test_bench_serve.py tests/test_multihost.py tests/test_netns.py
        tests/test_e2e_cluster.py)  # the last evens out the streams' lengths (about 10.5 minutes each here)
 mapfile -t e2e < <(grep -l -E 'pytest\.mark\.e2e' tests/test_*.py)

@@ -143,7 +143,7 @@ def test_down_leaves_no_instance_behind_when_scaling_would_replace_them(start_cl
     c = start_cluster(2, ["scaling.policy=llumnix", "scaling.min_instances=2", "scaling.launch_timeout_s=1",
                           "scaling.cooldown_s=0"])
     time.sleep(1.5)  # past launch_timeout_s: instances that leave now look like a cluster below its minimum
-    res = ctl("down", "--run-dir", str(c.run_dir), "--json")
+    res = ctl("down", "--run-dir", str(c.run_dir), "--json", timeout=180)  # each group of processes may take its stop timeout
     assert res.returncode == 0, res.stderr
 
     def ours() -> list[str]:
