@@ -140,9 +140,14 @@ def test_remove_drains_then_stops_the_instance(start_cluster):
 def test_down_leaves_no_instance_behind_when_scaling_would_replace_them(start_cluster, tmp_path):
     import psutil
 
-    c = start_cluster(2, ["scaling.policy=llumnix", "scaling.min_instances=2", "scaling.launch_timeout_s=1",
+    # Scaling goes on once both instances serve: on a loaded host a manager that scales from its start would
+    # launch (and time out, and launch again) while the first instances are still starting.
+    c = start_cluster(2, ["scaling.policy=off", "scaling.min_instances=2", "scaling.launch_timeout_s=1",
                           "scaling.cooldown_s=0"])
-    time.sleep(1.5)  # past launch_timeout_s: instances that leave now look like a cluster below its minimum
+    assert ctl_json("policy", "--scaling", "llumnix", "--run-dir", str(c.run_dir))["scaling_policy"] == "llumnix"
+    # Past launch_timeout_s since the manager started: instances that leave now look like a cluster below its
+    # minimum, which the scaler would replace.
+    wait_for(lambda: status(c)["manager"]["uptime_s"] > 1.0, 30, "the manager's uptime did not pass 1 s")
     res = ctl("down", "--run-dir", str(c.run_dir), "--json", timeout=180)  # each group of processes may take its stop timeout
     assert res.returncode == 0, res.stderr
 
