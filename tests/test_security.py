@@ -207,11 +207,12 @@ def test_forged_submit_without_a_key_is_never_run(secured, keys):
 
 def test_forged_token_failure_without_a_key_does_not_touch_streams(secured, keys):
     api = secured.openai()
-    stream = api.completions.create(model="llumnix-sim", prompt="hello", max_tokens=60, stream=True,
+    # Long enough to be running when the forgery comes (a CI run's 60-token request was over before the
+    # manager's listing showed it); the request id is the response's id.
+    stream = api.completions.create(model="llumnix-sim", prompt="hello", max_tokens=600, stream=True,
                                     extra_body={"ignore_eos": True, "return_token_ids": True})
     chunks = [next(iter(stream))]
-    admin = client(keys, "operator", secured.manager)
-    rid = wait_for(lambda: next((r.request_id for r in admin.requests().requests), None), 10, "listed")
+    rid = chunks[0].id
     proxy = psutil.Process(secured.proc("proxy").pid)
     http_port = int(secured.url.rsplit(":", 1)[1])
     ports = [c.laddr.port for c in proxy.net_connections("tcp")
@@ -233,7 +234,7 @@ def test_forged_token_failure_without_a_key_does_not_touch_streams(secured, keys
         for s in socks:
             s.close(0)
     ids = [t for c in chunks for ch in c.choices for t in (getattr(ch, "token_ids", None) or [])]
-    assert len(ids) == 60 and chunks[-1].choices[0].finish_reason == "length"
+    assert len(ids) == 600 and chunks[-1].choices[0].finish_reason == "length"
 
 
 class _Relay(threading.Thread):
