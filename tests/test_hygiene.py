@@ -84,12 +84,15 @@ def test_never_runs(sleeper):
 
 
 def _inner_run(tmp_path, source: str, *args: str) -> subprocess.CompletedProcess:
-    """pytest on one test file with this conftest as a plugin (its own run marker and end-of-run check)."""
+    """pytest on one test file with this conftest as a plugin (its own run marker and end-of-run check).
+    No other plugin is loaded (the installed ones, schemathesis's above all, made the run's start take 20 s
+    under a CPU hog and once past 60 s); the timeout only bounds a hang."""
     (tmp_path / "test_inner.py").write_text(textwrap.dedent(source))
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-p", "no:cacheprovider",
                            "--rootdir", str(tmp_path), *args, str(tmp_path / "test_inner.py")],
-                          capture_output=True, text=True, timeout=60, cwd=os.getcwd(),
-                          env={**os.environ, "LLUMNIX_TEST_LEFTOVER_GRACE_S": "0.2"})
+                          capture_output=True, text=True, timeout=300, cwd=os.getcwd(),
+                          env={**os.environ, "LLUMNIX_TEST_LEFTOVER_GRACE_S": "0.2",
+                               "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
 
 
 @pytest.mark.parametrize("how, rc", [("assert False", 1), ("raise KeyboardInterrupt", 2)], ids=["x", "interrupted"])

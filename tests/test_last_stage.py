@@ -16,6 +16,7 @@ from tests.test_e2e_migration import move, where
 pytestmark = pytest.mark.e2e
 
 BS, LAYERS, HEADS, DIM, ITEM = 16, 2, 2, 8, 2  # sim KV: float16 blocks of [2 (K, V), BS, HEADS, DIM] per layer
+TOKENS = 400  # of a moved stream: long enough to be running still when the move comes, on a loaded host
 BLOCK = LAYERS * 2 * BS * HEADS * DIM * ITEM
 SETS = ["instance.min_step_s=0.02", "manager.dispatch_policy=flood", "migration.timeout_s=5",
         f"sim.block_size={BS}", f"sim.kv_layers={LAYERS}", f"sim.kv_heads={HEADS}", f"sim.head_dim={DIM}",
@@ -41,20 +42,22 @@ def written_bytes(tokens: int) -> int:
 
 @pytest.mark.parametrize("prompt", [37, 48], ids=["partial", "block-aligned-prompt"])
 def test_last_stage_moves_only_the_written_part(small_kv, prompt):
-    s = Stream(small_kv.url, 60, prompt=list(range(10, 10 + prompt)), ignore_eos=True)
+    # 400 tokens (8 s at 20 ms a step): under a CPU hog, locating and moving the request took over the 1.2 s
+    # that a 60-token stream lasts, and the move found it finished.
+    s = Stream(small_kv.url, TOKENS, prompt=list(range(10, 10 + prompt)), ignore_eos=True)
     s.wait_tokens(5)
     here = where(small_kv, s.rid)
     out = move(small_kv, s.rid, "i1" if here == "i0" else "i0")
     assert out["outcome"] == "committed", out
     # The sim holds KV for prompt + generated tokens, generated = the index it resumes at on the destination.
     assert out["bytes"] == written_bytes(prompt + out["resumed_at"]), out
-    s.check_sim(60, prompt_tokens=prompt)
+    s.check_sim(TOKENS, prompt_tokens=prompt)
 
 
 def test_blocking_copy_moves_only_the_written_part(small_kv):
     from llumnixctl.admin import AdminClient
 
-    s = Stream(small_kv.url, 40, prompt=list(range(10, 31)), ignore_eos=True)
+    s = Stream(small_kv.url, TOKENS // 2, prompt=list(range(10, 31)), ignore_eos=True)
     s.wait_tokens(3)
     here = where(small_kv, s.rid)
     client = AdminClient(small_kv.manager, timeout_s=60)
@@ -64,4 +67,4 @@ def test_blocking_copy_moves_only_the_written_part(small_kv):
         client.close()
     assert out.outcome == "committed" and out.stages == 1, out
     assert out.bytes == written_bytes(21 + out.resumed_at)
-    s.check_sim(40, prompt_tokens=21)
+    s.check_sim(TOKENS // 2, prompt_tokens=21)
