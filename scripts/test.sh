@@ -14,8 +14,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 export HF_HUB_OFFLINE=1
-# Our own modules' bytecode (they change between runs; install.sh compiles the installed packages once).
-.venv/bin/python -m compileall -q -j 0 daemons llumnixctl tests >/dev/null || true
 PYTEST=(.venv/bin/python -m pytest -q)
 if [ $# -gt 0 ]; then
   exec "${PYTEST[@]}" "$@"
