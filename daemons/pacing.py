@@ -8,7 +8,7 @@ the target, raised by a fixed amount when they are not. The copy thread runs a c
 that its busy time is ``duty`` of the whole (daemons/kvtransfer.py), under ``migration.bandwidth_limit_mbps``
 as the hard cap. The last stage is the request's downtime and is never paced.
 
-Pure logic over plain numbers: no clocks, no threads (tests/test_pacing.py).
+Pure logic over plain numbers: no clocks, no threads (tests/unit/test_pacing.py).
 """
 
 from __future__ import annotations

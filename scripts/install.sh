@@ -86,12 +86,12 @@ if [[ ",$EXTRAS," == *",vllm,"* ]]; then
     .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
   fi
 fi
-# Prometheus and promtool (Debian's prometheus package) for tests/test_prometheus.py, with the test extra:
+# Prometheus and promtool (Debian's prometheus package) for tests/e2e/test_prometheus.py, with the test extra:
 # only where this runs as root with apt-get (elsewhere that test is skipped, and says why). The package would
 # start its own service: a policy-rc.d that says no is in place while it installs (one already there is kept).
 if [[ ",$EXTRAS," == *",test,"* ]] && ! { command -v prometheus && command -v promtool; } >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "installing prometheus (Debian's package, for tests/test_prometheus.py) ..." >&2
+    echo "installing prometheus (Debian's package, for tests/e2e/test_prometheus.py) ..." >&2
     policy=""
     if [ ! -e /usr/sbin/policy-rc.d ]; then
       printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d && policy=ours
@@ -102,7 +102,7 @@ if [[ ",$EXTRAS," == *",test,"* ]] && ! { command -v prometheus && command -v pr
     if [ "$policy" = ours ]; then rm -f /usr/sbin/policy-rc.d; fi
     [ "$rc" = 0 ] || { echo "apt-get install prometheus failed ($rc)" >&2; exit "$rc"; }
   else
-    echo "prometheus is not installed (needs root and apt-get): tests/test_prometheus.py will be skipped" >&2
+    echo "prometheus is not installed (needs root and apt-get): tests/e2e/test_prometheus.py will be skipped" >&2
   fi
 fi
 extras=$(echo ",$EXTRAS," | sed 's/,vllm,/,/g; s/^,//; s/,$//')  # vllm is installed above, by hand

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Set up (scripts/install.sh) and run the whole test suite. Extra arguments go to one pytest run as they are
-# (`bash scripts/test.sh tests/test_policy.py -k dispatch`).
+# (`bash scripts/test.sh tests/unit/test_policy.py -k dispatch`).
 #
 # With none, the suite runs in three parts; all three run even when one fails, and the exit status is the
 # first non-zero one:
-#   1. the tests that start no daemon and no engine (not marked e2e), on every core (pytest-xdist);
-#   2. the e2e tests (they start daemons or engines) in two streams side by side, each a pytest run that takes
+#   1. tests/unit/: the tests that start no daemon and no engine, on every core (pytest-xdist);
+#   2. tests/e2e/ (they start daemons or engines; marked e2e) in two streams side by side, each a pytest run that takes
 #      its modules one at a time: the modules with vLLM engines or network namespaces (HEAVY below: two vLLM
 #      clusters at once would want more than two cores, and the namespaces' names and addresses are fixed)
 #      with a few sim ones, and the other sim modules. Stream 1 prints when it ends, stream 2 as it goes;
@@ -18,10 +18,10 @@ PYTEST=(.venv/bin/python -m pytest -q)
 if [ $# -gt 0 ]; then
   exec "${PYTEST[@]}" "$@"
 fi
-HEAVY=(tests/test_e2e_vllm.py tests/test_e2e_vllm_migration.py tests/test_e2e_vllm_migration_aborts.py tests/test_e2e_vllm_tp.py tests/test_vllm_engine.py
-       tests/test_bench_serve.py tests/test_multihost.py tests/test_netns.py
-       tests/test_e2e_cluster.py)  # the last evens out the streams' lengths (about 10.5 minutes each here)
-mapfile -t e2e < <(grep -l -E 'pytest\.mark\.e2e' tests/test_*.py)
+HEAVY=(tests/e2e/test_e2e_vllm.py tests/e2e/test_e2e_vllm_migration.py tests/e2e/test_e2e_vllm_migration_aborts.py tests/e2e/test_e2e_vllm_tp.py tests/e2e/test_vllm_engine.py
+       tests/e2e/test_bench_serve.py tests/e2e/test_multihost.py tests/e2e/test_netns.py
+       tests/e2e/test_e2e_cluster.py)  # the last evens out the streams' lengths (about 10.5 minutes each here)
+e2e=(tests/e2e/test_*.py)
 heavy=() light=()
 for m in "${e2e[@]}"; do
   if [[ " ${HEAVY[*]} " == *" $m "* ]]; then heavy+=("$m"); else light+=("$m"); fi
@@ -31,7 +31,7 @@ workers=$(nproc 2>/dev/null || echo 2)
 rc=0
 keep() { [ "$rc" != 0 ] || rc=$1; }
 echo "== tests without daemons, on $workers workers" >&2
-"${PYTEST[@]}" -n "$workers" -m "not e2e" tests/ || keep $?
+"${PYTEST[@]}" -n "$workers" -m "not e2e" tests/unit || keep $?
 tmp=$(mktemp -d)
 one=""
 trap '[ -z "$one" ] || kill -INT "$one" 2>/dev/null || true; rm -rf "$tmp"' EXIT
@@ -42,7 +42,7 @@ one=$!
 s1=0
 wait "$one" || s1=$?
 one=""
-echo "== stream 1 (${heavy[*]#tests/})" >&2
+echo "== stream 1 (${heavy[*]#tests/e2e/})" >&2
 cat "$tmp/stream1.log"
 keep "$s1"
 echo "== tests that measure real time, alone" >&2

@@ -143,6 +143,25 @@ def ctl_json(*args: str) -> dict:
     return json.loads(res.stdout)
 
 
+# ------------------------------------------------------------------ the folder says which kind a test is
+
+_HERE = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config, items):
+    """tests/e2e/ holds the tests that start daemons or engines (they carry the e2e mark, which scripts/test.sh
+    selects on), tests/unit/ the rest: a test whose mark and folder disagree is a collection error."""
+    wrong = []
+    for item in items:
+        folder = Path(str(item.path)).resolve().parent
+        marked = item.get_closest_marker("e2e") is not None
+        if folder == _HERE / "e2e" and not marked or folder == _HERE / "unit" and marked:
+            wrong.append(item.nodeid)
+    if wrong:
+        raise pytest.UsageError("the e2e mark and the folder disagree (tests/e2e/ is marked e2e, tests/unit/ is not): "
+                                + ", ".join(wrong[:10]))
+
+
 # ------------------------------------------------------------------ daemons only in e2e modules
 
 _REAL_POPEN_INIT = subprocess.Popen.__init__

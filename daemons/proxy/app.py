@@ -276,7 +276,7 @@ async def _serve(cfg: Config) -> None:
     listener = _listen(pc.host, pc.port)
     await cluster.start()
     # The collector has next to nothing to find here: the request path leaves no reference cycles
-    # (tests/test_proxy_fastpath.py), so what it did was rescan live objects, about a tenth of a short
+    # (tests/unit/test_proxy_fastpath.py), so what it did was rescan live objects, about a tenth of a short
     # request's CPU. What startup built (FastAPI, the tokenizer) is set aside, and it runs 14x less often.
     gc.freeze()
     gc.set_threshold(GC_THRESHOLD, 10, 10)

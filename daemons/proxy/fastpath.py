@@ -7,7 +7,7 @@ and answered by ``send`` itself, and a stream has one watcher that cancels it if
 ways run the same request logic (``Proxy.handle`` in daemons/proxy/service.py, which takes a ``Call`` and
 returns a ``Reply``) and answer with the same status, headers and bytes: API keys, the body size limit, the
 OpenAI error bodies, x-request-id, the access log and the request counts behave alike
-(tests/test_proxy_fastpath.py compares them).
+(tests/unit/test_proxy_fastpath.py compares them).
 """
 
 from __future__ import annotations

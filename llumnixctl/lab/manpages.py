@@ -1,7 +1,7 @@
 """The man pages' option tables, synopses and setting headers, made from the code so that they cannot drift.
 
 ``python -m llumnixctl.lab.manpages`` rewrites the pages in man/ in place; with ``--check`` it changes nothing,
-prints a unified diff of every page that is not what it makes and exits 1 (tests/test_docs_drift.py checks too).
+prints a unified diff of every page that is not what it makes and exits 1 (tests/unit/test_docs_drift.py checks too).
 
 Generated from the Typer apps (llumnixctl's ``full_app()``, each daemon's ``app``; hidden commands left out):
 the body of every block between ``.\\" generated: ID (...)`` and ``.\\" end generated``:

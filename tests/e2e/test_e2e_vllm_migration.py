@@ -21,7 +21,7 @@ pytest.importorskip("vllm")
 from llumnixctl.lab import localcluster  # noqa: E402
 from llumnixctl.lab.model import write_tiny_model  # noqa: E402
 from tests.conftest import Cluster  # noqa: E402
-from tests.test_e2e_migration import migrate, move, settle, where  # noqa: E402
+from tests.e2e.test_e2e_migration import migrate, move, settle, where  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -226,7 +226,7 @@ def test_migrate_count_and_cli_outcome(vcluster):
 # ---------------------------------------------------------------- failover on vLLM
 
 # The races of the last stage (a lost commit acknowledgement, a commit later than the source waits) are the
-# protocol's, not the engine's: they run in process on virtual time (tests/test_protocol_virtual.py), where
+# protocol's, not the engine's: they run in process on virtual time (tests/unit/test_protocol_virtual.py), where
 # each goes one way every time. Here, a killed instance's stream continues by re-prefill on vLLM, exactly.
 
 

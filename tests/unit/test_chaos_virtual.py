@@ -3,7 +3,7 @@ moments on three sim instances while, at seeded random moments, operators migrat
 undrain instances, the manager balances, and one instance is killed (mid-copy, often: KV copies take virtual
 seconds). Every request must end with exactly the sim's tokens, and once the load is over no live instance
 may hold a request, a KV block or a migration. Each seed runs the same way every time; the real-daemon
-version (tests/test_chaos.py) adds SIGKILL, a restarted manager and auto-scaling.
+version (tests/e2e/test_chaos.py) adds SIGKILL, a restarted manager and auto-scaling.
 
 LLUMNIX_CHAOS_SEEDS=1,2,3 runs other seeds."""
 

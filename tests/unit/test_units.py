@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 INSTALLER = REPO / "scripts" / "install-system.sh"
 VENV = REPO / ".venv"
 UNITS = ["llumnix-manager.service", "llumnix-proxy.service", "llumnix-instance@.service"]

@@ -136,7 +136,7 @@ def test_a_larger_burst_spreads_and_the_manager_accounts_for_every_dispatch(flee
     assert sum(per_instance.values()) == 4 * PROXIES
     # Where they land depends on which heartbeats each proxy heard mid-burst, which real timing decides (a CI
     # run saw 8 on one instance whose reports were late while the others' were not): the spread is shown for
-    # the orders that matter, deterministically, in tests/test_dispatch_views.py.
+    # the orders that matter, deterministically, in tests/unit/test_dispatch_views.py.
     # The manager counted every dispatch, none of which it chose; its pending estimates all retired.
     _wait(lambda: fleet.admin().status().dispatched_total == total0 + 4 * PROXIES, 15,
           "the manager to hear of every dispatch")

@@ -3,10 +3,10 @@ and undrain verbs of the CLI with their JSON and metrics, a removed instance's p
 `down` while scaling would replace instances. Real ZeroMQ, Gloo and HTTP; every stream is checked. Steps are
 paced (instance.min_step_s) so that timing does not hang on how busy the machine is.
 
-Load balancing, de-fragmentation and priorities run in process on virtual time (tests/test_scheduling_virtual.py);
-so do auto-scaling, a failing launch and an instance that drains on SIGTERM (tests/test_lifecycle_virtual.py)
-and a restarted manager learning drains and cordons again (tests/test_manager_core.py). A launch through the
-local cluster's launcher is tests/test_hygiene.py's, SIGTERM's clean exit tests/test_e2e_cluster.py's."""
+Load balancing, de-fragmentation and priorities run in process on virtual time (tests/unit/test_scheduling_virtual.py);
+so do auto-scaling, a failing launch and an instance that drains on SIGTERM (tests/unit/test_lifecycle_virtual.py)
+and a restarted manager learning drains and cordons again (tests/unit/test_manager_core.py). A launch through the
+local cluster's launcher is tests/e2e/test_hygiene.py's, SIGTERM's clean exit tests/e2e/test_e2e_cluster.py's."""
 
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def test_drain_moves_everything_out_with_no_error(start_cluster):
 
 
 # Draining the only instance until another joins, and a cordon, run in process on virtual time
-# (tests/test_protocol_virtual.py), where the queue is what the scenario makes it every time.
+# (tests/unit/test_protocol_virtual.py), where the queue is what the scenario makes it every time.
 
 
 def test_remove_drains_then_stops_the_instance(start_cluster):

@@ -185,7 +185,7 @@ print("survived")
 def test_amx_attention_crash_is_worked_around(tmp_path):
     # In a child process: without the workaround this dies with SIGILL (bf16 on AMX, this model shape).
     proc = subprocess.run([sys.executable, "-c", SMALL_HEADS, str(tmp_path / "hd32")], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
     assert proc.returncode == 0 and "survived" in proc.stdout, proc.stderr[-2000:]
 
 

@@ -4,8 +4,8 @@ multiprocess executor, each rank a real worker process), live migration rank by 
 A migrated request gives exactly the tokens and logprobs of the same request unmigrated, greedy and
 seeded, and every block is free again on both sides afterwards; the operator verbs (``requests``,
 ``describe``, ``migrate``, ``drain``) work on TP instances as on TP 1. Every worker process the instances
-started is gone at the end. A TP-1 destination refuses a TP-2 source: the reason is tests/test_kv_layouts.py's,
-the refusal's course tests/test_protocol_virtual.py's (another KV layout).
+started is gone at the end. A TP-1 destination refuses a TP-2 source: the reason is tests/unit/test_kv_layouts.py's,
+the refusal's course tests/unit/test_protocol_virtual.py's (another KV layout).
 
 On this 2-core machine 2 instances x 2 ranks take both cores (vLLM's workers spin between steps): the
 streams are long enough to outlast a slow move, and every wait is on a condition.
@@ -23,8 +23,8 @@ pytest.importorskip("vllm")
 from llumnixctl.lab import localcluster  # noqa: E402
 from llumnixctl.lab.model import write_tiny_model  # noqa: E402
 from tests.conftest import Cluster, cli, ctl_json  # noqa: E402
-from tests.test_e2e_migration import move, settle, where  # noqa: E402
-from tests.test_e2e_vllm_migration import BASE, KINDS, PROMPT, Stream  # noqa: E402
+from tests.e2e.test_e2e_migration import move, settle, where  # noqa: E402
+from tests.e2e.test_e2e_vllm_migration import BASE, KINDS, PROMPT, Stream  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

@@ -31,7 +31,7 @@ from llumnixctl.admin import AdminClient  # noqa: E402
 from llumnixctl.lab import localcluster  # noqa: E402
 from llumnixctl.lab.model import write_tiny_model  # noqa: E402
 from llumnixctl.lab.netns import Lab  # noqa: E402
-from tests.test_e2e_vllm_migration import BASE, PROMPT, Stream  # noqa: E402
+from tests.e2e.test_e2e_vllm_migration import BASE, PROMPT, Stream  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600),
               pytest.mark.skipif(Lab.unavailable() is not None, reason=str(Lab.unavailable()))]

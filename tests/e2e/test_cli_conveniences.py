@@ -26,7 +26,7 @@ from tests.streams import Stream
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 VERSION = importlib.metadata.version("llumnix-toolkit")
 DAEMONS = ("llumnix-manager", "llumnix-instance", "llumnix-proxy")

@@ -1,7 +1,7 @@
 """Live migration between real vLLM instances that ends in an abort, on a cluster whose KV link is slow (a
 stage 0 of a long prompt takes seconds): a request that finishes during pre-copy, a destination without room
 or with a shorter context limit, either end killed mid-copy (real Gloo). Every stream is what it would be
-unmigrated. Apart from tests/test_e2e_vllm_migration.py so that one vLLM cluster runs at a time.
+unmigrated. Apart from tests/e2e/test_e2e_vllm_migration.py so that one vLLM cluster runs at a time.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ pytest.importorskip("vllm")
 from llumnixctl.lab import localcluster  # noqa: E402
 from llumnixctl.lab.model import write_tiny_model  # noqa: E402
 from tests.conftest import Cluster  # noqa: E402
-from tests.test_e2e_migration import migrate, move, where  # noqa: E402
-from tests.test_e2e_vllm_migration import BASE, Stream  # noqa: E402
+from tests.e2e.test_e2e_migration import migrate, move, where  # noqa: E402
+from tests.e2e.test_e2e_vllm_migration import BASE, Stream  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -31,7 +31,7 @@ def model_dir(tmp_path_factory):
 
 def settle(c: Cluster, timeout: float = 30) -> dict:
     """Nothing runs or is held any more (a longer bound than the sim's: vLLM instances on two cores)."""
-    from tests.test_e2e_migration import settle as settle_sim
+    from tests.e2e.test_e2e_migration import settle as settle_sim
 
     return settle_sim(c, timeout)
 

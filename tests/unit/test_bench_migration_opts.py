@@ -1,6 +1,6 @@
 """``llumnixctl bench migration``'s options and output without a cluster (``run`` replaced): --shared-prefix's
 checks and its before/after table, and the decode slowdown column. The benchmark itself runs in
-tests/test_e2e_migration.py (sim) and scripts/fig10.sh."""
+tests/e2e/test_e2e_migration.py (sim) and scripts/fig10.sh."""
 
 from __future__ import annotations
 

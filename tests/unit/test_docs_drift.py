@@ -17,7 +17,7 @@ import typer.main
 from daemons import config
 from llumnixctl.lab import manpages
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MAN = ROOT / "man"
 TYPES = {str: "string", int: "integer", float: "float", bool: "boolean"}
 

@@ -4,7 +4,7 @@ auto-scaling that launches an instance under load and retires one when idle, an 
 an instance, and a request past its deadline. Real manager, sim instances and the proxy's cluster client on
 virtual time: the same run on every machine, every stream checked token by token.
 
-What these leave to the e2e tests (tests/test_e2e_scheduling.py, tests/test_e2e_failures.py): real processes
+What these leave to the e2e tests (tests/e2e/test_e2e_scheduling.py, tests/e2e/test_e2e_failures.py): real processes
 and signals, the launcher's shell command, the CLI and the HTTP answers."""
 
 from __future__ import annotations

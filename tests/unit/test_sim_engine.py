@@ -1,5 +1,5 @@
 """The sim engine over small real configs: block accounting, scheduling, sampling rules (its KV bytes:
-tests/test_sim_kv.py)."""
+tests/unit/test_sim_kv.py)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from daemons.engine.sim import SimEngine, kv_value
-from tests.test_sim_engine import engine, req, states
+from tests.unit.test_sim_engine import engine, req, states
 
 
 def request_kv(e: SimEngine, rid: str) -> list[torch.Tensor]:

@@ -1,6 +1,6 @@
 """API keys and size limits of the proxy's HTTP API (proxy.api_keys_file, proxy.max_body_bytes,
 proxy.max_prompt_tokens, security.metrics_token_file), through a real cluster and the official openai client,
-and the proxy's refusal to listen beyond loopback without keys (the keys file itself: tests/test_api_keys_file.py).
+and the proxy's refusal to listen beyond loopback without keys (the keys file itself: tests/unit/test_api_keys_file.py).
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""``llumnixctl check migration`` on the sim backend, and the comparison it rests on.
+"""The comparison ``llumnixctl check migration`` rests on, and its argument checks (the sim run itself:
+tests/e2e/test_check_migration_sim.py).
 
 The vllm backend is left to operators and GPU nodes (scripts/gpu-check.sh): it takes minutes on CPU.
 """
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
@@ -13,19 +13,6 @@ from llumnixctl.experiments.check import Sample, first_mismatch
 from tests.conftest import cli
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.mark.e2e
-def test_sim_requests_migrate_and_stream_what_unmigrated_runs_do():
-    res = cli("check", "migration", "--backend", "sim", "--json")
-    assert res.returncode == 0, res.stderr
-    out = json.loads(res.stdout)
-    assert out["identical"] is True and out["backend"] == "sim"
-    assert [r["kind"] for r in out["requests"]] == ["greedy", "greedy", "seeded", "seeded"]
-    assert len({r["seed"] for r in out["requests"][2:]}) == 2
-    for r in out["requests"]:
-        assert r["migrations"] >= 1 and r["identical"] and r["first_mismatch"] is None, r
-        assert r["tokens"] == 48 and r["downtime_ms"] > 0
 
 
 def _sample(n: int = 10) -> Sample:

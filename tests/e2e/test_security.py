@@ -25,7 +25,7 @@ from daemons import runtime, security, wire
 from daemons.config import SecurityConfig
 from llumnixctl.admin import AdminClient
 from llumnixctl.lab import localcluster
-from streams import wait_for
+from tests.streams import wait_for
 
 pytestmark = pytest.mark.e2e
 

@@ -30,7 +30,7 @@ from tests.streams import Stream, wait_for
 
 pytestmark = pytest.mark.e2e
 
-MONITORING = Path(__file__).resolve().parents[1] / "scripts" / "monitoring"
+MONITORING = Path(__file__).resolve().parents[2] / "scripts" / "monitoring"
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
 MISSING = ("prometheus/promtool not installed: Debian's prometheus package (scripts/install.sh installs it when "

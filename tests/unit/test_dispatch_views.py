@@ -1,6 +1,6 @@
 """Dispatch at the edge, scripted: several proxies' real cluster clients choose instances from their own views
 (daemons/proxy/view.py) while the instances' heartbeats reach them in an order the test sets. What
-tests/test_edge_dispatch.py shows with real daemons only when the machine's timing allows (a burst over four
+tests/e2e/test_edge_dispatch.py shows with real daemons only when the machine's timing allows (a burst over four
 proxies spreads instead of herding) is shown here for the orders that matter, the same way on every run: no
 heartbeat during the burst, and heartbeats after every round. The tie rotation's wall-clock turn is pinned
 (each proxy's ``tie_start`` is set from its rank), as a burst within one turn sees it."""

@@ -11,7 +11,7 @@ import pytest
 
 from llumnixctl.lab import localcluster
 from tests.streams import Stream
-from tests.test_e2e_migration import move, where
+from tests.e2e.test_e2e_migration import move, where
 
 pytestmark = pytest.mark.e2e
 

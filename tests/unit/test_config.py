@@ -1,14 +1,12 @@
 import dataclasses
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from daemons.config import Config, ConfigError, load_config, render_example, sections
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_example_file_matches_declaration():
@@ -75,17 +73,6 @@ def test_bad_override():
         load_config(None, ["heartbeat=3"])
     with pytest.raises(ConfigError, match=r"--set sim.eos_rate=-1: sim.eos_rate must be >= 0"):
         load_config(None, ["sim.eos_rate=-1"])
-
-
-@pytest.mark.e2e
-@pytest.mark.parametrize("module", ["daemons.manager", "daemons.instance", "daemons.proxy.app"])
-def test_daemon_refuses_bad_config_with_one_line(tmp_path, module):
-    p = tmp_path / "bad.toml"
-    p.write_text("[proxy]\nprot = 1\n")
-    res = subprocess.run([sys.executable, "-m", module, "--config", str(p)], capture_output=True, text=True, timeout=60)
-    assert res.returncode == 2
-    assert "unknown key proxy.prot" in res.stderr and str(p) in res.stderr
-    assert "Traceback" not in res.stderr
 
 
 @pytest.mark.parametrize("sets, message", [

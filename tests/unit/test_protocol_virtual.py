@@ -1,6 +1,6 @@
 """The migration protocol end to end, in one process on virtual time (tests/support/cluster.py): the real
 manager, instances (sim engine, llumlet, migrator) and the proxy's cluster client over in-process ZeroMQ, KV
-moved in memory. Each race that tests/test_e2e_failures.py provokes with real timing (a commit later than the
+moved in memory. Each race that tests/e2e/test_e2e_failures.py provokes with real timing (a commit later than the
 source waits, a lost commit acknowledgement) is scripted here by fault injection on virtual time, so it goes
 the same way on every run: one outcome is asserted, not either of two."""
 

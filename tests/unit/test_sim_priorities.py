@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.test_sim_engine import Runner, engine, req, states
+from tests.unit.test_sim_engine import Runner, engine, req, states
 
 
 def admission_order(run: Runner) -> list[str]:

@@ -1,6 +1,6 @@
 """Failures with real daemons on the sim engine: instances that die or hang (real processes, real
 connections), deadlines, clients and proxies that go away. Migrations whose last stage goes wrong run in
-process on virtual time (tests/test_protocol_virtual.py).
+process on virtual time (tests/unit/test_protocol_virtual.py).
 
 Each test checks what the client got (every token exactly once and in order: the sim's tokens are a pure
 function of (request id, index), so a duplicate, a gap or a token from the wrong copy shows) and that no
@@ -84,7 +84,7 @@ def log_of(c, name: str) -> str:
 
 
 # A commit later than the source waits, a lost commit acknowledgement and a destination killed right after the
-# commit run in process on virtual time, where each race goes one way every time (tests/test_protocol_virtual.py).
+# commit run in process on virtual time, where each race goes one way every time (tests/unit/test_protocol_virtual.py).
 
 
 # ---------------------------------------------------------------- an instance that hangs

@@ -5,8 +5,8 @@ tokens are a function of (request id, index), so a stream is checked token by to
 request must produce, whichever instance produced each token.
 
 The protocol's failure cases (a request finishing during pre-copy, a destination without room or with another
-KV layout, either end killed mid-copy) run in process on virtual time (tests/test_protocol_virtual.py); with
-real Gloo and a real engine they run on vLLM (tests/test_e2e_vllm_migration_aborts.py).
+KV layout, either end killed mid-copy) run in process on virtual time (tests/unit/test_protocol_virtual.py); with
+real Gloo and a real engine they run on vLLM (tests/e2e/test_e2e_vllm_migration_aborts.py).
 """
 
 from __future__ import annotations
