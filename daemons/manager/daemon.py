@@ -191,11 +191,11 @@ class Manager(ViewMixin, RegistryMixin, LivenessMixin, DispatchMixin, QueriesMix
         self.sec.check_bind("manager.bind" if self.mc.bind else "manager.address", self.mc.bind or self.mc.address)
         self.bound = runtime.bind(self.sock, self.mc.bind or self.mc.address)
         metrics = runtime.start_metrics_server(self.mc.metrics_port, self.mc.metrics_host, security.metrics_token(self.cfg))
+        stop = asyncio.Event()  # before "serving on": whoever reads that line may stop us cleanly at once
+        runtime.install_stop_signals(asyncio.get_running_loop(), stop)
         log.info("serving on %s (dispatch %s, pairing %s, selection %s, scaling %s, heartbeat %.2fs, metrics %s)",
                  self.bound, self.dispatch_policy, self.pairing_policy if self.migrating else "drains only",
                  self.request_selection, self.scaling_policy, self.mc.heartbeat_interval_s, metrics or "off")
-        stop = asyncio.Event()
-        runtime.install_stop_signals(asyncio.get_running_loop(), stop)
         runtime.sd_notify("READY=1")
         tasks = [asyncio.create_task(c) for c in (self.serve(stop), self.watch_heartbeats(stop),
                                                   self.resched.pairing_loop(), self.resched.scaling_loop())]

@@ -39,19 +39,27 @@ def free_address() -> str:
 
 
 class Lines:
-    """A child's stdout read line by line on a thread, so a test can wait for lines with a deadline."""
+    """A child's stdout (or ``stream``) read line by line on a thread, so a test can wait for lines with a
+    deadline."""
 
-    def __init__(self, proc: subprocess.Popen):
+    def __init__(self, proc: subprocess.Popen, stream=None):
         self.proc = proc
+        self.stream = stream if stream is not None else proc.stdout
         self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
 
     def _read(self) -> None:
-        for line in self.proc.stdout:
+        for line in self.stream:
             self.lines.put(line)
 
     def next(self, timeout: float = 30) -> str:
         return self.lines.get(timeout=timeout)
+
+    def rest(self, timeout: float = 30) -> str:
+        """Every line not taken yet, up to the end of the stream (the child has exited)."""
+        self.reader.join(timeout)
+        return "".join(self.lines.queue)
 
 
 def _interruptible() -> None:
@@ -155,21 +163,27 @@ def test_status_watch_goes_on_while_the_manager_does_not_answer(start_cluster):
     c = start_cluster(instances=1)
     proc = ctl_popen("status", "--watch", "--json", "--interval", "0.2", "--timeout", "0.3", "--run-dir", str(c.run_dir))
     manager = c.proc("manager").process()
+    lines, errors = Lines(proc), Lines(proc, proc.stderr)
+    said: list[str] = []
     try:
-        lines = Lines(proc)
         before = json.loads(lines.next(timeout=60))["manager"]["uptime_s"]
         manager.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
         try:
-            time.sleep(1.5)  # several intervals without an answer
+            # the watch says twice that the manager does not answer, and goes on
+            while sum("did not answer" in x for x in said) < 2:
+                said.append(errors.next(timeout=30))
         finally:
             manager.send_signal(signal.SIGCONT)
+        stopped_for = time.monotonic() - stopped
+        # Fresh lines again: answered after SIGCONT, so the manager's uptime has grown by the whole stop.
         deadline = time.monotonic() + 30
-        while json.loads(lines.next(timeout=30))["manager"]["uptime_s"] < before + 1.5:  # fresh lines again
+        while json.loads(lines.next(timeout=30))["manager"]["uptime_s"] < before + stopped_for:
             assert time.monotonic() < deadline
         assert proc.poll() is None
     finally:
         code = stop(proc, signal.SIGINT)
-    err = proc.stderr.read()
+    err = "".join(said) + errors.rest()
     assert code == 0
     assert "did not answer" in err and "Traceback" not in err, err
 

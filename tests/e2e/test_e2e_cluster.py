@@ -200,7 +200,14 @@ def test_random_bytes_on_every_socket_leave_daemons_serving(start_cluster):
     addresses = {c.manager: zmq.DEALER, proxy_token_address: zmq.PUSH} | {v.request_address: zmq.DEALER
                                                                            for v in snap.instances}
     _garbage_everywhere(addresses)
-    time.sleep(0.5)
+
+    def dropped(name: str) -> bool:
+        return "dropped" in open(c.proc(name).log).read()
+
+    # Each daemon has handled garbage (and said so) before it is checked for life.
+    wait_for(lambda: all(dropped(n) for n in ("manager", "instance-i0", "instance-i1"))
+             and proxy_metric(c.url, "llumnix_proxy_malformed_frames_total") >= 1, 30,
+             "a daemon did not report dropping garbage")
     for p in c.state.procs:
         assert p.process() is not None, f"{p.name} died:\n{c.logs()}"
     r = _complete(c.url, 5)
@@ -270,7 +277,8 @@ def test_address_in_use_is_one_line_and_exit_1(argv):
 
 def test_proxy_dispatches_by_the_clusters_policy_while_the_manager_is_away(start_cluster):
     c = start_cluster(instances=2, sets=["manager.dispatch_policy=flood", "proxy.dispatch_timeout_s=0.2"])
-    time.sleep(0.6)  # the proxy has a snapshot, which names the policy
+    # The proxy has a snapshot (which names the policy): the manager's count of proxies, from that snapshot.
+    wait_for(lambda: proxy_metric(c.url, "llumnix_proxy_peers") >= 1, 30, "the proxy has no snapshot")
     manager = c.proc("manager").process()
     manager.send_signal(signal.SIGSTOP)
     try:

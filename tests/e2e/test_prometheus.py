@@ -350,10 +350,9 @@ scrape_configs:
     def empty() -> list[str]:
         return [f"{title}: {expr}" for title, expr in exprs if not prom.query(concrete(expr))]
 
-    missing = empty()
-    if missing:  # a rate needs two scrapes of a series in its window
-        time.sleep(3)
-        missing = empty()
+    deadline = time.monotonic() + 60  # a rate needs two scrapes of a series in its window: wait for the next ones
+    while (missing := empty()) and time.monotonic() < deadline:
+        time.sleep(0.5)
     assert not missing, "\n".join(missing)
     for title, expr in exprs:
         if "histogram_quantile(0.99" in expr and "proxy" in expr:
