@@ -26,8 +26,14 @@ def loop_time() -> float:
 class Clock:
     """The real clock (monotonic seconds; sleeping and timers on the running asyncio loop)."""
 
+    real = True  # time moves by itself (False: only as a simulation or a virtual-time loop moves it)
+
     def monotonic(self) -> float:
         return time.monotonic()
+
+    def time(self) -> float:
+        """Wall-clock seconds: what daemons on different hosts agree on (the proxies' tie turns)."""
+        return time.time()
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
@@ -40,12 +46,17 @@ class VirtualClock(Clock):
     """Virtual seconds from 0 and the callbacks due at them, run in time order (ties: in the order they were
     scheduled). ``now`` only moves when ``run_next`` runs the next callback."""
 
+    real = False
+
     def __init__(self, start: float = 0.0):
         self.now = start
         self._events: list[tuple[float, int, Callable, tuple]] = []
         self._seq = itertools.count()
 
     def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
         return self.now
 
     async def sleep(self, seconds: float) -> None:

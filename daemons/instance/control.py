@@ -7,7 +7,6 @@ import asyncio
 import logging
 import os
 import socket
-import time
 
 import msgspec
 
@@ -29,7 +28,7 @@ class ControlMixin:
             request_address=self.request_address, backend=self.engine.backend, model=self.cfg.model.name,
             load=self.last_load, metrics_address=self.metrics_address, max_model_len=self.engine.max_model_len,
             drain_reason="stopping" if not self.accepting else self.draining, cordoned=self.cordoned,
-            uptime_s=round(time.monotonic() - self.started, 3),
+            uptime_s=round(self.clock.monotonic() - self.started, 3),
         )
 
     async def serve_manager(self) -> None:
@@ -113,9 +112,9 @@ class ControlMixin:
         """Each heartbeat: tell every proxy we serve that we are alive (and whether healthy); abort the
         requests of proxies that are gone. Also the event loop's tick for the watchdog."""
         period = min(self.cfg.manager.heartbeat_interval_s, self.ic.step_timeout_s / 4)
-        due = time.monotonic()
+        due = self.clock.monotonic()
         while True:
-            now = time.monotonic()
+            now = self.clock.monotonic()
             M_BEAT_LATE.observe(max(now - due, 0.0))
             due = now + period
             self.watchdog.loop_beat = now

@@ -9,7 +9,6 @@ import os
 import socket
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Callable, Optional
 
@@ -63,8 +62,8 @@ class Instance(TokenPathMixin, IntakeMixin, StepLoopMixin, ControlMixin, OrdersM
         self.manager.setsockopt(zmq.SNDHWM, 64)
         self.proxies = ProxyLinks(self.ctx, self.ic.orphan_timeout_s, secure=lambda sock: self.sec.client(sock, "proxy"),
                                   clock=self.clock.monotonic)
-        self.requests = RequestTable()
-        self.watchdog = Watchdog(self.ic.step_timeout_s, self.ic.hung_exit_s)
+        self.requests = RequestTable(self.clock.monotonic)
+        self.watchdog = Watchdog(self.ic.step_timeout_s, self.ic.hung_exit_s, self.clock)
         self.faults = Faults(self.ic.id)
         self.inbox: list[wire.Submit | wire.Abort] = []
         self.taken: dict[str, int] = {}  # by proxy token address: its Submits taken in at step boundaries
@@ -99,7 +98,7 @@ class Instance(TokenPathMixin, IntakeMixin, StepLoopMixin, ControlMixin, OrdersM
         self.elsewhere = True  # (while draining) another instance takes requests
         self.cordoned = False
         self.stop_reason = "SIGTERM"
-        self.started = time.monotonic()
+        self.started = self.clock.monotonic()
         self.stop = asyncio.Event()
         self.instance_id = self.ic.id
         self.request_address = ""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from daemons import policy, wire
 from daemons.instance.telemetry import PREFIX_QUERY_TOKENS
@@ -85,7 +84,7 @@ class OrdersMixin:
 
     def _keep(self, msg: wire.MigrateStart, requests: list[wire.RequestLoad]) -> set[str]:
         """Requests that must stay for this order: already migrating, not ours, or (balancing) just arrived."""
-        keep = keep_for(msg, self.requests.migrating(), self.requests.arrivals(), time.monotonic())
+        keep = keep_for(msg, self.requests.migrating(), self.requests.arrivals(), self.clock.monotonic())
         return keep | {r.request_id for r in requests if r.request_id not in self.requests}
 
     def choose_migrants(self, msg: wire.MigrateStart, cached: dict[str, int] | None = None) -> list[str]:

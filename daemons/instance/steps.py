@@ -55,8 +55,8 @@ class StepLoopMixin:
             for fn, fut in calls:
                 self._run_boundary_call(fn, fut)
         self.rows = None
-        if self.list_queries or time.monotonic() < self.rows_until:
-            self.rows, self.rows_at = self.engine.requests(), time.monotonic()
+        if self.list_queries or self.clock.monotonic() < self.rows_until:
+            self.rows, self.rows_at = self.engine.requests(), self.clock.monotonic()
         if self.list_queries:
             for qid, arrived in self.list_queries:
                 self.answer_listing(qid, arrived, self.rows)
@@ -70,7 +70,7 @@ class StepLoopMixin:
         are kept and nothing waits for the boundary (the step in flight may be long; nothing but steps has
         touched the engine since), else at the next boundary: a request, an abort (a fenced copy, say) or an
         engine call (a migration's commit) that waits for it must be in the answer, as it would be there."""
-        now = time.monotonic()
+        now = self.clock.monotonic()
         self.rows_until = now + LISTING_WINDOW_S
         if (self.stepping and self.rows is not None and not self.list_queries and not self.inbox
                 and not self.boundary_calls):
@@ -84,7 +84,7 @@ class StepLoopMixin:
         if migrating:  # pre-copy too, not only the suspended last stage
             rows = [msgspec.structs.replace(r, state="migrating") if r.request_id in migrating else r for r in rows]
         self._tell_manager(wire.RequestList(qid, self.instance_id, rows, self.requests.moved_lately(MOVED_LATELY_S)))
-        M_QUERY.observe(time.monotonic() - arrived)
+        M_QUERY.observe(self.clock.monotonic() - arrived)
         log.debug("listing %d: %d rows (%s), %d requests held", qid, len(rows),
                   "during a step" if self.stepping else "at the boundary", len(self.requests))
 
@@ -99,13 +99,19 @@ class StepLoopMixin:
             load = msgspec.structs.replace(load, stalled=True)
         return load
 
-    def _step(self):
-        self.steps += 1
+    def _hangs(self) -> bool:
+        """(Fault injection) Whether the next step, from the ``hang_step_after``-th on, never ends."""
         hang_at = self.faults.get("hang_step_after")
-        if hang_at and self.steps >= hang_at:
+        if hang_at and self.steps + 1 >= hang_at:
             log.warning("fault injection: this engine step never ends")
+            return True
+        return False
+
+    def _step(self):
+        if self._hangs():  # (on the engine thread: the thread never comes back)
             while True:
                 time.sleep(3600)
+        self.steps += 1
         busy_at = self.faults.get("busy_step_after")
         if busy_at and self.steps == busy_at:
             # As a CPU prefill that holds the interpreter: on the sim (steps on the event loop) nothing of the
@@ -157,11 +163,11 @@ class StepLoopMixin:
         clock = time.perf_counter
         while True:
             start = clock()
-            watchdog.step_started = time.monotonic()
+            watchdog.step_started = watchdog.now()
             result = self._step()
             watchdog.step_started = 0.0
             step_s = clock() - start
-            now = time.monotonic()
+            now = self.clock.monotonic()
             rows = (self.engine.requests() if (step_s >= LONG_STEP_S or now < self.rows_until)
                     and now - self.rows_at >= ROWS_EVERY_S else None)
             loop.call_soon_threadsafe(self._stepped, result.outputs, start, step_s, self.engine.load(), rows)
@@ -173,7 +179,7 @@ class StepLoopMixin:
         """(Event loop) One step of ``run_steps`` ended: its tokens go out, its load (and the request rows, when
         kept) are current. Rows a few steps old stay good until the boundary: only steps have run since."""
         if rows is not None and self.stepping:
-            self.rows, self.rows_at = rows, time.monotonic()
+            self.rows, self.rows_at = rows, self.clock.monotonic()
         if self.halt_steps or self.emit_failure is not None:
             return
         try:
@@ -196,12 +202,14 @@ class StepLoopMixin:
         loop_time = self.clock.monotonic
         watchdog = self.watchdog
         start = loop_time()
-        watchdog.step_started = time.monotonic()
+        watchdog.step_started = watchdog.now()
         if self.executor is not None:
             self.stepping = True  # engine calls from coroutines wait for the boundary meanwhile
             result = await asyncio.get_running_loop().run_in_executor(self.executor, self._step)
             self.stepping = False  # (left set if cancelled: the thread may still be stepping)
         else:
+            if self._hangs():  # on the loop, as an engine thread's would: the step never ends, the loop goes on
+                await asyncio.get_running_loop().create_future()
             result = self._step()
         watchdog.step_started = 0.0
         if self.executor is None and result.model_time_s > 0:

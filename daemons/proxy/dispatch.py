@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 import msgspec
 
@@ -128,7 +127,7 @@ class DispatchMixin:
         """Where our ties start among the instances: the proxies' starts are evenly spaced by their ranks, and
         all move on together every TIE_TURN_S (wall clock), so that over time no instance is always the first
         tie; seldom enough that a burst almost never straddles a turn (its proxies would start anew)."""
-        return (time.time() // TIE_TURN_S * 0.618034 + self.rank / max(self.proxies, 1)) % 1.0
+        return (self.clock.time() // TIE_TURN_S * 0.618034 + self.rank / max(self.proxies, 1)) % 1.0
 
     async def submit(self, submit: wire.Submit) -> Stream:
         """Dispatch and send a request; the returned stream yields its tokens. Raises NoInstance."""

@@ -1,6 +1,8 @@
 """Failures with real daemons on the sim engine: instances that die or hang (real processes, real
 connections), deadlines, clients and proxies that go away. Migrations whose last stage goes wrong run in
-process on virtual time (tests/unit/test_protocol_virtual.py).
+process on virtual time (tests/unit/test_protocol_virtual.py), and so do, deterministically, a hung step, a
+deadline, a killed proxy, a proxy restarted at the same address and a manager restarted under load
+(tests/unit/test_lifecycle_virtual.py); here they run as processes, with real exits, signals and HTTP.
 
 Each test checks what the client got (every token exactly once and in order: the sim's tokens are a pure
 function of (request id, index), so a duplicate, a gap or a token from the wrong copy shows) and that no

@@ -20,16 +20,19 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from typing import Awaitable, Callable
 
+import zmq
 import zmq.asyncio
 
-from daemons import wire
+from daemons import runtime, wire
 from daemons.config import load_config
 from daemons.engine.sim import SimEngine, sim_token_id
 from daemons.instance import Instance
 from daemons.manager import Manager
 from daemons.proxy.cluster import ClusterClient, Stream
+from daemons.watchdog import EXIT_HUNG, Faults
 from tests.support import virtual
 from tests.support.kv import Hub
 
@@ -42,10 +45,7 @@ class SharedContext(zmq.asyncio.Context):
 
 
 SETTINGS = ["manager.heartbeat_interval_s=0.2", "manager.metrics_port=-1", "instance.metrics_port=-1",
-            "instance.shutdown_grace_s=1", "manager.address=inproc://manager",
-            # Still on the real clock (the watchdog, a thread that times the engine's steps): a loaded test
-            # machine must not make it fire, so it is set out of reach.
-            "instance.step_timeout_s=86400", "instance.hung_exit_s=86400"]
+            "instance.shutdown_grace_s=1", "manager.address=inproc://manager"]
 
 
 class VirtualCluster:
@@ -59,6 +59,7 @@ class VirtualCluster:
         self.manager = self.new_manager()
         self.instances: dict[str, Instance] = {}
         self.runs: dict[str, asyncio.Task] = {}
+        self.exits: dict[str, int] = {}  # instances that exited by themselves (the watchdog's), and their status
         self.proxy: ClusterClient | None = None
         self._rids = itertools.count(1)
         self._managers = 0  # restarts
@@ -79,13 +80,13 @@ class VirtualCluster:
 
     @classmethod
     def run(cls, scenario: Callable[[VirtualCluster], Awaitable], instances: int = 2, sets: list[str] = (),
-            kv_bytes_per_s: float = 0.0):
+            kv_bytes_per_s: float = 0.0, faults: dict[str, str] | None = None):
         """Run ``scenario(cluster)`` on a fresh virtual-time loop with ``instances`` instances (i0, i1, ...);
-        ``kv_bytes_per_s``: how fast migrations copy KV (0: at once)."""
+        ``kv_bytes_per_s``: how fast migrations copy KV (0: at once); ``faults``: by instance id (see ``add``)."""
         async def main(loop):
             c = cls(loop, list(sets), kv_bytes_per_s)
             try:
-                await c.start(instances)
+                await c.start(instances, faults or {})
                 return await scenario(c)
             finally:
                 await c.close()
@@ -93,20 +94,25 @@ class VirtualCluster:
 
     # ------------------------------------------------------------------ life cycle
 
-    async def start(self, instances: int) -> None:
+    async def start(self, instances: int, faults: dict[str, str] | None = None) -> None:
         self.runs["manager"] = asyncio.ensure_future(self.manager.run())
         for i in range(instances):
-            self.add(f"i{i}")
+            self.add(f"i{i}", faults=(faults or {}).get(f"i{i}", ""))
         proxy_cfg = load_config(None, self.sets + ["proxy.token_address=inproc://proxy"])
         self.proxy = ClusterClient(proxy_cfg, ctx=self.context(), clock=self.clock)
         await self.proxy.start()
         await self.until(lambda: len(self.proxy.alive()) == instances, 10, "the instances did not come up")
 
-    def add(self, iid: str, *sets: str) -> Instance:
+    def add(self, iid: str, *sets: str, faults: str = "") -> Instance:
+        """Instance ``iid`` with ``sets``; ``faults``: as $LLUMNIX_FAULTS (daemons/watchdog.py), for it alone
+        (default: that variable).
+        Its watchdog judges on the virtual clock; a hung instance "exits" with EXIT_HUNG (``exits``)."""
         cfg = load_config(None, self.sets + [f"instance.id={iid}", "instance.backend=sim",
                                              f"instance.request_address=inproc://{iid}", *sets])
         inst = Instance(cfg, SimEngine(cfg.sim, cfg.model), kv=self.hub.transport(iid), ctx=self.context(),
                         clock=self.clock)
+        inst.faults = Faults(iid, faults or None)  # none given: $LLUMNIX_FAULTS, as the daemon reads it
+        inst.watchdog.on_hung = lambda: self.exited(iid, EXIT_HUNG)
         self.instances[iid] = inst
         self.runs[iid] = asyncio.ensure_future(inst.run())
         return inst
@@ -132,6 +138,11 @@ class VirtualCluster:
         inst.watchdog.stop()
         inst.ctx.destroy(linger=0)
 
+    def exited(self, iid: str, status: int) -> None:
+        """The instance exits by itself with ``status`` (as os._exit: nothing more is said)."""
+        self.exits[iid] = status
+        self.kill(iid)
+
     def kill_proxy(self) -> None:
         """As kill -9 of the proxy: its tasks end, its sockets close, it tells nobody (no aborts)."""
         p = self.proxy
@@ -141,6 +152,37 @@ class VirtualCluster:
         p.sec.close()
         p.ctx.destroy(linger=0)
         self.proxy = None
+
+    async def restart_proxy(self) -> ClusterClient:
+        """As kill -9 of the proxy, then a new one at the same token address (``proxy.token_address`` set, as an
+        operator's unit has it): it knows none of the old one's streams."""
+        address = self.proxy.token_address
+        self.kill_proxy()
+        cfg = load_config(None, self.sets + [f"proxy.token_address={address}"])
+        # The old socket's name is released by ZeroMQ's reaper thread (real time, a moment): bind when it is.
+        deadline = time.monotonic() + 10
+        while True:
+            proxy = ClusterClient(cfg, ctx=self.context(), clock=self.clock)
+            try:
+                await proxy.start()
+                break
+            except runtime.StartupError:
+                proxy.sec.close()
+                proxy.ctx.destroy(linger=0)
+                assert time.monotonic() < deadline, f"{address} was not released"
+                time.sleep(0.001)
+        self.proxy = proxy
+        # Over TCP the instances' PUSH sockets reconnect by themselves; an inproc connection whose peer closed
+        # is never made again, so the harness makes it, as the reconnect timer would.
+        for inst in self.instances.values():
+            link = inst.proxies.links.get(address)
+            if link is not None:
+                try:
+                    link.sock.disconnect(address)
+                except zmq.ZMQError:  # the connection went with its peer
+                    pass
+                link.sock.connect(address)
+        return proxy
 
     async def restart_manager(self) -> Manager:
         """As kill -9 of the manager, then a new one on its address: it keeps no state, all it knows comes

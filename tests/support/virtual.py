@@ -76,10 +76,15 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 class LoopClock(Clock):
     """A daemon core's clock that reads the event loop's (virtual) time."""
 
+    real = False
+
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
 
     def monotonic(self) -> float:
+        return self.loop.time()
+
+    def time(self) -> float:
         return self.loop.time()
 
     def call_later(self, delay_s: float, fn: Callable, *args) -> asyncio.TimerHandle:

@@ -148,3 +148,52 @@ def test_the_requests_of_a_killed_proxy_are_aborted_as_orphans():
         assert all(inst.engine.load().blocks_used == 0 for inst in c.instances.values())
 
     VirtualCluster.run(scenario, sets=PACED + ["manager.dispatch_policy=rr", "instance.orphan_timeout_s=1.5"])
+
+
+def test_a_hung_step_makes_the_instance_unhealthy_its_streams_fail_over_then_it_exits_with_status_3(caplog):
+    """The watchdog judges on the instance's clock: a step that never ends makes the instance unhealthy after
+    instance.step_timeout_s (its heartbeats say so), the proxy fails its stream over mid-stream to the other
+    instance at once, and instance.hung_exit_s later the hung instance exits with status 3 (the stream had
+    already moved: the exit costs nothing)."""
+    async def scenario(c: VirtualCluster):
+        s = await c.request(max_tokens=150)
+        await c.tokens(s, 1)
+        assert s.instance_id == "i0"
+        await c.until(lambda: c.instances["i0"].steps == 29, 10, "i0 did not step up to its hang")
+        hung = c.loop.time()
+        moved = await c.until(lambda: s.instance_id == "i1", 10, "the stream did not fail over")
+        assert "i0" not in c.exits  # it failed over while i0 still ran: because i0 said it is unhealthy
+        assert c.instances["i0"].watchdog.stalled.startswith("an engine step has run for")
+        await c.until(lambda: "i0" in c.exits, 10, "the hung instance did not exit")
+        exited = c.loop.time() - hung
+        assert ids(await c.result(s)) == c.expected(s, 150)  # every index once, in order
+        assert c.exits == {"i0": 3} and s.failovers == 1
+        # Unhealthy after step_timeout_s (1) at the watchdog's next look (every quarter of it); the instance's
+        # next heartbeat says so (every 0.2 s) and the proxy's next check of its streams (every 0.2 s) fails the
+        # stream over; the exit hung_exit_s (1) after the stall was seen.
+        assert 1.0 <= moved <= 1.0 + 0.25 + 0.2 + 0.2 + 0.05, moved
+        assert 2.0 <= exited <= 2.0 + 0.25 + 0.05, exited
+        assert "failed over to us: continues at token" in caplog.text  # mid-stream on i1, not a retry
+        await c.until(lambda: c.instances["i1"].engine.load().blocks_used == 0, 5, "i1 kept blocks")
+
+    caplog.set_level("INFO", logger="llumnix")
+    VirtualCluster.run(scenario, sets=PACED + ["instance.step_timeout_s=1", "instance.hung_exit_s=1",
+                                               "manager.dispatch_policy=flood"], faults={"i0": "hang_step_after=30"})
+
+
+def test_a_proxy_restarted_at_the_same_address_gets_the_old_proxys_streams_aborted():
+    """The instances' tokens for requests the restarted proxy does not know are answered with aborts, long
+    before instance.orphan_timeout_s (60 here) would have ended them: they do not decode for nobody."""
+    async def scenario(c: VirtualCluster):
+        streams = [await c.request(max_tokens=2000) for _ in range(2)]
+        await c.until(lambda: all(s.next_index >= 3 for s in streams), 5, "the streams did not start")
+        assert sorted(s.instance_id for s in streams) == ["i0", "i1"]
+        await c.restart_proxy()
+        took = await c.until(lambda: not any(inst.requests for inst in c.instances.values()), 10,
+                             "the instances kept the old proxy's requests")
+        assert took < 2, took  # its first snapshot names the instances, their next tokens get the aborts
+        assert all(inst.engine.load().blocks_used == 0 for inst in c.instances.values())
+        s = await c.request(max_tokens=20)  # and it serves
+        assert ids(await c.result(s)) == c.expected(s, 20)
+
+    VirtualCluster.run(scenario, sets=PACED + ["manager.dispatch_policy=rr", "instance.orphan_timeout_s=60"])
