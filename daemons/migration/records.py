@@ -54,7 +54,9 @@ class Outgoing:
     replies: asyncio.Queue = field(default_factory=asyncio.Queue)  # MigReady / MigDone / GONE from the destination
 
 
-PREFIX_QUERY_TIMEOUT_S = 1.0  # a destination that does not answer is taken to hold nothing
+# A destination that does not answer a prefix query within this is taken to hold nothing. It answers at its
+# next step boundary, after a long prefill step or on a loaded host seconds away: the order's choice may wait.
+PREFIX_QUERY_TIMEOUT_S = 5.0
 GONE = object()  # put in a migration's replies when the connection to its destination drops
 
 

@@ -168,12 +168,15 @@ def test_blocks_the_destination_has_cached_stay_out_of_the_copy(vcluster):
     assert s.ids == ref.ids and s.text == ref.text
     assert s.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
     settle(vcluster)
-    # Choosing what goes weighs what would move: of two requests on the source, the one with more blocks
-    # (8, six of them the prefix the destination holds) moves 2, the other (3 blocks, nothing shared) 3.
+    # Choosing what goes weighs what would move: of two requests on the source, the one with more blocks (a
+    # 232-token prompt, six blocks of it the prefix the destination holds) moves fewer than the other (136
+    # tokens, nothing shared). Both decode in the same batches, the first a few tokens ahead, so however far
+    # they have got when the source chooses (a busy machine is slow to run the CLI), the first has 3 to 5
+    # blocks more and moves 1 to 3 fewer: a choice blind to the destination's cache would take the other.
     body = {"max_tokens": 200, **KINDS["greedy"]}
     shared_one = Stream(vcluster.url, {**body, "prompt": shared + list(range(300, 340))})
     shared_one.wait_tokens(1)
-    plain = Stream(vcluster.url, {**body, "prompt": list(range(700, 790))})  # a prompt no earlier test sent
+    plain = Stream(vcluster.url, {**body, "prompt": list(range(700, 836))})  # a prompt no earlier test sent
     plain.wait_tokens(2)
     assert where(vcluster, shared_one.rid) == where(vcluster, plain.rid) == src
     res, outs = migrate(vcluster, "--from", src, "--to", dst, "--count", "1")
