@@ -21,7 +21,7 @@ from pathlib import Path
 
 from daemons.config import load_config
 from daemons.engine import sim as sim_engine
-from llumnixctl.experiments.figs.common import PAPER_LIKE, PAPER_NET, ratio, trace_summary, write
+from llumnixctl.experiments.figs.common import PAPER_LIKE, PAPER_NET, percentile, ratio, trace_summary, write
 from llumnixctl.experiments.simulate import Network, Simulation
 from llumnixctl.experiments.tracemix import PAPER_BOUNDS, paper_trace
 
@@ -98,16 +98,6 @@ def _patch_preempt() -> None:
     sim_engine.SimEngine._figs_patched = True
 
 
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return 0.0
-    ys = sorted(xs)
-    pos = (len(ys) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(ys) - 1)
-    return ys[lo] + (ys[hi] - ys[lo]) * (pos - lo)
-
-
 def _herding(dispatches: list[tuple[float, str]], n_instances: int) -> dict:
     """Herding of dispatches, by 100 ms windows of virtual time (see HERDING in the JSON)."""
     windows: dict[int, Counter] = defaultdict(Counter)
@@ -121,7 +111,7 @@ def _herding(dispatches: list[tuple[float, str]], n_instances: int) -> dict:
     return {
         "windows": len(shares),
         "mean_max_share": sum(shares) / len(shares) if shares else None,
-        "p99_max_share": _pct(shares, 99) if shares else None,
+        "p99_max_share": percentile(shares, 99) if shares else None,
         "ideal_max_share": None if not busy else sum(
             -(-sum(c.values()) // n_instances) / sum(c.values()) for c in busy) / len(busy),
         "same_as_previous": same / max(1, len(dispatches) - 1),

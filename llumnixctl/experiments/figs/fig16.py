@@ -16,8 +16,8 @@ import os
 import time
 from pathlib import Path
 
-from llumnixctl.experiments.figs.common import PAPER_LIKE, PAPER_NET, trace_summary, write
-from llumnixctl.experiments.figs.fig11 import COMMON_SETS, bounds, _pct, latency, parser, run_jobs
+from llumnixctl.experiments.figs.common import PAPER_LIKE, PAPER_NET, percentile, trace_summary, write
+from llumnixctl.experiments.figs.fig11 import COMMON_SETS, bounds, latency, parser, run_jobs
 from llumnixctl.experiments.tracemix import paper_trace
 
 MIX, ARRIVAL, CV, RATE16 = "M-M", "gamma", 2.0, 120
@@ -37,8 +37,8 @@ PAPER = {
 def _stats_ms(xs: list[float]) -> dict:
     if not xs:
         return {"calls": 0}
-    return {"calls": len(xs), "mean_ms": 1e3 * sum(xs) / len(xs), "p50_ms": 1e3 * _pct(xs, 50),
-            "p99_ms": 1e3 * _pct(xs, 99), "max_ms": 1e3 * max(xs), "total_s": sum(xs)}
+    return {"calls": len(xs), "mean_ms": 1e3 * sum(xs) / len(xs), "p50_ms": 1e3 * percentile(xs, 50),
+            "p99_ms": 1e3 * percentile(xs, 99), "max_ms": 1e3 * max(xs), "total_s": sum(xs)}
 
 
 def _manager_scale(path: Path) -> dict | None:
