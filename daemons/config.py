@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from daemons import endpoints
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - 3.10
@@ -34,15 +36,17 @@ class ConfigError(Exception):
 
 
 def setting(default: Any, help: str, *, choices: tuple | None = None, minimum: float | None = None,
-            maximum: float | None = None):
-    meta = {"help": help, "choices": choices, "minimum": minimum, "maximum": maximum}
+            maximum: float | None = None, endpoint: str | None = None):
+    """``endpoint``: "bind" or "connect", a ZeroMQ endpoint used so (daemons/endpoints.py); empty only where
+    the default is."""
+    meta = {"help": help, "choices": choices, "minimum": minimum, "maximum": maximum, "endpoint": endpoint}
     return field(default=default, metadata=meta)
 
 
 @dataclass
 class ManagerConfig:
-    address: str = setting("tcp://127.0.0.1:7100", "ZeroMQ address where instances, proxies and llumnixctl reach the manager")
-    bind: str = setting("", "address the manager binds; empty = same as address (use tcp://*:PORT to listen on all interfaces)")
+    address: str = setting("tcp://127.0.0.1:7100", "ZeroMQ address where instances, proxies and llumnixctl reach the manager", endpoint="connect")
+    bind: str = setting("", "address the manager binds; empty = same as address (use tcp://*:PORT to listen on all interfaces)", endpoint="bind")
     heartbeat_interval_s: float = setting(0.5, "an instance reports its load at least this often", minimum=0.01)
     dead_after_missed: int = setting(3, "heartbeats an instance may miss before it counts as late; a late instance whose connection is up stays in dispatch (slow is not dead), one whose connection cannot be watched is marked dead", minimum=1)
     link_timeout_s: float = setting(3.0, "a connection to an instance that answers no keepalive for this long is dropped and reconnected; the instance is marked dead when the reconnection is refused (its process is gone: a killed one within ~0.1 s) or has not completed within this long again (frozen, or host unreachable); keepalives are answered by ZeroMQ's I/O thread, so a busy instance keeps answering", minimum=0.05)
@@ -62,8 +66,8 @@ class InstanceConfig:
     id: str = setting("", "instance id shown by llumnixctl; empty = HOST-PORT of the request socket")
     host: str = setting("", "host name reported to the manager; empty = this machine's hostname")
     backend: str = setting("sim", "engine: sim (latency model, real KV-shaped tensors) or vllm (the real engine, in-process)", choices=("sim", "vllm"))
-    request_address: str = setting("tcp://127.0.0.1:0", "ZeroMQ address the instance binds for requests from proxies (port 0 = any free port)")
-    advertise_address: str = setting("", "address proxies use to reach this instance; empty = the bound request address")
+    request_address: str = setting("tcp://127.0.0.1:0", "ZeroMQ address the instance binds for requests from proxies (port 0 = any free port)", endpoint="bind")
+    advertise_address: str = setting("", "address proxies use to reach this instance; empty = the bound request address", endpoint="connect")
     shutdown_grace_s: float = setting(30.0, "on SIGTERM (or llumnixctl remove) the instance drains for up to this long: queued requests are dispatched again, running ones migrate out or finish; what is left is then failed", minimum=0.0)
     min_step_s: float = setting(0.0, "every engine step takes at least this long (experiments: emulate a slower accelerator; 0 = off)", minimum=0.0)
     load_report_min_interval_s: float = setting(0.02, "load changes are reported at most this often (coalesced)", minimum=0.0)
@@ -81,8 +85,8 @@ class InstanceConfig:
 class ProxyConfig:
     host: str = setting("127.0.0.1", "HTTP listen address of the OpenAI-compatible API")
     port: int = setting(8000, "HTTP listen port", minimum=0, maximum=65535)
-    token_address: str = setting("tcp://127.0.0.1:0", "ZeroMQ address the proxy binds for token outputs from instances (port 0 = any free port)")
-    advertise_address: str = setting("", "address instances use to reach this proxy; empty = the bound token address")
+    token_address: str = setting("tcp://127.0.0.1:0", "ZeroMQ address the proxy binds for token outputs from instances (port 0 = any free port)", endpoint="bind")
+    advertise_address: str = setting("", "address instances use to reach this proxy; empty = the bound token address", endpoint="connect")
     dispatch: str = setting("local", "who chooses a new request's instance: local (this proxy, by the cluster's dispatch policy over the instances' streamed loads and its own in-flight dispatches; the manager is told afterwards) or manager (ask the manager for every request, one round trip)", choices=("local", "manager"))
     dispatch_timeout_s: float = setting(0.5, "wait this long for the manager's dispatch answer, then choose from the last snapshot", minimum=0.001)
     snapshot_interval_s: float = setting(0.5, "how often the proxy refreshes its copy of the cluster view", minimum=0.01)
@@ -257,6 +261,11 @@ def _check(section: str, f: dataclasses.Field, value: Any, where: str) -> Any:
         raise ConfigError(f"{where}: {key} must be >= {minimum}; got {value!r}")
     if maximum is not None and value > maximum:
         raise ConfigError(f"{where}: {key} must be <= {maximum}; got {value!r}")
+    endpoint = f.metadata.get("endpoint")
+    if endpoint and not (value == "" and f.default == ""):
+        why = endpoints.problem(value, bind=endpoint == "bind")
+        if why:
+            raise ConfigError(f"{where}: {key} {value!r} {why}")
     return value
 
 

@@ -28,6 +28,8 @@ import logging
 
 import msgspec
 
+from daemons import endpoints
+
 WIRE_VERSION = 1
 
 log = logging.getLogger("llumnix.wire")
@@ -112,6 +114,9 @@ class Register(msgspec.Struct, **_tagged(1)):
     cordoned: bool = False
     uptime_s: float = 0.0
 
+    def __post_init__(self) -> None:
+        endpoints.check(self.request_address, "request_address")
+
 
 class RegisterAck(msgspec.Struct, **_tagged(2)):
     instance_id: str
@@ -147,6 +152,9 @@ class DispatchReply(msgspec.Struct, **_tagged(11)):
     instance_id: str = ""  # empty: no live instance
     request_address: str = ""
     reason: str = ""
+
+    def __post_init__(self) -> None:
+        endpoints.check(self.request_address, "request_address", empty_ok=True)
 
 
 class SnapshotQuery(msgspec.Struct, **_tagged(12)):
@@ -186,6 +194,9 @@ class InstanceView(msgspec.Struct, array_like=True, omit_defaults=True):
     drain_reason: str = ""  # "operator", "scale-in", "remove", "stopping" while draining
     migrations_ordered: int = 0  # manager-ordered migrations in flight with it as source or destination
     credit: float = 0.0  # blocks of negative virtual usage left (a new instance being filled first)
+
+    def __post_init__(self) -> None:
+        endpoints.check(self.request_address, "request_address", empty_ok=True)
 
 
 class Snapshot(msgspec.Struct, **_tagged(13)):
@@ -285,6 +296,9 @@ class Submit(msgspec.Struct, **_tagged(40)):
     # index len(output_token_ids), counting max_tokens as if nothing had happened.
     output_token_ids: list[int] = []
 
+    def __post_init__(self) -> None:
+        endpoints.check(self.reply_to, "reply_to")
+
 
 class Abort(msgspec.Struct, **_tagged(41)):
     request_id: str
@@ -296,6 +310,9 @@ class ProxyAlive(msgspec.Struct, **_tagged(42)):
     requests of a proxy it has not heard from for instance.orphan_timeout_s."""
 
     token_address: str
+
+    def __post_init__(self) -> None:
+        endpoints.check(self.token_address, "token_address")
 
 
 # ---------------------------------------------------------------- instance -> proxy (token path)
@@ -344,6 +361,9 @@ class Moved(msgspec.Struct, **_tagged(52)):
     epoch: int = 0  # the placement epoch the new owner claims
     from_index: int = 0  # the first output index it produces
 
+    def __post_init__(self) -> None:
+        endpoints.check(self.request_address, "request_address")
+
 
 class Heartbeat(msgspec.Struct, **_tagged(54)):
     """instance -> every proxy it serves, each heartbeat interval: it is alive (and whether its engine makes
@@ -355,6 +375,9 @@ class Heartbeat(msgspec.Struct, **_tagged(54)):
     load: InstanceLoad | None = None
     accepting: bool = True  # takes new requests (not draining, cordoned or stopping)
     taken: int = 0  # Submits from this proxy taken in by the step boundary whose load this is (monotonic)
+
+    def __post_init__(self) -> None:
+        endpoints.check(self.request_address, "request_address")
 
 
 # ---------------------------------------------------------------- migration
@@ -370,6 +393,9 @@ class MigratingRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     priority: int = 0
     arrival_time: float = 0.0
     max_total: int = 0  # the most tokens it may reach on the source (prompt + max_tokens, capped by its context)
+
+    def __post_init__(self) -> None:
+        endpoints.check(self.reply_to, "reply_to", empty_ok=True)  # empty until the source sets it
 
 
 class RequestState(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -438,6 +464,9 @@ class MigrateStart(msgspec.Struct, **_tagged(62)):
     headroom: float = 0.0
     cooldown_s: float = 0.0
     dst_free_blocks: float = -1.0  # the destination's free blocks (-1: unknown): the chosen ones must fit
+
+    def __post_init__(self) -> None:
+        endpoints.check(self.dst_address, "dst_address")
 
 
 class MigrateResult(msgspec.Struct, **_tagged(63)):

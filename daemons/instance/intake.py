@@ -77,19 +77,26 @@ class IntakeMixin:
     async def serve_requests(self) -> None:
         async for batch in runtime.receive(self.router, multipart=True):
             for frames in batch:
-                msg = wire.decode(frames[-1]) if len(frames) == 2 else None
-                if isinstance(msg, (wire.MigStage, wire.MigAbort, wire.PrefixQuery)):
-                    self.migrator.on_peer_message(frames[0], msg)
-                    continue
-                if isinstance(msg, wire.ProxyAlive):
-                    self.proxies.seen(msg.token_address)
-                    continue
-                if isinstance(msg, wire.Submit):
-                    self.proxies.seen(msg.reply_to)
-                elif not isinstance(msg, wire.Abort):
+                try:
+                    self._take(frames)
+                except Exception:  # one peer's message must not end the request socket's loop (nor the instance)
                     M_BAD_FRAMES.inc()
-                    if msg is not None or len(frames) != 2:
-                        log.warning("dropped an unexpected message on the request socket")
-                    continue
-                self.inbox.append(msg)
+                    log.exception("a message on the request socket broke its handler; dropped it")
             self.wake.set()
+
+    def _take(self, frames: list[bytes]) -> None:
+        msg = wire.decode(frames[-1]) if len(frames) == 2 else None
+        if isinstance(msg, (wire.MigStage, wire.MigAbort, wire.PrefixQuery)):
+            self.migrator.on_peer_message(frames[0], msg)
+            return
+        if isinstance(msg, wire.ProxyAlive):
+            self.proxies.seen(msg.token_address)
+            return
+        if isinstance(msg, wire.Submit):
+            self.proxies.seen(msg.reply_to)
+        elif not isinstance(msg, wire.Abort):
+            M_BAD_FRAMES.inc()
+            if msg is not None or len(frames) != 2:
+                log.warning("dropped an unexpected message on the request socket")
+            return
+        self.inbox.append(msg)

@@ -180,7 +180,11 @@ class Manager(ViewMixin, RegistryMixin, LivenessMixin, DispatchMixin, QueriesMix
                     dispatches.append((frames[0], msg))  # after the batch's reports: with the freshest loads
                 else:
                     self.sender = principal
-                    await self.handle(frames[0], msg)
+                    try:
+                        await self.handle(frames[0], msg)
+                    except Exception:  # one peer's message must not end the manager's loop
+                        M_BAD_FRAMES.inc()
+                        log.exception("a %s broke its handler; dropped it", type(msg).__name__)
             if dispatches:
                 replies = self.on_dispatch_batch([m for _, m in dispatches])
                 for (ident, _), reply in zip(dispatches, replies):

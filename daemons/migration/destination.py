@@ -42,6 +42,8 @@ class DestinationMixin:
             return f"already in {self.busy} migrations (migration.max_in_flight)"
         if msg.request.request_id in self.requests:
             return "the request id is already in use here"
+        if not msg.request.reply_to:
+            return "the request names no proxy to stream to (reply_to)"
         return ""
 
     def _answer(self, identity: bytes, msg) -> None:

@@ -88,26 +88,30 @@ class ManagerLinkMixin:
     async def _recv_manager(self) -> None:
         while True:
             msg = wire.decode(await self.manager.recv())
-            if isinstance(msg, wire.Snapshot):
-                self.snapshot, self.snapshot_at = msg.instances, self.clock.monotonic()
-                self._wake_waiting()
-                self.view.invalidate()
-                self.rank, self.proxies = msg.proxy_rank, msg.proxies
-                M_PEERS.set(msg.proxies)
-                for v in msg.instances:
-                    self.addresses[v.instance_id] = v.request_address
-                    if v.state != "dead" and v.request_address and v.request_address not in self.instances:
-                        # An instance streams its load to the proxies it knows: tell it about us now.
-                        self._send_instance(v.request_address, wire.ProxyAlive(self.token_address))
-                if msg.dispatch_policy in policy.DISPATCH_POLICIES:
-                    self.dispatch_policy = msg.dispatch_policy
-                self._check_gone(msg.uptime_s)
-            if isinstance(msg, (wire.DispatchReply, wire.Snapshot)):
-                fut = self._queries.get(msg.query_id)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
-            elif msg is None:
+            try:
+                if isinstance(msg, wire.Snapshot):
+                    self.snapshot, self.snapshot_at = msg.instances, self.clock.monotonic()
+                    self._wake_waiting()
+                    self.view.invalidate()
+                    self.rank, self.proxies = msg.proxy_rank, msg.proxies
+                    M_PEERS.set(msg.proxies)
+                    for v in msg.instances:
+                        self.addresses[v.instance_id] = v.request_address
+                        if v.state != "dead" and v.request_address and v.request_address not in self.instances:
+                            # An instance streams its load to the proxies it knows: tell it about us now.
+                            self._send_instance(v.request_address, wire.ProxyAlive(self.token_address))
+                    if msg.dispatch_policy in policy.DISPATCH_POLICIES:
+                        self.dispatch_policy = msg.dispatch_policy
+                    self._check_gone(msg.uptime_s)
+                if isinstance(msg, (wire.DispatchReply, wire.Snapshot)):
+                    fut = self._queries.get(msg.query_id)
+                    if fut is not None and not fut.done():
+                        fut.set_result(msg)
+                elif msg is None:
+                    M_BAD_FRAMES.inc()
+            except Exception:  # this task is essential: one message must not end it (nor the proxy)
                 M_BAD_FRAMES.inc()
+                log.exception("a message from the manager broke its handler; dropped it")
 
     async def _poll_snapshot(self) -> None:
         while True:

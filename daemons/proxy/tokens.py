@@ -41,7 +41,11 @@ class TokenPathMixin:
     async def _recv_tokens(self) -> None:
         async for frames in runtime.receive(self.pull):
             for frame in frames:
-                self.on_instance_message(wire.decode(frame))
+                try:
+                    self.on_instance_message(wire.decode(frame))
+                except Exception:  # this task is essential: one peer's message must not end it (nor the proxy)
+                    M_BAD_FRAMES.inc()
+                    log.exception("a message on the token path (%d bytes) broke its handler; dropped it", len(frame))
 
     def on_instance_message(self, msg: wire.Message | None) -> None:
         """One message on the token path (tokens, heartbeats, ownership claims, give-backs, refusals)."""

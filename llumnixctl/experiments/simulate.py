@@ -188,7 +188,7 @@ class Simulation(ScalingMixin, MigrationMixin):
         inst = SimulatedInstance(iid, SimEngine(self.cfg.sim, self.cfg.model, kv=False), ident=iid.encode(), born=self.clock.now)
         self.instances[iid] = inst
         self.mgr.on_register(inst.ident, wire.Register(
-            iid, self.cfg.instance.host or "sim", 0, f"sim://{iid}", "sim", self.cfg.model.name, inst.engine.load(),
+            iid, self.cfg.instance.host or "sim", 0, f"inproc://sim-{iid}", "sim", self.cfg.model.name, inst.engine.load(),
             max_model_len=self.cfg.model.max_model_len))
         beat = self.cfg.manager.heartbeat_interval_s
         self.at(self.clock.now + beat * (1 + len(self.instances) % 7) / 7, self._heartbeat, inst)

@@ -103,7 +103,7 @@ class Inst:
 
     @property
     def address(self) -> str:
-        return f"mem://{self.iid}"  # not tcp:// or ipc://: the manager watches no socket of ours
+        return f"inproc://scripted-{self.iid}"  # not tcp:// or ipc://: the manager watches no socket of ours
 
     def register_msg(self) -> wire.Register:
         return wire.Register(self.iid, "host-" + self.iid, 1000 + len(self.bench.instances), self.address, "sim",

@@ -60,7 +60,7 @@ class Fleet:
     async def submit(self, rank: int, n: int) -> None:
         c = self.proxies[rank]
         rid = f"p{rank}-{len(self.sent)}"
-        await c.submit(wire.Submit(rid, list(range(20)), wire.SamplingParams(max_tokens=n), "tcp://proxy"))
+        await c.submit(wire.Submit(rid, list(range(20)), wire.SamplingParams(max_tokens=n), "tcp://proxy:5"))
 
     def heartbeats(self) -> None:
         """Every instance tells every proxy its load now (all it received) and how many of that proxy's it took."""

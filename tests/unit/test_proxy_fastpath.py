@@ -122,6 +122,7 @@ def both(tmp_path_factory):
                              "model.max_model_len=64", "proxy.max_prompt_tokens=40"])
     app = build_app(cfg)
     proxy = app.state.proxy
+    proxy.cluster.token_address = "inproc://fastpath-proxy"  # what start() would have bound (it is not started)
     instance = FakeInstance(proxy.cluster)
     yield {"fast": Client(FastPath(app, proxy, LIMIT)), "fastapi": Client(app)}, proxy, instance
     proxy.cluster.ctx.destroy(linger=0)

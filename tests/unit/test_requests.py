@@ -15,7 +15,7 @@ from daemons.requests import AbortAction, RequestTable
 
 def test_table_admit_advance_forget():
     t = RequestTable()
-    t.admit("r", "tcp://p", epoch=1)
+    t.admit("r", "tcp://p:3", epoch=1)
     assert "r" in t and t.get("r").emitted == 0
     t.advance("r", 0, finished=False)
     t.advance("r", 1, finished=False)
@@ -26,32 +26,32 @@ def test_table_admit_advance_forget():
 
 def test_failover_admission_continues_at_its_index():
     t = RequestTable()
-    e = t.admit("r", "tcp://p", epoch=3, emitted=17)
+    e = t.admit("r", "tcp://p:3", epoch=3, emitted=17)
     assert (e.epoch, e.emitted, e.arrived) == (3, 17, 0.0)
 
 
 def test_aborts_follow_epochs_and_migrations():
     t = RequestTable()
-    t.admit("r", "tcp://p", epoch=2)
+    t.admit("r", "tcp://p:3", epoch=2)
     assert t.abort("r", epoch=1) is AbortAction.STALE  # meant for an older copy
     assert t.abort("r", epoch=2) is AbortAction.HERE
     assert t.abort("r") is AbortAction.HERE  # a client's abort: whichever copy
     entry = t.begin_migration("r")
     assert t.begin_migration("r") is None  # one migration at a time
     assert t.abort("r") is AbortAction.DEFERRED
-    t.hand_over("r", "tcp://dst")
+    t.hand_over("r", "tcp://dst:6")
     assert t.end_migration(entry) is True  # the deferred abort is still known after the hand-over
-    assert t.abort("r") is AbortAction.FOLLOW and t.moved_to("r") == "tcp://dst"
+    assert t.abort("r") is AbortAction.FOLLOW and t.moved_to("r") == "tcp://dst:6"
     assert t.abort("r") is AbortAction.UNKNOWN  # followed once
 
 
 def test_take_over_marks_arrival_and_reclaim_bumps_the_epoch():
     t = RequestTable()
     before = time.monotonic()
-    t.take_over("r", "tcp://p", epoch=4, emitted=9)
+    t.take_over("r", "tcp://p:3", epoch=4, emitted=9)
     assert list(t.arrivals()) == ["r"] and before <= t.arrivals()["r"] <= time.monotonic()
     assert t.reclaim("r").epoch == 5
-    assert t.of_proxy("tcp://p") == ["r"] and t.proxies() == {"tcp://p"}
+    assert t.of_proxy("tcp://p:3") == ["r"] and t.proxies() == {"tcp://p:3"}
 
 
 def _out(index: int, epoch: int, rid: str = "r") -> wire.TokenOut:
@@ -59,7 +59,7 @@ def _out(index: int, epoch: int, rid: str = "r") -> wire.TokenOut:
 
 
 def test_stream_takes_tokens_only_from_its_owner():
-    s = Stream("r", wire.Submit("r", [1], wire.SamplingParams(), "tcp://p"))
+    s = Stream("r", wire.Submit("r", [1], wire.SamplingParams(), "tcp://p:3"))
     s.instance_id, s.epoch = "i0", 1
     assert s.owns("i0", _out(0, 1)) and not s.owns("i1", _out(0, 1))  # same epoch, another copy
     # A migration commits on i1 as epoch 2 from index 5: the source's tokens before 5 still count (they may
@@ -70,7 +70,7 @@ def test_stream_takes_tokens_only_from_its_owner():
 
 
 def test_stream_delivers_each_index_once_in_order():
-    s = Stream("r", wire.Submit("r", [1], wire.SamplingParams(), "tcp://p"))
+    s = Stream("r", wire.Submit("r", [1], wire.SamplingParams(), "tcp://p:3"))
     for i in (0, 2, 1, 1, 3):
         s.feed(_out(i, 1))
     assert [o.index for o in s.ready] == [0, 1, 2, 3] and s.token_ids == [100, 101, 102, 103]

@@ -41,9 +41,9 @@ def test_the_last_stage_comes_when_few_blocks_are_left_after_enough_stages_or_wi
 
 
 def test_a_balancing_order_keeps_what_arrived_within_its_cooldown_and_a_drain_keeps_only_migrating():
-    balance = wire.MigrateStart(1, "i1", "tcp://x", reason="balance", cooldown_s=10.0)
-    drain = wire.MigrateStart(1, "i1", "tcp://x", reason="drain", drain=True, cooldown_s=10.0)
-    operator = wire.MigrateStart(1, "i1", "tcp://x", count=1)
+    balance = wire.MigrateStart(1, "i1", "tcp://x:4", reason="balance", cooldown_s=10.0)
+    drain = wire.MigrateStart(1, "i1", "tcp://x:4", reason="drain", drain=True, cooldown_s=10.0)
+    operator = wire.MigrateStart(1, "i1", "tcp://x:4", count=1)
     arrivals = {"new": 95.0, "old": 80.0}
     assert keep_for(balance, {"moving"}, arrivals, now=100.0) == {"moving", "new"}
     assert keep_for(drain, {"moving"}, arrivals, now=100.0) == {"moving"}

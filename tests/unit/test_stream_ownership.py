@@ -75,10 +75,11 @@ def histories(draw):
 def test_every_index_once_in_order_from_one_copy_whatever_the_arrival_order(history):
     by_sender, order, n, cut, race, owners = history
     client = ClusterClient(load_config(None, []))
+    client.token_address = "inproc://ownership-proxy"  # what start() would have bound (it is not started)
     aborts: list[tuple[str, wire.Message]] = []
     client._send_instance = lambda addr, msg: aborts.append((addr, msg)) if isinstance(msg, wire.Abort) else True
     try:
-        stream = Stream(RID, wire.Submit(RID, [1, 2, 3], wire.SamplingParams(), "tcp://proxy"))
+        stream = Stream(RID, wire.Submit(RID, [1, 2, 3], wire.SamplingParams(), "tcp://proxy:5"))
         stream.instance_id, stream.address, stream.epoch = owners[0], address(owners[0]), 1  # as a dispatch does
         client.streams[RID] = stream
         client.addresses = {iid: address(iid) for iid in IDS}
