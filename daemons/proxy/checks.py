@@ -37,6 +37,22 @@ class ChecksMixin:
             raise ApiError(400, "prompt is empty", "prompt")
         return ids
 
+    def _check_stops(self, req: CompletionRequest | ChatRequest) -> None:
+        """Stop strings and stop token ids within the proxy's limits: each stop string is looked for in every
+        token's text, so their number and length bound the work a request makes per token."""
+        pc = self.pc
+        stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+        if len(stops) > pc.max_stop_strings:
+            raise ApiError(400, f"stop has {len(stops)} strings; this server accepts at most {pc.max_stop_strings} "
+                                f"(proxy.max_stop_strings)", "stop")
+        longest = max((len(s) for s in stops), default=0)
+        if longest > pc.max_stop_length:
+            raise ApiError(400, f"a stop string has {longest} characters; this server accepts at most "
+                                f"{pc.max_stop_length} (proxy.max_stop_length)", "stop")
+        if len(req.stop_token_ids) > pc.max_stop_token_ids:
+            raise ApiError(400, f"stop_token_ids has {len(req.stop_token_ids)} ids; this server accepts at most "
+                                f"{pc.max_stop_token_ids} (proxy.max_stop_token_ids)", "stop_token_ids")
+
     def _chat_prompt(self, req: ChatRequest | TokenizeRequest, add_generation_prompt: bool) -> str:
         try:
             return self.tokenizer.apply_chat_template(req.prompt_messages(), add_generation_prompt,

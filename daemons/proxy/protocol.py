@@ -323,6 +323,8 @@ def decode_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
         raise ApiError(400, text, param) from None
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    except RecursionError:  # msgspec stops at the interpreter's recursion limit (about a thousand levels)
+        raise ApiError(400, "request body is not valid JSON for this server: it is nested too deeply") from None
 
 
 PRIORITIES = {"normal": 0, "high": 1}
@@ -346,22 +348,27 @@ class StopChecker:
     def __init__(self, stops: list[str]):
         self.stops = stops
         self.hold = max((len(s) for s in stops), default=1) - 1
+        # Only the text a stop string could still start in is kept: what is held back, and the ``hold``
+        # characters sent before it (a stop may begin there and end in the next token). Work per token is
+        # bounded by the stops' number and length, whatever the output's.
         self.text = ""
-        self.sent = 0
+        self.sent = 0  # how much of ``text`` went out
 
     def feed(self, piece: str) -> tuple[str, bool]:
         """Add a token's text; return (text now safe to send, whether a stop string ended the output)."""
         if not self.stops:  # nothing is held back (nor kept: the output's text would grow with every token)
             return piece, False
-        self.text += piece
+        text = self.text + piece
         start = max(0, self.sent - self.hold)
-        cut = min((i for i in (self.text.find(s, start) for s in self.stops) if i >= 0), default=-1)
+        cut = min((i for i in (text.find(s, start) for s in self.stops) if i >= 0), default=-1)
         if cut >= 0:
-            out = self.text[self.sent:cut]
-            self.text, self.sent = self.text[:cut], cut
+            out = text[self.sent:cut]
+            self.text, self.sent = text[:cut], cut
             return out, True
-        safe = max(self.sent, len(self.text) - self.hold)
-        out, self.sent = self.text[self.sent:safe], safe
+        safe = max(self.sent, len(text) - self.hold)
+        out = text[self.sent:safe]
+        keep = max(0, safe - self.hold)
+        self.text, self.sent = text[keep:], safe - keep
         return out, False
 
     def flush(self) -> str:

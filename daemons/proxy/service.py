@@ -47,6 +47,7 @@ class Proxy(ChecksMixin, OutputMixin, RoutesMixin):
         self.access_log = cfg.proxy.access_log
         self.active: set[str] = set()  # ids of the requests this proxy is serving
         self.max_prompt_tokens = cfg.proxy.max_prompt_tokens  # 0: only the context limit
+        self.pc = cfg.proxy
     async def handle(self, call: Call, chat: bool) -> Reply:
         """One completion or chat request; logs it once it is answered (a stream: once it ends). Raises
         ApiError for an answer that is an error."""
@@ -94,6 +95,7 @@ class Proxy(ChecksMixin, OutputMixin, RoutesMixin):
         job.model = body.model
         self._check_model(body.model)
         body.unsupported()
+        self._check_stops(body)
         self._admit(parse_priority(body.priority, header_priority))
         if job.chat:
             prompt = self._chat_prompt(body, body.add_generation_prompt)

@@ -1,4 +1,5 @@
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from daemons.proxy.protocol import ApiError, ChatRequest, CompletionRequest, StopChecker, decode_body, parse_priority
 
@@ -138,3 +139,49 @@ def test_counts_past_the_wire_limit_are_a_400_naming_the_field(kind, field):
         with pytest.raises(ApiError) as exc:
             decode_body(f'{{"model": "m", {base}, "{field}": {value}}}'.encode(), kind)
         assert exc.value.status == 400 and field in exc.value.message
+
+
+class KeepAll:
+    """The stop checker as it was, keeping the whole output's text: the reference for the windowed one."""
+
+    def __init__(self, stops):
+        self.stops, self.hold, self.text, self.sent = stops, max((len(s) for s in stops), default=1) - 1, "", 0
+
+    def feed(self, piece):
+        if not self.stops:
+            return piece, False
+        self.text += piece
+        start = max(0, self.sent - self.hold)
+        cut = min((i for i in (self.text.find(s, start) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            out, self.text, self.sent = self.text[self.sent:cut], self.text[:cut], cut
+            return out, True
+        safe = max(self.sent, len(self.text) - self.hold)
+        out, self.sent = self.text[self.sent:safe], safe
+        return out, False
+
+    def flush(self):
+        out, self.sent = self.text[self.sent:], len(self.text)
+        return out
+
+
+@settings(max_examples=300)
+@given(st.lists(st.text("abc", min_size=1, max_size=4), max_size=4),
+       st.lists(st.text("abc", max_size=5), max_size=30))
+def test_stop_checking_keeps_a_window_and_says_what_keeping_everything_says(stops, pieces):
+    stops = [s for s in stops if s]
+    new, old = StopChecker(stops), KeepAll(stops)
+    for piece in pieces:
+        got = new.feed(piece)
+        assert got == old.feed(piece)
+        assert len(new.text) <= new.hold + len(piece) + new.hold  # the window, not the output
+        if got[1]:
+            return
+    assert new.flush() == old.flush()
+
+
+def test_stop_checking_work_per_token_does_not_grow_with_the_output():
+    s = StopChecker(["never appears"])
+    for _ in range(100_000):
+        s.feed("tok ")
+    assert len(s.text) <= 2 * s.hold + len("tok ")  # what is held back, and as much sent before it

@@ -173,6 +173,32 @@ def _events(data: bytes) -> list:
     return [json.loads(e[6:]) if e != b"data: [DONE]" else "[DONE]" for e in data.strip().split(b"\n\n")]
 
 
+# Requests past the limits that bound a request's work per token (proxy.max_stop_*), and JSON nested past what
+# the decoder follows: a 400 naming the field, before any tokenizing.
+LIMITS = [
+    (b'{"model": "llumnix-sim", "prompt": "x", "stop": [' + b",".join(b'"s%d"' % i for i in range(33)) + b"]}", "stop"),
+    (b'{"model": "llumnix-sim", "prompt": "x", "stop": "' + b"y" * 257 + b'"}', "stop"),
+    (b'{"model": "llumnix-sim", "prompt": "x", "stop_token_ids": [' + b",".join(b"7" for _ in range(257)) + b"]}",
+     "stop_token_ids"),
+    (b'{"guided_json":' + b"[" * 1000 + b"]" * 1000 + b"}", None),  # within LIMIT bytes
+]
+
+
+@pytest.mark.parametrize("body, param", LIMITS, ids=["stops", "stop-length", "stop-token-ids", "nesting"])
+def test_limits_name_the_field_and_the_setting(both, body, param):
+    status, _, data = _same(both, "/v1/completions", body, AUTH)
+    error = json.loads(data)["error"]
+    assert status == 400 and error["param"] == param, error
+    assert ("proxy.max_" in error["message"]) if param else ("nested too deeply" in error["message"]), error
+
+
+def test_limits_at_the_bound_pass(both):
+    body = {"model": "llumnix-sim", "prompt": "x", "max_tokens": 2, "stop": ["q" * 256] + [f"s{i}" for i in range(31)],
+            "stop_token_ids": [7] * 256}
+    status, _, data = _same(both, "/v1/completions", json.dumps(body).encode(), {**AUTH, "x-request-id": "fp-bound"})
+    assert status == 200, data
+
+
 @pytest.mark.parametrize("name,path,req", [
     ("stream", "/v1/completions", {"prompt": "hello there", "max_tokens": 5, "stream": True,
                                    "stream_options": {"include_usage": True}}),
@@ -220,7 +246,7 @@ def test_answers_match(both, name, path, req):
                              b'"tools": [{"type": "function"}]}', AUTH, 400),
     ("/v1/chat/completions", b'{"model": "llumnix-sim", "messages": []}', {**AUTH, "x-request-id": "fp-e2"}, 400),
     ("/v1/completions", b"x" * (LIMIT + 1), AUTH, 413),  # by its Content-Length
-])
+] + [("/v1/completions", body, AUTH, 400) for body, _ in LIMITS])
 def test_errors_match(both, path, body, headers, status):
     got, hdrs, data = _same(both, path, body, headers)
     assert got == status
