@@ -113,6 +113,13 @@ class _Guard:
         await response(scope, receive, send)
 
 
+def route_label(request: Request) -> str:
+    """The metric label of a request's path: the route it matched (``/v1/models/{model_id}``), never the raw
+    path, whose every variant would add a series for good; "unmatched" for none."""
+    route = request.scope.get("route")
+    return getattr(route, "path", None) or "unmatched"
+
+
 def _header(scope, name: bytes) -> str | None:
     for key, value in scope["headers"]:
         if key == name:
@@ -139,7 +146,7 @@ def build_app(cfg: Config) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
-        M_REQUESTS.labels(request.url.path, str(exc.status)).inc()
+        M_REQUESTS.labels(route_label(request), str(exc.status)).inc()
         if exc.status >= 500:
             log.warning("%s failed: %s", request.url.path, exc.message)
         return with_echo(request, exc.body(), exc.status, getattr(exc, "headers", None))
@@ -147,7 +154,7 @@ def build_app(cfg: Config) -> FastAPI:
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):
         log.exception("%s: internal error", request.url.path)
-        M_REQUESTS.labels(request.url.path, "500").inc()
+        M_REQUESTS.labels(route_label(request), "500").inc()
         return with_echo(request, ApiError(500, f"internal error: {type(exc).__name__}: {exc}").body(), 500)
 
     @app.exception_handler(StarletteHTTPException)

@@ -339,3 +339,17 @@ def test_request_path_leaves_no_reference_cycles(both):
             gc.garbage.clear()
 
     assert asyncio.run(run()) == []
+
+
+def test_error_counts_are_labelled_by_route_not_by_raw_path(both):
+    """Every /v1/models/<anything> would otherwise add a series to the proxy's metrics for good."""
+    from fastapi.testclient import TestClient
+
+    from daemons import metrics
+
+    client = TestClient(both[0]["fastapi"].app)
+    for i in range(3):
+        assert client.get(f"/v1/models/nope-{i}", headers=AUTH).status_code == 404
+    routes = {s.labels["route"] for m in metrics.P_REQUESTS.family.collect() for s in m.samples
+              if s.labels.get("status") == "404"}
+    assert "/v1/models/{model_id:path}" in routes and not any("nope" in r for r in routes), routes
