@@ -119,7 +119,13 @@ class LifecycleMixin:
         if not self.scfg.launcher.strip():
             return wire.ErrorReply(msg.query_id, "no launcher is configured: set scaling.launcher in the manager's "
                                                  "config (e.g. \"systemctl start llumnix-instance@{n}\")")
-        results = await asyncio.gather(*(self.launcher.launch(msg.timeout_s) for _ in range(max(1, msg.count))),
+        count = max(1, msg.count)
+        have = sum(r.state != "dead" for r in self.m.instances.values()) + len(self.launcher.launches)
+        if have + count > self.scfg.max_instances:
+            return wire.ErrorReply(msg.query_id, f"adding {count} would make {have + count} instances ({have} running "
+                                                 f"or starting); scaling.max_instances is {self.scfg.max_instances}: "
+                                                 f"add fewer, or raise it in the manager's config")
+        results = await asyncio.gather(*(self.launcher.launch(msg.timeout_s) for _ in range(count)),
                                        return_exceptions=True)
         ids = [x for x in results if isinstance(x, str)]
         errors = [str(x) for x in results if isinstance(x, LaunchError)]

@@ -65,6 +65,20 @@ def test_a_failing_launch_is_reported_and_adds_nothing():
     VirtualCluster.run(scenario, instances=1, sets=["scaling.launcher=exit 3"])
 
 
+def test_an_operators_add_stays_within_max_instances():
+    async def scenario(c: VirtualCluster):
+        reply = await c.manager.resched.on_add(wire.AddQuery(1, count=2))
+        assert isinstance(reply, wire.ErrorReply) and "would make 4 instances" in reply.message, reply
+        assert "scaling.max_instances is 3" in reply.message and sorted(c.instances) == ["i0", "i1"]
+        reply = await c.manager.resched.on_add(wire.AddQuery(2, count=1))
+        assert isinstance(reply, wire.AddReply) and reply.instance_ids == ["i2"], reply
+        reply = await c.manager.resched.on_add(wire.AddQuery(3, count=1))
+        assert isinstance(reply, wire.ErrorReply) and "would make 4 instances (3 running or starting)" in reply.message
+
+    VirtualCluster.run(scenario, instances=2, sets=["scaling.max_instances=3",
+                                                    "scaling.launcher=in process (tests/support/cluster.py)"])
+
+
 def test_an_instance_told_to_stop_drains_its_requests_out_before_it_exits():
     async def scenario(c: VirtualCluster):
         streams = [await c.request(max_tokens=500, prompt_tokens=48) for _ in range(18)]
