@@ -73,6 +73,9 @@ class Manager(ViewMixin, RegistryMixin, LivenessMixin, DispatchMixin, QueriesMix
         self._refused_logged: dict[tuple[str, str], float] = {}
         self.sender = ""  # role:name of the message being handled (CURVE keys), for handlers that need it
         self._asked_to_register: dict[str, float] = {}  # instance id -> when we last asked it to register
+        # Connections whose registration named the id of another live instance: their reports are not that
+        # instance's (connection identity -> (instance id, when last refused)).
+        self._duplicates: dict[bytes, tuple[str, float]] = {}
         self.proxies: dict[str, float] = {}  # proxy token address -> when it last asked for a snapshot
         self.links = LinkWatch(self.mc.link_timeout_s, self._link_changed, lambda _: M_LINKS_HEALED.inc())
         # What each message type does: answered at once (the reply, or None) ...
@@ -84,7 +87,7 @@ class Manager(ViewMixin, RegistryMixin, LivenessMixin, DispatchMixin, QueriesMix
             wire.StatusQuery: lambda _, m: self.snapshot(m.query_id),
             wire.RequestList: lambda _, m: self.on_request_list(m),
             wire.MigrateResult: lambda _, m: self.resched.on_migrate_result(m),
-            wire.Goodbye: lambda _, m: self.on_goodbye(m),
+            wire.Goodbye: lambda ident, m: None if ident in self._duplicates else self.on_goodbye(m),
             wire.PolicyQuery: lambda _, m: self.on_policy(m),
             wire.DrainQuery: lambda _, m: self.resched.on_drain(m),
         }

@@ -33,6 +33,21 @@ class RegistryMixin:
                         msg.instance_id, principal or "(none)", old.principal or "(none)")
             return wire.RegisterAck(msg.instance_id, accepted=False, final=True,
                                     reason=f"instance id {msg.instance_id} is taken by another key's live instance")
+        if old is not None and old.state != "dead" and (old.info.host, old.info.pid, old.info.request_address) != (
+                msg.host, msg.pid, msg.request_address):
+            # Another process with a live instance's id: two instances configured alike, or a restart that
+            # came before we saw the old process go. Its registration waits (it is asked again each heartbeat)
+            # until that instance is dead; meanwhile its reports are not taken for the live one's.
+            seen = self._duplicates.get(ident)
+            self._duplicates[ident] = (msg.instance_id, now)
+            if len(self._duplicates) > 10_000:
+                self._duplicates.pop(next(iter(self._duplicates)))
+            if seen is None:
+                log.warning("instance id %s is in use by a live instance (%s pid %d at %s); refused the same id from "
+                            "%s pid %d at %s until that one is gone", msg.instance_id, old.info.host, old.info.pid,
+                            old.info.request_address, msg.host, msg.pid, msg.request_address)
+            return None
+        self._duplicates.pop(ident, None)
         rec = InstanceRecord(info=msg, identity=ident, load=msg.load, last_seen=now, registered_at=now,
                              credit_age0=msg.uptime_s)
         rec.dispatched_n = msg.load.requests_received
@@ -65,7 +80,8 @@ class RegistryMixin:
 
     def on_report(self, ident: bytes, msg: wire.LoadReport) -> wire.Message | None:
         rec = self.instances.get(msg.instance_id)
-        if rec is None or (rec.state == "dead" and ident != rec.identity):
+        duplicate = ident in self._duplicates and ident != (rec.identity if rec is not None else None)
+        if rec is None or (rec.state == "dead" and ident != rec.identity) or duplicate:
             # We restarted, or it was removed, or a new process took a dead one's id (its address and pid
             # differ): ask it to register again, once per heartbeat at most, so that reports it queued while
             # we were away do not each cost a registration.

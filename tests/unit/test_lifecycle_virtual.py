@@ -211,3 +211,25 @@ def test_a_proxy_restarted_at_the_same_address_gets_the_old_proxys_streams_abort
         assert ids(await c.result(s)) == c.expected(s, 20)
 
     VirtualCluster.run(scenario, sets=PACED + ["manager.dispatch_policy=rr", "instance.orphan_timeout_s=60"])
+
+
+def test_a_second_instance_with_a_live_instances_id_waits_and_is_not_merged_into_it(caplog):
+    """Two instances configured with the same id: the second is not taken for the first (its reports, its
+    goodbye), the first serves on untouched; once the first is gone, the second registers under that id."""
+    async def scenario(c: VirtualCluster):
+        s = await c.request(max_tokens=300)
+        await c.tokens(s, 5)
+        original = c.manager.instances["i1"].info
+        twin = c.add("twin", "instance.id=i1")  # its request socket at inproc://twin
+        await c.until(lambda: "in use by a live instance" in caplog.text, 5, "the twin's registration was taken")
+        await c.until(lambda: twin.report_seq >= 10, 10, "the twin did not report")
+        rec = c.manager.instances["i1"]
+        assert rec.info == original and rec.state == "alive"  # reports and all: still the first one's
+        assert ids(await c.result(s)) == c.expected(s, 300)
+        c.kill("i1")
+        await c.until(lambda: c.manager.instances["i1"].info.request_address == "inproc://twin", 10,
+                      "the twin did not take the id once the first instance was gone")
+        assert caplog.text.count("in use by a live instance") == 1  # said once, not per heartbeat
+
+    caplog.set_level("INFO", logger="llumnix")
+    VirtualCluster.run(scenario, sets=PACED + ["manager.dispatch_policy=flood"])
