@@ -15,6 +15,7 @@ import socket
 from pathlib import Path
 
 from daemons.runtime import StartupError
+from daemons.throttle import Throttle
 
 
 def host_of(address: str) -> str:
@@ -178,7 +179,7 @@ class Security:
         self._servers: dict[str, bytes] = {}
         self._allowed: dict[bytes, str] = {}
         self._scanned = 0.0
-        self._refused: dict[tuple[str, bytes], float] = {}
+        self._refused = Throttle(60.0)  # (domain, client key): a client retries every 100 ms, log once a minute
         self._scan()
 
     def _load_secret(self, name: str, setting: str) -> tuple[bytes, bytes]:
@@ -227,8 +228,7 @@ class Security:
         if principal is not None and role_of_name(principal.split(":", 1)[1]) in DOMAINS.get(domain, ()):
             return True
         now = time.monotonic()
-        if now - self._refused.get((domain, key), 0.0) > 60.0:  # a client retries every 100 ms: log once a minute
-            self._refused[(domain, key)] = now
+        if self._refused.due((domain, key), now):
             why = "unknown key" if principal is None else f"role {principal.split(':')[0]} may not connect here"
             self.log.warning("refused a connection to the %s socket: %s (client key %s)", domain, why, key.decode())
         return False

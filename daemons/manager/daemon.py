@@ -22,6 +22,7 @@ from daemons.manager.queries import Fanout, QueriesMixin
 from daemons.manager.records import M_BAD_FRAMES, M_LINKS_HEALED, M_REFUSED, InstanceRecord
 from daemons.manager.registry import RegistryMixin
 from daemons.manager.rescheduler import Rescheduler
+from daemons.throttle import Throttle
 from daemons.manager.view import ViewMixin
 
 log = logging.getLogger("llumnix.manager")
@@ -70,7 +71,7 @@ class Manager(ViewMixin, RegistryMixin, LivenessMixin, DispatchMixin, QueriesMix
         self._fanouts: dict[int, Fanout] = {}
         self._tasks: set[asyncio.Task] = set()
         self.resched = Rescheduler(self)
-        self._refused_logged: dict[tuple[str, str], float] = {}
+        self._refused_logged = Throttle(60.0)  # (sender, instance id or verb)
         self.sender = ""  # role:name of the message being handled (CURVE keys), for handlers that need it
         self._asked_to_register: dict[str, float] = {}  # instance id -> when we last asked it to register
         # Connections whose registration named the id of another live instance: their reports are not that
@@ -112,8 +113,7 @@ class Manager(ViewMixin, RegistryMixin, LivenessMixin, DispatchMixin, QueriesMix
             return False
         M_REFUSED.inc()
         now = self.clock.monotonic()
-        if now - self._refused_logged.get((self.sender, msg.instance_id), -60.0) >= 60.0:
-            self._refused_logged[(self.sender, msg.instance_id)] = now
+        if self._refused_logged.due((self.sender, msg.instance_id), now):
             log.warning("refused %s about instance %s from key %s: it registered with key %s",
                         type(msg).__name__, msg.instance_id, self.sender or "(none)", rec.principal or "(none)")
         return True
@@ -153,8 +153,7 @@ class Manager(ViewMixin, RegistryMixin, LivenessMixin, DispatchMixin, QueriesMix
             M_REFUSED.inc()
             verb = type(msg).__name__
             now = self.clock.monotonic()
-            if now - self._refused_logged.get((principal, verb), -60.0) >= 60.0:
-                self._refused_logged[(principal, verb)] = now
+            if self._refused_logged.due((principal, verb), now):
                 log.warning("refused %s from %s: role %r may not send it", verb, principal or "an unknown key", role)
         return ok
 
