@@ -14,7 +14,8 @@ looked up among the keys' digests, then compared with hmac.compare_digest: the t
 on how much of a real key the presented one matches. The file is read again when it changes (its mtime,
 size or inode; looked at no more than once a second, on the next request), and at once on ``reload()``
 (the proxy calls it on SIGHUP). A file that is no longer valid is logged as an error and the keys last
-loaded stay in force until it is fixed.
+loaded stay in force until it is fixed (an edit half done must not lock every client out). A file that is
+gone revokes every key (deleting it must not leave the old keys working) until it is back.
 """
 
 from __future__ import annotations
@@ -193,6 +194,11 @@ class ApiKeys:
         cannot be used is logged once and the keys loaded before stay in force."""
         try:
             stamp = _stamp(self.path)
+        except FileNotFoundError:
+            if self._entries or self._bad != ("gone",):
+                self._entries, self._stamp, self._bad = {}, None, ("gone",)
+                log.error("the API keys file %s is gone: every key is refused until it is back", self.path)
+            return False
         except OSError as exc:
             self._unusable(("missing", exc.errno), f"cannot read the API keys file {self.path}: {exc.strerror}")
             return False

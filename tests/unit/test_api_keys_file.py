@@ -71,8 +71,12 @@ def test_check_reloads_on_change_and_keeps_the_last_good_keys(tmp_path, monkeypa
         assert keys.check("Bearer sk-c-1").name == "c"
         errors = [r for r in caplog.records if r.levelno == logging.ERROR]
         assert len(errors) == 1 and "bogus" in errors[0].getMessage() and str(path) in errors[0].getMessage()
-        path.unlink()
-        assert keys.check("Bearer sk-c-1").name == "c"
+        path.unlink()  # gone: every key is refused (deleting the file revokes them), said once
+        for _ in range(2):
+            with pytest.raises(Unauthorized):
+                keys.check("Bearer sk-c-1")
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == 2 and "is gone: every key is refused" in errors[1], errors
     path.write_text('[keys.b]\nkey = "sk-b-1"\n')
     with pytest.raises(Unauthorized):
         keys.check("Bearer sk-c-1")
