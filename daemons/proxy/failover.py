@@ -75,6 +75,9 @@ class FailoverMixin:
             await self._dispatch(stream)
         except NoInstance as exc:
             stream.fail(f"{why}; no other instance: {exc}")
+        except Exception as exc:  # the client must hear of it now, not at its deadline
+            log.exception("request %s: dispatching it again failed", stream.request_id)
+            stream.fail(f"{why}; dispatching it again failed: {type(exc).__name__}: {exc}")
 
     def finish(self, stream: Stream) -> None:
         """Forget a stream; abort it on its instance if it is still running there (client went away, stop string)."""

@@ -10,6 +10,8 @@ instead of sent."""
 
 from __future__ import annotations
 
+import asyncio
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -122,3 +124,20 @@ def test_every_index_once_in_order_from_one_copy_whatever_the_arrival_order(hist
     finally:
         client.sec.close()
         client.ctx.destroy(linger=0)
+
+
+def test_a_redispatch_that_fails_unexpectedly_fails_the_stream_at_once():
+    """Not only "no instance": whatever breaks a redispatch reaches the client now, not at its deadline."""
+    client = ClusterClient(load_config(None, []))
+
+    async def broken(stream):
+        raise RuntimeError("the view is broken")
+
+    client._dispatch = broken
+    stream = Stream(RID, wire.Submit(RID, [1, 2, 3], wire.SamplingParams(), "tcp://proxy:5"))
+    try:
+        asyncio.run(client._redispatch(stream, "instance i0 gave it back"))
+    finally:
+        client.ctx.destroy(linger=0)
+    assert stream.done and stream.status == 503
+    assert stream.error == "instance i0 gave it back; dispatching it again failed: RuntimeError: the view is broken"
