@@ -138,10 +138,14 @@ class ControlMixin:
 
     def abort_orphans(self, address: str, why: str) -> int:
         rids = self.requests.of_proxy(address)
-        n = sum(1 for rid in rids if self.requests.abort(rid) is AbortAction.HERE and self.abort_local(rid))
+        aborted = [rid for rid in rids if self.requests.abort(rid) is AbortAction.HERE and self.abort_local(rid)]
+        n = len(aborted)
         if rids:
             M_ORPHANED.inc(n)
             log.warning("proxy %s is gone (%s): aborted its %d request(s)", address, why, n)
+        for rid in aborted:  # a proxy that was only slow hears why, and places them again, rather than waiting
+            self.fail(rid, address, f"aborted on instance {self.instance_id}: its proxy was taken for gone ({why})",
+                      True)
         self.proxies.drop(address)
         self.taken.pop(address, None)
         return n

@@ -233,3 +233,22 @@ def test_a_second_instance_with_a_live_instances_id_waits_and_is_not_merged_into
 
     caplog.set_level("INFO", logger="llumnix")
     VirtualCluster.run(scenario, sets=PACED + ["manager.dispatch_policy=flood"])
+
+
+def test_a_proxy_taken_for_gone_hears_why_its_requests_were_aborted_and_places_them_again():
+    """A proxy that is alive but was not heard from for orphan_timeout_s (here: its heartbeat task stopped):
+    the instance aborts its requests as orphans and tells it so, and the proxy fails each over at once
+    rather than waiting for its stall timeout (60 s here)."""
+    async def scenario(c: VirtualCluster):
+        s = await c.request(max_tokens=2000)
+        await c.tokens(s, 5)
+        first = s.instance_id
+        for task in c.proxy._tasks:
+            if task.get_coro().__name__ == "_watch":
+                task.cancel()  # no ProxyAlive any more; tokens still flow
+        took = await c.until(lambda: s.failovers >= 1, 10, "the proxy did not hear of the orphan abort")
+        assert took <= 1.5 + 0.2 + 0.1, took  # orphan_timeout_s, the instance's next heartbeat tick
+        assert s.instance_id != first and first not in c.holders(s.request_id)
+
+    VirtualCluster.run(scenario, sets=PACED + ["instance.orphan_timeout_s=1.5", "proxy.stall_timeout_s=60",
+                                               "manager.dispatch_policy=rr"])
