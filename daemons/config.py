@@ -38,14 +38,15 @@ class ConfigError(Exception):
 def setting(default: Any, help: str, *, choices: tuple | None = None, minimum: float | None = None,
             maximum: float | None = None, endpoint: str | None = None):
     """``endpoint``: "bind" or "connect", a ZeroMQ endpoint used so (daemons/endpoints.py); empty only where
-    the default is."""
+    the default is. manager.address is checked as one to bind (the manager binds it when manager.bind is
+    empty, a test cluster on port 0): the others' connect refuses a * or a port 0 at their start."""
     meta = {"help": help, "choices": choices, "minimum": minimum, "maximum": maximum, "endpoint": endpoint}
     return field(default=default, metadata=meta)
 
 
 @dataclass
 class ManagerConfig:
-    address: str = setting("tcp://127.0.0.1:7100", "ZeroMQ address where instances, proxies and llumnixctl reach the manager", endpoint="connect")
+    address: str = setting("tcp://127.0.0.1:7100", "ZeroMQ address where instances, proxies and llumnixctl reach the manager", endpoint="bind")
     bind: str = setting("", "address the manager binds; empty = same as address (use tcp://*:PORT to listen on all interfaces)", endpoint="bind")
     heartbeat_interval_s: float = setting(0.5, "an instance reports its load at least this often", minimum=0.01)
     dead_after_missed: int = setting(3, "heartbeats an instance may miss before it counts as late; a late instance whose connection is up stays in dispatch (slow is not dead), one whose connection cannot be watched is marked dead", minimum=1)

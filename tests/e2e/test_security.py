@@ -105,15 +105,19 @@ def test_operator_key_runs_every_verb_and_traffic_flows(secured, keys, tmp_path)
     assert not status(secured, keys)["i0"].cordoned
     # requests are served and migrate between instances over authenticated sockets
     api = secured.openai()
-    stream = api.completions.create(model="llumnix-sim", prompt="hello", max_tokens=400, stream=True,
+    # Long enough to be running whatever the machine's load when the migration comes (the fast sim makes a
+    # few hundred tokens a second); closed once it has streamed past the move.
+    stream = api.completions.create(model="llumnix-sim", prompt="hello", max_tokens=4000, stream=True,
                                     extra_body={"ignore_eos": True})
-    first = next(iter(stream))
+    chunks = iter(stream)
+    text = next(chunks).choices[0].text
     admin = client(keys, "operator", secured.manager)
     rid = wait_for(lambda: next((r for r in admin.requests().requests), None), 10, "the request is listed")
     dst = "i1" if rid.instance_id == "i0" else "i0"
     outcome = admin.migrate(dst, request_id=rid.request_id).outcomes[0]
     assert outcome.outcome == "committed", outcome
-    text = first.choices[0].text + "".join(c.choices[0].text for c in stream)
+    text += "".join(next(chunks).choices[0].text for _ in range(20))  # it streams on from the destination
+    stream.close()
     assert text
 
 

@@ -34,7 +34,8 @@ def test_binding_may_use_every_interface_and_any_port():
     assert "only binds" in endpoints.problem("tcp://*:7100")
 
 
-@pytest.mark.parametrize("key", ["instance.advertise_address", "proxy.advertise_address", "manager.address"])
+@pytest.mark.parametrize("key", ["instance.advertise_address", "proxy.advertise_address", "manager.address",
+                                 "instance.request_address", "proxy.token_address", "manager.bind"])
 def test_a_bad_address_setting_names_the_setting_and_the_file(tmp_path, key):
     section, name = key.split(".")
     path = tmp_path / "llumnix.toml"
@@ -45,7 +46,8 @@ def test_a_bad_address_setting_names_the_setting_and_the_file(tmp_path, key):
 
 def test_settings_that_bind_take_every_interface_and_empty_ones_keep_their_meaning():
     cfg = load_config(None, ["instance.request_address=tcp://*:0", "manager.bind=tcp://*:7100",
-                             "instance.advertise_address=", "proxy.advertise_address="])
+                             "manager.address=tcp://0.0.0.0:0", "instance.advertise_address=",
+                             "proxy.advertise_address="])
     assert cfg.instance.request_address == "tcp://*:0" and cfg.proxy.advertise_address == ""
     with pytest.raises(ConfigError, match="instance.request_address 'tcp://h' needs a host and a port"):
         load_config(None, ["instance.request_address=tcp://h"])
