@@ -6,7 +6,7 @@ import functools
 import importlib
 import importlib.metadata
 import inspect
-from typing import Annotated, Any, Callable
+from typing import Annotated, Any, Callable, Optional
 
 import typer
 
@@ -22,6 +22,21 @@ def package_version() -> str:
         return importlib.metadata.version(DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
         return "unknown (not installed)"
+
+
+# The options every daemon has, declared once (their help is what each daemon's --help and man page show).
+ConfigFile = Annotated[Optional[str], typer.Option(
+    "--config", "-c", help="read settings from this file (default: $LLUMNIX_CONFIG, else /etc/llumnix/llumnix.toml "
+                           "if it exists, else none: the defaults)")]
+
+
+def LogLevel(section: str) -> Any:  # noqa: N802 (a type, as the daemons' signatures use it)
+    return Annotated[Optional[str], typer.Option(help=f"debug, info, warning or error ({section}.log_level)")]
+
+
+def Overrides(more_help: str = "") -> Any:  # noqa: N802
+    """``--set section.key=value``, repeatable; ``more_help`` follows the common help."""
+    return Annotated[Optional[list[str]], typer.Option("--set", help="override any setting: section.key=value" + more_help)]
 
 
 def load_or_exit(prog: str, path: str | None, overrides: list[str] | None, flags: dict[str, Any]) -> Config:

@@ -18,7 +18,7 @@ import zmq.asyncio
 
 from daemons.clock import Clock, loop_time
 from daemons import metrics, runtime, security, wire
-from daemons.cli import load_or_exit
+from daemons.cli import ConfigFile, LogLevel, Overrides, load_or_exit
 from daemons.config import Config
 from daemons.engine import make_engine
 from daemons.engine.base import Engine, EngineError
@@ -194,14 +194,14 @@ app = typer.Typer(add_completion=False, help="llumnix-instance: one model instan
 
 
 def main(
-    config: Annotated[Optional[str], typer.Option("--config", "-c", help="read settings from this file (default: $LLUMNIX_CONFIG, else /etc/llumnix/llumnix.toml if it exists, else none: the defaults)")] = None,
+    config: ConfigFile = None,
     id: Annotated[Optional[str], typer.Option("--id", help="instance id shown by llumnixctl and used in metrics and logs (instance.id)")] = None,
     backend: Annotated[Optional[str], typer.Option(help="engine backend: sim or vllm (instance.backend)")] = None,
     manager: Annotated[Optional[str], typer.Option(help="address of the manager (manager.address)")] = None,
     request_address: Annotated[Optional[str], typer.Option(help="address to bind for requests from proxies (instance.request_address)")] = None,
     metrics_port: Annotated[Optional[int], typer.Option(help="port of the Prometheus endpoint on instance.metrics_host; 0 picks a free port, -1 turns it off (instance.metrics_port)")] = None,
-    log_level: Annotated[Optional[str], typer.Option(help="debug, info, warning or error (instance.log_level)")] = None,
-    set_: Annotated[Optional[list[str]], typer.Option("--set", help="override any setting: section.key=value; instance.host, instance.advertise_address, model.path, the engine settings and the [migration] settings have no flag of their own and are set this way or in the file")] = None,
+    log_level: LogLevel("instance") = None,
+    set_: Overrides("; instance.host, instance.advertise_address, model.path, the engine settings and the [migration] settings have no flag of their own and are set this way or in the file") = None,
 ) -> None:
     """Run one model instance until SIGTERM."""
     cfg = load_or_exit("llumnix-instance", config, set_, {

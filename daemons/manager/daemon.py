@@ -12,7 +12,7 @@ import zmq
 import zmq.asyncio
 
 from daemons import metrics, runtime, security, wire
-from daemons.cli import load_or_exit
+from daemons.cli import ConfigFile, LogLevel, Overrides, load_or_exit
 from daemons.clock import Clock
 from daemons.config import Config
 from daemons.links import LinkWatch
@@ -225,13 +225,13 @@ app = typer.Typer(add_completion=False, help="llumnix-manager: the Llumnix globa
 
 @app.command()
 def main(
-    config: Annotated[Optional[str], typer.Option("--config", "-c", help="read settings from this file (default: $LLUMNIX_CONFIG, else /etc/llumnix/llumnix.toml if it exists, else none: the defaults)")] = None,
+    config: ConfigFile = None,
     address: Annotated[Optional[str], typer.Option(help="ZeroMQ address of the manager, to serve on (manager.address)")] = None,
     bind: Annotated[Optional[str], typer.Option(help="address to bind when it differs from --address, e.g. tcp://*:7100 (manager.bind)")] = None,
     dispatch_policy: Annotated[Optional[str], typer.Option(help="llumnix, infaas++, rr or flood (manager.dispatch_policy; see Dispatch in llumnix-manager(8))")] = None,
     metrics_port: Annotated[Optional[int], typer.Option(help="port of the Prometheus endpoint on manager.metrics_host; 0 picks a free port, -1 turns it off (manager.metrics_port)")] = None,
-    log_level: Annotated[Optional[str], typer.Option(help="debug, info, warning or error (manager.log_level)")] = None,
-    set_: Annotated[Optional[list[str]], typer.Option("--set", help="override any setting: section.key=value (see llumnix.toml(5))")] = None,
+    log_level: LogLevel("manager") = None,
+    set_: Overrides(" (see llumnix.toml(5))") = None,
 ) -> None:
     """Run the global scheduler until SIGTERM."""
     cfg = load_or_exit("llumnix-manager", config, set_, {

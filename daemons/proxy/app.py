@@ -45,7 +45,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from daemons import metrics, runtime, security
-from daemons.cli import load_or_exit, package_version
+from daemons.cli import ConfigFile, LogLevel, Overrides, load_or_exit, package_version
 from daemons.config import Config
 from daemons.proxy.apikeys import ApiKeys, ApiKeysError, check_token
 from daemons.proxy.cluster import ClusterClient
@@ -329,12 +329,12 @@ app = typer.Typer(add_completion=False, help="llumnix-proxy: OpenAI-compatible H
 
 @app.command()
 def main(
-    config: Annotated[Optional[str], typer.Option("--config", "-c", help="read settings from this file (default: $LLUMNIX_CONFIG, else /etc/llumnix/llumnix.toml if it exists, else none: the defaults)")] = None,
+    config: ConfigFile = None,
     host: Annotated[Optional[str], typer.Option(help="HTTP listen address (proxy.host)")] = None,
     port: Annotated[Optional[int], typer.Option(help="HTTP listen port; 0 lets the system choose one, which the proxy logs (proxy.port)")] = None,
     manager: Annotated[Optional[str], typer.Option(help="address of the manager (manager.address)")] = None,
-    log_level: Annotated[Optional[str], typer.Option(help="debug, info, warning or error (proxy.log_level)")] = None,
-    set_: Annotated[Optional[list[str]], typer.Option("--set", help="override any setting: section.key=value; model.path and model.name have no flag of their own and are set this way or in the file")] = None,
+    log_level: LogLevel("proxy") = None,
+    set_: Overrides("; model.path and model.name have no flag of their own and are set this way or in the file") = None,
 ) -> None:
     """Serve the OpenAI API until SIGTERM."""
     cfg = load_or_exit("llumnix-proxy", config, set_, {
