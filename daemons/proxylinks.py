@@ -92,7 +92,7 @@ class ProxyLinks:
             self.send(address, msgspec.structs.replace(msg, taken=n) if n else msg)
 
     def gone(self, addresses: set[str]) -> list[tuple[str, str]]:
-        """Of ``addresses`` (proxies with requests here), those that are gone, each with why."""
+        """Of ``addresses`` (proxies with requests here, and the others we know), those that are gone, each with why."""
         now = self.clock()
         out = []
         for address in addresses:

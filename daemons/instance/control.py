@@ -124,7 +124,8 @@ class ControlMixin:
                 self.last_load = msgspec.structs.replace(self.last_load, stalled=True)
                 self.load_changed.set()  # the manager stops dispatching to us now, not at the next step
             self.beat_proxies(healthy)
-            for address, why in self.proxies.gone(self.requests.proxies()):
+            # Every proxy we know, with requests here or not: a gone one's link (and our heartbeats to it) goes too.
+            for address, why in self.proxies.gone(self.requests.proxies() | set(self.proxies.links)):
                 self.boundary(lambda address=address, why=why: self.abort_orphans(address, why))
             await asyncio.sleep(period)
 

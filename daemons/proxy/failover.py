@@ -13,6 +13,8 @@ from daemons.proxy.telemetry import M_FAILOVERS, M_GIVEN_BACK, M_RETRIES, M_TIME
 
 log = logging.getLogger("llumnix.proxy")
 
+FORGET_AFTER_S = 60.0  # an instance neither live in the manager's view nor heard from this long is forgotten
+
 
 class FailoverMixin:
     """Of the ClusterClient: watches the streams and the instances that hold them."""
@@ -97,7 +99,26 @@ class FailoverMixin:
             alive = wire.ProxyAlive(self.token_address)
             for address in list(self.instances):
                 self._send_instance(address, alive)
-            self.check_streams(self.clock.monotonic())
+            now = self.clock.monotonic()
+            self.check_streams(now)
+            self.forget_departed(now)
+
+    def forget_departed(self, now: float) -> None:
+        """Instances gone for good: not live in the manager's view, holding none of our streams and not heard
+        from for ``FORGET_AFTER_S``. Their sockets (and link watches) close and their records go, or a fleet
+        that restarts instances on new ports would grow the proxy, and its heartbeats, for ever."""
+        if not self.manager_ok():  # without a current view, absence from it says nothing
+            return
+        live = {v.instance_id for v in self.snapshot if v.state != "dead"}
+        for iid in [i for i, at in self.heard.items() if i not in live and now - at > FORGET_AFTER_S]:
+            for table in (self.heard, self.beats, self.beat_at, self.addresses):
+                table.pop(iid, None)
+        keep = ({v.request_address for v in self.snapshot if v.state != "dead"}
+                | {s.address for s in self.streams.values() if s.address}
+                | {self.addresses[i] for i in self.heard if i in self.addresses})
+        for address in [a for a in self.instances if a not in keep]:
+            self.links.forget(address)
+            self.instances.pop(address).close(0)
 
     def check_streams(self, now: float) -> None:
         stall = self.pc.stall_timeout_s

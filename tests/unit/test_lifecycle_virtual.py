@@ -11,6 +11,7 @@ from __future__ import annotations
 
 
 from daemons import wire
+from daemons.config import load_config
 from tests.support.cluster import VirtualCluster
 
 PACED = ["instance.min_step_s=0.02", "scheduling.migration_interval_s=0.2"]
@@ -252,3 +253,36 @@ def test_a_proxy_taken_for_gone_hears_why_its_requests_were_aborted_and_places_t
 
     VirtualCluster.run(scenario, sets=PACED + ["instance.orphan_timeout_s=1.5", "proxy.stall_timeout_s=60",
                                                "manager.dispatch_policy=rr"])
+
+
+def test_departed_peers_are_forgotten_on_both_sides():
+    """A proxy replaced by one at another address, and an instance that died: the instances drop their link
+    to the old proxy (and stop heartbeating it) after orphan_timeout_s, though it held no request of theirs;
+    the proxy closes its socket to the dead instance and forgets it once it is out of the manager's view and
+    silent for FORGET_AFTER_S. Restarts on new ports do not grow any daemon."""
+    from daemons.proxy.cluster import ClusterClient
+    from daemons.proxy.failover import FORGET_AFTER_S
+
+    async def scenario(c: VirtualCluster):
+        old = c.proxy.token_address
+        assert all(old in inst.proxies.links for inst in c.instances.values())
+        c.kill_proxy()
+        proxy = ClusterClient(load_config(None, c.sets + ["proxy.token_address=inproc://proxy-2"]), ctx=c.context(),
+                              clock=c.clock)
+        await proxy.start()
+        c.proxy = proxy
+        await c.until(lambda: len(proxy.alive()) == 2, 10, "the new proxy does not see the instances")
+        took = await c.until(lambda: not any(old in inst.proxies.links for inst in c.instances.values()), 10,
+                             "the instances kept their link to the old proxy")
+        assert took <= 1.5 + 0.2 + 0.1, took
+        assert all("inproc://proxy-2" in inst.proxies.links for inst in c.instances.values())
+        c.kill("i1")
+        assert "inproc://i1" in proxy.instances
+        took = await c.until(lambda: "inproc://i1" not in proxy.instances and "i1" not in proxy.heard, 120,
+                             "the proxy kept the dead instance")
+        assert FORGET_AFTER_S <= took <= FORGET_AFTER_S + 2, took
+        assert "inproc://i0" in proxy.instances and "i0" in proxy.heard
+        s = await c.request(max_tokens=20)
+        assert ids(await c.result(s)) == c.expected(s, 20)
+
+    VirtualCluster.run(scenario, sets=PACED + ["instance.orphan_timeout_s=1.5", "manager.dead_instance_ttl_s=5"])
