@@ -153,7 +153,7 @@ def service_times(n: int, sets: list[str]) -> dict:
             ids = [f"e{k:04d}" for k in range(n)]
             for k, iid in enumerate(ids):
                 m.on_register(f"emu-{iid}".encode(), wire.Register(
-                    iid, "emulated", 1, f"tcp://127.0.0.1:9/{iid}", "emulated", MODEL, emulated_load(rng, k % 4, 0),
+                    iid, "emulated", 1, f"inproc://emulated-{iid}", "emulated", MODEL, emulated_load(rng, k % 4, 0),
                     uptime_s=60.0))
             reps = max(5, min(200, 20_000 // n))
             q = iter(range(10**9))

@@ -75,7 +75,7 @@ def emulate(spec: dict) -> None:
 
     def register(k: int) -> None:
         msg = wire.Register(instance_id=ids[k], host="emulated", pid=os.getpid(),
-                            request_address=f"tcp://127.0.0.1:9/{ids[k]}", backend="emulated", model=MODEL,
+                            request_address=f"inproc://emulated-{ids[k]}", backend="emulated", model=MODEL,
                             load=emulated_load(rng, kinds[k], received[k]), max_model_len=4096, uptime_s=60.0)
         _send(socks[k], msg)
         stats["registers"] += 1
