@@ -75,8 +75,8 @@ class Manager(ViewMixin, RegistryMixin, LivenessMixin, DispatchMixin, QueriesMix
         self.sender = ""  # role:name of the message being handled (CURVE keys), for handlers that need it
         self._asked_to_register: dict[str, float] = {}  # instance id -> when we last asked it to register
         # Connections whose registration named the id of another live instance: their reports are not that
-        # instance's (connection identity -> (instance id, when last refused)).
-        self._duplicates: dict[bytes, tuple[str, float]] = {}
+        # instance's (connection identity -> the id it asked for; the oldest forgotten past 10,000).
+        self._duplicates: dict[bytes, str] = {}
         self.proxies: dict[str, float] = {}  # proxy token address -> when it last asked for a snapshot
         self.links = LinkWatch(self.mc.link_timeout_s, self._link_changed, lambda _: M_LINKS_HEALED.inc())
         # What each message type does: answered at once (the reply, or None) ...

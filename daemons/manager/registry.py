@@ -38,11 +38,11 @@ class RegistryMixin:
             # Another process with a live instance's id: two instances configured alike, or a restart that
             # came before we saw the old process go. Its registration waits (it is asked again each heartbeat)
             # until that instance is dead; meanwhile its reports are not taken for the live one's.
-            seen = self._duplicates.get(ident)
-            self._duplicates[ident] = (msg.instance_id, now)
+            first = ident not in self._duplicates
+            self._duplicates[ident] = msg.instance_id
             if len(self._duplicates) > 10_000:
                 self._duplicates.pop(next(iter(self._duplicates)))
-            if seen is None:
+            if first:
                 log.warning("instance id %s is in use by a live instance (%s pid %d at %s); refused the same id from "
                             "%s pid %d at %s until that one is gone", msg.instance_id, old.info.host, old.info.pid,
                             old.info.request_address, msg.host, msg.pid, msg.request_address)
