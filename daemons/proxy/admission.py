@@ -14,12 +14,13 @@ log = logging.getLogger("llumnix.proxy")
 class AdmissionMixin:
     """Of the ClusterClient: reads the instances' heartbeats and our own dispatches they do not show yet."""
 
-    def admit(self, priority: int) -> None:
+    def admit(self, priority: int, tenant: str = "") -> None:
         """Raise Overloaded if the work that would wait in the cluster is past [admission]'s bounds for
         ``priority``. Requests that would wait: those waiting to start on the instances that take requests
         (their heartbeats), our own dispatches they do not show yet, the requests waiting here for an
         instance and this one, less the free batch slots; prompt tokens likewise, less the free KV. High
-        priority's bounds are admission.high_priority_factor times larger."""
+        priority's bounds are admission.high_priority_factor times larger. A key (``tenant``) that holds less
+        than its share of the fair queue is let in past the bounds (daemons/proxy/fairgate.py)."""
         adm = self.adm
         serving = requests = tokens = free_slots = free_tokens = room = capacity = kv = 0
         for iid, beat in self.beats.items():
@@ -51,6 +52,8 @@ class AdmissionMixin:
         high = " for high priority" if priority > 0 else ""
         if priority > 0 and factor > 1:  # room for high priority even where normal may not wait at all
             room, capacity = max(room * factor, room + serving), max(capacity * factor, capacity + kv)
+        if (requests - free_slots > room or tokens - free_tokens > capacity) and self.under_share(tenant):
+            return
         if requests - free_slots > room:
             raise Overloaded(f"the cluster is overloaded: {requests - free_slots} requests would wait on its {serving} "
                              f"instance(s) (admission.max_queued_requests: {room} in all{high})", "queued_requests")

@@ -8,6 +8,14 @@ The file is TOML, one table per key; the table's name is the key's name, which t
     sha256 = "<64 hex digits>"  # the SHA-256 of the key: printf %s "$KEY" | sha256sum
     high_priority = true        # may send priority high (default false)
     enabled = false             # revoked: the key is refused (default true)
+    requests_per_minute = 600   # limits of this key, each 0 (the default) for none; past one: 429 + Retry-After
+    tokens_per_minute = 200000  #   prompt tokens plus max_tokens, counted when a request is admitted (what it
+                                #   did not generate is given back when it ends)
+    max_concurrent_requests = 8 #   requests of this key in flight at once, on this proxy
+    weight = 2.0                # its share of a saturated cluster against the other keys' (default 1)
+
+Limits are per proxy: behind P proxies a key may get up to P times them (divide them by P for a cluster-wide
+figure). See daemons/proxy/tenants.py for the limits and daemons/proxy/fairness.py for the shares.
 
 A request presents ``Authorization: Bearer KEY``. The presented key is hashed with SHA-256 and its digest
 looked up among the keys' digests, then compared with hmac.compare_digest: the time taken does not depend
@@ -41,7 +49,9 @@ log = logging.getLogger("llumnix.proxy")
 _NAME = re.compile(r"[A-Za-z0-9_.@-]{1,64}")  # a name is safe in a log line
 _KEY = re.compile(r"[!-~]+")  # what a Bearer token can carry: visible ASCII, no spaces
 _HEX = re.compile(r"[0-9a-fA-F]{64}")
-_FIELDS = {"key", "sha256", "high_priority", "enabled"}
+_FIELDS = {"key", "sha256", "high_priority", "enabled", "requests_per_minute", "tokens_per_minute",
+           "max_concurrent_requests", "weight"}
+_LIMITS = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests")
 
 MISSING = ("You didn't provide an API key. You need to provide your API key in an Authorization header using "
            "Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
@@ -68,6 +78,10 @@ class Principal:
 
     name: str
     high_priority: bool = False
+    requests_per_minute: int = 0  # 0: no limit
+    tokens_per_minute: int = 0
+    max_concurrent_requests: int = 0
+    weight: float = 1.0  # share in the fair queue between keys
 
 
 @dataclass(frozen=True)
@@ -137,9 +151,19 @@ def parse(path: str, text: str) -> dict[bytes, _Entry]:
             flags[flag] = table.get(flag, default)
             if not isinstance(flags[flag], bool):
                 raise ApiKeysError(f"{where}: {flag} must be true or false, got {flags[flag]!r}")
+        limits = {}
+        for limit in _LIMITS:
+            limits[limit] = table.get(limit, 0)
+            if isinstance(limits[limit], bool) or not isinstance(limits[limit], int) or limits[limit] < 0:
+                raise ApiKeysError(f"{where}: {limit} must be a whole number >= 0 (0: no limit), got {limits[limit]!r}")
+        weight = table.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight <= 1e6:
+            raise ApiKeysError(f"{where}: weight must be a number > 0 (its share against the other keys'), "
+                               f"got {weight!r}")
         if value in entries:
             raise ApiKeysError(f"{where}: the same key as [keys.{entries[value].principal.name}]")
-        entries[value] = _Entry(value, Principal(name, flags["high_priority"]), flags["enabled"])
+        entries[value] = _Entry(value, Principal(name, flags["high_priority"], weight=float(weight), **limits),
+                                flags["enabled"])
     return entries
 
 

@@ -38,6 +38,8 @@ from daemons.clock import Clock
 from daemons.links import LinkWatch
 from daemons.proxy.admission import AdmissionMixin
 from daemons.proxy.dispatch import DispatchMixin
+from daemons.proxy.fairgate import FairGateMixin
+from daemons.proxy.fairness import FairQueue
 from daemons.proxy.failover import FailoverMixin
 from daemons.proxy.managerlink import ManagerLinkMixin
 from daemons.proxy.stream import NoInstance, Overloaded, Stream
@@ -50,9 +52,9 @@ log = logging.getLogger("llumnix.proxy")
 __all__ = ["M_REJECTED", "REJECT_REASONS", "ClusterClient", "NoInstance", "Overloaded", "Stream"]
 
 
-class ClusterClient(ManagerLinkMixin, DispatchMixin, AdmissionMixin, FailoverMixin, TokenPathMixin):
+class ClusterClient(ManagerLinkMixin, DispatchMixin, FairGateMixin, AdmissionMixin, FailoverMixin, TokenPathMixin):
     """The proxy's side of the cluster: the state below, and a mixin per concern in the file named for it
-    (managerlink, dispatch, admission, failover, tokens)."""
+    (managerlink, dispatch, fairgate, admission, failover, tokens)."""
 
     def __init__(self, cfg, ctx: zmq.asyncio.Context | None = None, clock: Clock | None = None):
         """``ctx``: the ZeroMQ context its sockets are made in (default: its own). ``clock``: the time its
@@ -95,6 +97,8 @@ class ClusterClient(ManagerLinkMixin, DispatchMixin, AdmissionMixin, FailoverMix
                                lambda _: M_LINKS_HEALED.inc())
         self._changed: list[asyncio.Future] = []  # dispatches waiting for an instance to take them
         self.placing: dict[str, int] = {}  # request id -> prompt tokens, while it waits for an instance
+        # Between API keys (daemons/proxy/fairgate.py); submits without a key never wait there.
+        self.fair = FairQueue(self.clock.monotonic, self.pc.fair_burst_tokens) if self.pc.fair_queuing else None
 
     # ------------------------------------------------------------------ life cycle
 

@@ -109,6 +109,7 @@ class DispatchMixin:
         for fut in waiting:
             if not fut.done():
                 fut.set_result(None)
+        self.pump_fair_queue()
 
     def _choose_here(self, stream: Stream) -> str | None:
         """The dispatch policy over our view (daemons/proxy/view.py): the instances' streamed loads plus our
@@ -129,14 +130,25 @@ class DispatchMixin:
         tie; seldom enough that a burst almost never straddles a turn (its proxies would start anew)."""
         return (self.clock.time() // TIE_TURN_S * 0.618034 + self.rank / max(self.proxies, 1)) % 1.0
 
-    async def submit(self, submit: wire.Submit) -> Stream:
-        """Dispatch and send a request; the returned stream yields its tokens. Raises NoInstance."""
+    async def submit(self, submit: wire.Submit, tenant: str = "", weight: float = 1.0) -> Stream:
+        """Dispatch and send a request; the returned stream yields its tokens. Raises NoInstance. ``tenant``:
+        the name of its API key, for the fair queue between keys (daemons/proxy/fairgate.py); ``weight``: that
+        key's share."""
         stream = Stream(submit.request_id, submit, self.pc.request_timeout_s, self.clock.monotonic())
         self.streams[submit.request_id] = stream
         try:
-            await self._dispatch(stream)
+            if tenant and self.fair is not None and submit.priority <= 0:  # high priority does not queue here
+                if await self._take_turn(stream, tenant, weight):
+                    try:
+                        if not stream.done:
+                            await self._dispatch(stream)
+                    finally:
+                        self._turn_taken()
+            else:
+                await self._dispatch(stream)
         except BaseException:
             self.streams.pop(submit.request_id, None)
+            self._turn_ended(stream)
             raise
         return stream
 

@@ -84,6 +84,7 @@ class FailoverMixin:
     def finish(self, stream: Stream) -> None:
         """Forget a stream; abort it on its instance if it is still running there (client went away, stop string)."""
         self.streams.pop(stream.request_id, None)
+        self._turn_ended(stream)
         if not stream.done and stream.address:
             self._send_instance(stream.address, wire.Abort(stream.request_id, stream.epoch))
         stream.done = True
@@ -102,6 +103,9 @@ class FailoverMixin:
             now = self.clock.monotonic()
             self.check_streams(now)
             self.forget_departed(now)
+            if self.fair is not None:
+                self.fair.forget_idle()
+                self.pump_fair_queue()  # our own dispatches age out of the room count
 
     def forget_departed(self, now: float) -> None:
         """Instances gone for good: not live in the manager's view, holding none of our streams and not heard

@@ -66,6 +66,8 @@ class Job:
         self.choices: list[Choice] = []
         self.status = 200
         self.key_name = "-"  # the name of its API key (proxy.api_keys_file), never the key
+        self.principal = None  # that key (daemons/proxy/apikeys.py Principal), or None without keys
+        self.ticket = None  # its place in the key's limits (daemons/proxy/tenants.py)
         self.logged = False
         self.ended = False
         self._head = b""

@@ -23,6 +23,7 @@ from daemons.proxy.output import OutputMixin
 from daemons.proxy.protocol import ApiError, ChatRequest, CompletionRequest, decode_body, derive_seed, parse_priority
 from daemons.proxy.render import Choice, Job, token_id_text
 from daemons.proxy.routes import RoutesMixin
+from daemons.proxy.tenants import TenantLimitsMixin, Tenants
 from daemons.proxy.tokenizer import Tokenizer, load_tokenizer
 
 access_log = logging.getLogger("llumnix.access")
@@ -33,7 +34,7 @@ M_INFLIGHT = metrics.P_IN_FLIGHT
 _json = msgspec.json.encode
 
 
-class Proxy(ChecksMixin, OutputMixin, RoutesMixin):
+class Proxy(ChecksMixin, OutputMixin, RoutesMixin, TenantLimitsMixin):
     """The request path: admit, dispatch, serve and log each request; the checks, the output and the other
     routes are in the files named for them."""
 
@@ -48,6 +49,7 @@ class Proxy(ChecksMixin, OutputMixin, RoutesMixin):
         self.active: set[str] = set()  # ids of the requests this proxy is serving
         self.max_prompt_tokens = cfg.proxy.max_prompt_tokens  # 0: only the context limit
         self.pc = cfg.proxy
+        self.tenants = Tenants()  # per-key limits (daemons/proxy/tenants.py)
     async def handle(self, call: Call, chat: bool) -> Reply:
         """One completion or chat request; logs it once it is answered (a stream: once it ends). Raises
         ApiError for an answer that is an error."""
@@ -58,8 +60,12 @@ class Proxy(ChecksMixin, OutputMixin, RoutesMixin):
         try:
             job = Job(chat, self._request_id(call), arrival)
             job.key_name = key_name
+            if principal is not None:
+                job.principal = principal
+                job.ticket = self._enter(principal)
             reply = await self._accept(call, job)
         except ApiError as exc:
+            self._release(job)
             if job is None:
                 self._access(None, chat, arrival, exc.status, key_name)
             else:
@@ -67,16 +73,17 @@ class Proxy(ChecksMixin, OutputMixin, RoutesMixin):
                 self._access(job, chat, arrival, exc.status)
             raise
         except BaseException:
+            self._release(job)
             self._access(job, chat, arrival, 500)
             raise
         if reply.stream is None:  # a stream logs itself when it ends
             self._access(job, chat, arrival, reply.status)
         return reply
 
-    def _admit(self, priority: int) -> None:
+    def _admit(self, priority: int, job: Job) -> None:
         """Admission control (daemons/proxy/admission.py ``admit``): 429 with Retry-After, before any tokenizing."""
         try:
-            self.cluster.admit(priority)
+            self.cluster.admit(priority, job.principal.name if job.principal is not None else "")
         except Overloaded as exc:
             M_REJECTED.labels(exc.reason).inc()
             raise self._retry_later(429, str(exc), "rate_limit_exceeded") from None
@@ -90,22 +97,24 @@ class Proxy(ChecksMixin, OutputMixin, RoutesMixin):
     async def _accept(self, call: Call, job: Job) -> Reply:
         header_priority = call.headers.get("x-llumnix-priority")
         if header_priority is not None:  # refused before the body is read, however large
-            self._admit(parse_priority(None, header_priority))
+            self._admit(parse_priority(None, header_priority), job)
         body = decode_body(await call.read(), ChatRequest if job.chat else CompletionRequest)
         job.model = body.model
         self._check_model(body.model)
         body.unsupported()
         self._check_stops(body)
-        self._admit(parse_priority(body.priority, header_priority))
+        self._admit(parse_priority(body.priority, header_priority), job)
         if job.chat:
             prompt = self._chat_prompt(body, body.add_generation_prompt)
             ids = self.tokenizer.encode(prompt, add_special_tokens=False)
             max_tokens = self._limits(len(ids), body.max_completion_tokens or body.max_tokens, None, "messages")
+            self._charge(job, len(ids) + body.n * max_tokens)
             top_n = body.top_logprobs or 0
             sampling = body.sampling(max_tokens, top_n if body.logprobs else None)
         else:
             ids = self._prompt_ids(body)
             max_tokens = self._limits(len(ids), body.max_tokens, 16, "prompt")
+            self._charge(job, len(ids) + body.n * max_tokens)
             top_n = body.logprobs or 0
             sampling = body.sampling(max_tokens, body.logprobs)
         return await self._serve(call, job, body, ids, sampling, top_n)
@@ -171,13 +180,16 @@ class Proxy(ChecksMixin, OutputMixin, RoutesMixin):
                 self._end(job)  # a client that went away: this aborts the request on its instances
 
     async def _submit(self, job: Job, submits: list[wire.Submit]) -> None:
+        p = job.principal
+        tenant, weight = (p.name, p.weight) if p is not None else ("", 1.0)
         if len(submits) == 1:
             try:
-                job.choices[0].stream = await self.cluster.submit(submits[0])
+                job.choices[0].stream = await self.cluster.submit(submits[0], tenant, weight)
             except NoInstance as exc:
                 raise self._no_instance(exc) from None
             return
-        results = await asyncio.gather(*(self.cluster.submit(s) for s in submits), return_exceptions=True)
+        results = await asyncio.gather(*(self.cluster.submit(s, tenant, weight) for s in submits),
+                                       return_exceptions=True)
         for c, res in zip(job.choices, results):
             if isinstance(res, Stream):
                 c.stream = res
@@ -215,6 +227,7 @@ class Proxy(ChecksMixin, OutputMixin, RoutesMixin):
         for stream in job.streams():
             self.cluster.finish(stream)
         self.active.discard(job.id)
+        self._release(job)
 
     def _abandoned(self, job: Job) -> None:
         self._end(job)

@@ -34,7 +34,7 @@ class Stream:
 
     __slots__ = ("request_id", "submit", "ready", "next_index", "early", "waiter", "done", "error", "status",
                  "instance_id", "address", "tried", "sent_at", "given_back", "epoch", "owner_from", "token_ids",
-                 "failovers", "progress_at", "deadline", "fenced", "exclude")
+                 "failovers", "progress_at", "deadline", "fenced", "exclude", "tenant", "weight")
 
     def __init__(self, request_id: str, submit: wire.Submit, timeout_s: float = 0.0, now: float | None = None):
         """``now``: its client's clock (default: the monotonic clock); ``feed`` callers keep ``progress_at``."""
@@ -61,6 +61,8 @@ class Stream:
         self.deadline = now + timeout_s if timeout_s > 0 else 0.0
         self.fenced: set[tuple[str, int]] = set()  # copies already told to abort
         self.exclude: list[str] = []  # instances that failed it: not placed there again
+        self.tenant = ""  # the API key it was charged to in the fair queue (daemons/proxy/fairgate.py)
+        self.weight = 1.0
 
     def owns(self, instance_id: str, out: wire.TokenOut) -> bool:
         """Whether ``out`` may reach the client: from the current owner, or from an earlier placement for an

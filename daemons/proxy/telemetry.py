@@ -47,3 +47,14 @@ TIE_TURN_S = 60.0
 # overload fills them and is refused at once.
 AUTO_BATCHES = 4
 AUTO_KV_CACHES = 8
+M_TENANT_REJECTED = metrics.counter("proxy", "llumnix_proxy_tenant_rejections_total",
+                                    "Requests refused for their API key's own limits (429), by key name and reason: "
+                                    "requests_per_minute, tokens_per_minute, concurrent_requests", ["key", "reason"])
+M_TENANT_WAITED = metrics.counter("proxy", "llumnix_proxy_fair_queue_waits_total",
+                                  "Requests that waited in the fair queue (the cluster had no room and other keys "
+                                  "were active), by key name", ["key"])
+M_TENANT_QUEUED = metrics.gauge("proxy", "llumnix_proxy_fair_queue_requests",
+                                "Requests waiting in the fair queue now, all keys")
+M_TENANT_TOKENS = metrics.counter("proxy", "llumnix_proxy_tenant_tokens_total",
+                                  "Tokens served per API key (prompt and generated), as the fair queue counts them",
+                                  ["key"])

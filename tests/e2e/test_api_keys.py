@@ -34,6 +34,7 @@ KEYS = {  # name: (key, high_priority, stored as sha256)
     "victim": ("sk-victim-3c4d5e6f7a8b9c0d1e2f", False, False),
     "hup": ("sk-hup-9e8d7c6b5a4f3e2d1c0b", False, False),
 }
+LIMITED = "sk-limited-6a7b8c9d0e1f2a3b4c5d"
 METRICS_TOKEN = "metrics-token-4b5c6d7e8f9a"
 MAX_BODY = 65536
 MAX_PROMPT = 40
@@ -54,6 +55,7 @@ def render(disabled: set[str] = frozenset()) -> str:
             out.append("high_priority = true")
         out.append("enabled = false" if name in disabled else "enabled = true ")
         out.append("")
+    out.append(f'[keys.limited]\nkey = "{LIMITED}"\nrequests_per_minute = 1\n')  # tenants: one request a minute
     return "\n".join(out)
 
 
@@ -309,6 +311,20 @@ def test_metrics_needs_the_metrics_token(keyed):
     assert 'status="401"' in r.text  # the refused requests are counted
 
 
+def test_a_key_past_its_requests_per_minute_gets_429_with_retry_after(keyed):
+    c = client(keyed, key=LIMITED)
+    assert complete(c).usage.completion_tokens == 5
+    with pytest.raises(openai.RateLimitError) as exc:
+        complete(c)
+    r = exc.value.response
+    err = r.json()["error"]
+    assert r.status_code == 429 and err["code"] == "requests_per_minute" and err["type"] == "rate_limit_exceeded"
+    assert "'limited'" in err["message"] and 1 <= int(r.headers["retry-after"]) <= 60
+    assert complete(client(keyed, "alice")).usage.completion_tokens == 5  # the other keys are not touched
+    m = httpx.get(keyed.url + "/metrics", headers={"authorization": f"Bearer {METRICS_TOKEN}"}, timeout=10).text
+    assert 'llumnix_proxy_tenant_rejections_total{key="limited"' in m and 'reason="requests_per_minute"' in m
+
+
 # ---------------------------------------------------------------------- revoking and reloading
 
 
@@ -412,7 +428,7 @@ def test_beyond_loopback_with_keys_or_a_trusted_network(tmp_path, how):
             else f"proxy.api_keys_file={keys}"]
     rc, log = run_proxy(tmp_path, sets, "serving the OpenAI API on http://0.0.0.0:")
     assert rc == 0, log  # it served, then stopped cleanly on SIGTERM
-    assert ("API keys: 5 enabled" in log) is (how == "api_keys_file")
+    assert ("API keys: 6 enabled" in log) is (how == "api_keys_file")
 
 
 def test_a_bad_keys_file_stops_the_start(tmp_path):

@@ -16,8 +16,9 @@ def test_keys_file_parsing(tmp_path):
     path = str(tmp_path / "keys.toml")
     entries = parse(path, render())
     by_name = {e.principal.name: e for e in entries.values()}
-    assert set(by_name) == set(KEYS)
+    assert set(by_name) == set(KEYS) | {"limited"}
     assert by_name["boss"].principal == Principal("boss", True) and by_name["alice"].principal.high_priority is False
+    assert by_name["limited"].principal == Principal("limited", requests_per_minute=1)
     assert hashlib.sha256(KEYS["hashed"][0].encode()).digest() in entries
     assert parse(path, "") == {}
 

@@ -37,7 +37,7 @@ class FakeInstance:
         self.submitted: list[wire.Submit] = []
         cluster.submit = self.submit
 
-    async def submit(self, sub: wire.Submit) -> Stream:
+    async def submit(self, sub: wire.Submit, tenant: str = "", weight: float = 1.0) -> Stream:
         stream = Stream(sub.request_id, sub)
         self.cluster.streams[sub.request_id] = stream
         self.submitted.append(sub)
@@ -69,7 +69,9 @@ class Client:
         self.app = app
 
     async def request(self, path: str, body: bytes | list[bytes], headers: dict[str, str] | None = None,
-                      leave_after: int | None = None, length: bool = True) -> tuple[int, list, bytes]:
+                      leave_after: int | None = None, length: bool = True,
+                      leave: asyncio.Event | None = None) -> tuple[int, list, bytes]:
+        """``leave_after``: the client leaves after that many body chunks; ``leave``: once that event is set."""
         parts = body if isinstance(body, list) else [body]
         raw = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
         if length:
@@ -78,7 +80,7 @@ class Client:
                  "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
                  "root_path": "", "headers": raw, "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000)}
         pending = [{"type": "http.request", "body": p, "more_body": i < len(parts) - 1} for i, p in enumerate(parts)]
-        left = asyncio.Event()
+        left = leave or asyncio.Event()
         ended = asyncio.Event()
         messages: list[dict] = []
 
