@@ -28,6 +28,7 @@ class ChecksMixin:
                                     "send one request per prompt", "prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
+            self._check_text_length(len(prompt), "prompt")
             ids = self.tokenizer.encode(prompt)
         else:
             ids = list(prompt)
@@ -53,9 +54,22 @@ class ChecksMixin:
             raise ApiError(400, f"stop_token_ids has {len(req.stop_token_ids)} ids; this server accepts at most "
                                 f"{pc.max_stop_token_ids} (proxy.max_stop_token_ids)", "stop_token_ids")
 
+    def _check_text_length(self, chars: int, param: str) -> None:
+        """A text of more characters than the token limit times the most characters a token stands for has
+        more tokens than the limit: 400 before the work of templating and encoding it."""
+        per_token = getattr(self.tokenizer, "max_token_chars", None)
+        limit = self.max_prompt_tokens or self.max_model_len
+        if per_token and chars > limit * per_token:
+            raise ApiError(400, f"This proxy accepts prompts of at most {limit} tokens. However, your prompt has "
+                                f"{chars} characters, which is more than {limit} tokens of this model's tokenizer "
+                                f"(at most {per_token} characters each).", param, code="prompt_too_long")
+
     def _chat_prompt(self, req: ChatRequest | TokenizeRequest, add_generation_prompt: bool) -> str:
+        messages = req.prompt_messages()
+        self._check_text_length(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)),
+                                "messages")
         try:
-            return self.tokenizer.apply_chat_template(req.prompt_messages(), add_generation_prompt,
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt,
                                                       req.chat_template_kwargs)
         except TokenizerError as exc:
             raise ApiError(400, str(exc), "messages") from None

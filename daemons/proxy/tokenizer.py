@@ -49,6 +49,8 @@ class Tokenizer(Protocol):
 
 
 class SimTokenizer:
+    max_token_chars = None  # a word is a token, however long: no bound from the text's length
+
     def __init__(self, vocab_size: int, eos_token_id: int):
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
@@ -118,6 +120,10 @@ class HFTokenizer:
             raise TokenizerError(f"{path}: no tokenizer.json (the proxy needs the model's fast tokenizer)")
         self._tok = _Tok.from_file(str(file))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # The most characters one token stands for (a vocabulary entry has a character per byte, or per
+        # character, of what it encodes): a text longer than N times this has more than N tokens, known
+        # before the work of encoding it.
+        self.max_token_chars = max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
         conf_file = path / "tokenizer_config.json"
         conf = json.loads(conf_file.read_text()) if conf_file.exists() else {}
         self.bos_token = _token_text(conf.get("bos_token"))
@@ -178,8 +184,14 @@ class _IncrementalDetokenizer:
     """Decode a growing id list, releasing text only when it no longer ends in a partial character.
 
     Decoding only a short window (from ``prefix`` on) keeps the cost per token constant; the window's
-    first tokens give the context that decides leading spaces.
+    first tokens give the context that decides leading spaces. Tokens that add no text (special tokens
+    skipped, a space that shows only before the next token) are held at most ``HOLD`` tokens, and a
+    character still incomplete after ``HOLD_PARTIAL`` is released as it decodes: the window never grows
+    past that, so a stream of such tokens costs linear time, not quadratic.
     """
+
+    HOLD = 8
+    HOLD_PARTIAL = 64
 
     def __init__(self, decode):
         self.decode = decode
@@ -191,10 +203,13 @@ class _IncrementalDetokenizer:
         self.ids.append(token_id)
         prefix_text = self.decode(self.ids[self.prefix:self.read])
         text = self.decode(self.ids[self.prefix:])
-        if len(text) > len(prefix_text) and not text.endswith("\ufffd"):
+        pending = len(self.ids) - self.read
+        if len(text) > len(prefix_text) and not text.endswith("\ufffd") or pending > self.HOLD_PARTIAL:
             new = text[len(prefix_text):]
             self.prefix, self.read = self.read, len(self.ids)
             return new
+        if pending > self.HOLD and not text.endswith("\ufffd"):  # they decode to nothing: move on
+            self.prefix, self.read = self.read, len(self.ids)
         return ""
 
     def flush(self) -> str:

@@ -78,3 +78,57 @@ def test_sim_tokenizer_is_context_free():
     assert len(ids) == 3 and all(3 <= i < 32000 for i in ids)
     assert _stream(tok, [100, 2, 200]) == tok.decode_token(100) + tok.decode_token(200)
     assert tok.decode_token(2) == ""
+
+
+class _Counting:
+    """A decode function that counts the ids it is given (the detokenizer's work)."""
+
+    def __init__(self, hf):
+        self.hf, self.work = hf, 0
+
+    def __call__(self, ids):
+        self.work += len(ids)
+        return self.hf.decode(ids)
+
+
+def test_tokens_that_decode_to_nothing_cost_linear_time(hf):
+    # Special tokens are skipped when decoding: a stream of them adds no text. The window must still move on
+    # (it used to grow with every such token: each token decoded all of them again, quadratic).
+    from daemons.proxy.tokenizer import _IncrementalDetokenizer
+
+    eos = hf._tok.token_to_id(hf.eos_token)
+    assert hf.decode([eos]) == ""
+    counting = _Counting(hf)
+    d = _IncrementalDetokenizer(counting)
+    n = 4000
+    out = "".join(d.add(eos) for _ in range(n))
+    text = hf.encode(" and then words", add_special_tokens=False)
+    out += "".join(d.add(i) for i in text) + d.flush()
+    assert out == hf.decode([eos] * n + text) == " and then words"
+    assert counting.work < 40 * (n + len(text))  # bounded window: linear (quadratic would be ~n*n = 16M)
+
+
+def test_a_text_longer_than_the_limit_times_the_longest_token_is_refused_before_encoding(hf, monkeypatch):
+    from daemons.proxy.checks import ChecksMixin
+    from daemons.proxy.protocol import ApiError, ChatRequest, CompletionRequest, decode_body
+
+    per = hf.max_token_chars
+    assert per == max(len(t) for t in hf._tok.get_vocab(with_added_tokens=True))
+    some = "".join(chr(c) for c in range(32, 0x3000, 7))  # no text encodes to fewer tokens than chars / per
+    assert len(hf.encode(some * 3, add_special_tokens=False)) * per >= len(some * 3)
+
+    class Checks(ChecksMixin):
+        tokenizer, max_prompt_tokens, max_model_len = hf, 10, 4096
+
+    encoded = []
+    monkeypatch.setattr(hf, "encode", lambda text, add_special_tokens=True: encoded.append(text) or [1])
+    c = Checks()
+    long = "x" * (10 * per + 1)
+    with pytest.raises(ApiError) as exc:
+        c._prompt_ids(decode_body(f'{{"model": "m", "prompt": "{long}"}}'.encode(), CompletionRequest))
+    assert exc.value.status == 400 and exc.value.body()["error"]["code"] == "prompt_too_long"
+    chat = decode_body(f'{{"model": "m", "messages": [{{"role": "user", "content": "{long}"}}]}}'.encode(), ChatRequest)
+    with pytest.raises(ApiError) as exc:
+        c._chat_prompt(chat, True)
+    assert exc.value.body()["error"]["param"] == "messages" and encoded == []  # neither was encoded
+    assert c._prompt_ids(decode_body(f'{{"model": "m", "prompt": "{long[:-1]}"}}'.encode(), CompletionRequest)) == [1]
