@@ -231,7 +231,7 @@ def serving_app(cfg: Config, app: FastAPI):
     """What the server runs: the completion routes' fast path in front of ``app`` (proxy.fast_path), or ``app``."""
     if not cfg.proxy.fast_path:
         return app
-    return FastPath(app, app.state.proxy, cfg.proxy.max_body_bytes)
+    return FastPath(app, app.state.proxy, cfg.proxy.max_body_bytes, cfg.proxy.write_timeout_s)
 
 
 class _Stopped(Exception):
@@ -288,7 +288,8 @@ async def _serve(cfg: Config) -> None:
     gc.freeze()
     gc.set_threshold(GC_THRESHOLD, 10, 10)
     server = uvicorn.Server(uvicorn.Config(serving_app(cfg, app), log_config=None, access_log=False, lifespan="off",
-                                           timeout_graceful_shutdown=pc.shutdown_grace_s))
+                                           timeout_graceful_shutdown=pc.shutdown_grace_s,
+                                           limit_concurrency=pc.max_connections or None))
 
     async def notify_when_started() -> None:
         while not server.started:

@@ -26,6 +26,9 @@ from daemons.proxy.protocol import ApiError
 
 log = logging.getLogger("llumnix.proxy")
 M_REQUESTS = metrics.P_REQUESTS
+M_SLOW_READERS = metrics.counter("proxy", "llumnix_proxy_slow_readers_total",
+                                 "Streamed requests aborted because their client read nothing for "
+                                 "proxy.write_timeout_s (their connection is closed)")
 
 _json = msgspec.json.encode
 ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
@@ -70,7 +73,7 @@ class _FastCall(Call):
     phase): while ``guarded``, the client's leaving cancels the request's task, which takes it as the client
     gone (``gone``) and stops."""
 
-    __slots__ = ("task", "watcher", "guarded", "gone")
+    __slots__ = ("task", "watcher", "guarded", "gone", "writing", "slow")
 
     def __init__(self, headers, principal: Principal | None, receive, read):
         super().__init__(headers, principal, receive, read)
@@ -78,6 +81,8 @@ class _FastCall(Call):
         self.watcher: asyncio.Future | None = None
         self.guarded = False
         self.gone = False
+        self.writing = 0.0  # loop time a write began that has not returned (its client reads nothing), or 0
+        self.slow = False  # cancelled for that: its client read nothing for proxy.write_timeout_s
 
     def watch(self) -> None:
         if self.watcher is None:
@@ -156,11 +161,14 @@ def error_reply(exc: ApiError, echo_id: str | None) -> Reply:
 class FastPath:
     """ASGI app: the completion routes here, everything else to ``app`` (FastAPI)."""
 
-    def __init__(self, app, proxy, max_body_bytes: int):
+    def __init__(self, app, proxy, max_body_bytes: int, write_timeout_s: float = 0.0):
         self.app = app
         self.proxy = proxy
         self.limit = max_body_bytes
         self.ok = {path: M_REQUESTS.labels(path, "200") for path in ROUTES}
+        self.write_timeout_s = write_timeout_s  # 0: none
+        self.streaming: set[_FastCall] = set()
+        self._writes_watched: asyncio.Task | None = None
 
     async def __call__(self, scope, receive, send):
         chat = ROUTES.get(scope.get("path")) if scope["type"] == "http" and scope["method"] == "POST" else None
@@ -231,21 +239,54 @@ class FastPath:
             return
         call.watch()
         call.guarded = True
+        loop = asyncio.get_running_loop()
+        if self.write_timeout_s:
+            self.streaming.add(call)
+            if self._writes_watched is None or self._writes_watched.done():
+                self._writes_watched = asyncio.ensure_future(self._watch_writes())
         try:
+            call.writing = loop.time()
             await send({"type": "http.response.start", "status": 200, "headers": raw})
+            call.writing = 0.0
             async for chunk in body:
+                call.writing = loop.time()
                 if chunk.endswith(_DONE):  # the stream's last event: the response ends with it
                     call.guarded = False
                     await send({"type": "http.response.body", "body": chunk, "more_body": False})
                 else:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                call.writing = 0.0
             if call.guarded:
                 call.guarded = False
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
-            if not call.gone:
+            if call.slow:  # ours: the client read nothing for write_timeout_s; the server closes the connection
+                call.task.uncancel()
+                if reply.job is not None:
+                    reply.job.status = 408
+                M_SLOW_READERS.inc()
+                log.warning("%s: the client read nothing for %gs (proxy.write_timeout_s): request aborted, "
+                            "connection closed", reply.job.id if reply.job is not None else "a stream",
+                            self.write_timeout_s)
+            elif not call.gone:
                 raise
-            call.task.uncancel()  # the client left: the stream's end is logged (499); nothing to tell the server
+            else:
+                call.task.uncancel()  # the client left: the stream's end is logged (499); nothing to tell the server
         finally:
             call.guarded = False
+            call.writing = 0.0
+            self.streaming.discard(call)
             await body.aclose()  # runs its cleanup now (the request's abort, its access line), if not yet run
+
+    async def _watch_writes(self) -> None:
+        """While streams are being written: cancel those whose write has waited past write_timeout_s (a
+        client that reads nothing: its socket's buffers are full, and its tokens would pile up here)."""
+        loop = asyncio.get_running_loop()
+        period = min(self.write_timeout_s / 4, 1.0)
+        while self.streaming:
+            await asyncio.sleep(period)
+            now = loop.time()
+            for call in list(self.streaming):
+                if call.writing and now - call.writing > self.write_timeout_s and not call.slow:
+                    call.slow = True
+                    call.task.cancel()
