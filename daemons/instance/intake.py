@@ -29,6 +29,9 @@ class IntakeMixin:
                 continue
             # The proxy counts this dispatch as ours until a heartbeat's load shows it (wire.Heartbeat.taken).
             self.taken[msg.reply_to] = self.taken.get(msg.reply_to, 0) + 1
+            held = self.requests.get(msg.request_id)
+            if held is not None and held.epoch == msg.epoch:
+                continue  # sent again by a proxy that took it for lost (daemons/proxy/failover.py check_taken)
             if not self.accepting or (self.draining and self.elsewhere):
                 M_REDISPATCHED.inc()
                 self._send(msg.reply_to, wire.Redispatch(msg.request_id, self.instance_id,

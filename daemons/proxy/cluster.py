@@ -97,6 +97,7 @@ class ClusterClient(ManagerLinkMixin, DispatchMixin, FairGateMixin, AdmissionMix
                                lambda _: M_LINKS_HEALED.inc())
         self._changed: list[asyncio.Future] = []  # dispatches waiting for an instance to take them
         self.placing: dict[str, int] = {}  # request id -> prompt tokens, while it waits for an instance
+        self._sent_counts: dict[str, object] = {}  # instance id -> (time, Submits sent) at its heartbeats (check_taken)
         # Between API keys (daemons/proxy/fairgate.py); submits without a key never wait there.
         self.fair = FairQueue(self.clock.monotonic, self.pc.fair_burst_tokens) if self.pc.fair_queuing else None
 

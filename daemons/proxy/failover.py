@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
+
+import msgspec
 
 from daemons import wire
 from daemons.links import DOWN
 from daemons.proxy.stream import NoInstance, Stream
-from daemons.proxy.telemetry import M_FAILOVERS, M_GIVEN_BACK, M_RETRIES, M_TIMEOUTS
+from daemons.proxy.telemetry import M_FAILOVERS, M_GIVEN_BACK, M_RESENT, M_RETRIES, M_TIMEOUTS
 
 log = logging.getLogger("llumnix.proxy")
 
@@ -115,7 +118,7 @@ class FailoverMixin:
             return
         live = {v.instance_id for v in self.snapshot if v.state != "dead"}
         for iid in [i for i, at in self.heard.items() if i not in live and now - at > FORGET_AFTER_S]:
-            for table in (self.heard, self.beats, self.beat_at, self.addresses):
+            for table in (self.heard, self.beats, self.beat_at, self.addresses, self._sent_counts):
                 table.pop(iid, None)
         keep = ({v.request_address for v in self.snapshot if v.state != "dead"}
                 | {s.address for s in self.streams.values() if s.address}
@@ -123,6 +126,39 @@ class FailoverMixin:
         for address in [a for a in self.instances if a not in keep]:
             self.links.forget(address)
             self.instances.pop(address).close(0)
+
+    def check_taken(self, beat: wire.Heartbeat) -> None:
+        """Queued requests are not judged by silence (a saturated instance may hold one for long), but one
+        its instance never took in would wait out its deadline: a Submit lost on the way (a connection that
+        broke), or sent to an instance that restarted. The heartbeats count the Submits the instance took in
+        from us; when they are short of what we had sent proxy.stall_timeout_s before, every request of ours
+        on it that has no token yet and was sent before then is sent again, same epoch (a copy the instance
+        holds ignores it)."""
+        stall = self.pc.stall_timeout_s
+        if not stall:
+            return
+        iid = beat.instance_id
+        now = self.clock.monotonic()
+        history = self._sent_counts.get(iid)
+        if history is None:
+            history = self._sent_counts[iid] = deque()
+        history.append((now, self.view.sent.get(iid, 0)))
+        while len(history) > 1 and history[1][0] <= now - stall:
+            history.popleft()
+        at, sent = history[0]
+        if at > now - stall or beat.taken >= sent:
+            return
+        history.clear()
+        self.view.sent[iid] = self.view.sent.get(iid, 0) - (sent - beat.taken)  # the lost ones: never to be counted
+        again = [s for s in self.streams.values() if s.instance_id == iid and not s.done and not s.next_index
+                 and not s.early and s.sent_at <= at]
+        for stream in again:
+            submit = msgspec.structs.replace(stream.submit, epoch=stream.epoch, output_token_ids=[])
+            if self._send_instance(stream.address, submit):
+                self.view.sent[iid] = self.view.sent.get(iid, 0) + 1  # it counts this one too, taken in or not
+        M_RESENT.inc(len(again))
+        log.warning("instance %s took in %d of the %d requests we had sent it %gs ago: sent again the %d of ours "
+                    "on it with no token yet", iid, beat.taken, sent, stall, len(again))
 
     def check_streams(self, now: float) -> None:
         stall = self.pc.stall_timeout_s

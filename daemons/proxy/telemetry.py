@@ -23,6 +23,9 @@ M_FAILOVERS = metrics.counter("proxy", "llumnix_proxy_failovers_total",
                               preset=[(c,) for c in ("dead", "silent", "unhealthy", "stalled", "refused", "full", "failed")])
 M_FENCED = metrics.counter("proxy", "llumnix_proxy_fenced_total", "Token outputs or ownership claims refused because "
                            "they came from a copy that is not the request's current owner")
+M_RESENT = metrics.counter("proxy", "llumnix_proxy_resubmits_total",
+                           "Requests sent again, same epoch, because their instance's heartbeats showed it had not "
+                           "taken in every Submit sent proxy.stall_timeout_s before (lost on the way, or it restarted)")
 M_TIMEOUTS = metrics.counter("proxy", "llumnix_proxy_request_timeouts_total",
                              "Requests ended because they passed proxy.request_timeout_s")
 REJECT_REASONS = ("queued_requests", "queued_tokens", "no_instance", "wait_timeout")

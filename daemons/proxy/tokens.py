@@ -68,7 +68,8 @@ class TokenPathMixin:
             self.view.heard(msg, self.beats.get(msg.instance_id))
             self.beats[msg.instance_id] = msg
             self.addresses[msg.instance_id] = msg.request_address
-            if self._changed:
+            self.check_taken(msg)
+            if self._changed or (self.fair is not None and self.fair.waiting):
                 self._wake_waiting()
         elif isinstance(msg, wire.Moved):  # a migration committed: follow the request to its new owner
             stream = streams.get(msg.request_id)

@@ -286,3 +286,42 @@ def test_departed_peers_are_forgotten_on_both_sides():
         assert ids(await c.result(s)) == c.expected(s, 20)
 
     VirtualCluster.run(scenario, sets=PACED + ["instance.orphan_timeout_s=1.5", "manager.dead_instance_ttl_s=5"])
+
+
+def test_a_request_its_instance_never_took_in_is_sent_again_after_the_stall_timeout():
+    """A Submit lost on the way (or sent to an instance that restarted) leaves a queued request that no token
+    will ever come for: the instance's heartbeats, which count the Submits it took in, fall short of what was
+    sent; the request is sent again after proxy.stall_timeout_s instead of waiting out its deadline. Requests
+    only queued on a saturated instance were taken in, and a copy sent again is ignored: each runs once."""
+    from daemons.proxy.telemetry import M_RESENT
+
+    async def scenario(c: VirtualCluster):
+        dropped = []
+        for inst in c.instances.values():
+            take = inst._take
+
+            def dropping(frames, take=take, iid=inst.instance_id):
+                msg = wire.decode(frames[-1]) if len(frames) == 2 else None
+                if isinstance(msg, wire.Submit) and msg.request_id == "req-1" and not dropped:
+                    dropped.append(iid)  # lost on the way: this instance never sees it
+                    return
+                take(frames)
+            inst._take = dropping
+        before = M_RESENT.labels()._value.get()
+        t0 = c.loop.time()
+        lost = await c.request(max_tokens=20)
+        queued = [await c.request(max_tokens=400) for _ in range(5)]  # 2 slots each: some wait their turn
+        await c.until(lambda: M_RESENT.labels()._value.get() > before, 10, "the lost request was not sent again")
+        assert 3.0 <= c.loop.time() - t0 < 3.5  # stall_timeout_s (3), then the next heartbeat
+        got = await c.result(lost)
+        assert ids(got) == c.expected(lost, 20), (lost.status, lost.error)
+        assert dropped and lost.tried == dropped  # sent again where it was: not a failed attempt
+        for s in queued:
+            assert ids(await c.result(s)) == c.expected(s, 400)  # exact: no copy ran twice
+            assert len(s.tried) == 1
+        resent = M_RESENT.labels()._value.get() - before
+        assert 1 <= resent <= 1 + len(queued)  # it, and those of ours queued with it on its instance then
+        await c.until(lambda: all(i.engine.load().blocks_used == 0 for i in c.instances.values()), 5, "blocks leaked")
+
+    VirtualCluster.run(scenario, sets=PACED + ["proxy.stall_timeout_s=3", "proxy.request_timeout_s=60",
+                                               "sim.max_num_seqs=2"])
