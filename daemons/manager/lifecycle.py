@@ -36,6 +36,7 @@ class LifecycleMixin:
             r.cordoned = msg.drain
         elif msg.drain:
             r.drain_reason = r.drain_reason or "operator"
+            self.drain_backoff.pop(r.instance_id, None)  # a new drain tries at once
         else:
             if r.state == "stopping":
                 return wire.ErrorReply(msg.query_id, f"instance {msg.instance_id} is stopping; it cannot be undrained")

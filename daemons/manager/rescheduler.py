@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llumnix.manager")
 
+DRAIN_BACKOFF_MAX_S = 30.0  # the longest a draining source whose orders move nothing waits between tries
+
 M_ORDERED = metrics.counter("manager", "llumnix_manager_migrations_total",
                             "Manager-ordered migrations that ended, by reason and outcome", ["reason", "outcome"])
 M_ORDERS_IN_FLIGHT = metrics.gauge("manager", "llumnix_manager_migrations_in_flight",
@@ -60,6 +62,8 @@ class Rescheduler(LifecycleMixin, ScalingMixin):
         self.in_flight = 0  # requests ordered to migrate, not yet reported
         self._turn = 0
         self.kv_bytes_per_token = 0.0  # seen in committed migrations (cross_node_kv_bytes_per_token unset)
+        # draining source -> (drain orders in a row that moved nothing, monotonic time before which it waits)
+        self.drain_backoff: dict[str, tuple[int, float]] = {}
 
     # ------------------------------------------------------------------ migration orders
 
@@ -87,6 +91,8 @@ class Rescheduler(LifecycleMixin, ScalingMixin):
         """This interval's pairs and the order each source gets, from the current view (no side effects
         but the pairing turn; the virtual-time simulator, llumnixctl/experiments/simulate.py, runs this too)."""
         live = [r for r in self.m.instances.values() if r.state != "dead"]
+        for gone in [iid for iid in self.drain_backoff if iid not in self.m.instances]:
+            del self.drain_backoff[gone]
         states = [dataclasses.replace(self.m.state(r, now), host=r.info.host) for r in live]
         pairs = policy.pair(states, self.sc.high_priority_headroom,
                             self.sc.migrate_out_threshold, self.sc.migrate_in_threshold,
@@ -95,6 +101,8 @@ class Rescheduler(LifecycleMixin, ScalingMixin):
         self._turn += 1
         orders = []
         for p in pairs:
+            if p.drain and self.drain_backoff.get(p.src, (0, 0.0))[1] > now:
+                continue  # its last drain orders moved nothing: it waits out its backoff
             dst = self.m.instances[p.dst]
             orders.append((p, wire.MigrateStart(
                 0, dst=p.dst, dst_address=dst.info.request_address, count=p.count,
@@ -114,8 +122,17 @@ class Rescheduler(LifecycleMixin, ScalingMixin):
 
     async def _run_order(self, src: InstanceRecord, start: wire.MigrateStart) -> None:
         result = await self.order_migration(src, start, start.count)
-        if start.drain:  # a drain goes on at once rather than at the next interval
-            self.pair_once(drains_only=True)
+        if start.drain:
+            if not isinstance(result, str) and any(o.outcome == "committed" for o in result.outcomes):
+                self.drain_backoff.pop(src.instance_id, None)
+                self.pair_once(drains_only=True)  # a drain that moves goes on at once, not at the next interval
+            else:  # nothing moved (refused, aborted, lost): back off, doubling, before this source drains again
+                fails = self.drain_backoff.get(src.instance_id, (0, 0.0))[0] + 1
+                wait = min(self.sc.migration_interval_s * 2 ** fails, DRAIN_BACKOFF_MAX_S)
+                self.drain_backoff[src.instance_id] = (fails, self.m.clock.monotonic() + wait)
+                if fails in (1, 4) or wait == DRAIN_BACKOFF_MAX_S and fails % 10 == 0:
+                    log.warning("drain of %s: %d order(s) in a row moved nothing; next try in %gs", src.instance_id,
+                                fails, wait)
         if isinstance(result, str):
             log.warning("%s order %s -> %s: %s", start.reason, src.instance_id, start.dst, result)
             self.outcomes[f"{start.reason}/lost"] += 1

@@ -31,6 +31,8 @@ class DestinationMixin:
             await self._end_in(inc)
 
     def _refusal(self, msg: wire.MigStage) -> str:
+        if self.faults.get("refuse_migrations"):
+            return "fault injection: this instance refuses every migration"
         if not self.inst.accepting:
             return f"instance {self.inst.instance_id} is shutting down"
         if self.inst.draining:

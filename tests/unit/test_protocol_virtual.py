@@ -12,6 +12,7 @@ import logging
 import pytest
 
 from daemons import wire
+from daemons.watchdog import Faults
 from tests.support.cluster import VirtualCluster
 
 PACED = ["instance.min_step_s=0.02", "manager.dispatch_policy=flood"]  # flood: every request on i0
@@ -281,3 +282,25 @@ def test_a_destination_with_another_kv_layout_refuses_with_the_difference():
         assert ids(await c.result(s)) == c.expected(s, 200)
 
     VirtualCluster.run(scenario, instances=1, sets=PACED)
+
+
+def test_a_drain_whose_moves_are_all_refused_backs_off_and_goes_on_once_one_can_land():
+    """Every instance but the draining one refuses migrations: each drain order moves nothing, and the next
+    waits twice as long (up to 30 s) instead of coming at once again and again; once a destination takes
+    them, the drain goes on and empties the source."""
+    async def scenario(c: VirtualCluster):
+        streams = await _streams(c, 2, 3000)
+        await c.until(lambda: c.instances["i0"].engine.load().running == 2, 5, "the streams did not start on i0")
+        c.manager.resched.on_drain(wire.DrainQuery(1, "i0"))
+        await asyncio.sleep(20.0)
+        orders = c.manager.resched.drain_backoff["i0"][0]  # in a row, each of its two requests refused
+        # 0.2 s intervals doubled: orders at about 0, 0.4, 1.2, 2.8, 6, 12.4 s: six, not a hundred
+        assert 4 <= orders <= 8 and c.manager.resched.outcomes["drain/aborted"] == 2 * orders, orders
+        c.instances["i1"].migrator.faults = Faults("i1", "")  # i1 takes them now
+        await c.until(lambda: idle(c)["i0"] == (0, 0, 0), 40, f"i0 was not emptied: {idle(c)}")
+        assert c.manager.resched.outcomes["drain/committed"] == 2 and "i0" not in c.manager.resched.drain_backoff
+        for s in streams:
+            assert ids(await c.result(s, within_s=300)) == c.expected(s, 3000), s.request_id
+
+    VirtualCluster.run(scenario, sets=PACED + ["scheduling.migration_interval_s=0.2"],
+                       faults={"i1": "refuse_migrations=1"})
