@@ -59,7 +59,9 @@ class DestinationMixin:
             try:
                 if msg.stage == 0:  # join the pair first: it forms (on its thread) even if we refuse below
                     try:
+                        self.prune_peers()
                         inc.pair = self.kv.dest_pair(msg.pair_key, msg.kv_address)
+                        self.pair_used(msg.pair_key)
                     except TransferError as exc:
                         raise Aborted(str(exc)) from None
                 if stages.cdiv(msg.tokens, self.engine.block_size) > len(inc.ids):

@@ -47,6 +47,10 @@ class Migrator(PeersMixin, SourceMixin, DestinationMixin):
         self.outgoing: dict[str, Outgoing] = {}  # by migration id
         self.incoming: dict[str, Incoming] = {}  # by migration id
         self.peers: dict[str, zmq.asyncio.Socket] = {}  # destination request address -> our DEALER
+        self._peer_tasks: dict[str, tuple] = {}  # its reader and watcher
+        self._peer_used: dict[str, float] = {}  # destination request address -> loop time of its last use
+        self._pair_used: dict[str, float] = {}  # KV pair name (a destination id, or a source's key) -> last use
+        self._next_prune = 0.0
         self._dst_locks: dict[str, asyncio.Lock] = {}
         self.committed = 0
         self.aborted = 0

@@ -21,18 +21,49 @@ from daemons.migration.telemetry import M_IN_FLIGHT
 log = logging.getLogger("llumnix.migration")
 
 
+PEER_IDLE_S = 300.0  # a peer socket or KV pair unused this long (and in no migration) is closed
+
+
 class PeersMixin:
-    """Of the Migrator: owns ``peers`` and the prefix queries."""
+    """Of the Migrator: owns ``peers`` and the prefix queries, and closes what peers no longer use: a fleet
+    that replaces instances (new ids, new ports) must not grow every instance's sockets, tasks and KV pairs
+    (with their staging buffers) for ever."""
 
     def _peer(self, address: str) -> zmq.asyncio.Socket:
+        self.prune_peers()
+        self._peer_used[address] = loop_time()
         sock = self.peers.get(address)
         if sock is None:
             sock = self.peers[address] = self.inst.sec.client(runtime.tune(self.inst.ctx.socket(zmq.DEALER)), "instance")
             monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             sock.connect(address)
-            self.spawn(self._read_peer(sock))
-            self.spawn(self._watch_peer(address, monitor))
+            self._peer_tasks[address] = (self.spawn(self._read_peer(sock)), self.spawn(self._watch_peer(address, monitor)))
         return sock
+
+    def pair_used(self, name: str) -> None:
+        """A KV pair (by the name the transport's ``forget`` takes) is in use now."""
+        self._pair_used[name] = loop_time()
+
+    def prune_peers(self) -> None:
+        """Close the peer sockets and forget the KV pairs not used for PEER_IDLE_S that no migration holds
+        (looked at no more than every PEER_IDLE_S / 4)."""
+        now = loop_time()
+        if now < self._next_prune:
+            return
+        self._next_prune = now + PEER_IDLE_S / 4
+        cut = now - PEER_IDLE_S
+        busy = {o.dst_address for o in self.outgoing.values()}
+        for address in [a for a, at in self._peer_used.items() if at < cut and a not in busy]:
+            del self._peer_used[address]
+            for task in self._peer_tasks.pop(address, ()):
+                task.cancel()
+            sock = self.peers.pop(address, None)
+            if sock is not None:
+                sock.close(0)
+        held = {o.dst for o in self.outgoing.values()} | {getattr(i.pair, "key", None) for i in self.incoming.values()}
+        for name in [n for n, at in self._pair_used.items() if at < cut and n not in held]:
+            del self._pair_used[name]
+            self.kv.forget(name)
 
     async def _watch_peer(self, address: str, monitor) -> None:
         """A destination that dies drops its connection (the kernel closes it): end the waits of our

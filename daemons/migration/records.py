@@ -52,6 +52,7 @@ class Outgoing:
     mig_id: str
     dst_address: str = ""
     replies: asyncio.Queue = field(default_factory=asyncio.Queue)  # MigReady / MigDone / GONE from the destination
+    dst: str = ""  # the destination's instance id (its KV pair's name here)
 
 
 # A destination that does not answer a prefix query within this is taken to hold nothing. It answers at its

@@ -98,7 +98,7 @@ class Move:
         self.m = m
         self.request_id, self.dst, self.dst_address, self.blocking = request_id, dst, dst_address, blocking
         self.phase = Phase.RESERVE
-        self.out = Outgoing(uuid.uuid4().hex[:16], dst_address)
+        self.out = Outgoing(uuid.uuid4().hex[:16], dst_address, dst=dst)
         self.result = wire.MigrationOutcome(request_id=request_id, src=m.inst.instance_id, dst=dst, outcome="aborted")
         self.sent: list[int] = []  # block ids already at the destination, in order
         self.stage = 0
@@ -154,6 +154,7 @@ class Move:
         self.kb = m.engine.kv_blocks()
         self.chunk_blocks = max(1, m.cfg.chunk_bytes // self.kb.block_nbytes)
         self.pair = m.kv.source_pair(m.inst.instance_id, self.dst)
+        m.pair_used(self.dst)
         self.sock = m._peer(self.dst_address)
         # Pacing and one-message chunks alike for this process's pairs and a tensor-parallel engine's ranks
         # (each rank's pair reads the duty the engine last handed it; both ends have the same TP size).

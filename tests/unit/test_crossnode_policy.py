@@ -138,7 +138,7 @@ def test_rescheduler_learns_kv_size_and_pairs_with_hosts():
     """The manager's wiring: hosts from registration, KV bytes per token from committed migrations."""
     rs = Rescheduler.__new__(Rescheduler)  # no manager loop: only what pair_once and learn touch
     rs.sc = SchedulingConfig(cross_node_bandwidth_gbps=10.0)
-    rs.kv_bytes_per_token, rs._turn = 0.0, 0
+    rs.kv_bytes_per_token, rs._turn, rs.drain_backoff = 0.0, 0, {}
     src_load = wire.InstanceLoad(800, 768, 12, 0, 64, 16)
     dst_load = wire.InstanceLoad(1000, 0, 0, 0, 64, 16)
 

@@ -304,3 +304,33 @@ def test_a_drain_whose_moves_are_all_refused_backs_off_and_goes_on_once_one_can_
 
     VirtualCluster.run(scenario, sets=PACED + ["scheduling.migration_interval_s=0.2"],
                        faults={"i1": "refuse_migrations=1"})
+
+
+def test_peer_sockets_and_kv_pairs_unused_for_long_are_closed_on_both_sides():
+    """A fleet that replaces instances must not grow every instance's peer sockets, their tasks and KV
+    pairs for ever: what no migration used for PEER_IDLE_S is closed at the next migration, on the source
+    (socket, reader, watcher, pair) and on the destination (the pair it joined)."""
+    from daemons.migration.peers import PEER_IDLE_S
+
+    async def scenario(c: VirtualCluster):
+        await c.join("i2")
+        src = c.instances["i0"].migrator
+        first = (await _streams(c, 1, 1000))[0]
+        await moved(c, first, "i1")  # i0 -> i1: a socket and a pair on i0, a pair on i1
+        await moved(c, first, "i0")  # back: i1 -> i0
+        assert set(src.peers) == {"inproc://i1"} and set(c.instances["i0"].kv.pairs) >= {"i1"}
+        tasks = src._peer_tasks["inproc://i1"]
+        joined = [k for k in c.instances["i1"].kv.pairs if k.startswith("i0>")]
+        assert joined
+        assert ids(await c.result(first, within_s=600)) == c.expected(first, 1000)
+        await asyncio.sleep(PEER_IDLE_S + 1)
+        later = (await _streams(c, 1, 1000))[0]
+        await moved(c, later, "i2")  # the next migration prunes what lay idle
+        assert set(src.peers) == {"inproc://i2"} and "i1" not in c.instances["i0"].kv.pairs
+        assert all(t.done() for t in tasks)
+        await moved(c, later, "i1")  # i2 -> i1: i1 prunes the pair i0 had started with it
+        assert not [k for k in c.instances["i1"].kv.pairs if k in joined]
+        await moved(c, later, "i0")  # and a pruned peer is reached again when needed
+        assert ids(await c.result(later, within_s=600)) == c.expected(later, 1000)
+
+    VirtualCluster.run(scenario, sets=PACED)
