@@ -194,6 +194,7 @@ class InstanceView(msgspec.Struct, array_like=True, omit_defaults=True):
     drain_reason: str = ""  # "operator", "scale-in", "remove", "stopping" while draining
     migrations_ordered: int = 0  # manager-ordered migrations in flight with it as source or destination
     credit: float = 0.0  # blocks of negative virtual usage left (a new instance being filled first)
+    key: str = ""  # "role:name" of the CURVE key it registered with (proxies take its messages from that key only)
 
     def __post_init__(self) -> None:
         endpoints.check(self.request_address, "request_address", empty_ok=True)

@@ -45,7 +45,7 @@ class ViewMixin:
                 draining=r.draining, pending_dispatches=len(r.pending), max_model_len=r.info.max_model_len,
                 virtual_usage=round(policy.virtual_usage(s, self.sc.high_priority_headroom), 2),
                 cordoned=r.cordoned, drain_reason=r.drain_reason or ("stopping" if r.state == "stopping" else ""),
-                migrations_ordered=r.orders, credit=round(s.credit, 2),
+                migrations_ordered=r.orders, credit=round(s.credit, 2), key=r.principal,
             ))
         return out
 

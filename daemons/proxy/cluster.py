@@ -46,6 +46,7 @@ from daemons.proxy.stream import NoInstance, Overloaded, Stream
 from daemons.proxy.telemetry import M_LINKS_HEALED, M_REJECTED, REJECT_REASONS
 from daemons.proxy.tokens import TokenPathMixin
 from daemons.proxy.view import DispatchView
+from daemons.throttle import Throttle
 
 log = logging.getLogger("llumnix.proxy")
 
@@ -97,6 +98,8 @@ class ClusterClient(ManagerLinkMixin, DispatchMixin, FairGateMixin, AdmissionMix
                                lambda _: M_LINKS_HEALED.inc())
         self._changed: list[asyncio.Future] = []  # dispatches waiting for an instance to take them
         self.placing: dict[str, int] = {}  # request id -> prompt tokens, while it waits for an instance
+        self.owner_keys: dict[str, str] = {}  # instance id -> "role:name" of its CURVE key (tokens.py _from_owner)
+        self._forged_logged = Throttle(60.0)
         self._sent_counts: dict[str, object] = {}  # instance id -> (time, Submits sent) at its heartbeats (check_taken)
         # Between API keys (daemons/proxy/fairgate.py); submits without a key never wait there.
         self.fair = FairQueue(self.clock.monotonic, self.pc.fair_burst_tokens) if self.pc.fair_queuing else None

@@ -118,7 +118,7 @@ class FailoverMixin:
             return
         live = {v.instance_id for v in self.snapshot if v.state != "dead"}
         for iid in [i for i, at in self.heard.items() if i not in live and now - at > FORGET_AFTER_S]:
-            for table in (self.heard, self.beats, self.beat_at, self.addresses, self._sent_counts):
+            for table in (self.heard, self.beats, self.beat_at, self.addresses, self._sent_counts, self.owner_keys):
                 table.pop(iid, None)
         keep = ({v.request_address for v in self.snapshot if v.state != "dead"}
                 | {s.address for s in self.streams.values() if s.address}

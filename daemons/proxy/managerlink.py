@@ -91,6 +91,9 @@ class ManagerLinkMixin:
             try:
                 if isinstance(msg, wire.Snapshot):
                     self.snapshot, self.snapshot_at = msg.instances, self.clock.monotonic()
+                    for v in msg.instances:  # the manager pinned each id to the key it registered with
+                        if v.key and v.state != "dead":
+                            self.owner_keys[v.instance_id] = v.key
                     self._wake_waiting()
                     self.view.invalidate()
                     self.rank, self.proxies = msg.proxy_rank, msg.proxies

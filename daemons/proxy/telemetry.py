@@ -26,6 +26,9 @@ M_FENCED = metrics.counter("proxy", "llumnix_proxy_fenced_total", "Token outputs
 M_RESENT = metrics.counter("proxy", "llumnix_proxy_resubmits_total",
                            "Requests sent again, same epoch, because their instance's heartbeats showed it had not "
                            "taken in every Submit sent proxy.stall_timeout_s before (lost on the way, or it restarted)")
+M_FORGED = metrics.counter("proxy", "llumnix_proxy_forged_messages_total",
+                           "Messages on the token path dropped because their sender's CURVE key is not the key the "
+                           "instance they speak for registered with")
 M_TIMEOUTS = metrics.counter("proxy", "llumnix_proxy_request_timeouts_total",
                              "Requests ended because they passed proxy.request_timeout_s")
 REJECT_REASONS = ("queued_requests", "queued_tokens", "no_instance", "wait_timeout")

@@ -9,7 +9,7 @@ import zmq.asyncio
 
 from daemons import runtime, wire
 from daemons.proxy.stream import Stream
-from daemons.proxy.telemetry import M_BAD_FRAMES, M_FENCED
+from daemons.proxy.telemetry import M_BAD_FRAMES, M_FENCED, M_FORGED
 
 log = logging.getLogger("llumnix.proxy")
 
@@ -39,6 +39,16 @@ class TokenPathMixin:
         return True
 
     async def _recv_tokens(self) -> None:
+        if self.sec.enabled:  # with CURVE, each message's sender key (ZAP User-Id) says which instance may send it
+            async for frames in runtime.receive(self.pull, copy=False):
+                for frame in frames:
+                    try:
+                        self.on_instance_message(wire.decode(frame.buffer), frame.get("User-Id"))
+                    except Exception:  # this task is essential: one peer's message must not end it
+                        M_BAD_FRAMES.inc()
+                        log.exception("a message on the token path (%d bytes) broke its handler; dropped it",
+                                      len(frame.buffer))
+            return
         async for frames in runtime.receive(self.pull):
             for frame in frames:
                 try:
@@ -47,8 +57,27 @@ class TokenPathMixin:
                     M_BAD_FRAMES.inc()
                     log.exception("a message on the token path (%d bytes) broke its handler; dropped it", len(frame))
 
-    def on_instance_message(self, msg: wire.Message | None) -> None:
-        """One message on the token path (tokens, heartbeats, ownership claims, give-backs, refusals)."""
+    def _from_owner(self, instance_id: str, key: str) -> bool:
+        """Whether ``key`` ("role:name" of the sender's CURVE key) may speak for ``instance_id``: the key the
+        manager pinned that id to at registration (its snapshots), else the first key heard for it here (an
+        instance newer than our snapshot; the next snapshot corrects a wrong first guess)."""
+        pinned = self.owner_keys.get(instance_id)
+        if pinned is None:
+            self.owner_keys[instance_id] = key
+            return True
+        if pinned == key:
+            return True
+        M_FORGED.inc()
+        if self._forged_logged.due((instance_id, key), self.clock.monotonic()):
+            log.warning("dropped messages of instance %s from key %s: it registered with key %s", instance_id,
+                        key.split(":", 1)[-1] or "(none)", pinned.split(":", 1)[-1])
+        return False
+
+    def on_instance_message(self, msg: wire.Message | None, key: str | None = None) -> None:
+        """One message on the token path (tokens, heartbeats, ownership claims, give-backs, refusals);
+        ``key``: its sender's CURVE key, "role:name" (None: not checked, no CURVE)."""
+        if key is not None and getattr(msg, "instance_id", "") and not self._from_owner(msg.instance_id, key):
+            return
         streams = self.streams
         if isinstance(msg, wire.TokenBatch):
             iid = msg.instance_id

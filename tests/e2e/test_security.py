@@ -241,6 +241,54 @@ def test_forged_token_failure_without_a_key_does_not_touch_streams(secured, keys
     assert len(ids) == 600 and chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_a_stolen_instance_key_cannot_inject_tokens_or_forge_heartbeats_for_another_instance(secured, keys):
+    """The holder of instance-spare's key (a real instance key, stolen) speaks on the proxy's token path as
+    i0 and i1: tokens for a running stream, and heartbeats saying the instances are unhealthy. The manager
+    pinned i0 and i1 to the key they registered with; the proxy drops what another key says for them: the
+    stream is exact (the sim's tokens), nothing failed over, and the forgeries are counted."""
+    from daemons.config import SimConfig
+    from daemons.engine.sim import sim_token_id
+
+    api = secured.openai()
+    stream = api.completions.create(model="llumnix-sim", prompt="hello", max_tokens=600, stream=True,
+                                    extra_body={"ignore_eos": True, "return_token_ids": True})
+    chunks = [next(iter(stream))]
+    rid = chunks[0].id
+    proxy = psutil.Process(secured.proc("proxy").pid)
+    http_port = int(secured.url.rsplit(":", 1)[1])
+    ports = [c.laddr.port for c in proxy.net_connections("tcp")
+             if c.status == psutil.CONN_LISTEN and c.laddr.port != http_port]
+    ctx = zmq.Context.instance()
+    thief = security.Security(SecurityConfig(keys_dir=str(keys), key="instance-spare"), "instance", ctx)
+    socks = []
+    try:
+        for port in ports:
+            s = thief.client(runtime.tune(ctx.socket(zmq.PUSH)), "proxy")
+            s.connect(f"tcp://127.0.0.1:{port}")
+            socks.append(s)
+        for s in socks:
+            for iid in ("i0", "i1"):
+                forged = [wire.TokenOut(rid, i, 7, epoch=e) for e in (1, 2) for i in range(600)]
+                for part in range(0, len(forged), 100):
+                    s.send(wire.encode(wire.TokenBatch(iid, forged[part:part + 100])))
+                address = status(secured, keys)[iid].request_address
+                s.send(wire.encode(wire.Heartbeat(iid, address, healthy=False)))
+        chunks += list(stream)
+    finally:
+        for s in socks:
+            s.close(0)
+        thief.close()
+    ids = [t for c in chunks for ch in c.choices for t in (getattr(ch, "token_ids", None) or [])]
+    assert ids == [sim_token_id(rid, i, SimConfig().vocab_size) for i in range(600)]
+    req = urllib.request.Request(secured.url + "/metrics", headers={"Authorization": "Bearer s3cret-scrape"})
+    text = urllib.request.urlopen(req, timeout=10).read().decode()
+    forged = [line for line in text.splitlines() if line.startswith("llumnix_proxy_forged_messages_total")]
+    assert forged and float(forged[0].rsplit(" ", 1)[1]) > 0, forged
+    failovers = [line for line in text.splitlines() if line.startswith("llumnix_proxy_failovers_total")
+                 and 'cause="unhealthy"' in line]
+    assert failovers and float(failovers[0].rsplit(" ", 1)[1]) == 0, failovers
+
+
 class _Relay(threading.Thread):
     """A TCP relay that records what the client sent, to replay it later."""
 
