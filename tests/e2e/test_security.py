@@ -209,6 +209,14 @@ def test_forged_submit_without_a_key_is_never_run(secured, keys):
         proxy_sec.close()
 
 
+def _token_ports(secured: Cluster) -> list[int]:
+    """The proxy's listening ports other than its HTTP port: its token socket."""
+    proxy = psutil.Process(secured.proc("proxy").pid)
+    http_port = int(secured.url.rsplit(":", 1)[1])
+    return [c.laddr.port for c in proxy.net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port != http_port]
+
+
 def test_forged_token_failure_without_a_key_does_not_touch_streams(secured, keys):
     api = secured.openai()
     # Long enough to be running when the forgery comes (a CI run's 60-token request was over before the
@@ -217,10 +225,7 @@ def test_forged_token_failure_without_a_key_does_not_touch_streams(secured, keys
                                     extra_body={"ignore_eos": True, "return_token_ids": True})
     chunks = [next(iter(stream))]
     rid = chunks[0].id
-    proxy = psutil.Process(secured.proc("proxy").pid)
-    http_port = int(secured.url.rsplit(":", 1)[1])
-    ports = [c.laddr.port for c in proxy.net_connections("tcp")
-             if c.status == psutil.CONN_LISTEN and c.laddr.port != http_port]
+    ports = _token_ports(secured)
     assert ports  # the token socket
     ctx = zmq.Context.instance()
     socks = []
@@ -254,10 +259,7 @@ def test_a_stolen_instance_key_cannot_inject_tokens_or_forge_heartbeats_for_anot
                                     extra_body={"ignore_eos": True, "return_token_ids": True})
     chunks = [next(iter(stream))]
     rid = chunks[0].id
-    proxy = psutil.Process(secured.proc("proxy").pid)
-    http_port = int(secured.url.rsplit(":", 1)[1])
-    ports = [c.laddr.port for c in proxy.net_connections("tcp")
-             if c.status == psutil.CONN_LISTEN and c.laddr.port != http_port]
+    ports = _token_ports(secured)
     ctx = zmq.Context.instance()
     thief = security.Security(SecurityConfig(keys_dir=str(keys), key="instance-spare"), "instance", ctx)
     socks = []
