@@ -1,12 +1,19 @@
 """Soak driver (scripts/soak.sh runs it): bounded streamed load on a local cluster, with random operator
-migrations, drains and kill -9 of instances; every stream is checked token by token against the sim.
+migrations, drains, kill -9 of instances, and kill -9 and restart of a proxy and of the manager; every
+stream is checked token by token against the sim, and every daemon's RSS, file descriptors and sockets are
+sampled all along.
 
     soak.py run --run-dir DIR --duration S --out soak.json   load + chaos, settle, measure, write the report
     soak.py check-stopped --out soak.json                    after `llumnixctl down`: are its pids all gone?
+    soak.py plot --out soak.json --png rss.png               the RSS and descriptor curves of every daemon
 
-A lost request is one that errored or got other tokens than the sim's (goal 0); leaked blocks are the KV
-blocks still held by live instances once the load stopped and the cluster settled (goal 0). Every loop is
-bounded in count and time; traffic goes only to the local cluster on 127.0.0.1.
+A lost request is one that errored or got other tokens than the sim's (goal 0). A stream cut because the
+proxy serving it was killed under it (or refused while that proxy was down) is counted apart and sent again
+to another proxy, as a client behind a load balancer would: no proxy can finish a stream whose connection
+died with it. Leaked blocks are the KV blocks still held by live instances once the load stopped and the
+cluster settled (goal 0). The first proxy and instance i0 are never killed: they are the witnesses whose
+memory must stay flat (RSS growth after the warm-up below 10%) while every peer around them comes and goes.
+Every loop is bounded in count and time; traffic goes only to the local cluster on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from llumnixctl.main import status_json  # noqa: E402
 
 VOCAB = 32000
 REQUEST_DEADLINE_S = 300.0  # one stream, start to end, at most
+WITNESSES = ("proxy", "instance-i0")  # never killed: their memory is measured over the whole soak
+SAMPLE_EVERY_S = 15.0
 
 
 def now_s(t0: float) -> str:
@@ -57,6 +66,45 @@ def rss(run_dir: Path) -> dict[str, dict]:
             out[p.name] = {"pid": p.pid, "rss_mb": round(live.memory_info().rss / 2**20, 1)}
         except psutil.Error:
             pass
+    return out
+
+
+def sample(run_dir: Path, t: float) -> list[dict]:
+    """RSS, open file descriptors and sockets of every running daemon of the cluster."""
+    out = []
+    for p in procs(run_dir):
+        live = p.process()
+        if live is None:
+            continue
+        try:
+            with live.oneshot():
+                out.append({"t": round(t, 1), "name": p.name, "pid": p.pid,
+                            "rss_mb": round(live.memory_info().rss / 2**20, 1), "fds": live.num_fds(),
+                            "sockets": len(live.net_connections("all"))})
+        except psutil.Error:
+            pass
+    return out
+
+
+def growth(series: list[dict], warmup_s: float) -> dict[str, dict]:
+    """Per witness (one process all along): RSS, descriptors and sockets just after the warm-up and at the
+    end (the mean of the last three samples against the first three after the warm-up, so that one
+    allocation burst is no trend)."""
+    out = {}
+    for name in WITNESSES:
+        rows = [r for r in series if r["name"] == name]
+        pids = {r["pid"] for r in rows}
+        after = [r for r in rows if r["t"] >= warmup_s]
+        if len(pids) != 1 or len(after) < 6:
+            out[name] = {"pids": sorted(pids), "samples_after_warmup": len(after)}
+            continue
+        mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
+        first, last = after[:3], after[-3:]
+        out[name] = {"pid": rows[0]["pid"], "samples_after_warmup": len(after)}
+        for k in ("rss_mb", "fds", "sockets"):
+            a, b = mean(first, k), mean(last, k)
+            out[name][k] = {"after_warmup": round(a, 1), "end": round(b, 1), "max": max(r[k] for r in after),
+                            "growth": round(b / a - 1, 4) if a else None}
     return out
 
 
@@ -101,6 +149,12 @@ class Tally:
         self.sent = self.completed = 0
         self.lost: list[dict] = []
         self.tokens = 0
+        self.cuts = 0  # streams whose proxy was killed under them, sent again elsewhere
+
+    def cut(self, n: int) -> None:
+        with self.lock:
+            self.tokens += n
+            self.cuts += 1
 
     def add(self, ok: bool, n: int, detail: dict | None = None) -> None:
         with self.lock:
@@ -111,7 +165,11 @@ class Tally:
                 self.lost.append(detail or {})
 
 
-def one_stream(client: httpx.Client, url: str, rnd: random.Random, tally: Tally) -> None:
+class Cut(Exception):
+    """The stream broke because its proxy was killed under it (or was down when it was sent)."""
+
+
+def one_stream(client: httpx.Client, url: str, rnd: random.Random, tally: Tally, chaos: "Chaos | None" = None) -> None:
     max_tokens = rnd.randint(20, 200)
     prompt = [rnd.randrange(3, VOCAB) for _ in range(rnd.randint(8, 300))]
     body = {"model": "llumnix-sim", "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
@@ -140,6 +198,9 @@ def one_stream(client: httpx.Client, url: str, rnd: random.Random, tally: Tally)
                         ids += ch.get("token_ids") or []
     except (httpx.HTTPError, ValueError) as exc:
         error = repr(exc)
+        if isinstance(exc, httpx.TransportError) and chaos is not None and chaos.proxy_was_down(url, start):
+            tally.cut(len(ids))
+            raise Cut(url) from None
     if error is None:
         if ids != [sim_token_id(rid, i, VOCAB) for i in range(max_tokens)]:
             error = f"wrong tokens: {len(ids)} of {max_tokens}"
@@ -150,13 +211,23 @@ def one_stream(client: httpx.Client, url: str, rnd: random.Random, tally: Tally)
                "seconds": round(time.monotonic() - start, 2)})
 
 
-def worker(url: str, seed: int, end: float, budget: threading.Semaphore, tally: Tally) -> None:
+def worker(urls: list[str], seed: int, end: float, budget: threading.Semaphore, tally: Tally,
+           chaos: "Chaos | None" = None) -> None:
     rnd = random.Random(seed)
     with httpx.Client(timeout=httpx.Timeout(60.0, connect=10.0)) as client:
         while time.monotonic() < end and budget.acquire(blocking=False):
             with tally.lock:
                 tally.sent += 1
-            one_stream(client, url, rnd, tally)
+            url = rnd.choice(urls)
+            for _ in range(len(urls) + 2):  # a cut stream goes to the next proxy (bounded)
+                try:
+                    one_stream(client, url, rnd, tally, chaos)
+                    break
+                except Cut:
+                    url = urls[(urls.index(url) + 1) % len(urls)]
+                    time.sleep(0.2)
+            else:
+                tally.add(False, 0, {"error": "cut on every proxy"})
             time.sleep(rnd.uniform(0.0, 0.5))  # think time
 
 
@@ -173,6 +244,17 @@ class Chaos(threading.Thread):
         self.counts: dict[str, int] = {}
         self.events: list[str] = []
         self.drained: dict[str, float] = {}  # instance -> when to undrain it
+        state = localcluster.ClusterState.load(run_dir)
+        self.proxy_of = dict(zip(state.urls, localcluster.proxy_names(len(state.urls)))) if state else {}
+        self.down_since: dict[str, tuple[float, float]] = {}  # proxy name -> (killed, back) monotonic
+        self.lock = threading.Lock()
+
+    def proxy_was_down(self, url: str, since: float) -> bool:
+        """Was the proxy at ``url`` killed after ``since`` (or is it down now)?"""
+        name = self.proxy_of.get(url)
+        with self.lock:
+            killed, back = self.down_since.get(name, (0.0, 0.0))
+        return killed >= since - 0.5 or back == 0.0 and killed > 0 or back > since
 
     def note(self, what: str) -> None:
         line = f"{now_s(self.t0)} {' | '.join(what.splitlines())}"
@@ -197,12 +279,64 @@ class Chaos(threading.Thread):
             return
         view = self.view()
         busy = sorted(i for i in live if view.get(i, {}).get("running"))
-        iid = self.rnd.choice(busy or sorted(live))
+        victims = [i for i in busy or sorted(live) if f"instance-{i}" not in WITNESSES] or \
+            [i for i in live if f"instance-{i}" not in WITNESSES]
+        if not victims:
+            self.note(f"kill skipped: only witnesses run ({sorted(live)})")
+            return
+        iid = self.rnd.choice(victims)
         proc = live[iid].process()
         if proc is not None:
             proc.kill()
             self.count("kill")
             self.note(f"kill -9 {iid} (pid {live[iid].pid}, {view.get(iid, {}).get('running', '?')} running)")
+
+    def restart(self, name: str) -> None:
+        """kill -9 the daemon ``name`` of the cluster, then start it again with the same command line after
+        1-5 s (the same address and port: clients and peers find it again)."""
+        state = localcluster.ClusterState.load(self.run_dir)
+        old = next((p for p in (state.procs if state else []) if p.name == name and p.process() is not None), None)
+        if old is None:
+            self.note(f"restart {name} skipped: not running")
+            return
+        proxy = name.startswith("proxy")
+        with self.lock:
+            if proxy:
+                self.down_since[name] = (time.monotonic(), 0.0)
+            old.process().kill()
+        down_s = self.rnd.uniform(1.0, 5.0)
+        self.note(f"kill -9 {name} (pid {old.pid}); back in {down_s:.1f}s")
+        self.stop.wait(down_s)
+        try:
+            localcluster.gone(psutil.Process(old.pid))
+        except psutil.Error:
+            pass
+        new = localcluster.spawn(self.run_dir, name, old.argv)
+        localcluster.record(self.run_dir, state, [new])
+        if proxy:  # down until it listens again
+            url = next(u for u, n in self.proxy_of.items() if n == name)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and new.process() is not None:
+                try:
+                    httpx.get(url + "/v1/models", timeout=2)
+                    break
+                except httpx.HTTPError:
+                    time.sleep(0.1)
+        with self.lock:
+            if proxy:
+                self.down_since[name] = (self.down_since[name][0], time.monotonic())
+        self.count(f"restart_{'proxy' if proxy else name}")
+        self.note(f"started {name} again (pid {new.pid})")
+
+    def kill_proxy(self) -> None:
+        names = [n for n in self.proxy_of.values() if n not in WITNESSES]
+        if not names:
+            self.note("proxy restart skipped: the cluster has one proxy (the witness)")
+            return
+        self.restart(self.rnd.choice(names))
+
+    def kill_manager(self) -> None:
+        self.restart("manager")
 
     def migrate(self) -> None:
         view = self.view()
@@ -240,7 +374,8 @@ class Chaos(threading.Thread):
         self.note(f"undrain {iid}: rc {res.returncode}: {(res.stdout + res.stderr).strip()[:300]}")
 
     def run(self) -> None:
-        actions = {"kill": self.kill, "migrate": self.migrate, "drain": self.drain}
+        actions = {"kill": self.kill, "migrate": self.migrate, "drain": self.drain,
+                   "kill_proxy": self.kill_proxy, "kill_manager": self.kill_manager}
         due = {k: time.monotonic() + self.rnd.uniform(self.lo, self.hi) * 0.5 for k in actions}
         while not self.stop.is_set() and time.monotonic() < self.end:
             now = time.monotonic()
@@ -300,8 +435,16 @@ def run(args) -> int:
     budget = threading.Semaphore(args.max_requests)
     rnd = random.Random(args.seed)
     chaos = Chaos(run_dir, manager, random.Random(args.seed + 1), end, args.chaos_min, args.chaos_max, t0)
-    workers = [threading.Thread(target=worker, args=(url, args.seed * 1000 + k, end, budget, tally), daemon=True)
-               for k in range(args.concurrency)]
+    workers = [threading.Thread(target=worker, args=(state.urls, args.seed * 1000 + k, end, budget, tally, chaos),
+                                daemon=True) for k in range(args.concurrency)]
+    series: list[dict] = sample(run_dir, 0.0)
+    sampling = threading.Event()
+
+    def sampler() -> None:
+        while not sampling.wait(SAMPLE_EVERY_S):
+            series.extend(sample(run_dir, time.monotonic() - t0))
+
+    threading.Thread(target=sampler, daemon=True).start()
     print(f"soak: {args.duration:g}s, {args.concurrency} streams at a time (at most {args.max_requests}), "
           f"chaos every {args.chaos_min:g}-{args.chaos_max:g}s, cluster {url}", flush=True)
     for w in workers:
@@ -313,8 +456,10 @@ def run(args) -> int:
         time.sleep(1)
         if time.monotonic() >= next_report:
             next_report += 30
-            print(f"soak {now_s(t0)}: sent {tally.sent}, completed {tally.completed}, lost {len(tally.lost)}",
-                  flush=True)
+            mem = " ".join(f"{r['name']}={r['rss_mb']:.0f}MB/{r['fds']}fd" for r in series[-12:]
+                           if r["name"] in WITNESSES and r["t"] >= series[-1]["t"] - 1)
+            print(f"soak {now_s(t0)}: sent {tally.sent}, completed {tally.completed}, cut {tally.cuts}, "
+                  f"lost {len(tally.lost)}; {mem}", flush=True)
     stuck = sum(1 for w in workers if w.is_alive())
     chaos.stop.set()
     chaos.join(120)
@@ -324,11 +469,17 @@ def run(args) -> int:
     alive = [i for i in (st or {}).get("instances", []) if i["state"] == "alive"]
     leaked = sum(i["blocks_used"] for i in alive) if st is not None else None
     rss_end = rss(run_dir)
+    sampling.set()
+    series.extend(sample(run_dir, time.monotonic() - t0))
+    warmup = min(args.warmup, args.duration / 4)
+    grown = growth(series, warmup)
+    flat = all(g.get("rss_mb", {}).get("growth") is not None and g["rss_mb"]["growth"] < 0.10
+               and g["fds"]["end"] <= g["fds"]["after_warmup"] * 1.10 + 2 for g in grown.values())
     report = {
         "duration_s": args.duration, "load_s": round(load_s, 1), "settle_s": round(settle_s, 1),
         "seed": args.seed, "concurrency": args.concurrency,
         "requests": {"sent": tally.sent, "completed": tally.completed, "lost": len(tally.lost),
-                     "unfinished_workers": stuck, "tokens": tally.tokens},
+                     "cut_by_proxy_kill": tally.cuts, "unfinished_workers": stuck, "tokens": tally.tokens},
         "lost_samples": tally.lost[:20],
         "leaked_blocks": leaked,
         "instances_at_end": [{"id": i["id"], "blocks_used": i["blocks_used"], "running": i["running"],
@@ -343,10 +494,12 @@ def run(args) -> int:
             "migrations_committed", "migrations_aborted", "scale_outs", "scale_ins")},
         "chaos": chaos.counts, "chaos_events": chaos.events,
         "rss_mb": {"start": rss_start, "end": rss_end},
+        "warmup_s": warmup, "witness_growth": grown, "memory_flat": flat, "samples": series,
         "pids": sorted({p.pid for p in procs(run_dir)}),
         "processes": [{"name": p.name, "pid": p.pid, "create_time": p.create_time} for p in procs(run_dir)],
     }
-    report["ok"] = bool(report["requests"]["lost"] == 0 and leaked == 0 and stuck == 0 and tally.sent > 0)
+    report["ok"] = bool(report["requests"]["lost"] == 0 and leaked == 0 and stuck == 0 and tally.sent > 0
+                        and (flat or not args.check_memory))
     Path(args.out).write_text(json.dumps(report, indent=2))
     print_summary(report)
     return 0 if report["ok"] else 1
@@ -356,7 +509,8 @@ def print_summary(r: dict) -> None:
     q = r["requests"]
     print("\n=== soak summary ===")
     print(f"duration {r['duration_s']:g}s (load {r['load_s']}s, settle {r['settle_s']}s), seed {r['seed']}")
-    print(f"requests: sent {q['sent']}, completed {q['completed']}, lost {q['lost']} "
+    print(f"requests: sent {q['sent']}, completed {q['completed']}, lost {q['lost']}, "
+          f"cut by a proxy kill and sent again {q.get('cut_by_proxy_kill', 0)} "
           f"(unfinished workers {q['unfinished_workers']}), {q['tokens']} tokens")
     for s in r["lost_samples"][:5]:
         print(f"  lost: {s}")
@@ -370,6 +524,13 @@ def print_summary(r: dict) -> None:
         a, b = r["rss_mb"]["start"].get(n), r["rss_mb"]["end"].get(n)
         fmt = lambda x: "-" if x is None else f"{x['rss_mb']:.1f} (pid {x['pid']})"  # noqa: E731
         print(f"  {n:14s} {fmt(a)} -> {fmt(b)}")
+    for name, g in r.get("witness_growth", {}).items():
+        if "rss_mb" not in g:
+            print(f"  witness {name}: not measurable ({g})")
+            continue
+        print(f"  witness {name} (pid {g['pid']}), after {r['warmup_s']:g}s of warm-up -> end: " + ", ".join(
+            f"{k} {g[k]['after_warmup']:g} -> {g[k]['end']:g} ({100 * (g[k]['growth'] or 0):+.1f}%)"
+            for k in ("rss_mb", "fds", "sockets")))
     print("RESULT:", "OK" if r["ok"] else "FAILED")
 
 
@@ -390,6 +551,52 @@ def check_stopped(args) -> int:
     return 0 if report["ok"] else 1
 
 
+def plot(args) -> int:
+    """RSS and open descriptors of every daemon over the soak (one line per process; witnesses bold)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    report = json.loads(Path(args.out).read_text())
+    series = report.get("samples") or []
+    if not series:
+        print("soak: the report has no samples", file=sys.stderr)
+        return 1
+    fig, (ax_rss, ax_fd) = plt.subplots(2, 1, figsize=(11, 8), sharex=True)
+    roles = {"manager": "tab:red", "proxy": "tab:blue", "instance": "tab:green"}
+    by_proc: dict[tuple[str, int], list[dict]] = {}
+    for r in series:
+        by_proc.setdefault((r["name"], r["pid"]), []).append(r)
+    labelled = set()
+    for (name, _pid), rows in sorted(by_proc.items(), key=lambda kv: kv[1][0]["t"]):
+        role = "manager" if name == "manager" else "proxy" if name.startswith("proxy") else "instance"
+        witness = name in WITNESSES
+        label = f"{name} (never killed)" if witness else (f"{role}s (killed and restarted)" if role not in labelled else None)
+        if not witness:
+            labelled.add(role)
+        ts = [r["t"] / 60 for r in rows]
+        kw = {"color": roles[role], "lw": 2.2 if witness else 0.8, "alpha": 1.0 if witness else 0.45, "label": label}
+        if witness and role == "instance":
+            kw["color"] = "tab:olive"
+        ax_rss.plot(ts, [r["rss_mb"] for r in rows], **kw)
+        ax_fd.plot(ts, [r["fds"] for r in rows], **{**kw, "label": None})
+    warm = report.get("warmup_s", 0) / 60
+    for ax in (ax_rss, ax_fd):
+        ax.axvline(warm, color="grey", ls=":", lw=1)
+        ax.grid(alpha=0.3)
+    ax_rss.set_ylabel("RSS (MB)")
+    ax_fd.set_ylabel("open file descriptors")
+    ax_fd.set_xlabel("minutes into the soak")
+    q = report["requests"]
+    ax_rss.set_title(f"soak {report['duration_s'] / 3600:g} h: {q['sent']} requests, {q['lost']} lost, "
+                     f"{report['leaked_blocks']} blocks leaked; chaos {report['chaos']}", fontsize=9)
+    ax_rss.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(args.png, dpi=110)
+    print(f"soak: wrote {args.png}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -403,9 +610,18 @@ def main() -> int:
     r.add_argument("--chaos-min", type=float, default=20)
     r.add_argument("--chaos-max", type=float, default=60)
     r.add_argument("--settle-timeout", type=float, default=120)
+    r.add_argument("--warmup", type=float, default=900, help="seconds before memory is measured (at most a quarter"
+                   " of the duration)")
+    r.add_argument("--check-memory", action=argparse.BooleanOptionalAction, default=True,
+                   help="fail when a witness's RSS grew 10%% or more after the warm-up, or its descriptors 10%%")
     c = sub.add_parser("check-stopped")
     c.add_argument("--out", required=True)
+    pl = sub.add_parser("plot")
+    pl.add_argument("--out", required=True)
+    pl.add_argument("--png", required=True)
     args = ap.parse_args()
+    if args.cmd == "plot":
+        return plot(args)
     if args.cmd == "run":
         args.max_requests = args.max_requests or max(1, int(args.duration * 4))
         return run(args)

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# Soak a local sim cluster: bounded streamed load for DURATION_S seconds (default 3600) with random
-# migrations, drains and kill -9 of instances every ~20-60 s (auto-scaling keeps 4 instances), every
-# stream checked token by token; then the leaked KV blocks and each daemon's RSS at start and end.
-# Writes OUT_DIR/soak.json (default: a new /tmp/llumnix-soak.* directory) and prints a summary; exits
-# non-zero if a request was lost, a block leaked or a process outlived `llumnixctl down`.
+# Soak a local sim cluster (4 instances, 2 proxies): bounded streamed load for DURATION_S seconds (default
+# 3600) with random migrations, drains, kill -9 of instances (auto-scaling replaces them), and kill -9 and
+# restart of the second proxy and of the manager, each every ~20-60 s; every stream checked token by token;
+# every daemon's RSS, descriptors and sockets sampled every 15 s; then the leaked KV blocks. Writes
+# OUT_DIR/soak.json and OUT_DIR/rss.png (default: a new /tmp/llumnix-soak.* directory) and prints a
+# summary; exits non-zero if a request was lost, a block leaked, the never-killed proxy's or instance's RSS
+# grew 10% or more after the first 15 minutes, or a process outlived `llumnixctl down`.
 #
 #   scripts/soak.sh [DURATION_S] [OUT_DIR]
 #
-# Environment: SOAK_CONCURRENCY (streams at once, default 8), SOAK_SEED (default 1).
+# Environment: SOAK_CONCURRENCY (streams at once, default 8), SOAK_SEED (default 1), SOAK_WARMUP_S (seconds
+# before memory is measured, default 900, at most a quarter of the duration).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -38,7 +41,7 @@ trap stop_cluster EXIT
 trap on_signal INT TERM HUP
 
 echo "soak: ${DURATION}s, output in $OUT"
-timeout 180 "$CTL" up --instances 4 --port 0 --run-dir "$RUN_DIR" \
+timeout 180 "$CTL" up --instances 4 --proxies 2 --port 0 --run-dir "$RUN_DIR" \
     --set manager.heartbeat_interval_s=0.2 --set sim.time_scale=0.1 --set instance.min_step_s=0.02 \
     --set instance.shutdown_grace_s=2 \
     --set scaling.policy=llumnix --set scaling.min_instances=4 --set scaling.max_instances=6 \
@@ -47,7 +50,8 @@ timeout 180 "$CTL" up --instances 4 --port 0 --run-dir "$RUN_DIR" \
 rc=0
 # In the background, so that a signal reaches our trap at once (bash runs traps only between commands).
 timeout $(( ${DURATION%.*} + 900 )) "$PY" scripts/soak.py run --run-dir "$RUN_DIR" --duration "$DURATION" \
-    --out "$OUT/soak.json" --concurrency "${SOAK_CONCURRENCY:-8}" --seed "${SOAK_SEED:-1}" &
+    --out "$OUT/soak.json" --concurrency "${SOAK_CONCURRENCY:-8}" --seed "${SOAK_SEED:-1}" \
+    --warmup "${SOAK_WARMUP_S:-900}" &
 driver=$!
 wait "$driver" || rc=$?
 driver=""
@@ -55,6 +59,7 @@ driver=""
 stop_cluster
 if [[ -f "$OUT/soak.json" ]]; then
     "$PY" scripts/soak.py check-stopped --out "$OUT/soak.json" || rc=$(( rc ? rc : 1 ))
+    "$PY" scripts/soak.py plot --out "$OUT/soak.json" --png "$OUT/rss.png" || echo "soak: no plot" >&2
 else
     echo "soak: no report was written" >&2
     rc=$(( rc ? rc : 1 ))
