@@ -225,6 +225,16 @@ class SecurityConfig:
 
 
 @dataclass
+class TracingConfig:
+    otlp_endpoint: str = setting("", "OTLP/HTTP traces endpoint (e.g. http://127.0.0.1:4318/v1/traces) that the proxies and instances export request spans to: queueing, dispatch, prefill, decode, failover and each migration stage, under the client's W3C traceparent when it sends one (empty = tracing off, at no cost)")
+    sample_ratio: float = setting(1.0, "fraction of the requests that start a trace here (no traceparent from the client) that are traced; a client's traceparent is followed as it says (sampled or not)", minimum=0.0, maximum=1.0)
+    export_interval_s: float = setting(5.0, "how often the spans recorded meanwhile are sent, in one batch per daemon", minimum=0.05)
+    export_timeout_s: float = setting(10.0, "how long one export may take; an export that fails is dropped (the request path never waits for it)", minimum=0.1)
+    max_queued_spans: int = setting(4096, "spans held per daemon while waiting for an export; past it new spans are dropped, not the memory", minimum=16)
+    headers_file: str = setting("", "file of 'name: value' lines sent with every export (a collector's authorization header), kept out of the config file (empty = none)")
+
+
+@dataclass
 class Config:
     manager: ManagerConfig = field(default_factory=ManagerConfig)
     instance: InstanceConfig = field(default_factory=InstanceConfig)
@@ -237,6 +247,7 @@ class Config:
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
     source: str = field(default="defaults", repr=False, compare=False, metadata={"internal": True})
 
@@ -312,8 +323,24 @@ def parse_override(text: str) -> tuple[str, str, Any, str]:
     return section.strip(), key.strip(), value, raw
 
 
+def _check_url(value: str) -> str:
+    """Why ``value`` is not an http(s) URL with a host (empty: it is)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError as exc:
+        return f"is not a URL ({exc})"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return "must be an http:// or https:// URL with a host, e.g. http://127.0.0.1:4318/v1/traces"
+    return ""
+
+
 def _check_together(cfg: Config, where: str) -> None:
     """Settings that must agree with each other; the message names both keys and where they came from."""
+    if cfg.tracing.otlp_endpoint and (why := _check_url(cfg.tracing.otlp_endpoint)):
+        raise ConfigError(f"{where}: tracing.otlp_endpoint {cfg.tracing.otlp_endpoint!r} {why}")
     sc = cfg.scaling
     if sc.min_instances > sc.max_instances:
         raise ConfigError(f"{where}: scaling.min_instances ({sc.min_instances}) is above scaling.max_instances "

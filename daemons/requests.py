@@ -34,6 +34,7 @@ class Entry:
     arrived: float = 0.0  # monotonic time it came here by migration (0: placed by a proxy)
     migrating: bool = False  # a migration out of here is in progress
     abort_pending: bool = False  # an abort came while migrating: applied once the outcome is known
+    traceparent: str = ""  # the request's trace (wire.Submit.traceparent; empty: untraced)
 
 
 class AbortAction(enum.Enum):
@@ -68,16 +69,17 @@ class RequestTable:
 
     # ---------------------------------------------------------------- placement
 
-    def admit(self, request_id: str, reply_to: str, epoch: int, emitted: int = 0) -> Entry:
+    def admit(self, request_id: str, reply_to: str, epoch: int, emitted: int = 0, traceparent: str = "") -> Entry:
         """Placed here by a proxy (``emitted`` > 0: a failover continuing at that index)."""
         self._moved.pop(request_id, None)
-        entry = self._reqs[request_id] = Entry(reply_to, max(epoch, 1), emitted)
+        entry = self._reqs[request_id] = Entry(reply_to, max(epoch, 1), emitted, traceparent=traceparent)
         return entry
 
-    def take_over(self, request_id: str, reply_to: str, epoch: int, emitted: int) -> Entry:
+    def take_over(self, request_id: str, reply_to: str, epoch: int, emitted: int, traceparent: str = "") -> Entry:
         """A migration committed here: the request continues at ``emitted`` under ``epoch``."""
         self._moved.pop(request_id, None)
-        entry = self._reqs[request_id] = Entry(reply_to, epoch, emitted, arrived=self.monotonic())
+        entry = self._reqs[request_id] = Entry(reply_to, epoch, emitted, arrived=self.monotonic(),
+                                               traceparent=traceparent)
         return entry
 
     def hand_over(self, request_id: str, address: str) -> Entry | None:

@@ -285,6 +285,11 @@ class RequestList(msgspec.Struct, **_tagged(31)):
 # ---------------------------------------------------------------- proxy -> instance
 
 
+def _check_traceparent(value: str) -> None:
+    if value and len(value) != 55:  # its exact form is checked where it is used (daemons/tracing.py)
+        raise ValueError(f"traceparent: {len(value)} characters, not 55")
+
+
 class Submit(msgspec.Struct, **_tagged(40)):
     request_id: str
     prompt_token_ids: list[int]
@@ -296,9 +301,11 @@ class Submit(msgspec.Struct, **_tagged(40)):
     # A failover: the tokens the client already has. The instance prefills prompt + these and continues at
     # index len(output_token_ids), counting max_tokens as if nothing had happened.
     output_token_ids: list[int] = []
+    traceparent: str = ""  # W3C traceparent of the request's span on the proxy (daemons/tracing.py; empty: untraced)
 
     def __post_init__(self) -> None:
         endpoints.check(self.reply_to, "reply_to")
+        _check_traceparent(self.traceparent)
 
 
 class Abort(msgspec.Struct, **_tagged(41)):
@@ -394,9 +401,11 @@ class MigratingRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     priority: int = 0
     arrival_time: float = 0.0
     max_total: int = 0  # the most tokens it may reach on the source (prompt + max_tokens, capped by its context)
+    traceparent: str = ""  # the request's trace, as the proxy sent it (wire.Submit)
 
     def __post_init__(self) -> None:
         endpoints.check(self.reply_to, "reply_to", empty_ok=True)  # empty until the source sets it
+        _check_traceparent(self.traceparent)
 
 
 class RequestState(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -57,9 +57,11 @@ def proxy_metric(url: str, name: str) -> float:
 class Stream(threading.Thread):
     """One streamed completion on a thread: every token id, the request id, usage, the error if any."""
 
-    def __init__(self, url: str, max_tokens: int, prompt="x", model: str = "llumnix-sim", start: bool = True, **extra):
+    def __init__(self, url: str, max_tokens: int, prompt="x", model: str = "llumnix-sim", start: bool = True,
+                 headers: dict | None = None, **extra):
         super().__init__(daemon=True)
         self.url = url
+        self.headers = headers or {}
         self.body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
                      "return_token_ids": True, "stream_options": {"include_usage": True}, **extra}
         self.ids: list[int] = []
@@ -74,7 +76,8 @@ class Stream(threading.Thread):
 
     def run(self) -> None:
         try:
-            with httpx.stream("POST", self.url + "/v1/completions", json=self.body, timeout=120) as resp:
+            with httpx.stream("POST", self.url + "/v1/completions", json=self.body, headers=self.headers,
+                              timeout=120) as resp:
                 if resp.status_code != 200:
                     self.error = f"HTTP {resp.status_code}: {resp.read()[:300]!r}"
                     return

@@ -26,6 +26,7 @@ from daemons.instance.telemetry import M_PREEMPTIONS
 from daemons.migration import Migrator
 from daemons.proxylinks import ProxyLinks
 from daemons.requests import RequestTable
+from daemons.tracing import Tracer
 from daemons.watchdog import Faults, Watchdog
 
 log = logging.getLogger("llumnix.instance")
@@ -49,6 +50,7 @@ class Instance(TokenPathMixin, IntakeMixin, StepLoopMixin, ControlMixin, OrdersM
         (default: the monotonic clock; tests/support passes the virtual loop's)."""
         self.clock = clock or Clock()
         self.cfg = cfg
+        self.tracer = Tracer.create(cfg.tracing, "llumnix-instance", cfg.instance.id)  # None: tracing off
         self.kv = kv
         self.ic = cfg.instance
         self.engine = engine
@@ -181,6 +183,8 @@ class Instance(TokenPathMixin, IntakeMixin, StepLoopMixin, ControlMixin, OrdersM
             # Retryable: the proxy continues the request elsewhere from the tokens it already has.
             self.fail(rid, entry.reply_to, f"instance {self.instance_id} stopped", retryable=True)
         self.engine.shutdown()
+        if self.tracer is not None:
+            self.tracer.shutdown()  # the last migrations' spans
         self.proxies.close()  # with its linger: the failures above still go out
         self.sec.close()
         self.ctx.destroy(linger=0)  # closes what is left; term() would wait on any socket still open

@@ -53,7 +53,7 @@ class IntakeMixin:
                 M_FAILOVERS_IN.inc()
                 log.info("request %s failed over to us: continues at token %d (epoch %d)", msg.request_id,
                          len(msg.output_token_ids), msg.epoch)
-            self.requests.admit(msg.request_id, msg.reply_to, msg.epoch, len(msg.output_token_ids))
+            self.requests.admit(msg.request_id, msg.reply_to, msg.epoch, len(msg.output_token_ids), msg.traceparent)
             self.phases.admitted(msg.request_id)
 
     async def _after_reservation(self, msg: wire.Submit) -> None:

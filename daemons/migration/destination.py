@@ -124,7 +124,7 @@ class DestinationMixin:
         self.engine.commit(inc.request_id, state)
         epoch = state.epoch + 1
         host = self.inst
-        self.requests.take_over(inc.request_id, inc.request.reply_to, epoch, state.emitted)
+        self.requests.take_over(inc.request_id, inc.request.reply_to, epoch, state.emitted, inc.request.traceparent)
         host.proxies.seen(inc.request.reply_to)  # its proxy has not spoken to us yet: count from now
         host.announce_move(inc.request_id, inc.request.reply_to, host.instance_id, host.request_address, epoch,
                            state.emitted)

@@ -109,10 +109,13 @@ class Move:
         self.last_sent = False  # the last stage went out: from then on only the destination's answer tells
         self.suspended_at = 0.0
         self.committed_at = 0.0
+        self.tracer = getattr(m.inst, "tracer", None)  # daemons/tracing.py; None: tracing off
+        self.traced: list[tuple] = []  # (stage, kind, start ns, end ns, blocks) with tracing on
 
     async def run(self) -> wire.MigrationOutcome:
         m = self.m
         start = time.perf_counter()
+        self.start_ns = time.time_ns()
         m.outgoing[self.out.mig_id] = self.out
         M_IN_FLIGHT.labels("source").inc()
         try:
@@ -150,7 +153,7 @@ class Move:
         if first is None or self.request_id not in m.requests:
             raise Aborted("the request is not running here (finished, waiting or unknown)")
         info, view = first
-        self.info = msgspec.structs.replace(info, reply_to=self.entry.reply_to)
+        self.info = msgspec.structs.replace(info, reply_to=self.entry.reply_to, traceparent=self.entry.traceparent)
         self.kb = m.engine.kv_blocks()
         self.chunk_blocks = max(1, m.cfg.chunk_bytes // self.kb.block_nbytes)
         self.pair = m.kv.source_pair(m.inst.instance_id, self.dst)
@@ -164,6 +167,7 @@ class Move:
     async def _stage(self, view):
         """One stage: reserve (stage 0), a pre-copy stage or the last one. Returns the request's next view."""
         m, cfg, bs = self.m, self.m.cfg, self.m.engine.block_size
+        stage_ns = time.time_ns() if self.tracer is not None else 0
         if self.stage > 0:
             view = await m.boundary(lambda: m.engine.migration_view(self.request_id))
             if view is None:
@@ -230,6 +234,9 @@ class Move:
                   (t_sent - t_ready) * 1e3, (t_done - t_sent) * 1e3,
                   f"; duty {paced.duty:.2f} ({paced.over}/{paced.steps} steps over)" if paced else "")
         self.sent += ids
+        if self.tracer is not None:
+            kind = "last" if last else "reserve" if self.stage == 0 else "pre-copy"
+            self.traced.append((self.stage, kind, stage_ns, time.time_ns(), len(ids)))
         self.stage += 1
         if last:
             self.committed_at = t_done  # the request runs on the destination
@@ -294,6 +301,24 @@ class Move:
                 await m.boundary(lambda: m.inst.abort_local(self.request_id))
         M_IN_FLIGHT.labels("source").dec()
 
+    def _trace(self, r: wire.MigrationOutcome) -> None:
+        """The migration's span under the request's (its proxy's ``llumnix.request``), one child per stage."""
+        tr = self.tracer
+        parent = tr.context(self.entry.traceparent)
+        if parent is None:
+            return
+        span = tr.start("llumnix.migration", parent, self.start_ns, {
+            "llumnix.request_id": self.request_id, "llumnix.migration.src": r.src, "llumnix.migration.dst": r.dst,
+            "llumnix.migration.outcome": r.outcome, "llumnix.migration.stages": r.stages,
+            "llumnix.migration.blocks": r.blocks, "llumnix.migration.cached_blocks": r.cached_blocks,
+            "llumnix.migration.bytes": r.bytes, "llumnix.migration.downtime_ms": round(r.downtime_ms, 3)})
+        inner = tr.child_context(span)
+        for stage, kind, t0, t1, blocks in self.traced:
+            tr.record(f"llumnix.migration.stage {stage}", inner, t0, t1,
+                      {"llumnix.migration.stage": stage, "llumnix.migration.stage_kind": kind,
+                       "llumnix.migration.blocks": blocks, "llumnix.migration.downtime": kind == "last"})
+        tr.end(span, error="" if r.outcome == "committed" else f"{r.outcome}: {r.reason}"[:200])
+
     def _report(self, start: float) -> wire.MigrationOutcome:
         r = self.result
         r.stages, r.blocks, r.ended = self.stage, len(self.sent), self.phase.value
@@ -304,6 +329,8 @@ class Move:
             M_DOWNTIME.observe(self.committed_at - self.suspended_at)
         M_DURATION.observe(end - start)
         M_MIGRATIONS.labels(r.outcome).inc()
+        if self.tracer is not None and self.entry is not None and self.entry.traceparent:
+            self._trace(r)
         log.info("migration of %s to %s %s%s: %d stages, %d blocks, %.1f MB, downtime %.2f ms, total %.1f ms",
                  self.request_id, self.dst, r.ended, f" ({r.reason})" if r.reason else "", r.stages, r.blocks,
                  r.bytes / 1e6, r.downtime_ms, r.total_ms)

@@ -320,6 +320,8 @@ async def _serve(cfg: Config) -> None:
         guard.cancel()
         runtime.sd_notify("STOPPING=1")
         await cluster.stop()
+        if app.state.proxy.tracer is not None:
+            app.state.proxy.tracer.shutdown()  # the last requests' spans
     log.info("stopped")
     if failed:
         raise SystemExit(1)

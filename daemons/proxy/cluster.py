@@ -84,6 +84,7 @@ class ClusterClient(ManagerLinkMixin, DispatchMixin, FairGateMixin, AdmissionMix
         self.snapshot_at = 0.0  # monotonic time of the last answer from the manager
         self._snapshot_asked_at = 0.0
         self.token_address = ""
+        self.tracer = None  # daemons/tracing.py Tracer, set by the proxy when tracing is on
         self._queries: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
         self._turn = 0

@@ -12,6 +12,8 @@ from daemons import policy, wire
 from daemons.links import UP
 from daemons.proxy.stream import NoInstance, Stream
 from daemons.proxy.telemetry import M_ASKED, M_LOCAL, M_WAITED, TIE_TURN_S
+from daemons.proxy.traces import StreamTrace
+from daemons.tracing import now_ns
 
 log = logging.getLogger("llumnix.proxy")
 
@@ -135,10 +137,16 @@ class DispatchMixin:
         the name of its API key, for the fair queue between keys (daemons/proxy/fairgate.py); ``weight``: that
         key's share."""
         stream = Stream(submit.request_id, submit, self.pc.request_timeout_s, self.clock.monotonic())
+        if self.tracer is not None and submit.traceparent:
+            stream.trace = StreamTrace(self.tracer, submit.traceparent)
         self.streams[submit.request_id] = stream
         try:
             if tenant and self.fair is not None and submit.priority <= 0:  # high priority does not queue here
-                if await self._take_turn(stream, tenant, weight):
+                since = now_ns() if stream.trace is not None else 0
+                turn = await self._take_turn(stream, tenant, weight)
+                if stream.trace is not None:
+                    stream.trace.queued(since, tenant, turn)
+                if turn:
                     try:
                         if not stream.done:
                             await self._dispatch(stream)
@@ -155,6 +163,7 @@ class DispatchMixin:
     async def _dispatch(self, stream: Stream) -> None:
         """Place the request (again) under a new epoch; a placement after tokens were streamed continues
         from them (re-prefill)."""
+        since = now_ns() if stream.trace is not None else 0
         instance_id, address = await self._place(stream)
         if stream.done:  # ended (client gone, deadline) while we chose
             return
@@ -168,5 +177,7 @@ class DispatchMixin:
         beat = self.beats.get(instance_id)
         self.view.sent_to(instance_id, beat.load if beat is not None else None,
                           len(submit.prompt_token_ids) + len(submit.output_token_ids))
+        if stream.trace is not None:
+            stream.trace.dispatched(since, instance_id, stream.epoch, len(stream.token_ids))
         if not self._send_instance(address, submit):
             self._instance_failed(stream, f"the request path to instance {instance_id} is full", cause="full")

@@ -40,6 +40,8 @@ class FailoverMixin:
                 message += f" after {stream.next_index} tokens (proxy.max_failovers = {self.pc.max_failovers})"
             stream.fail(message, status)
             return
+        if stream.trace is not None:
+            stream.trace.failed(cause, message, stream.instance_id, stream.next_index)
         self._fence_owner(stream)
         if stream.instance_id and stream.instance_id not in stream.exclude:
             stream.exclude.append(stream.instance_id)
@@ -66,6 +68,9 @@ class FailoverMixin:
         log.debug("request %s: instance %s gave it back (%s); dispatching it again", stream.request_id,
                  msg.instance_id, msg.reason or "draining")
         M_GIVEN_BACK.inc()
+        if stream.trace is not None:
+            stream.trace.failed("given_back", f"instance {msg.instance_id} gave it back ({msg.reason or 'draining'})",
+                                msg.instance_id, 0)
         stream.given_back += 1
         stream.instance_id = stream.address = ""
         self._spawn(self._redispatch(stream, f"instance {msg.instance_id} gave it back"))
@@ -88,6 +93,8 @@ class FailoverMixin:
         """Forget a stream; abort it on its instance if it is still running there (client went away, stop string)."""
         self.streams.pop(stream.request_id, None)
         self._turn_ended(stream)
+        if stream.trace is not None:
+            stream.trace.finished(stream.next_index, stream.error)
         if not stream.done and stream.address:
             self._send_instance(stream.address, wire.Abort(stream.request_id, stream.epoch))
         stream.done = True

@@ -70,6 +70,7 @@ class Job:
         self.ticket = None  # its place in the key's limits (daemons/proxy/tenants.py)
         self.logged = False
         self.ended = False
+        self.trace = None  # its span (daemons/proxy/traces.py RequestTrace), with tracing on
         self._head = b""
 
     def setup(self, model: str, prompt_tokens: int, include_usage: bool, token_text, top_n: int) -> None:

@@ -25,6 +25,8 @@ from daemons.proxy.render import Choice, Job, token_id_text
 from daemons.proxy.routes import RoutesMixin
 from daemons.proxy.tenants import TenantLimitsMixin, Tenants
 from daemons.proxy.tokenizer import Tokenizer, load_tokenizer
+from daemons.proxy.traces import RequestTrace
+from daemons.tracing import Tracer
 
 access_log = logging.getLogger("llumnix.access")
 
@@ -50,6 +52,7 @@ class Proxy(ChecksMixin, OutputMixin, RoutesMixin, TenantLimitsMixin):
         self.max_prompt_tokens = cfg.proxy.max_prompt_tokens  # 0: only the context limit
         self.pc = cfg.proxy
         self.tenants = Tenants()  # per-key limits (daemons/proxy/tenants.py)
+        self.tracer = self.cluster.tracer = Tracer.create(cfg.tracing, "llumnix-proxy")  # None: tracing off
     async def handle(self, call: Call, chat: bool) -> Reply:
         """One completion or chat request; logs it once it is answered (a stream: once it ends). Raises
         ApiError for an answer that is an error."""
@@ -60,6 +63,8 @@ class Proxy(ChecksMixin, OutputMixin, RoutesMixin, TenantLimitsMixin):
         try:
             job = Job(chat, self._request_id(call), arrival)
             job.key_name = key_name
+            if self.tracer is not None:
+                job.trace = RequestTrace(self.tracer, call.headers.get("traceparent", ""), job.id, chat, key_name)
             if principal is not None:
                 job.principal = principal
                 job.ticket = self._enter(principal)
@@ -144,9 +149,10 @@ class Proxy(ChecksMixin, OutputMixin, RoutesMixin, TenantLimitsMixin):
             raise ApiError(409, f"a request with id {job.id!r} is in flight on this proxy; ids must be unique",
                            "x-request-id", code="request_id_in_use")
         now = time.time()
+        traceparent = job.trace.traceparent if job.trace is not None else ""
         submits = [wire.Submit(rid, ids, sampling if n == 1 else msgspec.structs.replace(
-            sampling, seed=derive_seed(sampling.seed, k)), self.cluster.token_address, priority, now)
-            for k, rid in enumerate(sub_ids)]
+            sampling, seed=derive_seed(sampling.seed, k)), self.cluster.token_address, priority, now,
+            traceparent=traceparent) for k, rid in enumerate(sub_ids)]
         self.active.add(job.id)
         handed_over = False  # to the streaming reply, which cleans up when it ends
         try:
@@ -238,6 +244,11 @@ class Proxy(ChecksMixin, OutputMixin, RoutesMixin, TenantLimitsMixin):
             if job.logged:
                 return
             job.logged = True
+            if job.trace is not None:
+                job.trace.end(status, {"llumnix.model": job.model or None, "llumnix.prompt_tokens": job.prompt_tokens,
+                                       "llumnix.completion_tokens": job.completion_tokens,
+                                       "llumnix.instances": ",".join(dict.fromkeys(
+                                           i for s in job.streams() for i in s.tried)) or None})
         if not self.access_log or not access_log.isEnabledFor(logging.INFO):
             return
         now = time.perf_counter()

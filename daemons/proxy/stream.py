@@ -34,7 +34,7 @@ class Stream:
 
     __slots__ = ("request_id", "submit", "ready", "next_index", "early", "waiter", "done", "error", "status",
                  "instance_id", "address", "tried", "sent_at", "given_back", "epoch", "owner_from", "token_ids",
-                 "failovers", "progress_at", "deadline", "fenced", "exclude", "tenant", "weight")
+                 "failovers", "progress_at", "deadline", "fenced", "exclude", "tenant", "weight", "trace")
 
     def __init__(self, request_id: str, submit: wire.Submit, timeout_s: float = 0.0, now: float | None = None):
         """``now``: its client's clock (default: the monotonic clock); ``feed`` callers keep ``progress_at``."""
@@ -63,6 +63,7 @@ class Stream:
         self.exclude: list[str] = []  # instances that failed it: not placed there again
         self.tenant = ""  # the API key it was charged to in the fair queue (daemons/proxy/fairgate.py)
         self.weight = 1.0
+        self.trace = None  # its spans (daemons/proxy/traces.py StreamTrace), with tracing on
 
     def owns(self, instance_id: str, out: wire.TokenOut) -> bool:
         """Whether ``out`` may reach the client: from the current owner, or from an earlier placement for an
@@ -85,6 +86,8 @@ class Stream:
         self._wake()
 
     def _accept(self, out: wire.TokenOut) -> None:
+        if self.next_index == 0 and self.trace is not None:
+            self.trace.first_token()
         self.ready.append(out)
         self.token_ids.append(out.token_id)
         self.next_index += 1

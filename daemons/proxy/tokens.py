@@ -137,6 +137,8 @@ class TokenPathMixin:
         if msg.request_address not in self.instances:  # it holds our streams now: it must hear that we live
             self._send_instance(msg.request_address, wire.ProxyAlive(self.token_address))
         if msg.epoch > stream.epoch:
+            if stream.trace is not None:
+                stream.trace.moved(stream.instance_id, msg.instance_id, msg.epoch, msg.from_index)
             stream.instance_id, stream.address = msg.instance_id, msg.request_address
             stream.epoch, stream.owner_from = msg.epoch, msg.from_index
             stream.sent_at = self.clock.monotonic()
