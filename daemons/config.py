@@ -173,7 +173,7 @@ class SimConfig:
 @dataclass
 class MigrationConfig:
     kv_host: str = setting("127.0.0.1", "address this instance's KV transfer (Gloo) listens on and peers connect to; a routable address on multi-node clusters")
-    kv_port: int = setting(0, "TCP port of the KV transfer rendezvous store (0 = any free port)", minimum=0, maximum=65535)
+    kv_port: int = setting(0, "TCP port of the rendezvous store (a TCPStore) of a tensor-parallel instance's ranks; an instance of one rank has no such port, its KV pairs meet over the authenticated instance channel (0 = any free port)", minimum=0, maximum=65535)
     max_stages: int = setting(3, "pre-copy stages before the last (stop-and-copy) stage is forced", minimum=0)
     last_stage_max_blocks: int = setting(1, "go to the last stage once at most this many blocks remain to be copied (the partly written last block counts: 1 = only it, the request's downtime copies one block)", minimum=0)
     chunk_bytes: int = setting(8388608, "blocks travel in fused chunks of about this size, two in flight (double buffer)", minimum=1)

@@ -1,11 +1,14 @@
 """KV bytes between instances: Gloo (torch.distributed) pair groups, formed on demand.
 
 There is no world: every (source, destination) pair gets its own two-member ``ProcessGroupGloo`` the first
-time it migrates, named by a random key the source picks, over the source's rendezvous ``TCPStore`` (Gloo's own
-connections use ``migration.kv_host``; the store listens on every interface). The key reaches the destination only over the authenticated
-ZeroMQ channel, so nobody else can find the pair's entries in the store; Gloo itself neither
-authenticates nor encrypts (see "Several hosts" in docs/operations.md for the firewall rule this needs). New
-instances join at any time and a dead peer breaks only its own pairs. Each pair runs its Gloo work on its
+time it migrates, named by a random key the source picks. Its rendezvous (each end's Gloo address) travels
+over the authenticated ZeroMQ channel between the two instances (``RelayStore``: a store of two, each end
+holding a copy, whose writes go to the other end as ``wire.KvRendezvous``), so there is no rendezvous port
+for a host without a cluster key to read or write. A tensor-parallel engine's ranks, which are processes
+of their own, still meet at the source's ``TCPStore`` (``serve_store``; it listens on every interface).
+Gloo's own connections use ``migration.kv_host``; Gloo itself neither authenticates nor encrypts (see
+"Several hosts" in docs/operations.md for the firewall rule this needs). New instances join at any time
+and a dead peer breaks only its own pairs. Each pair runs its Gloo work on its
 own thread, so the engine keeps stepping and one slow peer does not hold up another.
 
 A stage's blocks travel in chunks of ``chunk_blocks`` fused blocks (all layers of n blocks in one buffer).
@@ -104,6 +107,76 @@ class TransferError(Exception):
     """A pair group could not form or a send/receive failed (peer gone, timeout)."""
 
 
+RELAY_MAX_VALUE = 4096  # bytes: a Gloo address is ~200
+RELAY_MAX_KEYS = 8  # per pair: Gloo writes one key per rank
+
+
+class RelayStore(dist.Store):
+    """The rendezvous store of one pair, held at both ends: ``set`` keeps the value and hands it to ``send``
+    (which puts it on the ZeroMQ channel to the peer), ``deliver`` keeps what the peer sent; ``get`` and
+    ``wait`` block (on the pair's thread) until the key is here. Only keys under the pair's key are taken."""
+
+    def __init__(self, prefix: str, timeout_s: float):
+        super().__init__()
+        self.prefix = prefix + "/"
+        self.timeout_s = timeout_s
+        self._values: dict[str, bytes] = {}
+        self._cv = threading.Condition()
+        self._send: Callable[[str, bytes], None] | None = None
+        self._outbox: list[tuple[str, bytes]] = []  # set before ``attach``
+
+    def attach(self, send: Callable[[str, bytes], None]) -> None:
+        """From now on writes go to the peer through ``send`` (thread-safe; called on the pair's thread)."""
+        with self._cv:
+            self._send, out, self._outbox = send, self._outbox, []
+        for key, value in out:
+            send(key, value)
+
+    def deliver(self, key: str, value: bytes) -> bool:
+        """A value the peer wrote; False (dropped) for a key outside this pair or one too large."""
+        if not key.startswith(self.prefix) or len(value) > RELAY_MAX_VALUE:
+            return False
+        with self._cv:
+            if key not in self._values and len(self._values) >= RELAY_MAX_KEYS:
+                return False
+            self._values[key] = bytes(value)
+            self._cv.notify_all()
+        return True
+
+    def set(self, key, value) -> None:  # noqa: A003 - dist.Store's name
+        value = value.encode() if isinstance(value, str) else bytes(value)
+        with self._cv:
+            self._values[key] = value
+            self._cv.notify_all()
+            send = self._send
+            if send is None:
+                self._outbox.append((key, value))
+        if send is not None:
+            send(key, value)
+
+    def _wait(self, keys, timeout) -> None:
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else self.timeout_s
+        with self._cv:
+            if not self._cv.wait_for(lambda: all(k in self._values for k in keys), seconds if seconds > 0 else self.timeout_s):
+                missing = [k for k in keys if k not in self._values]
+                raise RuntimeError(f"KV pair rendezvous: the peer's {missing} did not come within {seconds:g}s")
+
+    def get(self, key) -> bytes:
+        self._wait([key], None)
+        with self._cv:
+            return self._values[key]
+
+    def wait(self, keys, timeout=None) -> None:
+        self._wait(list(keys), timeout)
+
+    def check(self, keys) -> bool:
+        with self._cv:
+            return all(k in self._values for k in keys)
+
+    def add(self, key, value) -> int:
+        raise RuntimeError("KV pair rendezvous: add is not relayed")  # Gloo's pairs use set, wait and get
+
+
 class Pair:
     """One Gloo group with one peer: a worker thread and a double buffer."""
 
@@ -111,6 +184,7 @@ class Pair:
         """``store`` is a Store, or a function that makes one (connecting may take up to the timeout, so
         it happens on the pair's thread, never on the caller's event loop)."""
         self.key = key
+        self.relay = store if isinstance(store, RelayStore) else None  # its writes go to the peer once attached
         self.rank = rank
         self.peer = 1 - rank
         self.timeout = timedelta(seconds=timeout_s)
@@ -291,15 +365,42 @@ class KvTransfer:
 
     def __init__(self, host: str, port: int, timeout_s: float):
         self.host = host
+        self.port = port
         self.timeout_s = timeout_s
-        # The store of the pairs this instance starts as a source; destinations connect to it. TCPStore
-        # listens on every interface whatever ``host`` says (its libuv server takes no bound socket, and the
-        # older server that does stalled migrations here): a firewall rule keeps its port to the GPU nodes.
-        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=timeout_s), use_libuv=True)
-        self.address = f"{host}:{self.store.port}"
+        self.store = None  # the TCPStore of a tensor-parallel engine's ranks (serve_store), else none
+        self.address = ""  # its host:port ("": the pairs meet over ZeroMQ, RelayStore)
         self.pairs: dict[str, Pair] = {}
         self._lock = threading.Lock()
+        self._early: dict[str, dict[str, bytes]] = {}  # rendezvous values for pairs not made yet, by pair key
+
+    def serve_store(self) -> str:
+        """Listen with a TCPStore where a tensor-parallel engine's ranks (processes of their own, which the
+        ZeroMQ channel does not reach) meet their peers'; returns its host:port. TCPStore listens on every
+        interface whatever ``host`` says (its libuv server takes no bound socket, and the older server that
+        does stalled migrations here), and anyone who reaches it can list and write its keys: a firewall
+        rule keeps its port (migration.kv_port) to the GPU nodes."""
+        if self.store is None:
+            self.store = dist.TCPStore(self.host, self.port, is_master=True, wait_for_workers=False,
+                                       timeout=timedelta(seconds=self.timeout_s), use_libuv=True)
+            self.address = f"{self.host}:{self.store.port}"
+        return self.address
+
+    def relayed(self, pair_key: str, key: str, value: bytes) -> None:
+        """A rendezvous value from the peer of pair ``pair_key`` (wire.KvRendezvous). One for a pair not
+        made yet (the source's first write can arrive before the stage that names the pair) is kept for it,
+        a few pairs at most."""
+        with self._lock:
+            pair = self.pairs.get(pair_key) or next(
+                (p for p in self.pairs.values() if p.key == pair_key), None)
+            if pair is None:
+                if len(self._early) >= 16 and pair_key not in self._early:
+                    self._early.pop(next(iter(self._early)))
+                early = self._early.setdefault(pair_key, {})
+                if len(early) < RELAY_MAX_KEYS and len(value) <= RELAY_MAX_VALUE and key.startswith(pair_key + "/"):
+                    early[key] = bytes(value)
+                return
+        if pair.relay is None or not pair.relay.deliver(key, value):
+            log.warning("KV pair %s: dropped a rendezvous value for %r from its peer", pair_key, key)
 
     def source_pair(self, me: str, peer: str) -> Pair:
         """The pair this instance uses to send to ``peer`` (formed on first use; the peer joins with its key)."""
@@ -311,7 +412,8 @@ class KvTransfer:
                 # The key names the pair in the store and is its one-time password: it travels only in
                 # MigrateStart/MigStage (authenticated ZeroMQ), and a pair's Gloo addresses are found under it.
                 key = f"{me}>{peer}/{secrets.token_hex(16)}"
-                pair = self.pairs[peer] = Pair(key, self.host, SOURCE_RANK, self.store, self.timeout_s)
+                pair = self.pairs[peer] = Pair(key, self.host, SOURCE_RANK, RelayStore(key, self.timeout_s),
+                                               self.timeout_s)
             return pair
 
     def dest_pair(self, key: str, store_address: str) -> Pair:
@@ -323,20 +425,27 @@ class KvTransfer:
                 family = key.rsplit("/", 1)[0] + "/"
                 for old in [k for k in self.pairs if k.startswith(family)]:
                     self.pairs.pop(old).close()
-                host, _, port = store_address.rpartition(":")
-                if not host or not port.isdigit():
-                    raise TransferError(f"bad KV store address {store_address!r} (expected HOST:PORT)")
+                if store_address:  # a source that still names a TCPStore
+                    host, _, port = store_address.rpartition(":")
+                    if not host or not port.isdigit():
+                        raise TransferError(f"bad KV store address {store_address!r} (expected HOST:PORT)")
 
-                def connect() -> dist.Store:
-                    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=self.timeout_s),
-                                         use_libuv=True)
+                    def connect() -> dist.Store:
+                        return dist.TCPStore(host, int(port), is_master=False,
+                                             timeout=timedelta(seconds=self.timeout_s), use_libuv=True)
 
-                pair = self.pairs[key] = Pair(key, self.host, DEST_RANK, connect, self.timeout_s)
+                    store = connect
+                else:
+                    store = RelayStore(key, self.timeout_s)
+                    for k, v in self._early.pop(key, {}).items():
+                        store.deliver(k, v)
+                pair = self.pairs[key] = Pair(key, self.host, DEST_RANK, store, self.timeout_s)
             return pair
 
     def forget(self, name: str) -> None:
         with self._lock:
             pair = self.pairs.pop(name, None)
+            self._early.pop(name, None)
         if pair is not None:
             pair.close()
 

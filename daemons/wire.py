@@ -543,6 +543,19 @@ class PrefixHits(msgspec.Struct, **_tagged(69)):
     blocks: list[int]  # one per prompt of the query, in its order
 
 
+class KvRendezvous(msgspec.Struct, **_tagged(78)):
+    """instance <-> instance, on the migration channel: one end of a KV pair wrote its Gloo address (daemons/
+    kvtransfer.py RelayStore); the other end keeps it for the pair named ``pair_key``."""
+
+    pair_key: str
+    key: str
+    value: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.pair_key) > 200 or len(self.key) > 256 or len(self.value) > 4096:
+            raise ValueError("KvRendezvous: a key or value past its bound")
+
+
 # ---------------------------------------------------------------- operations (llumnixctl) <-> manager
 
 
@@ -644,6 +657,7 @@ Message = (
     | MigAbort
     | PrefixQuery
     | PrefixHits
+    | KvRendezvous
     | DrainQuery
     | DrainReply
     | RemoveQuery

@@ -133,7 +133,7 @@ class TpTransfer:
         self.kv = kv
         self.host = kv.host
         self.timeout_s = kv.timeout_s
-        self.address = kv.address
+        self.address = kv.serve_store()  # the ranks are processes of their own: they meet at a TCPStore
         self.rpc = rpc
         self.boundary = boundary
         self.ranks = ranks

@@ -144,7 +144,7 @@ class Instance(TokenPathMixin, IntakeMixin, StepLoopMixin, ControlMixin, OrdersM
         runtime.install_stop_signals(asyncio.get_running_loop(), self.stop)
         log.info("instance %s serving on %s (backend %s, %d blocks of %d tokens, manager %s, KV transfer %s, "
                  "metrics %s)", self.instance_id, self.request_address, self.engine.backend, load.blocks_total,
-                 load.block_size, self.cfg.manager.address, self.migrator.kv.address, self.metrics_address or "off")
+                 load.block_size, self.cfg.manager.address, self.migrator.kv.address or "pairs meet over ZeroMQ", self.metrics_address or "off")
         runtime.sd_notify("READY=1")
         self.watchdog.start()
         tasks = [asyncio.create_task(c) for c in

@@ -89,7 +89,7 @@ class IntakeMixin:
 
     def _take(self, frames: list[bytes]) -> None:
         msg = wire.decode(frames[-1]) if len(frames) == 2 else None
-        if isinstance(msg, (wire.MigStage, wire.MigAbort, wire.PrefixQuery)):
+        if isinstance(msg, (wire.MigStage, wire.MigAbort, wire.PrefixQuery, wire.KvRendezvous)):
             self.migrator.on_peer_message(frames[0], msg)
             return
         if isinstance(msg, wire.ProxyAlive):

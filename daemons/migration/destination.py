@@ -62,6 +62,8 @@ class DestinationMixin:
                         self.prune_peers()
                         inc.pair = self.kv.dest_pair(msg.pair_key, msg.kv_address)
                         self.pair_used(msg.pair_key)
+                        identity = inc.identity
+                        self.relay_rendezvous(inc.pair, lambda m: self._answer(identity, m))
                     except TransferError as exc:
                         raise Aborted(str(exc)) from None
                 if stages.cdiv(msg.tokens, self.engine.block_size) > len(inc.ids):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Callable
 
 import zmq
 import zmq.asyncio
@@ -89,8 +90,41 @@ class PeersMixin:
                 waiting = self._prefix_waits.get(msg.query_id)
                 if waiting is not None and not waiting.done():
                     waiting.set_result(msg.blocks)
+            elif isinstance(msg, wire.KvRendezvous):
+                self._relayed(msg)
             else:
                 log.warning("dropped an unexpected message from a migration peer")
+
+    # ---------------------------------------------------------------- KV pair rendezvous (kvtransfer.RelayStore)
+
+    def relay_rendezvous(self, pair, send: Callable[[wire.Message], None]) -> None:
+        """The pair's rendezvous writes go to its peer as wire.KvRendezvous through ``send`` (on the event
+        loop: the writes come from the pair's thread). A transport without a relay (a tensor-parallel
+        engine's TCPStore, the tests' in-memory pairs) needs nothing."""
+        relay = getattr(pair, "relay", None)
+        if relay is None:
+            return
+        loop = asyncio.get_running_loop()
+        key = pair.key
+
+        def on_set(store_key: str, value: bytes) -> None:
+            loop.call_soon_threadsafe(self._send_rendezvous, send, wire.KvRendezvous(key, store_key, value))
+
+        relay.attach(on_set)
+
+    @staticmethod
+    def _send_rendezvous(send: Callable[[wire.Message], None], msg: wire.KvRendezvous) -> None:
+        try:
+            send(msg)
+        except zmq.ZMQError as exc:  # the peer's socket was closed meanwhile: the pair times out and breaks
+            log.warning("KV pair %s: its rendezvous could not be sent: %s", msg.pair_key, exc)
+
+    def _relayed(self, msg: wire.KvRendezvous) -> None:
+        relayed = getattr(self.kv, "relayed", None)
+        if relayed is None:
+            log.warning("dropped a KV rendezvous for pair %s: this instance's pairs meet at a store", msg.pair_key)
+            return
+        relayed(msg.pair_key, msg.key, msg.value)
 
     async def _reply(self, out: Outgoing, kind: type, stage: int, what: str):
         deadline = loop_time() + self.cfg.timeout_s
@@ -133,6 +167,8 @@ class PeersMixin:
                 self.spawn(self._end_in(inc))
         elif isinstance(msg, wire.PrefixQuery):
             self.spawn(self._answer_prefix(identity, msg))
+        elif isinstance(msg, wire.KvRendezvous):
+            self._relayed(msg)
 
     # ---------------------------------------------------------------- what a move would not need to send
 

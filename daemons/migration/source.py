@@ -159,6 +159,8 @@ class Move:
         self.pair = m.kv.source_pair(m.inst.instance_id, self.dst)
         m.pair_used(self.dst)
         self.sock = m._peer(self.dst_address)
+        sock = self.sock
+        m.relay_rendezvous(self.pair, lambda msg: runtime.send_now(sock, wire.encode(msg)))
         # Pacing and one-message chunks alike for this process's pairs and a tensor-parallel engine's ranks
         # (each rank's pair reads the duty the engine last handed it; both ends have the same TP size).
         self.pacer = DutyPacer(m.cfg.max_decode_slowdown) if m.cfg.max_decode_slowdown > 0 else None

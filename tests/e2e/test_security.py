@@ -376,18 +376,11 @@ def test_metrics_need_the_token(secured, keys):
         assert b"llumnix_instance" in resp.read()
 
 
-def _kv_store_port(log: str) -> int:
-    return int(re.search(r"KV transfer \S+:(\d+)", log).group(1))
-
-
 def test_instances_listen_on_loopback_only(secured):
     for name in ("instance-i0", "instance-i1", "manager", "proxy"):
         proc = secured.proc(name)
-        # torch's TCPStore (the KV rendezvous) listens on every interface whatever it is told: docs/operations.md's
-        # firewall rule covers its port; everything else listens where it was told
-        store = _kv_store_port(Path(proc.log).read_text()) if name.startswith("instance") else None
-        listening = [c.laddr for c in psutil.Process(proc.pid).net_connections("tcp")
-                     if c.status == psutil.CONN_LISTEN and c.laddr.port != store]
+        # No TCPStore any more (it listened on every interface whatever it was told): KV pairs meet over ZeroMQ
+        listening = [c.laddr for c in psutil.Process(proc.pid).net_connections("tcp") if c.status == psutil.CONN_LISTEN]
         assert listening and all(a.ip == "127.0.0.1" for a in listening), (name, listening)
 
 
@@ -430,3 +423,55 @@ def test_bad_keys_dir_is_one_line_naming_the_setting(tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+PROBE = """
+import sys
+from datetime import timedelta
+import torch.distributed as dist
+try:
+    store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=2), use_libuv=True)
+    print("LISTED", store.list_keys(), flush=True)
+except Exception:
+    pass
+"""
+
+
+def test_the_kv_rendezvous_leaves_no_port_that_a_host_without_keys_can_read(secured, keys):
+    """A KV pair's rendezvous (each end's Gloo address, under the pair's secret key) travels over the
+    instances' CURVE channel: after a migration, no listening port of either instance answers as a TCPStore,
+    the store that once listed the pair keys to anyone who reached it (and took writes from anyone). Each
+    port is probed by a process of its own, bounded in time (a probe that gets no answer found nothing)."""
+    api = secured.openai()
+    stream = api.completions.create(model="llumnix-sim", prompt="hello", max_tokens=150, stream=True,
+                                    extra_body={"ignore_eos": True, "return_token_ids": True})
+    rid = next(iter(stream)).id
+    op = client(keys, "operator", secured.manager)
+    try:
+        src = next(r.instance_id for r in op.requests().requests if r.request_id == rid)
+        out = op.migrate("i1" if src == "i0" else "i0", request_id=rid).outcomes[0]
+    finally:
+        op.close()
+    assert out.outcome == "committed", out  # the pair formed over the relay, with CURVE on
+    assert sum(1 for _ in stream) >= 100  # it streams on from its new instance to the end
+    ports = {c.laddr.port for name in ("instance-i0", "instance-i1")
+             for c in psutil.Process(secured.proc(name).pid).net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+    assert ports
+    probes = {port: subprocess.Popen([sys.executable, "-c", PROBE, str(port)], stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True) for port in sorted(ports)}
+    listed = {}
+    deadline = time.monotonic() + 20  # a probe gets 2 s per try, 4 tries
+    try:
+        for port, proc in probes.items():
+            try:
+                out_text, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                continue
+            if "LISTED" in out_text:
+                listed[port] = out_text.strip()
+    finally:
+        for proc in probes.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert not listed, f"instance ports answer as a TCPStore: {listed}"

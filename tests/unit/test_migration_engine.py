@@ -57,6 +57,8 @@ def migrate(src: SimEngine, dst: SimEngine, rid: str, steps_between: int = 1, ou
         if out is not None:
             out += res
     view = src.migration_view(rid)
+    if view is None:  # it finished or was preempted while pre-copying: the real source aborts here too
+        raise EngineError(f"{rid} is no longer running on the source")
     state = src.suspend(rid)
     res = src.step().outputs
     assert all(o.request_id != rid for o in res)  # a suspended request does not step

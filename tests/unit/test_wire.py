@@ -43,6 +43,7 @@ def _samples():
         wire.MigAbort("m", "finished"),
         wire.PrefixQuery(1, [[1, 2, 3], []]),
         wire.PrefixHits(1, [2, 0]),
+        wire.KvRendezvous("i0>i1/ab", "i0>i1/ab/0/0", b"addr"),
         wire.MigrateStart(9, "i1", "tcp://b:2", count=2, reason="drain", selection="llumnix", drain=True,
                           src_usage=float("inf"), dst_usage=10.5, dst_blocks=100, headroom=0.1, cooldown_s=10),
         wire.SetDraining(True, "operator", cordoned=True),
