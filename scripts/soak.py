@@ -313,15 +313,16 @@ class Chaos(threading.Thread):
             pass
         new = localcluster.spawn(self.run_dir, name, old.argv)
         localcluster.record(self.run_dir, state, [new])
-        if proxy:  # down until it listens again
+        if proxy:  # down until it says it is healthy (as a load balancer's check would)
             url = next(u for u, n in self.proxy_of.items() if n == name)
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline and new.process() is not None:
                 try:
-                    httpx.get(url + "/v1/models", timeout=2)
-                    break
+                    if httpx.get(url + "/health", timeout=2).status_code == 200:
+                        break
                 except httpx.HTTPError:
-                    time.sleep(0.1)
+                    pass
+                time.sleep(0.1)
         with self.lock:
             if proxy:
                 self.down_since[name] = (self.down_since[name][0], time.monotonic())
