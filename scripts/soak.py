@@ -218,7 +218,8 @@ def worker(urls: list[str], seed: int, end: float, budget: threading.Semaphore, 
         while time.monotonic() < end and budget.acquire(blocking=False):
             with tally.lock:
                 tally.sent += 1
-            url = rnd.choice(urls)
+            up = [u for u in urls if chaos is None or not chaos.is_down(u)] or urls  # as a load balancer picks
+            url = rnd.choice(up)
             for _ in range(len(urls) + 2):  # a cut stream goes to the next proxy (bounded)
                 try:
                     one_stream(client, url, rnd, tally, chaos)
@@ -248,6 +249,12 @@ class Chaos(threading.Thread):
         self.proxy_of = dict(zip(state.urls, localcluster.proxy_names(len(state.urls)))) if state else {}
         self.down_since: dict[str, tuple[float, float]] = {}  # proxy name -> (killed, back) monotonic
         self.lock = threading.Lock()
+
+    def is_down(self, url: str) -> bool:
+        """Killed and not yet healthy again."""
+        with self.lock:
+            killed, back = self.down_since.get(self.proxy_of.get(url), (0.0, 0.0))
+        return killed > 0 and back == 0.0
 
     def proxy_was_down(self, url: str, since: float) -> bool:
         """Was the proxy at ``url`` killed after ``since`` (or is it down now)?"""
