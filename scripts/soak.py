@@ -88,8 +88,8 @@ def sample(run_dir: Path, t: float) -> list[dict]:
 
 def growth(series: list[dict], warmup_s: float) -> dict[str, dict]:
     """Per witness (one process all along): RSS, descriptors and sockets just after the warm-up and at the
-    end (the mean of the last three samples against the first three after the warm-up, so that one
-    allocation burst is no trend)."""
+    end (the mean of the last samples against the first ones after the warm-up, up to 5 minutes of each,
+    so that one allocation burst or a few client connections are no trend)."""
     out = {}
     for name in WITNESSES:
         rows = [r for r in series if r["name"] == name]
@@ -99,7 +99,8 @@ def growth(series: list[dict], warmup_s: float) -> dict[str, dict]:
             out[name] = {"pids": sorted(pids), "samples_after_warmup": len(after)}
             continue
         mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
-        first, last = after[:3], after[-3:]
+        w = max(3, min(20, len(after) // 4))  # up to 5 minutes: descriptors come and go with client connections
+        first, last = after[:w], after[-w:]
         out[name] = {"pid": rows[0]["pid"], "samples_after_warmup": len(after)}
         for k in ("rss_mb", "fds", "sockets"):
             a, b = mean(first, k), mean(last, k)
@@ -579,9 +580,10 @@ def plot(args) -> int:
     for (name, _pid), rows in sorted(by_proc.items(), key=lambda kv: kv[1][0]["t"]):
         role = "manager" if name == "manager" else "proxy" if name.startswith("proxy") else "instance"
         witness = name in WITNESSES
-        label = f"{name} (never killed)" if witness else (f"{role}s (killed and restarted)" if role not in labelled else None)
-        if not witness:
-            labelled.add(role)
+        group = name if witness else role
+        label = None if group in labelled else (f"{name} (witness: never killed by the soak)" if witness
+                                                else f"{role}s (killed and restarted)")
+        labelled.add(group)
         ts = [r["t"] / 60 for r in rows]
         kw = {"color": roles[role], "lw": 2.2 if witness else 0.8, "alpha": 1.0 if witness else 0.45, "label": label}
         if witness and role == "instance":
