@@ -159,7 +159,7 @@ class RelayStore(dist.Store):
         with self._cv:
             if not self._cv.wait_for(lambda: all(k in self._values for k in keys), seconds if seconds > 0 else self.timeout_s):
                 missing = [k for k in keys if k not in self._values]
-                raise RuntimeError(f"KV pair rendezvous: the peer's {missing} did not come within {seconds:g}s")
+                raise RuntimeError(f"KV pair rendezvous: the peer's {missing} did not come in time")
 
     def get(self, key) -> bytes:
         self._wait([key], None)
@@ -371,7 +371,7 @@ class KvTransfer:
         self.address = ""  # its host:port ("": the pairs meet over ZeroMQ, RelayStore)
         self.pairs: dict[str, Pair] = {}
         self._lock = threading.Lock()
-        self._early: dict[str, dict[str, bytes]] = {}  # rendezvous values for pairs not made yet, by pair key
+        self._early: dict[str, RelayStore] = {}  # the stores of pairs not made yet that their peer wrote to
 
     def serve_store(self) -> str:
         """Listen with a TCPStore where a tensor-parallel engine's ranks (processes of their own, which the
@@ -392,14 +392,12 @@ class KvTransfer:
         with self._lock:
             pair = self.pairs.get(pair_key) or next(
                 (p for p in self.pairs.values() if p.key == pair_key), None)
-            if pair is None:
-                if len(self._early) >= 16 and pair_key not in self._early:
+            store = pair.relay if pair is not None else self._early.get(pair_key)
+            if pair is None and store is None:  # the store the pair will take (dest_pair)
+                if len(self._early) >= 16:
                     self._early.pop(next(iter(self._early)))
-                early = self._early.setdefault(pair_key, {})
-                if len(early) < RELAY_MAX_KEYS and len(value) <= RELAY_MAX_VALUE and key.startswith(pair_key + "/"):
-                    early[key] = bytes(value)
-                return
-        if pair.relay is None or not pair.relay.deliver(key, value):
+                store = self._early[pair_key] = RelayStore(pair_key, self.timeout_s)
+        if store is None or not store.deliver(key, value):
             log.warning("KV pair %s: dropped a rendezvous value for %r from its peer", pair_key, key)
 
     def source_pair(self, me: str, peer: str) -> Pair:
@@ -436,9 +434,7 @@ class KvTransfer:
 
                     store = connect
                 else:
-                    store = RelayStore(key, self.timeout_s)
-                    for k, v in self._early.pop(key, {}).items():
-                        store.deliver(k, v)
+                    store = self._early.pop(key, None) or RelayStore(key, self.timeout_s)
                 pair = self.pairs[key] = Pair(key, self.host, DEST_RANK, store, self.timeout_s)
             return pair
 
