@@ -77,6 +77,7 @@ class InstanceConfig:
     engine_nice: int = setting(0, "niceness added to the engine's step thread (and the threads it starts) over the daemon's: on a host whose CPUs are busy, the llumlet's event loop (heartbeats, load reports, token sends, migration control) then wins the CPU over a long step; 0 = same as the daemon", minimum=0, maximum=19)
     step_timeout_s: float = setting(60.0, "an engine step (or the event loop) stuck this long makes the instance unhealthy: its streams fail over, no new requests come, systemd's watchdog is no longer fed", minimum=0.1)
     hung_exit_s: float = setting(30.0, "an instance still unhealthy this long after step_timeout_s exits with status 3 (Restart=on-failure brings it back)", minimum=0.0)
+    scale_in_protected: bool = setting(False, "auto-scaling never retires this instance (it still counts as serving; llumnixctl drain and remove still work): for an instance an operator keeps on purpose, e.g. one on a reserved node")
     orphan_timeout_s: float = setting(15.0, "requests of a proxy not heard from for this long (it died) are aborted", minimum=0.1)
     log_level: str = setting("info", "debug, info, warning or error", choices=("debug", "info", "warning", "error"))
     log_format: str = setting("text", "stderr log lines: text (time, level, daemon, message) or json (one object per line: ts, level, daemon, logger, msg and the call's extra fields)", choices=("text", "json"))

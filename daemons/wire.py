@@ -113,6 +113,7 @@ class Register(msgspec.Struct, **_tagged(1)):
     drain_reason: str = ""  # "stopping" once it got SIGTERM
     cordoned: bool = False
     uptime_s: float = 0.0
+    scale_in_protected: bool = False  # instance.scale_in_protected: auto-scaling never retires it
 
     def __post_init__(self) -> None:
         endpoints.check(self.request_address, "request_address")
@@ -195,6 +196,7 @@ class InstanceView(msgspec.Struct, array_like=True, omit_defaults=True):
     migrations_ordered: int = 0  # manager-ordered migrations in flight with it as source or destination
     credit: float = 0.0  # blocks of negative virtual usage left (a new instance being filled first)
     key: str = ""  # "role:name" of the CURVE key it registered with (proxies take its messages from that key only)
+    scale_in_protected: bool = False
 
     def __post_init__(self) -> None:
         endpoints.check(self.request_address, "request_address", empty_ok=True)

@@ -142,5 +142,5 @@ def instance_json(v: wire.InstanceView) -> dict:
         "virtual_usage": finite(v.virtual_usage), "cordoned": v.cordoned, "drain_reason": v.drain_reason,
         "migrations_ordered": v.migrations_ordered, "credit": v.credit, "high_priority": ld.high_priority,
         "hol_demand_blocks": ld.hol_demand_blocks, "max_model_len": v.max_model_len, "block_size": ld.block_size,
-        "stalled": ld.stalled,
+        "stalled": ld.stalled, "scale_in_protected": v.scale_in_protected,
     }

@@ -133,6 +133,8 @@ def _flags(r: dict) -> str:
         flags.append(f"draining: {r['drain_reason']}" if r["drain_reason"] else "draining")
     if r["cordoned"]:
         flags.append("cordoned")
+    if r.get("scale_in_protected"):
+        flags.append("protected")
     return r["state"] + (f" ({', '.join(flags)})" if flags else "")
 
 

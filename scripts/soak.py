@@ -607,6 +607,24 @@ def plot(args) -> int:
     return 0
 
 
+def up(args) -> int:
+    """The soak's cluster, as `llumnixctl up` starts it, but with the witness instance protected from scale-in
+    (a restarted manager that launched one instance too many retires another, never the witness)."""
+    witness = next(w for w in WITNESSES if w.startswith("instance-"))
+
+    def place(name: str) -> tuple[list[str], list[str]]:
+        return [], ["instance.scale_in_protected=true"] if name == witness else []
+
+    try:
+        state = localcluster.up(Path(args.run_dir), args.instances, "sim", 0, None, args.set, timeout_s=args.timeout,
+                                place=place, proxies=args.proxies)
+    except localcluster.ClusterError as exc:
+        print(f"soak: {exc}", file=sys.stderr)
+        return 1
+    print(f"soak: cluster up, proxies at {' '.join(state.urls)}; {witness} is scale-in protected")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -624,6 +642,12 @@ def main() -> int:
                    " of the duration)")
     r.add_argument("--check-memory", action=argparse.BooleanOptionalAction, default=True,
                    help="fail when a witness's RSS grew 10%% or more after the warm-up, or its descriptors 10%%")
+    u = sub.add_parser("up")
+    u.add_argument("--run-dir", required=True)
+    u.add_argument("--instances", type=int, default=4)
+    u.add_argument("--proxies", type=int, default=2)
+    u.add_argument("--timeout", type=float, default=120)
+    u.add_argument("--set", action="append", default=[], help="section.key=value for every daemon")
     c = sub.add_parser("check-stopped")
     c.add_argument("--out", required=True)
     pl = sub.add_parser("plot")
@@ -632,6 +656,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.cmd == "plot":
         return plot(args)
+    if args.cmd == "up":
+        return up(args)
     if args.cmd == "run":
         args.max_requests = args.max_requests or max(1, int(args.duration * 4))
         return run(args)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Soak a local sim cluster (4 instances, 2 proxies): bounded streamed load for DURATION_S seconds (default
-# 3600) with random migrations, drains, kill -9 of instances (auto-scaling replaces them; min = max, so
-# no scale-in ever stops the never-killed instance i0), and kill -9 and
+# 3600) with random migrations, drains, kill -9 of instances (auto-scaling replaces them; min = max, and
+# i0 has instance.scale_in_protected, so no scale-in ever stops the never-killed instance i0), and kill -9 and
 # restart of the second proxy and of the manager, each every ~20-60 s; every stream checked token by token;
 # every daemon's RSS, descriptors and sockets sampled every 15 s; then the leaked KV blocks. Writes
 # OUT_DIR/soak.json and OUT_DIR/rss.png (default: a new /tmp/llumnix-soak.* directory) and prints a
@@ -42,7 +42,7 @@ trap stop_cluster EXIT
 trap on_signal INT TERM HUP
 
 echo "soak: ${DURATION}s, output in $OUT"
-timeout 180 "$CTL" up --instances 4 --proxies 2 --port 0 --run-dir "$RUN_DIR" \
+timeout 180 "$PY" scripts/soak.py up --instances 4 --proxies 2 --run-dir "$RUN_DIR" \
     --set manager.heartbeat_interval_s=0.2 --set sim.time_scale=0.1 --set instance.min_step_s=0.02 \
     --set instance.shutdown_grace_s=2 \
     --set scaling.policy=llumnix --set scaling.min_instances=4 --set scaling.max_instances=4 \

@@ -28,7 +28,7 @@ class ControlMixin:
             request_address=self.request_address, backend=self.engine.backend, model=self.cfg.model.name,
             load=self.last_load, metrics_address=self.metrics_address, max_model_len=self.engine.max_model_len,
             drain_reason="stopping" if not self.accepting else self.draining, cordoned=self.cordoned,
-            uptime_s=round(self.clock.monotonic() - self.started, 3),
+            uptime_s=round(self.clock.monotonic() - self.started, 3), scale_in_protected=self.ic.scale_in_protected,
         )
 
     async def serve_manager(self) -> None:

@@ -25,7 +25,7 @@ class ViewMixin:
         s = policy.state_of(
             r.instance_id, r.load, pending_blocks=sum(b for _, b, _ in r.pending), pending_requests=len(r.pending),
             alive=r.state != "dead" and not r.load.stalled and not excluded, draining=r.draining, cordoned=r.cordoned,
-            credit=credit, migrations=r.orders)
+            credit=credit, migrations=r.orders, scale_in_protected=r.info.scale_in_protected)
         if not excluded:
             r.state_key, r.cached_state = key, s
         return s
@@ -46,6 +46,7 @@ class ViewMixin:
                 virtual_usage=round(policy.virtual_usage(s, self.sc.high_priority_headroom), 2),
                 cordoned=r.cordoned, drain_reason=r.drain_reason or ("stopping" if r.state == "stopping" else ""),
                 migrations_ordered=r.orders, credit=round(s.credit, 2), key=r.principal,
+                scale_in_protected=r.info.scale_in_protected,
             ))
         return out
 

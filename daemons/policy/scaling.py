@@ -34,8 +34,9 @@ def average_freeness(states: list[InstanceState]) -> float | None:
 
 def scale_in_victim(states: list[InstanceState]) -> str | None:
     """The serving instance with the least normal-priority load to move (ties: the highest id, usually the
-    newest). Not by virtual usage: a new instance's credit would make it look freest."""
-    xs = serving(states)
+    newest), never one that is scale-in protected (None if every serving one is). Not by virtual usage: a new
+    instance's credit would make it look freest."""
+    xs = [s for s in serving(states) if not s.scale_in_protected]
     if not xs:
         return None
     return max(xs, key=lambda s: (scaling_freeness(s), s.instance_id)).instance_id

@@ -37,6 +37,7 @@ class InstanceState:
     migrations: int = 0  # manager-ordered migrations in flight with it as source or destination
     block_size: int = 16  # tokens per block
     host: str = ""  # the host it runs on (instance.host; empty: unknown, taken as the same host as every other)
+    scale_in_protected: bool = False  # auto-scaling never picks it to retire
 
     @property
     def batch(self) -> int:

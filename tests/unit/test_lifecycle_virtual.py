@@ -9,6 +9,7 @@ and signals, the launcher's shell command, the CLI and the HTTP answers."""
 
 from __future__ import annotations
 
+import asyncio
 
 from daemons import wire
 from daemons.config import load_config
@@ -51,6 +52,23 @@ def test_autoscaling_adds_under_load_and_retires_when_idle():
         "sim.num_blocks=256", "scaling.policy=llumnix", "scaling.min_instances=1", "scaling.max_instances=2",
         "scaling.scale_up_threshold=8", "scaling.scale_down_threshold=128", "scaling.sustain_s=1",
         "scaling.cooldown_s=2", "scaling.launcher=in process (tests/support/cluster.py)"])
+
+
+def test_auto_scaling_never_retires_a_scale_in_protected_instance():
+    async def scenario(c: VirtualCluster):
+        for iid in ("i1", "i2"):
+            await c.join(iid, "instance.scale_in_protected=true")
+        # All idle and equally free: without protection the tie would go to the highest id (i2).
+        assert [v.scale_in_protected for v in c.manager.view(c.clock.monotonic())] == [False, True, True]
+        await c.until(lambda: c.runs["i0"].done(), 60, "the unprotected instance was not retired")
+        assert serving(c) == ["i1", "i2"] and c.manager.resched.scale_ins == 1
+        # Two serving, above min_instances = 1, but both protected: nothing more is retired.
+        await asyncio.sleep(30)  # virtual time: many sustain and cooldown periods
+        assert serving(c) == ["i1", "i2"] and c.manager.resched.scale_ins == 1
+
+    VirtualCluster.run(scenario, instances=1, sets=PACED + [
+        "scaling.policy=llumnix", "scaling.min_instances=1", "scaling.max_instances=3",
+        "scaling.scale_up_threshold=8", "scaling.scale_down_threshold=128", "scaling.sustain_s=1", "scaling.cooldown_s=1"])
 
 
 def test_a_failing_launch_is_reported_and_adds_nothing():

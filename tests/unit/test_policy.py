@@ -414,3 +414,8 @@ def test_scale_in_victim_is_the_freest():
     assert policy.scale_in_victim(ss) == "i1"
     assert len(policy.scaling.serving(ss)) == 2
     assert policy.average_freeness(ss) == pytest.approx(((100 - 50) / 5 + (100 - 5) / 1) / 2)
+    # A scale-in protected instance is never the victim, however free; it still counts as serving.
+    ss[1] = dataclasses.replace(ss[1], scale_in_protected=True)
+    assert policy.scale_in_victim(ss) == "i0" and len(policy.scaling.serving(ss)) == 2
+    ss[0] = dataclasses.replace(ss[0], scale_in_protected=True)
+    assert policy.scale_in_victim(ss) is None
