@@ -99,7 +99,7 @@ class ProxyConfig:
     request_timeout_s: float = setting(600.0, "a request not finished this long after it arrived ends with an error (504) and is aborted (0 = no deadline)", minimum=0.0)
     stall_timeout_s: float = setting(30.0, "a stream that produced tokens, or is missing one, and gets none for this long fails over to another instance (0 = never)", minimum=0.0)
     api_keys_file: str = setting("", "TOML file of API keys ([keys.NAME] with key or sha256, and high_priority = true to allow priority high); when set, every /v1 request needs Authorization: Bearer KEY (empty = no keys needed)")
-    max_body_bytes: int = setting(8388608, "largest HTTP request body accepted (larger: 413)", minimum=1024)
+    max_body_bytes: int = setting(0, "largest HTTP request body accepted (larger: 413); 0 = 1 MiB plus 32 bytes per token of model.max_model_len (a request holds one prompt: its longest text or token list fits with room for the rest, and a body that cannot be valid is refused before the work of reading and parsing it)", minimum=0)
     max_prompt_tokens: int = setting(0, "longest prompt accepted, in tokens (0 = model.max_model_len; longer: 400)", minimum=0)
     max_stop_strings: int = setting(32, "most stop strings a request may give (more: 400); every one is looked for in every token's text", minimum=0)
     max_stop_length: int = setting(256, "longest stop string accepted, in characters (longer: 400); the proxy holds back that much text while it may be the start of one", minimum=1)
@@ -253,6 +253,13 @@ class Config:
     source: str = field(default="defaults", repr=False, compare=False, metadata={"internal": True})
 
 
+def body_limit(cfg: Config) -> int:
+    """The proxy's largest request body: proxy.max_body_bytes, or when 0, 1 MiB plus 32 bytes per token of the
+    context (one prompt of max_model_len tokens, as text of ~4 characters a token written with JSON escapes or
+    as a list of ids, fits with room for every other field)."""
+    return cfg.proxy.max_body_bytes or (1 << 20) + 32 * cfg.model.max_model_len
+
+
 def sections() -> list[tuple[str, type]]:
     return [(f.name, f.type if isinstance(f.type, type) else _resolve(f.type)) for f in dataclasses.fields(Config) if not f.metadata.get("internal")]
 
@@ -342,6 +349,9 @@ def _check_together(cfg: Config, where: str) -> None:
     """Settings that must agree with each other; the message names both keys and where they came from."""
     if cfg.tracing.otlp_endpoint and (why := _check_url(cfg.tracing.otlp_endpoint)):
         raise ConfigError(f"{where}: tracing.otlp_endpoint {cfg.tracing.otlp_endpoint!r} {why}")
+    if 0 < cfg.proxy.max_body_bytes < 1024:
+        raise ConfigError(f"{where}: proxy.max_body_bytes must be 0 (from the context length) or >= 1024; "
+                          f"got {cfg.proxy.max_body_bytes}")
     sc = cfg.scaling
     if sc.min_instances > sc.max_instances:
         raise ConfigError(f"{where}: scaling.min_instances ({sc.min_instances}) is above scaling.max_instances "

@@ -1,14 +1,15 @@
 """Hostile-client benchmark: 32 normal streams on a local sim cluster, with and without one client that sends
-the worst bodies the proxy's limits allow, in interleaved rounds; the normal streams' inter-token gaps
+the worst bodies the proxy's limits allow (from a process of its own), in interleaved rounds; the normal streams' inter-token gaps
 (measured at the client, chunk to chunk) are compared. Prints a JSON report with the P50/P99 gap of each
 phase and the ratio with/without (goal: P99 rises < 20%).
 
-    python scripts/hostile.py [--rounds 3] [--phase-s 20] [--out report.json]
+    python scripts/hostile.py [--rounds 3] [--phase-s 20] [--bodies stops,biggest_prompt,deep_json] [--out report.json]
 
 The worst bodies, each sent again and again by 4 connections at once:
 - a streamed request with the most stop strings (proxy.max_stop_strings) of the longest length
   (proxy.max_stop_length), the most stop_token_ids, n = 32, logprobs = 20 and a long output;
-- an 8 MiB body (proxy.max_body_bytes) whose prompt is one long string (refused before tokenizing);
+- the largest body accepted (proxy.max_body_bytes; by default 1 MiB + 32 bytes a token of context) whose prompt
+  is one long string (refused before tokenizing: too many characters for the prompt limit);
 - a body nested as deep as JSON allows here (refused: nested too deeply).
 Every loop is bounded in count and time; traffic goes only to the cluster it starts on 127.0.0.1.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import random
 import statistics
 import sys
@@ -29,7 +31,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from daemons.config import load_config  # noqa: E402
+from daemons.config import body_limit, load_config  # noqa: E402
 from llumnixctl.lab import localcluster  # noqa: E402
 
 SETS = ["manager.heartbeat_interval_s=0.2", "sim.time_scale=0.1", "instance.shutdown_grace_s=1"]
@@ -83,11 +85,12 @@ def worst_bodies(cfg, n: int = 32) -> list[tuple[str, bytes]]:
     stream = {"model": "llumnix-sim", "prompt": "hello " * 50, "max_tokens": 64, "stream": True, "n": n,
               "logprobs": 20, "stop": stops, "stop_token_ids": list(range(10, 10 + pc.max_stop_token_ids)),
               "ignore_eos": True}
-    big = b'{"model": "llumnix-sim", "max_tokens": 1, "prompt": "' + b"a" * (pc.max_body_bytes - 80) + b'"}'
+    limit = body_limit(cfg)
+    big = b'{"model": "llumnix-sim", "max_tokens": 1, "prompt": "' + b"a" * (limit - 80) + b'"}'
     depth = 100_000
     deep = b'{"model": "llumnix-sim", "prompt": ' + b"[" * depth + b"]" * depth + b"}"
-    deep = deep[:pc.max_body_bytes]
-    return [(f"stops_n{n}_logprobs20", json.dumps(stream).encode()), ("8MiB_prompt", big[:pc.max_body_bytes]),
+    deep = deep[:limit]
+    return [(f"stops_n{n}_logprobs20", json.dumps(stream).encode()), ("biggest_prompt", big[:limit]),
             ("deep_json", deep)]
 
 
@@ -118,6 +121,27 @@ class Hostile(threading.Thread):
                     per[status] = per.get(status, 0) + 1
 
 
+def hostile_process(url: str, bodies: list[tuple[str, bytes]], on, stop, out) -> None:
+    """The hostile client, in a process of its own (as another client would be): its threads' work on the
+    largest bodies does not take the normal clients' interpreter lock and so does not bend their measured gaps.
+    Sends what it counted (answers by body and status) to ``out`` when ``stop`` is set."""
+    t_on, t_stop, lock = threading.Event(), threading.Event(), threading.Lock()
+    counts: dict[str, dict[int, int]] = {}
+    hostiles = [Hostile(url, bodies, t_on, t_stop, counts, lock, k) for k in range(HOSTILE_CONNECTIONS)]
+    for t in hostiles:
+        t.start()
+    while not stop.is_set():
+        if on.wait(0.05):
+            t_on.set()
+            time.sleep(0.05)
+        else:
+            t_on.clear()
+    t_stop.set()
+    for t in hostiles:
+        t.join(70)
+    out.put(counts)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
@@ -126,21 +150,33 @@ def main() -> int:
     ap.add_argument("--hostile-n", type=int, default=32, help="n of the hostile streamed request (32: the most "
                     "allowed, which is also 32 sequences of real load on the cluster per connection; 1: the body's "
                     "cost to the proxy alone)")
+    ap.add_argument("--set", action="append", default=[], help="section.key=value for every daemon (e.g. a larger "
+                    "proxy.max_body_bytes)")
+    ap.add_argument("--bodies", default="", help="comma-separated names of the worst bodies to send (default: all): "
+                    "stops (the stream with the most stop strings, n and logprobs), biggest_prompt, deep_json")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
-    cfg = load_config(None, SETS)
+    sets = SETS + args.set
+    cfg = load_config(None, sets)
     run_dir = Path(tempfile.mkdtemp(prefix="llumnix-hostile."))
-    state = localcluster.up(run_dir, args.instances, "sim", 0, None, SETS, timeout_s=180)
+    state = localcluster.up(run_dir, args.instances, "sim", 0, None, sets, timeout_s=180)
     try:
         url = state.url
         phase = ["warmup"]
-        stop, on, lock = threading.Event(), threading.Event(), threading.Lock()
+        stop, lock = threading.Event(), threading.Lock()
         gaps: dict[str, list[float]] = {}
-        counts: dict[str, dict[int, int]] = {}
         normals = [Normal(url, k, phase, stop, gaps, lock) for k in range(NORMAL_STREAMS)]
         bodies = worst_bodies(cfg, args.hostile_n)
-        hostiles = [Hostile(url, bodies, on, stop, counts, lock, k) for k in range(HOSTILE_CONNECTIONS)]
-        for t in normals + hostiles:
+        if args.bodies:
+            wanted = args.bodies.split(",")
+            bodies = [b for b in bodies if b[0] in wanted or b[0].split("_")[0] in wanted]  # stops_n32_... as stops
+            if not bodies:
+                raise SystemExit(f"hostile: no body named {args.bodies}")
+        mp = multiprocessing.get_context("spawn")
+        on, h_stop, h_out = mp.Event(), mp.Event(), mp.Queue()
+        hostile = mp.Process(target=hostile_process, args=(url, bodies, on, h_stop, h_out), daemon=True)
+        hostile.start()
+        for t in normals:
             t.start()
         time.sleep(min(10.0, args.phase_s))
         rounds = []
@@ -162,15 +198,18 @@ def main() -> int:
             rounds.append(row)
             print(json.dumps({"round": r, **row}), flush=True)
         stop.set()
-        for t in normals + hostiles:
+        h_stop.set()
+        counts = h_out.get(timeout=90)
+        hostile.join(30)
+        for t in normals:
             t.join(70)
         ratios = [x["p99_ratio"] for x in rounds]
         report = {"normal_streams": NORMAL_STREAMS, "hostile_n": args.hostile_n, "hostile_connections": HOSTILE_CONNECTIONS, "phase_s": args.phase_s,
-                  "instances": args.instances, "rounds": rounds, "p99_ratio_median": statistics.median(ratios),
+                  "instances": args.instances, "bodies": [b[0] for b in bodies], "rounds": rounds, "p99_ratio_median": statistics.median(ratios),
                   "p99_ratio_range": [min(ratios), max(ratios)], "hostile_answers": counts,
                   "normal_errors": sum(n.errors for n in normals),
                   "limits": {k: getattr(cfg.proxy, k) for k in ("max_stop_strings", "max_stop_length",
-                                                               "max_stop_token_ids", "max_body_bytes")}}
+                                                               "max_stop_token_ids")} | {"body_bytes": body_limit(cfg)}}
         print(json.dumps(report, indent=1))
         if args.out:
             Path(args.out).write_text(json.dumps(report, indent=1))

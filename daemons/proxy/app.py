@@ -46,7 +46,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from daemons import metrics, runtime, security
 from daemons.cli import ConfigFile, LogLevel, Overrides, load_or_exit, package_version
-from daemons.config import Config
+from daemons.config import Config, body_limit
 from daemons.proxy.apikeys import ApiKeys, ApiKeysError, check_token
 from daemons.proxy.cluster import ClusterClient
 from daemons.proxy.fastpath import Call, FastPath, too_large
@@ -136,7 +136,7 @@ def build_app(cfg: Config) -> FastAPI:
     proxy = Proxy(cfg)
     app = FastAPI(title="llumnix-proxy", version=package_version())
     app.state.proxy = proxy
-    app.add_middleware(_Guard, proxy=proxy, max_body_bytes=cfg.proxy.max_body_bytes)
+    app.add_middleware(_Guard, proxy=proxy, max_body_bytes=body_limit(cfg))
 
     def with_echo(request: Request, body: dict, status: int, headers: dict | None = None) -> JSONResponse:
         echo = getattr(request.state, "echo_id", None)
@@ -231,7 +231,7 @@ def serving_app(cfg: Config, app: FastAPI):
     """What the server runs: the completion routes' fast path in front of ``app`` (proxy.fast_path), or ``app``."""
     if not cfg.proxy.fast_path:
         return app
-    return FastPath(app, app.state.proxy, cfg.proxy.max_body_bytes, cfg.proxy.write_timeout_s)
+    return FastPath(app, app.state.proxy, body_limit(cfg), cfg.proxy.write_timeout_s)
 
 
 class _Stopped(Exception):

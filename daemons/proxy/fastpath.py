@@ -208,17 +208,23 @@ class FastPath:
             call.stop_watching()
 
     async def _body(self, receive) -> bytes:
-        """The request body, refused (413) as soon as it grows past the limit: never held whole if larger."""
-        body = b""
+        """The request body, refused (413) as soon as it grows past the limit: never held whole if larger.
+        The pieces are joined once at the end (adding each to the whole would copy it again per piece:
+        quadratic, ~0.5 GB of copying on the event loop for one 8 MiB body)."""
+        pieces: list[bytes] = []
+        size = 0
         while True:
             message = await receive()
             if message["type"] != "http.request":  # http.disconnect
                 raise ApiError(499, "the client went away before sending its whole body")
-            body += message.get("body", b"")
-            if len(body) > self.limit:  # a chunked body, or one longer than it said
+            piece = message.get("body", b"")
+            if piece:
+                pieces.append(piece)
+                size += len(piece)
+            if size > self.limit:  # a chunked body, or one longer than it said
                 raise too_large(self.limit)
             if not message.get("more_body", False):
-                return body
+                return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
     async def _answer(self, send, path: str, reply: Reply) -> None:
         (self.ok[path] if reply.status == 200 else M_REQUESTS.labels(path, str(reply.status))).inc()

@@ -1,7 +1,8 @@
 """Tokenizers the proxy uses to count prompt tokens and turn output token ids into text.
 
-- ``SimTokenizer``: the sim engine has no model; each word or punctuation mark is one token (a hash),
-  and each token id decodes to a pronounceable pseudo-word.
+- ``SimTokenizer``: the sim engine has no model; each word (cut into pieces of at most 16 characters, as a
+  real vocabulary's tokens are bounded) or punctuation mark is one token (a hash), and each token id decodes
+  to a pronounceable pseudo-word.
 - ``HFTokenizer``: a real model's ``tokenizer.json`` (Hugging Face ``tokenizers``) with the chat template
   of its ``tokenizer_config.json``. Byte-level BPE pieces can end inside a UTF-8 character, so output is
   detokenized incrementally: text is released only once it decodes cleanly, and what is still held back
@@ -19,7 +20,8 @@ import zlib
 from pathlib import Path
 from typing import Protocol
 
-_PIECES = re.compile(r"\w+|[^\w\s]")
+SIM_TOKEN_CHARS = 16  # the longest piece of text one sim token stands for
+_PIECES = re.compile(r"\w{1,%d}|[^\w\s]" % SIM_TOKEN_CHARS)
 _SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]  # 70 syllables
 
 
@@ -49,7 +51,9 @@ class Tokenizer(Protocol):
 
 
 class SimTokenizer:
-    max_token_chars = None  # a word is a token, however long: no bound from the text's length
+    # No token stands for more characters than this: a text of more characters than the prompt limit times
+    # this is refused before it is encoded (the proxy's checks), whatever it holds.
+    max_token_chars = SIM_TOKEN_CHARS
 
     def __init__(self, vocab_size: int, eos_token_id: int):
         self.vocab_size = vocab_size

@@ -82,3 +82,13 @@ def test_bad_override():
 def test_settings_that_must_agree(sets, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, sets)
+
+
+def test_the_body_limit_follows_the_context_unless_set():
+    from daemons.config import body_limit
+
+    assert body_limit(load_config(None, [])) == (1 << 20) + 32 * 4096
+    assert body_limit(load_config(None, ["model.max_model_len=131072"])) == (1 << 20) + 32 * 131072
+    assert body_limit(load_config(None, ["proxy.max_body_bytes=8388608"])) == 8388608
+    with pytest.raises(ConfigError, match="proxy.max_body_bytes must be 0 .* or >= 1024; got 5"):
+        load_config(None, ["proxy.max_body_bytes=5"])

@@ -132,3 +132,25 @@ def test_a_text_longer_than_the_limit_times_the_longest_token_is_refused_before_
         c._chat_prompt(chat, True)
     assert exc.value.body()["error"]["param"] == "messages" and encoded == []  # neither was encoded
     assert c._prompt_ids(decode_body(f'{{"model": "m", "prompt": "{long[:-1]}"}}'.encode(), CompletionRequest)) == [1]
+
+
+def test_sim_tokens_stand_for_bounded_text_so_a_huge_prompt_is_refused_before_encoding(monkeypatch):
+    """A word longer than a sim token's bound is several tokens (so the character bound holds), and an 8 MiB
+    prompt of one repeated letter is refused by its length alone, without the work of encoding it."""
+    from daemons.proxy.checks import ChecksMixin
+    from daemons.proxy.protocol import ApiError, CompletionRequest, decode_body
+
+    tok = SimTokenizer(32000, 2)
+    per = tok.max_token_chars
+    assert len(tok.encode("a" * (3 * per + 1))) == 4 and len(tok.encode("a" * per)) == 1
+    assert len(tok.encode("hello, world")) == 3
+
+    class Checks(ChecksMixin):
+        tokenizer, max_prompt_tokens, max_model_len = tok, 0, 4096
+
+    encoded = []
+    monkeypatch.setattr(tok, "encode", lambda text, add_special_tokens=True: encoded.append(len(text)) or [1])
+    body = b'{"model": "llumnix-sim", "prompt": "' + b"a" * (8 << 20) + b'"}'
+    with pytest.raises(ApiError) as exc:
+        Checks()._prompt_ids(decode_body(body, CompletionRequest))
+    assert exc.value.status == 400 and exc.value.body()["error"]["code"] == "prompt_too_long" and encoded == []
