@@ -125,5 +125,5 @@ def test_a_light_key_beside_a_saturating_one_is_not_queued_behind_it():
     unfair = percentile(_light_ttfts(True, fair=False), 0.99)
     print(f"light key's P99 TTFT: alone {alone * 1000:.0f} ms, beside a heavy key {beside * 1000:.0f} ms "
           f"({beside / alone:.2f}x), without fair queuing {unfair * 1000:.0f} ms ({unfair / alone:.1f}x)")
-    assert beside <= 2.5 * alone
+    assert beside <= 1.5 * alone  # the goal (#23): within 1.5x of what the light key sees alone
     assert unfair >= 20 * beside
