@@ -358,9 +358,12 @@ class StopChecker:
         """Add a token's text; return (text now safe to send, whether a stop string ended the output)."""
         if not self.stops:  # nothing is held back (nor kept: the output's text would grow with every token)
             return piece, False
+        # A stop not found before ends in this piece: look only where that can be (from len(s) - 1 characters
+        # before it), and not before the ``hold`` characters ahead of what is unsent.
+        end = len(self.text) + 1
         text = self.text + piece
         start = max(0, self.sent - self.hold)
-        cut = min((i for i in (text.find(s, start) for s in self.stops) if i >= 0), default=-1)
+        cut = min((i for i in (text.find(s, max(start, end - len(s))) for s in self.stops) if i >= 0), default=-1)
         if cut >= 0:
             out = text[self.sent:cut]
             self.text, self.sent = text[:cut], cut

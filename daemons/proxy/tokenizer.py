@@ -124,6 +124,7 @@ class HFTokenizer:
             raise TokenizerError(f"{path}: no tokenizer.json (the proxy needs the model's fast tokenizer)")
         self._tok = _Tok.from_file(str(file))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self._texts: dict[int, str] = {}  # token_text's, as they are asked for
         # The most characters one token stands for (a vocabulary entry has a character per byte, or per
         # character, of what it encodes): a text longer than N times this has more than N tokens, known
         # before the work of encoding it.
@@ -156,7 +157,14 @@ class HFTokenizer:
         return self._tok.decode(ids, skip_special_tokens=True)
 
     def token_text(self, token_id: int) -> str:
-        return self._tok.decode([token_id], skip_special_tokens=False)
+        """One token's text alone (logprobs show it for the sampled token and each alternative: ~20 a token).
+        Kept once decoded: there are at most vocab_size of them, and a Rust call costs more than a lookup."""
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._tok.decode([token_id], skip_special_tokens=False)
+            if 0 <= token_id < self.vocab_size:
+                self._texts[token_id] = text
+        return text
 
     def token_str(self, token_id: int) -> str:
         """The vocabulary entry (e.g. ``Ġhello``), as /tokenize's token_strs gives it."""
