@@ -1,0 +1,92 @@
+"""Prefix-cache block hashes (daemons/prefix.py) are vLLM's, and the cluster's prefix index says what a
+brute-force search over every instance's reported blocks says."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from daemons import prefix
+
+
+def test_block_hashes_are_vllms_own(monkeypatch):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core import kv_cache_utils as kvu
+
+    kvu.init_none_hash(sha256)
+    rnd = random.Random(3)
+    tokens = [rnd.randrange(0, 150_000) for _ in range(16 * 5 + 7)]
+    want, parent = [], None
+    for b in range(5):
+        parent = kvu.hash_block_tokens(sha256, parent, tokens[b * 16:(b + 1) * 16])
+        want.append(bytes(parent))
+    assert prefix.block_hashes(tokens, 16) == want  # full blocks only: the 7 tokens after them have none
+    assert prefix.block_hashes(tokens, 16, limit=2) == want[:2]
+    # Chained: the same block after a different prefix is a different block.
+    assert prefix.block_hashes(tokens[16:32], 16) != [want[1]]
+    # The seed is PYTHONHASHSEED when that is set, as in vLLM.
+    monkeypatch.setenv("PYTHONHASHSEED", "7")
+    kvu.init_none_hash(sha256)
+    assert prefix.none_hash() == bytes(kvu.NONE_HASH) != prefix.none_hash(prefix.DEFAULT_SEED)
+    with pytest.raises(ValueError):
+        prefix.block_hashes(tokens, 0)
+
+
+def _brute(held: dict[str, set[int]], request: list[int]) -> dict[str, int]:
+    out = {}
+    for i, blocks in held.items():
+        n = 0
+        while n < len(request) and request[n] in blocks:
+            n += 1
+        out[i] = n
+    return out
+
+
+ops = st.lists(st.tuples(st.sampled_from(["stored", "removed", "cleared", "replace"]),
+                         st.sampled_from(["i0", "i1", "i2"]),
+                         st.lists(st.integers(0, 12), max_size=8)), max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops, st.lists(st.integers(0, 12), max_size=10))
+def test_match_is_what_a_search_of_every_instances_blocks_says(operations, request):
+    index, held = prefix.PrefixIndex(), {}
+    for op, iid, blocks in operations:
+        getattr(index, op)(iid) if op == "cleared" else getattr(index, op)(iid, blocks)
+        if op == "stored":
+            held.setdefault(iid, set()).update(blocks)
+        elif op == "removed":
+            if iid in held:
+                held[iid] -= set(blocks)
+        elif op == "cleared":
+            held.pop(iid, None)
+        else:
+            held[iid] = set(blocks)
+    assert index.match(request) == _brute(held, request)
+    assert len(index) == len(set().union(*held.values())) if held else len(index) == 0
+    for iid, blocks in held.items():
+        assert index.blocks(iid) == len(blocks)
+    # Only the instances asked about, unknown ones included (they hold nothing).
+    assert index.match(request, ["i1", "i9"]) == {"i1": _brute(held, request).get("i1", 0), "i9": 0}
+
+
+def test_an_instance_past_its_bound_is_not_believed_beyond_it():
+    index = prefix.PrefixIndex(max_blocks_per_instance=4)
+    index.stored("i0", range(10))
+    assert index.blocks("i0") == 4 and index.ignored == 6 and len(index) == 4
+    index.cleared("i0")
+    assert len(index) == 0 and index.instances() == []
+
+
+def test_a_shared_system_prompt_matches_where_it_is_cached():
+    system = list(range(1000, 1000 + 64))
+    a = prefix.keys(prefix.block_hashes(system + [1, 2, 3] * 20, 16))
+    b = prefix.keys(prefix.block_hashes(system + [4, 5, 6] * 20, 16))
+    assert a[:4] == b[:4] and a[4] != b[4]  # the 4 blocks of the system prompt are the same blocks
+    index = prefix.PrefixIndex()
+    index.stored("i0", a)
+    index.stored("i1", a[:2])
+    assert index.match(b) == {"i0": 4, "i1": 2}
