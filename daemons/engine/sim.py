@@ -25,6 +25,7 @@ import torch
 
 from daemons.config import ModelConfig, SimConfig
 from daemons.engine.base import EngineError, EngineRequest, KvBlocks, StepResult, check_request
+from daemons.engine.sim_cache import SimPrefixCache
 from daemons.engine.sim_migration import SimMigrationMixin
 from daemons.engine.sim_requests import SimRequest, WaitingQueue, cdiv
 from daemons.engine.sim_values import draw, kv_value, sim_logprobs, sim_token_id, write_kv
@@ -56,6 +57,9 @@ class SimEngine(SimMigrationMixin):
         # Layer l stores (x + l, -(x + l)), so a copy that mixes up layers shows.
         self._layer_shift = [torch.tensor([l, -l], dtype=torch.float64)[None, :, None, None] for l in range(sim.kv_layers)]
         self._free: deque[int] = deque(range(sim.num_blocks))
+        # sim.prefix_caching: what content the blocks hold (free ones too, until taken): hits skip prefill.
+        # (Not ``prefix_caching``, which says a destination can skip copying cached blocks: vLLM's alone.)
+        self.cache: SimPrefixCache | None = SimPrefixCache(sim.block_size) if sim.prefix_caching else None
         self._reqs: dict[str, SimRequest] = {}
         self._running: dict[str, SimRequest] = {}  # insertion order = admission order; change only via _run/_unrun
         self._running_per_priority: dict[int, int] = {}  # running requests by priority (no zero counts)
@@ -81,6 +85,8 @@ class SimEngine(SimMigrationMixin):
         rid = request.request_id
         check_request(request, rid in self._reqs or rid in self._reserved, self.max_model_len)
         req = SimRequest(request, self.max_model_len)
+        if self.cache is not None:
+            req.tokens = list(request.prompt_token_ids) + list(request.output_token_ids)
         # A request that could never be (re)admitted would wait forever: refuse it now, like vLLM.
         peak = cdiv(req.max_total, self.block_size)
         if self.num_blocks - peak < self._watermark_blocks:
@@ -108,6 +114,7 @@ class SimEngine(SimMigrationMixin):
     def step(self) -> StepResult:
         bs = self.block_size
         free = self._free
+        cache = self.cache
         # (1) Every running request computes one more token; make room, preempting from the tail. Higher
         # priorities go first (the sort is stable: admission order within a priority), so the tail is the
         # lowest-priority, most recently admitted request: a high one is preempted only when no normal
@@ -125,7 +132,10 @@ class SimEngine(SimMigrationMixin):
                     self._preempt(run[n])
                 if n == i:  # it preempted itself
                     break
-                req.blocks.append(free.popleft())
+                block = free.popleft()
+                if cache is not None:
+                    cache.taken(block)
+                req.blocks.append(block)
             i += 1
         decoding = run[:n]
 
@@ -143,14 +153,23 @@ class SimEngine(SimMigrationMixin):
             need = cdiv(tokens + 1, bs)
             if len(free) - need < self._watermark_blocks:
                 break
-            if prefilling and prefill_tokens + tokens > self.cfg.max_num_batched_tokens:
+            new = tokens
+            if cache is not None and req.tokens is not None:
+                hashes = cache.keys_of(req.tokens, req.hashes)
+                new = tokens - cache.hits(hashes, tokens)
+            if prefilling and prefill_tokens + new > self.cfg.max_num_batched_tokens:
                 break
             waiting.popleft()
             req.blocks = [free.popleft() for _ in range(need)]
+            if cache is not None:
+                for block in req.blocks:
+                    cache.taken(block)
+                if req.tokens is not None:
+                    cache.filled(req.blocks, req.hashes)  # its full blocks' content, computed (or hit) now
             req.preempted = False
             self._run(req)
             prefilling.append(req)
-            prefill_tokens += tokens
+            prefill_tokens += new
 
         context_tokens = sum(r.prompt_len + r.generated for r in decoding)
         write_kv(self.kv_caches, self._layer_shift, self.block_size, decoding, prefilling)
@@ -209,6 +228,8 @@ class SimEngine(SimMigrationMixin):
         self._running_per_priority.clear()
         self._waiting.clear()
         self._free = deque(range(self.num_blocks))
+        if self.cache is not None:
+            self.cache.clear()
         self.kv_caches = []
 
     # ---------------------------------------------------------------- internals
@@ -226,6 +247,10 @@ class SimEngine(SimMigrationMixin):
             del self._running_per_priority[req.priority]
 
     def _release(self, req: SimRequest) -> None:
+        if self.cache is not None and req.tokens is not None and req.blocks:
+            # What it computed stays in its blocks, now free, until they are taken (LRU: freed last, taken last).
+            computed = min(len(req.tokens), req.prompt_len + req.generated, len(req.blocks) * self.block_size)
+            self.cache.filled(req.blocks, self.cache.keys_of(req.tokens[:computed], req.hashes))
         self._free.extend(req.blocks)
         req.blocks = []
 
@@ -247,6 +272,8 @@ class SimEngine(SimMigrationMixin):
             elif token in req.stop_ids:
                 reason = "stop"
         req.generated += 1
+        if req.tokens is not None:
+            req.tokens.append(token)
         if reason is None and (req.generated >= sp.max_tokens or req.prompt_len + req.generated >= self.max_model_len):
             reason = "length"
         if reason is not None:

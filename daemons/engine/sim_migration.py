@@ -20,16 +20,20 @@ class SimMigrationMixin:
 
     def migrating_request(self, request_id: str) -> MigratingRequest:
         req = self._reqs[request_id]
-        # The sim derives tokens from the request id alone, so it needs no prompt ids; their count must travel.
-        return MigratingRequest(request_id=req.rid, prompt_token_ids=[0] * req.prompt_len, sampling=req.sampling,
+        # The sim derives tokens from the request id alone, so it needs no prompt ids; their count must travel
+        # (and the ids themselves with a prefix cache: the destination names its blocks' content by them).
+        prompt = req.tokens[:req.prompt_len] if req.tokens is not None else [0] * req.prompt_len
+        return MigratingRequest(request_id=req.rid, prompt_token_ids=prompt, sampling=req.sampling,
                                 reply_to="", priority=req.priority, arrival_time=req.arrival_time, max_total=req.max_total)
 
     def suspend(self, request_id: str) -> RequestState:
         req = self._running[request_id]
         self._unrun(req)
         self._suspended[request_id] = req
-        # The sim's outputs are a function of (request id, index); only the count matters.
-        return RequestState(output_token_ids=[0] * req.generated, emitted=req.generated)
+        # The sim's outputs are a function of (request id, index); only the count matters (and the ids, with
+        # a prefix cache).
+        outputs = req.tokens[req.prompt_len:] if req.tokens is not None else [0] * req.generated
+        return RequestState(output_token_ids=outputs, emitted=req.generated)
 
     def resume(self, request_id: str) -> None:
         self._run(self._suspended.pop(request_id))
@@ -46,6 +50,8 @@ class SimMigrationMixin:
         req = self._reserved.get(rid)
         if req is None:
             req = SimRequest(check_incoming(request, rid in self._reqs, self.max_model_len), self.max_model_len)
+            if self.cache is not None:
+                req.tokens = list(request.prompt_token_ids)
         need = cdiv(tokens, self.block_size) - len(req.blocks)
         if need > 0:
             # Migration must not push this instance into preempting its own requests: keep the watermark.
@@ -54,7 +60,11 @@ class SimMigrationMixin:
                     self._reserved.pop(rid, None)
                 raise EngineError(f"no room: {need} more blocks wanted, {len(self._free)} free "
                                   f"(watermark {self._watermark_blocks:.0f})")
-            req.blocks.extend(self._free.popleft() for _ in range(need))
+            taken = [self._free.popleft() for _ in range(need)]
+            if self.cache is not None:
+                for block in taken:
+                    self.cache.taken(block)
+            req.blocks.extend(taken)
         self._reserved[rid] = req
         return list(req.blocks)
 
@@ -71,6 +81,8 @@ class SimMigrationMixin:
             raise EngineError(f"reservation of {len(req.blocks)} blocks cannot hold {req.prompt_len + generated} tokens")
         del self._reserved[request_id]
         req.generated = generated
+        if req.tokens is not None:
+            req.tokens = req.tokens[:req.prompt_len] + list(state.output_token_ids)
         self._reqs[request_id] = req
         self._run(req)  # with the priority it had on the source, admitted now
 

@@ -16,7 +16,7 @@ def cdiv(a: int, b: int) -> int:
 
 class SimRequest:
     __slots__ = ("rid", "prompt_len", "sampling", "priority", "arrival_time", "generated", "blocks",
-                 "preempted", "seed", "stop_ids", "max_total")
+                 "preempted", "seed", "stop_ids", "max_total", "tokens", "hashes")
 
     def __init__(self, request: EngineRequest, max_model_len: int):
         self.rid = request.request_id
@@ -33,6 +33,10 @@ class SimRequest:
         self.stop_ids = frozenset(request.sampling.stop_token_ids)
         # The most tokens it can ever hold: it finishes on max_tokens or at the context limit.
         self.max_total = min(self.prompt_len + request.sampling.max_tokens, max_model_len)
+        # With sim.prefix_caching: its prompt and generated token ids, and the chain hashes of their full
+        # blocks as far as computed (daemons/engine/sim_cache.py); None without.
+        self.tokens: list[int] | None = None
+        self.hashes: list[bytes] = []
 
 
 class WaitingQueue:
