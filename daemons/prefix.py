@@ -80,6 +80,10 @@ class PrefixIndex:
         """Distinct blocks known cached somewhere."""
         return len(self._holders)
 
+    def entries(self) -> int:
+        """(block, instance) pairs held: the index's size."""
+        return sum(len(h) for h in self._held.values())
+
     def blocks(self, instance_id: str) -> int:
         return len(self._held.get(instance_id, ()))
 
@@ -143,3 +147,96 @@ class PrefixIndex:
             for i in alive:
                 out[i] = depth + 1
         return out
+
+
+class Publisher:
+    """An instance's side: the changes its engine's prefix cache reports (``add``), netted per key, go out as
+    numbered batches (``take``); ``full`` answers a receiver that asks for everything."""
+
+    def __init__(self, instance_id: str, epoch: int | None = None):
+        self.instance_id = instance_id
+        self.epoch = epoch if epoch is not None else int.from_bytes(os.urandom(8), "little") >> 1 | 1
+        self.seq = 0
+        self._pending: dict[int, bool] = {}  # key -> stored (True) or removed (False), the last change wins
+
+    def add(self, events: Iterable[tuple[bool, int]]) -> None:
+        pending = self._pending
+        for stored, k in events:
+            pending[k] = stored
+
+    def take(self):
+        """The next batch (wire.CacheEvents), or None when nothing changed."""
+        from daemons import wire
+
+        if not self._pending:
+            return None
+        pending, self._pending = self._pending, {}
+        self.seq += 1
+        return wire.CacheEvents(self.instance_id, self.epoch, self.seq, stored=[k for k, s in pending.items() if s],
+                                removed=[k for k, s in pending.items() if not s])
+
+    def full(self, snapshot: list[int]):
+        """Everything the cache holds (read after every pending change was added, so it includes them; they
+        still go out in the next batch, where applying them again changes nothing)."""
+        from daemons import wire
+
+        return wire.CacheEvents(self.instance_id, self.epoch, self.seq, stored=snapshot, full=True)
+
+
+class Follower:
+    """A proxy's or the manager's side: the index kept from every instance's CacheEvents. A receiver that
+    misses a batch, learns of a new incarnation, or starts (a restarted proxy or manager) asks the instance
+    for its whole cache (``ask(instance_id)``, at most once per ``resync_s``): the instances are the source
+    of truth, and the heartbeats say which batch each has sent last."""
+
+    def __init__(self, ask, clock, resync_s: float, max_blocks_per_instance: int = 1 << 22):
+        self.index = PrefixIndex(max_blocks_per_instance)
+        self._ask, self._clock, self.resync_s = ask, clock, resync_s
+        self.state: dict[str, list[int]] = {}  # instance -> [epoch, seq of the last batch applied; -1: unsynced]
+        self._asked: dict[str, float] = {}
+        self.syncs = 0  # whole caches asked for
+        self.gaps = 0  # batches that did not follow the one before
+
+    def on_events(self, msg) -> None:
+        iid = msg.instance_id
+        st = self.state.get(iid)
+        if msg.full:
+            self.index.replace(iid, msg.stored)
+            self.state[iid] = [msg.epoch, msg.seq]
+            return
+        if st is not None and st[0] == msg.epoch and st[1] >= 0 and msg.seq <= st[1]:
+            return  # already in what we have (a batch sent before the whole cache we took)
+        in_order = st is not None and st[0] == msg.epoch and st[1] >= 0 and msg.seq == st[1] + 1
+        if st is None or st[0] != msg.epoch:
+            self.index.cleared(iid)  # a new incarnation: what the old one held is gone
+        self.index.removed(iid, msg.removed)
+        self.index.stored(iid, msg.stored)
+        if in_order:
+            st[1] = msg.seq
+        else:
+            self.gaps += 1
+            self.state[iid] = [msg.epoch, -1]
+            self._request(iid)
+
+    def on_beat(self, instance_id: str, epoch: int, seq: int) -> None:
+        """A heartbeat or load report: the last batch the instance sent (epoch 0: it keeps no prefix cache)."""
+        st = self.state.get(instance_id)
+        if not epoch:
+            if st is not None:
+                self.forget(instance_id)
+            return
+        if st is None or st[0] != epoch or st[1] < seq:
+            self._request(instance_id)
+
+    def forget(self, instance_id: str) -> None:
+        self.index.cleared(instance_id)
+        self.state.pop(instance_id, None)
+        self._asked.pop(instance_id, None)
+
+    def _request(self, instance_id: str) -> None:
+        now = self._clock()
+        if now - self._asked.get(instance_id, -1e18) < self.resync_s:
+            return
+        self._asked[instance_id] = now
+        self.syncs += 1
+        self._ask(instance_id)

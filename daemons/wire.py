@@ -20,6 +20,8 @@ Sockets:
 - proxy PULL      <- instance PUSH     Redispatch (a queued request the instance gives back: dispatch it again)
 - proxy PULL      <- instance PUSH     Heartbeat (liveness and load, every heartbeat interval)
 - instance ROUTER <- proxy DEALER      ProxyAlive (the proxy's liveness, every heartbeat interval)
+- proxy PULL, manager ROUTER <- instance  CacheEvents (what its prefix cache stored and removed, on change)
+- instance ROUTER <- proxy DEALER, instance DEALER <- manager  CacheSync (send your whole prefix cache)
 """
 
 from __future__ import annotations
@@ -130,6 +132,8 @@ class LoadReport(msgspec.Struct, **_tagged(3)):
     instance_id: str
     seq: int
     load: InstanceLoad
+    cache_epoch: int = 0  # its prefix cache's incarnation (0: it publishes none) and the last CacheEvents seq
+    cache_seq: int = 0
 
 
 class Goodbye(msgspec.Struct, **_tagged(4)):
@@ -385,6 +389,8 @@ class Heartbeat(msgspec.Struct, **_tagged(54)):
     load: InstanceLoad | None = None
     accepting: bool = True  # takes new requests (not draining, cordoned or stopping)
     taken: int = 0  # Submits from this proxy taken in by the step boundary whose load this is (monotonic)
+    cache_epoch: int = 0  # its prefix cache's incarnation (0: it publishes none) and the last CacheEvents seq
+    cache_seq: int = 0
 
     def __post_init__(self) -> None:
         endpoints.check(self.request_address, "request_address")
@@ -623,6 +629,38 @@ class PolicyReply(msgspec.Struct, **_tagged(77)):
     migrating: bool = False
 
 
+MAX_CACHE_KEYS = 1 << 21  # block keys in one CacheEvents (a whole cache of two million blocks)
+
+
+class CacheEvents(msgspec.Struct, **_tagged(55)):
+    """instance -> manager and every proxy it serves: what its prefix cache stored and removed since the last
+    batch (64-bit block keys, daemons/prefix.py; each key in one list, its state after the batch), or the whole
+    cache (``full``, answering a CacheSync). ``epoch``: the cache's incarnation (a new one after a restart);
+    ``seq``: the batch's number in it (a full one carries the number of the last batch it includes)."""
+
+    instance_id: str
+    epoch: int
+    seq: int
+    stored: list[int] = []
+    removed: list[int] = []
+    full: bool = False
+
+    def __post_init__(self) -> None:
+        if len(self.stored) + len(self.removed) > MAX_CACHE_KEYS:
+            raise ValueError(f"more than {MAX_CACHE_KEYS} block keys")
+
+
+class CacheSync(msgspec.Struct, **_tagged(43)):
+    """proxy -> instance (request socket) or manager -> instance: send your whole prefix cache (CacheEvents
+    with ``full``): the asker restarted, or missed a batch."""
+
+    reply_to: str = ""  # the asking proxy's token address; "" from the manager
+
+    def __post_init__(self) -> None:
+        if self.reply_to:
+            endpoints.check(self.reply_to, "reply_to")
+
+
 Message = (
     Register
     | RegisterAck
@@ -668,6 +706,8 @@ Message = (
     | AddReply
     | PolicyQuery
     | PolicyReply
+    | CacheEvents
+    | CacheSync
 )
 
 _encoder = msgspec.msgpack.Encoder()

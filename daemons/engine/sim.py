@@ -25,7 +25,7 @@ import torch
 
 from daemons.config import ModelConfig, SimConfig
 from daemons.engine.base import EngineError, EngineRequest, KvBlocks, StepResult, check_request
-from daemons.engine.sim_cache import SimPrefixCache
+from daemons.engine.sim_cache import SimCacheMixin, SimPrefixCache
 from daemons.engine.sim_migration import SimMigrationMixin
 from daemons.engine.sim_requests import SimRequest, WaitingQueue, cdiv
 from daemons.engine.sim_values import draw, kv_value, sim_logprobs, sim_token_id, write_kv
@@ -39,7 +39,7 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torc
 _priority = attrgetter("priority")
 
 
-class SimEngine(SimMigrationMixin):
+class SimEngine(SimMigrationMixin, SimCacheMixin):
     backend = "sim"
     prefix_caching = False
 
@@ -153,19 +153,13 @@ class SimEngine(SimMigrationMixin):
             need = cdiv(tokens + 1, bs)
             if len(free) - need < self._watermark_blocks:
                 break
-            new = tokens
-            if cache is not None and req.tokens is not None:
-                hashes = cache.keys_of(req.tokens, req.hashes)
-                new = tokens - cache.hits(hashes, tokens)
+            new = tokens if cache is None else self._uncached(req, tokens)
             if prefilling and prefill_tokens + new > self.cfg.max_num_batched_tokens:
                 break
             waiting.popleft()
             req.blocks = [free.popleft() for _ in range(need)]
             if cache is not None:
-                for block in req.blocks:
-                    cache.taken(block)
-                if req.tokens is not None:
-                    cache.filled(req.blocks, req.hashes)  # its full blocks' content, computed (or hit) now
+                self._prefilled(req)
             req.preempted = False
             self._run(req)
             prefilling.append(req)
@@ -247,10 +241,8 @@ class SimEngine(SimMigrationMixin):
             del self._running_per_priority[req.priority]
 
     def _release(self, req: SimRequest) -> None:
-        if self.cache is not None and req.tokens is not None and req.blocks:
-            # What it computed stays in its blocks, now free, until they are taken (LRU: freed last, taken last).
-            computed = min(len(req.tokens), req.prompt_len + req.generated, len(req.blocks) * self.block_size)
-            self.cache.filled(req.blocks, self.cache.keys_of(req.tokens[:computed], req.hashes))
+        if self.cache is not None:
+            self._keep_content(req)
         self._free.extend(req.blocks)
         req.blocks = []
 

@@ -12,8 +12,8 @@ import msgspec
 
 from daemons import runtime, wire
 from daemons.instance.telemetry import (
-    M_BAD_FRAMES, M_BEAT_LATE, M_BLOCKS_TOTAL, M_BLOCKS_USED, M_HEALTHY, M_KV_USAGE, M_ORPHANED, M_REDISPATCHED,
-    M_RUNNING, M_WAITING)
+    M_BAD_FRAMES, M_BEAT_LATE, M_BLOCKS_TOTAL, M_BLOCKS_USED, M_HEALTHY, M_KV_USAGE, M_ORPHANED, M_PREFIX_BLOCKS,
+    M_PREFIX_HIT, M_PREFIX_QUERIED, M_REDISPATCHED, M_RUNNING, M_WAITING)
 from daemons.requests import AbortAction
 
 log = logging.getLogger("llumnix.instance")
@@ -47,6 +47,8 @@ class ControlMixin:
                 self.migrator.spawn(self.migrate_command(msg))
             elif isinstance(msg, wire.SetDraining):
                 self.set_draining(msg)
+            elif isinstance(msg, wire.CacheSync):
+                self.on_cache_sync("")
             elif isinstance(msg, wire.Shutdown):
                 log.info("the manager asks us to stop (%s)", msg.reason or "no reason given")
                 self.stop_reason = f"stopped by the manager ({msg.reason})" if msg.reason else "stopped by the manager"
@@ -96,9 +98,20 @@ class ControlMixin:
             self.load_changed.clear()
             load = self.last_load
             self.report_seq += 1
-            self._tell_manager(wire.LoadReport(self.instance_id, self.report_seq, load))
+            pub = self.cache_pub
+            if pub is not None:
+                self.collect_cache()
+                batch = pub.take()
+                if batch is not None:  # before the report and heartbeats that give its number
+                    self._tell_manager(batch)
+                    for address in list(self.proxies.links):
+                        self.proxies.send(address, batch)
+            self._tell_manager(wire.LoadReport(self.instance_id, self.report_seq, load,
+                                               *((pub.epoch, pub.seq) if pub is not None else ())))
             self.beat_proxies(not self.watchdog.stalled)
             M_BLOCKS_USED.set(load.blocks_used)
+            if pub is not None:
+                self.cache_metrics()
             M_BLOCKS_TOTAL.set(load.blocks_total)
             M_KV_USAGE.set(load.blocks_used / load.blocks_total if load.blocks_total else 0.0)
             M_RUNNING.set(load.running)
@@ -129,13 +142,50 @@ class ControlMixin:
                 self.boundary(lambda address=address, why=why: self.abort_orphans(address, why))
             await asyncio.sleep(period)
 
+    def cache_metrics(self) -> None:
+        cache = self.engine.cache
+        M_PREFIX_BLOCKS.set(len(cache))
+        queried, hit = self._cache_counted
+        M_PREFIX_QUERIED.inc(cache.query_tokens - queried)
+        M_PREFIX_HIT.inc(cache.hit_tokens - hit)
+        self._cache_counted = (cache.query_tokens, cache.hit_tokens)
+
+    def collect_cache(self) -> None:
+        """The engine's prefix-cache changes into the publisher, unless a step is running on the engine thread
+        (then the boundary collects them)."""
+        if self.cache_pub is not None and not (self.stepping and self.executor is not None):
+            self.cache_pub.add(self.engine.cache_events())
+
+    def on_cache_sync(self, reply_to: str) -> None:
+        """A proxy (``reply_to``, its token address) or the manager ("") asks for our whole prefix cache: sent
+        at the next boundary (the engine idle), to a proxy we serve only, once per half heartbeat per asker."""
+        if self.cache_pub is None or (reply_to and reply_to not in self.proxies.links):
+            return
+        now = self.clock.monotonic()
+        if now - self._cache_syncs.get(reply_to, -1e18) < self.cfg.manager.heartbeat_interval_s / 2:
+            return
+        self._cache_syncs[reply_to] = now
+        if len(self._cache_syncs) > 1000:
+            self._cache_syncs = {a: t for a, t in self._cache_syncs.items() if a == reply_to or a in self.proxies.links}
+
+        def answer() -> None:
+            self.collect_cache()
+            full = self.cache_pub.full(self.engine.cache_snapshot())
+            if reply_to:
+                self.proxies.send(reply_to, full)
+            else:
+                self._tell_manager(full)
+        self.boundary(answer)
+
     def beat_proxies(self, healthy: bool) -> None:
         """Liveness and load to every proxy we serve: each heartbeat, and (from the report loop) on every load
         change, so that proxies dispatch from a current view. ``taken`` and the load are of the same step
         boundary, which lets a proxy retire exactly the dispatches the load already counts."""
         accepting = self.accepting and not self.draining and not self.cordoned
+        pub = self.cache_pub
         self.proxies.heartbeat(wire.Heartbeat(self.instance_id, self.request_address, healthy, self.last_load,
-                                              accepting), self.taken)
+                                              accepting, cache_epoch=pub.epoch if pub is not None else 0,
+                                              cache_seq=pub.seq if pub is not None else 0), self.taken)
 
     def abort_orphans(self, address: str, why: str) -> int:
         rids = self.requests.of_proxy(address)

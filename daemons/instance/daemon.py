@@ -17,7 +17,7 @@ import zmq
 import zmq.asyncio
 
 from daemons.clock import Clock, loop_time
-from daemons import metrics, runtime, security, wire
+from daemons import metrics, prefix, runtime, security, wire
 from daemons.cli import ConfigFile, LogLevel, Overrides, load_or_exit
 from daemons.config import Config
 from daemons.engine import make_engine
@@ -106,6 +106,11 @@ class Instance(TokenPathMixin, IntakeMixin, StepLoopMixin, ControlMixin, OrdersM
         self.request_address = ""
         self.metrics_address = ""
         self.report_seq = 0
+        # The engine's prefix cache, published to the manager and the proxies (daemons/prefix.py); None when
+        # the engine keeps none it can report (sim.prefix_caching off; vLLM's events are not read yet).
+        self.cache_pub = prefix.Publisher(self.instance_id) if getattr(engine, "cache", None) is not None else None
+        self._cache_syncs: dict[str, float] = {}  # asker -> when we last sent it our whole cache
+        self._cache_counted = (0, 0)  # the cache's (queried, hit) tokens already in the metrics
 
     def _init_engine_thread(self) -> None:
         """(Engine thread, first) Lower this thread's priority by ``instance.engine_nice`` (Linux: niceness is
@@ -128,6 +133,8 @@ class Instance(TokenPathMixin, IntakeMixin, StepLoopMixin, ControlMixin, OrdersM
             self.request_address = self.ic.advertise_address
         if not self.instance_id:
             self.instance_id = f"{self.ic.host or socket.gethostname()}-{self.request_address.rsplit(':', 1)[-1]}"
+        if self.cache_pub is not None:
+            self.cache_pub.instance_id = self.instance_id
         metrics.bind("instance", self.cfg.model.name, self.instance_id)
         try:
             self.migrator = Migrator(self, self.cfg.migration, self.engine, self.requests, self.boundary, self.faults,

@@ -95,6 +95,10 @@ class IntakeMixin:
         if isinstance(msg, wire.ProxyAlive):
             self.proxies.seen(msg.token_address)
             return
+        if isinstance(msg, wire.CacheSync):
+            if msg.reply_to:
+                self.on_cache_sync(msg.reply_to)
+            return
         if isinstance(msg, wire.Submit):
             self.proxies.seen(msg.reply_to)
         elif not isinstance(msg, wire.Abort):

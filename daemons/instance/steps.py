@@ -62,6 +62,7 @@ class StepLoopMixin:
                 self.answer_listing(qid, arrived, self.rows)
             self.list_queries.clear()
         self.proxies.flush()
+        self.collect_cache()
         self.last_load = self.current_load()
         self.load_changed.set()
 

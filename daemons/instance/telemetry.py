@@ -25,6 +25,12 @@ M_BLOCKS_USED = metrics.gauge("instance", "llumnix_instance_kv_blocks_used", "KV
 M_BLOCKS_TOTAL = metrics.gauge("instance", "llumnix_instance_kv_blocks_total", "KV blocks in all")
 M_KV_USAGE = metrics.gauge("instance", "llumnix_instance_kv_cache_usage_perc",
                            "KV cache usage, blocks used / blocks in all: 1 means full (as vllm:kv_cache_usage_perc)")
+M_PREFIX_BLOCKS = metrics.gauge("instance", "llumnix_instance_prefix_cache_blocks",
+                                "Blocks whose content the prefix cache holds (in use or free until taken)")
+M_PREFIX_QUERIED = metrics.counter("instance", "llumnix_instance_prefix_cache_queried_tokens_total",
+                                   "Prompt tokens looked up in the prefix cache at admission")
+M_PREFIX_HIT = metrics.counter("instance", "llumnix_instance_prefix_cache_hit_tokens_total",
+                               "Of those, tokens found cached (their prefill skipped): hit rate = hit / queried")
 M_RUNNING = metrics.gauge("instance", "llumnix_instance_running_requests", "Requests running")
 M_WAITING = metrics.gauge("instance", "llumnix_instance_waiting_requests", "Requests waiting")
 M_PREEMPTIONS = metrics.counter("instance", "llumnix_instance_preemptions_total",

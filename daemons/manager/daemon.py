@@ -11,7 +11,7 @@ import typer
 import zmq
 import zmq.asyncio
 
-from daemons import metrics, runtime, security, wire
+from daemons import metrics, prefix, runtime, security, wire
 from daemons.cli import ConfigFile, LogLevel, Overrides, load_or_exit
 from daemons.clock import Clock
 from daemons.config import Config
@@ -29,7 +29,7 @@ log = logging.getLogger("llumnix.manager")
 
 # Who may send what to the manager when cluster sockets use CURVE keys (the role comes from the key).
 _VERBS: dict[str, tuple[type, ...]] = {
-    "instance": (wire.Register, wire.LoadReport, wire.Goodbye, wire.RequestList, wire.MigrateResult),
+    "instance": (wire.Register, wire.LoadReport, wire.Goodbye, wire.RequestList, wire.MigrateResult, wire.CacheEvents),
     "proxy": (wire.Dispatch, wire.Dispatched, wire.SnapshotQuery, wire.StatusQuery),
     "reader": (wire.StatusQuery, wire.SnapshotQuery, wire.RequestsQuery, wire.PolicyQuery),  # policy: read only
     "operator": (wire.StatusQuery, wire.SnapshotQuery, wire.RequestsQuery, wire.PolicyQuery, wire.MigrateQuery,
@@ -77,11 +77,15 @@ class Manager(ViewMixin, RegistryMixin, LivenessMixin, DispatchMixin, QueriesMix
         # Connections whose registration named the id of another live instance: their reports are not that
         # instance's (connection identity -> the id it asked for; the oldest forgotten past 10,000).
         self._duplicates: dict[bytes, str] = {}
+        # Which instance caches which prompt blocks (daemons/prefix.py), from the instances' CacheEvents; a
+        # restarted manager asks each instance for its whole cache at its first report.
+        self.cache_index = prefix.Follower(self._ask_cache, self.clock.monotonic, self.mc.heartbeat_interval_s)
         self.proxies: dict[str, float] = {}  # proxy token address -> when it last asked for a snapshot
         self.links = LinkWatch(self.mc.link_timeout_s, self._link_changed, lambda _: M_LINKS_HEALED.inc())
         # What each message type does: answered at once (the reply, or None) ...
         self._handlers = {
             wire.LoadReport: self.on_report,
+            wire.CacheEvents: self.on_cache_events,
             wire.Register: self.on_register,
             wire.Dispatched: lambda _, m: self.on_dispatched(m),
             wire.SnapshotQuery: lambda _, m: self.snapshot(m.query_id, m.proxy),

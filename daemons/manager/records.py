@@ -24,6 +24,8 @@ M_LINKS_HEALED = metrics.counter("manager", "llumnix_manager_instance_links_heal
                                  "manager.link_timeout_s) that a reconnection healed: not marked dead")
 # Per instance, what only the manager knows. What an instance knows of itself (blocks used, running and waiting
 # requests) is exported by the instance alone: llumnix_instance_kv_blocks_used, _running_requests, _waiting_requests.
+M_PREFIX_INDEX = metrics.gauge("manager", "llumnix_manager_prefix_index_blocks",
+                               "Cached blocks in the manager's prefix index, summed over the instances that hold them")
 M_FREENESS = metrics.gauge("manager", "llumnix_instance_freeness",
                            "Freeness (M - sum V) / B as the manager computes it (-Inf while draining)", ["instance_id"])
 M_USAGE = metrics.gauge("manager", "llumnix_instance_virtual_usage_blocks",

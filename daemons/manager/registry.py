@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from daemons import runtime, wire
-from daemons.manager.records import M_DISPATCHES, PER_INSTANCE_GAUGES, InstanceRecord
+from daemons.manager.records import M_DISPATCHES, M_PREFIX_INDEX, PER_INSTANCE_GAUGES, InstanceRecord
 
 log = logging.getLogger("llumnix.manager")
 
@@ -95,6 +95,7 @@ class RegistryMixin:
         now = self.clock.monotonic()
         rec.identity, rec.load, rec.last_seen = ident, msg.load, now
         rec.reports += 1
+        self.cache_index.on_beat(msg.instance_id, msg.cache_epoch, msg.cache_seq)
         # Dispatches we never heard of (a proxy's notice lost while we were away) must not make the ones we
         # hear of later look reported already.
         rec.dispatched_n = max(rec.dispatched_n, msg.load.requests_received)
@@ -115,7 +116,20 @@ class RegistryMixin:
                      msg.reason or "shutdown")
             self.update_gauges(rec)
 
+    def on_cache_events(self, ident: bytes, msg: wire.CacheEvents) -> None:
+        """An instance's prefix-cache changes, taken only from the connection it reports on."""
+        rec = self.instances.get(msg.instance_id)
+        if rec is not None and rec.identity == ident and rec.state != "dead":
+            self.cache_index.on_events(msg)
+            M_PREFIX_INDEX.set(self.cache_index.index.entries())
+
+    def _ask_cache(self, instance_id: str) -> None:
+        rec = self.instances.get(instance_id)
+        if rec is not None and rec.state != "dead":
+            self.send(rec, wire.CacheSync())
+
     def forget(self, rec: InstanceRecord, why: str) -> None:
+        self.cache_index.forget(rec.instance_id)
         self._unprobe(rec)
         del self.instances[rec.instance_id]
         log.info("instance %s forgotten: %s", rec.instance_id, why)

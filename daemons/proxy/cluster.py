@@ -33,7 +33,7 @@ import logging
 import zmq
 import zmq.asyncio
 
-from daemons import metrics, runtime, security, wire
+from daemons import metrics, prefix, runtime, security, wire
 from daemons.clock import Clock
 from daemons.links import LinkWatch
 from daemons.proxy.admission import AdmissionMixin
@@ -91,6 +91,9 @@ class ClusterClient(ManagerLinkMixin, DispatchMixin, FairGateMixin, AdmissionMix
         self.rank, self.proxies = 0, 1  # our place among the proxies the manager hears from (see tie_start)
         self.view = DispatchView(cfg.manager.pending_dispatch_ttl_s, cfg.scheduling.high_priority_headroom,
                                  self.clock.monotonic)
+        # Which instance caches which prompt blocks, from their CacheEvents (daemons/prefix.py): learnt again
+        # from the instances themselves after a restart, within a heartbeat.
+        self.cache_index = prefix.Follower(self._ask_cache, self.clock.monotonic, cfg.manager.heartbeat_interval_s)
         self._tasks: list[asyncio.Task] = []
         self._soon: list[wire.Message] = []  # for the manager at the end of this loop turn (_tell_manager_soon)
         self.essential: list[asyncio.Task] = []  # if one of these ends, the proxy exits (it would be deaf)

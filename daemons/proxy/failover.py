@@ -127,6 +127,7 @@ class FailoverMixin:
         for iid in [i for i, at in self.heard.items() if i not in live and now - at > FORGET_AFTER_S]:
             for table in (self.heard, self.beats, self.beat_at, self.addresses, self._sent_counts, self.owner_keys):
                 table.pop(iid, None)
+            self.cache_index.forget(iid)
         keep = ({v.request_address for v in self.snapshot if v.state != "dead"}
                 | {s.address for s in self.streams.values() if s.address}
                 | {self.addresses[i] for i in self.heard if i in self.addresses})

@@ -26,6 +26,8 @@ M_FENCED = metrics.counter("proxy", "llumnix_proxy_fenced_total", "Token outputs
 M_RESENT = metrics.counter("proxy", "llumnix_proxy_resubmits_total",
                            "Requests sent again, same epoch, because their instance's heartbeats showed it had not "
                            "taken in every Submit sent proxy.stall_timeout_s before (lost on the way, or it restarted)")
+M_PREFIX_INDEX = metrics.gauge("proxy", "llumnix_proxy_prefix_index_blocks",
+                               "Cached blocks in this proxy's prefix index, summed over the instances that hold them")
 M_FORGED = metrics.counter("proxy", "llumnix_proxy_forged_messages_total",
                            "Messages on the token path dropped because their sender's CURVE key is not the key the "
                            "instance they speak for registered with")

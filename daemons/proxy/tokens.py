@@ -9,7 +9,7 @@ import zmq.asyncio
 
 from daemons import runtime, wire
 from daemons.proxy.stream import Stream
-from daemons.proxy.telemetry import M_BAD_FRAMES, M_FENCED, M_FORGED
+from daemons.proxy.telemetry import M_BAD_FRAMES, M_FENCED, M_FORGED, M_PREFIX_INDEX
 
 log = logging.getLogger("llumnix.proxy")
 
@@ -97,9 +97,13 @@ class TokenPathMixin:
             self.view.heard(msg, self.beats.get(msg.instance_id))
             self.beats[msg.instance_id] = msg
             self.addresses[msg.instance_id] = msg.request_address
+            self.cache_index.on_beat(msg.instance_id, msg.cache_epoch, msg.cache_seq)
             self.check_taken(msg)
             if self._changed or (self.fair is not None and self.fair.waiting):
                 self._wake_waiting()
+        elif isinstance(msg, wire.CacheEvents):
+            self.cache_index.on_events(msg)
+            M_PREFIX_INDEX.set(self.cache_index.index.entries())
         elif isinstance(msg, wire.Moved):  # a migration committed: follow the request to its new owner
             stream = streams.get(msg.request_id)
             if stream is not None and not stream.done:
@@ -117,6 +121,12 @@ class TokenPathMixin:
                 self._instance_failed(stream, msg.message, retryable, msg.status, cause="refused")
         else:
             M_BAD_FRAMES.inc()
+
+    def _ask_cache(self, instance_id: str) -> None:
+        """Ask an instance for its whole prefix cache (our index missed some of it, or we just started)."""
+        address = self.addresses.get(instance_id)
+        if address and self.token_address:
+            self._send_instance(address, wire.CacheSync(self.token_address))
 
     def _orphan(self, instance_id: str, out: wire.TokenOut) -> None:
         """Tokens of a request we do not know (we restarted at the same address, or already let it go):

@@ -90,3 +90,38 @@ def test_a_shared_system_prompt_matches_where_it_is_cached():
     index.stored("i0", a)
     index.stored("i1", a[:2])
     assert index.match(b) == {"i0": 4, "i1": 2}
+
+
+def test_a_follower_asks_for_the_whole_cache_when_it_misses_a_batch_or_meets_a_new_incarnation():
+    asked, now = [], [0.0]
+    f = prefix.Follower(asked.append, lambda: now[0], resync_s=1.0)
+    pub = prefix.Publisher("i0", epoch=5)
+    pub.add([(True, 1), (True, 2), (True, 3), (False, 3)])
+    first = pub.take()
+    assert (first.seq, sorted(first.stored), first.removed) == (1, [1, 2], [3])
+    f.on_beat("i0", pub.epoch, 0)  # a proxy that just started hears a heartbeat before any batch
+    assert asked == ["i0"]
+    f.on_events(pub.full([1, 2]))  # the answer: everything, up to batch 1 ...
+    f.on_events(first)  # ... and batch 1 itself, sent before it: already included, changes nothing
+    assert f.index.match([1, 2]) == {"i0": 2} and f.state["i0"] == [5, 1]
+    pub.add([(True, 4)])
+    pub.take()  # batch 2 is lost on the way
+    pub.add([(False, 1)])
+    f.on_events(pub.take())  # batch 3: applied, but the follower knows it missed one and asks again
+    assert f.gaps == 1 and f.index.match([2]) == {"i0": 1} and f.index.match([1]) == {"i0": 0}
+    assert asked == ["i0"]  # not yet: at most once a resync_s
+    now[0] = 1.5
+    f.on_beat("i0", pub.epoch, pub.seq)
+    assert asked == ["i0", "i0"]
+    f.on_events(pub.full([2, 4]))
+    assert f.state["i0"] == [5, 3] and f.index.blocks("i0") == 2
+    f.on_beat("i0", pub.epoch, pub.seq)  # in step: nothing to ask
+    assert len(asked) == 2
+    # The instance restarted: a new epoch's first batch replaces what the old one held.
+    new = prefix.Publisher("i0", epoch=6)
+    new.add([(True, 9)])
+    f.on_events(new.take())
+    assert f.index.blocks("i0") == 1 and f.index.match([9]) == {"i0": 1}
+    # An instance that publishes nothing (epoch 0 in its heartbeats) holds nothing in the index.
+    f.on_beat("i0", 0, 0)
+    assert f.index.instances() == [] and "i0" not in f.state

@@ -44,6 +44,8 @@ def _samples():
         wire.PrefixQuery(1, [[1, 2, 3], []]),
         wire.PrefixHits(1, [2, 0]),
         wire.KvRendezvous("i0>i1/ab", "i0>i1/ab/0/0", b"addr"),
+        wire.CacheEvents("i0", 7, 3, stored=[1, 2**64 - 1], removed=[5]),
+        wire.CacheSync("tcp://p:1"),
         wire.MigrateStart(9, "i1", "tcp://b:2", count=2, reason="drain", selection="llumnix", drain=True,
                           src_usage=float("inf"), dst_usage=10.5, dst_blocks=100, headroom=0.1, cooldown_s=10),
         wire.SetDraining(True, "operator", cordoned=True),
@@ -92,3 +94,10 @@ def test_wrong_shape_is_dropped():
 def test_older_peer_reads_newer_message_with_extra_trailing_field():
     newer = msgspec.msgpack.encode([41, "r", 3, "some future field"])
     assert wire.decode(newer) == wire.Abort("r", 3)
+
+
+def test_cache_events_are_bounded_and_a_cache_sync_names_an_address():
+    over = msgspec.msgpack.encode([55, "i0", 1, 1, list(range(wire.MAX_CACHE_KEYS + 1))])
+    assert wire.decode(over) is None
+    assert wire.decode(msgspec.msgpack.encode([43, "not an address"])) is None
+    assert wire.decode(wire.encode(wire.CacheSync())) == wire.CacheSync()

@@ -1,0 +1,57 @@
+"""The cluster's prefix index over real daemons and ZeroMQ (sim instances with sim.prefix_caching): the
+instances publish their caches' changes on the token path and to the manager; the proxy's index counts what
+the instances' caches hold, and a proxy restarted by kill -9 learns it all again from the instances (CacheSync
+on their request sockets, the whole cache back on the token path) without any request being sent."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import httpx
+import pytest
+
+from tests.streams import Stream, metric, samples, wait_for
+
+pytestmark = pytest.mark.e2e
+
+SYSTEM = "You are a helpful assistant. " * 12  # the shared leading blocks of every prompt here
+
+
+def _cached(c) -> tuple[float, float, float]:
+    """(the proxy's index size, the instances' cache sizes summed, the instances' hit tokens summed)."""
+    proxy = metric(samples(httpx.get(c.url + "/metrics", timeout=10).text), "llumnix_proxy_prefix_index_blocks",
+                   default=-1.0)
+    blocks = hits = 0.0
+    for row in c.status()["instances"]:
+        got = samples(httpx.get(f"http://{row['metrics_address']}/metrics", timeout=10).text)
+        blocks += metric(got, "llumnix_instance_prefix_cache_blocks", default=0.0)
+        hits += metric(got, "llumnix_instance_prefix_cache_hit_tokens_total", default=0.0)
+    return proxy, blocks, hits
+
+
+def test_the_proxy_indexes_what_the_instances_cache_and_learns_it_again_after_kill_9(start_cluster):
+    c = start_cluster(2, ["sim.prefix_caching=true", "instance.min_step_s=0.01"])
+    for k in range(6):
+        Stream(c.url, 8, prompt=SYSTEM + f" question {k}").check_sim(8)
+    wait_for(lambda: (lambda p, b, h: p == b > 0 and h > 0)(*_cached(c)), 15,
+             f"the proxy's index does not count what the instances cache: {_cached(c)}")
+
+    proxy = c.proc("proxy")
+    os.kill(proxy.pid, signal.SIGKILL)
+    wait_for(lambda: proxy.process() is None, 10)
+    c.spawn("proxy", proxy.argv)
+    wait_for(lambda: _up(c.url), 30, "the restarted proxy did not come up")
+    _, blocks, _ = _cached(c)
+    wait_for(lambda: _cached(c)[0] == blocks, 10,
+             f"the restarted proxy did not learn the caches again: {_cached(c)} (instances' blocks {blocks})")
+    # And it keeps following them.
+    Stream(c.url, 8, prompt=SYSTEM + " one more").check_sim(8)
+    wait_for(lambda: (lambda p, b, h: p == b)(*_cached(c)), 15, f"not followed after the restart: {_cached(c)}")
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
