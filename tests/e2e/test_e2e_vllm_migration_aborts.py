@@ -6,6 +6,7 @@ unmigrated. Apart from tests/e2e/test_e2e_vllm_migration.py so that one vLLM clu
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -60,10 +61,19 @@ def _long_body(max_tokens: int) -> dict:
     return {"prompt": list(range(5, 605)), "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
 
 
-def _wait_reserved(c: Cluster, dst: str) -> None:
-    deadline = time.monotonic() + 20
-    while not any(i["migrating_in"] and i["blocks_used"] for i in c.status()["instances"] if i["id"] == dst):
-        assert time.monotonic() < deadline, c.status()
+def _wait_reserved(c: Cluster, dst: str, mover: threading.Thread, result: dict) -> None:
+    """Until ``dst`` holds the migration's reservation (its stage 0 then takes seconds on the slow link). The
+    bound is generous: on a busy machine the migrate command and a new pair's first Gloo connection are slow;
+    a migration that ended before reserving fails at once, with its answer."""
+    deadline = time.monotonic() + 60
+    while True:
+        rows = {i["id"]: i for i in c.status()["instances"]}
+        if rows.get(dst, {}).get("migrating_in") and rows[dst]["blocks_used"]:
+            return
+        assert mover.is_alive(), f"the migration ended before {dst} reserved anything: {result}"
+        assert time.monotonic() < deadline, json.dumps(
+            {i: {k: r.get(k) for k in ("state", "running", "blocks_used", "migrating_in", "migrating_out")}
+             for i, r in rows.items()})
         time.sleep(0.05)
 
 
@@ -110,7 +120,7 @@ def test_vllm_destination_killed_mid_copy(slow):
     result = {}
     t = threading.Thread(target=lambda: result.update(out=move(slow, s.rid, dst)))
     t.start()
-    _wait_reserved(slow, dst)
+    _wait_reserved(slow, dst, t, result)
     os.kill(slow.proc(f"instance-{dst}").pid, signal.SIGKILL)
     t.join(60)
     assert result["out"]["outcome"] == "aborted", result
@@ -124,11 +134,13 @@ def test_vllm_source_killed_mid_copy(slow):
     s = Stream(slow.url, _long_body(300))
     s.wait_tokens(2)
     src = where(slow, s.rid)
-    dst = "i2" if src != "i2" else "small"
+    # Any live instance but its own and "small" (whose context limit is shorter than this request's).
+    alive = {i["id"] for i in slow.status()["instances"] if i["state"] == "alive"}
+    dst = next(i for i in ("i2", "i0", "i1") if i != src and i in alive)
     res = {}
     t = threading.Thread(target=lambda: res.update(r=migrate(slow, s.rid, "--to", dst, json_out=False)[0]))
     t.start()
-    _wait_reserved(slow, dst)
+    _wait_reserved(slow, dst, t, res)
     os.kill(slow.proc(f"instance-{src}").pid, signal.SIGKILL)
     t.join(60)
     assert res["r"].returncode == 1, res["r"].stderr
