@@ -104,11 +104,17 @@ async def move(src: Instance, dst: Instance, send_ids, recv_ids, chunk_blocks, *
 def test_every_rank_moves_its_own_shard_and_a_paced_copy_reads_the_duty_the_engine_hands_it(pair_of_instances):
     src, dst = pair_of_instances
     send_ids, recv_ids = [1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 0]
-    duties = iter([0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1])
-    current = [0.9]
+    duties = iter([round(0.9 - 0.05 * k, 2) for k in range(17)])  # 0.9 down to 0.1
+    current, seen = [next(duties)], [0]
 
-    def duty():  # the pacer's duty as the engine's steps move it: lower at every read
-        current[0] = next(duties, current[0])
+    def duty():
+        """The pacer's duty as the engine's steps move it: lower once a rank has read the one it was told.
+        (Lowering it at every poll, a fixed list of duties could run out before a copy thread slow to start
+        read its first chunk: its second read would then wait for a change that never comes.)"""
+        reads = sum(len(rank.duties.read) for rank in src.ranks)
+        if reads > seen[0]:
+            seen[0] = reads
+            current[0] = next(duties, current[0])
         return current[0]
 
     sent, got = asyncio.run(move(src, dst, send_ids, recv_ids, 1, duty=duty))
