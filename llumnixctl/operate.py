@@ -120,7 +120,7 @@ def add(count: Annotated[int, typer.Option("--count", "-n", min=1, help="instanc
         out.print(f"added {', '.join(reply.instance_ids)}")
 
 
-def policy(dispatch: Annotated[Optional[str], typer.Option("--dispatch", metavar="POLICY", help="llumnix, infaas++, rr or flood (manager.dispatch_policy)")] = None,
+def policy(dispatch: Annotated[Optional[str], typer.Option("--dispatch", metavar="POLICY", help="llumnix, llumnix-cache, infaas++, rr or flood (manager.dispatch_policy)")] = None,
            pairing: Annotated[Optional[str], typer.Option("--pairing", metavar="POLICY", help="llumnix or off (scheduling.pairing_policy)")] = None,
            selection: Annotated[Optional[str], typer.Option("--selection", metavar="POLICY", help="llumnix, last-running, longest or first-waiting (scheduling.request_selection)")] = None,
            scaling: Annotated[Optional[str], typer.Option("--scaling", metavar="POLICY", help="off or llumnix (scaling.policy)")] = None,

@@ -232,7 +232,7 @@ def main(
     config: ConfigFile = None,
     address: Annotated[Optional[str], typer.Option(help="ZeroMQ address of the manager, to serve on (manager.address)")] = None,
     bind: Annotated[Optional[str], typer.Option(help="address to bind when it differs from --address, e.g. tcp://*:7100 (manager.bind)")] = None,
-    dispatch_policy: Annotated[Optional[str], typer.Option(help="llumnix, infaas++, rr or flood (manager.dispatch_policy; see Dispatch in llumnix-manager(8))")] = None,
+    dispatch_policy: Annotated[Optional[str], typer.Option(help="llumnix, llumnix-cache, infaas++, rr or flood (manager.dispatch_policy; see Dispatch in llumnix-manager(8))")] = None,
     metrics_port: Annotated[Optional[int], typer.Option(help="port of the Prometheus endpoint on manager.metrics_host; 0 picks a free port, -1 turns it off (manager.metrics_port)")] = None,
     log_level: LogLevel("manager") = None,
     set_: Overrides(" (see llumnix.toml(5))") = None,

@@ -7,13 +7,16 @@ from itertools import chain
 
 from daemons.policy.usage import InstanceState, blocks_for, instance_freeness, real_freeness
 
-DISPATCH_POLICIES = ("llumnix", "infaas++", "rr", "flood")
+DISPATCH_POLICIES = ("llumnix", "llumnix-cache", "infaas++", "rr", "flood")
 # The baselines dispatch without virtual usage and never migrate to rebalance (drains still migrate).
-MIGRATING_POLICIES = ("llumnix",)
+MIGRATING_POLICIES = ("llumnix", "llumnix-cache")
+# Scored by virtual usage (with llumnix-cache, a request's cached blocks may decide: ``cache_choice``).
+VIRTUAL_USAGE_POLICIES = ("llumnix", "llumnix-cache")
 
 
 def dispatch(policy: str, states: list[InstanceState], turn: int, headroom: float = 0.0, priority: int = 0,
-             start: float | None = None) -> str | None:
+             start: float | None = None, hits: dict[str, int] | None = None, cache_band: float = 0.5,
+             cache_floor: float = 0.0) -> str | None:
     """Pick the instance for a new request of ``priority``, or None when no instance may take one.
 
     ``turn`` is a counter the caller advances on every dispatch: round-robin uses it, and the freeness
@@ -31,7 +34,35 @@ def dispatch(policy: str, states: list[InstanceState], turn: int, headroom: floa
     """
     eligible = sorted((s for s in states if s.dispatchable), key=lambda s: s.instance_id)
     score = scorer(policy, headroom, priority)
-    return pick(policy, [s.instance_id for s in eligible], [score(s) for s in eligible] if score else [], turn, start)
+    ids, scores = [s.instance_id for s in eligible], [score(s) for s in eligible] if score else []
+    if policy == "llumnix-cache" and hits:
+        j = cache_choice({iid: j for j, iid in enumerate(ids)}, scores, hits, cache_band, cache_floor)
+        if j is not None:
+            return ids[j]
+    return pick(policy, ids, scores, turn, start)
+
+
+def cache_choice(at: dict[str, int], scores: list[float], hits: dict[str, int], band: float,
+                 floor: float) -> int | None:
+    """llumnix-cache: where the request's cache decides, or None where load does. The instances free enough
+    for the cache to decide are those at least ``band`` times as free as the freest (and at least ``floor``
+    free); among them the one holding most of the request's leading blocks (``hits``) wins, the freer on a
+    tie. So affinity holds while there is room and balance takes over when there is not: an instance that
+    a hot prefix makes busier falls out of the band, the next request of that prefix goes to the freest
+    instance, which then caches it too. ``at``: each instance's place in ``scores`` (freeness by virtual
+    usage). Work: the instances that hold some of the request, not all of them."""
+    if not hits or not scores:
+        return None
+    best = max(scores)
+    limit = max(floor, band * best)
+    chosen, key = None, None
+    for iid, h in hits.items():
+        j = at.get(iid)
+        if j is None or h <= 0 or scores[j] < limit:
+            continue
+        if key is None or (h, scores[j]) > key:
+            chosen, key = j, (h, scores[j])
+    return chosen
 
 
 def scorer(policy: str, headroom: float = 0.0, priority: int = 0):
@@ -44,7 +75,7 @@ def scorer(policy: str, headroom: float = 0.0, priority: int = 0):
         return None
     if policy == "infaas++":
         return real_freeness
-    h = 0.0 if priority > 0 else headroom
+    h = 0.0 if priority > 0 else headroom  # llumnix and llumnix-cache (where ``cache_choice`` may decide)
     return lambda s: instance_freeness(s, h)
 
 
@@ -93,7 +124,7 @@ def dispatch_batch(policy: str, states: list[InstanceState], requests: list[tupl
     ids = [s.instance_id for s in eligible]
 
     def score_fn(h: float):
-        return (lambda s: instance_freeness(s, h)) if policy == "llumnix" else real_freeness
+        return (lambda s: instance_freeness(s, h)) if policy in VIRTUAL_USAGE_POLICIES else real_freeness
 
     scores: dict[float, list[float]] = {}  # by the headroom used: normal requests' and high ones' (0)
 

@@ -8,10 +8,10 @@ import logging
 
 import msgspec
 
-from daemons import policy, wire
+from daemons import policy, prefix, wire
 from daemons.links import UP
 from daemons.proxy.stream import NoInstance, Stream
-from daemons.proxy.telemetry import M_ASKED, M_LOCAL, M_WAITED, TIE_TURN_S
+from daemons.proxy.telemetry import M_ASKED, M_CACHE_DISPATCHES, M_LOCAL, M_WAITED, TIE_TURN_S
 from daemons.proxy.traces import StreamTrace
 from daemons.tracing import now_ns
 
@@ -119,12 +119,34 @@ class DispatchMixin:
         ordered migrations. A request that failed somewhere avoids those instances (rare: built afresh)."""
         self._turn += 1
         priority = stream.submit.priority
+        sc = self.cfg.scheduling
+        hits = self._cache_hits(stream)
         if not stream.exclude:
-            return self.view.choose(self.alive, self.dispatch_policy, priority, self._turn, self.tie_start())
+            chosen = self.view.choose(self.alive, self.dispatch_policy, priority, self._turn, self.tie_start(), hits,
+                                      sc.cache_band, sc.cache_min_freeness)
+            if hits is not None:
+                M_CACHE_DISPATCHES.labels("cache" if self.view.by_cache else "load").inc()
+            return chosen
         now = self.clock.monotonic()
         states = [self.view.state_of(v, v.load, now) for v in self.alive() if v.instance_id not in stream.exclude]
-        return policy.dispatch(self.dispatch_policy, states, self._turn, self.cfg.scheduling.high_priority_headroom,
-                               priority, start=self.tie_start())
+        return policy.dispatch(self.dispatch_policy, states, self._turn, sc.high_priority_headroom, priority,
+                               start=self.tie_start(), hits=hits, cache_band=sc.cache_band,
+                               cache_floor=sc.cache_min_freeness)
+
+    def _cache_hits(self, stream: Stream) -> dict[str, int] | None:
+        """llumnix-cache: the request's cached leading blocks on each instance that holds some (None: another
+        policy, or nothing cached anywhere). Its block hashes are computed once (vLLM's, daemons/prefix.py)."""
+        index = self.cache_index.index
+        if self.dispatch_policy != "llumnix-cache" or not len(index):
+            return None
+        keys = stream.prefix_keys
+        if keys is None:
+            entry = next(iter(self.view.entries.values()), None)
+            block_size = entry.load.block_size if entry is not None else 16
+            keys = stream.prefix_keys = prefix.keys(prefix.block_hashes(stream.submit.prompt_token_ids, block_size))
+        if not keys:
+            return None
+        return {iid: n for iid, n in index.match(keys).items() if n} or None
 
     def tie_start(self) -> float:
         """Where our ties start among the instances: the proxies' starts are evenly spaced by their ranks, and

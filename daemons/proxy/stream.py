@@ -34,7 +34,8 @@ class Stream:
 
     __slots__ = ("request_id", "submit", "ready", "next_index", "early", "waiter", "done", "error", "status",
                  "instance_id", "address", "tried", "sent_at", "given_back", "epoch", "owner_from", "token_ids",
-                 "failovers", "progress_at", "deadline", "fenced", "exclude", "tenant", "weight", "trace")
+                 "failovers", "progress_at", "deadline", "fenced", "exclude", "tenant", "weight", "trace",
+                 "prefix_keys")
 
     def __init__(self, request_id: str, submit: wire.Submit, timeout_s: float = 0.0, now: float | None = None):
         """``now``: its client's clock (default: the monotonic clock); ``feed`` callers keep ``progress_at``."""
@@ -64,6 +65,7 @@ class Stream:
         self.tenant = ""  # the API key it was charged to in the fair queue (daemons/proxy/fairgate.py)
         self.weight = 1.0
         self.trace = None  # its spans (daemons/proxy/traces.py StreamTrace), with tracing on
+        self.prefix_keys: list[int] | None = None  # its prompt's block keys (llumnix-cache), once computed
 
     def owns(self, instance_id: str, out: wire.TokenOut) -> bool:
         """Whether ``out`` may reach the client: from the current owner, or from an earlier placement for an

@@ -26,6 +26,10 @@ M_FENCED = metrics.counter("proxy", "llumnix_proxy_fenced_total", "Token outputs
 M_RESENT = metrics.counter("proxy", "llumnix_proxy_resubmits_total",
                            "Requests sent again, same epoch, because their instance's heartbeats showed it had not "
                            "taken in every Submit sent proxy.stall_timeout_s before (lost on the way, or it restarted)")
+M_CACHE_DISPATCHES = metrics.counter("proxy", "llumnix_proxy_cache_dispatches_total",
+                                     "llumnix-cache dispatches of requests cached somewhere, by what decided: cache (another "
+                                     "instance than llumnix would pick) or load (the same)", ["decided_by"],
+                                     preset=[("cache",), ("load",)])
 M_PREFIX_INDEX = metrics.gauge("proxy", "llumnix_proxy_prefix_index_blocks",
                                "Cached blocks in this proxy's prefix index, summed over the instances that hold them")
 M_FORGED = metrics.counter("proxy", "llumnix_proxy_forged_messages_total",

@@ -48,6 +48,7 @@ class DispatchView:
         self.dirty: set[str] = set()  # entries to score again
         self.stale = True  # membership to build again
         self.built_at = 0.0
+        self.by_cache = False  # the last choice was the cache's, another than llumnix would pick
 
     # ------------------------------------------------------------------ inputs
 
@@ -82,9 +83,11 @@ class DispatchView:
 
     # ------------------------------------------------------------------ the dispatch
 
-    def choose(self, alive, dispatch_policy: str, priority: int, turn: int, start: float | None) -> str | None:
+    def choose(self, alive, dispatch_policy: str, priority: int, turn: int, start: float | None,
+               hits: dict[str, int] | None = None, cache_band: float = 0.5, cache_floor: float = 0.0) -> str | None:
         """The instance for a new request. ``alive`` gives the client's merged view of the instances that
-        take requests (called only when membership must be built again)."""
+        take requests (called only when membership must be built again). llumnix-cache: ``hits`` are the
+        request's cached leading blocks per instance (policy.cache_choice over llumnix's kept scores)."""
         now = self.now()
         if self.stale or now - self.built_at > REFRESH_S:
             self._build(alive(), now)
@@ -93,12 +96,20 @@ class DispatchView:
                 if iid in self.entries:
                     self._rescore(iid, now)
             self.dirty.clear()
-        key = (dispatch_policy, 1 if priority > 0 else 0)
+        base = "llumnix" if dispatch_policy == "llumnix-cache" else dispatch_policy
+        key = (base, 1 if priority > 0 else 0)
         scores = self.scores.get(key)
         if scores is None:
-            score = policy.scorer(dispatch_policy, self.headroom, priority)
+            score = policy.scorer(base, self.headroom, priority)
             scores = self.scores[key] = [self._score(self.entries[i], key, score, now) for i in self.ids] if score else []
-        return policy.pick(dispatch_policy, self.ids, scores, turn, start)
+        self.by_cache = False
+        plain = policy.pick(dispatch_policy, self.ids, scores, turn, start)
+        if hits and dispatch_policy == "llumnix-cache":
+            j = policy.cache_choice(self.at, scores, hits, cache_band, cache_floor)
+            if j is not None:
+                self.by_cache = self.ids[j] != plain
+                return self.ids[j]
+        return plain
 
     def state_of(self, view: wire.InstanceView, load: wire.InstanceLoad, now: float) -> policy.InstanceState:
         mine = self.mine.get(view.instance_id)

@@ -419,3 +419,52 @@ def test_scale_in_victim_is_the_freest():
     assert policy.scale_in_victim(ss) == "i0" and len(policy.scaling.serving(ss)) == 2
     ss[0] = dataclasses.replace(ss[0], scale_in_protected=True)
     assert policy.scale_in_victim(ss) is None
+
+
+# ---------------------------------------------------------------- llumnix-cache
+
+
+def _cache_pick(states, hits, band=0.5, floor=6.0, turn=0):
+    return dispatch("llumnix-cache", states, turn, hits=hits, cache_band=band, cache_floor=floor)
+
+
+def test_llumnix_cache_is_llumnix_when_nothing_is_cached():
+    ss = [InstanceState(f"i{k}", 1000, blocks_used=100 * k, running=k) for k in range(4)]
+    for turn in range(8):
+        assert _cache_pick(ss, None, turn=turn) == dispatch("llumnix", ss, turn)
+        assert _cache_pick(ss, {}, turn=turn) == dispatch("llumnix", ss, turn)
+
+
+def test_the_cache_decides_among_instances_free_enough_and_load_decides_otherwise():
+    ss = [InstanceState("i0", 1000, blocks_used=500, running=10), InstanceState("i1", 1000, blocks_used=480, running=10),
+          InstanceState("i2", 1000, blocks_used=400, running=10)]
+    assert dispatch("llumnix", ss, 0) == "i2"  # the freest: 60 blocks a request
+    assert _cache_pick(ss, {"i0": 24}) == "i0"  # 50 >= half of 60: free enough, and it holds the prefix
+    assert _cache_pick(ss, {"i0": 24, "i1": 30}) == "i1"  # the most of the request wins
+    assert _cache_pick(ss, {"i0": 24, "i1": 24}) == "i1"  # a tie: the freer
+    ss[0] = dataclasses.replace(ss[0], running=30)  # i0 busier: (1000 - 500) / 30 < 30
+    assert _cache_pick(ss, {"i0": 24}) == "i2"
+    assert _cache_pick(ss, {"i0": 24}, band=0.2) == "i0"
+
+
+def test_a_hot_instance_is_never_chosen_for_its_cache():
+    ss = [InstanceState("i0", 1000, blocks_used=960, running=10), InstanceState("i1", 1000, blocks_used=950, running=10)]
+    # i0's freeness is 4, below the floor of 6: however much it caches, load decides.
+    assert _cache_pick(ss, {"i0": 1000}, band=0.0) == "i1"
+    assert _cache_pick(ss, {"i0": 1000}, band=0.0, floor=3.0) == "i0"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 1000), st.integers(0, 40), st.integers(0, 60)), min_size=1, max_size=6),
+       st.floats(0, 1), st.floats(0, 20))
+def test_a_cache_choice_is_free_enough_and_holds_the_most_of_those(rows, band, floor):
+    states = [InstanceState(f"i{k}", 1000, blocks_used=used, running=batch) for k, (used, batch, _) in enumerate(rows)]
+    hits = {f"i{k}": h for k, (_, _, h) in enumerate(rows)}
+    chosen = _cache_pick(states, hits, band, floor)
+    f = {s.instance_id: policy.instance_freeness(s, 0.0) for s in states}
+    limit = max(floor, band * max(f.values()))
+    enough = [i for i in f if f[i] >= limit and hits[i] > 0]
+    if not enough:
+        assert chosen == dispatch("llumnix", states, 0)
+    else:
+        assert chosen in enough and hits[chosen] == max(hits[i] for i in enough)
