@@ -184,6 +184,7 @@ class Pair:
         """``store`` is a Store, or a function that makes one (connecting may take up to the timeout, so
         it happens on the pair's thread, never on the caller's event loop)."""
         self.key = key
+        self.peer_address = ""  # a source pair's destination (its request address) when it was made
         self.relay = store if isinstance(store, RelayStore) else None  # its writes go to the peer once attached
         self.rank = rank
         self.peer = 1 - rank
@@ -400,10 +401,14 @@ class KvTransfer:
         if store is None or not store.deliver(key, value):
             log.warning("KV pair %s: dropped a rendezvous value for %r from its peer", pair_key, key)
 
-    def source_pair(self, me: str, peer: str) -> Pair:
-        """The pair this instance uses to send to ``peer`` (formed on first use; the peer joins with its key)."""
+    def source_pair(self, me: str, peer: str, peer_address: str = "") -> Pair:
+        """The pair this instance uses to send to ``peer`` (formed on first use; the peer joins with its key).
+        ``peer_address``: where the peer is now; a pair made while it was elsewhere (a restarted instance that
+        kept its id) ends at a process that is gone, and a new pair is made."""
         with self._lock:
             pair = self.pairs.get(peer)
+            if pair is not None and peer_address and pair.peer_address and pair.peer_address != peer_address:
+                pair.broken = True
             if pair is None or pair.broken:
                 if pair is not None:
                     pair.close()
@@ -412,6 +417,7 @@ class KvTransfer:
                 key = f"{me}>{peer}/{secrets.token_hex(16)}"
                 pair = self.pairs[peer] = Pair(key, self.host, SOURCE_RANK, RelayStore(key, self.timeout_s),
                                                self.timeout_s)
+                pair.peer_address = peer_address
             return pair
 
     def dest_pair(self, key: str, store_address: str) -> Pair:

@@ -64,6 +64,7 @@ class TpPair:
         self.role = role
         self.store_address = store_address
         self.broken = False
+        self.peer_address = ""  # a source pair's destination (its request address) when it was made
 
     def send(self, kv, block_ids: list[int], chunk_blocks: int, limit_bytes_s: float = 0.0,
              tail_tokens: int = 0, duty: Callable[[], float] | None = None, one_message: bool = False) -> asyncio.Task:
@@ -139,13 +140,15 @@ class TpTransfer:
         self.ranks = ranks
         self.pairs: dict[str, TpPair] = {}
 
-    def source_pair(self, me: str, peer: str) -> TpPair:
+    def source_pair(self, me: str, peer: str, peer_address: str = "") -> TpPair:
         pair = self.pairs.get(peer)
-        if pair is None or pair.broken:
+        stale = pair is not None and peer_address and pair.peer_address and pair.peer_address != peer_address
+        if pair is None or pair.broken or stale:
             if pair is not None:
                 self.forget(peer)
             key = f"{me}>{peer}/{secrets.token_hex(16)}"
             pair = self.pairs[peer] = TpPair(self, key, "send", self.address)
+            pair.peer_address = peer_address
         return pair
 
     def dest_pair(self, key: str, store_address: str) -> TpPair:

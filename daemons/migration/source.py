@@ -156,7 +156,7 @@ class Move:
         self.info = msgspec.structs.replace(info, reply_to=self.entry.reply_to, traceparent=self.entry.traceparent)
         self.kb = m.engine.kv_blocks()
         self.chunk_blocks = max(1, m.cfg.chunk_bytes // self.kb.block_nbytes)
-        self.pair = m.kv.source_pair(m.inst.instance_id, self.dst)
+        self.pair = m.kv.source_pair(m.inst.instance_id, self.dst, self.dst_address)
         m.pair_used(self.dst)
         self.sock = m._peer(self.dst_address)
         sock = self.sock

@@ -107,7 +107,7 @@ class MemoryKv:
         self.address = f"memory:{name}"
         self.pairs: dict[str, MemoryPair] = {}
 
-    def source_pair(self, me: str, peer: str) -> MemoryPair:
+    def source_pair(self, me: str, peer: str, peer_address: str = "") -> MemoryPair:
         pair = self.pairs.get(peer)
         if pair is None:
             pair = self.pairs[peer] = MemoryPair(self.hub, f"{me}>{peer}/{next(self.hub._ids)}")
