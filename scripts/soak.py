@@ -170,7 +170,11 @@ class Cut(Exception):
     """The stream broke because its proxy was killed under it (or was down when it was sent)."""
 
 
-def one_stream(client: httpx.Client, url: str, rnd: random.Random, tally: Tally, chaos: "Chaos | None" = None) -> None:
+def one_stream(client: httpx.Client, url: str, rnd: random.Random, tally: Tally, chaos: "Chaos | None" = None,
+               chosen_at: float | None = None) -> None:
+    """One streamed request to ``url``, checked token by token. ``chosen_at``: since when a kill of that proxy
+    explains a connection error (when the worker chose it as healthy, or last used its kept-alive connection to
+    it, whichever is earlier): such a request is cut (sent again), not lost."""
     max_tokens = rnd.randint(20, 200)
     prompt = [rnd.randrange(3, VOCAB) for _ in range(rnd.randint(8, 300))]
     body = {"model": "llumnix-sim", "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
@@ -178,6 +182,7 @@ def one_stream(client: httpx.Client, url: str, rnd: random.Random, tally: Tally,
     ids: list[int] = []
     rid, usage, error = "", None, None
     start = time.monotonic()
+    chosen_at = start if chosen_at is None else chosen_at
     try:
         with client.stream("POST", url + "/v1/completions", json=body) as resp:
             if resp.status_code != 200:
@@ -199,7 +204,7 @@ def one_stream(client: httpx.Client, url: str, rnd: random.Random, tally: Tally,
                         ids += ch.get("token_ids") or []
     except (httpx.HTTPError, ValueError) as exc:
         error = repr(exc)
-        if isinstance(exc, httpx.TransportError) and chaos is not None and chaos.proxy_was_down(url, start):
+        if isinstance(exc, httpx.TransportError) and chaos is not None and chaos.proxy_was_down(url, chosen_at):
             tally.cut(len(ids))
             raise Cut(url) from None
     if error is None:
@@ -215,19 +220,27 @@ def one_stream(client: httpx.Client, url: str, rnd: random.Random, tally: Tally,
 def worker(urls: list[str], seed: int, end: float, budget: threading.Semaphore, tally: Tally,
            chaos: "Chaos | None" = None) -> None:
     rnd = random.Random(seed)
+    last_used: dict[str, float] = {}  # proxy URL -> when this client's kept-alive connection to it was last used
     with httpx.Client(timeout=httpx.Timeout(60.0, connect=10.0)) as client:
         while time.monotonic() < end and budget.acquire(blocking=False):
             with tally.lock:
                 tally.sent += 1
-            up = [u for u in urls if chaos is None or not chaos.is_down(u)] or urls  # as a load balancer picks
+            # As a load balancer picks: a healthy proxy. One killed between this choice and the request (a
+            # race the chaos thread wins now and then) cuts it like a kill mid-stream.
+            chosen_at = time.monotonic()
+            up = [u for u in urls if chaos is None or not chaos.is_down(u)] or urls
             url = rnd.choice(up)
             for _ in range(len(urls) + 2):  # a cut stream goes to the next proxy (bounded)
+                used = url
                 try:
-                    one_stream(client, url, rnd, tally, chaos)
+                    one_stream(client, used, rnd, tally, chaos, min(chosen_at, last_used.get(used, chosen_at)))
                     break
                 except Cut:
                     url = urls[(urls.index(url) + 1) % len(urls)]
                     time.sleep(0.2)
+                    chosen_at = time.monotonic()
+                finally:
+                    last_used[used] = time.monotonic()
             else:
                 tally.add(False, 0, {"error": "cut on every proxy"})
             time.sleep(rnd.uniform(0.0, 0.5))  # think time
