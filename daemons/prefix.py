@@ -26,6 +26,8 @@ import os
 import pickle
 from collections.abc import Iterable, Sequence
 
+from daemons import wire
+
 DEFAULT_SEED = "vllm-none-hash"
 
 
@@ -166,8 +168,6 @@ class Publisher:
 
     def take(self):
         """The next batch (wire.CacheEvents), or None when nothing changed."""
-        from daemons import wire
-
         if not self._pending:
             return None
         pending, self._pending = self._pending, {}
@@ -178,8 +178,6 @@ class Publisher:
     def full(self, snapshot: list[int]):
         """Everything the cache holds (read after every pending change was added, so it includes them; they
         still go out in the next batch, where applying them again changes nothing)."""
-        from daemons import wire
-
         return wire.CacheEvents(self.instance_id, self.epoch, self.seq, stored=snapshot, full=True)
 
 

@@ -84,6 +84,11 @@ class ProxyLinks:
         """The proxy at ``address`` spoke to us (a request, ProxyAlive)."""
         self._link(address).seen = self.clock()
 
+    def broadcast(self, msg: wire.Message) -> None:
+        """``msg`` to every proxy we know."""
+        for address in list(self.links):
+            self.send(address, msg)
+
     def heartbeat(self, msg: wire.Heartbeat, taken: dict[str, int] | None = None) -> None:
         """``msg`` to every proxy, each with the count of its own Submits we took in (``taken``)."""
         taken = taken or {}

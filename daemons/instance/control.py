@@ -104,8 +104,7 @@ class ControlMixin:
                 batch = pub.take()
                 if batch is not None:  # before the report and heartbeats that give its number
                     self._tell_manager(batch)
-                    for address in list(self.proxies.links):
-                        self.proxies.send(address, batch)
+                    self.proxies.broadcast(batch)
             self._tell_manager(wire.LoadReport(self.instance_id, self.report_seq, load,
                                                *((pub.epoch, pub.seq) if pub is not None else ())))
             self.beat_proxies(not self.watchdog.stalled)
