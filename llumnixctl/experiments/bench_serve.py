@@ -105,16 +105,32 @@ async def replay(url: str, reqs: list[trace_mod.TraceRequest], body: Callable[[t
                  rate_scale: float = 1.0, texts: bool = False,
                  on_done: Callable[[dict], None] | None = None) -> tuple[list[dict], float]:
     """Send every request at ``arrival_s / rate_scale`` after the start (open loop), at most
-    ``max_concurrency`` in flight. Returns the results in trace order (each ``stream_completion``'s dict
-    plus ``index``, ``lag_s``: how late it was sent, and ``start_s``: when, from the start) and the
-    benchmark's duration (the start to the end of the last request)."""
+    ``max_concurrency`` in flight; a later turn of a session (``TraceRequest.session``) instead its
+    ``think_s`` after the turn before it ended (a closed loop, as a chat user). Returns the results in trace
+    order (each ``stream_completion``'s dict plus ``index``, ``lag_s``: how late it was sent, and
+    ``start_s``: when, from the start) and the benchmark's duration (the start to the end of the last
+    request)."""
+    from llumnixctl.experiments.tracecache import previous_turns
+
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    after = previous_turns(reqs)
+    ended = {p: asyncio.Event() for p in after.values()}
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=10.0)) as client:
         t0 = time.perf_counter() + 0.2  # every task is created before the first send
 
         async def one(req: trace_mod.TraceRequest) -> dict:
+            try:
+                return await send(req)
+            finally:
+                if req.index in ended:
+                    ended[req.index].set()
+
+        async def send(req: trace_mod.TraceRequest) -> dict:
             due = t0 + req.arrival_s / rate_scale
+            if req.index in after:
+                await ended[after[req.index]].wait()
+                due = time.perf_counter() + req.think_s / rate_scale
             await asyncio.sleep(max(0.0, due - time.perf_counter()))
             if gate is not None:
                 await gate.acquire()
@@ -173,7 +189,12 @@ def token_pool(client: httpx.Client, url: str, model: str, tokenizer: str | None
 
 
 def prompt_ids(pool: list[int], req: trace_mod.TraceRequest) -> list[int]:
-    """Exactly ``req.prompt_tokens`` ids: the pool rotated by the request's index, repeated and trimmed."""
+    """Exactly ``req.prompt_tokens`` ids: the pool rotated by the request's index, repeated and trimmed; a
+    request with shared content (``segments``) gets the same ids for the same segment (tracecache.py)."""
+    if req.segments:
+        from llumnixctl.experiments.tracecache import prompt_ids as shared_ids
+
+        return [pool[i] for i in shared_ids(req, len(pool))]
     k = (req.index * 7) % len(pool)
     rot = pool[k:] + pool[:k]
     reps = -(-req.prompt_tokens // len(rot))

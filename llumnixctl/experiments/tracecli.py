@@ -66,10 +66,28 @@ def generate_cmd(
     output_max: Annotated[Optional[int], typer.Option(help="longest output (default 6000 with --mix, else 1024)")] = None,
     alpha: Annotated[Optional[float], typer.Option(help="without --mix: the power-law exponent of both lengths (default 1)")] = None,
     high_fraction: Annotated[float, typer.Option(help="share of high-priority requests")] = 0.0,
+    shape: Annotated[str, typer.Option("--shape", metavar="plain|shared-prefix|multi-turn", help="plain: unique prompts; shared-prefix: shared system prompts and a suffix each (--prompt-min/--prompt-max bound the suffix); multi-turn: conversations (--prompt-min/--prompt-max bound a message, --output-min/--output-max a reply)")] = "plain",
+    prefixes: Annotated[int, typer.Option(help="shared-prefix: system prompts; multi-turn: system prompts sessions open with (0: none)", min=0)] = 24,
+    prefix_tokens: Annotated[int, typer.Option(help="shared-prefix and multi-turn: tokens of a system prompt", min=0)] = 384,
+    skew: Annotated[float, typer.Option(help="popularity of the system prompts: prompt k with weight (k+1)^-skew (0: uniform)", min=0.0)] = 1.0,
+    hot: Annotated[float, typer.Option(help="shared-prefix: share of the requests that use system prompt 0 (the hotspot case; 0: by --skew)", min=0.0, max=0.99)] = 0.0,
+    turns_min: Annotated[int, typer.Option(help="multi-turn: fewest turns of a session", min=1)] = 2,
+    turns_max: Annotated[int, typer.Option(help="multi-turn: most turns of a session", min=1)] = 8,
+    think: Annotated[float, typer.Option(help="multi-turn: mean seconds between a turn's end and the next turn", min=0.0)] = 5.0,
+    max_context: Annotated[int, typer.Option(help="multi-turn: a session ends before its context passes this", min=2)] = 4096,
     seed: SeedOpt = 0, json_: JsonOpt = False,
 ) -> None:
-    """Write a generated trace: a paper mix (--mix) or power-law lengths within explicit bounds."""
+    """Write a generated trace: a paper mix (--mix), power-law lengths within explicit bounds, or a trace
+    whose requests share content (--shape shared-prefix or multi-turn) for prefix-cache experiments."""
     _check_arrival(arrival)
+    if shape not in ("plain", "shared-prefix", "multi-turn"):
+        die(f"unknown --shape {shape!r} (known: plain, shared-prefix, multi-turn)", 2)
+    if shape != "plain":
+        if mix:
+            die("--mix is for --shape plain", 2)
+        return _generate_shared(output, shape, requests, rate, arrival, cv, prompt_min, prompt_max, output_min,
+                                output_max, 1.0 if alpha is None else alpha, prefixes, prefix_tokens, skew, hot,
+                                (turns_min, turns_max), think, max_context, high_fraction, seed, json_)
     d = (PAPER_BOUNDS[0], PAPER_BOUNDS[1], PAPER_BOUNDS[0], PAPER_BOUNDS[1]) if mix else (16, 512, 16, 1024)
     pb = (d[0] if prompt_min is None else prompt_min, d[1] if prompt_max is None else prompt_max)
     ob = (d[2] if output_min is None else output_min, d[3] if output_max is None else output_max)
@@ -90,6 +108,41 @@ def generate_cmd(
             extra["alpha"] = a
     except ValueError as exc:
         die(str(exc), 2)
+    _write(reqs, output, json_, extra)
+
+
+def _generate_shared(output: str, shape: str, n: int, rate: float, arrival: str, cv: float, prompt_min, prompt_max,
+                     output_min, output_max, alpha: float, prefixes: int, prefix_tokens: int, skew: float, hot: float,
+                     turns: tuple[int, int], think: float, max_context: int, high_fraction: float, seed: int,
+                     json_: bool) -> None:
+    from llumnixctl.experiments import tracecache
+
+    pb = (prompt_min or 16, prompt_max or 128)
+    ob = (output_min or 16, output_max or 256)
+    extra: dict = {"shape": shape, "requests": n, "rate": rate, "arrival": arrival, "cv": cv if arrival == "gamma" else 1.0,
+                   "prompt": list(pb), "output": list(ob), "alpha": alpha, "prefixes": prefixes,
+                   "prefix_tokens": prefix_tokens, "skew": skew, "seed": seed}
+    try:
+        if shape == "shared-prefix":
+            if prefixes < 1 or prefix_tokens < 1:
+                die("--shape shared-prefix needs --prefixes and --prefix-tokens >= 1", 2)
+            reqs = tracecache.shared_prefix(n, rate=rate, arrival=arrival, cv=cv, prefixes=prefixes,
+                                            prefix_tokens=prefix_tokens, skew=skew, hot=hot, suffix=pb, output=ob,
+                                            alpha=alpha, seed=seed)
+            extra["hot"] = hot
+        else:
+            if hot:
+                die("--hot is for --shape shared-prefix", 2)
+            reqs = tracecache.multi_turn(n, rate=rate, arrival=arrival, cv=cv, turns=turns, system_prompts=prefixes,
+                                         system_tokens=prefix_tokens, skew=skew, message=pb, reply=ob, think=think,
+                                         max_context=max_context, alpha=alpha, seed=seed)
+            extra.update(turns=list(turns), think=think, max_context=max_context,
+                         sessions=len({r.session for r in reqs}))
+        if high_fraction:
+            reqs = with_priorities(reqs, high_fraction, seed)
+    except ValueError as exc:
+        die(str(exc), 2)
+    extra.update(tracecache.sharing(reqs))
     _write(reqs, output, json_, extra)
 
 

@@ -12,8 +12,9 @@ File formats (``load`` picks one from the extension and the first line; ``.gz`` 
   only separate. Lengths are token counts of the texts from ``tokenize(text) -> list[int]``, or from the
   tokenizer of ``model_path`` (``AutoTokenizer``, offline, ``add_special_tokens=False``). With
   ``history=True`` a prompt also counts the tokens of every earlier turn of its conversation (the
-  context a chat client resends; no template tokens). ShareGPT has no times: arrivals are generated
-  (``rate``, ``arrival``, ``cv``, ``seed``; the same arrival stream as ``trace.generate``).
+  context a chat client resends; no template tokens), and the turns of a conversation are a session
+  (``TraceRequest.session``, ``turn``; ``segments`` name each earlier turn, so replays share them).
+  ShareGPT has no times: arrivals are generated (``rate``, ``arrival``, ``cv``, ``seed``; the same arrival stream as ``trace.generate``).
 - ``burstgpt``: CSV with ``Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type``;
   timestamps are seconds from the trace's start. Rows with 0 response tokens (failed requests), 0
   request tokens, or a log type naming a failure are skipped; ``model`` and ``log_type`` keep only the
@@ -23,7 +24,8 @@ File formats (``load`` picks one from the extension and the first line; ``.gz`` 
   nanosecond; an optional ``Z`` or ``+hh:mm`` offset; a plain number is seconds). Rows with 0 tokens on
   either side are skipped.
 - ``jsonl``: ours, one ``{"arrival_s", "prompt_tokens", "output_tokens"[, "priority": "high"|"normal"]}``
-  a line (other keys are ignored); ``save_jsonl`` writes it (with ``index``), and loading what it wrote
+  a line, with ``"segments": [[name, tokens], ...]`` where requests share prompt content and ``"session",
+  "turn", "think_s"`` for the turns of a conversation (tracecache.py; other keys are ignored); ``save_jsonl`` writes it (with ``index``), and loading what it wrote
   gives the same trace back exactly.
 
 For the CSV formats, arrivals are re-based so that the first kept request arrives at 0 (``rebase=False``
@@ -138,7 +140,9 @@ def load_jsonl(path: str | Path) -> list[TraceRequest]:
             o = _int(obj["output_tokens"], path, where, "output_tokens")
             if p < 1 or o < 1:
                 raise _err(path, where, "prompt_tokens and output_tokens must be >= 1")
-            reqs.append(TraceRequest(len(reqs), _seconds(obj["arrival_s"], path, where, "arrival_s"), p, o, priority))
+            extra = _shared(obj, p, path, where)
+            reqs.append(TraceRequest(len(reqs), _seconds(obj["arrival_s"], path, where, "arrival_s"), p, o, priority,
+                                     **extra))
     return by_arrival(reqs)
 
 
@@ -146,8 +150,13 @@ def save_jsonl(reqs: Iterable[TraceRequest], path: str | Path | TextIO) -> None:
     """Write ``reqs`` in our JSONL (``index`` included; ``load_jsonl`` gives them back exactly)."""
     def write(f: TextIO) -> None:
         for r in reqs:
-            f.write(json.dumps({"index": r.index, "arrival_s": r.arrival_s, "prompt_tokens": r.prompt_tokens,
-                                "output_tokens": r.output_tokens, "priority": r.priority}) + "\n")
+            row = {"index": r.index, "arrival_s": r.arrival_s, "prompt_tokens": r.prompt_tokens,
+                   "output_tokens": r.output_tokens, "priority": r.priority}
+            if r.segments:
+                row["segments"] = [list(s) for s in r.segments]
+            if r.session >= 0:
+                row.update(session=r.session, turn=r.turn, think_s=r.think_s)
+            f.write(json.dumps(row) + "\n")
 
     if hasattr(path, "write"):
         write(path)
@@ -157,6 +166,27 @@ def save_jsonl(reqs: Iterable[TraceRequest], path: str | Path | TextIO) -> None:
     with open(tmp, "w", encoding="utf-8") as f:
         write(f)
     os.replace(tmp, path)  # a reader never sees half a trace
+
+
+def _shared(obj: dict, prompt_tokens: int, path, where: str) -> dict:
+    """The optional content keys of a JSONL row: segments (their lengths add up to prompt_tokens) and a
+    session's id, turn and think time."""
+    extra: dict = {}
+    segs = obj.get("segments")
+    if segs is not None:
+        if (not isinstance(segs, list) or not all(isinstance(x, list) and len(x) == 2 and isinstance(x[0], str)
+                                                  and type(x[1]) is int and x[1] >= 1 for x in segs)):
+            raise _err(path, where, "segments must be a list of [name, tokens >= 1] pairs")
+        if sum(x[1] for x in segs) != prompt_tokens:
+            raise _err(path, where, f"the segments hold {sum(x[1] for x in segs)} tokens, not prompt_tokens "
+                                    f"({prompt_tokens})")
+        extra["segments"] = tuple((x[0], x[1]) for x in segs)
+    if "session" in obj:
+        s, t = obj["session"], obj.get("turn", 0)
+        if type(s) is not int or type(t) is not int or s < 0 or t < 0:
+            raise _err(path, where, "session and turn must be integers >= 0")
+        extra.update(session=s, turn=t, think_s=_seconds(obj.get("think_s", 0.0), path, where, "think_s"))
+    return extra
 
 
 # --- ShareGPT
@@ -222,8 +252,8 @@ def load_sharegpt(path: str | Path, *, tokenize: Tokenize | None = None, model_p
         raise ValueError("ShareGPT has text, not token counts: give a tokenizer (tokenize=... or model_path=...)")
     if tokenize is None:
         tokenize = tokenizer(model_path)
-    pairs: list[tuple[int, int]] = []
-    for where, item in _sharegpt_items(path):
+    pairs: list[tuple] = []
+    for conv, (where, item) in enumerate(_sharegpt_items(path)):
         if limit is not None and len(pairs) >= limit:
             break
         if not isinstance(item, dict) or not isinstance(item.get("conversations"), list):
@@ -234,6 +264,7 @@ def load_sharegpt(path: str | Path, *, tokenize: Tokenize | None = None, model_p
                 raise _err(path, f"{where}, turn {t}", "expected {\"from\": role, \"value\": text}")
         roles = [turn["from"].lower() for turn in turns]
         lengths = [len(tokenize(turn["value"])) for turn in turns] if history else None
+        turn_no = 0
         for t in range(1, len(turns)):
             if not (roles[t] in MODEL_ROLES and roles[t - 1] in HUMAN_ROLES):
                 continue
@@ -245,13 +276,18 @@ def load_sharegpt(path: str | Path, *, tokenize: Tokenize | None = None, model_p
                 if skipped is not None:
                     skipped.append((where, f"empty {'prompt' if p == 0 else 'response'}"))
                 continue
-            pairs.append((p + (sum(lengths[:t - 1]) if lengths else 0), o))
+            if lengths:  # a session: the turn resends the conversation so far
+                segs = tuple((f"sharegpt-{conv}-{j}", n) for j, n in enumerate(lengths[:t]) if n)
+                pairs.append((p + sum(lengths[:t - 1]), o, dict(segments=segs, session=conv, turn=turn_no)))
+                turn_no += 1
+            else:
+                pairs.append((p, o, {}))
     rng = random.Random(f"llumnix-trace:{seed}:arrival")  # trace.generate's arrival stream
     t = 0.0
     reqs = []
-    for i, ((p, o), gap) in enumerate(zip(pairs, trace.gaps(rng, len(pairs), rate, arrival, cv))):
+    for i, ((p, o, extra), gap) in enumerate(zip(pairs, trace.gaps(rng, len(pairs), rate, arrival, cv))):
         t += gap
-        reqs.append(TraceRequest(i, t, p, o, "normal"))
+        reqs.append(TraceRequest(i, t, p, o, "normal", **extra))
     return reqs
 
 

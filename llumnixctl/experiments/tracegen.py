@@ -29,6 +29,15 @@ class TraceRequest:
     prompt_tokens: int
     output_tokens: int
     priority: str  # "high" or "normal", as the API takes it
+    # What the prompt says, for traces whose requests share content (tracecache.py): named segments of
+    # tokens, (name, length), whose lengths add up to prompt_tokens; the same name is the same tokens in
+    # every request. Empty: the prompt is the request's own (unique) content.
+    segments: tuple = ()
+    # Multi-turn conversations: the session's id (-1: none) and the turn's number in it. A turn after the
+    # first is sent think_s after the previous turn of its session ended (a closed loop, as a chat user).
+    session: int = -1
+    turn: int = 0
+    think_s: float = 0.0
 
 
 def power_law(rng: random.Random, lo: int, hi: int, alpha: float) -> int:

@@ -132,8 +132,21 @@ def clip(reqs: list[TraceRequest], max_model_len: int, drop: bool = False) -> li
             out.append(r)
         elif not drop:
             p = min(r.prompt_tokens, max_model_len - 1)
-            out.append(replace(r, prompt_tokens=p, output_tokens=min(r.output_tokens, max_model_len - p)))
+            out.append(replace(r, prompt_tokens=p, output_tokens=min(r.output_tokens, max_model_len - p),
+                               segments=cut_segments(r.segments, p)))
     return reindex(out)
+
+
+def cut_segments(segments: tuple, tokens: int) -> tuple:
+    """The leading ``tokens`` of a prompt's segments (a cut segment keeps its name: its tokens are a prefix
+    of the whole one's)."""
+    out, left = [], tokens
+    for name, n in segments:
+        if left <= 0:
+            break
+        out.append((name, min(n, left)))
+        left -= n
+    return tuple(out)
 
 
 def with_priorities(reqs: list[TraceRequest], high_fraction: float, seed: int = 0) -> list[TraceRequest]:
