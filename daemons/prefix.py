@@ -7,8 +7,8 @@ block's parent being ``NONE_HASH`` = SHA-256 of the pickled seed (``PYTHONHASHSE
 has, the very hashes a vLLM instance files its cached blocks under, and the sim engine uses the same scheme
 (tests/unit/test_prefix_index.py checks ours against vLLM's own functions).
 
-The index keeps, per instance, the 64-bit keys (the first 8 bytes of those hashes) of the blocks it reported
-cached, and per key the instances holding it. ``match`` walks a request's keys in order and says, for every
+The index keeps, per instance, the 64-bit keys (the last 8 bytes of those hashes, as vLLM's int KV events
+give them) of the blocks it reported cached, and per key the instances holding it. ``match`` walks a request's keys in order and says, for every
 instance, how many leading blocks it holds: a chain hash names the whole prefix up to its block, so a
 block counts only when every block before it counted. A false hit of a 64-bit key (about 1 in 2^64 per
 pair) can only misplace a request, never change its output: the engine checks its own cache.
@@ -59,13 +59,16 @@ def block_hashes(token_ids: Sequence[int], block_size: int, parent: bytes | None
     return out
 
 
-def key(block_hash: bytes) -> int:
-    """The index's key of a block hash: its first 8 bytes."""
-    return int.from_bytes(block_hash[:8], "little")
+def key(block_hash: bytes | int) -> int:
+    """The index's key of a block hash: its last 8 bytes, big-endian, which is what vLLM's KV events carry
+    as an int (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, its default); an int is taken as such a key."""
+    if isinstance(block_hash, int):
+        return block_hash
+    return int.from_bytes(block_hash[-8:], "big")
 
 
 def keys(hashes: Iterable[bytes]) -> list[int]:
-    return [int.from_bytes(h[:8], "little") for h in hashes]
+    return [int.from_bytes(h[-8:], "big") for h in hashes]
 
 
 class PrefixIndex:

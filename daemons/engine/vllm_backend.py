@@ -22,6 +22,7 @@ import msgspec
 
 from daemons.config import ModelConfig, VllmConfig
 from daemons.engine.base import EngineError, EngineRequest, KvBlocks, StepResult, check_request
+from daemons.engine.vllm_cache import VllmPrefixCache
 from daemons.engine.vllm_internals import VllmInternals, set_env, set_num_threads
 from daemons.engine.vllm_migration import LiveRequest, VllmMigrationMixin
 from daemons.engine.vllm_tp import KvShards, TpTransfer
@@ -56,6 +57,8 @@ class VllmEngine(VllmMigrationMixin):
         self.block_size = self._v.block_size
         self.max_model_len = self._v.max_model_len
         self.prefix_caching = bool(vllm.enable_prefix_caching)
+        # What the instance publishes of vLLM's prefix cache (daemons/engine/vllm_cache.py).
+        self.cache = VllmPrefixCache(self._v.scheduler, self._v.pool) if self.prefix_caching else None
         self.eos_token_id = self._v.eos_token_id
         self._live: dict[str, LiveRequest] = {}
         self._suspended: set[str] = set()
@@ -144,6 +147,13 @@ class VllmEngine(VllmMigrationMixin):
                 self._forget(live)
         self._tokens_generated += len(outputs)
         return StepResult(outputs=outputs, model_time_s=0.0)
+
+    def cache_events(self) -> list[tuple[bool, int]]:
+        """(stored?, block key) of every prefix-cache change since the last call ([] without a cache)."""
+        return self.cache.events() if self.cache is not None else []
+
+    def cache_snapshot(self) -> list[int]:
+        return self.cache.snapshot() if self.cache is not None else []
 
     def load(self) -> InstanceLoad:
         v = self._v

@@ -165,6 +165,8 @@ class VllmInternals(VllmStateMixin, VllmMigrationMixin):
             max_num_batched_tokens=cfg.max_num_batched_tokens or None,
             enforce_eager=cfg.enforce_eager,
             enable_prefix_caching=cfg.enable_prefix_caching,
+            # Its cache events feed the cluster's prefix index (vllm_cache.py replaces the null publisher).
+            kv_events_config=self.kv_events(cfg.enable_prefix_caching),
             seed=cfg.seed,
             disable_log_stats=True,
             scheduling_policy="priority",  # see the class docstring for vLLM's sign
@@ -191,6 +193,14 @@ class VllmInternals(VllmStateMixin, VllmMigrationMixin):
         if getattr(self.config.scheduler_config, "async_scheduling", False):
             raise EngineError("vLLM chose async scheduling; the vllm backend steps synchronously "
                               "(migration suspends requests between steps)")
+
+    @staticmethod
+    def kv_events(on: bool):
+        if not on:
+            return None
+        from vllm.config.kv_events import KVEventsConfig
+
+        return KVEventsConfig(enable_kv_cache_events=True, publisher="null")
 
     @staticmethod
     def parallel_args(cfg: VllmConfig) -> dict:

@@ -440,3 +440,30 @@ def test_migration_reserve_refuses_and_release_frees(model_dir):
         assert e.abort_request("r") and pool_used(e) == 0
         kb = e.kv_blocks()
         assert kb.layout.engine.startswith("vllm-0.32") and kb.layout.layout == "LBHNC" and kb.layout.tp == 1, kb.spec
+
+
+def test_prefix_cache_events_name_the_blocks_as_the_proxy_hashes_them(model_dir):
+    """With prefix caching on, what the instance publishes of vLLM's cache (its own KV events) is, key for
+    key, what a proxy computes from the prompt (daemons/prefix.py); a second request with the same prefix
+    is counted as a hit of those blocks; the snapshot holds what the events said; a reset removes all."""
+    from daemons import prefix
+
+    shared = list(range(300, 300 + 96))  # three full blocks of 32
+    a, b = shared + [7, 8, 9], shared + [11, 12]
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    with engine(model_dir, enable_prefix_caching=True) as e:
+        assert e.cache is not None
+        run(e, [EngineRequest("a", a, greedy)])
+        want = prefix.keys(prefix.block_hashes(a, 32))
+        events = e.cache_events()
+        stored = [k for s, k in events if s]
+        assert stored[:3] == want[:3], (stored, want)
+        assert set(want[:3]) <= set(e.cache_snapshot())
+        run(e, [EngineRequest("b", b, greedy)])
+        assert e.cache.query_tokens == len(a) + len(b)
+        assert e.cache.hit_tokens == 96  # a: nothing cached; b: its three shared blocks
+        e.cache_events()
+        assert e._v.pool.reset_prefix_cache()
+        removed = {k for s, k in e.cache_events() if not s}
+        assert set(want[:3]) <= removed
+        assert e.cache_snapshot() == []
