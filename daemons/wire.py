@@ -94,6 +94,8 @@ class InstanceLoad(msgspec.Struct, array_like=True, omit_defaults=True):
     high_priority: int = 0  # running requests of high execution priority (each adds headroom to virtual usage)
     stalled: bool = False  # an engine step has run past instance.step_timeout_s: unhealthy, no dispatches
     waiting_tokens: int = 0  # tokens the waiting requests have yet to prefill (the proxies' admission control)
+    prefix_query_tokens: int = 0  # monotonic: prompt tokens looked up in the engine's prefix cache
+    prefix_hit_tokens: int = 0  # monotonic: of those, found cached
 
 
 # ---------------------------------------------------------------- instance <-> manager
@@ -150,6 +152,8 @@ class Dispatch(msgspec.Struct, **_tagged(10)):
     prompt_tokens: int
     priority: int = 0
     exclude: list[str] = []  # instances the proxy already failed on
+    # llumnix-cache: the keys of the prompt's full blocks (daemons/prefix.py), for the manager's prefix index
+    prefix_keys: list[int] = []
 
 
 class DispatchReply(msgspec.Struct, **_tagged(11)):

@@ -143,4 +143,6 @@ def instance_json(v: wire.InstanceView) -> dict:
         "migrations_ordered": v.migrations_ordered, "credit": v.credit, "high_priority": ld.high_priority,
         "hol_demand_blocks": ld.hol_demand_blocks, "max_model_len": v.max_model_len, "block_size": ld.block_size,
         "stalled": ld.stalled, "scale_in_protected": v.scale_in_protected,
+        "prefix_query_tokens": ld.prefix_query_tokens, "prefix_hit_tokens": ld.prefix_hit_tokens,
+        "prefix_hit_rate": round(ld.prefix_hit_tokens / ld.prefix_query_tokens, 4) if ld.prefix_query_tokens else None,
     }

@@ -113,6 +113,8 @@ def status_json(snap: wire.Snapshot, address: str) -> dict:
         "blocks_total": sum(r["blocks_total"] for r in alive), "blocks_used": sum(r["blocks_used"] for r in alive),
         "running": sum(r["running"] for r in alive), "waiting": sum(r["waiting"] for r in alive),
         "preemptions": sum(r["preemptions"] for r in rows),
+        "prefix_query_tokens": sum(r["prefix_query_tokens"] for r in rows),
+        "prefix_hit_tokens": sum(r["prefix_hit_tokens"] for r in rows),
         "mean_freeness": round(sum(r["freeness"] for r in serving) / len(serving), 4) if serving else None,
         "migrations_in_flight": sum(r["migrating_out"] for r in rows),
         "migrations_committed": sum(r["migrations_committed"] for r in rows),
@@ -163,6 +165,10 @@ def render_status(data: dict) -> Group:
                   "" if t["mean_freeness"] is None else f"{t['mean_freeness']:.2f} avg",
                   f"{t['migrations_in_flight']} in flight", "")
     parts: list = [table]
+    if t["prefix_query_tokens"]:
+        each = ", ".join(f"{r['id']} {100 * r['prefix_hit_rate']:.0f}%" for r in data["instances"] if r["prefix_hit_rate"] is not None)
+        parts.append(f"prefix cache: {100 * t['prefix_hit_tokens'] / t['prefix_query_tokens']:.1f}% of "
+                     f"{t['prefix_query_tokens']} prompt tokens hit ({each})")
     ordered = ", ".join(f"{k} {v}" for k, v in sorted(t["ordered_migrations"].items())) or "none"
     parts.append(f"migrations: {t['migrations_committed']} committed, {t['migrations_aborted']} aborted, "
                  f"{t['migrations_in_flight']} in flight; ordered by the manager: {ordered}")

@@ -159,6 +159,7 @@ class SimEngine(SimMigrationMixin, SimCacheMixin):
             waiting.popleft()
             req.blocks = [free.popleft() for _ in range(need)]
             if cache is not None:
+                cache.count(tokens, tokens - new)
                 self._prefilled(req)
             req.preempted = False
             self._run(req)

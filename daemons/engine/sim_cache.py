@@ -47,10 +47,13 @@ class SimPrefixCache:
             if prefix.key(h) not in self._block_of:
                 break
             n += 1
-        hit = min(n * self.block_size, tokens - 1)
+        return min(n * self.block_size, tokens - 1)
+
+    def count(self, tokens: int, hit: int) -> None:
+        """A request was admitted: ``tokens`` looked up, ``hit`` of them found (once per admission, however
+        often the queue's head was looked at before it fitted)."""
         self.query_tokens += tokens
         self.hit_tokens += hit
-        return hit
 
     def filled(self, blocks: list[int], hashes: list[bytes]) -> None:
         """The request's blocks now hold the content of its full blocks (``hashes``, in table order)."""

@@ -98,6 +98,9 @@ class StepLoopMixin:
                                            migrations_committed=m.committed, migrations_aborted=m.aborted)
         if self.watchdog.stalled:
             load = msgspec.structs.replace(load, stalled=True)
+        cache = getattr(self.engine, "cache", None)
+        if cache is not None and cache.query_tokens:
+            load = msgspec.structs.replace(load, prefix_query_tokens=cache.query_tokens, prefix_hit_tokens=cache.hit_tokens)
         return load
 
     def _hangs(self) -> bool:

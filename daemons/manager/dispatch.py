@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from daemons import policy, wire
-from daemons.manager.records import M_DISPATCHES, M_NO_INSTANCE, InstanceRecord
+from daemons.manager.records import M_CACHE_DISPATCHES, M_DISPATCHES, M_NO_INSTANCE, InstanceRecord
 
 log = logging.getLogger("llumnix.manager")
 
@@ -22,7 +22,8 @@ class DispatchMixin:
             r.retire_pending(now, self.mc.pending_dispatch_ttl_s)
         headroom = self.sc.high_priority_headroom
         chosen: list[str | None] = [None] * len(msgs)
-        plain = [i for i, m in enumerate(msgs) if not m.exclude]
+        cached = self._cache_hits(msgs)
+        plain = [i for i, m in enumerate(msgs) if not m.exclude and i not in cached]
         if plain:
             picks = policy.dispatch_batch(self.dispatch_policy, self.states(now),
                                           [(msgs[i].priority, msgs[i].prompt_tokens + 1) for i in plain],
@@ -31,11 +32,18 @@ class DispatchMixin:
                 chosen[i] = iid
                 if iid is not None:
                     self._count_dispatch(self.instances[iid], msgs[i], now)
-        # Re-dispatches that must avoid the instances they failed on: one at a time, in priority order.
-        for i in sorted((i for i, m in enumerate(msgs) if m.exclude), key=lambda i: -msgs[i].priority):
+        # Re-dispatches that must avoid the instances they failed on, and requests whose prompt some instance
+        # caches (llumnix-cache): one at a time, in priority order.
+        sc = self.sc
+        for i in sorted((i for i, m in enumerate(msgs) if m.exclude or i in cached), key=lambda i: -msgs[i].priority):
             excluded = set(msgs[i].exclude)
             states = [self.state(r, now, excluded=r.instance_id in excluded) for r in self.instances.values()]
-            chosen[i] = policy.dispatch(self.dispatch_policy, states, self.turn + i, headroom, msgs[i].priority)
+            chosen[i] = policy.dispatch(self.dispatch_policy, states, self.turn + i, headroom, msgs[i].priority,
+                                        hits=cached.get(i), cache_band=sc.cache_band, cache_floor=sc.cache_min_freeness)
+            if i in cached:
+                blind = chosen[i] if chosen[i] not in cached[i] else policy.dispatch(
+                    self.dispatch_policy, states, self.turn + i, headroom, msgs[i].priority)
+                M_CACHE_DISPATCHES.labels("load" if blind == chosen[i] else "cache").inc()
             if chosen[i] is not None:
                 self._count_dispatch(self.instances[chosen[i]], msgs[i], now)
         self.turn += len(msgs)
@@ -49,6 +57,19 @@ class DispatchMixin:
             log.debug("request %s -> %s", msg.request_id, iid)
             replies.append(wire.DispatchReply(msg.query_id, instance_id=iid, request_address=rec.info.request_address))
         return replies
+
+    def _cache_hits(self, msgs: list[wire.Dispatch]) -> dict[int, dict[str, int]]:
+        """llumnix-cache: for each query whose prompt some instance caches, the cached leading blocks of it on
+        each instance that holds some (from our prefix index)."""
+        if self.dispatch_policy != "llumnix-cache" or not len(self.cache_index.index):
+            return {}
+        out = {}
+        for i, m in enumerate(msgs):
+            if m.prefix_keys:
+                hits = {iid: n for iid, n in self.cache_index.index.match(m.prefix_keys).items() if n}
+                if hits:
+                    out[i] = hits
+        return out
 
     def on_dispatched(self, msg: wire.Dispatched) -> None:
         """A proxy placed a request from its own view: count it as if we had chosen it (an instance we do

@@ -11,6 +11,10 @@ M_INSTANCES = metrics.gauge("manager", "llumnix_manager_instances", "Instances i
                             preset=[("alive",), ("stopping",), ("dead",)])
 M_DISPATCHES = metrics.counter("manager", "llumnix_manager_dispatches_total", "Dispatch decisions, by instance",
                                ["instance_id"])
+M_CACHE_DISPATCHES = metrics.counter("manager", "llumnix_manager_cache_dispatches_total",
+                                     "llumnix-cache dispatches of requests cached somewhere, by what decided: cache (another "
+                                     "instance than llumnix would pick) or load (the same)", ["decided_by"],
+                                     preset=[("cache",), ("load",)])
 M_NO_INSTANCE = metrics.counter("manager", "llumnix_manager_dispatch_failures_total",
                                 "Dispatch queries with no eligible instance")
 M_DEATHS = metrics.counter("manager", "llumnix_manager_instance_deaths_total",

@@ -15,7 +15,7 @@ VIRTUAL_USAGE_POLICIES = ("llumnix", "llumnix-cache")
 
 
 def dispatch(policy: str, states: list[InstanceState], turn: int, headroom: float = 0.0, priority: int = 0,
-             start: float | None = None, hits: dict[str, int] | None = None, cache_band: float = 0.5,
+             start: float | None = None, hits: dict[str, int] | None = None, cache_band: float = 0.25,
              cache_floor: float = 0.0) -> str | None:
     """Pick the instance for a new request of ``priority``, or None when no instance may take one.
 
@@ -45,16 +45,22 @@ def dispatch(policy: str, states: list[InstanceState], turn: int, headroom: floa
 def cache_choice(at: dict[str, int], scores: list[float], hits: dict[str, int], band: float,
                  floor: float) -> int | None:
     """llumnix-cache: where the request's cache decides, or None where load does. The instances free enough
-    for the cache to decide are those at least ``band`` times as free as the freest (and at least ``floor``
-    free); among them the one holding most of the request's leading blocks (``hits``) wins, the freer on a
-    tie. So affinity holds while there is room and balance takes over when there is not: an instance that
-    a hot prefix makes busier falls out of the band, the next request of that prefix goes to the freest
-    instance, which then caches it too. ``at``: each instance's place in ``scores`` (freeness by virtual
-    usage). Work: the instances that hold some of the request, not all of them."""
+    for the cache to decide are those within ``band`` of the freest: at least ``band`` times as free when
+    the freest has room (``best`` >= 0), at most ``1 - band`` of its deficit further behind when even the
+    freest is overloaded (``best`` < 0: then ``band * best`` would exclude everybody). While the freest is
+    at least ``floor`` free, an instance must be too. Among them the one holding most of the request's
+    leading blocks (``hits``) wins, the freer on a tie. So affinity holds while there is room, and balance
+    takes over when one instance is much busier than the rest: an instance that a hot prefix makes busier
+    falls out of the band, the next request of that prefix goes to the freest instance, which then caches
+    it too. When the whole cluster is overloaded alike, the cache still decides within the band: a hit
+    saves prefill work that every queued request waits for. ``at``: each instance's place in ``scores``
+    (freeness by virtual usage). Work: the instances that hold some of the request, not all of them."""
     if not hits or not scores:
         return None
     best = max(scores)
-    limit = max(floor, band * best)
+    limit = best - (1.0 - band) * abs(best)
+    if best >= floor:
+        limit = max(limit, floor)
     chosen, key = None, None
     for iid, h in hits.items():
         j = at.get(iid)

@@ -42,7 +42,8 @@ class DispatchMixin:
     async def _ask_or_choose(self, stream: Stream) -> tuple[str, str]:
         sub = stream.submit
         if self.manager_ok() or not self.snapshot:
-            q = wire.Dispatch(next(self._ids), sub.request_id, len(sub.prompt_token_ids), sub.priority, stream.exclude)
+            q = wire.Dispatch(next(self._ids), sub.request_id, len(sub.prompt_token_ids), sub.priority, stream.exclude,
+                              self._prefix_keys(stream) if self.dispatch_policy == "llumnix-cache" else [])
             reply = await self._ask(q, self.pc.dispatch_timeout_s)
             if reply is not None:
                 if not reply.instance_id and not any(v.instance_id not in stream.exclude for v in self.alive()):
@@ -139,14 +140,18 @@ class DispatchMixin:
         index = self.cache_index.index
         if self.dispatch_policy != "llumnix-cache" or not len(index):
             return None
-        keys = stream.prefix_keys
-        if keys is None:
-            entry = next(iter(self.view.entries.values()), None)
-            block_size = entry.load.block_size if entry is not None else 16
-            keys = stream.prefix_keys = prefix.keys(prefix.block_hashes(stream.submit.prompt_token_ids, block_size))
+        keys = self._prefix_keys(stream)
         if not keys:
             return None
         return {iid: n for iid, n in index.match(keys).items() if n} or None
+
+    def _prefix_keys(self, stream: Stream) -> list[int]:
+        """The keys of the prompt's full blocks (vLLM's block hashes, daemons/prefix.py), computed once."""
+        if stream.prefix_keys is None:
+            entry = next(iter(self.view.entries.values()), None)
+            block_size = entry.load.block_size if entry is not None else 16
+            stream.prefix_keys = prefix.keys(prefix.block_hashes(stream.submit.prompt_token_ids, block_size))
+        return stream.prefix_keys
 
     def tie_start(self) -> float:
         """Where our ties start among the instances: the proxies' starts are evenly spaced by their ranks, and

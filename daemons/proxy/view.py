@@ -84,7 +84,7 @@ class DispatchView:
     # ------------------------------------------------------------------ the dispatch
 
     def choose(self, alive, dispatch_policy: str, priority: int, turn: int, start: float | None,
-               hits: dict[str, int] | None = None, cache_band: float = 0.5, cache_floor: float = 0.0) -> str | None:
+               hits: dict[str, int] | None = None, cache_band: float = 0.25, cache_floor: float = 0.0) -> str | None:
         """The instance for a new request. ``alive`` gives the client's merged view of the instances that
         take requests (called only when membership must be built again). llumnix-cache: ``hits`` are the
         request's cached leading blocks per instance (policy.cache_choice over llumnix's kept scores)."""

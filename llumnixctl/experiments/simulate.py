@@ -45,6 +45,7 @@ from daemons import wire
 from daemons.clock import VirtualClock
 from daemons.config import Config, ConfigError, load_config
 from llumnixctl.common import ConfigOpt, JsonOpt, die, out, print_json
+from llumnixctl.experiments.simcache import CacheMixin
 from llumnixctl.experiments.simmigrate import MigrationMixin
 from llumnixctl.experiments.simscale import ScalingMixin
 from llumnixctl.experiments.tracegen import TraceRequest
@@ -86,6 +87,9 @@ class SimulatedRequest:
     finish: str = ""
     error: str = ""
     dispatches: int = 0
+    sent: float = -1.0  # when the client sent it (a session's later turn: after the turn before it)
+    ids: list | None = None  # the prompt's token ids (with sim.prefix_caching)
+    keys: list | None = None  # their block keys
 
 
 @dataclass
@@ -104,15 +108,18 @@ class SimulatedInstance:
     born: float = 0.0
     gone: float | None = None  # when it stopped (scaled in)
     retiring: bool = False
+    pub: object = None  # its prefix-cache Publisher (sim.prefix_caching)
 
 
-class Simulation(ScalingMixin, MigrationMixin):
+class Simulation(ScalingMixin, MigrationMixin, CacheMixin):
     def __init__(self, cfg: Config, instances: int, trace: list[TraceRequest], net: Network | None = None,
-                 sample_s: float = 0.0):
+                 sample_s: float = 0.0, oracle: bool = False):
         """``sample_s`` > 0: every so often (virtual seconds) look for fragmentation (a queue head that the
-        cluster's free blocks could hold but no single instance's can) and call the "sample" observers."""
+        cluster's free blocks could hold but no single instance's can) and call the "sample" observers.
+        ``oracle``: dispatch by the engines' real caches first (simcache.py)."""
         _engine_code()
         self.cfg = cfg
+        self.oracle = oracle
         self.sample_s = sample_s
         self.observers: list = []  # fn(kind, simulation, data): "dispatch", "step", "migration", "scale", "sample"
         self.scaling: list[dict] = []
@@ -169,6 +176,7 @@ class Simulation(ScalingMixin, MigrationMixin):
 
     def _start(self) -> None:
         self.instances: dict[str, SimulatedInstance] = {}
+        self._cache_start()
         self._next_index = itertools.count()
         for _ in range(self.n_instances):
             self._add_instance()
@@ -180,13 +188,15 @@ class Simulation(ScalingMixin, MigrationMixin):
         for k, tr in enumerate(self.trace):
             rid = f"r{k}"
             self.requests[rid] = SimulatedRequest(tr, rid)
-            self.at(tr.arrival_s, self._arrive, rid, ())
+            if rid not in self.later_turns:  # a later turn waits for the one before it
+                self.at(tr.arrival_s, self._arrive, rid, ())
         self.at(self.cfg.scheduling.migration_interval_s, self._pair)
 
     def _add_instance(self) -> SimulatedInstance:
         iid = f"i{next(self._next_index)}"
         inst = SimulatedInstance(iid, SimEngine(self.cfg.sim, self.cfg.model, kv=False), ident=iid.encode(), born=self.clock.now)
         self.instances[iid] = inst
+        self._publisher(inst)
         self.mgr.on_register(inst.ident, wire.Register(
             iid, self.cfg.instance.host or "sim", 0, f"inproc://sim-{iid}", "sim", self.cfg.model.name, inst.engine.load(),
             max_model_len=self.cfg.model.max_model_len))
@@ -215,19 +225,26 @@ class Simulation(ScalingMixin, MigrationMixin):
 
     def _arrive(self, rid: str, exclude: tuple) -> None:
         """The proxy asks the manager where the request goes (half a round trip each way)."""
+        req = self.requests[rid]
+        if req.sent < 0:
+            req.sent = self.clock.now
         self.at(self.clock.now + self.net.dispatch_rtt_s / 2, self._dispatch, rid, exclude)
 
     def _dispatch(self, rid: str, exclude: tuple) -> None:
         req = self.requests[rid]
         tr = req.trace
         prio = 1 if tr.priority == "high" else 0
-        reply = self.mgr.on_dispatch_batch([wire.Dispatch(next(self._qid), rid, tr.prompt_tokens, prio,
-                                                          list(exclude))])[0]
-        if not reply.instance_id:
-            return self._fail(req, reply.reason or "no instance")
+        iid = self._oracle_choice(req) if self.oracle and not exclude else None
+        if iid is None:
+            reply = self.mgr.on_dispatch_batch([wire.Dispatch(next(self._qid), rid, tr.prompt_tokens, prio,
+                                                              list(exclude),
+                                                              self.keys_of(req) if self.cache_keys else [])])[0]
+            if not reply.instance_id:
+                return self._fail(req, reply.reason or "no instance")
+            iid = reply.instance_id
         req.dispatches += 1
-        self._notify("dispatch", request=rid, instance=reply.instance_id)
-        self.at(self.clock.now + self.net.dispatch_rtt_s / 2 + self.net.submit_s, self._submit, rid, reply.instance_id)
+        self._notify("dispatch", request=rid, instance=iid)
+        self.at(self.clock.now + self.net.dispatch_rtt_s / 2 + self.net.submit_s, self._submit, rid, iid)
 
     def _submit(self, rid: str, iid: str) -> None:
         req = self.requests[rid]
@@ -235,9 +252,9 @@ class Simulation(ScalingMixin, MigrationMixin):
         tr = req.trace
         sampling = wire.SamplingParams(max_tokens=max(1, tr.output_tokens), ignore_eos=True)
         try:
-            inst.engine.add_request(EngineRequest(rid, [0] * tr.prompt_tokens, sampling,
+            inst.engine.add_request(EngineRequest(rid, self.prompt_of(req), sampling,
                                                   priority=1 if tr.priority == "high" else 0,
-                                                  arrival_time=tr.arrival_s))
+                                                  arrival_time=req.sent))
         except EngineError as exc:
             return self._fail(req, str(exc))
         req.owner = iid
@@ -247,6 +264,7 @@ class Simulation(ScalingMixin, MigrationMixin):
     def _fail(self, req: SimulatedRequest, why: str) -> None:
         req.error = why
         self._left -= 1
+        self._turn_ended(req)
 
     def _pair(self) -> None:
         for p, start in self.mgr.resched.plan(self.clock.now):
@@ -287,6 +305,7 @@ class Simulation(ScalingMixin, MigrationMixin):
             if tok.finish_reason is not None:
                 req.finish = tok.finish_reason
                 self._left -= 1
+                self._turn_ended(req)
         inst.stepping = False
         self._changed(inst)
         self._kick(inst)
@@ -317,45 +336,51 @@ class Simulation(ScalingMixin, MigrationMixin):
             return
         inst.last_report = self.clock.now
         inst.seq += 1
-        msg = wire.LoadReport(inst.iid, inst.seq, inst.engine.load())
+        msg = wire.LoadReport(inst.iid, inst.seq, inst.engine.load(), *self._cache_batch(inst))
         self.at(self.clock.now + self.net.report_lag_s, self.mgr.on_report, inst.ident, msg)
 
     # ------------------------------------------------------------------ figures
 
     def result(self, wall_s: float) -> dict:
-        done = [r for r in self.requests.values() if r.finish]
-        end = max((r.last for r in done), default=0.0)
-        start = min((r.trace.arrival_s for r in self.requests.values()), default=0.0)
-        duration = max(end - start, 1e-9)
-        ttfts = [r.first - r.trace.arrival_s for r in done]
-        e2el = [r.last - r.trace.arrival_s for r in done]
-        tpots = [(r.last - r.first) / (r.tokens - 1) for r in done if r.tokens > 1]
-        inputs = [r.trace.prompt_tokens for r in done]
-        outputs = [r.tokens for r in done]
-        out = {
-            "completed": len(done), "failed": sum(1 for r in self.requests.values() if r.error),
-            "duration": duration, "total_input_tokens": sum(inputs), "total_output_tokens": sum(outputs),
-            "request_throughput": len(done) / duration, "output_throughput": sum(outputs) / duration,
-            "total_token_throughput": (sum(inputs) + sum(outputs)) / duration,
-        }
-        for name, xs in (("ttft", ttfts), ("tpot", tpots), ("itl", list(self.itls)), ("e2el", e2el)):
-            out.update(stats_of(name, xs))
-        loads = [i.engine.load() for i in self.instances.values()]
-        seconds = sum(max(0.0, (i.gone if i.gone is not None else end) - max(i.born, start))
-                      for i in self.instances.values())
-        out.update({
-            "instances": self.n_instances, "instance_seconds": seconds,
-            "instances_at_end": sum(1 for i in self.instances.values() if i.gone is None),
-            "scaling": {"out": sum(e["what"] == "out" for e in self.scaling),
-                        "in": sum(e["what"] == "in" for e in self.scaling), "events": self.scaling},
-            "fragmentation": dict(self.fragmentation),
-            "preemptions": sum(ld.preemptions for ld in loads),
-            "migrations": dict(sorted(self.outcomes.items())),
-            "migration_downtime_ms": stats_of("downtime", self.downtimes)["mean_downtime_ms"] if self.downtimes else None,
-            "dispatch_policy": self.mgr.dispatch_policy, "events": self.events, "wall_s": wall_s,
-            "leaked_blocks": sum(ld.blocks_used for ld in loads),
-        })
-        return out
+        return result_of(self, wall_s)
+
+
+def result_of(sim: Simulation, wall_s: float) -> dict:
+    """The figures of a finished simulation (its ``result``)."""
+    done = [r for r in sim.requests.values() if r.finish]
+    end = max((r.last for r in done), default=0.0)
+    start = min((r.sent for r in sim.requests.values() if r.sent >= 0), default=0.0)
+    duration = max(end - start, 1e-9)
+    ttfts = [r.first - r.sent for r in done]
+    e2el = [r.last - r.sent for r in done]
+    tpots = [(r.last - r.first) / (r.tokens - 1) for r in done if r.tokens > 1]
+    inputs = [r.trace.prompt_tokens for r in done]
+    outputs = [r.tokens for r in done]
+    out = {
+        "completed": len(done), "failed": sum(1 for r in sim.requests.values() if r.error),
+        "duration": duration, "total_input_tokens": sum(inputs), "total_output_tokens": sum(outputs),
+        "request_throughput": len(done) / duration, "output_throughput": sum(outputs) / duration,
+        "total_token_throughput": (sum(inputs) + sum(outputs)) / duration,
+    }
+    for name, xs in (("ttft", ttfts), ("tpot", tpots), ("itl", list(sim.itls)), ("e2el", e2el)):
+        out.update(stats_of(name, xs))
+    loads = [i.engine.load() for i in sim.instances.values()]
+    seconds = sum(max(0.0, (i.gone if i.gone is not None else end) - max(i.born, start))
+                  for i in sim.instances.values())
+    out.update({
+        "instances": sim.n_instances, "instance_seconds": seconds,
+        "instances_at_end": sum(1 for i in sim.instances.values() if i.gone is None),
+        "scaling": {"out": sum(e["what"] == "out" for e in sim.scaling),
+                    "in": sum(e["what"] == "in" for e in sim.scaling), "events": sim.scaling},
+        "fragmentation": dict(sim.fragmentation),
+        "preemptions": sum(ld.preemptions for ld in loads),
+        "migrations": dict(sorted(sim.outcomes.items())),
+        "migration_downtime_ms": stats_of("downtime", sim.downtimes)["mean_downtime_ms"] if sim.downtimes else None,
+        "dispatch_policy": sim.mgr.dispatch_policy, "events": sim.events, "wall_s": wall_s,
+        "leaked_blocks": sum(ld.blocks_used for ld in loads),
+        **sim.cache_figures(),
+    })
+    return out
 
 
 def stats_of(name: str, xs: list[float]) -> dict:
@@ -377,11 +402,11 @@ def stats_of(name: str, xs: list[float]) -> dict:
 
 
 def simulate(cfg: Config, instances: int, trace: list[TraceRequest], net: Network | None = None,
-             sample_s: float = 0.0, observers: tuple = ()) -> dict:
+             sample_s: float = 0.0, observers: tuple = (), oracle: bool = False) -> dict:
     """Run ``trace`` on ``instances`` simulated instances with the settings of ``cfg``; the figures."""
     if instances < 1:
         raise ValueError("a cluster needs at least one instance")
-    sim = Simulation(cfg, instances, trace, net, sample_s)
+    sim = Simulation(cfg, instances, trace, net, sample_s, oracle)
     for fn in observers:
         sim.observe(fn)
     return sim.run()
@@ -416,7 +441,7 @@ def command(
     alpha: Annotated[float, typer.Option(help="generated trace: power-law exponent of lengths")] = 1.0,
     high_fraction: Annotated[float, typer.Option(help="generated trace: share of high-priority requests", min=0.0, max=1.0)] = 0.0,
     seed: Annotated[int, typer.Option(help="generated trace: seed")] = 0,
-    policy_: Annotated[Optional[str], typer.Option("--policy", metavar="POLICY", help="dispatch policy: llumnix, infaas++, rr (manager.dispatch_policy)")] = None,
+    policy_: Annotated[Optional[str], typer.Option("--policy", metavar="POLICY", help="dispatch policy: llumnix, llumnix-cache, infaas++, rr (manager.dispatch_policy), or oracle-cache (here only: the instance whose cache really holds most of the prompt)")] = None,
     report_lag_ms: Annotated[float, typer.Option(help="a load report's delay to the manager", min=0.0)] = 2.0,
     dispatch_rtt_ms: Annotated[float, typer.Option(help="the proxy's round trip to the manager per request", min=0.0)] = 1.0,
     kv_gbps: Annotated[float, typer.Option(help="what one migration's KV copy achieves, Gbit/s", min=0.001)] = 10.0,
@@ -426,7 +451,8 @@ def command(
     json_: JsonOpt = False,
 ) -> None:
     """A cluster in virtual time, on the daemons' own scheduler and policy code (see llumnixctl/experiments/simulate.py)."""
-    sets = list(set_ or []) + ([f"manager.dispatch_policy={policy_}"] if policy_ else [])
+    oracle = policy_ == "oracle-cache"
+    sets = list(set_ or []) + ([f"manager.dispatch_policy={'llumnix' if oracle else policy_}"] if policy_ else [])
     try:
         cfg = load_config(config, sets)
     except ConfigError as exc:
@@ -441,7 +467,7 @@ def command(
     import logging
 
     logging.getLogger("llumnix").setLevel(logging.WARNING)  # the manager's info lines are per event here
-    res = simulate(cfg, instances, reqs, net)
+    res = simulate(cfg, instances, reqs, net, oracle=oracle)
     if json_:
         print_json(res)
         return

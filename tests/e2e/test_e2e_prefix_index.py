@@ -36,6 +36,11 @@ def test_the_proxy_indexes_what_the_instances_cache_and_learns_it_again_after_ki
         Stream(c.url, 8, prompt=SYSTEM + f" question {k}").check_sim(8)
     wait_for(lambda: (lambda p, b, h: p == b > 0 and h > 0)(*_cached(c)), 15,
              f"the proxy's index does not count what the instances cache: {_cached(c)}")
+    # Status shows the hit rates: per instance and for the cluster, the instances' own counts.
+    wait_for(lambda: c.status()["totals"]["prefix_hit_tokens"] == _cached(c)[2], 15, "status lags the instances")
+    st = c.status()
+    assert 0 < st["totals"]["prefix_hit_tokens"] < st["totals"]["prefix_query_tokens"]
+    assert any(r["prefix_hit_rate"] for r in st["instances"])
 
     proxy = c.proc("proxy")
     os.kill(proxy.pid, signal.SIGKILL)

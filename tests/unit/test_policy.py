@@ -447,22 +447,38 @@ def test_the_cache_decides_among_instances_free_enough_and_load_decides_otherwis
     assert _cache_pick(ss, {"i0": 24}, band=0.2) == "i0"
 
 
-def test_a_hot_instance_is_never_chosen_for_its_cache():
-    ss = [InstanceState("i0", 1000, blocks_used=960, running=10), InstanceState("i1", 1000, blocks_used=950, running=10)]
-    # i0's freeness is 4, below the floor of 6: however much it caches, load decides.
+def test_a_hot_instance_is_not_chosen_for_its_cache_while_another_has_room():
+    ss = [InstanceState("i0", 1000, blocks_used=960, running=10), InstanceState("i1", 1000, blocks_used=900, running=10)]
+    # i0's freeness is 4, below the floor of 6 while i1 has 10: however much it caches, load decides.
     assert _cache_pick(ss, {"i0": 1000}, band=0.0) == "i1"
     assert _cache_pick(ss, {"i0": 1000}, band=0.0, floor=3.0) == "i0"
 
 
+def test_when_every_instance_is_overloaded_the_cache_still_decides_within_the_band():
+    # Freeness -1, -1.5 and -4 (the head of each queue does not fit): the band is measured on the deficit.
+    ss = [InstanceState("i0", 1000, blocks_used=990, running=10, waiting=5, hol_demand=20),
+          InstanceState("i1", 1000, blocks_used=995, running=10, waiting=5, hol_demand=20),
+          InstanceState("i2", 1000, blocks_used=1000, running=10, waiting=9, hol_demand=40)]
+    assert dispatch("llumnix", ss, 0) == "i0"
+    assert _cache_pick(ss, {"i1": 24}) == "i1"  # -1.5 >= -1 - 0.5 * 1
+    assert _cache_pick(ss, {"i2": 24}) == "i0"  # -4 is too far behind
+    assert _cache_pick(ss, {"i2": 24}, band=0.0) == "i0"  # -4 < -1 - 1 * 1
+
+
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 1000), st.integers(0, 40), st.integers(0, 60)), min_size=1, max_size=6),
+@given(st.lists(st.tuples(st.integers(0, 1000), st.integers(0, 40), st.integers(0, 60), st.integers(0, 300)),
+                min_size=1, max_size=6),
        st.floats(0, 1), st.floats(0, 20))
 def test_a_cache_choice_is_free_enough_and_holds_the_most_of_those(rows, band, floor):
-    states = [InstanceState(f"i{k}", 1000, blocks_used=used, running=batch) for k, (used, batch, _) in enumerate(rows)]
-    hits = {f"i{k}": h for k, (_, _, h) in enumerate(rows)}
+    states = [InstanceState(f"i{k}", 1000, blocks_used=used, running=batch, waiting=1 if hol else 0, hol_demand=hol)
+              for k, (used, batch, _, hol) in enumerate(rows)]
+    hits = {f"i{k}": h for k, (_, _, h, _) in enumerate(rows)}
     chosen = _cache_pick(states, hits, band, floor)
     f = {s.instance_id: policy.instance_freeness(s, 0.0) for s in states}
-    limit = max(floor, band * max(f.values()))
+    best = max(f.values())
+    limit = best - (1 - band) * abs(best)
+    if best >= floor:
+        limit = max(limit, floor)
     enough = [i for i in f if f[i] >= limit and hits[i] > 0]
     if not enough:
         assert chosen == dispatch("llumnix", states, 0)

@@ -1,0 +1,125 @@
+"""Of ``llumnixctl simulate``: prefix caching (``sim.prefix_caching``), sessions and the cache oracle.
+
+- Prompts are token ids (llumnixctl/experiments/tracecache.py: a trace's shared segments are the same ids
+  wherever they appear); without caching every prompt is zeros, which costs nothing to make.
+- Each instance publishes its cache's changes as the daemon does (``daemons.prefix.Publisher``: a batch
+  before each load report, the batch number on the report); the manager keeps its index with its own
+  ``Follower``, and a whole cache it asks for (``CacheSync``) comes back one report lag later.
+- A dispatch with ``llumnix-cache`` carries the prompt's block keys, as a proxy's does.
+- ``oracle-cache`` (simulation only): each request goes to the instance whose cache really holds most of
+  its leading blocks (the engines' own caches, no index, no lag), the freest of those on a tie; no hit
+  anywhere: llumnix. The hit rate nothing that places by cache can beat by much.
+- The turns of a session are a closed loop: a turn is sent its ``think_s`` after the one before it ended.
+"""
+
+from __future__ import annotations
+
+from daemons import policy, prefix, wire
+from llumnixctl.experiments import tracecache
+
+VOCAB = 32000  # prompt ids are drawn below this (the sim engine takes any ids)
+
+
+class CacheMixin:
+    """Of Simulation: uses ``cfg``, ``mgr``, ``clock``, ``net``, ``instances``, ``requests``, ``at``."""
+
+    def _cache_start(self) -> None:
+        self.caching = self.cfg.sim.prefix_caching
+        self.cache_keys = self.caching and self.cfg.manager.dispatch_policy == "llumnix-cache"
+        self.by_cache = 0
+        if self.caching:
+            self.mgr.cache_index._ask = self._cache_sync
+        prev = tracecache.previous_turns(self.trace)
+        self.next_turn = {f"r{p}": f"r{i}" for i, p in prev.items()}  # turn -> the turn after it
+        self.later_turns = {f"r{i}" for i in prev}
+
+    def prompt_of(self, req) -> list[int]:
+        if not self.caching:
+            return [0] * req.trace.prompt_tokens
+        if req.ids is None:
+            req.ids = tracecache.prompt_ids(req.trace, VOCAB)
+        return req.ids
+
+    def keys_of(self, req) -> list[int]:
+        if req.keys is None:
+            req.keys = prefix.keys(prefix.block_hashes(self.prompt_of(req), self.cfg.sim.block_size))
+        return req.keys
+
+    def _turn_ended(self, req) -> None:
+        """A request finished or failed: its session's next turn is sent after its think time."""
+        nxt = self.next_turn.get(req.rid)
+        if nxt is not None:
+            self.at(self.clock.now + self.requests[nxt].trace.think_s, self._arrive, nxt, ())
+
+    # ------------------------------------------------------------------ publication
+
+    def _publisher(self, inst) -> None:
+        inst.pub = prefix.Publisher(inst.iid, epoch=int(inst.iid[1:]) + 1) if inst.engine.cache is not None else None
+
+    def _cache_batch(self, inst) -> tuple:
+        """Before a load report: the changes since the last one go to the manager (first); the report's
+        (epoch, seq)."""
+        pub = inst.pub
+        if pub is None:
+            return ()
+        pub.add(inst.engine.cache_events())
+        batch = pub.take()
+        if batch is not None:
+            self.at(self.clock.now + self.net.report_lag_s, self.mgr.on_cache_events, inst.ident, batch)
+        return pub.epoch, pub.seq
+
+    def _cache_sync(self, instance_id: str) -> None:
+        """The manager asks an instance for its whole cache: it answers one lag later."""
+        inst = self.instances.get(instance_id)
+        if inst is None or inst.pub is None or inst.gone is not None:
+            return
+
+        def answer() -> None:
+            inst.pub.add(inst.engine.cache_events())
+            self.at(self.clock.now + self.net.report_lag_s, self.mgr.on_cache_events, inst.ident,
+                    inst.pub.full(inst.engine.cache_snapshot()))
+
+        self.at(self.clock.now + self.net.report_lag_s, answer)
+
+    # ------------------------------------------------------------------ the oracle
+
+    def _oracle_choice(self, req) -> str | None:
+        keys = self.keys_of(req)
+        truth = {}
+        for iid, inst in self.instances.items():
+            if inst.gone is None and not inst.retiring and inst.engine.cache is not None:
+                held = inst.engine.cache._block_of
+                n = 0
+                for k in keys:
+                    if k not in held:
+                        break
+                    n += 1
+                if n:
+                    truth[iid] = n
+        if not truth:
+            return None
+        states = {s.instance_id: s for s in self.mgr.states(self.clock.now) if s.dispatchable}
+        score = policy.scorer("llumnix", self.cfg.scheduling.high_priority_headroom)
+        ranked = [(n, score(states[iid]), iid) for iid, n in truth.items() if iid in states]
+        if not ranked:
+            return None
+        iid = max(ranked)[2]
+        self.by_cache += 1
+        tr = req.trace
+        self.mgr.on_dispatched(wire.Dispatched(req.rid, iid, tr.prompt_tokens, 1 if tr.priority == "high" else 0))
+        return iid
+
+    def cache_figures(self) -> dict:
+        q = h = 0
+        per = {}
+        for iid, inst in self.instances.items():
+            c = inst.engine.cache
+            if c is not None:
+                q += c.query_tokens
+                h += c.hit_tokens
+                per[iid] = round(c.hit_tokens / c.query_tokens, 4) if c.query_tokens else None
+        out = {"prefix_caching": self.caching}
+        if self.caching:
+            out.update(prefix_query_tokens=q, prefix_hit_tokens=h, prefix_hit_rate=h / q if q else 0.0,
+                       prefix_hit_rate_by_instance=per, oracle_dispatches=self.by_cache if self.oracle else None)
+        return out
