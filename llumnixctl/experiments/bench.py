@@ -29,8 +29,8 @@ from rich.table import Table
 
 from daemons import runtime, wire
 from daemons.config import ConfigError, load_config
-from llumnixctl.experiments import (bench_engine, bench_manager, bench_migration, bench_overload, bench_policies,
-                                    bench_serve, bench_steady)
+from llumnixctl.experiments import (bench_cache, bench_engine, bench_manager, bench_migration, bench_overload,
+                                    bench_policies, bench_serve, bench_steady)
 from llumnixctl.admin import AdminClient
 from llumnixctl.experiments.bench_proxy_short import (SHORT_GOAL_RPS, host_port, open_nodelay, pct, pick_client,
                                                      short_rate, stream_load)
@@ -334,4 +334,5 @@ app.command("policies")(bench_policies.command)
 app.command("serve")(bench_serve.command)
 app.command("manager")(bench_manager.command)
 app.command("steady")(bench_steady.command)
+app.command("cache")(bench_cache.command)
 app.command("overload")(bench_overload.command)

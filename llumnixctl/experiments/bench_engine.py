@@ -128,7 +128,8 @@ def start_api_server(path: Path, vllm: dict, run_dir: Path, timeout_s: float = 3
             "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1], "--enforce-eager", "--seed", "0",
             "--distributed-executor-backend", "uni",  # the executor an instance runs (in the engine core process)
             "--block-size", str(vllm["block_size"]), "--max-num-seqs", str(vllm["max_num_seqs"]),
-            "--kv-cache-memory-bytes", str(vllm["kv_cache_bytes"]), "--no-enable-prefix-caching",
+            "--kv-cache-memory-bytes", str(vllm["kv_cache_bytes"]),
+            "--enable-prefix-caching" if vllm.get("enable_prefix_caching") else "--no-enable-prefix-caching",
             "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
     log = run_dir / "api_server.log"

@@ -70,3 +70,23 @@ def test_bursts_quick(tmp_path):
         if r["params"]["caps"].startswith("capped"):
             assert r["in_flight_peak_per_instance"] <= 2
         assert len(r["series"]["arrivals"]) == len(r["series"]["in_flight"])
+
+
+def test_cache_fleet_quick(tmp_path):
+    from llumnixctl.experiments.figs import cache
+
+    cache.main(["--quick", "--out", str(tmp_path)])
+    d = json.loads((tmp_path / "cache-fleet.json").read_text())
+    assert d["setup"]["quick"] is True
+    for r in d["runs"]:
+        assert r["result"]["failed"] == 0 and r["result"]["leaked_blocks"] == 0 and r["result"]["completed"] > 0
+    for key in ("fleet n=16 shared-prefix", "fleet n=16 multi-turn"):
+        (point,) = d["analysis"][key]["points"]
+        hits = point["hit_rate"]
+        # Cache-aware finds the warm instances a cache-blind placement misses, close to the oracle's rate.
+        assert hits["llumnix-cache"] > hits["llumnix"] + 0.15, hits
+        assert hits["oracle-cache"] - hits["llumnix-cache"] < 0.1, hits
+    (hot,) = d["analysis"]["hotspot n=16 shared-prefix hot=0.8"]["points"]
+    assert hot["max_running_share"]["llumnix-cache"] < hot["max_running_share"]["oracle-cache"]
+    (sweep,) = d["analysis"]["sweep n=16 unique L-L cv3"]["points"]
+    assert sweep["p99_ttft_ms"]["llumnix-cache"] == sweep["p99_ttft_ms"]["llumnix"]  # nothing cached: the same

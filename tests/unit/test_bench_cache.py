@@ -1,0 +1,34 @@
+"""``llumnixctl bench cache``'s parts that need no engine: prompts as text of exactly the trace's length
+(every word one token of the model), and the summary over rounds."""
+
+from __future__ import annotations
+
+import pytest
+
+from llumnixctl.experiments import bench_cache
+from llumnixctl.experiments.tracefiles import tokenizer
+from llumnixctl.lab.model import write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "m", seed=0)
+
+
+def test_a_prompt_is_exactly_its_trace_length_and_shared_segments_are_shared_text(model):
+    words, tok = bench_cache.Words(model), tokenizer(model)
+    for kind in bench_cache.TRACES:
+        reqs = bench_cache.make_trace(kind, 30, 4.0, 0)
+        for r in reqs:
+            assert len(tok(words.text(r))) == r.prompt_tokens
+    a, b = [r for r in bench_cache.make_trace("hotspot", 30, 4.0, 0) if r.segments[0][0].endswith("-p0")][:2]
+    n = a.segments[0][1]
+    assert tok(words.text(a))[:n] == tok(words.text(b))[:n] and words.text(a) != words.text(b)
+
+
+def test_the_summary_gives_medians_and_ranges_over_rounds():
+    rows = [{"trace": "t", "system": "s", "p99_ttft_ms": x, "mean_ttft_ms": x / 2, "failed": f,
+             "prefix_cache": {"hit_rate": h}, "max_running_share": 0.3} for x, f, h in ((300, 0, .5), (100, 1, .7), (200, 0, .6))]
+    s = bench_cache.summarize(rows)["t"]["s"]
+    assert s["p99_ttft_ms"] == {"median": 200, "min": 100, "max": 300}
+    assert s["hit_rate"]["median"] == .6 and s["failed"] == 1 and s["rounds"] == 3
