@@ -60,3 +60,28 @@ def _up(url: str) -> bool:
         return httpx.get(url + "/health", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def _manager_metric(c, name: str) -> float:
+    line = next(x for x in open(c.proc("manager").log) if "metrics 127.0.0.1:" in x)
+    address = line.split("metrics ")[1].split(")")[0].split(",")[0].strip()
+    return metric(samples(httpx.get(f"http://{address}/metrics", timeout=10).text), name, default=0.0)
+
+
+def test_the_manager_answers_by_its_own_index_when_the_proxy_asks(start_cluster):
+    """proxy.dispatch = manager: the proxy sends the prompt's block keys with each Dispatch, and the manager
+    places a request where its prefix is cached (its index from the instances' batches): after the first,
+    every request of the prefix hits, where a cache-blind choice between two idle instances alternates."""
+    c = start_cluster(2, ["sim.prefix_caching=true", "instance.min_step_s=0.01", "proxy.dispatch=manager",
+                          "manager.dispatch_policy=llumnix-cache"])
+    Stream(c.url, 4, prompt=SYSTEM + " first").check_sim(4)
+    wait_for(lambda: _manager_metric(c, "llumnix_manager_prefix_index_blocks") > 0, 15,
+             "the manager's index never counted the first request's blocks")
+    before = _cached(c)[2]
+    for k in range(4):
+        Stream(c.url, 4, prompt=SYSTEM + f" next {k}").check_sim(4)
+    wait_for(lambda: _cached(c)[2] > before, 15, "no hit counted")
+    got = c.status()["instances"]
+    served = [r["id"] for r in got if r["prefix_query_tokens"]]
+    assert len(served) == 1, got  # every request went where the prefix is
+    assert _manager_metric(c, "llumnix_manager_cache_dispatches_total") >= 4
