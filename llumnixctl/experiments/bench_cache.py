@@ -25,7 +25,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -229,18 +228,7 @@ def peer(kind: str, binary: str, model: Path, run_dir: Path, reqs: list, words: 
                 "--worker-urls", *(u for _, u in servers)]
         if kind == "smg":
             argv = [binary, "launch", *argv[1:]] if Path(binary).name == "smg" else argv
-        with open(run_dir / "router.log", "wb") as log:
-            router = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if router.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{kind} did not come up: {(run_dir / 'router.log').read_text()[-2000:]}")
-            time.sleep(0.5)
+        router = bench_engine.start_router(argv, url, run_dir / "router.log")
         addresses = [u for _, u in servers]
         res = _replay(url, reqs, words, addresses, "vllm:num_requests_running")
         res["prefix_cache"] = _hits(addresses, "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")

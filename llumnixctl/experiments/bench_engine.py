@@ -153,6 +153,24 @@ def start_api_server(path: Path, vllm: dict, run_dir: Path, timeout_s: float = 3
             pass
 
 
+def start_router(argv: list[str], url: str, log: Path, timeout_s: float = 120.0) -> subprocess.Popen:
+    """A router in front of api_servers (vllm-router, smg): started with ``argv`` (its output to ``log``),
+    returned once ``url``/v1/models answers; stopped (by pid) if it does not."""
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_api_server(proc)
+            raise BenchError(f"{Path(argv[0]).name} did not come up: {log.read_text()[-2000:]}")
+        time.sleep(0.5)
+
+
 def _tree(proc: subprocess.Popen) -> list[psutil.Process]:
     """The server and its engine core process (vLLM runs the core in a child)."""
     try:

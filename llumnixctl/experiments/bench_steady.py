@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 from typing import Annotated, Optional
 
-import httpx
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -131,20 +130,9 @@ def plain_router(router: str, model: Path, run_dir: Path, trace: Path, kv_bytes:
             servers.append(bench_engine.start_api_server(model, vllm, d))
         port = localcluster.free_port()
         url = f"http://127.0.0.1:{port}"
-        with open(run_dir / "router.log", "wb") as log:
-            router_proc = subprocess.Popen([router, "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
-                                            "--worker-urls", *(u for _, u in servers)],
-                                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if router_proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the router did not come up: {(run_dir / 'router.log').read_text()[-2000:]}")
-            time.sleep(0.5)
+        router_proc = bench_engine.start_router([router, "--host", "127.0.0.1", "--port", str(port), "--policy",
+                                                  "round_robin", "--worker-urls", *(u for _, u in servers)],
+                                                 url, run_dir / "router.log")
         return _serve(url, trace, ["--model", "bench"])
     finally:
         if router_proc is not None:
