@@ -75,12 +75,14 @@ class Words:
 
 
 class Shares(threading.Thread):
-    """Twice a second: each engine's running requests (a gauge on its /metrics)."""
+    """Twice a second: each engine's running requests (a gauge on its /metrics), and the busiest one's share
+    of them whenever at least 4 run: its largest, and its mean over those samples (weighted by how many ran)."""
 
     def __init__(self, addresses: list[str], gauge: str):
         super().__init__(daemon=True)
         self.addresses, self.gauge = addresses, gauge
         self.worst = 0.0
+        self.busiest = self.total = 0.0
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -88,6 +90,11 @@ class Shares(threading.Thread):
             running = [bench_serve._scrape(a).get(self.gauge, 0.0) for a in self.addresses]
             if sum(running) >= 4:
                 self.worst = max(self.worst, max(running) / sum(running))
+                self.busiest += max(running)
+                self.total += sum(running)
+
+    def mean(self) -> float | None:
+        return round(self.busiest / self.total, 3) if self.total else None
 
 
 def _hits(addresses: list[str], queried: str, hit: str) -> dict:
@@ -116,7 +123,7 @@ def _replay(url: str, reqs: list, words: Words, addresses: list[str], gauge: str
     ttft = stats_ms([r["times"][0] for r in ok]) if ok else {}
     return {"completed": len(ok), "failed": len(results) - len(ok), "first_error": errors[0] if errors else "",
             "duration_s": duration, "mean_ttft_ms": ttft.get("mean"), "p99_ttft_ms": ttft.get("p99"),
-            "max_running_share": round(shares.worst, 3)}
+            "max_running_share": round(shares.worst, 3), "mean_running_share": shares.mean()}
 
 
 class Restart(threading.Thread):
@@ -322,5 +329,6 @@ def summarize(rows: list[dict]) -> dict:
             table[kind][name] = {"p99_ttft_ms": med(lambda r: r["p99_ttft_ms"]), "mean_ttft_ms": med(lambda r: r["mean_ttft_ms"]),
                                  "hit_rate": med(lambda r: r["prefix_cache"]["hit_rate"]),
                                  "max_running_share": med(lambda r: r["max_running_share"]),
+                                 "mean_running_share": med(lambda r: r.get("mean_running_share")),
                                  "failed": sum(r["failed"] for r in rs), "rounds": len(rs)}
     return table
