@@ -159,7 +159,8 @@ class SimEngine(SimMigrationMixin, SimCacheMixin):
             waiting.popleft()
             req.blocks = [free.popleft() for _ in range(need)]
             if cache is not None:
-                cache.count(tokens, tokens - new)
+                if not req.preempted:  # as vLLM's counters: a re-admission after preemption is not a query
+                    cache.count(tokens, tokens - new)
                 self._prefilled(req)
             req.preempted = False
             self._run(req)

@@ -61,26 +61,39 @@ class VllmPrefixCache:
         if taken:
             self._events.extend(taken)
         out: list[tuple[bool, int]] = []
+        known = self._known
+        removed = False
         for ev in self._events:
             kind = type(ev).__name__
             if kind == "BlockStored":
-                out.extend((True, prefix.key(h)) for h in ev.block_hashes)
+                for h in ev.block_hashes:
+                    k = prefix.key(h)
+                    out.append((True, k))
+                    known.add(k)
             elif kind == "BlockRemoved":
-                out.extend((False, prefix.key(h)) for h in ev.block_hashes)
+                for h in ev.block_hashes:
+                    k = prefix.key(h)
+                    out.append((False, k))
+                    known.discard(k)
+                    removed = True
             elif kind == "AllBlocksCleared":
-                out.extend((False, k) for k in self._known)
+                out.extend((False, k) for k in known)
+                known.clear()
+                removed = True
         self._events = []
-        for stored, k in out:
-            if stored:
-                self._known.add(k)
-            else:
-                self._known.discard(k)
+        if removed:
+            # vLLM may cache one content in several blocks (two requests prefilled it at once): the eviction of
+            # one copy is no removal while another holds it. The cache map says what is held now.
+            held = set(self.snapshot(remember=False))
+            known.update(k for s, k in out if not s and k in held)
+            out = [(s, k) for s, k in out if s or k not in held]
         return out
 
-    def snapshot(self) -> list[int]:
+    def snapshot(self, remember: bool = True) -> list[int]:
         """Every block key cached now (the pool's map: running requests' full blocks and free cached ones)."""
         from vllm.v1.core.kv_cache_utils import get_block_hash
 
         keys = [prefix.key(get_block_hash(k)) for k in self._pool.cached_block_hash_to_block._cache]
-        self._known = set(keys)
+        if remember:
+            self._known = set(keys)
         return keys

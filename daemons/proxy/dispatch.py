@@ -146,10 +146,14 @@ class DispatchMixin:
         return {iid: n for iid, n in index.match(keys).items() if n} or None
 
     def _prefix_keys(self, stream: Stream) -> list[int]:
-        """The keys of the prompt's full blocks (vLLM's block hashes, daemons/prefix.py), computed once."""
+        """The keys of the prompt's full blocks (vLLM's block hashes, daemons/prefix.py, at the instances' block
+        size), computed once; none while no instance's block size is known yet."""
         if stream.prefix_keys is None:
             entry = next(iter(self.view.entries.values()), None)
-            block_size = entry.load.block_size if entry is not None else 16
+            block_size = entry.load.block_size if entry is not None else next(
+                (v.load.block_size for v in self.snapshot if v.load.block_size), 0)
+            if not block_size:
+                return []
             stream.prefix_keys = prefix.keys(prefix.block_hashes(stream.submit.prompt_token_ids, block_size))
         return stream.prefix_keys
 

@@ -30,8 +30,9 @@ class CacheMixin:
         if self.caching:
             self.mgr.cache_index._ask = self._cache_sync
         prev = tracecache.previous_turns(self.trace)
-        self.next_turn = {f"r{p}": f"r{i}" for i, p in prev.items()}  # turn -> the turn after it
-        self.later_turns = {f"r{i}" for i in prev}
+        at = {tr.index: k for k, tr in enumerate(self.trace)}  # a request's id is r<its place in the trace>
+        self.next_turn = {f"r{at[p]}": f"r{at[i]}" for i, p in prev.items()}  # turn -> the turn after it
+        self.later_turns = {f"r{at[i]}" for i in prev}
 
     def prompt_of(self, req) -> list[int]:
         if not self.caching:

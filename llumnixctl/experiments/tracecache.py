@@ -77,6 +77,9 @@ def multi_turn(n: int, *, rate: float, arrival: str = "poisson", cv: float = 1.0
         raise ValueError("system_tokens and think must be >= 0")
     if rate <= 0:
         raise ValueError(f"the arrival rate must be positive; got {rate}")
+    if (system_tokens if system_prompts else 0) + message[0] + reply[0] > max_context:
+        raise ValueError(f"no turn fits in max_context {max_context}: a system prompt of {system_tokens} tokens, a "
+                         f"message of at least {message[0]} and a reply of at least {reply[0]}")
     weights = _popularity(max(system_prompts, 1), skew, 0.0)
     r = {k: random.Random(f"llumnix-trace:{seed}:{k}") for k in ("arrival", "prefix", "prompt", "output", "turns", "think")}
     session_rate = rate / ((turns[0] + turns[1]) / 2)

@@ -101,7 +101,7 @@ def scale_rate(reqs: list[TraceRequest], factor: float) -> list[TraceRequest]:
     """Arrivals compressed by ``factor``: the rate times ``factor`` (2 = twice as fast)."""
     if not factor > 0 or math.isinf(factor):
         raise ValueError(f"the rate scale must be positive and finite; got {factor}")
-    return reindex(replace(r, arrival_s=r.arrival_s / factor) for r in reqs)
+    return reindex(replace(r, arrival_s=r.arrival_s / factor, think_s=r.think_s / factor) for r in reqs)
 
 
 def window(reqs: list[TraceRequest], start_s: float = 0.0, end_s: float | None = None) -> list[TraceRequest]:

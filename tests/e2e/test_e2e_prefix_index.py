@@ -73,7 +73,7 @@ def test_the_manager_answers_by_its_own_index_when_the_proxy_asks(start_cluster)
     places a request where its prefix is cached (its index from the instances' batches): after the first,
     every request of the prefix hits, where a cache-blind choice between two idle instances alternates."""
     c = start_cluster(2, ["sim.prefix_caching=true", "instance.min_step_s=0.01", "proxy.dispatch=manager",
-                          "manager.dispatch_policy=llumnix-cache"])
+                          "manager.dispatch_policy=llumnix-cache", "sim.block_size=32"])  # the proxy's hashing follows
     Stream(c.url, 4, prompt=SYSTEM + " first").check_sim(4)
     wait_for(lambda: _manager_metric(c, "llumnix_manager_prefix_index_blocks") > 0, 15,
              "the manager's index never counted the first request's blocks")

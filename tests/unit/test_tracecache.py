@@ -100,3 +100,10 @@ def test_trace_generate_writes_shared_traces(tmp_path):
     res = subprocess.run([sys.executable, "-m", "llumnixctl.main", "trace", "generate", str(out), "--shape",
                           "nope"], capture_output=True, text=True)
     assert res.returncode == 2 and "unknown --shape" in res.stderr
+
+
+def test_a_multi_turn_trace_whose_turns_cannot_fit_is_refused_not_generated_forever():
+    with pytest.raises(ValueError, match="no turn fits"):
+        tracecache.multi_turn(10, rate=1, system_tokens=384, message=(16, 32), reply=(16, 32), max_context=256)
+    scaled = tracemix.scale_rate(tracecache.multi_turn(20, rate=1, think=4.0, seed=0), 2.0)
+    assert all(r.think_s == t.think_s / 2 for r, t in zip(scaled, tracecache.multi_turn(20, rate=1, think=4.0, seed=0)))
