@@ -289,6 +289,7 @@ async def _serve(cfg: Config) -> None:
     gc.set_threshold(GC_THRESHOLD, 10, 10)
     server = uvicorn.Server(uvicorn.Config(serving_app(cfg, app), log_config=None, access_log=False, lifespan="off",
                                            timeout_graceful_shutdown=pc.shutdown_grace_s,
+                                           timeout_keep_alive=pc.keep_alive_s,
                                            limit_concurrency=pc.max_connections or None))
 
     async def notify_when_started() -> None:
