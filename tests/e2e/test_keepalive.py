@@ -15,11 +15,20 @@ HEALTH = b"GET /health HTTP/1.1\r\nHost: proxy\r\n\r\n"
 
 
 def _answer(sock: socket.socket) -> bytes:
+    """One whole response (headers, then the body by its Content-Length), nothing after it."""
     data = b""
     while b"\r\n\r\n" not in data:
         chunk = sock.recv(4096)
         assert chunk, "the proxy closed the connection"
         data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        chunk = sock.recv(length - len(body))
+        assert chunk, "the proxy closed the connection mid-body"
+        body += chunk
+    assert len(body) == length
     return data
 
 
