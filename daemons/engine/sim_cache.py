@@ -49,6 +49,15 @@ class SimPrefixCache:
             n += 1
         return min(n * self.block_size, tokens - 1)
 
+    def leading(self, block_keys: list[int]) -> int:
+        """How many of these block keys, from the first, the cache holds (what an oracle dispatcher reads)."""
+        n = 0
+        for k in block_keys:
+            if k not in self._block_of:
+                break
+            n += 1
+        return n
+
     def count(self, tokens: int, hit: int) -> None:
         """A request was admitted: ``tokens`` looked up, ``hit`` of them found (once per admission, however
         often the queue's head was looked at before it fitted)."""

@@ -89,12 +89,7 @@ class CacheMixin:
         truth = {}
         for iid, inst in self.instances.items():
             if inst.gone is None and not inst.retiring and inst.engine.cache is not None:
-                held = inst.engine.cache._block_of
-                n = 0
-                for k in keys:
-                    if k not in held:
-                        break
-                    n += 1
+                n = inst.engine.cache.leading(keys)
                 if n:
                     truth[iid] = n
         if not truth:
