@@ -319,6 +319,12 @@ scrape_configs:
     # Prometheus has what the daemons counted once its scrapes caught up.
     finished = f'sum(llumnix_proxy_requests_finished_total{{model_name="{MODEL}", finished_reason="length"}})'
     wait_for(lambda: prom.value(finished) >= n, 30, f"Prometheus did not see {n} finished requests", every=0.5)
+    # The instances are other targets, scraped at other moments: wait for their counts too (under load their
+    # scrape can come a second after the proxy's; asserting at once failed in CI).
+    wait_for(lambda: prom.value("sum(llumnix_instance_generation_tokens_total)") >= 6 * 12 + 8 + 300
+             and prom.value("sum(llumnix_instance_request_prefill_time_seconds_count)") >= n
+             and prom.value("sum(llumnix_instance_request_decode_time_seconds_count)") >= n - 1, 30,
+             "Prometheus did not see the instances' counts", every=0.5)
     for hist in ("llumnix_proxy_time_to_first_token_seconds", "llumnix_proxy_e2e_request_latency_seconds",
                  "llumnix_proxy_request_time_per_output_token_seconds", "llumnix_instance_request_queue_time_seconds",
                  "llumnix_instance_request_prefill_time_seconds"):
