@@ -7,20 +7,26 @@ instances for migration, drains, removes and scales them. The manager keeps no d
 restart, instances re-register on their next report (the manager answers an unknown reporter with a
 RegisterAck that asks for it), repeating the flags they were given.
 
-One concern per file:
+``Manager`` (daemon.py) is a facade: the socket loop, who may send what, and a handler per message type that
+hands each message to the one object that decides it. Each object owns its state and is given, when it is
+built, only what it needs (the clock, its config section, the cluster view, a ``send`` to an instance):
 
-- ``daemon.py``: the ``Manager`` (its state, socket loop, handler per message type, who may send what) and
-  the CLI;
-- ``records.py``: what it holds of each instance, and its metrics;
-- ``view.py``: the instances' scheduling states, the view for status and proxies, gauges;
-- ``registry.py``: registration, reports, goodbyes, forgetting;
-- ``liveness.py``: connections watched and reports timed: late, dead;
-- ``dispatch.py``: dispatch decisions and the pending-dispatch ledger;
-- ``queries.py``: request listings fanned out to the instances, policy changes;
-- ``rescheduler.py``: migration orders (its own and operators');
-- ``lifecycle.py``: drain and cordon, remove, add (the rescheduler's);
-- ``scaling.py``: auto-scaling (the rescheduler's);
-- ``launcher.py``: starting instances for scale-out and ``llumnixctl add``.
+- ``ClusterView`` (view.py): the one owner of the instance records; their scheduling states, the status
+  view, the per-instance gauges. The rescheduler's parts see it through the ``Cluster`` protocol: records
+  and states to read, verbs for the flags, the orders count, forgetting. ``ProxyRanks``: the proxies heard;
+- ``Policies`` (records.py): the policies in force, changed by ``llumnixctl policy``; ``InstanceRecord``:
+  what is held of each instance; the metrics;
+- ``Registry`` (registry.py): registrations, reports, goodbyes, duplicates of a live id, the prefix index;
+- ``Liveness`` (liveness.py): connections watched and reports timed: late, dead, forgotten;
+- ``Dispatcher`` (dispatch.py): dispatch decisions and the pending-dispatch ledger;
+- ``Queries`` (queries.py): request listings fanned out to the instances, and lookups;
+- ``Rescheduler`` (rescheduler.py), built with the ``Cluster`` view and an order port, not the manager; it
+  holds ``Orders`` (orders.py: the pairing loop, operators' migrations, their results), ``Lifecycle``
+  (lifecycle.py: drain and cordon, remove, add), ``Scaling`` (scaling.py: auto-scaling) and the
+  ``Launcher`` (launcher.py: starting instances for scale-out and ``llumnixctl add``).
+
+Imports go one way: records <- view <- (registry, liveness, dispatch, queries, orders, lifecycle, scaling)
+<- rescheduler <- daemon.
 """
 
 from daemons.manager.daemon import Manager, app, entry, main

@@ -11,19 +11,18 @@ import typer
 import zmq
 import zmq.asyncio
 
-from daemons import metrics, prefix, runtime, security, wire
+from daemons import metrics, runtime, security, wire
 from daemons.cli import ConfigFile, LogLevel, Overrides, load_or_exit
 from daemons.clock import Clock
 from daemons.config import Config
-from daemons.links import LinkWatch
-from daemons.manager.dispatch import DispatchMixin
-from daemons.manager.liveness import LivenessMixin
-from daemons.manager.queries import Fanout, QueriesMixin
-from daemons.manager.records import M_BAD_FRAMES, M_LINKS_HEALED, M_REFUSED, InstanceRecord
-from daemons.manager.registry import RegistryMixin
+from daemons.manager.dispatch import Dispatcher
+from daemons.manager.liveness import Liveness
+from daemons.manager.queries import Queries, lookup_timeout
+from daemons.manager.records import M_BAD_FRAMES, M_REFUSED, InstanceRecord, Policies
+from daemons.manager.registry import Registry
 from daemons.manager.rescheduler import Rescheduler
+from daemons.manager.view import ClusterView, ProxyRanks
 from daemons.throttle import Throttle
-from daemons.manager.view import ViewMixin
 
 log = logging.getLogger("llumnix.manager")
 
@@ -37,9 +36,11 @@ _VERBS: dict[str, tuple[type, ...]] = {
 }
 
 
-class Manager(ViewMixin, RegistryMixin, LivenessMixin, DispatchMixin, QueriesMixin):
-    """The global scheduler: the state below, and a mixin per concern (view, registry, liveness, dispatch,
-    queries) in the file named for it; the rescheduler (migration orders, drains, scaling) is a part."""
+class Manager:
+    """The global scheduler: its socket loop and the handler for each message type, over one object per
+    concern, each in the file named for it: ``cluster`` (view.py, the instance records), ``policies``
+    (records.py), ``registry``, ``liveness``, ``dispatcher`` (dispatch.py), ``queries`` and ``resched``
+    (rescheduler.py: migration orders, lifecycle, scaling)."""
 
     def __init__(self, cfg: Config, clock: Clock | None = None, sock=None, ctx: zmq.asyncio.Context | None = None):
         """``clock``: the time it reads (the simulator and tests/support pass a virtual one). ``sock``: what it
@@ -49,16 +50,7 @@ class Manager(ViewMixin, RegistryMixin, LivenessMixin, DispatchMixin, QueriesMix
         metrics.bind("manager", cfg.model.name)
         self.cfg = cfg
         self.clock = clock or Clock()  # the simulator passes its virtual clock
-        self.mc = cfg.manager
-        self.sc = cfg.scheduling
-        # The policies in force: from the config, changed at run time by `llumnixctl policy`.
-        self.dispatch_policy = self.mc.dispatch_policy
-        self.pairing_policy = self.sc.pairing_policy
-        self.request_selection = self.sc.request_selection
-        self.scaling_policy = cfg.scaling.policy
-        self.instances: dict[str, InstanceRecord] = {}
-        self.turn = 0
-        self.dispatched_total = 0
+        self.mc = mc = cfg.manager
         self.started = self.clock.monotonic()
         self.ctx = ctx if ctx is not None else zmq.asyncio.Context()
         self.sec = security.Security(cfg.security, "manager", self.ctx)
@@ -67,42 +59,101 @@ class Manager(ViewMixin, RegistryMixin, LivenessMixin, DispatchMixin, QueriesMix
             sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.sock = sock
         self.bound = ""
-        self.query_ids = itertools.count(1)
-        self._fanouts: dict[int, Fanout] = {}
         self._tasks: set[asyncio.Task] = set()
-        self.resched = Rescheduler(self)
         self._refused_logged = Throttle(60.0)  # (sender, instance id or verb)
-        self.sender = ""  # role:name of the message being handled (CURVE keys), for handlers that need it
-        self._asked_to_register: dict[str, float] = {}  # instance id -> when we last asked it to register
-        # Connections whose registration named the id of another live instance: their reports are not that
-        # instance's (connection identity -> the id it asked for; the oldest forgotten past 10,000).
-        self._duplicates: dict[bytes, str] = {}
-        # Which instance caches which prompt blocks (daemons/prefix.py), from the instances' CacheEvents; a
-        # restarted manager asks each instance for its whole cache at its first report.
-        self.cache_index = prefix.Follower(self._ask_cache, self.clock.monotonic, self.mc.heartbeat_interval_s)
-        self.proxies: dict[str, float] = {}  # proxy token address -> when it last asked for a snapshot
-        self.links = LinkWatch(self.mc.link_timeout_s, self._link_changed, lambda _: M_LINKS_HEALED.inc())
-        # What each message type does: answered at once (the reply, or None) ...
+        query_ids = itertools.count(1)  # fan-outs and migration orders: answers are matched by it
+        next_id = lambda: next(query_ids)  # noqa: E731
+        self.policies = Policies(cfg)
+        self.cluster = ClusterView(cfg.scheduling, self.clock)
+        self.proxies = ProxyRanks(mc.heartbeat_interval_s)
+        self.queries = Queries(self.cluster, mc, self.send, next_id)
+        self.resched = Rescheduler(cfg, self.cluster, self.policies, self.clock, self.send, self.spawn, next_id,
+                                   self.queries.lookup, lookup_timeout(mc), self.started)
+        self.liveness = Liveness(self.cluster, self.clock, mc, cfg.scheduling, self.ctx, self.sec,
+                                 self.resched.orders.fail_migrations_from)
+        self.registry = Registry(self.cluster, self.clock, mc, cfg.scheduling, self.send, self.liveness.watch,
+                                 self.resched.joined)
+        self.dispatcher = Dispatcher(self.cluster, self.policies, self.registry.cache_index.index, self.clock, mc,
+                                     cfg.scheduling)
+        orders, lifecycle = self.resched.orders, self.resched.lifecycle
+        # What each message type does, given (connection identity, message, sender's key role:name): answered
+        # at once (the reply, or None) ...
         self._handlers = {
-            wire.LoadReport: self.on_report,
-            wire.CacheEvents: self.on_cache_events,
-            wire.Register: self.on_register,
-            wire.Dispatched: lambda _, m: self.on_dispatched(m),
-            wire.SnapshotQuery: lambda _, m: self.snapshot(m.query_id, m.proxy),
-            wire.StatusQuery: lambda _, m: self.snapshot(m.query_id),
-            wire.RequestList: lambda _, m: self.on_request_list(m),
-            wire.MigrateResult: lambda _, m: self.resched.on_migrate_result(m),
-            wire.Goodbye: lambda ident, m: None if ident in self._duplicates else self.on_goodbye(m),
-            wire.PolicyQuery: lambda _, m: self.on_policy(m),
-            wire.DrainQuery: lambda _, m: self.resched.on_drain(m),
+            wire.LoadReport: lambda i, m, _: self.registry.on_report(i, m),
+            wire.CacheEvents: lambda i, m, _: self.registry.on_cache_events(i, m),
+            wire.Register: self.registry.on_register,
+            wire.Dispatched: lambda _, m, __: self.dispatcher.on_dispatched(m),
+            wire.SnapshotQuery: lambda _, m, __: self.snapshot(m.query_id, m.proxy),
+            wire.StatusQuery: lambda _, m, __: self.snapshot(m.query_id),
+            wire.RequestList: lambda _, m, __: self.queries.on_request_list(m),
+            wire.MigrateResult: lambda _, m, __: orders.on_migrate_result(m),
+            wire.Goodbye: lambda i, m, _: self.registry.on_goodbye(i, m),
+            wire.PolicyQuery: lambda _, m, __: self.policies.change(m),
+            wire.DrainQuery: lambda _, m, __: lifecycle.on_drain(m),
         }
         # ... or later, by a task (dispatches are answered in batches by serve()).
         self._later = {
-            wire.RequestsQuery: self.on_requests,
-            wire.MigrateQuery: lambda m: self.resched.on_migrate(m),
-            wire.RemoveQuery: lambda m: self.resched.on_remove(m),
-            wire.AddQuery: lambda m: self.resched.on_add(m),
+            wire.RequestsQuery: self.queries.on_requests,
+            wire.MigrateQuery: orders.on_migrate,
+            wire.RemoveQuery: lifecycle.on_remove,
+            wire.AddQuery: lifecycle.on_add,
         }
+
+    # ------------------------------------------------------------------ what the simulator and tests drive
+
+    @property
+    def instances(self):
+        """The instance records by id (read-only; the cluster view owns them)."""
+        return self.cluster.instances
+
+    @property
+    def links(self):
+        return self.liveness.links
+
+    @property
+    def cache_index(self):
+        return self.registry.cache_index
+
+    @property
+    def dispatch_policy(self) -> str:
+        return self.policies.dispatch_policy
+
+    def parts(self) -> tuple:
+        """The objects whose tasks the manager runs (tests/support stops them all, as a kill would)."""
+        r = self.resched
+        return (self, self.cluster, self.registry, self.liveness, self.dispatcher, self.queries, r, r.orders,
+                r.lifecycle, r.scaling, r.launcher)
+
+    def on_register(self, ident: bytes, msg: wire.Register, principal: str = "") -> wire.Message | None:
+        return self.registry.on_register(ident, msg, principal)
+
+    def on_report(self, ident: bytes, msg: wire.LoadReport) -> wire.Message | None:
+        return self.registry.on_report(ident, msg)
+
+    def on_cache_events(self, ident: bytes, msg: wire.CacheEvents) -> None:
+        self.registry.on_cache_events(ident, msg)
+
+    def on_dispatch_batch(self, msgs: list[wire.Dispatch]) -> list[wire.DispatchReply]:
+        return self.dispatcher.on_dispatch_batch(msgs)
+
+    def on_dispatched(self, msg: wire.Dispatched) -> None:
+        self.dispatcher.on_dispatched(msg)
+
+    def states(self, now: float):
+        return self.cluster.states(now)
+
+    def view(self, now: float) -> list[wire.InstanceView]:
+        return self.cluster.view(now)
+
+    def forget(self, rec: InstanceRecord, why: str) -> None:
+        self.cluster.forget(rec, why)
+
+    # ------------------------------------------------------------------ the daemon
+
+    def send(self, r: InstanceRecord, msg: wire.Message) -> None:
+        """To an instance; never waits (a full queue means it is gone, and heartbeats will say so)."""
+        if not runtime.send_now(self.sock, [r.identity, wire.encode(msg)]):
+            log.warning("could not send a %s to instance %s", type(msg).__name__, r.instance_id)
 
     def spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
@@ -110,22 +161,33 @@ class Manager(ViewMixin, RegistryMixin, LivenessMixin, DispatchMixin, QueriesMix
         task.add_done_callback(self._tasks.discard)
         return task
 
-    def _impostor(self, msg) -> bool:
+    def snapshot(self, query_id: int, proxy: str = "") -> wire.Snapshot:
+        now = self.clock.monotonic()
+        rank, proxies = self.proxies.rank(proxy, now)
+        p = self.policies
+        return wire.Snapshot(query_id=query_id, instances=self.cluster.view(now), dispatch_policy=p.dispatch_policy,
+                             uptime_s=round(now - self.started, 3), dispatched_total=self.dispatcher.dispatched_total,
+                             pairing_policy=p.pairing_policy, request_selection=p.request_selection,
+                             scaling_policy=p.scaling_policy, migrating=p.migrating, proxies=proxies, proxy_rank=rank,
+                             **self.resched.counters())
+
+    def _impostor(self, msg, principal: str) -> bool:
         """With keys: a message about a live instance from a key other than the one it registered with."""
-        rec = self.instances.get(msg.instance_id)
-        if rec is None or rec.state == "dead" or rec.principal == self.sender:
+        rec = self.cluster.get(msg.instance_id)
+        if rec is None or rec.state == "dead" or rec.principal == principal:
             return False
         M_REFUSED.inc()
         now = self.clock.monotonic()
-        if self._refused_logged.due((self.sender, msg.instance_id), now):
+        if self._refused_logged.due((principal, msg.instance_id), now):
             log.warning("refused %s about instance %s from key %s: it registered with key %s",
-                        type(msg).__name__, msg.instance_id, self.sender or "(none)", rec.principal or "(none)")
+                        type(msg).__name__, msg.instance_id, principal or "(none)", rec.principal or "(none)")
         return True
 
-    async def handle(self, ident: bytes, msg: wire.Message) -> None:
+    async def handle(self, ident: bytes, msg: wire.Message, principal: str = "") -> None:
+        """One message from the connection ``ident``; ``principal``: its key's role:name (CURVE), "" without."""
         reply: wire.Message | None = None
         if (self.sec.enabled and isinstance(msg, (wire.LoadReport, wire.Goodbye, wire.RequestList, wire.MigrateResult))
-                and self._impostor(msg)):
+                and self._impostor(msg, principal)):
             if isinstance(msg, wire.LoadReport):  # it would wait forever to be asked to register: tell it why not
                 reply = wire.RegisterAck(msg.instance_id, accepted=False, final=True,
                                          reason=f"instance id {msg.instance_id} is taken by another key's live instance")
@@ -133,7 +195,7 @@ class Manager(ViewMixin, RegistryMixin, LivenessMixin, DispatchMixin, QueriesMix
             return
         handler = self._handlers.get(type(msg))
         if handler is not None:
-            reply = handler(ident, msg)
+            reply = handler(ident, msg, principal)
         elif type(msg) in self._later:  # answered when the instances (or a launch) have answered
             self.spawn(self._reply_later(ident, self._later[type(msg)](msg)))
         else:
@@ -185,14 +247,13 @@ class Manager(ViewMixin, RegistryMixin, LivenessMixin, DispatchMixin, QueriesMix
                 elif isinstance(msg, wire.Dispatch):
                     dispatches.append((frames[0], msg))  # after the batch's reports: with the freshest loads
                 else:
-                    self.sender = principal
                     try:
-                        await self.handle(frames[0], msg)
+                        await self.handle(frames[0], msg, principal)
                     except Exception:  # one peer's message must not end the manager's loop
                         M_BAD_FRAMES.inc()
                         log.exception("a %s broke its handler; dropped it", type(msg).__name__)
             if dispatches:
-                replies = self.on_dispatch_batch([m for _, m in dispatches])
+                replies = self.dispatcher.on_dispatch_batch([m for _, m in dispatches])
                 for (ident, _), reply in zip(dispatches, replies):
                     await self.sock.send_multipart([ident, wire.encode(reply)])
             await asyncio.sleep(0)  # under a backlog, let the pairing loop and the heartbeat watch run too
@@ -203,12 +264,13 @@ class Manager(ViewMixin, RegistryMixin, LivenessMixin, DispatchMixin, QueriesMix
         metrics = runtime.start_metrics_server(self.mc.metrics_port, self.mc.metrics_host, security.metrics_token(self.cfg))
         stop = asyncio.Event()  # before "serving on": whoever reads that line may stop us cleanly at once
         runtime.install_stop_signals(asyncio.get_running_loop(), stop)
+        p = self.policies
         log.info("serving on %s (dispatch %s, pairing %s, selection %s, scaling %s, heartbeat %.2fs, metrics %s)",
-                 self.bound, self.dispatch_policy, self.pairing_policy if self.migrating else "drains only",
-                 self.request_selection, self.scaling_policy, self.mc.heartbeat_interval_s, metrics or "off")
+                 self.bound, p.dispatch_policy, p.pairing_policy if p.migrating else "drains only",
+                 p.request_selection, p.scaling_policy, self.mc.heartbeat_interval_s, metrics or "off")
         runtime.sd_notify("READY=1")
-        tasks = [asyncio.create_task(c) for c in (self.serve(stop), self.watch_heartbeats(stop),
-                                                  self.resched.pairing_loop(), self.resched.scaling_loop())]
+        tasks = [asyncio.create_task(c) for c in (self.serve(stop), self.liveness.watch_heartbeats(stop),
+                                                  *self.resched.loops())]
         failure = await runtime.first_failure(stop, tasks)
         runtime.sd_notify("STOPPING=1")
         if failure is not None:
@@ -217,7 +279,7 @@ class Manager(ViewMixin, RegistryMixin, LivenessMixin, DispatchMixin, QueriesMix
         for t in [*tasks, *self._tasks]:
             t.cancel()
         await asyncio.gather(*tasks, *self._tasks, return_exceptions=True)
-        self.links.close()
+        self.liveness.links.close()
         self.sec.close()
         self.ctx.destroy(linger=0)
         if failure is not None:

@@ -6,46 +6,63 @@ from __future__ import annotations
 import logging
 
 from daemons import policy, wire
-from daemons.manager.records import M_CACHE_DISPATCHES, M_DISPATCHES, M_NO_INSTANCE, InstanceRecord
+from daemons.clock import Clock
+from daemons.config import ManagerConfig, SchedulingConfig
+from daemons.manager.records import M_CACHE_DISPATCHES, M_DISPATCHES, M_NO_INSTANCE, InstanceRecord, Policies
+from daemons.manager.view import ClusterView
+from daemons.prefix import PrefixIndex
 
 log = logging.getLogger("llumnix.manager")
 
 
-class DispatchMixin:
-    """Of the Manager: writes each record's ``pending`` and ``dispatched_n``, and ``turn`` and ``dispatched_total``."""
+class Dispatcher:
+    """Owns the dispatch turn and count, and writes each record's ledger (``pending``, ``dispatched_n``)."""
+
+    def __init__(self, cluster: ClusterView, policies: Policies, index: PrefixIndex, clock: Clock,
+                 mc: ManagerConfig, sc: SchedulingConfig):
+        """``index``: which instance caches which prompt blocks (read, for llumnix-cache)."""
+        self.cluster = cluster
+        self.policies = policies
+        self.index = index
+        self.clock = clock
+        self.mc = mc
+        self.sc = sc
+        self.turn = 0
+        self.dispatched_total = 0
+        cluster.on_forget(lambda r: M_DISPATCHES.remove(r.instance_id))
 
     def on_dispatch_batch(self, msgs: list[wire.Dispatch]) -> list[wire.DispatchReply]:
         """Dispatch queries that arrived together: higher scheduling priority first, each to the freest
         instance with the ones before it counted there."""
         now = self.clock.monotonic()
-        for r in self.instances.values():
+        for r in self.cluster.records():
             r.retire_pending(now, self.mc.pending_dispatch_ttl_s)
         headroom = self.sc.high_priority_headroom
         chosen: list[str | None] = [None] * len(msgs)
         cached = self._cache_hits(msgs)
         plain = [i for i, m in enumerate(msgs) if not m.exclude and i not in cached]
         if plain:
-            picks = policy.dispatch_batch(self.dispatch_policy, self.states(now),
+            picks = policy.dispatch_batch(self.policies.dispatch_policy, self.cluster.states(now),
                                           [(msgs[i].priority, msgs[i].prompt_tokens + 1) for i in plain],
                                           self.turn, headroom)
             for i, iid in zip(plain, picks):
                 chosen[i] = iid
                 if iid is not None:
-                    self._count_dispatch(self.instances[iid], msgs[i], now)
+                    self._count_dispatch(self.cluster.instances[iid], msgs[i], now)
         # Re-dispatches that must avoid the instances they failed on, and requests whose prompt some instance
         # caches (llumnix-cache): one at a time, in priority order.
         sc = self.sc
         for i in sorted((i for i, m in enumerate(msgs) if m.exclude or i in cached), key=lambda i: -msgs[i].priority):
             excluded = set(msgs[i].exclude)
-            states = [self.state(r, now, excluded=r.instance_id in excluded) for r in self.instances.values()]
-            chosen[i] = policy.dispatch(self.dispatch_policy, states, self.turn + i, headroom, msgs[i].priority,
+            states = [self.cluster.state(r, now, excluded=r.instance_id in excluded) for r in self.cluster.records()]
+            chosen[i] = policy.dispatch(self.policies.dispatch_policy, states, self.turn + i, headroom, msgs[i].priority,
                                         hits=cached.get(i), cache_band=sc.cache_band, cache_floor=sc.cache_min_freeness)
             if i in cached:
                 blind = chosen[i] if chosen[i] not in cached[i] else policy.dispatch(
-                    self.dispatch_policy, states, self.turn + i, headroom, msgs[i].priority)
+                    self.policies.dispatch_policy, states, self.turn + i, headroom, msgs[i].priority)
                 M_CACHE_DISPATCHES.labels("load" if blind == chosen[i] else "cache").inc()
             if chosen[i] is not None:
-                self._count_dispatch(self.instances[chosen[i]], msgs[i], now)
+                self._count_dispatch(self.cluster.instances[chosen[i]], msgs[i], now)
         self.turn += len(msgs)
         replies = []
         for msg, iid in zip(msgs, chosen):
@@ -53,7 +70,7 @@ class DispatchMixin:
                 M_NO_INSTANCE.inc()
                 replies.append(wire.DispatchReply(msg.query_id, reason="no live instance can take requests"))
                 continue
-            rec = self.instances[iid]
+            rec = self.cluster.instances[iid]
             log.debug("request %s -> %s", msg.request_id, iid)
             replies.append(wire.DispatchReply(msg.query_id, instance_id=iid, request_address=rec.info.request_address))
         return replies
@@ -61,12 +78,12 @@ class DispatchMixin:
     def _cache_hits(self, msgs: list[wire.Dispatch]) -> dict[int, dict[str, int]]:
         """llumnix-cache: for each query whose prompt some instance caches, the cached leading blocks of it on
         each instance that holds some (from our prefix index)."""
-        if self.dispatch_policy != "llumnix-cache" or not len(self.cache_index.index):
+        if self.policies.dispatch_policy != "llumnix-cache" or not len(self.index):
             return {}
         out = {}
         for i, m in enumerate(msgs):
             if m.prefix_keys:
-                hits = {iid: n for iid, n in self.cache_index.index.match(m.prefix_keys).items() if n}
+                hits = {iid: n for iid, n in self.index.match(m.prefix_keys).items() if n}
                 if hits:
                     out[i] = hits
         return out
@@ -74,10 +91,11 @@ class DispatchMixin:
     def on_dispatched(self, msg: wire.Dispatched) -> None:
         """A proxy placed a request from its own view: count it as if we had chosen it (an instance we do
         not know, or that died meanwhile, is left to the proxy's failover)."""
-        rec = self.instances.get(msg.instance_id)
+        rec = self.cluster.get(msg.instance_id)
         if rec is not None and rec.state != "dead":
-            rec.retire_pending(self.clock.monotonic(), self.mc.pending_dispatch_ttl_s)
-            self._count_dispatch(rec, msg, self.clock.monotonic())
+            now = self.clock.monotonic()
+            rec.retire_pending(now, self.mc.pending_dispatch_ttl_s)
+            self._count_dispatch(rec, msg, now)
 
     def _count_dispatch(self, rec: InstanceRecord, msg: wire.Dispatch | wire.Dispatched, now: float) -> None:
         rec.dispatched_n += 1

@@ -5,53 +5,67 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import Callable
 
 from daemons import wire
-from daemons.manager.launcher import LaunchError
-
-if TYPE_CHECKING:
-    from daemons.manager import InstanceRecord
+from daemons.clock import Clock
+from daemons.config import ManagerConfig, ScalingConfig
+from daemons.manager.launcher import Launcher, LaunchError
+from daemons.manager.records import InstanceRecord, dead_after
+from daemons.manager.view import Cluster
 
 log = logging.getLogger("llumnix.manager")
 
 
-class LifecycleMixin:
-    """Of the Rescheduler: owns ``retiring``."""
+class Lifecycle:
+    """Owns ``retiring`` (the instances being removed or scaled in)."""
+
+    def __init__(self, cluster: Cluster, clock: Clock, mc: ManagerConfig, scfg: ScalingConfig, launcher: Launcher,
+                 send: Callable[[InstanceRecord, wire.Message], None], new_drain: Callable[[str], None]):
+        """``send``: a message to an instance. ``new_drain(instance_id)``: an operator drains it anew (its
+        drain orders start again at once, orders.py)."""
+        self.cluster = cluster
+        self.clock = clock
+        self.mc = mc
+        self.scfg = scfg
+        self.launcher = launcher
+        self.send = send
+        self.new_drain = new_drain
+        self.retiring: set[str] = set()
 
     def tell(self, r: InstanceRecord) -> None:
-        now = self.m.clock.monotonic()
-        elsewhere = any(x is not r and self.m.state(x, now).dispatchable for x in self.m.instances.values())
-        self.m.send(r, wire.SetDraining(bool(r.drain_reason), r.drain_reason, r.cordoned, elsewhere))
-        self.m.update_gauges(r)
+        """Say its drain and cordon flags to the instance (and whether another instance could take its queue)."""
+        now = self.clock.monotonic()
+        elsewhere = any(x is not r and self.cluster.state(x, now).dispatchable for x in self.cluster.records())
+        self.send(r, wire.SetDraining(bool(r.drain_reason), r.drain_reason, r.cordoned, elsewhere))
 
     def on_drain(self, msg: wire.DrainQuery) -> wire.Message:
-        r = self.m.instances.get(msg.instance_id)
+        r = self.cluster.get(msg.instance_id)
         if r is None:
             return wire.ErrorReply(msg.query_id, f"unknown instance {msg.instance_id!r} (see llumnixctl status)")
         if r.state == "dead":
             return wire.ErrorReply(msg.query_id, f"instance {msg.instance_id} is dead (see llumnixctl status)")
         verb = ("cordon" if msg.drain else "uncordon") if msg.cordon_only else ("drain" if msg.drain else "undrain")
         if msg.cordon_only:
-            r.cordoned = msg.drain
+            self.cluster.set_flags(r, cordoned=msg.drain)
         elif msg.drain:
-            r.drain_reason = r.drain_reason or "operator"
-            self.drain_backoff.pop(r.instance_id, None)  # a new drain tries at once
+            self.cluster.set_flags(r, drain_reason=r.drain_reason or "operator")
+            self.new_drain(r.instance_id)  # a new drain tries at once
         else:
             if r.state == "stopping":
                 return wire.ErrorReply(msg.query_id, f"instance {msg.instance_id} is stopping; it cannot be undrained")
-            r.drain_reason = ""  # a remove or scale-in waiting on it gives up
+            self.cluster.set_flags(r, drain_reason="")  # a remove or scale-in waiting on it gives up
         log.info("instance %s: %s (llumnixctl)", r.instance_id, verb)
         self.tell(r)
-        now = self.m.clock.monotonic()
-        return wire.DrainReply(msg.query_id, next(v for v in self.m.view(now) if v.instance_id == r.instance_id))
+        now = self.clock.monotonic()
+        return wire.DrainReply(msg.query_id, next(v for v in self.cluster.view(now) if v.instance_id == r.instance_id))
 
     async def on_remove(self, msg: wire.RemoveQuery) -> wire.Message:
-        r = self.m.instances.get(msg.instance_id)
+        r = self.cluster.get(msg.instance_id)
         if r is None:
             return wire.ErrorReply(msg.query_id, f"unknown instance {msg.instance_id!r} (see llumnixctl status)")
         if r.state == "dead":
-            self.m.forget(r, "removed by llumnixctl (it was dead)")
+            self.cluster.forget(r, "removed by llumnixctl (it was dead)")
             return wire.RemoveReply(msg.query_id, msg.instance_id, 0.0, was_dead=True)
         outcome = await self.retire(msg.instance_id, "remove", msg.timeout_s)
         if isinstance(outcome, str):
@@ -59,32 +73,24 @@ class LifecycleMixin:
         drained_s, migrated = outcome
         return wire.RemoveReply(msg.query_id, msg.instance_id, round(drained_s, 3), migrated)
 
-    def resume_retirement(self, r: InstanceRecord) -> None:
-        """An instance that was being removed or scaled in when the manager restarted: finish the job."""
-        log.info("instance %s was being retired (%s) before we restarted; going on", r.instance_id, r.drain_reason)
-        if r.drain_reason == "scale-in":
-            self.m.spawn(self.scale_in(r.instance_id))
-        else:
-            self.m.spawn(self.retire(r.instance_id, r.drain_reason, self.scfg.launch_timeout_s))
-
     async def retire(self, instance_id: str, reason: str, timeout_s: float,
                      undrain_on_timeout: bool = False) -> tuple[float, int] | str:
         """Drain the instance until nothing is left on it, then tell it to stop and wait until it said
         goodbye. Returns (seconds drained, migrations out that committed) or why it did not happen."""
-        r = self.m.instances[instance_id]
+        r = self.cluster.instances[instance_id]
         if instance_id in self.retiring:
             return f"instance {instance_id} is already being removed"
         self.retiring.add(instance_id)
         try:
-            start = self.m.clock.monotonic()
+            start = self.clock.monotonic()
             committed0 = r.load.migrations_committed
             if r.drain_reason in ("", "operator"):
-                r.drain_reason = reason
+                self.cluster.set_flags(r, drain_reason=reason)
             self.tell(r)
             log.info("instance %s: draining for %s", instance_id, reason)
-            poll = min(0.05, self.m.mc.heartbeat_interval_s / 4)
+            poll = min(0.05, self.mc.heartbeat_interval_s / 4)
             while True:
-                r = self.m.instances.get(instance_id)
+                r = self.cluster.get(instance_id)
                 if r is None or r.state == "dead":
                     return f"instance {instance_id} went away while draining"
                 if not r.draining:
@@ -92,24 +98,24 @@ class LifecycleMixin:
                 ld = r.load
                 if ld.running == ld.waiting == ld.migrating_out == ld.migrating_in == 0 and not r.pending and not r.orders:
                     break
-                if self.m.clock.monotonic() - start > timeout_s:
+                if self.clock.monotonic() - start > timeout_s:
                     if undrain_on_timeout:
-                        r.drain_reason = ""
+                        self.cluster.set_flags(r, drain_reason="")
                         self.tell(r)
                     return (f"instance {instance_id} still has {ld.running} running and {ld.waiting} queued requests "
                             f"after {timeout_s:g}s; " + ("it serves again" if undrain_on_timeout else
                                                          f"it stays draining (llumnixctl undrain {instance_id} to cancel)"))
-                await asyncio.sleep(poll)
-            drained_s = self.m.clock.monotonic() - start
+                await self.clock.sleep(poll)
+            drained_s = self.clock.monotonic() - start
             migrated = r.load.migrations_committed - committed0
             log.info("instance %s drained in %.2fs (%d migrations out); telling it to stop", instance_id, drained_s, migrated)
-            self.m.send(r, wire.Shutdown(reason))
-            deadline = self.m.clock.monotonic() + max(10.0, 4 * self.m.dead_after())
-            while self.m.clock.monotonic() < deadline:
-                r = self.m.instances.get(instance_id)
+            self.send(r, wire.Shutdown(reason))
+            deadline = self.clock.monotonic() + max(10.0, 4 * dead_after(self.mc))
+            while self.clock.monotonic() < deadline:
+                r = self.cluster.get(instance_id)
                 if r is None or r.state != "alive":
                     return drained_s, migrated
-                await asyncio.sleep(poll)
+                await self.clock.sleep(poll)
             return f"instance {instance_id} was drained but did not stop within {deadline - start - drained_s:.0f}s"
         finally:
             self.retiring.discard(instance_id)
@@ -121,7 +127,7 @@ class LifecycleMixin:
             return wire.ErrorReply(msg.query_id, "no launcher is configured: set scaling.launcher in the manager's "
                                                  "config (e.g. \"systemctl start llumnix-instance@{n}\")")
         count = max(1, msg.count)
-        have = sum(r.state != "dead" for r in self.m.instances.values()) + len(self.launcher.launches)
+        have = sum(r.state != "dead" for r in self.cluster.records()) + len(self.launcher.launches)
         if have + count > self.scfg.max_instances:
             return wire.ErrorReply(msg.query_id, f"adding {count} would make {have + count} instances ({have} running "
                                                  f"or starting); scaling.max_instances is {self.scfg.max_instances}: "

@@ -7,23 +7,42 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from typing import Callable
 
 import zmq
+import zmq.asyncio
 
-from daemons import runtime
-from daemons.links import DOWN, UP
-from daemons.manager.records import M_DEATHS, M_LATE, InstanceRecord
+from daemons import runtime, security
+from daemons.clock import Clock
+from daemons.config import ManagerConfig, SchedulingConfig
+from daemons.links import DOWN, UP, LinkWatch
+from daemons.manager.records import M_DEATHS, M_LATE, M_LINKS_HEALED, InstanceRecord, dead_after
+from daemons.manager.view import ClusterView
 
 log = logging.getLogger("llumnix.manager")
 
 
-class LivenessMixin:
-    """Of the Manager: owns ``links`` (set up by the Manager) and each record's ``probe``, ``late`` and ``state``."""
+class Liveness:
+    """Owns ``links`` (the connection watch) and each record's ``probe``, ``late`` and its state dead."""
+
+    def __init__(self, cluster: ClusterView, clock: Clock, mc: ManagerConfig, sc: SchedulingConfig,
+                 ctx: zmq.asyncio.Context, sec: security.Security, on_dead: Callable[[str], None]):
+        """``ctx``, ``sec``: where the probe sockets are made, and their keys. ``on_dead(instance_id)``: an
+        instance was marked dead (the migrations it was ordered fail at once)."""
+        self.cluster = cluster
+        self.clock = clock
+        self.mc = mc
+        self.sc = sc
+        self.ctx = ctx
+        self.sec = sec
+        self.on_dead = on_dead
+        self.links = LinkWatch(mc.link_timeout_s, self.link_changed, lambda _: M_LINKS_HEALED.inc())
+        cluster.on_forget(self.unwatch)
 
     def dead_after(self) -> float:
-        return self.mc.heartbeat_interval_s * self.mc.dead_after_missed
+        return dead_after(self.mc)
 
-    def _probe(self, rec: InstanceRecord, old: InstanceRecord | None) -> None:
+    def watch(self, rec: InstanceRecord, old: InstanceRecord | None) -> None:
         """Watch the connection to ``rec``'s request socket (daemons/links.py): kept from ``old`` when the
         address is the same, else made anew. An address we cannot connect to is left unwatched (UNKNOWN)."""
         address = rec.info.request_address
@@ -31,7 +50,7 @@ class LivenessMixin:
             if old.info.request_address == address and not old.probe.closed:
                 rec.probe = old.probe
                 return
-            self._unprobe(old)
+            self.unwatch(old)
         if not address.startswith(("tcp://", "ipc://")):  # the simulator's instances have no socket
             return
         sock = self.links.prepare(runtime.tune(self.ctx.socket(zmq.DEALER)))
@@ -48,34 +67,34 @@ class LivenessMixin:
             return
         rec.probe = sock
 
-    def _unprobe(self, rec: InstanceRecord) -> None:
+    def unwatch(self, rec: InstanceRecord) -> None:
         if rec.probe is not None:
             self.links.forget(rec.instance_id)
             rec.probe.close(0)
             rec.probe = None
 
-    def _link_changed(self, instance_id: str, state: str) -> None:
-        rec = self.instances.get(instance_id)
+    def link_changed(self, instance_id: str, state: str) -> None:
+        rec = self.cluster.get(instance_id)
         if rec is None or state != DOWN:
             return
         if rec.state == "alive":
             self.mark_dead(rec, "its connection went down (process gone or host unreachable)")
         elif rec.state == "stopping":
-            self.forget(rec, "it stopped (connection closed)")
+            self.cluster.forget(rec, "it stopped (connection closed)")
 
     def mark_dead(self, rec: InstanceRecord, why: str) -> None:
         rec.state = "dead"
         rec.pending.clear()
-        self.resched.fail_migrations_from(rec.instance_id)
+        self.on_dead(rec.instance_id)
         M_DEATHS.inc()
         log.warning("instance %s marked dead: %s", rec.instance_id, why)
-        self.update_gauges(rec)
+        self.cluster.update_gauges(rec)
 
     async def watch_heartbeats(self, stop: asyncio.Event) -> None:
         period = self.mc.heartbeat_interval_s / 2
         while not stop.is_set():
             before = self.clock.monotonic()
-            await asyncio.sleep(period)
+            await self.clock.sleep(period)
             now = self.clock.monotonic()
             if now - before > 2 * period:
                 # We were stalled (no CPU, swapped out): reports may be waiting unread in the socket. Judge
@@ -86,19 +105,19 @@ class LivenessMixin:
 
     def check_heartbeats(self, now: float) -> None:
         """Judge each instance by the time since its last report (and its connection): late, dead, forgotten."""
-        for r in list(self.instances.values()):
+        for r in list(self.cluster.records()):
             silent = now - r.last_seen
             if r.state == "stopping" and silent > self.dead_after() and self.links.state(r.instance_id) != UP:
-                self.forget(r, "it stopped")
+                self.cluster.forget(r, "it stopped")
             elif r.state == "dead" and silent > self.mc.dead_instance_ttl_s:
-                self.forget(r, f"dead for over {self.mc.dead_instance_ttl_s:g}s")
+                self.cluster.forget(r, f"dead for over {self.mc.dead_instance_ttl_s:g}s")
             elif r.state == "alive" and silent > self.dead_after():
                 self._silent(r, silent)
             elif r.late and silent <= self.dead_after():
                 r.late = False
                 log.info("instance %s reports again (it was late)", r.instance_id)
             if r.state == "alive" and r.credit0 and not math.isclose(r.credit(now, self.sc.new_instance_credit_s), 0.0):
-                self.update_gauges(r, now)  # the credit fades between reports too
+                self.cluster.update_gauges(r, now)  # the credit fades between reports too
 
     def _silent(self, r: InstanceRecord, silent: float) -> None:
         """No report for over dead_after_missed heartbeats. Slow is not dead: with its connection up (its

@@ -1,17 +1,22 @@
-"""Admin queries that fan out to the instances (which requests run where), and run-time policy changes."""
+"""Admin queries that fan out to the instances: which requests run where (``llumnixctl requests``,
+``describe``), and the lookup of one request before an operator's migration."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
 from dataclasses import dataclass
+from typing import Callable
 
-from daemons import policy, wire
+from daemons import wire
+from daemons.config import ManagerConfig
 from daemons.manager.records import InstanceRecord
-
-log = logging.getLogger("llumnix.manager")
+from daemons.manager.view import ClusterView
 
 LOOKUP_TIMEOUT_S = 10.0  # how long a lookup of one request waits for busy instances (it ends once one holds it)
+
+
+def lookup_timeout(mc: ManagerConfig) -> float:
+    return max(mc.query_timeout_s, LOOKUP_TIMEOUT_S)
 
 
 @dataclass
@@ -24,8 +29,17 @@ class Fanout:
     want: str = ""  # one request id: done as soon as an instance holds it
 
 
-class QueriesMixin:
-    """Of the Manager: owns ``_fanouts`` and ``query_ids``; ``on_policy`` sets the policies in force."""
+class Queries:
+    """Owns the fan-outs out (by query id)."""
+
+    def __init__(self, cluster: ClusterView, mc: ManagerConfig, send: Callable[[InstanceRecord, wire.Message], None],
+                 next_id: Callable[[], int]):
+        """``send``: to an instance. ``next_id``: a query id (shared with the migration orders)."""
+        self.cluster = cluster
+        self.mc = mc
+        self.send = send
+        self.next_id = next_id
+        self.fanouts: dict[int, Fanout] = {}
 
     async def on_requests(self, msg: wire.RequestsQuery, want: str = "") -> wire.RequestsReply:
         """Every request on every live instance. A request that migrated while the query was out can be in
@@ -33,7 +47,7 @@ class QueriesMixin:
         it among its recent moves, and the destination is asked again. ``want``: one request id; the answer
         may stop at the first instance that holds it, and busy instances are given longer (a lookup before
         an operator's migration must not miss a request on an instance in the middle of a long step)."""
-        alive = {r.instance_id: r for r in self.instances.values() if r.state != "dead"}  # stopping ones still serve
+        alive = {r.instance_id: r for r in self.cluster.records() if r.state != "dead"}  # stopping ones still serve
         timeout = self.lookup_timeout() if want else self.mc.query_timeout_s
         results, missing = await self._list(alive, timeout, want)
         listed = {q.request_id for rl in results.values() for q in rl.requests}
@@ -59,15 +73,19 @@ class QueriesMixin:
                     prompt_tokens=q.prompt_tokens, blocks=q.blocks, priority=q.priority)
         return wire.RequestsReply(msg.query_id, requests=list(rows.values()), unreachable=sorted(missing))
 
+    async def lookup(self, request_id: str) -> wire.RequestsReply:
+        """Where one request is (before an operator's migration of it)."""
+        return await self.on_requests(wire.RequestsQuery(0), want=request_id)
+
     def lookup_timeout(self) -> float:
-        return max(self.mc.query_timeout_s, LOOKUP_TIMEOUT_S)
+        return lookup_timeout(self.mc)
 
     async def _list(self, instances: dict[str, InstanceRecord], timeout: float,
                     want: str = "") -> tuple[dict[str, wire.RequestList], set[str]]:
         """Ask ``instances`` for their requests; (answers by instance, those that did not answer in time)."""
-        qid = next(self.query_ids)
+        qid = self.next_id()
         fan = Fanout(asyncio.get_running_loop().create_future(), set(instances), {}, want)
-        self._fanouts[qid] = fan
+        self.fanouts[qid] = fan
         for r in instances.values():
             self.send(r, wire.ListRequests(qid))
         try:
@@ -76,11 +94,11 @@ class QueriesMixin:
         except asyncio.TimeoutError:
             pass
         finally:
-            self._fanouts.pop(qid, None)
+            self.fanouts.pop(qid, None)
         return fan.results, fan.missing
 
     def on_request_list(self, msg: wire.RequestList) -> None:
-        fan = self._fanouts.get(msg.query_id)
+        fan = self.fanouts.get(msg.query_id)
         if fan is None:
             return  # late answer to a finished query
         if msg.instance_id in fan.missing:
@@ -89,18 +107,3 @@ class QueriesMixin:
         found = fan.want and any(q.request_id == fan.want and q.state != "migrating" for q in msg.requests)
         if (not fan.missing or found) and not fan.done.done():
             fan.done.set_result(None)
-
-    def on_policy(self, msg: wire.PolicyQuery) -> wire.Message:
-        changes = {"dispatch_policy": (msg.dispatch_policy, policy.DISPATCH_POLICIES),
-                   "pairing_policy": (msg.pairing_policy, policy.PAIRING_POLICIES),
-                   "request_selection": (msg.request_selection, policy.SELECTION_POLICIES),
-                   "scaling_policy": (msg.scaling_policy, policy.SCALING_POLICIES)}
-        for name, (value, known) in changes.items():
-            if value and value not in known:
-                return wire.ErrorReply(msg.query_id, f"unknown {name.replace('_', ' ')} {value!r} (known: {', '.join(known)})")
-        for name, (value, _) in changes.items():
-            if value and value != getattr(self, name):
-                log.info("%s: %s -> %s (llumnixctl policy)", name.replace("_", " "), getattr(self, name), value)
-                setattr(self, name, value)
-        return wire.PolicyReply(msg.query_id, self.dispatch_policy, self.pairing_policy, self.request_selection,
-                                self.scaling_policy, self.migrating)

@@ -1,11 +1,16 @@
-"""What the manager holds of each instance (``InstanceRecord``) and the manager's metrics."""
+"""What the manager holds of each instance (``InstanceRecord``), the policies in force (``Policies``), and the
+manager's metrics."""
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
 from daemons import metrics, policy, wire
+from daemons.config import Config, ManagerConfig
+
+log = logging.getLogger("llumnix.manager")
 
 M_INSTANCES = metrics.gauge("manager", "llumnix_manager_instances", "Instances in the cluster view, by state", ["state"],
                             preset=[("alive",), ("stopping",), ("dead",)])
@@ -85,3 +90,42 @@ class InstanceRecord:
         received = self.load.requests_received
         while self.pending and (self.pending[0][0] <= received or now - self.pending[0][2] > ttl):
             self.pending.popleft()
+
+
+def dead_after(mc: ManagerConfig) -> float:
+    """Seconds of silence after which an instance is late (or dead, its connection not watched)."""
+    return mc.heartbeat_interval_s * mc.dead_after_missed
+
+
+class Policies:
+    """The policies in force: from the config, changed at run time by ``llumnixctl policy`` (``change``). The
+    dispatcher, the rescheduler's parts and the snapshot read them; only ``change`` writes them."""
+
+    NAMES = ("dispatch_policy", "pairing_policy", "request_selection", "scaling_policy")
+
+    def __init__(self, cfg: Config):
+        self.dispatch_policy = cfg.manager.dispatch_policy
+        self.pairing_policy = cfg.scheduling.pairing_policy
+        self.request_selection = cfg.scheduling.request_selection
+        self.scaling_policy = cfg.scaling.policy
+
+    @property
+    def migrating(self) -> bool:
+        """Whether balancing migrations run: the llumnix dispatch policy with pairing on (drains always run)."""
+        return self.dispatch_policy in policy.MIGRATING_POLICIES and self.pairing_policy != "off"
+
+    def change(self, msg: wire.PolicyQuery) -> wire.Message:
+        """``llumnixctl policy``: the policies ``msg`` names (all or none: an unknown one changes nothing)."""
+        known = {"dispatch_policy": policy.DISPATCH_POLICIES, "pairing_policy": policy.PAIRING_POLICIES,
+                 "request_selection": policy.SELECTION_POLICIES, "scaling_policy": policy.SCALING_POLICIES}
+        wanted = {name: getattr(msg, name) for name in self.NAMES}
+        for name, value in wanted.items():
+            if value and value not in known[name]:
+                return wire.ErrorReply(msg.query_id, f"unknown {name.replace('_', ' ')} {value!r} "
+                                                     f"(known: {', '.join(known[name])})")
+        for name, value in wanted.items():
+            if value and value != getattr(self, name):
+                log.info("%s: %s -> %s (llumnixctl policy)", name.replace("_", " "), getattr(self, name), value)
+                setattr(self, name, value)
+        return wire.PolicyReply(msg.query_id, self.dispatch_policy, self.pairing_policy, self.request_selection,
+                                self.scaling_policy, self.migrating)

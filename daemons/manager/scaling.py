@@ -3,12 +3,16 @@ the freest one (policy.Scaler decides; the launcher starts)."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
+from typing import Awaitable, Callable
 
 from daemons import metrics, policy
-from daemons.manager.launcher import LaunchError
+from daemons.clock import Clock
+from daemons.config import ScalingConfig
+from daemons.manager.launcher import Launcher, LaunchError
+from daemons.manager.records import Policies
+from daemons.manager.view import Cluster
 
 log = logging.getLogger("llumnix.manager")
 
@@ -18,23 +22,44 @@ M_CLUSTER_FREENESS = metrics.gauge("manager", "llumnix_cluster_freeness",
                                    "Average freeness of the normal-priority load (the auto-scaling signal)")
 
 
-class ScalingMixin:
-    """Of the Rescheduler: owns ``scaler``, ``scale_outs`` and ``scale_ins``."""
+Retire = Callable[..., Awaitable[object]]
+
+
+class Scaling:
+    """Owns ``scaler`` (policy.Scaler: the sustained signal and the cooldown), ``scale_outs`` and ``scale_ins``."""
+
+    def __init__(self, scfg: ScalingConfig, cluster: Cluster, policies: Policies, clock: Clock, launcher: Launcher,
+                 retire: Retire, spawn: Callable[[Awaitable], object], period_s: float, started: float):
+        """``retire(instance_id, reason, timeout_s, undrain_on_timeout=)``: drain and stop one (lifecycle.py).
+        ``spawn``: run a coroutine as a task of the manager's. ``period_s``: how often it looks. ``started``:
+        when the manager started (no decision before a launch could have registered)."""
+        self.scfg = scfg
+        self.cluster = cluster
+        self.policies = policies
+        self.clock = clock
+        self.launcher = launcher
+        self.retire = retire
+        self.spawn = spawn
+        self.period_s = period_s
+        self.scale_outs = 0
+        self.scale_ins = 0
+        self.scaler = policy.Scaler(scfg.scale_up_threshold, scfg.scale_down_threshold, scfg.sustain_s,
+                                    scfg.cooldown_s, scfg.min_instances, scfg.max_instances,
+                                    not_before=started + scfg.launch_timeout_s)
 
     async def scaling_loop(self) -> None:
-        period = min(1.0, self.m.mc.heartbeat_interval_s)
         while True:
-            await asyncio.sleep(period)
-            self.scale_once(self.m.clock.monotonic())
+            await self.clock.sleep(self.period_s)
+            self.scale_once(self.clock.monotonic())
 
     def scaling_decision(self, now: float, launching: int) -> tuple[str | None, float | None, int, list]:
         """(decision "up"/"down"/None, the average freeness, instances serving, the states) from the
         current view; the virtual-time simulator (llumnixctl/experiments/simulate.py) runs this too."""
-        states = [self.m.state(r, now) for r in self.m.instances.values()]
+        states = self.cluster.states(now)
         avg = policy.average_freeness(states)
         M_CLUSTER_FREENESS.set(math.nan if avg is None else avg)
         serving = len(policy.scaling.serving(states))
-        if self.m.scaling_policy == "off":
+        if self.policies.scaling_policy == "off":
             self.scaler.reset()
             return None, avg, serving, states
         return self.scaler.observe(now, avg, serving, launching), avg, serving, states
@@ -46,13 +71,13 @@ class ScalingMixin:
                 log.warning("auto-scaling wants another instance, but scaling.launcher is empty")
                 return None
             log.info("auto-scaling out: average freeness %s, %d serving", "n/a" if avg is None else f"{avg:.2f}", serving)
-            self.m.spawn(self._scale_out())
+            self.spawn(self._scale_out())
         elif decision == "down":
             victim = policy.scale_in_victim(states)
             if victim is None:
                 return None
             log.info("auto-scaling in: average freeness %.2f, %d serving; retiring %s", avg, serving, victim)
-            self.m.spawn(self.scale_in(victim))
+            self.spawn(self.scale_in(victim))
         return decision
 
     async def scale_in(self, instance_id: str) -> None:

@@ -1,19 +1,93 @@
-"""The cluster view: each instance's scheduling state (cached between reports), the view that status and the
-proxies' snapshots carry, the proxies' ranks, and the per-instance gauges."""
+"""The cluster view: the one owner of the manager's instance records (``ClusterView``), each instance's
+scheduling state (cached between reports), the view that status and the proxies' snapshots carry, the
+per-instance gauges; what the rescheduler's parts may see of it (``Cluster``); the proxies' ranks."""
 
 from __future__ import annotations
 
+import logging
+from types import MappingProxyType
+from typing import Callable, Collection, Mapping, Protocol
+
 from daemons import policy, wire
-from daemons.manager.records import M_CORDONED, M_DRAINING, M_FREENESS, M_INSTANCES, M_USAGE, InstanceRecord
+from daemons.clock import Clock
+from daemons.config import SchedulingConfig
+from daemons.manager.records import (M_CORDONED, M_DRAINING, M_FREENESS, M_INSTANCES, M_USAGE, PER_INSTANCE_GAUGES,
+                                     InstanceRecord)
+
+log = logging.getLogger("llumnix.manager")
 
 
-class ViewMixin:
-    """Of the Manager: reads ``instances``, the policies in force and the rescheduler's counters."""
+class Cluster(Protocol):
+    """What the rescheduler's parts (orders.py, lifecycle.py, scaling.py) see of the cluster view: the records
+    and their states to read, and the few things they change through verbs: an instance's drain and cordon
+    flags, its count of orders in flight, forgetting it."""
 
-    @property
-    def migrating(self) -> bool:
-        """Whether balancing migrations run: the llumnix dispatch policy with pairing on (drains always run)."""
-        return self.dispatch_policy in policy.MIGRATING_POLICIES and self.pairing_policy != "off"
+    instances: Mapping[str, InstanceRecord]
+
+    def get(self, instance_id: str) -> InstanceRecord | None: ...
+    def records(self) -> Collection[InstanceRecord]: ...
+    def state(self, r: InstanceRecord, now: float, excluded: bool = False) -> policy.InstanceState: ...
+    def states(self, now: float) -> list[policy.InstanceState]: ...
+    def view(self, now: float) -> list[wire.InstanceView]: ...
+    def set_flags(self, r: InstanceRecord, drain_reason: str | None = None, cordoned: bool | None = None) -> None: ...
+    def count_orders(self, instance_id: str, count: int) -> None: ...
+    def forget(self, r: InstanceRecord, why: str) -> None: ...
+
+
+class ClusterView:
+    """The instance records by id (only this object adds and removes them) and what is derived from them:
+    scheduling states, the status view, gauges. Others that keep something per instance (the connection
+    watch, the prefix index, the dispatch counter) subscribe to ``on_forget``."""
+
+    def __init__(self, sc: SchedulingConfig, clock: Clock):
+        self.sc = sc
+        self.clock = clock
+        self._instances: dict[str, InstanceRecord] = {}
+        self.instances: Mapping[str, InstanceRecord] = MappingProxyType(self._instances)  # read-only
+        self._forgotten: list[Callable[[InstanceRecord], None]] = []
+
+    # ------------------------------------------------------------------ records
+
+    def get(self, instance_id: str) -> InstanceRecord | None:
+        return self._instances.get(instance_id)
+
+    def records(self) -> Collection[InstanceRecord]:
+        return self._instances.values()
+
+    def put(self, r: InstanceRecord, now: float) -> None:
+        """A registration: ``r`` is the instance's record from now on (replacing an older one)."""
+        self._instances[r.instance_id] = r
+        self.update_gauges(r, now)
+
+    def on_forget(self, fn: Callable[[InstanceRecord], None]) -> None:
+        """Call ``fn(record)`` when an instance is forgotten."""
+        self._forgotten.append(fn)
+
+    def forget(self, r: InstanceRecord, why: str) -> None:
+        for fn in self._forgotten:
+            fn(r)
+        del self._instances[r.instance_id]
+        log.info("instance %s forgotten: %s", r.instance_id, why)
+        for gauge in PER_INSTANCE_GAUGES:
+            gauge.remove(r.instance_id)  # (nothing to remove if it never reported)
+        self._count_states()
+
+    def set_flags(self, r: InstanceRecord, drain_reason: str | None = None, cordoned: bool | None = None) -> None:
+        """An operator's (or the rescheduler's) drain reason ("": not draining) or cordon."""
+        if drain_reason is not None:
+            r.drain_reason = drain_reason
+        if cordoned is not None:
+            r.cordoned = cordoned
+        self.update_gauges(r)
+
+    def count_orders(self, instance_id: str, count: int) -> None:
+        """``count`` (negative: ended) more migrations in flight with the instance as source or destination."""
+        r = self._instances.get(instance_id)
+        if r is not None:
+            r.orders = max(0, r.orders + count)
+
+    # ------------------------------------------------------------------ states
+
     def state(self, r: InstanceRecord, now: float, excluded: bool = False) -> policy.InstanceState:
         # Every dispatch batch and pairing round reads every instance's state: build it again only when
         # something it is made of changed (a report, a dispatch or its retirement, a flag, an order, the
@@ -31,11 +105,11 @@ class ViewMixin:
         return s
 
     def states(self, now: float) -> list[policy.InstanceState]:
-        return [self.state(r, now) for r in self.instances.values()]
+        return [self.state(r, now) for r in self._instances.values()]
 
     def view(self, now: float) -> list[wire.InstanceView]:
         out = []
-        for r in sorted(self.instances.values(), key=lambda r: r.instance_id):
+        for r in sorted(self._instances.values(), key=lambda r: r.instance_id):
             s = self.state(r, now)
             out.append(wire.InstanceView(
                 instance_id=r.instance_id, host=r.info.host, pid=r.info.pid, state=r.state,
@@ -50,28 +124,7 @@ class ViewMixin:
             ))
         return out
 
-    def proxy_rank(self, proxy: str, now: float) -> tuple[int, int]:
-        """(rank, count) of ``proxy`` among the proxies whose snapshot queries we heard lately. Proxies that
-        dispatch from their own views offset their tie rotations by it, so that a burst over equally free
-        instances spreads instead of every proxy picking the same first one."""
-        if proxy:
-            self.proxies[proxy] = now
-        horizon = now - max(10 * self.mc.heartbeat_interval_s, 5.0)
-        if any(t < horizon for t in self.proxies.values()):
-            self.proxies = {p: t for p, t in self.proxies.items() if t >= horizon}
-        ranked = sorted(self.proxies)
-        return (ranked.index(proxy) if proxy in self.proxies else 0), len(ranked)
-
-    def snapshot(self, query_id: int, proxy: str = "") -> wire.Snapshot:
-        now = self.clock.monotonic()
-        rank, proxies = self.proxy_rank(proxy, now)
-        return wire.Snapshot(query_id=query_id, instances=self.view(now), dispatch_policy=self.dispatch_policy,
-                             uptime_s=round(now - self.started, 3), dispatched_total=self.dispatched_total,
-                             pairing_policy=self.pairing_policy, request_selection=self.request_selection,
-                             scaling_policy=self.scaling_policy, migrating=self.migrating,
-                             ordered_migrations=dict(self.resched.outcomes), scale_outs=self.resched.scale_outs,
-                             scale_ins=self.resched.scale_ins, launching=len(self.resched.launcher.launches),
-                             proxies=proxies, proxy_rank=rank)
+    # ------------------------------------------------------------------ gauges
 
     def update_gauges(self, r: InstanceRecord, now: float | None = None) -> None:
         iid = r.instance_id
@@ -82,8 +135,28 @@ class ViewMixin:
         M_CORDONED.labels(iid).set(1 if r.cordoned else 0)
         if r.gauge_state != r.state:  # counting every instance on every report is O(N) per report
             r.gauge_state = r.state
-            self._update_gauges_states()
+            self._count_states()
 
-    def _update_gauges_states(self) -> None:
+    def _count_states(self) -> None:
         for state in ("alive", "stopping", "dead"):
-            M_INSTANCES.labels(state).set(sum(1 for x in self.instances.values() if x.state == state))
+            M_INSTANCES.labels(state).set(sum(1 for x in self._instances.values() if x.state == state))
+
+
+class ProxyRanks:
+    """The proxies whose snapshot queries we heard lately, for each one's rank among them."""
+
+    def __init__(self, heartbeat_interval_s: float):
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.last_heard: dict[str, float] = {}  # proxy token address -> when it last asked for a snapshot
+
+    def rank(self, proxy: str, now: float) -> tuple[int, int]:
+        """(rank, count) of ``proxy`` among the proxies heard lately. Proxies that dispatch from their own
+        views offset their tie rotations by it, so that a burst over equally free instances spreads instead of
+        every proxy picking the same first one."""
+        if proxy:
+            self.last_heard[proxy] = now
+        horizon = now - max(10 * self.heartbeat_interval_s, 5.0)
+        if any(t < horizon for t in self.last_heard.values()):
+            self.last_heard = {p: t for p, t in self.last_heard.items() if t >= horizon}
+        ranked = sorted(self.last_heard)
+        return (ranked.index(proxy) if proxy in self.last_heard else 0), len(ranked)

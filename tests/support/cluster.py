@@ -189,7 +189,7 @@ class VirtualCluster:
         back from the instances' registrations and reports."""
         old = self.manager
         self.runs["manager"].cancel()
-        self._cancel_tasks_of(old, old.resched)
+        self._cancel_tasks_of(*old.parts())
         await asyncio.gather(self.runs["manager"], return_exceptions=True)
         self._close_manager(old)
         # Over TCP, ZeroMQ reconnects the daemons to the new manager by itself; an inproc connection whose
@@ -262,7 +262,7 @@ class VirtualCluster:
     async def migrate(self, request_id: str, dst: str, src: str = "", count: int = 1) -> wire.Message:
         """As `llumnixctl migrate REQ --to DST` (or `--from SRC --count N --to DST`): the manager's answer."""
         query = wire.MigrateQuery(0, dst=dst, request_id=request_id, src=src, count=count)
-        return await self.manager.resched.on_migrate(query)
+        return await self.manager.resched.orders.on_migrate(query)
 
     async def until(self, cond: Callable[[], bool], within_s: float, what: str) -> float:
         start = self.loop.time()

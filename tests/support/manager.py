@@ -170,15 +170,15 @@ class Bench:
         self.loop = loop
         self.wire = Wire()
         self.m = Manager(load_config(None, self.SETTINGS + sets), clock=virtual.LoopClock(loop), sock=self.wire)
-        self.links = Links(self.m._link_changed)
-        self.m.links = self.links
+        self.links = Links(self.m.liveness.link_changed)
+        self.m.liveness.links = self.links
         self.heartbeat = self.m.mc.heartbeat_interval_s
         self.instances: dict[str, Inst] = {}
         self.stop = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._qids = itertools.count(1)
-        self.spawn(self.m.watch_heartbeats(self.stop))
-        self.spawn(self.m.resched.pairing_loop())
+        self.spawn(self.m.liveness.watch_heartbeats(self.stop))
+        self.spawn(self.m.resched.orders.pairing_loop())
 
     @classmethod
     def run(cls, scenario: Callable[[Bench], Awaitable], sets: list[str] = ()):
@@ -209,7 +209,6 @@ class Bench:
 
     async def deliver(self, ident: bytes, msg: wire.Message) -> None:
         """As the manager's socket loop does with one message from ``ident``."""
-        self.m.sender = ""
         await self.m.handle(ident, msg)
 
     def instance(self, iid: str, link: str = UP, told: dict | None = None, **load_kw) -> Inst:

@@ -52,9 +52,9 @@ def test_virtual_chaos_every_stream_is_exact(seed):
                 moves.append(asyncio.ensure_future(c.migrate(s.request_id, dst)))
             elif action == "drain" and len(live) > 1:
                 iid = rng.choice(live)
-                c.manager.resched.on_drain(wire.DrainQuery(0, iid))
+                c.manager.resched.lifecycle.on_drain(wire.DrainQuery(0, iid))
                 asyncio.get_running_loop().call_later(rng.uniform(0.5, 3), lambda iid=iid: iid in c.instances and
-                                                      c.manager.resched.on_drain(wire.DrainQuery(0, iid, drain=False)))
+                                                      c.manager.resched.lifecycle.on_drain(wire.DrainQuery(0, iid, drain=False)))
             elif action == "kill" and not killed and len(live) > 2:
                 killed = True
                 c.kill(rng.choice(live))
@@ -70,8 +70,8 @@ def test_virtual_chaos_every_stream_is_exact(seed):
         failovers = sum(s.failovers for s, _ in results)
         print(f"seed {seed}: killed {killed}, {committed} of {len(moves)} operator moves committed, "
               f"{failovers} failovers, {sum(s.given_back for s, _ in results)} given back, "
-              f"manager orders {dict(c.manager.resched.outcomes)}")
-        assert committed + c.manager.resched.outcomes["drain/committed"] >= 1  # the chaos moved requests
+              f"manager orders {dict(c.manager.resched.orders.outcomes)}")
+        assert committed + c.manager.resched.orders.outcomes["drain/committed"] >= 1  # the chaos moved requests
 
         def idle() -> dict:
             return {iid: (len(i.requests), i.engine.load().blocks_used, i.migrator.busy)

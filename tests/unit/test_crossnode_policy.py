@@ -12,10 +12,10 @@ from hypothesis import given, settings, strategies as st
 
 from daemons import wire
 from daemons.clock import Clock
-from daemons.config import SchedulingConfig
+from daemons.config import MigrationConfig, SchedulingConfig
 from daemons.policy import (INF, CrossNode, InstanceState, cross_node_budget_blocks, cross_node_saving_ms,
                             crosses_hosts, pair, select_migrants, transfer_ms)
-from daemons.manager.rescheduler import Rescheduler
+from daemons.manager.orders import Orders
 from daemons.wire import RequestLoad
 
 KV = 64 * 1024  # the kv-heavy shape: bytes per token
@@ -136,9 +136,6 @@ def test_check_only_narrows_cross_host_pairs(ss, gbps, turn):
 
 def test_rescheduler_learns_kv_size_and_pairs_with_hosts():
     """The manager's wiring: hosts from registration, KV bytes per token from committed migrations."""
-    rs = Rescheduler.__new__(Rescheduler)  # no manager loop: only what pair_once and learn touch
-    rs.sc = SchedulingConfig(cross_node_bandwidth_gbps=10.0)
-    rs.kv_bytes_per_token, rs._turn, rs.drain_backoff = 0.0, 0, {}
     src_load = wire.InstanceLoad(800, 768, 12, 0, 64, 16)
     dst_load = wire.InstanceLoad(1000, 0, 0, 0, 64, 16)
 
@@ -146,19 +143,26 @@ def test_rescheduler_learns_kv_size_and_pairs_with_hosts():
         info = SimpleNamespace(host=host, request_address=f"tcp://{iid}:1")
         return SimpleNamespace(instance_id=iid, state="alive", info=info, load=load)
 
-    spawned = []
-    rs.m = SimpleNamespace(
-        instances={"i0": record("i0", "a", src_load), "i1": record("i1", "b", dst_load)},
+    instances = {"i0": record("i0", "a", src_load), "i1": record("i1", "b", dst_load)}
+    cluster = SimpleNamespace(  # the Cluster protocol (daemons/manager/view.py), as much as pairing reads
+        instances=instances, get=instances.get, records=instances.values,
         state=lambda r, now: InstanceState(r.instance_id, r.load.blocks_total, blocks_used=r.load.blocks_used,
-                                           running=r.load.running, block_size=r.load.block_size),
-        migrating=True, request_selection="llumnix", spawn=spawned.append, clock=Clock())
+                                           running=r.load.running, block_size=r.load.block_size))
+    spawned = []
+
+    def orders(sc: SchedulingConfig) -> Orders:  # no manager loop: only what pair_once and learn touch
+        return Orders(sc, MigrationConfig(), cluster, SimpleNamespace(migrating=True, request_selection="llumnix"),
+                      Clock(), send=None, spawn=spawned.append, next_id=None, lookup=None, lookup_timeout_s=10.0)
+
+    rs = orders(SchedulingConfig(cross_node_bandwidth_gbps=10.0))
     [p] = rs.pair_once()
     assert not p.cross_node  # KV size not known yet: no check
-    rs.learn(rs.m.instances["i0"], [wire.MigrationOutcome("r", "i0", "i1", "committed", blocks=9, bytes=9 * 16 * KV)])
+    rs.learn(instances["i0"], [wire.MigrationOutcome("r", "i0", "i1", "committed", blocks=9, bytes=9 * 16 * KV)])
     assert rs.cross_node().kv_bytes_per_token == KV
     [p] = rs.pair_once()
     assert p.cross_node and p.budget_blocks == pytest.approx((102.4 - 20) / transfer_ms(16, KV, 10), abs=0.1)
     for coro in spawned:
         coro.close()
-    rs.sc = SchedulingConfig(cross_node_bandwidth_gbps=10.0, cross_node_kv_bytes_per_token=2 * KV)
+    rs = orders(SchedulingConfig(cross_node_bandwidth_gbps=10.0, cross_node_kv_bytes_per_token=2 * KV))
+    rs.learn(instances["i0"], [wire.MigrationOutcome("r", "i0", "i1", "committed", blocks=9, bytes=9 * 16 * KV)])
     assert rs.cross_node().kv_bytes_per_token == 2 * KV  # the setting wins over what was seen

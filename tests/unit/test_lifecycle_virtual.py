@@ -42,11 +42,11 @@ def test_autoscaling_adds_under_load_and_retires_when_idle():
             assert ids(await c.result(s)) == c.expected(s, 600), s.request_id
         await c.until(lambda: count() == 1, 60, "no instance was retired when idle")
         r = c.manager.resched
-        await c.until(lambda: r.scale_ins == 1, 30, "the scale-in did not finish")
-        assert r.scale_outs == 1 and 1 <= min(counts) and max(counts) <= 2
+        await c.until(lambda: r.scaling.scale_ins == 1, 30, "the scale-in did not finish")
+        assert r.scaling.scale_outs == 1 and 1 <= min(counts) and max(counts) <= 2
         retired = next(i for i in ("i0", "i1") if i not in serving(c))
         await c.until(lambda: c.runs[retired].done(), 30, f"the retired instance {retired} did not stop")
-        assert r.outcomes.get("balance/committed", 0) >= 1  # the new instance was filled by migration too
+        assert r.orders.outcomes.get("balance/committed", 0) >= 1  # the new instance was filled by migration too
 
     VirtualCluster.run(scenario, instances=1, sets=PACED + [
         "sim.num_blocks=256", "scaling.policy=llumnix", "scaling.min_instances=1", "scaling.max_instances=2",
@@ -61,10 +61,10 @@ def test_auto_scaling_never_retires_a_scale_in_protected_instance():
         # All idle and equally free: without protection the tie would go to the highest id (i2).
         assert [v.scale_in_protected for v in c.manager.view(c.clock.monotonic())] == [False, True, True]
         await c.until(lambda: c.runs["i0"].done(), 60, "the unprotected instance was not retired")
-        assert serving(c) == ["i1", "i2"] and c.manager.resched.scale_ins == 1
+        assert serving(c) == ["i1", "i2"] and c.manager.resched.scaling.scale_ins == 1
         # Two serving, above min_instances = 1, but both protected: nothing more is retired.
         await asyncio.sleep(30)  # virtual time: many sustain and cooldown periods
-        assert serving(c) == ["i1", "i2"] and c.manager.resched.scale_ins == 1
+        assert serving(c) == ["i1", "i2"] and c.manager.resched.scaling.scale_ins == 1
 
     VirtualCluster.run(scenario, instances=1, sets=PACED + [
         "scaling.policy=llumnix", "scaling.min_instances=1", "scaling.max_instances=3",
@@ -77,7 +77,7 @@ def test_a_failing_launch_is_reported_and_adds_nothing():
             return 3
 
         c.manager.resched.launcher.start = exits_3
-        reply = await c.manager.resched.on_add(wire.AddQuery(1))
+        reply = await c.manager.resched.lifecycle.on_add(wire.AddQuery(1))
         assert isinstance(reply, wire.ErrorReply) and "exited with status 3" in reply.message, reply
         assert serving(c) == ["i0"]
 
@@ -86,12 +86,12 @@ def test_a_failing_launch_is_reported_and_adds_nothing():
 
 def test_an_operators_add_stays_within_max_instances():
     async def scenario(c: VirtualCluster):
-        reply = await c.manager.resched.on_add(wire.AddQuery(1, count=2))
+        reply = await c.manager.resched.lifecycle.on_add(wire.AddQuery(1, count=2))
         assert isinstance(reply, wire.ErrorReply) and "would make 4 instances" in reply.message, reply
         assert "scaling.max_instances is 3" in reply.message and sorted(c.instances) == ["i0", "i1"]
-        reply = await c.manager.resched.on_add(wire.AddQuery(2, count=1))
+        reply = await c.manager.resched.lifecycle.on_add(wire.AddQuery(2, count=1))
         assert isinstance(reply, wire.AddReply) and reply.instance_ids == ["i2"], reply
-        reply = await c.manager.resched.on_add(wire.AddQuery(3, count=1))
+        reply = await c.manager.resched.lifecycle.on_add(wire.AddQuery(3, count=1))
         assert isinstance(reply, wire.ErrorReply) and "would make 4 instances (3 running or starting)" in reply.message
 
     VirtualCluster.run(scenario, instances=2, sets=["scaling.max_instances=3",

@@ -108,7 +108,7 @@ def test_a_burst_between_two_reports_spreads_and_is_counted_once_when_the_report
         i1.took(1, blocks=1)
         await b.heartbeats(1.5)
         assert b.view("i1").pending_dispatches == 0
-        assert b.m.dispatched_total == 8
+        assert b.m.dispatcher.dispatched_total == 8
 
     Bench.run(scenario)
 
@@ -166,14 +166,14 @@ def test_an_order_whose_result_is_lost_ends_after_its_timeout_and_frees_the_pair
         i0, i1 = b.instance("i0", running=1, blocks_used=10), b.instance("i1")
         i0.migrate_after_s = None  # the source's MigrateResult never arrives
         started = b.now
-        task = asyncio.ensure_future(b.m.resched.order_migration(
+        task = asyncio.ensure_future(b.m.resched.orders.order_migration(
             b.m.instances["i0"], wire.MigrateStart(0, dst="i1", dst_address=i1.address, count=1), 1))
         await b.heartbeats(1)
         assert b.m.instances["i0"].orders == 1 and b.m.instances["i1"].orders == 1
         result = await task
         assert result == "instance i0 did not report the migration's outcome in time"
-        assert abs(b.now - started - b.m.resched.migrate_timeout(1)) < 1e-6
-        assert b.m.instances["i0"].orders == 0 and b.m.instances["i1"].orders == 0 and b.m.resched.in_flight == 0
+        assert abs(b.now - started - b.m.resched.orders.migrate_timeout(1)) < 1e-6
+        assert b.m.instances["i0"].orders == 0 and b.m.instances["i1"].orders == 0 and b.m.resched.orders.in_flight == 0
 
     Bench.run(scenario)
 
@@ -182,7 +182,7 @@ def test_an_order_whose_source_dies_fails_at_once_with_that_reason():
     async def scenario(b: Bench):
         i0, i1 = b.instance("i0", running=1, blocks_used=10), b.instance("i1")
         i0.migrate_after_s = 30.0
-        task = asyncio.ensure_future(b.m.resched.order_migration(
+        task = asyncio.ensure_future(b.m.resched.orders.order_migration(
             b.m.instances["i0"], wire.MigrateStart(0, dst="i1", dst_address=i1.address, count=1), 1))
         await b.heartbeats(1)
         start = b.now
@@ -196,11 +196,11 @@ def test_an_order_whose_source_dies_fails_at_once_with_that_reason():
 def test_an_order_answered_in_time_reports_its_outcomes():
     async def scenario(b: Bench):
         _, i1 = b.instance("i0", running=1, blocks_used=10), b.instance("i1")
-        result = await b.m.resched.order_migration(
+        result = await b.m.resched.orders.order_migration(
             b.m.instances["i0"], wire.MigrateStart(0, dst="i1", dst_address=i1.address, request_ids=["r1"]), 1)
         assert isinstance(result, wire.MigrateResult)
         assert [(o.request_id, o.outcome) for o in result.outcomes] == [("r1", "committed")]
-        assert b.m.resched.in_flight == 0
+        assert b.m.resched.orders.in_flight == 0
 
     Bench.run(scenario)
 

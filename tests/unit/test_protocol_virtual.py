@@ -220,13 +220,13 @@ def test_a_drain_moves_running_requests_out_and_gives_queued_ones_back_with_no_e
         streams = await _streams(c, 9, 300)  # flood: all on i0, 6 running and 3 queued
         await c.until(lambda: c.instances["i0"].engine.load().running == 6, 5, "i0's slots did not fill")
         assert c.instances["i0"].engine.load().waiting == 3
-        reply = c.manager.resched.on_drain(wire.DrainQuery(1, "i0"))
+        reply = c.manager.resched.lifecycle.on_drain(wire.DrainQuery(1, "i0"))
         assert isinstance(reply, wire.DrainReply) and reply.instance.draining
         await c.until(lambda: idle(c)["i0"] == (0, 0, 0), 30, f"i0 was not emptied: {idle(c)}")
         for s in streams:
             assert ids(await c.result(s)) == c.expected(s, 300), s.request_id
         assert sum(s.given_back for s in streams) == 3  # the queued ones went back to the proxy ...
-        assert c.manager.resched.outcomes["drain/committed"] == 6  # ... the running ones migrated
+        assert c.manager.resched.orders.outcomes["drain/committed"] == 6  # ... the running ones migrated
         later = await _streams(c, 4, 5)
         assert all(s.instance_id != "i0" for s in later)  # a drained instance takes nothing new
         for s in later:
@@ -239,7 +239,7 @@ def test_draining_the_only_instance_keeps_its_queue_until_another_joins():
     async def scenario(c: VirtualCluster):
         streams = await _streams(c, 8, 600)
         await c.until(lambda: c.instances["i0"].engine.load().running == 4, 5, "i0's slots did not fill")
-        c.manager.resched.on_drain(wire.DrainQuery(1, "i0"))
+        c.manager.resched.lifecycle.on_drain(wire.DrainQuery(1, "i0"))
         await asyncio.sleep(1.0)
         assert c.instances["i0"].engine.load().waiting == 4  # nowhere else to go: giving them back would fail them
         assert sum(s.given_back for s in streams) == 0
@@ -248,7 +248,7 @@ def test_draining_the_only_instance_keeps_its_queue_until_another_joins():
         for s in streams:
             assert ids(await c.result(s)) == c.expected(s, 600), s.request_id
         assert all(s.instance_id == "i1" for s in streams)
-        assert sum(s.given_back for s in streams) + c.manager.resched.outcomes["drain/committed"] == 8
+        assert sum(s.given_back for s in streams) + c.manager.resched.orders.outcomes["drain/committed"] == 8
 
     VirtualCluster.run(scenario, instances=1, sets=PACED + ["sim.max_num_seqs=4"])
 
@@ -257,7 +257,7 @@ def test_a_cordoned_instance_keeps_what_it_runs_and_takes_nothing_new():
     async def scenario(c: VirtualCluster):
         first = await _streams(c, 4, 300)
         await c.until(lambda: c.instances["i0"].engine.load().running == 4, 5, "i0's requests did not start")
-        reply = c.manager.resched.on_drain(wire.DrainQuery(1, "i0", cordon_only=True))
+        reply = c.manager.resched.lifecycle.on_drain(wire.DrainQuery(1, "i0", cordon_only=True))
         assert reply.instance.cordoned and not reply.instance.draining
         await c.until(lambda: all(v.instance_id != "i0" for v in c.proxy.alive()), 2, "the proxy never saw the cordon")
         later = await _streams(c, 6, 5)
@@ -291,14 +291,14 @@ def test_a_drain_whose_moves_are_all_refused_backs_off_and_goes_on_once_one_can_
     async def scenario(c: VirtualCluster):
         streams = await _streams(c, 2, 3000)
         await c.until(lambda: c.instances["i0"].engine.load().running == 2, 5, "the streams did not start on i0")
-        c.manager.resched.on_drain(wire.DrainQuery(1, "i0"))
+        c.manager.resched.lifecycle.on_drain(wire.DrainQuery(1, "i0"))
         await asyncio.sleep(20.0)
-        orders = c.manager.resched.drain_backoff["i0"][0]  # in a row, each of its two requests refused
+        orders = c.manager.resched.orders.drain_backoff["i0"][0]  # in a row, each of its two requests refused
         # 0.2 s intervals doubled: orders at about 0, 0.4, 1.2, 2.8, 6, 12.4 s: six, not a hundred
-        assert 4 <= orders <= 8 and c.manager.resched.outcomes["drain/aborted"] == 2 * orders, orders
+        assert 4 <= orders <= 8 and c.manager.resched.orders.outcomes["drain/aborted"] == 2 * orders, orders
         c.instances["i1"].migrator.faults = Faults("i1", "")  # i1 takes them now
         await c.until(lambda: idle(c)["i0"] == (0, 0, 0), 40, f"i0 was not emptied: {idle(c)}")
-        assert c.manager.resched.outcomes["drain/committed"] == 2 and "i0" not in c.manager.resched.drain_backoff
+        assert c.manager.resched.orders.outcomes["drain/committed"] == 2 and "i0" not in c.manager.resched.orders.drain_backoff
         for s in streams:
             assert ids(await c.result(s, within_s=300)) == c.expected(s, 3000), s.request_id
 

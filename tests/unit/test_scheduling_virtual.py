@@ -72,14 +72,14 @@ def test_flood_then_llumnix_equalizes_freeness():
         assert running(c) == {"i0": 24, "i1": 0, "i2": 0}
         assert spread(c) > 1.0
         await asyncio.sleep(1.0)
-        assert c.manager.resched.outcomes.get("balance/committed", 0) == 0  # flood never migrates to balance
-        reply = c.manager.on_policy(wire.PolicyQuery(1, dispatch_policy="llumnix"))
+        assert c.manager.resched.orders.outcomes.get("balance/committed", 0) == 0  # flood never migrates to balance
+        reply = c.manager.policies.change(wire.PolicyQuery(1, dispatch_policy="llumnix"))
         assert reply.dispatch_policy == "llumnix" and reply.migrating
         took = await c.until(lambda: spread(c) < 0.5, 30 * 0.2, "freeness not equalized within 30 intervals")
         assert all(n >= 4 for n in running(c).values()), running(c)
         for s in streams:
             assert ids(await c.result(s)) == c.expected(s, 500), s.request_id
-        committed = c.manager.resched.outcomes.get("balance/committed", 0)
+        committed = c.manager.resched.orders.outcomes.get("balance/committed", 0)
         assert committed >= 8
         assert sum(inst.migrator.committed for inst in c.instances.values()) == committed
         print(f"balanced in {took:.2f} virtual s with {committed} migrations")
@@ -103,7 +103,7 @@ def _long_prompt_wait(dispatch: str) -> tuple[float, int]:
         long = Timed(c, max_tokens=8, prompt_tokens=2600)
         for t in await asyncio.gather(long.task, *(t.task for t in load)):
             assert t.exact(), t.stream.request_id
-        return long.ttft, c.manager.resched.outcomes.get("balance/committed", 0)
+        return long.ttft, c.manager.resched.orders.outcomes.get("balance/committed", 0)
 
     return VirtualCluster.run(scenario, sets=PACED + [f"manager.dispatch_policy={dispatch}", "sim.num_blocks=256"])
 
@@ -128,7 +128,7 @@ def _priority_run(tag_high: bool) -> tuple[list[Timed], list[Timed], dict]:
         high = [at(0.6 + 0.5 * k, max_tokens=100, priority=1 if tag_high else 0) for k in range(4)]
         done = await asyncio.gather(*normal, *high)
         assert all(t.exact() for t in done)
-        return done[:40], done[40:], dict(c.manager.resched.outcomes)
+        return done[:40], done[40:], dict(c.manager.resched.orders.outcomes)
 
     return VirtualCluster.run(scenario, sets=[
         "sim.time_scale=1", "sim.decode_ms=5", "sim.decode_ms_per_seq=2", "sim.max_num_seqs=12", "sim.num_blocks=512",
