@@ -62,11 +62,10 @@ class Sent:
     def __init__(self):
         self.msgs: list[tuple[str, wire.Message]] = []
         self.seen_from: list[str] = []
+        self.dropped: list[str] = []
 
     def send(self, address, msg):
         self.msgs.append((address, msg))
-
-        self.dropped: list[str] = []
 
     def seen(self, address):
         self.seen_from.append(address)
