@@ -201,8 +201,8 @@ class Intake:
             M_ORPHANED.inc(n)
             log.warning("proxy %s is gone (%s): aborted its %d request(s)", address, why, n)
         for rid in aborted:  # a proxy that was only slow hears why, and places them again, rather than waiting
-            self.tokens.fail(rid, address, f"aborted on instance {self.tokens.instance_id}: its proxy was taken for gone "
-                                           f"({why})", True)
+            self.tokens.fail(rid, address, f"aborted on instance {self.tokens.instance_id}: its proxy was taken "
+                                           f"for gone ({why})", True)
         self.proxies.drop(address)
         self._taken.pop(address, None)
         return n
