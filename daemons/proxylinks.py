@@ -10,14 +10,13 @@ requests (``gone``), since nobody reads their tokens.
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
-from typing import Callable
 
 import msgspec
 import zmq
 
 from daemons import runtime, wire
+from daemons.clock import Clock
 
 log = logging.getLogger("llumnix.instance")
 
@@ -34,10 +33,10 @@ class _Link:
 
 class ProxyLinks:
     def __init__(self, ctx: zmq.Context, orphan_timeout_s: float, max_backlog: int = 10_000, sndhwm: int = 100_000,
-                 secure=None, clock: Callable[[], float] = time.monotonic):
+                 secure=None, clock: Clock | None = None):
         """``clock``: when a proxy was last heard from (the instance's; virtual in tests/support)."""
         self.ctx = ctx
-        self.clock = clock
+        self.clock = clock or Clock()
         self.secure = secure or (lambda sock: sock)  # CURVE: authenticate to the proxy's token socket
         self.orphan_timeout_s = orphan_timeout_s
         self.max_backlog = max_backlog
@@ -52,7 +51,7 @@ class ProxyLinks:
             sock.setsockopt(zmq.SNDHWM, self.sndhwm)
             self.secure(sock)
             sock.connect(address)
-            link = self.links[address] = _Link(sock, self.clock())
+            link = self.links[address] = _Link(sock, self.clock.monotonic())
         return link
 
     def send(self, address: str, msg: wire.Message) -> None:
@@ -62,7 +61,7 @@ class ProxyLinks:
             link.backlog.append(frame)
         elif not runtime.send_now(link.sock, frame):
             if not link.backlog:
-                link.full_since = self.clock()
+                link.full_since = self.clock.monotonic()
                 log.warning("token path to %s is full; holding its messages", address)
             link.backlog.append(frame)
 
@@ -82,7 +81,7 @@ class ProxyLinks:
 
     def seen(self, address: str) -> None:
         """The proxy at ``address`` spoke to us (a request, ProxyAlive)."""
-        self._link(address).seen = self.clock()
+        self._link(address).seen = self.clock.monotonic()
 
     def broadcast(self, msg: wire.Message) -> None:
         """``msg`` to every proxy we know."""
@@ -98,7 +97,7 @@ class ProxyLinks:
 
     def gone(self, addresses: set[str]) -> list[tuple[str, str]]:
         """Of ``addresses`` (proxies with requests here, and the others we know), those that are gone, each with why."""
-        now = self.clock()
+        now = self.clock.monotonic()
         out = []
         for address in addresses:
             link = self._link(address)

@@ -21,9 +21,9 @@ client; the proxy aborts it by epoch.
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass
-from typing import Callable
+
+from daemons.clock import Clock
 
 
 @dataclass(slots=True)
@@ -49,9 +49,9 @@ class RequestTable:
     MOVED_TTL_S = 300.0  # how long aborts follow a request that migrated away
     MOVED_MAX = 10_000
 
-    def __init__(self, monotonic: Callable[[], float] = time.monotonic):
-        """``monotonic``: the clock arrivals and hand-overs are timed on (the instance's)."""
-        self.monotonic = monotonic
+    def __init__(self, clock: Clock | None = None):
+        """``clock``: what arrivals and hand-overs are timed on (the instance's)."""
+        self.clock = clock or Clock()
         self._reqs: dict[str, Entry] = {}
         self._moved: dict[str, tuple[str, float]] = {}  # request id -> (destination's request address, when)
 
@@ -78,14 +78,14 @@ class RequestTable:
     def take_over(self, request_id: str, reply_to: str, epoch: int, emitted: int, traceparent: str = "") -> Entry:
         """A migration committed here: the request continues at ``emitted`` under ``epoch``."""
         self._moved.pop(request_id, None)
-        entry = self._reqs[request_id] = Entry(reply_to, epoch, emitted, arrived=self.monotonic(),
+        entry = self._reqs[request_id] = Entry(reply_to, epoch, emitted, arrived=self.clock.monotonic(),
                                                traceparent=traceparent)
         return entry
 
     def hand_over(self, request_id: str, address: str) -> Entry | None:
         """A migration out of here committed: forget the request; aborts now follow it to ``address``."""
         entry = self._reqs.pop(request_id, None)
-        now = self.monotonic()
+        now = self.clock.monotonic()
         self._moved[request_id] = (address, now)
         if len(self._moved) > self.MOVED_MAX or next(iter(self._moved.values()))[1] < now - self.MOVED_TTL_S:
             self._moved = {k: v for k, v in self._moved.items() if v[1] > now - self.MOVED_TTL_S}
@@ -149,7 +149,7 @@ class RequestTable:
 
     def moved_lately(self, within_s: float) -> dict[str, str]:
         """Requests handed over in the last ``within_s`` seconds: id -> the destination's request address."""
-        since = self.monotonic() - within_s
+        since = self.clock.monotonic() - within_s
         return {rid: address for rid, (address, at) in self._moved.items() if at > since}
 
     def moved_to(self, request_id: str) -> str | None:

@@ -45,8 +45,8 @@ class Watchdog:
         self.hung_exit_s = hung_exit_s
         self.clock = clock or Clock()
         self.on_hung = on_hung
-        self.step_started = 0.0  # start of the step in flight on ``clock`` (0: none); set by the step loop
-        self.loop_beat = self.clock.monotonic()  # the event loop's last tick; set by the instance
+        self.step_started = 0.0  # start of the step in flight on ``clock`` (0: none): ``step_began``
+        self.loop_beat = self.clock.monotonic()  # the event loop's last tick: ``loop_ticked``
         self.stalled = ""  # why, while stalled
         self._stalled_since = 0.0
         self._stop = threading.Event()
@@ -58,6 +58,17 @@ class Watchdog:
 
     def now(self) -> float:
         return self.clock.monotonic()
+
+    def step_began(self, at: float) -> None:
+        """(The step loop, on any thread) An engine step started at ``at`` (on ``clock``)."""
+        self.step_started = at
+
+    def step_ended(self) -> None:
+        self.step_started = 0.0
+
+    def loop_ticked(self, at: float) -> None:
+        """(The event loop) It ran at ``at``."""
+        self.loop_beat = at
 
     def start(self) -> None:
         """Judge every ``tick_s``: on a thread of its own (a real clock), or from a task on the running loop."""
@@ -73,7 +84,7 @@ class Watchdog:
 
     async def _judge_on_loop(self) -> None:
         while not self._stop.is_set():
-            await asyncio.sleep(self.tick_s)
+            await self.clock.sleep(self.tick_s)
             self.judge()
 
     def check(self, now: float) -> str:

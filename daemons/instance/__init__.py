@@ -3,20 +3,34 @@
 The llumlet owns the step loop: between steps it applies the requests and aborts that proxies sent, after
 each step it pushes every token straight to the proxy that owns the request, and it reports load to the
 manager on change (coalesced to a bounded rate) and at least once per heartbeat interval. It runs live
-migrations in and out (daemons/migration/); their engine calls wait for a step boundary (``boundary``).
-When the manager orders migrations out, the llumlet picks which requests go (policy.select_migrants).
-While draining (told by the manager, or after SIGTERM) it gives queued requests that produced nothing back
-to their proxies for re-dispatch, and its running requests migrate out as the manager orders.
+migrations in and out (daemons/migration/); their engine calls wait for a step boundary. When the manager
+orders migrations out, the llumlet picks which requests go (policy.select_migrants). While draining (told by
+the manager, or after SIGTERM) it gives queued requests that produced nothing back to their proxies for
+re-dispatch, and its running requests migrate out as the manager orders.
+
+The ``Instance`` (``daemon.py``, with its life cycle and the CLI) is a facade: it builds one object per
+concern, gives each what it needs, and starts their loops. Each owns its state; the others use its verbs.
+
+- ``Intake`` (``intake.py``): the request socket and the inbox of Submits and Aborts, applied to the engine
+  at each boundary; requests that leave (aborted, given back, orphaned); Submits taken in per proxy.
+- ``Mailbox`` (``mailbox.py``): calls that wait for a step boundary, whether a step is in flight, and the
+  event that wakes the step loop.
+- ``StepLoop`` (``steps.py``): schedule -> run -> postprocess; the engine thread. One step path for vLLM's
+  blocking steps (back to back on the thread) and the sim's modelled ones (on the loop, as tests/support runs).
+- ``TokenPath`` and ``ManagerLine`` (``tokens.py``): tokens, failures, moves and give-backs to the proxies;
+  messages to the manager.
+- ``Reporter`` and ``Heartbeats`` (``reports.py``): the last load and the reports to the manager, heartbeats
+  to the proxies, which proxies are gone; ``CacheReports`` (``cache.py``): the prefix cache published.
+- ``Listings`` (``listings.py``): the manager's request listings and the engine rows they are answered from.
+- ``Orders`` (``selection.py``): migration orders, which requests go (with the pure ``migrants_for``, also
+  run by the simulator).
+- ``Control`` (``control.py``): the manager protocol (its handler table, registration, drain, stop) and
+  ``Standing``/``Identity`` (``standing.py``): where the instance stands and who it is.
 
 Every request's owner, placement epoch and progress live in one table (daemons/requests.py); the links to
 proxies (token path, backlog, proxy liveness) in daemons/proxylinks.py; liveness by progress in
-daemons/watchdog.py. Each heartbeat the instance tells every proxy it serves that it is alive and healthy,
-and aborts the requests of proxies that are gone.
-
-One concern per file: ``daemon.py`` (the Instance, its life cycle, the CLI), ``tokens.py`` (the token path),
-``intake.py`` (requests and aborts from proxies), ``steps.py`` (the step loop and its boundaries),
-``control.py`` (manager protocol, reports, heartbeats, proxies' liveness), ``selection.py`` (migration orders:
-which requests go), ``telemetry.py`` (metrics and tuning constants).
+daemons/watchdog.py. Metrics and tuning constants are in ``telemetry.py``. Every part reads time from the
+instance's ``daemons.clock.Clock``.
 """
 
 from daemons.instance.daemon import Instance, app, entry, main

@@ -1,28 +1,33 @@
-"""The instance daemon: the ``Instance`` (its state, and a mixin per concern in the file named for it),
-its life cycle (start, serve, shut down with grace), and the CLI."""
+"""The instance daemon: the ``Instance``, a facade over the parts that do its work (each in the file named in
+daemons/instance/__init__.py), its life cycle (start, serve, shut down with grace), and the CLI."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import socket
-import sys
-import threading
-from concurrent.futures import ThreadPoolExecutor
-from typing import Annotated, Callable, Optional
+from typing import Annotated, Optional
 
 import typer
 import zmq
 import zmq.asyncio
 
-from daemons.clock import Clock, loop_time
-from daemons import metrics, prefix, runtime, security, wire
+from daemons import metrics, runtime, security, wire
 from daemons.cli import ConfigFile, LogLevel, Overrides, load_or_exit
+from daemons.clock import Clock
 from daemons.config import Config
 from daemons.engine import make_engine
 from daemons.engine.base import Engine, EngineError
-from daemons.instance.telemetry import M_PREEMPTIONS
+from daemons.instance.cache import CacheReports
+from daemons.instance.control import Control
+from daemons.instance.intake import Intake
+from daemons.instance.listings import Listings
+from daemons.instance.mailbox import Mailbox
+from daemons.instance.reports import Heartbeats, Reporter
+from daemons.instance.selection import Orders
+from daemons.instance.standing import Identity, Standing
+from daemons.instance.steps import StepLoop
+from daemons.instance.tokens import ManagerLine, TokenPath
 from daemons.migration import Migrator
 from daemons.proxylinks import ProxyLinks
 from daemons.requests import RequestTable
@@ -31,28 +36,24 @@ from daemons.watchdog import Faults, Watchdog
 
 log = logging.getLogger("llumnix.instance")
 
-from daemons.instance.control import ControlMixin
-from daemons.instance.intake import IntakeMixin
-from daemons.instance.selection import OrdersMixin
-from daemons.instance.steps import StepLoopMixin
-from daemons.instance.tokens import TokenPathMixin
 
-
-class Instance(TokenPathMixin, IntakeMixin, StepLoopMixin, ControlMixin, OrdersMixin):
-    """One engine plus its llumlet: the state below, and a mixin per concern in the file named for it; the
-    migrator (daemons/migration/) runs the migrations in and out."""
+class Instance:
+    """One engine plus its llumlet: builds its parts and wires each to what it needs, starts their loops,
+    and shuts down. The migrator (daemons/migration/) runs the migrations in and out; what it needs of the
+    instance (``daemons.migration.records.Host``) is read here from the parts that own it."""
 
     def __init__(self, cfg: Config, engine: Engine, kv=None, ctx: zmq.asyncio.Context | None = None,
-                 clock: Clock | None = None):
+                 clock: Clock | None = None, faults: Faults | None = None):
         """``kv``: the migrator's KV transport (default: Gloo pairs; see daemons/migration/migrator.py). ``ctx``:
         the ZeroMQ context its sockets are made in (default: its own; tests/support/cluster.py shares one
-        between daemons in one process, for inproc:// addresses). ``clock``: what its step loop times steps with
-        (default: the monotonic clock; tests/support passes the virtual loop's)."""
+        between daemons in one process, for inproc:// addresses). ``clock``: what it reads time from (default:
+        the monotonic clock; tests/support passes the virtual loop's). ``faults``: those injected (default:
+        from $LLUMNIX_FAULTS)."""
         self.clock = clock or Clock()
         self.cfg = cfg
-        self.tracer = Tracer.create(cfg.tracing, "llumnix-instance", cfg.instance.id)  # None: tracing off
+        self.ic = ic = cfg.instance
+        self.tracer = Tracer.create(cfg.tracing, "llumnix-instance", ic.id)  # None: tracing off
         self.kv = kv
-        self.ic = cfg.instance
         self.engine = engine
         self.ctx = ctx if ctx is not None else zmq.asyncio.Context()
         self.sec = security.Security(cfg.security, "instance", self.ctx)
@@ -62,100 +63,127 @@ class Instance(TokenPathMixin, IntakeMixin, StepLoopMixin, ControlMixin, OrdersM
         # a flood of stale ones (it asks us to register, and the next report is current).
         self.manager.setsockopt(zmq.IMMEDIATE, 1)
         self.manager.setsockopt(zmq.SNDHWM, 64)
-        self.proxies = ProxyLinks(self.ctx, self.ic.orphan_timeout_s, secure=lambda sock: self.sec.client(sock, "proxy"),
-                                  clock=self.clock.monotonic)
-        self.requests = RequestTable(self.clock.monotonic)
-        self.watchdog = Watchdog(self.ic.step_timeout_s, self.ic.hung_exit_s, self.clock)
-        self.faults = Faults(self.ic.id)
-        self.inbox: list[wire.Submit | wire.Abort] = []
-        self.taken: dict[str, int] = {}  # by proxy token address: its Submits taken in at step boundaries
-        self.list_queries: list[tuple[int, float]] = []  # ListRequests (id, arrival) answered at the next boundary
-        # The engine's request rows as of the end of the last step or boundary (None: not kept, or stale), and
-        # until when they are kept (see LISTING_WINDOW_S).
-        self.rows: list[wire.RequestLoad] | None = None
-        self.rows_until = 0.0
-        self.rows_at = 0.0  # when they were read
-        self.boundary_calls: list[tuple[Callable, asyncio.Future]] = []
-        self.stepping = False  # engine steps run on the executor thread right now
-        self.halt_steps = False  # the step loop was cancelled: the engine thread stops after its step
-        self.emit_failure: BaseException | None = None  # raised by the step loop, as if it had emitted itself
-        self.steps = 0
-        self.migrator: Migrator | None = None
-        # A real engine's step takes milliseconds of compute: run it on a worker thread so sockets stay
-        # served. The engine is only ever touched between steps, from the event loop thread.
-        self.executor = (ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=self._init_engine_thread)
-                         if getattr(engine, "blocking_step", False) else None)
-        if self.executor is not None:
-            # The step thread runs Python between its kernels and holds the GIL meanwhile; by default a
-            # waiting thread gets it after up to 5 ms. The event loop serves sockets (tokens, migration
-            # handshakes, whose latency is downtime): let it in sooner.
-            sys.setswitchinterval(0.0005)
-        self.last_load = engine.load()
-        self.phases = metrics.RequestPhases()  # queue, prefill and decode times of the requests held here
-        self.preemptions = metrics.PreemptionCounter(M_PREEMPTIONS, self.last_load.preemptions)
-        self.wake = asyncio.Event()
-        self.load_changed = asyncio.Event()
-        self.accepting = True
-        self.draining = ""  # the reason while the manager has us draining
-        self.elsewhere = True  # (while draining) another instance takes requests
-        self.cordoned = False
-        self.stop_reason = "SIGTERM"
-        self.started = self.clock.monotonic()
+        self.proxies = ProxyLinks(self.ctx, ic.orphan_timeout_s, secure=lambda sock: self.sec.client(sock, "proxy"),
+                                  clock=self.clock)
+        self.requests = RequestTable(self.clock)
+        self.watchdog = Watchdog(ic.step_timeout_s, ic.hung_exit_s, self.clock)
+        self.faults = faults or Faults(ic.id)
+        self.migrator: Migrator | None = None  # built when it starts (its KV transport listens)
+        self.ident = Identity(ic.id)
+        self.standing = Standing()
         self.stop = asyncio.Event()
-        self.instance_id = self.ic.id
-        self.request_address = ""
-        self.metrics_address = ""
-        self.report_seq = 0
-        # The engine's prefix cache, published to the manager and the proxies (daemons/prefix.py); None when
-        # the engine keeps none it can report (sim.prefix_caching off; vLLM's events are not read yet).
-        self.cache_pub = prefix.Publisher(self.instance_id) if getattr(engine, "cache", None) is not None else None
-        self._cache_syncs: dict[str, float] = {}  # asker -> when we last sent it our whole cache
-        self._cache_counted = (0, 0)  # the cache's (queried, hit) tokens already in the metrics
+        self.stop_reason = "SIGTERM"
+        self.phases = metrics.RequestPhases()  # queue, prefill and decode times of the requests held here
+        migrator = lambda: self.migrator  # noqa: E731  (the parts ask for it when they need it)
+        heartbeat_s = cfg.manager.heartbeat_interval_s
 
-    def _init_engine_thread(self) -> None:
-        """(Engine thread, first) Lower this thread's priority by ``instance.engine_nice`` (Linux: niceness is
-        per thread, and threads it starts inherit it), then the engine's own set-up."""
-        if self.ic.engine_nice:
-            tid = threading.get_native_id()
-            try:
-                os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + self.ic.engine_nice)
-            except OSError as exc:
-                log.warning("instance.engine_nice=%d not applied: %s", self.ic.engine_nice, exc)
-        init = getattr(self.engine, "init_thread", None)
-        if init is not None:
-            init()
+        self.line = ManagerLine(self.manager)
+        self.mailbox = Mailbox()
+        self.tokens = TokenPath(self.proxies, self.requests, self.ident)
+        self.cache = CacheReports(engine, self.proxies, self.line.tell, self.mailbox, heartbeat_s, self.clock)
+        self.intake = Intake(self.router, engine, self.requests, self.phases, self.tokens, self.proxies,
+                             self.standing, self.mailbox.wake, migrator, self.cache.on_sync, self.clock)
+        self.listings = Listings(engine, self.requests, self.mailbox,
+                                 lambda: self.intake.waiting() or self.mailbox.waiting(), self.line.tell, self.ident,
+                                 self.clock)
+        self.reporter = Reporter(engine, migrator, self.watchdog, self.line.tell, self.proxies, self.intake.taken,
+                                 self.standing, self.ident, self.cache, self.phases, self.requests, heartbeat_s,
+                                 ic.load_report_min_interval_s, self.clock)
+        self.heartbeats = Heartbeats(
+            self.reporter, self.watchdog, self.proxies, self.requests,
+            lambda address, why: self.mailbox.call(lambda: self.intake.abort_orphans(address, why)),
+            min(heartbeat_s, ic.step_timeout_s / 4), self.clock)
+        self.stepper = StepLoop(engine, self.mailbox, self.intake, self.listings, self.tokens, self.reporter,
+                                self.cache, self.phases, migrator, self.watchdog, self.faults, ic, self.clock)
+        self.orders = Orders(engine, self.requests, self.mailbox, migrator, lambda: self.reporter.last,
+                             self.intake.redispatch_queued, self.line.tell, self.ident, cfg.migration.max_in_flight,
+                             self.clock)
+        self.control = Control(self.line, self.standing, self.reporter, self.ident, engine, cfg,
+                               lambda: self.mailbox.call(self.intake.redispatch_queued), self.halt, self.clock)
+
+    # ------------------------------------------------------------------ what the migrator reads (Host)
+
+    @property
+    def instance_id(self) -> str:
+        return self.ident.instance_id
+
+    @property
+    def request_address(self) -> str:
+        return self.ident.request_address
+
+    @property
+    def accepting(self) -> bool:
+        return self.standing.accepting
+
+    @property
+    def draining(self) -> str:
+        return self.standing.draining
+
+    @property
+    def wake(self) -> asyncio.Event:
+        return self.mailbox.wake
+
+    def reply_peer(self, identity: bytes, msg: wire.Message) -> None:
+        self.intake.reply(identity, msg)
+
+    def announce_move(self, request_id: str, address: str, instance_id: str, request_address: str, epoch: int,
+                      from_index: int) -> None:
+        self.tokens.announce_move(request_id, address, instance_id, request_address, epoch, from_index)
+
+    def abort_local(self, request_id: str) -> bool:
+        return self.intake.abort_local(request_id)
+
+    # ------------------------------------------------------------------ life cycle
+
+    @property
+    def parts(self) -> tuple:
+        """The objects whose tasks are the instance's (tests/support/cluster.py cancels them as a kill -9)."""
+        return tuple(p for p in (self, self.intake, self.stepper, self.reporter, self.heartbeats, self.orders,
+                                 self.control, self.migrator, self.proxies) if p is not None)
+
+    def halt(self, reason: str) -> None:
+        """Stop serving (``run`` shuts down), for ``reason``."""
+        self.stop_reason = reason
+        self.stop.set()
+
+    def build_migrator(self) -> Migrator:
+        """The migrator, with the KV transport it moves blocks over."""
+        return Migrator(self, self.cfg.migration, self.engine, self.requests, self.mailbox.call, self.faults, self.kv)
 
     async def run(self) -> None:
         self.sec.check_bind("instance.request_address", self.ic.request_address)
         self.sec.check_bind("migration.kv_host", self.cfg.migration.kv_host)
-        self.request_address = runtime.bind(self.router, self.ic.request_address)
+        ident = self.ident
+        ident.request_address = runtime.bind(self.router, self.ic.request_address)
         if self.ic.advertise_address:
-            self.request_address = self.ic.advertise_address
-        if not self.instance_id:
-            self.instance_id = f"{self.ic.host or socket.gethostname()}-{self.request_address.rsplit(':', 1)[-1]}"
-        if self.cache_pub is not None:
-            self.cache_pub.instance_id = self.instance_id
-        metrics.bind("instance", self.cfg.model.name, self.instance_id)
+            ident.request_address = self.ic.advertise_address
+        if not ident.instance_id:
+            ident.instance_id = f"{self.ic.host or socket.gethostname()}-{ident.request_address.rsplit(':', 1)[-1]}"
+        self.cache.name(ident.instance_id)
+        metrics.bind("instance", self.cfg.model.name, ident.instance_id)
         try:
-            self.migrator = Migrator(self, self.cfg.migration, self.engine, self.requests, self.boundary, self.faults,
-                                     self.kv)
+            self.migrator = self.build_migrator()
         except (RuntimeError, ValueError, OSError) as exc:  # the KV store's port is taken, or the host does not resolve
             raise runtime.StartupError(f"cannot listen for KV transfer on {self.cfg.migration.kv_host}:"
                                        f"{self.cfg.migration.kv_port}: {exc}") from None
-        self.metrics_address = runtime.start_metrics_server(self.ic.metrics_port, self.ic.metrics_host,
-                                                            security.metrics_token(self.cfg))
+        ident.metrics_address = runtime.start_metrics_server(self.ic.metrics_port, self.ic.metrics_host,
+                                                             security.metrics_token(self.cfg))
         runtime.connect(self.manager, self.cfg.manager.address)
-        self._tell_manager(self.register_msg())
+        self.control.register()
         load = self.engine.load()
         # Before "serving on": whoever reads that line may stop us cleanly at once.
         runtime.install_stop_signals(asyncio.get_running_loop(), self.stop)
         log.info("instance %s serving on %s (backend %s, %d blocks of %d tokens, manager %s, KV transfer %s, "
-                 "metrics %s)", self.instance_id, self.request_address, self.engine.backend, load.blocks_total,
-                 load.block_size, self.cfg.manager.address, self.migrator.kv.address or "pairs meet over ZeroMQ", self.metrics_address or "off")
+                 "metrics %s)", ident.instance_id, ident.request_address, self.engine.backend, load.blocks_total,
+                 load.block_size, self.cfg.manager.address, self.migrator.kv.address or "pairs meet over ZeroMQ",
+                 ident.metrics_address or "off")
         runtime.sd_notify("READY=1")
         self.watchdog.start()
-        tasks = [asyncio.create_task(c) for c in
-                 (self.serve_requests(), self.step_loop(), self.serve_manager(), self.report_loop(), self.proxy_loop())]
+        handlers = {wire.ListRequests: lambda msg: self.listings.on_list_requests(msg.query_id),
+                    wire.MigrateStart: self.orders.on_migrate_start,
+                    wire.CacheSync: lambda msg: self.cache.on_sync("")}
+        tasks = [asyncio.create_task(c) for c in (self.intake.serve(), self.stepper.run(), self.control.serve(handlers),
+                                                   self.reporter.run(), self.heartbeats.run())]
         stopped = asyncio.create_task(self.stop.wait())
         done, _ = await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
         failure = next((t.exception() for t in done if t is not stopped and t.exception() is not None), None)
@@ -171,24 +199,23 @@ class Instance(TokenPathMixin, IntakeMixin, StepLoopMixin, ControlMixin, OrdersM
         requests out and give queued ones back for re-dispatch (its drain orders do both, once another
         instance can take them), or let them finish; then fail what is left."""
         runtime.sd_notify("STOPPING=1")
-        self.accepting = False
-        self._tell_manager(wire.Goodbye(self.instance_id, reason))
+        self.control.stop_accepting(reason)
         log.info("stopping: %d requests in flight, draining for up to %.1fs", len(self.requests), grace)
-        deadline = loop_time() + grace
-        while (len(self.requests) or (self.migrator is not None and self.migrator.busy)) and loop_time() < deadline:
-            await asyncio.sleep(0.05)
+        deadline = self.clock.monotonic() + grace
+        while ((len(self.requests) or (self.migrator is not None and self.migrator.busy))
+               and self.clock.monotonic() < deadline):
+            await self.clock.sleep(0.05)
         self.watchdog.stop()
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if self.migrator is not None:
             await self.migrator.close()
-        if self.executor is not None:
-            self.executor.shutdown(wait=True)  # a step in flight finishes before we touch the engine
+        self.stepper.close()  # a step in flight finishes before we touch the engine
         for rid, entry in list(self.requests.items()):
             self.engine.abort_request(rid)
             # Retryable: the proxy continues the request elsewhere from the tokens it already has.
-            self.fail(rid, entry.reply_to, f"instance {self.instance_id} stopped", retryable=True)
+            self.tokens.fail(rid, entry.reply_to, f"instance {self.ident.instance_id} stopped", retryable=True)
         self.engine.shutdown()
         if self.tracer is not None:
             self.tracer.shutdown()  # the last migrations' spans

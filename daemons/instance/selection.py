@@ -6,9 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING, Callable
 
 from daemons import policy, wire
+from daemons.clock import Clock
+from daemons.engine.base import Engine
+from daemons.instance.mailbox import Mailbox
+from daemons.instance.standing import Identity
 from daemons.instance.telemetry import PREFIX_QUERY_TOKENS
+from daemons.requests import RequestTable
+
+if TYPE_CHECKING:
+    from daemons.migration import Migrator
 
 log = logging.getLogger("llumnix.instance")
 
@@ -35,8 +44,28 @@ def keep_for(msg: wire.MigrateStart, migrating: set[str], arrivals: dict[str, fl
     return keep
 
 
-class OrdersMixin:
-    """Of the Instance: turns a MigrateStart into migrations out (daemons/migration/ runs each one)."""
+class Orders:
+    """Turns a MigrateStart into migrations out (daemons/migration/ runs each one). Owns nothing between
+    orders: it reads the engine (at boundaries, through ``mailbox``), the request table, the last load
+    (``load()``), and gives queued migrants back through ``redispatch_queued``."""
+
+    def __init__(self, engine: Engine, requests: RequestTable, mailbox: Mailbox,
+                 migrator: Callable[[], Migrator | None], load: Callable[[], wire.InstanceLoad],
+                 redispatch_queued: Callable[[set[str]], int], tell_manager: Callable[[wire.Message], None],
+                 ident: Identity, max_in_flight: int, clock: Clock):
+        self.engine = engine
+        self.requests = requests
+        self.mailbox = mailbox
+        self.migrator = migrator
+        self.load = load
+        self.redispatch_queued = redispatch_queued
+        self.tell_manager = tell_manager
+        self.ident = ident
+        self.max_in_flight = max_in_flight
+        self.clock = clock
+
+    def on_migrate_start(self, msg: wire.MigrateStart) -> None:
+        self.migrator().spawn(self.migrate_command(msg))
 
     async def migrate_command(self, msg: wire.MigrateStart) -> None:
         """The manager's (or an operator's) order: migrate these requests, or ``count`` of our choice."""
@@ -44,15 +73,16 @@ class OrdersMixin:
             rids = list(msg.request_ids)
         else:
             cached = await self.cached_at_destination(msg) if self.engine.prefix_caching else None
-            rids = await self.boundary(lambda: self.choose_migrants(msg, cached))
-        slots = asyncio.Semaphore(self.cfg.migration.max_in_flight)
+            rids = await self.mailbox.call(lambda: self.choose_migrants(msg, cached))
+        slots = asyncio.Semaphore(self.max_in_flight)
+        migrator = self.migrator()
 
         async def one(rid: str) -> wire.MigrationOutcome:
             async with slots:
-                return await self.migrator.migrate_out(rid, msg.dst, msg.dst_address, msg.blocking)
+                return await migrator.migrate_out(rid, msg.dst, msg.dst_address, msg.blocking)
 
         outcomes = await asyncio.gather(*(one(r) for r in rids))
-        self._tell_manager(wire.MigrateResult(msg.query_id, self.instance_id, list(outcomes)))
+        self.tell_manager(wire.MigrateResult(msg.query_id, self.ident.instance_id, list(outcomes)))
 
     async def cached_at_destination(self, msg: wire.MigrateStart) -> dict[str, int]:
         """With prefix caching: of the requests that could go, the leading blocks the destination holds
@@ -76,10 +106,10 @@ class OrdersMixin:
                 budget -= whole
             return out
 
-        asked = await self.boundary(prompts)
+        asked = await self.mailbox.call(prompts)
         if not asked:
             return {}
-        hits = await self.migrator.prefix_hits(msg.dst_address, list(asked.values()))
+        hits = await self.migrator().prefix_hits(msg.dst_address, list(asked.values()))
         return {rid: n for rid, n in zip(asked, hits) if n}
 
     def _keep(self, msg: wire.MigrateStart, requests: list[wire.RequestLoad]) -> set[str]:
@@ -92,7 +122,7 @@ class OrdersMixin:
         priority, then fewer blocks to move, with no balance check). Queued ones chosen are re-dispatched
         right here; the running ones are returned for migration."""
         requests = self.engine.requests()
-        chosen = migrants_for(msg, requests, self._keep(msg, requests), self.last_load, self.engine.block_size, cached)
+        chosen = migrants_for(msg, requests, self._keep(msg, requests), self.load(), self.engine.block_size, cached)
         queued = {c.request_id for c in chosen if c.redispatch}
         if queued:
             self.redispatch_queued(queued)

@@ -1,26 +1,55 @@
-"""The token path: tokens, failures and moves to the proxies that own the requests, and messages to the
-manager and to peers."""
+"""The instance's outgoing paths: tokens, failures, moves and give-backs to the proxies that own the requests
+(``TokenPath``, over daemons/proxylinks.py), and messages to the manager (``ManagerLine``)."""
 
 from __future__ import annotations
 
 import logging
 
+import zmq.asyncio
+
 from daemons import runtime, wire
+from daemons.instance.standing import Identity
 from daemons.instance.telemetry import M_FINISHED, M_TOKENS
+from daemons.proxylinks import ProxyLinks
+from daemons.requests import RequestTable
 
 log = logging.getLogger("llumnix.instance")
 
 
-class TokenPathMixin:
-    """Of the Instance: sends on ``proxies`` (daemons/proxylinks.py), ``msock`` and ``rsock``."""
+class ManagerLine:
+    """The DEALER socket to the manager. Never waits on the manager: while it is away, messages are dropped,
+    and it will ask us to register."""
 
-    def _send(self, address: str, msg: wire.Message) -> None:
+    def __init__(self, sock: zmq.asyncio.Socket):
+        self.sock = sock
+
+    def tell(self, msg: wire.Message) -> None:
+        if not runtime.send_now(self.sock, wire.encode(msg)):
+            log.debug("manager unreachable or its queue full; dropped a %s", type(msg).__name__)
+
+    async def recv(self) -> wire.Message | None:
+        return wire.decode(await self.sock.recv())
+
+
+class TokenPath:
+    """Sends to proxies on ``proxies``, stamping each token with the placement epoch the request table holds
+    (``requests.advance``: a finished request is forgotten there)."""
+
+    def __init__(self, proxies: ProxyLinks, requests: RequestTable, ident: Identity):
+        self.proxies = proxies
+        self.requests = requests
+        self.ident = ident
+
+    @property
+    def instance_id(self) -> str:
+        return self.ident.instance_id
+
+    def send(self, address: str, msg: wire.Message) -> None:
         self.proxies.send(address, msg)
 
-    def _tell_manager(self, msg: wire.Message) -> None:
-        # Never wait on the manager: while it is away, reports are dropped, and it will ask us to register.
-        if not runtime.send_now(self.manager, wire.encode(msg)):
-            log.debug("manager unreachable or its queue full; dropped a %s", type(msg).__name__)
+    def flush(self) -> None:
+        """What waited for a full queue goes out now if it can."""
+        self.proxies.flush()
 
     def emit(self, outputs: list[wire.TokenOut]) -> None:
         by_proxy: dict[str, list[wire.TokenOut]] = {}
@@ -34,19 +63,19 @@ class TokenPathMixin:
             if out.finish_reason is not None:
                 M_FINISHED.labels(out.finish_reason).inc()
         for address, batch in by_proxy.items():
-            self._send(address, wire.TokenBatch(self.instance_id, batch))
+            self.send(address, wire.TokenBatch(self.ident.instance_id, batch))
         M_TOKENS.inc(len(outputs))
 
     def fail(self, request_id: str, address: str, message: str, retryable: bool, status: int = 503) -> None:
-        self._send(address, wire.RequestFailed(request_id, self.instance_id, message, retryable, status))
+        self.send(address, wire.RequestFailed(request_id, self.ident.instance_id, message, retryable, status))
+
+    def give_back(self, request_id: str, address: str, reason: str) -> None:
+        """The proxy dispatches the request again (it produced nothing here)."""
+        self.send(address, wire.Redispatch(request_id, self.ident.instance_id, reason))
 
     def announce_move(self, request_id: str, address: str, instance_id: str, request_address: str, epoch: int,
                       from_index: int) -> None:
         """Tell the owning proxy that a request's tokens (from ``from_index``, of ``epoch``) and its aborts now
         go through ``instance_id``: sent by a migration's destination at its commit and by the source once
         it knows, so that the proxy learns it even if one of the two dies."""
-        self._send(address, wire.Moved(request_id, instance_id, request_address, epoch, from_index))
-
-    def reply_peer(self, identity: bytes, msg: wire.Message) -> None:
-        if not runtime.send_now(self.router, [identity, wire.encode(msg)]):
-            log.warning("a migration peer's queue is full; dropped a %s", type(msg).__name__)
+        self.send(address, wire.Moved(request_id, instance_id, request_address, epoch, from_index))

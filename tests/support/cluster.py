@@ -110,8 +110,7 @@ class VirtualCluster:
         cfg = load_config(None, self.sets + [f"instance.id={iid}", "instance.backend=sim",
                                              f"instance.request_address=inproc://{iid}", *sets])
         inst = Instance(cfg, SimEngine(cfg.sim, cfg.model), kv=self.hub.transport(iid), ctx=self.context(),
-                        clock=self.clock)
-        inst.faults = Faults(iid, faults or None)  # none given: $LLUMNIX_FAULTS, as the daemon reads it
+                        clock=self.clock, faults=Faults(iid, faults or None))  # none given: $LLUMNIX_FAULTS
         inst.watchdog.on_hung = lambda: self.exited(iid, EXIT_HUNG)
         self.instances[iid] = inst
         self.runs[iid] = asyncio.ensure_future(inst.run())
@@ -134,7 +133,7 @@ class VirtualCluster:
         close, nothing is said."""
         inst = self.instances.pop(iid)
         self.runs.pop(iid).cancel()
-        self._cancel_tasks_of(inst, inst.migrator, inst.proxies)
+        self._cancel_tasks_of(*inst.parts)
         inst.watchdog.stop()
         inst.ctx.destroy(linger=0)
 

@@ -192,7 +192,7 @@ def test_a_hung_step_makes_the_instance_unhealthy_its_streams_fail_over_then_it_
         s = await c.request(max_tokens=150)
         await c.tokens(s, 1)
         assert s.instance_id == "i0"
-        await c.until(lambda: c.instances["i0"].steps == 29, 10, "i0 did not step up to its hang")
+        await c.until(lambda: c.instances["i0"].stepper.steps == 29, 10, "i0 did not step up to its hang")
         hung = c.loop.time()
         moved = await c.until(lambda: s.instance_id == "i1", 10, "the stream did not fail over")
         assert "i0" not in c.exits  # it failed over while i0 still ran: because i0 said it is unhealthy
@@ -241,7 +241,7 @@ def test_a_second_instance_with_a_live_instances_id_waits_and_is_not_merged_into
         original = c.manager.instances["i1"].info
         twin = c.add("twin", "instance.id=i1")  # its request socket at inproc://twin
         await c.until(lambda: "in use by a live instance" in caplog.text, 5, "the twin's registration was taken")
-        await c.until(lambda: twin.report_seq >= 10, 10, "the twin did not report")
+        await c.until(lambda: twin.reporter.seq >= 10, 10, "the twin did not report")
         rec = c.manager.instances["i1"]
         assert rec.info == original and rec.state == "alive"  # reports and all: still the first one's
         assert ids(await c.result(s)) == c.expected(s, 300)
@@ -316,7 +316,7 @@ def test_a_request_its_instance_never_took_in_is_sent_again_after_the_stall_time
     async def scenario(c: VirtualCluster):
         dropped = []
         for inst in c.instances.values():
-            take = inst._take
+            take = inst.intake.take
 
             def dropping(frames, take=take, iid=inst.instance_id):
                 msg = wire.decode(frames[-1]) if len(frames) == 2 else None
@@ -324,7 +324,7 @@ def test_a_request_its_instance_never_took_in_is_sent_again_after_the_stall_time
                     dropped.append(iid)  # lost on the way: this instance never sees it
                     return
                 take(frames)
-            inst._take = dropping
+            inst.intake.take = dropping
         before = M_RESENT.labels()._value.get()
         t0 = c.loop.time()
         lost = await c.request(max_tokens=20)

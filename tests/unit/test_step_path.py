@@ -70,15 +70,15 @@ class Harness:
         self.engine.watchdog = self.inst.watchdog
         self.sent: list[wire.Message] = []
         self.grew = asyncio.Event()
-        self.inst._send = self._catch
+        self.inst.tokens.send = self._catch
         self.hand_offs = 0
-        steps = self.inst._steps
+        run_steps = self.inst.stepper.run_steps
 
-        def counted(loop):
+        def counted(deliver, once):
             self.hand_offs += 1
-            return steps(loop)
+            return run_steps(deliver, once)
 
-        self.inst._steps = counted
+        self.inst.stepper.run_steps = counted
 
     def _catch(self, address: str, msg: wire.Message) -> None:
         self.sent.append(msg)
@@ -94,11 +94,10 @@ class Harness:
             await asyncio.wait_for(self.grew.wait(), deadline - time.monotonic())
 
     def submit(self, rid: str, max_tokens: int) -> None:
-        self.inst.inbox.append(wire.Submit(rid, [1, 2, 3], wire.SamplingParams(max_tokens=max_tokens), REPLY_TO))
-        self.inst.wake.set()
+        self.inst.intake.post(wire.Submit(rid, [1, 2, 3], wire.SamplingParams(max_tokens=max_tokens), REPLY_TO))
 
     def close(self) -> None:
-        self.inst.executor.shutdown(wait=True)
+        self.inst.stepper.close()
         self.inst.ctx.destroy(linger=0)
         sys.setswitchinterval(self.switch)
 
@@ -129,7 +128,7 @@ def test_a_burst_steps_back_to_back_in_one_hand_off(harness):
     async def go():
         for i in range(4):  # a burst that landed while the engine was idle
             h.submit(f"r{i}", 20)
-        loop = asyncio.create_task(h.inst.step_loop())
+        loop = asyncio.create_task(h.inst.stepper.run())
         await h.wait_tokens(80)
         loop.cancel()
         await asyncio.gather(loop, return_exceptions=True)
@@ -150,7 +149,7 @@ def test_engine_nice_lowers_the_step_thread_alone(harness):
 
     async def go():
         h.submit("a", 5)
-        loop = asyncio.create_task(h.inst.step_loop())
+        loop = asyncio.create_task(h.inst.stepper.run())
         await h.wait_tokens(5)
         loop.cancel()
         await asyncio.gather(loop, return_exceptions=True)
@@ -165,9 +164,9 @@ def test_engine_calls_and_new_requests_wait_for_the_boundary(harness):
 
     async def go():
         h.submit("a", 60)
-        loop = asyncio.create_task(h.inst.step_loop())
+        loop = asyncio.create_task(h.inst.stepper.run())
         await h.wait_tokens(3)
-        seen = await h.inst.boundary(lambda: (h.engine.in_step, len(h.engine.batches)))
+        seen = await h.inst.mailbox.call(lambda: (h.engine.in_step, len(h.engine.batches)))
         h.submit("b", 5)  # arrives mid-run: taken in at the next boundary
         await h.wait_tokens(65)
         loop.cancel()
@@ -186,7 +185,7 @@ def test_engine_calls_and_new_requests_wait_for_the_boundary(harness):
 def catch_listings(h: Harness) -> list[tuple[wire.RequestList, bool]]:
     """The instance's request listings to the manager, each with whether a step was held at the gate then."""
     listings: list[tuple[wire.RequestList, bool]] = []
-    h.inst._tell_manager = lambda msg: listings.append((msg, h.engine.held.is_set())) \
+    h.inst.listings.tell_manager = lambda msg: listings.append((msg, h.engine.held.is_set())) \
         if isinstance(msg, wire.RequestList) else None
     return listings
 
@@ -207,14 +206,14 @@ def test_a_listing_during_a_long_step_is_answered_before_the_step_ends(harness):
 
     async def go():
         h.submit("r0", 100000)
-        loop = asyncio.create_task(h.inst.step_loop())
+        loop = asyncio.create_task(h.inst.stepper.run())
         await h.wait_tokens(2)
-        h.inst.on_list_requests(1)
+        h.inst.listings.on_list_requests(1)
         await until(lambda: len(listings) == 1)  # at a boundary
         h.engine.gate.clear()
         await until(h.engine.held.is_set)  # the engine thread is inside a step that does not end
         steps = len(h.engine.batches)
-        h.inst.on_list_requests(2)
+        h.inst.listings.on_list_requests(2)
         answered_in_step = len(listings) == 2 and len(h.engine.batches) == steps
         h.engine.gate.set()
         loop.cancel()
@@ -238,14 +237,14 @@ def test_a_listing_with_an_abort_waiting_is_answered_at_the_boundary(harness):
     async def go():
         h.submit("r0", 100000)
         h.submit("r1", 100000)
-        loop = asyncio.create_task(h.inst.step_loop())
+        loop = asyncio.create_task(h.inst.stepper.run())
         await h.wait_tokens(4)
-        h.inst.on_list_requests(1)
+        h.inst.listings.on_list_requests(1)
         await until(lambda: len(listings) == 1)
         h.engine.gate.clear()
         await until(h.engine.held.is_set)
-        h.inst.inbox.append(wire.Abort("r1"))
-        h.inst.on_list_requests(2)
+        h.inst.intake.post(wire.Abort("r1"))
+        h.inst.listings.on_list_requests(2)
         waited = len(listings) == 1
         h.engine.gate.set()
         await until(lambda: len(listings) == 2)
@@ -264,13 +263,13 @@ def test_cancelling_the_loop_stops_the_engine_thread_after_its_step(harness):
 
     async def go():
         h.submit("long", 100000)
-        loop = asyncio.create_task(h.inst.step_loop())
+        loop = asyncio.create_task(h.inst.stepper.run())
         await h.wait_tokens(5)
         loop.cancel()
         await asyncio.gather(loop, return_exceptions=True)
 
     asyncio.run(go())
-    h.inst.executor.shutdown(wait=True)  # what the instance's shutdown does: returns after the step in flight
+    h.inst.stepper.close()  # what the instance's shutdown does: returns after the step in flight
     assert len(h.engine.batches) < 1000
 
 
@@ -280,11 +279,11 @@ def test_a_failed_emit_fails_the_step_loop(harness):
     def broken(address, msg):
         raise RuntimeError("token path broke")
 
-    h.inst._send = broken
+    h.inst.tokens.send = broken
 
     async def go():
         h.submit("a", 50)
-        await h.inst.step_loop()
+        await h.inst.stepper.run()
 
     with pytest.raises(RuntimeError, match="token path broke"):
         asyncio.run(go())

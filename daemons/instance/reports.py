@@ -1,0 +1,146 @@
+"""Load reports to the manager (on change, coalesced to a bounded rate, and at least once per heartbeat) with
+the same load in heartbeats to the proxies; and the heartbeat tick that tells the proxies we are alive and
+finds the proxies that are gone."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Callable, Mapping
+
+import msgspec
+
+from daemons import metrics, runtime, wire
+from daemons.clock import Clock
+from daemons.engine.base import Engine
+from daemons.instance.cache import CacheReports
+from daemons.instance.standing import Identity, Standing
+from daemons.instance.telemetry import (
+    M_BEAT_LATE, M_BLOCKS_TOTAL, M_BLOCKS_USED, M_HEALTHY, M_KV_USAGE, M_PREEMPTIONS, M_RUNNING, M_WAITING)
+from daemons.proxylinks import ProxyLinks
+from daemons.requests import RequestTable
+from daemons.watchdog import Watchdog
+
+if TYPE_CHECKING:
+    from daemons.migration import Migrator
+
+log = logging.getLogger("llumnix.instance")
+
+
+class Reporter:
+    """Owns the last load (``last``, as of the last step or boundary, with the llumlet's own state), the
+    event that says it changed, and the report sequence. Reads the engine, the migrator's counts, the
+    watchdog's verdict, the Submits taken per proxy (``taken``) and where the instance stands."""
+
+    def __init__(self, engine: Engine, migrator: Callable[[], Migrator | None], watchdog: Watchdog,
+                 tell_manager: Callable[[wire.Message], None], proxies: ProxyLinks, taken: Mapping[str, int],
+                 standing: Standing, ident: Identity, cache: CacheReports, phases: metrics.RequestPhases,
+                 requests: RequestTable, heartbeat_s: float, min_interval_s: float, clock: Clock):
+        self.engine = engine
+        self.migrator = migrator
+        self.watchdog = watchdog
+        self.tell_manager = tell_manager
+        self.proxies = proxies
+        self.taken = taken
+        self.standing = standing
+        self.ident = ident
+        self.cache = cache
+        self.phases = phases
+        self.requests = requests
+        self.heartbeat_s = heartbeat_s
+        self.min_interval_s = min_interval_s
+        self.clock = clock
+        self.last = engine.load()
+        self.load_changed = asyncio.Event()
+        self.seq = 0
+        self.preemptions = metrics.PreemptionCounter(M_PREEMPTIONS, self.last.preemptions)
+
+    def current_load(self, load: wire.InstanceLoad | None = None) -> wire.InstanceLoad:
+        """The engine's load (``load``: as the engine thread just read it) with the llumlet's own state."""
+        load = self.engine.load() if load is None else load
+        m = self.migrator()
+        if m is not None and (m.busy or m.committed or m.aborted):
+            load = msgspec.structs.replace(load, migrating_out=len(m.outgoing), migrating_in=len(m.incoming),
+                                           migrations_committed=m.committed, migrations_aborted=m.aborted)
+        if self.watchdog.stalled:
+            load = msgspec.structs.replace(load, stalled=True)
+        cache = getattr(self.engine, "cache", None)
+        if cache is not None and cache.query_tokens:
+            load = msgspec.structs.replace(load, prefix_query_tokens=cache.query_tokens, prefix_hit_tokens=cache.hit_tokens)
+        return load
+
+    def refresh(self, load: wire.InstanceLoad | None = None) -> None:
+        """(At a boundary, or after a step with the load it read) The load is current: report it."""
+        self.last = self.current_load(load)
+        self.load_changed.set()
+
+    def changed(self) -> None:
+        """Something the reports carry changed (draining, say): report soon."""
+        self.load_changed.set()
+
+    def stalled(self) -> None:
+        """The watchdog finds us stalled: say so now, not at the next step."""
+        if not self.last.stalled:
+            self.last = msgspec.structs.replace(self.last, stalled=True)
+            self.load_changed.set()
+
+    async def run(self) -> None:
+        """Report on change, at most once per min interval, and at least once per heartbeat."""
+        while True:
+            await runtime.wait_event(self.load_changed, self.heartbeat_s)
+            self.load_changed.clear()
+            load = self.last
+            self.seq += 1
+            self.cache.publish()  # before the report and heartbeats that give its number
+            self.tell_manager(wire.LoadReport(self.ident.instance_id, self.seq, load, *self.cache.position()))
+            self.beat_proxies(not self.watchdog.stalled)
+            M_BLOCKS_USED.set(load.blocks_used)
+            self.cache.count()
+            M_BLOCKS_TOTAL.set(load.blocks_total)
+            M_KV_USAGE.set(load.blocks_used / load.blocks_total if load.blocks_total else 0.0)
+            M_RUNNING.set(load.running)
+            M_WAITING.set(load.waiting)
+            self.preemptions.update(load.preemptions)
+            if len(self.phases) > len(self.requests):  # some left by migration or a failure
+                self.phases.prune(self.requests)
+            await self.clock.sleep(self.min_interval_s)
+
+    def beat_proxies(self, healthy: bool) -> None:
+        """Liveness and load to every proxy we serve: each heartbeat, and on every load change, so that proxies
+        dispatch from a current view. ``taken`` and the load are of the same step boundary, which lets a proxy
+        retire exactly the dispatches the load already counts."""
+        epoch, seq = self.cache.position() or (0, 0)
+        self.proxies.heartbeat(wire.Heartbeat(self.ident.instance_id, self.ident.request_address, healthy, self.last,
+                                              self.standing.open, cache_epoch=epoch, cache_seq=seq), self.taken)
+
+
+class Heartbeats:
+    """Each heartbeat: tell every proxy we serve that we are alive (and whether healthy), and hand the proxies
+    that are gone to ``on_gone(address, why)``. Also the event loop's tick for the watchdog."""
+
+    def __init__(self, reporter: Reporter, watchdog: Watchdog, proxies: ProxyLinks, requests: RequestTable,
+                 on_gone: Callable[[str, str], None], period_s: float, clock: Clock):
+        self.reporter = reporter
+        self.watchdog = watchdog
+        self.proxies = proxies
+        self.requests = requests
+        self.on_gone = on_gone
+        self.period_s = period_s
+        self.clock = clock
+
+    async def run(self) -> None:
+        due = self.clock.monotonic()
+        while True:
+            now = self.clock.monotonic()
+            M_BEAT_LATE.observe(max(now - due, 0.0))
+            due = now + self.period_s
+            self.watchdog.loop_ticked(now)
+            healthy = not self.watchdog.stalled
+            M_HEALTHY.set(1 if healthy else 0)
+            if not healthy:
+                self.reporter.stalled()  # the manager stops dispatching to us now, not at the next step
+            self.reporter.beat_proxies(healthy)
+            # Every proxy we know, with requests here or not: a gone one's link (and our heartbeats to it) goes too.
+            for address, why in self.proxies.gone(self.requests.proxies() | set(self.proxies.links)):
+                self.on_gone(address, why)
+            await self.clock.sleep(self.period_s)
