@@ -95,15 +95,15 @@ class ClusterClient:
         self._tasks: list[asyncio.Task] = []
         self.essential: list[asyncio.Task] = []  # if one of these ends, the proxy exits (it would be deaf)
         links = LinkWatch(pc.instance_timeout_s, self._link_changed, lambda _: M_LINKS_HEALED.inc())  # by address
-        self.port = InstancePort(self.ctx, self.sec, links)
-        self.known = KnownInstances(clock, pc.instance_timeout_s, pc.snapshot_interval_s, links.state)
+        self.port = port = InstancePort(self.ctx, self.sec, links)
+        self.known = known = KnownInstances(clock, pc.instance_timeout_s, pc.snapshot_interval_s, links.state)
         self.view = DispatchView(cfg.manager.pending_dispatch_ttl_s, cfg.scheduling.high_priority_headroom,
                                  clock.monotonic)
         # Which instance caches which prompt blocks, from their CacheEvents (daemons/prefix.py): learnt again
         # from the instances themselves after a restart, within a heartbeat.
-        self.cache_index = prefix.Follower(lambda iid: self.port.ask_cache(self.known.address(iid)), clock.monotonic,
+        self.cache_index = prefix.Follower(lambda iid: port.ask_cache(known.address(iid)), clock.monotonic,
                                            cfg.manager.heartbeat_interval_s)
-        self.link = ManagerLink(self.manager, clock, pc.snapshot_interval_s, lambda: self.port.token_address,
+        self.link = ManagerLink(self.manager, clock, pc.snapshot_interval_s, lambda: port.token_address,
                                 self._on_snapshot)
         self.ownership = Streams(self.port, self.known.address, self.known.set_address)
         self.placing = Placing()

@@ -71,7 +71,7 @@ class Proxy:
         principal = call.principal
         key_name = principal.name if principal is not None else "-"
         try:
-            job = Job(chat, self.checks.request_id(call), arrival)
+            job = Job(chat, self.checks.request_id(call), arrival, self.clock.time())
             job.key_name = key_name
             if self.tracer is not None:
                 job.trace = RequestTrace(self.tracer, call.headers.get("traceparent", ""), job.id, chat, key_name)
