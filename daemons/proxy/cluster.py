@@ -77,10 +77,10 @@ class ClusterClient:
     """The proxy's side of the cluster: a facade over the objects above; it owns the sockets and the tasks,
     and routes what comes in to the object it concerns."""
 
-    def __init__(self, cfg, ctx: zmq.asyncio.Context | None = None, clock: Clock | None = None):
+    def __init__(self, cfg, ctx: zmq.asyncio.Context | None = None, clock: Clock | None = None, tracer=None):
         """``ctx``: the ZeroMQ context its sockets are made in (default: its own). ``clock``: the time its
         liveness, dispatch and stream checks read (default: the monotonic clock; tests/support passes the
-        virtual loop's)."""
+        virtual loop's). ``tracer``: daemons/tracing.py's Tracer, with tracing on."""
         self.clock = clock = clock or Clock()
         metrics.bind("proxy", cfg.model.name)
         self.cfg = cfg
@@ -91,7 +91,7 @@ class ClusterClient:
         self.pull.setsockopt(zmq.RCVHWM, 0)
         self.manager = self.sec.client(runtime.tune(self.ctx.socket(zmq.DEALER)), "manager")
         self.manager.setsockopt(zmq.IMMEDIATE, 1)  # while the manager is away, fail fast and dispatch locally
-        self.tracer = None  # daemons/tracing.py Tracer, set by the proxy when tracing is on
+        self.tracer = tracer
         self._tasks: list[asyncio.Task] = []
         self.essential: list[asyncio.Task] = []  # if one of these ends, the proxy exits (it would be deaf)
         links = LinkWatch(pc.instance_timeout_s, self._link_changed, lambda _: M_LINKS_HEALED.inc())  # by address

@@ -53,7 +53,8 @@ class Proxy:
         self.tokenizer: Tokenizer = load_tokenizer(cfg.model.path, cfg.sim.vocab_size, cfg.sim.eos_token_id)
         self.keys: ApiKeys | None = (ApiKeys.load(cfg.proxy.api_keys_file, clock.monotonic)
                                      if cfg.proxy.api_keys_file else None)
-        self.cluster = ClusterClient(cfg, clock=clock)
+        self.tracer = Tracer.create(cfg.tracing, "llumnix-proxy")  # None: tracing off
+        self.cluster = ClusterClient(cfg, clock=clock, tracer=self.tracer)
         self.active: set[str] = set()  # ids of the requests this proxy is serving
         self.checks = Checks(self.tokenizer, self.model, self.max_model_len, cfg.proxy.max_prompt_tokens, cfg.proxy)
         self.tenants = Tenants(clock.monotonic)  # per-key limits (daemons/proxy/tenants.py)
@@ -61,7 +62,6 @@ class Proxy:
         self.access = AccessLog(cfg.proxy.access_log)
         self.guard = Guard(self.keys, body_limit(cfg), self.access)
         self.routes = Routes(self.checks, self.cluster.alive, self.cluster.manager_ok)
-        self.tracer = self.cluster.tracer = Tracer.create(cfg.tracing, "llumnix-proxy")  # None: tracing off
 
     async def handle(self, call: Call, chat: bool) -> Reply:
         """One completion or chat request; logs it once it is answered (a stream: once it ends). Raises
