@@ -1,18 +1,54 @@
 """Admission: a new request is refused at once (429) while the cluster's queued work is past the [admission]
-bounds, or (503) when no instance lives."""
+bounds, or (503) when no instance lives. ``Placing``: the requests waiting here for an instance (or for their
+turn in the fair queue), which count as queued work."""
 
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
+from daemons.clock import Clock
+from daemons.proxy.known import KnownInstances
 from daemons.proxy.stream import Overloaded
 from daemons.proxy.telemetry import AUTO_BATCHES, AUTO_KV_CACHES
+from daemons.proxy.view import DispatchView
 
 log = logging.getLogger("llumnix.proxy")
 
 
-class AdmissionMixin:
-    """Of the ClusterClient: reads the instances' heartbeats and our own dispatches they do not show yet."""
+class Placing:
+    """The requests waiting in this proxy to be placed: request id -> prompt tokens. Written by dispatch
+    (waiting for an instance) and the fair gate (waiting for a turn); read by admission."""
+
+    def __init__(self):
+        self._tokens: dict[str, int] = {}
+
+    def add(self, request_id: str, prompt_tokens: int) -> None:
+        self._tokens[request_id] = prompt_tokens
+
+    def discard(self, request_id: str) -> None:
+        self._tokens.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def tokens(self) -> int:
+        return sum(self._tokens.values())
+
+
+class Admission:
+    """Reads the instances' heartbeats (known.py), our own dispatches they do not show yet (view.py) and the
+    requests placing here. Receives those, the clock, the [admission] settings and ``under_share`` (whether
+    a key holds less than its share of the fair queue: daemons/proxy/fairgate.py)."""
+
+    def __init__(self, adm, clock: Clock, known: KnownInstances, view: DispatchView, placing: Placing,
+                 under_share: Callable[[str], bool]):
+        self.adm = adm
+        self.clock = clock
+        self.known = known
+        self.view = view
+        self.placing = placing
+        self.under_share = under_share
 
     def admit(self, priority: int, tenant: str = "") -> None:
         """Raise Overloaded if the work that would wait in the cluster is past [admission]'s bounds for
@@ -23,10 +59,8 @@ class AdmissionMixin:
         than its share of the fair queue is let in past the bounds (daemons/proxy/fairgate.py)."""
         adm = self.adm
         serving = requests = tokens = free_slots = free_tokens = room = capacity = kv = 0
-        for iid, beat in self.beats.items():
+        for _, beat in self.known.serving():
             load = beat.load
-            if load is None or not beat.accepting or not beat.healthy or self._dead(iid):
-                continue
             serving += 1
             requests += load.waiting
             tokens += load.waiting_tokens
@@ -38,16 +72,15 @@ class AdmissionMixin:
                          else adm.max_queued_tokens)
         if not serving:
             return  # nothing to measure against: placement waits for an instance, or says none is alive
-        fresh = self.clock.monotonic() - self.view.ttl_s
-        for iid, mine in self.view.mine.items():
-            beat = self.beats.get(iid)
+        now = self.clock.monotonic()
+        for iid in self.view.pending_ids():
+            beat = self.known.beats.get(iid)
             block = beat.load.block_size if beat is not None and beat.load is not None else 16
-            for _, blocks, at in mine:
-                if at > fresh:
-                    requests += 1
-                    tokens += blocks * block
+            pending_requests, pending_blocks = self.view.pending(iid, now)
+            requests += pending_requests
+            tokens += pending_blocks * block
         requests += len(self.placing) + 1  # with this one
-        tokens += sum(self.placing.values())
+        tokens += self.placing.tokens()
         factor = adm.high_priority_factor if priority > 0 else 1.0
         high = " for high priority" if priority > 0 else ""
         if priority > 0 and factor > 1:  # room for high priority even where normal may not wait at all

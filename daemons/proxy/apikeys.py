@@ -34,9 +34,10 @@ import logging
 import os
 import re
 import sys
-import time
 from dataclasses import dataclass
+from typing import Callable
 
+from daemons.clock import Clock
 from daemons.proxy.protocol import ApiError
 
 if sys.version_info >= (3, 11):
@@ -177,18 +178,21 @@ class ApiKeys:
 
     CHECK_INTERVAL_S = 1.0
 
-    def __init__(self, path: str, entries: dict[bytes, _Entry], stamp: tuple[int, int, int] | None):
+    def __init__(self, path: str, entries: dict[bytes, _Entry], stamp: tuple[int, int, int] | None,
+                 now: Callable[[], float] | None = None):
+        """``now``: the clock the file's re-reads are timed by (default: daemons.clock.Clock's monotonic)."""
+        self.now = now or Clock().monotonic
         self.path = path
         self._entries = entries
         self._stamp = stamp  # of the file last loaded
         self._bad: tuple | None = None  # the stamp (or error) last logged as unusable, to log it once
-        self._next_look = time.monotonic() + self.CHECK_INTERVAL_S
+        self._next_look = self.now() + self.CHECK_INTERVAL_S
 
     @classmethod
-    def load(cls, path: str) -> "ApiKeys":
+    def load(cls, path: str, now: Callable[[], float] | None = None) -> "ApiKeys":
         """Read the file; raises ApiKeysError (the proxy then does not start)."""
         stamp, entries = cls._read(path)
-        keys = cls(path, entries, stamp)
+        keys = cls(path, entries, stamp, now)
         log.info("API keys: %s", keys.summary())
         return keys
 
@@ -244,7 +248,7 @@ class ApiKeys:
 
     def check(self, authorization: str | None) -> Principal:
         """Who presents this ``Authorization`` header value; raises Unauthorized."""
-        now = time.monotonic()
+        now = self.now()
         if now >= self._next_look:
             self._next_look = now + self.CHECK_INTERVAL_S
             self.reload(force=False)

@@ -34,7 +34,6 @@ import gc
 import logging
 import signal
 import socket
-import time
 from typing import Annotated, Optional
 
 import typer
@@ -46,11 +45,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from daemons import metrics, runtime, security
 from daemons.cli import ConfigFile, LogLevel, Overrides, load_or_exit, package_version
-from daemons.config import Config, body_limit
+from daemons.config import Config
 from daemons.proxy.apikeys import ApiKeys, ApiKeysError, check_token
+from daemons.proxy.call import Call, Headers
 from daemons.proxy.cluster import ClusterClient
-from daemons.proxy.fastpath import Call, FastPath, too_large
-from daemons.proxy.openapi import needs_key, openapi_document
+from daemons.proxy.fastpath import FastPath
+from daemons.proxy.guard import Guard
+from daemons.proxy.openapi import openapi_document
 from daemons.proxy.protocol import ApiError
 from daemons.proxy.render import Job  # noqa: F401  (tests build Jobs from here)
 from daemons.proxy.service import Proxy
@@ -63,54 +64,28 @@ GC_THRESHOLD = 10_000  # the collector's first generation (Python's default: 700
 
 
 class _Guard:
-    """ASGI middleware, before any route: the API key of the routes that need one (proxy.api_keys_file), and
-    the body size of every request (proxy.max_body_bytes), by its Content-Length or counted as it arrives,
-    so that no body larger than the limit is ever held in memory."""
+    """ASGI middleware, before any route: the proxy's guard (daemons/proxy/guard.py) checks the API key of the
+    routes that need one and the body size of every request, by its Content-Length or counted as it
+    arrives (the route's error handler answers a 413 raised while it reads)."""
 
-    def __init__(self, app, proxy: "Proxy", max_body_bytes: int):
+    def __init__(self, app, guard: Guard):
         self.app = app
-        self.proxy = proxy
-        self.limit = max_body_bytes
-
-    def too_large(self) -> ApiError:
-        return too_large(self.limit)
+        self.guard = guard
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        keys = self.proxy.keys
-        if keys is not None and needs_key(scope["path"]):
-            try:
-                principal = keys.check(_header(scope, b"authorization"))
-            except ApiError as exc:
-                return await self.refuse(scope, receive, send, exc)
+        headers = Headers(scope["headers"])
+        try:
+            principal = self.guard.check(scope["path"], headers.get("authorization"), headers.get("content-length"))
+        except ApiError as exc:
+            # Answered before the route runs (its body unread: the server discards it).
+            self.guard.refused(scope["path"], exc.status)
+            response = JSONResponse(exc.body(), status_code=exc.status, headers=getattr(exc, "headers", None))
+            return await response(scope, receive, send)
+        if principal is not None:
             scope.setdefault("state", {})["principal"] = principal  # request.state.principal
-        length = _header(scope, b"content-length")
-        if length is not None and length.strip().isdigit() and int(length) > self.limit:
-            return await self.refuse(scope, receive, send, self.too_large())
-        received = 0
-
-        async def limited():
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.limit:  # a chunked body (or one longer than it said) grew past the limit
-                    raise self.too_large()  # to the route, whose error handler answers 413
-            return message
-
-        await self.app(scope, limited, send)
-
-    async def refuse(self, scope, receive, send, exc: ApiError) -> None:
-        """Answer before the route runs (its body unread: the server discards it); completion and chat
-        requests get their access line and count, as when a route refuses them."""
-        path = scope["path"]
-        if path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
-            M_REQUESTS.labels(path, str(exc.status)).inc()
-        if path in ("/v1/completions", "/v1/chat/completions"):
-            self.proxy._access(None, path == "/v1/chat/completions", time.perf_counter(), exc.status)
-        response = JSONResponse(exc.body(), status_code=exc.status, headers=getattr(exc, "headers", None))
-        await response(scope, receive, send)
+        await self.app(scope, self.guard.limited(receive), send)
 
 
 def route_label(request: Request) -> str:
@@ -118,13 +93,6 @@ def route_label(request: Request) -> str:
     path, whose every variant would add a series for good; "unmatched" for none."""
     route = request.scope.get("route")
     return getattr(route, "path", None) or "unmatched"
-
-
-def _header(scope, name: bytes) -> str | None:
-    for key, value in scope["headers"]:
-        if key == name:
-            return value.decode("latin-1")
-    return None
 
 
 def build_app(cfg: Config) -> FastAPI:
@@ -136,7 +104,8 @@ def build_app(cfg: Config) -> FastAPI:
     proxy = Proxy(cfg)
     app = FastAPI(title="llumnix-proxy", version=package_version())
     app.state.proxy = proxy
-    app.add_middleware(_Guard, proxy=proxy, max_body_bytes=body_limit(cfg))
+    guard = proxy.guard
+    app.add_middleware(_Guard, guard=guard)
 
     def with_echo(request: Request, body: dict, status: int, headers: dict | None = None) -> JSONResponse:
         echo = getattr(request.state, "echo_id", None)
@@ -146,7 +115,7 @@ def build_app(cfg: Config) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
-        M_REQUESTS.labels(route_label(request), str(exc.status)).inc()
+        guard.count(route_label(request), exc.status)
         if exc.status >= 500:
             log.warning("%s failed: %s", request.url.path, exc.message)
         return with_echo(request, exc.body(), exc.status, getattr(exc, "headers", None))
@@ -154,7 +123,7 @@ def build_app(cfg: Config) -> FastAPI:
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):
         log.exception("%s: internal error", request.url.path)
-        M_REQUESTS.labels(route_label(request), "500").inc()
+        guard.count(route_label(request), 500)
         return with_echo(request, ApiError(500, f"internal error: {type(exc).__name__}: {exc}").body(), 500)
 
     @app.exception_handler(StarletteHTTPException)
@@ -163,11 +132,9 @@ def build_app(cfg: Config) -> FastAPI:
                             headers=getattr(exc, "headers", None))
 
     def counted(route: str, handler):
-        ok = M_REQUESTS.labels(route, "200")
-
         async def endpoint(request: Request) -> Response:
             response = await handler(request)
-            (ok if response.status_code == 200 else M_REQUESTS.labels(route, str(response.status_code))).inc()
+            guard.count(route, response.status_code)
             return response
 
         return endpoint
@@ -192,16 +159,16 @@ def build_app(cfg: Config) -> FastAPI:
     # proxy.fast_path (the default), the completion routes are answered before FastAPI (daemons/proxy/fastpath.py).
     app.add_route("/v1/completions", counted("/v1/completions", completion(False)), methods=["POST"])
     app.add_route("/v1/chat/completions", counted("/v1/chat/completions", completion(True)), methods=["POST"])
-    app.add_route("/tokenize", counted("/tokenize", proxy.tokenize), methods=["POST"])
-    app.add_route("/detokenize", counted("/detokenize", proxy.detokenize), methods=["POST"])
+    app.add_route("/tokenize", counted("/tokenize", proxy.routes.tokenize), methods=["POST"])
+    app.add_route("/detokenize", counted("/detokenize", proxy.routes.detokenize), methods=["POST"])
 
     @app.get("/v1/models", summary="List the served model")
     async def models():
-        return proxy.models()
+        return proxy.routes.models()
 
     @app.get("/v1/models/{model_id:path}", summary="The served model's card (404 for any other id)")
     async def model(model_id: str):
-        return proxy.model_info(model_id)
+        return proxy.routes.model_info(model_id)
 
     @app.get("/version", summary="The llumnix-toolkit version")
     async def version():
@@ -209,7 +176,7 @@ def build_app(cfg: Config) -> FastAPI:
 
     @app.get("/health", summary="200 while an instance takes requests, else 503")
     async def health():
-        return proxy.health()
+        return proxy.routes.health()
 
     @app.get("/metrics", summary="Prometheus metrics")
     async def metrics(request: Request):
@@ -231,7 +198,7 @@ def serving_app(cfg: Config, app: FastAPI):
     """What the server runs: the completion routes' fast path in front of ``app`` (proxy.fast_path), or ``app``."""
     if not cfg.proxy.fast_path:
         return app
-    return FastPath(app, app.state.proxy, body_limit(cfg), cfg.proxy.write_timeout_s)
+    return FastPath(app, app.state.proxy, write_timeout_s=cfg.proxy.write_timeout_s)
 
 
 class _Stopped(Exception):

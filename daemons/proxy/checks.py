@@ -5,22 +5,31 @@ from __future__ import annotations
 
 import re
 
-from daemons.proxy.fastpath import Call
+from daemons.proxy.call import Call
 from daemons.proxy.protocol import ApiError, ChatRequest, CompletionRequest, TokenizeRequest
-from daemons.proxy.tokenizer import TokenizerError
+from daemons.proxy.tokenizer import Tokenizer, TokenizerError
 
 _REQUEST_ID = re.compile(r"[!-~]{1,128}")  # visible ASCII: safe in logs, tables and headers
 
 
-class ChecksMixin:
-    """Of the Proxy: reads ``tokenizer`` and the limits; raises ApiError (a 4xx body) for what is wrong."""
+class Checks:
+    """Raises ApiError (a 4xx body) for what is wrong. Receives the tokenizer, the served model's name and
+    context length, proxy.max_prompt_tokens and ``stop_limits`` (the [proxy] settings that bound stop strings)."""
 
-    def _check_model(self, model: str | None) -> None:
+    def __init__(self, tokenizer: Tokenizer, model: str, max_model_len: int, max_prompt_tokens: int = 0,
+                 stop_limits=None):
+        self.tokenizer = tokenizer
+        self.model = model
+        self.max_model_len = max_model_len
+        self.max_prompt_tokens = max_prompt_tokens  # 0: only the context limit
+        self.stop_limits = stop_limits
+
+    def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model:
             raise ApiError(404, f"The model `{model}` does not exist. This proxy serves `{self.model}`.", "model",
                            code="model_not_found")
 
-    def _prompt_ids(self, req: CompletionRequest) -> list[int]:
+    def prompt_ids(self, req: CompletionRequest) -> list[int]:
         prompt = req.prompt
         if isinstance(prompt, list) and any(isinstance(p, str) for p in prompt):
             if len(prompt) != 1:
@@ -38,10 +47,10 @@ class ChecksMixin:
             raise ApiError(400, "prompt is empty", "prompt")
         return ids
 
-    def _check_stops(self, req: CompletionRequest | ChatRequest) -> None:
+    def check_stops(self, req: CompletionRequest | ChatRequest) -> None:
         """Stop strings and stop token ids within the proxy's limits: each stop string is looked for in every
         token's text, so their number and length bound the work a request makes per token."""
-        pc = self.pc
+        pc = self.stop_limits
         stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
         if len(stops) > pc.max_stop_strings:
             raise ApiError(400, f"stop has {len(stops)} strings; this server accepts at most {pc.max_stop_strings} "
@@ -64,7 +73,7 @@ class ChecksMixin:
                                 f"{chars} characters, which is more than {limit} tokens of this model's tokenizer "
                                 f"(at most {per_token} characters each).", param, code="prompt_too_long")
 
-    def _chat_prompt(self, req: ChatRequest | TokenizeRequest, add_generation_prompt: bool) -> str:
+    def chat_prompt(self, req: ChatRequest | TokenizeRequest, add_generation_prompt: bool) -> str:
         messages = req.prompt_messages()
         self._check_text_length(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)),
                                 "messages")
@@ -74,7 +83,7 @@ class ChecksMixin:
         except TokenizerError as exc:
             raise ApiError(400, str(exc), "messages") from None
 
-    def _limits(self, prompt_len: int, max_tokens: int | None, default: int | None, prompt_param: str) -> int:
+    def max_tokens(self, prompt_len: int, max_tokens: int | None, default: int | None, prompt_param: str) -> int:
         if self.max_prompt_tokens and prompt_len > self.max_prompt_tokens:
             raise ApiError(400, f"This proxy accepts prompts of at most {self.max_prompt_tokens} tokens "
                                 f"(proxy.max_prompt_tokens). However, your prompt has {prompt_len} tokens.",
@@ -91,7 +100,7 @@ class ChecksMixin:
                                 f"for the completion). Please reduce the prompt or max_tokens.", "max_tokens")
         return max_tokens
 
-    def _request_id(self, call: Call) -> str | None:
+    def request_id(self, call: Call) -> str | None:
         """The client's x-request-id, validated (None when there is none)."""
         value = call.headers.get("x-request-id")
         if value is None:

@@ -1,32 +1,95 @@
 """Dispatch: ask the manager or choose from our own view (by the manager's policy), wait for an instance that
-can take the request, submit it."""
+can take the request, submit it under a new epoch."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Callable, Protocol
 
 import msgspec
 
 from daemons import policy, prefix, wire
+from daemons.clock import Clock
 from daemons.links import UP
+from daemons.proxy.admission import Placing
+from daemons.proxy.known import KnownInstances
 from daemons.proxy.stream import NoInstance, Stream
-from daemons.proxy.telemetry import M_ASKED, M_CACHE_DISPATCHES, M_LOCAL, M_WAITED, TIE_TURN_S
-from daemons.proxy.traces import StreamTrace
+from daemons.proxy.streams import Port
+from daemons.proxy.telemetry import M_ASKED, M_CACHE_DISPATCHES, M_LOCAL, M_WAITED
+from daemons.proxy.view import DispatchView
 from daemons.tracing import now_ns
 
 log = logging.getLogger("llumnix.proxy")
 
 
-class DispatchMixin:
-    """Of the ClusterClient: places each stream on an instance and submits it there."""
+class Manager(Protocol):
+    """What dispatch asks and tells the manager (daemons/proxy/managerlink.py ManagerLink)."""
+
+    def next_id(self) -> int: ...
+
+    async def ask(self, msg, timeout: float): ...
+
+    def tell_soon(self, msg: wire.Message) -> None: ...
+
+
+class Changes:
+    """Dispatches waiting for what instances can take to change (a heartbeat, a snapshot, a connection)."""
+
+    def __init__(self):
+        self._waiting: list[asyncio.Future] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._waiting)
+
+    async def wait(self, timeout: float) -> None:
+        """Until ``wake`` (or ``timeout``)."""
+        fut = asyncio.get_running_loop().create_future()
+        self._waiting.append(fut)
+        try:
+            await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            if fut in self._waiting:
+                self._waiting.remove(fut)
+
+    def wake(self) -> None:
+        waiting, self._waiting = self._waiting, []
+        for fut in waiting:
+            if not fut.done():
+                fut.set_result(None)
+
+
+class Dispatcher:
+    """Places each stream on an instance and submits it there. Owns the dispatch turn count. Receives the
+    clock, the config, what we know of the instances (read only), the dispatch view, the prefix cache index,
+    the port to the instances, the manager link, the requests placing here, the waits for a change and
+    ``on_full`` (the stream's request path is full: failover's ``instance_failed``)."""
+
+    def __init__(self, clock: Clock, cfg, known: KnownInstances, view: DispatchView, cache_index: prefix.Follower,
+                 port: Port, manager: Manager, placing: Placing, changes: Changes,
+                 on_full: Callable[..., None]):
+        self.clock = clock
+        self.pc = cfg.proxy
+        self.sc = cfg.scheduling
+        self.queue_timeout_s = cfg.admission.queue_timeout_s
+        self.known = known
+        self.view = view
+        self.cache_index = cache_index
+        self.port = port
+        self.manager = manager
+        self.placing = placing
+        self.changes = changes
+        self.on_full = on_full
+        self._turn = 0
 
     async def _choose(self, stream: Stream) -> tuple[str, str]:
         """Where the request goes: by default from our own view (the manager hears of it afterwards);
         with proxy.dispatch = manager, before we have any view, or when our view has no instance for it (one
         that just joined may not be in it yet), the manager's answer."""
         sub = stream.submit
-        if self.pc.dispatch == "local" and self.snapshot:
+        if self.pc.dispatch == "local" and self.known.snapshot:
             chosen = self._choose_here(stream)
             if chosen is not None:
                 return self._chose(sub, chosen)
@@ -34,27 +97,28 @@ class DispatchMixin:
 
     def _chose(self, sub: wire.Submit, chosen: str) -> tuple[str, str]:
         M_LOCAL.inc()
-        self._tell_manager_soon(wire.Dispatched(sub.request_id, chosen, len(sub.prompt_token_ids), sub.priority))
+        self.manager.tell_soon(wire.Dispatched(sub.request_id, chosen, len(sub.prompt_token_ids), sub.priority))
         if log.isEnabledFor(logging.DEBUG):
             log.debug("request %s -> %s (own view: %s)", sub.request_id, chosen, self.view.describe(chosen))
-        return chosen, self.addresses[chosen]
+        return chosen, self.known.addresses[chosen]
 
     async def _ask_or_choose(self, stream: Stream) -> tuple[str, str]:
         sub = stream.submit
-        if self.manager_ok() or not self.snapshot:
-            q = wire.Dispatch(next(self._ids), sub.request_id, len(sub.prompt_token_ids), sub.priority, stream.exclude,
-                              self._prefix_keys(stream) if self.dispatch_policy == "llumnix-cache" else [])
-            reply = await self._ask(q, self.pc.dispatch_timeout_s)
+        if self.known.manager_ok() or not self.known.snapshot:
+            keys = self._prefix_keys(stream) if self.known.dispatch_policy == "llumnix-cache" else []
+            q = wire.Dispatch(self.manager.next_id(), sub.request_id, len(sub.prompt_token_ids), sub.priority,
+                              stream.exclude, keys)
+            reply = await self.manager.ask(q, self.pc.dispatch_timeout_s)
             if reply is not None:
-                if not reply.instance_id and not any(v.instance_id not in stream.exclude for v in self.alive()):
+                if not reply.instance_id and not any(v.instance_id not in stream.exclude for v in self.known.alive()):
                     raise NoInstance(reply.reason or "no live instance")
             if reply is not None and reply.instance_id:
                 M_ASKED.inc()
-                self.addresses[reply.instance_id] = reply.request_address
+                self.known.set_address(reply.instance_id, reply.request_address)
                 return reply.instance_id, reply.request_address
         chosen = self._choose_here(stream)
         if chosen is None:
-            raise NoInstance("no live instance" if self.manager_ok() else
+            raise NoInstance("no live instance" if self.known.manager_ok() else
                              "no live instance (the manager is unreachable and the last snapshot has none)")
         return self._chose(sub, chosen)
 
@@ -72,47 +136,28 @@ class DispatchMixin:
                         raise
                     now = self.clock.monotonic()
                     if not deadline:
-                        deadline = now + self.adm.queue_timeout_s
+                        deadline = now + self.queue_timeout_s
                         M_WAITED.inc()
-                        self.placing[stream.request_id] = len(stream.submit.prompt_token_ids)
+                        self.placing.add(stream.request_id, len(stream.submit.prompt_token_ids))
                         log.info("request %s: %s; waiting up to %gs for an instance (admission.queue_timeout_s)",
-                                 stream.request_id, exc, self.adm.queue_timeout_s)
+                                 stream.request_id, exc, self.queue_timeout_s)
                     if now >= deadline or stream.done:
-                        raise NoInstance(f"{exc}; no instance could take it within {self.adm.queue_timeout_s:g}s "
+                        raise NoInstance(f"{exc}; no instance could take it within {self.queue_timeout_s:g}s "
                                          f"(admission.queue_timeout_s)", "wait_timeout") from None
-                    await self._wait_change(min(deadline - now, 1.0))
+                    await self.changes.wait(min(deadline - now, 1.0))
         finally:
-            self.placing.pop(stream.request_id, None)
+            self.placing.discard(stream.request_id)
 
     def _could_serve(self, stream: Stream) -> bool:
         """Whether some live instance that the request has not failed on exists, taking requests or not."""
         exclude = stream.exclude
-        states = {v.instance_id: v.state for v in self.snapshot}
-        for iid in {*states, *self.beats}:
-            if iid in exclude or states.get(iid) == "dead" or self._dead(iid):
+        states = self.known.states()
+        for iid in {*states, *self.known.beats}:
+            if iid in exclude or states.get(iid) == "dead" or self.known.dead(iid):
                 continue
-            if iid in states or self.links.state(self.addresses.get(iid, "")) == UP:
+            if iid in states or self.known.link_state(self.known.address(iid)) == UP:
                 return True
         return False
-
-    async def _wait_change(self, timeout: float) -> None:
-        """Until a heartbeat, a snapshot or a connection changes what instances can take (or ``timeout``)."""
-        fut = asyncio.get_running_loop().create_future()
-        self._changed.append(fut)
-        try:
-            await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
-            pass
-        finally:
-            if fut in self._changed:
-                self._changed.remove(fut)
-
-    def _wake_waiting(self) -> None:
-        waiting, self._changed = self._changed, []
-        for fut in waiting:
-            if not fut.done():
-                fut.set_result(None)
-        self.pump_fair_queue()
 
     def _choose_here(self, stream: Stream) -> str | None:
         """The dispatch policy over our view (daemons/proxy/view.py): the instances' streamed loads plus our
@@ -120,25 +165,25 @@ class DispatchMixin:
         ordered migrations. A request that failed somewhere avoids those instances (rare: built afresh)."""
         self._turn += 1
         priority = stream.submit.priority
-        sc = self.cfg.scheduling
+        sc = self.sc
         hits = self._cache_hits(stream)
         if not stream.exclude:
-            chosen = self.view.choose(self.alive, self.dispatch_policy, priority, self._turn, self.tie_start(), hits,
+            chosen = self.view.choose(self.known.alive, self.known.dispatch_policy, priority, self._turn, self.known.tie_start(), hits,
                                       sc.cache_band, sc.cache_min_freeness)
             if hits is not None:
                 M_CACHE_DISPATCHES.labels("cache" if self.view.by_cache else "load").inc()
             return chosen
         now = self.clock.monotonic()
-        states = [self.view.state_of(v, v.load, now) for v in self.alive() if v.instance_id not in stream.exclude]
-        return policy.dispatch(self.dispatch_policy, states, self._turn, sc.high_priority_headroom, priority,
-                               start=self.tie_start(), hits=hits, cache_band=sc.cache_band,
+        states = [self.view.state_of(v, v.load, now) for v in self.known.alive() if v.instance_id not in stream.exclude]
+        return policy.dispatch(self.known.dispatch_policy, states, self._turn, sc.high_priority_headroom, priority,
+                               start=self.known.tie_start(), hits=hits, cache_band=sc.cache_band,
                                cache_floor=sc.cache_min_freeness)
 
     def _cache_hits(self, stream: Stream) -> dict[str, int] | None:
         """llumnix-cache: the request's cached leading blocks on each instance that holds some (None: another
         policy, or nothing cached anywhere). Its block hashes are computed once (vLLM's, daemons/prefix.py)."""
         index = self.cache_index.index
-        if self.dispatch_policy != "llumnix-cache" or not len(index):
+        if self.known.dispatch_policy != "llumnix-cache" or not len(index):
             return None
         keys = self._prefix_keys(stream)
         if not keys:
@@ -150,48 +195,13 @@ class DispatchMixin:
         size), computed once; none while no instance's block size is known yet."""
         if stream.prefix_keys is None:
             entry = next(iter(self.view.entries.values()), None)
-            block_size = entry.load.block_size if entry is not None else next(
-                (v.load.block_size for v in self.snapshot if v.load.block_size), 0)
+            block_size = entry.load.block_size if entry is not None else self.known.block_size()
             if not block_size:
                 return []
             stream.prefix_keys = prefix.keys(prefix.block_hashes(stream.submit.prompt_token_ids, block_size))
         return stream.prefix_keys
 
-    def tie_start(self) -> float:
-        """Where our ties start among the instances: the proxies' starts are evenly spaced by their ranks, and
-        all move on together every TIE_TURN_S (wall clock), so that over time no instance is always the first
-        tie; seldom enough that a burst almost never straddles a turn (its proxies would start anew)."""
-        return (self.clock.time() // TIE_TURN_S * 0.618034 + self.rank / max(self.proxies, 1)) % 1.0
-
-    async def submit(self, submit: wire.Submit, tenant: str = "", weight: float = 1.0) -> Stream:
-        """Dispatch and send a request; the returned stream yields its tokens. Raises NoInstance. ``tenant``:
-        the name of its API key, for the fair queue between keys (daemons/proxy/fairgate.py); ``weight``: that
-        key's share."""
-        stream = Stream(submit.request_id, submit, self.pc.request_timeout_s, self.clock.monotonic())
-        if self.tracer is not None and submit.traceparent:
-            stream.trace = StreamTrace(self.tracer, submit.traceparent)
-        self.streams[submit.request_id] = stream
-        try:
-            if tenant and self.fair is not None and submit.priority <= 0:  # high priority does not queue here
-                since = now_ns() if stream.trace is not None else 0
-                turn = await self._take_turn(stream, tenant, weight)
-                if stream.trace is not None:
-                    stream.trace.queued(since, tenant, turn)
-                if turn:
-                    try:
-                        if not stream.done:
-                            await self._dispatch(stream)
-                    finally:
-                        self._turn_taken()
-            else:
-                await self._dispatch(stream)
-        except BaseException:
-            self.streams.pop(submit.request_id, None)
-            self._turn_ended(stream)
-            raise
-        return stream
-
-    async def _dispatch(self, stream: Stream) -> None:
+    async def dispatch(self, stream: Stream) -> None:
         """Place the request (again) under a new epoch; a placement after tokens were streamed continues
         from them (re-prefill)."""
         since = now_ns() if stream.trace is not None else 0
@@ -205,10 +215,10 @@ class DispatchMixin:
         stream.owner_from = stream.next_index
         stream.early.clear()  # a gap's tokens came from the copy we left: the new one sends them again
         submit = msgspec.structs.replace(stream.submit, epoch=stream.epoch, output_token_ids=list(stream.token_ids))
-        beat = self.beats.get(instance_id)
+        beat = self.known.beats.get(instance_id)
         self.view.sent_to(instance_id, beat.load if beat is not None else None,
                           len(submit.prompt_token_ids) + len(submit.output_token_ids))
         if stream.trace is not None:
             stream.trace.dispatched(since, instance_id, stream.epoch, len(stream.token_ids))
-        if not self._send_instance(address, submit):
-            self._instance_failed(stream, f"the request path to instance {instance_id} is full", cause="full")
+        if not self.port.send(address, submit):
+            self.on_full(stream, f"the request path to instance {instance_id} is full", cause="full")

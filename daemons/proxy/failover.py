@@ -1,139 +1,109 @@
 """Failover and fencing: a stream whose instance died, stalled, stopped or refused continues on another by
-re-prefill under a new epoch; copies that lost a race are fenced; streams past their deadline end."""
+re-prefill under a new epoch; copies that lost a race are fenced; streams past their deadline end; Submits an
+instance never took in are sent again."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections import deque
+from typing import Awaitable, Callable
 
 import msgspec
 
 from daemons import wire
+from daemons.clock import Clock
 from daemons.links import DOWN
+from daemons.proxy.known import KnownInstances
 from daemons.proxy.stream import NoInstance, Stream
+from daemons.proxy.streams import Port, Streams
 from daemons.proxy.telemetry import M_FAILOVERS, M_GIVEN_BACK, M_RESENT, M_RETRIES, M_TIMEOUTS
+from daemons.proxy.view import DispatchView
 
 log = logging.getLogger("llumnix.proxy")
 
 FORGET_AFTER_S = 60.0  # an instance neither live in the manager's view nor heard from this long is forgotten
 
 
-class FailoverMixin:
-    """Of the ClusterClient: watches the streams and the instances that hold them."""
+class Failover:
+    """Watches the streams and the instances that hold them. Owns the count of Submits sent per instance at
+    its heartbeats (``check_taken``). Receives the clock, the proxy and manager settings, the streams
+    (daemons/proxy/streams.py), what we know of the instances (known.py, read only), the dispatch view (its
+    count of our Submits), the port to the instances, ``dispatch`` (a stream placed again under a new epoch)
+    and ``spawn`` (runs a coroutine as the client's task)."""
 
-    def _instance_failed(self, stream: Stream, message: str, retryable: bool = True, status: int = 503,
-                         cause: str = "failed") -> None:
+    def __init__(self, clock: Clock, pc, mc, streams: Streams, known: KnownInstances, view: DispatchView, port: Port,
+                 dispatch: Callable[[Stream], Awaitable[None]], spawn: Callable[[Awaitable], None]):
+        self.clock = clock
+        self.pc = pc
+        self.mc = mc
+        self.streams = streams
+        self.known = known
+        self.view = view
+        self.port = port
+        self.dispatch = dispatch
+        self.spawn = spawn
+        self._sent_counts: dict[str, deque] = {}  # instance id -> (time, Submits sent) at its heartbeats
+
+    def instance_failed(self, stream: Stream, message: str, retryable: bool = True, status: int = 503,
+                        cause: str = "failed") -> None:
         """The stream's owner failed it, died, stalled or went unhealthy: place it elsewhere, or fail it."""
         if stream.done:
             return
-        if retryable and stream.next_index == 0 and len(stream.tried) - stream.given_back < self.pc.max_dispatch_attempts:
+        pc = self.pc
+        if retryable and stream.next_index == 0 and len(stream.tried) - stream.given_back < pc.max_dispatch_attempts:
             log.warning("request %s: %s; sending it elsewhere", stream.request_id, message)
             M_RETRIES.inc()
-        elif retryable and stream.next_index > 0 and stream.failovers < self.pc.max_failovers:
+        elif retryable and stream.next_index > 0 and stream.failovers < pc.max_failovers:
             stream.failovers += 1
             M_FAILOVERS.labels(cause).inc()
             log.warning("request %s: %s; continuing it elsewhere from token %d (failover %d of %d)", stream.request_id,
-                        message, stream.next_index, stream.failovers, self.pc.max_failovers)
+                        message, stream.next_index, stream.failovers, pc.max_failovers)
         else:
             if stream.next_index:
-                message += f" after {stream.next_index} tokens (proxy.max_failovers = {self.pc.max_failovers})"
+                message += f" after {stream.next_index} tokens (proxy.max_failovers = {pc.max_failovers})"
             stream.fail(message, status)
             return
         if stream.trace is not None:
             stream.trace.failed(cause, message, stream.instance_id, stream.next_index)
-        self._fence_owner(stream)
+        self.streams.fence_owner(stream)
         if stream.instance_id and stream.instance_id not in stream.exclude:
             stream.exclude.append(stream.instance_id)
         stream.instance_id = stream.address = ""
-        self._spawn(self._redispatch(stream, message))
+        self.spawn(self.redispatch(stream, message))
 
-    def _fence_owner(self, stream: Stream) -> None:
-        """The copy we leave may still be running (a stalled or unhealthy instance): abort it by epoch."""
-        if stream.address:
-            self._fence(stream, stream.instance_id, stream.epoch, stream.address)
-
-    def _fence(self, stream: Stream, instance_id: str, epoch: int, address: str = "") -> None:
-        key = (instance_id, epoch)
-        if key in stream.fenced:
-            return
-        stream.fenced.add(key)
-        address = address or self.addresses.get(instance_id, "")
-        if address:
-            self._send_instance(address, wire.Abort(stream.request_id, epoch))
-
-    def _give_back(self, stream: Stream, msg: wire.Redispatch) -> None:
+    def give_back(self, stream: Stream, msg: wire.Redispatch) -> None:
+        """A draining instance gave a queued request back: dispatch it again (not a failed attempt)."""
         if stream.next_index:  # it produced tokens meanwhile (cannot happen: the instance checks); keep it there
             return
         log.debug("request %s: instance %s gave it back (%s); dispatching it again", stream.request_id,
-                 msg.instance_id, msg.reason or "draining")
+                  msg.instance_id, msg.reason or "draining")
         M_GIVEN_BACK.inc()
         if stream.trace is not None:
             stream.trace.failed("given_back", f"instance {msg.instance_id} gave it back ({msg.reason or 'draining'})",
                                 msg.instance_id, 0)
         stream.given_back += 1
         stream.instance_id = stream.address = ""
-        self._spawn(self._redispatch(stream, f"instance {msg.instance_id} gave it back"))
+        self.spawn(self.redispatch(stream, f"instance {msg.instance_id} gave it back"))
 
-    def _spawn(self, coro) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.append(task)
-        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
-
-    async def _redispatch(self, stream: Stream, why: str) -> None:
+    async def redispatch(self, stream: Stream, why: str) -> None:
         try:
-            await self._dispatch(stream)
+            await self.dispatch(stream)
         except NoInstance as exc:
             stream.fail(f"{why}; no other instance: {exc}")
         except Exception as exc:  # the client must hear of it now, not at its deadline
             log.exception("request %s: dispatching it again failed", stream.request_id)
             stream.fail(f"{why}; dispatching it again failed: {type(exc).__name__}: {exc}")
 
-    def finish(self, stream: Stream) -> None:
-        """Forget a stream; abort it on its instance if it is still running there (client went away, stop string)."""
-        self.streams.pop(stream.request_id, None)
-        self._turn_ended(stream)
-        if stream.trace is not None:
-            stream.trace.finished(stream.next_index, stream.error)
-        if not stream.done and stream.address:
-            self._send_instance(stream.address, wire.Abort(stream.request_id, stream.epoch))
-        stream.done = True
+    def refused(self, stream: Stream, msg: wire.RequestFailed) -> None:
+        # A request that already streamed tokens was valid: an instance that refuses to continue it (a
+        # smaller context limit or cache) is that instance's limit, not the request's.
+        retryable = msg.retryable or (stream.next_index > 0 and msg.status == 400)
+        self.instance_failed(stream, msg.message, retryable, msg.status, cause="refused")
 
-    # ------------------------------------------------------------------ liveness
+    def forget(self, instance_id: str) -> None:
+        self._sent_counts.pop(instance_id, None)
 
-    async def _watch(self) -> None:
-        """Each heartbeat: tell the instances we are here; fail over streams whose instance is silent,
-        unhealthy or stalled; end requests past their deadline."""
-        period = min(self.cfg.manager.heartbeat_interval_s, self.pc.instance_timeout_s / 4)
-        while True:
-            await asyncio.sleep(period)
-            alive = wire.ProxyAlive(self.token_address)
-            for address in list(self.instances):
-                self._send_instance(address, alive)
-            now = self.clock.monotonic()
-            self.check_streams(now)
-            self.forget_departed(now)
-            if self.fair is not None:
-                self.fair.forget_idle()
-                self.pump_fair_queue()  # our own dispatches age out of the room count
-
-    def forget_departed(self, now: float) -> None:
-        """Instances gone for good: not live in the manager's view, holding none of our streams and not heard
-        from for ``FORGET_AFTER_S``. Their sockets (and link watches) close and their records go, or a fleet
-        that restarts instances on new ports would grow the proxy, and its heartbeats, for ever."""
-        if not self.manager_ok():  # without a current view, absence from it says nothing
-            return
-        live = {v.instance_id for v in self.snapshot if v.state != "dead"}
-        for iid in [i for i, at in self.heard.items() if i not in live and now - at > FORGET_AFTER_S]:
-            for table in (self.heard, self.beats, self.beat_at, self.addresses, self._sent_counts, self.owner_keys):
-                table.pop(iid, None)
-            self.cache_index.forget(iid)
-        keep = ({v.request_address for v in self.snapshot if v.state != "dead"}
-                | {s.address for s in self.streams.values() if s.address}
-                | {self.addresses[i] for i in self.heard if i in self.addresses})
-        for address in [a for a in self.instances if a not in keep]:
-            self.links.forget(address)
-            self.instances.pop(address).close(0)
+    # ------------------------------------------------------------------ checks
 
     def check_taken(self, beat: wire.Heartbeat) -> None:
         """Queued requests are not judged by silence (a saturated instance may hold one for long), but one
@@ -157,43 +127,66 @@ class FailoverMixin:
         if at > now - stall or beat.taken >= sent:
             return
         history.clear()
-        self.view.sent[iid] = self.view.sent.get(iid, 0) - (sent - beat.taken)  # the lost ones: never to be counted
-        again = [s for s in self.streams.values() if s.instance_id == iid and not s.done and not s.next_index
+        self.view.lost(iid, sent - beat.taken)
+        again = [s for s in self.streams if s.instance_id == iid and not s.done and not s.next_index
                  and not s.early and s.sent_at <= at]
         for stream in again:
             submit = msgspec.structs.replace(stream.submit, epoch=stream.epoch, output_token_ids=[])
-            if self._send_instance(stream.address, submit):
-                self.view.sent[iid] = self.view.sent.get(iid, 0) + 1  # it counts this one too, taken in or not
+            if self.port.send(stream.address, submit):
+                self.view.resent(iid)
         M_RESENT.inc(len(again))
         log.warning("instance %s took in %d of the %d requests we had sent it %gs ago: sent again the %d of ours "
                     "on it with no token yet", iid, beat.taken, sent, stall, len(again))
 
     def check_streams(self, now: float) -> None:
-        stall = self.pc.stall_timeout_s
-        for stream in list(self.streams.values()):
+        """Streams past their deadline end; those whose instance is dead, silent, unhealthy or stalled fail over."""
+        pc = self.pc
+        stall = pc.stall_timeout_s
+        for stream in self.streams:
             if stream.done:
                 continue
             if stream.deadline and now > stream.deadline:
                 M_TIMEOUTS.inc()
-                self._fence_owner(stream)
+                self.streams.fence_owner(stream)
                 stream.fail(f"the request did not finish within proxy.request_timeout_s "
-                            f"({self.pc.request_timeout_s:g}s)", 504)
+                            f"({pc.request_timeout_s:g}s)", 504)
                 continue
             iid = stream.instance_id
             if not iid:  # being placed
                 continue
-            beat = self.beats.get(iid)
-            if self._dead(iid, stream.sent_at):
-                if self.links.state(stream.address) == DOWN:
-                    self._instance_failed(stream, f"lost the connection to instance {iid} (its process is gone, or "
-                                          f"it answered no keepalive for {self.pc.instance_timeout_s:g}s)", cause="dead")
+            beat = self.known.beats.get(iid)
+            if self.known.dead(iid, stream.sent_at):
+                if self.known.link_state(stream.address) == DOWN:
+                    self.instance_failed(stream, f"lost the connection to instance {iid} (its process is gone, or "
+                                         f"it answered no keepalive for {pc.instance_timeout_s:g}s)", cause="dead")
                 else:
-                    self._instance_failed(stream, f"instance {iid} has not been heard from for over "
-                                          f"{self.pc.instance_timeout_s:g}s (its connection never came up)",
-                                          cause="silent")
+                    self.instance_failed(stream, f"instance {iid} has not been heard from for over "
+                                         f"{pc.instance_timeout_s:g}s (its connection never came up)",
+                                         cause="silent")
             elif beat is not None and not beat.healthy:
-                self._instance_failed(stream, f"instance {iid} is unhealthy (its engine makes no progress)",
-                                      cause="unhealthy")
+                self.instance_failed(stream, f"instance {iid} is unhealthy (its engine makes no progress)",
+                                     cause="unhealthy")
             elif stall and (stream.next_index or stream.early) and now - stream.progress_at > stall:
-                self._instance_failed(stream, f"no token for {now - stream.progress_at:.1f}s on instance {iid}"
-                                      f"{' (a token is missing)' if stream.early else ''}", cause="stalled")
+                self.instance_failed(stream, f"no token for {now - stream.progress_at:.1f}s on instance {iid}"
+                                     f"{' (a token is missing)' if stream.early else ''}", cause="stalled")
+
+    def check_gone(self, manager_uptime_s: float, asked_at: float) -> None:
+        """Requests on an instance the manager marked dead, or no longer knows, are re-sent or failed. A
+        manager that has just (re)started does not know every instance yet: absence counts only later.
+        ``asked_at``: when we asked for the snapshot that says so."""
+        states = self.known.states()
+        mc = self.mc
+        settled = manager_uptime_s > 2 * mc.heartbeat_interval_s * mc.dead_after_missed
+        for stream in self.streams:
+            if stream.done or not stream.instance_id:
+                continue
+            iid = stream.instance_id
+            state = states.get(iid)
+            # The manager's word is confirmed by our own view: an instance whose tokens or heartbeats reached
+            # us within the manager's own dead-after time is alive, whatever a loaded manager concluded.
+            heard_lately = self.known.heard_within(iid, mc.heartbeat_interval_s * mc.dead_after_missed)
+            # Absent: gone for good, unless we sent the request after the manager took this snapshot, or the
+            # manager has only just (re)started.
+            gone = state is None and settled and stream.sent_at < asked_at
+            if (state == "dead" or gone) and not heard_lately:
+                self.instance_failed(stream, f"instance {stream.instance_id} died", cause="dead")

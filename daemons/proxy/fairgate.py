@@ -1,4 +1,4 @@
-"""Of the ClusterClient: the fair queue between API keys (daemons/proxy/fairness.py) in front of dispatch.
+"""The fair gate: the fair queue between API keys (daemons/proxy/fairness.py) in front of dispatch.
 
 A request of a key goes on at once while the cluster has room for it and nothing waits here; otherwise it
 waits in the fair queue until it is the head (its key served least) and the cluster has room. Requests wait
@@ -16,20 +16,46 @@ import asyncio
 import math
 
 from daemons import policy, wire
+from daemons.clock import Clock
+from daemons.proxy.admission import Placing
 from daemons.proxy.fairness import FairQueue
+from daemons.proxy.known import KnownInstances
 from daemons.proxy.stream import Stream
 from daemons.proxy.telemetry import M_TENANT_QUEUED, M_TENANT_TOKENS, M_TENANT_WAITED
+from daemons.proxy.view import DispatchView
 
 POLL_S = 1.0  # a waiter looks at its stream's deadline at least this often
 
 
-class FairGateMixin:
-    fair: FairQueue | None
-    _releasing: bool = False  # a request left the queue and is not dispatched yet: release no other meanwhile
+class FairGate:
+    """Owns the fair queue between API keys (None: proxy.fair_queuing off) and whether a request let go is
+    not dispatched yet. Receives the clock, proxy.fair_reserve, what we know of the instances (their
+    heartbeats), the dispatch view (our dispatches they do not show yet) and the requests placing here."""
 
-    async def _take_turn(self, stream: Stream, tenant: str, weight: float) -> bool:
+    def __init__(self, fair: FairQueue | None, clock: Clock, reserve: float, known: KnownInstances,
+                 view: DispatchView, placing: Placing):
+        self.fair = fair
+        self.clock = clock
+        self.reserve = reserve
+        self.known = known
+        self.view = view
+        self.placing = placing
+        self._releasing = False  # a request left the queue and is not dispatched yet: release no other meanwhile
+
+    def queues(self, tenant: str, priority: int) -> bool:
+        """Whether a request of ``tenant`` waits its turn here (high priority and requests without a key do not)."""
+        return bool(tenant) and self.fair is not None and priority <= 0
+
+    def waiting(self) -> bool:
+        return self.fair is not None and bool(self.fair.waiting)
+
+    def forget_idle(self) -> None:
+        if self.fair is not None:
+            self.fair.forget_idle()
+
+    async def take_turn(self, stream: Stream, tenant: str, weight: float) -> bool:
         """Return when ``stream`` may be dispatched (True: the caller dispatches it, then calls
-        ``_turn_taken``), or has ended while it waited (False)."""
+        ``turn_taken``), or has ended while it waited (False)."""
         fq = self.fair
         fq.seen(tenant, weight)
         sub = stream.submit
@@ -43,11 +69,11 @@ class FairGateMixin:
         w.handle = (asyncio.get_running_loop().create_future(), sub)
         M_TENANT_WAITED.labels(tenant).inc()
         M_TENANT_QUEUED.set(fq.waiting)
-        self.placing[stream.request_id] = len(sub.prompt_token_ids)
+        self.placing.add(stream.request_id, len(sub.prompt_token_ids))
         released = w.handle[0]
         taken = False
         try:
-            self.pump_fair_queue()
+            self.pump()
             while not stream.done and not released.done():
                 await asyncio.wait((released,), timeout=POLL_S)
             taken = released.done()  # (let go as its deadline passed: the caller skips the dispatch)
@@ -56,17 +82,17 @@ class FairGateMixin:
             return taken
         finally:
             if released.done() and not taken:
-                self._turn_taken()  # cancelled once let go (its client left): the next may go
+                self.turn_taken()  # cancelled once let go (its client left): the next may go
             fq.withdraw(w)
             M_TENANT_QUEUED.set(fq.waiting)
-            self.placing.pop(stream.request_id, None)
+            self.placing.discard(stream.request_id)
 
-    def _turn_taken(self) -> None:
+    def turn_taken(self) -> None:
         """The request let go last is dispatched (or failed): the next may go."""
         self._releasing = False
-        self.pump_fair_queue()
+        self.pump()
 
-    def pump_fair_queue(self) -> None:
+    def pump(self) -> None:
         """Let the head of the fair queue go if the cluster has room for it (one at a time: the room counts
         our dispatches, and the one let go is dispatched when its task runs). Called whenever room may have
         come: a heartbeat, a snapshot, a connection change, a dispatch done, and on the proxy's watch."""
@@ -80,7 +106,7 @@ class FairGateMixin:
             self._releasing = True
             future.set_result(None)
 
-    def _turn_ended(self, stream: Stream) -> None:
+    def turn_ended(self, stream: Stream) -> None:
         """A stream that took its turn ended: give back what it was charged and did not generate."""
         if not stream.tenant or self.fair is None:
             return
@@ -97,19 +123,13 @@ class FairGateMixin:
     def _has_room(self, sub: wire.Submit, under_share: bool) -> bool:
         """Whether some instance that takes requests could start ``sub`` now (see the module's text); with no
         such instance, True: placement decides (it waits for one, or says none lives)."""
-        reserve = 0.0 if under_share else self.pc.fair_reserve
-        fresh = self.clock.monotonic() - self.view.ttl_s
+        reserve = 0.0 if under_share else self.reserve
+        now = self.clock.monotonic()
         serving = False
-        for iid, beat in self.beats.items():
+        for iid, beat in self.known.serving():
             load = beat.load
-            if load is None or not beat.accepting or not beat.healthy or self._dead(iid):
-                continue
             serving = True
-            pending_requests = pending_blocks = 0
-            for _, blocks, at in self.view.mine.get(iid, ()):
-                if at > fresh:
-                    pending_requests += 1
-                    pending_blocks += blocks
+            pending_requests, pending_blocks = self.view.pending(iid, now)
             slots = load.batch_size - load.running - load.waiting - pending_requests
             blocks = (load.blocks_total - load.blocks_used - pending_blocks
                       - policy.blocks_for(load.waiting_tokens, load.block_size))

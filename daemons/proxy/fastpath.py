@@ -5,8 +5,9 @@ Per request FastAPI's way costs a router match, Starlette's Request, four middle
 for a stream a task group with a task that listens for the client's disconnect; here the request is read
 and answered by ``send`` itself, and a stream has one watcher that cancels it if the client goes away. Both
 ways run the same request logic (``Proxy.handle`` in daemons/proxy/service.py, which takes a ``Call`` and
-returns a ``Reply``) and answer with the same status, headers and bytes: API keys, the body size limit, the
-OpenAI error bodies, x-request-id, the access log and the request counts behave alike
+returns a ``Reply``, daemons/proxy/call.py) and answer with the same status, headers and bytes. API keys, the
+body size limit, the request counts and the access line of a refused request are decided by one guard for
+both (daemons/proxy/guard.py); the OpenAI error bodies and x-request-id behave alike
 (tests/unit/test_proxy_fastpath.py compares them).
 """
 
@@ -14,58 +15,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from typing import AsyncIterator, Awaitable, Callable
-
-import msgspec
 
 from daemons import metrics
+from daemons.clock import Clock
 from daemons.proxy.apikeys import Principal
-from daemons.proxy.openapi import needs_key
+from daemons.proxy.call import Call, Headers, Reply, error_reply
+from daemons.proxy.guard import COMPLETIONS
 from daemons.proxy.protocol import ApiError
 
 log = logging.getLogger("llumnix.proxy")
-M_REQUESTS = metrics.P_REQUESTS
 M_SLOW_READERS = metrics.counter("proxy", "llumnix_proxy_slow_readers_total",
                                  "Streamed requests aborted because their client read nothing for "
                                  "proxy.write_timeout_s (their connection is closed)")
 
-_json = msgspec.json.encode
-ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
+__all__ = ["M_SLOW_READERS", "Call", "FastPath", "Reply"]
+
+ROUTES = COMPLETIONS  # path -> chat
 SSE_TYPE = "text/event-stream; charset=utf-8"  # as Starlette's StreamingResponse names it
 JSON_TYPE = "application/json"
 _DONE = b"data: [DONE]\n\n"
-
-
-class Call:
-    """What the completion logic reads of an HTTP request, whichever way it came in."""
-
-    __slots__ = ("headers", "principal", "receive", "read", "echo_id")
-
-    def __init__(self, headers, principal: Principal | None, receive, read: Callable[[], Awaitable[bytes]]):
-        self.headers = headers  # .get(lower-case name) -> str | None
-        self.principal = principal  # its API key's owner (proxy.api_keys_file), or None
-        self.receive = receive  # the ASGI receive: a non-streamed request watches it for the client leaving
-        self.read = read  # the body
-        self.echo_id: str | None = None  # the client's valid x-request-id: echoed in every answer
-
-    async def unless_disconnected(self, coro):
-        """``await coro``, or None as soon as the client disconnects (a non-streaming request's handler is
-        not cancelled by the server when its client leaves, so without this it would wait out the request)."""
-        async def disconnected() -> None:
-            while (await self.receive())["type"] != "http.disconnect":
-                pass
-
-        work = asyncio.ensure_future(coro)
-        gone = asyncio.ensure_future(disconnected())
-        try:
-            done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-        if work in done:
-            return work.result()
-        work.cancel()
-        return None
 
 
 class _FastCall(Call):
@@ -81,7 +49,7 @@ class _FastCall(Call):
         self.watcher: asyncio.Future | None = None
         self.guarded = False
         self.gone = False
-        self.writing = 0.0  # loop time a write began that has not returned (its client reads nothing), or 0
+        self.writing = 0.0  # clock time a write began that has not returned (its client reads nothing), or 0
         self.slow = False  # cancelled for that: its client read nothing for proxy.write_timeout_s
 
     def watch(self) -> None:
@@ -120,52 +88,17 @@ class _FastCall(Call):
             self.guarded = False
 
 
-class Reply:
-    """A completion's answer: a JSON body (bytes), or an SSE ``stream`` of byte chunks; ``job`` ends it."""
-
-    __slots__ = ("status", "body", "headers", "stream", "job")
-
-    def __init__(self, status: int, body: bytes = b"", headers: dict[str, str] | None = None,
-                 stream: AsyncIterator[bytes] | None = None, job=None):
-        self.status, self.body, self.headers, self.stream, self.job = status, body, headers or {}, stream, job
-
-
-class _Headers:
-    """An ASGI scope's headers, looked up by lower-case name (the first of a repeated one, as Starlette)."""
-
-    __slots__ = ("raw",)
-
-    def __init__(self, raw: list[tuple[bytes, bytes]]):
-        self.raw = raw
-
-    def get(self, name: str, default: str | None = None) -> str | None:
-        key = name.encode()
-        for k, v in self.raw:
-            if k == key:
-                return v.decode("latin-1")
-        return default
-
-
-def too_large(limit: int) -> ApiError:
-    return ApiError(413, f"Request body too large: this proxy accepts at most {limit} bytes (proxy.max_body_bytes).",
-                    type_="invalid_request_error", code="request_too_large")
-
-
-def error_reply(exc: ApiError, echo_id: str | None) -> Reply:
-    headers = dict(getattr(exc, "headers", None) or {})
-    if echo_id:
-        headers["x-request-id"] = echo_id
-    return Reply(exc.status, _json(exc.body()), headers)
-
-
 class FastPath:
-    """ASGI app: the completion routes here, everything else to ``app`` (FastAPI)."""
+    """ASGI app: the completion routes here, everything else to ``app`` (FastAPI). Receives the app, the
+    proxy (its request logic ``handle`` and its guard), the write timeout and the clock that times writes."""
 
-    def __init__(self, app, proxy, max_body_bytes: int, write_timeout_s: float = 0.0):
+    def __init__(self, app, proxy, max_body_bytes: int | None = None, write_timeout_s: float = 0.0,
+                 clock: Clock | None = None):
+        """``max_body_bytes``: another body limit than the proxy's guard has (None: the guard's)."""
         self.app = app
         self.proxy = proxy
-        self.limit = max_body_bytes
-        self.ok = {path: M_REQUESTS.labels(path, "200") for path in ROUTES}
+        self.guard = proxy.guard if max_body_bytes is None else proxy.guard.with_limit(max_body_bytes)
+        self.clock = clock or proxy.clock
         self.write_timeout_s = write_timeout_s  # 0: none
         self.streaming: set[_FastCall] = set()
         self._writes_watched: asyncio.Task | None = None
@@ -175,20 +108,14 @@ class FastPath:
         if chat is None:
             return await self.app(scope, receive, send)
         path = scope["path"]
-        headers = _Headers(scope["headers"])
+        headers = Headers(scope["headers"])
         call = None
         try:
-            principal = None
-            keys = self.proxy.keys
-            if keys is not None and needs_key(path):
-                principal = keys.check(headers.get("authorization"))
-            length = headers.get("content-length")
-            if length is not None and length.strip().isdigit() and int(length) > self.limit:
-                raise too_large(self.limit)
+            principal = self.guard.check(path, headers.get("authorization"), headers.get("content-length"))
         except ApiError as exc:  # refused before the request is read: still one access line and count
-            self.proxy._access(None, chat, time.perf_counter(), exc.status)
-            return await self._answer(send, path, error_reply(exc, None))
-        call = _FastCall(headers, principal, receive, lambda: self._body(receive))
+            self.guard.refused(path, exc.status)
+            return await self._write(send, error_reply(exc, None))
+        call = _FastCall(headers, principal, receive, lambda: self.guard.read_body(receive))
         try:
             try:
                 reply = await self.proxy.handle(call, chat)
@@ -202,32 +129,17 @@ class FastPath:
                     ApiError(500, f"internal error: {type(exc).__name__}: {exc}"), call.echo_id))
             if reply.stream is None:
                 return await self._answer(send, path, reply)
-            self.ok[path].inc()
+            self.guard.count(path, 200)
             await self._stream(call, send, reply)
         finally:
             call.stop_watching()
 
-    async def _body(self, receive) -> bytes:
-        """The request body, refused (413) as soon as it grows past the limit: never held whole if larger.
-        The pieces are joined once at the end (adding each to the whole would copy it again per piece:
-        quadratic, ~0.5 GB of copying on the event loop for one 8 MiB body)."""
-        pieces: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # http.disconnect
-                raise ApiError(499, "the client went away before sending its whole body")
-            piece = message.get("body", b"")
-            if piece:
-                pieces.append(piece)
-                size += len(piece)
-            if size > self.limit:  # a chunked body, or one longer than it said
-                raise too_large(self.limit)
-            if not message.get("more_body", False):
-                return pieces[0] if len(pieces) == 1 else b"".join(pieces)
-
     async def _answer(self, send, path: str, reply: Reply) -> None:
-        (self.ok[path] if reply.status == 200 else M_REQUESTS.labels(path, str(reply.status))).inc()
+        self.guard.count(path, reply.status)
+        await self._write(send, reply)
+
+    @staticmethod
+    async def _write(send, reply: Reply) -> None:
         raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in reply.headers.items()]
         raw.append((b"content-length", str(len(reply.body)).encode()))
         if reply.body:  # (an empty one: 499, the client went away)
@@ -245,17 +157,17 @@ class FastPath:
             return
         call.watch()
         call.guarded = True
-        loop = asyncio.get_running_loop()
+        clock = self.clock
         if self.write_timeout_s:
             self.streaming.add(call)
             if self._writes_watched is None or self._writes_watched.done():
                 self._writes_watched = asyncio.ensure_future(self._watch_writes())
         try:
-            call.writing = loop.time()
+            call.writing = clock.monotonic()
             await send({"type": "http.response.start", "status": 200, "headers": raw})
             call.writing = 0.0
             async for chunk in body:
-                call.writing = loop.time()
+                call.writing = clock.monotonic()
                 if chunk.endswith(_DONE):  # the stream's last event: the response ends with it
                     call.guarded = False
                     await send({"type": "http.response.body", "body": chunk, "more_body": False})
@@ -287,11 +199,10 @@ class FastPath:
     async def _watch_writes(self) -> None:
         """While streams are being written: cancel those whose write has waited past write_timeout_s (a
         client that reads nothing: its socket's buffers are full, and its tokens would pile up here)."""
-        loop = asyncio.get_running_loop()
         period = min(self.write_timeout_s / 4, 1.0)
         while self.streaming:
-            await asyncio.sleep(period)
-            now = loop.time()
+            await self.clock.sleep(period)
+            now = self.clock.monotonic()
             for call in list(self.streaming):
                 if call.writing and now - call.writing > self.write_timeout_s and not call.slow:
                     call.slow = True

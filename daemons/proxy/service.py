@@ -1,34 +1,37 @@
 """The proxy's request logic, whichever HTTP path calls it (daemons/proxy/fastpath.py, or FastAPI's routes in
 daemons/proxy/app.py): a completion or chat request is checked, tokenized, dispatched over the cluster
-(daemons/proxy/cluster.py) and its tokens rendered (daemons/proxy/render.py), with the access log. What a
-request must be is in checks.py, how its answer goes out in output.py, the other routes (models, tokenize,
-detokenize, health) in routes.py."""
+(daemons/proxy/cluster.py) and its tokens rendered (daemons/proxy/render.py), with the access log.
+
+``Proxy`` is a facade over the objects that decide: ``Checks`` (checks.py: what a request must be),
+``TenantLimits`` (tenants.py: each API key's limits), ``AccessLog`` (access.py), ``Guard`` (guard.py: API keys,
+body limits and request counts, for both HTTP paths), ``Routes`` (routes.py: models, tokenize, detokenize,
+health) and the ``ClusterClient``; how an answer goes out is output.py's functions."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 import weakref
 
 import msgspec
 
 from daemons import metrics, wire
-from daemons.config import Config
+from daemons.clock import Clock
+from daemons.config import Config, body_limit
+from daemons.proxy.access import AccessLog
 from daemons.proxy.apikeys import ApiKeys
-from daemons.proxy.checks import ChecksMixin
+from daemons.proxy.call import Call, Reply
+from daemons.proxy.checks import Checks
 from daemons.proxy.cluster import M_REJECTED, ClusterClient, NoInstance, Overloaded, Stream
-from daemons.proxy.fastpath import Call, Reply
-from daemons.proxy.output import OutputMixin
+from daemons.proxy.guard import Guard
+from daemons.proxy.output import collect, sse
 from daemons.proxy.protocol import ApiError, ChatRequest, CompletionRequest, decode_body, derive_seed, parse_priority
 from daemons.proxy.render import Choice, Job, token_id_text
-from daemons.proxy.routes import RoutesMixin
-from daemons.proxy.tenants import TenantLimitsMixin, Tenants
+from daemons.proxy.routes import Routes
+from daemons.proxy.tenants import TenantLimits, Tenants
 from daemons.proxy.tokenizer import Tokenizer, load_tokenizer
 from daemons.proxy.traces import RequestTrace
 from daemons.tracing import Tracer
-
-access_log = logging.getLogger("llumnix.access")
 
 # Defined in daemons/metrics.py, with the latencies of each request (Job.timer).
 M_INFLIGHT = metrics.P_IN_FLIGHT
@@ -36,23 +39,30 @@ M_INFLIGHT = metrics.P_IN_FLIGHT
 _json = msgspec.json.encode
 
 
-class Proxy(ChecksMixin, OutputMixin, RoutesMixin, TenantLimitsMixin):
-    """The request path: admit, dispatch, serve and log each request; the checks, the output and the other
-    routes are in the files named for them."""
+class Proxy:
+    """The request path: admit, dispatch, serve and log each request, through the objects named in the
+    module's text. Owns the ids of the requests in flight here."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, clock: Clock | None = None):
+        """``clock``: the time the cluster client, the keys' limits and the writes' timeout read (default: the
+        monotonic clock)."""
         self.cfg = cfg
+        self.clock = clock = clock or Clock()
         self.model = cfg.model.name
         self.max_model_len = cfg.model.max_model_len
         self.tokenizer: Tokenizer = load_tokenizer(cfg.model.path, cfg.sim.vocab_size, cfg.sim.eos_token_id)
-        self.keys: ApiKeys | None = ApiKeys.load(cfg.proxy.api_keys_file) if cfg.proxy.api_keys_file else None
-        self.cluster = ClusterClient(cfg)
-        self.access_log = cfg.proxy.access_log
+        self.keys: ApiKeys | None = (ApiKeys.load(cfg.proxy.api_keys_file, clock.monotonic)
+                                     if cfg.proxy.api_keys_file else None)
+        self.tracer = Tracer.create(cfg.tracing, "llumnix-proxy")  # None: tracing off
+        self.cluster = ClusterClient(cfg, clock=clock, tracer=self.tracer)
         self.active: set[str] = set()  # ids of the requests this proxy is serving
-        self.max_prompt_tokens = cfg.proxy.max_prompt_tokens  # 0: only the context limit
-        self.pc = cfg.proxy
-        self.tenants = Tenants()  # per-key limits (daemons/proxy/tenants.py)
-        self.tracer = self.cluster.tracer = Tracer.create(cfg.tracing, "llumnix-proxy")  # None: tracing off
+        self.checks = Checks(self.tokenizer, self.model, self.max_model_len, cfg.proxy.max_prompt_tokens, cfg.proxy)
+        self.tenants = Tenants(clock.monotonic)  # per-key limits (daemons/proxy/tenants.py)
+        self.limits = TenantLimits(self.tenants)
+        self.access = AccessLog(cfg.proxy.access_log)
+        self.guard = Guard(self.keys, body_limit(cfg), self.access)
+        self.routes = Routes(self.checks, self.cluster.alive, self.cluster.manager_ok)
+
     async def handle(self, call: Call, chat: bool) -> Reply:
         """One completion or chat request; logs it once it is answered (a stream: once it ends). Raises
         ApiError for an answer that is an error."""
@@ -61,28 +71,28 @@ class Proxy(ChecksMixin, OutputMixin, RoutesMixin, TenantLimitsMixin):
         principal = call.principal
         key_name = principal.name if principal is not None else "-"
         try:
-            job = Job(chat, self._request_id(call), arrival)
+            job = Job(chat, self.checks.request_id(call), arrival, self.clock.time())
             job.key_name = key_name
             if self.tracer is not None:
                 job.trace = RequestTrace(self.tracer, call.headers.get("traceparent", ""), job.id, chat, key_name)
             if principal is not None:
                 job.principal = principal
-                job.ticket = self._enter(principal)
+                job.ticket = self.limits.enter(principal)
             reply = await self._accept(call, job)
         except ApiError as exc:
-            self._release(job)
+            self.limits.release(job)
             if job is None:
-                self._access(None, chat, arrival, exc.status, key_name)
+                self.access.write(None, chat, arrival, exc.status, key_name)
             else:
                 job.status = exc.status
-                self._access(job, chat, arrival, exc.status)
+                self.access.write(job, chat, arrival, exc.status)
             raise
         except BaseException:
-            self._release(job)
-            self._access(job, chat, arrival, 500)
+            self.limits.release(job)
+            self.access.write(job, chat, arrival, 500)
             raise
         if reply.stream is None:  # a stream logs itself when it ends
-            self._access(job, chat, arrival, reply.status)
+            self.access.write(job, chat, arrival, reply.status)
         return reply
 
     def _admit(self, priority: int, job: Job) -> None:
@@ -105,21 +115,21 @@ class Proxy(ChecksMixin, OutputMixin, RoutesMixin, TenantLimitsMixin):
             self._admit(parse_priority(None, header_priority), job)
         body = decode_body(await call.read(), ChatRequest if job.chat else CompletionRequest)
         job.model = body.model
-        self._check_model(body.model)
+        self.checks.check_model(body.model)
         body.unsupported()
-        self._check_stops(body)
+        self.checks.check_stops(body)
         self._admit(parse_priority(body.priority, header_priority), job)
         if job.chat:
-            prompt = self._chat_prompt(body, body.add_generation_prompt)
+            prompt = self.checks.chat_prompt(body, body.add_generation_prompt)
             ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-            max_tokens = self._limits(len(ids), body.max_completion_tokens or body.max_tokens, None, "messages")
-            self._charge(job, len(ids) + body.n * max_tokens)
+            max_tokens = self.checks.max_tokens(len(ids), body.max_completion_tokens or body.max_tokens, None, "messages")
+            self.limits.charge(job, len(ids) + body.n * max_tokens)
             top_n = body.top_logprobs or 0
             sampling = body.sampling(max_tokens, top_n if body.logprobs else None)
         else:
-            ids = self._prompt_ids(body)
-            max_tokens = self._limits(len(ids), body.max_tokens, 16, "prompt")
-            self._charge(job, len(ids) + body.n * max_tokens)
+            ids = self.checks.prompt_ids(body)
+            max_tokens = self.checks.max_tokens(len(ids), body.max_tokens, 16, "prompt")
+            self.limits.charge(job, len(ids) + body.n * max_tokens)
             top_n = body.logprobs or 0
             sampling = body.sampling(max_tokens, body.logprobs)
         return await self._serve(call, job, body, ids, sampling, top_n)
@@ -148,7 +158,7 @@ class Proxy(ChecksMixin, OutputMixin, RoutesMixin, TenantLimitsMixin):
         if self._in_flight(job, sub_ids):
             raise ApiError(409, f"a request with id {job.id!r} is in flight on this proxy; ids must be unique",
                            "x-request-id", code="request_id_in_use")
-        now = time.time()
+        now = self.clock.time()
         traceparent = job.trace.traceparent if job.trace is not None else ""
         submits = [wire.Submit(rid, ids, sampling if n == 1 else msgspec.structs.replace(
             sampling, seed=derive_seed(sampling.seed, k)), self.cluster.token_address, priority, now,
@@ -166,14 +176,14 @@ class Proxy(ChecksMixin, OutputMixin, RoutesMixin, TenantLimitsMixin):
             job.timer.first_token(job.first_at)
             headers = {"x-request-id": call.echo_id or job.id}
             if req.stream:
-                body = self._sse(job, firsts)
+                body = sse(job, firsts, self._ended)
                 # A client gone before the body starts means the generator never runs (nor its finally).
                 weakref.finalize(body, self._abandoned, job).atexit = False  # not at exit: the cluster is gone
                 handed_over = True
                 return Reply(200, headers=headers, stream=body, job=job)
             M_INFLIGHT.inc()
             try:
-                failed = await call.unless_disconnected(self._collect(job, firsts))
+                failed = await call.unless_disconnected(collect(job, firsts))
             finally:
                 M_INFLIGHT.dec()
             if failed is None:
@@ -233,43 +243,13 @@ class Proxy(ChecksMixin, OutputMixin, RoutesMixin, TenantLimitsMixin):
         for stream in job.streams():
             self.cluster.finish(stream)
         self.active.discard(job.id)
-        self._release(job)
+        self.limits.release(job)
 
     def _abandoned(self, job: Job) -> None:
         self._end(job)
-        self._access(job, job.chat, job.arrival, 499)
+        self.access.write(job, job.chat, job.arrival, 499)
 
-    def _access(self, job: Job | None, chat: bool, arrival: float, status: int, key_name: str = "-") -> None:
-        if job is not None:
-            if job.logged:
-                return
-            job.logged = True
-            if job.trace is not None:
-                job.trace.end(status, {"llumnix.model": job.model or None, "llumnix.prompt_tokens": job.prompt_tokens,
-                                       "llumnix.completion_tokens": job.completion_tokens,
-                                       "llumnix.instances": ",".join(dict.fromkeys(
-                                           i for s in job.streams() for i in s.tried)) or None})
-        if not self.access_log or not access_log.isEnabledFor(logging.INFO):
-            return
-        now = time.perf_counter()
-        streams = job.streams() if job is not None else []
-        reasons = [c.reason for c in job.choices if c.reason] if job is not None else []
-        rec = {
-            "request_id": job.id if job is not None else "-",
-            "route": "/v1/chat/completions" if chat else "/v1/completions",
-            "model": (job.model if job is not None else "") or "-",
-            "instance": ",".join(dict.fromkeys(s.instance_id for s in streams if s.instance_id)) or "-",
-            "status": status,
-            "n": len(job.choices) if job is not None and job.choices else 1,
-            "prompt_tokens": job.prompt_tokens if job is not None else 0,
-            "completion_tokens": job.completion_tokens if job is not None else 0,
-            "ttft_ms": round((job.first_at - arrival) * 1000, 1) if job is not None and job.first_at else None,
-            "total_ms": round((now - arrival) * 1000, 1),
-            "finish_reason": ",".join(dict.fromkeys(reasons)) or None,
-            "key_name": job.key_name if job is not None else key_name,
-        }
-        access_log.info("access %s %s model=%s instance=%s status=%d prompt_tokens=%d completion_tokens=%d ttft_ms=%s "
-                        "total_ms=%.1f finish_reason=%s key_name=%s", rec["request_id"], rec["route"], rec["model"],
-                        rec["instance"], status, rec["prompt_tokens"], rec["completion_tokens"],
-                        "-" if rec["ttft_ms"] is None else rec["ttft_ms"], rec["total_ms"], rec["finish_reason"] or "-",
-                        rec["key_name"], extra=rec)
+    def _ended(self, job: Job) -> None:
+        """A streamed answer ended (daemons/proxy/output.py ``sse``): let the request go and log it."""
+        self._end(job)
+        self.access.write(job, job.chat, job.arrival, job.status)

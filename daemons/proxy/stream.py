@@ -1,11 +1,10 @@
 """One request's stream: token outputs in index order, each index once, from its current owner (instance,
-epoch) only; and the errors that end a dispatch."""
+epoch) only; and the errors that end a dispatch. A stream reads no clock: its owner passes the time."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from daemons import wire
 from daemons.proxy.telemetry import M_DUPLICATES
@@ -37,9 +36,8 @@ class Stream:
                  "failovers", "progress_at", "deadline", "fenced", "exclude", "tenant", "weight", "trace",
                  "prefix_keys")
 
-    def __init__(self, request_id: str, submit: wire.Submit, timeout_s: float = 0.0, now: float | None = None):
-        """``now``: its client's clock (default: the monotonic clock); ``feed`` callers keep ``progress_at``."""
-        now = time.monotonic() if now is None else now
+    def __init__(self, request_id: str, submit: wire.Submit, timeout_s: float = 0.0, now: float = 0.0):
+        """``now``: its owner's clock (daemons.clock.Clock ``monotonic``); ``timeout_s`` counts from it."""
         self.request_id = request_id
         self.submit = submit
         self.ready: list[wire.TokenOut] = []
@@ -75,6 +73,8 @@ class Stream:
         return out.epoch < self.epoch and out.index < self.owner_from
 
     def feed(self, out: wire.TokenOut, now: float | None = None) -> None:
+        """Take one output; ``now`` (the owner's clock) marks progress (None: a caller that does not watch
+        for stalls, e.g. a test's fake instance)."""
         if self.done or out.index < self.next_index or out.index in self.early:
             M_DUPLICATES.inc()
             return
@@ -84,7 +84,8 @@ class Stream:
         self._accept(out)
         while self.next_index in self.early:
             self._accept(self.early.pop(self.next_index))
-        self.progress_at = time.monotonic() if now is None else now
+        if now is not None:
+            self.progress_at = now
         self._wake()
 
     def _accept(self, out: wire.TokenOut) -> None:

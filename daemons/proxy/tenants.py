@@ -16,7 +16,6 @@ injected (tests drive it).
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -69,7 +68,8 @@ class _State:
 
 
 class Tenants:
-    def __init__(self, now: Callable[[], float] = time.monotonic):
+    def __init__(self, now: Callable[[], float]):
+        """``now``: the proxy's clock (daemons.clock.Clock ``monotonic``)."""
         self.now = now
         self._state: dict[str, _State] = {}
 
@@ -139,32 +139,35 @@ class Tenants:
             del self._state[name]
 
 
-class TenantLimitsMixin:
-    """Of the Proxy (daemons/proxy/service.py): a request's way through its key's limits."""
+class TenantLimits:
+    """A request's way through its key's limits, as API errors (429 with Retry-After). Owns the keys' state
+    (``tenants``, above)."""
 
-    tenants: Tenants
+    def __init__(self, tenants: Tenants):
+        self.tenants = tenants
 
-    def _enter(self, principal) -> object:
+    def enter(self, principal) -> Ticket:
         """The key's own limits (above): 429 with Retry-After past one."""
         try:
             return self.tenants.enter(principal)
         except TenantLimited as exc:
-            raise self._tenant_limited(principal, exc) from None
+            raise self._limited(principal, exc) from None
 
-    def _tenant_limited(self, principal, exc: TenantLimited) -> ApiError:
+    @staticmethod
+    def _limited(principal, exc: TenantLimited) -> ApiError:
         M_TENANT_REJECTED.labels(principal.name, exc.reason).inc()
         err = ApiError(429, str(exc), type_="rate_limit_exceeded", code=exc.reason)
         err.headers = {"Retry-After": str(exc.retry_after)}
         return err
 
-    def _charge(self, job, tokens: int) -> None:
+    def charge(self, job, tokens: int) -> None:
         if job.ticket is not None:
             try:
                 self.tenants.charge(job.principal, job.ticket, tokens)
             except TenantLimited as exc:
-                raise self._tenant_limited(job.principal, exc) from None
+                raise self._limited(job.principal, exc) from None
 
-    def _release(self, job) -> None:
+    def release(self, job) -> None:
         """The request's key has it no longer in flight; tokens it was charged and did not use go back (a
         request that was never answered used none)."""
         if job is not None and job.ticket is not None:

@@ -7,13 +7,12 @@ the cluster's policy (daemons/policy: ``scorer`` and ``pick``, the code the mana
 hundreds of instances keeps every instance's state and scores and recomputes only those whose inputs
 changed, so a dispatch costs a max over a list, not a rebuild of the cluster's states.
 
-Liveness here is the proxy's own (``ClusterClient`` owns ``heard`` and ``beats``); membership is rebuilt
+Liveness here is the proxy's own (``KnownInstances`` in daemons/proxy/known.py owns ``heard`` and ``beats``); membership is rebuilt
 on every snapshot and at least every ``REFRESH_S`` (an instance that fell silent, dispatches that expired).
 """
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from typing import Callable
 
@@ -33,7 +32,7 @@ class _Entry:
 
 
 class DispatchView:
-    def __init__(self, ttl_s: float, headroom: float, now: Callable[[], float] = time.monotonic):
+    def __init__(self, ttl_s: float, headroom: float, now: Callable[[], float]):
         self.now = now  # its client's clock
         self.ttl_s = ttl_s
         self.headroom = headroom
@@ -80,6 +79,29 @@ class DispatchView:
         block_size = load.block_size if load is not None else 16
         self.mine.setdefault(instance_id, deque()).append((n, policy.blocks_for(tokens + 1, block_size), self.now()))
         self.dirty.add(instance_id)
+
+    def lost(self, instance_id: str, n: int) -> None:
+        """``n`` of our Submits to ``instance_id`` never reached it: never to be counted by its heartbeats."""
+        self.sent[instance_id] = self.sent.get(instance_id, 0) - n
+
+    def resent(self, instance_id: str) -> None:
+        """A Submit sent again (same epoch): the instance counts it too, taken in or not."""
+        self.sent[instance_id] = self.sent.get(instance_id, 0) + 1
+
+    def pending(self, instance_id: str, now: float) -> tuple[int, int]:
+        """Our dispatches to ``instance_id`` its heartbeats do not show yet and not older than ``ttl_s``:
+        (requests, KV blocks)."""
+        fresh = now - self.ttl_s
+        requests = blocks = 0
+        for _, b, at in self.mine.get(instance_id, ()):
+            if at > fresh:
+                requests += 1
+                blocks += b
+        return requests, blocks
+
+    def pending_ids(self) -> list[str]:
+        """The instances that may have dispatches of ours pending (see ``pending``)."""
+        return list(self.mine)
 
     # ------------------------------------------------------------------ the dispatch
 

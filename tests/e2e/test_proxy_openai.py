@@ -453,16 +453,16 @@ def test_access_log_extra_fields_and_setting(tmp_path):
     try:
         job = Job(False, "x1", time.perf_counter() - 0.25)
         job.model, job.prompt_tokens = "llumnix-sim", 7
-        proxy._access(job, False, job.arrival, 200)
-        proxy._access(job, False, job.arrival, 200)  # once per request
+        proxy.access.write(job, False, job.arrival, 200)
+        proxy.access.write(job, False, job.arrival, 200)  # once per request
         assert len(records) == 1
         rec = records[0]
         assert rec.name == "llumnix.access" and rec.levelno == logging.INFO
         assert (rec.request_id, rec.model, rec.status, rec.prompt_tokens, rec.completion_tokens) == \
             ("cmpl-x1", "llumnix-sim", 200, 7, 0)
         assert rec.total_ms >= 250 and rec.ttft_ms is None and rec.finish_reason is None and rec.instance == "-"
-        proxy.access_log = False  # proxy.access_log = false
-        proxy._access(Job(False, "x2", time.perf_counter()), False, time.perf_counter(), 200)
+        proxy.access.enabled = False  # proxy.access_log = false
+        proxy.access.write(Job(False, "x2", time.perf_counter()), False, time.perf_counter(), 200)
         assert len(records) == 1
     finally:
         logger.removeHandler(handler)

@@ -41,61 +41,61 @@ NO_TOKEN_BOUND = "admission.max_queued_tokens=1000000"
 
 def test_requests_bound_is_per_instance_that_takes_requests():
     c = client("admission.max_queued_requests=4", NO_TOKEN_BOUND)
-    c.beats = {"a": beat("a", 3), "b": beat("b", 4)}
+    c.known.beats = {"a": beat("a", 3), "b": beat("b", 4)}
     assert refused(c) is None  # 7 waiting and this one: 8 <= 4 x 2
-    c.beats["a"] = beat("a", 4)
+    c.known.beats["a"] = beat("a", 4)
     assert refused(c) == "queued_requests"  # 9
-    c.beats["b"] = beat("b", 4, accepting=False)  # a cordoned instance is no capacity, and its queue not ours
+    c.known.beats["b"] = beat("b", 4, accepting=False)  # a cordoned instance is no capacity, and its queue not ours
     assert refused(c) == "queued_requests"  # 5 > 4 x 1
-    c.beats["a"] = beat("a", 3)
+    c.known.beats["a"] = beat("a", 3)
     assert refused(c) is None
 
 
 def test_free_batch_slots_take_requests_before_any_waits():
     c = client("admission.max_queued_requests=0", NO_TOKEN_BOUND)  # none may wait: only into a free slot
-    c.beats = {"a": beat("a", 0, running=7)}
+    c.known.beats = {"a": beat("a", 0, running=7)}
     assert refused(c) is None
-    c.beats = {"a": beat("a", 0, running=8)}
+    c.known.beats = {"a": beat("a", 0, running=8)}
     assert refused(c) == "queued_requests"
-    c.beats = {"a": beat("a", 2, running=5)}  # 3 free slots: the 2 waiting (about to start) and this one
+    c.known.beats = {"a": beat("a", 2, running=5)}  # 3 free slots: the 2 waiting (about to start) and this one
     assert refused(c) is None
-    c.beats = {"a": beat("a", 0, running=8)}
+    c.known.beats = {"a": beat("a", 0, running=8)}
     assert refused(c, priority=1) is None  # high priority may still wait, one per instance
-    c.beats = {"a": beat("a", 1, running=8)}
+    c.known.beats = {"a": beat("a", 1, running=8)}
     assert refused(c, priority=1) == "queued_requests"
 
 
 def test_tokens_bound_defaults_to_eight_kv_caches():
     c = client("admission.max_queued_requests=1000")  # max_queued_tokens = -1: 8 KV caches, 8 x 100 x 16 tokens
-    c.beats = {"a": beat("a", 1, waiting_tokens=12800)}
+    c.known.beats = {"a": beat("a", 1, waiting_tokens=12800)}
     assert refused(c) is None
-    c.beats = {"a": beat("a", 1, waiting_tokens=12801)}
+    c.known.beats = {"a": beat("a", 1, waiting_tokens=12801)}
     assert refused(c) == "queued_tokens"
     assert refused(c, priority=1) is None  # x2 for high priority
-    c.beats = {"a": beat("a", 1, waiting_tokens=12801, blocks_used=99)}  # one free block takes 16 of them
+    c.known.beats = {"a": beat("a", 1, waiting_tokens=12801, blocks_used=99)}  # one free block takes 16 of them
     assert refused(c) is None
 
 
 def test_requests_bound_defaults_to_four_batches():
     c = client(NO_TOKEN_BOUND)  # max_queued_requests = -1: four batches of each instance (4 x 8)
-    c.beats = {"a": beat("a", 31), "b": beat("b", 32)}
+    c.known.beats = {"a": beat("a", 31), "b": beat("b", 32)}
     assert refused(c) is None  # 63 and this one: 64 <= 64
-    c.beats["a"] = beat("a", 32)
+    c.known.beats["a"] = beat("a", 32)
     assert refused(c) == "queued_requests"
 
 
 def test_requests_waiting_here_and_unshown_dispatches_count():
     c = client("admission.max_queued_requests=2", NO_TOKEN_BOUND)
-    c.beats = {"a": beat("a", 0)}
-    c.view.sent_to("a", c.beats["a"].load, 10)
+    c.known.beats = {"a": beat("a", 0)}
+    c.view.sent_to("a", c.known.beats["a"].load, 10)
     assert refused(c) is None
-    c.placing["r1"] = 10
+    c.placing.add("r1", 10)
     assert refused(c) == "queued_requests"
 
 
 def test_an_empty_view_admits():
     c = client()
-    c.beats = {}
+    c.known.beats = {}
     assert refused(c) is None  # nothing to measure: placement says whether anything can serve
 
 
@@ -107,7 +107,7 @@ def test_high_priority_is_never_refused_while_normal_is_admitted(loads, max_requ
     c = client(f"admission.max_queued_requests={max_requests}", f"admission.max_queued_tokens={max_tokens}",
                f"admission.high_priority_factor={factor}")
     try:
-        c.beats = {f"i{k}": beat(f"i{k}", w, t, accepting=a, running=r, blocks_used=u)
+        c.known.beats = {f"i{k}": beat(f"i{k}", w, t, accepting=a, running=r, blocks_used=u)
                    for k, (w, t, a, r, u) in enumerate(loads)}
         if refused(c, 0) is None:
             assert refused(c, 1) is None

@@ -40,11 +40,11 @@ class Fleet:
 
     def _proxy(self, rank: int) -> ClusterClient:
         c = ClusterClient(load_config(None, ["proxy.dispatch=local"]))
-        c.rank, c.proxies = rank, PROXIES
-        c.tie_start = lambda: rank / PROXIES  # one tie turn for the whole burst
-        c.snapshot = [wire.InstanceView(iid, "h", 1, "alive", address(iid), "sim", "m", load(0), 1.0, 0.0)
+        c.known.rank, c.known.proxies = rank, PROXIES
+        c.known.tie_start = lambda: rank / PROXIES  # one tie turn for the whole burst
+        c.known.snapshot = [wire.InstanceView(iid, "h", 1, "alive", address(iid), "sim", "m", load(0), 1.0, 0.0)
                       for iid in INSTANCES]
-        c.addresses = {iid: address(iid) for iid in INSTANCES}
+        c.known.addresses = {iid: address(iid) for iid in INSTANCES}
         by_address = {address(iid): iid for iid in INSTANCES}
         self.per_proxy[rank] = Counter()
 
@@ -54,7 +54,7 @@ class Fleet:
                 self.per_proxy[rank][by_address[addr]] += 1
             return True
 
-        c._send_instance = send
+        c.port.send = send
         return c
 
     async def submit(self, rank: int, n: int) -> None:

@@ -79,12 +79,12 @@ def test_every_index_once_in_order_from_one_copy_whatever_the_arrival_order(hist
     client = ClusterClient(load_config(None, []))
     client.token_address = "inproc://ownership-proxy"  # what start() would have bound (it is not started)
     aborts: list[tuple[str, wire.Message]] = []
-    client._send_instance = lambda addr, msg: aborts.append((addr, msg)) if isinstance(msg, wire.Abort) else True
+    client.port.send = lambda addr, msg: aborts.append((addr, msg)) if isinstance(msg, wire.Abort) else True
     try:
         stream = Stream(RID, wire.Submit(RID, [1, 2, 3], wire.SamplingParams(), "tcp://proxy:5"))
         stream.instance_id, stream.address, stream.epoch = owners[0], address(owners[0]), 1  # as a dispatch does
         client.streams[RID] = stream
-        client.addresses = {iid: address(iid) for iid in IDS}
+        client.known.addresses = {iid: address(iid) for iid in IDS}
         queues = {who: list(msgs) for who, msgs in by_sender.items()}
         winner_claim = None
         heard: list[tuple[str, wire.Message]] = []
@@ -133,10 +133,10 @@ def test_a_redispatch_that_fails_unexpectedly_fails_the_stream_at_once():
     async def broken(stream):
         raise RuntimeError("the view is broken")
 
-    client._dispatch = broken
+    client.failover.dispatch = broken
     stream = Stream(RID, wire.Submit(RID, [1, 2, 3], wire.SamplingParams(), "tcp://proxy:5"))
     try:
-        asyncio.run(client._redispatch(stream, "instance i0 gave it back"))
+        asyncio.run(client.failover.redispatch(stream, "instance i0 gave it back"))
     finally:
         client.ctx.destroy(linger=0)
     assert stream.done and stream.status == 503

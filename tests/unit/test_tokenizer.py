@@ -109,7 +109,7 @@ def test_tokens_that_decode_to_nothing_cost_linear_time(hf):
 
 
 def test_a_text_longer_than_the_limit_times_the_longest_token_is_refused_before_encoding(hf, monkeypatch):
-    from daemons.proxy.checks import ChecksMixin
+    from daemons.proxy.checks import Checks
     from daemons.proxy.protocol import ApiError, ChatRequest, CompletionRequest, decode_body
 
     per = hf.max_token_chars
@@ -117,27 +117,24 @@ def test_a_text_longer_than_the_limit_times_the_longest_token_is_refused_before_
     some = "".join(chr(c) for c in range(32, 0x3000, 7))  # no text encodes to fewer tokens than chars / per
     assert len(hf.encode(some * 3, add_special_tokens=False)) * per >= len(some * 3)
 
-    class Checks(ChecksMixin):
-        tokenizer, max_prompt_tokens, max_model_len = hf, 10, 4096
-
     encoded = []
     monkeypatch.setattr(hf, "encode", lambda text, add_special_tokens=True: encoded.append(text) or [1])
-    c = Checks()
+    c = Checks(hf, "m", 4096, max_prompt_tokens=10)
     long = "x" * (10 * per + 1)
     with pytest.raises(ApiError) as exc:
-        c._prompt_ids(decode_body(f'{{"model": "m", "prompt": "{long}"}}'.encode(), CompletionRequest))
+        c.prompt_ids(decode_body(f'{{"model": "m", "prompt": "{long}"}}'.encode(), CompletionRequest))
     assert exc.value.status == 400 and exc.value.body()["error"]["code"] == "prompt_too_long"
     chat = decode_body(f'{{"model": "m", "messages": [{{"role": "user", "content": "{long}"}}]}}'.encode(), ChatRequest)
     with pytest.raises(ApiError) as exc:
-        c._chat_prompt(chat, True)
+        c.chat_prompt(chat, True)
     assert exc.value.body()["error"]["param"] == "messages" and encoded == []  # neither was encoded
-    assert c._prompt_ids(decode_body(f'{{"model": "m", "prompt": "{long[:-1]}"}}'.encode(), CompletionRequest)) == [1]
+    assert c.prompt_ids(decode_body(f'{{"model": "m", "prompt": "{long[:-1]}"}}'.encode(), CompletionRequest)) == [1]
 
 
 def test_sim_tokens_stand_for_bounded_text_so_a_huge_prompt_is_refused_before_encoding(monkeypatch):
     """A word longer than a sim token's bound is several tokens (so the character bound holds), and an 8 MiB
     prompt of one repeated letter is refused by its length alone, without the work of encoding it."""
-    from daemons.proxy.checks import ChecksMixin
+    from daemons.proxy.checks import Checks
     from daemons.proxy.protocol import ApiError, CompletionRequest, decode_body
 
     tok = SimTokenizer(32000, 2)
@@ -145,12 +142,9 @@ def test_sim_tokens_stand_for_bounded_text_so_a_huge_prompt_is_refused_before_en
     assert len(tok.encode("a" * (3 * per + 1))) == 4 and len(tok.encode("a" * per)) == 1
     assert len(tok.encode("hello, world")) == 3
 
-    class Checks(ChecksMixin):
-        tokenizer, max_prompt_tokens, max_model_len = tok, 0, 4096
-
     encoded = []
     monkeypatch.setattr(tok, "encode", lambda text, add_special_tokens=True: encoded.append(len(text)) or [1])
     body = b'{"model": "llumnix-sim", "prompt": "' + b"a" * (8 << 20) + b'"}'
     with pytest.raises(ApiError) as exc:
-        Checks()._prompt_ids(decode_body(body, CompletionRequest))
+        Checks(tok, "llumnix-sim", 4096).prompt_ids(decode_body(body, CompletionRequest))
     assert exc.value.status == 400 and exc.value.body()["error"]["code"] == "prompt_too_long" and encoded == []
