@@ -50,7 +50,7 @@ class CacheMixin:
         """A request finished or failed: its session's next turn is sent after its think time."""
         nxt = self.next_turn.get(req.rid)
         if nxt is not None:
-            self.at(self.clock.now + self.requests[nxt].trace.think_s, self._arrive, nxt, ())
+            self.at(self.now + self.requests[nxt].trace.think_s, self._arrive, nxt, ())
 
     # ------------------------------------------------------------------ publication
 
@@ -66,7 +66,7 @@ class CacheMixin:
         pub.add(inst.engine.cache_events())
         batch = pub.take()
         if batch is not None:
-            self.at(self.clock.now + self.net.report_lag_s, self.mgr.on_cache_events, inst.ident, batch)
+            self.at(self.now + self.net.report_lag_s, self.mgr.on_cache_events, inst.ident, batch)
         return pub.epoch, pub.seq
 
     def _cache_sync(self, instance_id: str) -> None:
@@ -77,10 +77,10 @@ class CacheMixin:
 
         def answer() -> None:
             inst.pub.add(inst.engine.cache_events())
-            self.at(self.clock.now + self.net.report_lag_s, self.mgr.on_cache_events, inst.ident,
+            self.at(self.now + self.net.report_lag_s, self.mgr.on_cache_events, inst.ident,
                     inst.pub.full(inst.engine.cache_snapshot()))
 
-        self.at(self.clock.now + self.net.report_lag_s, answer)
+        self.at(self.now + self.net.report_lag_s, answer)
 
     # ------------------------------------------------------------------ the oracle
 
@@ -94,7 +94,7 @@ class CacheMixin:
                     truth[iid] = n
         if not truth:
             return None
-        states = {s.instance_id: s for s in self.mgr.states(self.clock.now) if s.dispatchable}
+        states = {s.instance_id: s for s in self.mgr.states(self.now) if s.dispatchable}
         score = policy.scorer("llumnix", self.cfg.scheduling.high_priority_headroom)
         ranked = [(n, score(states[iid]), iid) for iid, n in truth.items() if iid in states]
         if not ranked:

@@ -25,14 +25,14 @@ class MigrationMixin:
     def _order(self, src: SimulatedInstance, start: wire.MigrateStart) -> None:
         from daemons.instance import keep_for, migrants_for  # (torch: only once a simulation runs)
 
-        keep = keep_for(start, src.migrating, src.arrived, self.clock.now)
+        keep = keep_for(start, src.migrating, src.arrived, self.now)
         chosen = migrants_for(start, src.engine.requests(), keep, src.engine.load(), src.engine.block_size)
         moving = [c.request_id for c in chosen if not c.redispatch]
         for c in chosen:
             if c.redispatch:  # a queued request goes back through dispatch
                 src.engine.abort_request(c.request_id)
                 self._changed(src)
-                self.at(self.clock.now + self.net.message_s, self._arrive, c.request_id, (src.iid,))
+                self.at(self.now + self.net.message_s, self._arrive, c.request_id, (src.iid,))
         self._maybe_gone(src)
         unused = start.count - len(moving)
         if unused > 0:
@@ -42,7 +42,7 @@ class MigrationMixin:
 
     def _migrate(self, src: SimulatedInstance, dst: SimulatedInstance, rid: str, reason: str) -> None:
         mig = SimpleNamespace(src=src, dst=dst, rid=rid, reason=reason, stage=0, sent=0, reserved=False,
-                              request=src.engine.migrating_request(rid), started=self.clock.now)
+                              request=src.engine.migrating_request(rid), started=self.now)
         src.migrating.add(rid)
         dst.migrating.add(rid)
         self._stage(mig)
@@ -74,7 +74,7 @@ class MigrationMixin:
         mig.reserved = True
         mig.sent = planned.upto
         mig.stage += 1
-        self.at(self.clock.now + 2 * self.net.message_s + self._block_s(planned.n_blocks), self._stage, mig)
+        self.at(self.now + 2 * self.net.message_s + self._block_s(planned.n_blocks), self._stage, mig)
 
     def _last_stage(self, mig) -> None:
         src, dst = mig.src, mig.dst
@@ -92,14 +92,14 @@ class MigrationMixin:
         mig.reserved = True
         # one round trip: the blocks, then the commit
         downtime = 2 * self.net.message_s + self._block_s(planned.n_blocks)
-        self.at(self.clock.now + downtime, self._commit, mig, state, downtime)
+        self.at(self.now + downtime, self._commit, mig, state, downtime)
 
     def _commit(self, mig, state, downtime: float) -> None:
         src, dst = mig.src, mig.dst
         dst.engine.commit(mig.rid, state)
         src.engine.drop_migrated(mig.rid)
         self.requests[mig.rid].owner = dst.iid
-        dst.arrived[mig.rid] = self.clock.now
+        dst.arrived[mig.rid] = self.now
         self.downtimes.append(downtime)
         self._end(mig, "committed", "")
         self._kick(dst)

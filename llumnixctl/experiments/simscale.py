@@ -15,7 +15,7 @@ class ScalingMixin:
     """Of the Simulation: owns ``scaling`` (the actions taken) and ``_launching``."""
 
     def _scale(self) -> None:
-        now = self.clock.now
+        now = self.now
         decision, avg, serving, states = self.mgr.resched.scaling_decision(now, self._launching)
         if decision == "up":
             self._launching += 1
@@ -37,7 +37,7 @@ class ScalingMixin:
         self._notify("scale", what="registered", instance=inst.iid)
 
     def _scaled(self, what: str, iid: str, avg) -> None:
-        self.scaling.append({"t": self.clock.now, "what": what, "instance": iid,
+        self.scaling.append({"t": self.now, "what": what, "instance": iid,
                              "average_freeness": None if avg is None else round(avg, 3),
                              "serving": sum(1 for i in self.instances.values() if i.gone is None and not i.retiring)})
         self._notify("scale", what=what, instance=iid)
@@ -45,5 +45,5 @@ class ScalingMixin:
     def _maybe_gone(self, inst: SimulatedInstance) -> None:
         """A scaled-in instance stops once nothing is left on it (its drain moved everything out)."""
         if inst.retiring and inst.gone is None and not inst.engine.has_work() and not inst.migrating:
-            inst.gone = self.clock.now
+            inst.gone = self.now
             self.mgr.forget(self.mgr.instances[inst.iid], "scaled in (simulated)")

@@ -29,6 +29,7 @@ What it does not model (yet): failures, several migrations sharing one link's ba
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import math
 import time
@@ -42,7 +43,7 @@ import typer
 
 from daemons import manager as manager_module
 from daemons import wire
-from daemons.clock import VirtualClock
+from daemons.clock import LoopClock, VirtualTimeLoop
 from daemons.config import Config, ConfigError, load_config
 from llumnixctl.common import ConfigOpt, JsonOpt, die, out, print_json
 from llumnixctl.experiments.simcache import CacheMixin
@@ -127,7 +128,8 @@ class Simulation(ScalingMixin, MigrationMixin, CacheMixin):
         self._launching = 0
         self.net = net or Network()
         self.trace = trace
-        self.clock = VirtualClock()  # the manager's clock too, and the simulation's event queue
+        self.loop = VirtualTimeLoop()  # the simulation's events are its timers (daemons/clock.py)
+        self.clock = LoopClock(self.loop)  # the manager's clock too
         self.requests: dict[str, SimulatedRequest] = {}
         self.itls = array("d")
         self.outcomes: Counter = Counter()
@@ -154,25 +156,41 @@ class Simulation(ScalingMixin, MigrationMixin, CacheMixin):
             fn(kind, self, data)
 
     def at(self, t: float, fn, *args) -> None:
-        self.clock.call_at(t, fn, *args)
+        """Run ``fn(*args)`` at virtual time ``t`` (now if ``t`` is past)."""
+        self.loop.call_at(t, self._event, fn, args)
 
-    def run(self) -> dict:
+    def _event(self, fn, args) -> None:
+        self.events += 1
+        fn(*args)
+        if self._left == 0 and not self._finished.done():
+            self._finished.set_result(None)
+
+    @property
+    def now(self) -> float:
+        return self.loop.now
+
+    def run(self, linger_s: float = 0.0) -> dict:
+        """The simulation, to the end of its last request; ``linger_s``: then that many virtual seconds more
+        (what is on its way arrives: reports, cache batches)."""
         wall = time.perf_counter()
-        self.mgr = manager_module.Manager(self.cfg, clock=self.clock)
+        loop = self.loop
+        asyncio.set_event_loop(loop)
         try:
-            self._start()
-            while self.clock.pending():
-                self.events += 1
-                self.clock.run_next()
-                if self._done():
-                    break
+            self.mgr = manager_module.Manager(self.cfg, clock=self.clock)
+            self._finished = loop.create_future()
+            try:
+                self._start()
+                if self._left:
+                    loop.run_until_complete(self._finished)
+                if linger_s > 0:
+                    loop.run_until_complete(asyncio.sleep(linger_s))
+            finally:
+                self.mgr.sec.close()
+                self.mgr.ctx.destroy(linger=0)
         finally:
-            self.mgr.sec.close()
-            self.mgr.ctx.destroy(linger=0)
+            asyncio.set_event_loop(None)
+            loop.close()
         return self.result(time.perf_counter() - wall)
-
-    def _done(self) -> bool:
-        return self._left == 0
 
     def _start(self) -> None:
         self.instances: dict[str, SimulatedInstance] = {}
@@ -194,14 +212,14 @@ class Simulation(ScalingMixin, MigrationMixin, CacheMixin):
 
     def _add_instance(self) -> SimulatedInstance:
         iid = f"i{next(self._next_index)}"
-        inst = SimulatedInstance(iid, SimEngine(self.cfg.sim, self.cfg.model, kv=False), ident=iid.encode(), born=self.clock.now)
+        inst = SimulatedInstance(iid, SimEngine(self.cfg.sim, self.cfg.model, kv=False), ident=iid.encode(), born=self.now)
         self.instances[iid] = inst
         self._publisher(inst)
         self.mgr.on_register(inst.ident, wire.Register(
             iid, self.cfg.instance.host or "sim", 0, f"inproc://sim-{iid}", "sim", self.cfg.model.name, inst.engine.load(),
             max_model_len=self.cfg.model.max_model_len))
         beat = self.cfg.manager.heartbeat_interval_s
-        self.at(self.clock.now + beat * (1 + len(self.instances) % 7) / 7, self._heartbeat, inst)
+        self.at(self.now + beat * (1 + len(self.instances) % 7) / 7, self._heartbeat, inst)
         return inst
 
     def _sample(self) -> None:
@@ -219,7 +237,7 @@ class Simulation(ScalingMixin, MigrationMixin, CacheMixin):
                 c["fragmented"] += 1
         self._notify("sample", loads=loads)
         if self._left:
-            self.at(self.clock.now + self.sample_s, self._sample)
+            self.at(self.now + self.sample_s, self._sample)
 
     # ------------------------------------------------------------------ proxy and manager
 
@@ -227,8 +245,8 @@ class Simulation(ScalingMixin, MigrationMixin, CacheMixin):
         """The proxy asks the manager where the request goes (half a round trip each way)."""
         req = self.requests[rid]
         if req.sent < 0:
-            req.sent = self.clock.now
-        self.at(self.clock.now + self.net.dispatch_rtt_s / 2, self._dispatch, rid, exclude)
+            req.sent = self.now
+        self.at(self.now + self.net.dispatch_rtt_s / 2, self._dispatch, rid, exclude)
 
     def _dispatch(self, rid: str, exclude: tuple) -> None:
         req = self.requests[rid]
@@ -244,7 +262,7 @@ class Simulation(ScalingMixin, MigrationMixin, CacheMixin):
             iid = reply.instance_id
         req.dispatches += 1
         self._notify("dispatch", request=rid, instance=iid)
-        self.at(self.clock.now + self.net.dispatch_rtt_s / 2 + self.net.submit_s, self._submit, rid, iid)
+        self.at(self.now + self.net.dispatch_rtt_s / 2 + self.net.submit_s, self._submit, rid, iid)
 
     def _submit(self, rid: str, iid: str) -> None:
         req = self.requests[rid]
@@ -267,18 +285,18 @@ class Simulation(ScalingMixin, MigrationMixin, CacheMixin):
         self._turn_ended(req)
 
     def _pair(self) -> None:
-        for p, start in self.mgr.resched.plan(self.clock.now):
+        for p, start in self.mgr.resched.plan(self.now):
             self.mgr.resched.count_orders(p.src, p.dst, p.count)
             self.outcomes[f"{start.reason}/ordered"] += 1
-            self.at(self.clock.now + self.net.message_s, self._order, self.instances[p.src], start)
-        self.at(self.clock.now + self.cfg.scheduling.migration_interval_s, self._pair)
+            self.at(self.now + self.net.message_s, self._order, self.instances[p.src], start)
+        self.at(self.now + self.cfg.scheduling.migration_interval_s, self._pair)
 
     # ------------------------------------------------------------------ instances
 
     def _kick(self, inst: SimulatedInstance) -> None:
         if not inst.stepping and (inst.engine.has_work() or inst.boundary):
             inst.stepping = True
-            self.at(max(self.clock.now, inst.free_at), self._step, inst)
+            self.at(max(self.now, inst.free_at), self._step, inst)
 
     def _step(self, inst: SimulatedInstance) -> None:
         calls, inst.boundary = inst.boundary, []
@@ -289,11 +307,11 @@ class Simulation(ScalingMixin, MigrationMixin, CacheMixin):
             return
         result = inst.engine.step()
         dt = max(result.model_time_s + self.net.step_overhead_s, self.cfg.instance.min_step_s)
-        inst.free_at = self.clock.now + dt
+        inst.free_at = self.now + dt
         self.at(inst.free_at, self._step_done, inst, result.outputs)
 
     def _step_done(self, inst: SimulatedInstance, outputs: list) -> None:
-        now = self.clock.now
+        now = self.now
         for tok in outputs:
             req = self.requests[tok.request_id]
             if req.tokens == 0:
@@ -317,7 +335,7 @@ class Simulation(ScalingMixin, MigrationMixin, CacheMixin):
         if inst.report_due:
             return
         due = inst.last_report + self.cfg.instance.load_report_min_interval_s
-        if due <= self.clock.now:
+        if due <= self.now:
             self._report(inst)
         else:
             inst.report_due = True
@@ -326,18 +344,18 @@ class Simulation(ScalingMixin, MigrationMixin, CacheMixin):
     def _heartbeat(self, inst: SimulatedInstance) -> None:
         if inst.gone is not None:
             return
-        if self.clock.now - inst.last_report >= self.cfg.manager.heartbeat_interval_s * 0.99:
+        if self.now - inst.last_report >= self.cfg.manager.heartbeat_interval_s * 0.99:
             self._report(inst)
-        self.at(self.clock.now + self.cfg.manager.heartbeat_interval_s, self._heartbeat, inst)
+        self.at(self.now + self.cfg.manager.heartbeat_interval_s, self._heartbeat, inst)
 
     def _report(self, inst: SimulatedInstance) -> None:
         inst.report_due = False
         if inst.gone is not None:
             return
-        inst.last_report = self.clock.now
+        inst.last_report = self.now
         inst.seq += 1
         msg = wire.LoadReport(inst.iid, inst.seq, inst.engine.load(), *self._cache_batch(inst))
-        self.at(self.clock.now + self.net.report_lag_s, self.mgr.on_report, inst.ident, msg)
+        self.at(self.now + self.net.report_lag_s, self.mgr.on_report, inst.ident, msg)
 
     # ------------------------------------------------------------------ figures
 

@@ -67,7 +67,7 @@ class BurstSimulation(Simulation):
     def _block_s(self, blocks: int) -> float:
         dt = super()._block_s(blocks)
         if blocks > 0 and self._cur is not None:
-            self.copies.append((self.clock.now, dt, blocks * self.cfg.sim.block_size * self.kv_bytes_per_token,
+            self.copies.append((self.now, dt, blocks * self.cfg.sim.block_size * self.kv_bytes_per_token,
                                 self._cur.src.iid))
         return dt
 
@@ -80,7 +80,7 @@ class BurstObserver:
 
     def __call__(self, kind, sim, data) -> None:
         if kind == "migration":
-            self.migs.append((data["started"], sim.clock.now, data["src"], data["dst"], data["outcome"]))
+            self.migs.append((data["started"], sim.now, data["src"], data["dst"], data["outcome"]))
 
     def collect(self, sim) -> dict:
         # in flight: a sweep over starts and ends, cluster-wide and per instance (as source or destination)
