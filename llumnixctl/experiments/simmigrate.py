@@ -1,122 +1,333 @@
-"""The simulator's migrations (llumnixctl/experiments/simulate.py): the source's request selection and the
-stage plan are the daemons' own (daemons/instance/selection.py, daemons/stages.py); copies and messages take
-the virtual time the ``Network`` says."""
+"""The simulator's migrations (llumnixctl/experiments/simulate.py): each simulated instance runs the daemons'
+own ``Migrator`` (daemons/migration/: the source's ``Move`` state machine, the destination's side, their
+messages and timeouts) on the simulation's virtual time. The source's request selection is the instance's
+(``keep_for``, ``migrants_for``). What the simulator provides is what a migrator needs of its instance and
+of the network:
+
+- ``SimHost``: the migrator's ``Host`` (daemons/migration/records.py): its request socket (a ROUTER on
+  ZeroMQ's in-process transport) through which peers' messages arrive ``Network.message_s`` after they were
+  sent, and answers leave as late; the step boundary (its engine calls run between two simulated steps);
+  its request table (daemons/requests.py), through whose verbs a migration hands a request over.
+- ``SimKv``: the KV transport (``source_pair``, ``dest_pair``, ``forget``, ``close``, ``address``): a pair's
+  ``send`` and ``recv`` meet in the order they were posted and complete when a copy of that many bytes at
+  ``Network.kv_gbps`` (under the migrator's own rate limit) would. No bytes move: the sim engines keep no
+  KV tensors, ``SimLayout`` stands for their layout.
+"""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-from typing import TYPE_CHECKING
+import asyncio
+import itertools
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
-from daemons import stages, wire
+import zmq
+
+from daemons import runtime, security, wire
 
 if TYPE_CHECKING:
     from llumnixctl.experiments.simulate import SimulatedInstance
 
 
-def engine_error() -> type[Exception]:
-    from daemons.engine.base import EngineError  # (torch: only once a simulation runs)
+@dataclass
+class SimLayout:
+    """A sim engine's KV layout without tensors: what a migration reads of ``engine.kv_blocks()``."""
 
-    return EngineError
+    block_nbytes: int
+    bytes_per_token: int
+    spec: str = "engine=sim"
+    token_slots: bool = True  # the last stage sends only the written slots of its partial block
+
+
+class SimPair:
+    def __init__(self, kv: SimKv, key: str, src: str) -> None:
+        self.kv, self.key, self.src = kv, key, src
+
+    def _nbytes(self, layout: SimLayout, block_ids: list[int], tail_tokens: int) -> int:
+        whole = len(block_ids) - (1 if tail_tokens else 0)
+        return whole * layout.block_nbytes + tail_tokens * layout.bytes_per_token
+
+    def send(self, kv: SimLayout, block_ids: list[int], chunk_blocks: int, limit_bytes_s: float = 0.0,
+             tail_tokens: int = 0, duty=None, one_message: bool = False) -> Future:
+        fut: Future = Future()
+        rate = limit_bytes_s if 0 < limit_bytes_s < self.kv.bytes_per_s else self.kv.bytes_per_s
+        if duty is not None:
+            rate *= max(duty(), 1e-3)  # a paced pre-copy sends that share of the time
+        self.kv.hub.post(self.key, "send", (self._nbytes(kv, block_ids, tail_tokens), rate, self.src, fut))
+        return fut
+
+    def recv(self, kv: SimLayout, block_ids: list[int], chunk_blocks: int, tail_tokens: int = 0,
+             one_message: bool = False) -> Future:
+        fut: Future = Future()
+        self.kv.hub.post(self.key, "recv", (self._nbytes(kv, block_ids, tail_tokens), fut))
+        return fut
+
+
+class SimKvHub:
+    """The pairs of every simulated instance, by key; ``on_copy(start, seconds, bytes, source)`` for each copy."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, bytes_per_s: float, on_copy: Callable) -> None:
+        self.loop, self.bytes_per_s, self.on_copy = loop, bytes_per_s, on_copy
+        self.sends: dict[str, deque] = {}
+        self.recvs: dict[str, deque] = {}
+        self.ids = itertools.count(1)
+
+    def post(self, key: str, side: str, item) -> None:
+        (self.sends if side == "send" else self.recvs).setdefault(key, deque()).append(item)
+        sends, recvs = self.sends.get(key), self.recvs.get(key)
+        while sends and recvs:
+            (nbytes, rate, src, done_send), (want, done_recv) = sends.popleft(), recvs.popleft()
+            if nbytes != want:
+                err = RuntimeError(f"a pair's send of {nbytes} bytes met a receive of {want}")
+                done_send.set_exception(err)
+                done_recv.set_exception(err)
+                continue
+            dt = nbytes / rate if rate > 0 else 0.0
+            self.on_copy(self.loop.time(), dt, nbytes, src)
+            self.loop.call_later(dt, self._done, nbytes, done_send, done_recv)
+
+    @staticmethod
+    def _done(nbytes: int, *futs: Future) -> None:
+        for fut in futs:
+            if not fut.done():
+                fut.set_result(nbytes)
+
+    def drop(self, key: str) -> None:
+        for side in (self.sends, self.recvs):
+            for item in side.pop(key, ()):
+                fut = item[-1]
+                if not fut.done():
+                    fut.set_exception(RuntimeError("the pair was closed"))
+
+
+class SimKv:
+    """One simulated instance's end of the KV transport."""
+
+    def __init__(self, hub: SimKvHub, name: str) -> None:
+        self.hub, self.name = hub, name
+        self.address = f"sim:{name}"
+        self.bytes_per_s = hub.bytes_per_s
+        self.pairs: dict[str, SimPair] = {}
+
+    def source_pair(self, me: str, peer: str, peer_address: str = "") -> SimPair:
+        pair = self.pairs.get(peer)
+        if pair is None:
+            pair = self.pairs[peer] = SimPair(self, f"{me}>{peer}/{next(self.hub.ids)}", me)
+        return pair
+
+    def dest_pair(self, key: str, store_address: str) -> SimPair:
+        pair = self.pairs.get(key)
+        if pair is None:
+            pair = self.pairs[key] = SimPair(self, key, "")
+        return pair
+
+    def forget(self, name: str) -> None:
+        pair = self.pairs.pop(name, None)
+        if pair is not None:
+            self.hub.drop(pair.key)
+
+    def close(self) -> None:
+        for name in list(self.pairs):
+            self.forget(name)
+
+
+class _Wake:
+    """The host's ``wake``: the migrator sets it when the engine has something new (a commit, a resume)."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.set = fn
+
+
+class _Proxies:
+    def seen(self, address: str) -> None:  # (no proxies to watch in the simulation)
+        pass
+
+
+class SimHost:
+    """What a migrator needs of its simulated instance (daemons/migration/records.py's ``Host``)."""
+
+    def __init__(self, sim, inst: SimulatedInstance, ctx: zmq.asyncio.Context) -> None:
+        self.sim, self.inst = sim, inst
+        self.ctx = ctx
+        self.sec = security.Security(sim.cfg.security, "instance", ctx)
+        self.instance_id = inst.iid
+        self.request_address = f"inproc://sim-{inst.iid}"
+        self.accepting = True
+        self.draining = ""
+        self.wake = _Wake(lambda: sim._woken(inst))
+        self.proxies = _Proxies()
+        self.router = self.sec.server(runtime.tune(ctx.socket(zmq.ROUTER)), "instance")
+        self.router.bind(self.request_address)
+        self.reader = sim.loop.create_task(self._read())
+
+    async def _read(self) -> None:
+        """Peers' messages, delivered to the migrator one message latency after they arrived."""
+        loop, lag = asyncio.get_running_loop(), self.sim.net.message_s
+        try:
+            while True:
+                identity, frame = await self.router.recv_multipart()
+                loop.call_later(lag, self.inst.migrator.on_peer_message, identity, wire.decode(frame))
+        except (asyncio.CancelledError, zmq.ZMQError):
+            pass
+
+    def reply_peer(self, identity: bytes, msg: wire.Message) -> None:
+        asyncio.get_running_loop().call_later(self.sim.net.message_s, self._send, identity, wire.encode(msg))
+
+    def _send(self, identity: bytes, frame: bytes) -> None:
+        if not self.router.closed:
+            runtime.send_now(self.router, [identity, frame])
+
+    def announce_move(self, request_id: str, address: str, instance_id: str, request_address: str, epoch: int,
+                      from_index: int) -> None:
+        req = self.sim.requests[request_id]
+        req.owner = instance_id
+        if instance_id == self.instance_id:  # the destination committed it (or an unanswered source resumed it)
+            req.moved_at = self.sim.now
+
+    def abort_local(self, request_id: str) -> bool:
+        self.inst.engine.abort_request(request_id)
+        self.inst.table.forget(request_id)
+        self.sim._woken(self.inst)
+        return True
+
+    def close(self) -> None:
+        self.reader.cancel()
+        self.router.close(0)
+        self.sec.close()
+
+
+_ENGINE = None
+
+
+def sim_engine_class():
+    """The sim engine with a layout instead of KV tensors, telling the simulation when it suspends a request
+    for its last stage (the start of the migration's downtime)."""
+    global _ENGINE
+    if _ENGINE is None:
+        from daemons.engine.sim import SimEngine  # (torch: only once a simulation runs)
+
+        class Engine(SimEngine):
+            layout: SimLayout
+            on_suspend: Callable[[str], None]
+
+            def kv_blocks(self) -> SimLayout:
+                return self.layout
+
+            def suspend(self, request_id: str) -> wire.RequestState:
+                state = super().suspend(request_id)
+                self.on_suspend(request_id)
+                return state
+
+        _ENGINE = Engine
+    return _ENGINE
 
 
 class MigrationMixin:
-    """Of the Simulation: runs the manager's orders as the daemons would, stage by stage."""
+    """Of the Simulation: runs the manager's orders as the daemons would, with each instance's migrator."""
+
+    def _migration_start(self) -> None:
+        import zmq.asyncio
+
+        from daemons.migration import Migrator  # (torch: only once a simulation runs)
+
+        self._migrator_class = Migrator
+        self.zmq = zmq.asyncio.Context()
+        rate = self.net.kv_gbps * 1e9 / 8
+        self.kv_hub = SimKvHub(self.loop, rate, self._copied)
+        self.copies: list[tuple[float, float, int, str]] = []  # every KV copy: (start, seconds, bytes, source)
+        self.suspended_at: dict[str, float] = {}  # request id -> when the source suspended it (its last stage)
+
+    def _copied(self, start: float, seconds: float, nbytes: int, src: str) -> None:
+        if src:
+            self.copies.append((start, seconds, nbytes, src))
+
+    def _engine(self):
+        engine = sim_engine_class()(self.cfg.sim, self.cfg.model, kv=False)
+        per_token = self.kv_bytes_per_token
+        engine.layout = SimLayout(engine.block_size * per_token, per_token)
+        engine.on_suspend = lambda rid: self.suspended_at.__setitem__(rid, self.now)
+        return engine
+
+    def _migrator(self, inst: SimulatedInstance) -> None:
+        """The instance's own migrator, with the simulation's host, boundary and KV transport."""
+        inst.host = SimHost(self, inst, self.zmq)
+        inst.migrator = self._migrator_class(inst.host, self.cfg.migration, inst.engine, inst.table,
+                                             lambda fn: self._boundary(inst, fn),
+                                             kv=SimKv(self.kv_hub, inst.iid))
+
+    def _migration_stop(self) -> None:
+        for inst in self.instances.values():
+            if inst.migrator is not None:
+                self.loop.run_until_complete(inst.migrator.close())
+                inst.host.close()
+        self.zmq.destroy(linger=0)
+
+    def _boundary(self, inst: SimulatedInstance, fn: Callable) -> asyncio.Future:
+        """As the instance's ``boundary``: ``fn()`` between two steps (now when none is in flight)."""
+        fut = self.loop.create_future()
+        if inst.stepping:
+            inst.boundary.append((fn, fut))
+        else:
+            self._run_boundary_call(inst, fn, fut)
+            self._woken(inst)
+        return fut
+
+    @staticmethod
+    def _run_boundary_call(inst: SimulatedInstance, fn: Callable, fut: asyncio.Future) -> None:
+        if fut.done():
+            return
+        try:
+            fut.set_result(fn())
+        except Exception as exc:  # to the migration that asked (EngineError, KeyError: it names the outcome)
+            fut.set_exception(exc)
+
+    def _woken(self, inst: SimulatedInstance) -> None:
+        self._changed(inst)
+        self._kick(inst)
 
     def _order(self, src: SimulatedInstance, start: wire.MigrateStart) -> None:
         from daemons.instance import keep_for, migrants_for  # (torch: only once a simulation runs)
 
-        keep = keep_for(start, src.migrating, src.arrived, self.now)
-        chosen = migrants_for(start, src.engine.requests(), keep, src.engine.load(), src.engine.block_size)
+        if src.gone is not None:
+            self.mgr.resched.count_orders(src.iid, start.dst, -start.count)
+            return
+        table = src.table
+        rows = src.engine.requests()
+        keep = keep_for(start, table.migrating(), table.arrivals(), self.now)
+        keep |= {r.request_id for r in rows if r.request_id not in table}
+        chosen = migrants_for(start, rows, keep, src.engine.load(), src.engine.block_size)
         moving = [c.request_id for c in chosen if not c.redispatch]
         for c in chosen:
             if c.redispatch:  # a queued request goes back through dispatch
                 src.engine.abort_request(c.request_id)
+                table.forget(c.request_id)
                 self._changed(src)
                 self.at(self.now + self.net.message_s, self._arrive, c.request_id, (src.iid,))
         self._maybe_gone(src)
         unused = start.count - len(moving)
         if unused > 0:
             self.mgr.resched.count_orders(src.iid, start.dst, -unused)
+        dst = self.instances[start.dst]
         for rid in moving:
-            self._migrate(src, self.instances[start.dst], rid, start.reason)
+            src.migrator.spawn(self._migrate(src, dst, rid, start.reason))
 
-    def _migrate(self, src: SimulatedInstance, dst: SimulatedInstance, rid: str, reason: str) -> None:
-        mig = SimpleNamespace(src=src, dst=dst, rid=rid, reason=reason, stage=0, sent=0, reserved=False,
-                              request=src.engine.migrating_request(rid), started=self.now)
-        src.migrating.add(rid)
-        dst.migrating.add(rid)
-        self._stage(mig)
-
-    def _block_s(self, blocks: int) -> float:
-        bs = self.cfg.sim.block_size
-        gbps = self.net.kv_gbps
-        cap = self.cfg.migration.bandwidth_limit_mbps * 8e6
-        rate = min(gbps * 1e9, cap) if cap > 0 else gbps * 1e9
-        return blocks * bs * self.kv_bytes_per_token * 8 / rate
-
-    def _stage(self, mig) -> None:
-        """One pre-copy stage, or the last one: as daemons/migration/ runs them."""
-        src, dst = mig.src, mig.dst
-        view = src.engine.migration_view(mig.rid)
-        if view is None:
-            return self._end(mig, "aborted", "the request finished or was preempted on the source")
-        bs = src.engine.block_size
-        mc = self.cfg.migration
-        if stages.is_last(view.computed_tokens, mig.sent, mig.stage, bs, mc.last_stage_max_blocks, mc.max_stages):
-            src.boundary.append(lambda: self._last_stage(mig))
-            return self._kick(src)
-        planned = stages.plan(view.computed_tokens, mig.sent, False, bs, mc.last_stage_max_blocks,
-                              mig.request.max_total)
-        try:
-            dst.engine.reserve(mig.request, planned.tokens)
-        except engine_error() as exc:
-            return self._end(mig, "aborted", f"the destination refused: {exc}")
-        mig.reserved = True
-        mig.sent = planned.upto
-        mig.stage += 1
-        self.at(self.now + 2 * self.net.message_s + self._block_s(planned.n_blocks), self._stage, mig)
-
-    def _last_stage(self, mig) -> None:
-        src, dst = mig.src, mig.dst
-        view = src.engine.migration_view(mig.rid)
-        if view is None:
-            return self._end(mig, "aborted", "the request finished or was preempted before the last stage")
-        state = src.engine.suspend(mig.rid)
-        planned = stages.plan(view.computed_tokens, mig.sent, True, src.engine.block_size,
-                              self.cfg.migration.last_stage_max_blocks, mig.request.max_total)
-        try:
-            dst.engine.reserve(mig.request, planned.tokens)
-        except engine_error() as exc:
-            src.engine.resume(mig.rid)
-            return self._end(mig, "aborted", f"the destination refused the last stage: {exc}")
-        mig.reserved = True
-        # one round trip: the blocks, then the commit
-        downtime = 2 * self.net.message_s + self._block_s(planned.n_blocks)
-        self.at(self.now + downtime, self._commit, mig, state, downtime)
-
-    def _commit(self, mig, state, downtime: float) -> None:
-        src, dst = mig.src, mig.dst
-        dst.engine.commit(mig.rid, state)
-        src.engine.drop_migrated(mig.rid)
-        self.requests[mig.rid].owner = dst.iid
-        dst.arrived[mig.rid] = self.now
-        self.downtimes.append(downtime)
-        self._end(mig, "committed", "")
-        self._kick(dst)
-
-    def _end(self, mig, outcome: str, why: str) -> None:
-        src, dst = mig.src, mig.dst
-        if outcome != "committed" and mig.reserved:
-            dst.engine.release(mig.rid)
-        src.migrating.discard(mig.rid)
-        dst.migrating.discard(mig.rid)
+    async def _migrate(self, src: SimulatedInstance, dst: SimulatedInstance, rid: str, reason: str) -> None:
+        started = self.now
+        out = await src.migrator.migrate_out(rid, dst.iid, dst.host.request_address)
+        why = "" if out.outcome == "committed" else out.reason
+        if out.outcome == "committed":
+            committed_at = self.requests[rid].moved_at
+            self.downtimes.append(committed_at + self.net.message_s - self.suspended_at.pop(rid, committed_at))
+        else:
+            self.suspended_at.pop(rid, None)
         self.mgr.resched.count_orders(src.iid, dst.iid, -1)
-        self.outcomes[f"{mig.reason or 'operator'}/{outcome}"] += 1
+        self.outcomes[f"{reason or 'operator'}/{out.outcome}"] += 1
         if why:
             self.outcomes[f"aborted: {why.split(':')[0]}"] += 1
         for inst in (src, dst):
-            self._changed(inst)
-            self._kick(inst)
-        self._notify("migration", src=src.iid, dst=dst.iid, request=mig.rid, outcome=outcome, reason=mig.reason,
-                     started=mig.started, why=why)
+            self._woken(inst)
+        self._notify("migration", src=src.iid, dst=dst.iid, request=rid, outcome=out.outcome, reason=reason,
+                     started=started, why=why)
         self._maybe_gone(src)

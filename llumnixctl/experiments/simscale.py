@@ -27,6 +27,7 @@ class ScalingMixin:
                 rec = self.mgr.instances[victim]
                 rec.drain_reason = "scale-in"
                 self.instances[victim].retiring = True
+                self.instances[victim].host.draining = "scale-in"  # it takes no migration in
                 self._scaled("in", victim, avg)
                 self._maybe_gone(self.instances[victim])
         self.at(now + min(1.0, self.cfg.manager.heartbeat_interval_s), self._scale)
@@ -44,6 +45,6 @@ class ScalingMixin:
 
     def _maybe_gone(self, inst: SimulatedInstance) -> None:
         """A scaled-in instance stops once nothing is left on it (its drain moved everything out)."""
-        if inst.retiring and inst.gone is None and not inst.engine.has_work() and not inst.migrating:
+        if inst.retiring and inst.gone is None and not inst.engine.has_work() and not inst.migrator.busy:
             inst.gone = self.now
             self.mgr.forget(self.mgr.instances[inst.iid], "scaled in (simulated)")

@@ -1,6 +1,7 @@
 """``llumnixctl simulate``: a cluster in virtual time, on the daemons' own code.
 
-A discrete-event simulation of N instances, the manager and the proxies' dispatch. Nothing here
+A discrete-event simulation of N instances, the manager and the proxies' dispatch, on the virtual-time event
+loop of ``daemons.clock`` (the one the in-process test harness runs the daemons on). Nothing here
 re-implements a policy or a scheduler:
 
 - each instance is the sim engine (``daemons/engine/sim.py``: blocks, continuous batching, chunked
@@ -14,11 +15,11 @@ re-implements a policy or a scheduler:
 - load reports go out as the instance sends them (on change, at most every
   ``instance.load_report_min_interval_s``, and every heartbeat) and reach the manager ``--report-lag-ms``
   later; a dispatch costs the proxy a round trip to the manager (``--dispatch-rtt-ms``);
-- a migration runs the protocol's stages on the engines' verbs (reserve on the destination, pre-copy
-  stages while the source decodes, suspend at a step boundary, the last stage, commit, drop), planned by
-  the daemons' own stage arithmetic (``daemons.stages``): each stage
-  lasts its blocks' bytes at the link's bandwidth plus a message latency, and it aborts for the reasons a
-  real one does (the request finished or was preempted, the destination has no room).
+- a migration is each instance's own migrator (``daemons.migration.Migrator``: the source's ``Move`` state
+  machine, the destination's reservation and commit, their messages, acknowledgements and timeouts) on the
+  simulation's virtual time: its engine calls run at the simulated step boundaries, its messages to other
+  instances go over ZeroMQ's in-process transport ``Network.message_s`` late, and each KV copy lasts its
+  bytes at the link's bandwidth (llumnixctl/experiments/simmigrate.py);
 
 - auto-scaling is the manager's own decision (``Rescheduler.scaling_decision``) every second: a launched
   instance registers ``Network.launch_s`` later; a scaled-in one drains (its requests migrate out or are
@@ -45,6 +46,7 @@ from daemons import manager as manager_module
 from daemons import wire
 from daemons.clock import LoopClock, VirtualTimeLoop
 from daemons.config import Config, ConfigError, load_config
+from daemons.requests import RequestTable
 from llumnixctl.common import ConfigOpt, JsonOpt, die, out, print_json
 from llumnixctl.experiments.simcache import CacheMixin
 from llumnixctl.experiments.simmigrate import MigrationMixin
@@ -89,6 +91,7 @@ class SimulatedRequest:
     error: str = ""
     dispatches: int = 0
     sent: float = -1.0  # when the client sent it (a session's later turn: after the turn before it)
+    moved_at: float = -1.0  # when a migration last committed it on its destination
     ids: list | None = None  # the prompt's token ids (with sim.prefix_caching)
     keys: list | None = None  # their block keys
 
@@ -100,12 +103,14 @@ class SimulatedInstance:
     ident: bytes
     stepping: bool = False
     free_at: float = 0.0
+    step_start: float = 0.0
     seq: int = 0
     last_report: float = -1e9
     report_due: bool = False
-    boundary: list = field(default_factory=list)  # callables run before the next step (suspends)
-    migrating: set = field(default_factory=set)  # request ids in or out
-    arrived: dict = field(default_factory=dict)  # request id -> when it arrived by migration
+    boundary: list = field(default_factory=list)  # (callable, future): the migrator's calls for the next boundary
+    table: object = None  # its request table (daemons/requests.py)
+    migrator: object = None  # its own daemons.migration.Migrator
+    host: object = None  # what the migrator needs of it (simmigrate.SimHost)
     born: float = 0.0
     gone: float | None = None  # when it stopped (scaled in)
     retiring: bool = False
@@ -178,6 +183,7 @@ class Simulation(ScalingMixin, MigrationMixin, CacheMixin):
         try:
             self.mgr = manager_module.Manager(self.cfg, clock=self.clock)
             self._finished = loop.create_future()
+            self._migration_start()
             try:
                 self._start()
                 if self._left:
@@ -185,9 +191,15 @@ class Simulation(ScalingMixin, MigrationMixin, CacheMixin):
                 if linger_s > 0:
                     loop.run_until_complete(asyncio.sleep(linger_s))
             finally:
+                self._migration_stop()
                 self.mgr.sec.close()
                 self.mgr.ctx.destroy(linger=0)
         finally:
+            pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+            for t in pending:
+                t.cancel()
+            if pending:
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             asyncio.set_event_loop(None)
             loop.close()
         return self.result(time.perf_counter() - wall)
@@ -212,8 +224,10 @@ class Simulation(ScalingMixin, MigrationMixin, CacheMixin):
 
     def _add_instance(self) -> SimulatedInstance:
         iid = f"i{next(self._next_index)}"
-        inst = SimulatedInstance(iid, SimEngine(self.cfg.sim, self.cfg.model, kv=False), ident=iid.encode(), born=self.now)
+        inst = SimulatedInstance(iid, self._engine(), ident=iid.encode(), born=self.now,
+                                 table=RequestTable(self.clock.monotonic))
         self.instances[iid] = inst
+        self._migrator(inst)
         self._publisher(inst)
         self.mgr.on_register(inst.ident, wire.Register(
             iid, self.cfg.instance.host or "sim", 0, f"inproc://sim-{iid}", "sim", self.cfg.model.name, inst.engine.load(),
@@ -276,6 +290,7 @@ class Simulation(ScalingMixin, MigrationMixin, CacheMixin):
         except EngineError as exc:
             return self._fail(req, str(exc))
         req.owner = iid
+        inst.table.admit(rid, "inproc://sim-proxy", 1)  # (a proxy address: requests carry one)
         self._changed(inst)
         self._kick(inst)
 
@@ -300,13 +315,16 @@ class Simulation(ScalingMixin, MigrationMixin, CacheMixin):
 
     def _step(self, inst: SimulatedInstance) -> None:
         calls, inst.boundary = inst.boundary, []
-        for call in calls:  # what waited for a step boundary (a migration's suspend)
-            call()
+        for fn, fut in calls:  # what waited for a step boundary (the migrator's engine calls)
+            self._run_boundary_call(inst, fn, fut)
+        if calls:
+            self._changed(inst)
         if not inst.engine.has_work():
             inst.stepping = False
             return
         result = inst.engine.step()
         dt = max(result.model_time_s + self.net.step_overhead_s, self.cfg.instance.min_step_s)
+        inst.step_start = self.now
         inst.free_at = self.now + dt
         self.at(inst.free_at, self._step_done, inst, result.outputs)
 
@@ -321,12 +339,14 @@ class Simulation(ScalingMixin, MigrationMixin, CacheMixin):
             req.last = now
             req.tokens += 1
             if tok.finish_reason is not None:
+                inst.table.forget(tok.request_id)
                 req.finish = tok.finish_reason
                 self._left -= 1
                 self._turn_ended(req)
         inst.stepping = False
         self._changed(inst)
         self._kick(inst)
+        inst.migrator.stepped(inst.free_at - inst.step_start)  # paces a migration's pre-copy
         self._notify("step", instance=inst, outputs=outputs)
         self._maybe_gone(inst)
 

@@ -49,27 +49,8 @@ PAPER = {
 
 
 class BurstSimulation(Simulation):
-    """The simulation, recording every KV copy (start, duration, bytes, source instance)."""
-
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.copies: list[tuple[float, float, int, str]] = []
-        self._cur = None
-
-    def _stage(self, mig) -> None:
-        self._cur = mig
-        super()._stage(mig)
-
-    def _last_stage(self, mig) -> None:
-        self._cur = mig
-        super()._last_stage(mig)
-
-    def _block_s(self, blocks: int) -> float:
-        dt = super()._block_s(blocks)
-        if blocks > 0 and self._cur is not None:
-            self.copies.append((self.now, dt, blocks * self.cfg.sim.block_size * self.kv_bytes_per_token,
-                                self._cur.src.iid))
-        return dt
+    """The simulation; every KV copy (start, duration, bytes, source instance) is in its ``copies``, as the
+    migrators' transfers ran (simmigrate.SimKv)."""
 
 
 class BurstObserver:
