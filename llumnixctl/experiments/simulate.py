@@ -14,7 +14,12 @@ re-implements a policy or a scheduler:
   instance's own ``migrants_for`` and ``keep_for``;
 - load reports go out as the instance sends them (on change, at most every
   ``instance.load_report_min_interval_s``, and every heartbeat) and reach the manager ``--report-lag-ms``
-  later; a dispatch costs the proxy a round trip to the manager (``--dispatch-rtt-ms``);
+  later;
+- with ``proxy.dispatch = local`` (the default) the proxy chooses each request's instance with its own
+  dispatch view, from the manager's snapshots and the instances' heartbeats, and the request reaches its
+  instance ``Network.submit_s`` after it arrived (llumnixctl/experiments/simproxy.py); with ``manager`` (and
+  ``llumnix-cache``, and before the proxy's first snapshot) a dispatch costs the proxy a round trip to the
+  manager (``--dispatch-rtt-ms``);
 - a migration is each instance's own migrator (``daemons.migration.Migrator``: the source's ``Move`` state
   machine, the destination's reservation and commit, their messages, acknowledgements and timeouts) on the
   simulation's virtual time: its engine calls run at the simulated step boundaries, its messages to other
@@ -50,6 +55,7 @@ from daemons.requests import RequestTable
 from llumnixctl.common import ConfigOpt, JsonOpt, die, out, print_json
 from llumnixctl.experiments.simcache import CacheMixin
 from llumnixctl.experiments.simmigrate import MigrationMixin
+from llumnixctl.experiments.simproxy import SimProxy
 from llumnixctl.experiments.simscale import ScalingMixin
 from llumnixctl.experiments.tracegen import TraceRequest
 
@@ -63,6 +69,9 @@ def _engine_code() -> None:
 
 
 EngineError = EngineRequest = SimEngine = None  # set by _engine_code()
+
+
+PROXY_ADDRESS = "inproc://sim-proxy"  # the simulated proxy's token address (requests' reply_to)
 
 
 @dataclass
@@ -104,6 +113,7 @@ class SimulatedInstance:
     stepping: bool = False
     free_at: float = 0.0
     step_start: float = 0.0
+    taken: int = 0  # Submits from the proxy taken in (its heartbeats say so)
     seq: int = 0
     last_report: float = -1e9
     report_due: bool = False
@@ -135,6 +145,8 @@ class Simulation(ScalingMixin, MigrationMixin, CacheMixin):
         self.trace = trace
         self.loop = VirtualTimeLoop()  # the simulation's events are its timers (daemons/clock.py)
         self.clock = LoopClock(self.loop)  # the manager's clock too
+        # proxy.dispatch = local (the default): the proxy's own dispatch view chooses (simproxy.py).
+        self.proxy = SimProxy(cfg, self.clock) if cfg.proxy.dispatch == "local" else None
         self.requests: dict[str, SimulatedRequest] = {}
         self.itls = array("d")
         self.outcomes: Counter = Counter()
@@ -221,6 +233,8 @@ class Simulation(ScalingMixin, MigrationMixin, CacheMixin):
             if rid not in self.later_turns:  # a later turn waits for the one before it
                 self.at(tr.arrival_s, self._arrive, rid, ())
         self.at(self.cfg.scheduling.migration_interval_s, self._pair)
+        if self.proxy is not None:
+            self.at(0.0, self._poll_snapshot)
 
     def _add_instance(self) -> SimulatedInstance:
         iid = f"i{next(self._next_index)}"
@@ -256,11 +270,33 @@ class Simulation(ScalingMixin, MigrationMixin, CacheMixin):
     # ------------------------------------------------------------------ proxy and manager
 
     def _arrive(self, rid: str, exclude: tuple) -> None:
-        """The proxy asks the manager where the request goes (half a round trip each way)."""
+        """The proxy chooses the instance itself (proxy.dispatch = local, once it has a view: simproxy.py), or
+        asks the manager where the request goes (half a round trip each way)."""
         req = self.requests[rid]
         if req.sent < 0:
             req.sent = self.now
+        proxy = self.proxy
+        if proxy is not None and proxy.ready() and not self.oracle:
+            tr = req.trace
+            prio = 1 if tr.priority == "high" else 0
+            iid = proxy.choose(prio, exclude)
+            if iid is not None:
+                proxy.sent(iid, tr.prompt_tokens)
+                req.dispatches += 1
+                self._notify("dispatch", request=rid, instance=iid)
+                self.at(self.now + self.net.dispatch_rtt_s / 2, self.mgr.on_dispatched,
+                        wire.Dispatched(rid, iid, tr.prompt_tokens, prio))
+                self.at(self.now + self.net.submit_s, self._submit, rid, iid)
+                return
         self.at(self.now + self.net.dispatch_rtt_s / 2, self._dispatch, rid, exclude)
+
+    def _poll_snapshot(self) -> None:
+        """The proxy asks the manager for its view every proxy.snapshot_interval_s; the answer comes a round
+        trip later."""
+        snap = self.mgr.snapshot(next(self._qid), PROXY_ADDRESS)
+        self.at(self.now + self.net.dispatch_rtt_s, self.proxy.on_snapshot, snap)
+        if self._left:
+            self.at(self.now + self.cfg.proxy.snapshot_interval_s, self._poll_snapshot)
 
     def _dispatch(self, rid: str, exclude: tuple) -> None:
         req = self.requests[rid]
@@ -290,7 +326,8 @@ class Simulation(ScalingMixin, MigrationMixin, CacheMixin):
         except EngineError as exc:
             return self._fail(req, str(exc))
         req.owner = iid
-        inst.table.admit(rid, "inproc://sim-proxy", 1)  # (a proxy address: requests carry one)
+        inst.taken += 1
+        inst.table.admit(rid, PROXY_ADDRESS, 1)
         self._changed(inst)
         self._kick(inst)
 
@@ -374,8 +411,12 @@ class Simulation(ScalingMixin, MigrationMixin, CacheMixin):
             return
         inst.last_report = self.now
         inst.seq += 1
-        msg = wire.LoadReport(inst.iid, inst.seq, inst.engine.load(), *self._cache_batch(inst))
+        load = inst.engine.load()
+        msg = wire.LoadReport(inst.iid, inst.seq, load, *self._cache_batch(inst))
         self.at(self.now + self.net.report_lag_s, self.mgr.on_report, inst.ident, msg)
+        if self.proxy is not None:  # the same load in its heartbeat to the proxy
+            beat = wire.Heartbeat(inst.iid, inst.host.request_address, True, load, not inst.retiring, inst.taken)
+            self.at(self.now + self.net.report_lag_s, self.proxy.on_heartbeat, beat)
 
     # ------------------------------------------------------------------ figures
 
