@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol
 
 import zmq
 
@@ -133,6 +133,11 @@ class SimKv:
             self.forget(name)
 
 
+class _Proxies:
+    def seen(self, address: str) -> None:  # (no proxies to watch in the simulation)
+        pass
+
+
 class _Wake:
     """The host's ``wake``: the migrator sets it when the engine has something new (a commit, a resume)."""
 
@@ -140,40 +145,42 @@ class _Wake:
         self.set = fn
 
 
-class _Proxies:
-    def seen(self, address: str) -> None:  # (no proxies to watch in the simulation)
-        pass
-
-
 class SimHost:
-    """What a migrator needs of its simulated instance (daemons/migration/records.py's ``Host``)."""
+    """What a migrator needs of its simulated instance (daemons/migration/records.py's ``Host``). Owns the
+    instance's request socket; ``deliver(identity, msg)`` gets its peers' messages (the migrator's
+    ``on_peer_message``), ``moved(request_id, instance_id)`` the moves it announces, ``wake()`` and
+    ``abort_local(request_id)`` what the migrator tells the instance."""
 
-    def __init__(self, sim, inst: SimulatedInstance, ctx: zmq.asyncio.Context) -> None:
-        self.sim, self.inst = sim, inst
+    def __init__(self, instance_id: str, ctx: zmq.asyncio.Context, sec_cfg, message_s: float,
+                 loop: asyncio.AbstractEventLoop, moved: Callable[[str, str], None], wake: Callable[[], None],
+                 abort_local: Callable[[str], None]) -> None:
         self.ctx = ctx
-        self.sec = security.Security(sim.cfg.security, "instance", ctx)
-        self.instance_id = inst.iid
-        self.request_address = f"inproc://sim-{inst.iid}"
+        self.sec = security.Security(sec_cfg, "instance", ctx)
+        self.instance_id = instance_id
+        self.request_address = f"inproc://sim-{instance_id}"
         self.accepting = True
         self.draining = ""
-        self.wake = _Wake(lambda: sim._woken(inst))
+        self.wake = _Wake(wake)
         self.proxies = _Proxies()
+        self.message_s = message_s
+        self.loop = loop
+        self._moved, self._abort = moved, abort_local
+        self.deliver: Callable[[bytes, wire.Message], None] | None = None
         self.router = self.sec.server(runtime.tune(ctx.socket(zmq.ROUTER)), "instance")
         self.router.bind(self.request_address)
-        self.reader = sim.loop.create_task(self._read())
+        self.reader = loop.create_task(self._read())
 
     async def _read(self) -> None:
-        """Peers' messages, delivered to the migrator one message latency after they arrived."""
-        loop, lag = asyncio.get_running_loop(), self.sim.net.message_s
+        """Peers' messages, delivered one message latency after they arrived."""
         try:
             while True:
                 identity, frame = await self.router.recv_multipart()
-                loop.call_later(lag, self.inst.migrator.on_peer_message, identity, wire.decode(frame))
+                self.loop.call_later(self.message_s, self.deliver, identity, wire.decode(frame))
         except (asyncio.CancelledError, zmq.ZMQError):
             pass
 
     def reply_peer(self, identity: bytes, msg: wire.Message) -> None:
-        asyncio.get_running_loop().call_later(self.sim.net.message_s, self._send, identity, wire.encode(msg))
+        self.loop.call_later(self.message_s, self._send, identity, wire.encode(msg))
 
     def _send(self, identity: bytes, frame: bytes) -> None:
         if not self.router.closed:
@@ -181,15 +188,10 @@ class SimHost:
 
     def announce_move(self, request_id: str, address: str, instance_id: str, request_address: str, epoch: int,
                       from_index: int) -> None:
-        req = self.sim.requests[request_id]
-        req.owner = instance_id
-        if instance_id == self.instance_id:  # the destination committed it (or an unanswered source resumed it)
-            req.moved_at = self.sim.now
+        self._moved(request_id, instance_id)
 
     def abort_local(self, request_id: str) -> bool:
-        self.inst.engine.abort_request(request_id)
-        self.inst.table.forget(request_id)
-        self.sim._woken(self.inst)
+        self._abort(request_id)
         return True
 
     def close(self) -> None:
@@ -224,78 +226,108 @@ def sim_engine_class():
     return _ENGINE
 
 
-class MigrationMixin:
-    """Of the Simulation: runs the manager's orders as the daemons would, with each instance's migrator."""
+class Site(Protocol):
+    """What migrations need of the simulation (simulate.py's ``Simulation``)."""
 
-    def _migration_start(self) -> None:
+    requests: Mapping  # request id -> SimulatedRequest (its ``owner``)
+
+    def at(self, t: float, fn: Callable, *args) -> None: ...
+
+    def woken(self, inst: SimulatedInstance) -> None: ...  # its engine has news: report and step
+
+    def redispatch(self, request_id: str, src: str) -> None: ...  # a queued request goes back to the proxy
+
+    def notify(self, kind: str, **data) -> None: ...
+
+    def maybe_gone(self, inst: SimulatedInstance) -> None: ...
+
+    def count_orders(self, src: str, dst: str, n: int) -> None: ...  # the manager's ledger of orders in flight
+
+
+class SimMigrations:
+    """Each instance's own migrator and what they share: the in-process ZeroMQ context their sockets meet in,
+    the KV pairs' hub, and the figures: ``outcomes`` (by reason and outcome, and abort reasons), ``downtimes``
+    (seconds, from the suspend at the source to the commit's answer there), ``copies`` (every KV copy:
+    start, seconds, bytes, source)."""
+
+    def __init__(self, cfg, net, loop: asyncio.AbstractEventLoop, kv_bytes_per_token: int, site: Site) -> None:
         import zmq.asyncio
 
         from daemons.migration import Migrator  # (torch: only once a simulation runs)
 
-        self._migrator_class = Migrator
+        self.cfg, self.net, self.loop, self.site = cfg, net, loop, site
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.migrator_class = Migrator
         self.zmq = zmq.asyncio.Context()
-        rate = self.net.kv_gbps * 1e9 / 8
-        self.kv_hub = SimKvHub(self.loop, rate, self._copied)
-        self.copies: list[tuple[float, float, int, str]] = []  # every KV copy: (start, seconds, bytes, source)
-        self.suspended_at: dict[str, float] = {}  # request id -> when the source suspended it (its last stage)
+        self.kv_hub = SimKvHub(loop, net.kv_gbps * 1e9 / 8, self._copied)
+        self.outcomes: Counter = Counter()
+        self.downtimes: list[float] = []
+        self.copies: list[tuple[float, float, int, str]] = []
+        self.suspended_at: dict[str, float] = {}  # request id -> when its source suspended it (its last stage)
+        self.committed_at: dict[str, float] = {}  # request id -> when its destination committed it
+        self.hosts: list[SimHost] = []
+        self.migrators: list = []
 
     def _copied(self, start: float, seconds: float, nbytes: int, src: str) -> None:
         if src:
             self.copies.append((start, seconds, nbytes, src))
 
-    def _engine(self):
+    def engine(self):
+        """A sim engine for a new instance: its KV layout without tensors; it tells us its suspends."""
         engine = sim_engine_class()(self.cfg.sim, self.cfg.model, kv=False)
         per_token = self.kv_bytes_per_token
         engine.layout = SimLayout(engine.block_size * per_token, per_token)
-        engine.on_suspend = lambda rid: self.suspended_at.__setitem__(rid, self.now)
+        engine.on_suspend = lambda rid: self.suspended_at.__setitem__(rid, self.loop.time())
         return engine
 
-    def _migrator(self, inst: SimulatedInstance) -> None:
-        """The instance's own migrator, with the simulation's host, boundary and KV transport."""
-        inst.host = SimHost(self, inst, self.zmq)
-        inst.migrator = self._migrator_class(inst.host, self.cfg.migration, inst.engine, inst.table,
-                                             lambda fn: self._boundary(inst, fn),
-                                             kv=SimKv(self.kv_hub, inst.iid))
+    def attach(self, inst: SimulatedInstance) -> None:
+        """The instance's own migrator, with its host, its step boundary and a KV transport."""
+        site = self.site
 
-    def _migration_stop(self) -> None:
-        for inst in self.instances.values():
-            if inst.migrator is not None:
-                self.loop.run_until_complete(inst.migrator.close())
-                inst.host.close()
+        def moved(rid: str, iid: str) -> None:
+            site.requests[rid].owner = iid
+            if iid == inst.iid:  # the destination committed it (or an unanswered source resumed it)
+                self.committed_at[rid] = self.loop.time()
+
+        def abort_local(rid: str) -> None:
+            inst.engine.abort_request(rid)
+            inst.table.forget(rid)
+            site.woken(inst)
+
+        def boundary(fn: Callable) -> asyncio.Future:  # as the instance's: the call, then a report and a step
+            fut = inst.at_boundary(fn)
+            site.woken(inst)
+            return fut
+
+        inst.host = SimHost(inst.iid, self.zmq, self.cfg.security, self.net.message_s, self.loop, moved,
+                            lambda: site.woken(inst), abort_local)
+        inst.migrator = self.migrator_class(inst.host, self.cfg.migration, inst.engine, inst.table, boundary,
+                                            kv=SimKv(self.kv_hub, inst.iid))
+        inst.host.deliver = inst.migrator.on_peer_message
+        self.hosts.append(inst.host)
+        self.migrators.append(inst.migrator)
+
+    def close(self) -> None:
+        for migrator in self.migrators:
+            self.loop.run_until_complete(migrator.close())
+        for host in self.hosts:
+            host.close()
         self.zmq.destroy(linger=0)
 
-    def _boundary(self, inst: SimulatedInstance, fn: Callable) -> asyncio.Future:
-        """As the instance's ``boundary``: ``fn()`` between two steps (now when none is in flight)."""
-        fut = self.loop.create_future()
-        if inst.stepping:
-            inst.boundary.append((fn, fut))
-        else:
-            self._run_boundary_call(inst, fn, fut)
-            self._woken(inst)
-        return fut
+    # ------------------------------------------------------------------ orders
 
-    @staticmethod
-    def _run_boundary_call(inst: SimulatedInstance, fn: Callable, fut: asyncio.Future) -> None:
-        if fut.done():
-            return
-        try:
-            fut.set_result(fn())
-        except Exception as exc:  # to the migration that asked (EngineError, KeyError: it names the outcome)
-            fut.set_exception(exc)
-
-    def _woken(self, inst: SimulatedInstance) -> None:
-        self._changed(inst)
-        self._kick(inst)
-
-    def _order(self, src: SimulatedInstance, start: wire.MigrateStart) -> None:
+    def order(self, src: SimulatedInstance, dst: SimulatedInstance, start: wire.MigrateStart) -> None:
+        """The manager's order reached the source: it picks its requests as the instance does (queued ones
+        go back through dispatch), and its migrator moves each."""
         from daemons.instance import keep_for, migrants_for  # (torch: only once a simulation runs)
 
+        site = self.site
         if src.gone is not None:
-            self.mgr.resched.count_orders(src.iid, start.dst, -start.count)
+            site.count_orders(src.iid, start.dst, -start.count)
             return
         table = src.table
         rows = src.engine.requests()
-        keep = keep_for(start, table.migrating(), table.arrivals(), self.now)
+        keep = keep_for(start, table.migrating(), table.arrivals(), self.loop.time())
         keep |= {r.request_id for r in rows if r.request_id not in table}
         chosen = migrants_for(start, rows, keep, src.engine.load(), src.engine.block_size)
         moving = [c.request_id for c in chosen if not c.redispatch]
@@ -303,31 +335,30 @@ class MigrationMixin:
             if c.redispatch:  # a queued request goes back through dispatch
                 src.engine.abort_request(c.request_id)
                 table.forget(c.request_id)
-                self._changed(src)
-                self.at(self.now + self.net.message_s, self._arrive, c.request_id, (src.iid,))
-        self._maybe_gone(src)
+                site.woken(src)
+                site.redispatch(c.request_id, src.iid)
+        site.maybe_gone(src)
         unused = start.count - len(moving)
         if unused > 0:
-            self.mgr.resched.count_orders(src.iid, start.dst, -unused)
-        dst = self.instances[start.dst]
+            site.count_orders(src.iid, start.dst, -unused)
         for rid in moving:
             src.migrator.spawn(self._migrate(src, dst, rid, start.reason))
 
     async def _migrate(self, src: SimulatedInstance, dst: SimulatedInstance, rid: str, reason: str) -> None:
-        started = self.now
+        site = self.site
+        started = self.loop.time()
         out = await src.migrator.migrate_out(rid, dst.iid, dst.host.request_address)
+        suspended = self.suspended_at.pop(rid, None)
+        committed = self.committed_at.pop(rid, None)
         why = "" if out.outcome == "committed" else out.reason
-        if out.outcome == "committed":
-            committed_at = self.requests[rid].moved_at
-            self.downtimes.append(committed_at + self.net.message_s - self.suspended_at.pop(rid, committed_at))
-        else:
-            self.suspended_at.pop(rid, None)
-        self.mgr.resched.count_orders(src.iid, dst.iid, -1)
+        if out.outcome == "committed" and suspended is not None and committed is not None:
+            self.downtimes.append(committed + self.net.message_s - suspended)  # the commit's answer reached the source
+        site.count_orders(src.iid, dst.iid, -1)
         self.outcomes[f"{reason or 'operator'}/{out.outcome}"] += 1
         if why:
             self.outcomes[f"aborted: {why.split(':')[0]}"] += 1
-        for inst in (src, dst):
-            self._woken(inst)
-        self._notify("migration", src=src.iid, dst=dst.iid, request=rid, outcome=out.outcome, reason=reason,
-                     started=started, why=why)
-        self._maybe_gone(src)
+        site.woken(src)
+        site.woken(dst)
+        site.notify("migration", src=src.iid, dst=dst.iid, request=rid, outcome=out.outcome, reason=reason,
+                    started=started, why=why)
+        site.maybe_gone(src)

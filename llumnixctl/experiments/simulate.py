@@ -54,7 +54,7 @@ from daemons.config import Config, ConfigError, load_config
 from daemons.requests import RequestTable
 from llumnixctl.common import ConfigOpt, JsonOpt, die, out, print_json
 from llumnixctl.experiments.simcache import CacheMixin
-from llumnixctl.experiments.simmigrate import MigrationMixin
+from llumnixctl.experiments.simmigrate import SimMigrations
 from llumnixctl.experiments.simproxy import SimProxy
 from llumnixctl.experiments.simscale import ScalingMixin
 from llumnixctl.experiments.tracegen import TraceRequest
@@ -126,8 +126,34 @@ class SimulatedInstance:
     retiring: bool = False
     pub: object = None  # its prefix-cache Publisher (sim.prefix_caching)
 
+    def at_boundary(self, fn) -> asyncio.Future:
+        """As the instance's ``boundary``: ``fn()`` between two steps (now, when no step is in flight); the
+        future gets its result or its exception."""
+        fut = asyncio.get_running_loop().create_future()
+        if self.stepping:
+            self.boundary.append((fn, fut))
+        else:
+            _run_call(fn, fut)
+        return fut
 
-class Simulation(ScalingMixin, MigrationMixin, CacheMixin):
+    def run_boundary(self) -> bool:
+        """(Before a step) What waited for the boundary; whether anything did."""
+        calls, self.boundary = self.boundary, []
+        for fn, fut in calls:
+            _run_call(fn, fut)
+        return bool(calls)
+
+
+def _run_call(fn, fut: asyncio.Future) -> None:
+    if fut.done():
+        return
+    try:
+        fut.set_result(fn())
+    except Exception as exc:  # to the migration that asked (an EngineError, say: it names the outcome)
+        fut.set_exception(exc)
+
+
+class Simulation(ScalingMixin, CacheMixin):
     def __init__(self, cfg: Config, instances: int, trace: list[TraceRequest], net: Network | None = None,
                  sample_s: float = 0.0, oracle: bool = False):
         """``sample_s`` > 0: every so often (virtual seconds) look for fragmentation (a queue head that the
@@ -149,8 +175,6 @@ class Simulation(ScalingMixin, MigrationMixin, CacheMixin):
         self.proxy = SimProxy(cfg, self.clock) if cfg.proxy.dispatch == "local" else None
         self.requests: dict[str, SimulatedRequest] = {}
         self.itls = array("d")
-        self.outcomes: Counter = Counter()
-        self.downtimes: list[float] = []
         self.events = 0
         self._qid = itertools.count(1)
         self.n_instances = instances
@@ -195,7 +219,7 @@ class Simulation(ScalingMixin, MigrationMixin, CacheMixin):
         try:
             self.mgr = manager_module.Manager(self.cfg, clock=self.clock)
             self._finished = loop.create_future()
-            self._migration_start()
+            self.migrations = SimMigrations(self.cfg, self.net, loop, self.kv_bytes_per_token, self)
             try:
                 self._start()
                 if self._left:
@@ -203,7 +227,7 @@ class Simulation(ScalingMixin, MigrationMixin, CacheMixin):
                 if linger_s > 0:
                     loop.run_until_complete(asyncio.sleep(linger_s))
             finally:
-                self._migration_stop()
+                self.migrations.close()
                 self.mgr.sec.close()
                 self.mgr.ctx.destroy(linger=0)
         finally:
@@ -238,10 +262,10 @@ class Simulation(ScalingMixin, MigrationMixin, CacheMixin):
 
     def _add_instance(self) -> SimulatedInstance:
         iid = f"i{next(self._next_index)}"
-        inst = SimulatedInstance(iid, self._engine(), ident=iid.encode(), born=self.now,
+        inst = SimulatedInstance(iid, self.migrations.engine(), ident=iid.encode(), born=self.now,
                                  table=RequestTable(self.clock.monotonic))
         self.instances[iid] = inst
-        self._migrator(inst)
+        self.migrations.attach(inst)
         self._publisher(inst)
         self.mgr.on_register(inst.ident, wire.Register(
             iid, self.cfg.instance.host or "sim", 0, f"inproc://sim-{iid}", "sim", self.cfg.model.name, inst.engine.load(),
@@ -339,8 +363,9 @@ class Simulation(ScalingMixin, MigrationMixin, CacheMixin):
     def _pair(self) -> None:
         for p, start in self.mgr.resched.plan(self.now):
             self.mgr.resched.count_orders(p.src, p.dst, p.count)
-            self.outcomes[f"{start.reason}/ordered"] += 1
-            self.at(self.now + self.net.message_s, self._order, self.instances[p.src], start)
+            self.migrations.outcomes[f"{start.reason}/ordered"] += 1
+            self.at(self.now + self.net.message_s, self.migrations.order, self.instances[p.src],
+                    self.instances[p.dst], start)
         self.at(self.now + self.cfg.scheduling.migration_interval_s, self._pair)
 
     # ------------------------------------------------------------------ instances
@@ -351,10 +376,7 @@ class Simulation(ScalingMixin, MigrationMixin, CacheMixin):
             self.at(max(self.now, inst.free_at), self._step, inst)
 
     def _step(self, inst: SimulatedInstance) -> None:
-        calls, inst.boundary = inst.boundary, []
-        for fn, fut in calls:  # what waited for a step boundary (the migrator's engine calls)
-            self._run_boundary_call(inst, fn, fut)
-        if calls:
+        if inst.run_boundary():  # what waited for a step boundary (the migrator's engine calls)
             self._changed(inst)
         if not inst.engine.has_work():
             inst.stepping = False
@@ -417,6 +439,36 @@ class Simulation(ScalingMixin, MigrationMixin, CacheMixin):
         if self.proxy is not None:  # the same load in its heartbeat to the proxy
             beat = wire.Heartbeat(inst.iid, inst.host.request_address, True, load, not inst.retiring, inst.taken)
             self.at(self.now + self.net.report_lag_s, self.proxy.on_heartbeat, beat)
+
+    # ------------------------------------------------------------------ what migrations need (simmigrate.Site)
+
+    def woken(self, inst: SimulatedInstance) -> None:
+        self._changed(inst)
+        self._kick(inst)
+
+    def redispatch(self, request_id: str, src: str) -> None:
+        self.at(self.now + self.net.message_s, self._arrive, request_id, (src,))
+
+    def notify(self, kind: str, **data) -> None:
+        self._notify(kind, **data)
+
+    def maybe_gone(self, inst: SimulatedInstance) -> None:
+        self._maybe_gone(inst)
+
+    def count_orders(self, src: str, dst: str, n: int) -> None:
+        self.mgr.resched.count_orders(src, dst, n)
+
+    @property
+    def outcomes(self) -> Counter:
+        return self.migrations.outcomes
+
+    @property
+    def downtimes(self) -> list[float]:
+        return self.migrations.downtimes
+
+    @property
+    def copies(self) -> list[tuple[float, float, int, str]]:
+        return self.migrations.copies
 
     # ------------------------------------------------------------------ figures
 
