@@ -28,7 +28,7 @@ import zmq
 from daemons import runtime, security, wire
 
 if TYPE_CHECKING:
-    from llumnixctl.experiments.simulate import SimulatedInstance
+    from llumnixctl.experiments.simparts import SimulatedInstance
 
 
 @dataclass

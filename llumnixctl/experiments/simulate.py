@@ -37,11 +37,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import math
 import time
 from array import array
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -53,10 +51,12 @@ from daemons.clock import LoopClock, VirtualTimeLoop
 from daemons.config import Config, ConfigError, load_config
 from daemons.requests import RequestTable
 from llumnixctl.common import ConfigOpt, JsonOpt, die, out, print_json
-from llumnixctl.experiments.simcache import CacheMixin
+from llumnixctl.experiments.simcache import SimCache
 from llumnixctl.experiments.simmigrate import SimMigrations
+from llumnixctl.experiments.simparts import PROXY_ADDRESS, Network, SimulatedInstance, SimulatedRequest
 from llumnixctl.experiments.simproxy import SimProxy
-from llumnixctl.experiments.simscale import ScalingMixin
+from llumnixctl.experiments.simresult import result_block, result_of, stats_of  # noqa: F401 (figs import stats_of here)
+from llumnixctl.experiments.simscale import SimScaling
 from llumnixctl.experiments.tracegen import TraceRequest
 
 
@@ -71,89 +71,7 @@ def _engine_code() -> None:
 EngineError = EngineRequest = SimEngine = None  # set by _engine_code()
 
 
-PROXY_ADDRESS = "inproc://sim-proxy"  # the simulated proxy's token address (requests' reply_to)
-
-
-@dataclass
-class Network:
-    """Times of the simulated cluster's messages and KV copies."""
-
-    report_lag_s: float = 0.002  # a load report's way to the manager
-    dispatch_rtt_s: float = 0.001  # the proxy asks the manager where a request goes
-    submit_s: float = 0.0005  # the proxy's request to the instance
-    message_s: float = 0.0005  # one migration control message
-    kv_gbps: float = 10.0  # what one migration's copy achieves (before migration.bandwidth_limit_mbps)
-    kv_bytes_per_token: int = 0  # 0: from the sim engine's KV shape
-    launch_s: float = 30.0  # auto-scaling: a launched instance loads its model and registers this much later
-    step_overhead_s: float = 0.0  # the daemon's own cost per step (event loop, sockets), on top of model time
-
-
-@dataclass
-class SimulatedRequest:
-    trace: TraceRequest
-    rid: str
-    owner: str = ""
-    first: float = -1.0
-    last: float = -1.0
-    tokens: int = 0
-    finish: str = ""
-    error: str = ""
-    dispatches: int = 0
-    sent: float = -1.0  # when the client sent it (a session's later turn: after the turn before it)
-    moved_at: float = -1.0  # when a migration last committed it on its destination
-    ids: list | None = None  # the prompt's token ids (with sim.prefix_caching)
-    keys: list | None = None  # their block keys
-
-
-@dataclass
-class SimulatedInstance:
-    iid: str
-    engine: SimEngine
-    ident: bytes
-    stepping: bool = False
-    free_at: float = 0.0
-    step_start: float = 0.0
-    taken: int = 0  # Submits from the proxy taken in (its heartbeats say so)
-    seq: int = 0
-    last_report: float = -1e9
-    report_due: bool = False
-    boundary: list = field(default_factory=list)  # (callable, future): the migrator's calls for the next boundary
-    table: object = None  # its request table (daemons/requests.py)
-    migrator: object = None  # its own daemons.migration.Migrator
-    host: object = None  # what the migrator needs of it (simmigrate.SimHost)
-    born: float = 0.0
-    gone: float | None = None  # when it stopped (scaled in)
-    retiring: bool = False
-    pub: object = None  # its prefix-cache Publisher (sim.prefix_caching)
-
-    def at_boundary(self, fn) -> asyncio.Future:
-        """As the instance's ``boundary``: ``fn()`` between two steps (now, when no step is in flight); the
-        future gets its result or its exception."""
-        fut = asyncio.get_running_loop().create_future()
-        if self.stepping:
-            self.boundary.append((fn, fut))
-        else:
-            _run_call(fn, fut)
-        return fut
-
-    def run_boundary(self) -> bool:
-        """(Before a step) What waited for the boundary; whether anything did."""
-        calls, self.boundary = self.boundary, []
-        for fn, fut in calls:
-            _run_call(fn, fut)
-        return bool(calls)
-
-
-def _run_call(fn, fut: asyncio.Future) -> None:
-    if fut.done():
-        return
-    try:
-        fut.set_result(fn())
-    except Exception as exc:  # to the migration that asked (an EngineError, say: it names the outcome)
-        fut.set_exception(exc)
-
-
-class Simulation(ScalingMixin, CacheMixin):
+class Simulation:
     def __init__(self, cfg: Config, instances: int, trace: list[TraceRequest], net: Network | None = None,
                  sample_s: float = 0.0, oracle: bool = False):
         """``sample_s`` > 0: every so often (virtual seconds) look for fragmentation (a queue head that the
@@ -164,9 +82,7 @@ class Simulation(ScalingMixin, CacheMixin):
         self.oracle = oracle
         self.sample_s = sample_s
         self.observers: list = []  # fn(kind, simulation, data): "dispatch", "step", "migration", "scale", "sample"
-        self.scaling: list[dict] = []
         self.fragmentation = Counter()
-        self._launching = 0
         self.net = net or Network()
         self.trace = trace
         self.loop = VirtualTimeLoop()  # the simulation's events are its timers (daemons/clock.py)
@@ -220,6 +136,8 @@ class Simulation(ScalingMixin, CacheMixin):
             self.mgr = manager_module.Manager(self.cfg, clock=self.clock)
             self._finished = loop.create_future()
             self.migrations = SimMigrations(self.cfg, self.net, loop, self.kv_bytes_per_token, self)
+            self.scaler = SimScaling(self.mgr, min(1.0, self.cfg.manager.heartbeat_interval_s), self.net.launch_s, self)
+            self.cache = SimCache(self.cfg, self.mgr, self.trace, self.net.report_lag_s, self.oracle, self)
             try:
                 self._start()
                 if self._left:
@@ -242,31 +160,30 @@ class Simulation(ScalingMixin, CacheMixin):
 
     def _start(self) -> None:
         self.instances: dict[str, SimulatedInstance] = {}
-        self._cache_start()
         self._next_index = itertools.count()
         for _ in range(self.n_instances):
-            self._add_instance()
+            self.add_instance()
         if self.cfg.scaling.policy != "off":
-            self.at(min(1.0, self.cfg.manager.heartbeat_interval_s), self._scale)
+            self.scaler.start()
         if self.sample_s > 0:
             self.at(self.sample_s, self._sample)
         self._left = len(self.trace)
         for k, tr in enumerate(self.trace):
             rid = f"r{k}"
             self.requests[rid] = SimulatedRequest(tr, rid)
-            if rid not in self.later_turns:  # a later turn waits for the one before it
+            if rid not in self.cache.later_turns:  # a later turn waits for the one before it
                 self.at(tr.arrival_s, self._arrive, rid, ())
         self.at(self.cfg.scheduling.migration_interval_s, self._pair)
         if self.proxy is not None:
             self.at(0.0, self._poll_snapshot)
 
-    def _add_instance(self) -> SimulatedInstance:
+    def add_instance(self) -> SimulatedInstance:
         iid = f"i{next(self._next_index)}"
         inst = SimulatedInstance(iid, self.migrations.engine(), ident=iid.encode(), born=self.now,
                                  table=RequestTable(self.clock.monotonic))
         self.instances[iid] = inst
         self.migrations.attach(inst)
-        self._publisher(inst)
+        self.cache.publisher(inst)
         self.mgr.on_register(inst.ident, wire.Register(
             iid, self.cfg.instance.host or "sim", 0, f"inproc://sim-{iid}", "sim", self.cfg.model.name, inst.engine.load(),
             max_model_len=self.cfg.model.max_model_len))
@@ -326,11 +243,11 @@ class Simulation(ScalingMixin, CacheMixin):
         req = self.requests[rid]
         tr = req.trace
         prio = 1 if tr.priority == "high" else 0
-        iid = self._oracle_choice(req) if self.oracle and not exclude else None
+        iid = self.cache.oracle_choice(req) if self.oracle and not exclude else None
         if iid is None:
             reply = self.mgr.on_dispatch_batch([wire.Dispatch(next(self._qid), rid, tr.prompt_tokens, prio,
                                                               list(exclude),
-                                                              self.keys_of(req) if self.cache_keys else [])])[0]
+                                                              self.cache.keys_of(req) if self.cache.cache_keys else [])])[0]
             if not reply.instance_id:
                 return self._fail(req, reply.reason or "no instance")
             iid = reply.instance_id
@@ -344,7 +261,7 @@ class Simulation(ScalingMixin, CacheMixin):
         tr = req.trace
         sampling = wire.SamplingParams(max_tokens=max(1, tr.output_tokens), ignore_eos=True)
         try:
-            inst.engine.add_request(EngineRequest(rid, self.prompt_of(req), sampling,
+            inst.engine.add_request(EngineRequest(rid, self.cache.prompt_of(req), sampling,
                                                   priority=1 if tr.priority == "high" else 0,
                                                   arrival_time=req.sent))
         except EngineError as exc:
@@ -358,7 +275,7 @@ class Simulation(ScalingMixin, CacheMixin):
     def _fail(self, req: SimulatedRequest, why: str) -> None:
         req.error = why
         self._left -= 1
-        self._turn_ended(req)
+        self.cache.turn_ended(req)
 
     def _pair(self) -> None:
         for p, start in self.mgr.resched.plan(self.now):
@@ -401,13 +318,13 @@ class Simulation(ScalingMixin, CacheMixin):
                 inst.table.forget(tok.request_id)
                 req.finish = tok.finish_reason
                 self._left -= 1
-                self._turn_ended(req)
+                self.cache.turn_ended(req)
         inst.stepping = False
         self._changed(inst)
         self._kick(inst)
         inst.migrator.stepped(inst.free_at - inst.step_start)  # paces a migration's pre-copy
         self._notify("step", instance=inst, outputs=outputs)
-        self._maybe_gone(inst)
+        self.scaler.maybe_gone(inst)
 
     def _changed(self, inst: SimulatedInstance) -> None:
         """Its load changed: report now, or as soon as the minimum interval allows."""
@@ -434,7 +351,7 @@ class Simulation(ScalingMixin, CacheMixin):
         inst.last_report = self.now
         inst.seq += 1
         load = inst.engine.load()
-        msg = wire.LoadReport(inst.iid, inst.seq, load, *self._cache_batch(inst))
+        msg = wire.LoadReport(inst.iid, inst.seq, load, *self.cache.batch(inst))
         self.at(self.now + self.net.report_lag_s, self.mgr.on_report, inst.ident, msg)
         if self.proxy is not None:  # the same load in its heartbeat to the proxy
             beat = wire.Heartbeat(inst.iid, inst.host.request_address, True, load, not inst.retiring, inst.taken)
@@ -453,7 +370,17 @@ class Simulation(ScalingMixin, CacheMixin):
         self._notify(kind, **data)
 
     def maybe_gone(self, inst: SimulatedInstance) -> None:
-        self._maybe_gone(inst)
+        self.scaler.maybe_gone(inst)
+
+    def arrive(self, request_id: str) -> None:
+        self._arrive(request_id, ())
+
+    @property
+    def scaling(self) -> list[dict]:
+        return self.scaler.events
+
+    def cache_figures(self) -> dict:
+        return self.cache.figures()
 
     def count_orders(self, src: str, dst: str, n: int) -> None:
         self.mgr.resched.count_orders(src, dst, n)
@@ -474,62 +401,6 @@ class Simulation(ScalingMixin, CacheMixin):
 
     def result(self, wall_s: float) -> dict:
         return result_of(self, wall_s)
-
-
-def result_of(sim: Simulation, wall_s: float) -> dict:
-    """The figures of a finished simulation (its ``result``)."""
-    done = [r for r in sim.requests.values() if r.finish]
-    end = max((r.last for r in done), default=0.0)
-    start = min((r.sent for r in sim.requests.values() if r.sent >= 0), default=0.0)
-    duration = max(end - start, 1e-9)
-    ttfts = [r.first - r.sent for r in done]
-    e2el = [r.last - r.sent for r in done]
-    tpots = [(r.last - r.first) / (r.tokens - 1) for r in done if r.tokens > 1]
-    inputs = [r.trace.prompt_tokens for r in done]
-    outputs = [r.tokens for r in done]
-    out = {
-        "completed": len(done), "failed": sum(1 for r in sim.requests.values() if r.error),
-        "duration": duration, "total_input_tokens": sum(inputs), "total_output_tokens": sum(outputs),
-        "request_throughput": len(done) / duration, "output_throughput": sum(outputs) / duration,
-        "total_token_throughput": (sum(inputs) + sum(outputs)) / duration,
-    }
-    for name, xs in (("ttft", ttfts), ("tpot", tpots), ("itl", list(sim.itls)), ("e2el", e2el)):
-        out.update(stats_of(name, xs))
-    loads = [i.engine.load() for i in sim.instances.values()]
-    seconds = sum(max(0.0, (i.gone if i.gone is not None else end) - max(i.born, start))
-                  for i in sim.instances.values())
-    out.update({
-        "instances": sim.n_instances, "instance_seconds": seconds,
-        "instances_at_end": sum(1 for i in sim.instances.values() if i.gone is None),
-        "scaling": {"out": sum(e["what"] == "out" for e in sim.scaling),
-                    "in": sum(e["what"] == "in" for e in sim.scaling), "events": sim.scaling},
-        "fragmentation": dict(sim.fragmentation),
-        "preemptions": sum(ld.preemptions for ld in loads),
-        "migrations": dict(sorted(sim.outcomes.items())),
-        "migration_downtime_ms": stats_of("downtime", sim.downtimes)["mean_downtime_ms"] if sim.downtimes else None,
-        "dispatch_policy": sim.mgr.dispatch_policy, "events": sim.events, "wall_s": wall_s,
-        "leaked_blocks": sum(ld.blocks_used for ld in loads),
-        **sim.cache_figures(),
-    })
-    return out
-
-
-def stats_of(name: str, xs: list[float]) -> dict:
-    """vLLM's ``bench serve`` statistics of one latency, in ms (numpy's percentiles: linear)."""
-    if not xs:
-        return {f"{k}_{name}_ms": 0.0 for k in ("mean", "median", "std", "p99")}
-    ys = sorted(xs)
-
-    def pct(q: float) -> float:
-        pos = (len(ys) - 1) * q / 100
-        lo = math.floor(pos)
-        hi = min(lo + 1, len(ys) - 1)
-        return ys[lo] + (ys[hi] - ys[lo]) * (pos - lo)
-
-    mean = sum(ys) / len(ys)
-    std = math.sqrt(sum((y - mean) ** 2 for y in ys) / len(ys))
-    return {f"mean_{name}_ms": mean * 1e3, f"median_{name}_ms": pct(50) * 1e3, f"std_{name}_ms": std * 1e3,
-            f"p99_{name}_ms": pct(99) * 1e3}
 
 
 def simulate(cfg: Config, instances: int, trace: list[TraceRequest], net: Network | None = None,
@@ -603,16 +474,3 @@ def command(
         print_json(res)
         return
     out.print(result_block(res), markup=False, highlight=False)
-
-
-def result_block(res: dict) -> str:
-    from llumnixctl.experiments import bench_serve_figures
-
-    block = bench_serve_figures.result_block({**res, "prompt_token_mismatches": 0, "short_outputs": 0,
-                                      "migrations": {"committed": sum(v for k, v in res["migrations"].items()
-                                                                      if k.endswith("/committed")),
-                                                     "aborted": sum(v for k, v in res["migrations"].items()
-                                                                    if k.endswith("/aborted"))}})
-    extra = [f"{'Instances:':<40} {res['instances']}", f"{'Instance-seconds:':<40} {res['instance_seconds']:.1f}",
-             f"{'Simulated in (s, wall):':<40} {res['wall_s']:.2f}"]
-    return block.rstrip("=").rstrip() + "\n" + "\n".join(extra) + "\n" + "=" * 50
