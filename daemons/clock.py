@@ -122,9 +122,11 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         return LoopClock(self)
 
 
-def run_virtual(main: Callable[[VirtualTimeLoop], Awaitable[T]], start: float = 0.0) -> T:
-    """Run ``main(loop)`` to the end on a fresh virtual-time loop; tasks left running are cancelled."""
-    loop = VirtualTimeLoop(start)
+def run_virtual(main: Callable[[VirtualTimeLoop], Awaitable[T]], start: float = 0.0,
+                loop: VirtualTimeLoop | None = None) -> T:
+    """Run ``main(loop)`` to the end on a fresh virtual-time loop (or ``loop``, which is closed after);
+    tasks left running are cancelled."""
+    loop = loop or VirtualTimeLoop(start)
     try:
         asyncio.set_event_loop(loop)
         return loop.run_until_complete(main(loop))

@@ -307,9 +307,9 @@ class SimMigrations:
         self.hosts.append(inst.host)
         self.migrators.append(inst.migrator)
 
-    def close(self) -> None:
+    async def close(self) -> None:
         for migrator in self.migrators:
-            self.loop.run_until_complete(migrator.close())
+            await migrator.close()
         for host in self.hosts:
             host.close()
         self.zmq.destroy(linger=0)

@@ -4,11 +4,13 @@ and the cluster's own."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 
 def result_of(sim, wall_s: float) -> dict:
     """The figures of a finished simulation (its ``result``)."""
     done = [r for r in sim.requests.values() if r.finish]
+    mig = sim.migrations
     end = max((r.last for r in done), default=0.0)
     start = min((r.sent for r in sim.requests.values() if r.sent >= 0), default=0.0)
     duration = max(end - start, 1e-9)
@@ -31,15 +33,15 @@ def result_of(sim, wall_s: float) -> dict:
     out.update({
         "instances": sim.n_instances, "instance_seconds": seconds,
         "instances_at_end": sum(1 for i in sim.instances.values() if i.gone is None),
-        "scaling": {"out": sum(e["what"] == "out" for e in sim.scaling),
-                    "in": sum(e["what"] == "in" for e in sim.scaling), "events": sim.scaling},
-        "fragmentation": dict(sim.fragmentation),
+        "scaling": {"out": sum(e["what"] == "out" for e in sim.scaler.events),
+                    "in": sum(e["what"] == "in" for e in sim.scaler.events), "events": sim.scaler.events},
+        "fragmentation": dict(sim.fragmentation.counts),
         "preemptions": sum(ld.preemptions for ld in loads),
-        "migrations": dict(sorted(sim.outcomes.items())),
-        "migration_downtime_ms": stats_of("downtime", sim.downtimes)["mean_downtime_ms"] if sim.downtimes else None,
+        "migrations": dict(sorted(mig.outcomes.items())),
+        "migration_downtime_ms": stats_of("downtime", mig.downtimes)["mean_downtime_ms"] if mig.downtimes else None,
         "dispatch_policy": sim.mgr.dispatch_policy, "events": sim.events, "wall_s": wall_s,
         "leaked_blocks": sum(ld.blocks_used for ld in loads),
-        **sim.cache_figures(),
+        **sim.cache.figures(),
     })
     return out
 
@@ -73,3 +75,24 @@ def result_block(res: dict) -> str:
     extra = [f"{'Instances:':<40} {res['instances']}", f"{'Instance-seconds:':<40} {res['instance_seconds']:.1f}",
              f"{'Simulated in (s, wall):':<40} {res['wall_s']:.2f}"]
     return block.rstrip("=").rstrip() + "\n" + "\n".join(extra) + "\n" + "=" * 50
+
+
+class Fragmentation:
+    """Samples of the cluster's queue heads: ``counts`` of samples, of those where some queue head was
+    blocked for room, and of those where the cluster's free blocks together could hold one that no single
+    instance's can (fragmentation)."""
+
+    def __init__(self) -> None:
+        self.counts: Counter = Counter()
+
+    def sample(self, loads: list) -> list:
+        free = [ld.blocks_total - ld.blocks_used for ld in loads]
+        total = sum(free)
+        c = self.counts
+        c["samples"] += 1
+        blocked = [ld.hol_demand_blocks for ld, f in zip(loads, free) if ld.waiting and ld.hol_demand_blocks > f]
+        if blocked:
+            c["blocked"] += 1
+            if any(d <= total and all(f < d for f in free) for d in blocked):
+                c["fragmented"] += 1
+        return loads

@@ -47,7 +47,7 @@ import typer
 
 from daemons import manager as manager_module
 from daemons import wire
-from daemons.clock import LoopClock, VirtualTimeLoop
+from daemons.clock import LoopClock, VirtualTimeLoop, run_virtual
 from daemons.config import Config, ConfigError, load_config
 from daemons.requests import RequestTable
 from llumnixctl.common import ConfigOpt, JsonOpt, die, out, print_json
@@ -55,7 +55,7 @@ from llumnixctl.experiments.simcache import SimCache
 from llumnixctl.experiments.simmigrate import SimMigrations
 from llumnixctl.experiments.simparts import PROXY_ADDRESS, Network, SimulatedInstance, SimulatedRequest
 from llumnixctl.experiments.simproxy import SimProxy
-from llumnixctl.experiments.simresult import result_block, result_of, stats_of  # noqa: F401 (figs import stats_of here)
+from llumnixctl.experiments.simresult import Fragmentation, result_block, result_of, stats_of  # noqa: F401 (figs import stats_of here)
 from llumnixctl.experiments.simscale import SimScaling
 from llumnixctl.experiments.tracegen import TraceRequest
 
@@ -82,7 +82,7 @@ class Simulation:
         self.oracle = oracle
         self.sample_s = sample_s
         self.observers: list = []  # fn(kind, simulation, data): "dispatch", "step", "migration", "scale", "sample"
-        self.fragmentation = Counter()
+        self.fragmentation = Fragmentation()
         self.net = net or Network()
         self.trace = trace
         self.loop = VirtualTimeLoop()  # the simulation's events are its timers (daemons/clock.py)
@@ -108,7 +108,7 @@ class Simulation:
         """Call ``fn(kind, simulation, data)`` at each event of a kind: figures measure what they need."""
         self.observers.append(fn)
 
-    def _notify(self, kind: str, **data) -> None:
+    def notify(self, kind: str, **data) -> None:
         for fn in self.observers:
             fn(kind, self, data)
 
@@ -130,33 +130,25 @@ class Simulation:
         """The simulation, to the end of its last request; ``linger_s``: then that many virtual seconds more
         (what is on its way arrives: reports, cache batches)."""
         wall = time.perf_counter()
-        loop = self.loop
-        asyncio.set_event_loop(loop)
-        try:
-            self.mgr = manager_module.Manager(self.cfg, clock=self.clock)
-            self._finished = loop.create_future()
-            self.migrations = SimMigrations(self.cfg, self.net, loop, self.kv_bytes_per_token, self)
-            self.scaler = SimScaling(self.mgr, min(1.0, self.cfg.manager.heartbeat_interval_s), self.net.launch_s, self)
-            self.cache = SimCache(self.cfg, self.mgr, self.trace, self.net.report_lag_s, self.oracle, self)
-            try:
-                self._start()
-                if self._left:
-                    loop.run_until_complete(self._finished)
-                if linger_s > 0:
-                    loop.run_until_complete(asyncio.sleep(linger_s))
-            finally:
-                self.migrations.close()
-                self.mgr.sec.close()
-                self.mgr.ctx.destroy(linger=0)
-        finally:
-            pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
-            for t in pending:
-                t.cancel()
-            if pending:
-                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-            asyncio.set_event_loop(None)
-            loop.close()
+        run_virtual(lambda loop: self._main(linger_s), loop=self.loop)
         return self.result(time.perf_counter() - wall)
+
+    async def _main(self, linger_s: float) -> None:
+        self.mgr = manager_module.Manager(self.cfg, clock=self.clock)
+        self._finished = self.loop.create_future()
+        self.migrations = SimMigrations(self.cfg, self.net, self.loop, self.kv_bytes_per_token, self)
+        self.scaler = SimScaling(self.mgr, min(1.0, self.cfg.manager.heartbeat_interval_s), self.net.launch_s, self)
+        self.cache = SimCache(self.cfg, self.mgr, self.trace, self.net.report_lag_s, self.oracle, self)
+        try:
+            self._start()
+            if self._left:
+                await self._finished
+            if linger_s > 0:
+                await asyncio.sleep(linger_s)
+        finally:
+            await self.migrations.close()
+            self.mgr.sec.close()
+            self.mgr.ctx.destroy(linger=0)
 
     def _start(self) -> None:
         self.instances: dict[str, SimulatedInstance] = {}
@@ -192,19 +184,8 @@ class Simulation:
         return inst
 
     def _sample(self) -> None:
-        """Fragmentation: queue heads blocked for room, and those the cluster's free blocks could hold."""
-        live = [i for i in self.instances.values() if i.gone is None]
-        loads = [i.engine.load() for i in live]
-        free = [ld.blocks_total - ld.blocks_used for ld in loads]
-        total = sum(free)
-        c = self.fragmentation
-        c["samples"] += 1
-        blocked = [ld.hol_demand_blocks for ld, f in zip(loads, free) if ld.waiting and ld.hol_demand_blocks > f]
-        if blocked:
-            c["blocked"] += 1
-            if any(d <= total and all(f < d for f in free) for d in blocked):
-                c["fragmented"] += 1
-        self._notify("sample", loads=loads)
+        loads = self.fragmentation.sample([i.engine.load() for i in self.instances.values() if i.gone is None])
+        self.notify("sample", loads=loads)
         if self._left:
             self.at(self.now + self.sample_s, self._sample)
 
@@ -224,7 +205,7 @@ class Simulation:
             if iid is not None:
                 proxy.sent(iid, tr.prompt_tokens)
                 req.dispatches += 1
-                self._notify("dispatch", request=rid, instance=iid)
+                self.notify("dispatch", request=rid, instance=iid)
                 self.at(self.now + self.net.dispatch_rtt_s / 2, self.mgr.on_dispatched,
                         wire.Dispatched(rid, iid, tr.prompt_tokens, prio))
                 self.at(self.now + self.net.submit_s, self._submit, rid, iid)
@@ -234,8 +215,8 @@ class Simulation:
     def _poll_snapshot(self) -> None:
         """The proxy asks the manager for its view every proxy.snapshot_interval_s; the answer comes a round
         trip later."""
-        snap = self.mgr.snapshot(next(self._qid), PROXY_ADDRESS)
-        self.at(self.now + self.net.dispatch_rtt_s, self.proxy.on_snapshot, snap)
+        self.at(self.now + self.net.dispatch_rtt_s, self.proxy.on_snapshot,
+                self.mgr.snapshot(next(self._qid), PROXY_ADDRESS))
         if self._left:
             self.at(self.now + self.cfg.proxy.snapshot_interval_s, self._poll_snapshot)
 
@@ -252,7 +233,7 @@ class Simulation:
                 return self._fail(req, reply.reason or "no instance")
             iid = reply.instance_id
         req.dispatches += 1
-        self._notify("dispatch", request=rid, instance=iid)
+        self.notify("dispatch", request=rid, instance=iid)
         self.at(self.now + self.net.dispatch_rtt_s / 2 + self.net.submit_s, self._submit, rid, iid)
 
     def _submit(self, rid: str, iid: str) -> None:
@@ -323,7 +304,7 @@ class Simulation:
         self._changed(inst)
         self._kick(inst)
         inst.migrator.stepped(inst.free_at - inst.step_start)  # paces a migration's pre-copy
-        self._notify("step", instance=inst, outputs=outputs)
+        self.notify("step", instance=inst, outputs=outputs)
         self.scaler.maybe_gone(inst)
 
     def _changed(self, inst: SimulatedInstance) -> None:
@@ -366,36 +347,15 @@ class Simulation:
     def redispatch(self, request_id: str, src: str) -> None:
         self.at(self.now + self.net.message_s, self._arrive, request_id, (src,))
 
-    def notify(self, kind: str, **data) -> None:
-        self._notify(kind, **data)
-
     def maybe_gone(self, inst: SimulatedInstance) -> None:
         self.scaler.maybe_gone(inst)
 
     def arrive(self, request_id: str) -> None:
         self._arrive(request_id, ())
 
-    @property
-    def scaling(self) -> list[dict]:
-        return self.scaler.events
-
-    def cache_figures(self) -> dict:
-        return self.cache.figures()
 
     def count_orders(self, src: str, dst: str, n: int) -> None:
         self.mgr.resched.count_orders(src, dst, n)
-
-    @property
-    def outcomes(self) -> Counter:
-        return self.migrations.outcomes
-
-    @property
-    def downtimes(self) -> list[float]:
-        return self.migrations.downtimes
-
-    @property
-    def copies(self) -> list[tuple[float, float, int, str]]:
-        return self.migrations.copies
 
     # ------------------------------------------------------------------ figures
 

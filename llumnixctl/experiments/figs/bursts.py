@@ -49,7 +49,7 @@ PAPER = {
 
 
 class BurstSimulation(Simulation):
-    """The simulation; every KV copy (start, duration, bytes, source instance) is in its ``copies``, as the
+    """The simulation; every KV copy (start, duration, bytes, source instance) is in its ``migrations.copies``, as the
     migrators' transfers ran (simmigrate.SimKv)."""
 
 
@@ -89,7 +89,7 @@ class BurstObserver:
             _spread(inflight, s, e, e - s)
         total = [0.0] * nb
         by_src: dict[str, list[float]] = defaultdict(lambda: [0.0] * nb)
-        for t0, dt, nbytes, src in sim.copies:
+        for t0, dt, nbytes, src in sim.migrations.copies:
             _spread(total, t0, t0 + dt, nbytes)
             _spread(by_src[src], t0, t0 + dt, nbytes)
         arrivals = [0] * nb
@@ -106,7 +106,7 @@ class BurstObserver:
             "in_flight_peak_mean_over_1s": round(max(inflight), 2),
             "kv_bytes_per_s_peak": round(total[kb]), "kv_bytes_per_s_peak_at_s": kb * BIN_S,
             "kv_gbit_per_s_peak": round(total[kb] * 8 / 1e9, 2),
-            "kv_bytes_total": sum(c[2] for c in sim.copies),
+            "kv_bytes_total": sum(c[2] for c in sim.migrations.copies),
             "egress_bytes_per_s_peak_per_instance": round(max((max(v) for v in by_src.values()), default=0) / BIN_S),
             "arrivals_per_s_peak": max(arrivals) / BIN_S,
             "series": {"bin_s": BIN_S, "arrivals": arrivals, "in_flight": [round(x, 2) for x in inflight],
