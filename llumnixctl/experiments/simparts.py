@@ -51,9 +51,6 @@ class SimulatedInstance:
     free_at: float = 0.0
     step_start: float = 0.0
     taken: int = 0  # Submits from the proxy taken in (its heartbeats say so)
-    seq: int = 0
-    last_report: float = -1e9
-    report_due: bool = False
     boundary: list = field(default_factory=list)  # (callable, future): the migrator's calls for the next boundary
     table: object = None  # its request table (daemons/requests.py)
     migrator: object = None  # its own daemons.migration.Migrator
@@ -88,3 +85,14 @@ def _run_call(fn, fut: asyncio.Future) -> None:
         fut.set_result(fn())
     except Exception as exc:  # to the migration that asked (an EngineError, say: it names the outcome)
         fut.set_exception(exc)
+
+
+def kv_bytes_per_token(sim, net: Network) -> int:
+    """KV bytes per token: the network's if set, else the latency profile's (``sim.profile``), else the sim
+    settings' KV shape (``net.kv_bytes_per_token`` takes the profile's)."""
+    if not net.kv_bytes_per_token and sim.profile:
+        from daemons.engine.profile import LatencyProfile
+
+        net.kv_bytes_per_token = LatencyProfile.load(sim.profile).kv_bytes_per_token
+    return net.kv_bytes_per_token or (
+        sim.kv_layers * 2 * sim.kv_heads * sim.head_dim * (4 if sim.kv_dtype == "float32" else 2))

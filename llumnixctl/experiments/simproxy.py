@@ -12,6 +12,8 @@ several proxies, the liveness of connections (simulated instances do not fail).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import msgspec
 
 from daemons import policy, wire
@@ -27,12 +29,25 @@ class SimProxy:
     def __init__(self, cfg: Config, clock: Clock) -> None:
         self.clock = clock
         self.headroom = cfg.scheduling.high_priority_headroom
+        self.interval_s = cfg.proxy.snapshot_interval_s
         self.view = DispatchView(cfg.manager.pending_dispatch_ttl_s, self.headroom, clock.monotonic)
         self.snapshot: list[wire.InstanceView] = []
         self.policy = cfg.manager.dispatch_policy
         self.rank, self.proxies = 0, 1
         self.beats: dict[str, wire.Heartbeat] = {}
         self.turn = 0
+
+    def start(self, snapshot: Callable[[], wire.Snapshot], rtt_s: float, at: Callable, going: Callable[[], bool]) -> None:
+        """Ask for a ``snapshot()`` every proxy.snapshot_interval_s (``at(t, fn, *args)`` schedules) while
+        ``going()``; each answer comes ``rtt_s`` later."""
+
+        def poll() -> None:
+            now = self.clock.monotonic()
+            at(now + rtt_s, self.on_snapshot, snapshot())
+            if going():
+                at(now + self.interval_s, poll)
+
+        at(self.clock.monotonic(), poll)
 
     def ready(self) -> bool:
         """It has a snapshot, and its policy is one it applies itself."""

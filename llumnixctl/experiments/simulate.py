@@ -14,7 +14,7 @@ re-implements a policy or a scheduler:
   instance's own ``migrants_for`` and ``keep_for``;
 - load reports go out as the instance sends them (on change, at most every
   ``instance.load_report_min_interval_s``, and every heartbeat) and reach the manager ``--report-lag-ms``
-  later;
+  later (simreports.py);
 - with ``proxy.dispatch = local`` (the default) the proxy chooses each request's instance with its own
   dispatch view, from the manager's snapshots and the instances' heartbeats, and the request reaches its
   instance ``Network.submit_s`` after it arrived (llumnixctl/experiments/simproxy.py); with ``manager`` (and
@@ -53,8 +53,10 @@ from daemons.requests import RequestTable
 from llumnixctl.common import ConfigOpt, JsonOpt, die, out, print_json
 from llumnixctl.experiments.simcache import SimCache
 from llumnixctl.experiments.simmigrate import SimMigrations
-from llumnixctl.experiments.simparts import PROXY_ADDRESS, Network, SimulatedInstance, SimulatedRequest
+from llumnixctl.experiments.simparts import (PROXY_ADDRESS, Network, SimulatedInstance, SimulatedRequest,
+                                             kv_bytes_per_token)
 from llumnixctl.experiments.simproxy import SimProxy
+from llumnixctl.experiments.simreports import SimReports
 from llumnixctl.experiments.simresult import Fragmentation, result_block, result_of, stats_of  # noqa: F401 (figs import stats_of here)
 from llumnixctl.experiments.simscale import SimScaling
 from llumnixctl.experiments.tracegen import TraceRequest
@@ -94,13 +96,7 @@ class Simulation:
         self.events = 0
         self._qid = itertools.count(1)
         self.n_instances = instances
-        sim = cfg.sim
-        if not self.net.kv_bytes_per_token and sim.profile:
-            from daemons.engine.profile import LatencyProfile
-
-            self.net.kv_bytes_per_token = LatencyProfile.load(sim.profile).kv_bytes_per_token
-        self.kv_bytes_per_token = self.net.kv_bytes_per_token or (
-            sim.kv_layers * 2 * sim.kv_heads * sim.head_dim * (4 if sim.kv_dtype == "float32" else 2))
+        self.kv_bytes_per_token = kv_bytes_per_token(cfg.sim, self.net)
 
     # ------------------------------------------------------------------ the event loop
 
@@ -139,6 +135,7 @@ class Simulation:
         self.migrations = SimMigrations(self.cfg, self.net, self.loop, self.kv_bytes_per_token, self)
         self.scaler = SimScaling(self.mgr, min(1.0, self.cfg.manager.heartbeat_interval_s), self.net.launch_s, self)
         self.cache = SimCache(self.cfg, self.mgr, self.trace, self.net.report_lag_s, self.oracle, self)
+        self.reports = SimReports(self.cfg, self.net.report_lag_s, self.mgr, self.proxy, self.cache.batch, self)
         try:
             self._start()
             if self._left:
@@ -167,7 +164,8 @@ class Simulation:
                 self.at(tr.arrival_s, self._arrive, rid, ())
         self.at(self.cfg.scheduling.migration_interval_s, self._pair)
         if self.proxy is not None:
-            self.at(0.0, self._poll_snapshot)
+            self.proxy.start(lambda: self.mgr.snapshot(next(self._qid), PROXY_ADDRESS), self.net.dispatch_rtt_s,
+                             self.at, lambda: self._left > 0)
 
     def add_instance(self) -> SimulatedInstance:
         iid = f"i{next(self._next_index)}"
@@ -179,8 +177,7 @@ class Simulation:
         self.mgr.on_register(inst.ident, wire.Register(
             iid, self.cfg.instance.host or "sim", 0, f"inproc://sim-{iid}", "sim", self.cfg.model.name, inst.engine.load(),
             max_model_len=self.cfg.model.max_model_len))
-        beat = self.cfg.manager.heartbeat_interval_s
-        self.at(self.now + beat * (1 + len(self.instances) % 7) / 7, self._heartbeat, inst)
+        self.reports.start(inst, self.cfg.manager.heartbeat_interval_s * (1 + len(self.instances) % 7) / 7)
         return inst
 
     def _sample(self) -> None:
@@ -212,14 +209,6 @@ class Simulation:
                 return
         self.at(self.now + self.net.dispatch_rtt_s / 2, self._dispatch, rid, exclude)
 
-    def _poll_snapshot(self) -> None:
-        """The proxy asks the manager for its view every proxy.snapshot_interval_s; the answer comes a round
-        trip later."""
-        self.at(self.now + self.net.dispatch_rtt_s, self.proxy.on_snapshot,
-                self.mgr.snapshot(next(self._qid), PROXY_ADDRESS))
-        if self._left:
-            self.at(self.now + self.cfg.proxy.snapshot_interval_s, self._poll_snapshot)
-
     def _dispatch(self, rid: str, exclude: tuple) -> None:
         req = self.requests[rid]
         tr = req.trace
@@ -250,7 +239,7 @@ class Simulation:
         req.owner = iid
         inst.taken += 1
         inst.table.admit(rid, PROXY_ADDRESS, 1)
-        self._changed(inst)
+        self.reports.changed(inst)
         self._kick(inst)
 
     def _fail(self, req: SimulatedRequest, why: str) -> None:
@@ -275,7 +264,7 @@ class Simulation:
 
     def _step(self, inst: SimulatedInstance) -> None:
         if inst.run_boundary():  # what waited for a step boundary (the migrator's engine calls)
-            self._changed(inst)
+            self.reports.changed(inst)
         if not inst.engine.has_work():
             inst.stepping = False
             return
@@ -301,47 +290,16 @@ class Simulation:
                 self._left -= 1
                 self.cache.turn_ended(req)
         inst.stepping = False
-        self._changed(inst)
+        self.reports.changed(inst)
         self._kick(inst)
         inst.migrator.stepped(inst.free_at - inst.step_start)  # paces a migration's pre-copy
         self.notify("step", instance=inst, outputs=outputs)
         self.scaler.maybe_gone(inst)
 
-    def _changed(self, inst: SimulatedInstance) -> None:
-        """Its load changed: report now, or as soon as the minimum interval allows."""
-        if inst.report_due:
-            return
-        due = inst.last_report + self.cfg.instance.load_report_min_interval_s
-        if due <= self.now:
-            self._report(inst)
-        else:
-            inst.report_due = True
-            self.at(due, self._report, inst)
-
-    def _heartbeat(self, inst: SimulatedInstance) -> None:
-        if inst.gone is not None:
-            return
-        if self.now - inst.last_report >= self.cfg.manager.heartbeat_interval_s * 0.99:
-            self._report(inst)
-        self.at(self.now + self.cfg.manager.heartbeat_interval_s, self._heartbeat, inst)
-
-    def _report(self, inst: SimulatedInstance) -> None:
-        inst.report_due = False
-        if inst.gone is not None:
-            return
-        inst.last_report = self.now
-        inst.seq += 1
-        load = inst.engine.load()
-        msg = wire.LoadReport(inst.iid, inst.seq, load, *self.cache.batch(inst))
-        self.at(self.now + self.net.report_lag_s, self.mgr.on_report, inst.ident, msg)
-        if self.proxy is not None:  # the same load in its heartbeat to the proxy
-            beat = wire.Heartbeat(inst.iid, inst.host.request_address, True, load, not inst.retiring, inst.taken)
-            self.at(self.now + self.net.report_lag_s, self.proxy.on_heartbeat, beat)
-
     # ------------------------------------------------------------------ what migrations need (simmigrate.Site)
 
     def woken(self, inst: SimulatedInstance) -> None:
-        self._changed(inst)
+        self.reports.changed(inst)
         self._kick(inst)
 
     def redispatch(self, request_id: str, src: str) -> None:
@@ -352,7 +310,6 @@ class Simulation:
 
     def arrive(self, request_id: str) -> None:
         self._arrive(request_id, ())
-
 
     def count_orders(self, src: str, dst: str, n: int) -> None:
         self.mgr.resched.count_orders(src, dst, n)
