@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass
 from typing import Callable
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
+
+from daemons.clock import Clock
 
 log = logging.getLogger("llumnix.links")
 
@@ -55,9 +56,10 @@ class LinkWatch:
     """The connection state of each watched peer, by key (an address)."""
 
     def __init__(self, timeout_s: float, on_change: Callable[[str, str], None] | None = None,
-                 on_heal: Callable[[str], None] | None = None):
+                 on_heal: Callable[[str], None] | None = None, clock: Clock | None = None):
         """``on_change(key, state)``: a link's state changed; ``on_heal(key)``: a drop that a reconnection
-        healed (the state stayed UP)."""
+        healed (the state stayed UP); ``clock``: its owner's (default: the real one)."""
+        self.clock = clock or Clock()
         self.timeout_s = timeout_s
         self.on_change = on_change
         self.on_heal = on_heal
@@ -82,7 +84,7 @@ class LinkWatch:
         self.forget(key)
         mon = sock.get_monitor_socket(_EVENTS)
         self._state[key] = UNKNOWN
-        self._since[key] = time.monotonic()
+        self._since[key] = self.clock.monotonic()
         self._tasks[key] = (sock, asyncio.get_running_loop().create_task(self._follow(key, mon)))
 
     def state(self, key: str) -> str:
@@ -92,7 +94,7 @@ class LinkWatch:
         """Seconds the link has been down (0 unless it is DOWN)."""
         if self._state.get(key) != DOWN:
             return 0.0
-        return (time.monotonic() if now is None else now) - self._since.get(key, 0.0)
+        return (self.clock.monotonic() if now is None else now) - self._since.get(key, 0.0)
 
     def forget(self, key: str) -> None:
         self._undrop(key)
@@ -116,7 +118,7 @@ class LinkWatch:
         if self._state.get(key) == state:
             return
         self._state[key] = state
-        self._since[key] = time.monotonic()
+        self._since[key] = self.clock.monotonic()
         if self.on_change is not None:
             self.on_change(key, state)
 
@@ -137,15 +139,14 @@ class LinkWatch:
         drop = self._dropped.get(key)
         if drop is None:
             return
-        if time.monotonic() - due > LATE_S:
+        if self.clock.monotonic() - due > LATE_S:
             # We were stalled ourselves: what arrived meanwhile is read first (this runs before it).
             grace = min(self.timeout_s, REGRACE_S)
-            drop.timer = asyncio.get_running_loop().call_later(grace, self._expire, key, time.monotonic() + grace)
+            drop.timer = self.clock.call_later(grace, self._expire, key, self.clock.monotonic() + grace)
             return
-        self._down(key, f"no reconnection completed within {(time.monotonic() - drop.since):.1f}s")
+        self._down(key, f"no reconnection completed within {(self.clock.monotonic() - drop.since):.1f}s")
 
     async def _follow(self, key: str, mon) -> None:
-        loop = asyncio.get_running_loop()
         try:
             while True:
                 event = parse_monitor_message(await mon.recv_multipart())["event"]
@@ -155,15 +156,15 @@ class LinkWatch:
                         self.came_back += 1
                         log.warning("connection to %s dropped (no keepalive answer for %gs) and came back after "
                                     "%.0f ms: its process is there (this host or the peer's stalled)", key,
-                                    self.timeout_s, (time.monotonic() - since) * 1000)
+                                    self.timeout_s, (self.clock.monotonic() - since) * 1000)
                         if self.on_heal is not None:
                             self.on_heal(key)
                     self._set(key, UP)
                 elif event == zmq.EVENT_DISCONNECTED:
                     # Before any handshake a refused or failed connection says nothing of the peer's process.
                     if self._state.get(key) == UP and key not in self._dropped:
-                        now = time.monotonic()
-                        self._dropped[key] = _Drop(now, loop.call_later(self.timeout_s, self._expire, key,
+                        now = self.clock.monotonic()
+                        self._dropped[key] = _Drop(now, self.clock.call_later(self.timeout_s, self._expire, key,
                                                                         now + self.timeout_s))
                 elif event == zmq.EVENT_CONNECT_RETRIED and key in self._dropped:
                     # ZeroMQ says so when it schedules a reconnection: once right after the drop, then again

@@ -80,8 +80,14 @@ def compare(trace: list[trace_mod.TraceRequest], instances: int = 4, sets: list[
     real = real_run(trace, instances, sets)
     logging.getLogger("llumnix").setLevel(logging.WARNING)
     cal = real["calibration"]
-    net = net or Network(dispatch_rtt_s=cal["dispatch_s"], submit_s=0.0, step_overhead_s=cal["step_s"])
-    sim = simulate(load_config(None, sets), instances, trace, net)
+    cfg = load_config(None, sets)
+    # The fixed cost before the instance has the request: the manager's round trip where the proxy asks it,
+    # else (proxy.dispatch = local, the default) the way to the instance.
+    if cfg.proxy.dispatch == "local":
+        net = net or Network(dispatch_rtt_s=cal["dispatch_s"], submit_s=cal["dispatch_s"], step_overhead_s=cal["step_s"])
+    else:
+        net = net or Network(dispatch_rtt_s=cal["dispatch_s"], submit_s=0.0, step_overhead_s=cal["step_s"])
+    sim = simulate(cfg, instances, trace, net)
     rel = {k: (sim[k] - real[k]) / real[k] if real[k] else None for k in KEYS}
     agree = (rel["mean_ttft_ms"] is not None and abs(rel["mean_ttft_ms"]) <= 0.10
              and rel["p99_ttft_ms"] is not None and abs(rel["p99_ttft_ms"]) <= 0.20)

@@ -14,23 +14,42 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol
+
 from daemons import policy, prefix, wire
 from llumnixctl.experiments import tracecache
+
+if TYPE_CHECKING:
+    from daemons.manager import Manager
 
 VOCAB = 32000  # prompt ids are drawn below this (the sim engine takes any ids)
 
 
-class CacheMixin:
-    """Of Simulation: uses ``cfg``, ``mgr``, ``clock``, ``net``, ``instances``, ``requests``, ``at``."""
+class Site(Protocol):
+    """What the cache's parts need of the simulation."""
 
-    def _cache_start(self) -> None:
-        self.caching = self.cfg.sim.prefix_caching
-        self.cache_keys = self.caching and self.cfg.manager.dispatch_policy == "llumnix-cache"
+    instances: Mapping  # instance id -> SimulatedInstance
+    requests: Mapping  # request id -> SimulatedRequest
+    now: float
+
+    def at(self, t: float, fn: Callable, *args) -> None: ...
+
+    def arrive(self, request_id: str) -> None: ...  # a request is sent to the proxy
+
+
+class SimCache:
+    """Owns the cache settings in force, the sessions' order of turns (``later_turns``: the turns sent only
+    once the one before ended) and the oracle's count; each instance's ``Publisher`` is the instance's."""
+
+    def __init__(self, cfg, mgr: Manager, trace: list, report_lag_s: float, oracle: bool, site: Site) -> None:
+        self.cfg, self.mgr, self.report_lag_s, self.oracle, self.site = cfg, mgr, report_lag_s, oracle, site
+        self.caching = cfg.sim.prefix_caching
+        self.cache_keys = self.caching and cfg.manager.dispatch_policy == "llumnix-cache"
         self.by_cache = 0
         if self.caching:
-            self.mgr.cache_index._ask = self._cache_sync
-        prev = tracecache.previous_turns(self.trace)
-        at = {tr.index: k for k, tr in enumerate(self.trace)}  # a request's id is r<its place in the trace>
+            mgr.cache_index._ask = self.sync
+        prev = tracecache.previous_turns(trace)
+        at = {tr.index: k for k, tr in enumerate(trace)}  # a request's id is r<its place in the trace>
         self.next_turn = {f"r{at[p]}": f"r{at[i]}" for i, p in prev.items()}  # turn -> the turn after it
         self.later_turns = {f"r{at[i]}" for i in prev}
 
@@ -46,18 +65,19 @@ class CacheMixin:
             req.keys = prefix.keys(prefix.block_hashes(self.prompt_of(req), self.cfg.sim.block_size))
         return req.keys
 
-    def _turn_ended(self, req) -> None:
+    def turn_ended(self, req) -> None:
         """A request finished or failed: its session's next turn is sent after its think time."""
         nxt = self.next_turn.get(req.rid)
         if nxt is not None:
-            self.at(self.clock.now + self.requests[nxt].trace.think_s, self._arrive, nxt, ())
+            site = self.site
+            site.at(site.now + site.requests[nxt].trace.think_s, site.arrive, nxt)
 
     # ------------------------------------------------------------------ publication
 
-    def _publisher(self, inst) -> None:
+    def publisher(self, inst) -> None:
         inst.pub = prefix.Publisher(inst.iid, epoch=int(inst.iid[1:]) + 1) if inst.engine.cache is not None else None
 
-    def _cache_batch(self, inst) -> tuple:
+    def batch(self, inst) -> tuple:
         """Before a load report: the changes since the last one go to the manager (first); the report's
         (epoch, seq)."""
         pub = inst.pub
@@ -66,35 +86,36 @@ class CacheMixin:
         pub.add(inst.engine.cache_events())
         batch = pub.take()
         if batch is not None:
-            self.at(self.clock.now + self.net.report_lag_s, self.mgr.on_cache_events, inst.ident, batch)
+            self.site.at(self.site.now + self.report_lag_s, self.mgr.on_cache_events, inst.ident, batch)
         return pub.epoch, pub.seq
 
-    def _cache_sync(self, instance_id: str) -> None:
+    def sync(self, instance_id: str) -> None:
         """The manager asks an instance for its whole cache: it answers one lag later."""
-        inst = self.instances.get(instance_id)
+        site = self.site
+        inst = site.instances.get(instance_id)
         if inst is None or inst.pub is None or inst.gone is not None:
             return
 
         def answer() -> None:
             inst.pub.add(inst.engine.cache_events())
-            self.at(self.clock.now + self.net.report_lag_s, self.mgr.on_cache_events, inst.ident,
+            site.at(site.now + self.report_lag_s, self.mgr.on_cache_events, inst.ident,
                     inst.pub.full(inst.engine.cache_snapshot()))
 
-        self.at(self.clock.now + self.net.report_lag_s, answer)
+        site.at(site.now + self.report_lag_s, answer)
 
     # ------------------------------------------------------------------ the oracle
 
-    def _oracle_choice(self, req) -> str | None:
+    def oracle_choice(self, req) -> str | None:
         keys = self.keys_of(req)
         truth = {}
-        for iid, inst in self.instances.items():
+        for iid, inst in self.site.instances.items():
             if inst.gone is None and not inst.retiring and inst.engine.cache is not None:
                 n = inst.engine.cache.leading(keys)
                 if n:
                     truth[iid] = n
         if not truth:
             return None
-        states = {s.instance_id: s for s in self.mgr.states(self.clock.now) if s.dispatchable}
+        states = {s.instance_id: s for s in self.mgr.states(self.site.now) if s.dispatchable}
         score = policy.scorer("llumnix", self.cfg.scheduling.high_priority_headroom)
         ranked = [(n, score(states[iid]), iid) for iid, n in truth.items() if iid in states]
         if not ranked:
@@ -105,10 +126,10 @@ class CacheMixin:
         self.mgr.on_dispatched(wire.Dispatched(req.rid, iid, tr.prompt_tokens, 1 if tr.priority == "high" else 0))
         return iid
 
-    def cache_figures(self) -> dict:
+    def figures(self) -> dict:
         q = h = 0
         per = {}
-        for iid, inst in self.instances.items():
+        for iid, inst in self.site.instances.items():
             c = inst.engine.cache
             if c is not None:
                 q += c.query_tokens

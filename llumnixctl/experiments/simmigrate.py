@@ -1,122 +1,364 @@
-"""The simulator's migrations (llumnixctl/experiments/simulate.py): the source's request selection and the
-stage plan are the daemons' own (daemons/instance/selection.py, daemons/stages.py); copies and messages take
-the virtual time the ``Network`` says."""
+"""The simulator's migrations (llumnixctl/experiments/simulate.py): each simulated instance runs the daemons'
+own ``Migrator`` (daemons/migration/: the source's ``Move`` state machine, the destination's side, their
+messages and timeouts) on the simulation's virtual time. The source's request selection is the instance's
+(``keep_for``, ``migrants_for``). What the simulator provides is what a migrator needs of its instance and
+of the network:
+
+- ``SimHost``: the migrator's ``Host`` (daemons/migration/records.py): its request socket (a ROUTER on
+  ZeroMQ's in-process transport) through which peers' messages arrive ``Network.message_s`` after they were
+  sent, and answers leave as late; the step boundary (its engine calls run between two simulated steps);
+  its request table (daemons/requests.py), through whose verbs a migration hands a request over.
+- ``SimKv``: the KV transport (``source_pair``, ``dest_pair``, ``forget``, ``close``, ``address``): a pair's
+  ``send`` and ``recv`` meet in the order they were posted and complete when a copy of that many bytes at
+  ``Network.kv_gbps`` (under the migrator's own rate limit) would. No bytes move: the sim engines keep no
+  KV tensors, ``SimLayout`` stands for their layout.
+"""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-from typing import TYPE_CHECKING
+import asyncio
+import itertools
+from collections import Counter, deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol
 
-from daemons import stages, wire
+import zmq
+
+from daemons import runtime, security, wire
 
 if TYPE_CHECKING:
-    from llumnixctl.experiments.simulate import SimulatedInstance
+    from llumnixctl.experiments.simparts import SimulatedInstance
 
 
-def engine_error() -> type[Exception]:
-    from daemons.engine.base import EngineError  # (torch: only once a simulation runs)
+@dataclass
+class SimLayout:
+    """A sim engine's KV layout without tensors: what a migration reads of ``engine.kv_blocks()``."""
 
-    return EngineError
+    block_nbytes: int
+    bytes_per_token: int
+    spec: str = "engine=sim"
+    token_slots: bool = True  # the last stage sends only the written slots of its partial block
 
 
-class MigrationMixin:
-    """Of the Simulation: runs the manager's orders as the daemons would, stage by stage."""
+class SimPair:
+    def __init__(self, kv: SimKv, key: str, src: str) -> None:
+        self.kv, self.key, self.src = kv, key, src
 
-    def _order(self, src: SimulatedInstance, start: wire.MigrateStart) -> None:
+    def _nbytes(self, layout: SimLayout, block_ids: list[int], tail_tokens: int) -> int:
+        whole = len(block_ids) - (1 if tail_tokens else 0)
+        return whole * layout.block_nbytes + tail_tokens * layout.bytes_per_token
+
+    def send(self, kv: SimLayout, block_ids: list[int], chunk_blocks: int, limit_bytes_s: float = 0.0,
+             tail_tokens: int = 0, duty=None, one_message: bool = False) -> Future:
+        fut: Future = Future()
+        rate = limit_bytes_s if 0 < limit_bytes_s < self.kv.bytes_per_s else self.kv.bytes_per_s
+        if duty is not None:
+            rate *= max(duty(), 1e-3)  # a paced pre-copy sends that share of the time
+        self.kv.hub.post(self.key, "send", (self._nbytes(kv, block_ids, tail_tokens), rate, self.src, fut))
+        return fut
+
+    def recv(self, kv: SimLayout, block_ids: list[int], chunk_blocks: int, tail_tokens: int = 0,
+             one_message: bool = False) -> Future:
+        fut: Future = Future()
+        self.kv.hub.post(self.key, "recv", (self._nbytes(kv, block_ids, tail_tokens), fut))
+        return fut
+
+
+class SimKvHub:
+    """The pairs of every simulated instance, by key; ``on_copy(start, seconds, bytes, source)`` for each copy."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, bytes_per_s: float, on_copy: Callable) -> None:
+        self.loop, self.bytes_per_s, self.on_copy = loop, bytes_per_s, on_copy
+        self.sends: dict[str, deque] = {}
+        self.recvs: dict[str, deque] = {}
+        self.ids = itertools.count(1)
+
+    def post(self, key: str, side: str, item) -> None:
+        (self.sends if side == "send" else self.recvs).setdefault(key, deque()).append(item)
+        sends, recvs = self.sends.get(key), self.recvs.get(key)
+        while sends and recvs:
+            (nbytes, rate, src, done_send), (want, done_recv) = sends.popleft(), recvs.popleft()
+            if nbytes != want:
+                err = RuntimeError(f"a pair's send of {nbytes} bytes met a receive of {want}")
+                done_send.set_exception(err)
+                done_recv.set_exception(err)
+                continue
+            dt = nbytes / rate if rate > 0 else 0.0
+            self.on_copy(self.loop.time(), dt, nbytes, src)
+            self.loop.call_later(dt, self._done, nbytes, done_send, done_recv)
+
+    @staticmethod
+    def _done(nbytes: int, *futs: Future) -> None:
+        for fut in futs:
+            if not fut.done():
+                fut.set_result(nbytes)
+
+    def drop(self, key: str) -> None:
+        for side in (self.sends, self.recvs):
+            for item in side.pop(key, ()):
+                fut = item[-1]
+                if not fut.done():
+                    fut.set_exception(RuntimeError("the pair was closed"))
+
+
+class SimKv:
+    """One simulated instance's end of the KV transport."""
+
+    def __init__(self, hub: SimKvHub, name: str) -> None:
+        self.hub, self.name = hub, name
+        self.address = f"sim:{name}"
+        self.bytes_per_s = hub.bytes_per_s
+        self.pairs: dict[str, SimPair] = {}
+
+    def source_pair(self, me: str, peer: str, peer_address: str = "") -> SimPair:
+        pair = self.pairs.get(peer)
+        if pair is None:
+            pair = self.pairs[peer] = SimPair(self, f"{me}>{peer}/{next(self.hub.ids)}", me)
+        return pair
+
+    def dest_pair(self, key: str, store_address: str) -> SimPair:
+        pair = self.pairs.get(key)
+        if pair is None:
+            pair = self.pairs[key] = SimPair(self, key, "")
+        return pair
+
+    def forget(self, name: str) -> None:
+        pair = self.pairs.pop(name, None)
+        if pair is not None:
+            self.hub.drop(pair.key)
+
+    def close(self) -> None:
+        for name in list(self.pairs):
+            self.forget(name)
+
+
+class _Proxies:
+    def seen(self, address: str) -> None:  # (no proxies to watch in the simulation)
+        pass
+
+
+class _Wake:
+    """The host's ``wake``: the migrator sets it when the engine has something new (a commit, a resume)."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.set = fn
+
+
+class SimHost:
+    """What a migrator needs of its simulated instance (daemons/migration/records.py's ``Host``). Owns the
+    instance's request socket; ``deliver(identity, msg)`` gets its peers' messages (the migrator's
+    ``on_peer_message``), ``moved(request_id, instance_id)`` the moves it announces, ``wake()`` and
+    ``abort_local(request_id)`` what the migrator tells the instance."""
+
+    def __init__(self, instance_id: str, ctx: zmq.asyncio.Context, sec_cfg, message_s: float,
+                 loop: asyncio.AbstractEventLoop, moved: Callable[[str, str], None], wake: Callable[[], None],
+                 abort_local: Callable[[str], None]) -> None:
+        self.ctx = ctx
+        self.sec = security.Security(sec_cfg, "instance", ctx)
+        self.instance_id = instance_id
+        self.request_address = f"inproc://sim-{instance_id}"
+        self.accepting = True
+        self.draining = ""
+        self.wake = _Wake(wake)
+        self.proxies = _Proxies()
+        self.message_s = message_s
+        self.loop = loop
+        self._moved, self._abort = moved, abort_local
+        self.deliver: Callable[[bytes, wire.Message], None] | None = None
+        self.router = self.sec.server(runtime.tune(ctx.socket(zmq.ROUTER)), "instance")
+        self.router.bind(self.request_address)
+        self.reader = loop.create_task(self._read())
+
+    async def _read(self) -> None:
+        """Peers' messages, delivered one message latency after they arrived."""
+        try:
+            while True:
+                identity, frame = await self.router.recv_multipart()
+                self.loop.call_later(self.message_s, self.deliver, identity, wire.decode(frame))
+        except (asyncio.CancelledError, zmq.ZMQError):
+            pass
+
+    def reply_peer(self, identity: bytes, msg: wire.Message) -> None:
+        self.loop.call_later(self.message_s, self._send, identity, wire.encode(msg))
+
+    def _send(self, identity: bytes, frame: bytes) -> None:
+        if not self.router.closed:
+            runtime.send_now(self.router, [identity, frame])
+
+    def announce_move(self, request_id: str, address: str, instance_id: str, request_address: str, epoch: int,
+                      from_index: int) -> None:
+        self._moved(request_id, instance_id)
+
+    def abort_local(self, request_id: str) -> bool:
+        self._abort(request_id)
+        return True
+
+    def close(self) -> None:
+        self.reader.cancel()
+        self.router.close(0)
+        self.sec.close()
+
+
+_ENGINE = None
+
+
+def sim_engine_class():
+    """The sim engine with a layout instead of KV tensors, telling the simulation when it suspends a request
+    for its last stage (the start of the migration's downtime)."""
+    global _ENGINE
+    if _ENGINE is None:
+        from daemons.engine.sim import SimEngine  # (torch: only once a simulation runs)
+
+        class Engine(SimEngine):
+            layout: SimLayout
+            on_suspend: Callable[[str], None]
+
+            def kv_blocks(self) -> SimLayout:
+                return self.layout
+
+            def suspend(self, request_id: str) -> wire.RequestState:
+                state = super().suspend(request_id)
+                self.on_suspend(request_id)
+                return state
+
+        _ENGINE = Engine
+    return _ENGINE
+
+
+class Site(Protocol):
+    """What migrations need of the simulation (simulate.py's ``Simulation``)."""
+
+    requests: Mapping  # request id -> SimulatedRequest (its ``owner``)
+
+    def at(self, t: float, fn: Callable, *args) -> None: ...
+
+    def woken(self, inst: SimulatedInstance) -> None: ...  # its engine has news: report and step
+
+    def redispatch(self, request_id: str, src: str) -> None: ...  # a queued request goes back to the proxy
+
+    def notify(self, kind: str, **data) -> None: ...
+
+    def maybe_gone(self, inst: SimulatedInstance) -> None: ...
+
+    def count_orders(self, src: str, dst: str, n: int) -> None: ...  # the manager's ledger of orders in flight
+
+
+class SimMigrations:
+    """Each instance's own migrator and what they share: the in-process ZeroMQ context their sockets meet in,
+    the KV pairs' hub, and the figures: ``outcomes`` (by reason and outcome, and abort reasons), ``downtimes``
+    (seconds, from the suspend at the source to the commit's answer there), ``copies`` (every KV copy:
+    start, seconds, bytes, source)."""
+
+    def __init__(self, cfg, net, loop: asyncio.AbstractEventLoop, kv_bytes_per_token: int, site: Site) -> None:
+        import zmq.asyncio
+
+        from daemons.migration import Migrator  # (torch: only once a simulation runs)
+
+        self.cfg, self.net, self.loop, self.site = cfg, net, loop, site
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.migrator_class = Migrator
+        self.zmq = zmq.asyncio.Context()
+        self.kv_hub = SimKvHub(loop, net.kv_gbps * 1e9 / 8, self._copied)
+        self.outcomes: Counter = Counter()
+        self.downtimes: list[float] = []
+        self.copies: list[tuple[float, float, int, str]] = []
+        self.suspended_at: dict[str, float] = {}  # request id -> when its source suspended it (its last stage)
+        self.committed_at: dict[str, float] = {}  # request id -> when its destination committed it
+        self.hosts: list[SimHost] = []
+        self.migrators: list = []
+
+    def _copied(self, start: float, seconds: float, nbytes: int, src: str) -> None:
+        if src:
+            self.copies.append((start, seconds, nbytes, src))
+
+    def engine(self):
+        """A sim engine for a new instance: its KV layout without tensors; it tells us its suspends."""
+        engine = sim_engine_class()(self.cfg.sim, self.cfg.model, kv=False)
+        per_token = self.kv_bytes_per_token
+        engine.layout = SimLayout(engine.block_size * per_token, per_token)
+        engine.on_suspend = lambda rid: self.suspended_at.__setitem__(rid, self.loop.time())
+        return engine
+
+    def attach(self, inst: SimulatedInstance) -> None:
+        """The instance's own migrator, with its host, its step boundary and a KV transport."""
+        site = self.site
+
+        def moved(rid: str, iid: str) -> None:
+            site.requests[rid].owner = iid
+            if iid == inst.iid:  # the destination committed it (or an unanswered source resumed it)
+                self.committed_at[rid] = self.loop.time()
+
+        def abort_local(rid: str) -> None:
+            inst.engine.abort_request(rid)
+            inst.table.forget(rid)
+            site.woken(inst)
+
+        def boundary(fn: Callable) -> asyncio.Future:  # as the instance's: the call, then a report and a step
+            fut = inst.at_boundary(fn)
+            site.woken(inst)
+            return fut
+
+        inst.host = SimHost(inst.iid, self.zmq, self.cfg.security, self.net.message_s, self.loop, moved,
+                            lambda: site.woken(inst), abort_local)
+        inst.migrator = self.migrator_class(inst.host, self.cfg.migration, inst.engine, inst.table, boundary,
+                                            kv=SimKv(self.kv_hub, inst.iid))
+        inst.host.deliver = inst.migrator.on_peer_message
+        self.hosts.append(inst.host)
+        self.migrators.append(inst.migrator)
+
+    async def close(self) -> None:
+        for migrator in self.migrators:
+            await migrator.close()
+        for host in self.hosts:
+            host.close()
+        self.zmq.destroy(linger=0)
+
+    # ------------------------------------------------------------------ orders
+
+    def order(self, src: SimulatedInstance, dst: SimulatedInstance, start: wire.MigrateStart) -> None:
+        """The manager's order reached the source: it picks its requests as the instance does (queued ones
+        go back through dispatch), and its migrator moves each."""
         from daemons.instance import keep_for, migrants_for  # (torch: only once a simulation runs)
 
-        keep = keep_for(start, src.migrating, src.arrived, self.clock.now)
-        chosen = migrants_for(start, src.engine.requests(), keep, src.engine.load(), src.engine.block_size)
+        site = self.site
+        if src.gone is not None:
+            site.count_orders(src.iid, start.dst, -start.count)
+            return
+        table = src.table
+        rows = src.engine.requests()
+        keep = keep_for(start, table.migrating(), table.arrivals(), self.loop.time())
+        keep |= {r.request_id for r in rows if r.request_id not in table}
+        chosen = migrants_for(start, rows, keep, src.engine.load(), src.engine.block_size)
         moving = [c.request_id for c in chosen if not c.redispatch]
         for c in chosen:
             if c.redispatch:  # a queued request goes back through dispatch
                 src.engine.abort_request(c.request_id)
-                self._changed(src)
-                self.at(self.clock.now + self.net.message_s, self._arrive, c.request_id, (src.iid,))
-        self._maybe_gone(src)
+                table.forget(c.request_id)
+                site.woken(src)
+                site.redispatch(c.request_id, src.iid)
+        site.maybe_gone(src)
         unused = start.count - len(moving)
         if unused > 0:
-            self.mgr.resched.count_orders(src.iid, start.dst, -unused)
+            site.count_orders(src.iid, start.dst, -unused)
         for rid in moving:
-            self._migrate(src, self.instances[start.dst], rid, start.reason)
+            src.migrator.spawn(self._migrate(src, dst, rid, start.reason))
 
-    def _migrate(self, src: SimulatedInstance, dst: SimulatedInstance, rid: str, reason: str) -> None:
-        mig = SimpleNamespace(src=src, dst=dst, rid=rid, reason=reason, stage=0, sent=0, reserved=False,
-                              request=src.engine.migrating_request(rid), started=self.clock.now)
-        src.migrating.add(rid)
-        dst.migrating.add(rid)
-        self._stage(mig)
-
-    def _block_s(self, blocks: int) -> float:
-        bs = self.cfg.sim.block_size
-        gbps = self.net.kv_gbps
-        cap = self.cfg.migration.bandwidth_limit_mbps * 8e6
-        rate = min(gbps * 1e9, cap) if cap > 0 else gbps * 1e9
-        return blocks * bs * self.kv_bytes_per_token * 8 / rate
-
-    def _stage(self, mig) -> None:
-        """One pre-copy stage, or the last one: as daemons/migration/ runs them."""
-        src, dst = mig.src, mig.dst
-        view = src.engine.migration_view(mig.rid)
-        if view is None:
-            return self._end(mig, "aborted", "the request finished or was preempted on the source")
-        bs = src.engine.block_size
-        mc = self.cfg.migration
-        if stages.is_last(view.computed_tokens, mig.sent, mig.stage, bs, mc.last_stage_max_blocks, mc.max_stages):
-            src.boundary.append(lambda: self._last_stage(mig))
-            return self._kick(src)
-        planned = stages.plan(view.computed_tokens, mig.sent, False, bs, mc.last_stage_max_blocks,
-                              mig.request.max_total)
-        try:
-            dst.engine.reserve(mig.request, planned.tokens)
-        except engine_error() as exc:
-            return self._end(mig, "aborted", f"the destination refused: {exc}")
-        mig.reserved = True
-        mig.sent = planned.upto
-        mig.stage += 1
-        self.at(self.clock.now + 2 * self.net.message_s + self._block_s(planned.n_blocks), self._stage, mig)
-
-    def _last_stage(self, mig) -> None:
-        src, dst = mig.src, mig.dst
-        view = src.engine.migration_view(mig.rid)
-        if view is None:
-            return self._end(mig, "aborted", "the request finished or was preempted before the last stage")
-        state = src.engine.suspend(mig.rid)
-        planned = stages.plan(view.computed_tokens, mig.sent, True, src.engine.block_size,
-                              self.cfg.migration.last_stage_max_blocks, mig.request.max_total)
-        try:
-            dst.engine.reserve(mig.request, planned.tokens)
-        except engine_error() as exc:
-            src.engine.resume(mig.rid)
-            return self._end(mig, "aborted", f"the destination refused the last stage: {exc}")
-        mig.reserved = True
-        # one round trip: the blocks, then the commit
-        downtime = 2 * self.net.message_s + self._block_s(planned.n_blocks)
-        self.at(self.clock.now + downtime, self._commit, mig, state, downtime)
-
-    def _commit(self, mig, state, downtime: float) -> None:
-        src, dst = mig.src, mig.dst
-        dst.engine.commit(mig.rid, state)
-        src.engine.drop_migrated(mig.rid)
-        self.requests[mig.rid].owner = dst.iid
-        dst.arrived[mig.rid] = self.clock.now
-        self.downtimes.append(downtime)
-        self._end(mig, "committed", "")
-        self._kick(dst)
-
-    def _end(self, mig, outcome: str, why: str) -> None:
-        src, dst = mig.src, mig.dst
-        if outcome != "committed" and mig.reserved:
-            dst.engine.release(mig.rid)
-        src.migrating.discard(mig.rid)
-        dst.migrating.discard(mig.rid)
-        self.mgr.resched.count_orders(src.iid, dst.iid, -1)
-        self.outcomes[f"{mig.reason or 'operator'}/{outcome}"] += 1
+    async def _migrate(self, src: SimulatedInstance, dst: SimulatedInstance, rid: str, reason: str) -> None:
+        site = self.site
+        started = self.loop.time()
+        out = await src.migrator.migrate_out(rid, dst.iid, dst.host.request_address)
+        suspended = self.suspended_at.pop(rid, None)
+        committed = self.committed_at.pop(rid, None)
+        why = "" if out.outcome == "committed" else out.reason
+        if out.outcome == "committed" and suspended is not None and committed is not None:
+            self.downtimes.append(committed + self.net.message_s - suspended)  # the commit's answer reached the source
+        site.count_orders(src.iid, dst.iid, -1)
+        self.outcomes[f"{reason or 'operator'}/{out.outcome}"] += 1
         if why:
             self.outcomes[f"aborted: {why.split(':')[0]}"] += 1
-        for inst in (src, dst):
-            self._changed(inst)
-            self._kick(inst)
-        self._notify("migration", src=src.iid, dst=dst.iid, request=mig.rid, outcome=outcome, reason=mig.reason,
-                     started=mig.started, why=why)
-        self._maybe_gone(src)
+        site.woken(src)
+        site.woken(dst)
+        site.notify("migration", src=src.iid, dst=dst.iid, request=rid, outcome=out.outcome, reason=reason,
+                    started=started, why=why)
+        site.maybe_gone(src)

@@ -3,47 +3,74 @@ time, launches that register after ``Network.launch_s``, and scaled-in instances
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol
 
 from daemons import policy
 
 if TYPE_CHECKING:
-    from llumnixctl.experiments.simulate import SimulatedInstance
+    from daemons.manager import Manager
+    from llumnixctl.experiments.simparts import SimulatedInstance
 
 
-class ScalingMixin:
-    """Of the Simulation: owns ``scaling`` (the actions taken) and ``_launching``."""
+class Site(Protocol):
+    """What scaling needs of the simulation."""
 
-    def _scale(self) -> None:
-        now = self.clock.now
-        decision, avg, serving, states = self.mgr.resched.scaling_decision(now, self._launching)
+    instances: Mapping[str, SimulatedInstance]
+    now: float
+
+    def at(self, t: float, fn: Callable, *args) -> None: ...
+
+    def add_instance(self) -> SimulatedInstance: ...
+
+    def notify(self, kind: str, **data) -> None: ...
+
+
+class SimScaling:
+    """Owns ``events`` (the actions taken, for the figures) and the launches under way. Asks the manager for
+    its decision every ``period_s``; a launched instance registers ``launch_s`` later."""
+
+    def __init__(self, mgr: Manager, period_s: float, launch_s: float, site: Site) -> None:
+        self.mgr, self.period_s, self.launch_s, self.site = mgr, period_s, launch_s, site
+        self.events: list[dict] = []
+        self.launching = 0
+
+    def start(self) -> None:
+        self.site.at(self.period_s, self.tick)
+
+    def tick(self) -> None:
+        site = self.site
+        now = site.now
+        decision, avg, serving, states = self.mgr.resched.scaling_decision(now, self.launching)
         if decision == "up":
-            self._launching += 1
-            self.at(now + self.net.launch_s, self._launched)
+            self.launching += 1
+            site.at(now + self.launch_s, self._launched)
             self._scaled("out", "", avg)
         elif decision == "down":
             victim = policy.scale_in_victim(states)
             if victim is not None:
                 rec = self.mgr.instances[victim]
                 rec.drain_reason = "scale-in"
-                self.instances[victim].retiring = True
+                inst = site.instances[victim]
+                inst.retiring = True
+                inst.host.draining = "scale-in"  # it takes no migration in
                 self._scaled("in", victim, avg)
-                self._maybe_gone(self.instances[victim])
-        self.at(now + min(1.0, self.cfg.manager.heartbeat_interval_s), self._scale)
+                self.maybe_gone(inst)
+        site.at(now + self.period_s, self.tick)
 
     def _launched(self) -> None:
-        self._launching -= 1
-        inst = self._add_instance()
-        self._notify("scale", what="registered", instance=inst.iid)
+        self.launching -= 1
+        inst = self.site.add_instance()
+        self.site.notify("scale", what="registered", instance=inst.iid)
 
     def _scaled(self, what: str, iid: str, avg) -> None:
-        self.scaling.append({"t": self.clock.now, "what": what, "instance": iid,
-                             "average_freeness": None if avg is None else round(avg, 3),
-                             "serving": sum(1 for i in self.instances.values() if i.gone is None and not i.retiring)})
-        self._notify("scale", what=what, instance=iid)
+        site = self.site
+        self.events.append({"t": site.now, "what": what, "instance": iid,
+                            "average_freeness": None if avg is None else round(avg, 3),
+                            "serving": sum(1 for i in site.instances.values() if i.gone is None and not i.retiring)})
+        site.notify("scale", what=what, instance=iid)
 
-    def _maybe_gone(self, inst: SimulatedInstance) -> None:
+    def maybe_gone(self, inst: SimulatedInstance) -> None:
         """A scaled-in instance stops once nothing is left on it (its drain moved everything out)."""
-        if inst.retiring and inst.gone is None and not inst.engine.has_work() and not inst.migrating:
-            inst.gone = self.clock.now
+        if inst.retiring and inst.gone is None and not inst.engine.has_work() and not inst.migrator.busy:
+            inst.gone = self.site.now
             self.mgr.forget(self.mgr.instances[inst.iid], "scaled in (simulated)")

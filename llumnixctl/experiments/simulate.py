@@ -1,6 +1,7 @@
 """``llumnixctl simulate``: a cluster in virtual time, on the daemons' own code.
 
-A discrete-event simulation of N instances, the manager and the proxies' dispatch. Nothing here
+A discrete-event simulation of N instances, the manager and the proxies' dispatch, on the virtual-time event
+loop of ``daemons.clock`` (the one the in-process test harness runs the daemons on). Nothing here
 re-implements a policy or a scheduler:
 
 - each instance is the sim engine (``daemons/engine/sim.py``: blocks, continuous batching, chunked
@@ -13,12 +14,17 @@ re-implements a policy or a scheduler:
   instance's own ``migrants_for`` and ``keep_for``;
 - load reports go out as the instance sends them (on change, at most every
   ``instance.load_report_min_interval_s``, and every heartbeat) and reach the manager ``--report-lag-ms``
-  later; a dispatch costs the proxy a round trip to the manager (``--dispatch-rtt-ms``);
-- a migration runs the protocol's stages on the engines' verbs (reserve on the destination, pre-copy
-  stages while the source decodes, suspend at a step boundary, the last stage, commit, drop), planned by
-  the daemons' own stage arithmetic (``daemons.stages``): each stage
-  lasts its blocks' bytes at the link's bandwidth plus a message latency, and it aborts for the reasons a
-  real one does (the request finished or was preempted, the destination has no room).
+  later (simreports.py);
+- with ``proxy.dispatch = local`` (the default) the proxy chooses each request's instance with its own
+  dispatch view, from the manager's snapshots and the instances' heartbeats, and the request reaches its
+  instance ``Network.submit_s`` after it arrived (llumnixctl/experiments/simproxy.py); with ``manager`` (and
+  ``llumnix-cache``, and before the proxy's first snapshot) a dispatch costs the proxy a round trip to the
+  manager (``--dispatch-rtt-ms``);
+- a migration is each instance's own migrator (``daemons.migration.Migrator``: the source's ``Move`` state
+  machine, the destination's reservation and commit, their messages, acknowledgements and timeouts) on the
+  simulation's virtual time: its engine calls run at the simulated step boundaries, its messages to other
+  instances go over ZeroMQ's in-process transport ``Network.message_s`` late, and each KV copy lasts its
+  bytes at the link's bandwidth (llumnixctl/experiments/simmigrate.py);
 
 - auto-scaling is the manager's own decision (``Rescheduler.scaling_decision``) every second: a launched
   instance registers ``Network.launch_s`` later; a scaled-in one drains (its requests migrate out or are
@@ -29,12 +35,11 @@ What it does not model (yet): failures, several migrations sharing one link's ba
 
 from __future__ import annotations
 
+import asyncio
 import itertools
-import math
 import time
 from array import array
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -42,12 +47,18 @@ import typer
 
 from daemons import manager as manager_module
 from daemons import wire
-from daemons.clock import VirtualClock
+from daemons.clock import LoopClock, VirtualTimeLoop, run_virtual
 from daemons.config import Config, ConfigError, load_config
+from daemons.requests import RequestTable
 from llumnixctl.common import ConfigOpt, JsonOpt, die, out, print_json
-from llumnixctl.experiments.simcache import CacheMixin
-from llumnixctl.experiments.simmigrate import MigrationMixin
-from llumnixctl.experiments.simscale import ScalingMixin
+from llumnixctl.experiments.simcache import SimCache
+from llumnixctl.experiments.simmigrate import SimMigrations
+from llumnixctl.experiments.simparts import (PROXY_ADDRESS, Network, SimulatedInstance, SimulatedRequest,
+                                             kv_bytes_per_token)
+from llumnixctl.experiments.simproxy import SimProxy
+from llumnixctl.experiments.simreports import SimReports
+from llumnixctl.experiments.simresult import Fragmentation, result_block, result_of, stats_of  # noqa: F401 (figs import stats_of here)
+from llumnixctl.experiments.simscale import SimScaling
 from llumnixctl.experiments.tracegen import TraceRequest
 
 
@@ -62,56 +73,7 @@ def _engine_code() -> None:
 EngineError = EngineRequest = SimEngine = None  # set by _engine_code()
 
 
-@dataclass
-class Network:
-    """Times of the simulated cluster's messages and KV copies."""
-
-    report_lag_s: float = 0.002  # a load report's way to the manager
-    dispatch_rtt_s: float = 0.001  # the proxy asks the manager where a request goes
-    submit_s: float = 0.0005  # the proxy's request to the instance
-    message_s: float = 0.0005  # one migration control message
-    kv_gbps: float = 10.0  # what one migration's copy achieves (before migration.bandwidth_limit_mbps)
-    kv_bytes_per_token: int = 0  # 0: from the sim engine's KV shape
-    launch_s: float = 30.0  # auto-scaling: a launched instance loads its model and registers this much later
-    step_overhead_s: float = 0.0  # the daemon's own cost per step (event loop, sockets), on top of model time
-
-
-@dataclass
-class SimulatedRequest:
-    trace: TraceRequest
-    rid: str
-    owner: str = ""
-    first: float = -1.0
-    last: float = -1.0
-    tokens: int = 0
-    finish: str = ""
-    error: str = ""
-    dispatches: int = 0
-    sent: float = -1.0  # when the client sent it (a session's later turn: after the turn before it)
-    ids: list | None = None  # the prompt's token ids (with sim.prefix_caching)
-    keys: list | None = None  # their block keys
-
-
-@dataclass
-class SimulatedInstance:
-    iid: str
-    engine: SimEngine
-    ident: bytes
-    stepping: bool = False
-    free_at: float = 0.0
-    seq: int = 0
-    last_report: float = -1e9
-    report_due: bool = False
-    boundary: list = field(default_factory=list)  # callables run before the next step (suspends)
-    migrating: set = field(default_factory=set)  # request ids in or out
-    arrived: dict = field(default_factory=dict)  # request id -> when it arrived by migration
-    born: float = 0.0
-    gone: float | None = None  # when it stopped (scaled in)
-    retiring: bool = False
-    pub: object = None  # its prefix-cache Publisher (sim.prefix_caching)
-
-
-class Simulation(ScalingMixin, MigrationMixin, CacheMixin):
+class Simulation:
     def __init__(self, cfg: Config, instances: int, trace: list[TraceRequest], net: Network | None = None,
                  sample_s: float = 0.0, oracle: bool = False):
         """``sample_s`` > 0: every so often (virtual seconds) look for fragmentation (a queue head that the
@@ -122,26 +84,19 @@ class Simulation(ScalingMixin, MigrationMixin, CacheMixin):
         self.oracle = oracle
         self.sample_s = sample_s
         self.observers: list = []  # fn(kind, simulation, data): "dispatch", "step", "migration", "scale", "sample"
-        self.scaling: list[dict] = []
-        self.fragmentation = Counter()
-        self._launching = 0
+        self.fragmentation = Fragmentation()
         self.net = net or Network()
         self.trace = trace
-        self.clock = VirtualClock()  # the manager's clock too, and the simulation's event queue
+        self.loop = VirtualTimeLoop()  # the simulation's events are its timers (daemons/clock.py)
+        self.clock = LoopClock(self.loop)  # the manager's clock too
+        # proxy.dispatch = local (the default): the proxy's own dispatch view chooses (simproxy.py).
+        self.proxy = SimProxy(cfg, self.clock) if cfg.proxy.dispatch == "local" else None
         self.requests: dict[str, SimulatedRequest] = {}
         self.itls = array("d")
-        self.outcomes: Counter = Counter()
-        self.downtimes: list[float] = []
         self.events = 0
         self._qid = itertools.count(1)
         self.n_instances = instances
-        sim = cfg.sim
-        if not self.net.kv_bytes_per_token and sim.profile:
-            from daemons.engine.profile import LatencyProfile
-
-            self.net.kv_bytes_per_token = LatencyProfile.load(sim.profile).kv_bytes_per_token
-        self.kv_bytes_per_token = self.net.kv_bytes_per_token or (
-            sim.kv_layers * 2 * sim.kv_heads * sim.head_dim * (4 if sim.kv_dtype == "float32" else 2))
+        self.kv_bytes_per_token = kv_bytes_per_token(cfg.sim, self.net)
 
     # ------------------------------------------------------------------ the event loop
 
@@ -149,102 +104,126 @@ class Simulation(ScalingMixin, MigrationMixin, CacheMixin):
         """Call ``fn(kind, simulation, data)`` at each event of a kind: figures measure what they need."""
         self.observers.append(fn)
 
-    def _notify(self, kind: str, **data) -> None:
+    def notify(self, kind: str, **data) -> None:
         for fn in self.observers:
             fn(kind, self, data)
 
     def at(self, t: float, fn, *args) -> None:
-        self.clock.call_at(t, fn, *args)
+        """Run ``fn(*args)`` at virtual time ``t`` (now if ``t`` is past)."""
+        self.loop.call_at(t, self._event, fn, args)
 
-    def run(self) -> dict:
+    def _event(self, fn, args) -> None:
+        self.events += 1
+        fn(*args)
+        if self._left == 0 and not self._finished.done():
+            self._finished.set_result(None)
+
+    @property
+    def now(self) -> float:
+        return self.loop.now
+
+    def run(self, linger_s: float = 0.0) -> dict:
+        """The simulation, to the end of its last request; ``linger_s``: then that many virtual seconds more
+        (what is on its way arrives: reports, cache batches)."""
         wall = time.perf_counter()
-        self.mgr = manager_module.Manager(self.cfg, clock=self.clock)
-        try:
-            self._start()
-            while self.clock.pending():
-                self.events += 1
-                self.clock.run_next()
-                if self._done():
-                    break
-        finally:
-            self.mgr.sec.close()
-            self.mgr.ctx.destroy(linger=0)
+        run_virtual(lambda loop: self._main(linger_s), loop=self.loop)
         return self.result(time.perf_counter() - wall)
 
-    def _done(self) -> bool:
-        return self._left == 0
+    async def _main(self, linger_s: float) -> None:
+        self.mgr = manager_module.Manager(self.cfg, clock=self.clock)
+        self._finished = self.loop.create_future()
+        self.migrations = SimMigrations(self.cfg, self.net, self.loop, self.kv_bytes_per_token, self)
+        self.scaler = SimScaling(self.mgr, min(1.0, self.cfg.manager.heartbeat_interval_s), self.net.launch_s, self)
+        self.cache = SimCache(self.cfg, self.mgr, self.trace, self.net.report_lag_s, self.oracle, self)
+        self.reports = SimReports(self.cfg, self.net.report_lag_s, self.mgr, self.proxy, self.cache.batch, self)
+        try:
+            self._start()
+            if self._left:
+                await self._finished
+            if linger_s > 0:
+                await asyncio.sleep(linger_s)
+        finally:
+            await self.migrations.close()
+            self.mgr.sec.close()
+            self.mgr.ctx.destroy(linger=0)
 
     def _start(self) -> None:
         self.instances: dict[str, SimulatedInstance] = {}
-        self._cache_start()
         self._next_index = itertools.count()
         for _ in range(self.n_instances):
-            self._add_instance()
+            self.add_instance()
         if self.cfg.scaling.policy != "off":
-            self.at(min(1.0, self.cfg.manager.heartbeat_interval_s), self._scale)
+            self.scaler.start()
         if self.sample_s > 0:
             self.at(self.sample_s, self._sample)
         self._left = len(self.trace)
         for k, tr in enumerate(self.trace):
             rid = f"r{k}"
             self.requests[rid] = SimulatedRequest(tr, rid)
-            if rid not in self.later_turns:  # a later turn waits for the one before it
+            if rid not in self.cache.later_turns:  # a later turn waits for the one before it
                 self.at(tr.arrival_s, self._arrive, rid, ())
         self.at(self.cfg.scheduling.migration_interval_s, self._pair)
+        if self.proxy is not None:
+            self.proxy.start(lambda: self.mgr.snapshot(next(self._qid), PROXY_ADDRESS), self.net.dispatch_rtt_s,
+                             self.at, lambda: self._left > 0)
 
-    def _add_instance(self) -> SimulatedInstance:
+    def add_instance(self) -> SimulatedInstance:
         iid = f"i{next(self._next_index)}"
-        inst = SimulatedInstance(iid, SimEngine(self.cfg.sim, self.cfg.model, kv=False), ident=iid.encode(), born=self.clock.now)
+        inst = SimulatedInstance(iid, self.migrations.engine(), ident=iid.encode(), born=self.now,
+                                 table=RequestTable(self.clock.monotonic))
         self.instances[iid] = inst
-        self._publisher(inst)
+        self.migrations.attach(inst)
+        self.cache.publisher(inst)
         self.mgr.on_register(inst.ident, wire.Register(
             iid, self.cfg.instance.host or "sim", 0, f"inproc://sim-{iid}", "sim", self.cfg.model.name, inst.engine.load(),
             max_model_len=self.cfg.model.max_model_len))
-        beat = self.cfg.manager.heartbeat_interval_s
-        self.at(self.clock.now + beat * (1 + len(self.instances) % 7) / 7, self._heartbeat, inst)
+        self.reports.start(inst, self.cfg.manager.heartbeat_interval_s * (1 + len(self.instances) % 7) / 7)
         return inst
 
     def _sample(self) -> None:
-        """Fragmentation: queue heads blocked for room, and those the cluster's free blocks could hold."""
-        live = [i for i in self.instances.values() if i.gone is None]
-        loads = [i.engine.load() for i in live]
-        free = [ld.blocks_total - ld.blocks_used for ld in loads]
-        total = sum(free)
-        c = self.fragmentation
-        c["samples"] += 1
-        blocked = [ld.hol_demand_blocks for ld, f in zip(loads, free) if ld.waiting and ld.hol_demand_blocks > f]
-        if blocked:
-            c["blocked"] += 1
-            if any(d <= total and all(f < d for f in free) for d in blocked):
-                c["fragmented"] += 1
-        self._notify("sample", loads=loads)
+        loads = self.fragmentation.sample([i.engine.load() for i in self.instances.values() if i.gone is None])
+        self.notify("sample", loads=loads)
         if self._left:
-            self.at(self.clock.now + self.sample_s, self._sample)
+            self.at(self.now + self.sample_s, self._sample)
 
     # ------------------------------------------------------------------ proxy and manager
 
     def _arrive(self, rid: str, exclude: tuple) -> None:
-        """The proxy asks the manager where the request goes (half a round trip each way)."""
+        """The proxy chooses the instance itself (proxy.dispatch = local, once it has a view: simproxy.py), or
+        asks the manager where the request goes (half a round trip each way)."""
         req = self.requests[rid]
         if req.sent < 0:
-            req.sent = self.clock.now
-        self.at(self.clock.now + self.net.dispatch_rtt_s / 2, self._dispatch, rid, exclude)
+            req.sent = self.now
+        proxy = self.proxy
+        if proxy is not None and proxy.ready() and not self.oracle:
+            tr = req.trace
+            prio = 1 if tr.priority == "high" else 0
+            iid = proxy.choose(prio, exclude)
+            if iid is not None:
+                proxy.sent(iid, tr.prompt_tokens)
+                req.dispatches += 1
+                self.notify("dispatch", request=rid, instance=iid)
+                self.at(self.now + self.net.dispatch_rtt_s / 2, self.mgr.on_dispatched,
+                        wire.Dispatched(rid, iid, tr.prompt_tokens, prio))
+                self.at(self.now + self.net.submit_s, self._submit, rid, iid)
+                return
+        self.at(self.now + self.net.dispatch_rtt_s / 2, self._dispatch, rid, exclude)
 
     def _dispatch(self, rid: str, exclude: tuple) -> None:
         req = self.requests[rid]
         tr = req.trace
         prio = 1 if tr.priority == "high" else 0
-        iid = self._oracle_choice(req) if self.oracle and not exclude else None
+        iid = self.cache.oracle_choice(req) if self.oracle and not exclude else None
         if iid is None:
             reply = self.mgr.on_dispatch_batch([wire.Dispatch(next(self._qid), rid, tr.prompt_tokens, prio,
                                                               list(exclude),
-                                                              self.keys_of(req) if self.cache_keys else [])])[0]
+                                                              self.cache.keys_of(req) if self.cache.cache_keys else [])])[0]
             if not reply.instance_id:
                 return self._fail(req, reply.reason or "no instance")
             iid = reply.instance_id
         req.dispatches += 1
-        self._notify("dispatch", request=rid, instance=iid)
-        self.at(self.clock.now + self.net.dispatch_rtt_s / 2 + self.net.submit_s, self._submit, rid, iid)
+        self.notify("dispatch", request=rid, instance=iid)
+        self.at(self.now + self.net.dispatch_rtt_s / 2 + self.net.submit_s, self._submit, rid, iid)
 
     def _submit(self, rid: str, iid: str) -> None:
         req = self.requests[rid]
@@ -252,48 +231,51 @@ class Simulation(ScalingMixin, MigrationMixin, CacheMixin):
         tr = req.trace
         sampling = wire.SamplingParams(max_tokens=max(1, tr.output_tokens), ignore_eos=True)
         try:
-            inst.engine.add_request(EngineRequest(rid, self.prompt_of(req), sampling,
+            inst.engine.add_request(EngineRequest(rid, self.cache.prompt_of(req), sampling,
                                                   priority=1 if tr.priority == "high" else 0,
                                                   arrival_time=req.sent))
         except EngineError as exc:
             return self._fail(req, str(exc))
         req.owner = iid
-        self._changed(inst)
+        inst.taken += 1
+        inst.table.admit(rid, PROXY_ADDRESS, 1)
+        self.reports.changed(inst)
         self._kick(inst)
 
     def _fail(self, req: SimulatedRequest, why: str) -> None:
         req.error = why
         self._left -= 1
-        self._turn_ended(req)
+        self.cache.turn_ended(req)
 
     def _pair(self) -> None:
-        for p, start in self.mgr.resched.plan(self.clock.now):
+        for p, start in self.mgr.resched.plan(self.now):
             self.mgr.resched.count_orders(p.src, p.dst, p.count)
-            self.outcomes[f"{start.reason}/ordered"] += 1
-            self.at(self.clock.now + self.net.message_s, self._order, self.instances[p.src], start)
-        self.at(self.clock.now + self.cfg.scheduling.migration_interval_s, self._pair)
+            self.migrations.outcomes[f"{start.reason}/ordered"] += 1
+            self.at(self.now + self.net.message_s, self.migrations.order, self.instances[p.src],
+                    self.instances[p.dst], start)
+        self.at(self.now + self.cfg.scheduling.migration_interval_s, self._pair)
 
     # ------------------------------------------------------------------ instances
 
     def _kick(self, inst: SimulatedInstance) -> None:
         if not inst.stepping and (inst.engine.has_work() or inst.boundary):
             inst.stepping = True
-            self.at(max(self.clock.now, inst.free_at), self._step, inst)
+            self.at(max(self.now, inst.free_at), self._step, inst)
 
     def _step(self, inst: SimulatedInstance) -> None:
-        calls, inst.boundary = inst.boundary, []
-        for call in calls:  # what waited for a step boundary (a migration's suspend)
-            call()
+        if inst.run_boundary():  # what waited for a step boundary (the migrator's engine calls)
+            self.reports.changed(inst)
         if not inst.engine.has_work():
             inst.stepping = False
             return
         result = inst.engine.step()
         dt = max(result.model_time_s + self.net.step_overhead_s, self.cfg.instance.min_step_s)
-        inst.free_at = self.clock.now + dt
+        inst.step_start = self.now
+        inst.free_at = self.now + dt
         self.at(inst.free_at, self._step_done, inst, result.outputs)
 
     def _step_done(self, inst: SimulatedInstance, outputs: list) -> None:
-        now = self.clock.now
+        now = self.now
         for tok in outputs:
             req = self.requests[tok.request_id]
             if req.tokens == 0:
@@ -303,102 +285,39 @@ class Simulation(ScalingMixin, MigrationMixin, CacheMixin):
             req.last = now
             req.tokens += 1
             if tok.finish_reason is not None:
+                inst.table.forget(tok.request_id)
                 req.finish = tok.finish_reason
                 self._left -= 1
-                self._turn_ended(req)
+                self.cache.turn_ended(req)
         inst.stepping = False
-        self._changed(inst)
+        self.reports.changed(inst)
         self._kick(inst)
-        self._notify("step", instance=inst, outputs=outputs)
-        self._maybe_gone(inst)
+        inst.migrator.stepped(inst.free_at - inst.step_start)  # paces a migration's pre-copy
+        self.notify("step", instance=inst, outputs=outputs)
+        self.scaler.maybe_gone(inst)
 
-    def _changed(self, inst: SimulatedInstance) -> None:
-        """Its load changed: report now, or as soon as the minimum interval allows."""
-        if inst.report_due:
-            return
-        due = inst.last_report + self.cfg.instance.load_report_min_interval_s
-        if due <= self.clock.now:
-            self._report(inst)
-        else:
-            inst.report_due = True
-            self.at(due, self._report, inst)
+    # ------------------------------------------------------------------ what migrations need (simmigrate.Site)
 
-    def _heartbeat(self, inst: SimulatedInstance) -> None:
-        if inst.gone is not None:
-            return
-        if self.clock.now - inst.last_report >= self.cfg.manager.heartbeat_interval_s * 0.99:
-            self._report(inst)
-        self.at(self.clock.now + self.cfg.manager.heartbeat_interval_s, self._heartbeat, inst)
+    def woken(self, inst: SimulatedInstance) -> None:
+        self.reports.changed(inst)
+        self._kick(inst)
 
-    def _report(self, inst: SimulatedInstance) -> None:
-        inst.report_due = False
-        if inst.gone is not None:
-            return
-        inst.last_report = self.clock.now
-        inst.seq += 1
-        msg = wire.LoadReport(inst.iid, inst.seq, inst.engine.load(), *self._cache_batch(inst))
-        self.at(self.clock.now + self.net.report_lag_s, self.mgr.on_report, inst.ident, msg)
+    def redispatch(self, request_id: str, src: str) -> None:
+        self.at(self.now + self.net.message_s, self._arrive, request_id, (src,))
+
+    def maybe_gone(self, inst: SimulatedInstance) -> None:
+        self.scaler.maybe_gone(inst)
+
+    def arrive(self, request_id: str) -> None:
+        self._arrive(request_id, ())
+
+    def count_orders(self, src: str, dst: str, n: int) -> None:
+        self.mgr.resched.count_orders(src, dst, n)
 
     # ------------------------------------------------------------------ figures
 
     def result(self, wall_s: float) -> dict:
         return result_of(self, wall_s)
-
-
-def result_of(sim: Simulation, wall_s: float) -> dict:
-    """The figures of a finished simulation (its ``result``)."""
-    done = [r for r in sim.requests.values() if r.finish]
-    end = max((r.last for r in done), default=0.0)
-    start = min((r.sent for r in sim.requests.values() if r.sent >= 0), default=0.0)
-    duration = max(end - start, 1e-9)
-    ttfts = [r.first - r.sent for r in done]
-    e2el = [r.last - r.sent for r in done]
-    tpots = [(r.last - r.first) / (r.tokens - 1) for r in done if r.tokens > 1]
-    inputs = [r.trace.prompt_tokens for r in done]
-    outputs = [r.tokens for r in done]
-    out = {
-        "completed": len(done), "failed": sum(1 for r in sim.requests.values() if r.error),
-        "duration": duration, "total_input_tokens": sum(inputs), "total_output_tokens": sum(outputs),
-        "request_throughput": len(done) / duration, "output_throughput": sum(outputs) / duration,
-        "total_token_throughput": (sum(inputs) + sum(outputs)) / duration,
-    }
-    for name, xs in (("ttft", ttfts), ("tpot", tpots), ("itl", list(sim.itls)), ("e2el", e2el)):
-        out.update(stats_of(name, xs))
-    loads = [i.engine.load() for i in sim.instances.values()]
-    seconds = sum(max(0.0, (i.gone if i.gone is not None else end) - max(i.born, start))
-                  for i in sim.instances.values())
-    out.update({
-        "instances": sim.n_instances, "instance_seconds": seconds,
-        "instances_at_end": sum(1 for i in sim.instances.values() if i.gone is None),
-        "scaling": {"out": sum(e["what"] == "out" for e in sim.scaling),
-                    "in": sum(e["what"] == "in" for e in sim.scaling), "events": sim.scaling},
-        "fragmentation": dict(sim.fragmentation),
-        "preemptions": sum(ld.preemptions for ld in loads),
-        "migrations": dict(sorted(sim.outcomes.items())),
-        "migration_downtime_ms": stats_of("downtime", sim.downtimes)["mean_downtime_ms"] if sim.downtimes else None,
-        "dispatch_policy": sim.mgr.dispatch_policy, "events": sim.events, "wall_s": wall_s,
-        "leaked_blocks": sum(ld.blocks_used for ld in loads),
-        **sim.cache_figures(),
-    })
-    return out
-
-
-def stats_of(name: str, xs: list[float]) -> dict:
-    """vLLM's ``bench serve`` statistics of one latency, in ms (numpy's percentiles: linear)."""
-    if not xs:
-        return {f"{k}_{name}_ms": 0.0 for k in ("mean", "median", "std", "p99")}
-    ys = sorted(xs)
-
-    def pct(q: float) -> float:
-        pos = (len(ys) - 1) * q / 100
-        lo = math.floor(pos)
-        hi = min(lo + 1, len(ys) - 1)
-        return ys[lo] + (ys[hi] - ys[lo]) * (pos - lo)
-
-    mean = sum(ys) / len(ys)
-    std = math.sqrt(sum((y - mean) ** 2 for y in ys) / len(ys))
-    return {f"mean_{name}_ms": mean * 1e3, f"median_{name}_ms": pct(50) * 1e3, f"std_{name}_ms": std * 1e3,
-            f"p99_{name}_ms": pct(99) * 1e3}
 
 
 def simulate(cfg: Config, instances: int, trace: list[TraceRequest], net: Network | None = None,
@@ -472,16 +391,3 @@ def command(
         print_json(res)
         return
     out.print(result_block(res), markup=False, highlight=False)
-
-
-def result_block(res: dict) -> str:
-    from llumnixctl.experiments import bench_serve_figures
-
-    block = bench_serve_figures.result_block({**res, "prompt_token_mismatches": 0, "short_outputs": 0,
-                                      "migrations": {"committed": sum(v for k, v in res["migrations"].items()
-                                                                      if k.endswith("/committed")),
-                                                     "aborted": sum(v for k, v in res["migrations"].items()
-                                                                    if k.endswith("/aborted"))}})
-    extra = [f"{'Instances:':<40} {res['instances']}", f"{'Instance-seconds:':<40} {res['instance_seconds']:.1f}",
-             f"{'Simulated in (s, wall):':<40} {res['wall_s']:.2f}"]
-    return block.rstrip("=").rstrip() + "\n" + "\n".join(extra) + "\n" + "=" * 50

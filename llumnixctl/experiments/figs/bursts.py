@@ -49,27 +49,8 @@ PAPER = {
 
 
 class BurstSimulation(Simulation):
-    """The simulation, recording every KV copy (start, duration, bytes, source instance)."""
-
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.copies: list[tuple[float, float, int, str]] = []
-        self._cur = None
-
-    def _stage(self, mig) -> None:
-        self._cur = mig
-        super()._stage(mig)
-
-    def _last_stage(self, mig) -> None:
-        self._cur = mig
-        super()._last_stage(mig)
-
-    def _block_s(self, blocks: int) -> float:
-        dt = super()._block_s(blocks)
-        if blocks > 0 and self._cur is not None:
-            self.copies.append((self.clock.now, dt, blocks * self.cfg.sim.block_size * self.kv_bytes_per_token,
-                                self._cur.src.iid))
-        return dt
+    """The simulation; every KV copy (start, duration, bytes, source instance) is in its ``migrations.copies``, as the
+    migrators' transfers ran (simmigrate.SimKv)."""
 
 
 class BurstObserver:
@@ -80,7 +61,7 @@ class BurstObserver:
 
     def __call__(self, kind, sim, data) -> None:
         if kind == "migration":
-            self.migs.append((data["started"], sim.clock.now, data["src"], data["dst"], data["outcome"]))
+            self.migs.append((data["started"], sim.now, data["src"], data["dst"], data["outcome"]))
 
     def collect(self, sim) -> dict:
         # in flight: a sweep over starts and ends, cluster-wide and per instance (as source or destination)
@@ -108,7 +89,7 @@ class BurstObserver:
             _spread(inflight, s, e, e - s)
         total = [0.0] * nb
         by_src: dict[str, list[float]] = defaultdict(lambda: [0.0] * nb)
-        for t0, dt, nbytes, src in sim.copies:
+        for t0, dt, nbytes, src in sim.migrations.copies:
             _spread(total, t0, t0 + dt, nbytes)
             _spread(by_src[src], t0, t0 + dt, nbytes)
         arrivals = [0] * nb
@@ -125,7 +106,7 @@ class BurstObserver:
             "in_flight_peak_mean_over_1s": round(max(inflight), 2),
             "kv_bytes_per_s_peak": round(total[kb]), "kv_bytes_per_s_peak_at_s": kb * BIN_S,
             "kv_gbit_per_s_peak": round(total[kb] * 8 / 1e9, 2),
-            "kv_bytes_total": sum(c[2] for c in sim.copies),
+            "kv_bytes_total": sum(c[2] for c in sim.migrations.copies),
             "egress_bytes_per_s_peak_per_instance": round(max((max(v) for v in by_src.values()), default=0) / BIN_S),
             "arrivals_per_s_peak": max(arrivals) / BIN_S,
             "series": {"bin_s": BIN_S, "arrivals": arrivals, "in_flight": [round(x, 2) for x in inflight],

@@ -28,6 +28,7 @@ PAPER_LIKE = [
     "sim.prefill_ms_per_token=0.2", "sim.prefill_ms=10", "sim.decode_ms=20", "sim.decode_ms_per_seq=0.3",
     "sim.decode_ms_per_token=0.001", "model.max_model_len=16384",
     "instance.log_level=warning", "manager.log_level=warning",
+    "proxy.dispatch=manager",  # the paper's Llumnix dispatches at its global scheduler (Fig 16 times it there)
 ]
 PAPER_NET = {"kv_gbps": 16.0}  # what one migration's copy gets between the paper's nodes (an estimate)
 POLICIES = ("llumnix", "infaas++", "rr")

@@ -90,7 +90,7 @@ def _patch_preempt() -> None:
     def _preempt(self, req):
         s = _CURRENT.get("sim")
         if s is not None:
-            s.preempted_at[req.rid] = s.clock.now
+            s.preempted_at[req.rid] = s.now
             s.recompute_tokens += req.prompt_len + req.generated
         return inner(self, req)
 
@@ -136,9 +136,9 @@ def run_job(job: dict) -> dict:
             for tok in data["outputs"]:
                 t0 = s.preempted_at.pop(tok.request_id, None)
                 if t0 is not None:
-                    loss.append(s.clock.now - t0)
+                    loss.append(s.now - t0)
         elif kind == "dispatch":
-            dispatches.append((s.clock.now, data["instance"]))
+            dispatches.append((s.now, data["instance"]))
 
     sim.observe(observer)
     _patch_preempt()

@@ -1,0 +1,98 @@
+"""The simulator's records (llumnixctl/experiments/simulate.py): its network's times, its requests and its
+instances."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from llumnixctl.experiments.tracegen import TraceRequest
+
+PROXY_ADDRESS = "inproc://sim-proxy"  # the simulated proxy's token address (requests' reply_to)
+
+
+@dataclass
+class Network:
+    """Times of the simulated cluster's messages and KV copies."""
+
+    report_lag_s: float = 0.002  # a load report's way to the manager
+    dispatch_rtt_s: float = 0.001  # the proxy asks the manager where a request goes
+    submit_s: float = 0.0005  # the proxy's request to the instance
+    message_s: float = 0.0005  # one migration control message
+    kv_gbps: float = 10.0  # what one migration's copy achieves (before migration.bandwidth_limit_mbps)
+    kv_bytes_per_token: int = 0  # 0: from the sim engine's KV shape
+    launch_s: float = 30.0  # auto-scaling: a launched instance loads its model and registers this much later
+    step_overhead_s: float = 0.0  # the daemon's own cost per step (event loop, sockets), on top of model time
+
+
+@dataclass
+class SimulatedRequest:
+    trace: TraceRequest
+    rid: str
+    owner: str = ""
+    first: float = -1.0
+    last: float = -1.0
+    tokens: int = 0
+    finish: str = ""
+    error: str = ""
+    dispatches: int = 0
+    sent: float = -1.0  # when the client sent it (a session's later turn: after the turn before it)
+    moved_at: float = -1.0  # when a migration last committed it on its destination
+    ids: list | None = None  # the prompt's token ids (with sim.prefix_caching)
+    keys: list | None = None  # their block keys
+
+
+@dataclass
+class SimulatedInstance:
+    iid: str
+    engine: object  # a sim engine (simmigrate.sim_engine_class)
+    ident: bytes
+    stepping: bool = False
+    free_at: float = 0.0
+    step_start: float = 0.0
+    taken: int = 0  # Submits from the proxy taken in (its heartbeats say so)
+    boundary: list = field(default_factory=list)  # (callable, future): the migrator's calls for the next boundary
+    table: object = None  # its request table (daemons/requests.py)
+    migrator: object = None  # its own daemons.migration.Migrator
+    host: object = None  # what the migrator needs of it (simmigrate.SimHost)
+    born: float = 0.0
+    gone: float | None = None  # when it stopped (scaled in)
+    retiring: bool = False
+    pub: object = None  # its prefix-cache Publisher (sim.prefix_caching)
+
+    def at_boundary(self, fn) -> asyncio.Future:
+        """As the instance's ``boundary``: ``fn()`` between two steps (now, when no step is in flight); the
+        future gets its result or its exception."""
+        fut = asyncio.get_running_loop().create_future()
+        if self.stepping:
+            self.boundary.append((fn, fut))
+        else:
+            _run_call(fn, fut)
+        return fut
+
+    def run_boundary(self) -> bool:
+        """(Before a step) What waited for the boundary; whether anything did."""
+        calls, self.boundary = self.boundary, []
+        for fn, fut in calls:
+            _run_call(fn, fut)
+        return bool(calls)
+
+
+def _run_call(fn, fut: asyncio.Future) -> None:
+    if fut.done():
+        return
+    try:
+        fut.set_result(fn())
+    except Exception as exc:  # to the migration that asked (an EngineError, say: it names the outcome)
+        fut.set_exception(exc)
+
+
+def kv_bytes_per_token(sim, net: Network) -> int:
+    """KV bytes per token: the network's if set, else the latency profile's (``sim.profile``), else the sim
+    settings' KV shape (``net.kv_bytes_per_token`` takes the profile's)."""
+    if not net.kv_bytes_per_token and sim.profile:
+        from daemons.engine.profile import LatencyProfile
+
+        net.kv_bytes_per_token = LatencyProfile.load(sim.profile).kv_bytes_per_token
+    return net.kv_bytes_per_token or (
+        sim.kv_layers * 2 * sim.kv_heads * sim.head_dim * (4 if sim.kv_dtype == "float32" else 2))
