@@ -170,7 +170,7 @@ class Simulation:
     def add_instance(self) -> SimulatedInstance:
         iid = f"i{next(self._next_index)}"
         inst = SimulatedInstance(iid, self.migrations.engine(), ident=iid.encode(), born=self.now,
-                                 table=RequestTable(self.clock.monotonic))
+                                 table=RequestTable(self.clock))
         self.instances[iid] = inst
         self.migrations.attach(inst)
         self.cache.publisher(inst)
