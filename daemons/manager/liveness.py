@@ -36,7 +36,7 @@ class Liveness:
         self.ctx = ctx
         self.sec = sec
         self.on_dead = on_dead
-        self.links = LinkWatch(mc.link_timeout_s, self.link_changed, lambda _: M_LINKS_HEALED.inc())
+        self.links = LinkWatch(mc.link_timeout_s, self.link_changed, lambda _: M_LINKS_HEALED.inc(), clock)
         cluster.on_forget(self.unwatch)
 
     def dead_after(self) -> float:

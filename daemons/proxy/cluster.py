@@ -94,7 +94,7 @@ class ClusterClient:
         self.tracer = tracer
         self._tasks: list[asyncio.Task] = []
         self.essential: list[asyncio.Task] = []  # if one of these ends, the proxy exits (it would be deaf)
-        links = LinkWatch(pc.instance_timeout_s, self._link_changed, lambda _: M_LINKS_HEALED.inc())  # by address
+        links = LinkWatch(pc.instance_timeout_s, self._link_changed, lambda _: M_LINKS_HEALED.inc(), clock)  # by address
         self.port = port = InstancePort(self.ctx, self.sec, links)
         self.known = known = KnownInstances(clock, pc.instance_timeout_s, pc.snapshot_interval_s, links.state)
         self.view = DispatchView(cfg.manager.pending_dispatch_ttl_s, cfg.scheduling.high_priority_headroom,
