@@ -23,7 +23,7 @@ from llumnixctl.admin import AdminClient, ManagerUnreachable
 from llumnixctl.lab import localcluster
 from llumnixctl.main import status_json
 from tests.conftest import ctl, ctl_json
-from tests.streams import Stream, proxy_metric
+from tests.streams import Stream, proxy_metric, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -342,11 +342,8 @@ def test_chaos_every_stream_is_exact(start_cluster, seed):
 
     # Settled: every live instance idle, no block held (a reservation of a killed source is released after
     # migration.dest_idle_timeout_s), then the same through the CLI.
-    deadline = time.monotonic() + 45
-    while (st := _settled(c)) is None:
-        assert time.monotonic() < deadline, (f"the cluster did not settle to 0 blocks: {c.status()}\n"
-                                             f"--- chaos\n{chaos_log}\n{c.logs()}")
-        time.sleep(0.2)
+    st = wait_for(lambda: _settled(c), 45, lambda: (f"the cluster did not settle to 0 blocks: {c.status()}\n"
+                                                   f"--- chaos\n{chaos_log}\n{c.logs()}"), every=0.2)
     final = ctl_json("status", "--run-dir", str(c.run_dir))
     alive = [i for i in final["instances"] if i["state"] == "alive"]
     assert len(alive) >= 2 and all(i["blocks_used"] == 0 for i in alive), final
@@ -357,10 +354,8 @@ def test_chaos_every_stream_is_exact(start_cluster, seed):
     c.stop()
     left = [f"{p.name} (pid {p.pid})" for p in recorded if p.process() is not None]
     assert not left, f"still running after stop: {left}"
-    deadline = time.monotonic() + 15  # a launcher started just before the stop exits by itself
-    while (ours := _ours(c.run_dir)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not ours, ours
+    # a launcher started just before the stop exits by itself
+    wait_for(lambda: not _ours(c.run_dir), 15, lambda: f"still running: {_ours(c.run_dir)}", every=0.2)
     print(f"\nseed {seed}: up {up_s:.1f}s, load {load_s:.1f}s, {len(streams)} streams exact, "
           f"{failovers:g} failovers, chaos {chaos.counts}, {len(alive)} instances at the end "
           f"({st['totals']['scale_outs']} scale-outs since the manager restart), {len(recorded)} processes stopped")
