@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 from typing import Annotated, Optional
 
-import numpy as np
 import psutil
 import typer
 from rich.console import Console
@@ -35,6 +34,7 @@ from daemons.config import ConfigError, load_config
 from llumnixctl.admin import AdminClient, ManagerUnreachable
 from llumnixctl.experiments import bench_serve, bench_serve_figures, tracegen as trace
 from llumnixctl.lab import localcluster
+from llumnixctl.stats import percentile
 
 DEFAULT_POLICIES = "rr,infaas++,llumnix"
 MODEL = "llumnix-sim"
@@ -197,7 +197,7 @@ def run_policy(policy: str, reqs: list[trace.TraceRequest], instances: int, sets
     lags = [r["lag_s"] for r in results]
     # Cores busy: near the machine's count means steps wait for the CPU, not for the latency model.
     out["cpu"] = {"client_s": cpu[0], "cluster_s": sum(cpu[1:]), "busy_cores": sum(cpu) / wall,
-                  "send_lag_ms_p99": float(np.percentile(lags, 99)) * 1e3}
+                  "send_lag_ms_p99": percentile(lags, 99) * 1e3}
     out["first_errors"] = sorted({r["error"] for r in results if r["error"]})[:5]
     if per_request:
         out["per_request"] = [_request_row(r, sampler) for r in results]
