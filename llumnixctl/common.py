@@ -14,8 +14,8 @@ from rich.console import Console
 
 from daemons import wire
 from daemons.config import ConfigError, load_config
+from llumnixctl import rundir
 from llumnixctl.admin import AdminClient, ManagerUnreachable
-from llumnixctl.lab import localcluster
 
 out = Console(width=None if sys.stdout.isatty() else 160)  # piped: never squeeze the table
 
@@ -47,14 +47,14 @@ def manager_source(manager: str | None, run_dir: Path | None, config: str | None
     if os.environ.get("LLUMNIX_MANAGER"):
         return os.environ["LLUMNIX_MANAGER"], "$LLUMNIX_MANAGER"
     if run_dir is not None:
-        state = localcluster.ClusterState.load(run_dir)
+        state = rundir.ClusterState.load(run_dir)
         if state is None:
-            die(f"no local cluster in {run_dir} (no {localcluster.STATE_FILE}); start one with `llumnixctl up --run-dir {run_dir}`")
+            die(f"no local cluster in {run_dir} (no {rundir.STATE_FILE}); start one with `llumnixctl up --run-dir {run_dir}`")
         return state.manager_address, f"the local cluster in {run_dir}"
     if config is None:
-        state = localcluster.ClusterState.load(localcluster.default_run_dir())
+        state = rundir.ClusterState.load(rundir.default_run_dir())
         if state is not None:
-            return state.manager_address, f"the local cluster in {localcluster.default_run_dir()}"
+            return state.manager_address, f"the local cluster in {rundir.default_run_dir()}"
     try:
         cfg = load_config(config)
     except ConfigError as exc:
@@ -89,7 +89,7 @@ def admin(manager: str | None, run_dir: Path | None, config: str | None, timeout
     address, source = manager_source(manager, run_dir, config)
     state = None
     if source.startswith("the local cluster in ") and config is None:  # its keys, if it was started with some
-        state = localcluster.ClusterState.load(Path(source[len("the local cluster in "):]))
+        state = rundir.ClusterState.load(Path(source[len("the local cluster in "):]))
     if state is not None:
         try:
             client = AdminClient.for_args(address, state.args, timeout)

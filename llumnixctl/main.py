@@ -29,10 +29,10 @@ from llumnixctl import operate
 from llumnixctl.admin import AdminClient, ManagerUnreachable
 from llumnixctl.common import (ConfigOpt, JsonOpt, ManagerOpt, RunDirOpt, TimeoutOpt, admin, ask, die, instance_json,
                                out, print_json, unreachable_message)
-from llumnixctl.lab import localcluster
+from llumnixctl.commands import Commands
 
 # add_completion: --install-completion / --show-completion (bash, zsh, fish, PowerShell)
-app = typer.Typer(add_completion=True, no_args_is_help=True,
+app = typer.Typer(cls=Commands, add_completion=True, no_args_is_help=True,
                   help="Operate a Llumnix cluster: local clusters, status, requests, benchmarks.")
 config_app = typer.Typer(no_args_is_help=True, help="Settings: the example file, the effective values.")
 app.add_typer(config_app, name="config")
@@ -63,6 +63,8 @@ def up(
     json_: JsonOpt = False,
 ) -> None:
     """Start a local cluster in the background (manager, instances, proxy) and wait until it serves."""
+    from llumnixctl.lab import localcluster  # the lab's: operator commands run without it
+
     run_dir = run_dir or localcluster.default_run_dir()
     sets = list(set_ or [])
     try:
@@ -89,6 +91,8 @@ def up(
 @app.command()
 def down(run_dir: RunDirOpt = None, json_: JsonOpt = False) -> None:
     """Stop the processes that `up` started from this run directory (SIGTERM, then SIGKILL)."""
+    from llumnixctl.lab import localcluster
+
     run_dir = run_dir or localcluster.default_run_dir()
     try:
         stopped = localcluster.down(run_dir)
@@ -443,30 +447,8 @@ def model_settings(cfg, model: Path | None, run_dir: Path) -> list[str]:
 operate.register(app)
 
 
-_complete = False
-
-
-def full_app() -> typer.Typer:
-    """The CLI with every command group (imported on first use: they pull in engines and benchmarks)."""
-    global _complete
-    if not _complete:
-        from llumnixctl import keys
-        from llumnixctl.experiments import bench, check, profile, simulate, tracecli
-        from llumnixctl.lab import model
-
-        app.add_typer(bench.app, name="bench")
-        app.add_typer(check.app, name="check")
-        app.add_typer(keys.app, name="keys")
-        app.add_typer(model.app, name="model")
-        app.add_typer(tracecli.app, name="trace")
-        app.command("simulate")(simulate.command)
-        app.command("profile")(profile.command)
-        _complete = True
-    return app
-
-
 def entry() -> None:
-    full_app()(prog_name="llumnixctl")  # also under `python -m llumnixctl.main`: usage lines, completion
+    app(prog_name="llumnixctl")  # also under `python -m llumnixctl.main`: usage lines, completion
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ import typer
 from daemons import wire
 from llumnixctl.admin import AdminClient
 from llumnixctl.common import ConfigOpt, JsonOpt, ManagerOpt, RunDirOpt, admin, ask, die, instance_json, out, print_json
-from llumnixctl.lab import localcluster
 
 InstanceArg = Annotated[str, typer.Argument(help="instance id (see llumnixctl status)")]
 
@@ -144,6 +143,8 @@ def local_instance(instance: InstanceArg,
                    run_dir: Annotated[Path, typer.Option("--run-dir", help="the local cluster's run directory")] = ...,
                    timeout: Annotated[float, typer.Option("--timeout", help="seconds to wait for it to register")] = 120.0) -> None:
     """Start one more instance of a local cluster (the launcher of `llumnixctl up` clusters)."""
+    from llumnixctl.lab import localcluster  # the lab's: operator commands run without it
+
     state = localcluster.ClusterState.load(run_dir)
     if state is None:
         die(f"no local cluster in {run_dir} (no {localcluster.STATE_FILE})")

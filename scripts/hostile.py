@@ -33,17 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from daemons.config import body_limit, load_config  # noqa: E402
 from llumnixctl.lab import localcluster  # noqa: E402
+from llumnixctl.stats import percentile  # noqa: E402
 
 SETS = ["manager.heartbeat_interval_s=0.2", "sim.time_scale=0.1", "instance.shutdown_grace_s=1"]
 NORMAL_STREAMS = 32
 HOSTILE_CONNECTIONS = 4
-
-
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 class Normal(threading.Thread):
@@ -192,7 +186,8 @@ def main() -> int:
                     phase[0] = "between"
                 on.clear()
                 g = gaps.get(name, [])
-                row[kind] = {"gaps": len(g), "p50_ms": round(pct(g, 0.5) * 1e3, 2), "p99_ms": round(pct(g, 0.99) * 1e3, 2)}
+                row[kind] = {"gaps": len(g), "p50_ms": round(percentile(g, 50, "nearest", float("nan")) * 1e3, 2),
+                             "p99_ms": round(percentile(g, 99, "nearest", float("nan")) * 1e3, 2)}
                 time.sleep(2.0)  # the hostile requests in flight end before the next phase is measured
             row["p99_ratio"] = round(row["hostile"]["p99_ms"] / row["alone"]["p99_ms"], 3)
             rounds.append(row)

@@ -128,9 +128,9 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     the same exit status, stdout and stderr as ``ctl``."""
     from typer.testing import CliRunner
 
-    from llumnixctl.main import full_app
+    from llumnixctl.main import app
 
-    res = CliRunner().invoke(full_app(), list(args), prog_name="llumnixctl")
+    res = CliRunner().invoke(app, list(args), prog_name="llumnixctl")
     if res.exception is not None and not isinstance(res.exception, SystemExit):
         raise res.exception
     return subprocess.CompletedProcess(["llumnixctl", *args], res.exit_code, res.stdout, res.stderr)

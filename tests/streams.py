@@ -13,14 +13,19 @@ from daemons.engine.sim import sim_token_id
 VOCAB = 32000
 
 
-def wait_for(what, timeout: float, message: str = "", every: float = 0.05):
-    """Poll ``what()`` until it is truthy (returned), failing after ``timeout`` seconds."""
+def wait_for(what, timeout: float, message="", every: float = 0.05):
+    """Poll ``what()`` until it is truthy (returned), failing after ``timeout`` seconds with ``message`` (a
+    string, or a callable read at the failure: a view of what the test waited on). The tests' one wait for a
+    condition of processes they do not drive (daemons, logs, metrics); in-process code on virtual time waits
+    with its harness's ``until`` instead."""
     deadline = time.monotonic() + timeout
     while True:
         got = what()
         if got:
             return got
-        assert time.monotonic() < deadline, message or f"not within {timeout}s"
+        if time.monotonic() >= deadline:
+            said = message() if callable(message) else message
+            raise AssertionError(f"{said or 'the condition'}: not within {timeout:g}s")
         time.sleep(every)
 
 

@@ -208,11 +208,9 @@ class Dispatcher:
         instance_id, address = await self._place(stream)
         if stream.done:  # ended (client gone, deadline) while we chose
             return
-        stream.instance_id, stream.address = instance_id, address
+        stream.place(instance_id, address, stream.epoch + 1, stream.next_index)
         stream.tried.append(instance_id)
         stream.sent_at = stream.progress_at = self.clock.monotonic()
-        stream.epoch += 1
-        stream.owner_from = stream.next_index
         stream.early.clear()  # a gap's tokens came from the copy we left: the new one sends them again
         submit = msgspec.structs.replace(stream.submit, epoch=stream.epoch, output_token_ids=list(stream.token_ids))
         beat = self.known.beats.get(instance_id)

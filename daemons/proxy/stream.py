@@ -34,7 +34,7 @@ class Stream:
     __slots__ = ("request_id", "submit", "ready", "next_index", "early", "waiter", "done", "error", "status",
                  "instance_id", "address", "tried", "sent_at", "given_back", "epoch", "owner_from", "token_ids",
                  "failovers", "progress_at", "deadline", "fenced", "exclude", "tenant", "weight", "trace",
-                 "prefix_keys")
+                 "prefix_keys", "starts")
 
     def __init__(self, request_id: str, submit: wire.Submit, timeout_s: float = 0.0, now: float = 0.0):
         """``now``: its owner's clock (daemons.clock.Clock ``monotonic``); ``timeout_s`` counts from it."""
@@ -54,6 +54,7 @@ class Stream:
         self.given_back = 0  # times a draining instance gave it back (not failed attempts)
         self.epoch = 0
         self.owner_from = 0  # the first index the current owner produces
+        self.starts: list[tuple[int, int]] = []  # (epoch, first index) of every placement taken, in epoch order
         self.token_ids: list[int] = []  # every token accepted, in order: a failover re-prefills them
         self.failovers = 0
         self.progress_at = now
@@ -65,12 +66,25 @@ class Stream:
         self.trace = None  # its spans (daemons/proxy/traces.py StreamTrace), with tracing on
         self.prefix_keys: list[int] | None = None  # its prompt's block keys (llumnix-cache), once computed
 
+    def place(self, instance_id: str, address: str, epoch: int, from_index: int) -> None:
+        """A new placement (a dispatch, a failover, a migration's claim): owned by ``instance_id`` under
+        ``epoch`` (newer than the current one) from index ``from_index`` on."""
+        self.instance_id, self.address, self.epoch, self.owner_from = instance_id, address, epoch, from_index
+        self.starts.append((epoch, from_index))
+
     def owns(self, instance_id: str, out: wire.TokenOut) -> bool:
         """Whether ``out`` may reach the client: from the current owner, or from an earlier placement for an
-        index before the current one began (tokens in flight from a migration's source)."""
+        index before the placement that replaced it began (tokens in flight from a migration's source). Not
+        before the current one began: a copy that stalled, was failed over and then the request moved on,
+        produced nothing the client may take past the failover's first index."""
         if out.epoch == self.epoch:
             return instance_id == self.instance_id
-        return out.epoch < self.epoch and out.index < self.owner_from
+        if out.epoch > self.epoch:
+            return False
+        for epoch, start in self.starts:
+            if epoch > out.epoch:
+                return out.index < start
+        return out.index < self.owner_from
 
     def feed(self, out: wire.TokenOut, now: float | None = None) -> None:
         """Take one output; ``now`` (the owner's clock) marks progress (None: a caller that does not watch

@@ -37,7 +37,7 @@ class Streams:
         self.address_of = address_of
         self.moved_to = moved_to
         self.by_id: dict[str, Stream] = {}
-        self._orphans: dict[str, None] = {}  # request ids we asked instances to abort (insertion-ordered)
+        self._orphans: dict[tuple[str, str, int], None] = {}  # (request, instance, epoch) copies told to abort, in order
 
     def add(self, stream: Stream) -> None:
         self.by_id[stream.request_id] = stream
@@ -97,8 +97,7 @@ class Streams:
         if msg.epoch > stream.epoch:
             if stream.trace is not None:
                 stream.trace.moved(stream.instance_id, msg.instance_id, msg.epoch, msg.from_index)
-            stream.instance_id, stream.address = msg.instance_id, msg.request_address
-            stream.epoch, stream.owner_from = msg.epoch, msg.from_index
+            stream.place(msg.instance_id, msg.request_address, msg.epoch, msg.from_index)
             stream.sent_at = now
             if msg.instance_id not in stream.tried:
                 stream.tried.append(msg.instance_id)
@@ -124,12 +123,14 @@ class Streams:
 
     def _orphan(self, instance_id: str, out: wire.TokenOut) -> None:
         """Tokens of a request we do not know (we restarted at the same address, or already let it go):
-        nobody will read them; ask their instance to stop, once per request."""
-        if out.finish_reason is not None or out.request_id in self._orphans:
+        nobody will read them; ask their instance to stop, once per copy (one instance may hold two: a stalled
+        copy we failed over from, and a later placement there that lost a race)."""
+        key = (out.request_id, instance_id, out.epoch)
+        if out.finish_reason is not None or key in self._orphans:
             return
         address = self.address_of(instance_id)
         if address:
-            self._orphans[out.request_id] = None
+            self._orphans[key] = None
             if len(self._orphans) > ORPHANS_KEPT:
                 self._orphans.pop(next(iter(self._orphans)))
             self.port.send(address, wire.Abort(out.request_id, out.epoch))

@@ -32,9 +32,10 @@ from daemons.config import ConfigError, load_config
 from llumnixctl.experiments import (bench_cache, bench_engine, bench_manager, bench_migration, bench_overload,
                                     bench_policies, bench_serve, bench_steady)
 from llumnixctl.admin import AdminClient
-from llumnixctl.experiments.bench_proxy_short import (SHORT_GOAL_RPS, host_port, open_nodelay, pct, pick_client,
+from llumnixctl.experiments.bench_proxy_short import (SHORT_GOAL_RPS, host_port, open_nodelay, pick_client,
                                                      short_rate, stream_load)
 from llumnixctl.lab import localcluster
+from llumnixctl.stats import percentile
 
 app = typer.Typer(no_args_is_help=True, help="Benchmarks that print their figures.")
 
@@ -169,7 +170,7 @@ def burst(state, model: str, k: int, tokens: int, snapshot_interval_s: float) ->
     mean = sum(got.values()) / max(len(got), 1)
     return {"proxies": len(state.urls), "requests": k, "tokens": tokens, "completed": len(ok),
             "failures": k - len(ok), "wall_s": wall,
-            "ttft_ms": {"p50": pct(ms, 50), "p99": pct(ms, 99), "max": ms[-1]},
+            "ttft_ms": {"p50": percentile(ms, 50, "nearest"), "p99": percentile(ms, 99, "nearest"), "max": ms[-1]},
             "received_per_instance": got, "imbalance": max(got.values(), default=0) / mean if mean else None}
 
 
@@ -264,8 +265,8 @@ def _ttft_comparison(state, requests: int) -> dict:
     prompt = list(range(100, 116))
     direct = direct_ttft(snap.instances[0].request_address, requests, prompt)
     via = proxy_ttft(state.url, "llumnix-sim", requests, prompt)
-    return {"direct_ttft_ms": {"p50": pct(direct, 50) * 1e3, "p99": pct(direct, 99) * 1e3},
-            "proxy_ttft_ms": {"p50": pct(via, 50) * 1e3, "p99": pct(via, 99) * 1e3},
+    return {"direct_ttft_ms": {"p50": percentile(direct, 50, "nearest") * 1e3, "p99": percentile(direct, 99, "nearest") * 1e3},
+            "proxy_ttft_ms": {"p50": percentile(via, 50, "nearest") * 1e3, "p99": percentile(via, 99, "nearest") * 1e3},
             "added_ttft_ms_p50": (statistics.median(via) - statistics.median(direct)) * 1e3}
 
 

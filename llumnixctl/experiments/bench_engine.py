@@ -33,6 +33,7 @@ from rich.table import Table
 
 from llumnixctl.experiments.bench_proxy_short import stream_load
 from llumnixctl.lab import localcluster
+from llumnixctl.lab.procs import stop
 
 PROMPT = [5, 17, 300, 42, 7, 99, 12, 8]
 KV_CACHE_BYTES = 256 << 20
@@ -182,16 +183,7 @@ def _tree(proc: subprocess.Popen) -> list[psutil.Process]:
 
 def stop_api_server(proc: subprocess.Popen, children: list[psutil.Process] | None = None) -> None:
     """By pid: the server, then its children (``children``: as noted while it ran) if they outlived it."""
-    children = _tree(proc)[1:] or (children or [])
-    proc.terminate()
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
-    _, alive = psutil.wait_procs(children, timeout=10)
-    for p in alive:
-        p.kill()
+    stop([proc], 20, _tree(proc)[1:] or (children or []))
 
 
 def api_server_run(path: Path, vllm: dict, run_dir: Path, tokens: int, batch: int, batch_tokens: int,

@@ -28,7 +28,6 @@ import math
 import os
 import random
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -48,6 +47,7 @@ from daemons import wire
 from llumnixctl.admin import AdminClient, ManagerUnreachable
 from llumnixctl.experiments.bench_manager_peers import MODEL, emulated_load
 from llumnixctl.lab.localcluster import free_port
+from llumnixctl.lab.procs import stop
 
 PER_EMULATOR = 400  # emulated instances per emulator process
 HISTOGRAM = "llumnix_manager_pairing_round_seconds"
@@ -65,24 +65,6 @@ def _spawn(argv: list[str], log: Path, procs: list[subprocess.Popen]) -> subproc
     return p
 
 
-def _stop(procs: list[subprocess.Popen], timeout_s: float = 15.0) -> None:
-    """SIGTERM each (by pid), then SIGKILL what is left after ``timeout_s``; reap them all."""
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.kill(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-    deadline = time.monotonic() + timeout_s
-    for p in procs:
-        try:
-            p.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            try:
-                os.kill(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait(5)
     procs.clear()
 
 
@@ -316,7 +298,7 @@ def run(instances: list[int], rates: list[int], seconds: float, heartbeat_s: flo
                 run_n["dispatched_total"] = snap.dispatched_total if snap else None
             finally:
                 admin.close()
-                _stop(procs)
+                stop(procs)
             emu_stats: dict[str, int] = {}
             for f in emu_out:
                 try:
@@ -332,7 +314,7 @@ def run(instances: list[int], rates: list[int], seconds: float, heartbeat_s: flo
         if log_dir == work:
             shutil.rmtree(work, ignore_errors=True)
     finally:
-        _stop(procs)
+        stop(procs)
         out["pids"] = started
     return out
 

@@ -21,6 +21,7 @@ import psutil
 import zmq
 
 from daemons import wire
+from llumnixctl.stats import percentile
 
 MODEL = "llumnix-emulated"
 BLOCKS = 2000
@@ -160,7 +161,7 @@ def _ms(xs: list[float]) -> dict:
     xs = sorted(xs)
 
     def pct(p: float) -> float:
-        return round(xs[min(len(xs) - 1, int(p / 100 * len(xs)))] * 1e3, 4)
+        return round(percentile(xs, p, "nearest") * 1e3, 4)
 
     return {"mean": round(statistics.fmean(xs) * 1e3, 4), "p50": pct(50), "p99": pct(99), "p999": pct(99.9),
             "max": round(xs[-1] * 1e3, 4)}

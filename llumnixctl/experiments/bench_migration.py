@@ -58,6 +58,7 @@ from daemons.config import ConfigError, load_config
 from llumnixctl.admin import AdminClient
 from llumnixctl.common import sse_chunks
 from llumnixctl.lab import localcluster
+from llumnixctl.lab.procs import stop
 
 DEFAULT_LENGTHS = "256,512,1024,2048,4096,8192"
 LAB_ENV = "LLUMNIX_BENCH_NETNS"  # set for the run inside the control namespace: the lab, as JSON
@@ -458,12 +459,6 @@ def _in_lab(argv: list[str], rate: str, delay_ms: float, err: Console) -> int:
                 err.print("llumnixctl: the benchmark ran for 6 hours; stopping it", markup=False)
                 return 1
             finally:
-                if child.poll() is None:
-                    child.terminate()
-                    try:
-                        child.wait(timeout=30)
-                    except subprocess.TimeoutExpired:
-                        child.kill()
-                        child.wait(timeout=10)
+                stop([child], 30)
     finally:
         signal.signal(signal.SIGTERM, old)

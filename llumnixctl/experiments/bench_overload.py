@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import httpx
-import numpy as np
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from llumnixctl.experiments.bench_serve import stream_completion
 from llumnixctl.lab import localcluster
+from llumnixctl.stats import percentile
 
 MODEL = "llumnix-sim"
 
@@ -93,7 +93,7 @@ async def _overload(url: str, rate: float, seconds: float, prompt: int, output: 
 
 
 def _ms(xs: list[float], q: float) -> float | None:
-    return float(np.percentile(xs, q) * 1000) if xs else None
+    return percentile(xs, q) * 1000 if xs else None
 
 
 def analyse(results: list[dict], unloaded: list[float], capacity: float, rate: float) -> dict:

@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 from typing import Annotated, Optional
 
-import numpy as np
 import psutil
 import typer
 from rich.console import Console
@@ -33,8 +32,10 @@ from rich.table import Table
 
 from daemons.config import ConfigError, load_config
 from llumnixctl.admin import AdminClient, ManagerUnreachable
-from llumnixctl.experiments import bench_serve, bench_serve_figures, tracegen as trace
+from llumnixctl.experiments import bench_serve, bench_serve_figures, traceopts, tracegen as trace
+from llumnixctl.experiments.tracegen import TraceOptions
 from llumnixctl.lab import localcluster
+from llumnixctl.stats import percentile
 
 DEFAULT_POLICIES = "rr,infaas++,llumnix"
 MODEL = "llumnix-sim"
@@ -197,7 +198,7 @@ def run_policy(policy: str, reqs: list[trace.TraceRequest], instances: int, sets
     lags = [r["lag_s"] for r in results]
     # Cores busy: near the machine's count means steps wait for the CPU, not for the latency model.
     out["cpu"] = {"client_s": cpu[0], "cluster_s": sum(cpu[1:]), "busy_cores": sum(cpu) / wall,
-                  "send_lag_ms_p99": float(np.percentile(lags, 99)) * 1e3}
+                  "send_lag_ms_p99": percentile(lags, 99) * 1e3}
     out["first_errors"] = sorted({r["error"] for r in results if r["error"]})[:5]
     if per_request:
         out["per_request"] = [_request_row(r, sampler) for r in results]
@@ -251,19 +252,18 @@ def print_tables(result: dict) -> None:
         console.print(hi)
 
 
+# The trace this benchmark generates unless told otherwise (see the command's docstring for why).
+TRACE = TraceOptions(requests=300, rate=4.0, cv=3.0, prompt_max=1024, output_max=2048)
+
+
 def command(
     instances: Annotated[int, typer.Option(help="sim instances per cluster", min=1)] = 4,
-    requests: Annotated[int, typer.Option(help="requests in the trace", min=1)] = 300,
-    rate: Annotated[float, typer.Option(help="mean arrival rate, requests/s", min=0.001)] = 4.0,
-    arrival: Annotated[str, typer.Option(metavar="poisson|gamma", help="arrival process: poisson or gamma")] = "poisson",
-    cv: Annotated[float, typer.Option(help="gamma arrivals: coefficient of variation of the gaps (1 = Poisson)", min=0.01)] = 3.0,
-    prompt_min: Annotated[int, typer.Option(help="shortest prompt, tokens", min=1)] = 16,
-    prompt_max: Annotated[int, typer.Option(help="longest prompt, tokens", min=1)] = 1024,
-    output_min: Annotated[int, typer.Option(help="shortest output, tokens", min=1)] = 16,
-    output_max: Annotated[int, typer.Option(help="longest output, tokens", min=1)] = 2048,
-    alpha: Annotated[float, typer.Option(help="power-law exponent of both lengths (density ~ x^-alpha; 0 = uniform)")] = 1.0,
-    high_fraction: Annotated[float, typer.Option(help="fraction of high-priority requests", min=0.0, max=1.0)] = 0.0,
-    seed: Annotated[int, typer.Option(help="trace seed")] = 0,
+    requests: traceopts.Requests = TRACE.requests, rate: traceopts.Rate = TRACE.rate,
+    arrival: traceopts.Arrival = TRACE.arrival, cv: traceopts.Cv = TRACE.cv,
+    prompt_min: traceopts.PromptMin = TRACE.prompt_min, prompt_max: traceopts.PromptMax = TRACE.prompt_max,
+    output_min: traceopts.OutputMin = TRACE.output_min, output_max: traceopts.OutputMax = TRACE.output_max,
+    alpha: traceopts.Alpha = TRACE.alpha, high_fraction: traceopts.HighFraction = TRACE.high_fraction,
+    seed: traceopts.Seed = TRACE.seed,
     policies: Annotated[str, typer.Option(metavar="P,P...", help="comma-separated dispatch policies to compare")] = DEFAULT_POLICIES,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="extra setting for every cluster: section.key=value")] = None,
     request_timeout: Annotated[float, typer.Option(help="seconds a request may take before it counts as an error", min=1.0)] = 180.0,

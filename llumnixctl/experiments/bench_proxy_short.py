@@ -16,14 +16,10 @@ from pathlib import Path
 
 import psutil
 
+from llumnixctl.stats import percentile
+
 
 _USAGE = re.compile(rb'"completion_tokens":(\d+)')
-
-
-def pct(xs: list[float], p: float) -> float:
-    """The ``p``-th percentile (nearest rank) of ``xs``."""
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
 
 
 SHORT_GOAL_RPS = 7500  # the rate issue #15 asks of one proxy
@@ -161,7 +157,7 @@ class _PythonClients:
         latencies = [x for r in results for x in r["latencies_ms"]] or [float("nan")]
         return {"completed": sum(r["completed"] for r in results), "failures": sum(r["failures"] for r in results),
                 "wall_s": max(r["wall_s"] for r in results), "client_cpu_s": sum(r["cpu_s"] for r in results),
-                "latency_ms": {"p50": pct(latencies, 50), "p99": pct(latencies, 99)}}
+                "latency_ms": {"p50": percentile(latencies, 50, "nearest"), "p99": percentile(latencies, 99, "nearest")}}
 
     def kill(self) -> None:
         for proc in self.procs:

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from llumnixctl.experiments import tracegen as trace_mod
+from llumnixctl.stats import percentile
 
 METRICS = (("ttft", "TTFT", "Time to First Token"), ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
            ("itl", "ITL", "Inter-token Latency"), ("e2el", "E2EL", "End-to-end Latency"))
@@ -23,10 +24,10 @@ def tpot_s(r: dict, tokens: int | None = None) -> float | None:
 
 
 def stats_ms(xs: list[float]) -> dict:
-    """numpy's mean, median, std and P99 of seconds, in ms (0 for no samples, as vLLM does)."""
+    """numpy's mean, median and std, and P99 (linear, as numpy's), of seconds, in ms (0 for no samples, as vLLM does)."""
     xs = xs or [0.0]
     return {"mean": float(np.mean(xs)) * 1e3, "median": float(np.median(xs)) * 1e3,
-            "std": float(np.std(xs)) * 1e3, "p99": float(np.percentile(xs, 99)) * 1e3}
+            "std": float(np.std(xs)) * 1e3, "p99": percentile(xs, 99) * 1e3}
 
 
 

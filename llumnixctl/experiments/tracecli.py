@@ -14,14 +14,11 @@ from llumnixctl.experiments import tracegen as trace
 from llumnixctl.experiments.tracefiles import FORMATS, TraceFormatError, load, save_jsonl, sniff
 from llumnixctl.experiments.tracemix import (PAPER_BOUNDS, clip, fit_alpha, limit, paper_trace, parse_mix, scale_rate,
                                              stats, window, with_priorities)
-from llumnixctl.experiments.tracegen import TraceRequest
+from llumnixctl.experiments.tracegen import DEFAULT, TraceRequest
+from llumnixctl.experiments.traceopts import Arrival, Cv, HighFraction, Rate, Seed
 
 app = typer.Typer(no_args_is_help=True, help="Request traces: generate, convert (ShareGPT, BurstGPT, Azure), show.")
 
-RateOpt = Annotated[float, typer.Option("--rate", help="requests/s of the generated arrivals")]
-ArrivalOpt = Annotated[str, typer.Option("--arrival", metavar="poisson|gamma", help="arrival process: poisson or gamma")]
-CvOpt = Annotated[float, typer.Option("--cv", help="gamma arrivals: coefficient of variation (1 = Poisson)")]
-SeedOpt = Annotated[int, typer.Option("--seed", help="seed of the generated arrivals, lengths and priorities")]
 FormatOpt = Annotated[Optional[str], typer.Option("--format", "-f", metavar="sharegpt|burstgpt|azure|jsonl", help="the input's format (default: from the file)")]
 ModelOpt = Annotated[Optional[Path], typer.Option("--model", metavar="DIR", help="ShareGPT: a model directory whose tokenizer counts the tokens")]
 FilterModelOpt = Annotated[Optional[str], typer.Option("--filter-model", help="BurstGPT: keep only this Model (e.g. GPT-4)")]
@@ -58,14 +55,14 @@ def _check_arrival(arrival: str) -> None:
 def generate_cmd(
     output: Annotated[str, typer.Argument(metavar="out.jsonl", help="JSONL file to write (- for stdout)")],
     mix: Annotated[Optional[str], typer.Option("--mix", metavar="IN-OUT", help="a paper mix, input-output of S/M/L (means 128/256/512), e.g. M-L")] = None,
-    requests: Annotated[int, typer.Option("--requests", "-n", min=0, help="requests in the trace")] = 1000,
-    rate: RateOpt = 1.0, arrival: ArrivalOpt = "poisson", cv: CvOpt = 1.0,
-    prompt_min: Annotated[Optional[int], typer.Option(help="shortest prompt (default 1 with --mix, else 16)")] = None,
-    prompt_max: Annotated[Optional[int], typer.Option(help="longest prompt (default 6000 with --mix, else 512)")] = None,
-    output_min: Annotated[Optional[int], typer.Option(help="shortest output (default 1 with --mix, else 16)")] = None,
-    output_max: Annotated[Optional[int], typer.Option(help="longest output (default 6000 with --mix, else 1024)")] = None,
-    alpha: Annotated[Optional[float], typer.Option(help="without --mix: the power-law exponent of both lengths (default 1)")] = None,
-    high_fraction: Annotated[float, typer.Option(help="share of high-priority requests")] = 0.0,
+    requests: Annotated[int, typer.Option("--requests", "-n", min=0, help="requests in the trace")] = DEFAULT.requests,
+    rate: Rate = DEFAULT.rate, arrival: Arrival = DEFAULT.arrival, cv: Cv = DEFAULT.cv,
+    prompt_min: Annotated[Optional[int], typer.Option(help=f"shortest prompt (default {PAPER_BOUNDS[0]} with --mix, else {DEFAULT.prompt_min})")] = None,
+    prompt_max: Annotated[Optional[int], typer.Option(help=f"longest prompt (default {PAPER_BOUNDS[1]} with --mix, else {DEFAULT.prompt_max})")] = None,
+    output_min: Annotated[Optional[int], typer.Option(help=f"shortest output (default {PAPER_BOUNDS[0]} with --mix, else {DEFAULT.output_min})")] = None,
+    output_max: Annotated[Optional[int], typer.Option(help=f"longest output (default {PAPER_BOUNDS[1]} with --mix, else {DEFAULT.output_max})")] = None,
+    alpha: Annotated[Optional[float], typer.Option(help=f"without --mix: the power-law exponent of both lengths (default {DEFAULT.alpha:g})")] = None,
+    high_fraction: HighFraction = DEFAULT.high_fraction,
     shape: Annotated[str, typer.Option("--shape", metavar="plain|shared-prefix|multi-turn", help="plain: unique prompts; shared-prefix: shared system prompts and a suffix each (--prompt-min/--prompt-max bound the suffix); multi-turn: conversations (--prompt-min/--prompt-max bound a message, --output-min/--output-max a reply)")] = "plain",
     prefixes: Annotated[int, typer.Option(help="shared-prefix: system prompts; multi-turn: system prompts sessions open with (0: none)", min=0)] = 24,
     prefix_tokens: Annotated[int, typer.Option(help="shared-prefix and multi-turn: tokens of a system prompt", min=0)] = 384,
@@ -75,7 +72,7 @@ def generate_cmd(
     turns_max: Annotated[int, typer.Option(help="multi-turn: most turns of a session", min=1)] = 8,
     think: Annotated[float, typer.Option(help="multi-turn: mean seconds between a turn's end and the next turn", min=0.0)] = 5.0,
     max_context: Annotated[int, typer.Option(help="multi-turn: a session ends before its context passes this", min=2)] = 4096,
-    seed: SeedOpt = 0, json_: JsonOpt = False,
+    seed: Seed = DEFAULT.seed, json_: JsonOpt = False,
 ) -> None:
     """Write a generated trace: a paper mix (--mix), power-law lengths within explicit bounds, or a trace
     whose requests share content (--shape shared-prefix or multi-turn) for prefix-cache experiments."""
@@ -86,9 +83,10 @@ def generate_cmd(
         if mix:
             die("--mix is for --shape plain", 2)
         return _generate_shared(output, shape, requests, rate, arrival, cv, prompt_min, prompt_max, output_min,
-                                output_max, 1.0 if alpha is None else alpha, prefixes, prefix_tokens, skew, hot,
+                                output_max, DEFAULT.alpha if alpha is None else alpha, prefixes, prefix_tokens, skew, hot,
                                 (turns_min, turns_max), think, max_context, high_fraction, seed, json_)
-    d = (PAPER_BOUNDS[0], PAPER_BOUNDS[1], PAPER_BOUNDS[0], PAPER_BOUNDS[1]) if mix else (16, 512, 16, 1024)
+    d = ((PAPER_BOUNDS[0], PAPER_BOUNDS[1], PAPER_BOUNDS[0], PAPER_BOUNDS[1]) if mix
+         else (DEFAULT.prompt_min, DEFAULT.prompt_max, DEFAULT.output_min, DEFAULT.output_max))
     pb = (d[0] if prompt_min is None else prompt_min, d[1] if prompt_max is None else prompt_max)
     ob = (d[2] if output_min is None else output_min, d[3] if output_max is None else output_max)
     extra: dict = {"requests": requests, "rate": rate, "arrival": arrival, "cv": cv if arrival == "gamma" else 1.0,
@@ -102,7 +100,7 @@ def generate_cmd(
             extra.update(mix=mix.upper(), prompt_mean=pmean, output_mean=omean,
                          prompt_alpha=fit_alpha(pmean, *pb), output_alpha=fit_alpha(omean, *ob))
         else:
-            a = 1.0 if alpha is None else alpha
+            a = DEFAULT.alpha if alpha is None else alpha
             reqs = trace.generate(requests, rate=rate, arrival=arrival, cv=cv, prompt=pb, output=ob, alpha=a,
                                   high_fraction=high_fraction, seed=seed)
             extra["alpha"] = a
@@ -188,7 +186,7 @@ def convert_cmd(
     output: Annotated[str, typer.Argument(metavar="out.jsonl", help="JSONL file to write (- for stdout)")],
     fmt: FormatOpt = None, model: ModelOpt = None,
     rate: Annotated[float, typer.Option("--rate", help="ShareGPT: requests/s of the generated arrivals")] = 1.0,
-    arrival: ArrivalOpt = "poisson", cv: CvOpt = 1.0, seed: SeedOpt = 0,
+    arrival: Arrival = DEFAULT.arrival, cv: Cv = DEFAULT.cv, seed: Seed = DEFAULT.seed,
     history: Annotated[bool, typer.Option("--history", help="ShareGPT: prompts count the earlier turns of their conversation")] = False,
     filter_model: FilterModelOpt = None, log_type: LogTypeOpt = None,
     start: Annotated[float, typer.Option("--start", help="keep arrivals from this second on (the new 0)")] = 0.0,
@@ -229,7 +227,7 @@ def show_cmd(
     input: Annotated[Path, typer.Argument(help="a trace in any known format")],
     fmt: FormatOpt = None, model: ModelOpt = None,
     rate: Annotated[float, typer.Option("--rate", help="ShareGPT: requests/s of the generated arrivals")] = 1.0,
-    arrival: ArrivalOpt = "poisson", cv: CvOpt = 1.0, seed: SeedOpt = 0,
+    arrival: Arrival = DEFAULT.arrival, cv: Cv = DEFAULT.cv, seed: Seed = DEFAULT.seed,
     history: Annotated[bool, typer.Option("--history", help="ShareGPT: prompts count the earlier turns of their conversation")] = False,
     filter_model: FilterModelOpt = None, log_type: LogTypeOpt = None,
     json_: JsonOpt = False,

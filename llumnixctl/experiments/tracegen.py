@@ -23,6 +23,28 @@ ARRIVALS = ("poisson", "gamma")
 
 
 @dataclass(frozen=True)
+class TraceOptions:
+    """What a generated trace is made of, with the generator's defaults: the one source of them. A command
+    with other defaults names them in a TraceOptions of its own (llumnixctl/experiments/traceopts.py has
+    the options' flags)."""
+
+    requests: int = 1000
+    rate: float = 1.0  # requests/s
+    arrival: str = "poisson"
+    cv: float = 1.0  # gamma arrivals: the gaps' coefficient of variation
+    prompt_min: int = 16
+    prompt_max: int = 512
+    output_min: int = 16
+    output_max: int = 1024
+    alpha: float = 1.0  # the lengths' power-law exponent
+    high_fraction: float = 0.0
+    seed: int = 0
+
+
+DEFAULT = TraceOptions()
+
+
+@dataclass(frozen=True)
 class TraceRequest:
     index: int
     arrival_s: float  # since the start of the trace
@@ -77,9 +99,10 @@ def gaps(rng: random.Random, n: int, rate: float, arrival: str, cv: float) -> li
     raise ValueError(f"unknown arrival process {arrival!r} (known: {', '.join(ARRIVALS)})")
 
 
-def generate(n: int, *, rate: float, arrival: str = "poisson", cv: float = 1.0, prompt: tuple[int, int] = (16, 512),
-             output: tuple[int, int] = (16, 1024), alpha: float = 1.0, high_fraction: float = 0.0,
-             seed: int = 0) -> list[TraceRequest]:
+def generate(n: int, *, rate: float, arrival: str = DEFAULT.arrival, cv: float = DEFAULT.cv,
+             prompt: tuple[int, int] = (DEFAULT.prompt_min, DEFAULT.prompt_max),
+             output: tuple[int, int] = (DEFAULT.output_min, DEFAULT.output_max), alpha: float = DEFAULT.alpha,
+             high_fraction: float = DEFAULT.high_fraction, seed: int = DEFAULT.seed) -> list[TraceRequest]:
     """A trace of ``n`` requests in arrival order. ``prompt`` and ``output`` are inclusive length bounds."""
     if n < 0:
         raise ValueError(f"the number of requests must be >= 0; got {n}")

@@ -20,6 +20,7 @@ from typing import Iterable
 
 from llumnixctl.experiments import tracegen as trace
 from llumnixctl.experiments.tracegen import TraceRequest
+from llumnixctl.stats import percentile
 
 PAPER_MEANS = {"S": 128, "M": 256, "L": 512}
 PAPER_BOUNDS = (1, 6000)
@@ -158,10 +159,6 @@ def with_priorities(reqs: list[TraceRequest], high_fraction: float, seed: int = 
     return reindex(replace(r, priority="high" if rng.random() < high_fraction else "normal") for r in reqs)
 
 
-def _pct(xs: list[int], q: float) -> int:
-    return xs[max(0, min(len(xs) - 1, math.ceil(q * len(xs)) - 1))]  # nearest rank
-
-
 def stats(reqs: list[TraceRequest]) -> dict:
     """``trace.summary`` plus min, percentiles and totals of the lengths and the high-priority share."""
     data = trace.summary(reqs)
@@ -169,7 +166,7 @@ def stats(reqs: list[TraceRequest]) -> dict:
         return data
     for key in ("prompt_tokens", "output_tokens"):
         xs = sorted(getattr(r, key) for r in reqs)
-        data[key].update({"min": xs[0], "p90": _pct(xs, 0.9), "p99": _pct(xs, 0.99), "total": sum(xs)})
+        data[key].update({"min": xs[0], "p90": percentile(xs, 90, "rank"), "p99": percentile(xs, 99, "rank"), "total": sum(xs)})
     data["first_arrival_s"] = reqs[0].arrival_s
     data["high_fraction"] = data["high_priority"] / len(reqs)
     return data

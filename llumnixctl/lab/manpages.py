@@ -3,7 +3,8 @@
 ``python -m llumnixctl.lab.manpages`` rewrites the pages in man/ in place; with ``--check`` it changes nothing,
 prints a unified diff of every page that is not what it makes and exits 1 (tests/unit/test_docs_drift.py checks too).
 
-Generated from the Typer apps (llumnixctl's ``full_app()``, each daemon's ``app``; hidden commands left out):
+Generated from the Typer apps (llumnixctl's ``app``, each daemon's ``app``; read through click's own
+introspection, ``list_commands`` and ``get_command``; hidden commands left out):
 the body of every block between ``.\\" generated: ID (...)`` and ``.\\" end generated``:
   - ``synopsis`` (SYNOPSIS of llumnixctl(1) and the daemons' pages): every command, in the app's order, with
     its arguments and options; llumnixctl's own options (actions that exit) as alternatives;
@@ -105,11 +106,12 @@ def _num(value: float) -> str:
 
 def commands(cli, path: tuple[str, ...] = ()) -> list[tuple[str, object]]:
     """(``"bench proxy"``, command) for every visible command, in the order the app lists them."""
-    if not isinstance(getattr(cli, "commands", None), dict):  # Typer has its own click: told by what it has
+    if not hasattr(cli, "list_commands"):  # Typer has its own click: a group is told by what it has
         return [(" ".join(path), cli)]
     out = []
-    for name, sub in cli.commands.items():
-        if not sub.hidden:
+    for name in cli.list_commands(None):  # no context: the groups list and look up without one
+        sub = cli.get_command(None, name)
+        if sub is not None and not sub.hidden:
             out += commands(sub, path + (name,))
     return out
 
@@ -260,9 +262,9 @@ def _need(lines: list[str], page: str, *ids: str) -> None:
 
 
 def _render_llumnixctl(lines: list[str]) -> list[str]:
-    from llumnixctl.main import full_app  # imported on use: it pulls in the engines and benchmarks
+    from llumnixctl.main import app  # imported on use: its lab commands pull in the engines and benchmarks
 
-    cli = typer.main.get_command(full_app())
+    cli = typer.main.get_command(app)
     cmds = dict(commands(cli))
     _need(lines, "llumnixctl.1", "synopsis")
     start, end = _section(lines, "COMMANDS")

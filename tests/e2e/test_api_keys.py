@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -23,6 +22,7 @@ from daemons.engine.sim import sim_token_id
 from daemons.proxy.tokenizer import SimTokenizer
 from llumnixctl.lab import localcluster
 from tests.conftest import FAST, UP_TIMEOUT_S, Cluster
+from tests.streams import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -99,23 +99,12 @@ def assert_error(r: httpx.Response, status: int, code: str) -> dict:
     return err
 
 
-def wait_for(condition, timeout: float = 10, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not happen within {timeout:g}s")
-        time.sleep(0.05)
-
-
 def access_line(cluster, needle: str) -> str:
     def find():
         text = Path(cluster.proc("proxy").log).read_text(errors="replace")
         return next((line for line in text.splitlines() if "access " in line and needle in line), None)
 
-    return wait_for(find, what=f"an access line with {needle!r}")
+    return wait_for(find, 10, f"an access line with {needle!r}")
 
 
 def complete(c: openai.OpenAI, extra_body: dict | None = None, **kw):
@@ -340,7 +329,7 @@ def test_a_key_revoked_in_the_file_stops_working_without_a_restart(keyed):
             return True
         return False
 
-    wait_for(refused, timeout=5, what="the revoked key being refused")
+    wait_for(refused, 5, "the revoked key being refused")
     with pytest.raises(openai.AuthenticationError):
         complete(victim, stream=True)
     assert complete(client(keyed, "alice")).usage.completion_tokens == 5  # the others go on
@@ -366,7 +355,7 @@ def test_sighup_reloads_the_keys_file_at_once(keyed):
             return True
         return False
 
-    wait_for(refused, timeout=5, what="the key disabled before SIGHUP being refused")
+    wait_for(refused, 5, "the key disabled before SIGHUP being refused")
     assert psutil.pid_exists(keyed.proxy_pid)
 
 
@@ -398,8 +387,8 @@ def run_proxy(tmp_path, sets: list[str], wait_for_line: str | None, timeout: flo
     try:
         if wait_for_line is None:
             return proc.wait(timeout=timeout), log_path.read_text()
-        wait_for(lambda: wait_for_line in log_path.read_text() or proc.poll() is not None, timeout=timeout,
-                 what=f"{wait_for_line!r} in the proxy's log")
+        wait_for(lambda: wait_for_line in log_path.read_text() or proc.poll() is not None, timeout,
+                 f"{wait_for_line!r} in the proxy's log")
         alive = proc.poll() is None
         proc.terminate()
         rc = proc.wait(timeout=15)

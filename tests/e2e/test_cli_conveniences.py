@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from daemons import config as config_module
@@ -203,23 +204,31 @@ def test_describe_one_instance(cluster):
         assert res.exit_code == 0, res.output
         return res
 
+    sent_at = time.monotonic()
     s = Stream(cluster.url, max_tokens=4000, ignore_eos=True)  # seconds of decoding at the tests' sim speed
     try:
         assert s.started.wait(30) and s.error is None, s.error
         rid = s.rid
-        found = {}
+        found, described = {}, {}
         for iid in ("i0", "i1"):
             d = json.loads(describe(iid, "--json").stdout)
+            described[iid] = (d, time.monotonic() - sent_at)
             assert d["instance"]["id"] == iid and d["requests_answered"] is True
             reg = d["registered"]
             assert reg["backend"] == "sim" and reg["model"] == "llumnix-sim" and reg["max_model_len"] > 0
             assert reg["pid"] == d["instance"]["pid"] and reg["request_address"].startswith("tcp://")
             assert reg["metrics_address"].startswith("127.0.0.1:")
             assert set(d["migrations"]) == {"out", "in", "committed", "aborted", "ordered"}
-            assert d["instance"]["last_report_age_s"] >= 0
+            # The manager heard a report since the instance started (its age is no more than the process's).
+            lived_s = time.time() - psutil.Process(d["instance"]["pid"]).create_time()
+            assert 0 <= d["instance"]["last_report_age_s"] <= lived_s, (d["instance"], lived_s)
             found.update({r["id"]: (iid, r) for r in d["requests"]})
         iid, row = found[rid]
         assert row["instance"] == iid and row["state"] in ("running", "waiting")
+        d, since_sent = described[iid]
+        # A report that shows our request (the instance's only one) is newer than the request.
+        if [r["id"] for r in d["requests"]] == [rid] and d["instance"]["running"] + d["instance"]["waiting"]:
+            assert d["instance"]["last_report_age_s"] <= since_sent + 0.001, (d["instance"], since_sent)
         human = describe(iid)
         for word in (f"instance {iid}", "requests at", "last report", "virtual usage", "migrations", rid):
             assert word in human.stdout, human.stdout

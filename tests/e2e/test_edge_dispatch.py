@@ -4,30 +4,19 @@ burst that reaches them all at once fans out instead of herding, and the manager
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import pytest
 
 from llumnixctl.lab import localcluster
 from tests.conftest import FAST, UP_TIMEOUT_S, Cluster
-from tests.streams import proxy_metric
+from tests.streams import proxy_metric, wait_for
 
 pytestmark = pytest.mark.e2e
 
 PROXIES = 4
 INSTANCES = 4
 LONG_TOKENS = 4000  # ~6-8 s of sim decode at FAST's time scale; the held burst ends them after its last dispatch
-
-
-def _wait(cond, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +28,7 @@ def fleet(tmp_path_factory):
     try:
         c = Cluster(state, run_dir)
         # Every proxy knows its rank among all four (the manager counts them from their snapshot queries).
-        _wait(lambda: all(proxy_metric(u, "llumnix_proxy_peers") == PROXIES for u in state.urls), 15,
+        wait_for(lambda: all(proxy_metric(u, "llumnix_proxy_peers") == PROXIES for u in state.urls), 15,
               "every proxy to be ranked among 4")
         yield c
     finally:
@@ -57,7 +46,7 @@ def _received_since(c: Cluster, before: dict[str, int], total: int) -> dict[str,
         after = _received(c)
         got = {i: after[i] - before.get(i, 0) for i in after}
         return got if sum(got.values()) >= total else None
-    return _wait(counted, 15, f"the manager's view to count {total} received requests")
+    return wait_for(counted, 15, f"the manager's view to count {total} received requests")
 
 
 def _idle(c: Cluster) -> bool:
@@ -124,7 +113,7 @@ def _held_burst(urls: list[str], per_proxy: int, max_tokens: int) -> list[int]:
 
 
 def test_a_larger_burst_spreads_and_the_manager_accounts_for_every_dispatch(fleet):
-    _wait(lambda: _idle(fleet), 30, "an idle cluster")
+    wait_for(lambda: _idle(fleet), 30, "an idle cluster")
     before = _received(fleet)
     total0 = fleet.admin().status().dispatched_total
     local0 = sum(proxy_metric(u, "llumnix_proxy_local_dispatches_total") for u in fleet.state.urls)
@@ -138,8 +127,8 @@ def test_a_larger_burst_spreads_and_the_manager_accounts_for_every_dispatch(flee
     # run saw 8 on one instance whose reports were late while the others' were not): the spread is shown for
     # the orders that matter, deterministically, in tests/unit/test_dispatch_views.py.
     # The manager counted every dispatch, none of which it chose; its pending estimates all retired.
-    _wait(lambda: fleet.admin().status().dispatched_total == total0 + 4 * PROXIES, 15,
+    wait_for(lambda: fleet.admin().status().dispatched_total == total0 + 4 * PROXIES, 15,
           "the manager to hear of every dispatch")
     assert sum(proxy_metric(u, "llumnix_proxy_local_dispatches_total") for u in fleet.state.urls) == local0 + 4 * PROXIES
     assert sum(proxy_metric(u, "llumnix_proxy_manager_dispatches_total") for u in fleet.state.urls) == 0
-    _wait(lambda: _idle(fleet), 30, "pending dispatches to retire")
+    wait_for(lambda: _idle(fleet), 30, "pending dispatches to retire")

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import psutil
@@ -15,16 +14,9 @@ import pytest
 
 from llumnixctl.lab import localcluster
 from tests.conftest import RUN_MARKER, ctl_json
+from tests.streams import wait_for
 
 pytestmark = pytest.mark.e2e
-
-
-def _wait(cond, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while not (result := cond()):
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-    return result
 
 
 def test_teardown_stops_launched_and_registered_processes(start_cluster):
@@ -35,12 +27,12 @@ def test_teardown_stops_launched_and_registered_processes(start_cluster):
     # An instance restarted by hand after kill -9, registered with the cluster by pid and start time.
     old = c.proc("instance-i0")
     os.kill(old.pid, signal.SIGKILL)
-    _wait(lambda: old.process() is None, 5, "the killed instance did not go")
+    wait_for(lambda: old.process() is None, 5, "the killed instance did not go")
     log = Path(old.log)
     started_before = log.read_text().count("serving on")
     new = c.spawn("instance-i0", old.argv)  # appends to the same log
     assert c.proc("instance-i0") is new and new.pid != old.pid
-    _wait(lambda: log.read_text().count("serving on") > started_before, 20, "the restarted instance did not start")
+    wait_for(lambda: log.read_text().count("serving on") > started_before, 20, "the restarted instance did not start")
     assert new.process() is not None
 
     recorded = localcluster.ClusterState.load(c.run_dir).procs

@@ -425,6 +425,9 @@ if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
 
 
+# Connects to a port as a TCPStore client and lists its keys. A refusal (no store there: the connection is
+# refused or closed, the handshake or the read times out) prints REFUSED and exits 0; anything else (a broken
+# probe) fails with its traceback, so that "nothing listed" can only mean refused.
 PROBE = """
 import sys
 from datetime import timedelta
@@ -432,16 +435,54 @@ import torch.distributed as dist
 try:
     store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=2), use_libuv=True)
     print("LISTED", store.list_keys(), flush=True)
-except Exception:
-    pass
+except (RuntimeError, OSError) as exc:  # torch's DistError and its store errors are RuntimeErrors
+    print("REFUSED", type(exc).__name__, flush=True)
 """
+
+
+def probe(ports: list[int], within_s: float) -> dict[int, str]:
+    """Each port probed by a process of its own, at once; what each printed (TIMEOUT: still trying at the
+    end, killed). A probe that failed otherwise fails the test."""
+    procs = {port: subprocess.Popen([sys.executable, "-c", PROBE, str(port)], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True) for port in ports}
+    said = {}
+    deadline = time.monotonic() + within_s
+    try:
+        for port, proc in procs.items():
+            try:
+                out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                said[port] = "TIMEOUT"
+                continue
+            assert proc.returncode == 0 and out.startswith(("LISTED", "REFUSED")), f"the probe broke: {out}{err}"
+            said[port] = out.strip()
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return said
+
+
+def test_the_probe_lists_a_tcpstore():
+    """The control of the next test: the same probe lists the keys of a TCPStore (what the KV rendezvous
+    once served), so a probe that lists nothing was refused, not broken."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10), use_libuv=True)
+    store.set("pair-i0-i1", "10.0.0.1:29500")
+    (said,) = probe([store.port], 20).values()
+    assert said.startswith("LISTED") and "pair-i0-i1" in said, said
 
 
 def test_the_kv_rendezvous_leaves_no_port_that_a_host_without_keys_can_read(secured, keys):
     """A KV pair's rendezvous (each end's Gloo address, under the pair's secret key) travels over the
     instances' CURVE channel: after a migration, no listening port of either instance answers as a TCPStore,
     the store that once listed the pair keys to anyone who reached it (and took writes from anyone). Each
-    port is probed by a process of its own, bounded in time (a probe that gets no answer found nothing)."""
+    port is probed by a process of its own, bounded in time (a probe that gets no answer found nothing; the
+    test above is its control: the same probe lists a TCPStore's keys)."""
     api = secured.openai()
     stream = api.completions.create(model="llumnix-sim", prompt="hello", max_tokens=150, stream=True,
                                     extra_body={"ignore_eos": True, "return_token_ids": True})
@@ -457,21 +498,6 @@ def test_the_kv_rendezvous_leaves_no_port_that_a_host_without_keys_can_read(secu
     ports = {c.laddr.port for name in ("instance-i0", "instance-i1")
              for c in psutil.Process(secured.proc(name).pid).net_connections("tcp") if c.status == psutil.CONN_LISTEN}
     assert ports
-    probes = {port: subprocess.Popen([sys.executable, "-c", PROBE, str(port)], stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True) for port in sorted(ports)}
-    listed = {}
-    deadline = time.monotonic() + 20  # a probe gets 2 s per try, 4 tries
-    try:
-        for port, proc in probes.items():
-            try:
-                out_text, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                continue
-            if "LISTED" in out_text:
-                listed[port] = out_text.strip()
-    finally:
-        for proc in probes.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    said = probe(sorted(ports), 20)  # a probe gets 2 s per try, 4 tries
+    listed = {port: out for port, out in said.items() if out.startswith("LISTED")}
     assert not listed, f"instance ports answer as a TCPStore: {listed}"

@@ -80,14 +80,15 @@ def test_every_setting_is_documented_with_its_type_default_and_bounds():
 
 # Typer carries its own copy of click (typer._click): commands and options are told apart by what they have.
 def _is_group(cmd) -> bool:
-    return isinstance(getattr(cmd, "commands", None), dict)
+    return hasattr(cmd, "list_commands")
 
 
 def _commands(cmd, path: tuple[str, ...] = ()) -> dict:
+    """Every command under ``cmd``, as click lists them (llumnixctl adds its lab commands when listed)."""
     out = {path: cmd}
     if _is_group(cmd):
-        for name, sub in cmd.commands.items():
-            out.update(_commands(sub, path + (name,)))
+        for name in cmd.list_commands(None):
+            out.update(_commands(cmd.get_command(None, name), path + (name,)))
     return out
 
 
@@ -101,9 +102,9 @@ def _page_flags(page: str) -> set[str]:
 
 
 def _cli_pages():
-    from llumnixctl.main import full_app
+    from llumnixctl.main import app
 
-    yield "llumnixctl.1", typer.main.get_command(full_app()), True
+    yield "llumnixctl.1", typer.main.get_command(app), True
     for daemon, module in (("llumnix-manager", "daemons.manager"), ("llumnix-instance", "daemons.instance"),
                            ("llumnix-proxy", "daemons.proxy.app")):
         mod = __import__(module, fromlist=["app"])

@@ -62,8 +62,13 @@ def test_bursts_quick(tmp_path):
     runs = d["ours"]["runs"]
     assert {r["params"]["policy"] for r in runs.values()} == {"llumnix", "infaas++"}
     for r in runs.values():
-        assert r["in_flight_peak"] >= 0 and r["kv_bytes_per_s_peak"] >= 0
         assert r["committed"] <= r["migrations"]
+        # Peaks are of migrations that happened: some where there were any, none where there were none.
+        assert (r["in_flight_peak"] >= 1) == (r["migrations"] > 0), r
+        assert (r["kv_bytes_per_s_peak"] > 0) == (r["kv_bytes_total"] > 0), r
+        assert r["kv_bytes_total"] > 0 or not r["committed"], r  # a committed migration copied its KV
+        if r["params"]["policy"] == "llumnix":  # the quick trace's bursts are what migration is for
+            assert r["committed"] > 0, r
         assert _finite(r["p99_ttft_ms"])
         if r["params"]["policy"] == "infaas++":
             assert r["migrations"] == 0 and r["kv_bytes_total"] == 0

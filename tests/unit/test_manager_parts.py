@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from daemons import wire
-from daemons.clock import VirtualClock
+from daemons.clock import VirtualTimeLoop
 from daemons.config import load_config
 from daemons.manager.launcher import Launcher
 from daemons.manager.lifecycle import Lifecycle
@@ -32,7 +32,7 @@ def record(iid: str) -> InstanceRecord:
 
 
 def cluster_of(*ids: str) -> ClusterView:
-    view = ClusterView(CFG.scheduling, VirtualClock())
+    view = ClusterView(CFG.scheduling, VirtualTimeLoop().clock())
     for iid in ids:
         view.put(record(iid), 0.0)
     return view
@@ -68,7 +68,7 @@ def test_a_policy_change_naming_an_unknown_policy_changes_none():
 
 def test_the_registry_watches_a_new_instance_and_hands_it_to_the_rescheduler():
     view, watched, joined = cluster_of(), [], []
-    reg = Registry(view, VirtualClock(), CFG.manager, CFG.scheduling, send=lambda r, m: None,
+    reg = Registry(view, VirtualTimeLoop().clock(), CFG.manager, CFG.scheduling, send=lambda r, m: None,
                    watch=lambda rec, old: watched.append((rec.instance_id, old)),
                    joined=lambda rec, new: joined.append((rec.instance_id, new)))
     assert reg.on_register(b"a", register("i0"), "instance:a").accepted
@@ -85,7 +85,7 @@ def test_the_registry_watches_a_new_instance_and_hands_it_to_the_rescheduler():
 def test_an_order_counts_on_both_instances_until_its_result_and_fails_at_once_when_its_source_dies():
     async def scenario():
         view, sent, ids = cluster_of("i0", "i1"), [], iter(range(1, 100))
-        orders = Orders(CFG.scheduling, CFG.migration, view, Policies(CFG), VirtualClock(),
+        orders = Orders(CFG.scheduling, CFG.migration, view, Policies(CFG), VirtualTimeLoop().clock(),
                         send=lambda r, m: sent.append((r.instance_id, m)), spawn=asyncio.ensure_future,
                         next_id=lambda: next(ids), lookup=None, lookup_timeout_s=10.0)
         start = wire.MigrateStart(0, dst="i1", dst_address="inproc://i1", count=2)
@@ -107,7 +107,7 @@ def test_an_order_counts_on_both_instances_until_its_result_and_fails_at_once_wh
 
 def test_a_drain_sets_the_flag_tells_the_instance_and_restarts_its_backoff():
     view, sent, drained = cluster_of("i0"), [], []
-    clock = VirtualClock()
+    clock = VirtualTimeLoop().clock()
     launcher = Launcher(CFG.scaling, CFG.manager.address, lambda: set(view.instances), clock)
     life = Lifecycle(view, clock, CFG.manager, CFG.scaling, launcher, send=lambda r, m: sent.append(m),
                      new_drain=drained.append)
@@ -121,7 +121,7 @@ def test_a_drain_sets_the_flag_tells_the_instance_and_restarts_its_backoff():
 
 def test_the_rescheduler_is_built_without_the_manager():
     view = cluster_of("i0")
-    r = Rescheduler(CFG, view, Policies(CFG), VirtualClock(), send=lambda r, m: None, spawn=lambda c: c.close(),
+    r = Rescheduler(CFG, view, Policies(CFG), VirtualTimeLoop().clock(), send=lambda r, m: None, spawn=lambda c: c.close(),
                     next_id=lambda: 1, lookup=None, lookup_timeout_s=10.0, started=0.0)
     assert r.counters() == {"ordered_migrations": {}, "scale_outs": 0, "scale_ins": 0, "launching": 0}
     assert r.plan(0.0) == []  # one idle instance: nothing to pair

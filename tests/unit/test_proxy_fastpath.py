@@ -29,11 +29,13 @@ LIMIT = 2048
 class FakeInstance:
     """Streams tokens 200, 201, ... (finish "length" at max_tokens) for every submitted request: the first
     output alone, then two per batch, one batch per loop turn; ``hold`` keeps a request's stream open after
-    its first token (a client can then leave mid-stream)."""
+    its first token (a client can then leave mid-stream), and ``on_held`` is called once that token is fed:
+    the request then waits for tokens that do not come."""
 
     def __init__(self, cluster):
         self.cluster = cluster
         self.hold = False
+        self.on_held = None
         self.submitted: list[wire.Submit] = []
         cluster.submit = self.submit
 
@@ -49,10 +51,14 @@ class FakeInstance:
         return stream
 
     def feed(self, stream: Stream, batches: list[list[wire.TokenOut]], k: int) -> None:
-        if k < len(batches) and not stream.done:
+        if stream.done:
+            return
+        if k < len(batches):
             for out in batches[k]:
                 stream.feed(out)
             asyncio.get_running_loop().call_soon(self.feed, stream, batches, k + 1)
+        elif self.hold and self.on_held is not None:
+            self.on_held()
 
     @staticmethod
     def out(sub: wire.Submit, i: int) -> wire.TokenOut:
@@ -104,9 +110,6 @@ class Client:
                 ended.set()
 
         task = asyncio.ensure_future(self.app(scope, receive, send))
-        if leave_after == 0:
-            await asyncio.sleep(0.01)
-            left.set()
         done, _ = await asyncio.wait({task}, timeout=5)
         assert done, "the app did not answer (or did not stop after its client left) within 5 s"
         task.result()
@@ -268,25 +271,36 @@ def test_chunked_body_past_the_limit_is_413_both_ways(both):
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_client_leaving_aborts_both_ways(both, stream):
-    """Mid-stream (after the first chunk), or while a non-streamed request waits for its tokens: the request
-    is let go on both ways and logged once with 499."""
+    """Mid-stream (after the first chunk), or while a non-streamed request waits for its tokens (the client
+    leaves once the instance has sent the first token and holds the rest): the request is let go on both ways
+    and logged once with 499."""
     _, _, instance = both
     instance.hold = True
+
+    async def leave_while_waiting(client, body, headers):
+        left = asyncio.Event()
+        instance.on_held = left.set
+        return await client.request("/v1/completions", body, headers, leave=left)
+
     try:
         body = json.dumps({"model": "llumnix-sim", "prompt": "x", "max_tokens": 20, "stream": stream}).encode()
         for way, client in both[0].items():
             handler = Access()
             logging.getLogger("llumnix.access").addHandler(handler)
             logging.getLogger("llumnix.access").setLevel(logging.INFO)
+            headers = {**AUTH, "x-request-id": f"fp-leave-{stream}"}
+            sent = len(instance.submitted)
             try:
-                asyncio.run(client.request("/v1/completions", body, {**AUTH, "x-request-id": f"fp-leave-{stream}"},
-                                           leave_after=1 if stream else 0))
+                asyncio.run(client.request("/v1/completions", body, headers, leave_after=1) if stream
+                            else leave_while_waiting(client, body, headers))
             finally:
                 logging.getLogger("llumnix.access").removeHandler(handler)
             assert len(handler.lines) == 1 and "status=499" in handler.lines[0], (way, handler.lines)
             assert not both[1].active and not both[1].cluster.streams, way
+            assert len(instance.submitted) == sent + 1, way  # it reached the instance before the client left
     finally:
         instance.hold = False
+        instance.on_held = None
 
 
 def test_request_path_leaves_no_reference_cycles(both):

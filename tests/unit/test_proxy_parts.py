@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from daemons import wire
-from daemons.clock import VirtualClock
+from daemons.clock import VirtualTimeLoop
 from daemons.proxy.access import AccessLog
 from daemons.proxy.guard import M_REQUESTS, Guard
 from daemons.proxy.known import KnownInstances
@@ -115,12 +115,13 @@ def test_a_claim_for_a_newer_epoch_moves_the_stream_and_an_older_one_is_fenced()
 
 
 def test_an_instance_is_judged_by_its_connection_and_only_without_one_by_silence():
-    clock, links = VirtualClock(100.0), {}
+    loop, links = VirtualTimeLoop(100.0), {}
+    clock = loop.clock()
     known = KnownInstances(clock, instance_timeout_s=5.0, snapshot_interval_s=1.0,
                            link_state=lambda address: links.get(address, "unknown"))
     load = wire.InstanceLoad(blocks_total=10, blocks_used=0, running=0, waiting=0, batch_size=4, block_size=16)
     known.heard_beat(wire.Heartbeat("a", "inproc://a", True, load, True))
-    clock.now += 6.0
+    loop.stall(6.0)
     assert known.dead("a")  # silent past the timeout, no connection seen
     links["inproc://a"] = "up"
     assert not known.dead("a")  # slow is not dead

@@ -26,6 +26,7 @@ from pathlib import Path
 from llumnixctl.experiments import tracecache
 from llumnixctl.experiments.figs import common
 from llumnixctl.experiments.tracemix import paper_trace
+from llumnixctl.stats import percentile
 
 POLICIES = ("llumnix-cache", "llumnix", "infaas++", "oracle-cache")
 KV_TOKENS = 1150 * 16  # one PAPER_LIKE instance's KV cache
@@ -72,7 +73,7 @@ class Shares:
     def collect(self, sim) -> dict:
         xs = sorted(self.samples)
         return {"max_running_share": round(self.worst, 3),
-                "p99_running_share": round(common.percentile(xs, 99), 3) if xs else None}
+                "p99_running_share": round(percentile(xs, 99), 3) if xs else None}
 
 
 def build(args) -> list[dict]:

@@ -54,17 +54,6 @@ def run_all(jobs: list[dict], processes: int | None = None) -> list[dict]:
         return pool.map(_one, jobs)
 
 
-def percentile(xs: list[float], q: float) -> float:
-    """The ``q``-th percentile (0-100) of ``xs``, linear between the nearest two (0.0 for none)."""
-    if not xs:
-        return 0.0
-    ys = sorted(xs)
-    pos = (len(ys) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(ys) - 1)
-    return ys[lo] + (ys[hi] - ys[lo]) * (pos - lo)
-
-
 def ratio(a: float | None, b: float | None) -> float | None:
     """b / a (how many times lower ``a`` is), None when it cannot be said."""
     if not a or b is None:

@@ -21,9 +21,10 @@ from pathlib import Path
 
 from daemons.config import load_config
 from daemons.engine import sim as sim_engine
-from llumnixctl.experiments.figs.common import PAPER_LIKE, PAPER_NET, percentile, ratio, trace_summary, write
+from llumnixctl.experiments.figs.common import PAPER_LIKE, PAPER_NET, ratio, trace_summary, write
 from llumnixctl.experiments.simulate import Network, Simulation
 from llumnixctl.experiments.tracemix import PAPER_BOUNDS, paper_trace
+from llumnixctl.stats import percentile
 
 POLICIES = ("llumnix", "infaas++", "rr")
 # The same for every policy and every point (infaas++ and rr never migrate, so only llumnix reads the

@@ -1,0 +1,54 @@
+"""llumnixctl's command group: the operator's commands (llumnixctl/main.py, operate.py) are built with the
+app; those of the lab and the experiments are imported only when one of them, or the whole list (help,
+completion, the man pages), is asked for, so that an operator command loads none of them."""
+
+from __future__ import annotations
+
+import typer
+import typer.core
+import typer.main
+
+
+def lab_commands() -> typer.Typer:
+    """The commands of the lab and the experiments (benchmarks, checks, keys, models, traces, the
+    simulator): imported only when one of them, or the whole list (help, completion), is asked for."""
+    from llumnixctl import keys
+    from llumnixctl.experiments import bench, check, profile, simulate, tracecli
+    from llumnixctl.lab import model
+
+    lab = typer.Typer()
+    lab.add_typer(bench.app, name="bench")
+    lab.add_typer(check.app, name="check")
+    lab.add_typer(keys.app, name="keys")
+    lab.add_typer(model.app, name="model")
+    lab.add_typer(tracecli.app, name="trace")
+    lab.command("simulate")(simulate.command)
+    lab.command("profile")(profile.command)
+    return lab
+
+
+class Commands(typer.core.TyperGroup):
+    """llumnixctl's command group: its own commands (the operator's), then those of ``lab_commands()``,
+    added the first time a command not its own, or the whole list, is asked for."""
+
+    lab_added = False
+
+    def _add_lab(self) -> None:
+        if self.lab_added:
+            return
+        self.lab_added = True
+        lab = typer.main.get_group(lab_commands()).commands
+        both = {**self.commands, **{n: c for n, c in lab.items() if n not in self.commands}}
+        # Typer's order: every command, then every group (as if all were declared on one app)
+        order = sorted(both, key=lambda n: isinstance(both[n], typer.core.TyperGroup))
+        self.commands.clear()
+        self.commands.update((n, both[n]) for n in order)
+
+    def list_commands(self, ctx) -> list[str]:
+        self._add_lab()
+        return super().list_commands(ctx)
+
+    def get_command(self, ctx, cmd_name: str):
+        if cmd_name not in self.commands:
+            self._add_lab()
+        return super().get_command(ctx, cmd_name)
