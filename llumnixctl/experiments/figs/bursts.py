@@ -154,11 +154,10 @@ def build_jobs(args) -> tuple[list[dict], dict]:
                        "cvs": args.cvs, "seed": args.seed, "summary_by_cv": traces},
              "instances": args.instances, "caps": caps, "settings": common.PAPER_LIKE, "net": common.PAPER_NET,
              "kv_bytes_per_token": 32 * 2 * 32 * 128 * 2, "bin_s": BIN_S,
-             "caps_note": "the simulator runs the manager, so scheduling.max_migrations_per_instance (orders in "
-                          "flight per instance, as source or destination) binds here; migration.max_in_flight is "
-                          "the instance daemon's own semaphore (daemons/migration/), which the simulator does not "
-                          "run, so it is set alike but only the manager's cap acts. bandwidth_limit_mbps caps each "
-                          "copy (MB/s) below the 16 Gbit/s link"}
+             "caps_note": "the simulator runs the manager and each instance's migrator, so both "
+                          "scheduling.max_migrations_per_instance (orders in flight per instance, as source or "
+                          "destination) and migration.max_in_flight (the migrator's own bound) act here. "
+                          "bandwidth_limit_mbps caps each copy (MB/s) below the 16 Gbit/s link"}
     return jobs, setup
 
 
@@ -251,8 +250,9 @@ def parse(argv):
     args = p.parse_args(argv)
     args.cvs = [float(x) for x in args.cvs.split(",")]
     if args.quick:
-        args.requests, args.instances, args.mix = args.requests or 100, args.instances or 2, args.mix or "M-M"
-        args.rate = args.rate or 10.0
+        # 3 instances: with 2 (or 4) this tiny trace's dispatch alone keeps them even, and nothing migrates
+        args.requests, args.instances, args.mix = args.requests or 150, args.instances or 3, args.mix or "M-M"
+        args.rate = args.rate or 15.0
         args.cvs = args.cvs[-1:]
     args.requests = args.requests or 3000
     args.instances = args.instances or 16
