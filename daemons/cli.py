@@ -54,6 +54,16 @@ def load_or_exit(prog: str, path: str | None, overrides: list[str] | None, flags
     return cfg
 
 
+def daemon_main(prog: str, path: str | None, overrides: list[str] | None, flags: dict[str, Any],
+                start: Callable[[Config], Any]) -> None:
+    """The three daemons' ``main``: the config (file, flags, ``--set``; exit 2 naming the key on a bad one), the
+    daemon's logging, then ``start(cfg)`` (a coroutine, or a function making one) until SIGTERM. A
+    ``runtime.StartupError`` raised by ``start`` or by what it runs is one log line and exit status 1."""
+    cfg = load_or_exit(prog, path, overrides, flags)
+    runtime.setup_logging(getattr(cfg, prog.removeprefix("llumnix-")).log_level, prog)
+    runtime.exit_on_startup_error(prog, lambda: start(cfg))
+
+
 def version_callback(prog: str):
     """The callback of an eager ``--version`` flag: print ``PROG VERSION`` and exit 0."""
 

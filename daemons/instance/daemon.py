@@ -13,7 +13,7 @@ import zmq
 import zmq.asyncio
 
 from daemons import metrics, runtime, security, wire
-from daemons.cli import ConfigFile, LogLevel, Overrides, load_or_exit
+from daemons.cli import ConfigFile, LogLevel, Overrides, daemon_main
 from daemons.clock import Clock
 from daemons.config import Config
 from daemons.engine import make_engine
@@ -229,8 +229,6 @@ app = typer.Typer(add_completion=False, help="llumnix-instance: one model instan
 
 
 @app.command()
-
-
 def main(
     config: ConfigFile = None,
     id: Annotated[Optional[str], typer.Option("--id", help="instance id shown by llumnixctl and used in metrics and logs (instance.id)")] = None,
@@ -242,25 +240,24 @@ def main(
     set_: Overrides("; instance.host, instance.advertise_address, model.path, the engine settings and the [migration] settings have no flag of their own and are set this way or in the file") = None,
 ) -> None:
     """Run one model instance until SIGTERM."""
-    cfg = load_or_exit("llumnix-instance", config, set_, {
+    daemon_main("llumnix-instance", config, set_, {
         "instance.id": id, "instance.backend": backend, "manager.address": manager,
         "instance.request_address": request_address, "instance.metrics_port": metrics_port,
         "instance.log_level": log_level,
-    })
-    runtime.setup_logging(cfg.instance.log_level, "llumnix-instance")
-    try:  # before loading a model for minutes: are the keys and addresses acceptable?
-        pre = security.Security(cfg.security, "instance")
-        pre.check_bind("instance.request_address", cfg.instance.request_address)
-        pre.check_bind("migration.kv_host", cfg.migration.kv_host)
-    except runtime.StartupError as exc:
-        log.error("cannot start: %s", exc)
-        raise typer.Exit(1) from None
+    }, start)
+
+
+def start(cfg: Config):
+    """Check the keys and addresses before loading a model for minutes, load the engine, then run."""
+    pre = security.Security(cfg.security, "instance")
+    pre.check_bind("instance.request_address", cfg.instance.request_address)
+    pre.check_bind("migration.kv_host", cfg.migration.kv_host)
     try:
         engine = make_engine(cfg)
     except EngineError as exc:
         log.error("cannot start the %s engine: %s", cfg.instance.backend, exc)
         raise typer.Exit(1) from None
-    runtime.exit_on_startup_error("llumnix-instance", lambda: Instance(cfg, engine).run())
+    return Instance(cfg, engine).run()
 
 
 def entry() -> None:

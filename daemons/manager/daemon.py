@@ -12,7 +12,7 @@ import zmq
 import zmq.asyncio
 
 from daemons import metrics, runtime, security, wire
-from daemons.cli import ConfigFile, LogLevel, Overrides, load_or_exit
+from daemons.cli import ConfigFile, LogLevel, Overrides, daemon_main
 from daemons.clock import Clock
 from daemons.config import Config
 from daemons.manager.dispatch import Dispatcher
@@ -300,12 +300,10 @@ def main(
     set_: Overrides(" (see llumnix.toml(5))") = None,
 ) -> None:
     """Run the global scheduler until SIGTERM."""
-    cfg = load_or_exit("llumnix-manager", config, set_, {
+    daemon_main("llumnix-manager", config, set_, {
         "manager.address": address, "manager.bind": bind, "manager.dispatch_policy": dispatch_policy,
         "manager.metrics_port": metrics_port, "manager.log_level": log_level,
-    })
-    runtime.setup_logging(cfg.manager.log_level, "llumnix-manager")
-    runtime.exit_on_startup_error("llumnix-manager", lambda: Manager(cfg).run())
+    }, lambda cfg: Manager(cfg).run())
 
 
 def entry() -> None:

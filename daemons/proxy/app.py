@@ -44,7 +44,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from daemons import metrics, runtime, security
-from daemons.cli import ConfigFile, LogLevel, Overrides, load_or_exit, package_version
+from daemons.cli import ConfigFile, LogLevel, Overrides, daemon_main, package_version
 from daemons.config import Config
 from daemons.proxy.apikeys import ApiKeys, ApiKeysError, check_token
 from daemons.proxy.call import Call, Headers
@@ -308,11 +308,9 @@ def main(
     set_: Overrides("; model.path and model.name have no flag of their own and are set this way or in the file") = None,
 ) -> None:
     """Serve the OpenAI API until SIGTERM."""
-    cfg = load_or_exit("llumnix-proxy", config, set_, {
+    daemon_main("llumnix-proxy", config, set_, {
         "proxy.host": host, "proxy.port": port, "manager.address": manager, "proxy.log_level": log_level,
-    })
-    runtime.setup_logging(cfg.proxy.log_level, "llumnix-proxy")
-    runtime.exit_on_startup_error("llumnix-proxy", _serve(cfg))
+    }, _serve)
 
 
 def entry() -> None:
