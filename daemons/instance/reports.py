@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol
 
 import msgspec
 
 from daemons import metrics, runtime, wire
 from daemons.clock import Clock
 from daemons.engine.base import Engine
-from daemons.instance.cache import CacheReports
 from daemons.instance.standing import Identity, Standing
 from daemons.instance.telemetry import (
     M_BEAT_LATE, M_BLOCKS_TOTAL, M_BLOCKS_USED, M_HEALTHY, M_KV_USAGE, M_PREEMPTIONS, M_RUNNING, M_WAITING)
-from daemons.proxylinks import ProxyLinks
 from daemons.requests import RequestTable
 from daemons.watchdog import Watchdog
 
@@ -27,14 +25,36 @@ if TYPE_CHECKING:
 log = logging.getLogger("llumnix.instance")
 
 
+class ReportedCache(Protocol):
+    """What the reports read of the prefix cache's publication (daemons/instance/cache.py's CacheReports, or the
+    simulator's)."""
+
+    def publish(self) -> None: ...  # the changes since the last report go out first
+
+    def position(self) -> tuple[int, int] | tuple[()]: ...  # (epoch, seq) the report carries
+
+    def count(self) -> None: ...  # its metrics
+
+
+class BeatLinks(Protocol):
+    """The proxies the instance serves, as the reports and heartbeats reach them (daemons/proxylinks.py's
+    ProxyLinks, or the simulator's proxy)."""
+
+    links: Mapping  # address -> link, of every proxy we know
+
+    def heartbeat(self, msg: wire.Heartbeat, taken: Mapping[str, int] | None = None) -> None: ...
+
+    def gone(self, addresses: set[str]) -> list[tuple[str, str]]: ...
+
+
 class Reporter:
     """Owns the last load (``last``, as of the last step or boundary, with the llumlet's own state), the
     event that says it changed, and the report sequence. Reads the engine, the migrator's counts, the
     watchdog's verdict, the Submits taken per proxy (``taken``) and where the instance stands."""
 
     def __init__(self, engine: Engine, migrator: Callable[[], Migrator | None], watchdog: Watchdog,
-                 tell_manager: Callable[[wire.Message], None], proxies: ProxyLinks, taken: Mapping[str, int],
-                 standing: Standing, ident: Identity, cache: CacheReports, phases: metrics.RequestPhases,
+                 tell_manager: Callable[[wire.Message], None], proxies: BeatLinks, taken: Mapping[str, int],
+                 standing: Standing, ident: Identity, cache: ReportedCache, phases: metrics.RequestPhases,
                  requests: RequestTable, heartbeat_s: float, min_interval_s: float, clock: Clock):
         self.engine = engine
         self.migrator = migrator
@@ -118,7 +138,7 @@ class Heartbeats:
     """Each heartbeat: tell every proxy we serve that we are alive (and whether healthy), and hand the proxies
     that are gone to ``on_gone(address, why)``. Also the event loop's tick for the watchdog."""
 
-    def __init__(self, reporter: Reporter, watchdog: Watchdog, proxies: ProxyLinks, requests: RequestTable,
+    def __init__(self, reporter: Reporter, watchdog: Watchdog, proxies: BeatLinks, requests: RequestTable,
                  on_gone: Callable[[str, str], None], period_s: float, clock: Clock):
         self.reporter = reporter
         self.watchdog = watchdog

@@ -77,17 +77,19 @@ class SimCache:
     def publisher(self, inst) -> None:
         inst.pub = prefix.Publisher(inst.iid, epoch=int(inst.iid[1:]) + 1) if inst.engine.cache is not None else None
 
-    def batch(self, inst) -> tuple:
-        """Before a load report: the changes since the last one go to the manager (first); the report's
-        (epoch, seq)."""
+    def reports(self, inst) -> Publication:
+        """What the instance's reporter reads of its cache's publication."""
+        return Publication(inst, self.publish)
+
+    def publish(self, inst) -> None:
+        """Before a load report: the changes since the last one go to the manager (first)."""
         pub = inst.pub
         if pub is None:
-            return ()
+            return
         pub.add(inst.engine.cache_events())
         batch = pub.take()
         if batch is not None:
             self.site.at(self.site.now + self.report_lag_s, self.mgr.on_cache_events, inst.ident, batch)
-        return pub.epoch, pub.seq
 
     def sync(self, instance_id: str) -> None:
         """The manager asks an instance for its whole cache: it answers one lag later."""
@@ -140,3 +142,21 @@ class SimCache:
             out.update(prefix_query_tokens=q, prefix_hit_tokens=h, prefix_hit_rate=h / q if q else 0.0,
                        prefix_hit_rate_by_instance=per, oracle_dispatches=self.by_cache if self.oracle else None)
         return out
+
+
+class Publication:
+    """One instance's prefix-cache publication as its reporter reads it (daemons/instance/reports.py's
+    ``ReportedCache``): ``publish`` before each report, the ``position`` (epoch, seq) the report carries."""
+
+    def __init__(self, inst, publish: Callable) -> None:
+        self.inst, self._publish = inst, publish
+
+    def publish(self) -> None:
+        self._publish(self.inst)
+
+    def position(self) -> tuple:
+        pub = self.inst.pub
+        return (pub.epoch, pub.seq) if pub is not None else ()
+
+    def count(self) -> None:  # (the simulation's figures count the cache: SimCache.figures)
+        pass

@@ -50,7 +50,7 @@ class SimulatedInstance:
     stepping: bool = False
     free_at: float = 0.0
     step_start: float = 0.0
-    taken: int = 0  # Submits from the proxy taken in (its heartbeats say so)
+    taken: dict = field(default_factory=dict)  # proxy address -> its Submits taken in (the heartbeats say so)
     boundary: list = field(default_factory=list)  # (callable, future): the migrator's calls for the next boundary
     table: object = None  # its request table (daemons/requests.py)
     migrator: object = None  # its own daemons.migration.Migrator
@@ -59,6 +59,8 @@ class SimulatedInstance:
     gone: float | None = None  # when it stopped (scaled in)
     retiring: bool = False
     pub: object = None  # its prefix-cache Publisher (sim.prefix_caching)
+    reporter: object = None  # its own daemons.instance.reports.Reporter (simreports.py)
+    standing: object = None  # where it stands (daemons.instance.standing.Standing): what its heartbeats say
 
     def at_boundary(self, fn) -> asyncio.Future:
         """As the instance's ``boundary``: ``fn()`` between two steps (now, when no step is in flight); the

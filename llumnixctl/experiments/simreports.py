@@ -1,15 +1,21 @@
-"""The simulated instances' load reports (llumnixctl/experiments/simulate.py): to the manager on change (at most
-every ``instance.load_report_min_interval_s``) and at least every heartbeat, a report lag later; with the same
-load in a heartbeat to the proxy (proxy.dispatch = local). The cache's changes go first (simcache.py).
-
-This is the instance's report timing, re-stated: the instance's reporter is one with its daemon (the llumlet's
-report loop); once it can be built alone, a simulated instance should run it instead."""
+"""The simulated instances' load reports and heartbeats (llumnixctl/experiments/simulate.py): each instance runs
+the instance's own ``Reporter`` and ``Heartbeats`` (daemons/instance/reports.py) on the simulation's virtual
+time, so its reports go out as a daemon's do (on change, at most every ``instance.load_report_min_interval_s``,
+at least every heartbeat) and carry its ``current_load`` (the engine's load with its migrator's migrating out
+and in). What the simulator provides is where they go: a report reaches the manager (``on_report``) a report
+lag later, and a heartbeat (each report's, and each heartbeat period's) the simulated proxy as late
+(proxy.dispatch = local). The cache's changes go first (simcache.py)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Protocol
+import asyncio
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol
 
-from daemons import wire
+import msgspec
+
+from daemons import metrics, wire
+from daemons.instance.standing import Identity, Standing
+from daemons.watchdog import Watchdog
 
 if TYPE_CHECKING:
     from daemons.manager import Manager
@@ -23,51 +29,65 @@ class Site(Protocol):
     def at(self, t: float, fn: Callable, *args) -> None: ...
 
 
+class ProxyLine:
+    """The simulated proxy, as an instance's heartbeats reach it (daemons/instance/reports.py's ``BeatLinks``):
+    each one ``lag_s`` later, with the count of the Submits from it the instance took in. None: no proxy
+    listens (proxy.dispatch = manager). It is never gone."""
+
+    def __init__(self, address: str, proxy: SimProxy | None, lag_s: float, site: Site) -> None:
+        self.address, self.proxy, self.lag_s, self.site = address, proxy, lag_s, site
+        self.links: Mapping = {address: None} if proxy is not None else {}
+
+    def heartbeat(self, msg: wire.Heartbeat, taken: Mapping[str, int] | None = None) -> None:
+        if self.proxy is None:
+            return
+        n = (taken or {}).get(self.address, 0)
+        self.site.at(self.site.now + self.lag_s, self.proxy.on_heartbeat,
+                     msgspec.structs.replace(msg, taken=n) if n else msg)
+
+    def gone(self, addresses: set[str]) -> list[tuple[str, str]]:
+        return []
+
+
 class SimReports:
-    """Owns each instance's report sequence, when it last reported and whether a report is due."""
+    """Builds each instance's ``Reporter`` and ``Heartbeats`` (the instance's own) and owns their tasks:
+    started with the instance, cancelled when it stops."""
 
-    def __init__(self, cfg, report_lag_s: float, mgr: Manager, proxy: SimProxy | None,
-                 cache_batch: Callable[[SimulatedInstance], tuple], site: Site) -> None:
-        self.min_interval_s = cfg.instance.load_report_min_interval_s
-        self.heartbeat_s = cfg.manager.heartbeat_interval_s
-        self.lag_s, self.mgr, self.proxy, self.cache_batch, self.site = report_lag_s, mgr, proxy, cache_batch, site
-        self.seq: dict[str, int] = {}
-        self.last: dict[str, float] = {}
-        self.due: set[str] = set()
+    def __init__(self, cfg, report_lag_s: float, mgr: Manager, proxy: SimProxy | None, proxy_address: str,
+                 cache_of: Callable[[SimulatedInstance], object], site: Site, clock) -> None:
+        from daemons.instance.reports import Heartbeats, Reporter  # (torch: only once a simulation runs)
 
-    def start(self, inst: SimulatedInstance, first_s: float) -> None:
-        """A new instance: its heartbeats, the first ``first_s`` from now."""
-        self.site.at(self.site.now + first_s, self.heartbeat, inst)
+        self.reporter_class, self.heartbeats_class = Reporter, Heartbeats
+        self.cfg, self.lag_s, self.mgr, self.cache_of, self.site, self.clock = cfg, report_lag_s, mgr, cache_of, site, clock
+        self.proxy_line = ProxyLine(proxy_address, proxy, report_lag_s, site)
+        self.tasks: dict[str, list[asyncio.Task]] = {}
 
-    def changed(self, inst: SimulatedInstance) -> None:
-        """Its load changed: report now, or as soon as the minimum interval allows."""
-        if inst.iid in self.due:
-            return
-        due = self.last.get(inst.iid, -1e9) + self.min_interval_s
-        if due <= self.site.now:
-            self.report(inst)
-        else:
-            self.due.add(inst.iid)
-            self.site.at(due, self.report, inst)
+    def start(self, inst: SimulatedInstance) -> None:
+        """A new instance: its reporter (``inst.reporter``, whose ``refresh`` the simulation calls where the
+        instance's step loop does) and its heartbeats, running."""
+        ic, heartbeat_s = self.cfg.instance, self.cfg.manager.heartbeat_interval_s
+        watchdog = Watchdog(ic.step_timeout_s, ic.hung_exit_s, self.clock)  # never stalled: sim steps end
+        inst.standing = Standing()
+        ident = Identity(inst.iid, inst.host.request_address)
+        inst.reporter = reporter = self.reporter_class(
+            inst.engine, lambda: inst.migrator, watchdog, lambda msg: self.tell(inst, msg), self.proxy_line,
+            inst.taken, inst.standing, ident, self.cache_of(inst), metrics.RequestPhases(), inst.table,
+            heartbeat_s, ic.load_report_min_interval_s, self.clock)
+        beats = self.heartbeats_class(reporter, watchdog, self.proxy_line, inst.table, lambda address, why: None,
+                                      min(heartbeat_s, ic.step_timeout_s / 4), self.clock)
+        loop = asyncio.get_running_loop()
+        self.tasks[inst.iid] = [loop.create_task(reporter.run()), loop.create_task(beats.run())]
 
-    def heartbeat(self, inst: SimulatedInstance) -> None:
-        if inst.gone is not None:
-            return
-        now = self.site.now
-        if now - self.last.get(inst.iid, -1e9) >= self.heartbeat_s * 0.99:
-            self.report(inst)
-        self.site.at(now + self.heartbeat_s, self.heartbeat, inst)
+    def tell(self, inst: SimulatedInstance, msg: wire.Message) -> None:
+        """The instance's message to the manager: its load report, a report lag later."""
+        self.site.at(self.site.now + self.lag_s, self.mgr.on_report, inst.ident, msg)
 
-    def report(self, inst: SimulatedInstance) -> None:
-        self.due.discard(inst.iid)
-        if inst.gone is not None:
-            return
-        site, iid = self.site, inst.iid
-        self.last[iid] = site.now
-        self.seq[iid] = seq = self.seq.get(iid, 0) + 1
-        load = inst.engine.load()
-        site.at(site.now + self.lag_s, self.mgr.on_report, inst.ident,
-                wire.LoadReport(iid, seq, load, *self.cache_batch(inst)))
-        if self.proxy is not None:  # the same load in its heartbeat to the proxy
-            beat = wire.Heartbeat(iid, inst.host.request_address, True, load, not inst.retiring, inst.taken)
-            site.at(site.now + self.lag_s, self.proxy.on_heartbeat, beat)
+    def drain(self, inst: SimulatedInstance, reason: str) -> None:
+        """The manager drains it (scale-in): it takes no new requests, and says so soon."""
+        inst.standing.drain(wire.SetDraining(True, reason))
+        inst.reporter.changed()
+
+    def stop(self, inst: SimulatedInstance) -> None:
+        """It stopped: no more reports or heartbeats."""
+        for task in self.tasks.pop(inst.iid, ()):
+            task.cancel()

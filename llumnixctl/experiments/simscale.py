@@ -27,10 +27,13 @@ class Site(Protocol):
 
 class SimScaling:
     """Owns ``events`` (the actions taken, for the figures) and the launches under way. Asks the manager for
-    its decision every ``period_s``; a launched instance registers ``launch_s`` later."""
+    its decision every ``period_s``; a launched instance registers ``launch_s`` later. A scaled-in instance
+    is told it drains (``drain(inst, reason)``) and, once empty, stops (``stop(inst)``)."""
 
-    def __init__(self, mgr: Manager, period_s: float, launch_s: float, site: Site) -> None:
+    def __init__(self, mgr: Manager, period_s: float, launch_s: float, site: Site,
+                 drain: Callable[[SimulatedInstance, str], None], stop: Callable[[SimulatedInstance], None]) -> None:
         self.mgr, self.period_s, self.launch_s, self.site = mgr, period_s, launch_s, site
+        self.drain, self.stop = drain, stop
         self.events: list[dict] = []
         self.launching = 0
 
@@ -53,6 +56,7 @@ class SimScaling:
                 inst = site.instances[victim]
                 inst.retiring = True
                 inst.host.draining = "scale-in"  # it takes no migration in
+                self.drain(inst, "scale-in")
                 self._scaled("in", victim, avg)
                 self.maybe_gone(inst)
         site.at(now + self.period_s, self.tick)
@@ -73,4 +77,5 @@ class SimScaling:
         """A scaled-in instance stops once nothing is left on it (its drain moved everything out)."""
         if inst.retiring and inst.gone is None and not inst.engine.has_work() and not inst.migrator.busy:
             inst.gone = self.site.now
+            self.stop(inst)
             self.mgr.forget(self.mgr.instances[inst.iid], "scaled in (simulated)")

@@ -12,9 +12,10 @@ re-implements a policy or a scheduler:
   dispatches (``on_dispatch_batch``, pending dispatches counted as in the daemon) and plans migrations
   every ``scheduling.migration_interval_s`` (``Rescheduler.plan``); a source picks its requests with the
   instance's own ``migrants_for`` and ``keep_for``;
-- load reports go out as the instance sends them (on change, at most every
-  ``instance.load_report_min_interval_s``, and every heartbeat) and reach the manager ``--report-lag-ms``
-  later (simreports.py);
+- each instance reports with the instance's own ``Reporter`` and ``Heartbeats`` (daemons/instance/reports.py:
+  on change, at most every ``instance.load_report_min_interval_s``, and every heartbeat; its load is the
+  instance's ``current_load``, with its migrator's migrating out and in); a report reaches the manager
+  ``--report-lag-ms`` later, a heartbeat the proxy as late (simreports.py);
 - with ``proxy.dispatch = local`` (the default) the proxy chooses each request's instance with its own
   dispatch view, from the manager's snapshots and the instances' heartbeats, and the request reaches its
   instance ``Network.submit_s`` after it arrived (llumnixctl/experiments/simproxy.py); with ``manager`` (and
@@ -133,9 +134,11 @@ class Simulation:
         self.mgr = manager_module.Manager(self.cfg, clock=self.clock)
         self._finished = self.loop.create_future()
         self.migrations = SimMigrations(self.cfg, self.net, self.loop, self.kv_bytes_per_token, self)
-        self.scaler = SimScaling(self.mgr, min(1.0, self.cfg.manager.heartbeat_interval_s), self.net.launch_s, self)
         self.cache = SimCache(self.cfg, self.mgr, self.trace, self.net.report_lag_s, self.oracle, self)
-        self.reports = SimReports(self.cfg, self.net.report_lag_s, self.mgr, self.proxy, self.cache.batch, self)
+        self.reports = SimReports(self.cfg, self.net.report_lag_s, self.mgr, self.proxy, PROXY_ADDRESS,
+                                  self.cache.reports, self, self.clock)
+        self.scaler = SimScaling(self.mgr, min(1.0, self.cfg.manager.heartbeat_interval_s), self.net.launch_s, self,
+                                 self.reports.drain, self.reports.stop)
         try:
             self._start()
             if self._left:
@@ -177,7 +180,7 @@ class Simulation:
         self.mgr.on_register(inst.ident, wire.Register(
             iid, self.cfg.instance.host or "sim", 0, f"inproc://sim-{iid}", "sim", self.cfg.model.name, inst.engine.load(),
             max_model_len=self.cfg.model.max_model_len))
-        self.reports.start(inst, self.cfg.manager.heartbeat_interval_s * (1 + len(self.instances) % 7) / 7)
+        self.reports.start(inst)
         return inst
 
     def _sample(self) -> None:
@@ -237,9 +240,9 @@ class Simulation:
         except EngineError as exc:
             return self._fail(req, str(exc))
         req.owner = iid
-        inst.taken += 1
+        inst.taken[PROXY_ADDRESS] = inst.taken.get(PROXY_ADDRESS, 0) + 1
         inst.table.admit(rid, PROXY_ADDRESS, 1)
-        self.reports.changed(inst)
+        inst.reporter.refresh()
         self._kick(inst)
 
     def _fail(self, req: SimulatedRequest, why: str) -> None:
@@ -264,7 +267,7 @@ class Simulation:
 
     def _step(self, inst: SimulatedInstance) -> None:
         if inst.run_boundary():  # what waited for a step boundary (the migrator's engine calls)
-            self.reports.changed(inst)
+            inst.reporter.refresh()
         if not inst.engine.has_work():
             inst.stepping = False
             return
@@ -290,7 +293,7 @@ class Simulation:
                 self._left -= 1
                 self.cache.turn_ended(req)
         inst.stepping = False
-        self.reports.changed(inst)
+        inst.reporter.refresh()  # as the step loop does with the load a step read
         self._kick(inst)
         inst.migrator.stepped(inst.free_at - inst.step_start)  # paces a migration's pre-copy
         self.notify("step", instance=inst, outputs=outputs)
@@ -299,7 +302,7 @@ class Simulation:
     # ------------------------------------------------------------------ what migrations need (simmigrate.Site)
 
     def woken(self, inst: SimulatedInstance) -> None:
-        self.reports.changed(inst)
+        inst.reporter.refresh()
         self._kick(inst)
 
     def redispatch(self, request_id: str, src: str) -> None:
