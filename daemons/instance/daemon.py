@@ -23,6 +23,7 @@ from daemons.config import Config
 from daemons.engine import make_engine
 from daemons.engine.base import Engine, EngineError
 from daemons.instance.telemetry import M_PREEMPTIONS
+from daemons.kvranks import gloo_transport
 from daemons.migration import Migrator
 from daemons.proxylinks import ProxyLinks
 from daemons.requests import RequestTable
@@ -138,7 +139,7 @@ class Instance(TokenPathMixin, IntakeMixin, StepLoopMixin, ControlMixin, OrdersM
         metrics.bind("instance", self.cfg.model.name, self.instance_id)
         try:
             self.migrator = Migrator(self, self.cfg.migration, self.engine, self.requests, self.boundary, self.faults,
-                                     self.kv)
+                                     self.kv or gloo_transport(self.cfg.migration, self.engine, self.boundary), self.clock)
         except (RuntimeError, ValueError, OSError) as exc:  # the KV store's port is taken, or the host does not resolve
             raise runtime.StartupError(f"cannot listen for KV transfer on {self.cfg.migration.kv_host}:"
                                        f"{self.cfg.migration.kv_port}: {exc}") from None
