@@ -281,7 +281,7 @@ class Move:
                       Phase.ABORTED_DST if isinstance(exc, DestinationFailed) else Phase.ABORTED_SRC)
         self.result.reason = str(exc) if isinstance(exc, Aborted) else f"internal error: {exc!r}"
         self.result.resumed_at = -1
-        if self.pair is not None:
+        if self.pair is not None:  # the destination may have heard of this move
             src.peers.send(self.dst_address, wire.MigAbort(self.out.mig_id, self.result.reason))
             # The pair may be half-way through a rendezvous or a transfer the peer gave up on: start the next
             # migration to this peer on a fresh pair.
