@@ -25,12 +25,18 @@ from dataclasses import dataclass, field
 import msgspec
 
 from daemons import stages, wire
+from daemons.clock import Clock
 from daemons.migration.records import Aborted, DestinationFailed, Outgoing, Refused
 from daemons.migration.source import Source
 from daemons.migration.telemetry import M_DOWNTIME, M_DURATION, M_IN_FLIGHT, M_MIGRATIONS
 from daemons.pacing import DutyPacer
 
 log = logging.getLogger("llumnix.migration")
+
+
+def now_ns(clock: Clock) -> int:
+    """Wall-clock nanoseconds, as trace spans take them."""
+    return int(clock.time() * 1e9)
 
 
 class Phase(enum.Enum):
@@ -95,14 +101,11 @@ class Move:
         self.tracer = src.host.tracer  # daemons/tracing.py; None: tracing off
         self.traced: list[tuple] = []  # (stage, kind, start ns, end ns, blocks) with tracing on
 
-    def _now_ns(self) -> int:
-        return int(self.clock.time() * 1e9)
-
     async def run(self) -> wire.MigrationOutcome:
         """Walk the states to the commit or an abort; never raises: the outcome says what happened."""
         src = self.src
         start = self.clock.monotonic()
-        self.start_ns = self._now_ns()
+        self.start_ns = now_ns(self.clock)
         src.opened(self.out)
         M_IN_FLIGHT.labels("source").inc()
         try:
@@ -165,7 +168,7 @@ class Move:
     async def _plan(self, view) -> tuple[object, Stage]:
         """The request's view as of now (suspended first if this is the last stage) and the stage's plan."""
         src, cfg = self.src, self.src.cfg
-        started_ns = self._now_ns() if self.tracer is not None else 0
+        started_ns = now_ns(self.clock) if self.tracer is not None else 0
         if self.stage > 0:
             view = await src.boundary(lambda: src.engine.migration_view(self.request_id))
             if view is None:
@@ -240,7 +243,7 @@ class Move:
     def _account(self, stage: Stage) -> None:
         self.sent += stage.ids
         if self.tracer is not None:
-            self.traced.append((stage.number, stage.kind, stage.started_ns, self._now_ns(), len(stage.ids)))
+            self.traced.append((stage.number, stage.kind, stage.started_ns, now_ns(self.clock), len(stage.ids)))
         self.stage += 1
         if stage.last:
             self.committed_at = stage.timings["done"]  # the request runs on the destination
