@@ -50,8 +50,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from daemons.engine.kvblocks import KvBlocks, Staging
+from daemons.kvlayout import KvBlocks, Staging
+from daemons.migration.transport import TransferError
 from daemons.pacing import rest_s
+
+__all__ = ["DEST_RANK", "SOURCE_RANK", "KvTransfer", "Pair", "RelayStore", "TransferError", "transfer_cores"]
 
 log = logging.getLogger("llumnix.kvtransfer")
 
@@ -101,10 +104,6 @@ def _init_thread() -> None:
     """Copies are memory-bound: one thread moves them as fast, and leaves the other cores to the engine."""
     _set_num_threads(1)
     _pin_off_engine()
-
-
-class TransferError(Exception):
-    """A pair group could not form or a send/receive failed (peer gone, timeout)."""
 
 
 RELAY_MAX_VALUE = 4096  # bytes: a Gloo address is ~200
@@ -362,7 +361,8 @@ class Pair:
 
 
 class KvTransfer:
-    """This instance's end of KV transfer: a rendezvous store for the pairs it starts, and its pairs."""
+    """This instance's end of KV transfer (a daemons/migration/transport.py ``KvTransport``): a rendezvous
+    store for the pairs it starts, and its pairs."""
 
     def __init__(self, host: str, port: int, timeout_s: float):
         self.host = host

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from daemons.engine.kvblocks import KvBlocks, KvLayout  # noqa: F401  (re-exported: engines build them)
+from daemons.kvlayout import KvBlocks, KvLayout  # noqa: F401  (re-exported: engines build them)
 from daemons.wire import InstanceLoad, MigratingRequest, RequestLoad, RequestState, SamplingParams, TokenOut
 
 

@@ -25,7 +25,7 @@ import torch
 
 from daemons.config import ModelConfig, SimConfig
 from daemons.engine.base import EngineError, EngineRequest, KvBlocks, StepResult, check_request
-from daemons.engine.sim_cache import SimCacheMixin, SimPrefixCache
+from daemons.engine.sim_cache import SimPrefixCache
 from daemons.engine.sim_migration import SimMigrationMixin
 from daemons.engine.sim_requests import SimRequest, WaitingQueue, cdiv
 from daemons.engine.sim_values import draw, kv_value, sim_logprobs, sim_token_id, write_kv
@@ -39,7 +39,7 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torc
 _priority = attrgetter("priority")
 
 
-class SimEngine(SimMigrationMixin, SimCacheMixin):
+class SimEngine(SimMigrationMixin):
     backend = "sim"
     prefix_caching = False
 
@@ -153,7 +153,7 @@ class SimEngine(SimMigrationMixin, SimCacheMixin):
             need = cdiv(tokens + 1, bs)
             if len(free) - need < self._watermark_blocks:
                 break
-            new = tokens if cache is None else self._uncached(req, tokens)
+            new = tokens if cache is None else cache.uncached(req, tokens)
             if prefilling and prefill_tokens + new > self.cfg.max_num_batched_tokens:
                 break
             waiting.popleft()
@@ -161,7 +161,7 @@ class SimEngine(SimMigrationMixin, SimCacheMixin):
             if cache is not None:
                 if not req.preempted:  # as vLLM's counters: a re-admission after preemption is not a query
                     cache.count(tokens, tokens - new)
-                self._prefilled(req)
+                cache.prefilled(req)
             req.preempted = False
             self._run(req)
             prefilling.append(req)
@@ -172,7 +172,8 @@ class SimEngine(SimMigrationMixin, SimCacheMixin):
         outputs = [self._sample(r) for r in decoding]
         outputs += [self._sample(r) for r in prefilling]
         self._tokens_generated += len(outputs)
-        return StepResult(outputs=outputs, model_time_s=self._model_time(prefill_tokens, len(decoding), context_tokens))
+        model_s = model_time(self.cfg, self._profile, prefill_tokens, len(decoding), context_tokens)
+        return StepResult(outputs=outputs, model_time_s=model_s)
 
     def load(self) -> InstanceLoad:
         used = self.num_blocks - len(self._free)
@@ -204,6 +205,13 @@ class SimEngine(SimMigrationMixin, SimCacheMixin):
         out += [row(r, "migrating") for r in self._suspended.values()]
         out += [row(r, "preempted" if r.preempted else "waiting") for r in self._waiting]
         return out
+
+    def cache_events(self) -> list[tuple[bool, int]]:
+        """(stored?, block key) of every prefix-cache change since the last call ([] without a cache)."""
+        return self.cache.events() if self.cache is not None else []
+
+    def cache_snapshot(self) -> list[int]:
+        return self.cache.snapshot() if self.cache is not None else []
 
     def block_table(self, request_id: str) -> list[int]:
         """The request's block ids in token order (empty while it waits). KeyError if unknown."""
@@ -244,7 +252,7 @@ class SimEngine(SimMigrationMixin, SimCacheMixin):
 
     def _release(self, req: SimRequest) -> None:
         if self.cache is not None:
-            self._keep_content(req)
+            self.cache.keep_content(req)
         self._free.extend(req.blocks)
         req.blocks = []
 
@@ -279,13 +287,14 @@ class SimEngine(SimMigrationMixin, SimCacheMixin):
         logprob, top = sim_logprobs(req.rid, index, token, sp.logprobs, self.cfg.vocab_size)
         return TokenOut(request_id=req.rid, index=index, token_id=token, finish_reason=reason, logprob=logprob, top=top)
 
-    def _model_time(self, prefill_tokens: int, n_decoding: int, context_tokens: int) -> float:
-        c = self.cfg
-        if self._profile is not None:
-            return c.time_scale * self._profile.step_ms(prefill_tokens, n_decoding, context_tokens) / 1000.0
-        ms = 0.0
-        if prefill_tokens > 0:
-            ms += c.prefill_ms_per_token * prefill_tokens + c.prefill_ms
-        if n_decoding > 0:
-            ms += c.decode_ms_per_seq * n_decoding + c.decode_ms_per_token * context_tokens + c.decode_ms
-        return c.time_scale * ms / 1000.0
+
+def model_time(c: SimConfig, profile, prefill_tokens: int, n_decoding: int, context_tokens: int) -> float:
+    """A step's model time: from the latency profile (``sim.profile``) where there is one, else the linear model."""
+    if profile is not None:
+        return c.time_scale * profile.step_ms(prefill_tokens, n_decoding, context_tokens) / 1000.0
+    ms = 0.0
+    if prefill_tokens > 0:
+        ms += c.prefill_ms_per_token * prefill_tokens + c.prefill_ms
+    if n_decoding > 0:
+        ms += c.decode_ms_per_seq * n_decoding + c.decode_ms_per_token * context_tokens + c.decode_ms
+    return c.time_scale * ms / 1000.0

@@ -104,34 +104,25 @@ class SimPrefixCache:
         """Every key held now."""
         return list(self._block_of)
 
+    # ---------------------------------------------------------------- what the sim engine's requests do
 
-class SimCacheMixin:
-    """Of SimEngine, with sim.prefix_caching (``self.cache``): what a step and a release tell the cache."""
-
-    def cache_events(self) -> list[tuple[bool, int]]:
-        """(stored?, block key) of every prefix-cache change since the last call ([] without a cache)."""
-        return self.cache.events() if self.cache is not None else []
-
-    def cache_snapshot(self) -> list[int]:
-        return self.cache.snapshot() if self.cache is not None else []
-
-    def _uncached(self, req, tokens: int) -> int:
-        """Of the ``tokens`` a waiting request would prefill, those not cached."""
+    def uncached(self, req, tokens: int) -> int:
+        """Of the ``tokens`` a waiting request (sim_requests.SimRequest) would prefill, those not cached."""
         if req.tokens is None:
             return tokens
-        return tokens - self.cache.hits(self.cache.keys_of(req.tokens, req.hashes), tokens)
+        return tokens - self.hits(self.keys_of(req.tokens, req.hashes), tokens)
 
-    def _prefilled(self, req) -> None:
+    def prefilled(self, req) -> None:
         """An admitted request took its blocks: what they held is gone, its full blocks' content is there now
         (computed, or hit, in this step)."""
         for block in req.blocks:
-            self.cache.taken(block)
+            self.taken(block)
         if req.tokens is not None:
-            self.cache.filled(req.blocks, req.hashes)
+            self.filled(req.blocks, req.hashes)
 
-    def _keep_content(self, req) -> None:
+    def keep_content(self, req) -> None:
         """A request lets its blocks go: what it computed stays in them, free, until they are taken (the free
         list is least recently freed first: vLLM's LRU eviction)."""
         if req.tokens is not None and req.blocks:
             computed = min(len(req.tokens), req.prompt_len + req.generated, len(req.blocks) * self.block_size)
-            self.cache.filled(req.blocks, self.cache.keys_of(req.tokens[:computed], req.hashes))
+            self.filled(req.blocks, self.keys_of(req.tokens[:computed], req.hashes))

@@ -25,8 +25,7 @@ from daemons.engine.base import EngineError, EngineRequest, KvBlocks, StepResult
 from daemons.engine.vllm_cache import VllmPrefixCache
 from daemons.engine.vllm_internals import VllmInternals, set_env, set_num_threads
 from daemons.engine.vllm_migration import LiveRequest, VllmMigrationMixin
-from daemons.engine.vllm_tp import KvShards, TpTransfer
-from daemons.kvtransfer import KvTransfer
+from daemons.kvlayout import KvShards
 from daemons.wire import InstanceLoad, RequestLoad, TokenOut
 
 log = logging.getLogger("llumnix.engine.vllm")
@@ -212,11 +211,13 @@ class VllmEngine(VllmMigrationMixin):
                                                     v.tensor_parallel_size))
         return self._kv_blocks
 
-    def kv_transport(self, kv: KvTransfer, boundary: Callable) -> KvTransfer | TpTransfer:
-        """How this engine's KV moves: through ``kv`` itself (the KV is in this process), or rank by rank."""
+    def kv_ranks(self) -> tuple[Callable, int] | None:
+        """Where this engine's KV lives, for the KV transport (daemons/kvranks.py ``gloo_transport``): None in
+        this process; else (call a method on every tensor-parallel worker between steps, how many there are),
+        and every rank moves its own shard."""
         if self._v.in_process:
-            return kv
-        return TpTransfer(kv, self._v.rpc, boundary, self._v.tensor_parallel_size)
+            return None
+        return self._v.rpc, self._v.tensor_parallel_size
 
     def shutdown(self) -> None:
         if self._closed:

@@ -205,11 +205,11 @@ class VllmInternals(VllmStateMixin, VllmMigrationMixin):
     @staticmethod
     def parallel_args(cfg: VllmConfig) -> dict:
         """One rank: the ``uni`` executor, the worker in this process. Several: vLLM's multiprocess executor,
-        one worker process per rank, with our worker extension (``vllm_worker.LlumnixWorker``) mixed in."""
+        one worker process per rank, with our worker extension (daemons/tpworker.py ``LlumnixWorker``) mixed in."""
         if cfg.tensor_parallel_size <= 1:
             return {"distributed_executor_backend": "uni"}
         return {"distributed_executor_backend": "mp", "tensor_parallel_size": cfg.tensor_parallel_size,
-                "worker_extension_cls": "daemons.engine.vllm_worker.LlumnixWorker"}
+                "worker_extension_cls": "daemons.tpworker.LlumnixWorker"}
 
     @property
     def in_process(self) -> bool:

@@ -28,6 +28,7 @@ from daemons.instance.selection import Orders
 from daemons.instance.standing import Identity, Standing
 from daemons.instance.steps import StepLoop
 from daemons.instance.tokens import ManagerLine, TokenPath
+from daemons.kvranks import gloo_transport
 from daemons.migration import Migrator
 from daemons.proxylinks import ProxyLinks
 from daemons.requests import RequestTable
@@ -147,8 +148,11 @@ class Instance:
         self.stop.set()
 
     def build_migrator(self) -> Migrator:
-        """The migrator, with the KV transport it moves blocks over."""
-        return Migrator(self, self.cfg.migration, self.engine, self.requests, self.mailbox.call, self.faults, self.kv)
+        """The migrator, with the KV transport it moves blocks over: the one given (tests/support moves blocks
+        in memory), else Gloo pairs, rank by rank for a tensor-parallel engine (daemons/kvranks.py)."""
+        kv = self.kv or gloo_transport(self.cfg.migration, self.engine, self.mailbox.call)
+        return Migrator(self, self.cfg.migration, self.engine, self.requests, self.mailbox.call, self.faults, kv,
+                        self.clock)
 
     async def run(self) -> None:
         self.sec.check_bind("instance.request_address", self.ic.request_address)

@@ -25,7 +25,9 @@ transfer may still write are only released after the transfer has ended, so a la
 block that another request got in the meantime.
 
 Engine calls that change scheduler state run between steps (``boundary``); Gloo work runs on the pair's
-thread (kvtransfer.Pair) and only touches blocks no step writes.
+thread (kvtransfer.Pair) and only touches blocks no step writes. The KV moves through a transport the
+instance hands over (``transport.py``'s ``KvTransport``: Gloo pairs, a tensor-parallel engine's ranks, or
+in memory in the tests), which imports no engine module; the engines describe their KV in daemons/kvlayout.py.
 
 Ownership (daemons/requests.py): the destination commits the request as the source's placement epoch + 1
 and tells the proxy (``Moved``); so does the source once it hears of the commit. A source whose last stage
@@ -33,13 +35,17 @@ ends without an answer cannot know whether the destination committed: it resumes
 next epoch too and tells the proxy, which keeps the first claim it hears of and aborts the other copy.
 A destination that got ``MigAbort`` before committing never commits.
 
-One concern per file: ``migrator.py`` (the Migrator: both roles, transport, pacing baseline),
-``source.py``, ``destination.py``, ``peers.py`` (sockets between instances, prefix queries),
-``records.py`` (outcomes, what the migrator needs of its instance, one move's state on each side),
-``telemetry.py`` (metrics). The stage arithmetic is daemons/stages.py, shared with the simulator.
+One object per concern, each owning its state: ``migrator.py`` (the Migrator, the facade the instance
+holds: it builds the others and owns the pacing baseline), ``source.py`` (``Source``: the moves out, their
+locks, pacers and counts), ``move.py`` (``Move``: one request's way out, stage by stage: plan → send →
+account), ``destination.py`` (``Destination``: the moves in), ``peers.py`` (``Peers``: sockets between
+instances, rendezvous relay, prefix queries), ``transport.py`` (what a KV transport is), ``records.py``
+(outcomes, what the migrator needs of its instance, one move's state on each side), ``telemetry.py``
+(metrics). The stage arithmetic is daemons/stages.py, shared with the simulator.
 """
 
 from daemons.migration.migrator import Migrator
 from daemons.migration.records import Aborted, DestinationFailed, Host, Refused
+from daemons.migration.transport import KvPair, KvTransport, TransferError
 
-__all__ = ["Aborted", "DestinationFailed", "Host", "Migrator", "Refused"]
+__all__ = ["Aborted", "DestinationFailed", "Host", "KvPair", "KvTransport", "Migrator", "Refused", "TransferError"]

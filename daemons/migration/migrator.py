@@ -1,77 +1,139 @@
-"""The Migrator: both roles of one instance, its KV transport, the pacing baseline, its tasks."""
+"""The Migrator: the facade the instance holds over both roles of one instance (``Source``, ``Destination``),
+the sockets between instances (``Peers``), the KV transport it is given, and the pacing baseline."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable
+from types import MappingProxyType
+from typing import Callable, Mapping
 
 import zmq
-import zmq.asyncio
-import zmq.utils.monitor
 
+from daemons import runtime, wire
+from daemons.clock import Clock
 from daemons.config import MigrationConfig
 from daemons.engine.base import Engine
-from daemons.kvtransfer import KvTransfer
-from daemons.migration.records import Host, Outgoing, Incoming
-from daemons.pacing import Baseline, DutyPacer
+from daemons.migration.destination import Destination
+from daemons.migration.move import Move
+from daemons.migration.peers import Peers
+from daemons.migration.records import Host, Incoming, Outgoing
+from daemons.migration.source import Source
+from daemons.migration.transport import KvTransport
+from daemons.pacing import Baseline
 from daemons.requests import RequestTable
 from daemons.watchdog import Faults
 
 log = logging.getLogger("llumnix.migration")
 
-from daemons.migration.destination import DestinationMixin
-from daemons.migration.peers import PeersMixin
-from daemons.migration.source import SourceMixin
 
+class Migrator:
+    """Both roles of this instance. Built by the instance, which gives it ``boundary`` (run a function between
+    engine steps), its request table, through whose verbs a migration hands requests over, and its KV
+    transport (daemons/migration/transport.py; the daemon's: daemons/kvranks.py ``gloo_transport``).
 
-class Migrator(PeersMixin, SourceMixin, DestinationMixin):
-    """Both roles of this instance. Built by the instance, which gives it ``boundary`` (run a function
-    between engine steps) and its request table, through whose verbs a migration hands requests over."""
+    What the instance calls: ``migrate_out`` (one request to a destination; returns its outcome),
+    ``prefix_hits`` (what a destination holds already), ``on_peer_message`` (a message from a source, on the
+    instance's ROUTER), ``receiving`` / ``cancel_incoming`` / ``forward_abort`` (a request arriving, placed
+    anew, aborted after it moved), ``stepped`` (after every engine step), ``spawn``, ``busy``, ``outgoing`` / ``incoming`` / ``committed`` /
+    ``aborted`` (for the load report) and ``close``."""
 
     def __init__(self, host: Host, cfg: MigrationConfig, engine: Engine, requests: RequestTable, boundary: Callable,
-                 faults: Faults | None = None, kv=None):
-        """``kv``: the KV transport (``source_pair``, ``dest_pair``, ``forget``, ``close``, ``address``; pairs
-        with ``send`` and ``recv`` returning futures): Gloo pairs (daemons/kvtransfer.py) unless given
-        (tests/support/kv.py moves blocks in memory)."""
-        self.inst = host
+                 faults: Faults | None, kv: KvTransport, clock: Clock | None = None):
         self.cfg = cfg
-        self.engine = engine
-        self.requests = requests
-        self.boundary = boundary
-        self.faults = faults or Faults("", "")
-        self.kv = kv if kv is not None else KvTransfer(self.cfg.kv_host, self.cfg.kv_port, self.cfg.timeout_s)
-        transport = getattr(engine, "kv_transport", None)  # a tensor-parallel engine moves KV rank by rank
-        if transport is not None:
-            self.kv = transport(self.kv, boundary)
-        self.outgoing: dict[str, Outgoing] = {}  # by migration id
-        self.incoming: dict[str, Incoming] = {}  # by migration id
-        self.peers: dict[str, zmq.asyncio.Socket] = {}  # destination request address -> our DEALER
-        self._peer_tasks: dict[str, tuple] = {}  # its reader and watcher
-        self._peer_used: dict[str, float] = {}  # destination request address -> loop time of its last use
-        self._pair_used: dict[str, float] = {}  # KV pair name (a destination id, or a source's key) -> last use
-        self._next_prune = 0.0
-        self._dst_locks: dict[str, asyncio.Lock] = {}
-        self.committed = 0
-        self.aborted = 0
-        self._prefix_queries = 0
-        self._prefix_waits: dict[int, asyncio.Future] = {}
+        self.kv = kv
+        self.clock = clock or Clock()
         self._tasks: set[asyncio.Task] = set()
         self.step_baseline = Baseline()  # engine steps while no migration runs here
-        self._pacers: dict[str, DutyPacer] = {}  # by migration id, while its pre-copy sends
+
+        def dealer() -> zmq.asyncio.Socket:
+            return host.sec.client(runtime.tune(host.ctx.socket(zmq.DEALER)), "instance")
+
+        def in_use() -> tuple[set[str], set[str]]:
+            return self.source.addresses(), self.source.pair_names() | self.destination.pair_names()
+
+        self.peers = Peers(dealer, kv, self.clock, self.spawn, in_use, self._reply, self._gone)
+        self.source = Source(host, cfg, engine, requests, boundary, kv, self.peers, self.clock)
+        self.destination = Destination(host, cfg, engine, requests, boundary, kv, self.peers, self.clock,
+                                       faults or Faults("", ""), self.spawn, lambda: self.busy)
+
+    def _reply(self, msg: wire.Message) -> None:
+        self.source.deliver(msg)
+
+    def _gone(self, address: str) -> None:
+        self.source.peer_gone(address)
+
+    # ---------------------------------------------------------------- what the instance calls
+
+    async def migrate_out(self, request_id: str, dst: str, dst_address: str, blocking: bool = False) -> wire.MigrationOutcome:
+        """Move one request to ``dst`` (its instance id, at request address ``dst_address``); never raises: the
+        outcome says what happened. ``blocking`` skips pre-copy (suspend, then copy everything): the
+        stop-and-copy baseline that benchmarks compare with."""
+        return await Move(self.source, request_id, dst, dst_address, blocking).run()
+
+    async def prefix_hits(self, dst_address: str, prompts: list[list[int]]) -> list[int]:
+        """Of each prompt, the leading full blocks the destination holds (zeros where it does not answer)."""
+        return await self.peers.prefix_hits(dst_address, prompts)
+
+    def on_peer_message(self, identity: bytes, msg) -> None:
+        """A message from a source (or a prefix query) that reached the instance's ROUTER."""
+        if isinstance(msg, wire.MigStage):
+            self.destination.on_stage(identity, msg)
+        elif isinstance(msg, wire.MigAbort):
+            self.destination.on_abort(msg)
+        elif isinstance(msg, wire.PrefixQuery):
+            self.spawn(self.destination.answer_prefix(identity, msg))
+        elif isinstance(msg, wire.KvRendezvous):
+            self.peers.relayed(msg)
+
+    def receiving(self, request_id: str) -> bool:
+        return self.destination.receiving(request_id)
+
+    async def cancel_incoming(self, request_id: str) -> None:
+        """Give up receiving ``request_id`` (it was placed here anew): never commit, release its blocks."""
+        await self.destination.cancel(request_id)
+
+    def forward_abort(self, request_id: str, epoch: int = 0) -> bool:
+        """An abort for a request that moved away goes after it. False if it never moved from here."""
+        return self.source.forward_abort(request_id, epoch)
 
     @property
     def busy(self) -> int:
-        return len(self.outgoing) + len(self.incoming)
+        """Migrations in flight here, out and in."""
+        return len(self.source.outgoing) + len(self.destination.incoming)
+
+    @property
+    def outgoing(self) -> Mapping[str, Outgoing]:
+        """The moves out, by migration id (read-only)."""
+        return MappingProxyType(self.source.outgoing)
+
+    @property
+    def incoming(self) -> Mapping[str, Incoming]:
+        """The moves in, by migration id (read-only)."""
+        return MappingProxyType(self.destination.incoming)
+
+    @property
+    def committed(self) -> int:
+        return self.source.committed
+
+    @property
+    def aborted(self) -> int:
+        return self.source.aborted
+
+    @property
+    def faults(self) -> Faults:
+        return self.destination.faults
+
+    @faults.setter
+    def faults(self, faults: Faults) -> None:  # tests: an instance that refused migrations takes them now
+        self.destination.faults = faults
 
     def stepped(self, step_s: float) -> None:
         """(Instance, after each engine step) A step with no migration here joins the baseline; one during a
         paced pre-copy adjusts that copy's duty."""
-        if self._pacers:
-            baseline = self.step_baseline.value()
-            for pacer in self._pacers.values():
-                pacer.step(step_s, baseline)
-        elif not self.outgoing and not self.incoming:
+        if self.source.pacers:
+            self.source.step_pacers(step_s, self.step_baseline.value())
+        elif not self.busy:
             self.step_baseline.add(step_s)
 
     def spawn(self, coro) -> asyncio.Task:
@@ -81,8 +143,7 @@ class Migrator(PeersMixin, SourceMixin, DestinationMixin):
         return task
 
     async def close(self) -> None:
-        for inc in list(self.incoming.values()):
-            inc.ended = True
+        self.destination.close()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -9,9 +9,9 @@ from typing import Protocol
 
 import zmq.asyncio
 
-from daemons.clock import loop_time
 from daemons import wire
 from daemons.proxylinks import ProxyLinks
+from daemons.migration.transport import KvPair
 from daemons.security import Security
 
 
@@ -38,6 +38,7 @@ class Host(Protocol):
     draining: str
     wake: asyncio.Event
     proxies: ProxyLinks
+    tracer: object  # daemons/tracing.py's Tracer; None: tracing off
 
     def reply_peer(self, identity: bytes, msg: wire.Message) -> None: ...
 
@@ -68,8 +69,8 @@ class Incoming:
     identity: bytes  # the source's socket identity on our ROUTER: replies go there
     src: str
     request: wire.MigratingRequest
-    pair: object = None
-    last_heard: float = field(default_factory=loop_time)  # made on the loop, timed by its clock
+    pair: KvPair | None = None
+    last_heard: float = 0.0  # when the source last spoke (the migrator's clock)
     busy: asyncio.Lock = field(default_factory=asyncio.Lock)  # stages of one migration run one at a time
     receiving: asyncio.Future | None = None  # a Gloo receive that may still write our blocks
     ids: list[int] = field(default_factory=list)  # the blocks reserved so far, in token order

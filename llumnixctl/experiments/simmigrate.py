@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Protocol
 import zmq
 
 from daemons import runtime, security, wire
+from daemons.clock import LoopClock
 
 if TYPE_CHECKING:
     from llumnixctl.experiments.simparts import SimulatedInstance
@@ -42,8 +43,12 @@ class SimLayout:
 
 
 class SimPair:
+    """One end of a pair (daemons/migration/transport.py ``KvPair``): its copies take the link's time."""
+
     def __init__(self, kv: SimKv, key: str, src: str) -> None:
         self.kv, self.key, self.src = kv, key, src
+        self.broken = False
+        self.relay = None  # no rendezvous: the hub matches the two ends by key
 
     def _nbytes(self, layout: SimLayout, block_ids: list[int], tail_tokens: int) -> int:
         whole = len(block_ids) - (1 if tail_tokens else 0)
@@ -103,7 +108,7 @@ class SimKvHub:
 
 
 class SimKv:
-    """One simulated instance's end of the KV transport."""
+    """One simulated instance's end of the KV transport (daemons/migration/transport.py ``KvTransport``)."""
 
     def __init__(self, hub: SimKvHub, name: str) -> None:
         self.hub, self.name = hub, name
@@ -122,6 +127,9 @@ class SimKv:
         if pair is None:
             pair = self.pairs[key] = SimPair(self, key, "")
         return pair
+
+    def relayed(self, pair_key: str, key: str, value: bytes) -> None:
+        pass  # (no pair here needs a rendezvous)
 
     def forget(self, name: str) -> None:
         pair = self.pairs.pop(name, None)
@@ -162,6 +170,7 @@ class SimHost:
         self.draining = ""
         self.wake = _Wake(wake)
         self.proxies = _Proxies()
+        self.tracer = None  # no spans in a simulation
         self.message_s = message_s
         self.loop = loop
         self._moved, self._abort = moved, abort_local
@@ -256,6 +265,7 @@ class SimMigrations:
         from daemons.migration import Migrator  # (torch: only once a simulation runs)
 
         self.cfg, self.net, self.loop, self.site = cfg, net, loop, site
+        self.clock = LoopClock(loop)  # the migrators' time: the simulation's virtual loop
         self.kv_bytes_per_token = kv_bytes_per_token
         self.migrator_class = Migrator
         self.zmq = zmq.asyncio.Context()
@@ -302,7 +312,7 @@ class SimMigrations:
         inst.host = SimHost(inst.iid, self.zmq, self.cfg.security, self.net.message_s, self.loop, moved,
                             lambda: site.woken(inst), abort_local)
         inst.migrator = self.migrator_class(inst.host, self.cfg.migration, inst.engine, inst.table, boundary,
-                                            kv=SimKv(self.kv_hub, inst.iid))
+                                            None, SimKv(self.kv_hub, inst.iid), self.clock)
         inst.host.deliver = inst.migrator.on_peer_message
         self.hosts.append(inst.host)
         self.migrators.append(inst.migrator)

@@ -1,7 +1,7 @@
-"""KV transfer in memory, for instances that run in one process (tests/support/cluster.py): the same transport
-interface as daemons/kvtransfer.py (``source_pair``, ``dest_pair``, ``forget``, ``close``, ``address``; a pair's
-``send`` and ``recv`` return futures of the bytes moved), with the blocks copied by the engines' own
-``KvBlocks`` gather and scatter instead of Gloo. A pair matches its sends and receives in the order they were
+"""KV transfer in memory, for instances that run in one process (tests/support/cluster.py): one more
+implementation of daemons/migration/transport.py's ``KvTransport`` (a pair's ``send`` and ``recv`` return
+futures of the bytes moved), with the blocks copied by the engines' own ``KvBlocks`` gather and scatter instead
+of Gloo. A pair matches its sends and receives in the order they were
 posted, as a Gloo pair does; a transfer whose peer never posts its half never completes (the migration's own
 timeouts end it, as with a dead peer)."""
 
@@ -14,7 +14,7 @@ from concurrent.futures import Future
 
 import torch
 
-from daemons.engine.kvblocks import KvBlocks
+from daemons.kvlayout import KvBlocks
 
 
 class Hub:
@@ -74,6 +74,7 @@ class MemoryPair:
         self.hub = hub
         self.key = key
         self.broken = False
+        self.relay = None  # no rendezvous: the hub matches the two ends by key
 
     def send(self, kv: KvBlocks, block_ids: list[int], chunk_blocks: int, limit_bytes_s: float = 0.0,
              tail_tokens: int = 0, duty=None, one_message: bool = False) -> Future:
@@ -118,6 +119,9 @@ class MemoryKv:
         if pair is None:
             pair = self.pairs[key] = MemoryPair(self.hub, key)
         return pair
+
+    def relayed(self, pair_key: str, key: str, value: bytes) -> None:
+        """No rendezvous values travel between in-memory pairs."""
 
     def forget(self, name: str) -> None:
         pair = self.pairs.pop(name, None)

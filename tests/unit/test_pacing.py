@@ -89,7 +89,7 @@ def gloo_pair():
 def test_a_send_with_a_duty_rests_after_each_chunk_in_proportion(gloo_pair, monkeypatch, duty):
     torch, src, dst = gloo_pair
     from daemons import kvtransfer
-    from daemons.engine.kvblocks import KvBlocks
+    from daemons.kvlayout import KvBlocks
 
     a = torch.randint(0, 1000, (16, 2, 4, 8), dtype=torch.int16)
     b = torch.zeros_like(a)
@@ -115,7 +115,7 @@ def test_one_message_chunks_round_trip_on_the_rows_path(gloo_pair, monkeypatch, 
     """The last stage's framing: each chunk one message, staged at both ends, even where a run of blocks
     could go straight out of the per-layer KV tensors (one message per layer)."""
     torch, src, dst = gloo_pair
-    from daemons.engine.kvblocks import KvBlocks
+    from daemons.kvlayout import KvBlocks
     from daemons.kvtransfer import Pair
 
     a = [torch.randint(0, 1000, (16, 2, 4, 8), dtype=torch.int16) for _ in range(3)]  # a tensor per layer: rows

@@ -318,15 +318,15 @@ def test_peer_sockets_and_kv_pairs_unused_for_long_are_closed_on_both_sides():
         first = (await _streams(c, 1, 1000))[0]
         await moved(c, first, "i1")  # i0 -> i1: a socket and a pair on i0, a pair on i1
         await moved(c, first, "i0")  # back: i1 -> i0
-        assert set(src.peers) == {"inproc://i1"} and set(c.instances["i0"].kv.pairs) >= {"i1"}
-        tasks = src._peer_tasks["inproc://i1"]
+        assert set(src.peers.sockets) == {"inproc://i1"} and set(c.instances["i0"].kv.pairs) >= {"i1"}
+        tasks = src.peers.tasks["inproc://i1"]
         joined = [k for k in c.instances["i1"].kv.pairs if k.startswith("i0>")]
         assert joined
         assert ids(await c.result(first, within_s=600)) == c.expected(first, 1000)
         await asyncio.sleep(PEER_IDLE_S + 1)
         later = (await _streams(c, 1, 1000))[0]
         await moved(c, later, "i2")  # the next migration prunes what lay idle
-        assert set(src.peers) == {"inproc://i2"} and "i1" not in c.instances["i0"].kv.pairs
+        assert set(src.peers.sockets) == {"inproc://i2"} and "i1" not in c.instances["i0"].kv.pairs
         assert all(t.done() for t in tasks)
         await moved(c, later, "i1")  # i2 -> i1: i1 prunes the pair i0 had started with it
         assert not [k for k in c.instances["i1"].kv.pairs if k in joined]

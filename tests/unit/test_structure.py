@@ -29,7 +29,7 @@ LONG_FILES_ALLOWED = {"daemons.wire"}
 # Classes that extend a class from outside the project by design, reading what that class defines.
 EXTENDS_OUTSIDE = {
     # vLLM's worker_extension_cls: mixed into vLLM's own worker at run time, whose model_runner it reads.
-    "daemons.engine.vllm_worker.LlumnixWorker": {"model_runner"},
+    "daemons.tpworker.LlumnixWorker": {"model_runner"},
 }
 
 MODULES = s.load()

@@ -14,9 +14,8 @@ import threading
 import pytest
 import torch
 
-from daemons.engine.kvblocks import KvBlocks
-from daemons.engine.vllm_tp import TpTransfer
-from daemons.engine.vllm_worker import RankKv
+from daemons.kvlayout import KvBlocks
+from daemons.kvranks import RankKv, TpTransfer
 from daemons.kvtransfer import KvTransfer
 
 RANKS = 2

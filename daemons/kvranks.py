@@ -1,14 +1,18 @@
 """KV transfer for a tensor-parallel vLLM instance: the llumlet runs one migration protocol, every rank
-moves its own shard.
+moves its own shard; and the factory that gives an instance its KV transport (``gloo_transport``).
 
-The migration protocol (daemons/migration/) sees the same interface as ``kvtransfer.KvTransfer``: pairs
-with a key, ``send`` and ``recv`` that resolve to the bytes moved. Here a pair stands for N Gloo pairs, one
-per rank, each between rank r of the source and rank r of the destination (``vllm_worker.RankKv``), all
-found under the pair's key in this instance's rendezvous store. A send or receive asks every rank to start
-(one ``collective_rpc`` between steps), then polls them between steps; it resolves when every rank has
-moved its blocks, and fails as soon as one rank fails (the migration then aborts, and the destination
-releases its reservation only once no rank can still write). Commit happens after that, so a request
-commits only when every rank has its blocks.
+The migration protocol (daemons/migration/) sees the same interface (daemons/migration/transport.py
+``KvTransport``) as ``kvtransfer.KvTransfer``: pairs with a key, ``send`` and ``recv`` that resolve to the
+bytes moved. Here a pair stands for N Gloo pairs, one per rank, each between rank r of the source and rank r
+of the destination (``RankKv``, which runs in each worker process: daemons/tpworker.py), all found under the
+pair's key in this instance's rendezvous store. A send or receive asks every rank to start (one
+``collective_rpc`` between steps), then polls them between steps; it resolves when every rank has moved its
+blocks, and fails as soon as one rank fails (the migration then aborts, and the destination releases its
+reservation only once no rank can still write). Commit happens after that, so a request commits only when
+every rank has its blocks.
+
+No engine module is imported here: the engine says whether its KV lives in worker processes (``kv_ranks``:
+how to call every rank, and how many there are), and the ranks' side is handed the KV blocks to move.
 """
 
 from __future__ import annotations
@@ -17,40 +21,26 @@ import asyncio
 import itertools
 import logging
 import secrets
-from dataclasses import dataclass
+from collections import OrderedDict
+from concurrent.futures import Future
+from datetime import timedelta
 from typing import Callable
 
-from daemons.engine.kvblocks import KvLayout
-from daemons.kvtransfer import KvTransfer, TransferError
+import torch.distributed as dist
+
+from daemons.config import MigrationConfig
+from daemons.kvlayout import KvBlocks
+from daemons.kvtransfer import DEST_RANK, SOURCE_RANK, KvTransfer, Pair
+from daemons.migration.transport import KvTransport, TransferError
 
 log = logging.getLogger("llumnix.engine.vllm.tp")
+
+KEEP_ENDED = 256  # ended transfers whose outcome a rank still answers for
 
 # Between polls of the ranks' transfers, doubling up to MAX_POLL_S (each poll also waits for a step boundary;
 # a short stage, the last one above all, is seen done within a millisecond or two).
 POLL_S = 0.0005
 MAX_POLL_S = 0.008
-
-
-@dataclass(frozen=True)
-class KvShards:
-    """What the migration protocol reads of a KV it cannot touch: the layout and a block's bytes (all ranks)."""
-
-    spec: str
-    block_nbytes: int
-    ranks: int
-
-    @property
-    def layout(self) -> KvLayout:
-        fields = KvLayout.parse(self.spec)
-        return KvLayout(fields["engine"], fields["layout"], int(fields["layers"]), fields["block"], fields["dtype"],
-                        int(fields["tp"]))
-
-    @classmethod
-    def of(cls, per_rank: list[tuple[str, int]]) -> KvShards:
-        specs = {spec for spec, _ in per_rank}
-        if len(specs) != 1:
-            raise RuntimeError(f"the tensor-parallel ranks disagree on their KV layout: {sorted(specs)}")
-        return cls(per_rank[0][0], sum(n for _, n in per_rank), len(per_rank))
 
 
 class TpPair:
@@ -65,6 +55,7 @@ class TpPair:
         self.store_address = store_address
         self.broken = False
         self.peer_address = ""  # a source pair's destination (its request address) when it was made
+        self.relay = None  # the ranks meet at the instance's TCPStore, not over the instances' channel
 
     def send(self, kv, block_ids: list[int], chunk_blocks: int, limit_bytes_s: float = 0.0,
              tail_tokens: int = 0, duty: Callable[[], float] | None = None, one_message: bool = False) -> asyncio.Task:
@@ -163,6 +154,9 @@ class TpTransfer:
             pair = self.pairs[key] = TpPair(self, key, "recv", store_address)
         return pair
 
+    def relayed(self, pair_key: str, key: str, value: bytes) -> None:
+        log.warning("dropped a KV rendezvous for pair %s: this instance's pairs meet at a store", pair_key)
+
     def forget(self, name: str) -> None:
         pair = self.pairs.pop(name, None)
         if pair is None:
@@ -177,3 +171,91 @@ class TpTransfer:
     def close(self) -> None:
         self.pairs.clear()
         self.kv.close()
+
+
+# ==================================================================== each rank (in its worker process)
+
+
+class RankKv:
+    """One worker's end of KV transfer: its KV blocks, its Gloo pairs, its transfers in flight."""
+
+    def __init__(self, kv: KvBlocks, rank: int):
+        self.rank = rank
+        self.kv = kv  # KvBlocks over this rank's shard
+        self.pairs: dict[str, object] = {}
+        self.ops: dict[int, Future] = {}
+        self.duties: dict[int, float] = {}  # a paced send's share of time, as the engine last said
+        self.ended: OrderedDict[int, tuple] = OrderedDict()
+
+    def pair(self, key: str, role: str, store_address: str, host: str, timeout_s: float):
+        name = f"{key}/tp{self.rank}"
+        pair = self.pairs.get(name)
+        if pair is None or pair.broken:
+            if pair is not None:
+                pair.close()
+            store_host, _, port = store_address.rpartition(":")
+
+            def connect():
+                return dist.TCPStore(store_host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
+                                     use_libuv=True)
+
+            pair = self.pairs[name] = Pair(name, host, SOURCE_RANK if role == "send" else DEST_RANK, connect, timeout_s)
+        return pair
+
+    def start(self, op: int, role: str, key: str, store_address: str, host: str, block_ids: list[int],
+              chunk_blocks: int, limit_bytes_s: float, timeout_s: float, tail_tokens: int = 0,
+              duty: float | None = None, one_message: bool = False) -> None:
+        """``duty``: None for an unpaced send, else its share of time until a poll says otherwise.
+        ``one_message``: each chunk as one message (both ends of a pair are told the same)."""
+        pair = self.pair(key, role, store_address, host, timeout_s)
+        if role == "send":
+            paced = None
+            if duty is not None:
+                self.duties[op] = duty
+                paced = lambda: self.duties.get(op, 1.0)  # noqa: E731
+            self.ops[op] = pair.send(self.kv, block_ids, chunk_blocks, limit_bytes_s, tail_tokens, duty=paced,
+                                     one_message=one_message)
+        else:
+            self.ops[op] = pair.recv(self.kv, block_ids, chunk_blocks, tail_tokens, one_message=one_message)
+
+    def poll(self, ops: list[int], duties: dict[int, float] | None = None) -> dict[int, tuple]:
+        """Each op's state; an ended op's stays answerable (other ranks may still be at it, so the engine
+        polls again) among the last ``KEEP_ENDED``. ``duties``: paced sends' new shares of time."""
+        for op, duty in (duties or {}).items():
+            if op in self.duties:
+                self.duties[op] = duty
+        out = {}
+        for op in ops:
+            fut = self.ops.get(op)
+            if fut is not None and fut.done():
+                del self.ops[op]
+                self.duties.pop(op, None)
+                exc = fut.exception()
+                self.ended[op] = ("done", fut.result()) if exc is None else ("error", f"rank {self.rank}: {exc}")
+                while len(self.ended) > KEEP_ENDED:
+                    self.ended.popitem(last=False)
+            if op in self.ended:
+                out[op] = self.ended[op]
+            elif fut is not None:
+                out[op] = ("pending",)
+            else:
+                out[op] = ("error", f"rank {self.rank} has no transfer {op}")
+        return out
+
+    def forget(self, prefix: str) -> None:
+        for name in [n for n in self.pairs if n.startswith(prefix)]:
+            self.pairs.pop(name).close()
+
+
+
+def gloo_transport(cfg: MigrationConfig, engine, boundary: Callable) -> KvTransport:
+    """An instance's KV transport: Gloo pairs (daemons/kvtransfer.py), rank by rank where the engine's KV lives
+    in tensor-parallel worker processes (its ``kv_ranks()``: (rpc, N), or None for a KV in this process).
+    ``boundary`` runs a function between engine steps (the ranks are only called there)."""
+    kv = KvTransfer(cfg.kv_host, cfg.kv_port, cfg.timeout_s)
+    kv_ranks = getattr(engine, "kv_ranks", None)
+    ranks = kv_ranks() if kv_ranks is not None else None
+    if ranks is None:
+        return kv
+    rpc, n = ranks
+    return TpTransfer(kv, rpc, boundary, n)

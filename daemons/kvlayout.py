@@ -1,5 +1,9 @@
 """KV blocks as bytes: block-granular copies between an engine's KV tensors and flat staging buffers.
 
+What the engines (daemons/engine/) and the KV transports (daemons/migration/transport.py) share: an engine
+describes its KV here (``KvBlocks``, or ``KvShards`` for a KV spread over tensor-parallel ranks), a transport
+moves the blocks it describes. Neither imports the other.
+
 An engine hands over one tensor per layer whose first dimension is the block index (vLLM's manager views
 ``[B, H, N, C]``, the sim's ``[B, 2, N, heads, head_dim]``); what lies inside a block (K and V, heads,
 tokens, the attention kernel's own order) is opaque bytes here, which only has to match between the two
@@ -78,6 +82,29 @@ class KvLayout:
             if a.get(key) != b.get(key):
                 return f"{name} differs: source {a.get(key, '?')}, destination {b.get(key, '?')}"
         return f"source {source!r}, destination {destination!r}"
+
+
+@dataclass(frozen=True)
+class KvShards:
+    """What the migration protocol reads of a KV it cannot touch (a tensor-parallel engine's, held by its
+    worker processes): the layout and a block's bytes (all ranks)."""
+
+    spec: str
+    block_nbytes: int
+    ranks: int
+
+    @property
+    def layout(self) -> KvLayout:
+        fields = KvLayout.parse(self.spec)
+        return KvLayout(fields["engine"], fields["layout"], int(fields["layers"]), fields["block"], fields["dtype"],
+                        int(fields["tp"]))
+
+    @classmethod
+    def of(cls, per_rank: list[tuple[str, int]]) -> KvShards:
+        specs = {spec for spec, _ in per_rank}
+        if len(specs) != 1:
+            raise RuntimeError(f"the tensor-parallel ranks disagree on their KV layout: {sorted(specs)}")
+        return cls(per_rank[0][0], sum(n for _, n in per_rank), len(per_rank))
 
 
 MAX_RUNS = 8  # a chunk in at most this many runs of consecutive blocks is copied run by run

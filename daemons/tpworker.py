@@ -1,0 +1,54 @@
+"""The class vLLM mixes into each worker of a tensor-parallel instance (``worker_extension_cls``, named in
+daemons/engine/vllm_internals.py): where the engine's runner-state verbs (daemons/engine/vllm_worker.py) and
+the KV transport's rank (daemons/kvranks.py ``RankKv``) meet, so that neither of those imports the other.
+The engine calls these methods on every rank with ``collective_rpc``, between steps."""
+
+from __future__ import annotations
+
+from daemons.engine.vllm_worker import attention_backends, commit_runner_state, generator_state
+from daemons.kvlayout import KvBlocks
+from daemons.kvranks import RankKv
+
+
+class LlumnixWorker:
+    """Mixed into vLLM's worker class (``worker_extension_cls``); ``self`` is the worker."""
+
+    def _llumnix_rank(self) -> RankKv:
+        rank_kv = getattr(self, "_llumnix_kv", None)
+        if rank_kv is None:
+            raise RuntimeError("llumnix_kv_layout was not called on this worker")
+        return rank_kv
+
+    def llumnix_kv_layout(self, describe: str, layout: str, tp: int) -> tuple[str, int]:
+        """This rank's KV spec (``describe`` plus its attention backends) and a block's bytes on this rank."""
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        rank_kv = getattr(self, "_llumnix_kv", None)
+        if rank_kv is None:
+            runner = self.model_runner
+            kv = KvBlocks(list(runner.kv_caches), f"{describe}/{attention_backends(runner)}", layout, tp)
+            rank_kv = self._llumnix_kv = RankKv(kv, get_tensor_model_parallel_rank())
+        return rank_kv.kv.spec, rank_kv.kv.block_nbytes
+
+    def llumnix_kv_start(self, op: int, role: str, key: str, store_address: str, host: str, block_ids: list[int],
+                         chunk_blocks: int, limit_bytes_s: float, timeout_s: float, tail_tokens: int = 0,
+                         duty: float | None = None, one_message: bool = False) -> None:
+        self._llumnix_rank().start(op, role, key, store_address, host, block_ids, chunk_blocks, limit_bytes_s,
+                                   timeout_s, tail_tokens, duty, one_message)
+
+    def llumnix_kv_poll(self, ops: list[int], duties: dict[int, float] | None = None) -> dict[int, tuple]:
+        return self._llumnix_rank().poll(ops, duties)
+
+    def llumnix_kv_forget(self, prefix: str) -> None:
+        self._llumnix_rank().forget(prefix)
+
+    def llumnix_generator_state(self, request_id: str) -> bytes:
+        return generator_state(self.model_runner, request_id)
+
+    def llumnix_commit(self, request_id: str, prompt_token_ids: list[int], params, seeded: bool, engine_state: bytes,
+                       block_ids: list[int], num_computed_tokens: int, output_token_ids: list[int],
+                       came_back: bool) -> None:
+        from vllm.v1.worker.gpu_input_batch import CachedRequestState
+
+        commit_runner_state(self.model_runner, CachedRequestState, request_id, prompt_token_ids, params, seeded,
+                            engine_state, block_ids, num_computed_tokens, output_token_ids, came_back)
