@@ -13,6 +13,10 @@ global is patched.
 - ``LoopClock(loop)``: the ``Clock`` that reads a loop's time; given to a core on a virtual-time loop, its
   ``monotonic()`` agrees with the loop's timers.
 
+What does not read a ``Clock``: the latency histograms (daemons/metrics.py, the proxy's access log) time real
+durations with ``time.perf_counter``, and the Gloo pairs' threads (daemons/kvtransfer.py) pace real bytes on
+real time; neither decides anything the protocol does.
+
 A virtual-time loop with nothing ready and no timer set would wait forever: it raises ``Deadlock`` instead
 (the scenario awaits something nothing will do).
 """
@@ -26,12 +30,6 @@ import time
 from typing import Awaitable, Callable, TypeVar
 
 T = TypeVar("T")
-
-
-def loop_time() -> float:
-    """The running event loop's clock. Deprecated: take a ``Clock`` and read ``clock.monotonic()`` (being
-    removed; kept while its last callers move)."""
-    return asyncio.get_running_loop().time()
 
 
 class Clock:

@@ -5,7 +5,7 @@ is imported, and the request path pays one ``is None`` test per event. On, the p
 request (``llumnix.request``, the child of the client's ``traceparent`` when it sent one) and records its
 queueing, dispatches, prefill, decode and failovers under it (daemons/proxy/traces.py); the request's
 ``traceparent`` travels to the instance in ``wire.Submit`` and on with a migration
-(``wire.MigratingRequest``), so that each migration's span and its stages (daemons/migration/source.py)
+(``wire.MigratingRequest``), so that each migration's span and its stages (daemons/migration/move.py)
 join the same trace.
 
 Spans are recorded once the times are known (start and end in nanoseconds of the wall clock), so nothing

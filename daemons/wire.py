@@ -443,7 +443,7 @@ class MigrationOutcome(msgspec.Struct, array_like=True, omit_defaults=True):
     resumed_at: int = -1  # output index of the first token the destination produced (-1: not committed)
     cached_blocks: int = 0  # blocks not sent: the destination held them already (prefix cache)
     last_stage_blocks: int = 0  # blocks the last stage (the request's downtime) copied
-    # How the source's state machine ended (daemons/migration/source.py): committed, aborted-src (the request
+    # How the source's state machine ended (daemons/migration/move.py): committed, aborted-src (the request
     # finished or was preempted, ...), aborted-dst (the destination refused, died or did not answer) or
     # uncertain (no answer to the last stage: resumed here, the proxy keeps one copy).
     ended: str = ""
