@@ -29,10 +29,11 @@ from rich.table import Table
 
 from daemons import runtime, wire
 from daemons.config import ConfigError, load_config
-from llumnixctl.experiments import (bench_cache, bench_engine, bench_manager, bench_migration, bench_overload,
-                                    bench_policies, bench_serve, bench_steady)
+from llumnixctl.experiments.bench import (cache as bench_cache, engine as bench_engine, manager as bench_manager,
+                                         migration as bench_migration, overload as bench_overload,
+                                         policies as bench_policies, serve as bench_serve, steady as bench_steady)
 from llumnixctl.admin import AdminClient
-from llumnixctl.experiments.bench_proxy_short import (SHORT_GOAL_RPS, host_port, open_nodelay, pick_client,
+from llumnixctl.experiments.bench.proxy_short import (SHORT_GOAL_RPS, host_port, open_nodelay, pick_client,
                                                      short_rate, stream_load)
 from llumnixctl.lab import localcluster
 from llumnixctl.stats import percentile
