@@ -31,6 +31,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from llumnixctl.experiments.bench.cluster import start_cluster
 from llumnixctl.experiments.bench.proxy_short import stream_load
 from llumnixctl.lab import localcluster
 from llumnixctl.lab.procs import stop
@@ -198,8 +199,6 @@ def api_server_run(path: Path, vllm: dict, run_dir: Path, tokens: int, batch: in
 
 def cluster_run(path: Path, vllm: dict, run_dir: Path, tokens: int, batch: int, batch_tokens: int,
                 repeat: int) -> dict:
-    from llumnixctl.experiments.bench.cli import start_cluster
-
     sets = [f"model.path={path.resolve()}", "model.name=bench", f"vllm.max_num_seqs={vllm['max_num_seqs']}",
             f"vllm.kv_cache_bytes={vllm['kv_cache_bytes']}", "instance.log_level=warning", "proxy.log_level=warning"]
     t0 = time.perf_counter()

@@ -33,6 +33,7 @@ from rich.table import Table
 from daemons.config import ConfigError, load_config
 from llumnixctl.admin import AdminClient, ManagerUnreachable
 from llumnixctl.experiments.bench import serve as bench_serve, serve_figures as bench_serve_figures
+from llumnixctl.experiments.bench.cluster import start_cluster
 from llumnixctl.experiments.traces import gen as trace, options as traceopts
 from llumnixctl.experiments.traces.gen import TraceOptions
 from llumnixctl.lab import localcluster
@@ -152,13 +153,11 @@ def _summarize(results: list[dict]) -> dict:
 
 def run_policy(policy: str, reqs: list[trace.TraceRequest], instances: int, sets: list[str], timeout_s: float,
                up_timeout_s: float, log, per_request: bool = False) -> dict:
-    from llumnixctl.experiments.bench import cli as bench  # bench imports this module for its command: import it when run
-
     run_dir = Path(tempfile.mkdtemp(prefix="llumnix-bench-pol-"))
     log(f"{policy}: starting {instances} sim instances ...")
     t_up = time.perf_counter()
-    state = bench.start_cluster(run_dir, instances, "sim", sets + [f"manager.dispatch_policy={policy}"],
-                         timeout_s=up_timeout_s)
+    state = start_cluster(run_dir, instances, "sim", sets + [f"manager.dispatch_policy={policy}"],
+                          timeout_s=up_timeout_s)
     up_s = time.perf_counter() - t_up
     sampler = None
     try:
