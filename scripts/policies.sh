@@ -30,6 +30,6 @@ for arrival in poisson gamma; do
     file="$out/policies-$arrival.json"
     "$venv/bin/llumnixctl" "${args[@]}" --arrival "$arrival" --cv "${CV:-3}" "${extra[@]}" > "$file.tmp"
     mv "$file.tmp" "$file"
-    "$venv/bin/python" -c 'import json, sys; from llumnixctl.experiments.bench_policies import print_tables; print_tables(json.load(open(sys.argv[1])))' "$file"
+    "$venv/bin/python" -c 'import json, sys; from llumnixctl.experiments.bench.policies import print_tables; print_tables(json.load(open(sys.argv[1])))' "$file"
 done
 echo "wrote $out/policies-poisson.json and $out/policies-gamma.json"

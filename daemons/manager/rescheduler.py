@@ -69,7 +69,7 @@ class Rescheduler:
         return {"ordered_migrations": dict(self.orders.outcomes), "scale_outs": self.scaling.scale_outs,
                 "scale_ins": self.scaling.scale_ins, "launching": len(self.launcher.launches)}
 
-    # The virtual-time simulator (llumnixctl/experiments/sim*.py) and bench_manager drive these directly.
+    # The virtual-time simulator (llumnixctl/experiments/sim*.py) and bench/manager.py drive these directly.
 
     def plan(self, now: float, drains_only: bool = False) -> list[tuple[policy.Pair, wire.MigrateStart]]:
         return self.orders.plan(now, drains_only)

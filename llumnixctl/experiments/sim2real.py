@@ -21,7 +21,8 @@ from pathlib import Path
 
 from daemons.config import load_config
 from llumnixctl.admin import AdminClient
-from llumnixctl.experiments import bench_serve, bench_serve_figures, tracegen as trace_mod
+from llumnixctl.experiments.bench import serve as bench_serve, serve_figures as bench_serve_figures
+from llumnixctl.experiments.traces import gen as trace_mod
 from llumnixctl.experiments.simulate import Network, simulate
 from llumnixctl.lab import localcluster
 

@@ -1,6 +1,6 @@
 """Of ``llumnixctl simulate``: prefix caching (``sim.prefix_caching``), sessions and the cache oracle.
 
-- Prompts are token ids (llumnixctl/experiments/tracecache.py: a trace's shared segments are the same ids
+- Prompts are token ids (llumnixctl/experiments/traces/cache.py: a trace's shared segments are the same ids
   wherever they appear); without caching every prompt is zeros, which costs nothing to make.
 - Each instance publishes its cache's changes as the daemon does (``daemons.prefix.Publisher``: a batch
   before each load report, the batch number on the report); the manager keeps its index with its own
@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Mapping, Protocol
 
 from daemons import policy, prefix, wire
-from llumnixctl.experiments import tracecache
+from llumnixctl.experiments.traces import cache as tracecache
 
 if TYPE_CHECKING:
     from daemons.manager import Manager

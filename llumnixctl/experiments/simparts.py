@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from llumnixctl.experiments.tracegen import TraceRequest
+from llumnixctl.experiments.traces.gen import TraceRequest
 
 PROXY_ADDRESS = "inproc://sim-proxy"  # the simulated proxy's token address (requests' reply_to)
 

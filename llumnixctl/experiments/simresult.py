@@ -65,7 +65,7 @@ def stats_of(name: str, xs: list[float]) -> dict:
 
 
 def result_block(res: dict) -> str:
-    from llumnixctl.experiments import bench_serve_figures
+    from llumnixctl.experiments.bench import serve_figures as bench_serve_figures
 
     block = bench_serve_figures.result_block({**res, "prompt_token_mismatches": 0, "short_outputs": 0,
                                       "migrations": {"committed": sum(v for k, v in res["migrations"].items()

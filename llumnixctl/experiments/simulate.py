@@ -60,7 +60,7 @@ from llumnixctl.experiments.simproxy import SimProxy
 from llumnixctl.experiments.simreports import SimReports
 from llumnixctl.experiments.simresult import Fragmentation, result_block, result_of, stats_of  # noqa: F401 (figs import stats_of here)
 from llumnixctl.experiments.simscale import SimScaling
-from llumnixctl.experiments.tracegen import TraceRequest
+from llumnixctl.experiments.traces.gen import TraceRequest
 
 
 def _engine_code() -> None:
@@ -339,12 +339,12 @@ def simulate(cfg: Config, instances: int, trace: list[TraceRequest], net: Networ
 
 def _trace(path, requests: int, rate: float, arrival: str, cv: float, prompt: tuple[int, int],
            output: tuple[int, int], alpha: float, high_fraction: float, seed: int) -> list[TraceRequest]:
-    from llumnixctl.experiments import tracegen as trace_mod
+    from llumnixctl.experiments.traces import gen as trace_mod
 
     if path is None:
         return trace_mod.generate(requests, rate=rate, arrival=arrival, cv=cv, prompt=prompt, output=output,
                                   alpha=alpha, high_fraction=high_fraction, seed=seed)
-    from llumnixctl.experiments import tracefiles as traces
+    from llumnixctl.experiments.traces import files as traces
 
     return traces.load(path)
 

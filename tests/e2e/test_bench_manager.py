@@ -8,7 +8,7 @@ import psutil
 import pytest
 import typer
 
-from llumnixctl.experiments import bench_manager
+from llumnixctl.experiments.bench import manager as bench_manager
 from tests.conftest import ctl
 
 pytestmark = pytest.mark.e2e

@@ -24,7 +24,7 @@ def serve(*args: str):
     """`llumnixctl bench serve ARGS` in this process (no 3-6 s of imports per run): exit_code, stdout, stderr."""
     from typer.testing import CliRunner
 
-    from llumnixctl.experiments import bench
+    from llumnixctl.experiments.bench import cli as bench
 
     return CliRunner().invoke(bench.app, ["serve", *args], catch_exceptions=False)
 
@@ -177,7 +177,7 @@ class VllmServer:
 
     def stop(self) -> None:
         """By pid: the server, then its engine core if it outlived it (as bench engine stops its own)."""
-        from llumnixctl.experiments.bench_engine import stop_api_server
+        from llumnixctl.experiments.bench.engine import stop_api_server
 
         self._note_children()
         stop_api_server(self.proc, self.children)

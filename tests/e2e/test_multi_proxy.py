@@ -65,7 +65,7 @@ def bench_proxy(*args: str) -> dict:
     """`llumnixctl bench proxy ARGS --json` in this process (no seconds of imports per run)."""
     from typer.testing import CliRunner
 
-    from llumnixctl.experiments import bench
+    from llumnixctl.experiments.bench import cli as bench
 
     res = CliRunner().invoke(bench.app, ["proxy", *args, "--json"], catch_exceptions=False)
     assert res.exit_code == 0, res.output
@@ -100,7 +100,7 @@ def test_bench_proxy_burst_over_two_proxies_counts_every_request():
 
 
 def test_bench_proxy_falls_back_to_its_own_client_without_wrk(monkeypatch):
-    from llumnixctl.experiments import bench
+    from llumnixctl.experiments.bench import cli as bench
 
     monkeypatch.setattr(bench.shutil, "which", lambda name: None)
     assert bench.pick_client("auto") == "python"

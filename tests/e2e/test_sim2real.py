@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from llumnixctl.experiments import tracegen as trace
+from llumnixctl.experiments.traces import gen as trace
 from llumnixctl.experiments.sim2real import compare
 
 pytestmark = [pytest.mark.e2e, pytest.mark.alone, pytest.mark.timeout(300)]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from llumnixctl.experiments import bench_cache
-from llumnixctl.experiments.tracefiles import tokenizer
+from llumnixctl.experiments.bench import cache as bench_cache
+from llumnixctl.experiments.traces.files import tokenizer
 from llumnixctl.lab.model import write_tiny_model
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typer.testing import CliRunner
 
-from llumnixctl.experiments import bench_engine
-from llumnixctl.experiments.bench import app
+from llumnixctl.experiments.bench import engine as bench_engine
+from llumnixctl.experiments.bench.cli import app
 
 CLUSTER = {"up_s": 30.0, "rss": 800 * 2**20, "single": 150.0, "batched": 900.0, "cores": 0.9}
 OFFLINE = {"start_s": 8.0, "single": 100.0, "batched": 1000.0, "cores": 0.8}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from llumnixctl.experiments import bench_migration
+from llumnixctl.experiments.bench import migration as bench_migration
 from tests.conftest import cli
 
 

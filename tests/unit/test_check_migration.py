@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from llumnixctl.experiments.check import Sample, first_mismatch
+from llumnixctl.experiments.bench.check import Sample, first_mismatch
 from tests.conftest import cli
 
 pytestmark = pytest.mark.timeout(180)

@@ -28,7 +28,7 @@ def test_an_operator_command_runs_without_the_lab_and_a_lab_command_loads_it():
     run = ("from typer.testing import CliRunner\nfrom llumnixctl.main import app\n"
            "res = CliRunner().invoke(app, [{}], prog_name='llumnixctl')\nassert res.exit_code == 0, res.output")
     assert _loaded_after(run.format("'status', '--help'")) == []
-    assert "llumnixctl.experiments.bench" in _loaded_after(run.format("'bench', '--help'"))
+    assert "llumnixctl.experiments.bench.cli" in _loaded_after(run.format("'bench', '--help'"))
 
 
 def test_the_man_page_generator_takes_only_the_app_object_from_main():

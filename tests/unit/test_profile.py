@@ -11,7 +11,7 @@ from daemons.engine.base import EngineError, EngineRequest
 from daemons.engine.profile import LatencyProfile, ProfileError
 from daemons.engine.sim import SimEngine
 from daemons.wire import SamplingParams
-from llumnixctl.experiments.profile import measure
+from llumnixctl.experiments.sim.profile import measure
 
 PROFILE = LatencyProfile([16, 256], [10.0, 70.0], [1, 8], [128, 512], [[4.0, 6.0], [12.0, 16.0]],
                          kv_bytes_per_token=1024, block_size=16)

@@ -15,7 +15,7 @@ from daemons.config import load_config
 from daemons.engine.sim import SimEngine
 from daemons.migration import Migrator
 from daemons.proxy.view import DispatchView
-from llumnixctl.experiments import tracegen as trace
+from llumnixctl.experiments.traces import gen as trace
 from llumnixctl.experiments.simulate import Network, simulate
 
 # Small instances under KV pressure: preemptions happen, and pairing has sources and destinations.

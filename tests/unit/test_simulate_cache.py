@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from daemons.config import load_config
-from llumnixctl.experiments import tracecache
+from llumnixctl.experiments.traces import cache as tracecache
 from llumnixctl.experiments.simulate import Network, Simulation
 
 SMALL = ["sim.block_size=16", "sim.num_blocks=600", "sim.max_num_seqs=64", "sim.prefill_ms_per_token=0.2",

@@ -12,7 +12,7 @@ import statistics
 
 import pytest
 
-from llumnixctl.experiments import tracegen as trace
+from llumnixctl.experiments.traces import gen as trace
 
 N = 20_000
 

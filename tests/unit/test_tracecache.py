@@ -1,4 +1,4 @@
-"""Shared-content traces (llumnixctl/experiments/tracecache.py): what they share, sessions, the JSONL round
+"""Shared-content traces (llumnixctl/experiments/traces/cache.py): what they share, sessions, the JSONL round
 trip, and the CLI."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from llumnixctl.experiments import tracecache, tracefiles, tracemix
+from llumnixctl.experiments.traces import cache as tracecache, files as tracefiles, mix as tracemix
 
 
 def test_shared_prefix_requests_are_a_system_prompt_and_a_suffix_of_their_own():

@@ -1,4 +1,4 @@
-"""Traces in the formats people have (llumnixctl/experiments/tracefiles.py): the paper's mixes, the loaders, the transformations, the CLI.
+"""Traces in the formats people have (llumnixctl/experiments/traces/files.py): the paper's mixes, the loaders, the transformations, the CLI.
 
 Small files written here in each format; values checked exactly. The ShareGPT counts come from the tiny
 model's tokenizer (trained here, nothing downloaded).
@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from typer.testing import CliRunner
 
-from llumnixctl.experiments import tracecli, tracegen as trace, tracefiles as traces, tracemix
-from llumnixctl.experiments.tracegen import TraceRequest
+from llumnixctl.experiments.traces import cli as tracecli, files as traces, gen as trace, mix as tracemix
+from llumnixctl.experiments.traces.gen import TraceRequest
 from llumnixctl.lab import model
 
 runner = CliRunner()

@@ -23,7 +23,7 @@ from pathlib import Path
 from llumnixctl.experiments.figs import common
 from llumnixctl.experiments.figs.fig13 import run_jobs
 from llumnixctl.experiments.simulate import Simulation
-from llumnixctl.experiments.tracemix import paper_trace
+from llumnixctl.experiments.traces.mix import paper_trace
 
 BIN_S = 1.0
 

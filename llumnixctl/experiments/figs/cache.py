@@ -23,9 +23,9 @@ import argparse
 import time
 from pathlib import Path
 
-from llumnixctl.experiments import tracecache
+from llumnixctl.experiments.traces import cache as tracecache
 from llumnixctl.experiments.figs import common
-from llumnixctl.experiments.tracemix import paper_trace
+from llumnixctl.experiments.traces.mix import paper_trace
 from llumnixctl.stats import percentile
 
 POLICIES = ("llumnix-cache", "llumnix", "infaas++", "oracle-cache")

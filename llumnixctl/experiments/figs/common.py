@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from daemons.config import load_config
 from llumnixctl.experiments.simulate import Network, simulate
-from llumnixctl.experiments.tracegen import TraceRequest
+from llumnixctl.experiments.traces.gen import TraceRequest
 
 PAPER_LIKE = [
     "sim.block_size=16", "sim.num_blocks=1150", "sim.max_num_seqs=256", "sim.max_num_batched_tokens=4096",
@@ -85,6 +85,6 @@ def write(out_dir: Path, name: str, data: dict, plot: Callable[[Any, dict], None
 
 
 def trace_summary(trace: list[TraceRequest]) -> dict:
-    from llumnixctl.experiments import tracegen as trace_mod
+    from llumnixctl.experiments.traces import gen as trace_mod
 
     return trace_mod.summary(trace)

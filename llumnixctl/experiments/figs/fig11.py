@@ -23,7 +23,7 @@ from daemons.config import load_config
 from daemons.engine import sim as sim_engine
 from llumnixctl.experiments.figs.common import PAPER_LIKE, PAPER_NET, ratio, trace_summary, write
 from llumnixctl.experiments.simulate import Network, Simulation
-from llumnixctl.experiments.tracemix import PAPER_BOUNDS, paper_trace
+from llumnixctl.experiments.traces.mix import PAPER_BOUNDS, paper_trace
 from llumnixctl.stats import percentile
 
 POLICIES = ("llumnix", "infaas++", "rr")

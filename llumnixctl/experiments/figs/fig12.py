@@ -17,7 +17,7 @@ from collections import defaultdict
 
 from llumnixctl.experiments.figs.common import PAPER_LIKE, PAPER_NET, trace_summary, write
 from llumnixctl.experiments.figs.fig11 import COMMON_SETS, bounds, latency, parser, run_jobs
-from llumnixctl.experiments.tracemix import paper_trace
+from llumnixctl.experiments.traces.mix import paper_trace
 
 POLICIES = ("llumnix", "infaas++")
 SWEEP = [("M-M", "gamma", 2.0, (80, 120, 150)), ("L-L", "gamma", 2.0, (20, 30))]  # as Fig 11's gamma points

@@ -19,7 +19,7 @@ from pathlib import Path
 from daemons.config import load_config
 from llumnixctl.experiments.figs import common
 from llumnixctl.experiments.simulate import Network, Simulation, stats_of
-from llumnixctl.experiments.tracemix import paper_trace
+from llumnixctl.experiments.traces.mix import paper_trace
 
 METRICS = ("ttft", "tpot", "e2el")
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from llumnixctl.experiments.figs import common
 from llumnixctl.experiments.figs.fig13 import run_jobs
-from llumnixctl.experiments.tracemix import paper_trace, reindex
-from llumnixctl.experiments.tracegen import TraceRequest
+from llumnixctl.experiments.traces.mix import paper_trace, reindex
+from llumnixctl.experiments.traces.gen import TraceRequest
 
 PAPER = {
     "setup": "LLaMA-7B on A10s with auto-scaling by average freeness; Fig 14 varies the Poisson rate and the "

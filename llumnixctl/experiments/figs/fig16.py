@@ -18,7 +18,7 @@ from pathlib import Path
 
 from llumnixctl.experiments.figs.common import PAPER_LIKE, PAPER_NET, trace_summary, write
 from llumnixctl.experiments.figs.fig11 import COMMON_SETS, bounds, latency, parser, run_jobs
-from llumnixctl.experiments.tracemix import paper_trace
+from llumnixctl.experiments.traces.mix import paper_trace
 from llumnixctl.stats import percentile
 
 MIX, ARRIVAL, CV, RATE16 = "M-M", "gamma", 2.0, 120

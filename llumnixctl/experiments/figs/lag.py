@@ -13,7 +13,7 @@ import time
 
 from llumnixctl.experiments.figs.common import PAPER_LIKE, PAPER_NET, trace_summary, write
 from llumnixctl.experiments.figs.fig11 import COMMON_SETS, bounds, HERD_WINDOW_S, latency, parser, run_jobs
-from llumnixctl.experiments.tracemix import paper_trace
+from llumnixctl.experiments.traces.mix import paper_trace
 
 LAGS_MS = (0, 10, 50, 200, 1000)
 MODES = {"pending counted": "manager.pending_dispatch_ttl_s=5.0",

@@ -1,7 +1,7 @@
 """``llumnixctl bench policies``: dispatch and scheduling policies on one generated trace (the paper's §6.3).
 
 For each policy a throw-away local sim cluster starts with the same settings but ``manager.dispatch_policy``,
-and the same trace (llumnixctl/experiments/tracegen.py) is replayed against its proxy, open loop: every request is sent
+and the same trace (llumnixctl/experiments/traces/gen.py) is replayed against its proxy, open loop: every request is sent
 at its arrival time whatever happened to the ones before it. Each request is a streamed completion with
 an exact prompt length (a list of token ids) and ``max_tokens`` = its output length with ``ignore_eos``.
 Per request: TTFT (sent to first token event), TPOT (mean gap per output token after the first) and
@@ -32,8 +32,10 @@ from rich.table import Table
 
 from daemons.config import ConfigError, load_config
 from llumnixctl.admin import AdminClient, ManagerUnreachable
-from llumnixctl.experiments import bench_serve, bench_serve_figures, traceopts, tracegen as trace
-from llumnixctl.experiments.tracegen import TraceOptions
+from llumnixctl.experiments.bench import serve as bench_serve, serve_figures as bench_serve_figures
+from llumnixctl.experiments.bench.cluster import start_cluster
+from llumnixctl.experiments.traces import gen as trace, options as traceopts
+from llumnixctl.experiments.traces.gen import TraceOptions
 from llumnixctl.lab import localcluster
 from llumnixctl.stats import percentile
 
@@ -151,13 +153,11 @@ def _summarize(results: list[dict]) -> dict:
 
 def run_policy(policy: str, reqs: list[trace.TraceRequest], instances: int, sets: list[str], timeout_s: float,
                up_timeout_s: float, log, per_request: bool = False) -> dict:
-    from llumnixctl.experiments import bench  # bench imports this module for its command: import it when run
-
     run_dir = Path(tempfile.mkdtemp(prefix="llumnix-bench-pol-"))
     log(f"{policy}: starting {instances} sim instances ...")
     t_up = time.perf_counter()
-    state = bench.start_cluster(run_dir, instances, "sim", sets + [f"manager.dispatch_policy={policy}"],
-                         timeout_s=up_timeout_s)
+    state = start_cluster(run_dir, instances, "sim", sets + [f"manager.dispatch_policy={policy}"],
+                          timeout_s=up_timeout_s)
     up_s = time.perf_counter() - t_up
     sampler = None
     try:

@@ -45,7 +45,7 @@ from rich.table import Table
 
 from daemons import wire
 from llumnixctl.admin import AdminClient, ManagerUnreachable
-from llumnixctl.experiments.bench_manager_peers import MODEL, emulated_load
+from llumnixctl.experiments.bench.manager_peers import MODEL, emulated_load
 from llumnixctl.lab.localcluster import free_port
 from llumnixctl.lab.procs import stop
 
@@ -234,7 +234,7 @@ def run(instances: list[int], rates: list[int], seconds: float, heartbeat_s: flo
                             "heartbeat_s": heartbeat_s, "min_interval_s": 0.02,
                             "max_s": up_timeout_s + len(rates) * (seconds + 30) + 30,
                             "out": str(work / f"emu-{n}-{e}.json")}
-                    p = _spawn([py, "-m", "llumnixctl.experiments.bench_manager_peers", "emulate", json.dumps(spec)],
+                    p = _spawn([py, "-m", "llumnixctl.experiments.bench.manager_peers", "emulate", json.dumps(spec)],
                                log_dir / f"emulator-{n}-{e}.log", procs)
                     started.append(p.pid)
                     emus.append(p)
@@ -260,7 +260,7 @@ def run(instances: list[int], rates: list[int], seconds: float, heartbeat_s: flo
                     c_mgr, c_emu, t0 = _cpu([pm]), _cpu(pe), time.monotonic()
                     spec = {"manager": address, "rate": rate, "seconds": seconds, "grace_s": 5.0, "feeds": feeds,
                             "owner": owner, "out": str(work / f"client-{n}-{rate}.json")}
-                    cl = _spawn([py, "-m", "llumnixctl.experiments.bench_manager_peers", "client", json.dumps(spec)],
+                    cl = _spawn([py, "-m", "llumnixctl.experiments.bench.manager_peers", "client", json.dumps(spec)],
                                 log_dir / f"client-{n}-{rate}.log", procs)
                     started.append(cl.pid)
                     try:

@@ -9,7 +9,7 @@ caching on in every engine; the same KV size, block size and batch) behind:
 - ``smg`` / ``vllm-router``: the SGLang model gateway / vllm-router with their ``cache_aware`` policy in
   front of vLLM's own ``api_server``s (each from its own venv: --smg, --vllm-router).
 
-Traces (llumnixctl/experiments/tracecache.py): ``shared-prefix`` (24 system prompts of 384 tokens, zipf
+Traces (llumnixctl/experiments/traces/cache.py): ``shared-prefix`` (24 system prompts of 384 tokens, zipf
 popularity; together about twice one engine's KV at the default 4096 tokens), ``multi-turn`` (sessions that
 resend their history, a closed loop per session) and ``hotspot`` (one system prompt is 80% of the
 requests). Prompts are text of single-token words, so a router that hashes text and one that hashes
@@ -35,8 +35,9 @@ from typing import Annotated, Optional
 import httpx
 import typer
 
-from llumnixctl.experiments import bench_engine, bench_serve, tracecache
-from llumnixctl.experiments.bench_serve_figures import stats_ms
+from llumnixctl.experiments.bench import engine as bench_engine, serve as bench_serve
+from llumnixctl.experiments.traces import cache as tracecache
+from llumnixctl.experiments.bench.serve_figures import stats_ms
 from llumnixctl.lab import localcluster
 
 SYSTEMS = ("llumnix-cache", "llumnix", "smg", "vllm-router")
@@ -63,7 +64,7 @@ class Words:
     """Prompt text whose every word is one token of the model: a prompt of k words is k tokens (plus BOS)."""
 
     def __init__(self, model: Path):
-        from llumnixctl.experiments.tracefiles import tokenizer
+        from llumnixctl.experiments.traces.files import tokenizer
 
         tok = tokenizer(model)
         self.pool = [w for w in dict.fromkeys(WORDS.split()) if len(tok(" " + w)) == 1]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import random
 from functools import lru_cache
 
-from llumnixctl.experiments.tracegen import TraceRequest, gaps, power_law
+from llumnixctl.experiments.traces.gen import TraceRequest, gaps, power_law
 
 
 def _popularity(n: int, skew: float, hot: float) -> list[float]:

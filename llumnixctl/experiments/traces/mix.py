@@ -18,8 +18,8 @@ import random
 from dataclasses import replace
 from typing import Iterable
 
-from llumnixctl.experiments import tracegen as trace
-from llumnixctl.experiments.tracegen import TraceRequest
+from llumnixctl.experiments.traces import gen as trace
+from llumnixctl.experiments.traces.gen import TraceRequest
 from llumnixctl.stats import percentile
 
 PAPER_MEANS = {"S": 128, "M": 256, "L": 512}

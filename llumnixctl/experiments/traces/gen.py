@@ -25,7 +25,7 @@ ARRIVALS = ("poisson", "gamma")
 @dataclass(frozen=True)
 class TraceOptions:
     """What a generated trace is made of, with the generator's defaults: the one source of them. A command
-    with other defaults names them in a TraceOptions of its own (llumnixctl/experiments/traceopts.py has
+    with other defaults names them in a TraceOptions of its own (llumnixctl/experiments/traces/options.py has
     the options' flags)."""
 
     requests: int = 1000
@@ -51,7 +51,7 @@ class TraceRequest:
     prompt_tokens: int
     output_tokens: int
     priority: str  # "high" or "normal", as the API takes it
-    # What the prompt says, for traces whose requests share content (tracecache.py): named segments of
+    # What the prompt says, for traces whose requests share content (cache.py): named segments of
     # tokens, (name, length), whose lengths add up to prompt_tokens; the same name is the same tokens in
     # every request. Empty: the prompt is the request's own (unique) content.
     segments: tuple = ()

@@ -1,4 +1,4 @@
-"""``llumnixctl bench proxy``'s short requests (llumnixctl/experiments/bench.py): requests/s through one proxy,
+"""``llumnixctl bench proxy``'s short requests (llumnixctl/experiments/bench/cli.py): requests/s through one proxy,
 from Python client processes on keep-alive connections or from wrk, and the CPU each role spent."""
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ class _PythonClients:
         for n in [n for n in _split(connections, procs) if n]:
             args = {"host": host, "port": port, "connections": n, "seconds": seconds, "body": body.decode()}
             self.procs.append(subprocess.Popen(
-                [sys.executable, "-c", "from llumnixctl.experiments.bench_proxy_short import short_client_main; short_client_main()",
+                [sys.executable, "-c", "from llumnixctl.experiments.bench.proxy_short import short_client_main; short_client_main()",
                  json.dumps(args)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
         self.parallelism = len(self.procs)
 

@@ -25,7 +25,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from llumnixctl.experiments.bench_serve import stream_completion
+from llumnixctl.experiments.bench.serve import stream_completion
 from llumnixctl.lab import localcluster
 from llumnixctl.stats import percentile
 

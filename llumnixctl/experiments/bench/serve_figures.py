@@ -1,4 +1,4 @@
-"""``llumnixctl bench serve``'s figures (llumnixctl/experiments/bench_serve.py): those of vLLM's ``vllm bench
+"""``llumnixctl bench serve``'s figures (llumnixctl/experiments/bench/serve.py): those of vLLM's ``vllm bench
 serve`` (vllm/benchmarks/serve.py), with its definitions, computed from a replay's results; the text block
 it prints and the latency CDF plots."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llumnixctl.experiments import tracegen as trace_mod
+from llumnixctl.experiments.traces import gen as trace_mod
 from llumnixctl.stats import percentile
 
 METRICS = (("ttft", "TTFT", "Time to First Token"), ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),

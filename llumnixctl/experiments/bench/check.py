@@ -36,7 +36,7 @@ from rich.table import Table
 from daemons.config import ConfigError, load_config
 from llumnixctl.admin import AdminClient
 from llumnixctl.common import die, sse_chunks
-from llumnixctl.experiments.bench_migration import wait_idle
+from llumnixctl.experiments.bench.migration import wait_idle
 from llumnixctl.lab import localcluster
 
 app = typer.Typer(no_args_is_help=True, help="Checks that pass or fail: exit status 0 or 1.")

@@ -1,8 +1,8 @@
 """Traces in the formats people have: ShareGPT, BurstGPT, Azure, our JSONL (the paper's generated mixes are
-in tracemix.py).
+in mix.py).
 
 Everything here returns ``list[trace.TraceRequest]`` in arrival order, indexed 0..n-1, ready for
-``llumnixctl bench policies`` and friends (llumnixctl/experiments/tracegen.py has the generators this builds on).
+``llumnixctl bench policies`` and friends (llumnixctl/experiments/traces/gen.py has the generators this builds on).
 
 File formats (``load`` picks one from the extension and the first line; ``.gz`` files are read too):
 
@@ -25,7 +25,7 @@ File formats (``load`` picks one from the extension and the first line; ``.gz`` 
   either side are skipped.
 - ``jsonl``: ours, one ``{"arrival_s", "prompt_tokens", "output_tokens"[, "priority": "high"|"normal"]}``
   a line, with ``"segments": [[name, tokens], ...]`` where requests share prompt content and ``"session",
-  "turn", "think_s"`` for the turns of a conversation (tracecache.py; other keys are ignored); ``save_jsonl`` writes it (with ``index``), and loading what it wrote
+  "turn", "think_s"`` for the turns of a conversation (cache.py; other keys are ignored); ``save_jsonl`` writes it (with ``index``), and loading what it wrote
   gives the same trace back exactly.
 
 For the CSV formats, arrivals are re-based so that the first kept request arrives at 0 (``rebase=False``
@@ -50,9 +50,9 @@ from pathlib import Path
 from typing import Callable, Iterable, TextIO
 
 
-from llumnixctl.experiments import tracegen as trace
-from llumnixctl.experiments.tracegen import TraceRequest
-from llumnixctl.experiments.tracemix import by_arrival
+from llumnixctl.experiments.traces import gen as trace
+from llumnixctl.experiments.traces.gen import TraceRequest
+from llumnixctl.experiments.traces.mix import by_arrival
 
 FORMATS = ("sharegpt", "burstgpt", "azure", "jsonl")
 HUMAN_ROLES = {"human", "user"}

@@ -1,6 +1,6 @@
 """The options of a generated trace, declared once (flag, help, bounds): ``llumnixctl trace generate``,
 ``bench policies`` and any command that generates a trace take them from here, and their defaults from a
-``tracegen.TraceOptions`` (the generator's own, ``tracegen.DEFAULT``, or the command's)."""
+``gen.TraceOptions`` (the generator's own, ``gen.DEFAULT``, or the command's)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ never share the cores:
 - api_server: vLLM's own OpenAI server (``vllm.entrypoints.openai.api_server``), what people deploy;
 - cluster: a local cluster (proxy, manager, one ``vllm`` instance).
 
-The two servers are measured with the same streaming client (``bench_proxy_short.stream_load``): one greedy stream of
+The two servers are measured with the same streaming client (``proxy_short.stream_load``): one greedy stream of
 ``--tokens``, then ``--batch`` concurrent streams of ``--batch-tokens``, all with ``ignore_eos``.
 """
 
@@ -31,7 +31,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from llumnixctl.experiments.bench_proxy_short import stream_load
+from llumnixctl.experiments.bench.cluster import start_cluster
+from llumnixctl.experiments.bench.proxy_short import stream_load
 from llumnixctl.lab import localcluster
 from llumnixctl.lab.procs import stop
 
@@ -198,8 +199,6 @@ def api_server_run(path: Path, vllm: dict, run_dir: Path, tokens: int, batch: in
 
 def cluster_run(path: Path, vllm: dict, run_dir: Path, tokens: int, batch: int, batch_tokens: int,
                 repeat: int) -> dict:
-    from llumnixctl.experiments.bench import start_cluster
-
     sets = [f"model.path={path.resolve()}", "model.name=bench", f"vllm.max_num_seqs={vllm['max_num_seqs']}",
             f"vllm.kv_cache_bytes={vllm['kv_cache_bytes']}", "instance.log_level=warning", "proxy.log_level=warning"]
     t0 = time.perf_counter()

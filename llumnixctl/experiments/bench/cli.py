@@ -29,10 +29,12 @@ from rich.table import Table
 
 from daemons import runtime, wire
 from daemons.config import ConfigError, load_config
-from llumnixctl.experiments import (bench_cache, bench_engine, bench_manager, bench_migration, bench_overload,
-                                    bench_policies, bench_serve, bench_steady)
 from llumnixctl.admin import AdminClient
-from llumnixctl.experiments.bench_proxy_short import (SHORT_GOAL_RPS, host_port, open_nodelay, pick_client,
+from llumnixctl.experiments.bench import (cache as bench_cache, engine as bench_engine, manager as bench_manager,
+                                         migration as bench_migration, overload as bench_overload,
+                                         policies as bench_policies, serve as bench_serve, steady as bench_steady)
+from llumnixctl.experiments.bench.cluster import start_cluster
+from llumnixctl.experiments.bench.proxy_short import (SHORT_GOAL_RPS, host_port, open_nodelay, pick_client,
                                                      short_rate, stream_load)
 from llumnixctl.lab import localcluster
 from llumnixctl.stats import percentile
@@ -172,16 +174,6 @@ def burst(state, model: str, k: int, tokens: int, snapshot_interval_s: float) ->
             "failures": k - len(ok), "wall_s": wall,
             "ttft_ms": {"p50": percentile(ms, 50, "nearest"), "p99": percentile(ms, 99, "nearest"), "max": ms[-1]},
             "received_per_instance": got, "imbalance": max(got.values(), default=0) / mean if mean else None}
-
-
-def start_cluster(run_dir: Path, instances: int, backend: str, sets: list[str], timeout_s: float = 60.0):
-    """A throw-away local cluster for one benchmark; on failure, one line, exit 1, and no leftovers."""
-    try:
-        return localcluster.up(run_dir, instances, backend, 0, None, sets, timeout_s=timeout_s)
-    except localcluster.ClusterError as exc:
-        Console(stderr=True).print(f"llumnixctl: {exc}", markup=False)
-        shutil.rmtree(run_dir, ignore_errors=True)
-        raise typer.Exit(1) from None
 
 
 @app.command()

@@ -32,8 +32,8 @@ import httpx
 import typer
 from rich.console import Console
 
-from llumnixctl.experiments import tracegen as trace_mod
-from llumnixctl.experiments.bench_serve_figures import metrics, plot_cdfs, result_block
+from llumnixctl.experiments.traces import gen as trace_mod
+from llumnixctl.experiments.bench.serve_figures import metrics, plot_cdfs, result_block
 
 # A neutral text to tokenize once: prompts are its token ids, rotated per request and repeated to length.
 BASE_TEXT = (
@@ -110,7 +110,7 @@ async def replay(url: str, reqs: list[trace_mod.TraceRequest], body: Callable[[t
     order (each ``stream_completion``'s dict plus ``index``, ``lag_s``: how late it was sent, and
     ``start_s``: when, from the start) and the benchmark's duration (the start to the end of the last
     request)."""
-    from llumnixctl.experiments.tracecache import previous_turns
+    from llumnixctl.experiments.traces.cache import previous_turns
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
@@ -153,10 +153,10 @@ async def replay(url: str, reqs: list[trace_mod.TraceRequest], body: Callable[[t
 
 def load_trace(path: Path, fmt: str | None, tokenizer: str | None = None, rate: float = 4.0,
                seed: int = 0) -> list[trace_mod.TraceRequest]:
-    """llumnixctl.experiments.tracefiles.load (any of its formats; ShareGPT's text is counted with ``tokenizer`` and given
+    """llumnixctl.experiments.traces.files.load (any of its formats; ShareGPT's text is counted with ``tokenizer`` and given
     Poisson arrivals at ``rate``); without that module, our JSONL (arrival_s, prompt_tokens, output_tokens)."""
     try:
-        from llumnixctl.experiments import tracefiles as traces
+        from llumnixctl.experiments.traces import files as traces
     except ImportError:
         traces = None
     if traces is None:
@@ -190,9 +190,9 @@ def token_pool(client: httpx.Client, url: str, model: str, tokenizer: str | None
 
 def prompt_ids(pool: list[int], req: trace_mod.TraceRequest) -> list[int]:
     """Exactly ``req.prompt_tokens`` ids: the pool rotated by the request's index, repeated and trimmed; a
-    request with shared content (``segments``) gets the same ids for the same segment (tracecache.py)."""
+    request with shared content (``segments``) gets the same ids for the same segment (traces/cache.py)."""
     if req.segments:
-        from llumnixctl.experiments.tracecache import prompt_ids as shared_ids
+        from llumnixctl.experiments.traces.cache import prompt_ids as shared_ids
 
         return [pool[i] for i in shared_ids(req, len(pool))]
     k = (req.index * 7) % len(pool)

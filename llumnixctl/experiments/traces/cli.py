@@ -1,5 +1,5 @@
-"""``llumnixctl trace``: generate, convert and show request traces (llumnixctl/experiments/tracefiles.py
-reads and writes them; tracegen.py generates them)."""
+"""``llumnixctl trace``: generate, convert and show request traces (llumnixctl/experiments/traces/files.py
+reads and writes them; gen.py generates them)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from typing import Annotated, Optional
 import typer
 
 from llumnixctl.common import JsonOpt, die, out, print_json
-from llumnixctl.experiments import tracegen as trace
-from llumnixctl.experiments.tracefiles import FORMATS, TraceFormatError, load, save_jsonl, sniff
-from llumnixctl.experiments.tracemix import (PAPER_BOUNDS, clip, fit_alpha, limit, paper_trace, parse_mix, scale_rate,
+from llumnixctl.experiments.traces import gen as trace
+from llumnixctl.experiments.traces.files import FORMATS, TraceFormatError, load, save_jsonl, sniff
+from llumnixctl.experiments.traces.mix import (PAPER_BOUNDS, clip, fit_alpha, limit, paper_trace, parse_mix, scale_rate,
                                              stats, window, with_priorities)
-from llumnixctl.experiments.tracegen import DEFAULT, TraceRequest
-from llumnixctl.experiments.traceopts import Arrival, Cv, HighFraction, Rate, Seed
+from llumnixctl.experiments.traces.gen import DEFAULT, TraceRequest
+from llumnixctl.experiments.traces.options import Arrival, Cv, HighFraction, Rate, Seed
 
 app = typer.Typer(no_args_is_help=True, help="Request traces: generate, convert (ShareGPT, BurstGPT, Azure), show.")
 
@@ -113,7 +113,7 @@ def _generate_shared(output: str, shape: str, n: int, rate: float, arrival: str,
                      output_min, output_max, alpha: float, prefixes: int, prefix_tokens: int, skew: float, hot: float,
                      turns: tuple[int, int], think: float, max_context: int, high_fraction: float, seed: int,
                      json_: bool) -> None:
-    from llumnixctl.experiments import tracecache
+    from llumnixctl.experiments.traces import cache as tracecache
 
     pb = (prompt_min or 16, prompt_max or 128)
     ob = (output_min or 16, output_max or 256)

@@ -27,7 +27,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from llumnixctl.experiments import bench_engine, tracegen as trace_mod, tracefiles as traces, tracemix
+from llumnixctl.experiments.bench import engine as bench_engine
+from llumnixctl.experiments.traces import files as traces, gen as trace_mod, mix as tracemix
 from llumnixctl.lab import localcluster
 
 BYTES_PER_TOKEN = 1024  # the tiny model's KV: 2 layers x (K, V) x 2 heads x 64 x bf16

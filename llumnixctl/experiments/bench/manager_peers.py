@@ -1,7 +1,7 @@
-"""The processes ``llumnixctl bench manager`` (llumnixctl/experiments/bench_manager.py) starts beside the real
+"""The processes ``llumnixctl bench manager`` (llumnixctl/experiments/bench/manager.py) starts beside the real
 manager: emulators, each holding one ZeroMQ DEALER per emulated instance, and the dispatch client.
 
-    python -m llumnixctl.experiments.bench_manager_peers emulate|client SPEC_JSON
+    python -m llumnixctl.experiments.bench.manager_peers emulate|client SPEC_JSON
 """
 
 from __future__ import annotations
@@ -262,5 +262,5 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] in ("emulate", "client"):
         (emulate if sys.argv[1] == "emulate" else client)(json.loads(sys.argv[2]))
     else:
-        sys.exit("usage: python -m llumnixctl.experiments.bench_manager_peers emulate|client SPEC_JSON "
+        sys.exit("usage: python -m llumnixctl.experiments.bench.manager_peers emulate|client SPEC_JSON "
                  "(started by llumnixctl bench manager)")

@@ -1,0 +1,1 @@
+"""Benchmarks and checks on real daemons: ``llumnixctl bench`` (cli.py) and ``llumnixctl check`` (check.py)."""
