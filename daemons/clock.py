@@ -9,7 +9,7 @@ global is patched.
   to the next timer. ``asyncio.sleep``, ``wait_for`` timeouts and ``call_later`` all run on virtual seconds,
   so minutes of protocol time run in milliseconds, the same way every time (one thread, the order of events
   is the order of the code and the timers). The in-process harness (tests/support/) runs the real daemons
-  on it, and ``llumnixctl simulate`` (llumnixctl/experiments/simulate.py) its cluster.
+  on it, and ``llumnixctl simulate`` (llumnixctl/experiments/sim/simulate.py) its cluster.
 - ``LoopClock(loop)``: the ``Clock`` that reads a loop's time; given to a core on a virtual-time loop, its
   ``monotonic()`` agrees with the loop's timers.
 

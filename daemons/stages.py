@@ -6,7 +6,7 @@ or after ``max_stages``, suspends the request and sends the rest, its partial la
 the last stage the destination holds a few blocks more than written so far, so the last stage, which the
 request spends suspended, needs no new reservation there.
 
-The source (daemons/migration/) and the virtual-time simulator (llumnixctl/experiments/simulate.py) both plan their
+The source (daemons/migration/) and the virtual-time simulator (llumnixctl/experiments/sim/simulate.py) both plan their
 stages here. No clock, no I/O.
 """
 

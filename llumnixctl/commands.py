@@ -13,7 +13,7 @@ def lab_commands() -> typer.Typer:
     """The commands of the lab and the experiments (benchmarks, checks, keys, models, traces, the
     simulator): imported only when one of them, or the whole list (help, completion), is asked for."""
     from llumnixctl import keys
-    from llumnixctl.experiments import simulate
+    from llumnixctl.experiments.sim import simulate
     from llumnixctl.experiments.bench import check, cli as bench
     from llumnixctl.experiments.sim import profile
     from llumnixctl.experiments.traces import cli as tracecli

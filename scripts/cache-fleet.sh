@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Cache-aware dispatch in a fleet (issue #24), in virtual time (llumnixctl.experiments.simulate with
+# Cache-aware dispatch in a fleet (issue #24), in virtual time (llumnixctl.experiments.sim.simulate with
 # sim.prefix_caching: the daemons' own manager, prefix index, policies and sim engine; an estimated
 # LLaMA-7B-on-A10 instance, llumnixctl/experiments/figs/common.py PAPER_LIKE): llumnix-cache vs llumnix vs
 # infaas++ vs an oracle at 16 and 64 instances on shared-prefix and multi-turn traces, the hotspot case, and

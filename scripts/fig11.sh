@@ -2,7 +2,7 @@
 # Reproduce the Llumnix paper's Fig 11 (16 instances: prefill, decode and end-to-end latency, mean and P99,
 # and preemption loss; llumnix vs INFaaS++ vs round-robin over the paper's length mixes, Poisson and Gamma
 # arrivals, rate swept) in virtual time
-# (llumnixctl.experiments.simulate: the daemons' own manager, policy and sim engine; an estimated LLaMA-7B-on-A10
+# (llumnixctl.experiments.sim.simulate: the daemons' own manager, policy and sim engine; an estimated LLaMA-7B-on-A10
 # instance, llumnixctl/experiments/figs/common.py PAPER_LIKE), the paper's numbers written beside ours.
 #
 #   bash scripts/fig11.sh [OUT_DIR] [ARGS...]   -> OUT_DIR/fig11.json, OUT_DIR/fig11.png (default: ./results)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Reproduce the Llumnix paper's Fig 12 (memory fragmentation: how often a queue head fits the cluster's free
 # memory but no single instance; llumnix vs INFaaS++ over a Fig 11 style load) in virtual time
-# (llumnixctl.experiments.simulate: the daemons' own manager, policy and sim engine; an estimated LLaMA-7B-on-A10
+# (llumnixctl.experiments.sim.simulate: the daemons' own manager, policy and sim engine; an estimated LLaMA-7B-on-A10
 # instance, llumnixctl/experiments/figs/common.py PAPER_LIKE), the paper's numbers written beside ours.
 #
 #   bash scripts/fig12.sh [OUT_DIR] [ARGS...]   -> OUT_DIR/fig12.json, OUT_DIR/fig12.png (default: ./results)

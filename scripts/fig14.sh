@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Reproduce the Llumnix paper's Fig 14 and Fig 15 (auto-scaling: instance-seconds against P99 latency, llumnix vs
 # INFaaS++ under the same freeness-based scaling rule, on a low-high-low trace, sweeping the scaling thresholds)
-# with the virtual-time simulator (llumnixctl/experiments/simulate.py: the daemons' own manager, policies and sim engine;
+# with the virtual-time simulator (llumnixctl/experiments/sim/simulate.py: the daemons' own manager, policies and sim engine;
 # a sim instance approximating LLaMA-7B on an A10, llumnixctl/experiments/figs/common.py). No GPU needed.
 #
 #   bash scripts/fig14.sh [OUT_DIR] [-- extra args]   -> OUT_DIR/fig14.json, OUT_DIR/fig14.png (default: ./results)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Reproduce the Llumnix paper's Fig 16 (scheduling stall at 64 instances: the manager's wall time per
 # dispatch and per pairing round, against the step time) in virtual time
-# (llumnixctl.experiments.simulate: the daemons' own manager, policy and sim engine; an estimated LLaMA-7B-on-A10
+# (llumnixctl.experiments.sim.simulate: the daemons' own manager, policy and sim engine; an estimated LLaMA-7B-on-A10
 # instance, llumnixctl/experiments/figs/common.py PAPER_LIKE), the paper's numbers written beside ours.
 #
 #   bash scripts/fig16.sh [OUT_DIR] [ARGS...]   -> OUT_DIR/fig16.json, OUT_DIR/fig16.png (default: ./results)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Reproduce the Llumnix paper's information-lag study (a reviewer's question: P99 TTFT and herding as the
 # load-report lag grows, with and without counting in-flight dispatches) in virtual time
-# (llumnixctl.experiments.simulate: the daemons' own manager, policy and sim engine; an estimated LLaMA-7B-on-A10
+# (llumnixctl.experiments.sim.simulate: the daemons' own manager, policy and sim engine; an estimated LLaMA-7B-on-A10
 # instance, llumnixctl/experiments/figs/common.py PAPER_LIKE), the paper's numbers written beside ours.
 #
 #   bash scripts/lag.sh [OUT_DIR] [ARGS...]   -> OUT_DIR/lag.json, OUT_DIR/lag.png (default: ./results)

@@ -14,7 +14,7 @@ venv="${LLUMNIX_VENV:-.venv}"
 if [ ! -x "$venv/bin/llumnixctl" ]; then
     LLUMNIX_EXTRAS="${LLUMNIX_EXTRAS:-test}" bash scripts/install.sh
 fi
-HF_HUB_OFFLINE=1 "$venv/bin/python" -m llumnixctl.experiments.sim2real --instances "${INSTANCES:-4}" \
+HF_HUB_OFFLINE=1 "$venv/bin/python" -m llumnixctl.experiments.sim.sim2real --instances "${INSTANCES:-4}" \
     --requests "${REQUESTS:-400}" --rate "${RATE:-6}" --out "$out/sim2real.json" > /dev/null && status=0 || status=$?
 "$venv/bin/python" - "$out/sim2real.json" <<'PY'
 import json, sys

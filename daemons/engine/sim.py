@@ -44,7 +44,7 @@ class SimEngine(SimMigrationMixin):
     prefix_caching = False
 
     def __init__(self, sim: SimConfig, model: ModelConfig, kv: bool = True):
-        """``kv`` False: no KV tensors (the virtual-time simulator, llumnixctl/experiments/simulate.py): the same
+        """``kv`` False: no KV tensors (the virtual-time simulator, llumnixctl/experiments/sim/simulate.py): the same
         scheduling, block accounting and step times, nothing written or copied."""
         self.cfg = sim
         self.block_size = sim.block_size

@@ -26,7 +26,7 @@ def migrants_for(msg: wire.MigrateStart, requests: list[wire.RequestLoad], keep:
     """What a source sends for an order: the order's selection policy over the engine's requests (an
     operator's ``--from --count``: lower priority, then fewer blocks to move, with no balance check).
     ``cached``: the leading blocks of each request that the destination holds already. Also run by the
-    virtual-time simulator (llumnixctl/experiments/simulate.py)."""
+    virtual-time simulator (llumnixctl/experiments/sim/simulate.py)."""
     operator = not msg.reason
     return policy.select_migrants(
         msg.selection or "llumnix", requests, msg.count, src_usage=policy.INF if operator else msg.src_usage,

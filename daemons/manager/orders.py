@@ -91,7 +91,7 @@ class Orders:
 
     def plan(self, now: float, drains_only: bool = False) -> list[tuple[policy.Pair, wire.MigrateStart]]:
         """This interval's pairs and the order each source gets, from the current view (no side effects
-        but the pairing turn; the virtual-time simulator, llumnixctl/experiments/simulate.py, runs this too)."""
+        but the pairing turn; the virtual-time simulator, llumnixctl/experiments/sim/simulate.py, runs this too)."""
         live = [r for r in self.cluster.records() if r.state != "dead"]
         for gone in [iid for iid in self.drain_backoff if self.cluster.get(iid) is None]:
             del self.drain_backoff[gone]

@@ -54,7 +54,7 @@ class Scaling:
 
     def scaling_decision(self, now: float, launching: int) -> tuple[str | None, float | None, int, list]:
         """(decision "up"/"down"/None, the average freeness, instances serving, the states) from the
-        current view; the virtual-time simulator (llumnixctl/experiments/simulate.py) runs this too."""
+        current view; the virtual-time simulator (llumnixctl/experiments/sim/simulate.py) runs this too."""
         states = self.cluster.states(now)
         avg = policy.average_freeness(states)
         M_CLUSTER_FREENESS.set(math.nan if avg is None else avg)

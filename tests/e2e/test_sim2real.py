@@ -1,6 +1,6 @@
 """Sim-to-real at small size: one trace through real daemons (4 sim instances, real time) and through the
 simulator, which takes this machine's fixed costs from a probe of ten requests, one at a time, before the
-trace (llumnixctl/experiments/sim2real.py).
+trace (llumnixctl/experiments/sim/sim2real.py).
 
 The issue's bar (mean TTFT within 10%, P99 within 20%) is a measurement: ``bash scripts/sim2real.sh`` runs 400
 requests and writes results/sim2real.json (its ``agree``). Here, 48 requests on a machine that CI shares with
@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 from llumnixctl.experiments.traces import gen as trace
-from llumnixctl.experiments.sim2real import compare
+from llumnixctl.experiments.sim.sim2real import compare
 
 pytestmark = [pytest.mark.e2e, pytest.mark.alone, pytest.mark.timeout(300)]
 

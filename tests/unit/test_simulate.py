@@ -16,7 +16,7 @@ from daemons.engine.sim import SimEngine
 from daemons.migration import Migrator
 from daemons.proxy.view import DispatchView
 from llumnixctl.experiments.traces import gen as trace
-from llumnixctl.experiments.simulate import Network, simulate
+from llumnixctl.experiments.sim.simulate import Network, simulate
 
 # Small instances under KV pressure: preemptions happen, and pairing has sources and destinations.
 PRESSURE = ["sim.num_blocks=300", "sim.max_num_seqs=32", "instance.log_level=warning"]
@@ -118,7 +118,7 @@ def test_command_json():
     import typer
     from typer.testing import CliRunner
 
-    from llumnixctl.experiments import simulate as simulate_cmd
+    from llumnixctl.experiments.sim import simulate as simulate_cmd
 
     app = typer.Typer()
     app.command()(simulate_cmd.command)

@@ -9,7 +9,7 @@ import pytest
 
 from daemons.config import load_config
 from llumnixctl.experiments.traces import cache as tracecache
-from llumnixctl.experiments.simulate import Network, Simulation
+from llumnixctl.experiments.sim.simulate import Network, Simulation
 
 SMALL = ["sim.block_size=16", "sim.num_blocks=600", "sim.max_num_seqs=64", "sim.prefill_ms_per_token=0.2",
          "sim.prefill_ms=5", "sim.decode_ms=20", "sim.decode_ms_per_seq=0.3", "sim.prefix_caching=true",

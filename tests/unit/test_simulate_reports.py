@@ -1,6 +1,6 @@
 """``llumnixctl simulate``'s load reports: each simulated instance reports with the instance's own ``Reporter``
 and ``Heartbeats`` (daemons/instance/reports.py), so the manager sees its ``current_load`` (migrating out and
-in, as in a real cluster) and the proxy its heartbeats, each a report lag late (llumnixctl/experiments/simreports.py)."""
+in, as in a real cluster) and the proxy its heartbeats, each a report lag late (llumnixctl/experiments/sim/reports.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from daemons.clock import VirtualTimeLoop, run_virtual
 from daemons.config import load_config
 from daemons.instance.reports import Reporter
 from daemons.manager import Manager
-from llumnixctl.experiments import tracegen as trace
-from llumnixctl.experiments.simreports import ProxyLine
-from llumnixctl.experiments.simulate import Network, Simulation
+from llumnixctl.experiments.traces import gen as trace
+from llumnixctl.experiments.sim.reports import ProxyLine
+from llumnixctl.experiments.sim.simulate import Network, Simulation
 
 PRESSURE = ["sim.num_blocks=300", "sim.max_num_seqs=32", "instance.log_level=warning"]
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from llumnixctl.experiments.figs import common
 from llumnixctl.experiments.figs.fig13 import run_jobs
-from llumnixctl.experiments.simulate import Simulation
+from llumnixctl.experiments.sim.simulate import Simulation
 from llumnixctl.experiments.traces.mix import paper_trace
 
 BIN_S = 1.0
@@ -50,7 +50,7 @@ PAPER = {
 
 class BurstSimulation(Simulation):
     """The simulation; every KV copy (start, duration, bytes, source instance) is in its ``migrations.copies``, as the
-    migrators' transfers ran (simmigrate.SimKv)."""
+    migrators' transfers ran (sim/migrate.py SimKv)."""
 
 
 class BurstObserver:

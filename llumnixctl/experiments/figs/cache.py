@@ -107,7 +107,7 @@ def run_one(j: dict) -> dict:
     import logging
 
     from daemons.config import load_config
-    from llumnixctl.experiments.simulate import Network, Simulation
+    from llumnixctl.experiments.sim.simulate import Network, Simulation
 
     logging.getLogger("llumnix").setLevel(logging.WARNING)
     cfg = load_config(None, common.PAPER_LIKE + j["sets"])

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from daemons.config import load_config
-from llumnixctl.experiments.simulate import Network, simulate
+from llumnixctl.experiments.sim.simulate import Network, simulate
 from llumnixctl.experiments.traces.gen import TraceRequest
 
 PAPER_LIKE = [

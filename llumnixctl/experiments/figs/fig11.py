@@ -1,6 +1,6 @@
 """Fig 11 of the Llumnix paper (OSDI'24): serving latency of 16 instances under llumnix, INFaaS++ and
 round-robin dispatch, over the paper's length mixes and arrival processes, the request rate swept from
-light to heavy load, in virtual time (``llumnixctl.experiments.simulate``: the daemons' own manager, policy and sim
+light to heavy load, in virtual time (``llumnixctl.experiments.sim.simulate``: the daemons' own manager, policy and sim
 engine).
 
     python -m llumnixctl.experiments.figs.fig11 [--out results] [--quick] [--requests N] [--instances N]
@@ -22,7 +22,7 @@ from pathlib import Path
 from daemons.config import load_config
 from daemons.engine import sim as sim_engine
 from llumnixctl.experiments.figs.common import PAPER_LIKE, PAPER_NET, ratio, trace_summary, write
-from llumnixctl.experiments.simulate import Network, Simulation
+from llumnixctl.experiments.sim.simulate import Network, Simulation
 from llumnixctl.experiments.traces.mix import PAPER_BOUNDS, paper_trace
 from llumnixctl.stats import percentile
 

@@ -3,7 +3,7 @@ load (16 instances), in virtual time.
 
 Fragmentation, sampled every 100 ms of virtual time: a sample is *blocked* when some instance's queue head
 waits for room, and *fragmented* when such a head would fit in the cluster's total free KV blocks but in
-no single instance's (llumnixctl.experiments.simulate's ``sample_s``).
+no single instance's (llumnixctl.experiments.sim.simulate's ``sample_s``).
 
     python -m llumnixctl.experiments.figs.fig12 [--out results] [--quick] [--requests N] [--instances N]
 """

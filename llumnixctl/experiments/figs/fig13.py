@@ -5,7 +5,7 @@ end-to-end; mean and P99) with and without headroom for high priority, llumnix a
     python -m llumnixctl.experiments.figs.fig13 [--out results/] [--quick] [--requests N] [--instances N]
 
 The simulator's result has no per-priority split, so ``PrioritySimulation`` (a subclass of
-``llumnixctl.experiments.simulate.Simulation``) adds ``by_priority`` to it from its own requests.
+``llumnixctl.experiments.sim.simulate.Simulation``) adds ``by_priority`` to it from its own requests.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from daemons.config import load_config
 from llumnixctl.experiments.figs import common
-from llumnixctl.experiments.simulate import Network, Simulation, stats_of
+from llumnixctl.experiments.sim.simulate import Network, Simulation, stats_of
 from llumnixctl.experiments.traces.mix import paper_trace
 
 METRICS = ("ttft", "tpot", "e2el")

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
     data = {
         "figure": "fig16",
         "what": "Fig 16: the manager's wall time per dispatch and per pairing round at 64 instances, vs the step time",
-        "method": "a subclass of llumnixctl.experiments.simulate.Simulation wraps the real Manager.on_dispatch_batch and "
+        "method": "a subclass of llumnixctl.experiments.sim.simulate.Simulation wraps the real Manager.on_dispatch_batch and "
                   "Rescheduler.plan with time.thread_time (CPU seconds: *_cpu, the ratios and busy shares use "
                   "these, as they do not depend on other processes sharing the cores) and time.perf_counter "
                   "(*_wall: real seconds, inflated by the shared machine; the simulation's clock is virtual, "

@@ -15,17 +15,17 @@ re-implements a policy or a scheduler:
 - each instance reports with the instance's own ``Reporter`` and ``Heartbeats`` (daemons/instance/reports.py:
   on change, at most every ``instance.load_report_min_interval_s``, and every heartbeat; its load is the
   instance's ``current_load``, with its migrator's migrating out and in); a report reaches the manager
-  ``--report-lag-ms`` later, a heartbeat the proxy as late (simreports.py);
+  ``--report-lag-ms`` later, a heartbeat the proxy as late (sim/reports.py);
 - with ``proxy.dispatch = local`` (the default) the proxy chooses each request's instance with its own
   dispatch view, from the manager's snapshots and the instances' heartbeats, and the request reaches its
-  instance ``Network.submit_s`` after it arrived (llumnixctl/experiments/simproxy.py); with ``manager`` (and
+  instance ``Network.submit_s`` after it arrived (llumnixctl/experiments/sim/proxy.py); with ``manager`` (and
   ``llumnix-cache``, and before the proxy's first snapshot) a dispatch costs the proxy a round trip to the
   manager (``--dispatch-rtt-ms``);
 - a migration is each instance's own migrator (``daemons.migration.Migrator``: the source's ``Move`` state
   machine, the destination's reservation and commit, their messages, acknowledgements and timeouts) on the
   simulation's virtual time: its engine calls run at the simulated step boundaries, its messages to other
   instances go over ZeroMQ's in-process transport ``Network.message_s`` late, and each KV copy lasts its
-  bytes at the link's bandwidth (llumnixctl/experiments/simmigrate.py);
+  bytes at the link's bandwidth (llumnixctl/experiments/sim/migrate.py);
 
 - auto-scaling is the manager's own decision (``Rescheduler.scaling_decision``) every second: a launched
   instance registers ``Network.launch_s`` later; a scaled-in one drains (its requests migrate out or are
@@ -52,14 +52,14 @@ from daemons.clock import LoopClock, VirtualTimeLoop, run_virtual
 from daemons.config import Config, ConfigError, load_config
 from daemons.requests import RequestTable
 from llumnixctl.common import ConfigOpt, JsonOpt, die, out, print_json
-from llumnixctl.experiments.simcache import SimCache
-from llumnixctl.experiments.simmigrate import SimMigrations
-from llumnixctl.experiments.simparts import (PROXY_ADDRESS, Network, SimulatedInstance, SimulatedRequest,
+from llumnixctl.experiments.sim.cache import SimCache
+from llumnixctl.experiments.sim.migrate import SimMigrations
+from llumnixctl.experiments.sim.parts import (PROXY_ADDRESS, Network, SimulatedInstance, SimulatedRequest,
                                              kv_bytes_per_token)
-from llumnixctl.experiments.simproxy import SimProxy
-from llumnixctl.experiments.simreports import SimReports
-from llumnixctl.experiments.simresult import Fragmentation, result_block, result_of, stats_of  # noqa: F401 (figs import stats_of here)
-from llumnixctl.experiments.simscale import SimScaling
+from llumnixctl.experiments.sim.proxy import SimProxy
+from llumnixctl.experiments.sim.reports import SimReports
+from llumnixctl.experiments.sim.result import Fragmentation, result_block, result_of, stats_of  # noqa: F401 (figs import stats_of here)
+from llumnixctl.experiments.sim.scale import SimScaling
 from llumnixctl.experiments.traces.gen import TraceRequest
 
 
@@ -79,7 +79,7 @@ class Simulation:
                  sample_s: float = 0.0, oracle: bool = False):
         """``sample_s`` > 0: every so often (virtual seconds) look for fragmentation (a queue head that the
         cluster's free blocks could hold but no single instance's can) and call the "sample" observers.
-        ``oracle``: dispatch by the engines' real caches first (simcache.py)."""
+        ``oracle``: dispatch by the engines' real caches first (sim/cache.py)."""
         _engine_code()
         self.cfg = cfg
         self.oracle = oracle
@@ -90,7 +90,7 @@ class Simulation:
         self.trace = trace
         self.loop = VirtualTimeLoop()  # the simulation's events are its timers (daemons/clock.py)
         self.clock = LoopClock(self.loop)  # the manager's clock too
-        # proxy.dispatch = local (the default): the proxy's own dispatch view chooses (simproxy.py).
+        # proxy.dispatch = local (the default): the proxy's own dispatch view chooses (sim/proxy.py).
         self.proxy = SimProxy(cfg, self.clock) if cfg.proxy.dispatch == "local" else None
         self.requests: dict[str, SimulatedRequest] = {}
         self.itls = array("d")
@@ -192,7 +192,7 @@ class Simulation:
     # ------------------------------------------------------------------ proxy and manager
 
     def _arrive(self, rid: str, exclude: tuple) -> None:
-        """The proxy chooses the instance itself (proxy.dispatch = local, once it has a view: simproxy.py), or
+        """The proxy chooses the instance itself (proxy.dispatch = local, once it has a view: sim/proxy.py), or
         asks the manager where the request goes (half a round trip each way)."""
         req = self.requests[rid]
         if req.sent < 0:
@@ -372,7 +372,7 @@ def command(
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="any setting: section.key=value (sim.*, scheduling.*, migration.*, ...)")] = None,
     json_: JsonOpt = False,
 ) -> None:
-    """A cluster in virtual time, on the daemons' own scheduler and policy code (see llumnixctl/experiments/simulate.py)."""
+    """A cluster in virtual time, on the daemons' own scheduler and policy code (see llumnixctl/experiments/sim/simulate.py)."""
     oracle = policy_ == "oracle-cache"
     sets = list(set_ or []) + ([f"manager.dispatch_policy={'llumnix' if oracle else policy_}"] if policy_ else [])
     try:

@@ -1,4 +1,4 @@
-"""The simulator's proxy with ``proxy.dispatch = local`` (the default; llumnixctl/experiments/simulate.py): it
+"""The simulator's proxy with ``proxy.dispatch = local`` (the default; llumnixctl/experiments/sim/simulate.py): it
 chooses each new request's instance itself, with the proxy's own ``DispatchView`` (daemons/proxy/view.py:
 the cluster's dispatch policy over the instances' streamed loads and its own dispatches they do not show
 yet), and tells the manager afterwards. Its inputs come as a proxy's do: the manager's snapshots (asked for

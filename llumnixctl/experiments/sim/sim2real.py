@@ -1,7 +1,7 @@
 """Sim-to-real: one trace through real daemons (sim instances, real time, real ZeroMQ and HTTP) and
 through ``llumnixctl simulate`` with the same settings; do they agree?
 
-    python -m llumnixctl.experiments.sim2real [--instances 4] [--requests 400] [--rate 12] [--out results/sim2real.json]
+    python -m llumnixctl.experiments.sim.sim2real [--instances 4] [--requests 400] [--rate 12] [--out results/sim2real.json]
 
 The real run replays the trace open loop against a local cluster's proxy (``bench serve``'s replay), the
 simulated one runs the daemons' scheduler and policy code in virtual time. The figures compared are
@@ -23,8 +23,9 @@ from daemons.config import load_config
 from llumnixctl.admin import AdminClient
 from llumnixctl.experiments.bench import serve as bench_serve, serve_figures as bench_serve_figures
 from llumnixctl.experiments.traces import gen as trace_mod
-from llumnixctl.experiments.simulate import Network, simulate
+from llumnixctl.experiments.sim.simulate import Network, simulate
 from llumnixctl.lab import localcluster
+from llumnixctl.stats import percentile
 
 KEYS = ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "mean_e2el_ms", "p99_e2el_ms")
 SETS = ["instance.log_level=warning", "proxy.log_level=warning", "manager.log_level=warning",
@@ -48,7 +49,7 @@ def real_run(trace: list[trace_mod.TraceRequest], instances: int, sets: list[str
             snap = AdminClient(state.manager_address, timeout_s=5).status()
             res["preemptions"] = sum(v.load.preemptions for v in snap.instances)
             res["migrations_committed"] = sum(v.load.migrations_committed for v in snap.instances)
-            res["send_lag_ms_p99"] = sorted(r["lag_s"] for r in results)[int(0.99 * (len(results) - 1))] * 1e3
+            res["send_lag_ms_p99"] = percentile((r["lag_s"] for r in results), 99) * 1e3
             res["calibration"] = calibrate(calibration, load_config(None, sets))
             return res
         finally:

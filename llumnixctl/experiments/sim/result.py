@@ -1,10 +1,12 @@
-"""The figures of a finished simulation (llumnixctl/experiments/simulate.py): vLLM's ``bench serve`` statistics
+"""The figures of a finished simulation (llumnixctl/experiments/sim/simulate.py): vLLM's ``bench serve`` statistics
 and the cluster's own."""
 
 from __future__ import annotations
 
 import math
 from collections import Counter
+
+from llumnixctl.stats import percentile
 
 
 def result_of(sim, wall_s: float) -> dict:
@@ -53,10 +55,7 @@ def stats_of(name: str, xs: list[float]) -> dict:
     ys = sorted(xs)
 
     def pct(q: float) -> float:
-        pos = (len(ys) - 1) * q / 100
-        lo = math.floor(pos)
-        hi = min(lo + 1, len(ys) - 1)
-        return ys[lo] + (ys[hi] - ys[lo]) * (pos - lo)
+        return percentile(ys, q)
 
     mean = sum(ys) / len(ys)
     std = math.sqrt(sum((y - mean) ** 2 for y in ys) / len(ys))

@@ -1,10 +1,10 @@
-"""The simulated instances' load reports and heartbeats (llumnixctl/experiments/simulate.py): each instance runs
+"""The simulated instances' load reports and heartbeats (llumnixctl/experiments/sim/simulate.py): each instance runs
 the instance's own ``Reporter`` and ``Heartbeats`` (daemons/instance/reports.py) on the simulation's virtual
 time, so its reports go out as a daemon's do (on change, at most every ``instance.load_report_min_interval_s``,
 at least every heartbeat) and carry its ``current_load`` (the engine's load with its migrator's migrating out
 and in). What the simulator provides is where they go: a report reaches the manager (``on_report``) a report
 lag later, and a heartbeat (each report's, and each heartbeat period's) the simulated proxy as late
-(proxy.dispatch = local). The cache's changes go first (simcache.py)."""
+(proxy.dispatch = local). The cache's changes go first (sim/cache.py)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from daemons.watchdog import Watchdog
 
 if TYPE_CHECKING:
     from daemons.manager import Manager
-    from llumnixctl.experiments.simparts import SimulatedInstance
-    from llumnixctl.experiments.simproxy import SimProxy
+    from llumnixctl.experiments.sim.parts import SimulatedInstance
+    from llumnixctl.experiments.sim.proxy import SimProxy
 
 
 class Site(Protocol):

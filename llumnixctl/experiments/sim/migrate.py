@@ -1,4 +1,4 @@
-"""The simulator's migrations (llumnixctl/experiments/simulate.py): each simulated instance runs the daemons'
+"""The simulator's migrations (llumnixctl/experiments/sim/simulate.py): each simulated instance runs the daemons'
 own ``Migrator`` (daemons/migration/: the source's ``Move`` state machine, the destination's side, their
 messages and timeouts) on the simulation's virtual time. The source's request selection is the instance's
 (``keep_for``, ``migrants_for``). What the simulator provides is what a migrator needs of its instance and
@@ -29,7 +29,7 @@ from daemons import runtime, security, wire
 from daemons.clock import LoopClock
 
 if TYPE_CHECKING:
-    from llumnixctl.experiments.simparts import SimulatedInstance
+    from llumnixctl.experiments.sim.parts import SimulatedInstance
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The simulator's records (llumnixctl/experiments/simulate.py): its network's times, its requests and its
+"""The simulator's records (llumnixctl/experiments/sim/simulate.py): its network's times, its requests and its
 instances."""
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class SimulatedInstance:
     gone: float | None = None  # when it stopped (scaled in)
     retiring: bool = False
     pub: object = None  # its prefix-cache Publisher (sim.prefix_caching)
-    reporter: object = None  # its own daemons.instance.reports.Reporter (simreports.py)
+    reporter: object = None  # its own daemons.instance.reports.Reporter (sim/reports.py)
     standing: object = None  # where it stands (daemons.instance.standing.Standing): what its heartbeats say
 
     def at_boundary(self, fn) -> asyncio.Future:

@@ -1,4 +1,4 @@
-"""The simulator's auto-scaling (llumnixctl/experiments/simulate.py): the manager's scaling decision on virtual
+"""The simulator's auto-scaling (llumnixctl/experiments/sim/simulate.py): the manager's scaling decision on virtual
 time, launches that register after ``Network.launch_s``, and scaled-in instances that stop once empty."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from daemons import policy
 
 if TYPE_CHECKING:
     from daemons.manager import Manager
-    from llumnixctl.experiments.simparts import SimulatedInstance
+    from llumnixctl.experiments.sim.parts import SimulatedInstance
 
 
 class Site(Protocol):
