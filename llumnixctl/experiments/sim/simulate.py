@@ -60,6 +60,7 @@ from llumnixctl.experiments.sim.proxy import SimProxy
 from llumnixctl.experiments.sim.reports import SimReports
 from llumnixctl.experiments.sim.result import Fragmentation, result_block, result_of, stats_of  # noqa: F401 (figs import stats_of here)
 from llumnixctl.experiments.sim.scale import SimScaling
+from llumnixctl.experiments.traces import options as opts
 from llumnixctl.experiments.traces.gen import TraceRequest
 
 
@@ -352,17 +353,17 @@ def _trace(path, requests: int, rate: float, arrival: str, cv: float, prompt: tu
 def command(
     instances: Annotated[int, typer.Option("--instances", "-n", help="simulated instances", min=1)] = 16,
     trace_file: Annotated[Optional[Path], typer.Option("--trace", metavar="FILE", help="a trace file (any format `llumnixctl trace show` reads); default: generate one")] = None,
-    requests: Annotated[int, typer.Option(help="generated trace: requests", min=1)] = 1000,
-    rate: Annotated[float, typer.Option(help="generated trace: arrivals per second", min=0.001)] = 10.0,
-    arrival: Annotated[str, typer.Option(metavar="poisson|gamma", help="generated trace: poisson or gamma")] = "poisson",
-    cv: Annotated[float, typer.Option(help="generated trace: coefficient of variation of gamma gaps", min=0.01)] = 1.0,
-    prompt_min: Annotated[int, typer.Option(help="generated trace: shortest prompt", min=1)] = 16,
-    prompt_max: Annotated[int, typer.Option(help="generated trace: longest prompt", min=1)] = 1024,
-    output_min: Annotated[int, typer.Option(help="generated trace: shortest output", min=1)] = 16,
-    output_max: Annotated[int, typer.Option(help="generated trace: longest output", min=1)] = 1024,
-    alpha: Annotated[float, typer.Option(help="generated trace: power-law exponent of lengths")] = 1.0,
-    high_fraction: Annotated[float, typer.Option(help="generated trace: share of high-priority requests", min=0.0, max=1.0)] = 0.0,
-    seed: Annotated[int, typer.Option(help="generated trace: seed")] = 0,
+    requests: opts.Requests = 1000,
+    rate: opts.Rate = 10.0,
+    arrival: opts.Arrival = "poisson",
+    cv: opts.Cv = 1.0,
+    prompt_min: opts.PromptMin = 16,
+    prompt_max: opts.PromptMax = 1024,
+    output_min: opts.OutputMin = 16,
+    output_max: opts.OutputMax = 1024,
+    alpha: opts.Alpha = 1.0,
+    high_fraction: opts.HighFraction = 0.0,
+    seed: opts.Seed = 0,
     policy_: Annotated[Optional[str], typer.Option("--policy", metavar="POLICY", help="dispatch policy: llumnix, llumnix-cache, infaas++, rr (manager.dispatch_policy), or oracle-cache (here only: the instance whose cache really holds most of the prompt)")] = None,
     report_lag_ms: Annotated[float, typer.Option(help="a load report's delay to the manager", min=0.0)] = 2.0,
     dispatch_rtt_ms: Annotated[float, typer.Option(help="the proxy's round trip to the manager per request", min=0.0)] = 1.0,
