@@ -25,8 +25,8 @@ import torch
 from daemons.config import ModelConfig, SimConfig
 from daemons.engine.base import EngineError, EngineRequest, KvBlocks, MigrationView, StepResult, check_request
 from daemons.engine.sim_cache import SimPrefixCache
-from daemons.engine.sim_migration import SimMigrations
-from daemons.engine.sim_requests import RequestTable, SimBlocks, SimRequest, WaitingQueue, cdiv
+from daemons.engine.sim_migration import SimEngineMigrations
+from daemons.engine.sim_requests import SimRequestTable, SimBlocks, SimRequest, WaitingQueue, cdiv
 from daemons.engine.sim_values import draw, kv_value, sim_logprobs, sim_token_id, write_kv
 from daemons.wire import InstanceLoad, MigratingRequest, RequestLoad, RequestState, TokenOut
 
@@ -39,8 +39,8 @@ _priority = attrgetter("priority")
 
 
 class SimEngine:
-    """Scheduling and stepping; its parts: the request table (``RequestTable``), the free list (``SimBlocks``),
-    the waiting queue, and the migrating requests (``SimMigrations``, to which the migration verbs go)."""
+    """Scheduling and stepping; its parts: the request table (``SimRequestTable``), the free list (``SimBlocks``),
+    the waiting queue, and the migrating requests (``SimEngineMigrations``, to which the migration verbs go)."""
 
     backend = "sim"
     prefix_caching = False
@@ -61,9 +61,9 @@ class SimEngine:
         # (Not ``prefix_caching``, which says a destination can skip copying cached blocks: vLLM's alone.)
         self.cache: SimPrefixCache | None = SimPrefixCache(sim.block_size) if sim.prefix_caching else None
         self._blocks = SimBlocks(sim.num_blocks, sim.watermark * sim.num_blocks, self.cache)
-        self._table = RequestTable()
+        self._table = SimRequestTable()
         self._waiting = WaitingQueue()
-        self._migrations = SimMigrations(self._table, self._blocks, sim.block_size, model.max_model_len)
+        self._migrations = SimEngineMigrations(self._table, self._blocks, sim.block_size, model.max_model_len)
         self._kv_blocks: KvBlocks | None = None
         self._preemptions = 0
         self._received = 0
@@ -211,7 +211,7 @@ class SimEngine:
         """The request's block ids in token order (empty while it waits). KeyError if unknown."""
         return list(self._table.by_id[request_id].blocks)
 
-    # ---------------------------------------------------------------- migration (SimMigrations does it)
+    # ---------------------------------------------------------------- migration (SimEngineMigrations does it)
 
     def kv_blocks(self) -> KvBlocks:
         if self._kv_blocks is None:

@@ -4,16 +4,16 @@ the destination's reservation, commit and release."""
 from __future__ import annotations
 
 from daemons.engine.base import EngineError, MigrationView, check_incoming
-from daemons.engine.sim_requests import RequestTable, SimBlocks, SimRequest, cdiv
+from daemons.engine.sim_requests import SimRequestTable, SimBlocks, SimRequest, cdiv
 from daemons.wire import MigratingRequest, RequestState
 
 
-class SimMigrations:
+class SimEngineMigrations:
     """The SimEngine's migrating requests: it owns the suspended ones (migrating out: no steps, blocks kept)
     and the reserved ones (migrating in: blocks held, not yet running), and moves requests between them, the
     engine's request table and the free list."""
 
-    def __init__(self, table: RequestTable, blocks: SimBlocks, block_size: int, max_model_len: int):
+    def __init__(self, table: SimRequestTable, blocks: SimBlocks, block_size: int, max_model_len: int):
         self._table = table
         self._blocks = blocks
         self._block_size = block_size

@@ -109,7 +109,7 @@ class WaitingQueue:
             yield from self._classes[priority]
 
 
-class RequestTable:
+class SimRequestTable:
     """Every request the engine holds, by id (waiting, running, suspended), and of those the running ones in
     admission order with their count per priority. Change the running set only via ``run`` / ``unrun``."""
 

@@ -1,21 +1,21 @@
-"""The sim engine's migration part on its own: SimMigrations over a request table and a free list."""
+"""The sim engine's migration part on its own: SimEngineMigrations over a request table and a free list."""
 
 import pytest
 
 from daemons.engine.base import EngineError, EngineRequest
-from daemons.engine.sim_migration import SimMigrations
-from daemons.engine.sim_requests import RequestTable, SimBlocks, SimRequest
+from daemons.engine.sim_migration import SimEngineMigrations
+from daemons.engine.sim_requests import SimRequestTable, SimBlocks, SimRequest
 from daemons.wire import MigratingRequest, RequestState, SamplingParams
 
 BS = 4
 
 
 def parts(num_blocks: int = 10, watermark: float = 0.0):
-    table, blocks = RequestTable(), SimBlocks(num_blocks, watermark, None)
-    return table, blocks, SimMigrations(table, blocks, BS, 1024)
+    table, blocks = SimRequestTable(), SimBlocks(num_blocks, watermark, None)
+    return table, blocks, SimEngineMigrations(table, blocks, BS, 1024)
 
 
-def running(table: RequestTable, blocks: SimBlocks, rid: str, prompt: int, generated: int) -> SimRequest:
+def running(table: SimRequestTable, blocks: SimBlocks, rid: str, prompt: int, generated: int) -> SimRequest:
     req = SimRequest(EngineRequest(rid, [1] * prompt, SamplingParams(max_tokens=50)), 1024)
     req.generated = generated
     req.blocks = blocks.take_for_prefill(-(-(prompt + generated) // BS))
