@@ -18,18 +18,17 @@ tokens (P = prompt length) and holds ``ceil((P + g) / block_size)`` blocks; a wa
 
 from __future__ import annotations
 
-from collections import deque
 from operator import attrgetter
 
 import torch
 
 from daemons.config import ModelConfig, SimConfig
-from daemons.engine.base import EngineError, EngineRequest, KvBlocks, StepResult, check_request
+from daemons.engine.base import EngineError, EngineRequest, KvBlocks, MigrationView, StepResult, check_request
 from daemons.engine.sim_cache import SimPrefixCache
-from daemons.engine.sim_migration import SimMigrationMixin
-from daemons.engine.sim_requests import SimRequest, WaitingQueue, cdiv
+from daemons.engine.sim_migration import SimEngineMigrations
+from daemons.engine.sim_requests import SimRequestTable, SimBlocks, SimRequest, WaitingQueue, cdiv
 from daemons.engine.sim_values import draw, kv_value, sim_logprobs, sim_token_id, write_kv
-from daemons.wire import InstanceLoad, RequestLoad, TokenOut
+from daemons.wire import InstanceLoad, MigratingRequest, RequestLoad, RequestState, TokenOut
 
 __all__ = ["SimEngine", "kv_value", "sim_logprobs", "sim_token_id"]
 
@@ -39,7 +38,10 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torc
 _priority = attrgetter("priority")
 
 
-class SimEngine(SimMigrationMixin):
+class SimEngine:
+    """Scheduling and stepping; its parts: the request table (``SimRequestTable``), the free list (``SimBlocks``),
+    the waiting queue, and the migrating requests (``SimEngineMigrations``, to which the migration verbs go)."""
+
     backend = "sim"
     prefix_caching = False
 
@@ -50,22 +52,18 @@ class SimEngine(SimMigrationMixin):
         self.block_size = sim.block_size
         self.max_model_len = model.max_model_len
         self.num_blocks = sim.num_blocks
-        self._watermark_blocks = sim.watermark * sim.num_blocks
         dtype = _DTYPES[sim.kv_dtype]
         shape = (sim.num_blocks, 2, sim.block_size, sim.kv_heads, sim.head_dim)
         self.kv_caches: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype) for _ in range(sim.kv_layers if kv else 0)]
         # Layer l stores (x + l, -(x + l)), so a copy that mixes up layers shows.
         self._layer_shift = [torch.tensor([l, -l], dtype=torch.float64)[None, :, None, None] for l in range(sim.kv_layers)]
-        self._free: deque[int] = deque(range(sim.num_blocks))
         # sim.prefix_caching: what content the blocks hold (free ones too, until taken): hits skip prefill.
         # (Not ``prefix_caching``, which says a destination can skip copying cached blocks: vLLM's alone.)
         self.cache: SimPrefixCache | None = SimPrefixCache(sim.block_size) if sim.prefix_caching else None
-        self._reqs: dict[str, SimRequest] = {}
-        self._running: dict[str, SimRequest] = {}  # insertion order = admission order; change only via _run/_unrun
-        self._running_per_priority: dict[int, int] = {}  # running requests by priority (no zero counts)
+        self._blocks = SimBlocks(sim.num_blocks, sim.watermark * sim.num_blocks, self.cache)
+        self._table = SimRequestTable()
         self._waiting = WaitingQueue()
-        self._suspended: dict[str, SimRequest] = {}  # migrating out: no steps, blocks kept
-        self._reserved: dict[str, SimRequest] = {}  # migrating in: blocks held, not yet running
+        self._migrations = SimEngineMigrations(self._table, self._blocks, sim.block_size, model.max_model_len)
         self._kv_blocks: KvBlocks | None = None
         self._preemptions = 0
         self._received = 0
@@ -83,44 +81,44 @@ class SimEngine(SimMigrationMixin):
 
     def add_request(self, request: EngineRequest) -> None:
         rid = request.request_id
-        check_request(request, rid in self._reqs or rid in self._reserved, self.max_model_len)
+        check_request(request, rid in self._table.by_id or self._migrations.reserving(rid), self.max_model_len)
         req = SimRequest(request, self.max_model_len)
         if self.cache is not None:
             req.tokens = list(request.prompt_token_ids) + list(request.output_token_ids)
         # A request that could never be (re)admitted would wait forever: refuse it now, like vLLM.
         peak = cdiv(req.max_total, self.block_size)
-        if self.num_blocks - peak < self._watermark_blocks:
-            usable = int(self.num_blocks - self._watermark_blocks) * self.block_size
+        if self.num_blocks - peak < self._blocks.watermark:
+            usable = int(self.num_blocks - self._blocks.watermark) * self.block_size
             raise EngineError(f"prompt plus max_tokens may reach {req.max_total} tokens; this instance's KV cache "
                               f"holds at most {usable} tokens per request; lower max_tokens or shorten the prompt")
-        self._reqs[rid] = req
+        self._table.by_id[rid] = req
         self._waiting.append(req)
         self._received += 1
 
     def abort_request(self, request_id: str) -> bool:
-        req = self._reqs.pop(request_id, None)
+        req = self._table.by_id.pop(request_id, None)
         if req is None:
             return False
-        if request_id in self._running:
-            self._unrun(req)
-        elif self._suspended.pop(request_id, None) is None:
+        if request_id in self._table.running:
+            self._table.unrun(req)
+        elif not self._migrations.forget_suspended(request_id):
             self._waiting.remove(req)
-        self._release(req)
+        self._blocks.release(req)
         return True
 
     def has_work(self) -> bool:
-        return bool(self._running or self._waiting)
+        return bool(self._table.running or self._waiting)
 
     def step(self) -> StepResult:
         bs = self.block_size
-        free = self._free
+        free = self._blocks
         cache = self.cache
         # (1) Every running request computes one more token; make room, preempting from the tail. Higher
         # priorities go first (the sort is stable: admission order within a priority), so the tail is the
         # lowest-priority, most recently admitted request: a high one is preempted only when no normal
         # one is left. With one priority running (the usual case) admission order is already that order.
-        run = list(self._running.values())
-        if len(self._running_per_priority) > 1:
+        run = list(self._table.running.values())
+        if len(self._table.per_priority) > 1:
             run.sort(key=_priority, reverse=True)
         n = len(run)
         i = 0
@@ -132,10 +130,7 @@ class SimEngine(SimMigrationMixin):
                     self._preempt(run[n])
                 if n == i:  # it preempted itself
                     break
-                block = free.popleft()
-                if cache is not None:
-                    cache.taken(block)
-                req.blocks.append(block)
+                req.blocks += free.take(1)
             i += 1
         decoding = run[:n]
 
@@ -147,23 +142,23 @@ class SimEngine(SimMigrationMixin):
         prefill_tokens = 0
         waiting = self._waiting
         admit = n == len(run)
-        while admit and waiting and len(self._running) < self.cfg.max_num_seqs:
+        while admit and waiting and len(self._table.running) < self.cfg.max_num_seqs:
             req = waiting.head()
             tokens = req.prompt_len + req.generated
             need = cdiv(tokens + 1, bs)
-            if len(free) - need < self._watermark_blocks:
+            if not free.fits(need):
                 break
             new = tokens if cache is None else cache.uncached(req, tokens)
             if prefilling and prefill_tokens + new > self.cfg.max_num_batched_tokens:
                 break
             waiting.popleft()
-            req.blocks = [free.popleft() for _ in range(need)]
+            req.blocks = free.take_for_prefill(need)
             if cache is not None:
                 if not req.preempted:  # as vLLM's counters: a re-admission after preemption is not a query
                     cache.count(tokens, tokens - new)
                 cache.prefilled(req)
             req.preempted = False
-            self._run(req)
+            self._table.run(req)
             prefilling.append(req)
             prefill_tokens += new
 
@@ -176,12 +171,12 @@ class SimEngine(SimMigrationMixin):
         return StepResult(outputs=outputs, model_time_s=model_s)
 
     def load(self) -> InstanceLoad:
-        used = self.num_blocks - len(self._free)
+        used = self.num_blocks - len(self._blocks)
         head = self._waiting.head() if self._waiting else None
         return InstanceLoad(
             blocks_total=self.num_blocks,
             blocks_used=used,
-            running=len(self._running),
+            running=len(self._table.running),
             waiting=len(self._waiting),
             batch_size=self.cfg.max_num_seqs,
             block_size=self.block_size,
@@ -190,9 +185,8 @@ class SimEngine(SimMigrationMixin):
             requests_received=self._received,
             tokens_generated=self._tokens_generated,
             # Only running, suspended (migrating out) and reserved (migrating in) requests hold blocks.
-            running_blocks=used - sum(len(r.blocks) for r in self._suspended.values())
-            - sum(len(r.blocks) for r in self._reserved.values()),
-            high_priority=sum(n for p, n in self._running_per_priority.items() if p > 0),
+            running_blocks=used - self._migrations.held_blocks(),
+            high_priority=sum(n for p, n in self._table.per_priority.items() if p > 0),
             waiting_tokens=self._waiting.tokens,
         )
 
@@ -201,8 +195,8 @@ class SimEngine(SimMigrationMixin):
             return RequestLoad(request_id=r.rid, state=state, blocks=len(r.blocks), prompt_tokens=r.prompt_len,
                                output_tokens=r.generated, priority=r.priority)
 
-        out = [row(r, "running") for r in self._running.values()]
-        out += [row(r, "migrating") for r in self._suspended.values()]
+        out = [row(r, "running") for r in self._table.running.values()]
+        out += [row(r, "migrating") for r in self._migrations.suspended()]
         out += [row(r, "preempted" if r.preempted else "waiting") for r in self._waiting]
         return out
 
@@ -215,9 +209,9 @@ class SimEngine(SimMigrationMixin):
 
     def block_table(self, request_id: str) -> list[int]:
         """The request's block ids in token order (empty while it waits). KeyError if unknown."""
-        return list(self._reqs[request_id].blocks)
+        return list(self._table.by_id[request_id].blocks)
 
-    # ---------------------------------------------------------------- migration, source
+    # ---------------------------------------------------------------- migration (SimEngineMigrations does it)
 
     def kv_blocks(self) -> KvBlocks:
         if self._kv_blocks is None:
@@ -225,40 +219,47 @@ class SimEngine(SimMigrationMixin):
         return self._kv_blocks
 
     def shutdown(self) -> None:
-        self._suspended.clear()
-        self._reserved.clear()
-        self._reqs.clear()
-        self._running.clear()
-        self._running_per_priority.clear()
+        self._migrations.clear()
+        self._table.clear()
         self._waiting.clear()
-        self._free = deque(range(self.num_blocks))
-        if self.cache is not None:
-            self.cache.clear()
+        self._blocks.reset()
         self.kv_caches = []
+
+    def migration_view(self, request_id: str) -> MigrationView | None:
+        return self._migrations.migration_view(request_id)
+
+    def migrating_request(self, request_id: str) -> MigratingRequest:
+        return self._migrations.migrating_request(request_id)
+
+    def suspend(self, request_id: str) -> RequestState:
+        return self._migrations.suspend(request_id)
+
+    def resume(self, request_id: str) -> None:
+        self._migrations.resume(request_id)
+
+    def drop_migrated(self, request_id: str) -> None:
+        self._migrations.drop_migrated(request_id)
+
+    def reserve(self, request: MigratingRequest, tokens: int) -> list[int]:
+        return self._migrations.reserve(request, tokens)
+
+    def cached_blocks(self, request_id: str) -> int:
+        return 0  # no prefix cache
+
+    def prefix_hits(self, prompts: list[list[int]]) -> list[int]:
+        return [0] * len(prompts)
+
+    def commit(self, request_id: str, state: RequestState) -> None:
+        self._migrations.commit(request_id, state)
+
+    def release(self, request_id: str) -> bool:
+        return self._migrations.release(request_id)
 
     # ---------------------------------------------------------------- internals
 
-    def _run(self, req: SimRequest) -> None:
-        self._running[req.rid] = req
-        self._running_per_priority[req.priority] = self._running_per_priority.get(req.priority, 0) + 1
-
-    def _unrun(self, req: SimRequest) -> None:
-        del self._running[req.rid]
-        left = self._running_per_priority[req.priority] - 1
-        if left:
-            self._running_per_priority[req.priority] = left
-        else:
-            del self._running_per_priority[req.priority]
-
-    def _release(self, req: SimRequest) -> None:
-        if self.cache is not None:
-            self.cache.keep_content(req)
-        self._free.extend(req.blocks)
-        req.blocks = []
-
     def _preempt(self, req: SimRequest) -> None:
-        self._unrun(req)
-        self._release(req)
+        self._table.unrun(req)
+        self._blocks.release(req)
         req.preempted = True
         self._waiting.appendleft(req)
         self._preemptions += 1
@@ -279,9 +280,9 @@ class SimEngine(SimMigrationMixin):
         if reason is None and (req.generated >= sp.max_tokens or req.prompt_len + req.generated >= self.max_model_len):
             reason = "length"
         if reason is not None:
-            self._unrun(req)
-            del self._reqs[req.rid]
-            self._release(req)
+            self._table.unrun(req)
+            del self._table.by_id[req.rid]
+            self._blocks.release(req)
         if sp.logprobs is None:
             return TokenOut(request_id=req.rid, index=index, token_id=token, finish_reason=reason)
         logprob, top = sim_logprobs(req.rid, index, token, sp.logprobs, self.cfg.vocab_size)

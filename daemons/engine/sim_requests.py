@@ -1,4 +1,5 @@
-"""The sim engine's requests and its waiting queue (daemons/engine/sim.py)."""
+"""The sim engine's requests, its waiting queue, its request table and its free list of blocks
+(daemons/engine/sim.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections import deque
 from collections.abc import Iterator
 
 from daemons.engine.base import EngineRequest
+from daemons.engine.sim_cache import SimPrefixCache
 from daemons.engine.sim_values import unit
 
 
@@ -105,3 +107,72 @@ class WaitingQueue:
     def __iter__(self) -> Iterator[SimRequest]:
         for priority in self._order:
             yield from self._classes[priority]
+
+
+class SimRequestTable:
+    """Every request the engine holds, by id (waiting, running, suspended), and of those the running ones in
+    admission order with their count per priority. Change the running set only via ``run`` / ``unrun``."""
+
+    def __init__(self):
+        self.by_id: dict[str, SimRequest] = {}
+        self.running: dict[str, SimRequest] = {}  # insertion order = admission order
+        self.per_priority: dict[int, int] = {}  # running requests by priority (no zero counts)
+
+    def run(self, req: SimRequest) -> None:
+        self.running[req.rid] = req
+        self.per_priority[req.priority] = self.per_priority.get(req.priority, 0) + 1
+
+    def unrun(self, req: SimRequest) -> None:
+        del self.running[req.rid]
+        left = self.per_priority[req.priority] - 1
+        if left:
+            self.per_priority[req.priority] = left
+        else:
+            del self.per_priority[req.priority]
+
+    def clear(self) -> None:
+        self.by_id.clear()
+        self.running.clear()
+        self.per_priority.clear()
+
+
+class SimBlocks:
+    """The free list of KV blocks (a block taken leaves it, a request's blocks come back on release), with
+    the prefix cache (if any) told which blocks lose their content and which keep it while free."""
+
+    def __init__(self, num_blocks: int, watermark_blocks: float, cache: SimPrefixCache | None):
+        self.num_blocks = num_blocks
+        self.watermark = watermark_blocks  # blocks admission and migration leave free
+        self.cache = cache
+        self._free: deque[int] = deque(range(num_blocks))
+
+    def __len__(self) -> int:
+        """Free blocks."""
+        return len(self._free)
+
+    def fits(self, need: int) -> bool:
+        """Whether taking ``need`` blocks keeps the watermark."""
+        return len(self._free) - need >= self.watermark
+
+    def take(self, n: int) -> list[int]:
+        """Blocks whose content is about to be overwritten (the cache forgets what they held)."""
+        taken = [self._free.popleft() for _ in range(n)]
+        if self.cache is not None:
+            for block in taken:
+                self.cache.taken(block)
+        return taken
+
+    def take_for_prefill(self, n: int) -> list[int]:
+        """Blocks for an admitted request; the cache learns of them from ``SimPrefixCache.prefilled``."""
+        return [self._free.popleft() for _ in range(n)]
+
+    def release(self, req: SimRequest) -> None:
+        if self.cache is not None:
+            self.cache.keep_content(req)
+        self._free.extend(req.blocks)
+        req.blocks = []
+
+    def reset(self) -> None:
+        self._free = deque(range(self.num_blocks))
+        if self.cache is not None:
+            self.cache.clear()

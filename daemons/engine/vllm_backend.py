@@ -21,12 +21,12 @@ from typing import Callable
 import msgspec
 
 from daemons.config import ModelConfig, VllmConfig
-from daemons.engine.base import EngineError, EngineRequest, KvBlocks, StepResult, check_request
+from daemons.engine.base import EngineError, EngineRequest, KvBlocks, MigrationView, StepResult, check_request
 from daemons.engine.vllm_cache import VllmPrefixCache
 from daemons.engine.vllm_internals import VllmInternals, set_env, set_num_threads
-from daemons.engine.vllm_migration import LiveRequest, VllmMigrationMixin
+from daemons.engine.vllm_migration import LiveRequest, LiveRequests, VllmMigrations
 from daemons.kvlayout import KvShards
-from daemons.wire import InstanceLoad, RequestLoad, TokenOut
+from daemons.wire import InstanceLoad, MigratingRequest, RequestLoad, RequestState, TokenOut
 
 log = logging.getLogger("llumnix.engine.vllm")
 
@@ -38,9 +38,11 @@ def _cdiv(a: int, b: int) -> int:
 # ==================================================================== the engine
 
 
-class VllmEngine(VllmMigrationMixin):
+class VllmEngine:
     """The Engine protocol over vLLM. Not thread-safe: add, abort and step mutate one scheduler, so every
-    call must come from one thread (or be serialized), as the protocol says."""
+    call must come from one thread (or be serialized), as the protocol says. Its parts: vLLM's internals
+    (``VllmInternals``, with ``state`` to read them), the requests it serves (``LiveRequests``) and the migrating
+    ones (``VllmMigrations``, to which the migration verbs go)."""
 
     backend = "vllm"
     blocking_step = True  # a step is milliseconds of model compute: the instance runs it off its event loop
@@ -52,23 +54,21 @@ class VllmEngine(VllmMigrationMixin):
         set_env(vllm)
         self.cfg = vllm
         self._v = VllmInternals(model, vllm)
-        self.version = self._v.m.version
-        self.block_size = self._v.block_size
-        self.max_model_len = self._v.max_model_len
+        self._s = s = self._v.state
+        self.version = s.m.version
+        self.block_size = s.block_size
+        self.max_model_len = s.max_model_len
         self.prefix_caching = bool(vllm.enable_prefix_caching)
         # What the instance publishes of vLLM's prefix cache (daemons/engine/vllm_cache.py).
-        self.cache = VllmPrefixCache(self._v.scheduler, self._v.pool) if self.prefix_caching else None
+        self.cache = VllmPrefixCache(s.scheduler, s.pool) if self.prefix_caching else None
         self.eos_token_id = self._v.eos_token_id
-        self._live: dict[str, LiveRequest] = {}
-        self._suspended: set[str] = set()
-        self._reserved: dict[str, LiveRequest] = {}
-        self._cached: dict[str, int] = {}  # reservation -> its leading blocks found in the prefix cache
+        self._live = LiveRequests()
+        self._migrations = VllmMigrations(self._live, s, self._v.moves, self._v.sampling_params)
         self._kv_blocks: KvBlocks | KvShards | None = None
-        self._finished_preemptions = 0
         self._received = 0
         self._tokens_generated = 0
         self._closed = False
-        if not self._v.in_process:
+        if not s.in_process:
             self.kv_blocks()
 
     def init_thread(self) -> None:
@@ -83,11 +83,12 @@ class VllmEngine(VllmMigrationMixin):
     def add_request(self, request: EngineRequest) -> None:
         rid, prompt, sp = request.request_id, request.prompt_token_ids, request.sampling
         n = len(prompt)
-        check_request(request, rid in self._live or rid in self._reserved, self.max_model_len, self._v.vocab_size)
+        check_request(request, rid in self._live or self._migrations.reserving(rid), self.max_model_len,
+                      self._s.vocab_size)
         peak = _cdiv(min(n + sp.max_tokens, self.max_model_len), self.block_size)
-        if peak > self._v.blocks_total():
+        if peak > self._s.blocks_total():
             raise EngineError(f"prompt plus max_tokens may reach {peak * self.block_size} tokens; this instance's KV "
-                              f"cache holds {self._v.blocks_total() * self.block_size}; lower max_tokens or shorten the prompt")
+                              f"cache holds {self._s.blocks_total() * self.block_size}; lower max_tokens or shorten the prompt")
         done = request.output_token_ids
         if done:  # a failover: re-prefill prompt + what the client already has, continue at the next index
             prompt = [*prompt, *done]
@@ -95,10 +96,10 @@ class VllmEngine(VllmMigrationMixin):
                                          min_tokens=max(0, sp.min_tokens - len(done)))
         try:
             params = self._v.sampling_params(sp)
-        except self._v.m.request_errors as exc:  # vLLM's validation errors carry a client-ready message
+        except self._s.m.request_errors as exc:  # vLLM's validation errors carry a client-ready message
             raise EngineError(str(exc)) from exc
         req = self._v.add(rid, list(prompt), params, request.arrival_time or time.time(), request.priority)
-        live = self._live[rid] = LiveRequest(rid, req, sp)
+        live = self._live.add(LiveRequest(rid, req, sp))
         live.emitted = len(done)
         self._received += 1
 
@@ -106,16 +107,13 @@ class VllmEngine(VllmMigrationMixin):
         live = self._live.get(request_id)
         if live is None:
             return False
-        if request_id in self._suspended:
-            self._suspended.discard(request_id)
-            self._v.drop_suspended(live.req)
-        else:
+        if not self._migrations.abort_suspended(live):
             self._v.abort(request_id)
-        self._forget(live)
+        self._live.forget(live)
         return True
 
     def has_work(self) -> bool:
-        return len(self._live) > len(self._suspended)
+        return len(self._live) > len(self._migrations.suspended())
 
     def step(self) -> StepResult:
         outputs: list[TokenOut] = []
@@ -143,7 +141,7 @@ class VllmEngine(VllmMigrationMixin):
                 if not tokens:
                     log.warning("vLLM finished %s (%s) without a token; the client sees no final token",
                                 live.rid, o.finish_reason)
-                self._forget(live)
+                self._live.forget(live)
         self._tokens_generated += len(outputs)
         return StepResult(outputs=outputs, model_time_s=0.0)
 
@@ -155,7 +153,7 @@ class VllmEngine(VllmMigrationMixin):
         return self.cache.snapshot() if self.cache is not None else []
 
     def load(self) -> InstanceLoad:
-        v = self._v
+        v = self._s
         total = v.blocks_total()
         running, waiting = v.counts()
         head = v.head_waiting()
@@ -166,7 +164,7 @@ class VllmEngine(VllmMigrationMixin):
             waiting=waiting,
             batch_size=self.cfg.max_num_seqs,
             block_size=self.block_size,
-            preemptions=self._finished_preemptions + sum(l.req.num_preemptions for l in self._live.values()),
+            preemptions=self._live.preemptions(),
             hol_demand_blocks=_cdiv(head.num_tokens, self.block_size) if head is not None else 0,
             requests_received=self._received,
             tokens_generated=self._tokens_generated,
@@ -176,7 +174,7 @@ class VllmEngine(VllmMigrationMixin):
         )
 
     def requests(self) -> list[RequestLoad]:
-        v = self._v
+        v = self._s
 
         def row(r, state: str) -> RequestLoad:
             return RequestLoad(request_id=r.request_id, state=state, blocks=len(v.block_ids(r.request_id)),
@@ -184,7 +182,7 @@ class VllmEngine(VllmMigrationMixin):
                                priority=v.priority(r))
 
         out = [row(r, "running") for r in v.running()]
-        out += [row(self._live[rid].req, "migrating") for rid in self._suspended]
+        out += [row(self._live[rid].req, "migrating") for rid in self._migrations.suspended()]
         out += [row(r, "preempted" if v.is_preempted(r) else "waiting") for r in v.waiting()]
         return out
 
@@ -192,18 +190,18 @@ class VllmEngine(VllmMigrationMixin):
         """The request's block ids in token order (empty while it waits). KeyError if unknown."""
         if request_id not in self._live:
             raise KeyError(request_id)
-        return list(self._v.block_ids(request_id))
+        return list(self._s.block_ids(request_id))
 
     @property
     def kv_caches(self) -> list:
         """The model runner's KV tensors, one per layer (see ``VllmInternals.kv_caches`` for the layout)."""
-        return self._v.kv_caches()
+        return self._s.kv_caches()
 
-    # ---------------------------------------------------------------- migration, source
+    # ---------------------------------------------------------------- migration (VllmMigrations does it)
 
     def kv_blocks(self) -> KvBlocks:
         if self._kv_blocks is None:
-            v = self._v
+            v = self._s
             if v.in_process:
                 self._kv_blocks = KvBlocks(list(v.kv_caches()), v.kv_describe(), v.kv_cache_layout())
             else:  # asked of every rank once, before the first step (collective_rpc is for between steps)
@@ -215,9 +213,9 @@ class VllmEngine(VllmMigrationMixin):
         """Where this engine's KV lives, for the KV transport (daemons/kvranks.py ``gloo_transport``): None in
         this process; else (call a method on every tensor-parallel worker between steps, how many there are),
         and every rank moves its own shard."""
-        if self._v.in_process:
+        if self._s.in_process:
             return None
-        return self._v.rpc, self._v.tensor_parallel_size
+        return self._s.rpc, self._s.tensor_parallel_size
 
     def shutdown(self) -> None:
         if self._closed:
@@ -226,8 +224,32 @@ class VllmEngine(VllmMigrationMixin):
         self._live.clear()
         self._v.shutdown()
 
-    # ---------------------------------------------------------------- internals
+    def migration_view(self, request_id: str) -> MigrationView | None:
+        return self._migrations.migration_view(request_id)
 
-    def _forget(self, live: LiveRequest) -> None:
-        del self._live[live.rid]
-        self._finished_preemptions += live.req.num_preemptions
+    def migrating_request(self, request_id: str) -> MigratingRequest:
+        return self._migrations.migrating_request(request_id)
+
+    def suspend(self, request_id: str) -> RequestState:
+        return self._migrations.suspend(request_id)
+
+    def resume(self, request_id: str) -> None:
+        self._migrations.resume(request_id)
+
+    def drop_migrated(self, request_id: str) -> None:
+        self._migrations.drop_migrated(request_id)
+
+    def reserve(self, request: MigratingRequest, tokens: int) -> list[int]:
+        return self._migrations.reserve(request, tokens)
+
+    def cached_blocks(self, request_id: str) -> int:
+        return self._migrations.cached_blocks(request_id)
+
+    def prefix_hits(self, prompts: list[list[int]]) -> list[int]:
+        return self._migrations.prefix_hits(prompts)
+
+    def commit(self, request_id: str, state: RequestState) -> None:
+        self._migrations.commit(request_id, state)
+
+    def release(self, request_id: str) -> bool:
+        return self._migrations.release(request_id)

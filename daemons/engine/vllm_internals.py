@@ -1,10 +1,10 @@
 """vLLM's internals, in one place: every vLLM module path, class and private attribute the vllm backend
 touches, with the version they were checked against, and the process environment vLLM needs first.
 
-Upgrading vLLM means re-reading this module and its two parts (``vllm_internals_state``: what the
-scheduler, cache manager and runner hold; ``vllm_internals_migration``: requests taken out and put back)
-against the new source, nothing else: the engine (``vllm_backend``) talks to vLLM only through
-``VllmInternals`` and ``set_env``.
+Upgrading vLLM means re-reading this module and its two parts (``vllm_internals_state.VllmState``: what
+the scheduler, cache manager and runner hold; ``vllm_internals_migration.VllmMoves``: requests taken out and
+put back) against the new source, nothing else: the engine (``vllm_backend``) talks to vLLM only through
+``VllmInternals`` (and its ``state`` and ``moves``) and ``set_env``.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from types import SimpleNamespace
 
 from daemons.config import ModelConfig, VllmConfig
 from daemons.engine.base import EngineError
-from daemons.engine.vllm_internals_migration import VllmMigrationMixin
-from daemons.engine.vllm_internals_state import AMX_ENV, VllmStateMixin
+from daemons.engine.vllm_internals_migration import VllmMoves
+from daemons.engine.vllm_internals_state import AMX_ENV, VllmState
 
 TESTED_VERSION = "0.32"  # major.minor the VllmInternals section was checked against
 UNTESTED_ENV = "LLUMNIX_VLLM_UNTESTED"
@@ -55,8 +55,10 @@ _set_num_threads = None  # torch's own set_num_threads, saved before vLLM replac
 # ==================================================================== vLLM internals (checked: 0.32.0)
 
 
-class VllmInternals(VllmStateMixin, VllmMigrationMixin):
-    """The only place that knows vLLM's module paths, classes and attributes.
+class VllmInternals:
+    """The only place that knows vLLM's module paths, classes and attributes: it starts vLLM's core and
+    adds, aborts and steps requests; ``state`` (``VllmState``) reads what the core holds, ``moves``
+    (``VllmMoves``) takes requests out and puts them in for a migration.
 
     Public-ish API used: ``EngineArgs.create_engine_config``, ``Executor.get_class``, ``EngineCore``
     (``preprocess_add_request``, ``add_request``, ``abort_requests``, ``step_fn``, ``post_step``,
@@ -183,13 +185,11 @@ class VllmInternals(VllmStateMixin, VllmMigrationMixin):
         self.model_config = self.config.model_config
         if cfg.tensor_parallel_size > 1 and cfg.worker_nice > 0:
             self.renice_workers(cfg.worker_nice)
-        self.scheduler = self.core.scheduler
-        self.kv = self.scheduler.kv_cache_manager
-        self.pool = self.kv.block_pool
+        self.state = VllmState(m, self.core, self.config)
+        self.moves = VllmMoves(self.state)
         self.generation_config = self.model_config.try_get_generation_config()
         eos = self.generation_config.get("eos_token_id", getattr(self.model_config.hf_config, "eos_token_id", None))
         self.eos_token_id = eos[0] if isinstance(eos, list) and eos else eos
-        self._held: set[str] = set()  # reservations: requests that hold blocks but are not in the scheduler
         if getattr(self.config.scheduler_config, "async_scheduling", False):
             raise EngineError("vLLM chose async scheduling; the vllm backend steps synchronously "
                               "(migration suspends requests between steps)")
@@ -211,11 +211,6 @@ class VllmInternals(VllmStateMixin, VllmMigrationMixin):
         return {"distributed_executor_backend": "mp", "tensor_parallel_size": cfg.tensor_parallel_size,
                 "worker_extension_cls": "daemons.tpworker.LlumnixWorker"}
 
-    @property
-    def in_process(self) -> bool:
-        """True when the model runner (KV tensors, per-request state) lives in this process."""
-        return self.tensor_parallel_size <= 1
-
     def worker_pids(self) -> list[int]:
         """The worker processes of vLLM's multiprocess executor (none for the ``uni`` executor)."""
         workers = getattr(self.core.model_executor, "workers", None) or []
@@ -229,10 +224,6 @@ class VllmInternals(VllmStateMixin, VllmMigrationMixin):
                     os.setpriority(os.PRIO_PROCESS, int(tid), os.getpriority(os.PRIO_PROCESS, int(tid)) + increment)
             except OSError as exc:  # gone, or no /proc (not Linux): they run at our priority
                 log.warning("could not renice worker process %d: %s", pid, exc)
-
-    def rpc(self, method: str, *args) -> list:
-        """Call a ``LlumnixWorker`` method on every rank (between steps only); one result per rank."""
-        return self.core.model_executor.collective_rpc(method, args=args)
 
     # ---- requests
     def sampling_params(self, sp) -> object:
@@ -249,7 +240,7 @@ class VllmInternals(VllmStateMixin, VllmMigrationMixin):
         return p
 
     def add(self, request_id: str, prompt: list[int], params, arrival_time: float, priority: int):
-        req = self.build(request_id, prompt, params, arrival_time, priority)
+        req = self.moves.build(request_id, prompt, params, arrival_time, priority)
         self.core.add_request(req)
         return req  # vllm.v1.request.Request: read for counters, never written
 

@@ -5,85 +5,91 @@ from __future__ import annotations
 
 import time
 
+from daemons.engine.vllm_internals_state import VllmState
 from daemons.engine.vllm_worker import commit_runner_state, generator_state
 
 
-class VllmMigrationMixin:
-    """Of VllmInternals: reads ``m`` (vLLM's names), ``core``, ``scheduler``, ``config`` and the others its
-    ``__init__`` sets."""
+class VllmMoves:
+    """Requests taken out of vLLM's scheduler and put in, through ``state`` (a ``VllmState``: vLLM's names,
+    core, scheduler, cache manager, runner). It owns the set of reservations it made: requests that hold blocks
+    but are not in the scheduler."""
+
+    def __init__(self, state: VllmState):
+        self._s = state
+        self._held: set[str] = set()
 
     def is_running(self, req) -> bool:
-        return req.status == self.m.RUNNING and req.num_output_placeholders == 0 and not req.spec_token_ids
+        return req.status == self._s.m.RUNNING and req.num_output_placeholders == 0 and not req.spec_token_ids
 
     def suspend(self, req) -> bytes:
-        self.scheduler.running.remove(req)
-        if self.in_process:
-            return generator_state(self.runner(), req.request_id)
-        return self.rpc("llumnix_generator_state", req.request_id)[0]  # every rank samples alike
+        self._s.scheduler.running.remove(req)
+        if self._s.in_process:
+            return generator_state(self._s.runner(), req.request_id)
+        return self._s.rpc("llumnix_generator_state", req.request_id)[0]  # every rank samples alike
 
     def resume(self, req) -> None:
-        self.scheduler.running.append(req)
+        self._s.scheduler.running.append(req)
 
     def drop_suspended(self, req) -> None:
-        self.scheduler.running.append(req)  # so the scheduler's own abort path finds it where it expects
-        self.core.abort_requests([req.request_id])
+        self._s.scheduler.running.append(req)  # so the scheduler's own abort path finds it where it expects
+        self._s.core.abort_requests([req.request_id])
 
     def build(self, request_id: str, prompt: list[int], params, arrival_time: float, priority: int):
         """A vLLM ``Request`` for our ``priority`` (1 = high), which vLLM serves first as -1."""
-        ecr = self.m.EngineCoreRequest(
+        ecr = self._s.m.EngineCoreRequest(
             request_id=request_id, prompt_token_ids=prompt, mm_features=None, sampling_params=params,
             pooling_params=None, arrival_time=arrival_time, lora_request=None, cache_salt=None,
             data_parallel_rank=None, priority=-priority)
-        req, _wave = self.core.preprocess_add_request(ecr)
+        req, _wave = self._s.core.preprocess_add_request(ecr)
         return req
 
     def allocate_first(self, req, tokens: int) -> tuple[list[int], int] | None:
         """The first hold of an incoming request: with prefix caching, the blocks of its prompt's longest
         cached prefix are taken from the cache (shared, counted once: only the rest is new), and how many
         leading blocks that is comes back with the block ids."""
-        if not self.config.cache_config.enable_prefix_caching:
+        if not self._s.config.cache_config.enable_prefix_caching:
             blocks = self.allocate(req, tokens)
             return None if blocks is None else (blocks, 0)
-        computed, hit, _ = self.kv.get_computed_blocks(req)
+        computed, hit, _ = self._s.kv.get_computed_blocks(req)
         if not hit:
             blocks = self.allocate(req, tokens)
             return None if blocks is None else (blocks, 0)
         if self._allocate(req, tokens - hit, hit, computed) is None:
             return None
-        return self.block_ids(req.request_id), hit // self.block_size
+        return self._s.block_ids(req.request_id), hit // self._s.block_size
 
     def prefix_hits(self, prompts: list[list[int]], params) -> list[int]:
         """Of each prompt, the leading full blocks its longest cached prefix covers here now (as the first
         hold of a migrating request with that prompt would find them)."""
-        if not self.config.cache_config.enable_prefix_caching:
+        if not self._s.config.cache_config.enable_prefix_caching:
             return [0] * len(prompts)
         hits = []
         for i, prompt in enumerate(prompts):
-            if len(prompt) <= self.block_size:
+            if len(prompt) <= self._s.block_size:
                 hits.append(0)
                 continue
             probe = self.build(f"llumnix-prefix-probe-{i}", list(prompt), params, time.time(), 0)
-            _, hit, _ = self.kv.get_computed_blocks(probe)
-            hits.append(hit // self.block_size)
+            _, hit, _ = self._s.kv.get_computed_blocks(probe)
+            hits.append(hit // self._s.block_size)
         return hits
 
     def allocate(self, req, tokens: int) -> list[int] | None:
         """Grow ``req``'s blocks to cover ``tokens`` tokens (num_computed_tokens stays 0 until commit)."""
-        have = len(self.kv.get_block_ids(req.request_id)[0]) if req.request_id in self._held else 0
-        if -(-tokens // self.block_size) <= have:
-            return self.block_ids(req.request_id)
+        have = len(self._s.kv.get_block_ids(req.request_id)[0]) if req.request_id in self._held else 0
+        if -(-tokens // self._s.block_size) <= have:
+            return self._s.block_ids(req.request_id)
         if self._allocate(req, tokens) is None:
             return None
-        return self.block_ids(req.request_id)
+        return self._s.block_ids(req.request_id)
 
     def _allocate(self, req, new_tokens: int, hit: int = 0, computed=None):
-        blocks = self.kv.allocate_slots(req, new_tokens, num_new_computed_tokens=hit, new_computed_blocks=computed,
+        blocks = self._s.kv.allocate_slots(req, new_tokens, num_new_computed_tokens=hit, new_computed_blocks=computed,
                                         delay_cache_blocks=True)
         if blocks is None:
             return None
         self._held.add(req.request_id)
         new = set(blocks.get_block_ids()[0])
-        for manager in getattr(self.kv.coordinator, "single_type_managers", ()):
+        for manager in getattr(self._s.kv.coordinator, "single_type_managers", ()):
             pending = getattr(manager, "new_block_ids", None)
             if pending:  # the runner would zero these at the next step, perhaps after we wrote them
                 manager.new_block_ids = [b for b in pending if b not in new]
@@ -91,26 +97,26 @@ class VllmMigrationMixin:
 
     def free(self, req) -> None:
         self._held.discard(req.request_id)
-        self.kv.free(req)
+        self._s.kv.free(req)
 
     def commit(self, req, outputs: list[int], engine_state: bytes) -> None:
         self._held.discard(req.request_id)
         req.append_output_token_ids(outputs)
         req.num_computed_tokens = req.num_tokens - 1  # the last sampled token's KV is computed by the next step
         req.num_cached_tokens = req.num_computed_tokens
-        req.status = self.m.RUNNING
-        if self.config.cache_config.enable_prefix_caching:
-            self.kv.cache_blocks(req, req.num_computed_tokens)
+        req.status = self._s.m.RUNNING
+        if self._s.config.cache_config.enable_prefix_caching:
+            self._s.kv.cache_blocks(req, req.num_computed_tokens)
         params = req.sampling_params
         rid = req.request_id
-        came_back = rid in self.scheduler.finished_req_ids
+        came_back = rid in self._s.scheduler.finished_req_ids
         if came_back:  # it left this engine (migrated away) and came back before a step let the runner forget it
-            self.scheduler.finished_req_ids.discard(rid)
-        args = (rid, req.prompt_token_ids, params, params.sampling_type == self.m.RANDOM_SEED, engine_state,
-                list(self.block_ids(rid)), req.num_computed_tokens, list(req.output_token_ids), came_back)
-        if self.in_process:
-            commit_runner_state(self.runner(), self.m.CachedRequestState, *args)
+            self._s.scheduler.finished_req_ids.discard(rid)
+        args = (rid, req.prompt_token_ids, params, params.sampling_type == self._s.m.RANDOM_SEED, engine_state,
+                list(self._s.block_ids(rid)), req.num_computed_tokens, list(req.output_token_ids), came_back)
+        if self._s.in_process:
+            commit_runner_state(self._s.runner(), self._s.m.CachedRequestState, *args)
         else:
-            self.rpc("llumnix_commit", *args)
-        self.scheduler.requests[req.request_id] = req
-        self.scheduler.running.append(req)
+            self._s.rpc("llumnix_commit", *args)
+        self._s.scheduler.requests[req.request_id] = req
+        self._s.scheduler.running.append(req)

@@ -1,5 +1,6 @@
-"""vLLM's internals (daemons/engine/vllm_internals.py), continued: what the scheduler, the KV cache manager and the model runner hold: sizes, counts, block tables, KV tensors and layout. Checked against the same vLLM
-version (``vllm_internals.TESTED_VERSION``)."""
+"""vLLM's internals (daemons/engine/vllm_internals.py), continued: what the scheduler, the KV cache manager and
+the model runner hold: sizes, counts, block tables, KV tensors and layout, and the call to every worker. Checked
+against the same vLLM version (``vllm_internals.TESTED_VERSION``)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,19 @@ from daemons.engine.vllm_worker import attention_backends
 AMX_ENV = "LLUMNIX_VLLM_AMX_ATTENTION"  # =1 keeps vLLM's AMX attention kernel (see VllmInternals.workarounds)
 
 
-class VllmStateMixin:
-    """Of VllmInternals: reads ``m`` (vLLM's names), ``core``, ``scheduler``, ``config`` and the others its
-    ``__init__`` sets."""
+class VllmState:
+    """Reads of a running vLLM core (its scheduler, KV cache manager, block pool and model runner), made of
+    ``m`` (vLLM's names, ``VllmInternals.import_checked``), the ``EngineCore`` and its ``VllmConfig``. It owns
+    nothing of its own: what it reads is vLLM's."""
+
+    def __init__(self, m, core, config):
+        self.m = m
+        self.core = core
+        self.config = config
+        self.model_config = config.model_config
+        self.scheduler = core.scheduler
+        self.kv = self.scheduler.kv_cache_manager
+        self.pool = self.kv.block_pool
 
     @property
     def vocab_size(self) -> int:
@@ -92,3 +103,12 @@ class VllmStateMixin:
     @property
     def tensor_parallel_size(self) -> int:
         return self.config.parallel_config.tensor_parallel_size
+
+    @property
+    def in_process(self) -> bool:
+        """True when the model runner (KV tensors, per-request state) lives in this process."""
+        return self.tensor_parallel_size <= 1
+
+    def rpc(self, method: str, *args) -> list:
+        """Call a ``LlumnixWorker`` method on every rank (between steps only); one result per rank."""
+        return self.core.model_executor.collective_rpc(method, args=args)

@@ -78,7 +78,7 @@ def engine(model_dir, **kw):
 
 
 def pool_used(e: VllmEngine) -> int:
-    pool = e._v.pool  # vLLM's block pool, read directly: the figure load() must agree with
+    pool = e._v.state.pool  # vLLM's block pool, read directly: the figure load() must agree with
     return pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
 
 
@@ -463,7 +463,7 @@ def test_prefix_cache_events_name_the_blocks_as_the_proxy_hashes_them(model_dir)
         assert e.cache.query_tokens == len(a) + len(b)
         assert e.cache.hit_tokens == 96  # a: nothing cached; b: its three shared blocks
         e.cache_events()
-        assert e._v.pool.reset_prefix_cache()
+        assert e._v.state.pool.reset_prefix_cache()
         removed = {k for s, k in e.cache_events() if not s}
         assert set(want[:3]) <= removed
         assert e.cache_snapshot() == []

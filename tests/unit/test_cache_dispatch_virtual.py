@@ -44,7 +44,7 @@ def test_a_burst_sharing_one_prefix_spreads_rather_than_piling_onto_the_warm_ins
 
         def share() -> bool:
             nonlocal peak
-            running = [len(inst.engine._running) for inst in c.instances.values()]
+            running = [inst.engine.load().running for inst in c.instances.values()]
             if sum(running) >= 12:
                 peak = max(peak, max(running) / sum(running))
             return all(s.done for s in streams)
