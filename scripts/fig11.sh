@@ -8,7 +8,7 @@
 #   bash scripts/fig11.sh [OUT_DIR] [ARGS...]   -> OUT_DIR/fig11.json, OUT_DIR/fig11.png (default: ./results)
 #
 # ARGS go to python -m llumnixctl.experiments.figs.fig11 (--quick, --requests N, --instances N).
-# Takes about 6 minutes on an idle 2-core machine (33 simulations of 2,000 requests, on every core).
+# Takes about 8 minutes on an idle 2-core machine (33 simulations of 2,000 requests, on every core).
 set -euo pipefail
 source "$(dirname "$0")/figure-env.sh"  # the repository, $out (default results/), .venv with matplotlib
 "$venv/bin/python" -m llumnixctl.experiments.figs.fig11 --out "$out" "$@"
