@@ -52,7 +52,7 @@ class ManagerConfig:
     dead_after_missed: int = setting(3, "heartbeats an instance may miss before it counts as late; a late instance whose connection is up stays in dispatch (slow is not dead), one whose connection cannot be watched is marked dead", minimum=1)
     link_timeout_s: float = setting(3.0, "a connection to an instance that answers no keepalive for this long is dropped and reconnected; the instance is marked dead when the reconnection is refused (its process is gone: a killed one within ~0.1 s) or has not completed within this long again (frozen, or host unreachable); keepalives are answered by ZeroMQ's I/O thread, so a busy instance keeps answering", minimum=0.05)
     silent_dead_s: float = setting(30.0, "an instance whose connection is up but that sends no report for this long is marked dead (a wedged process)", minimum=0.1)
-    dispatch_policy: str = setting("llumnix", "where new requests go: llumnix (freest by virtual usage; migrates), llumnix-cache (as llumnix, but among instances free enough (scheduling.cache_band, scheduling.cache_min_freeness) the one that caches most of the request's prompt, by the cluster prefix index of the proxy or, for dispatches it is asked for, the manager), infaas++ (freest by real usage, no migration), rr (round-robin, no migration), flood (all to one, no migration; tests)", choices=("llumnix", "llumnix-cache", "infaas++", "rr", "flood"))
+    dispatch_policy: str = setting("llumnix", "where new requests go: llumnix (freest by virtual usage; migrates), llumnix-cache (as llumnix, but among instances free enough (scheduling.cache_band, scheduling.cache_min_freeness) the one that caches most of the request's prompt, by the cluster prefix index of the proxy or, for dispatches it is asked for, the manager), infaas++ (freest by real usage, no migration), rr (round-robin, no migration), flood (all to one, no migration; tests), slo (the best predicted time to first token, counting only the uncached part of the prompt, among the instances whose predicted time per output token stays under [slo]'s target; virtual usage counts the TPOT target; migrates)", choices=("llumnix", "llumnix-cache", "infaas++", "rr", "flood", "slo"))
     query_timeout_s: float = setting(1.0, "how long the manager waits for instances to answer a fan-out query", minimum=0.01)
     dead_instance_ttl_s: float = setting(600.0, "a dead instance stays in the view (state dead) this long, then is forgotten", minimum=0.0)
     pending_dispatch_ttl_s: float = setting(5.0, "a dispatch not yet seen in its instance's reports stops counting as load after this long", minimum=0.0)
@@ -123,6 +123,18 @@ class AdmissionConfig:
     high_priority_factor: float = setting(2.0, "high-priority requests are refused only past this many times the bounds above (and at least one more waiting request and KV cache per instance): high priority is never refused while normal work is admitted", minimum=1.0)
     queue_timeout_s: float = setting(30.0, "a request that finds no instance that can take it right now (all busy being stalled, draining or cordoned) waits this long for one, then gets 503; with no live instance at all, 503 comes at once", minimum=0.0)
     retry_after_s: int = setting(1, "the Retry-After (seconds) of a 429 or 503 from admission control", minimum=0)
+
+
+@dataclass
+class SloConfig:
+    ttft_ms: float = setting(0.0, "time-to-first-token target of normal-priority requests, ms (0 = none). Setting a TTFT target turns admission by SLO on: a request is admitted when some instance is predicted to meet its class's target (each instance's step-time model, fitted from its own steps), else 429 with a Retry-After from the predicted drain time; the queue-length bounds of [admission] then no longer apply", minimum=0.0)
+    tpot_ms: float = setting(0.0, "time-per-output-token target of normal-priority requests, ms (0 = none): manager.dispatch_policy slo places new requests where it holds, and virtual usage counts it (an instance predicted at slo.tpot_full of it looks full: decodes migrate off it)", minimum=0.0)
+    high_ttft_ms: float = setting(0.0, "TTFT target of high-priority requests, ms (0 = ttft_ms). A high-priority request queues behind high-priority work only, so it is refused last; while one would be refused, normal ones are too (unless normal holds less than normal_share)", minimum=0.0)
+    high_tpot_ms: float = setting(0.0, "TPOT target of high-priority requests, ms (0 = tpot_ms)", minimum=0.0)
+    normal_share: float = setting(0.1, "share of the cluster's requests (running and queued) kept for normal priority: while normal holds less, a normal request is admitted on its own TTFT target even when high-priority ones are refused, so high priority cannot starve it", minimum=0.0, maximum=1.0)
+    tpot_full: float = setting(0.95, "an instance whose predicted TPOT reaches this fraction of the TPOT target counts as full in virtual usage (manager.dispatch_policy slo): dispatch avoids it, pairing moves decodes off it; one far below looks nearly free, and is consolidated for scale-in", minimum=0.05, maximum=1.0)
+    give_up_factor: float = setting(2.0, "a request with a TTFT target that has waited this many times its target for its first token (queued: nothing streamed yet) is answered 429 with Retry-After and aborted, freeing its place, rather than served hopelessly late; a high-priority admission that pushes queued normal requests past it so displaces them (0 = never)", minimum=0.0)
+    window_s: float = setting(60.0, "the window of the attainment that llumnixctl status shows (the proxies' goodput counters keep every request)", minimum=1.0)
 
 
 @dataclass
@@ -245,6 +257,7 @@ class Config:
     instance: InstanceConfig = field(default_factory=InstanceConfig)
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    slo: SloConfig = field(default_factory=SloConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     sim: SimConfig = field(default_factory=SimConfig)
     vllm: VllmConfig = field(default_factory=VllmConfig)

@@ -73,6 +73,23 @@ class RequestLoad(msgspec.Struct, array_like=True, omit_defaults=True):
     priority: int = 0
 
 
+class LatencyFit(msgspec.Struct, array_like=True, omit_defaults=True):
+    """An instance's step-time model, fitted online from its own steps (daemons/instance/predictor.py), in the
+    form of the sim engine's latency model: a step that prefills P tokens and decodes D requests holding C
+    context tokens takes prefill_ms + prefill_ms_per_token * P (if P) + decode_ms + decode_ms_per_seq * D +
+    decode_ms_per_token * C (if D) milliseconds."""
+
+    steps: int = 0  # steps observed (0: no model yet; nothing is predicted from it)
+    prefill_ms: float = 0.0
+    prefill_ms_per_token: float = 0.0
+    decode_ms: float = 0.0
+    decode_ms_per_seq: float = 0.0
+    decode_ms_per_token: float = 0.0
+    extra_ms: float = 0.0  # recent mean of (step time - the model's decode part): prefills of others, noise
+    chunk_tokens: int = 0  # most prompt tokens one step prefills (the engine's budget; 0: unbounded)
+    finish_rate: float = 0.0  # requests finished per second, recent mean (how fast queued requests get a slot)
+
+
 class InstanceLoad(msgspec.Struct, array_like=True, omit_defaults=True):
     """An instance's load at one moment: what every policy reads."""
 
@@ -96,6 +113,12 @@ class InstanceLoad(msgspec.Struct, array_like=True, omit_defaults=True):
     waiting_tokens: int = 0  # tokens the waiting requests have yet to prefill (the proxies' admission control)
     prefix_query_tokens: int = 0  # monotonic: prompt tokens looked up in the engine's prefix cache
     prefix_hit_tokens: int = 0  # monotonic: of those, found cached
+    # The SLO's inputs (daemons/policy/slo.py): the step-time model the instance fitted from its own steps, the
+    # work waiting ahead of a new high-priority request, and the tokens its running requests hold (decode cost).
+    latency: LatencyFit | None = None
+    waiting_high: int = 0  # waiting requests of high priority (a high request queues behind these only)
+    waiting_high_tokens: int = 0
+    context_tokens: int = 0  # tokens (prompt + generated) of the running requests
 
 
 # ---------------------------------------------------------------- instance <-> manager

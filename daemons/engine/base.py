@@ -77,6 +77,10 @@ class StepResult:
     # Seconds the step should take in model time. The sim engine computes no model, so it returns its
     # latency model's figure and the daemon waits out the rest; a real engine returns 0.0 (it already spent it).
     model_time_s: float = 0.0
+    # What the step did (the instance's step-time model learns from it: daemons/instance/predictor.py):
+    prefill_tokens: int = 0  # prompt tokens computed
+    decodes: int = 0  # requests that decoded a token
+    context_tokens: int = 0  # tokens those requests held
 
 
 @dataclass

@@ -52,6 +52,7 @@ class SimEngine:
         self.block_size = sim.block_size
         self.max_model_len = model.max_model_len
         self.num_blocks = sim.num_blocks
+        self.prefill_budget = sim.max_num_batched_tokens  # most prompt tokens one step prefills
         dtype = _DTYPES[sim.kv_dtype]
         shape = (sim.num_blocks, 2, sim.block_size, sim.kv_heads, sim.head_dim)
         self.kv_caches: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype) for _ in range(sim.kv_layers if kv else 0)]
@@ -168,7 +169,7 @@ class SimEngine:
         outputs += [self._sample(r) for r in prefilling]
         self._tokens_generated += len(outputs)
         model_s = model_time(self.cfg, self._profile, prefill_tokens, len(decoding), context_tokens)
-        return StepResult(outputs=outputs, model_time_s=model_s)
+        return StepResult(outputs, model_s, prefill_tokens, len(decoding), context_tokens)
 
     def load(self) -> InstanceLoad:
         used = self.num_blocks - len(self._blocks)
@@ -188,6 +189,9 @@ class SimEngine:
             running_blocks=used - self._migrations.held_blocks(),
             high_priority=sum(n for p, n in self._table.per_priority.items() if p > 0),
             waiting_tokens=self._waiting.tokens,
+            waiting_high=self._waiting.count_above(0),
+            waiting_high_tokens=self._waiting.tokens_above(0),
+            context_tokens=self._table.context_tokens(),
         )
 
     def requests(self) -> list[RequestLoad]:

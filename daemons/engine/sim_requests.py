@@ -104,6 +104,14 @@ class WaitingQueue:
     def __len__(self) -> int:
         return self._len
 
+    def count_above(self, priority: int) -> int:
+        """Waiting requests of a priority above ``priority``."""
+        return sum(len(self._classes[p]) for p in self._order if p > priority)
+
+    def tokens_above(self, priority: int) -> int:
+        """The tokens those will prefill."""
+        return sum(r.prompt_len + r.generated for p in self._order if p > priority for r in self._classes[p])
+
     def __iter__(self) -> Iterator[SimRequest]:
         for priority in self._order:
             yield from self._classes[priority]
@@ -129,6 +137,10 @@ class SimRequestTable:
             self.per_priority[req.priority] = left
         else:
             del self.per_priority[req.priority]
+
+    def context_tokens(self) -> int:
+        """Tokens (prompt and generated) the running requests hold."""
+        return sum(r.prompt_len + r.generated for r in self.running.values())
 
     def clear(self) -> None:
         self.by_id.clear()

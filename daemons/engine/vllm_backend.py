@@ -58,6 +58,7 @@ class VllmEngine:
         self.version = s.m.version
         self.block_size = s.block_size
         self.max_model_len = s.max_model_len
+        self.prefill_budget = self._v.prefill_budget  # most tokens one step schedules
         self.prefix_caching = bool(vllm.enable_prefix_caching)
         # What the instance publishes of vLLM's prefix cache (daemons/engine/vllm_cache.py).
         self.cache = VllmPrefixCache(s.scheduler, s.pool) if self.prefix_caching else None
@@ -143,7 +144,7 @@ class VllmEngine:
                                 live.rid, o.finish_reason)
                 self._live.forget(live)
         self._tokens_generated += len(outputs)
-        return StepResult(outputs=outputs, model_time_s=0.0)
+        return StepResult(outputs, 0.0, *self._v.last_work)
 
     def cache_events(self) -> list[tuple[bool, int]]:
         """(stored?, block key) of every prefix-cache change since the last call ([] without a cache)."""
@@ -157,6 +158,7 @@ class VllmEngine:
         total = v.blocks_total()
         running, waiting = v.counts()
         head = v.head_waiting()
+        waiting_high = [r for r in v.waiting() if v.priority(r) > 0] if waiting else []
         return InstanceLoad(
             blocks_total=total,
             blocks_used=total - v.blocks_free(),
@@ -171,6 +173,9 @@ class VllmEngine:
             running_blocks=sum(len(v.block_ids(r.request_id)) for r in v.running()),
             high_priority=v.high_priority_running(),
             waiting_tokens=v.waiting_tokens(),
+            waiting_high=sum(1 for r in waiting_high),
+            waiting_high_tokens=sum(r.num_tokens - r.num_computed_tokens for r in waiting_high),
+            context_tokens=sum(r.num_tokens for r in v.running()),
         )
 
     def requests(self) -> list[RequestLoad]:

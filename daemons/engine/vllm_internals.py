@@ -187,6 +187,9 @@ class VllmInternals:
             self.renice_workers(cfg.worker_nice)
         self.state = VllmState(m, self.core, self.config)
         self.moves = VllmMoves(self.state)
+        self.prefill_budget = int(self.config.scheduler_config.max_num_batched_tokens or 0)
+        self.last_work = (0, 0, 0)  # (prefill tokens, decodes, their context tokens) of the last step
+        self._watch_schedule()
         self.generation_config = self.model_config.try_get_generation_config()
         eos = self.generation_config.get("eos_token_id", getattr(self.model_config.hf_config, "eos_token_id", None))
         self.eos_token_id = eos[0] if isinstance(eos, list) and eos else eos
@@ -247,7 +250,30 @@ class VllmInternals:
     def abort(self, request_id: str) -> None:
         self.core.abort_requests([request_id])  # frees its blocks now
 
+    def _watch_schedule(self) -> None:
+        """Note what each step schedules (``last_work``): the scheduler's ``schedule`` is wrapped on the instance
+        (``EngineCore.step`` calls ``self.scheduler.schedule``). A request given one token is decoding; every
+        other scheduled token is prefill (a one-token prefill chunk counts as a decode: rare, and as cheap)."""
+        sched = self.core.scheduler
+        schedule = sched.schedule
+
+        def watched(*args, **kwargs):
+            out = schedule(*args, **kwargs)
+            per_request = out.num_scheduled_tokens
+            decodes = context = 0
+            requests = sched.requests
+            for rid, n in per_request.items():
+                if n == 1:
+                    decodes += 1
+                    r = requests.get(rid)
+                    context += r.num_tokens if r is not None else 0
+            self.last_work = (out.total_num_scheduled_tokens - decodes, decodes, context)
+            return out
+
+        sched.schedule = watched
+
     def step(self) -> list:
+        self.last_work = (0, 0, 0)
         outputs, executed = self.core.step_fn()
         self.core.post_step(model_executed=executed)
         eco = outputs.get(0) if outputs else None

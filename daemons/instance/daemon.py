@@ -23,6 +23,7 @@ from daemons.instance.control import Control
 from daemons.instance.intake import Intake
 from daemons.instance.listings import Listings
 from daemons.instance.mailbox import Mailbox
+from daemons.instance.predictor import StepFit
 from daemons.instance.reports import Heartbeats, Reporter
 from daemons.instance.selection import Orders
 from daemons.instance.standing import Identity, Standing
@@ -87,15 +88,17 @@ class Instance:
         self.listings = Listings(engine, self.requests, self.mailbox,
                                  lambda: self.intake.waiting() or self.mailbox.waiting(), self.line.tell, self.ident,
                                  self.clock)
+        self.fit = StepFit(getattr(engine, "prefill_budget", 0))  # the step-time model (the SLO's predictions)
         self.reporter = Reporter(engine, migrator, self.watchdog, self.line.tell, self.proxies, self.intake.taken,
                                  self.standing, self.ident, self.cache, self.phases, self.requests, heartbeat_s,
-                                 ic.load_report_min_interval_s, self.clock)
+                                 ic.load_report_min_interval_s, self.clock, self.fit)
         self.heartbeats = Heartbeats(
             self.reporter, self.watchdog, self.proxies, self.requests,
             lambda address, why: self.mailbox.call(lambda: self.intake.abort_orphans(address, why)),
             min(heartbeat_s, ic.step_timeout_s / 4), self.clock)
         self.stepper = StepLoop(engine, self.mailbox, self.intake, self.listings, self.tokens, self.reporter,
-                                self.cache, self.phases, migrator, self.watchdog, self.faults, ic, self.clock)
+                                self.cache, self.phases, migrator, self.watchdog, self.faults, ic, self.clock,
+                                self.fit)
         self.orders = Orders(engine, self.requests, self.mailbox, migrator, lambda: self.reporter.last,
                              self.intake.redispatch_queued, self.line.tell, self.ident, cfg.migration.max_in_flight,
                              self.clock)

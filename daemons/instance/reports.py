@@ -13,6 +13,7 @@ import msgspec
 from daemons import metrics, runtime, wire
 from daemons.clock import Clock
 from daemons.engine.base import Engine
+from daemons.instance.predictor import StepFit
 from daemons.instance.standing import Identity, Standing
 from daemons.instance.telemetry import (
     M_BEAT_LATE, M_BLOCKS_TOTAL, M_BLOCKS_USED, M_HEALTHY, M_KV_USAGE, M_PREEMPTIONS, M_RUNNING, M_WAITING)
@@ -50,13 +51,16 @@ class BeatLinks(Protocol):
 class Reporter:
     """Owns the last load (``last``, as of the last step or boundary, with the llumlet's own state), the
     event that says it changed, and the report sequence. Reads the engine, the migrator's counts, the
-    watchdog's verdict, the Submits taken per proxy (``taken``) and where the instance stands."""
+    watchdog's verdict, the Submits taken per proxy (``taken``), where the instance stands and the step-time
+    model (``fit``)."""
 
     def __init__(self, engine: Engine, migrator: Callable[[], Migrator | None], watchdog: Watchdog,
                  tell_manager: Callable[[wire.Message], None], proxies: BeatLinks, taken: Mapping[str, int],
                  standing: Standing, ident: Identity, cache: ReportedCache, phases: metrics.RequestPhases,
-                 requests: RequestTable, heartbeat_s: float, min_interval_s: float, clock: Clock):
+                 requests: RequestTable, heartbeat_s: float, min_interval_s: float, clock: Clock,
+                 fit: StepFit | None = None):
         self.engine = engine
+        self.fit = fit  # the step-time model the reports carry (None: none)
         self.migrator = migrator
         self.watchdog = watchdog
         self.tell_manager = tell_manager
@@ -84,6 +88,10 @@ class Reporter:
                                            migrations_committed=m.committed, migrations_aborted=m.aborted)
         if self.watchdog.stalled:
             load = msgspec.structs.replace(load, stalled=True)
+        if self.fit is not None:
+            latency = self.fit.fit()
+            if latency is not None:
+                load = msgspec.structs.replace(load, latency=latency)
         cache = getattr(self.engine, "cache", None)
         if cache is not None and cache.query_tokens:
             load = msgspec.structs.replace(load, prefix_query_tokens=cache.query_tokens, prefix_hit_tokens=cache.hit_tokens)

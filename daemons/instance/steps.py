@@ -27,6 +27,7 @@ from daemons.instance.cache import CacheReports
 from daemons.instance.intake import Intake
 from daemons.instance.listings import Listings
 from daemons.instance.mailbox import Mailbox
+from daemons.instance.predictor import StepFit
 from daemons.instance.reports import Reporter
 from daemons.instance.telemetry import M_STEP
 from daemons.instance.tokens import TokenPath
@@ -48,19 +49,22 @@ class Step:
     model_time_s: float  # (the sim) the time it stands for: its tokens exist once it is up
     load: wire.InstanceLoad  # the engine's, right after it
     rows: list[wire.RequestLoad] | None  # the engine's request rows right after it, when listings keep them
+    work: tuple[int, int, int] = (0, 0, 0)  # what it did: prefill tokens, decodes, their context tokens
 
 
 class StepLoop:
     """Owns the engine thread (``executor``, None when steps do not block: the sim), the step count and the
     faults that act on steps. Between steps it drives the other parts through their verbs: ``intake``
     (requests in), ``mailbox`` (engine calls), ``listings``, ``tokens`` (tokens out), ``reporter`` (the load),
-    ``cache`` (prefix-cache changes), ``phases`` (metrics) and the migrator's pacing (``migrator()``)."""
+    ``cache`` (prefix-cache changes), ``phases`` (metrics), the migrator's pacing (``migrator()``) and the step-time
+    model (``fit``)."""
 
     def __init__(self, engine: Engine, mailbox: Mailbox, intake: Intake, listings: Listings, tokens: TokenPath,
                  reporter: Reporter, cache: CacheReports, phases: metrics.RequestPhases,
                  migrator: Callable[[], Migrator | None], watchdog: Watchdog, faults: Faults, ic: InstanceConfig,
-                 clock: Clock):
+                 clock: Clock, fit: StepFit):
         self.engine = engine
+        self.fit = fit  # the step-time model: each step's work and time go to it
         self.mailbox = mailbox
         self.intake = intake
         self.listings = listings
@@ -163,7 +167,8 @@ class StepLoop:
         now = self.clock.monotonic()
         took = now - start
         rows = self.engine.requests() if self.listings.rows_due(took, now) else None
-        return Step(result.outputs, start, took, result.model_time_s, self.engine.load(), rows)
+        return Step(result.outputs, start, took, result.model_time_s, self.engine.load(), rows,
+                    (result.prefill_tokens, result.decodes, result.context_tokens))
 
     def _hangs(self) -> bool:
         """(Fault injection) Whether the next step, from the ``hang_step_after``-th on, never ends."""
@@ -203,7 +208,7 @@ class StepLoop:
         except Exception as exc:  # a loop callback's exception would only be logged: the step loop raises it
             self._failure = exc
             return
-        self.timed(step.took_s)
+        self.timed(step, step.took_s)
 
     async def run_paced(self) -> None:
         """One step, then the boundary: the sim (its steps take model time on the clock) and
@@ -229,7 +234,7 @@ class StepLoop:
         remaining = max(step.model_time_s, self.min_step_s) - (self.clock.monotonic() - step.start)
         # Always yield once per step so sockets are served even when steps take no model time.
         await self.clock.sleep(remaining if remaining > 0 else 0)
-        self.timed(self.clock.monotonic() - step.start)
+        self.timed(step, self.clock.monotonic() - step.start)
 
     # ------------------------------------------------------------------ postprocess
 
@@ -241,8 +246,11 @@ class StepLoop:
         self.phases.outputs(step.outputs, step.start, step_s)
         self.tokens.flush()
 
-    def timed(self, step_s: float) -> None:
+    def timed(self, step: Step, step_s: float) -> None:
+        """A step ended, ``step_s`` after it began (paced steps: padding included, as the clients see it)."""
         M_STEP.observe(step_s)
+        self.fit.stepped(*step.work, step_s)
+        self.fit.finished(sum(1 for o in step.outputs if o.finish_reason is not None), self.clock.monotonic())
         migrator = self.migrator()
         if migrator is not None:
             migrator.stepped(step_s)  # paces a migration's pre-copy (daemons/pacing.py)

@@ -22,6 +22,7 @@ from daemons.manager.records import M_BAD_FRAMES, M_REFUSED, InstanceRecord, Pol
 from daemons.manager.registry import Registry
 from daemons.manager.rescheduler import Rescheduler
 from daemons.manager.view import ClusterView, ProxyRanks
+from daemons.policy import slo
 from daemons.throttle import Throttle
 
 log = logging.getLogger("llumnix.manager")
@@ -64,7 +65,9 @@ class Manager:
         query_ids = itertools.count(1)  # fan-outs and migration orders: answers are matched by it
         next_id = lambda: next(query_ids)  # noqa: E731
         self.policies = Policies(cfg)
-        self.cluster = ClusterView(cfg.scheduling, self.clock)
+        targets = slo.class_targets(cfg.slo)
+        self.cluster = ClusterView(cfg.scheduling, self.clock, lambda: targets[slo.NORMAL].tpot_s
+                                   if self.policies.dispatch_policy == "slo" else 0.0, cfg.slo.tpot_full)
         self.proxies = ProxyRanks(mc.heartbeat_interval_s)
         self.queries = Queries(self.cluster, mc, self.send, next_id)
         self.resched = Rescheduler(cfg, self.cluster, self.policies, self.clock, self.send, self.spawn, next_id,
@@ -74,7 +77,7 @@ class Manager:
         self.registry = Registry(self.cluster, self.clock, mc, cfg.scheduling, self.send, self.liveness.watch,
                                  self.resched.joined)
         self.dispatcher = Dispatcher(self.cluster, self.policies, self.registry.cache_index.index, self.clock, mc,
-                                     cfg.scheduling)
+                                     cfg.scheduling, {c: t.tpot_s for c, t in targets.items()})
         orders, lifecycle = self.resched.orders, self.resched.lifecycle
         # What each message type does, given (connection identity, message, sender's key role:name): answered
         # at once (the reply, or None) ...

@@ -19,8 +19,10 @@ class Dispatcher:
     """Owns the dispatch turn and count, and writes each record's ledger (``pending``, ``dispatched_n``)."""
 
     def __init__(self, cluster: ClusterView, policies: Policies, index: PrefixIndex, clock: Clock,
-                 mc: ManagerConfig, sc: SchedulingConfig):
-        """``index``: which instance caches which prompt blocks (read, for llumnix-cache)."""
+                 mc: ManagerConfig, sc: SchedulingConfig, tpot_targets: dict[int, float] | None = None):
+        """``index``: which instance caches which prompt blocks (read, for llumnix-cache). ``tpot_targets``: per
+        priority class, for the slo policy."""
+        self.tpot_targets = tpot_targets or {}
         self.cluster = cluster
         self.policies = policies
         self.index = index
@@ -44,7 +46,7 @@ class Dispatcher:
         if plain:
             picks = policy.dispatch_batch(self.policies.dispatch_policy, self.cluster.states(now),
                                           [(msgs[i].priority, msgs[i].prompt_tokens + 1) for i in plain],
-                                          self.turn, headroom)
+                                          self.turn, headroom, self.tpot_targets)
             for i, iid in zip(plain, picks):
                 chosen[i] = iid
                 if iid is not None:
@@ -56,7 +58,8 @@ class Dispatcher:
             excluded = set(msgs[i].exclude)
             states = [self.cluster.state(r, now, excluded=r.instance_id in excluded) for r in self.cluster.records()]
             chosen[i] = policy.dispatch(self.policies.dispatch_policy, states, self.turn + i, headroom, msgs[i].priority,
-                                        hits=cached.get(i), cache_band=sc.cache_band, cache_floor=sc.cache_min_freeness)
+                                        hits=cached.get(i), cache_band=sc.cache_band, cache_floor=sc.cache_min_freeness,
+                                        tpot_target_s=self.tpot_targets.get(1 if msgs[i].priority > 0 else 0, 0.0))
             if i in cached:
                 blind = chosen[i] if chosen[i] not in cached[i] else policy.dispatch(
                     self.policies.dispatch_policy, states, self.turn + i, headroom, msgs[i].priority)
@@ -78,7 +81,7 @@ class Dispatcher:
     def _cache_hits(self, msgs: list[wire.Dispatch]) -> dict[int, dict[str, int]]:
         """llumnix-cache: for each query whose prompt some instance caches, the cached leading blocks of it on
         each instance that holds some (from our prefix index)."""
-        if self.policies.dispatch_policy != "llumnix-cache" or not len(self.index):
+        if self.policies.dispatch_policy not in ("llumnix-cache", "slo") or not len(self.index):
             return {}
         out = {}
         for i, m in enumerate(msgs):

@@ -11,6 +11,7 @@ from typing import Callable, Collection, Mapping, Protocol
 from daemons import policy, wire
 from daemons.clock import Clock
 from daemons.config import SchedulingConfig
+from daemons.policy import slo
 from daemons.manager.records import (M_CORDONED, M_DRAINING, M_FREENESS, M_INSTANCES, M_USAGE, PER_INSTANCE_GAUGES,
                                      InstanceRecord)
 
@@ -39,9 +40,13 @@ class ClusterView:
     scheduling states, the status view, gauges. Others that keep something per instance (the connection
     watch, the prefix index, the dispatch counter) subscribe to ``on_forget``."""
 
-    def __init__(self, sc: SchedulingConfig, clock: Clock):
+    def __init__(self, sc: SchedulingConfig, clock: Clock, slo_tpot: Callable[[], float] = lambda: 0.0,
+                 tpot_full: float = 0.95):
+        """``slo_tpot``: the TPOT target that virtual usage counts now (0: none, or a policy other than slo)."""
         self.sc = sc
         self.clock = clock
+        self.slo_tpot = slo_tpot
+        self.tpot_full = tpot_full
         self._instances: dict[str, InstanceRecord] = {}
         self.instances: Mapping[str, InstanceRecord] = MappingProxyType(self._instances)  # read-only
         self._forgotten: list[Callable[[InstanceRecord], None]] = []
@@ -93,13 +98,16 @@ class ClusterView:
         # something it is made of changed (a report, a dispatch or its retirement, a flag, an order, the
         # credit while it fades).
         credit = r.credit(now, self.sc.new_instance_credit_s) if r.credit0 else 0.0
-        key = (r.reports, r.dispatched_n, len(r.pending), r.state, r.drain_reason, r.cordoned, r.orders, credit)
+        tpot = self.slo_tpot()
+        key = (r.reports, r.dispatched_n, len(r.pending), r.state, r.drain_reason, r.cordoned, r.orders, credit, tpot)
         if not excluded and r.state_key == key:
             return r.cached_state
         s = policy.state_of(
             r.instance_id, r.load, pending_blocks=sum(b for _, b, _ in r.pending), pending_requests=len(r.pending),
             alive=r.state != "dead" and not r.load.stalled and not excluded, draining=r.draining, cordoned=r.cordoned,
             credit=credit, migrations=r.orders, scale_in_protected=r.info.scale_in_protected)
+        if tpot > 0:
+            s = slo.with_latency_usage(s, tpot, self.tpot_full)
         if not excluded:
             r.state_key, r.cached_state = key, s
         return s

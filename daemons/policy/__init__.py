@@ -6,10 +6,11 @@ One sign convention everywhere: *freeness*, higher is freer.
 - dispatch.py: where a new request goes (llumnix, infaas++, rr, flood)
 - migration.py: which instances pair up, which requests a source sends
 - scaling.py: when to add or remove an instance
+- slo.py: predicted TTFT and TPOT, the SLO's admission rule and its share of virtual usage
 """
 
 from daemons.policy.dispatch import (DISPATCH_POLICIES, MIGRATING_POLICIES, cache_choice, dispatch, dispatch_batch,
-                                     pick, scorer)
+                                     pick, scorer, slo_cache_choice)
 from daemons.policy.migration import (PAIRING_POLICIES, SELECTION_POLICIES, Choice, CrossNode, Pair, cross_node_budget_blocks,
                                       cross_node_saving_ms, crosses_hosts, pair, select_migrants, transfer_ms)
 from daemons.policy.scaling import SCALING_POLICIES, Scaler, average_freeness, scale_in_victim
@@ -20,7 +21,7 @@ from daemons.policy.usage import (INF, InstanceState, blocks_for, fading_credit,
 __all__ = [
     "DISPATCH_POLICIES", "MIGRATING_POLICIES", "PAIRING_POLICIES", "SELECTION_POLICIES", "SCALING_POLICIES",
     "INF", "InstanceState", "Pair", "Choice", "CrossNode", "Scaler",
-    "dispatch", "dispatch_batch", "pick", "scorer", "cache_choice", "pair", "select_migrants", "average_freeness", "scale_in_victim",
+    "dispatch", "dispatch_batch", "pick", "scorer", "cache_choice", "slo_cache_choice", "pair", "select_migrants", "average_freeness", "scale_in_victim",
     "crosses_hosts", "cross_node_budget_blocks", "cross_node_saving_ms", "transfer_ms",
     "blocks_for", "fading_credit", "freeness", "instance_freeness", "move_lowers_potential", "potential",
     "real_freeness", "real_usage", "request_usage", "scaling_freeness", "state_of", "virtual_usage",

@@ -5,18 +5,19 @@ from __future__ import annotations
 from dataclasses import replace
 from itertools import chain
 
+from daemons.policy.slo import slo_score
 from daemons.policy.usage import InstanceState, blocks_for, instance_freeness, real_freeness
 
-DISPATCH_POLICIES = ("llumnix", "llumnix-cache", "infaas++", "rr", "flood")
+DISPATCH_POLICIES = ("llumnix", "llumnix-cache", "infaas++", "rr", "flood", "slo")
 # The baselines dispatch without virtual usage and never migrate to rebalance (drains still migrate).
-MIGRATING_POLICIES = ("llumnix", "llumnix-cache")
+MIGRATING_POLICIES = ("llumnix", "llumnix-cache", "slo")
 # Scored by virtual usage (with llumnix-cache, a request's cached blocks may decide: ``cache_choice``).
 VIRTUAL_USAGE_POLICIES = ("llumnix", "llumnix-cache")
 
 
 def dispatch(policy: str, states: list[InstanceState], turn: int, headroom: float = 0.0, priority: int = 0,
              start: float | None = None, hits: dict[str, int] | None = None, cache_band: float = 0.25,
-             cache_floor: float = 0.0) -> str | None:
+             cache_floor: float = 0.0, tpot_target_s: float = 0.0) -> str | None:
     """Pick the instance for a new request of ``priority``, or None when no instance may take one.
 
     ``turn`` is a counter the caller advances on every dispatch: round-robin uses it, and the freeness
@@ -33,8 +34,13 @@ def dispatch(policy: str, states: list[InstanceState], turn: int, headroom: floa
     gather where normal load is light instead of each one spreading headroom over another instance.
     """
     eligible = sorted((s for s in states if s.dispatchable), key=lambda s: s.instance_id)
-    score = scorer(policy, headroom, priority)
+    score = scorer(policy, headroom, priority, tpot_target_s)
     ids, scores = [s.instance_id for s in eligible], [score(s) for s in eligible] if score else []
+    if policy == "slo" and hits:
+        j = slo_cache_choice({iid: j for j, iid in enumerate(ids)}, ids, {s.instance_id: s for s in eligible},
+                             scores, hits)
+        if j is not None:
+            return ids[j]
     if policy == "llumnix-cache" and hits:
         j = cache_choice({iid: j for j, iid in enumerate(ids)}, scores, hits, cache_band, cache_floor)
         if j is not None:
@@ -71,18 +77,41 @@ def cache_choice(at: dict[str, int], scores: list[float], hits: dict[str, int], 
     return chosen
 
 
-def scorer(policy: str, headroom: float = 0.0, priority: int = 0):
+def scorer(policy: str, headroom: float = 0.0, priority: int = 0, tpot_target_s: float = 0.0):
     """What ``dispatch`` ranks instances by for a request of ``priority``: a function of an InstanceState
     (higher is freer), or None for the policies that do not look at load. A dispatcher that keeps scores
-    between dispatches (a proxy's view of hundreds of instances) recomputes only the instances that changed."""
+    between dispatches (a proxy's view of hundreds of instances) recomputes only the instances that changed.
+    slo: minus the predicted TTFT of the queue (the request's own prompt adds the same on every instance but
+    for what each caches: ``slo_cache_bonus``), behind every instance that keeps ``tpot_target_s``."""
     if policy not in DISPATCH_POLICIES:
         raise ValueError(f"unknown dispatch policy {policy!r} (known: {', '.join(DISPATCH_POLICIES)})")
     if policy in ("rr", "flood"):
         return None
+    if policy == "slo":
+        return lambda s: slo_score(s, 0, priority > 0, tpot_target_s)
     if policy == "infaas++":
         return real_freeness
     h = 0.0 if priority > 0 else headroom  # llumnix and llumnix-cache (where ``cache_choice`` may decide)
     return lambda s: instance_freeness(s, h)
+
+
+def slo_cache_choice(at: dict[str, int], ids: list[str], states: dict[str, InstanceState], scores: list[float],
+                     hits: dict[str, int]) -> int | None:
+    """slo with a prefix index: the instances' scores less the prefill each saves with the request's cached
+    leading blocks (``hits``), so the predicted TTFT counts only the uncached part of the prompt. None: no
+    instance caches any of it (the plain scores decide)."""
+    if not hits or not scores:
+        return None
+    best_j, best = None, max(scores)
+    for iid, h in hits.items():
+        j = at.get(iid)
+        s = states.get(iid)
+        if j is None or h <= 0 or s is None or s.latency is None:
+            continue
+        score = scores[j] + h * s.block_size * s.latency.prefill_ms_per_token / 1000.0
+        if score > best:
+            best_j, best = j, score
+    return best_j
 
 
 def pick(policy: str, ids: list[str], scores: list[float], turn: int, start: float | None = None) -> str | None:
@@ -108,7 +137,7 @@ def pick(policy: str, ids: list[str], scores: list[float], turn: int, start: flo
 
 
 def dispatch_batch(policy: str, states: list[InstanceState], requests: list[tuple[int, int]], turn: int,
-                   headroom: float = 0.0) -> list[str | None]:
+                   headroom: float = 0.0, tpot_targets: dict[int, float] | None = None) -> list[str | None]:
     """Dispatch requests that arrived together, given as (priority, prompt tokens): higher
     scheduling priority first, each to the freest instance once the ones before it are counted there.
     Returns the chosen instance per request, in the order given.
@@ -130,6 +159,8 @@ def dispatch_batch(policy: str, states: list[InstanceState], requests: list[tupl
     ids = [s.instance_id for s in eligible]
 
     def score_fn(h: float):
+        if policy == "slo":  # (keyed by the priority class instead of the headroom)
+            return scorer("slo", priority=int(h), tpot_target_s=(tpot_targets or {}).get(int(h), 0.0))
         return (lambda s: instance_freeness(s, h)) if policy in VIRTUAL_USAGE_POLICIES else real_freeness
 
     scores: dict[float, list[float]] = {}  # by the headroom used: normal requests' and high ones' (0)
@@ -142,7 +173,7 @@ def dispatch_batch(policy: str, states: list[InstanceState], requests: list[tupl
 
     for k, i in enumerate(order):
         prio, tokens = requests[i]
-        h = 0.0 if prio > 0 else headroom
+        h = (1 if prio > 0 else 0) if policy == "slo" else 0.0 if prio > 0 else headroom
         xs = scored(h)
         best = max(xs)
         tol = 1e-9 * max(1.0, abs(best))

@@ -4,7 +4,8 @@ Virtual usage of an instance, in KV blocks: the blocks its requests really hold,
 dispatches not yet in its reports, plus the full demand of its head-of-line queued request
 (de-fragmentation: a long prompt that does not fit makes its instance look full), plus headroom for every
 running high-priority request (execution priority: normal requests move away from it), minus a credit
-while a new instance is being filled. A draining instance carries a fake request of infinite usage.
+while a new instance is being filled, plus (the slo policy) the usage its predicted TPOT adds as it nears
+the target (daemons/policy/slo.py). A draining instance carries a fake request of infinite usage.
 
 Freeness F = (M - sum V) / B: free blocks per request in the batch. Higher is freer, everywhere.
 """
@@ -38,6 +39,14 @@ class InstanceState:
     block_size: int = 16  # tokens per block
     host: str = ""  # the host it runs on (instance.host; empty: unknown, taken as the same host as every other)
     scale_in_protected: bool = False  # auto-scaling never picks it to retire
+    # The SLO's inputs (daemons/policy/slo.py), from its load report:
+    batch_size: int = 0  # most requests it runs at once
+    waiting_tokens: int = 0  # prompt tokens queued
+    waiting_high: int = 0  # queued requests of high priority, and their prompt tokens
+    waiting_high_tokens: int = 0
+    context_tokens: int = 0  # tokens its running requests hold
+    latency: object = None  # its fitted step-time model (wire.LatencyFit; None: none yet)
+    slo_usage: float = 0.0  # blocks of virtual usage its predicted TPOT adds (slo.latency_usage; 0: off)
 
     @property
     def batch(self) -> int:
@@ -72,7 +81,7 @@ def virtual_usage(s: InstanceState, headroom: float) -> float:
     if s.draining:
         return INF
     return (real_usage(s) + s.hol_demand + s.high_priority * headroom_blocks(s.blocks_total, headroom)
-            - s.credit)
+            - s.credit + s.slo_usage)
 
 
 def instance_freeness(s: InstanceState, headroom: float) -> float:
@@ -87,7 +96,7 @@ def real_freeness(s: InstanceState) -> float:
 
 def scaling_freeness(s: InstanceState) -> float:
     """Freeness of the normal-priority load: virtual usage without priority headroom or new-instance credit."""
-    return freeness(s.blocks_total, real_usage(s) + s.hol_demand, s.batch)
+    return freeness(s.blocks_total, real_usage(s) + s.hol_demand + s.slo_usage, s.batch)
 
 
 def request_usage(blocks: int, high: bool, blocks_total: int, headroom: float) -> float:
@@ -127,4 +136,6 @@ def state_of(instance_id: str, load, **flags) -> InstanceState:
     """An InstanceState from a load report (wire.InstanceLoad) and the manager's flags."""
     return InstanceState(instance_id, load.blocks_total, blocks_used=load.blocks_used, running=load.running,
                          waiting=load.waiting, hol_demand=load.hol_demand_blocks, high_priority=load.high_priority,
-                         block_size=load.block_size, **flags)
+                         block_size=load.block_size, batch_size=load.batch_size, waiting_tokens=load.waiting_tokens,
+                         waiting_high=load.waiting_high, waiting_high_tokens=load.waiting_high_tokens,
+                         context_tokens=load.context_tokens, latency=load.latency, **flags)

@@ -1,13 +1,18 @@
 """Admission: a new request is refused at once (429) while the cluster's queued work is past the [admission]
-bounds, or (503) when no instance lives. ``Placing``: the requests waiting here for an instance (or for their
-turn in the fair queue), which count as queued work."""
+bounds, or (503) when no instance lives; with an SLO ([slo] TTFT targets), when no instance is predicted to meet its
+class's time-to-first-token target (daemons/policy/slo.py ``admit``), with a Retry-After from the predicted drain
+time. ``Placing``: the requests waiting here for an instance (or for their turn in the fair queue), which count
+as queued work."""
 
 from __future__ import annotations
 
 import logging
+import math
 from typing import Callable
 
+from daemons import policy
 from daemons.clock import Clock
+from daemons.policy import slo
 from daemons.proxy.known import KnownInstances
 from daemons.proxy.stream import Overloaded
 from daemons.proxy.telemetry import AUTO_BATCHES, AUTO_KV_CACHES
@@ -42,15 +47,65 @@ class Admission:
     a key holds less than its share of the fair queue: daemons/proxy/fairgate.py)."""
 
     def __init__(self, adm, clock: Clock, known: KnownInstances, view: DispatchView, placing: Placing,
-                 under_share: Callable[[str], bool]):
+                 under_share: Callable[[str], bool], slo_cfg=None):
         self.adm = adm
         self.clock = clock
         self.known = known
         self.view = view
         self.placing = placing
         self.under_share = under_share
+        self.targets = slo.class_targets(slo_cfg) if slo_cfg is not None else {}
+        self.shares = {slo.NORMAL: slo_cfg.normal_share} if slo_cfg is not None else {}
+        self.by_slo = any(t.ttft_s > 0 for t in self.targets.values())  # a TTFT target turns admission by SLO on
 
-    def admit(self, priority: int, tenant: str = "") -> None:
+    def admit(self, priority: int, tenant: str = "", prompt_tokens: int = 0,
+              key_targets: slo.Targets | None = None) -> slo.Verdict | None:
+        """Raise Overloaded if the request is refused. With an SLO: by its class's TTFT target (``prompt_tokens``:
+        its prompt, an estimate before tokenizing; ``key_targets``: its API key's, where tighter), and the verdict
+        (with the best predicted TTFT) is returned; otherwise by the queue bounds (``admit_by_queue``)."""
+        if not self.by_slo:
+            self.admit_by_queue(priority, tenant)
+            return None
+        targets = self.targets
+        if key_targets is not None and key_targets.on:
+            cls = slo.HIGH if priority > 0 else slo.NORMAL
+            targets = {**targets, cls: targets[cls].tighter(key_targets)}
+        states = self.states()
+        if not states:
+            return None  # nothing to predict from: placement waits for an instance, or says none is alive
+        verdict = slo.admit(states, prompt_tokens, 1 if priority > 0 else 0, targets, self.shares)
+        if not verdict.admitted:
+            cls = "high-priority" if priority > 0 else "normal-priority"
+            if verdict.reason == "higher_class":
+                message = (f"the cluster is overloaded: high-priority requests are refused now, and normal ones "
+                           f"hold their share (slo.normal_share) or more")
+            else:
+                message = (f"the cluster is overloaded: no instance is predicted to give this {cls} request its first "
+                           f"token within its target ({targets[1 if priority > 0 else 0].ttft_s * 1000:g} ms, [slo]); "
+                           f"the best predicted is {_ms(verdict.ttft_s)}")
+            raise Overloaded(message, verdict.reason, verdict.retry_after_s)
+        return verdict
+
+    def states(self) -> list[policy.InstanceState]:
+        """The instances that take requests, as the SLO's predictions see them: their heartbeats' load, our own
+        dispatches they do not show yet, and the requests placing here spread over them."""
+        now = self.clock.monotonic()
+        serving = list(self.known.serving())
+        if not serving:
+            return []
+        n = len(serving)
+        waiting_here = math.ceil(len(self.placing) / n)
+        tokens_here = self.placing.tokens() / n
+        out = []
+        for iid, beat in serving:
+            load = beat.load
+            pending_requests, pending_blocks = self.view.pending(iid, now)
+            blocks_here = policy.blocks_for(int(tokens_here), load.block_size)
+            out.append(policy.state_of(iid, load, pending_requests=pending_requests + waiting_here,
+                                       pending_blocks=pending_blocks + blocks_here))
+        return out
+
+    def admit_by_queue(self, priority: int, tenant: str = "") -> None:
         """Raise Overloaded if the work that would wait in the cluster is past [admission]'s bounds for
         ``priority``. Requests that would wait: those waiting to start on the instances that take requests
         (their heartbeats), our own dispatches they do not show yet, the requests waiting here for an
@@ -94,3 +149,7 @@ class Admission:
             raise Overloaded(f"the cluster is overloaded: {tokens - free_tokens} prompt tokens would wait on its "
                              f"{serving} instance(s) (admission.max_queued_tokens: {capacity} in all{high})",
                              "queued_tokens")
+
+
+def _ms(seconds: float) -> str:
+    return "unbounded (nothing has finished there yet)" if seconds >= slo.UNKNOWN_WAIT_S else f"{seconds * 1000:.0f} ms"

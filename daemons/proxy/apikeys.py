@@ -13,6 +13,8 @@ The file is TOML, one table per key; the table's name is the key's name, which t
                                 #   did not generate is given back when it ends)
     max_concurrent_requests = 8 #   requests of this key in flight at once, on this proxy
     weight = 2.0                # its share of a saturated cluster against the other keys' (default 1)
+    slo_ttft_ms = 500           # a tighter SLO for this key's requests than their priority class's [slo] targets
+    slo_tpot_ms = 50            #   (each 0, the default, for the class's own); admission and goodput use it
 
 Limits are per proxy: behind P proxies a key may get up to P times them (divide them by P for a cluster-wide
 figure). See daemons/proxy/tenants.py for the limits and daemons/proxy/fairness.py for the shares.
@@ -51,7 +53,7 @@ _NAME = re.compile(r"[A-Za-z0-9_.@-]{1,64}")  # a name is safe in a log line
 _KEY = re.compile(r"[!-~]+")  # what a Bearer token can carry: visible ASCII, no spaces
 _HEX = re.compile(r"[0-9a-fA-F]{64}")
 _FIELDS = {"key", "sha256", "high_priority", "enabled", "requests_per_minute", "tokens_per_minute",
-           "max_concurrent_requests", "weight"}
+           "max_concurrent_requests", "weight", "slo_ttft_ms", "slo_tpot_ms"}
 _LIMITS = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests")
 
 MISSING = ("You didn't provide an API key. You need to provide your API key in an Authorization header using "
@@ -83,6 +85,8 @@ class Principal:
     tokens_per_minute: int = 0
     max_concurrent_requests: int = 0
     weight: float = 1.0  # share in the fair queue between keys
+    slo_ttft_ms: float = 0.0  # a tighter SLO than its class's (0: the class's)
+    slo_tpot_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -161,10 +165,17 @@ def parse(path: str, text: str) -> dict[bytes, _Entry]:
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight <= 1e6:
             raise ApiKeysError(f"{where}: weight must be a number > 0 (its share against the other keys'), "
                                f"got {weight!r}")
+        targets = {}
+        for target in ("slo_ttft_ms", "slo_tpot_ms"):
+            targets[target] = table.get(target, 0.0)
+            if isinstance(targets[target], bool) or not isinstance(targets[target], (int, float)) or targets[target] < 0:
+                raise ApiKeysError(f"{where}: {target} must be a number of milliseconds >= 0 (0: its priority "
+                                   f"class's [slo] target), got {targets[target]!r}")
+            targets[target] = float(targets[target])
         if value in entries:
             raise ApiKeysError(f"{where}: the same key as [keys.{entries[value].principal.name}]")
-        entries[value] = _Entry(value, Principal(name, flags["high_priority"], weight=float(weight), **limits),
-                                flags["enabled"])
+        entries[value] = _Entry(value, Principal(name, flags["high_priority"], weight=float(weight), **limits,
+                                                 **targets), flags["enabled"])
     return entries
 
 

@@ -49,6 +49,7 @@ import zmq
 import zmq.asyncio
 
 from daemons import metrics, prefix, runtime, security, wire
+from daemons.policy import slo
 from daemons.clock import Clock
 from daemons.links import DOWN, UP, LinkWatch
 from daemons.proxy import tokens
@@ -98,7 +99,7 @@ class ClusterClient:
         self.port = port = InstancePort(self.ctx, self.sec, links)
         self.known = known = KnownInstances(clock, pc.instance_timeout_s, pc.snapshot_interval_s, links.state)
         self.view = DispatchView(cfg.manager.pending_dispatch_ttl_s, cfg.scheduling.high_priority_headroom,
-                                 clock.monotonic)
+                                 clock.monotonic, {c: t.tpot_s for c, t in slo.class_targets(cfg.slo).items()})
         # Which instance caches which prompt blocks, from their CacheEvents (daemons/prefix.py): learnt again
         # from the instances themselves after a restart, within a heartbeat.
         self.cache_index = prefix.Follower(lambda iid: port.ask_cache(known.address(iid)), clock.monotonic,
@@ -111,7 +112,8 @@ class ClusterClient:
         # Between API keys (daemons/proxy/fairgate.py); submits without a key never wait there.
         self.gate = FairGate(FairQueue(clock.monotonic, pc.fair_burst_tokens) if pc.fair_queuing else None, clock,
                              pc.fair_reserve, self.known, self.view, self.placing)
-        self.admission = Admission(cfg.admission, clock, self.known, self.view, self.placing, self.gate.under_share)
+        self.admission = Admission(cfg.admission, clock, self.known, self.view, self.placing, self.gate.under_share,
+                                   cfg.slo)
         self.failover = Failover(clock, pc, cfg.manager, self.ownership, self.known, self.view, self.port,
                                  self._dispatch, self._spawn)
         self.dispatcher = Dispatcher(clock, cfg, self.known, self.view, self.cache_index, self.port, self.link,
@@ -151,9 +153,9 @@ class ClusterClient:
     def manager_ok(self) -> bool:
         return self.known.manager_ok()
 
-    def admit(self, priority: int, tenant: str = "") -> None:
-        """Raises Overloaded (daemons/proxy/admission.py)."""
-        self.admission.admit(priority, tenant)
+    def admit(self, priority: int, tenant: str = "", prompt_tokens: int = 0, key_targets=None):
+        """Raises Overloaded (daemons/proxy/admission.py); with an SLO, returns the verdict."""
+        return self.admission.admit(priority, tenant, prompt_tokens, key_targets)
 
     # ------------------------------------------------------------------ life cycle
 
@@ -184,11 +186,14 @@ class ClusterClient:
 
     # ------------------------------------------------------------------ requests
 
-    async def submit(self, submit: wire.Submit, tenant: str = "", weight: float = 1.0) -> Stream:
+    async def submit(self, submit: wire.Submit, tenant: str = "", weight: float = 1.0, give_up_s: float = 0.0) -> Stream:
         """Dispatch and send a request; the returned stream yields its tokens. Raises NoInstance. ``tenant``:
         the name of its API key, for the fair queue between keys (daemons/proxy/fairgate.py); ``weight``: that
-        key's share."""
-        stream = Stream(submit.request_id, submit, self.pc.request_timeout_s, self.clock.monotonic())
+        key's share. ``give_up_s``: with no token that long after now, it ends with 429 (0: never)."""
+        now = self.clock.monotonic()
+        stream = Stream(submit.request_id, submit, self.pc.request_timeout_s, now)
+        if give_up_s > 0:
+            stream.first_by = now + give_up_s
         if self.tracer is not None and submit.traceparent:
             stream.trace = StreamTrace(self.tracer, submit.traceparent)
         self.ownership.add(stream)

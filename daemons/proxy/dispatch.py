@@ -10,6 +10,7 @@ from typing import Callable, Protocol
 import msgspec
 
 from daemons import policy, prefix, wire
+from daemons.policy import slo
 from daemons.clock import Clock
 from daemons.links import UP
 from daemons.proxy.admission import Placing
@@ -105,7 +106,7 @@ class Dispatcher:
     async def _ask_or_choose(self, stream: Stream) -> tuple[str, str]:
         sub = stream.submit
         if self.known.manager_ok() or not self.known.snapshot:
-            keys = self._prefix_keys(stream) if self.known.dispatch_policy == "llumnix-cache" else []
+            keys = self._prefix_keys(stream) if self.known.dispatch_policy in ("llumnix-cache", "slo") else []
             q = wire.Dispatch(self.manager.next_id(), sub.request_id, len(sub.prompt_token_ids), sub.priority,
                               stream.exclude, keys)
             reply = await self.manager.ask(q, self.pc.dispatch_timeout_s)
@@ -177,13 +178,14 @@ class Dispatcher:
         states = [self.view.state_of(v, v.load, now) for v in self.known.alive() if v.instance_id not in stream.exclude]
         return policy.dispatch(self.known.dispatch_policy, states, self._turn, sc.high_priority_headroom, priority,
                                start=self.known.tie_start(), hits=hits, cache_band=sc.cache_band,
-                               cache_floor=sc.cache_min_freeness)
+                               cache_floor=sc.cache_min_freeness,
+                               tpot_target_s=self.view.tpot_targets.get(1 if priority > 0 else 0, 0.0))
 
     def _cache_hits(self, stream: Stream) -> dict[str, int] | None:
         """llumnix-cache: the request's cached leading blocks on each instance that holds some (None: another
         policy, or nothing cached anywhere). Its block hashes are computed once (vLLM's, daemons/prefix.py)."""
         index = self.cache_index.index
-        if self.known.dispatch_policy != "llumnix-cache" or not len(index):
+        if self.known.dispatch_policy not in ("llumnix-cache", "slo") or not len(index):
             return None
         keys = self._prefix_keys(stream)
         if not keys:
@@ -201,6 +203,12 @@ class Dispatcher:
             stream.prefix_keys = prefix.keys(prefix.block_hashes(stream.submit.prompt_token_ids, block_size))
         return stream.prefix_keys
 
+    def _predict(self, instance_id: str, load: wire.InstanceLoad, tokens: int, priority: int) -> tuple[float, float]:
+        """(TTFT, TPOT) predicted for a request of ``tokens`` placed on ``instance_id`` now (daemons/policy/slo.py)."""
+        pending_requests, pending_blocks = self.view.pending(instance_id, self.clock.monotonic())
+        s = policy.state_of(instance_id, load, pending_requests=pending_requests, pending_blocks=pending_blocks)
+        return slo.predict_ttft(s, tokens, priority > 0), slo.predict_tpot(s, tokens)
+
     async def dispatch(self, stream: Stream) -> None:
         """Place the request (again) under a new epoch; a placement after tokens were streamed continues
         from them (re-prefill)."""
@@ -214,8 +222,10 @@ class Dispatcher:
         stream.early.clear()  # a gap's tokens came from the copy we left: the new one sends them again
         submit = msgspec.structs.replace(stream.submit, epoch=stream.epoch, output_token_ids=list(stream.token_ids))
         beat = self.known.beats.get(instance_id)
-        self.view.sent_to(instance_id, beat.load if beat is not None else None,
-                          len(submit.prompt_token_ids) + len(submit.output_token_ids))
+        tokens = len(submit.prompt_token_ids) + len(submit.output_token_ids)
+        if stream.predicted is None and beat is not None and beat.load is not None and beat.load.latency is not None:
+            stream.predicted = self._predict(instance_id, beat.load, tokens, submit.priority)
+        self.view.sent_to(instance_id, beat.load if beat is not None else None, tokens)
         if stream.trace is not None:
             stream.trace.dispatched(since, instance_id, stream.epoch, len(stream.token_ids))
         if not self.port.send(address, submit):

@@ -16,7 +16,7 @@ from daemons.links import DOWN
 from daemons.proxy.known import KnownInstances
 from daemons.proxy.stream import NoInstance, Stream
 from daemons.proxy.streams import Port, Streams
-from daemons.proxy.telemetry import M_FAILOVERS, M_GIVEN_BACK, M_RESENT, M_RETRIES, M_TIMEOUTS
+from daemons.proxy.telemetry import M_FAILOVERS, M_GAVE_UP, M_GIVEN_BACK, M_RESENT, M_RETRIES, M_TIMEOUTS
 from daemons.proxy.view import DispatchView
 
 log = logging.getLogger("llumnix.proxy")
@@ -150,6 +150,12 @@ class Failover:
                 self.streams.fence_owner(stream)
                 stream.fail(f"the request did not finish within proxy.request_timeout_s "
                             f"({pc.request_timeout_s:g}s)", 504)
+                continue
+            if stream.first_by and now > stream.first_by and not stream.next_index and not stream.early:
+                M_GAVE_UP.inc()
+                self.streams.fence_owner(stream)  # (aborts it where it queues)
+                stream.fail("the request waited past its time-to-first-token target without starting "
+                            "(slo.give_up_factor); the cluster is overloaded: retry later", 429)
                 continue
             iid = stream.instance_id
             if not iid:  # being placed

@@ -72,6 +72,8 @@ class Job:
         self.logged = False
         self.ended = False
         self.trace = None  # its span (daemons/proxy/traces.py RequestTrace), with tracing on
+        self.priority = 0
+        self.slo = None  # its SLO (daemons/policy/slo.py Targets), once admitted
         self._head = b""
 
     def setup(self, model: str, prompt_tokens: int, include_usage: bool, token_text, top_n: int) -> None:

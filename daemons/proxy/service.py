@@ -10,6 +10,7 @@ health) and the ``ClusterClient``; how an answer goes out is output.py's functio
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import weakref
 
@@ -23,6 +24,7 @@ from daemons.proxy.apikeys import ApiKeys
 from daemons.proxy.call import Call, Reply
 from daemons.proxy.checks import Checks
 from daemons.proxy.cluster import M_REJECTED, ClusterClient, NoInstance, Overloaded, Stream
+from daemons.proxy.goodput import Goodput
 from daemons.proxy.guard import Guard
 from daemons.proxy.output import collect, sse
 from daemons.proxy.protocol import ApiError, ChatRequest, CompletionRequest, decode_body, derive_seed, parse_priority
@@ -35,6 +37,7 @@ from daemons.tracing import Tracer
 
 # Defined in daemons/metrics.py, with the latencies of each request (Job.timer).
 M_INFLIGHT = metrics.P_IN_FLIGHT
+CHARS_PER_TOKEN = 4  # admission's estimate of a prompt's tokens from its request body, before tokenizing
 
 _json = msgspec.json.encode
 
@@ -55,6 +58,7 @@ class Proxy:
                                      if cfg.proxy.api_keys_file else None)
         self.tracer = Tracer.create(cfg.tracing, "llumnix-proxy")  # None: tracing off
         self.cluster = ClusterClient(cfg, clock=clock, tracer=self.tracer)
+        self.goodput = Goodput(cfg.slo)  # SLO outcomes per class (daemons/proxy/goodput.py)
         self.active: set[str] = set()  # ids of the requests this proxy is serving
         self.checks = Checks(self.tokenizer, self.model, self.max_model_len, cfg.proxy.max_prompt_tokens, cfg.proxy)
         self.tenants = Tenants(clock.monotonic)  # per-key limits (daemons/proxy/tenants.py)
@@ -95,30 +99,38 @@ class Proxy:
             self.access.write(job, chat, arrival, reply.status)
         return reply
 
-    def _admit(self, priority: int, job: Job) -> None:
-        """Admission control (daemons/proxy/admission.py ``admit``): 429 with Retry-After, before any tokenizing."""
+    def _admit(self, priority: int, job: Job, prompt_tokens: int = 0) -> None:
+        """Admission control (daemons/proxy/admission.py ``admit``): 429 with Retry-After, before any tokenizing
+        (``prompt_tokens``: an estimate from the body's size, for the SLO's prediction)."""
+        principal = job.principal
+        job.priority, job.slo = priority, self.goodput.targets_for(priority, principal)
         try:
-            self.cluster.admit(priority, job.principal.name if job.principal is not None else "")
+            self.cluster.admit(priority, principal.name if principal is not None else "", prompt_tokens,
+                               Goodput.key_targets(principal))
         except Overloaded as exc:
             M_REJECTED.labels(exc.reason).inc()
-            raise self._retry_later(429, str(exc), "rate_limit_exceeded") from None
+            if exc.reason in ("ttft", "higher_class"):
+                self.goodput.refused(priority, job.slo)
+            raise self._retry_later(429, str(exc), "rate_limit_exceeded", exc.retry_after_s) from None
 
-    def _retry_later(self, status: int, message: str, code: str) -> ApiError:
+    def _retry_later(self, status: int, message: str, code: str, retry_after_s: float = 0.0) -> ApiError:
         err = ApiError(status, message, type_="rate_limit_exceeded" if status == 429 else "service_unavailable",
                        code=code)
-        err.headers = {"Retry-After": str(self.cfg.admission.retry_after_s)}
+        after = math.ceil(retry_after_s) if retry_after_s > 0 else self.cfg.admission.retry_after_s
+        err.headers = {"Retry-After": str(after)}
         return err
 
     async def _accept(self, call: Call, job: Job) -> Reply:
         header_priority = call.headers.get("x-llumnix-priority")
         if header_priority is not None:  # refused before the body is read, however large
             self._admit(parse_priority(None, header_priority), job)
-        body = decode_body(await call.read(), ChatRequest if job.chat else CompletionRequest)
+        raw = await call.read()
+        body = decode_body(raw, ChatRequest if job.chat else CompletionRequest)
         job.model = body.model
         self.checks.check_model(body.model)
         body.unsupported()
         self.checks.check_stops(body)
-        self._admit(parse_priority(body.priority, header_priority), job)
+        self._admit(parse_priority(body.priority, header_priority), job, len(raw) // CHARS_PER_TOKEN)
         if job.chat:
             prompt = self.checks.chat_prompt(body, body.add_generation_prompt)
             ids = self.tokenizer.encode(prompt, add_special_tokens=False)
@@ -172,6 +184,10 @@ class Proxy:
                 return Reply(499)
             for c, first in zip(job.choices, firsts):
                 if not first:
+                    if c.stream.status == 429:  # it gave up waiting for its first token (slo.give_up_factor)
+                        self.goodput.gave_up(job.priority, job.slo)
+                        raise self._retry_later(429, c.stream.error or "overloaded", "rate_limit_exceeded",
+                                                job.slo.ttft_s if job.slo is not None else 0.0)
                     raise ApiError(c.stream.status, c.stream.error or "request failed")
             job.timer.first_token(job.first_at)
             headers = {"x-request-id": call.echo_id or job.id}
@@ -198,13 +214,14 @@ class Proxy:
     async def _submit(self, job: Job, submits: list[wire.Submit]) -> None:
         p = job.principal
         tenant, weight = (p.name, p.weight) if p is not None else ("", 1.0)
+        give_up_s = self.goodput.give_up_s(job.slo) if job.slo is not None else 0.0
         if len(submits) == 1:
             try:
-                job.choices[0].stream = await self.cluster.submit(submits[0], tenant, weight)
+                job.choices[0].stream = await self.cluster.submit(submits[0], tenant, weight, give_up_s)
             except NoInstance as exc:
                 raise self._no_instance(exc) from None
             return
-        results = await asyncio.gather(*(self.cluster.submit(s, tenant, weight) for s in submits),
+        results = await asyncio.gather(*(self.cluster.submit(s, tenant, weight, give_up_s) for s in submits),
                                        return_exceptions=True)
         for c, res in zip(job.choices, results):
             if isinstance(res, Stream):
@@ -240,10 +257,20 @@ class Proxy:
         if job.timer is not None:  # each placed choice: its finish reason, or why it ended without one
             job.timer.finished([None if c.stream is None else c.reason or ("error" if c.stream.error else "abort")
                                 for c in job.choices])
+            self._outcome(job)
         for stream in job.streams():
             self.cluster.finish(stream)
         self.active.discard(job.id)
         self.limits.release(job)
+
+    def _outcome(self, job: Job) -> None:
+        """A request that got its answer (its first choice finished): its SLO outcome and prediction errors."""
+        c = job.choices[0] if job.choices else None
+        if c is None or c.stream is None or not c.reason or job.first_at is None or job.slo is None:
+            return
+        timer = job.timer
+        tpot = ((timer.last[0] - timer.first[0]) / (timer.tokens[0] - 1)) if timer.tokens[0] > 1 else None
+        self.goodput.finished(job.priority, job.slo, job.first_at - job.arrival, tpot, c.stream.predicted)
 
     def _abandoned(self, job: Job) -> None:
         self._end(job)

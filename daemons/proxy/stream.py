@@ -21,11 +21,13 @@ class NoInstance(Exception):
 
 
 class Overloaded(Exception):
-    """Admission control: the cluster's queued work is past the bounds for this request's priority."""
+    """Admission control: the cluster's queued work is past the bounds for this request's priority.
+    ``retry_after_s``: when to try again (0: admission.retry_after_s)."""
 
-    def __init__(self, message: str, reason: str):
+    def __init__(self, message: str, reason: str, retry_after_s: float = 0.0):
         super().__init__(message)
         self.reason = reason
+        self.retry_after_s = retry_after_s
 
 
 class Stream:
@@ -34,7 +36,7 @@ class Stream:
     __slots__ = ("request_id", "submit", "ready", "next_index", "early", "waiter", "done", "error", "status",
                  "instance_id", "address", "tried", "sent_at", "given_back", "epoch", "owner_from", "token_ids",
                  "failovers", "progress_at", "deadline", "fenced", "exclude", "tenant", "weight", "trace",
-                 "prefix_keys", "starts")
+                 "prefix_keys", "starts", "first_by", "predicted")
 
     def __init__(self, request_id: str, submit: wire.Submit, timeout_s: float = 0.0, now: float = 0.0):
         """``now``: its owner's clock (daemons.clock.Clock ``monotonic``); ``timeout_s`` counts from it."""
@@ -58,6 +60,8 @@ class Stream:
         self.token_ids: list[int] = []  # every token accepted, in order: a failover re-prefills them
         self.failovers = 0
         self.progress_at = now
+        self.first_by = 0.0  # (an SLO's TTFT target) past this with no token yet, it gives up: 429 (0: never)
+        self.predicted: tuple[float, float] | None = None  # (TTFT, TPOT) predicted where it was first placed
         self.deadline = now + timeout_s if timeout_s > 0 else 0.0
         self.fenced: set[tuple[str, int]] = set()  # copies already told to abort
         self.exclude: list[str] = []  # instances that failed it: not placed there again

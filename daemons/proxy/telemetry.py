@@ -37,12 +37,31 @@ M_FORGED = metrics.counter("proxy", "llumnix_proxy_forged_messages_total",
                            "instance they speak for registered with")
 M_TIMEOUTS = metrics.counter("proxy", "llumnix_proxy_request_timeouts_total",
                              "Requests ended because they passed proxy.request_timeout_s")
-REJECT_REASONS = ("queued_requests", "queued_tokens", "no_instance", "wait_timeout")
+REJECT_REASONS = ("queued_requests", "queued_tokens", "no_instance", "wait_timeout", "ttft", "higher_class")
 M_REJECTED = metrics.counter("proxy", "llumnix_proxy_admission_rejections_total",
                              "Requests refused by admission control, by reason: queued_requests and queued_tokens "
                              "(429: the cluster's queue is past [admission]'s bounds), no_instance (503: no live "
-                             "instance), wait_timeout (503: none could take it within admission.queue_timeout_s)",
+                             "instance), wait_timeout (503: none could take it within admission.queue_timeout_s), "
+                             "ttft (429: no instance is predicted to meet its class's TTFT target, [slo]), "
+                             "higher_class (429: a higher-priority class is refused now)",
                              ["reason"], preset=[(r,) for r in REJECT_REASONS])
+SLO_CLASSES = ("normal", "high")
+SLO_OUTCOMES = ("met", "missed_ttft", "missed_tpot", "missed_both", "refused", "gave_up")
+M_SLO = metrics.counter("proxy", "llumnix_proxy_slo_requests_total",
+                        "Requests with an SLO ([slo] targets), by priority class and outcome: met (both targets), "
+                        "missed_ttft, missed_tpot, missed_both, refused (429 at admission), gave_up (429 after "
+                        "waiting past slo.give_up_factor times its TTFT target). Goodput: the rate of met",
+                        ["class", "outcome"], preset=[(c, o) for c in SLO_CLASSES for o in SLO_OUTCOMES])
+_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5, 2.0, 4.0)
+M_TTFT_RATIO = metrics.histogram("proxy", "llumnix_proxy_ttft_actual_over_predicted",
+                                 "A request's time to first token over what was predicted when it was placed (1: exact)",
+                                 buckets=_RATIO_BUCKETS)
+M_TPOT_RATIO = metrics.histogram("proxy", "llumnix_proxy_tpot_actual_over_predicted",
+                                 "A request's mean time per output token over what was predicted when it was placed",
+                                 buckets=_RATIO_BUCKETS)
+M_GAVE_UP = metrics.counter("proxy", "llumnix_proxy_slo_gave_up_total",
+                            "Requests answered 429 because they waited past slo.give_up_factor times their TTFT "
+                            "target without a token (displaced by higher-priority work, or the queue grew)")
 M_WAITED = metrics.counter("proxy", "llumnix_proxy_dispatch_waits_total",
                            "Requests that found no instance able to take them at once and waited for one")
 M_LINKS_DOWN = metrics.counter("proxy", "llumnix_proxy_instance_links_lost_total",

@@ -32,10 +32,12 @@ class _Entry:
 
 
 class DispatchView:
-    def __init__(self, ttl_s: float, headroom: float, now: Callable[[], float]):
+    def __init__(self, ttl_s: float, headroom: float, now: Callable[[], float],
+                 tpot_targets: dict[int, float] | None = None):
         self.now = now  # its client's clock
         self.ttl_s = ttl_s
         self.headroom = headroom
+        self.tpot_targets = tpot_targets or {}  # per priority class (the slo policy)
         # Our own dispatches per instance not yet in its heartbeats' load: (our Submit number to it, blocks, time).
         self.mine: dict[str, deque] = {}
         self.sent: dict[str, int] = {}  # instance id -> Submits we sent it (its heartbeats' ``taken`` counts them)
@@ -122,10 +124,17 @@ class DispatchView:
         key = (base, 1 if priority > 0 else 0)
         scores = self.scores.get(key)
         if scores is None:
-            score = policy.scorer(base, self.headroom, priority)
+            score = self._scorer(key)
             scores = self.scores[key] = [self._score(self.entries[i], key, score, now) for i in self.ids] if score else []
         self.by_cache = False
         plain = policy.pick(dispatch_policy, self.ids, scores, turn, start)
+        if hits and dispatch_policy == "slo":
+            states = {iid: self.entries[iid].state for iid in hits if iid in self.entries}
+            j = policy.slo_cache_choice(self.at, self.ids, {i: st for i, st in states.items() if st is not None},
+                                        scores, hits)
+            if j is not None:
+                self.by_cache = self.ids[j] != plain
+                return self.ids[j]
         if hits and dispatch_policy == "llumnix-cache":
             j = policy.cache_choice(self.at, scores, hits, cache_band, cache_floor)
             if j is not None:
@@ -157,7 +166,11 @@ class DispatchView:
         entry.scores.clear()
         for key, scores in self.scores.items():
             if scores:
-                scores[self.at[iid]] = self._score(entry, key, policy.scorer(key[0], self.headroom, key[1]), now)
+                scores[self.at[iid]] = self._score(entry, key, self._scorer(key), now)
+
+    def _scorer(self, key: tuple):
+        base, cls = key
+        return policy.scorer(base, self.headroom, cls, self.tpot_targets.get(cls, 0.0))
 
     def _score(self, entry: _Entry, key: tuple, score, now: float) -> float:
         if key not in entry.scores:

@@ -60,6 +60,7 @@ class SimulatedInstance:
     retiring: bool = False
     pub: object = None  # its prefix-cache Publisher (sim.prefix_caching)
     reporter: object = None  # its own daemons.instance.reports.Reporter (sim/reports.py)
+    fit: object = None  # its step-time model (daemons.instance.predictor.StepFit), which its reports carry
     standing: object = None  # where it stands (daemons.instance.standing.Standing): what its heartbeats say
 
     def at_boundary(self, fn) -> asyncio.Future:

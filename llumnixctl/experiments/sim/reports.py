@@ -55,9 +55,10 @@ class SimReports:
 
     def __init__(self, cfg, report_lag_s: float, mgr: Manager, proxy: SimProxy | None, proxy_address: str,
                  cache_of: Callable[[SimulatedInstance], object], site: Site, clock) -> None:
+        from daemons.instance.predictor import StepFit
         from daemons.instance.reports import Heartbeats, Reporter  # (torch: only once a simulation runs)
 
-        self.reporter_class, self.heartbeats_class = Reporter, Heartbeats
+        self.reporter_class, self.heartbeats_class, self.fit_class = Reporter, Heartbeats, StepFit
         self.cfg, self.lag_s, self.mgr, self.cache_of, self.site, self.clock = cfg, report_lag_s, mgr, cache_of, site, clock
         self.proxy_line = ProxyLine(proxy_address, proxy, report_lag_s, site)
         self.tasks: dict[str, list[asyncio.Task]] = {}
@@ -68,11 +69,12 @@ class SimReports:
         ic, heartbeat_s = self.cfg.instance, self.cfg.manager.heartbeat_interval_s
         watchdog = Watchdog(ic.step_timeout_s, ic.hung_exit_s, self.clock)  # never stalled: sim steps end
         inst.standing = Standing()
+        inst.fit = self.fit_class(inst.engine.prefill_budget)
         ident = Identity(inst.iid, inst.host.request_address)
         inst.reporter = reporter = self.reporter_class(
             inst.engine, lambda: inst.migrator, watchdog, lambda msg: self.tell(inst, msg), self.proxy_line,
             inst.taken, inst.standing, ident, self.cache_of(inst), metrics.RequestPhases(), inst.table,
-            heartbeat_s, ic.load_report_min_interval_s, self.clock)
+            heartbeat_s, ic.load_report_min_interval_s, self.clock, inst.fit)
         beats = self.heartbeats_class(reporter, watchdog, self.proxy_line, inst.table, lambda address, why: None,
                                       min(heartbeat_s, ic.step_timeout_s / 4), self.clock)
         loop = asyncio.get_running_loop()

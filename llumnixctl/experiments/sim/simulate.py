@@ -276,10 +276,13 @@ class Simulation:
         dt = max(result.model_time_s + self.net.step_overhead_s, self.cfg.instance.min_step_s)
         inst.step_start = self.now
         inst.free_at = self.now + dt
-        self.at(inst.free_at, self._step_done, inst, result.outputs)
+        self.at(inst.free_at, self._step_done, inst, result.outputs,
+                (result.prefill_tokens, result.decodes, result.context_tokens))
 
-    def _step_done(self, inst: SimulatedInstance, outputs: list) -> None:
+    def _step_done(self, inst: SimulatedInstance, outputs: list, work: tuple[int, int, int]) -> None:
         now = self.now
+        inst.fit.stepped(*work, now - inst.step_start)  # the instance's step-time model, as its step loop feeds it
+        inst.fit.finished(sum(1 for o in outputs if o.finish_reason is not None), now)
         for tok in outputs:
             req = self.requests[tok.request_id]
             if req.tokens == 0:

@@ -1,0 +1,219 @@
+"""Serving to an SLO: predicted time to first token (TTFT) and time per output token (TPOT), and the admission
+rule over them. Pure functions over plain values (an instance's load report and its fitted step-time model).
+
+The model (wire.LatencyFit, fitted by each instance from its own steps: daemons/instance/predictor.py) is the sim
+engine's latency model: a step that prefills P tokens and decodes D requests holding C context tokens takes
+
+    prefill_ms + prefill_ms_per_token * P   (when P > 0)
+  + decode_ms + decode_ms_per_seq * D + decode_ms_per_token * C   (when D > 0)
+
+Predicted TTFT of a new request on an instance: the wait for a batch slot and KV cache (the requests that must
+finish first, at the rate requests finish there), then the prefill of everything queued ahead of it plus its own
+prompt, in steps of at most ``chunk_tokens``, each also decoding the running batch. A high-priority request
+queues behind the high-priority work only. Predicted TPOT: the decode step of the batch it would join plus the
+recent mean of what else the steps did (others' prefills).
+
+Admission (``admit``): a request of a class is admitted when some instance is predicted to meet its class's TTFT
+target, and (higher class first) only while a request of every higher class would be admitted at the same moment,
+unless its class holds less than its reserved share of the cluster's requests (no class starves another below
+its share). Each class is bounded by its own target: admitted work never grows past what meets it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from daemons.policy.usage import InstanceState, blocks_for
+
+HIGH, NORMAL = 1, 0
+UNKNOWN_WAIT_S = 3600.0  # a queue that cannot drain as far as we know (nothing has finished yet): "very long"
+
+
+@dataclass(frozen=True)
+class Targets:
+    """One request's SLO, in seconds (0: no target of that kind)."""
+
+    ttft_s: float = 0.0
+    tpot_s: float = 0.0
+
+    @property
+    def on(self) -> bool:
+        return self.ttft_s > 0 or self.tpot_s > 0
+
+    def tighter(self, other: "Targets") -> "Targets":
+        """The tighter of the two, per kind (an API key may carry a tighter class than its priority's)."""
+
+        def pick(a: float, b: float) -> float:
+            return min(a, b) if a > 0 and b > 0 else (a or b)
+
+        return Targets(pick(self.ttft_s, other.ttft_s), pick(self.tpot_s, other.tpot_s))
+
+
+def class_targets(slo) -> dict[int, Targets]:
+    """The targets per priority class from the [slo] settings (daemons/config.py SloConfig): {0: normal, 1: high}."""
+    normal = Targets(slo.ttft_ms / 1000.0, slo.tpot_ms / 1000.0)
+    high = Targets((slo.high_ttft_ms or slo.ttft_ms) / 1000.0, (slo.high_tpot_ms or slo.tpot_ms) / 1000.0)
+    return {NORMAL: normal, HIGH: high}
+
+
+def fitted(fit) -> bool:
+    return fit is not None and fit.steps > 0
+
+
+def decode_ms(fit, batch: int, context_tokens: int) -> float:
+    if batch <= 0:
+        return 0.0
+    return max(0.0, fit.decode_ms + fit.decode_ms_per_seq * batch + fit.decode_ms_per_token * context_tokens)
+
+
+def step_ms(fit, prefill_tokens: int, batch: int, context_tokens: int) -> float:
+    """A step's time by the model (the same formula as daemons/engine/sim.py's ``model_time``)."""
+    ms = decode_ms(fit, batch, context_tokens)
+    if prefill_tokens > 0:
+        ms += max(0.0, fit.prefill_ms + fit.prefill_ms_per_token * prefill_tokens)
+    return ms
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """The work queued on an instance ahead of a new request of one class: requests and prompt tokens."""
+
+    requests: int
+    tokens: int
+
+
+def ahead_of(s: InstanceState, high: bool) -> Ahead:
+    """Queued ahead of a new request: the high-priority queue for a high request, everything for a normal one
+    (our own dispatches its reports do not show yet count as queued)."""
+    if high:
+        return Ahead(s.waiting_high, s.waiting_high_tokens)
+    return Ahead(s.waiting + s.pending_requests, s.waiting_tokens + s.pending_blocks * s.block_size)
+
+
+def slot_wait_s(s: InstanceState, fit, ahead: Ahead, prompt_tokens: int) -> float:
+    """How long until the requests ahead and this one all have a batch slot and their KV cache: the requests that
+    must finish first, at the instance's recent finish rate."""
+    free_slots = max(s.batch_size - s.running, 0)
+    short = ahead.requests + 1 - free_slots
+    free_blocks = s.blocks_total - s.blocks_used
+    short_blocks = blocks_for(ahead.tokens + prompt_tokens + 1, s.block_size) - free_blocks
+    if short_blocks > 0:
+        per_request = s.blocks_used / max(s.running, 1)  # what a finishing request gives back, on average
+        short = max(short, math.ceil(short_blocks / max(per_request, 1.0)))
+    if short <= 0:
+        return 0.0
+    if fit.finish_rate <= 0:
+        return UNKNOWN_WAIT_S
+    return short / fit.finish_rate
+
+
+def prefill_s(s: InstanceState, fit, tokens: int) -> float:
+    """Time to prefill ``tokens`` queued prompt tokens, in steps of at most chunk_tokens that also decode the
+    running batch."""
+    steps = max(1, math.ceil(tokens / fit.chunk_tokens)) if fit.chunk_tokens > 0 else 1
+    per_step = fit.prefill_ms + decode_ms(fit, s.running, s.context_tokens)
+    return max(0.0, steps * per_step + fit.prefill_ms_per_token * tokens) / 1000.0
+
+
+def predict_ttft(s: InstanceState, prompt_tokens: int, high: bool = False) -> float:
+    """Seconds until a new request of ``prompt_tokens`` uncached prompt tokens gets its first token on ``s``
+    (0 while the instance has no model yet: it has not stepped, so nothing waits there either)."""
+    fit = s.latency
+    if not fitted(fit):
+        return 0.0
+    ahead = ahead_of(s, high)
+    return slot_wait_s(s, fit, ahead, prompt_tokens) + prefill_s(s, fit, ahead.tokens + prompt_tokens)
+
+
+def predict_tpot(s: InstanceState, prompt_tokens: int = 0, joining: int = 1) -> float:
+    """Seconds per output token on ``s`` with ``joining`` more requests of ``prompt_tokens`` in its batch
+    (``joining`` 0: as it runs now)."""
+    fit = s.latency
+    if not fitted(fit):
+        return 0.0
+    batch = s.running + s.pending_requests + joining
+    if batch <= 0:
+        return 0.0
+    context = s.context_tokens + s.pending_blocks * s.block_size + joining * prompt_tokens
+    extra = fit.extra_ms if s.running + s.waiting > 0 else 0.0  # an idle instance prefills nobody else
+    return (decode_ms(fit, batch, context) + max(extra, 0.0)) / 1000.0
+
+
+def latency_usage(s: InstanceState, tpot_target_s: float, full: float, calm: float = 0.6) -> float:
+    """Virtual usage (KV blocks) that the TPOT target adds to ``s``: none while its predicted TPOT is under ``calm``
+    of the target, rising linearly to blocks_total at ``full`` of it (and on past it). Added to the memory's
+    usage, an instance nearing the target looks full: dispatch avoids it and pairing moves decodes off it; nearly
+    idle ones add nothing and are consolidated for scale-in by memory, as before."""
+    if tpot_target_s <= 0 or not fitted(s.latency) or s.running <= 0:
+        return 0.0
+    ratio = predict_tpot(s, joining=0) / tpot_target_s
+    return s.blocks_total * max(0.0, ratio - calm) / max(full - calm, 1e-3)
+
+
+def with_latency_usage(s: InstanceState, tpot_target_s: float, full: float) -> InstanceState:
+    """``s`` with the virtual usage its TPOT target gives it (``latency_usage``)."""
+    usage = latency_usage(s, tpot_target_s, full)
+    return replace(s, slo_usage=usage) if usage else s
+
+
+def slo_score(s: InstanceState, prompt_tokens: int, high: bool, tpot_target_s: float) -> float:
+    """Dispatch by SLO (higher is better, as freeness): the instance with the best predicted TTFT among those
+    whose predicted TPOT with the request stays under the target; past the target, the instances still rank by
+    TTFT, behind every one that meets it."""
+    score = -predict_ttft(s, prompt_tokens, high)
+    if tpot_target_s > 0 and predict_tpot(s, prompt_tokens) > tpot_target_s:
+        score -= UNKNOWN_WAIT_S * 2
+    return score
+
+
+# ------------------------------------------------------------------ admission
+
+
+@dataclass(frozen=True)
+class Verdict:
+    admitted: bool
+    ttft_s: float  # the best predicted TTFT found for the request (inf: no instance)
+    retry_after_s: float = 0.0  # refused: when its class is predicted to fit again
+    reason: str = ""  # refused: "ttft" (no instance meets the target) or "higher_class" (one above is refused)
+
+
+def best_ttft(states: list[InstanceState], prompt_tokens: int, high: bool) -> float:
+    return min((predict_ttft(s, prompt_tokens, high) for s in states if s.dispatchable), default=math.inf)
+
+
+def class_share(states: list[InstanceState], high: bool) -> float:
+    """The share of the cluster's requests (running and queued) of a class (by the load reports)."""
+    total = sum(s.running + s.waiting for s in states)
+    if total <= 0:
+        return 0.0
+    highs = sum(s.high_priority + s.waiting_high for s in states)
+    return (highs if high else total - highs) / total
+
+
+def admit(states: list[InstanceState], prompt_tokens: int, priority: int, targets: dict[int, Targets],
+          shares: dict[int, float]) -> Verdict:
+    """Admit a request of ``priority`` (its class's TTFT target in ``targets``; a class without a TTFT target is
+    always admitted) or refuse it. ``shares``: the fraction of the cluster's requests reserved for a class; a class
+    under it is admitted on its own target alone, even while a higher class is refused."""
+    mine = targets.get(priority, Targets())
+    high = priority > NORMAL
+    ttft = best_ttft(states, prompt_tokens, high)
+    if mine.ttft_s > 0 and ttft > mine.ttft_s:
+        return Verdict(False, ttft, retry_after(ttft, mine.ttft_s), "ttft")
+    under_share = class_share(states, high) < shares.get(priority, 0.0)
+    if not under_share:
+        for cls, t in targets.items():
+            if cls > priority and t.ttft_s > 0:
+                theirs = best_ttft(states, 0, cls > NORMAL)
+                if theirs > t.ttft_s:
+                    return Verdict(False, ttft, retry_after(theirs, t.ttft_s), "higher_class")
+    return Verdict(True, ttft)
+
+
+def retry_after(predicted_s: float, target_s: float) -> float:
+    """When a refused class is predicted to fit again: the excess of its predicted TTFT over the target is queued
+    work that drains in about as long (at least a second; at most a minute, as nothing is sure that far)."""
+    if math.isinf(predicted_s):
+        return 60.0
+    return min(max(predicted_s - target_s, 1.0), 60.0)
