@@ -44,6 +44,7 @@ class Stream(threading.Thread):
         self.ids: list[int] = []
         self.rid = ""
         self.error = ""
+        self.began = time.monotonic()
         self.start()
 
     def run(self) -> None:
@@ -103,21 +104,28 @@ def one_round(url: str, run_dir: Path, tokens: int, at: int, ref: list[int]) -> 
     rid, t0 = s.rid, time.monotonic()
     rc, rows, err = ctl(run_dir, "requests")
     row["requests_s"] = round(time.monotonic() - t0, 3)
+    row["streamed_after_requests"] = len(s.ids)  # a stream that ended meanwhile is no failure of the verb
+    ended = not s.is_alive()
     mine = [r for r in (rows or {}).get("requests", []) if r["id"] == rid]
     row["listed"] = rc == 0 and len(mine) == 1
     here = mine[0]["instance"] if mine else ""
     if not row["listed"]:
-        row["why"] = f"requests: exit {rc}, not listed ({err}); unreachable {(rows or {}).get('unreachable')}"
+        row["why"] = (f"requests: exit {rc}, not listed ({err}); unreachable {(rows or {}).get('unreachable')}"
+                      f"{' (the stream had ended: the check was late)' if ended else ''}")
     other = {"i0": "i1", "i1": "i0"}.get(here, "i1")
     t0 = time.monotonic()
     rc, out, err = ctl(run_dir, "migrate", rid, "--to", other)
     row["migrate_s"] = round(time.monotonic() - t0, 3)
     row["migrated"] = rc == 0 and out is not None and out.get("outcome") == "committed"
+    row["streamed_after_migrate"] = len(s.ids)
+    row["late"] = not row["migrated"] and not s.is_alive() and len(s.ids) >= tokens  # ended before it could move
     if out:
         row["downtime_ms"] = out.get("downtime_ms")
     if not row["migrated"]:
-        row["why"] += f"; migrate: exit {rc} {out and out.get('outcome')} {err}"
+        row["why"] += (f"; migrate: exit {rc} {out and out.get('outcome')} {err}"
+                       f"{' (the stream had ended: the check was late)' if row['late'] else ''}")
     s.join(300)
+    row["stream_s"] = round(time.monotonic() - s.began, 2)
     row["identical"] = s.ids == ref and not s.error
     if not row["identical"]:
         row["why"] += f"; stream differs ({len(s.ids)} tokens, {s.error})"
@@ -128,7 +136,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--tokens", type=int, default=400)
+    ap.add_argument("--tokens", type=int, default=400, help="max_tokens of each stream: long enough to outlast a "
+                    "llumnixctl start-up (seconds on a loaded host), or rounds end 'late'")
     ap.add_argument("--min-step-s", type=float, default=0.02)
     ap.add_argument("--max-chunk", type=int, default=60, help="the chunk index is drawn from 1..this")
     ap.add_argument("--seed", type=int, default=0)
@@ -160,7 +169,9 @@ def main() -> int:
             rounds.append(row)
             print(f"round {k + 1}: chunk {row['chunk']}: {'ok' if ok else 'FAILED'} listed={row['listed']} "
                   f"migrated={row['migrated']} identical={row['identical']} blocks_left={row['blocks_left']} "
-                  f"(requests {row.get('requests_s')} s, migrate {row.get('migrate_s')} s) {row['why']}",
+                  f"(requests {row.get('requests_s')} s, then {row.get('streamed_after_requests')} tokens out; migrate "
+                  f"{row.get('migrate_s')} s, then {row.get('streamed_after_migrate')}; stream {row.get('stream_s')} s) "
+                  f"{row['why']}",
                   file=sys.stderr, flush=True)
     finally:
         localcluster.stop(state, timeout_s=30)
@@ -169,10 +180,11 @@ def main() -> int:
                "listed": sum(r["listed"] for r in rounds), "migrated": sum(r["migrated"] for r in rounds),
                "identical": sum(r["identical"] for r in rounds),
                "leaked_blocks": sum(sum(r["blocks_left"].values()) for r in rounds),
-               "ok": sum(r["ok"] for r in rounds), "elapsed_s": round(time.monotonic() - t_start, 1),
+               "ok": sum(r["ok"] for r in rounds), "late": sum(r.get("late", False) for r in rounds), "elapsed_s": round(time.monotonic() - t_start, 1),
                "rounds_detail": rounds}
     line = (f"TP{a.tp}: listed {summary['listed']}/{n}, migrated {summary['migrated']}/{n}, identical "
-            f"{summary['identical']}/{n}, leaked blocks {summary['leaked_blocks']}, {summary['elapsed_s']} s")
+            f"{summary['identical']}/{n}, leaked blocks {summary['leaked_blocks']}, late {summary['late']}, "
+            f"{summary['elapsed_s']} s")
     if a.json:
         print(json.dumps(summary, indent=1))
     print(line, file=sys.stderr)

@@ -14,6 +14,7 @@ streams are long enough to outlast a slow move, and every wait is on a condition
 from __future__ import annotations
 
 import json
+import random
 
 import psutil
 import pytest
@@ -153,3 +154,59 @@ def test_operator_verbs_find_move_and_drain_a_tp_request(tp_cluster):
     settle(c, timeout=30)
 
 
+
+
+ROUND_TOKENS = 120  # at instance.min_step_s 0.05, over 6 s: outlasts a move started by chunk 40
+
+
+def test_operator_verbs_at_random_chunks_stream_exactly_and_leave_no_block(tp_cluster):
+    """The verbs that failed intermittently on TP instances (issue 40), repeated at random chunk indices: each
+    round lists the streaming request where it runs and moves it by id (or, once, ``--from --count 1``), and
+    the stream equals the unmigrated one; no block stays used on either instance's ranks."""
+    c = tp_cluster
+    run = ["--run-dir", str(c.run_dir)]
+    body = {"prompt": PROMPT, "max_tokens": ROUND_TOKENS, **KINDS["greedy"]}
+    ref = Stream(c.url, body).result()
+    rnd = random.Random(40)
+    for k in range(5):
+        s = Stream(c.url, body)
+        s.wait_tokens(rnd.randint(1, 40))
+        rows = ctl_json("requests", *run)
+        mine = [r for r in rows["requests"] if r["id"] == s.rid]
+        assert rows["unreachable"] == [] and len(mine) == 1, (k, rows)
+        here = mine[0]["instance"]
+        if k == 2:  # the operator picks none: the source's only request goes
+            res = cli("migrate", "--from", here, "--count", "1", "--to", _other(here), "--json", *run)
+            outs = json.loads(res.stdout) if res.stdout.strip() else []
+            assert res.returncode == 0 and [o["request_id"] for o in outs] == [s.rid], (k, res.stderr, outs)
+            out = outs[0]
+        else:
+            res = cli("migrate", s.rid, "--to", _other(here), "--json", *run)
+            assert res.returncode == 0 and res.stdout.strip(), (k, res.returncode, res.stderr)
+            out = json.loads(res.stdout)
+        assert out["outcome"] == "committed", (k, out)
+        assert s.result().ids == ref.ids, k
+        st = settle(c, timeout=30)
+        assert all(i["blocks_used"] == 0 for i in st["instances"]), (k, st)
+
+
+def test_remove_moves_a_tp_request_out_and_stops_the_instance_with_its_ranks(tp_cluster):
+    """Last in this module (it leaves one instance): ``remove`` drains the instance, its streaming request
+    moves to the other and streams on exactly; the instance and its worker processes stop."""
+    c = tp_cluster
+    run = ["--run-dir", str(c.run_dir)]
+    body = {"prompt": PROMPT, "max_tokens": ROUND_TOKENS, **KINDS["greedy"]}
+    ref = Stream(c.url, body).result()
+    s = Stream(c.url, body)
+    s.wait_tokens(10)
+    here = where(c, s.rid)
+    proc = next(p for p in _instances(c.run_dir) if p.name == f"instance-{here}").process()
+    ranks = proc.children(recursive=True)
+    removed = ctl_json("remove", here, "--timeout", "120", *run)
+    assert removed["removed"] is True and removed["migrated"] == 1, removed
+    assert s.result().ids == ref.ids
+    _, alive = psutil.wait_procs([proc, *ranks], timeout=60)
+    assert not alive, [p.pid for p in alive]
+    st = settle(c, timeout=30)
+    assert [i["id"] for i in st["instances"] if i["state"] != "dead"] == [_other(here)], st
+    assert all(i["blocks_used"] == 0 for i in st["instances"]), st
