@@ -64,7 +64,8 @@ class VllmInternals:
     (``preprocess_add_request``, ``add_request``, ``abort_requests``, ``step_fn``, ``post_step``,
     ``shutdown``), ``SamplingParams`` (``verify``, ``update_from_generation_config``),
     ``EngineCoreRequest``, ``ModelConfig.try_get_generation_config``.
-    Patched: ``vllm.v1.attention.backends.cpu_attn._get_attn_isa`` (see ``workarounds``).
+    Patched: ``vllm.v1.attention.backends.cpu_attn._get_attn_isa`` (see ``workarounds``);
+    ``vllm.distributed.device_communicators.shm_broadcast.SpinCondition.__init__`` (tensor parallel: ``rank_waits``).
     Private attributes read: ``core.scheduler.{running, waiting (peek_request, iteration),
     get_request_counts, block_size}``, ``scheduler.kv_cache_manager.{get_block_ids,
     block_pool.{num_gpu_blocks, get_num_free_blocks}}``, ``Request.{request_id, priority, num_prompt_tokens,
@@ -156,6 +157,8 @@ class VllmInternals:
     def __init__(self, model: ModelConfig, cfg: VllmConfig):
         self.m = m = self.import_checked()
         self.workarounds()
+        if cfg.tensor_parallel_size > 1:
+            self.rank_waits(cfg.rank_spin_s)  # before the executor makes its queues (and forks its workers)
         args = m.EngineArgs(
             model=model.path,
             skip_tokenizer_init=True,  # the proxy tokenizes and detokenizes
@@ -193,6 +196,22 @@ class VllmInternals:
         if getattr(self.config.scheduler_config, "async_scheduling", False):
             raise EngineError("vLLM chose async scheduling; the vllm backend steps synchronously "
                               "(migration suspends requests between steps)")
+
+    @staticmethod
+    def rank_waits(spin_s: float) -> None:
+        """How long a reader of vLLM's shared-memory message queues (``shm_broadcast.SpinCondition``, readers'
+        ``busy_loop_s``, 1 s in vLLM) spins with ``sched_yield`` after its last read before it sleeps on the
+        queue's ZeroMQ notification (sent on every write). Process-wide; workers forked later inherit it."""
+        from vllm.distributed.device_communicators import shm_broadcast
+
+        cls = shm_broadcast.SpinCondition
+        init = getattr(cls.__init__, "llumnix_original", cls.__init__)
+
+        def spin_for(self, is_reader, context, notify_address, busy_loop_s: float = 1, **kwargs):
+            init(self, is_reader, context, notify_address, spin_s, **kwargs)
+
+        spin_for.llumnix_original = init
+        cls.__init__ = spin_for
 
     @staticmethod
     def kv_events(on: bool):

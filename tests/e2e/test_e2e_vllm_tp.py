@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 # At instance.min_step_s 0.05, over 16 s: a stream outlasts two moves (0.3 to 3 s each on a quiet machine; a CI
 # run saw a 160-token stream end 13 s after it started, its second move still in pre-copy)
 TOKENS = 320
-OPERATOR_TOKENS = 800  # over 40 s: outlasts the operator test's CLI runs and moves
+OPERATOR_TOKENS = 600  # over 30 s: outlasts the operator test's CLI runs and moves
 
 
 def _instances(run_dir) -> list[localcluster.Proc]:
