@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from types import SimpleNamespace
 
 from daemons.config import ModelConfig, VllmConfig
@@ -64,8 +65,7 @@ class VllmInternals:
     (``preprocess_add_request``, ``add_request``, ``abort_requests``, ``step_fn``, ``post_step``,
     ``shutdown``), ``SamplingParams`` (``verify``, ``update_from_generation_config``),
     ``EngineCoreRequest``, ``ModelConfig.try_get_generation_config``.
-    Patched: ``vllm.v1.attention.backends.cpu_attn._get_attn_isa`` (see ``workarounds``);
-    ``vllm.distributed.device_communicators.shm_broadcast.SpinCondition.__init__`` (tensor parallel: ``rank_waits``).
+    Patched: ``vllm.v1.attention.backends.cpu_attn._get_attn_isa`` (see ``workarounds``).
     Private attributes read: ``core.scheduler.{running, waiting (peek_request, iteration),
     get_request_counts, block_size}``, ``scheduler.kv_cache_manager.{get_block_ids,
     block_pool.{num_gpu_blocks, get_num_free_blocks}}``, ``Request.{request_id, priority, num_prompt_tokens,
@@ -157,8 +157,6 @@ class VllmInternals:
     def __init__(self, model: ModelConfig, cfg: VllmConfig):
         self.m = m = self.import_checked()
         self.workarounds()
-        if cfg.tensor_parallel_size > 1:
-            self.rank_waits(cfg.rank_spin_s)  # before the executor makes its queues (and forks its workers)
         args = m.EngineArgs(
             model=model.path,
             skip_tokenizer_init=True,  # the proxy tokenizes and detokenizes
@@ -196,22 +194,6 @@ class VllmInternals:
         if getattr(self.config.scheduler_config, "async_scheduling", False):
             raise EngineError("vLLM chose async scheduling; the vllm backend steps synchronously "
                               "(migration suspends requests between steps)")
-
-    @staticmethod
-    def rank_waits(spin_s: float) -> None:
-        """How long a reader of vLLM's shared-memory message queues (``shm_broadcast.SpinCondition``, readers'
-        ``busy_loop_s``, 1 s in vLLM) spins with ``sched_yield`` after its last read before it sleeps on the
-        queue's ZeroMQ notification (sent on every write). Process-wide; workers forked later inherit it."""
-        from vllm.distributed.device_communicators import shm_broadcast
-
-        cls = shm_broadcast.SpinCondition
-        init = getattr(cls.__init__, "llumnix_original", cls.__init__)
-
-        def spin_for(self, is_reader, context, notify_address, busy_loop_s: float = 1, **kwargs):
-            init(self, is_reader, context, notify_address, spin_s, **kwargs)
-
-        spin_for.llumnix_original = init
-        cls.__init__ = spin_for
 
     @staticmethod
     def kv_events(on: bool):
@@ -281,6 +263,16 @@ def apply_workarounds(vllm: VllmConfig | None = None) -> None:
     vLLM's own ``LLM`` in the same process and wants the same kernels (tests comparing against it)."""
     set_env(vllm or VllmConfig())
     VllmInternals.workarounds()
+
+
+def lower_this_thread(to_nice: int) -> None:
+    """Run the calling thread at niceness ``to_nice`` or lower in priority (Linux: niceness is per thread)."""
+    tid = threading.get_native_id()
+    try:
+        if os.getpriority(os.PRIO_PROCESS, tid) < to_nice:
+            os.setpriority(os.PRIO_PROCESS, tid, min(to_nice, 19))
+    except OSError as exc:
+        log.warning("could not lower the step thread's priority to niceness %d: %s", to_nice, exc)
 
 
 def set_num_threads(n: int) -> None:
