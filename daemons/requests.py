@@ -35,6 +35,8 @@ class Entry:
     migrating: bool = False  # a migration out of here is in progress
     abort_pending: bool = False  # an abort came while migrating: applied once the outcome is known
     traceparent: str = ""  # the request's trace (wire.Submit.traceparent; empty: untraced)
+    prompt_tokens: int = 0  # its prompt's length (the request listings' row while the engine's is not read yet)
+    priority: int = 0
 
 
 class AbortAction(enum.Enum):
@@ -69,17 +71,20 @@ class RequestTable:
 
     # ---------------------------------------------------------------- placement
 
-    def admit(self, request_id: str, reply_to: str, epoch: int, emitted: int = 0, traceparent: str = "") -> Entry:
+    def admit(self, request_id: str, reply_to: str, epoch: int, emitted: int = 0, traceparent: str = "", *,
+              prompt_tokens: int = 0, priority: int = 0) -> Entry:
         """Placed here by a proxy (``emitted`` > 0: a failover continuing at that index)."""
         self._moved.pop(request_id, None)
-        entry = self._reqs[request_id] = Entry(reply_to, max(epoch, 1), emitted, traceparent=traceparent)
+        entry = self._reqs[request_id] = Entry(reply_to, max(epoch, 1), emitted, traceparent=traceparent,
+                                               prompt_tokens=prompt_tokens, priority=priority)
         return entry
 
-    def take_over(self, request_id: str, reply_to: str, epoch: int, emitted: int, traceparent: str = "") -> Entry:
+    def take_over(self, request_id: str, reply_to: str, epoch: int, emitted: int, traceparent: str = "", *,
+                  prompt_tokens: int = 0, priority: int = 0) -> Entry:
         """A migration committed here: the request continues at ``emitted`` under ``epoch``."""
         self._moved.pop(request_id, None)
         entry = self._reqs[request_id] = Entry(reply_to, epoch, emitted, arrived=self.clock.monotonic(),
-                                               traceparent=traceparent)
+                                               traceparent=traceparent, prompt_tokens=prompt_tokens, priority=priority)
         return entry
 
     def hand_over(self, request_id: str, address: str) -> Entry | None:

@@ -85,9 +85,7 @@ class Instance:
         self.cache = CacheReports(engine, self.proxies, self.line.tell, self.mailbox, heartbeat_s, self.clock)
         self.intake = Intake(self.router, engine, self.requests, self.phases, self.tokens, self.proxies,
                              self.standing, self.mailbox.wake, migrator, self.cache.on_sync, self.clock)
-        self.listings = Listings(engine, self.requests, self.mailbox,
-                                 lambda: self.intake.waiting() or self.mailbox.waiting(), self.line.tell, self.ident,
-                                 self.clock)
+        self.listings = Listings(engine, self.requests, self.intake.pending, self.line.tell, self.ident, self.clock)
         self.fit = StepFit(getattr(engine, "prefill_budget", 0))  # the step-time model (the SLO's predictions)
         self.reporter = Reporter(engine, migrator, self.watchdog, self.line.tell, self.proxies, self.intake.taken,
                                  self.standing, self.ident, self.cache, self.phases, self.requests, heartbeat_s,

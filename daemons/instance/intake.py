@@ -60,6 +60,10 @@ class Intake:
         """(Any thread) Requests or aborts wait for the boundary. Reads only."""
         return bool(self._inbox)
 
+    def pending(self) -> list[wire.Submit | wire.Abort]:
+        """(Event loop) The Submits and Aborts that the next boundary takes in, in order. Reads only."""
+        return list(self._inbox)
+
     def post(self, msg: wire.Submit | wire.Abort) -> None:
         """Take ``msg`` in at the next boundary."""
         self._inbox.append(msg)
@@ -145,7 +149,8 @@ class Intake:
             M_FAILOVERS_IN.inc()
             log.info("request %s failed over to us: continues at token %d (epoch %d)", msg.request_id,
                      len(msg.output_token_ids), msg.epoch)
-        self.requests.admit(msg.request_id, msg.reply_to, msg.epoch, len(msg.output_token_ids), msg.traceparent)
+        self.requests.admit(msg.request_id, msg.reply_to, msg.epoch, len(msg.output_token_ids), msg.traceparent,
+                            prompt_tokens=len(msg.prompt_token_ids), priority=msg.priority)
         self.phases.admitted(msg.request_id)
 
     async def _after_reservation(self, migrator: Migrator, msg: wire.Submit) -> None:

@@ -48,7 +48,7 @@ M_BEAT_LATE = metrics.histogram("instance", "llumnix_instance_heartbeat_lateness
                                 "host costs the liveness and load signals",
                                 buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0))
 M_QUERY = metrics.histogram("instance", "llumnix_instance_query_seconds",
-                            "From a request-list query's arrival to its answer (answered at a step boundary)",
+                            "From a request-list query's arrival to its answer (answered at once from the request table)",
                             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0))
 M_HEALTHY = metrics.gauge("instance", "llumnix_instance_healthy",
                           "1 while engine steps make progress, 0 while stalled (instance.step_timeout_s)")

@@ -208,7 +208,8 @@ class Destination:
         self.engine.commit(inc.request_id, state)
         epoch = state.epoch + 1
         host = self.host
-        self.requests.take_over(inc.request_id, inc.request.reply_to, epoch, state.emitted, inc.request.traceparent)
+        self.requests.take_over(inc.request_id, inc.request.reply_to, epoch, state.emitted, inc.request.traceparent,
+                                prompt_tokens=len(inc.request.prompt_token_ids), priority=inc.request.priority)
         host.proxies.seen(inc.request.reply_to)  # its proxy has not spoken to us yet: count from now
         host.announce_move(inc.request_id, inc.request.reply_to, host.instance_id, host.request_address, epoch,
                            state.emitted)
