@@ -7,10 +7,7 @@ TTFT runs from the request's arrival at the proxy (wire.Submit.arrival_time, the
 token going out here; TPOT from the first token to the last, per token after the first (the proxy's and vLLM's
 definition). A request that migrates carries its targets and its first token's time and index
 (wire.MigratingRequest), so the destination judges it with what the source measured. A failover's re-prefill is
-not judged (its first token went out elsewhere, and nothing of it travelled); an aborted request neither.
-
-Also here: the predictions ``llumnixctl status`` and the instance's gauges show, for one reference prompt.
-"""
+not judged (its first token went out elsewhere, and nothing of it travelled); an aborted request neither."""
 
 from __future__ import annotations
 
@@ -18,21 +15,7 @@ from collections import deque
 
 from daemons import wire
 from daemons.clock import Clock
-from daemons.policy import slo, usage
 from daemons.requests import SloMark
-
-REFERENCE_PROMPT_TOKENS = 512  # the prompt the shown predictions are for (a fixed size, the same on every instance)
-
-
-def reference_prediction(instance_id: str, load: wire.InstanceLoad) -> tuple[float | None, float | None]:
-    """(TTFT, TPOT) in seconds predicted for a new request of REFERENCE_PROMPT_TOKENS on an instance of this load
-    (daemons/policy/slo.py); None each while the instance has no step-time model yet."""
-    if not slo.fitted(load.latency):
-        return None, None
-    state = usage.state_of(instance_id, load)
-    return (slo.predict_ttft(state, REFERENCE_PROMPT_TOKENS),
-            slo.predict_tpot(state, REFERENCE_PROMPT_TOKENS, joining=1))
-
 
 def judge(mark: SloMark, last_index: int, now: float) -> bool:
     """Whether a request that ended at ``now`` with its token ``last_index`` met both its targets."""

@@ -14,12 +14,13 @@ import msgspec
 from daemons import metrics, runtime, wire
 from daemons.clock import Clock
 from daemons.engine.base import Engine
-from daemons.instance.attainment import Attainment, reference_prediction
+from daemons.instance.attainment import Attainment
 from daemons.instance.predictor import StepFit
 from daemons.instance.standing import Identity, Standing
 from daemons.instance.telemetry import (
     M_BEAT_LATE, M_BLOCKS_TOTAL, M_BLOCKS_USED, M_HEALTHY, M_KV_USAGE, M_PREDICTED_TPOT, M_PREDICTED_TTFT,
     M_PREEMPTIONS, M_RUNNING, M_SLO_ATTAINMENT, M_SLO_JUDGED, M_SLO_MET, M_WAITING)
+from daemons.policy import slo
 from daemons.requests import RequestTable
 from daemons.watchdog import Watchdog
 
@@ -148,7 +149,7 @@ class Reporter:
 
     def count_slo(self, load: wire.InstanceLoad) -> None:
         """The SLO gauges: predictions for the reference prompt, attainment over the window."""
-        ttft, tpot = reference_prediction(self.ident.instance_id, load)
+        ttft, tpot = slo.reference_prediction(self.ident.instance_id, load)
         if ttft is not None:
             M_PREDICTED_TTFT.set(ttft)
             M_PREDICTED_TPOT.set(tpot)

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from daemons import wire
 from daemons.clock import Clock
-from daemons.instance.attainment import REFERENCE_PROMPT_TOKENS, Attainment, SloWindow, judge, reference_prediction
+from daemons.instance.attainment import Attainment, SloWindow, judge
+from daemons.policy.slo import REFERENCE_PROMPT_TOKENS, reference_prediction
 from daemons.requests import SloMark, slo_mark
 from tests.support.cluster import VirtualCluster
 
