@@ -63,7 +63,10 @@ def up(
     timeout: Annotated[float, typer.Option(help="seconds to wait for the cluster to serve (a large model on the vllm backend may need more)")] = 60.0,
     json_: JsonOpt = False,
 ) -> None:
-    """Start a local cluster in the background (manager, instances, proxy) and wait until it serves."""
+    """Start a local cluster in the background (manager, instances, proxy) and wait until it serves.
+
+    To serve to an SLO, give its targets: --set slo.ttft_ms=MS --set slo.tpot_ms=MS (admission by predicted
+    time to first token, 429 with Retry-After past it; llumnixctl status shows predictions and attainment)."""
     from llumnixctl.lab import localcluster  # the lab's: operator commands run without it
 
     run_dir = run_dir or localcluster.default_run_dir()
@@ -86,6 +89,11 @@ def up(
         out.print(f"  OpenAI API  {url}/v1")
     out.print(f"  manager     {state.manager_address}")
     out.print(f"  run dir     {run_dir} (logs: *.log)")
+    if not (cfg.slo.ttft_ms or cfg.slo.tpot_ms):
+        out.print("  SLO         off (serve to one: --set slo.ttft_ms=2000 --set slo.tpot_ms=100, in ms)")
+    else:
+        out.print(f"  SLO         TTFT {cfg.slo.ttft_ms:g} ms, TPOT {cfg.slo.tpot_ms:g} ms (0: none); attainment in "
+                  "llumnixctl status")
     out.print("stop it with: llumnixctl down" + ("" if run_dir == localcluster.default_run_dir() else f" --run-dir {run_dir}"))
 
 
