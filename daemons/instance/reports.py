@@ -55,8 +55,8 @@ class BeatLinks(Protocol):
 class Reporter:
     """Owns the last load (``last``, as of the last step or boundary, with the llumlet's own state), the
     event that says it changed, and the report sequence. Reads the engine, the migrator's counts, the
-    watchdog's verdict, the Submits taken per proxy (``taken``), where the instance stands and the step-time
-    model (``fit``)."""
+    watchdog's verdict, the Submits taken per proxy (``taken``), where the instance stands, the step-time
+    model (``fit``) and the SLO attainment over its window (``attainment``)."""
 
     def __init__(self, engine: Engine, migrator: Callable[[], Migrator | None], watchdog: Watchdog,
                  tell_manager: Callable[[wire.Message], None], proxies: BeatLinks, taken: Mapping[str, int],
