@@ -100,6 +100,16 @@ async def _overload(url: str, rate: float, seconds: float, prompt: int, output: 
         return list(await asyncio.gather(*(one(k, at, high) for k, (at, high) in enumerate(arrivals))))
 
 
+def _vocab(path: Path) -> int:
+    """The token ids a checkpoint takes: its config's vocabulary, or its tokenizer's where that knows fewer (the
+    proxy refuses an id the tokenizer does not know)."""
+    vocab = int(json.loads((path / "config.json").read_text()).get("vocab_size", 32000))
+    tokenizer = path / "tokenizer.json"
+    if tokenizer.exists():
+        vocab = min(vocab, len(json.loads(tokenizer.read_text())["model"]["vocab"]))
+    return vocab
+
+
 def _ms(xs: list[float], q: float) -> float | None:
     return percentile(xs, q) * 1000 if xs else None
 
@@ -163,7 +173,7 @@ def command(
         from llumnixctl.lab.model import write_tiny_model
 
         path = (model or write_tiny_model(run_dir / "tiny")).resolve()
-        MODEL, VOCAB = path.name, 3000
+        MODEL, VOCAB = path.name, _vocab(path) - 8
         sets += [f"model.path={path}", f"model.name={MODEL}"]
     timeout = 600.0
     state = localcluster.up(run_dir, instances, backend, 0, None, sets, timeout_s=60 if backend == "sim" else 300)
