@@ -27,6 +27,9 @@ def test_each_request_gets_its_outcome_against_the_targets():
     assert outcome(ok(0, 0.5, 9.0, tokens=1), 1.0, 0.1) == "met"  # one token: no TPOT
     assert outcome(refused(0), 1.0, 0.1) == "refused" and outcome(refused(0, status=503), 1.0, 0.1) == "refused"
     assert outcome({"error": "timeout after 600s", "times": []}, 1.0, 0.1) == "failed"
+    late = refused(0) | {"error": 'HTTP 429: b\'{"error":{"message":"the request waited past its time-to-first-token '
+                                  'target without starting'}
+    assert outcome(late, 1.0, 0.1) == "gave_up"
 
 
 def test_goodput_and_attainment_per_class():
@@ -49,7 +52,10 @@ def test_a_high_refusal_counts_when_a_normal_request_was_admitted_in_the_same_mo
 
 def test_overload_keeps_its_old_keys_and_adds_the_slo_figures():
     results = [ok(0.0, 0.5, 0.05), refused(0.01, high=True), ok(0.02, 0.4, 0.05, high=True)]
-    res = analyse(results, [0.05, 0.06], 4.0, 40.0, 10.0, 1.0, 0.1)
+    late = refused(0.5) | {"answered_s": 2.0, "error": "HTTP 429: the request waited past its time-to-first-token target"}
+    res = analyse(results + [late], [0.05, 0.06], 4.0, 40.0, 10.0, 1.0, 0.1)
+    assert res["gave_up_429"] == 1 and res["gave_up_p50_ms"] == 2000 and res["refused_429"] == 2
+    assert res["refusal_max_ms"] == 2.0  # the refusals at admission only
     for key in ("admitted", "refused_429", "refusal_p50_ms", "refusal_p99_ms", "admitted_ttft_p99_ms",
                 "ttft_p99_ratio", "high_refused", "high_admitted", "normal_admitted"):
         assert key in res

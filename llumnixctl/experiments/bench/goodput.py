@@ -1,7 +1,7 @@
 """Goodput and SLO attainment of a benchmark's requests, as the client measured them (``bench overload``,
-``bench serve``): per priority class, how many were admitted, refused (429/503), met both targets (TTFT from
+``bench serve``): per priority class, how many were answered, refused at admission (429/503), gave up queued (429), met both targets (TTFT from
 sending to the first chunk, TPOT from the first chunk to the last per token after the first: vLLM's
-definitions), missed TTFT or TPOT; attainment = met / admitted; goodput = met per second of the run. And the
+definitions), missed TTFT or TPOT; attainment = met / answered ("admitted"); goodput = met per second of the run. And the
 moments a high-priority request was refused while a normal one was admitted (what admission by class must never
 do)."""
 
@@ -17,10 +17,19 @@ def tpot_of(r: dict) -> float | None:
     return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
 
 
+GAVE_UP = "waited past its time-to-first-token target"  # the proxy's 429 for a request that queued too long
+
+
+def gave_up(r: dict) -> bool:
+    """Admitted, then answered 429 after waiting past slo.give_up_factor times its TTFT target."""
+    return r.get("status") == 429 and GAVE_UP in (r["error"] or "")
+
+
 def outcome(r: dict, ttft_s: float, tpot_s: float) -> str:
-    """met, missed_ttft, missed_tpot, missed_both (an answered request), refused (429/503) or failed."""
+    """met, missed_ttft, missed_tpot, missed_both (an answered request), refused (429/503 at admission), gave_up
+    (429 after queueing) or failed."""
     if r["error"] is not None:
-        return "refused" if r.get("status") in (429, 503) else "failed"
+        return "gave_up" if gave_up(r) else "refused" if r.get("status") in (429, 503) else "failed"
     missed_ttft = ttft_s > 0 and r["times"][0] > ttft_s
     tpot = tpot_of(r)
     missed_tpot = tpot_s > 0 and tpot is not None and tpot > tpot_s
@@ -33,7 +42,7 @@ def high_refused_while_normal_admitted(results: list[dict], moment_s: float = MO
     admitted = sorted(r["sent"] for r in results if not r.get("high") and r["error"] is None)
     count = 0
     for r in results:
-        if r.get("high") and r.get("status") in (429, 503):
+        if r.get("high") and r.get("status") in (429, 503) and not gave_up(r):
             i = bisect.bisect_left(admitted, r["sent"] - moment_s)  # the first normal admission from a moment before
             count += i < len(admitted) and admitted[i] <= r["sent"] + moment_s
     return count
@@ -47,7 +56,7 @@ def slo_figures(results: list[dict], ttft_s: float, tpot_s: float, seconds: floa
         mine = [r for r in results if bool(r.get("high")) == high]
         if not mine:
             continue
-        counts = {k: 0 for k in ("met", "missed_ttft", "missed_tpot", "missed_both", "refused", "failed")}
+        counts = {k: 0 for k in ("met", "missed_ttft", "missed_tpot", "missed_both", "refused", "gave_up", "failed")}
         for r in mine:
             counts[outcome(r, ttft_s, tpot_s)] += 1
         admitted = sum(counts[k] for k in ("met", "missed_ttft", "missed_tpot", "missed_both"))

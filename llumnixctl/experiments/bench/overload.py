@@ -4,8 +4,9 @@ vllm with --backend vllm).
 A local cluster is measured three ways: its capacity (a closed loop that keeps every batch slot busy;
 completed requests per second), its unloaded time to first token (requests one at a time), then an open loop of
 Poisson arrivals at ``--factor`` times that capacity for ``--seconds``, a share of them high priority. Printed:
-how many were admitted, refused (429) or answered 503, how fast a refusal came (P50, P99, max) and with which
-Retry-After, the admitted requests' TTFT against the unloaded figure, requests that ended in any other error
+how many were admitted, refused (429) or answered 503, how fast a refusal at admission came (P50, P99, max; a
+request that was admitted and then gave up queueing past slo.give_up_factor x its TTFT target is counted
+apart, as gave_up_429) and with which Retry-After, the admitted requests' TTFT against the unloaded figure, requests that ended in any other error
 (a timeout: nothing should wait to one), and high-priority refusals beside normal admissions.
 
 With --slo-ttft-ms/--slo-tpot-ms the cluster serves to those targets ([slo]: admission by predicted TTFT) and the
@@ -31,7 +32,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from llumnixctl.experiments.bench.goodput import high_refused_while_normal_admitted, slo_figures
+from llumnixctl.experiments.bench.goodput import gave_up, high_refused_while_normal_admitted, slo_figures
 from llumnixctl.experiments.bench.serve import stream_completion
 from llumnixctl.lab import localcluster
 from llumnixctl.stats import percentile
@@ -121,7 +122,8 @@ def analyse(results: list[dict], unloaded: list[float], capacity: float, rate: f
     unavailable = [r for r in results if r.get("status") == 503]
     other = [r for r in results if r["error"] is not None and r.get("status") not in (429, 503)]
     ttft = [r["times"][0] for r in ok]
-    refusal = [r["answered_s"] for r in refused + unavailable]
+    given_up = [r for r in refused if gave_up(r)]  # admitted, then 429 after queueing past slo.give_up_factor
+    refusal = [r["answered_s"] for r in refused + unavailable if not gave_up(r)]  # decided at admission
     unloaded_p99 = _ms(unloaded, 99)
     admitted_p99 = _ms(ttft, 99)
     return {
@@ -136,6 +138,7 @@ def analyse(results: list[dict], unloaded: list[float], capacity: float, rate: f
         "high_refused": sum(1 for r in refused + unavailable if r["high"]),
         "high_admitted": sum(1 for r in ok if r["high"]), "normal_admitted": sum(1 for r in ok if not r["high"]),
         "high_refused_while_normal_admitted": high_refused_while_normal_admitted(results),
+        "gave_up_429": len(given_up), "gave_up_p50_ms": _ms([r["answered_s"] for r in given_up], 50),
         "slo": slo_figures(results, ttft_s, tpot_s, seconds) if (ttft_s or tpot_s) else None,
     }
 
