@@ -34,8 +34,9 @@ def test_status_json_adds_predictions_and_attainment_per_instance_and_in_all():
     s = state_of("i0", snapshot().instances[0].load)
     assert i0["predicted_ttft_s"] == pytest.approx(slo.predict_ttft(s, 512), rel=1e-5)
     assert i0["predicted_tpot_s"] == pytest.approx(slo.predict_tpot(s, 512, joining=1), rel=1e-5)
-    # 6 running + a 512-token newcomer: decode 10 + 7 + 3.512 ms plus 2 ms of others' prefills
-    assert i0["predicted_tpot_s"] == pytest.approx((10 + 7 + 0.001 * (3000 + 512) + 2) / 1000, rel=1e-5)
+    # 6 running, then the batch fills to 8 with one of the 2 queued ahead (half their 1024 tokens) and the 512-token
+    # newcomer: decode 10 + 8 + 0.001 x (3000 + 512 + 512) ms plus 2 ms of others' prefills
+    assert i0["predicted_tpot_s"] == pytest.approx((10 + 8 + 0.001 * (3000 + 512 + 512) + 2) / 1000, rel=1e-5)
     assert i0["predicted_ttft_s"] > 0.1  # the 1024 queued tokens and its own, in one chunk, with the decodes
     assert (i0["slo_met"], i0["slo_judged"], i0["slo_attainment"]) == (36, 40, 0.9)
     assert i1["predicted_ttft_s"] is None and i1["predicted_tpot_s"] is None and i1["slo_attainment"] is None
