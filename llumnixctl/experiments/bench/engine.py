@@ -38,6 +38,9 @@ from llumnixctl.lab.procs import stop
 
 PROMPT = [5, 17, 300, 42, 7, 99, 12, 8]
 KV_CACHE_BYTES = 256 << 20
+# The context limit on all three sides (the cluster's default; a checkpoint's own may be longer, and vLLM refuses
+# one that does not fit in the KV cache: SmolLM2's 8192 in float32)
+MAX_MODEL_LEN = 4096
 
 # Offline vLLM in a child process: vLLM sets process-wide state (threads, seeds, torch.distributed).
 _OFFLINE = r"""
@@ -49,7 +52,7 @@ cfg = VllmConfig(**a["vllm"])
 apply_workarounds(cfg)
 from vllm import LLM, SamplingParams
 t0 = time.perf_counter()
-llm = LLM(model=a["model"], enforce_eager=True, dtype=cfg.dtype, block_size=cfg.block_size, seed=0,
+llm = LLM(model=a["model"], enforce_eager=True, dtype=cfg.dtype, block_size=cfg.block_size, seed=0, max_model_len=a["max_model_len"],
           max_num_seqs=cfg.max_num_seqs, kv_cache_memory_bytes=cfg.kv_cache_bytes or None,
           enable_prefix_caching=cfg.enable_prefix_caching)
 start = time.perf_counter() - t0
@@ -115,7 +118,7 @@ def measure(url: str, procs: list[psutil.Process], tokens: int, batch: int, batc
 
 def offline_run(path: Path, vllm: dict, tokens: int, batch: int, batch_tokens: int, repeat: int) -> dict:
     args = {"model": str(path), "vllm": vllm, "prompt": PROMPT, "tokens": tokens, "batch": batch,
-            "batch_tokens": batch_tokens, "repeat": repeat}
+            "batch_tokens": batch_tokens, "repeat": repeat, "max_model_len": MAX_MODEL_LEN}
     child = subprocess.run([sys.executable, "-c", _OFFLINE, json.dumps(args)], capture_output=True, text=True)
     if child.returncode != 0:
         raise BenchError(f"the offline vLLM run failed:\n{child.stderr[-2000:]}")
@@ -130,7 +133,7 @@ def start_api_server(path: Path, vllm: dict, run_dir: Path, timeout_s: float = 3
             "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1], "--enforce-eager", "--seed", "0",
             "--distributed-executor-backend", "uni",  # the executor an instance runs (in the engine core process)
             "--block-size", str(vllm["block_size"]), "--max-num-seqs", str(vllm["max_num_seqs"]),
-            "--dtype", vllm.get("dtype", "auto"), "--kv-cache-memory-bytes", str(vllm["kv_cache_bytes"]),
+            "--dtype", vllm.get("dtype", "auto"), "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(vllm["kv_cache_bytes"]),
             "--enable-prefix-caching" if vllm.get("enable_prefix_caching") else "--no-enable-prefix-caching",
             "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
@@ -201,6 +204,7 @@ def cluster_run(path: Path, vllm: dict, run_dir: Path, tokens: int, batch: int, 
                 repeat: int) -> dict:
     sets = [f"model.path={path.resolve()}", "model.name=bench", f"vllm.max_num_seqs={vllm['max_num_seqs']}",
             f"vllm.kv_cache_bytes={vllm['kv_cache_bytes']}", f"vllm.dtype={vllm.get('dtype', 'auto')}",
+            f"model.max_model_len={MAX_MODEL_LEN}",
             "instance.log_level=warning", "proxy.log_level=warning"]
     t0 = time.perf_counter()
     state = start_cluster(run_dir, 1, "vllm", sets, timeout_s=300)
