@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv and install the toolkit with its test extras and the vLLM engine. Idempotent: a second run
-# only checks. LLUMNIX_EXTRAS=test skips vLLM (the sim engine needs nothing more).
+# only checks. LLUMNIX_EXTRAS=test skips vLLM (the sim engine needs nothing more); with vllm comes the model
+# extra (gguf: `llumnixctl model smollm2` converts the quickstart's model with it).
 # torch is pinned to 2.13.0; where a local CPU wheel directory exists (/opt/wheels, or $LLUMNIX_WHEELS)
 # it is taken from there, so no CUDA build is ever downloaded on a CPU machine.
 # Packages go in with uv (installed into .venv first: it resolves and unpacks vLLM's ~170 packages in
@@ -10,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-EXTRAS=${LLUMNIX_EXTRAS:-test,vllm}  # comma-separated: test, vllm
+EXTRAS=${LLUMNIX_EXTRAS:-test,vllm}  # comma-separated: test, vllm, model
 WHEELS=${LLUMNIX_WHEELS:-/opt/wheels}
 INSTALLER=${LLUMNIX_INSTALLER:-uv}
 
@@ -106,6 +107,8 @@ if [[ ",$EXTRAS," == *",test,"* ]] && ! { command -v prometheus && command -v pr
   fi
 fi
 extras=$(echo ",$EXTRAS," | sed 's/,vllm,/,/g; s/^,//; s/,$//')  # vllm is installed above, by hand
+# With the vllm engine, the model extra too: `llumnixctl model smollm2` (the quickstart's model) needs gguf.
+if [[ ",$EXTRAS," == *",vllm,"* ]] && [[ ",$extras," != *",model,"* ]]; then extras=${extras:+$extras,}model; fi
 echo "installing llumnix-toolkit[${extras}] ..." >&2
 install -e ".${extras:+[$extras]}"
 # Bytecode: uv writes none, and where PYTHONDONTWRITEBYTECODE is set (as on our CI machines) nothing ever does,

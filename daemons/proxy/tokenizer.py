@@ -4,7 +4,8 @@
   real vocabulary's tokens are bounded) or punctuation mark is one token (a hash), and each token id decodes
   to a pronounceable pseudo-word.
 - ``HFTokenizer``: a real model's ``tokenizer.json`` (Hugging Face ``tokenizers``) with the chat template
-  of its ``tokenizer_config.json``. Byte-level BPE pieces can end inside a UTF-8 character, so output is
+  of its ``tokenizer_config.json``, or of ``chat_template.jinja`` beside it (where current transformers
+  writes it). Byte-level BPE pieces can end inside a UTF-8 character, so output is
   detokenized incrementally: text is released only once it decodes cleanly, and what is still held back
   when the output ends (an incomplete UTF-8 sequence) is dropped, as vLLM's detokenizer drops it
   (tokenizers' ``DecodeStream`` never releases it).
@@ -113,7 +114,7 @@ class TokenizerError(Exception):
 
 
 class HFTokenizer:
-    """tokenizer.json + tokenizer_config.json of a checkpoint directory."""
+    """tokenizer.json + tokenizer_config.json (+ chat_template.jinja) of a checkpoint directory."""
 
     def __init__(self, path: str | Path):
         from tokenizers import Tokenizer as _Tok
@@ -137,6 +138,8 @@ class HFTokenizer:
         self.bos_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         self._template = None
         template = conf.get("chat_template")
+        if (path / "chat_template.jinja").exists():  # where current transformers writes it; it wins, as there
+            template = (path / "chat_template.jinja").read_text()
         if isinstance(template, list):  # named templates: take "default"
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         if template:

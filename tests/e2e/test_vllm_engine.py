@@ -57,6 +57,7 @@ def offline(model_dir, prompts: list[list[int]], params: list[SamplingParams], o
     cfg = {**BASE, **kw}
     llm = vllm.LLM(model=str(model_dir), enforce_eager=True, distributed_executor_backend="uni", seed=0,
                    enable_prefix_caching=False, max_model_len=cfg["max_model_len"], block_size=cfg["block_size"],
+                   dtype=cfg.get("dtype", "auto"),
                    kv_cache_memory_bytes=cfg["kv_cache_bytes"], max_num_seqs=cfg["max_num_seqs"])
     calls = [[i] for i in range(len(prompts))] if one_by_one else [list(range(len(prompts)))]
     try:

@@ -148,3 +148,25 @@ def test_sim_tokens_stand_for_bounded_text_so_a_huge_prompt_is_refused_before_en
     with pytest.raises(ApiError) as exc:
         Checks(tok, "llumnix-sim", 4096).prompt_ids(decode_body(body, CompletionRequest))
     assert exc.value.status == 400 and exc.value.body()["error"]["code"] == "prompt_too_long" and encoded == []
+
+
+def test_chat_template_beside_the_config_is_found_and_wins(tmp_path):
+    """Current transformers writes the template to chat_template.jinja, not into tokenizer_config.json (as
+    `llumnixctl model smollm2` does); transformers and vLLM take that file over the config's template."""
+    import json
+    import shutil
+
+    src = write_tiny_model(tmp_path / "tiny")
+    conf = json.loads((src / "tokenizer_config.json").read_text())
+    del conf["chat_template"]
+    (src / "tokenizer_config.json").write_text(json.dumps(conf))
+    with pytest.raises(TokenizerError, match="no chat template"):
+        HFTokenizer(src).apply_chat_template([{"role": "user", "content": "hi"}])
+    (src / "chat_template.jinja").write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                                            "{% if add_generation_prompt %}[assistant] {% endif %}")
+    assert HFTokenizer(src).apply_chat_template([{"role": "user", "content": "hi"}]) == "[user] hi\n[assistant] "
+    both = tmp_path / "both"
+    shutil.copytree(src, both)
+    conf["chat_template"] = "config's template"
+    (both / "tokenizer_config.json").write_text(json.dumps(conf))
+    assert HFTokenizer(both).apply_chat_template([{"role": "user", "content": "hi"}]) == "[user] hi\n[assistant] "

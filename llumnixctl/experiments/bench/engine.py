@@ -38,6 +38,9 @@ from llumnixctl.lab.procs import stop
 
 PROMPT = [5, 17, 300, 42, 7, 99, 12, 8]
 KV_CACHE_BYTES = 256 << 20
+# The context limit on all three sides (the cluster's default; a checkpoint's own may be longer, and vLLM refuses
+# one that does not fit in the KV cache: SmolLM2's 8192 in float32)
+MAX_MODEL_LEN = 4096
 
 # Offline vLLM in a child process: vLLM sets process-wide state (threads, seeds, torch.distributed).
 _OFFLINE = r"""
@@ -49,7 +52,7 @@ cfg = VllmConfig(**a["vllm"])
 apply_workarounds(cfg)
 from vllm import LLM, SamplingParams
 t0 = time.perf_counter()
-llm = LLM(model=a["model"], enforce_eager=True, dtype=cfg.dtype, block_size=cfg.block_size, seed=0,
+llm = LLM(model=a["model"], enforce_eager=True, dtype=cfg.dtype, block_size=cfg.block_size, seed=0, max_model_len=a["max_model_len"],
           max_num_seqs=cfg.max_num_seqs, kv_cache_memory_bytes=cfg.kv_cache_bytes or None,
           enable_prefix_caching=cfg.enable_prefix_caching)
 start = time.perf_counter() - t0
@@ -115,7 +118,7 @@ def measure(url: str, procs: list[psutil.Process], tokens: int, batch: int, batc
 
 def offline_run(path: Path, vllm: dict, tokens: int, batch: int, batch_tokens: int, repeat: int) -> dict:
     args = {"model": str(path), "vllm": vllm, "prompt": PROMPT, "tokens": tokens, "batch": batch,
-            "batch_tokens": batch_tokens, "repeat": repeat}
+            "batch_tokens": batch_tokens, "repeat": repeat, "max_model_len": MAX_MODEL_LEN}
     child = subprocess.run([sys.executable, "-c", _OFFLINE, json.dumps(args)], capture_output=True, text=True)
     if child.returncode != 0:
         raise BenchError(f"the offline vLLM run failed:\n{child.stderr[-2000:]}")
@@ -130,7 +133,7 @@ def start_api_server(path: Path, vllm: dict, run_dir: Path, timeout_s: float = 3
             "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1], "--enforce-eager", "--seed", "0",
             "--distributed-executor-backend", "uni",  # the executor an instance runs (in the engine core process)
             "--block-size", str(vllm["block_size"]), "--max-num-seqs", str(vllm["max_num_seqs"]),
-            "--kv-cache-memory-bytes", str(vllm["kv_cache_bytes"]),
+            "--dtype", vllm.get("dtype", "auto"), "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(vllm["kv_cache_bytes"]),
             "--enable-prefix-caching" if vllm.get("enable_prefix_caching") else "--no-enable-prefix-caching",
             "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
@@ -200,7 +203,9 @@ def api_server_run(path: Path, vllm: dict, run_dir: Path, tokens: int, batch: in
 def cluster_run(path: Path, vllm: dict, run_dir: Path, tokens: int, batch: int, batch_tokens: int,
                 repeat: int) -> dict:
     sets = [f"model.path={path.resolve()}", "model.name=bench", f"vllm.max_num_seqs={vllm['max_num_seqs']}",
-            f"vllm.kv_cache_bytes={vllm['kv_cache_bytes']}", "instance.log_level=warning", "proxy.log_level=warning"]
+            f"vllm.kv_cache_bytes={vllm['kv_cache_bytes']}", f"vllm.dtype={vllm.get('dtype', 'auto')}",
+            f"model.max_model_len={MAX_MODEL_LEN}",
+            "instance.log_level=warning", "proxy.log_level=warning"]
     t0 = time.perf_counter()
     state = start_cluster(run_dir, 1, "vllm", sets, timeout_s=300)
     up_s = time.perf_counter() - t0
@@ -217,13 +222,13 @@ def _ratio(a: float, b: float | None) -> float | None:
 
 
 def result_of(cluster: dict, offline: dict, api: dict | None, model: Path | None, tokens: int, batch: int,
-              batch_tokens: int, repeat: int) -> dict:
+              batch_tokens: int, repeat: int, dtype: str = "auto") -> dict:
     """The JSON: the keys scripts already read, plus the api_server's figures and ratios to it."""
     res = {
         "offline_engine_start_s": offline["start_s"], "cluster_up_s": cluster["up_s"],
         "instance_rss_mib": cluster["rss"] / 2**20,
         "batch": batch, "tokens": tokens, "batch_tokens": batch_tokens, "model": str(model or "tiny (random)"),
-        "repeat": repeat, "api_server_up_s": api["up_s"] if api else None,
+        "repeat": repeat, "api_server_up_s": api["up_s"] if api else None, "dtype": dtype,
     }
     for key, k in (("single_stream_tokens_per_s", "single"), ("batched_tokens_per_s", "batched")):
         res[key] = {"cluster": cluster[k], "offline": offline[k], "ratio": cluster[k] / offline[k],
@@ -264,6 +269,7 @@ def command(
     api_server: Annotated[bool, typer.Option("--api-server/--no-api-server", help="also measure vLLM's own OpenAI server")] = True,
     repeat: Annotated[int, typer.Option(help="runs of each measure; the best counts (shared cores are noisy)", min=1)] = 1,
     json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    dtype: Annotated[str, typer.Option(metavar="auto|float32|bfloat16|float16", help="weights and activations on all three sides (vllm.dtype; auto: the checkpoint's). On a CPU without bf16 instructions float32 runs a bf16 checkpoint's prefill and batched steps about ten times faster")] = "auto",
 ) -> None:
     """vLLM through the whole cluster (proxy, manager, one instance) against vLLM's offline run and its api_server."""
     from daemons.config import VllmConfig
@@ -271,8 +277,12 @@ def command(
 
     run_dir = Path(tempfile.mkdtemp(prefix="llumnix-bench-"))
     path = model or write_tiny_model(run_dir / "tiny-llama")
-    cfg = VllmConfig(max_num_seqs=max(batch, 1), kv_cache_bytes=KV_CACHE_BYTES)  # prefix caching off on all sides
-    vllm = {"max_num_seqs": cfg.max_num_seqs, "kv_cache_bytes": cfg.kv_cache_bytes, "block_size": cfg.block_size}
+    if dtype not in ("auto", "float32", "bfloat16", "float16"):
+        Console(stderr=True).print(f"llumnixctl: unknown --dtype {dtype!r}; choose auto, float32, bfloat16 or float16")
+        raise typer.Exit(2)
+    cfg = VllmConfig(max_num_seqs=max(batch, 1), kv_cache_bytes=KV_CACHE_BYTES, dtype=dtype)  # prefix caching off on all sides
+    vllm = {"max_num_seqs": cfg.max_num_seqs, "kv_cache_bytes": cfg.kv_cache_bytes, "block_size": cfg.block_size,
+            "dtype": cfg.dtype}
     err = Console(stderr=True)
     try:
         err.print("offline vLLM run ...")
@@ -288,7 +298,7 @@ def command(
         raise typer.Exit(1) from None
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
-    res = result_of(cluster, offline, api, model, tokens, batch, batch_tokens, repeat)
+    res = result_of(cluster, offline, api, model, tokens, batch, batch_tokens, repeat, dtype)
     if json_:
         sys.stdout.write(json.dumps(res, indent=2) + "\n")
         return
