@@ -328,8 +328,10 @@ def migration(
     otherwise (or when the cluster does not start), 2 for a bad command line or setting."""
     if backend not in ("vllm", "sim"):
         die(f"unknown --backend {backend!r}; choose vllm or sim", 2)
-    if backend == "sim" and (model is not None or tp != 1 or structured):
-        die("--model, --tp and --structured are for --backend vllm: the sim engine has no model", 2)
+    if backend == "sim" and (model is not None or tp != 1):
+        die("--model and --tp are for --backend vllm: the sim engine has no model", 2)
+    if backend == "sim" and structured:
+        die("--structured is for --backend vllm: the sim engine cannot constrain its output", 2)
     if model is not None and not (model / "config.json").exists():
         die(f"{model} is not a model checkpoint (no config.json)", 2)
     extra = list(set_ or [])
