@@ -28,9 +28,9 @@ from daemons.proxy.output import collect, sse
 from daemons.proxy.protocol import ApiError, ChatRequest, CompletionRequest, decode_body, derive_seed, parse_priority
 from daemons.proxy.render import Choice, Job, token_id_text
 from daemons.proxy.routes import Routes
-from daemons.proxy.toolcalls import ToolCalls
 from daemons.proxy.tenants import TenantLimits, Tenants
 from daemons.proxy.tokenizer import Tokenizer, load_tokenizer
+from daemons.proxy.toolcalls import ToolCalls
 from daemons.proxy.traces import RequestTrace
 from daemons.tracing import Tracer
 
