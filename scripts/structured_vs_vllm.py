@@ -59,7 +59,7 @@ def cases() -> list[tuple[str, str, dict]]:
         ("chat json_schema", "chat", {**g, "messages": MESSAGES, "response_format": schema_rf}),
         ("chat json_schema streamed", "chat", {**g, "messages": MESSAGES, "response_format": schema_rf,
                                                "stream": True}),
-        ("completion json_schema", "completion", {**g, "prompt": PROMPT, "response_format": schema_rf}),
+        ("completion json_schema", "completion", {**g, "prompt": PROMPT, "extra_body": {"response_format": schema_rf}}),
         ("completion regex", "completion", {**g, "prompt": PROMPT,
                                             "extra_body": {"structured_outputs": {"regex": "[A-Z][a-z]{2,9}, [0-9]{1,2}C"}}}),
         ("completion choice", "completion", {**g, "prompt": PROMPT,

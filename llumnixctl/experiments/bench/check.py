@@ -256,8 +256,9 @@ def check_one(url: str, admin: AdminClient, addresses: list[str], req: dict, req
     valid = None
     if req["move_at"] is not None:
         valid = of_schema(got.text)
-        if not valid:
-            reasons.append(f"its output is not JSON of the schema: {got.text[:80]!r}")
+        if not valid:  # the unmigrated run's too: the grammar let it through, the move did not make it
+            also = "; so is the unmigrated run's" if not of_schema(ref.text) else ""
+            reasons.append(f"its output is not JSON of the schema: {got.text[:80]!r}{also}")
     if not outcomes and not reasons:
         reasons.append(f"it finished before it could move (max_tokens {max_tokens})")
     return {"kind": req["kind"], "seed": req["seed"], "tokens": len(got.ids), "migrations": len(outcomes),
