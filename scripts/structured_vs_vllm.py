@@ -8,7 +8,7 @@ of structured output on each: TTFT and decode tokens/s of streamed requests with
 Without --model it writes the tiny random-weight model (``llumnixctl model tiny``): a grammar constrains any
 model, so validity and identity do not need real weights. Both servers run on 127.0.0.1 with float32 weights
 (no AMX kernel question), block size 32, no prefix caching, JSON without free whitespace (xgrammar), and vLLM's
-server with ``--tool-call-parser llama3_json`` (its required/named tool choice needs some parser; the JSON form
+server with ``--tool-call-parser llama3_json --enable-auto-tool-choice`` (its required/named tool choice needs some parser; the JSON form
 of "required" is the same for every parser that supports it). Run it alone: it starts two engines
 (``flock /tmp/llumnix-heavy.lock`` on a shared machine). Exit status 1 when an output differs.
 """
@@ -78,7 +78,15 @@ def cases() -> list[tuple[str, str, dict]]:
 
 
 def answer(client, endpoint: str, args: dict) -> dict:
-    """What a response says, ids left out: text or content, tool calls (name, arguments), finish reason."""
+    """What a response says, ids left out (or the error it got)."""
+    try:
+        return _answer(client, endpoint, args)
+    except Exception as exc:  # noqa: BLE001 -- a refusal is an answer to compare too
+        return {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+
+
+def _answer(client, endpoint: str, args: dict) -> dict:
+    """Text or content, tool calls (name, arguments), finish reason."""
     create = client.chat.completions.create if endpoint == "chat" else client.completions.create
     if not args.get("stream"):
         c = create(**args).choices[0]
@@ -152,7 +160,7 @@ def start_vllm(model: Path, port: int, log: Path) -> subprocess.Popen:
             str(ENGINE["block_size"]), "--kv-cache-memory-bytes", str(ENGINE["kv_cache_bytes"]), "--max-num-seqs",
             str(ENGINE["max_num_seqs"]), "--max-model-len", str(ENGINE["max_model_len"]), "--enforce-eager",
             "--no-enable-prefix-caching", "--seed", "0", "--structured-outputs-config", so,
-            "--tool-call-parser", "llama3_json"]
+            "--tool-call-parser", "llama3_json", "--enable-auto-tool-choice"]
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     with open(log, "wb") as out:
