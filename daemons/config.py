@@ -160,6 +160,8 @@ class VllmConfig:
     gpu_memory_utilization: float = setting(0.0, "GPU: the fraction of the GPU's memory this instance may use (0 = vLLM's default, 0.9); lower it when instances share a GPU", minimum=0.0, maximum=1.0)
     worker_nice: int = setting(10, "tensor_parallel_size above 1: niceness added to the worker processes and to the llumlet's step thread (which waits for them, spinning), so that the llumlet (heartbeats, tokens, migration control) and the other daemons on the host run first when its cores are contended; the ranks' shared-memory all-reduce spins while it waits for a peer rank", minimum=0, maximum=19)
     cpu_bind: str = setting("nobind", "CPU backend: VLLM_CPU_OMP_THREADS_BIND; the in-process executor pins nothing itself, so pin instances with taskset or systemd's CPUAffinity")
+    structured_outputs_backend: str = setting("auto", "grammar backend for structured output (response_format, structured_outputs, forced tool calls): auto (xgrammar, else guidance), xgrammar, guidance, outlines or lm-format-enforcer, as vLLM's --structured-outputs-config.backend", choices=("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer"))
+    disable_any_whitespace: bool = setting(False, "JSON under a grammar (json_schema, json_object, tool calls) gets no whitespace the grammar does not require, as vLLM's --structured-outputs-config.disable_any_whitespace (with backend auto it takes xgrammar; a small model may otherwise emit whitespace until max_tokens; both ends of a migration should agree)")
 
 
 @dataclass

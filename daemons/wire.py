@@ -45,6 +45,23 @@ def _tagged(tag: int):
 # ---------------------------------------------------------------- shared value types
 
 
+class StructuredOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A grammar the output must follow (vLLM's ``StructuredOutputsParams``): one of json (a JSON schema, as
+    JSON text), regex, choice, grammar (EBNF or Lark), json_object or structural_tag, with vLLM's options. The
+    proxy builds it from ``response_format``, ``structured_outputs`` or a forced tool choice; an engine that
+    cannot honour it refuses the request."""
+
+    json: str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
     """What the proxy accepted from the client; engines honour what they support."""
 
@@ -60,6 +77,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    structured: StructuredOutputs | None = None  # constrained decoding; travels with a migration and a failover
 
 
 class RequestLoad(msgspec.Struct, array_like=True, omit_defaults=True):

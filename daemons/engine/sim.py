@@ -83,6 +83,9 @@ class SimEngine:
     def add_request(self, request: EngineRequest) -> None:
         rid = request.request_id
         check_request(request, rid in self._table.by_id or self._migrations.reserving(rid), self.max_model_len)
+        if request.sampling.structured is not None:  # it makes up tokens: a grammar cannot be honoured
+            raise EngineError("the sim engine cannot constrain its output (response_format, structured_outputs or "
+                              "a forced tool choice): it has no model; serve this request with the vllm backend")
         req = SimRequest(request, self.max_model_len)
         if self.cache is not None:
             req.tokens = list(request.prompt_token_ids) + list(request.output_token_ids)

@@ -107,7 +107,7 @@ class VllmEngine:
             params = self._v.sampling_params(sp)
         except self._s.m.request_errors as exc:  # vLLM's validation errors carry a client-ready message
             raise EngineError(str(exc)) from exc
-        req = self._v.add(rid, list(prompt), params, request.arrival_time or time.time(), request.priority)
+        req = self._v.add(rid, list(prompt), params, request.arrival_time or time.time(), request.priority, done)
         live = self._live.add(LiveRequest(rid, req, sp))
         live.emitted = len(done)
         self._received += 1

@@ -108,7 +108,7 @@ class VllmInternals:
                               "bash scripts/install.sh; on GPU nodes: pip install 'vllm==0.32.*'") from None
         from vllm.engine.arg_utils import EngineArgs
         from vllm.exceptions import VLLMClientError
-        from vllm.sampling_params import RequestOutputKind, SamplingParams
+        from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine import EngineCoreRequest
         from vllm.v1.engine.core import EngineCore
@@ -122,6 +122,7 @@ class VllmInternals:
             raise EngineError(f"the vllm backend is tested with vLLM {TESTED_VERSION}; found {found}. "
                               f"Install vllm {TESTED_VERSION}.x, or set {UNTESTED_ENV}=1 to try anyway")
         return SimpleNamespace(version=found, EngineArgs=EngineArgs, SamplingParams=SamplingParams,
+                               StructuredOutputsParams=StructuredOutputsParams,
                                DELTA=RequestOutputKind.DELTA, UsageContext=UsageContext, EngineCore=EngineCore,
                                EngineCoreRequest=EngineCoreRequest, Executor=Executor, PREEMPTED=RequestStatus.PREEMPTED,
                                RUNNING=RequestStatus.RUNNING, RANDOM_SEED=SamplingType.RANDOM_SEED,
@@ -159,7 +160,9 @@ class VllmInternals:
         self.workarounds()
         args = m.EngineArgs(
             model=model.path,
-            skip_tokenizer_init=True,  # the proxy tokenizes and detokenizes
+            # The proxy tokenizes and detokenizes; the engine loads the tokenizer only for structured output
+            # (its grammars are compiled against the vocabulary), which vLLM refuses without one.
+            skip_tokenizer_init=False,
             dtype=cfg.dtype,
             max_model_len=model.max_model_len,
             block_size=cfg.block_size,
@@ -174,6 +177,7 @@ class VllmInternals:
             disable_log_stats=True,
             scheduling_policy="priority",  # see the class docstring for vLLM's sign
             async_scheduling=False,  # migration suspends requests between steps
+            structured_outputs_config=self.structured_outputs_config(cfg),
             **self.parallel_args(cfg),
         )
         if cfg.gpu_memory_utilization > 0:
@@ -197,6 +201,18 @@ class VllmInternals:
         if getattr(self.config.scheduler_config, "async_scheduling", False):
             raise EngineError("vLLM chose async scheduling; the vllm backend steps synchronously "
                               "(migration suspends requests between steps)")
+
+    @staticmethod
+    def structured_outputs_config(cfg: VllmConfig):
+        from vllm.config import StructuredOutputsConfig
+
+        backend = cfg.structured_outputs_backend
+        if cfg.disable_any_whitespace and backend == "auto":
+            backend = "xgrammar"  # vLLM takes the option only with a backend named (xgrammar or guidance)
+        try:
+            return StructuredOutputsConfig(backend=backend, disable_any_whitespace=cfg.disable_any_whitespace)
+        except ValueError as exc:
+            raise EngineError(f"vllm.structured_outputs_backend, vllm.disable_any_whitespace: {exc}") from None
 
     @staticmethod
     def kv_events(on: bool):
@@ -233,18 +249,30 @@ class VllmInternals:
     def sampling_params(self, sp) -> object:
         """Our SamplingParams -> vLLM's, validated and completed as vLLM's input processor would."""
         m = self.m
+        so = sp.structured
+        structured = None if so is None else m.StructuredOutputsParams(
+            json=so.json, regex=so.regex, choice=so.choice, grammar=so.grammar, json_object=so.json_object,
+            structural_tag=so.structural_tag, disable_any_whitespace=so.disable_any_whitespace,
+            disable_additional_properties=so.disable_additional_properties, whitespace_pattern=so.whitespace_pattern)
         p = m.SamplingParams(
             n=1, max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
             seed=sp.seed, stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
             min_tokens=sp.min_tokens, logprobs=sp.logprobs, presence_penalty=sp.presence_penalty,
             frequency_penalty=sp.frequency_penalty, repetition_penalty=sp.repetition_penalty,
-            detokenize=False, output_kind=m.DELTA)
-        p.verify(self.model_config, self.config.speculative_config, self.config.structured_outputs_config, None)
+            detokenize=False, output_kind=m.DELTA, structured_outputs=structured)
+        # vLLM's own checks, the grammar's too (a schema no backend takes is refused here, with vLLM's message)
+        p.verify(self.model_config, self.config.speculative_config, self.config.structured_outputs_config,
+                 self.state.tokenizer())
         p.update_from_generation_config(self.generation_config, self.eos_token_id)
         return p
 
-    def add(self, request_id: str, prompt: list[int], params, arrival_time: float, priority: int):
+    def add(self, request_id: str, prompt: list[int], params, arrival_time: float, priority: int,
+            generated: list[int] | None = None):
+        """``generated``: a failover's tokens the client already has (in ``prompt`` too): a grammar is advanced
+        over them before the request's first step, so the output continues where they left it."""
         req = self.moves.build(request_id, prompt, params, arrival_time, priority)
+        if generated and req.use_structured_output:
+            self.moves.advance_grammar(req, generated)
         self.core.add_request(req)
         return req  # vllm.v1.request.Request: read for counters, never written
 

@@ -4,7 +4,9 @@ version (``vllm_internals.TESTED_VERSION``)."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 
+from daemons.engine.base import EngineError
 from daemons.engine.vllm_internals_state import VllmState
 from daemons.engine.vllm_worker import commit_runner_state, generator_state
 
@@ -99,7 +101,54 @@ class VllmMoves:
         self._held.discard(req.request_id)
         self._s.kv.free(req)
 
+    # A request under a grammar (vLLM's structured output) carries a matcher that has accepted every token it
+    # sampled. ``build`` starts compiling a new one (vLLM compiles on a thread: ``StructuredOutputRequest.grammar``
+    # is a Future until then, and the scheduler holds the request in WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR);
+    # before the request's first step here, the matcher must accept what was generated elsewhere.
+    GRAMMAR_WAIT_S = 30.0
+
+    def advance_grammar(self, req, tokens: list[int]) -> None:
+        """A failover's request: once its grammar is compiled, it accepts ``tokens`` (the client's), before the
+        scheduler sees the grammar ready. A grammar that rejects them fails the request as a bad grammar does."""
+        so = req.structured_output_request
+        rid, tokens = req.request_id, list(tokens)
+
+        def advanced(grammar):
+            if not grammar.accept_tokens(rid, tokens):
+                raise ValueError(f"the grammar rejects the {len(tokens)} tokens already generated")
+            return grammar
+
+        compiling = so._grammar
+        if not isinstance(compiling, Future):
+            so.grammar = advanced(compiling)
+            return
+        ready: Future = Future()
+
+        def chain(done: Future) -> None:
+            try:
+                ready.set_result(advanced(done.result()))
+            except Exception as exc:  # the scheduler fails the request with it, as a grammar that did not compile
+                ready.set_exception(exc)
+
+        so.grammar = ready
+        compiling.add_done_callback(chain)
+
+    def _grammar_at(self, req, outputs: list[int]) -> None:
+        """A migrated request: its grammar (compiling since the first stage) accepts the outputs the source
+        generated, now, so the destination's first step is masked where the source's next would have been."""
+        so = req.structured_output_request
+        compiling = so._grammar
+        try:
+            grammar = compiling.result(timeout=self.GRAMMAR_WAIT_S) if isinstance(compiling, Future) else compiling
+        except Exception as exc:
+            raise EngineError(f"its grammar did not compile here: {exc}") from exc
+        so.grammar = grammar
+        if not grammar.accept_tokens(req.request_id, list(outputs)):
+            raise EngineError(f"its grammar rejects the {len(outputs)} tokens generated on the source")
+
     def commit(self, req, outputs: list[int], engine_state: bytes) -> None:
+        if req.use_structured_output:
+            self._grammar_at(req, outputs)
         self._held.discard(req.request_id)
         req.append_output_token_ids(outputs)
         req.num_computed_tokens = req.num_tokens - 1  # the last sampled token's KV is computed by the next step

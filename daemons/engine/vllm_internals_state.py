@@ -25,6 +25,10 @@ class VllmState:
         self.kv = self.scheduler.kv_cache_manager
         self.pool = self.kv.block_pool
 
+    def tokenizer(self):
+        """The tokenizer vLLM's structured output compiles grammars against (``structured_output_manager``)."""
+        return getattr(self.core.structured_output_manager, "tokenizer", None)
+
     @property
     def vocab_size(self) -> int:
         return self.model_config.get_vocab_size()

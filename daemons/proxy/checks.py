@@ -7,6 +7,7 @@ import re
 
 from daemons.proxy.call import Call
 from daemons.proxy.protocol import ApiError, ChatRequest, CompletionRequest, TokenizeRequest
+from daemons.proxy.structured import ToolChoice
 from daemons.proxy.tokenizer import Tokenizer, TokenizerError
 
 _REQUEST_ID = re.compile(r"[!-~]{1,128}")  # visible ASCII: safe in logs, tables and headers
@@ -79,9 +80,21 @@ class Checks:
                                 "messages")
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt,
-                                                      req.chat_template_kwargs)
+                                                      req.chat_template_kwargs, getattr(req, "tools", None))
         except TokenizerError as exc:
             raise ApiError(400, str(exc), "messages") from None
+
+    @staticmethod
+    def tool_choice(req: ChatRequest) -> ToolChoice:
+        """What the request's tools ask for; "auto" needs a parser of the model's own tool-call format, which
+        this server does not have: it is refused, naming what works instead."""
+        choice = req.tool_choice_of()
+        if choice.kind == "auto":
+            raise ApiError(400, '"auto" tool choice needs a tool-call parser for this model\'s output format, and '
+                                'this server has none; send tool_choice "required" or a named function (the output '
+                                'is then constrained to the tools\' JSON schemas), or "none"', "tool_choice",
+                           code="unsupported_parameter")
+        return choice
 
     def max_tokens(self, prompt_len: int, max_tokens: int | None, default: int | None, prompt_param: str) -> int:
         if self.max_prompt_tokens and prompt_len > self.max_prompt_tokens:

@@ -4,8 +4,9 @@ Bodies decode with msgspec (strict types, constraints), so every mistake becomes
 OpenAI-style error body naming the parameter. vLLM's extra sampling fields are accepted the way vLLM's own
 OpenAI server accepts them (``ignore_eos``, ``top_k``, ``min_tokens``, ``repetition_penalty``, ...).
 
-Fields of OpenAI's or vLLM's API that the proxy does not implement (tools, logit_bias, structured output,
-beam search, ...) are declared here too, so that a request using one is refused with a 400 naming it
+Structured output (``response_format``, ``structured_outputs``) and tools are parsed and checked in
+daemons/proxy/structured.py. Fields of OpenAI's or vLLM's API that the proxy does not implement (logit_bias,
+beam search, vLLM's removed ``guided_*`` fields, ...) are declared here too, so that a request using one is refused with a 400 naming it
 instead of being served as if the field were not there (``unsupported()``); unknown fields are ignored.
 The same structs describe the request bodies in ``/openapi.json`` (``openapi_components``).
 """
@@ -18,7 +19,12 @@ from typing import Annotated, Any, Union
 import msgspec
 from msgspec import Meta
 
-from daemons.wire import SamplingParams
+from daemons.proxy.errors import ApiError
+from daemons.proxy.structured import (StructuredOutputsBody, ToolChoice, build, check_count, tool_choice,
+                                      tool_constraint)
+from daemons.wire import SamplingParams, StructuredOutputs
+
+__all__ = ["ApiError"]  # its home is daemons/proxy/errors.py; most of the proxy imports it from here
 
 # Counts are bounded where they enter: an integer past 64 bits cannot go on the wire (msgpack), and no count of
 # tokens or sequences comes near 2**31.
@@ -30,22 +36,6 @@ Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
 
 MAX_N = 32  # most sequences one request may ask for (n): each is a request of its own on the cluster
-
-
-class ApiError(Exception):
-    """An error the client caused or must hear about; becomes an OpenAI-style JSON body."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        # A streamed error has no HTTP status of its own: the code says what happened (e.g. "timeout").
-        self.code = code or {504: "timeout"}.get(status)
-        self.type = type_ or {400: "invalid_request_error", 404: "not_found_error",
-                              409: "invalid_request_error"}.get(status, "server_error")
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 class StreamOptions(msgspec.Struct):
@@ -75,12 +65,14 @@ class _Common(msgspec.Struct, kw_only=True):
     return_tokens_as_token_ids: bool = False  # vLLM's extension: logprobs name tokens "token_id:<id>"
     # scheduling priority: "normal" or "high" (also the x-llumnix-priority header)
     priority: str | int | None = None
+    # Structured output (daemons/proxy/structured.py): OpenAI's response_format, vLLM's structured_outputs
+    response_format: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputsBody | None = None
     # Not implemented: accepted only at their "off" value (see unsupported()).
     logit_bias: dict[str, float] | None = None
-    response_format: dict[str, Any] | None = None
     use_beam_search: bool = False
     prompt_logprobs: int | None = None
-    structured_outputs: dict[str, Any] | None = None
+    # vLLM 0.32 removed these (its server ignores them); refused here rather than served unconstrained
     guided_json: Any = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -91,13 +83,18 @@ class _Common(msgspec.Struct, kw_only=True):
         for name in self._NOT_OFF:
             value = getattr(self, name)
             if value is not None and value is not False and value != {} and value != []:
+                if name.startswith("guided_"):
+                    raise ApiError(400, f"`{name}` was removed from vLLM's API; use `structured_outputs` (or "
+                                        "`response_format`)", name, code="unsupported_parameter")
                 raise ApiError(400, f"`{name}` is not supported by this server", name, code="unsupported_parameter")
-        if self.response_format is not None and self.response_format != {"type": "text"}:
-            raise ApiError(400, '`response_format` is not supported by this server (only {"type": "text"})',
-                           "response_format", code="unsupported_parameter")
 
-    _NOT_OFF = ("logit_bias", "use_beam_search", "prompt_logprobs", "structured_outputs", "guided_json",
-                "guided_regex", "guided_choice", "guided_grammar")
+    _NOT_OFF = ("logit_bias", "use_beam_search", "prompt_logprobs", "guided_json", "guided_regex", "guided_choice",
+                "guided_grammar")
+
+    def structured(self) -> StructuredOutputs | None:
+        """The grammar ``response_format`` and ``structured_outputs`` put on the output (None: unconstrained)."""
+        check_count(self.structured_outputs)
+        return build(self.structured_outputs, self.response_format)
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -105,12 +102,14 @@ class _Common(msgspec.Struct, kw_only=True):
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
         return [s for s in stops if s]
 
-    def sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling(self, max_tokens: int, logprobs: int | None,
+                 structured: StructuredOutputs | None = None) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             seed=self.seed, stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, logprobs=logprobs, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+            structured=structured,
         )
 
 
@@ -142,7 +141,8 @@ class ChatMessage(msgspec.Struct):
     role: str
     content: Union[str, list[ContentPart], None] = None
     name: str | None = None
-    tool_calls: list[Any] | None = None  # not supported (no tools)
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls: passed to the chat template
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -157,13 +157,18 @@ class ChatMessage(msgspec.Struct):
         return "".join(parts)
 
 
-def _messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+def _messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the chat template sees them (vLLM's shape: tool calls with arguments as given)."""
     out = []
-    for i, m in enumerate(messages):
+    for m in messages:
+        message: dict[str, Any] = {"role": m.role, "content": m.text()}
         if m.tool_calls:
-            raise ApiError(400, f"messages[{i}].tool_calls: tool calls are not supported by this server", "messages",
-                           code="unsupported_parameter")
-        out.append({"role": m.role, "content": m.text()})
+            message["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            message["name"] = m.name
+        out.append(message)
     return out
 
 
@@ -174,10 +179,12 @@ class ChatRequest(_Common, kw_only=True):
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # passed to the chat template, as vLLM does
     add_generation_prompt: bool = True
-    # Not implemented (see unsupported())
+    # Tools (daemons/proxy/structured.py): passed to the chat template; "required" and a named function
+    # constrain the output to calls
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    # Not implemented (see unsupported())
     functions: list[Any] | None = None
     function_call: Any = None
     audio: Any = None
@@ -189,22 +196,31 @@ class ChatRequest(_Common, kw_only=True):
 
     def unsupported(self) -> None:
         super().unsupported()
-        for name in ("tools", "functions", "audio", "prediction", "chat_template", "continue_final_message", "echo"):
+        for name in ("functions", "audio", "prediction", "chat_template", "continue_final_message", "echo"):
             value = getattr(self, name)
             if value is not None and value is not False and value != []:
                 raise ApiError(400, f"`{name}` is not supported by this server", name, code="unsupported_parameter")
-        for name in ("tool_choice", "function_call"):
-            value = getattr(self, name)
-            if value is not None and value != "none":
-                raise ApiError(400, f"`{name}` is not supported by this server (no tools)", name,
-                               code="unsupported_parameter")
+        if self.function_call is not None and self.function_call != "none":
+            raise ApiError(400, "`function_call` is not supported by this server; use `tools` and `tool_choice`",
+                           "function_call", code="unsupported_parameter")
         if self.modalities is not None and any(m != "text" for m in self.modalities):
             raise ApiError(400, "only the text modality is supported", "modalities", code="unsupported_parameter")
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "when using `top_logprobs`, `logprobs` must be set to true", "top_logprobs")
 
-    def prompt_messages(self) -> list[dict[str, str]]:
+    def prompt_messages(self) -> list[dict[str, Any]]:
         return _messages(self.messages)
+
+    def tool_choice_of(self) -> ToolChoice:
+        return tool_choice(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def structured(self) -> StructuredOutputs | None:
+        """A forced tool choice's grammar replaces response_format's and structured_outputs' (as vLLM's
+        server does); "auto" and "none" leave them."""
+        choice = self.tool_choice_of()
+        check_count(self.structured_outputs, self.tool_choice if self.tools else "none")
+        forced = tool_constraint(self.tools, choice) if self.tools else None
+        return forced if forced is not None else build(self.structured_outputs, self.response_format)
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -218,7 +234,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     return_token_strs: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def prompt_messages(self) -> list[dict[str, str]]:
+    def prompt_messages(self) -> list[dict[str, Any]]:
         return _messages(self.messages or [])
 
 
@@ -251,11 +267,8 @@ _OFF = "not supported: accepted only as shown (absent, null, empty or off)"
 # follows the document is never refused.
 UNSUPPORTED_SCHEMAS: dict[str, dict] = {
     "logit_bias": {"anyOf": [_NULL, {"type": "object", "maxProperties": 0}]},
-    "response_format": {"anyOf": [_NULL, {"type": "object", "properties": {"type": {"const": "text"}},
-                                           "required": ["type"], "additionalProperties": False}]},
     "use_beam_search": {"const": False},
     "prompt_logprobs": _NULL,
-    "structured_outputs": _NULL,
     "guided_json": _NULL,
     "guided_regex": _NULL,
     "guided_choice": _NULL,
@@ -263,16 +276,13 @@ UNSUPPORTED_SCHEMAS: dict[str, dict] = {
     "echo": {"const": False},
     "suffix": {"anyOf": [_NULL, {"const": ""}]},
     "best_of": _NULL,  # or equal to n
-    "tools": {"anyOf": [_NULL, {"type": "array", "maxItems": 0}]},
     "functions": {"anyOf": [_NULL, {"type": "array", "maxItems": 0}]},
-    "tool_choice": {"anyOf": [_NULL, {"const": "none"}]},
     "function_call": {"anyOf": [_NULL, {"const": "none"}]},
     "audio": _NULL,
     "prediction": _NULL,
     "modalities": {"anyOf": [_NULL, {"type": "array", "items": {"const": "text"}}]},
     "chat_template": _NULL,
     "continue_final_message": {"const": False},
-    "tool_calls": {"anyOf": [_NULL, {"type": "array", "maxItems": 0}]},
 }
 
 

@@ -16,6 +16,7 @@ from daemons import metrics, wire
 from daemons.proxy.cluster import Stream
 from daemons.proxy.protocol import StopChecker
 from daemons.proxy.tokenizer import Detokenizer
+from daemons.proxy.toolcalls import ToolCalls
 
 _json = msgspec.json.encode
 
@@ -74,6 +75,7 @@ class Job:
         self.trace = None  # its span (daemons/proxy/traces.py RequestTrace), with tracing on
         self.priority = 0
         self.slo = None  # its SLO (daemons/policy/slo.py Targets), once admitted
+        self.tools: ToolCalls | None = None  # a forced tool choice: the output is answered as tool calls
         self._head = b""
 
     def setup(self, model: str, prompt_tokens: int, include_usage: bool, token_text, top_n: int) -> None:
@@ -141,7 +143,10 @@ class Job:
     def render(self, c: Choice, outs: list[wire.TokenOut]) -> bytes:
         """The SSE chunks of a batch of one choice's outputs (its final chunk too, once it finished)."""
         pieces = self.consume(c, outs)
-        if c.plain:
+        if self.tools is not None:
+            chunk = self.tools.chunk(self._head, c.index, "".join(pieces), c.reason is not None,
+                                     self.take_logprobs(c))
+        elif c.plain:
             chunk = b"".join(map(c.text_chunk, pieces))
         else:
             chunk = self.rich_chunk(c, "".join(pieces))
@@ -156,7 +161,8 @@ class Job:
                         '"finish_reason":null}]}\n\n'.encode() for c in self.choices)
 
     def final_chunk(self, c: Choice) -> bytes:
-        choice = {"index": c.index, "logprobs": None, "finish_reason": c.reason}
+        reason = c.reason if self.tools is None else self.tools.finish_reason(c.reason)
+        choice = {"index": c.index, "logprobs": None, "finish_reason": reason}
         choice.update({"delta": {}} if self.chat else {"text": ""})
         return self._head + _json(choice) + b"]}\n\n"
 
@@ -212,7 +218,10 @@ class Job:
         choices = []
         for c in self.choices:
             text, lp = "".join(c.texts), self.take_logprobs(c)
-            if self.chat:
+            if self.tools is not None:
+                choice = {"index": c.index, "message": self.tools.message(text), "logprobs": lp,
+                          "finish_reason": self.tools.finish_reason(c.reason)}
+            elif self.chat:
                 choice = {"index": c.index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                           "finish_reason": c.reason}
             else:

@@ -32,6 +32,7 @@ from daemons.proxy.render import Choice, Job, token_id_text
 from daemons.proxy.routes import Routes
 from daemons.proxy.tenants import TenantLimits, Tenants
 from daemons.proxy.tokenizer import Tokenizer, load_tokenizer
+from daemons.proxy.toolcalls import ToolCalls
 from daemons.proxy.traces import RequestTrace
 from daemons.tracing import Tracer
 
@@ -131,19 +132,23 @@ class Proxy:
         body.unsupported()
         self.checks.check_stops(body)
         self._admit(parse_priority(body.priority, header_priority), job, len(raw) // CHARS_PER_TOKEN)
+        structured = body.structured()
         if job.chat:
+            tools = self.checks.tool_choice(body)
+            if tools.kind in ("required", "named"):
+                job.tools = ToolCalls(tools)
             prompt = self.checks.chat_prompt(body, body.add_generation_prompt)
             ids = self.tokenizer.encode(prompt, add_special_tokens=False)
             max_tokens = self.checks.max_tokens(len(ids), body.max_completion_tokens or body.max_tokens, None, "messages")
             self.limits.charge(job, len(ids) + body.n * max_tokens)
             top_n = body.top_logprobs or 0
-            sampling = body.sampling(max_tokens, top_n if body.logprobs else None)
+            sampling = body.sampling(max_tokens, top_n if body.logprobs else None, structured)
         else:
             ids = self.checks.prompt_ids(body)
             max_tokens = self.checks.max_tokens(len(ids), body.max_tokens, 16, "prompt")
             self.limits.charge(job, len(ids) + body.n * max_tokens)
             top_n = body.logprobs or 0
-            sampling = body.sampling(max_tokens, body.logprobs)
+            sampling = body.sampling(max_tokens, body.logprobs, structured)
         return await self._serve(call, job, body, ids, sampling, top_n)
 
     def _in_flight(self, job: Job, sub_ids: list[str]) -> bool:

@@ -47,8 +47,8 @@ class Tokenizer(Protocol):
 
     def decode_all(self, ids: list[int]) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                            extra: dict | None = None) -> str: ...
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            extra: dict | None = None, tools: list[dict] | None = None) -> str: ...
 
 
 class SimTokenizer:
@@ -93,8 +93,8 @@ class SimTokenizer:
     def detokenizer(self) -> "_SimDetokenizer":
         return _SimDetokenizer(self.decode_token)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                            extra: dict | None = None) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            extra: dict | None = None, tools: list[dict] | None = None) -> str:
         turns = [f"<|{m['role']}|> {m['content']}" for m in messages]
         return "\n".join(turns) + ("\n<|assistant|>" if add_generation_prompt else "")
 
@@ -180,13 +180,14 @@ class HFTokenizer:
     def detokenizer(self) -> "_IncrementalDetokenizer":
         return _IncrementalDetokenizer(self.decode)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                            extra: dict | None = None) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            extra: dict | None = None, tools: list[dict] | None = None) -> str:
+        """``tools``: the request's tools, as the template's ``tools`` variable (as transformers and vLLM pass them)."""
         if self._template is None:
             raise TokenizerError("this model's tokenizer has no chat template; use /v1/completions")
-        context = {k: v for k, v in (extra or {}).items() if k not in ("messages", "bos_token", "eos_token")}
+        context = {k: v for k, v in (extra or {}).items() if k not in ("messages", "bos_token", "eos_token", "tools")}
         context.update(messages=messages, add_generation_prompt=add_generation_prompt,
-                       bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                       bos_token=self.bos_token or "", eos_token=self.eos_token or "", tools=tools)
         try:
             return self._template.render(**context)
         except TokenizerError:

@@ -45,7 +45,9 @@ def _up(model_dir, run_dir, extra: list[str] = ()) -> Cluster:
 def vcluster(model_dir, tmp_path_factory):
     # Prefix caching on: a request that comes back, or shares a prompt prefix with one the destination
     # served, finds those blocks there; every migration below must still stream exactly what it would unmoved.
-    c = _up(model_dir, tmp_path_factory.mktemp("vmig"), ["vllm.enable_prefix_caching=true"])
+    # No free whitespace in JSON grammars: the random model would fill its tokens with it.
+    c = _up(model_dir, tmp_path_factory.mktemp("vmig"), ["vllm.enable_prefix_caching=true",
+                                                         "vllm.disable_any_whitespace=true"])
     try:
         yield c
     finally:
@@ -211,6 +213,70 @@ def test_stop_string_straddling_the_migration_point(vcluster):
     settle(vcluster)  # the proxy's abort on the stop string reached the destination
 
 
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16}, "ok": {"type": "boolean"},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 9999}},
+          "required": ["name", "ok", "n"], "additionalProperties": False}
+STRUCTURED = {"prompt": PROMPT, "max_tokens": 120, "temperature": 0,
+              "response_format": {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}}
+
+
+def test_structured_output_migrated_mid_stream_equals_unmigrated(vcluster):
+    """A JSON-schema request moved at its first tokens, mid-document and back and forth streams the bytes of
+    the unmigrated run, valid JSON of the schema: the destination's grammar matcher accepted the tokens the
+    source generated before its first step."""
+    ref = Stream(vcluster.url, STRUCTURED).result()
+    doc = json.loads(ref.text)
+    assert set(doc) == {"name", "ok", "n"} and ref.finish == "stop" and len(ref.ids) >= 8, ref.text
+    for plan in ([2], [len(ref.ids) // 2], [1, 4, 7]):
+        s = Stream(vcluster.url, STRUCTURED)
+        s.wait_tokens(1)
+        here = where(vcluster, s.rid)
+        for at in plan:
+            s.wait_tokens(at)
+            out = move(vcluster, s.rid, _other(here))
+            assert out["outcome"] == "committed", (out, vcluster.logs())
+            here = _other(here)
+        s.result()
+        assert s.text == ref.text and s.ids == ref.ids and s.finish == "stop", plan
+    settle(vcluster)
+
+
+def test_forced_tool_calls_through_the_openai_client(vcluster):
+    """tool_choice "required" and a named function with vLLM's own OpenAI client: tool calls with ids, the
+    arguments valid JSON of the tool's parameters, finish_reason "tool_calls" for required; streamed, the named
+    call's deltas join to the non-streamed arguments, also when the request migrates mid-call."""
+    tools = [{"type": "function", "function": {"name": "set_flag", "parameters": {
+        "type": "object", "properties": {"on": {"type": "boolean"}, "level": {"type": "integer", "minimum": 0,
+                                                                                "maximum": 99}},
+        "required": ["on", "level"], "additionalProperties": False}}}]
+    client = vcluster.openai()
+    messages = [{"role": "user", "content": "Turn the flag on at level three."}]
+    req = client.chat.completions.create(model="tiny-llama", messages=messages, tools=tools, tool_choice="required",
+                                         temperature=0, max_tokens=80)
+    choice = req.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+    call = choice.message.tool_calls[0]
+    assert call.id.startswith("chatcmpl-tool-") and call.type == "function" and call.function.name == "set_flag"
+    assert set(json.loads(call.function.arguments)) == {"on", "level"}
+    named = {"type": "function", "function": {"name": "set_flag"}}
+    whole = client.chat.completions.create(model="tiny-llama", messages=messages, tools=tools, tool_choice=named,
+                                           temperature=0, max_tokens=80).choices[0]
+    args = whole.message.tool_calls[0].function.arguments
+    assert set(json.loads(args)) == {"on", "level"} and whole.finish_reason == "stop"
+    stream = client.chat.completions.create(model="tiny-llama", messages=messages, tools=tools, tool_choice=named,
+                                            temperature=0, max_tokens=80, stream=True)
+    pieces, moved = [], None
+    for chunk in stream:
+        for tc in chunk.choices[0].delta.tool_calls or []:
+            assert tc.index == 0 and (tc.id is None) == bool(pieces)
+            pieces.append(tc.function.arguments)
+            if moved is None:
+                moved = move(vcluster, chunk.id, _other(where(vcluster, chunk.id)))
+    assert moved["outcome"] == "committed", moved
+    assert "".join(pieces) == args
+    settle(vcluster)
+
+
 def test_migrate_count_and_cli_outcome(vcluster):
     # Long enough that all three still run when the CLI's order arrives (it starts slowly on a busy machine).
     streams = [Stream(vcluster.url, {"prompt": PROMPT[:20 + 30 * i], "max_tokens": 250, "temperature": 0,
@@ -238,11 +304,17 @@ def test_vllm_instance_killed_mid_stream_fails_over_with_identical_greedy_output
     c = vcluster
     body = {"prompt": PROMPT, "max_tokens": 60, **KINDS["greedy"]}
     ref = Stream(c.url, body).result()
-    s = Stream(c.url, body)
+    ref_json = Stream(c.url, STRUCTURED).result()
+    # The structured one fails over too: its grammar is rebuilt from the tokens the client has.
+    js, s = Stream(c.url, STRUCTURED), Stream(c.url, body)
     s.wait_tokens(10)
     victim = where(c, s.rid)
+    assert where(c, js.rid) == victim  # flood dispatch
     os.kill(c.proc(f"instance-{victim}").pid, signal.SIGKILL)
+    killed_at = len(js.ids)
     s.result()
+    assert 0 < killed_at < len(ref_json.ids) - 3, (killed_at, len(ref_json.ids))  # it was mid-document
+    assert js.result().text == ref_json.text and js.ids == ref_json.ids
     assert s.ids == ref.ids and s.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
     assert s.usage["completion_tokens"] == 60
     settle(c)

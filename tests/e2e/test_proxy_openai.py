@@ -339,9 +339,8 @@ def test_request_id_in_flight_is_a_conflict(cluster):
 
 
 @pytest.mark.parametrize("path, extra, param", [
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+     "tool_choice"),  # "auto" by default: no tool-call parser
     ("/v1/chat/completions", {"logit_bias": {"42": 5}}, "logit_bias"),
     ("/v1/completions", {"echo": True}, "echo"),
     ("/v1/completions", {"suffix": "tail"}, "suffix"),
@@ -357,11 +356,43 @@ def test_unsupported_fields_are_400_naming_the_field(cluster, path, extra, param
 def test_unsupported_with_the_openai_client(cluster):
     import openai
 
-    with pytest.raises(openai.BadRequestError, match="tools"):
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
         cluster.openai().chat.completions.create(
             model="llumnix-sim", messages=[{"role": "user", "content": "x"}],
             tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
     assert httpx.get(cluster.url + "/health").status_code == 200
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("path, extra", [
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}),
+    ("/v1/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {}}}}),
+    ("/v1/completions", {"structured_outputs": {"regex": "[0-9]+"}, "stream": True}),
+    ("/v1/chat/completions", {"tools": [TOOL], "tool_choice": "required"}),
+    ("/v1/chat/completions", {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}}}),
+])
+def test_the_sim_engine_refuses_constrained_output(cluster, path, extra):
+    """It makes tokens up: a grammar cannot be honoured, so the instance refuses the request, and the client
+    gets a 400 saying so (streamed or not) instead of unconstrained output."""
+    body = {"model": "llumnix-sim", "max_tokens": 2, **extra}
+    body.update({"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"})
+    err = assert_openai_error(post(cluster, path, body), 400)
+    assert "sim engine cannot constrain its output" in err["message"] and "vllm backend" in err["message"]
+
+
+def test_tool_and_structured_checks_are_vllms(cluster):
+    for extra, param, text in [
+        ({"tool_choice": "required"}, "tool_choice", "When using `tool_choice`, `tools` must be set."),
+        ({"tools": []}, "tools", "`tools` must not be an empty array"),
+        ({"response_format": {"type": "json_schema"}}, "response_format", "the 'json_schema' field must be provided"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "one kind of constraints"),
+        ({"guided_json": {"type": "object"}}, "guided_json", "use `structured_outputs`"),
+    ]:
+        body = {"model": "llumnix-sim", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}], **extra}
+        err = assert_openai_error(post(cluster, "/v1/chat/completions", body), 400, param)
+        assert text in err["message"]
 
 
 # ---------------------------------------------------------------------- text as vLLM gives it

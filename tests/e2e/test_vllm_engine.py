@@ -468,3 +468,60 @@ def test_prefix_cache_events_name_the_blocks_as_the_proxy_hashes_them(model_dir)
         removed = {k for s, k in e.cache_events() if not s}
         assert set(want[:3]) <= removed
         assert e.cache_snapshot() == []
+
+
+# ---------------------------------------------------------------- structured output
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "ok": {"type": "boolean"},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 999}},
+          "required": ["name", "ok", "n"], "additionalProperties": False}
+
+
+def test_structured_output_survives_migration_and_failover(model_dir):
+    """A request under a JSON-schema grammar, migrated after its first token, mid-output, one token before the
+    end and three times, and failed over (re-prefilled with the tokens so far) at every index: the same tokens
+    as unmigrated, valid JSON of the schema; the destination's matcher accepted what the source generated
+    (unadvanced, its first step would have been masked as a fresh document's). A choice constraint too; a schema
+    no backend takes is refused with the grammar's error; the sim engine refuses any constraint."""
+    import json
+
+    from daemons.config import SimConfig
+    from daemons.engine.sim import SimEngine
+    from daemons.proxy.tokenizer import HFTokenizer
+    from daemons.wire import StructuredOutputs
+
+    tok = HFTokenizer(model_dir)
+    sp = SamplingParams(max_tokens=80, temperature=0.0, structured=StructuredOutputs(json=json.dumps(SCHEMA)))
+    prompt = tok.encode("The answer as JSON: " * 4)
+    with engine(model_dir, disable_any_whitespace=True) as e:
+        ref = run(e, [EngineRequest("ref", prompt, sp)])["ref"]
+        text = tok.decode([t.token_id for t in ref])
+        doc = json.loads(text)
+        assert set(doc) == {"name", "ok", "n"} and ref[-1].finish_reason == "stop", text
+        for plan in ([1], [len(ref) // 2], [len(ref) - 1], [2, 5, 9]):
+            out: dict = {}
+            run(e, [EngineRequest("m0", prompt, sp)], steps=0, out=out)
+            rid = "m0"
+            for hop, at in enumerate(plan):
+                while len(out[rid]) < at:
+                    run(e, [], steps=1, out=out, check=lambda e: None)
+                _migrate_within(e, rid, f"m{hop + 1}", out, steps_between=0)
+                rid = f"m{hop + 1}"
+            run(e, [], out=out)
+            assert [t.token_id for t in out[rid]] == [t.token_id for t in ref], plan
+        for k in range(1, len(ref)):
+            done = [t.token_id for t in ref[:k]]
+            e.add_request(EngineRequest(f"f{k}", prompt, sp, output_token_ids=done))
+            got = [t for _ in iter(e.has_work, False) for t in e.step().outputs]
+            assert [t.index for t in got] == list(range(k, len(ref))), k
+            assert done + [t.token_id for t in got] == [t.token_id for t in ref], k
+        choice = SamplingParams(max_tokens=10, temperature=0.0, structured=StructuredOutputs(choice=["yes", "no"]))
+        got = run(e, [EngineRequest("c", prompt, choice)])["c"]
+        assert tok.decode([t.token_id for t in got]) in ("yes", "no")
+        with pytest.raises(EngineError, match="json schema"):
+            e.add_request(EngineRequest("bad", prompt, SamplingParams(structured=StructuredOutputs(json='{"type": "x"}'))))
+        assert pool_used(e) == 0
+    sim = SimEngine(SimConfig(), ModelConfig(), kv=False)
+    with pytest.raises(EngineError, match="cannot constrain"):
+        sim.add_request(EngineRequest("s", [1, 2, 3], sp))

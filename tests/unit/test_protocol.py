@@ -84,17 +84,12 @@ def test_priority():
     (CompletionRequest, '"echo": true', "echo"),
     (CompletionRequest, '"suffix": "end"', "suffix"),
     (CompletionRequest, '"best_of": 3', "best_of"),
-    (CompletionRequest, '"response_format": {"type": "json_object"}', "response_format"),
     (CompletionRequest, '"guided_json": {"type": "object"}', "guided_json"),
     (CompletionRequest, '"use_beam_search": true', "use_beam_search"),
-    (ChatRequest, '"tools": [{"type": "function", "function": {"name": "f"}}]', "tools"),
-    (ChatRequest, '"tool_choice": "auto"', "tool_choice"),
     (ChatRequest, '"functions": [{"name": "f"}]', "functions"),
     (ChatRequest, '"function_call": "auto"', "function_call"),
-    (ChatRequest, '"response_format": {"type": "json_schema", "json_schema": {}}', "response_format"),
     (ChatRequest, '"top_logprobs": 2', "top_logprobs"),
     (ChatRequest, '"modalities": ["audio"]', "modalities"),
-    (ChatRequest, '"messages": [{"role": "assistant", "tool_calls": [{"id": "x"}]}]', "messages"),
 ])
 def test_unsupported_fields_are_refused_by_name(kind, extra, param):
     base = '"prompt": "x"' if kind is CompletionRequest else '"messages": [{"role": "user", "content": "x"}]'

@@ -10,6 +10,10 @@ whose tokens are a function of (request id, index); vLLM's depend on the prompt 
 Requests go through the proxy's OpenAI API (streamed /v1/completions with token ids), one at a time, with
 ``manager.dispatch_policy=flood`` (so they start on i0) and paced steps (``instance.min_step_s``), so that a
 request is still decoding when it is moved; pacing changes no output.
+
+``--structured``: every request asks for JSON of a schema (``response_format`` json_schema, vLLM's grammar) and
+moves once at a random point of its output (seeded): it must stream the unmigrated bytes, and they must be a
+document of the schema (the destination's grammar matcher continued where the source's was).
 """
 
 from __future__ import annotations
@@ -44,6 +48,21 @@ app = typer.Typer(no_args_is_help=True, help="Checks that pass or fail: exit sta
 FIRST_MOVE_AT = 8  # tokens streamed before the first migration
 GAP_TOKENS = 8  # tokens of steady decoding before moving back
 VLLM_TOLERANCE = 1e-4  # absolute, on logprobs; the sim's are exact
+# --structured: what every request's output must be (small: a random-weight model fills any string it may)
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16}, "ok": {"type": "boolean"},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 9999}},
+          "required": ["name", "ok", "n"], "additionalProperties": False}
+
+
+def of_schema(text: str) -> bool:
+    """Whether ``text`` is a JSON document of SCHEMA."""
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return False
+    return (isinstance(doc, dict) and set(doc) == {"name", "ok", "n"} and isinstance(doc["name"], str)
+            and len(doc["name"]) <= 16 and isinstance(doc["ok"], bool) and isinstance(doc["n"], int)
+            and not isinstance(doc["n"], bool) and 0 <= doc["n"] <= 9999)
 
 
 @dataclass
@@ -53,6 +72,7 @@ class Sample:
     ids: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
     top: list[dict[str, float]] = field(default_factory=list)  # "token_id:<id>" -> logprob, per token
+    text: str = ""
 
 
 def first_mismatch(ref: Sample, got: Sample, tol: float) -> tuple[int, str] | None:
@@ -125,6 +145,7 @@ class _Stream(threading.Thread):
                     lp = ch.get("logprobs") or {}
                     self.sample.logprobs += lp.get("token_logprobs", [])
                     self.sample.top += lp.get("top_logprobs") or []
+                    self.sample.text += ch.get("text") or ""
                     self.sample.ids += ch.get("token_ids") or []  # last: wait() counts ids
                     self.finish = ch.get("finish_reason") or self.finish
         return True
@@ -149,17 +170,24 @@ class _Stream(threading.Thread):
         return self.sample
 
 
-def plan(n: int, max_tokens: int, logprobs: int) -> list[dict]:
-    """The requests: the first half greedy, the rest seeded (distinct seeds); prompts of varied lengths."""
+def plan(n: int, max_tokens: int, logprobs: int, structured: bool = False) -> list[dict]:
+    """The requests: the first half greedy, the rest seeded (distinct seeds); prompts of varied lengths.
+    ``structured``: JSON of SCHEMA (until the document ends: EOS is not ignored), and a random point to move at
+    (``move_at``: a fraction of the unmigrated run's tokens)."""
     rng = random.Random(0)
     out = []
     for i in range(n):
         greedy = i < (n + 1) // 2
         body = {"prompt": [rng.randrange(10, 1000) for _ in range(24 + 17 * i)], "max_tokens": max_tokens,
-                "ignore_eos": True, "stream": True, "return_token_ids": True, "logprobs": logprobs,
+                "ignore_eos": not structured, "stream": True, "return_token_ids": True, "logprobs": logprobs,
                 "return_tokens_as_token_ids": True}
         body.update({"temperature": 0} if greedy else {"temperature": 0.8, "top_p": 0.9, "seed": 1000 + i})
-        out.append({"kind": "greedy" if greedy else "seeded", "seed": body.get("seed"), "body": body})
+        kind = "greedy" if greedy else "seeded"
+        if structured:
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "check", "schema": SCHEMA}}
+            kind += "-json"
+        out.append({"kind": kind, "seed": body.get("seed"), "body": body,
+                    "move_at": rng.random() if structured else None})
     return out
 
 
@@ -204,8 +232,11 @@ def check_one(url: str, admin: AdminClient, addresses: list[str], req: dict, req
     max_tokens = req["body"]["max_tokens"]
     s = _Stream(url, req["body"], request_id)
     outcomes, reasons = [], []
-    at = FIRST_MOVE_AT
-    for _ in range(2):  # there, and back if there is room
+    at, hops = FIRST_MOVE_AT, 2  # there, and back if there is room
+    if req["move_at"] is not None:  # once, anywhere from the first token to the one before the last two
+        at, hops = 1 + int(req["move_at"] * max(1, len(ref.ids) - 3)), 1
+        max_tokens = len(ref.ids)
+    for _ in range(hops):
         if at >= max_tokens - 2:
             break
         moved = _migrate(admin, s, at, addresses)
@@ -222,16 +253,24 @@ def check_one(url: str, admin: AdminClient, addresses: list[str], req: dict, req
     mismatch = first_mismatch(ref, got, tol)
     if mismatch is not None:
         reasons.insert(0, f"token {mismatch[0]} differs: {mismatch[1]}")
+    valid = None
+    if req["move_at"] is not None:
+        valid = of_schema(got.text)
+        if not valid:  # the unmigrated run's too: the grammar let it through, the move did not make it
+            also = "; so is the unmigrated run's" if not of_schema(ref.text) else ""
+            reasons.append(f"its output is not JSON of the schema: {got.text[:80]!r}{also}")
     if not outcomes and not reasons:
         reasons.append(f"it finished before it could move (max_tokens {max_tokens})")
     return {"kind": req["kind"], "seed": req["seed"], "tokens": len(got.ids), "migrations": len(outcomes),
+            "moved_at": [o.resumed_at for o in outcomes], "valid_json": valid,
             "downtime_ms": round(max(o.downtime_ms for o in outcomes), 3) if outcomes else None,
-            "identical": mismatch is None, "first_mismatch": None if mismatch is None else mismatch[0],
+            "identical": mismatch is None and valid is not False,
+            "first_mismatch": None if mismatch is None else mismatch[0],
             "reason": "; ".join(reasons) or None}
 
 
 def run(backend: str, model: Path | None, tp: int, extra: list[str], requests: int, max_tokens: int,
-        logprobs: int, log) -> dict:
+        logprobs: int, log, structured: bool = False) -> dict:
     """The check; raises RuntimeError when the cluster does not start or a request fails."""
     t0 = time.monotonic()
     run_dir = Path(tempfile.mkdtemp(prefix="llumnix-check-mig-"))
@@ -243,7 +282,7 @@ def run(backend: str, model: Path | None, tp: int, extra: list[str], requests: i
 
             log("writing the tiny test model ...")
             model = write_tiny_model(run_dir / "tiny")
-        sets = settings(backend, model, tp, extra)
+        sets = settings(backend, model, tp, (["vllm.disable_any_whitespace=true"] if structured else []) + extra)
         log("starting two instances ...")
         try:
             state = localcluster.up(run_dir, 2, backend, 0, None, sets, timeout_s=600)
@@ -256,7 +295,7 @@ def run(backend: str, model: Path | None, tp: int, extra: list[str], requests: i
             tol = 0.0 if backend == "sim" else VLLM_TOLERANCE
             batch = uuid.uuid4().hex[:8]
             results = []
-            for i, req in enumerate(plan(requests, max_tokens, logprobs)):
+            for i, req in enumerate(plan(requests, max_tokens, logprobs, structured)):
                 log(f"request {i + 1}/{requests} ({req['kind']}) ...")
                 req["body"]["model"] = name
                 results.append(check_one(state.url, admin, addresses, req, f"check-{batch}-{i}", tol))
@@ -268,7 +307,8 @@ def run(backend: str, model: Path | None, tp: int, extra: list[str], requests: i
         shutil.rmtree(run_dir, ignore_errors=True)
     label = "sim" if backend == "sim" else "tiny (generated)" if generated else str(model)
     return {"backend": backend, "model": label, "tp": tp, "settings": sets, "requests": results,
-            "identical": all(r["identical"] for r in results), "elapsed_s": round(time.monotonic() - t0, 2)}
+            "identical": all(r["identical"] for r in results), "elapsed_s": round(time.monotonic() - t0, 2),
+            "structured": structured}
 
 
 @app.command("migration")
@@ -278,8 +318,9 @@ def migration(
     tp: Annotated[int, typer.Option("--tp", min=1, help="vllm only: tensor-parallel size of each instance (vllm.tensor_parallel_size; 1 sets nothing)")] = 1,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="setting for every daemon, after the check's own (so it wins over them): section.key=value, e.g. vllm.block_size=16, vllm.gpu_memory_utilization=0.4, vllm.dtype=bfloat16; a bad one gives status 2")] = None,
     requests: Annotated[int, typer.Option(min=1, help="requests to check: the first half greedy, the rest seeded (temperature 0.8, top_p 0.9)")] = 4,
-    max_tokens: Annotated[int, typer.Option(min=FIRST_MOVE_AT + 4, help="tokens each request makes")] = 48,
+    max_tokens: Annotated[int, typer.Option(min=FIRST_MOVE_AT + 4, help="tokens each request makes (--structured: at most; the document ends it)")] = 48,
     logprobs: Annotated[int, typer.Option(min=0, max=20, help="top alternatives compared per token, besides the sampled token's logprob")] = 2,
+    structured: Annotated[bool, typer.Option("--structured", help="vllm only: every request asks for JSON of a schema (response_format json_schema) and moves once at a random point of its output; it must also be a document of the schema (sets vllm.disable_any_whitespace=true first)")] = False,
     json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Live-migrate greedy and seeded requests mid-decode between two instances and compare every token and logprob with an unmigrated run.
@@ -290,6 +331,8 @@ def migration(
         die(f"unknown --backend {backend!r}; choose vllm or sim", 2)
     if backend == "sim" and (model is not None or tp != 1):
         die("--model and --tp are for --backend vllm: the sim engine has no model", 2)
+    if backend == "sim" and structured:
+        die("--structured is for --backend vllm: the sim engine cannot constrain its output", 2)
     if model is not None and not (model / "config.json").exists():
         die(f"{model} is not a model checkpoint (no config.json)", 2)
     extra = list(set_ or [])
@@ -302,7 +345,7 @@ def migration(
     old = signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Ctrl-C: the cluster is stopped
     try:
         result = run(backend, model.resolve() if model else None, tp, extra, requests, max_tokens, logprobs,
-                     lambda m: err.print(m, markup=False))
+                     lambda m: err.print(m, markup=False), structured)
     except RuntimeError as exc:
         die(str(exc))  # a cluster that did not start: its log's last lines follow
     finally:
@@ -321,11 +364,15 @@ def migration(
 def _print_table(result: dict) -> None:
     table = Table(title=f"live migration check · backend {result['backend']} · {result['model']} · tp {result['tp']}"
                         f" · {result['elapsed_s']:.1f} s")
-    for col in ("#", "kind", "seed", "tokens", "migrations", "downtime ms", "identical", "first mismatch"):
-        table.add_column(col, justify="left" if col in ("kind", "identical") else "right")
+    structured = result.get("structured")
+    cols = ["#", "kind", "seed", "tokens", "migrations"] + (["moved at", "valid JSON"] if structured else [])
+    for col in cols + ["downtime ms", "identical", "first mismatch"]:
+        table.add_column(col, justify="left" if col in ("kind", "identical", "valid JSON") else "right")
     for i, r in enumerate(result["requests"]):
+        extra = [",".join(map(str, r["moved_at"])) or "-", "yes" if r["valid_json"] else "[red]no[/red]"]
         table.add_row(str(i + 1), r["kind"], "-" if r["seed"] is None else str(r["seed"]), str(r["tokens"]),
-                      str(r["migrations"]), "-" if r["downtime_ms"] is None else f"{r['downtime_ms']:.2f}",
+                      str(r["migrations"]), *(extra if structured else []),
+                      "-" if r["downtime_ms"] is None else f"{r['downtime_ms']:.2f}",
                       "yes" if r["identical"] else "[red]no[/red]",
                       "-" if r["first_mismatch"] is None else str(r["first_mismatch"]))
     Console(width=None if sys.stdout.isatty() else 160).print(table)
