@@ -19,7 +19,7 @@ from daemons import wire
 # [prefilled?, prefill tokens / 1k, decoded?, decoding requests / 64, context tokens / 64k].
 _SCALE = (1.0, 1000.0, 1.0, 64.0, 65536.0)
 _N = len(_SCALE)
-_RIDGE = 1e-3
+_RIDGE = 1e-6
 _MIN_STEPS = 8  # observations before the model is reported
 
 

@@ -192,22 +192,23 @@ def class_share(states: list[InstanceState], high: bool) -> float:
 
 
 def admit(states: list[InstanceState], prompt_tokens: int, priority: int, targets: dict[int, Targets],
-          shares: dict[int, float]) -> Verdict:
+          shares: dict[int, float], admit_at: float = 1.0) -> Verdict:
     """Admit a request of ``priority`` (its class's TTFT target in ``targets``; a class without a TTFT target is
     always admitted) or refuse it. ``shares``: the fraction of the cluster's requests reserved for a class; a class
-    under it is admitted on its own target alone, even while a higher class is refused."""
+    under it is admitted on its own target alone, even while a higher class is refused. ``admit_at``: the fraction
+    of a target a prediction must be within (headroom for the prediction's error and for what arrives meanwhile)."""
     mine = targets.get(priority, Targets())
     high = priority > NORMAL
     ttft = best_ttft(states, prompt_tokens, high)
-    if mine.ttft_s > 0 and ttft > mine.ttft_s:
-        return Verdict(False, ttft, retry_after(ttft, mine.ttft_s), "ttft")
+    if mine.ttft_s > 0 and ttft > mine.ttft_s * admit_at:
+        return Verdict(False, ttft, retry_after(ttft, mine.ttft_s * admit_at), "ttft")
     under_share = class_share(states, high) < shares.get(priority, 0.0)
     if not under_share:
         for cls, t in targets.items():
             if cls > priority and t.ttft_s > 0:
                 theirs = best_ttft(states, 0, cls > NORMAL)
-                if theirs > t.ttft_s:
-                    return Verdict(False, ttft, retry_after(theirs, t.ttft_s), "higher_class")
+                if theirs > t.ttft_s * admit_at:
+                    return Verdict(False, ttft, retry_after(theirs, t.ttft_s * admit_at), "higher_class")
     return Verdict(True, ttft)
 
 

@@ -56,6 +56,7 @@ class Admission:
         self.under_share = under_share
         self.targets = slo.class_targets(slo_cfg) if slo_cfg is not None else {}
         self.shares = {slo.NORMAL: slo_cfg.normal_share} if slo_cfg is not None else {}
+        self.admit_at = slo_cfg.admit_at if slo_cfg is not None else 1.0
         self.by_slo = any(t.ttft_s > 0 for t in self.targets.values())  # a TTFT target turns admission by SLO on
 
     def admit(self, priority: int, tenant: str = "", prompt_tokens: int = 0,
@@ -73,16 +74,17 @@ class Admission:
         states = self.states()
         if not states:
             return None  # nothing to predict from: placement waits for an instance, or says none is alive
-        verdict = slo.admit(states, prompt_tokens, 1 if priority > 0 else 0, targets, self.shares)
+        verdict = slo.admit(states, prompt_tokens, 1 if priority > 0 else 0, targets, self.shares, self.admit_at)
         if not verdict.admitted:
             cls = "high-priority" if priority > 0 else "normal-priority"
             if verdict.reason == "higher_class":
                 message = (f"the cluster is overloaded: high-priority requests are refused now, and normal ones "
                            f"hold their share (slo.normal_share) or more")
             else:
+                target_ms = targets[1 if priority > 0 else 0].ttft_s * 1000
                 message = (f"the cluster is overloaded: no instance is predicted to give this {cls} request its first "
-                           f"token within its target ({targets[1 if priority > 0 else 0].ttft_s * 1000:g} ms, [slo]); "
-                           f"the best predicted is {_ms(verdict.ttft_s)}")
+                           f"token within {self.admit_at:g} of its target ({target_ms:g} ms; [slo] ttft_ms, "
+                           f"admit_at); the best predicted is {_ms(verdict.ttft_s)}")
             raise Overloaded(message, verdict.reason, verdict.retry_after_s)
         return verdict
 
