@@ -125,3 +125,22 @@ def test_sim2real_compares_the_fits_the_instances_learn_with_the_model_they_run(
     wrong = wire.LatencyFit(100, 1.0, 0.001, 1.0, 0.01, 0.0)  # far too fast
     assert fit_agreement([wrong, None], cfg, 512)["per_instance"][1] is None
     assert fit_agreement([wrong], cfg, 512)["median_relative_error"] > 0.5
+
+
+def test_the_fleet_sweep_writes_its_table_goals_and_can_be_run_in_pieces(tmp_path):
+    import json
+
+    from llumnixctl.experiments.figs import slo_fleet
+
+    parts = tmp_path / "parts"
+    slo_fleet.main(["--quick", "--out", str(tmp_path / "a"), "--loads", "2", "--systems", "slo,llumnix",
+                    "--processes", "1", "--requests", "30", "--parts", str(parts)])
+    data = json.loads((tmp_path / "a" / "slo-fleet.json").read_text())
+    assert data["figure"] == "slo-fleet" and data["run"]["targets"] == slo_fleet.TARGETS
+    slo_row, llumnix_row = data["points"]["2"]["slo"], data["points"]["2"]["llumnix"]
+    assert llumnix_row["refused"] == 0 and llumnix_row["admitted"] == 30
+    assert slo_row["admitted"] + slo_row["refused"] == 30
+    assert set(data["goals"]["goodput_at_2x_at_least_2x_others"]["ratios"]) == {"llumnix"}
+    assert len(list(parts.glob("*.json"))) == 2
+    again = slo_fleet.main(["--quick", "--out", str(tmp_path / "b"), "--collect", str(parts)])
+    assert again["points"] == data["points"]
