@@ -29,6 +29,7 @@ import msgspec
 from daemons.policy.usage import InstanceState, blocks_for
 
 HIGH, NORMAL = 1, 0
+TIE_S = 1e-4  # dispatch by SLO: what each request on an instance weighs in a tie of predicted TTFTs
 UNKNOWN_WAIT_S = 3600.0  # a queue that cannot drain as far as we know (nothing has finished yet): "very long"
 
 
@@ -162,8 +163,10 @@ def with_latency_usage(s: InstanceState, tpot_target_s: float, full: float) -> I
 def slo_score(s: InstanceState, prompt_tokens: int, high: bool, tpot_target_s: float) -> float:
     """Dispatch by SLO (higher is better, as freeness): the instance with the best predicted TTFT among those
     whose predicted TPOT with the request stays under the target; past the target, the instances still rank by
-    TTFT, behind every one that meets it."""
-    score = -predict_ttft(s, prompt_tokens, high)
+    TTFT, behind every one that meets it. Ties go to the instance with fewer requests (running, queued and our
+    own pending dispatches, ``TIE_S`` each): instances with no model yet all predict 0, and without it a burst
+    at start-up went to one of them (16 simulated instances: 16 requests, given up, on one)."""
+    score = -predict_ttft(s, prompt_tokens, high) - TIE_S * (s.running + s.waiting + s.pending_requests)
     if tpot_target_s > 0 and predict_tpot(s, prompt_tokens) > tpot_target_s:
         score -= UNKNOWN_WAIT_S * 2
     return score
@@ -186,17 +189,25 @@ def best_ttft(states: list[InstanceState], prompt_tokens: int, high: bool) -> fl
 
 def pooled(states: list[InstanceState]) -> list[InstanceState]:
     """``states`` with each fitted instance's per-token prefill cost raised to the highest the cluster's fits
-    give. The instances serve the same model, but one that has prefilled only short prompts cannot tell its
-    per-token cost yet (its fixed prefill cost absorbs it, and its model says a long prompt prefills nearly
-    free); admission takes the best instance, so the least informed would decide. (In the simulator, with
-    prefill 0.2 ms per token, instances' fits went as low as 0.001 for a minute; a 3,000-token prompt was then
-    predicted at 33 ms and admitted against a 230 ms target.)"""
+    give, and the instances with no model yet given that of the fit with the highest. The instances serve the
+    same model, but one that has prefilled only short prompts cannot tell its per-token cost yet (its fixed
+    prefill cost absorbs it, and its model says a long prompt prefills nearly free), and one that has not
+    stepped predicts nothing at all (0); admission takes the best instance, so the least informed would decide.
+    (In the simulator, with prefill 0.2 ms per token, instances' fits went as low as 0.001 for a minute; a
+    3,000-token prompt was then predicted at 33 ms and admitted against a 230 ms target.)"""
     fits = [s.latency for s in states if fitted(s.latency)]
-    if len(fits) < 2:
+    if not fits:
         return states
-    per_token = max(f.prefill_ms_per_token for f in fits)
-    return [replace(s, latency=msgspec.structs.replace(s.latency, prefill_ms_per_token=per_token))
-            if fitted(s.latency) and s.latency.prefill_ms_per_token < per_token else s for s in states]
+    worst = max(fits, key=lambda f: f.prefill_ms_per_token)
+    per_token = worst.prefill_ms_per_token
+    out = []
+    for s in states:
+        if not fitted(s.latency):
+            s = replace(s, latency=msgspec.structs.replace(worst, finish_rate=0.0))
+        elif s.latency.prefill_ms_per_token < per_token:
+            s = replace(s, latency=msgspec.structs.replace(s.latency, prefill_ms_per_token=per_token))
+        out.append(s)
+    return out
 
 
 def class_share(states: list[InstanceState], high: bool) -> float:
