@@ -9,8 +9,8 @@
 #
 # ARGS go to python -m llumnixctl.experiments.figs.slo_fleet (--quick, --requests N, --loads 0.5,1,2,3,
 # --systems slo,llumnix,infaas++, --processes N, --parts DIR to keep each simulation's row as it finishes,
-# --collect DIR to make the figure from rows run in pieces). With 1,000 requests per simulation and four loads
-# it takes about 25 minutes of CPU (12 simulations, 1-3 minutes each).
+# --collect DIR to make the figure from rows run in pieces). With the defaults (2,000 requests per simulation,
+# six loads, three systems: 18 simulations of 1-4 minutes each) it takes about 20 minutes on 2 cores.
 set -euo pipefail
 source "$(dirname "$0")/figure-env.sh"  # the repository, $out (default results/), .venv with matplotlib
 "$venv/bin/python" -m llumnixctl.experiments.figs.slo_fleet --out "$out" "$@"

@@ -14,7 +14,7 @@ queues behind the high-priority work only. Predicted TPOT: the decode step of th
 recent mean of what else the steps did (others' prefills).
 
 Admission (``admit``): a request of a class is admitted when some instance is predicted to meet its class's TTFT
-target, and (higher class first) only while a request of every higher class would be admitted at the same moment,
+target and, with it joining its batch, its TPOT target (reason "tpot" when only the second fails), and (higher class first) only while a request of every higher class would be admitted at the same moment,
 unless its class holds less than its reserved share of the cluster's requests (no class starves another below
 its share). Each class is bounded by its own target: admitted work never grows past what meets it.
 """
@@ -183,8 +183,18 @@ class Verdict:
     reason: str = ""  # refused: "ttft" (no instance meets the target) or "higher_class" (one above is refused)
 
 
-def best_ttft(states: list[InstanceState], prompt_tokens: int, high: bool) -> float:
-    return min((predict_ttft(s, prompt_tokens, high) for s in states if s.dispatchable), default=math.inf)
+def best_ttft(states: list[InstanceState], prompt_tokens: int, high: bool, tpot_s: float = 0.0) -> float:
+    """The best predicted TTFT over the instances that take requests (with ``tpot_s``: over those whose predicted
+    TPOT with the request joining stays within it; inf: none)."""
+    return min((predict_ttft(s, prompt_tokens, high) for s in states
+                if s.dispatchable and not (tpot_s > 0 and predict_tpot(s, prompt_tokens) > tpot_s)),
+               default=math.inf)
+
+
+def kept_ttft(states: list[InstanceState], prompt_tokens: int, high: bool, t: Targets, admit_at: float) -> float:
+    """The best predicted TTFT of a request of targets ``t`` among the instances where it would also keep its TPOT
+    target (within ``admit_at`` of it; every instance when it has none)."""
+    return best_ttft(states, prompt_tokens, high, t.tpot_s * admit_at if t.tpot_s > 0 else 0.0)
 
 
 def pooled(states: list[InstanceState]) -> list[InstanceState]:
@@ -231,14 +241,24 @@ def admit(states: list[InstanceState], prompt_tokens: int, priority: int, target
     ttft = best_ttft(states, prompt_tokens, high)
     if mine.ttft_s > 0 and ttft > mine.ttft_s * admit_at:
         return Verdict(False, ttft, retry_after(ttft, mine.ttft_s * admit_at), "ttft")
+    if mine.ttft_s > 0 and kept_ttft(states, prompt_tokens, high, mine, admit_at) > mine.ttft_s * admit_at:
+        return Verdict(False, ttft, decode_drain_s(states), "tpot")  # every instance fast enough is too busy
     under_share = class_share(states, high) < shares.get(priority, 0.0)
     if not under_share:
         for cls, t in targets.items():
             if cls > priority and t.ttft_s > 0:
-                theirs = best_ttft(states, 0, cls > NORMAL)
+                theirs = kept_ttft(states, 0, cls > NORMAL, t, admit_at)
                 if theirs > t.ttft_s * admit_at:
-                    return Verdict(False, ttft, retry_after(theirs, t.ttft_s * admit_at), "higher_class")
+                    return Verdict(False, ttft, retry_after(best_ttft(states, 0, cls > NORMAL), t.ttft_s * admit_at),
+                                   "higher_class")
     return Verdict(True, ttft)
+
+
+def decode_drain_s(states: list[InstanceState]) -> float:
+    """Refused for its TPOT target: when the first instance is predicted to have a request fewer (at its finish
+    rate; 1 to 60 seconds)."""
+    rates = [s.latency.finish_rate for s in states if s.dispatchable and fitted(s.latency) and s.latency.finish_rate > 0]
+    return min(max(1.0 / max(rates), 1.0), 60.0) if rates else 60.0
 
 
 def retry_after(predicted_s: float, target_s: float) -> float:
