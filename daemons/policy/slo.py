@@ -7,11 +7,12 @@ engine's latency model: a step that prefills P tokens and decodes D requests hol
     prefill_ms + prefill_ms_per_token * P   (when P > 0)
   + decode_ms + decode_ms_per_seq * D + decode_ms_per_token * C   (when D > 0)
 
-Predicted TTFT of a new request on an instance: the wait for a batch slot and KV cache (the requests that must
-finish first, at the rate requests finish there), then the prefill of everything queued ahead of it plus its own
-prompt, in steps of at most ``chunk_tokens``, each also decoding the running batch. A high-priority request
-queues behind the high-priority work only. Predicted TPOT: the decode step of the batch it would join plus the
-recent mean of what else the steps did (others' prefills).
+Predicted TTFT of a new request on an instance: what is left of the step running when it arrives, the wait for a
+batch slot and KV cache (the requests that must finish first, at the rate requests finish there), then the prefill
+of everything queued ahead of it plus its own prompt, in steps of at most ``chunk_tokens``, each also decoding the
+running batch. A high-priority request queues behind the high-priority work only. Predicted TPOT: the decode step of
+the batch it would join (what runs, and what is queued ahead of it, up to the batch size) plus the recent mean of
+what else the steps did (others' prefills).
 
 Admission (``admit``): a request of a class is admitted when some instance is predicted to meet its class's TTFT
 target and, with it joining its batch, its TPOT target (reason "tpot" when only the second fails), and (higher class first) only while a request of every higher class would be admitted at the same moment,
@@ -126,7 +127,10 @@ def predict_ttft(s: InstanceState, prompt_tokens: int, high: bool = False) -> fl
     if not fitted(fit):
         return 0.0
     ahead = ahead_of(s, high)
-    return slot_wait_s(s, fit, ahead, prompt_tokens) + prefill_s(s, fit, ahead.tokens + prompt_tokens)
+    # A request joins at a step boundary: while a batch runs, it first waits out what is left of the current step
+    # (half of one, on average).
+    boundary = 0.5 * (decode_ms(fit, s.running, s.context_tokens) + max(fit.extra_ms, 0.0)) / 1000.0 if s.running else 0.0
+    return boundary + slot_wait_s(s, fit, ahead, prompt_tokens) + prefill_s(s, fit, ahead.tokens + prompt_tokens)
 
 
 def predict_tpot(s: InstanceState, prompt_tokens: int = 0, joining: int = 1) -> float:
@@ -135,10 +139,16 @@ def predict_tpot(s: InstanceState, prompt_tokens: int = 0, joining: int = 1) -> 
     fit = s.latency
     if not fitted(fit):
         return 0.0
-    batch = s.running + s.pending_requests + joining
+    # The batch it decodes in: what runs, and what is queued ahead of it (it starts before), up to the batch size.
+    queued = s.waiting + s.pending_requests if joining else 0
+    batch = s.running + queued + joining
+    if s.batch_size:
+        batch = min(batch, max(s.batch_size, s.running))
     if batch <= 0:
         return 0.0
-    context = s.context_tokens + s.pending_blocks * s.block_size + joining * prompt_tokens
+    context = s.context_tokens + joining * prompt_tokens
+    if queued:
+        context += (s.waiting_tokens + s.pending_blocks * s.block_size) * min(1.0, (batch - s.running - joining) / queued)
     extra = fit.extra_ms if s.running + s.waiting > 0 else 0.0  # an idle instance prefills nobody else
     return (decode_ms(fit, batch, context) + max(extra, 0.0)) / 1000.0
 

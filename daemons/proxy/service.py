@@ -191,6 +191,10 @@ class Proxy:
                     raise ApiError(c.stream.status, c.stream.error or "request failed")
             job.timer.first_token(job.first_at)
             headers = {"x-request-id": call.echo_id or job.id}
+            predicted = job.choices[0].stream.predicted
+            if predicted is not None:  # what it was placed by (daemons/policy/slo.py): clients and benchmarks compare
+                headers["x-llumnix-predicted-ttft-ms"] = f"{predicted[0] * 1000:.1f}"
+                headers["x-llumnix-predicted-tpot-ms"] = f"{predicted[1] * 1000:.2f}"
             if req.stream:
                 body = sse(job, firsts, self._ended)
                 # A client gone before the body starts means the generator never runs (nor its finally).

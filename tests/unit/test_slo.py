@@ -124,8 +124,10 @@ def test_queued_prefill_and_a_full_batch_add_to_the_ttft():
     queued = slo.predict_ttft(state(running=4, context=2000, waiting=3, waiting_tokens=3000), 100)
     assert queued == pytest.approx(free + 0.1 * 3000 / 1000)  # 3000 tokens more, within the step's budget
     full = slo.predict_ttft(state(running=16, waiting=4, waiting_tokens=400, context=8000), 100)
-    # 5 requests need a slot (4 queued and this one), at 10 finishing a second: half a second first
-    assert full >= 0.5 and full == pytest.approx(0.5 + slo.prefill_s(state(running=16, context=8000), FIT, 500))
+    # what is left of the running step (half of one), then 5 requests need a slot (4 queued and this one), at 10
+    # finishing a second: half a second
+    boundary = 0.5 * (slo.decode_ms(FIT, 16, 8000) + FIT.extra_ms) / 1000
+    assert full == pytest.approx(boundary + 0.5 + slo.prefill_s(state(running=16, context=8000), FIT, 500))
 
 
 def test_a_high_priority_request_queues_behind_high_priority_work_only():
@@ -260,7 +262,8 @@ def test_admission_by_slo_refuses_with_the_predicted_drain_as_retry_after():
     assert exc.reason == "ttft"
     # 21 requests need a slot at 4 a second, then one step prefills the 2100 tokens; less the 1 s target
     prefill = (10 + 0.1 * 2100 + 15 + 0.15 * 8 + 0.0005 * 4000) / 1000
-    assert exc.retry_after_s == pytest.approx(21 / 4 + prefill - 1)
+    boundary = 0.5 * (15 + 0.15 * 8 + 0.0005 * 4000 + 2) / 1000  # what is left of the running step
+    assert exc.retry_after_s == pytest.approx(boundary + 21 / 4 + prefill - 1)
     assert c.admit(1, prompt_tokens=100).admitted  # high priority queues behind no high-priority work
     c = client("slo.ttft_ms=1000")  # admitted within 0.8 of the target by default: headroom for errors
     c.known.beats = {"a": beat("a", 1, 100)}  # 2 need a slot at 4 a second: 0.5 s + the prefill
@@ -283,3 +286,31 @@ def test_without_a_ttft_target_the_queue_bounds_decide():
     c = client("slo.tpot_ms=50")
     c.known.beats = {"a": beat("a", 20, 2000)}
     assert c.admit(0) is None  # 20 waiting <= 4 batches of 8
+
+
+def test_goodput_counts_each_outcome_per_class():
+    from daemons.config import SloConfig
+    from daemons.proxy.goodput import Goodput
+    from daemons.proxy.telemetry import M_SLO
+
+    g = Goodput(SloConfig(ttft_ms=500, tpot_ms=50, high_ttft_ms=200))
+
+    def count(cls: str, outcome: str) -> float:
+        return M_SLO.labels(cls, outcome)._value.get()
+
+    before = {(c, o): count(c, o) for c in ("normal", "high") for o in ("met", "missed_ttft", "missed_tpot",
+                                                                        "missed_both", "refused")}
+    normal, high = g.targets_for(0), g.targets_for(1)
+    assert high == slo.Targets(0.2, 0.05)  # a class without its own TPOT target takes normal's
+    assert g.finished(0, normal, 0.4, 0.04, None) == "met"
+    assert g.finished(1, high, 0.4, 0.04, None) == "missed_ttft"  # 400 ms is past high priority's 200
+    assert g.finished(0, normal, 0.4, 0.06, None) == "missed_tpot"
+    assert g.finished(0, normal, 0.6, None, None) == "missed_ttft"  # one token: no TPOT to miss
+    assert g.finished(0, normal, 0.6, 0.06, (0.3, 0.03)) == "missed_both"
+    g.refused(1, high)
+    after = {k: count(*k) - v for k, v in before.items()}
+    assert after[("normal", "met")] == 1 and after[("high", "missed_ttft")] == 1 and after[("normal", "missed_tpot")] == 1
+    assert after[("normal", "missed_ttft")] == 1 and after[("normal", "missed_both")] == 1
+    assert after[("high", "refused")] == 1
+    key = type("Key", (), {"slo_ttft_ms": 100.0, "slo_tpot_ms": 0.0})()
+    assert g.targets_for(0, key) == slo.Targets(0.1, 0.05) and g.give_up_s(g.targets_for(0, key)) == pytest.approx(0.2)

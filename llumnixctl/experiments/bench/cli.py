@@ -32,6 +32,7 @@ from daemons.config import ConfigError, load_config
 from llumnixctl.admin import AdminClient
 from llumnixctl.experiments.bench import (cache as bench_cache, engine as bench_engine, manager as bench_manager,
                                          migration as bench_migration, overload as bench_overload,
+                                         predict as bench_predict,
                                          policies as bench_policies, serve as bench_serve, steady as bench_steady)
 from llumnixctl.experiments.bench.cluster import start_cluster
 from llumnixctl.experiments.bench.proxy_short import (SHORT_GOAL_RPS, host_port, open_nodelay, pick_client,
@@ -329,3 +330,4 @@ app.command("manager")(bench_manager.command)
 app.command("steady")(bench_steady.command)
 app.command("cache")(bench_cache.command)
 app.command("overload")(bench_overload.command)
+app.command("predict")(bench_predict.command)

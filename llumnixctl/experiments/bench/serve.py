@@ -58,6 +58,8 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, hea
         async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as resp:
             out["status"], out["answered_s"] = resp.status_code, time.perf_counter() - sent
             out["retry_after"] = resp.headers.get("retry-after")
+            out["predicted_ttft_ms"] = resp.headers.get("x-llumnix-predicted-ttft-ms")  # (the proxy's SLO prediction)
+            out["predicted_tpot_ms"] = resp.headers.get("x-llumnix-predicted-tpot-ms")
             if resp.status_code != 200:
                 out["error"] = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                 return
