@@ -30,7 +30,7 @@ import msgspec
 from daemons.policy.usage import InstanceState, blocks_for
 
 HIGH, NORMAL = 1, 0
-TIE_S = 1e-4  # dispatch by SLO: what each request on an instance weighs in a tie of predicted TTFTs
+TIE_S = 1e-4  # dispatch by SLO: what each request on an instance with no model yet weighs (seconds)
 UNKNOWN_WAIT_S = 3600.0  # a queue that cannot drain as far as we know (nothing has finished yet): "very long"
 
 
@@ -173,10 +173,12 @@ def with_latency_usage(s: InstanceState, tpot_target_s: float, full: float) -> I
 def slo_score(s: InstanceState, prompt_tokens: int, high: bool, tpot_target_s: float) -> float:
     """Dispatch by SLO (higher is better, as freeness): the instance with the best predicted TTFT among those
     whose predicted TPOT with the request stays under the target; past the target, the instances still rank by
-    TTFT, behind every one that meets it. Ties go to the instance with fewer requests (running, queued and our
-    own pending dispatches, ``TIE_S`` each): instances with no model yet all predict 0, and without it a burst
-    at start-up went to one of them (16 simulated instances: 16 requests, given up, on one)."""
-    score = -predict_ttft(s, prompt_tokens, high) - TIE_S * (s.running + s.waiting + s.pending_requests)
+    TTFT, behind every one that meets it. Instances with no model yet all predict 0: among them the one with the
+    fewest requests (running, queued and our own pending dispatches, ``TIE_S`` each) goes first, or a burst at
+    start-up goes to one of them (16 simulated instances: 16 requests, given up, on one)."""
+    score = -predict_ttft(s, prompt_tokens, high)
+    if not fitted(s.latency):
+        score -= TIE_S * (s.running + s.waiting + s.pending_requests)
     if tpot_target_s > 0 and predict_tpot(s, prompt_tokens) > tpot_target_s:
         score -= UNKNOWN_WAIT_S * 2
     return score
