@@ -214,7 +214,8 @@ def pooled(states: list[InstanceState]) -> list[InstanceState]:
     give, and the instances with no model yet given that of the fit with the highest. The instances serve the
     same model, but one that has prefilled only short prompts cannot tell its per-token cost yet (its fixed
     prefill cost absorbs it, and its model says a long prompt prefills nearly free), and one that has not
-    stepped predicts nothing at all (0); admission takes the best instance, so the least informed would decide.
+    stepped predicts nothing at all (0); admission and dispatch by SLO take the best instance, so the least
+    informed would decide (a start-up burst went to an instance whose model said its queue prefilled for free).
     (In the simulator, with prefill 0.2 ms per token, instances' fits went as low as 0.001 for a minute; a
     3,000-token prompt was then predicted at 33 ms and admitted against a 230 ms target.)"""
     fits = [s.latency for s in states if fitted(s.latency)]
