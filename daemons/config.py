@@ -158,7 +158,7 @@ class VllmConfig:
     omp_threads: int = setting(1, "CPU backend: OpenMP threads per instance (0 = leave the environment alone)", minimum=0)
     tensor_parallel_size: int = setting(1, "GPUs (or CPU worker processes) one instance shards the model over; above 1 vLLM's multiprocess executor runs one worker per rank, and each rank migrates its own KV shard (both ends of a migration must use the same size)", minimum=1)
     gpu_memory_utilization: float = setting(0.0, "GPU: the fraction of the GPU's memory this instance may use (0 = vLLM's default, 0.9); lower it when instances share a GPU", minimum=0.0, maximum=1.0)
-    worker_nice: int = setting(10, "tensor_parallel_size above 1: niceness added to the worker processes, so that the llumlet (heartbeats, tokens, migration control) and the other daemons on the host run first when its cores are contended; the ranks' shared-memory all-reduce spins while it waits for a peer rank", minimum=0, maximum=19)
+    worker_nice: int = setting(10, "tensor_parallel_size above 1: niceness added to the worker processes and to the llumlet's step thread (which waits for them, spinning), so that the llumlet (heartbeats, tokens, migration control) and the other daemons on the host run first when its cores are contended; the ranks' shared-memory all-reduce spins while it waits for a peer rank", minimum=0, maximum=19)
     cpu_bind: str = setting("nobind", "CPU backend: VLLM_CPU_OMP_THREADS_BIND; the in-process executor pins nothing itself, so pin instances with taskset or systemd's CPUAffinity")
 
 

@@ -27,6 +27,26 @@ from daemons.clock import Clock
 
 
 @dataclass(slots=True)
+class SloMark:
+    """A request's SLO and what was measured of it so far (judged where it finishes: daemons/instance/attainment.py)."""
+
+    ttft_s: float  # targets (0: none of that kind)
+    tpot_s: float
+    arrival: float  # when the proxy took it (wall clock: wire.Submit.arrival_time)
+    first_time: float = 0.0  # when its first token went out (wall clock; 0: not yet)
+    first_index: int = 0  # that token's output index
+
+
+def slo_mark(ttft_ms: float, tpot_ms: float, arrival: float, first_time: float = 0.0,
+             first_index: int = 0) -> SloMark | None:
+    """The mark of a request with these targets (ms, as wire.Submit and wire.MigratingRequest carry them); None
+    when it has none."""
+    if not (ttft_ms > 0 or tpot_ms > 0):
+        return None
+    return SloMark(ttft_ms / 1000.0, tpot_ms / 1000.0, arrival, first_time, first_index)
+
+
+@dataclass(slots=True)
 class Entry:
     reply_to: str  # the owning proxy's token address
     epoch: int  # placement epoch of the copy held here
@@ -35,6 +55,9 @@ class Entry:
     migrating: bool = False  # a migration out of here is in progress
     abort_pending: bool = False  # an abort came while migrating: applied once the outcome is known
     traceparent: str = ""  # the request's trace (wire.Submit.traceparent; empty: untraced)
+    prompt_tokens: int = 0  # its prompt's length (the request listings' row while the engine's is not read yet)
+    priority: int = 0
+    slo: SloMark | None = None  # its SLO, when it has one and is judged here
 
 
 class AbortAction(enum.Enum):
@@ -69,17 +92,21 @@ class RequestTable:
 
     # ---------------------------------------------------------------- placement
 
-    def admit(self, request_id: str, reply_to: str, epoch: int, emitted: int = 0, traceparent: str = "") -> Entry:
+    def admit(self, request_id: str, reply_to: str, epoch: int, emitted: int = 0, traceparent: str = "",
+              slo: SloMark | None = None, *, prompt_tokens: int = 0, priority: int = 0) -> Entry:
         """Placed here by a proxy (``emitted`` > 0: a failover continuing at that index)."""
         self._moved.pop(request_id, None)
-        entry = self._reqs[request_id] = Entry(reply_to, max(epoch, 1), emitted, traceparent=traceparent)
+        entry = self._reqs[request_id] = Entry(reply_to, max(epoch, 1), emitted, traceparent=traceparent, slo=slo,
+                                               prompt_tokens=prompt_tokens, priority=priority)
         return entry
 
-    def take_over(self, request_id: str, reply_to: str, epoch: int, emitted: int, traceparent: str = "") -> Entry:
+    def take_over(self, request_id: str, reply_to: str, epoch: int, emitted: int, traceparent: str = "",
+                  slo: SloMark | None = None, *, prompt_tokens: int = 0, priority: int = 0) -> Entry:
         """A migration committed here: the request continues at ``emitted`` under ``epoch``."""
         self._moved.pop(request_id, None)
         entry = self._reqs[request_id] = Entry(reply_to, epoch, emitted, arrived=self.clock.monotonic(),
-                                               traceparent=traceparent)
+                                               traceparent=traceparent, slo=slo, prompt_tokens=prompt_tokens,
+                                               priority=priority)
         return entry
 
     def hand_over(self, request_id: str, address: str) -> Entry | None:

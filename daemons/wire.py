@@ -119,6 +119,10 @@ class InstanceLoad(msgspec.Struct, array_like=True, omit_defaults=True):
     waiting_high: int = 0  # waiting requests of high priority (a high request queues behind these only)
     waiting_high_tokens: int = 0
     context_tokens: int = 0  # tokens (prompt + generated) of the running requests
+    # Attainment over the last slo.window_s (daemons/instance/attainment.py): requests with an SLO that finished
+    # here, and of those, how many met both their targets (TTFT from the proxy's arrival time, TPOT).
+    slo_judged: int = 0
+    slo_met: int = 0
 
 
 # ---------------------------------------------------------------- instance <-> manager
@@ -335,6 +339,10 @@ class Submit(msgspec.Struct, **_tagged(40)):
     # index len(output_token_ids), counting max_tokens as if nothing had happened.
     output_token_ids: list[int] = []
     traceparent: str = ""  # W3C traceparent of the request's span on the proxy (daemons/tracing.py; empty: untraced)
+    # The request's SLO as the proxy holds it (its class's [slo] targets, tightened by its API key), ms; 0: none.
+    # The instance where it finishes judges it (daemons/instance/attainment.py).
+    slo_ttft_ms: float = 0.0
+    slo_tpot_ms: float = 0.0
 
     def __post_init__(self) -> None:
         endpoints.check(self.reply_to, "reply_to")
@@ -437,6 +445,12 @@ class MigratingRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_time: float = 0.0
     max_total: int = 0  # the most tokens it may reach on the source (prompt + max_tokens, capped by its context)
     traceparent: str = ""  # the request's trace, as the proxy sent it (wire.Submit)
+    # Its SLO (wire.Submit) and what the source measured of it, so that the instance where it finishes judges it:
+    # when its first token went out (wall clock, as arrival_time; 0: not yet) and at which output index.
+    slo_ttft_ms: float = 0.0
+    slo_tpot_ms: float = 0.0
+    first_token_time: float = 0.0
+    first_token_index: int = 0
 
     def __post_init__(self) -> None:
         endpoints.check(self.reply_to, "reply_to", empty_ok=True)  # empty until the source sets it

@@ -14,6 +14,7 @@ from rich.console import Console
 
 from daemons import wire
 from daemons.config import ConfigError, load_config
+from daemons.policy import slo
 from llumnixctl import rundir
 from llumnixctl.admin import AdminClient, ManagerUnreachable
 
@@ -130,6 +131,7 @@ def finite(x: float) -> float | None:
 
 def instance_json(v: wire.InstanceView) -> dict:
     ld = v.load
+    ttft, tpot = slo.reference_prediction(v.instance_id, ld)
     return {
         "id": v.instance_id, "host": v.host, "pid": v.pid, "state": v.state, "draining": v.draining,
         "blocks_total": ld.blocks_total, "blocks_used": ld.blocks_used, "running": ld.running,
@@ -145,4 +147,13 @@ def instance_json(v: wire.InstanceView) -> dict:
         "stalled": ld.stalled, "scale_in_protected": v.scale_in_protected,
         "prefix_query_tokens": ld.prefix_query_tokens, "prefix_hit_tokens": ld.prefix_hit_tokens,
         "prefix_hit_rate": round(ld.prefix_hit_tokens / ld.prefix_query_tokens, 4) if ld.prefix_query_tokens else None,
+        # SLO (llumnixctl/statusview.py): predicted for a new request of slo.REFERENCE_PROMPT_TOKENS (None: no model
+        # yet), and the attainment over the last slo.window_s (None: nothing judged)
+        "predicted_ttft_s": _round(ttft), "predicted_tpot_s": _round(tpot),
+        "slo_met": ld.slo_met, "slo_judged": ld.slo_judged,
+        "slo_attainment": round(ld.slo_met / ld.slo_judged, 4) if ld.slo_judged else None,
     }
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None or math.isinf(x) or math.isnan(x) else round(x, 6)

@@ -30,6 +30,7 @@ from llumnixctl.admin import AdminClient, ManagerUnreachable
 from llumnixctl.common import (ConfigOpt, JsonOpt, ManagerOpt, RunDirOpt, TimeoutOpt, admin, ask, die, instance_json,
                                out, print_json, unreachable_message)
 from llumnixctl.commands import Commands
+from llumnixctl.statusview import flags_text, number_text, render_status, status_json  # noqa: F401  (status_json: for scripts)
 
 # add_completion: --install-completion / --show-completion (bash, zsh, fish, PowerShell)
 app = typer.Typer(cls=Commands, add_completion=True, no_args_is_help=True,
@@ -62,7 +63,10 @@ def up(
     timeout: Annotated[float, typer.Option(help="seconds to wait for the cluster to serve (a large model on the vllm backend may need more)")] = 60.0,
     json_: JsonOpt = False,
 ) -> None:
-    """Start a local cluster in the background (manager, instances, proxy) and wait until it serves."""
+    """Start a local cluster in the background (manager, instances, proxy) and wait until it serves.
+
+    To serve to an SLO, give its targets: --set slo.ttft_ms=MS --set slo.tpot_ms=MS (admission by predicted
+    time to first token, 429 with Retry-After past it; llumnixctl status shows predictions and attainment)."""
     from llumnixctl.lab import localcluster  # the lab's: operator commands run without it
 
     run_dir = run_dir or localcluster.default_run_dir()
@@ -85,6 +89,11 @@ def up(
         out.print(f"  OpenAI API  {url}/v1")
     out.print(f"  manager     {state.manager_address}")
     out.print(f"  run dir     {run_dir} (logs: *.log)")
+    if not (cfg.slo.ttft_ms or cfg.slo.tpot_ms):
+        out.print("  SLO         off (serve to one: --set slo.ttft_ms=2000 --set slo.tpot_ms=100, in ms)")
+    else:
+        out.print(f"  SLO         TTFT {cfg.slo.ttft_ms:g} ms, TPOT {cfg.slo.tpot_ms:g} ms (0: none); attainment in "
+                  "llumnixctl status")
     out.print("stop it with: llumnixctl down" + ("" if run_dir == localcluster.default_run_dir() else f" --run-dir {run_dir}"))
 
 
@@ -105,80 +114,6 @@ def down(run_dir: RunDirOpt = None, json_: JsonOpt = False) -> None:
 
 
 # ---------------------------------------------------------------------- inspection
-
-
-def status_json(snap: wire.Snapshot, address: str) -> dict:
-    rows = [instance_json(v) for v in snap.instances]
-    alive = [r for r in rows if r["state"] == "alive"]
-    serving = [r for r in alive if not r["draining"] and not r["cordoned"]]
-    totals = {
-        "instances": len(rows), "alive": len(alive), "serving": len(serving),
-        "draining": sum(1 for r in rows if r["draining"]), "cordoned": sum(1 for r in rows if r["cordoned"]),
-        "blocks_total": sum(r["blocks_total"] for r in alive), "blocks_used": sum(r["blocks_used"] for r in alive),
-        "running": sum(r["running"] for r in alive), "waiting": sum(r["waiting"] for r in alive),
-        "preemptions": sum(r["preemptions"] for r in rows),
-        "prefix_query_tokens": sum(r["prefix_query_tokens"] for r in rows),
-        "prefix_hit_tokens": sum(r["prefix_hit_tokens"] for r in rows),
-        "mean_freeness": round(sum(r["freeness"] for r in serving) / len(serving), 4) if serving else None,
-        "migrations_in_flight": sum(r["migrating_out"] for r in rows),
-        "migrations_committed": sum(r["migrations_committed"] for r in rows),
-        "migrations_aborted": sum(r["migrations_aborted"] for r in rows),
-        "ordered_migrations": dict(snap.ordered_migrations),
-        "scale_outs": snap.scale_outs, "scale_ins": snap.scale_ins, "launching": snap.launching,
-    }
-    return {"instances": rows, "totals": totals,
-            "manager": {"address": address, "uptime_s": snap.uptime_s, "dispatch_policy": snap.dispatch_policy,
-                        "dispatched_total": snap.dispatched_total, "pairing_policy": snap.pairing_policy,
-                        "request_selection": snap.request_selection, "scaling_policy": snap.scaling_policy,
-                        "migrating": snap.migrating, "proxies": snap.proxies}}
-
-
-def _flags(r: dict) -> str:
-    flags = []
-    if r["draining"]:
-        flags.append(f"draining: {r['drain_reason']}" if r["drain_reason"] else "draining")
-    if r["cordoned"]:
-        flags.append("cordoned")
-    if r.get("scale_in_protected"):
-        flags.append("protected")
-    return r["state"] + (f" ({', '.join(flags)})" if flags else "")
-
-
-def _num(x: float | None, inf: str) -> str:
-    return inf if x is None else f"{x:.2f}" if abs(x) < 1e6 else f"{x:.3g}"
-
-
-def render_status(data: dict) -> Group:
-    """The status table and its summary lines, from status_json's data (what `status` prints)."""
-    m = data["manager"]
-    table = Table(title=f"manager {m['address']} · dispatch {m['dispatch_policy']} · migration "
-                        f"{m['pairing_policy'] if m['migrating'] else 'drains only'} · selection {m['request_selection']} "
-                        f"· scaling {m['scaling_policy']}", title_justify="left")
-    for col in ("ID", "HOST", "PID", "STATE", "BLOCKS USED/TOTAL", "RUNNING", "WAITING", "VIRTUAL USAGE", "FREENESS",
-                "MIGRATING OUT/IN", "LAST REPORT"):
-        table.add_column(col, justify="right" if col in ("PID", "RUNNING", "WAITING", "VIRTUAL USAGE", "FREENESS") else "left")
-    for r in data["instances"]:
-        style = "red" if r["state"] != "alive" else "yellow" if r["draining"] or r["cordoned"] else None
-        table.add_row(r["id"], r["host"], str(r["pid"]), _flags(r), f"{r['blocks_used']}/{r['blocks_total']}",
-                      str(r["running"]), str(r["waiting"]), _num(r["virtual_usage"], "inf"), _num(r["freeness"], "-inf"),
-                      f"{r['migrating_out']}/{r['migrating_in']}", f"{r['last_report_age_s']:.1f}s ago", style=style)
-    t = data["totals"]
-    table.add_section()
-    table.add_row("total", "", "", f"{t['alive']}/{t['instances']} alive", f"{t['blocks_used']}/{t['blocks_total']}",
-                  str(t["running"]), str(t["waiting"]), "",
-                  "" if t["mean_freeness"] is None else f"{t['mean_freeness']:.2f} avg",
-                  f"{t['migrations_in_flight']} in flight", "")
-    parts: list = [table]
-    if t["prefix_query_tokens"]:
-        each = ", ".join(f"{r['id']} {100 * r['prefix_hit_rate']:.0f}%" for r in data["instances"] if r["prefix_hit_rate"] is not None)
-        parts.append(f"prefix cache: {100 * t['prefix_hit_tokens'] / t['prefix_query_tokens']:.1f}% of "
-                     f"{t['prefix_query_tokens']} prompt tokens hit ({each})")
-    ordered = ", ".join(f"{k} {v}" for k, v in sorted(t["ordered_migrations"].items())) or "none"
-    parts.append(f"migrations: {t['migrations_committed']} committed, {t['migrations_aborted']} aborted, "
-                 f"{t['migrations_in_flight']} in flight; ordered by the manager: {ordered}")
-    if t["scale_outs"] or t["scale_ins"] or t["launching"] or m["scaling_policy"] != "off":
-        parts.append(f"scaling: {t['scale_outs']} out, {t['scale_ins']} in, {t['launching']} launching")
-    return Group(*parts)
 
 
 @app.command()
@@ -375,7 +310,7 @@ def describe(instance: Annotated[str, typer.Argument(help="instance id (see llum
     grid.add_column(style="bold")
     grid.add_column()
     notes = ["stalled (an engine step is stuck)"] if r["stalled"] else []
-    grid.add_row("state", _flags(r) + (f", {', '.join(notes)}" if notes else ""))
+    grid.add_row("state", flags_text(r) + (f", {', '.join(notes)}" if notes else ""))
     grid.add_row("host", f"{reg['host']}, pid {reg['pid']}")
     grid.add_row("requests at", reg["request_address"])
     grid.add_row("metrics", reg["metrics_address"] or "off")
@@ -384,7 +319,7 @@ def describe(instance: Annotated[str, typer.Argument(help="instance id (see llum
     grid.add_row("last report", f"{r['last_report_age_s']:.1f}s ago")
     grid.add_row("load", f"{r['blocks_used']}/{r['blocks_total']} blocks used, {r['running']} running "
                          f"({r['high_priority']} high priority), {r['waiting']} waiting, {r['preemptions']} preemptions")
-    grid.add_row("", f"virtual usage {_num(r['virtual_usage'], 'inf')}, freeness {_num(r['freeness'], '-inf')}"
+    grid.add_row("", f"virtual usage {number_text(r['virtual_usage'], 'inf')}, freeness {number_text(r['freeness'], '-inf')}"
                      + (f", new-instance credit {r['credit']:.1f} blocks" if r["credit"] else ""))
     grid.add_row("", f"head-of-line request needs {r['hol_demand_blocks']} blocks; "
                      f"{r['pending_dispatches']} dispatched, not yet in its reports")

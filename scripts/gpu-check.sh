@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The GPU check, for a CUDA node (one GPU is enough: the two instances of each step share it). Live migration
-# between two vLLM instances must stream exactly what an unmigrated run streams (llumnixctl check migration),
-# also with tensor parallelism when two or more GPUs are visible and with prefix caching on; a saturating
-# bursty trace that must fail no request (bench steady); then the Fig 10 figures (bench migration).
+# The GPU check, for a CUDA node (one GPU is enough: the two instances of each step share it). Our engine must
+# give vLLM's own offline tokens and logprobs (engine-identity: tests/e2e/test_vllm_engine.py, when pytest is in
+# the venv); live migration between two vLLM instances must stream exactly what an unmigrated run streams
+# (llumnixctl check migration), also with tensor parallelism when two or more GPUs are visible and with prefix
+# caching on; a saturating bursty trace that must fail no request (bench steady); then the Fig 10 figures
+# (bench migration), at TP 1 and, with two or more GPUs, at TP 2, with the TP2/TP1 downtime ratio per length.
 #
 #   bash scripts/gpu-check.sh [OUT_DIR]      (default OUT_DIR: gpu-check)
 #
@@ -17,6 +19,8 @@
 #                 default .venv). This script installs nothing: scripts/install.sh would install CPU wheels.
 #   TIMEOUT_S     seconds per step (default 900); a step past it gets SIGINT (its cluster is stopped), then
 #                 SIGKILL a minute later
+#   TOTAL_S       seconds for the whole check (default 3600): a step gets at most what is left; a step that
+#                 would start with under a minute left is skipped (exit 124, "out of time")
 #   LENGTHS       bench migration --lengths (default: the benchmark's own)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +34,7 @@ command -v nvidia-smi > /dev/null 2>&1 || die "no nvidia-smi on PATH: not a CUDA
 out="${1:-gpu-check}"
 venv="${LLUMNIX_VENV:-.venv}"
 timeout_s="${TIMEOUT_S:-900}"
+deadline=$((SECONDS + ${TOTAL_S:-3600}))
 mkdir -p "$out"
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || die "nvidia-smi failed: $(tail -n 1 "$out/nvidia-smi.txt")"
 gpu_lines="$(nvidia-smi -L 2> /dev/null | grep '^GPU ' || true)"
@@ -47,13 +52,25 @@ echo "torch $torch_version, vllm $vllm_version, $visible GPU(s) visible"
 export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"
 
 steps=()
-step() {  # step NAME LLUMNIXCTL-ARGS...: stdout to OUT_DIR/NAME.json, stderr to OUT_DIR/NAME.log
-    local name="$1" rc=0
+run_step() {  # run_step NAME COMMAND...: stdout to OUT_DIR/NAME.json, stderr to OUT_DIR/NAME.log
+    local name="$1" rc=0 left=$((deadline - SECONDS))
     shift
     steps+=("$name")
-    echo "$name: llumnixctl $* ..."
-    timeout -s INT -k 60 "$timeout_s" "$venv/bin/llumnixctl" "$@" > "$out/$name.json" 2> "$out/$name.log" || rc=$?
+    if [ "$left" -lt 60 ]; then
+        echo "llumnixctl: out of time (TOTAL_S): skipped" > "$out/$name.log"
+        : > "$out/$name.json"
+        echo 124 > "$out/$name.rc"
+        return
+    fi
+    [ "$left" -lt "$timeout_s" ] || left="$timeout_s"
+    echo "$name: $* ..."
+    timeout -s INT -k 60 "$left" "$@" > "$out/$name.json" 2> "$out/$name.log" || rc=$?
     echo "$rc" > "$out/$name.rc"
+}
+step() {  # step NAME LLUMNIXCTL-ARGS...
+    local name="$1"
+    shift
+    run_step "$name" "$venv/bin/llumnixctl" "$@"
 }
 
 if [ -n "${MODEL:-}" ]; then
@@ -71,6 +88,10 @@ else
 fi
 gpu_sets=(--set vllm.block_size=16 --set vllm.omp_threads=0 --set vllm.dtype=bfloat16)
 
+if "$py" -c "import pytest" 2> /dev/null && [ -f tests/e2e/test_vllm_engine.py ]; then
+    run_step engine-identity "$py" -m pytest -q -p no:cacheprovider tests/e2e/test_vllm_engine.py \
+        -k "match_offline or matches_offline"
+fi
 step check-migration check migration --json "${check_model[@]}" --set vllm.gpu_memory_utilization=0.4 "${gpu_sets[@]}"
 # The same with vLLM's prefix caching on: a destination that holds a request's prompt prefix takes those
 # blocks from its own cache, and the output must still be identical.
@@ -89,6 +110,9 @@ if [ -n "${LENGTHS:-}" ]; then
     bench+=(--lengths "$LENGTHS")
 fi
 step bench-migration "${bench[@]}"
+if [ "$visible" -ge 2 ]; then
+    step bench-migration-tp2 "${bench[@]}" --set vllm.tensor_parallel_size=2
+fi
 
 GPU_LINES="$gpu_lines" TORCH_VERSION="$torch_version" VLLM_VERSION="$vllm_version" \
     "$py" - "$out" "${steps[@]}" << 'EOF'
@@ -106,7 +130,9 @@ for name in names:
         result = None
     steps[name] = {"rc": int((out / f"{name}.rc").read_text()), "result": result}
     rc, r = steps[name]["rc"], result
-    if rc == 0 and name.startswith("check-"):
+    if rc == 0 and name == "engine-identity":
+        line = "ok: greedy and seeded tokens and logprobs equal vLLM's offline LLM"
+    elif rc == 0 and name.startswith("check-"):
         moves = sum(q["migrations"] for q in r["requests"])
         worst = max(q["downtime_ms"] for q in r["requests"])
         line = f"ok: {len(r['requests'])} requests identical, {moves} migrations, downtime up to {worst:.2f} ms, {r['elapsed_s']:.0f} s"
@@ -117,6 +143,14 @@ for name in names:
         why = next((x for x in reversed(log) if x.startswith("llumnixctl:")), log[-1] if log else "no output")
         line = f"FAILED (exit {rc}{', timed out' if rc in (124, 137) else ''}): {why[:300]}"
     print(f"{name}: {line}")
+tp1, tp2 = (steps.get(n, {}).get("result") for n in ("bench-migration", "bench-migration-tp2"))
+if tp1 and tp2:
+    at1 = {x["tokens"]: x["downtime_ms"] for x in tp1["results"]}
+    print("downtime  tokens   TP1 ms   TP2 ms   TP2/TP1")
+    for x in tp2["results"]:
+        if x["tokens"] in at1:
+            a, b = at1[x["tokens"]], x["downtime_ms"]
+            print(f"          {x['tokens']:>6} {a:>8.2f} {b:>8.2f}   {b / a if a else float('nan'):>6.2f}x")
 record = {"gpu": os.environ["GPU_LINES"].splitlines(), "torch": os.environ["TORCH_VERSION"],
           "vllm": os.environ["VLLM_VERSION"], "steps": steps}
 (out / "gpu-check.json").write_text(json.dumps(record, indent=2) + "\n")

@@ -79,3 +79,5 @@ ctl status --run-dir "$RUN_DIR"
 echo
 echo "The cluster keeps running ($BACKEND engine)."
 echo "  API:  http://127.0.0.1:$PORT/v1    stop: .venv/bin/llumnixctl down --run-dir $RUN_DIR"
+echo "  Serving to an SLO (time to first token, time per output token; admission by predicted TTFT, 429 past it):"
+echo "    start it with --set slo.ttft_ms=2000 --set slo.tpot_ms=100; llumnixctl status shows the attainment"

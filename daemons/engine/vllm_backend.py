@@ -15,6 +15,7 @@ version it was checked against.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Callable
 
@@ -23,7 +24,7 @@ import msgspec
 from daemons.config import ModelConfig, VllmConfig
 from daemons.engine.base import EngineError, EngineRequest, KvBlocks, MigrationView, StepResult, check_request
 from daemons.engine.vllm_cache import VllmPrefixCache
-from daemons.engine.vllm_internals import VllmInternals, set_env, set_num_threads
+from daemons.engine.vllm_internals import VllmInternals, lower_this_thread, set_env, set_num_threads
 from daemons.engine.vllm_migration import LiveRequest, LiveRequests, VllmMigrations
 from daemons.kvlayout import KvShards
 from daemons.wire import InstanceLoad, MigratingRequest, RequestLoad, RequestState, TokenOut
@@ -75,9 +76,16 @@ class VllmEngine:
     def init_thread(self) -> None:
         """Run first on the thread that will call ``step``. OpenMP's thread count is per thread, taken from
         the environment when torch first loaded, which in a daemon can be before ``set_env`` ran; vLLM's
-        CPU attention checks that the count its metadata was built with is the one it runs with."""
+        CPU attention checks that the count its metadata was built with is the one it runs with.
+
+        Tensor parallel: the step thread spends a step waiting for its ranks, and vLLM's wait on their output
+        queue spins (``sched_yield``) for up to a second after each message. At normal priority that spin took
+        most of a core from the ranks it waits for (niced by ``vllm.worker_nice``), the llumlet's own event
+        loop and the host's other daemons: the thread runs at the ranks' niceness."""
         if self.cfg.omp_threads > 0:
             set_num_threads(self.cfg.omp_threads)
+        if not self._s.in_process and self.cfg.worker_nice > 0:
+            lower_this_thread(os.getpriority(os.PRIO_PROCESS, os.getpid()) + self.cfg.worker_nice)
 
     # ---------------------------------------------------------------- serving
 

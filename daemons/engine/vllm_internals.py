@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from types import SimpleNamespace
 
 from daemons.config import ModelConfig, VllmConfig
@@ -288,6 +289,16 @@ def apply_workarounds(vllm: VllmConfig | None = None) -> None:
     vLLM's own ``LLM`` in the same process and wants the same kernels (tests comparing against it)."""
     set_env(vllm or VllmConfig())
     VllmInternals.workarounds()
+
+
+def lower_this_thread(to_nice: int) -> None:
+    """Run the calling thread at niceness ``to_nice`` or lower in priority (Linux: niceness is per thread)."""
+    tid = threading.get_native_id()
+    try:
+        if os.getpriority(os.PRIO_PROCESS, tid) < to_nice:
+            os.setpriority(os.PRIO_PROCESS, tid, min(to_nice, 19))
+    except OSError as exc:
+        log.warning("could not lower the step thread's priority to niceness %d: %s", to_nice, exc)
 
 
 def set_num_threads(n: int) -> None:

@@ -21,7 +21,9 @@ concern, gives each what it needs, and starts their loops. Each owns its state; 
   messages to the manager.
 - ``Reporter`` and ``Heartbeats`` (``reports.py``): the last load and the reports to the manager, heartbeats
   to the proxies, which proxies are gone; ``CacheReports`` (``cache.py``): the prefix cache published.
-- ``Listings`` (``listings.py``): the manager's request listings and the engine rows they are answered from.
+- ``Attainment`` (``attainment.py``): the requests with an SLO judged where they finish, over a sliding window
+  (``SloWindow``) the load reports carry; the step-time model they carry is ``StepFit`` (``predictor.py``).
+- ``Listings`` (``listings.py``): the manager's request listings, answered at once from the request table (with the engine rows they keep).
 - ``Orders`` (``selection.py``): migration orders, which requests go (with the pure ``migrants_for``, also
   run by the simulator).
 - ``Control`` (``control.py``): the manager protocol (its handler table, registration, drain, stop) and

@@ -18,6 +18,7 @@ from daemons.clock import Clock
 from daemons.config import Config
 from daemons.engine import make_engine
 from daemons.engine.base import Engine, EngineError
+from daemons.instance.attainment import Attainment
 from daemons.instance.cache import CacheReports
 from daemons.instance.control import Control
 from daemons.instance.intake import Intake
@@ -81,17 +82,16 @@ class Instance:
 
         self.line = ManagerLine(self.manager)
         self.mailbox = Mailbox()
-        self.tokens = TokenPath(self.proxies, self.requests, self.ident)
+        self.attainment = Attainment(cfg.slo.window_s, self.clock)  # SLO judgements of the requests that finish here
+        self.tokens = TokenPath(self.proxies, self.requests, self.ident, self.attainment.token)
         self.cache = CacheReports(engine, self.proxies, self.line.tell, self.mailbox, heartbeat_s, self.clock)
         self.intake = Intake(self.router, engine, self.requests, self.phases, self.tokens, self.proxies,
                              self.standing, self.mailbox.wake, migrator, self.cache.on_sync, self.clock)
-        self.listings = Listings(engine, self.requests, self.mailbox,
-                                 lambda: self.intake.waiting() or self.mailbox.waiting(), self.line.tell, self.ident,
-                                 self.clock)
+        self.listings = Listings(engine, self.requests, self.intake.pending, self.line.tell, self.ident, self.clock)
         self.fit = StepFit(getattr(engine, "prefill_budget", 0))  # the step-time model (the SLO's predictions)
         self.reporter = Reporter(engine, migrator, self.watchdog, self.line.tell, self.proxies, self.intake.taken,
                                  self.standing, self.ident, self.cache, self.phases, self.requests, heartbeat_s,
-                                 ic.load_report_min_interval_s, self.clock, self.fit)
+                                 ic.load_report_min_interval_s, self.clock, self.fit, self.attainment)
         self.heartbeats = Heartbeats(
             self.reporter, self.watchdog, self.proxies, self.requests,
             lambda address, why: self.mailbox.call(lambda: self.intake.abort_orphans(address, why)),

@@ -19,7 +19,7 @@ from daemons.instance.telemetry import (
     M_BAD_FRAMES, M_FAILOVERS_IN, M_FINISHED, M_ORPHANED, M_REDISPATCHED, M_REJECTED, M_REQUESTS)
 from daemons.instance.tokens import TokenPath
 from daemons.proxylinks import ProxyLinks
-from daemons.requests import AbortAction, RequestTable
+from daemons.requests import AbortAction, RequestTable, slo_mark
 
 if TYPE_CHECKING:
     from daemons.migration import Migrator
@@ -59,6 +59,10 @@ class Intake:
     def waiting(self) -> bool:
         """(Any thread) Requests or aborts wait for the boundary. Reads only."""
         return bool(self._inbox)
+
+    def pending(self) -> list[wire.Submit | wire.Abort]:
+        """(Event loop) The Submits and Aborts that the next boundary takes in, in order. Reads only."""
+        return list(self._inbox)
 
     def post(self, msg: wire.Submit | wire.Abort) -> None:
         """Take ``msg`` in at the next boundary."""
@@ -145,7 +149,10 @@ class Intake:
             M_FAILOVERS_IN.inc()
             log.info("request %s failed over to us: continues at token %d (epoch %d)", msg.request_id,
                      len(msg.output_token_ids), msg.epoch)
-        self.requests.admit(msg.request_id, msg.reply_to, msg.epoch, len(msg.output_token_ids), msg.traceparent)
+        # A failover's re-prefill is not judged: its first token went out elsewhere.
+        mark = None if msg.output_token_ids else slo_mark(msg.slo_ttft_ms, msg.slo_tpot_ms, msg.arrival_time)
+        self.requests.admit(msg.request_id, msg.reply_to, msg.epoch, len(msg.output_token_ids), msg.traceparent, mark,
+                            prompt_tokens=len(msg.prompt_token_ids), priority=msg.priority)
         self.phases.admitted(msg.request_id)
 
     async def _after_reservation(self, migrator: Migrator, msg: wire.Submit) -> None:

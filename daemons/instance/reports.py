@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from typing import TYPE_CHECKING, Callable, Mapping, Protocol
 
 import msgspec
@@ -13,10 +14,13 @@ import msgspec
 from daemons import metrics, runtime, wire
 from daemons.clock import Clock
 from daemons.engine.base import Engine
+from daemons.instance.attainment import Attainment
 from daemons.instance.predictor import StepFit
 from daemons.instance.standing import Identity, Standing
 from daemons.instance.telemetry import (
-    M_BEAT_LATE, M_BLOCKS_TOTAL, M_BLOCKS_USED, M_HEALTHY, M_KV_USAGE, M_PREEMPTIONS, M_RUNNING, M_WAITING)
+    M_BEAT_LATE, M_BLOCKS_TOTAL, M_BLOCKS_USED, M_HEALTHY, M_KV_USAGE, M_PREDICTED_TPOT, M_PREDICTED_TTFT,
+    M_PREEMPTIONS, M_RUNNING, M_SLO_ATTAINMENT, M_SLO_JUDGED, M_SLO_MET, M_WAITING)
+from daemons.policy import slo
 from daemons.requests import RequestTable
 from daemons.watchdog import Watchdog
 
@@ -51,16 +55,17 @@ class BeatLinks(Protocol):
 class Reporter:
     """Owns the last load (``last``, as of the last step or boundary, with the llumlet's own state), the
     event that says it changed, and the report sequence. Reads the engine, the migrator's counts, the
-    watchdog's verdict, the Submits taken per proxy (``taken``), where the instance stands and the step-time
-    model (``fit``)."""
+    watchdog's verdict, the Submits taken per proxy (``taken``), where the instance stands, the step-time
+    model (``fit``) and the SLO attainment over its window (``attainment``)."""
 
     def __init__(self, engine: Engine, migrator: Callable[[], Migrator | None], watchdog: Watchdog,
                  tell_manager: Callable[[wire.Message], None], proxies: BeatLinks, taken: Mapping[str, int],
                  standing: Standing, ident: Identity, cache: ReportedCache, phases: metrics.RequestPhases,
                  requests: RequestTable, heartbeat_s: float, min_interval_s: float, clock: Clock,
-                 fit: StepFit | None = None):
+                 fit: StepFit | None = None, attainment: Attainment | None = None):
         self.engine = engine
         self.fit = fit  # the step-time model the reports carry (None: none)
+        self.attainment = attainment  # the SLO attainment over its window the reports carry (None: none)
         self.migrator = migrator
         self.watchdog = watchdog
         self.tell_manager = tell_manager
@@ -117,7 +122,7 @@ class Reporter:
         while True:
             await runtime.wait_event(self.load_changed, self.heartbeat_s)
             self.load_changed.clear()
-            load = self.last
+            load = self.with_attainment(self.last)  # of now: the window moves on while the load stands still
             self.seq += 1
             self.cache.publish()  # before the report and heartbeats that give its number
             self.tell_manager(wire.LoadReport(self.ident.instance_id, self.seq, load, *self.cache.position()))
@@ -129,9 +134,28 @@ class Reporter:
             M_RUNNING.set(load.running)
             M_WAITING.set(load.waiting)
             self.preemptions.update(load.preemptions)
+            self.count_slo(load)
             if len(self.phases) > len(self.requests):  # some left by migration or a failure
                 self.phases.prune(self.requests)
             await self.clock.sleep(self.min_interval_s)
+
+    def with_attainment(self, load: wire.InstanceLoad) -> wire.InstanceLoad:
+        if self.attainment is None:
+            return load
+        met, judged = self.attainment.counts()
+        if judged == load.slo_judged and met == load.slo_met:
+            return load
+        return msgspec.structs.replace(load, slo_met=met, slo_judged=judged)
+
+    def count_slo(self, load: wire.InstanceLoad) -> None:
+        """The SLO gauges: predictions for the reference prompt, attainment over the window."""
+        ttft, tpot = slo.reference_prediction(self.ident.instance_id, load)
+        if ttft is not None:
+            M_PREDICTED_TTFT.set(ttft)
+            M_PREDICTED_TPOT.set(tpot)
+        M_SLO_JUDGED.set(load.slo_judged)
+        M_SLO_MET.set(load.slo_met)
+        M_SLO_ATTAINMENT.set(load.slo_met / load.slo_judged if load.slo_judged else math.nan)
 
     def beat_proxies(self, healthy: bool) -> None:
         """Liveness and load to every proxy we serve: each heartbeat, and on every load change, so that proxies

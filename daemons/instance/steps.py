@@ -123,7 +123,8 @@ class StepLoop:
     # ------------------------------------------------------------------ schedule
 
     def schedule(self) -> None:
-        """At the boundary: take in requests and aborts, run engine calls, answer listings, refresh the load."""
+        """At the boundary: take in requests and aborts, run engine calls, read the rows listings keep, refresh
+        the load."""
         self.intake.apply()
         self.mailbox.run()
         self.listings.at_boundary()
@@ -132,10 +133,10 @@ class StepLoop:
         self.reporter.refresh()
 
     def boundary_wanted(self) -> bool:
-        """(Engine thread) Whether the loop must take the boundary before another step: requests, aborts,
-        engine calls or listings wait, or the loop is stopping. Reads only: the loop owns these."""
-        return (self.intake.waiting() or self.mailbox.waiting() or self.listings.waiting() or self._halt
-                or self._failure is not None)
+        """(Engine thread) Whether the loop must take the boundary before another step: requests, aborts or
+        engine calls wait, or the loop is stopping (listings never wait: they are answered during steps).
+        Reads only: the loop owns these."""
+        return self.intake.waiting() or self.mailbox.waiting() or self._halt or self._failure is not None
 
     # ------------------------------------------------------------------ run
 

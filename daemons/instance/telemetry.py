@@ -48,7 +48,19 @@ M_BEAT_LATE = metrics.histogram("instance", "llumnix_instance_heartbeat_lateness
                                 "host costs the liveness and load signals",
                                 buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0))
 M_QUERY = metrics.histogram("instance", "llumnix_instance_query_seconds",
-                            "From a request-list query's arrival to its answer (answered at a step boundary)",
+                            "From a request-list query's arrival to its answer (answered at once from the request table)",
                             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0))
 M_HEALTHY = metrics.gauge("instance", "llumnix_instance_healthy",
                           "1 while engine steps make progress, 0 while stalled (instance.step_timeout_s)")
+M_PREDICTED_TTFT = metrics.gauge("instance", "llumnix_instance_predicted_ttft_seconds",
+                                 "Time to first token predicted for a new request of a 512-token prompt, by the "
+                                 "instance's step-time model (daemons/policy/slo.py)")
+M_PREDICTED_TPOT = metrics.gauge("instance", "llumnix_instance_predicted_tpot_seconds",
+                                 "Time per output token predicted for a new request of a 512-token prompt joining "
+                                 "the batch")
+M_SLO_JUDGED = metrics.gauge("instance", "llumnix_instance_slo_judged_requests",
+                             "Requests with an SLO that finished here in the last slo.window_s")
+M_SLO_MET = metrics.gauge("instance", "llumnix_instance_slo_met_requests",
+                          "Of those, the requests that met both their TTFT and TPOT targets")
+M_SLO_ATTAINMENT = metrics.gauge("instance", "llumnix_instance_slo_attainment",
+                                 "slo_met / slo_judged over the last slo.window_s (NaN while none was judged)")

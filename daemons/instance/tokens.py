@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import zmq.asyncio
 
@@ -11,7 +12,7 @@ from daemons import runtime, wire
 from daemons.instance.standing import Identity
 from daemons.instance.telemetry import M_FINISHED, M_TOKENS
 from daemons.proxylinks import ProxyLinks
-from daemons.requests import RequestTable
+from daemons.requests import RequestTable, SloMark
 
 log = logging.getLogger("llumnix.instance")
 
@@ -35,10 +36,13 @@ class TokenPath:
     """Sends to proxies on ``proxies``, stamping each token with the placement epoch the request table holds
     (``requests.advance``: a finished request is forgotten there)."""
 
-    def __init__(self, proxies: ProxyLinks, requests: RequestTable, ident: Identity):
+    def __init__(self, proxies: ProxyLinks, requests: RequestTable, ident: Identity,
+                 judge: Callable[[SloMark, wire.TokenOut], None] | None = None):
+        """``judge``: sees each token of a request with an SLO as it goes out (daemons/instance/attainment.py)."""
         self.proxies = proxies
         self.requests = requests
         self.ident = ident
+        self.judge = judge
 
     @property
     def instance_id(self) -> str:
@@ -53,11 +57,13 @@ class TokenPath:
 
     def emit(self, outputs: list[wire.TokenOut]) -> None:
         by_proxy: dict[str, list[wire.TokenOut]] = {}
-        advance = self.requests.advance
+        advance, judge = self.requests.advance, self.judge
         for out in outputs:
             entry = advance(out.request_id, out.index, out.finish_reason is not None)
             if entry is None:
                 continue
+            if entry.slo is not None and judge is not None:
+                judge(entry.slo, out)
             out.epoch = entry.epoch
             by_proxy.setdefault(entry.reply_to, []).append(out)
             if out.finish_reason is not None:

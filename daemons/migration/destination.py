@@ -16,7 +16,7 @@ from daemons.migration.peers import Peers
 from daemons.migration.records import Aborted, Host, Incoming
 from daemons.migration.telemetry import M_BYTES, M_IN_FLIGHT
 from daemons.migration.transport import KvTransport, TransferError
-from daemons.requests import RequestTable
+from daemons.requests import RequestTable, slo_mark
 from daemons.watchdog import Faults
 
 log = logging.getLogger("llumnix.migration")
@@ -208,7 +208,11 @@ class Destination:
         self.engine.commit(inc.request_id, state)
         epoch = state.epoch + 1
         host = self.host
-        self.requests.take_over(inc.request_id, inc.request.reply_to, epoch, state.emitted, inc.request.traceparent)
+        r = inc.request  # its SLO and what its source measured of it travelled with it
+        self.requests.take_over(inc.request_id, inc.request.reply_to, epoch, state.emitted, inc.request.traceparent,
+                                slo_mark(r.slo_ttft_ms, r.slo_tpot_ms, r.arrival_time, r.first_token_time,
+                                         r.first_token_index),
+                                prompt_tokens=len(inc.request.prompt_token_ids), priority=inc.request.priority)
         host.proxies.seen(inc.request.reply_to)  # its proxy has not spoken to us yet: count from now
         host.announce_move(inc.request_id, inc.request.reply_to, host.instance_id, host.request_address, epoch,
                            state.emitted)

@@ -143,6 +143,11 @@ class Move:
             raise Aborted("the request is not running here (finished, waiting or unknown)")
         info, view = first
         self.info = msgspec.structs.replace(info, reply_to=self.entry.reply_to, traceparent=self.entry.traceparent)
+        mark = self.entry.slo
+        if mark is not None:  # its SLO, and what was measured here, travel: the destination judges it
+            self.info = msgspec.structs.replace(self.info, slo_ttft_ms=mark.ttft_s * 1000.0,
+                                                slo_tpot_ms=mark.tpot_s * 1000.0, first_token_time=mark.first_time,
+                                                first_token_index=mark.first_index)
         self.kb = src.engine.kv_blocks()
         self.chunk_blocks = max(1, src.cfg.chunk_bytes // self.kb.block_nbytes)
         self.pair = src.kv.source_pair(src.host.instance_id, self.dst, self.dst_address)

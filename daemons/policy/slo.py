@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 import msgspec
 
-from daemons.policy.usage import InstanceState, blocks_for
+from daemons.policy.usage import InstanceState, blocks_for, state_of
 
 HIGH, NORMAL = 1, 0
 TIE_S = 1e-4  # dispatch by SLO: what each request on an instance with no model yet weighs (seconds)
@@ -280,3 +280,17 @@ def retry_after(predicted_s: float, target_s: float) -> float:
     if math.isinf(predicted_s):
         return 60.0
     return min(max(predicted_s - target_s, 1.0), 60.0)
+
+
+# ------------------------------------------------------------------ what operators see
+
+REFERENCE_PROMPT_TOKENS = 512  # the prompt `llumnixctl status` and the instances' gauges predict for (fixed: comparable)
+
+
+def reference_prediction(instance_id: str, load) -> tuple[float | None, float | None]:
+    """(TTFT, TPOT) in seconds predicted for a new request of REFERENCE_PROMPT_TOKENS on an instance with this load
+    report (wire.InstanceLoad), joining its batch; None each while the instance has no step-time model yet."""
+    if not fitted(load.latency):
+        return None, None
+    state = state_of(instance_id, load)
+    return predict_ttft(state, REFERENCE_PROMPT_TOKENS), predict_tpot(state, REFERENCE_PROMPT_TOKENS, joining=1)

@@ -172,9 +172,11 @@ class Proxy:
                            "x-request-id", code="request_id_in_use")
         now = self.clock.time()
         traceparent = job.trace.traceparent if job.trace is not None else ""
+        targets = job.slo  # the instance where it finishes judges it against these (its attainment)
+        ttft_ms, tpot_ms = (targets.ttft_s * 1000.0, targets.tpot_s * 1000.0) if targets is not None else (0.0, 0.0)
         submits = [wire.Submit(rid, ids, sampling if n == 1 else msgspec.structs.replace(
             sampling, seed=derive_seed(sampling.seed, k)), self.cluster.token_address, priority, now,
-            traceparent=traceparent) for k, rid in enumerate(sub_ids)]
+            traceparent=traceparent, slo_ttft_ms=ttft_ms, slo_tpot_ms=tpot_ms) for k, rid in enumerate(sub_ids)]
         self.active.add(job.id)
         handed_over = False  # to the streaming reply, which cleans up when it ends
         try:

@@ -166,7 +166,7 @@ def promtool(*args: str, cwd: Path = MONITORING) -> subprocess.CompletedProcess:
 
 def test_alert_rules_check_and_pass_their_unit_tests(installed):
     res = promtool("check", "rules", "llumnix-alerts.yml")
-    assert res.returncode == 0 and "SUCCESS: 6 rules found" in res.stdout, res.stdout + res.stderr
+    assert res.returncode == 0 and "SUCCESS: 7 rules found" in res.stdout, res.stdout + res.stderr
     res = promtool("test", "rules", "llumnix-alerts.test.yml")
     assert res.returncode == 0 and "SUCCESS" in res.stdout, res.stdout + res.stderr
 
@@ -201,7 +201,11 @@ def test_dashboard_is_complete():
                  "llumnix_instance_request_decode_time_seconds_bucket", "llumnix_instance_kv_cache_usage_perc",
                  "llumnix_instance_preemptions_total", "llumnix_proxy_prompt_tokens_total",
                  "llumnix_proxy_generation_tokens_total", "llumnix_proxy_requests_finished_total",
-                 "llumnix_migration_downtime_seconds_bucket", "llumnix_migration_bytes_total"):
+                 "llumnix_migration_downtime_seconds_bucket", "llumnix_migration_bytes_total",
+                 "llumnix_proxy_slo_requests_total", "llumnix_instance_slo_attainment",
+                 "llumnix_instance_slo_met_requests", "llumnix_instance_slo_judged_requests",
+                 "llumnix_instance_predicted_ttft_seconds", "llumnix_instance_predicted_tpot_seconds",
+                 "llumnix_proxy_ttft_actual_over_predicted_bucket", "llumnix_proxy_tpot_actual_over_predicted_bucket"):
         assert name in used, name
 
 
@@ -267,7 +271,8 @@ def prometheus(tmp_path, installed):
 
 
 def test_prometheus_scrapes_the_cluster_and_every_dashboard_query_has_data(start_cluster, prometheus, tmp_path):
-    c = start_cluster(2, ["instance.min_step_s=0.01"])
+    # With SLO targets no request here misses (a minute to the first token, 10 s per token): the SLO panels have data.
+    c = start_cluster(2, ["instance.min_step_s=0.01", "slo.ttft_ms=60000", "slo.tpot_ms=10000"])
     # The instances' targets as an operator gets them: scripts/monitoring/targets.py (file_sd).
     targets = tmp_path / "llumnix-instances.json"
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
@@ -337,6 +342,13 @@ scrape_configs:
     assert prom.value("sum(llumnix_proxy_prompt_tokens_total)") >= 6 * 8
     assert prom.value("sum(llumnix_proxy_generation_tokens_total)") >= 6 * 12 + 8 + 300
     assert prom.value("sum(llumnix_instance_generation_tokens_total)") >= 6 * 12 + 8 + 300
+    # SLO: every request met its targets, as the proxy counts them and as the instances that finished them judge.
+    assert prom.value('sum(llumnix_proxy_slo_requests_total{outcome="met"})') >= n
+    assert prom.value('sum(llumnix_proxy_slo_requests_total{outcome!="met"})') == 0
+    wait_for(lambda: prom.value("sum(llumnix_instance_slo_judged_requests)") >= n, 30,
+             "Prometheus did not see the instances' SLO judgements", every=0.5)
+    assert prom.value("sum(llumnix_instance_slo_met_requests)") == prom.value("sum(llumnix_instance_slo_judged_requests)")
+    assert prom.value("min(llumnix_instance_predicted_tpot_seconds)") > 0
     assert prom.value('sum(llumnix_migrations_total{outcome="committed"})') >= 1
     assert prom.value("sum(llumnix_migration_downtime_seconds_count)") >= 1
     assert prom.value('sum(llumnix_migration_bytes_total{direction="out"})') > 0
@@ -366,6 +378,6 @@ scrape_configs:
             assert any(math.isfinite(v) and v > 0 for v in values), f"{title}: {expr}: {values}"
     # And the alert rules load and evaluate against live data (none fires on a healthy cluster).
     rules = httpx.get(prom.url + "/api/v1/rules", timeout=10).json()["data"]["groups"]
-    assert sum(len(g["rules"]) for g in rules) == 6
+    assert sum(len(g["rules"]) for g in rules) == 7
     assert all(r["health"] == "ok" for g in rules for r in g["rules"]), rules
     assert httpx.get(prom.url + "/api/v1/alerts", timeout=10).json()["data"]["alerts"] == []

@@ -123,6 +123,37 @@ def test_overload_is_refused_at_once_with_429_and_high_priority_still_admitted(s
     assert metric(m, "llumnix_proxy_admission_rejections_total", reason="queued_requests") >= 2
 
 
+def test_with_an_slo_status_shows_attainment_and_overload_is_refused_by_predicted_ttft(start_cluster):
+    """[slo] set: the requests are judged where they finish (llumnixctl status --json shows the attainment and
+    the instance's predictions); with both batch slots held by long streams, a new request is predicted to wait
+    past its TTFT target, and is refused at once with 429 and Retry-After (reason ttft, counted as refused)."""
+    c = start_cluster(instances=1, sets=["sim.max_num_seqs=2", "instance.min_step_s=0.02", "slo.ttft_ms=400",
+                                         "slo.tpot_ms=1000"])
+    for _ in range(6):
+        r = _post(c.url)
+        assert r.status_code == 200, r.text
+
+    def judged() -> dict | None:
+        st = ctl_json("status", "--run-dir", str(c.run_dir))
+        return st if st["totals"]["slo_judged"] >= 6 else None
+
+    st = wait_for(judged, 20, "status never showed the six requests judged")
+    i0 = st["instances"][0]
+    assert (i0["slo_met"], i0["slo_judged"], i0["slo_attainment"], st["totals"]["slo_attainment"]) == (6, 6, 1.0, 1.0)
+    assert i0["predicted_ttft_s"] is not None and i0["predicted_tpot_s"] > 0  # the model it fitted from its steps
+    running = [Stream(c.url, 3000) for _ in range(2)]  # a minute: they outlast every check
+    for s in running:
+        s.wait_tokens(1)
+    r = wait_for(lambda: (lambda r: r if r.status_code == 429 else None)(_quick(c.url)), 30, "never refused with 429")
+    assert int(r.headers["retry-after"]) >= 1
+    assert r.json()["error"]["code"] == "rate_limit_exceeded"
+    m = samples(httpx.get(c.url + "/metrics").text)
+    assert metric(m, "llumnix_proxy_admission_rejections_total", reason="ttft") >= 1
+    assert metric(m, "llumnix_proxy_slo_requests_total", **{"class": "normal", "outcome": "refused"}) >= 1
+    for s in running:
+        s.stop_after = 0
+
+
 def _quick(url: str) -> httpx.Response:
     """A request whose answer, if it is admitted, is not waited for: the client leaves after 0.5 s (the proxy
     then aborts it), which is all a refusal needs (it comes at once)."""

@@ -60,3 +60,24 @@ def test_the_table_shows_the_decode_slowdown(monkeypatch):
     res = cli("bench", "migration", "--backend", "sim", "--lengths", "256")
     assert res.returncode == 0, res.stderr
     assert "slowdown %" in res.stdout and "+12.5" in next(x for x in res.stdout.splitlines() if "256" in x)
+
+
+def test_requests_get_room_for_their_moves_by_default(monkeypatch):
+    """--decode-tokens 0 (the default) gives each request AUTO_DECODE_TOKENS of room past its prompt (a default of
+    160 let an 8k-token request finish during its moves: "not on any instance", "finished during pre-copy")."""
+    seen = []
+    monkeypatch.setattr(bench_migration, "run", lambda *args, **kwargs: seen.append(args) or
+                        {"backend": "sim", "model": "sim", "cores": 2, "network": {"netns": False}, "results": []})
+    assert cli("bench", "migration", "--backend", "sim", "--lengths", "8192").returncode == 0
+    assert cli("bench", "migration", "--backend", "sim", "--lengths", "8192", "--decode-tokens", "500").returncode == 0
+    assert [args[3] for args in seen] == [bench_migration.AUTO_DECODE_TOKENS, 500]
+    assert bench_migration._longest([8192], bench_migration.AUTO_DECODE_TOKENS) == 8192 + 2048 + 64
+
+
+def test_a_request_without_room_for_the_moves_left_stops_with_the_decode_tokens_that_would_do():
+    # 3 moves of 6 s at 40 ms a token, 8 tokens of steady decoding after each: 2 x 150 + 1 + 8 tokens a move
+    need = bench_migration._moves_need(6000, 40.0, 3, 8)
+    assert need == 3 * (300 + 1 + 8)
+    hint = bench_migration._room_hint(8192, 120, 6000, 40.0, 4, 8)
+    assert "120 tokens left" in hint and "--decode-tokens 1536 or more" in hint  # 4 x 309 = 1236, rounded up past
+    assert bench_migration._step_ms([0.0, 0.04, 0.08, 0.5]) == 40.0  # the median gap: one slow gap does not count

@@ -334,3 +334,25 @@ def test_peer_sockets_and_kv_pairs_unused_for_long_are_closed_on_both_sides():
         assert ids(await c.result(later, within_s=600)) == c.expected(later, 1000)
 
     VirtualCluster.run(scenario, sets=PACED)
+
+
+def test_a_request_in_a_prefill_longer_than_the_deadlines_is_listed_and_moved_by_its_id():
+    """A step longer than the manager's deadlines (a CPU prefill of thousands of tokens; a tensor-parallel step
+    on a contended host): the listing and the lookup before ``migrate REQ`` are answered from the llumlet's
+    request table at once, not at the step's end (which came after them: "not listed", "not on any instance")."""
+    async def scenario(c: VirtualCluster):
+        s = await c.request(max_tokens=50, prompt_tokens=64)
+        await c.until(lambda: c.holders(s.request_id) == ["i0"], 5, "the request was not taken in")
+        start = c.loop.time()
+        listing = await c.manager.queries.on_requests(wire.RequestsQuery(0))
+        assert c.loop.time() - start < 0.05  # no waiting for the 20 s step
+        assert listing.unreachable == [], listing
+        assert [(q.request_id, q.instance_id, q.state, q.prompt_tokens) for q in listing.requests] == [
+            (s.request_id, "i0", "waiting", 64)]
+        assert s.next_index == 0  # still in its prefill
+        reply = await c.migrate(s.request_id, "i1")  # its lookup is answered at once; the move waits for the step
+        assert [o.outcome for o in reply.outcomes] == ["committed"], reply
+        assert c.holders(s.request_id) == ["i1"]
+        assert ids(await c.result(s)) == c.expected(s, 50)
+
+    VirtualCluster.run(scenario, sets=PACED + ["sim.prefill_ms=20000"])

@@ -39,7 +39,7 @@ class FakeInstance:
         self.submitted: list[wire.Submit] = []
         cluster.submit = self.submit
 
-    async def submit(self, sub: wire.Submit, tenant: str = "", weight: float = 1.0) -> Stream:
+    async def submit(self, sub: wire.Submit, tenant: str = "", weight: float = 1.0, give_up_s: float = 0.0) -> Stream:
         stream = Stream(sub.request_id, sub)
         self.cluster.streams[sub.request_id] = stream
         self.submitted.append(sub)

@@ -61,6 +61,7 @@ from llumnixctl.lab import localcluster
 from llumnixctl.lab.procs import stop
 
 DEFAULT_LENGTHS = "256,512,1024,2048,4096,8192"
+AUTO_DECODE_TOKENS = 2048  # --decode-tokens 0: the room each request has past its prompt (the context holds it)
 LAB_ENV = "LLUMNIX_BENCH_NETNS"  # set for the run inside the control namespace: the lab, as JSON
 KV_BYTES_PER_TOKEN = 64 * 1024  # the kv-heavy model: 32 layers x 8 KV heads x 64 x 2 (K, V) x 2 bytes
 
@@ -142,6 +143,18 @@ def _recompute_ms(request_address: str, prompt: list[int], timeout_s: float, rep
     finally:
         dealer.close(0)
         pull.close(0)
+
+
+def _moves_need(move_ms: float, step_ms: float, moves: int, gap_tokens: int) -> int:
+    """Tokens a request must still have for ``moves`` more moves that take ``move_ms`` each (twice that: a
+    loaded machine's speed varies) at ``step_ms`` a token, with ``gap_tokens`` of steady decoding after each."""
+    return moves * (int(2 * move_ms / max(step_ms, 0.1)) + 1 + gap_tokens)
+
+
+def _step_ms(times: list[float]) -> float:
+    """The median gap between a stream's tokens so far (its decode step time), in ms."""
+    gaps = [(b - a) * 1e3 for a, b in zip(times, times[1:])]
+    return statistics.median(gaps) if gaps else 1.0
 
 
 def _longest(lengths: list[int], decode_tokens: int) -> int:
@@ -242,18 +255,32 @@ def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int
             log(f"{n} tokens ...")
             prompt = [rng.randrange(10, 1000) for _ in range(n)]
             # (1) live migrations with pre-copy, back and forth, and the decode step time around them. The
-            # request may run to the context's end: it is ended after its last move (a pre-copy that outlasts
-            # the tokens left on a loaded machine would otherwise find it finished and abort).
-            s = _Tokens(state.url, model_name, prompt, max(decode_tokens, _longest(lengths, decode_tokens) - n - 64))
+            # request may run to the context's end: it is ended after its last move. Before each move it must
+            # have the tokens the moves left need (a pre-copy that outlasts them would find it finished), from
+            # what the moves so far took: else the benchmark stops with the --decode-tokens that would do.
+            room = max(decode_tokens, _longest(lengths, decode_tokens) - n - 64)
+            s = _Tokens(state.url, model_name, prompt, room)
             s.wait(8, timeout=900)
             here = _where(admin, s.rid)
             outs, windows = [], []
-            for _ in range(repeat):
+            for k in range(repeat):
                 there = _other(here, addresses)
+                step_ms = _step_ms(s.times)
+                if outs:
+                    need = _moves_need(max(o.total_ms for o in outs), step_ms, repeat - k, gap_tokens)
+                    if room - len(s.ids) < need:
+                        raise RuntimeError(_room_hint(n, room - len(s.ids), max(o.total_ms for o in outs), step_ms,
+                                                      repeat, gap_tokens))
                 t0 = time.perf_counter()
-                out = admin.migrate(there, request_id=s.rid).outcomes[0]
+                try:
+                    out = admin.migrate(there, request_id=s.rid).outcomes[0]
+                except RuntimeError as exc:  # the manager's answer: not found (it finished), or busy
+                    out = wire.MigrationOutcome(s.rid, here, there, "aborted", str(exc))
                 if out.outcome != "committed":
-                    raise RuntimeError(f"the {n}-token migration aborted: {out.reason}")
+                    ended = len(s.ids) >= room or not s.is_alive()
+                    hint = "" if not ended else " (it ended: " + _room_hint(
+                        n, 0, (time.perf_counter() - t0) * 1e3, step_ms, repeat, gap_tokens) + ")"
+                    raise RuntimeError(f"the {n}-token migration aborted: {out.reason}{hint}")
                 outs.append(out)
                 windows.append((t0, t0 + (out.total_ms - out.downtime_ms) / 1e3, t0 + out.total_ms / 1e3))
                 s.wait(min(len(s.ids) + gap_tokens, s.max_tokens), timeout=300)  # steady decoding in between
@@ -269,7 +296,7 @@ def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int
             recompute = _recompute_ms(addresses[here], prompt + s.ids[:outs[0].resumed_at], timeout_s=900,
                                       reply_host=manager_host)
             # (3) blocking stop-and-copy of a request of the same length
-            b = _Tokens(state.url, model_name, prompt, decode_tokens)
+            b = _Tokens(state.url, model_name, prompt, room)  # ended once it moved
             b.wait(8, timeout=900)
             blocking = admin.migrate(_other(_where(admin, b.rid), addresses), request_id=b.rid, blocking=True).outcomes[0]
             b.end()
@@ -309,6 +336,12 @@ def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int
     return result
 
 
+def _room_hint(n: int, left: int, move_ms: float, step_ms: float, repeat: int, gap_tokens: int) -> str:
+    need = _moves_need(move_ms, step_ms, repeat, gap_tokens)
+    return (f"the {n}-token request has {left} tokens left; {repeat} moves of {move_ms:.0f} ms at {step_ms:.1f} ms a "
+            f"token need about {need}: run with --decode-tokens {-(-need // 256) * 256 + 256} or more, or fewer --repeat")
+
+
 def _where(admin: AdminClient, request_id: str) -> str:
     for _ in range(100):
         found = [r.instance_id for r in admin.requests().requests if r.request_id == request_id]
@@ -334,7 +367,7 @@ def command(
     backend: Annotated[str, typer.Option(metavar="vllm|sim", help="vllm (a generated KV-heavy model, or --model) or sim (same KV shape); another value gives status 2")] = "vllm",
     lengths: Annotated[str, typer.Option(metavar="N,N...", help="comma-separated prompt lengths, in tokens; anything but positive integers gives status 2")] = DEFAULT_LENGTHS,
     model: Annotated[Path | None, typer.Option(metavar="DIR", help="vllm: checkpoint directory (default: generate the kv-heavy model)")] = None,
-    decode_tokens: Annotated[int, typer.Option(help="max_tokens of each benchmark request (raised to 8 + 24 per repetition if less)")] = 160,
+    decode_tokens: Annotated[int, typer.Option(help=f"room past the prompt for each benchmark request's output (raised to 8 + 24 per repetition if less); 0: {AUTO_DECODE_TOKENS}. Requests are ended once measured; before each move the benchmark checks, from what the moves so far took, that the request cannot finish during the moves left, else it stops with the value that would do", min=0)] = 0,
     repeat: Annotated[int, typer.Option(help="live migrations per length (back and forth)", min=1)] = 4,
     json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
     netns: Annotated[bool, typer.Option("--netns", help="each instance on its own network namespace (\"host\"); manager, proxy and client on a control one (root)")] = False,
@@ -366,6 +399,7 @@ def command(
         err.print("llumnixctl: --rate and --delay-ms shape the links between namespaces: add --netns", markup=False)
         raise typer.Exit(2)
     extra = list(set_ or [])
+    decode_tokens = max(decode_tokens or AUTO_DECODE_TOKENS, 8 + repeat * 24)
     try:  # a bad setting fails here, not in a daemon's log
         load_config(None, _settings(backend, model, sizes, decode_tokens, shared_prefix > 0) + extra,
                     {"instance.backend": backend})
@@ -381,7 +415,7 @@ def command(
         raise typer.Exit(_in_lab(argv, rate, delay_ms, err))
     try:
         result = run(backend, model.resolve() if model else None, sizes,
-                     max(decode_tokens, 8 + repeat * 24), lambda m: err.print(m, markup=False), repeat=repeat, lab=lab,
+                     decode_tokens, lambda m: err.print(m, markup=False), repeat=repeat, lab=lab,
                      extra=extra, shared_prefix=shared_prefix)
     except RuntimeError as exc:
         err.print(f"llumnixctl: {exc}", markup=False)

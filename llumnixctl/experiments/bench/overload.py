@@ -1,11 +1,18 @@
-"""``llumnixctl bench overload``: admission control at several times the cluster's capacity (sim engine).
+"""``llumnixctl bench overload``: admission control at several times the cluster's capacity (sim engine, or
+vllm with --backend vllm).
 
-A local sim cluster is measured three ways: its capacity (a closed loop that keeps every batch slot busy;
+A local cluster is measured three ways: its capacity (a closed loop that keeps every batch slot busy;
 completed requests per second), its unloaded time to first token (requests one at a time), then an open loop of
 Poisson arrivals at ``--factor`` times that capacity for ``--seconds``, a share of them high priority. Printed:
-how many were admitted, refused (429) or answered 503, how fast a refusal came (P50, P99, max) and with which
-Retry-After, the admitted requests' TTFT against the unloaded figure, requests that ended in any other error
+how many were admitted, refused (429) or answered 503, how fast a refusal at admission came (P50, P99, max; a
+request that was admitted and then gave up queueing past slo.give_up_factor x its TTFT target is counted
+apart, as gave_up_429) and with which Retry-After, the admitted requests' TTFT against the unloaded figure, requests that ended in any other error
 (a timeout: nothing should wait to one), and high-priority refusals beside normal admissions.
+
+With --slo-ttft-ms/--slo-tpot-ms the cluster serves to those targets ([slo]: admission by predicted TTFT) and the
+figures add goodput and attainment per class (llumnixctl/experiments/bench/goodput.py) and the moments a
+high-priority request was refused while a normal one was admitted; --no-slo-enforce measures against the same
+targets with [slo] left off (the comparison).
 """
 
 from __future__ import annotations
@@ -25,15 +32,17 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from llumnixctl.experiments.bench.goodput import gave_up, high_refused_while_normal_admitted, slo_figures
 from llumnixctl.experiments.bench.serve import stream_completion
 from llumnixctl.lab import localcluster
 from llumnixctl.stats import percentile
 
 MODEL = "llumnix-sim"
+VOCAB = 30000  # prompt token ids stay under this (--backend vllm: the tiny model's vocabulary)
 
 
 def _body(prompt: int, output: int, high: bool, k: int) -> dict:
-    body = {"model": MODEL, "prompt": [(k * 31 + i) % 30000 + 3 for i in range(prompt)], "max_tokens": output,
+    body = {"model": MODEL, "prompt": [(k * 31 + i) % VOCAB + 3 for i in range(prompt)], "max_tokens": output,
             "ignore_eos": True, "stream": True}
     if high:
         body["priority"] = "high"
@@ -92,17 +101,29 @@ async def _overload(url: str, rate: float, seconds: float, prompt: int, output: 
         return list(await asyncio.gather(*(one(k, at, high) for k, (at, high) in enumerate(arrivals))))
 
 
+def _vocab(path: Path) -> int:
+    """The token ids a checkpoint takes: its config's vocabulary, or its tokenizer's where that knows fewer (the
+    proxy refuses an id the tokenizer does not know)."""
+    vocab = int(json.loads((path / "config.json").read_text()).get("vocab_size", 32000))
+    tokenizer = path / "tokenizer.json"
+    if tokenizer.exists():
+        vocab = min(vocab, len(json.loads(tokenizer.read_text())["model"]["vocab"]))
+    return vocab
+
+
 def _ms(xs: list[float], q: float) -> float | None:
     return percentile(xs, q) * 1000 if xs else None
 
 
-def analyse(results: list[dict], unloaded: list[float], capacity: float, rate: float) -> dict:
+def analyse(results: list[dict], unloaded: list[float], capacity: float, rate: float, seconds: float = 0.0,
+            ttft_s: float = 0.0, tpot_s: float = 0.0) -> dict:
     ok = [r for r in results if r["error"] is None]
     refused = [r for r in results if r.get("status") == 429]
     unavailable = [r for r in results if r.get("status") == 503]
     other = [r for r in results if r["error"] is not None and r.get("status") not in (429, 503)]
     ttft = [r["times"][0] for r in ok]
-    refusal = [r["answered_s"] for r in refused + unavailable]
+    given_up = [r for r in refused if gave_up(r)]  # admitted, then 429 after queueing past slo.give_up_factor
+    refusal = [r["answered_s"] for r in refused + unavailable if not gave_up(r)]  # decided at admission
     unloaded_p99 = _ms(unloaded, 99)
     admitted_p99 = _ms(ttft, 99)
     return {
@@ -116,6 +137,9 @@ def analyse(results: list[dict], unloaded: list[float], capacity: float, rate: f
         "ttft_p99_ratio": admitted_p99 / unloaded_p99 if admitted_p99 and unloaded_p99 else None,
         "high_refused": sum(1 for r in refused + unavailable if r["high"]),
         "high_admitted": sum(1 for r in ok if r["high"]), "normal_admitted": sum(1 for r in ok if not r["high"]),
+        "high_refused_while_normal_admitted": high_refused_while_normal_admitted(results),
+        "gave_up_429": len(given_up), "gave_up_p50_ms": _ms([r["answered_s"] for r in given_up], 50),
+        "slo": slo_figures(results, ttft_s, tpot_s, seconds) if (ttft_s or tpot_s) else None,
     }
 
 
@@ -128,17 +152,34 @@ def command(
     output: Annotated[int, typer.Option(help="output tokens of every request", min=1)] = 200,
     high_fraction: Annotated[float, typer.Option(help="share of high-priority requests", min=0.0, max=1.0)] = 0.1,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="a setting of the cluster: section.key=value")] = None,
+    slo_ttft_ms: Annotated[float, typer.Option(help="TTFT target, ms: sets slo.ttft_ms on the cluster (admission by predicted TTFT) and reports goodput and attainment per class against it (0: none)", min=0.0)] = 0.0,
+    slo_tpot_ms: Annotated[float, typer.Option(help="TPOT target, ms: sets slo.tpot_ms and counts in goodput (0: none)", min=0.0)] = 0.0,
+    slo_enforce: Annotated[bool, typer.Option(help="--no-slo-enforce: measure goodput against --slo-ttft-ms/--slo-tpot-ms with [slo] left off on the cluster (the comparison)")] = True,
+    backend: Annotated[str, typer.Option(metavar="sim|vllm", help="engine of the instances (vllm: a tiny random-weight model unless --model)")] = "sim",
+    model: Annotated[Optional[Path], typer.Option(metavar="DIR", help="--backend vllm: the checkpoint (default: a tiny random-weight model)")] = None,
     seed: Annotated[int, typer.Option(help="arrivals seed")] = 0,
     save: Annotated[Optional[Path], typer.Option(metavar="FILE", help="write the JSON here")] = None,
     json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
-    """Admission control at --factor times the cluster's capacity: refusals, their speed, admitted TTFT."""
+    """Admission control at --factor times the cluster's capacity: refusals, their speed, admitted TTFT; with
+    --slo-ttft-ms, goodput and attainment per class."""
+    global MODEL, VOCAB
     err = Console(stderr=True)
+    if backend not in ("sim", "vllm"):
+        raise typer.BadParameter("sim or vllm", param_hint="--backend")
     run_dir = Path(tempfile.mkdtemp(prefix="llumnix-overload-"))
-    sets = [f"sim.max_num_seqs={batch}", "instance.log_level=warning", "proxy.log_level=warning",
+    sets = [f"{backend}.max_num_seqs={batch}", "instance.log_level=warning", "proxy.log_level=warning",
             "proxy.access_log=false", *(set_ or [])]
+    if slo_enforce:
+        sets += [f"slo.ttft_ms={slo_ttft_ms:g}"] * bool(slo_ttft_ms) + [f"slo.tpot_ms={slo_tpot_ms:g}"] * bool(slo_tpot_ms)
+    if backend == "vllm":
+        from llumnixctl.lab.model import write_tiny_model
+
+        path = (model or write_tiny_model(run_dir / "tiny")).resolve()
+        MODEL, VOCAB = path.name, _vocab(path) - 8
+        sets += [f"model.path={path}", f"model.name={MODEL}"]
     timeout = 600.0
-    state = localcluster.up(run_dir, instances, "sim", 0, None, sets, timeout_s=60)
+    state = localcluster.up(run_dir, instances, backend, 0, None, sets, timeout_s=60 if backend == "sim" else 300)
     try:
         err.print("capacity ...")
         capacity = asyncio.run(_capacity(state.url, instances * batch, 15.0, prompt, output, timeout))
@@ -151,19 +192,31 @@ def command(
         localcluster.stop(state)
         shutil.rmtree(run_dir, ignore_errors=True)
     res = {"instances": instances, "batch": batch, "factor": factor, "seconds": seconds, "prompt": prompt,
-           "output": output, "high_fraction": high_fraction, "sets": set_ or [],
-           **analyse(results, unloaded, capacity, rate)}
+           "output": output, "high_fraction": high_fraction, "sets": set_ or [], "backend": backend,
+           "slo_enforced": bool(slo_enforce and (slo_ttft_ms or slo_tpot_ms)),
+           **analyse(results, unloaded, capacity, rate, seconds, slo_ttft_ms / 1000, slo_tpot_ms / 1000)}
     if save is not None:
         save.write_text(json.dumps(res, indent=2) + "\n")
     if json_:
         sys.stdout.write(json.dumps(res, indent=2) + "\n")
         return
     table = Table(title=f"{factor:g}x capacity ({res['capacity_rps']:.2f} requests/s) for {seconds:g}s, "
-                        f"{instances} sim instances of batch {batch}")
+                        f"{instances} {backend} instances of batch {batch}")
     table.add_column("measure")
     table.add_column("value", justify="right")
     for key, value in res.items():
-        if key in ("sets",) or isinstance(value, (list, dict)) and not value:
+        if key in ("sets", "slo") or isinstance(value, (list, dict)) and not value:
             continue
         table.add_row(key, f"{value:.2f}" if isinstance(value, float) else str(value))
+    if res["slo"] is not None:
+        slo = res["slo"]
+        table.add_section()
+        table.add_row(f"SLO (TTFT {slo['slo_ttft_ms']:g} ms, TPOT {slo['slo_tpot_ms']:g} ms; "
+                      f"{'enforced' if res['slo_enforced'] else 'measured only'})", "")
+        table.add_row("goodput (met per s)", f"{slo['goodput_rps']:.2f}")
+        table.add_row("attainment (met / admitted)", "-" if slo["attainment"] is None else f"{slo['attainment']:.3f}")
+        for cls, c in slo["classes"].items():
+            table.add_row(f"  {cls}: met / admitted / refused", f"{c['met']} / {c['admitted']} / {c['refused']}")
+            table.add_row(f"  {cls}: attainment, goodput", ("-" if c["attainment"] is None else f"{c['attainment']:.3f}")
+                          + f", {c['goodput_rps']:.2f}/s")
     Console().print(table)

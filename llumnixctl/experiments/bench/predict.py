@@ -6,7 +6,8 @@ second, which also gives every instance its step-time model and finish rate). Th
 (times that capacity), Poisson arrivals for ``--seconds`` of requests with mixed prompt and output lengths. Every
 answer carries the prediction it was placed by (the proxy's ``x-llumnix-predicted-ttft-ms`` and ``-tpot-ms``
 headers); the client measures the actual ones (TTFT: sending to the first token; TPOT: the mean gap between the
-first token and the last). Printed per load: requests, the median and P90 of |predicted - actual| / actual.
+first token and the last). Printed per load: requests, the median and P90 of |predicted - actual| / actual, and the
+median of (predicted - actual) / actual (its bias: below 0, predictions too low).
 Admission is not by SLO here (no TTFT target is set): every request is served, so the prediction is tested at every
 queue length the load makes.
 """
@@ -86,6 +87,7 @@ def errors(results: list[dict]) -> dict:
     """Relative errors |predicted - actual| / actual of TTFT and TPOT over the answered requests that carry a
     prediction."""
     ttft, tpot, answered = [], [], 0
+    signed = {"ttft": [], "tpot": []}  # (predicted - actual) / actual: which way it errs
     for r in results:
         if r["error"] is not None or not r["times"]:
             continue
@@ -93,15 +95,18 @@ def errors(results: list[dict]) -> dict:
         times = r["times"]
         if r.get("predicted_ttft_ms"):
             actual = times[0]
-            ttft.append(abs(float(r["predicted_ttft_ms"]) / 1000 - actual) / actual)
+            signed["ttft"].append((float(r["predicted_ttft_ms"]) / 1000 - actual) / actual)
+            ttft.append(abs(signed["ttft"][-1]))
         if r.get("predicted_tpot_ms") and len(times) > 2:
             actual = (times[-1] - times[0]) / (len(times) - 1)
             if actual > 0:
-                tpot.append(abs(float(r["predicted_tpot_ms"]) / 1000 - actual) / actual)
+                signed["tpot"].append((float(r["predicted_tpot_ms"]) / 1000 - actual) / actual)
+                tpot.append(abs(signed["tpot"][-1]))
     out = {"requests": len(results), "answered": answered, "predicted": len(ttft)}
     for name, xs in (("ttft", ttft), ("tpot", tpot)):
         out[f"{name}_error_p50"] = percentile(xs, 50) if xs else None
         out[f"{name}_error_p90"] = percentile(xs, 90) if xs else None
+        out[f"{name}_bias_p50"] = percentile(signed[name], 50) if signed[name] else None  # < 0: predicted too low
     return out
 
 
@@ -162,7 +167,8 @@ def command(
         return
     table = Table(title=f"predicted vs actual, {instances} {backend} instances of batch {batch}, capacity "
                         f"{capacity:.2f} requests/s; |predicted - actual| / actual")
-    for col in ("load", "requests", "predicted", "TTFT P50", "TTFT P90", "TPOT P50", "TPOT P90"):
+    for col in ("load", "requests", "predicted", "TTFT P50", "TTFT P90", "TTFT bias", "TPOT P50", "TPOT P90",
+                "TPOT bias"):
         table.add_column(col, justify="right")
 
     def pct(x: float | None) -> str:
@@ -170,5 +176,6 @@ def command(
 
     for r in rows:
         table.add_row(f"{r['load']:g}x", str(r["requests"]), str(r["predicted"]), pct(r["ttft_error_p50"]),
-                      pct(r["ttft_error_p90"]), pct(r["tpot_error_p50"]), pct(r["tpot_error_p90"]))
+                      pct(r["ttft_error_p90"]), pct(r["ttft_bias_p50"]), pct(r["tpot_error_p50"]),
+                      pct(r["tpot_error_p90"]), pct(r["tpot_bias_p50"]))
     Console().print(table)

@@ -33,6 +33,7 @@ import typer
 from rich.console import Console
 
 from llumnixctl.experiments.traces import gen as trace_mod
+from llumnixctl.experiments.bench.goodput import slo_figures
 from llumnixctl.experiments.bench.serve_figures import metrics, plot_cdfs, result_block
 
 # A neutral text to tokenize once: prompts are its token ids, rotated per request and repeated to length.
@@ -295,6 +296,8 @@ def command(
     rate_scale: Annotated[float, typer.Option(help="arrivals this many times faster than the trace's", min=0.001)] = 1.0,
     ignore_eos: Annotated[bool, typer.Option(help="send ignore_eos so outputs are of the trace's length")] = True,
     request_timeout: Annotated[float, typer.Option(help="seconds a request may take before it counts as failed", min=1.0)] = 600.0,
+    slo_ttft_ms: Annotated[float, typer.Option(help="TTFT target, ms: report goodput (requests per second that met every target) and attainment (met / completed) against it (0: none)", min=0.0)] = 0.0,
+    slo_tpot_ms: Annotated[float, typer.Option(help="TPOT target, ms, for goodput and attainment (0: none)", min=0.0)] = 0.0,
     run_dir: Annotated[Optional[Path], typer.Option("--run-dir", help="our local cluster: report its preemptions and migrations")] = None,
     manager: Annotated[Optional[str], typer.Option("--manager", help="our cluster's manager: report its preemptions and migrations")] = None,
     save: Annotated[Optional[Path], typer.Option(metavar="FILE", help="write the result JSON to this file")] = None,
@@ -313,7 +316,8 @@ def command(
     output_lens, ttfts, itls, latencies, start_times, generated_texts,
     errors; plus ours: prompt_token_mismatches, short_outputs,
     expected_input_lens, expected_output_lens, and with --run-dir or
-    --manager preemptions and migrations {committed, aborted} during the run.
+    --manager preemptions and migrations {committed, aborted} during the run;
+    with --slo-ttft-ms/--slo-tpot-ms, slo {goodput_rps, attainment, classes}.
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -374,6 +378,8 @@ def command(
            "request_rate": rate * rate_scale if trace is None else None, "rate_scale": rate_scale,
            "max_concurrency": max_concurrency, "trace": str(trace) if trace else None,
            **metrics(reqs, results, duration)}
+    if slo_ttft_ms or slo_tpot_ms:  # the targets are the client's: set [slo] on the cluster for it to serve to them
+        res["slo"] = slo_figures(results, slo_ttft_ms / 1000, slo_tpot_ms / 1000, duration)
     if admin is not None:
         after = None
         deadline = time.monotonic() + 5.0  # the instances' last load reports reach the manager

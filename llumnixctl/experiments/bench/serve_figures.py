@@ -110,6 +110,14 @@ def result_block(res: dict) -> str:
                     row(f"{label} P99, max (ms, <=):", f"{worst:g}, {top:g}")
         row("Prompt token mismatches:", res["prompt_token_mismatches"])
         row("Outputs not of the trace's length:", res["short_outputs"])
+    slo = res.get("slo")
+    if slo is not None:
+        lines.append("{s:{c}^{n}}".format(s=f"SLO (TTFT {slo['slo_ttft_ms']:g} ms, TPOT {slo['slo_tpot_ms']:g} ms)",
+                                          n=50, c="-"))
+        rowf("Goodput (met requests/s):", slo["goodput_rps"])
+        for cls, c in slo["classes"].items():
+            row(f"Attainment, {cls} (met/completed):", "-" if c["attainment"] is None
+                else f"{c['attainment']:.3f} ({c['met']}/{c['admitted']})")
     lines.append("=" * 50)
     return "\n".join(lines)
 

@@ -139,7 +139,8 @@ def stats_of(name: str, xs: list[float]) -> dict:
 def result_block(res: dict) -> str:
     from llumnixctl.experiments.bench import serve_figures as bench_serve_figures
 
-    block = bench_serve_figures.result_block({**res, "prompt_token_mismatches": 0, "short_outputs": 0,
+    rest = {k: v for k, v in res.items() if k != "slo"}  # (bench serve's "slo" has another shape; ours follows)
+    block = bench_serve_figures.result_block({**rest, "prompt_token_mismatches": 0, "short_outputs": 0,
                                       "migrations": {"committed": sum(v for k, v in res["migrations"].items()
                                                                       if k.endswith("/committed")),
                                                      "aborted": sum(v for k, v in res["migrations"].items()
