@@ -22,6 +22,13 @@ d = json.load(open(sys.argv[1]))
 for k in ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "mean_e2el_ms", "p99_e2el_ms"):
     print(f"{k:14} real {d['real'][k]:9.1f}  simulated {d['simulated'][k]:9.1f}  ({d['relative_difference'][k]:+.1%})")
 print("agree:", d["agree"], "-", d["bar"])
+f = d.get("fits")
+if f:
+    pct = lambda v: "-" if v is None else f"{v:.1%}"
+    print(f"step-time fits vs the model the sim runs ({f['simulated']['model']}), median relative error: "
+          f"simulated {pct(f['simulated']['median_relative_error'])}, real {pct(f['real']['median_relative_error'])}"
+          f" (the real instances' include this machine's per-step cost)")
+    print("fits agree:", f["simulated"]["agree"], "-", f["bar"])
 PY
 echo "wrote $out/sim2real.json"
 exit "$status"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from itertools import chain
 
-from daemons.policy.slo import slo_score
+from daemons.policy.slo import pooled, slo_score
 from daemons.policy.usage import InstanceState, blocks_for, instance_freeness, real_freeness
 
 DISPATCH_POLICIES = ("llumnix", "llumnix-cache", "infaas++", "rr", "flood", "slo")
@@ -34,6 +34,8 @@ def dispatch(policy: str, states: list[InstanceState], turn: int, headroom: floa
     gather where normal load is light instead of each one spreading headroom over another instance.
     """
     eligible = sorted((s for s in states if s.dispatchable), key=lambda s: s.instance_id)
+    if policy == "slo":  # each instance's model completed by the cluster's (slo.pooled)
+        eligible = pooled(eligible)
     score = scorer(policy, headroom, priority, tpot_target_s)
     ids, scores = [s.instance_id for s in eligible], [score(s) for s in eligible] if score else []
     if policy == "slo" and hits:
@@ -156,6 +158,8 @@ def dispatch_batch(policy: str, states: list[InstanceState], requests: list[tupl
         for k, i in enumerate(order):
             chosen[i] = eligible[(turn + k) % len(eligible) if policy == "rr" else 0].instance_id
         return chosen
+    if policy == "slo":  # each instance's model completed by the cluster's (slo.pooled)
+        eligible = pooled(eligible)
     ids = [s.instance_id for s in eligible]
 
     def score_fn(h: float):

@@ -80,6 +80,11 @@ class Admission:
             if verdict.reason == "higher_class":
                 message = (f"the cluster is overloaded: high-priority requests are refused now, and normal ones "
                            f"hold their share (slo.normal_share) or more")
+            elif verdict.reason == "tpot":
+                tpot_ms = targets[1 if priority > 0 else 0].tpot_s * 1000
+                message = (f"the cluster is overloaded: every instance predicted to give this {cls} request its first "
+                           f"token in time would run past its time-per-output-token target with it ({tpot_ms:g} ms; "
+                           f"[slo] tpot_ms, admit_at)")
             else:
                 target_ms = targets[1 if priority > 0 else 0].ttft_s * 1000
                 message = (f"the cluster is overloaded: no instance is predicted to give this {cls} request its first "

@@ -10,7 +10,6 @@ from typing import Callable, Protocol
 import msgspec
 
 from daemons import policy, prefix, wire
-from daemons.policy import slo
 from daemons.clock import Clock
 from daemons.links import UP
 from daemons.proxy.admission import Placing
@@ -205,9 +204,7 @@ class Dispatcher:
 
     def _predict(self, instance_id: str, load: wire.InstanceLoad, tokens: int, priority: int) -> tuple[float, float]:
         """(TTFT, TPOT) predicted for a request of ``tokens`` placed on ``instance_id`` now (daemons/policy/slo.py)."""
-        pending_requests, pending_blocks = self.view.pending(instance_id, self.clock.monotonic())
-        s = policy.state_of(instance_id, load, pending_requests=pending_requests, pending_blocks=pending_blocks)
-        return slo.predict_ttft(s, tokens, priority > 0), slo.predict_tpot(s, tokens)
+        return self.view.predict(instance_id, load, tokens, priority)
 
     async def dispatch(self, stream: Stream) -> None:
         """Place the request (again) under a new epoch; a placement after tokens were streamed continues

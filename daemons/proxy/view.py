@@ -17,6 +17,7 @@ from collections import deque
 from typing import Callable
 
 from daemons import policy, wire
+from daemons.policy import slo
 
 REFRESH_S = 0.5
 
@@ -104,6 +105,13 @@ class DispatchView:
     def pending_ids(self) -> list[str]:
         """The instances that may have dispatches of ours pending (see ``pending``)."""
         return list(self.mine)
+
+    def predict(self, instance_id: str, load: wire.InstanceLoad, tokens: int, priority: int) -> tuple[float, float]:
+        """(TTFT, TPOT) predicted for a request of ``tokens`` placed on ``instance_id`` now: its load plus our own
+        dispatches it does not show yet (daemons/policy/slo.py). The proxy's (dispatch.py) and the simulator's."""
+        pending_requests, pending_blocks = self.pending(instance_id, self.now())
+        s = policy.state_of(instance_id, load, pending_requests=pending_requests, pending_blocks=pending_blocks)
+        return slo.predict_ttft(s, tokens, priority > 0), slo.predict_tpot(s, tokens)
 
     # ------------------------------------------------------------------ the dispatch
 

@@ -40,6 +40,8 @@ class SimulatedRequest:
     moved_at: float = -1.0  # when a migration last committed it on its destination
     ids: list | None = None  # the prompt's token ids (with sim.prefix_caching)
     keys: list | None = None  # their block keys
+    slo: str = ""  # admission by SLO: "admitted", "refused", "gave_up" (no token give_up_factor x its target on)
+    predicted: tuple | None = None  # (TTFT, TPOT) the proxy predicted at its first dispatch (SLO models known)
 
 
 @dataclass

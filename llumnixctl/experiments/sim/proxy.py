@@ -9,32 +9,45 @@ it asks the manager, as the proxy does.
 What it knows of the instances is the proxy's own ``KnownInstances`` (daemons/proxy/known.py): which take
 requests, with which load, judged as the proxy judges them (with no connections to watch, by silence).
 
+With an SLO ([slo] TTFT targets) it admits each new request as the proxy does, with the proxy's own
+``Admission`` (daemons/proxy/admission.py: ``daemons.policy.slo.admit`` over the heartbeats' loads plus our
+dispatches they do not show yet), whatever proxy.dispatch is; and at each request's first dispatch it takes the
+proxy's prediction of its TTFT and TPOT there (``DispatchView.predict``), for the prediction error.
+
 Not modelled: the proxy's own prefix index (``llumnix-cache`` asks the manager for every request here),
 several proxies, connections (simulated instances do not fail).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 from daemons import policy, wire
 from daemons.clock import Clock
 from daemons.config import Config
+from daemons.policy import slo
+from daemons.proxy.admission import Admission, Placing
 from daemons.proxy.known import KnownInstances
+from daemons.proxy.stream import Overloaded
 from daemons.proxy.view import DispatchView
 
 
 class SimProxy:
-    """Owns its view of the cluster: what it knows of the instances (the proxy's ``KnownInstances``) and the
-    dispatch view."""
+    """Owns its view of the cluster: what it knows of the instances (the proxy's ``KnownInstances``), the
+    dispatch view and the admission (the proxy's own; nothing waits to be placed here)."""
 
     def __init__(self, cfg: Config, clock: Clock) -> None:
         self.clock = clock
         self.headroom = cfg.scheduling.high_priority_headroom
         self.interval_s = cfg.proxy.snapshot_interval_s
-        self.view = DispatchView(cfg.manager.pending_dispatch_ttl_s, self.headroom, clock.monotonic)
+        self.local = cfg.proxy.dispatch == "local"  # it chooses instances itself (else the manager does)
+        self.view = DispatchView(cfg.manager.pending_dispatch_ttl_s, self.headroom, clock.monotonic,
+                                 {c: t.tpot_s for c, t in slo.class_targets(cfg.slo).items()})  # as the proxy's
         self.known = KnownInstances(clock, cfg.proxy.instance_timeout_s, self.interval_s, lambda address: "unknown")
         self.known.dispatch_policy = cfg.manager.dispatch_policy
+        self.admission = Admission(cfg.admission, clock, self.known, self.view, Placing(), lambda tenant: False,
+                                   cfg.slo)
         self.turn = 0
 
     def start(self, snapshot: Callable[[], wire.Snapshot], rtt_s: float, at: Callable, going: Callable[[], bool]) -> None:
@@ -50,8 +63,22 @@ class SimProxy:
         at(self.clock.monotonic(), poll)
 
     def ready(self) -> bool:
-        """It has a snapshot, and its policy is one it applies itself."""
-        return bool(self.known.snapshot) and self.known.dispatch_policy != "llumnix-cache"
+        """It chooses instances itself (proxy.dispatch = local), has a snapshot, and its policy is one it applies
+        itself."""
+        return self.local and bool(self.known.snapshot) and self.known.dispatch_policy != "llumnix-cache"
+
+    @property
+    def by_slo(self) -> bool:
+        """Admission by SLO is on (a TTFT target)."""
+        return self.admission.by_slo
+
+    def admit(self, priority: int, prompt_tokens: int) -> slo.Verdict | None:
+        """The proxy's admission of a new request (by SLO): its verdict, refused or not (None: nothing to
+        predict from yet, admitted)."""
+        try:
+            return self.admission.admit(priority, "", prompt_tokens)
+        except Overloaded as exc:
+            return slo.Verdict(False, math.inf, exc.retry_after_s, exc.reason)
 
     # ------------------------------------------------------------------ inputs
 
@@ -72,7 +99,15 @@ class SimProxy:
             return self.view.choose(self.known.alive, policy_name, priority, self.turn, start)
         now = self.clock.monotonic()
         states = [self.view.state_of(v, v.load, now) for v in self.known.alive() if v.instance_id not in exclude]
-        return policy.dispatch(policy_name, states, self.turn, self.headroom, priority, start=start)
+        return policy.dispatch(policy_name, states, self.turn, self.headroom, priority, start=start,
+                               tpot_target_s=self.view.tpot_targets.get(1 if priority > 0 else 0, 0.0))
+
+    def predict(self, instance_id: str, tokens: int, priority: int) -> tuple[float, float] | None:
+        """(TTFT, TPOT) the proxy predicts for a request placed on ``instance_id`` now (None: no model yet)."""
+        beat = self.known.beats.get(instance_id)
+        if beat is None or beat.load is None or beat.load.latency is None:
+            return None
+        return self.view.predict(instance_id, beat.load, tokens, priority)
 
     def sent(self, instance_id: str, tokens: int) -> None:
         """A request of ``tokens`` went to ``instance_id``: its load until a heartbeat shows it."""

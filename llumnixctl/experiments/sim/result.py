@@ -45,7 +45,80 @@ def result_of(sim, wall_s: float) -> dict:
         "leaked_blocks": sum(ld.blocks_used for ld in loads),
         **sim.cache.figures(),
     })
+    out["slo"] = slo_of(sim, duration)
     return out
+
+
+def slo_of(sim, duration: float) -> dict:
+    """Serving to an SLO, per priority class (normal, high) and in all: requests admitted, refused, given up;
+    of those that finished, met (both targets), missed_ttft, missed_tpot, missed_both (each request in one,
+    as the proxy's goodput counter: daemons/proxy/goodput.py); attainment (met / admitted: a request that
+    gave up or failed missed), goodput (met per second of the run), P99 TTFT and TPOT of the admitted
+    requests that finished; and the prediction error: the median of |predicted - actual| / actual of TTFT
+    and TPOT, predicted at each request's first dispatch. Without targets every finished request meets."""
+    targets = sim.slo.targets
+    classes = {"normal": [], "high": []}
+    for r in sim.requests.values():
+        classes["high" if r.trace.priority == "high" else "normal"].append(r)
+    out = {"targets_ms": {name: {"ttft": targets[k].ttft_s * 1e3, "tpot": targets[k].tpot_s * 1e3}
+                          for k, name in enumerate(("normal", "high"))},
+           "admission": sim.slo.by_slo, "give_up_factor": sim.slo.give_up_factor}
+    everything = []
+    for k, (name, reqs) in enumerate(classes.items()):
+        out[name] = _slo_class(reqs, targets[k], duration)
+        everything += [(r, targets[k]) for r in reqs]
+    out["all"] = _slo_class([r for r, _ in everything], None, duration, {r.rid: t for r, t in everything})
+    return out
+
+
+def _tpot(r) -> float | None:
+    return (r.last - r.first) / (r.tokens - 1) if r.tokens > 1 else None
+
+
+def _slo_class(reqs: list, targets, duration: float, per_request: dict | None = None) -> dict:
+    c = Counter()
+    ttfts, tpots, ttft_err, tpot_err = [], [], [], []
+    for r in reqs:
+        if r.slo == "refused":
+            c["refused"] += 1
+            continue
+        c["admitted"] += 1
+        if r.slo == "gave_up":
+            c["gave_up"] += 1
+            continue
+        if not r.finish:
+            c["failed"] += 1
+            continue
+        t = per_request[r.rid] if per_request is not None else targets
+        ttft, tpot = r.first - r.sent, _tpot(r)
+        ttfts.append(ttft)
+        missed_ttft = t.ttft_s > 0 and ttft > t.ttft_s
+        missed_tpot = t.tpot_s > 0 and tpot is not None and tpot > t.tpot_s
+        c["missed_both" if missed_ttft and missed_tpot else "missed_ttft" if missed_ttft
+          else "missed_tpot" if missed_tpot else "met"] += 1
+        if tpot is not None:
+            tpots.append(tpot)
+        if r.predicted is not None:
+            ttft_p, tpot_p = r.predicted
+            if ttft > 0:
+                ttft_err.append(abs(ttft_p - ttft) / ttft)
+            if tpot and tpot_p > 0:
+                tpot_err.append(abs(tpot_p - tpot) / tpot)
+    keys = ("admitted", "refused", "gave_up", "failed", "met", "missed_ttft", "missed_tpot", "missed_both")
+    out = {k: c[k] for k in keys}
+    out.update({
+        "attainment": c["met"] / c["admitted"] if c["admitted"] else None,
+        "goodput": c["met"] / duration,
+        "p99_ttft_ms": percentile(sorted(ttfts), 99) * 1e3 if ttfts else None,
+        "p99_tpot_ms": percentile(sorted(tpots), 99) * 1e3 if tpots else None,
+        "prediction_error": {"ttft": _median(ttft_err), "tpot": _median(tpot_err), "ttft_samples": len(ttft_err),
+                             "tpot_samples": len(tpot_err)},
+    })
+    return out
+
+
+def _median(xs: list[float]) -> float | None:
+    return percentile(sorted(xs), 50) if xs else None
 
 
 def stats_of(name: str, xs: list[float]) -> dict:
@@ -66,14 +139,44 @@ def stats_of(name: str, xs: list[float]) -> dict:
 def result_block(res: dict) -> str:
     from llumnixctl.experiments.bench import serve_figures as bench_serve_figures
 
-    block = bench_serve_figures.result_block({**res, "prompt_token_mismatches": 0, "short_outputs": 0,
+    rest = {k: v for k, v in res.items() if k != "slo"}  # (bench serve's "slo" has another shape; ours follows)
+    block = bench_serve_figures.result_block({**rest, "prompt_token_mismatches": 0, "short_outputs": 0,
                                       "migrations": {"committed": sum(v for k, v in res["migrations"].items()
                                                                       if k.endswith("/committed")),
                                                      "aborted": sum(v for k, v in res["migrations"].items()
                                                                     if k.endswith("/aborted"))}})
     extra = [f"{'Instances:':<40} {res['instances']}", f"{'Instance-seconds:':<40} {res['instance_seconds']:.1f}",
              f"{'Simulated in (s, wall):':<40} {res['wall_s']:.2f}"]
+    if "slo" in res:
+        extra += slo_lines(res["slo"])
     return block.rstrip("=").rstrip() + "\n" + "\n".join(extra) + "\n" + "=" * 50
+
+
+def slo_lines(s: dict) -> list[str]:
+    """The SLO section of the text result: targets, then per class that has requests."""
+
+    def num(v, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    t = s["targets_ms"]
+    lines = ["{s:{c}^50}".format(s=" Serving to an SLO ", c="-"),
+             f"{'Targets normal TTFT/TPOT (ms):':<40} {t['normal']['ttft']:g} / {t['normal']['tpot']:g}",
+             f"{'Targets high TTFT/TPOT (ms):':<40} {t['high']['ttft']:g} / {t['high']['tpot']:g}",
+             f"{'Admission by SLO:':<40} {'on' if s['admission'] else 'off'}"]
+    for name in ("normal", "high", "all"):
+        c = s[name]
+        if not c["admitted"] + c["refused"] or (name == "all" and not (s["high"]["admitted"] + s["high"]["refused"])):
+            continue
+        err = c["prediction_error"]
+        lines += [f"{name + ':':<40}",
+                  f"{'  Admitted / refused / gave up:':<40} {c['admitted']} / {c['refused']} / {c['gave_up']}",
+                  f"{'  Met / missed TTFT / TPOT / both:':<40} {c['met']} / {c['missed_ttft']} / {c['missed_tpot']} / "
+                  f"{c['missed_both']}",
+                  f"{'  Attainment (met / admitted):':<40} {num(c['attainment'], '.3f')}",
+                  f"{'  Goodput (met req/s):':<40} {c['goodput']:.2f}",
+                  f"{'  P99 TTFT / TPOT admitted (ms):':<40} {num(c['p99_ttft_ms'], '.1f')} / {num(c['p99_tpot_ms'], '.2f')}",
+                  f"{'  Prediction error TTFT / TPOT (median):':<40} {num(err['ttft'], '.1%')} / {num(err['tpot'], '.1%')}"]
+    return lines
 
 
 class Fragmentation:

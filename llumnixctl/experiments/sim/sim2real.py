@@ -6,6 +6,13 @@ through ``llumnixctl simulate`` with the same settings; do they agree?
 The real run replays the trace open loop against a local cluster's proxy (``bench serve``'s replay), the
 simulated one runs the daemons' scheduler and policy code in virtual time. The figures compared are
 vLLM's (TTFT, TPOT, E2E mean and P99); ``agree`` is the issue's bar: P99 TTFT within 20%, mean within 10%.
+
+The step-time models (issue #37: "the simulator's latency profiles are the same model"): every instance, real and
+simulated, fits its step times online (daemons/instance/predictor.py StepFit) and reports the fit; ``fits``
+compares each fit's step times with the model the sim engine runs (the latency profile, ``sim.profile``, or the
+linear model) over a grid of steps within the trace's range (``fit_agreement``): the median relative error per
+instance, and ``fits.simulated.agree`` when the simulated instances' median is within 10%. The real instances'
+fits also learn this machine's cost per step (the step loop's own work), so theirs read as the model plus it.
 """
 
 from __future__ import annotations
@@ -20,10 +27,11 @@ import tempfile
 from pathlib import Path
 
 from daemons.config import load_config
+from daemons.policy import slo
 from llumnixctl.admin import AdminClient
 from llumnixctl.experiments.bench import serve as bench_serve, serve_figures as bench_serve_figures
 from llumnixctl.experiments.traces import gen as trace_mod
-from llumnixctl.experiments.sim.simulate import Network, simulate
+from llumnixctl.experiments.sim.simulate import Network, Simulation
 from llumnixctl.lab import localcluster
 from llumnixctl.stats import percentile
 
@@ -49,6 +57,7 @@ def real_run(trace: list[trace_mod.TraceRequest], instances: int, sets: list[str
             snap = AdminClient(state.manager_address, timeout_s=5).status()
             res["preemptions"] = sum(v.load.preemptions for v in snap.instances)
             res["migrations_committed"] = sum(v.load.migrations_committed for v in snap.instances)
+            res["fits"] = [v.load.latency for v in snap.instances]
             res["send_lag_ms_p99"] = percentile((r["lag_s"] for r in results), 99) * 1e3
             res["calibration"] = calibrate(calibration, load_config(None, sets))
             return res
@@ -89,8 +98,12 @@ def compare(trace: list[trace_mod.TraceRequest], instances: int = 4, sets: list[
         net = net or Network(dispatch_rtt_s=cal["dispatch_s"], submit_s=cal["dispatch_s"], step_overhead_s=cal["step_s"])
     else:
         net = net or Network(dispatch_rtt_s=cal["dispatch_s"], submit_s=0.0, step_overhead_s=cal["step_s"])
-    sim = simulate(cfg, instances, trace, net)
+    simulation = Simulation(cfg, instances, trace, net)
+    sim = simulation.run()
     rel = {k: (sim[k] - real[k]) / real[k] if real[k] else None for k in KEYS}
+    prompts = [r.prompt_tokens for r in trace]
+    sim_fits = fit_agreement([i.fit.fit() for i in simulation.instances.values()], cfg, max(prompts))
+    real_fits = fit_agreement(real["fits"], cfg, max(prompts))
     agree = (rel["mean_ttft_ms"] is not None and abs(rel["mean_ttft_ms"]) <= 0.10
              and rel["p99_ttft_ms"] is not None and abs(rel["p99_ttft_ms"]) <= 0.20)
     pick = lambda d: {k: d.get(k) for k in (*KEYS, "completed", "preemptions")}  # noqa: E731
@@ -100,7 +113,51 @@ def compare(trace: list[trace_mod.TraceRequest], instances: int = 4, sets: list[
                      "send_lag_ms_p99": real["send_lag_ms_p99"], "failed": real["failed"]},
             "simulated": {**pick(sim), "migrations": sim["migrations"], "wall_s": sim["wall_s"]},
             "relative_difference": rel, "agree": agree,
-            "bar": "P99 TTFT within 20%, mean TTFT within 10% (issue #10)"}
+            "bar": "P99 TTFT within 20%, mean TTFT within 10% (issue #10)",
+            "fits": {"simulated": {**sim_fits, "agree": sim_fits["median_relative_error"] is not None
+                                   and sim_fits["median_relative_error"] <= FIT_BAR},
+                     "real": real_fits,
+                     "bar": f"the simulated instances' fits within {FIT_BAR:.0%} (median) of the model they run"}}
+
+
+FIT_BAR = 0.10
+
+
+def step_grid(max_prompt: int, max_batch: int) -> list[tuple[int, int, int]]:
+    """Steps (prefill tokens, decoding requests, their context tokens) to compare step-time models on: prefill
+    only, decode only and both, within what a trace of prompts up to ``max_prompt`` and batches up to
+    ``max_batch`` runs."""
+    prefills = sorted({0, 16, max(16, max_prompt // 4), max(16, max_prompt)})
+    batches = sorted({0, 1, max(1, max_batch // 4), max(1, max_batch)})
+    per_seq = (max(16, max_prompt // 2), max(16, max_prompt))
+    return sorted({(p, d, d * c) for p in prefills for d in batches for c in per_seq if p or d})
+
+
+def fit_agreement(fits: list, cfg, max_prompt: int) -> dict:
+    """How far each instance's step-time fit (wire.LatencyFit) is from the model the sim engine runs
+    (``daemons.engine.sim.model_time``: the latency profile, or the linear model) over ``step_grid``: the median
+    relative error per instance and over the instances (None: no fit yet)."""
+    import statistics
+
+    from daemons.engine.profile import LatencyProfile
+    from daemons.engine.sim import model_time
+
+    profile = LatencyProfile.load(cfg.sim.profile) if cfg.sim.profile else None
+    grid = step_grid(max_prompt, cfg.sim.max_num_seqs)
+    per = []
+    for fit in fits:
+        if fit is None or not fit.steps:
+            per.append(None)
+            continue
+        errors = []
+        for p, d, c in grid:
+            model_ms = model_time(cfg.sim, profile, p, d, c) * 1000.0
+            if model_ms > 0:
+                errors.append(abs(slo.step_ms(fit, p, d, c) - model_ms) / model_ms)
+        per.append(statistics.median(errors))
+    known = [e for e in per if e is not None]
+    return {"median_relative_error": statistics.median(known) if known else None, "per_instance": per,
+            "grid_steps": len(grid), "model": cfg.sim.profile or "linear (sim.*_ms settings)"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,6 +27,12 @@ re-implements a policy or a scheduler:
   instances go over ZeroMQ's in-process transport ``Network.message_s`` late, and each KV copy lasts its
   bytes at the link's bandwidth (llumnixctl/experiments/sim/migrate.py);
 
+- with an SLO ([slo] TTFT targets) the proxy admits each new request as the proxy does (its own ``Admission``,
+  sim/proxy.py: refused requests are counted, not served), and a request with no token ``slo.give_up_factor``
+  times its TTFT target after it arrived is aborted where it queues and counted as given up (as the proxy's
+  failover check does); ``--no-slo-admission`` queues everything and only measures against the targets;
+  the result's ``slo`` counts per class what met both targets and what missed which, and how far the
+  proxy's predictions at dispatch were off (sim/result.py);
 - auto-scaling is the manager's own decision (``Rescheduler.scaling_decision``) every second: a launched
   instance registers ``Network.launch_s`` later; a scaled-in one drains (its requests migrate out or are
   dispatched again, by the pairing plan's drain orders) and stops when nothing is left on it.
@@ -60,6 +66,7 @@ from llumnixctl.experiments.sim.proxy import SimProxy
 from llumnixctl.experiments.sim.reports import SimReports
 from llumnixctl.experiments.sim.result import Fragmentation, result_block, result_of, stats_of  # noqa: F401 (figs import stats_of here)
 from llumnixctl.experiments.sim.scale import SimScaling
+from llumnixctl.experiments.sim.slo import SimSlo
 from llumnixctl.experiments.traces import options as opts
 from llumnixctl.experiments.traces.gen import TraceRequest
 
@@ -77,10 +84,11 @@ EngineError = EngineRequest = SimEngine = None  # set by _engine_code()
 
 class Simulation:
     def __init__(self, cfg: Config, instances: int, trace: list[TraceRequest], net: Network | None = None,
-                 sample_s: float = 0.0, oracle: bool = False):
+                 sample_s: float = 0.0, oracle: bool = False, slo_admission: bool = True):
         """``sample_s`` > 0: every so often (virtual seconds) look for fragmentation (a queue head that the
         cluster's free blocks could hold but no single instance's can) and call the "sample" observers.
-        ``oracle``: dispatch by the engines' real caches first (sim/cache.py)."""
+        ``oracle``: dispatch by the engines' real caches first (sim/cache.py). ``slo_admission`` False: with
+        [slo] targets, admit everything and never give up (the targets only measure)."""
         _engine_code()
         self.cfg = cfg
         self.oracle = oracle
@@ -91,8 +99,11 @@ class Simulation:
         self.trace = trace
         self.loop = VirtualTimeLoop()  # the simulation's events are its timers (daemons/clock.py)
         self.clock = LoopClock(self.loop)  # the manager's clock too
-        # proxy.dispatch = local (the default): the proxy's own dispatch view chooses (sim/proxy.py).
-        self.proxy = SimProxy(cfg, self.clock) if cfg.proxy.dispatch == "local" else None
+        # proxy.dispatch = local (the default): the proxy's own dispatch view chooses (sim/proxy.py); with an
+        # SLO it admits, whatever chooses.
+        self.slo = SimSlo(cfg, slo_admission, self)  # (sim/slo.py)
+        local = cfg.proxy.dispatch == "local"
+        self.proxy = self.slo.proxy = SimProxy(cfg, self.clock) if local or self.slo.by_slo else None
         self.requests: dict[str, SimulatedRequest] = {}
         self.itls = array("d")
         self.events = 0
@@ -198,13 +209,15 @@ class Simulation:
         req = self.requests[rid]
         if req.sent < 0:
             req.sent = self.now
+        if req.slo == "gave_up" or not self.slo.admitted(req):
+            return
         proxy = self.proxy
         if proxy is not None and proxy.ready() and not self.oracle:
             tr = req.trace
             prio = 1 if tr.priority == "high" else 0
             iid = proxy.choose(prio, exclude)
             if iid is not None:
-                proxy.sent(iid, tr.prompt_tokens)
+                self.slo.sent(req, iid)
                 req.dispatches += 1
                 self.notify("dispatch", request=rid, instance=iid)
                 self.at(self.now + self.net.dispatch_rtt_s / 2, self.mgr.on_dispatched,
@@ -215,6 +228,8 @@ class Simulation:
 
     def _dispatch(self, rid: str, exclude: tuple) -> None:
         req = self.requests[rid]
+        if req.slo == "gave_up":
+            return
         tr = req.trace
         prio = 1 if tr.priority == "high" else 0
         iid = self.cache.oracle_choice(req) if self.oracle and not exclude else None
@@ -225,12 +240,15 @@ class Simulation:
             if not reply.instance_id:
                 return self._fail(req, reply.reason or "no instance")
             iid = reply.instance_id
+        self.slo.sent(req, iid)
         req.dispatches += 1
         self.notify("dispatch", request=rid, instance=iid)
         self.at(self.now + self.net.dispatch_rtt_s / 2 + self.net.submit_s, self._submit, rid, iid)
 
     def _submit(self, rid: str, iid: str) -> None:
         req = self.requests[rid]
+        if req.slo == "gave_up":
+            return
         inst = self.instances[iid]
         tr = req.trace
         sampling = wire.SamplingParams(max_tokens=max(1, tr.output_tokens), ignore_eos=True)
@@ -248,6 +266,10 @@ class Simulation:
 
     def _fail(self, req: SimulatedRequest, why: str) -> None:
         req.error = why
+        self.end(req)
+
+    def end(self, req: SimulatedRequest) -> None:
+        """``req`` ended (finished, failed, refused, gave up): its session's next turn may go."""
         self._left -= 1
         self.cache.turn_ended(req)
 
@@ -285,6 +307,10 @@ class Simulation:
         inst.fit.finished(sum(1 for o in outputs if o.finish_reason is not None), now)
         for tok in outputs:
             req = self.requests[tok.request_id]
+            if req.slo == "gave_up":  # the step that made it ran as it gave up; it is gone
+                if tok.finish_reason is None:
+                    self.slo.abort(inst, tok.request_id)
+                continue
             if req.tokens == 0:
                 req.first = now
             else:
@@ -294,8 +320,7 @@ class Simulation:
             if tok.finish_reason is not None:
                 inst.table.forget(tok.request_id)
                 req.finish = tok.finish_reason
-                self._left -= 1
-                self.cache.turn_ended(req)
+                self.end(req)
         inst.stepping = False
         inst.reporter.refresh()  # as the step loop does with the load a step read
         self._kick(inst)
@@ -328,11 +353,11 @@ class Simulation:
 
 
 def simulate(cfg: Config, instances: int, trace: list[TraceRequest], net: Network | None = None,
-             sample_s: float = 0.0, observers: tuple = (), oracle: bool = False) -> dict:
+             sample_s: float = 0.0, observers: tuple = (), oracle: bool = False, slo_admission: bool = True) -> dict:
     """Run ``trace`` on ``instances`` simulated instances with the settings of ``cfg``; the figures."""
     if instances < 1:
         raise ValueError("a cluster needs at least one instance")
-    sim = Simulation(cfg, instances, trace, net, sample_s, oracle)
+    sim = Simulation(cfg, instances, trace, net, sample_s, oracle, slo_admission)
     for fn in observers:
         sim.observe(fn)
     return sim.run()
@@ -374,6 +399,7 @@ def command(
     kv_bytes_per_token: Annotated[int, typer.Option(help="KV bytes per token (0: from the sim settings' KV shape)", min=0)] = 0,
     config: ConfigOpt = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="any setting: section.key=value (sim.*, scheduling.*, migration.*, ...)")] = None,
+    slo_admission: Annotated[bool, typer.Option("--slo-admission/--no-slo-admission", help="with [slo] TTFT targets (--set slo.ttft_ms=...): admit by them and give up on requests queued past slo.give_up_factor x target, as the proxy does; --no-slo-admission queues everything and only measures against the targets")] = True,
     json_: JsonOpt = False,
 ) -> None:
     """A cluster in virtual time, on the daemons' own scheduler and policy code (see llumnixctl/experiments/sim/simulate.py)."""
@@ -393,7 +419,7 @@ def command(
     import logging
 
     logging.getLogger("llumnix").setLevel(logging.WARNING)  # the manager's info lines are per event here
-    res = simulate(cfg, instances, reqs, net, oracle=oracle)
+    res = simulate(cfg, instances, reqs, net, oracle=oracle, slo_admission=slo_admission)
     if json_:
         print_json(res)
         return
