@@ -106,14 +106,12 @@ def test_without_targets_every_finished_request_meets_and_nothing_is_refused():
 def test_sim2real_compares_the_fits_the_instances_learn_with_the_model_they_run(profile):
     """sim2real's ``fit_agreement``: simulated instances learn the latency model they run (the linear model, or
     the vllm-cpu profile) within 10% (median over a grid of steps); a wrong model is told apart."""
-    from pathlib import Path
-
     from daemons import wire
     from llumnixctl.experiments.sim.sim2real import FIT_BAR, fit_agreement
 
     sets = ["sim.num_blocks=2000", "sim.max_num_seqs=32", "instance.log_level=warning"]
     if profile:
-        sets.append(f"sim.profile={sorted(Path('daemons/engine/profiles').glob('*.json'))[0]}")
+        sets.append("sim.profile=daemons/engine/profiles/vllm-cpu-tiny.json")
     cfg = load_config(None, sets)
     reqs = trace.generate(200, rate=8.0, prompt=(16, 512), output=(16, 128), alpha=1.0, seed=2)
     sim = Simulation(cfg, 2, reqs)
