@@ -95,10 +95,11 @@ def _other(instance: str) -> str:
     return "i1" if instance == "i0" else "i0"
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", ["greedy"])
 def test_tp_migrated_stream_equals_unmigrated(tp_cluster, kind):
-    """Greedy checks the KV that moved; seeded also the sampler's state. One stream at a time: two
-    instances of two ranks already take this machine's two cores."""
+    """Greedy checks the KV every rank moved. (The seeded sampler's state moves with rank 0's runner as at TP 1,
+    where tests/e2e/test_e2e_vllm_migration.py checks it; this module keeps CI within its time.) One stream at a
+    time: two instances of two ranks already take this machine's two cores."""
     c = tp_cluster
     body = {"prompt": PROMPT, "max_tokens": TOKENS, **KINDS[kind]}
     ref = Stream(c.url, body).result()
@@ -192,14 +193,14 @@ def test_operator_verbs_at_random_chunks_stream_exactly_and_leave_no_block(tp_cl
     body = {"prompt": PROMPT, "max_tokens": ROUND_TOKENS, **KINDS["greedy"]}
     ref = Stream(c.url, {**body, "max_tokens": CHECKED}).result()
     rnd = random.Random(40)
-    for k in range(5):
+    for k in range(3):
         s = StoppedStream(c.url, body, CHECKED)
         s.wait_tokens(rnd.randint(1, 40))
         rows = ctl_json("requests", *run)
         mine = [r for r in rows["requests"] if r["id"] == s.rid]
         assert rows["unreachable"] == [] and len(mine) == 1, (k, rows)
         here = mine[0]["instance"]
-        if k == 2:  # the operator picks none: the source's only request goes
+        if k == 1:  # the operator picks none: the source's only request goes
             res = cli("migrate", "--from", here, "--count", "1", "--to", _other(here), "--json", *run)
             outs = json.loads(res.stdout) if res.stdout.strip() else []
             assert res.returncode == 0 and [o["request_id"] for o in outs] == [s.rid], (k, res.stderr, outs, len(s.ids))
@@ -220,7 +221,7 @@ def test_remove_moves_a_tp_request_out_and_stops_the_instance_with_its_ranks(tp_
     moves to the other and streams on exactly; the instance and its worker processes stop."""
     c = tp_cluster
     run = ["--run-dir", str(c.run_dir)]
-    body = {"prompt": PROMPT, "max_tokens": 200, **KINDS["greedy"]}
+    body = {"prompt": PROMPT, "max_tokens": 120, **KINDS["greedy"]}
     ref = Stream(c.url, body).result()
     s = Stream(c.url, body)
     s.wait_tokens(10)
