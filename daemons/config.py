@@ -77,6 +77,7 @@ class InstanceConfig:
     engine_nice: int = setting(0, "niceness added to the engine's step thread (and the threads it starts) over the daemon's: on a host whose CPUs are busy, the llumlet's event loop (heartbeats, load reports, token sends, migration control) then wins the CPU over a long step; 0 = same as the daemon", minimum=0, maximum=19)
     step_timeout_s: float = setting(60.0, "an engine step (or the event loop) stuck this long makes the instance unhealthy: its streams fail over, no new requests come, systemd's watchdog is no longer fed", minimum=0.1)
     hung_exit_s: float = setting(30.0, "an instance still unhealthy this long after step_timeout_s exits with status 3 (Restart=on-failure brings it back)", minimum=0.0)
+    role: str = setting("mixed", "what this instance serves: mixed (whole requests), prefill (prompts whose prefill pays off remotely, each handed over by live migration to a decode instance at its first token) or decode (requests handed over, and those that prefill where they decode); llumnixctl role changes it at run time, [disagg] adaptive moves instances between prefill and decode. With no decode instance a prefill one serves whole requests", choices=("mixed", "prefill", "decode"))
     scale_in_protected: bool = setting(False, "auto-scaling never retires this instance (it still counts as serving; llumnixctl drain and remove still work): for an instance an operator keeps on purpose, e.g. one on a reserved node")
     orphan_timeout_s: float = setting(15.0, "requests of a proxy not heard from for this long (it died) are aborted", minimum=0.1)
     log_level: str = setting("info", "debug, info, warning or error", choices=("debug", "info", "warning", "error"))
@@ -136,6 +137,20 @@ class SloConfig:
     tpot_full: float = setting(0.95, "an instance whose predicted TPOT reaches this fraction of the TPOT target counts as full in virtual usage (manager.dispatch_policy slo): dispatch avoids it, pairing moves decodes off it; one far below looks nearly free, and is consolidated for scale-in", minimum=0.05, maximum=1.0)
     give_up_factor: float = setting(2.0, "a request with a TTFT target that has waited this many times its target for its first token (queued: nothing streamed yet) is answered 429 with Retry-After and aborted, freeing its place, rather than served hopelessly late; a high-priority admission that pushes queued normal requests past it so displaces them (0 = never)", minimum=0.0)
     window_s: float = setting(60.0, "the window of the attainment that llumnixctl status shows (the proxies' goodput counters keep every request)", minimum=1.0)
+
+
+@dataclass
+class DisaggConfig:
+    min_uncached_tokens: int = setting(256, "prefill a request on a prefill instance (then hand it over) only when the part of its prompt not cached on the best decode instance is at least this long; shorter ones prefill where they will decode (applies when some instance has role prefill)", minimum=0)
+    min_uncached_fraction: float = setting(0.5, "... and when that uncached part is at least this fraction of the prompt (a cache-hot prompt stays local)", minimum=0.0, maximum=1.0)
+    prefill_busy_tokens: int = setting(16384, "the prefill pool is the bottleneck (requests prefill locally instead) while its least loaded instance has more prompt tokens queued than this; with an [slo] TTFT target, also while it is predicted to miss that target where a decode instance would not", minimum=0)
+    adaptive: bool = setting(False, "move instances between the prefill and decode roles by predicted TTFT and TPOT against [slo]'s targets (sustained imbalance, hysteresis, at most one change per adapt_interval_s); off: the roles stay as set (a fixed ratio)")
+    adapt_interval_s: float = setting(10.0, "adaptive roles: at most one role change per this many seconds", minimum=0.1)
+    adapt_sustain_s: float = setting(5.0, "adaptive roles: an imbalance must hold this long before a role changes", minimum=0.0)
+    adapt_margin: float = setting(0.2, "adaptive roles: hysteresis; one pool must be predicted over (1 + margin) of its target while the other is under (1 - margin) of its own", minimum=0.0, maximum=1.0)
+    min_prefill: int = setting(1, "adaptive roles never leave fewer prefill instances than this (once there is one)", minimum=0)
+    min_decode: int = setting(1, "adaptive roles never leave fewer decode instances than this", minimum=1)
+    handover_lease_s: float = setting(10.0, "a handover whose decode destination was chosen but that has not started within this long is given up (the request keeps decoding where it is, and is moved later by the role's migrations)", minimum=0.1)
 
 
 @dataclass
@@ -261,6 +276,7 @@ class Config:
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     slo: SloConfig = field(default_factory=SloConfig)
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     sim: SimConfig = field(default_factory=SimConfig)
     vllm: VllmConfig = field(default_factory=VllmConfig)

@@ -141,6 +141,7 @@ class InstanceLoad(msgspec.Struct, array_like=True, omit_defaults=True):
     # here, and of those, how many met both their targets (TTFT from the proxy's arrival time, TPOT).
     slo_judged: int = 0
     slo_met: int = 0
+    role: str = "mixed"  # "mixed" | "prefill" | "decode" (prefill/decode disaggregation: daemons/policy/disagg.py)
 
 
 # ---------------------------------------------------------------- instance <-> manager
@@ -320,6 +321,50 @@ class SetDraining(msgspec.Struct, **_tagged(32)):
     reason: str = ""
     cordoned: bool = False
     elsewhere: bool = True  # another instance takes requests: queued ones can be given back right away
+
+
+class SetRole(msgspec.Struct, **_tagged(34)):
+    """manager -> instance: serve in ``role`` from now on ("mixed" | "prefill" | "decode"). The instance reports
+    its role in every load report; the manager repeats the last one it set when the instance registers again."""
+
+    role: str
+    reason: str = ""  # "operator" | "adaptive" | "scale-out"
+
+
+class HandoverReady(msgspec.Struct, **_tagged(56)):
+    """instance (in role prefill) -> manager: ``request_id`` has its first token; choose a decode instance and
+    order its handover (a migration with reason "handover"). No answer: it keeps decoding where it is."""
+
+    instance_id: str
+    request_id: str
+    prompt_tokens: int
+    blocks: int
+    priority: int = 0
+    slo_tpot_ms: float = 0.0
+
+
+class PeerDead(msgspec.Struct, **_tagged(57)):
+    """manager -> instances: ``instance_id`` (at ``request_address``) is dead: release at once what any migration
+    with it holds (a reservation it will never commit, a request suspended for it)."""
+
+    instance_id: str
+    request_address: str
+
+
+class RoleQuery(msgspec.Struct, **_tagged(79)):
+    """llumnixctl role: set ``instance_id``'s role (empty ``role``: only report it)."""
+
+    query_id: int
+    instance_id: str
+    role: str = ""
+
+
+class RoleReply(msgspec.Struct, **_tagged(80)):
+    query_id: int
+    instance_id: str
+    role: str
+    previous: str = ""
+    moving: int = 0  # requests that no longer fit the new role, to be moved by migration
 
 
 class Shutdown(msgspec.Struct, **_tagged(33)):
@@ -738,6 +783,11 @@ Message = (
     | RequestList
     | SetDraining
     | Shutdown
+    | SetRole
+    | HandoverReady
+    | PeerDead
+    | RoleQuery
+    | RoleReply
     | Submit
     | Abort
     | ProxyAlive

@@ -47,6 +47,7 @@ class InstanceState:
     context_tokens: int = 0  # tokens its running requests hold
     latency: object = None  # its fitted step-time model (wire.LatencyFit; None: none yet)
     slo_usage: float = 0.0  # blocks of virtual usage its predicted TPOT adds (slo.latency_usage; 0: off)
+    role: str = "mixed"  # "mixed" | "prefill" | "decode" (daemons/policy/disagg.py)
 
     @property
     def batch(self) -> int:
@@ -138,4 +139,5 @@ def state_of(instance_id: str, load, **flags) -> InstanceState:
                          waiting=load.waiting, hol_demand=load.hol_demand_blocks, high_priority=load.high_priority,
                          block_size=load.block_size, batch_size=load.batch_size, waiting_tokens=load.waiting_tokens,
                          waiting_high=load.waiting_high, waiting_high_tokens=load.waiting_high_tokens,
-                         context_tokens=load.context_tokens, latency=load.latency, **flags)
+                         context_tokens=load.context_tokens, latency=load.latency,
+                         role=getattr(load, "role", "mixed") or "mixed", **flags)

@@ -65,6 +65,11 @@ def _samples():
         wire.AddReply(12, ["i2", "i3"]),
         wire.PolicyQuery(13, dispatch_policy="rr"),
         wire.PolicyReply(13, "rr", "llumnix", "llumnix", "off", False),
+        wire.SetRole("prefill", "operator"),
+        wire.HandoverReady("i0", "r1", 900, 57, 1, 40.0),
+        wire.PeerDead("i1", "tcp://127.0.0.1:5001"),
+        wire.RoleQuery(14, "i0", "decode"),
+        wire.RoleReply(14, "i0", "decode", "prefill", 2),
     ]
 
 

@@ -1,0 +1,136 @@
+"""Prefill/decode disaggregation: which pool a new request prefills in, where a prefilled request is handed over,
+and which requests a prefill instance still holds that belong elsewhere. Pure functions over InstanceState.
+
+Roles (``InstanceState.role``): ``mixed`` serves whole requests; ``prefill`` takes requests whose prefill pays off
+remotely and hands each over, by live migration, at its first token; ``decode`` takes handovers and the requests
+that prefill where they decode. A cluster with no prefill instance dispatches as if there were no roles; one with
+no decode (or mixed) instance lets its prefill instances serve whole requests: never a hang.
+
+The decision per request (``decide``): prefill remotely only when it pays: the prompt's part that the best decode
+candidate does not cache is long enough (``Rules.min_uncached_tokens``) and a large enough part of the prompt
+(``min_uncached_fraction``: a cache-hot prompt stays local), and the prefill pool is not the bottleneck (its
+least loaded instance has at most ``prefill_busy_tokens`` queued; with a TTFT target, it is not predicted to miss
+the target where a decode instance would meet it). Otherwise the request prefills where it will decode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from daemons.policy.slo import fitted, predict_tpot, predict_ttft, pooled
+from daemons.policy.usage import InstanceState, blocks_for, instance_freeness
+
+ROLES = ("mixed", "prefill", "decode")
+DECISIONS = ("remote", "local_short", "local_cached", "local_prefill_busy", "no_prefill_pool", "no_decode_pool")
+
+
+@dataclass(frozen=True)
+class Rules:
+    """The decision's thresholds ([disagg] settings) and the TTFT target of the request's class (0: none)."""
+
+    min_uncached_tokens: int = 256
+    min_uncached_fraction: float = 0.5
+    prefill_busy_tokens: int = 16384
+    ttft_target_s: float = 0.0
+
+
+def rules_of(disagg, ttft_target_s: float = 0.0) -> Rules:
+    """Rules from the [disagg] settings (daemons/config.py DisaggConfig)."""
+    return Rules(disagg.min_uncached_tokens, disagg.min_uncached_fraction, disagg.prefill_busy_tokens, ttft_target_s)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Where a request prefills: ``decision`` (one of DECISIONS, counted) and the pool to dispatch it among."""
+
+    decision: str
+    pool: list[InstanceState]
+
+    @property
+    def remote(self) -> bool:
+        return self.decision == "remote"
+
+
+def active(states: list[InstanceState]) -> bool:
+    """Whether any instance has a role other than mixed (else dispatch ignores roles)."""
+    return any(s.role != "mixed" for s in states)
+
+
+def pools(states: list[InstanceState]) -> tuple[list[InstanceState], list[InstanceState]]:
+    """The dispatchable instances as (prefill pool, decode pool); mixed instances decode (and prefill locally)."""
+    pre = [s for s in states if s.dispatchable and s.role == "prefill"]
+    dec = [s for s in states if s.dispatchable and s.role != "prefill"]
+    return pre, dec
+
+
+def decide(states: list[InstanceState], prompt_tokens: int, hits: dict[str, int] | None, rules: Rules,
+           priority: int = 0) -> Decision:
+    """Where a new request of ``prompt_tokens`` prefills. ``hits``: its cached leading blocks per instance (the
+    prefix index; None: unknown). The pool returned holds only dispatchable instances (may be empty)."""
+    pre, dec = pools(states)
+    if not pre:
+        return Decision("no_prefill_pool", dec)
+    if not dec:
+        return Decision("no_decode_pool", pre)
+    cached = 0
+    if hits:
+        cached = max((hits.get(s.instance_id, 0) * s.block_size for s in dec), default=0)
+    cached = min(cached, prompt_tokens)
+    uncached = prompt_tokens - cached
+    if uncached < rules.min_uncached_tokens:
+        return Decision("local_cached" if cached else "local_short", dec)
+    if uncached < rules.min_uncached_fraction * prompt_tokens:
+        return Decision("local_cached", dec)
+    if prefill_busy(pre, dec, uncached, rules, priority > 0):
+        return Decision("local_prefill_busy", dec)
+    return Decision("remote", pre)
+
+
+def prefill_busy(pre: list[InstanceState], dec: list[InstanceState], tokens: int, rules: Rules,
+                 high: bool = False) -> bool:
+    """Whether the prefill pool is the bottleneck for a prompt of ``tokens`` uncached tokens."""
+    least = min(s.waiting_tokens + s.pending_blocks * s.block_size for s in pre)
+    if least > rules.prefill_busy_tokens:
+        return True
+    if rules.ttft_target_s <= 0:
+        return False
+    pre_f, dec_f = pooled(pre), pooled(dec)
+    if not any(fitted(s.latency) for s in pre_f) or not any(fitted(s.latency) for s in dec_f):
+        return False
+    best_pre = min(predict_ttft(s, tokens, high) for s in pre_f)
+    best_dec = min(predict_ttft(s, tokens, high) for s in dec_f)
+    return best_pre > rules.ttft_target_s >= best_dec
+
+
+def handover_destination(states: list[InstanceState], src: str, prompt_tokens: int, blocks: int,
+                         tpot_target_s: float = 0.0, headroom: float = 0.0, priority: int = 0) -> str | None:
+    """The decode instance a prefilled request of ``prompt_tokens`` (holding ``blocks``) on ``src`` moves to,
+    chosen now (at its first token): among the dispatchable decode (and mixed) instances other than ``src`` with
+    room for its blocks, with a TPOT target and fitted models the best predicted TPOT with it joining (those
+    predicted within the target first), else the freest by virtual usage. None: no instance can take it (it keeps
+    decoding where it is)."""
+    _, dec = pools(states)
+    fits = [s for s in dec if s.instance_id != src
+            and s.blocks_total - s.blocks_used - s.pending_blocks >= max(blocks, 1)]
+    if not fits:
+        return None
+    fits.sort(key=lambda s: s.instance_id)
+    if tpot_target_s > 0 and all(fitted(s.latency) for s in pooled(fits)):
+        scored = []
+        for s in pooled(fits):
+            tpot = predict_tpot(s, prompt_tokens)
+            scored.append((tpot > tpot_target_s, tpot, -instance_freeness(s, 0.0), s.instance_id))
+        return min(scored)[3]
+    h = 0.0 if priority > 0 else headroom
+    return max(fits, key=lambda s: instance_freeness(s, h)).instance_id  # (the first in id order on a tie)
+
+
+def misplaced(role: str, output_tokens: int) -> bool:
+    """Whether a running request that has produced ``output_tokens`` belongs elsewhere on an instance of ``role``:
+    a prefill instance hands over what decodes (when a decode instance exists)."""
+    return role == "prefill" and output_tokens > 0
+
+
+def handover_blocks(prompt_tokens: int, block_size: int) -> int:
+    """Blocks a just-prefilled request holds (its prompt and first token)."""
+    return blocks_for(prompt_tokens + 1, block_size)
