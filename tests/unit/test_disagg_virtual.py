@@ -46,8 +46,10 @@ def test_long_prompts_are_handed_over_at_their_first_token_and_stream_as_unmigra
         shorts = [await c.request(max_tokens=OUT, prompt_tokens=SHORT) for _ in range(4)]
         for s in longs:
             assert s.tried[0] == "i0", f"{s.request_id} (long) was not prefilled on the prefill instance: {s.tried}"
+            assert s.disagg == "remote"
         for s in shorts:
             assert s.tried[0] in ("i1", "i2"), f"{s.request_id} (short) did not prefill where it decodes: {s.tried}"
+            assert s.disagg == "local_short"
         for s in longs + shorts:
             got = await c.result(s)
             assert [o.token_id for o in got] == c.expected(s, OUT), s.request_id
