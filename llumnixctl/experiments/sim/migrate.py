@@ -23,6 +23,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping, Protocol
 
+import msgspec
 import zmq
 
 from daemons import runtime, security, wire
@@ -222,6 +223,11 @@ def sim_engine_class():
         class Engine(SimEngine):
             layout: SimLayout
             on_suspend: Callable[[str], None]
+            role = "mixed"  # its role (sim/disagg.py), in its load reports
+
+            def load(self) -> wire.InstanceLoad:
+                load = super().load()
+                return msgspec.structs.replace(load, role=self.role) if self.role != "mixed" else load
 
             def kv_blocks(self) -> SimLayout:
                 return self.layout
@@ -353,6 +359,16 @@ class SimMigrations:
             site.count_orders(src.iid, start.dst, -unused)
         for rid in moving:
             src.migrator.spawn(self._migrate(src, dst, rid, start.reason))
+
+    def move(self, src: SimulatedInstance, dst: SimulatedInstance, rid: str, reason: str) -> None:
+        """The manager's order to move ``rid`` (a handover, say) reached the source: its migrator moves it."""
+        if src.gone is not None or rid not in src.table:
+            self.site.count_orders(src.iid, dst.iid, -1)
+            self.site.notify("migration", src=src.iid, dst=dst.iid, request=rid, outcome="aborted", reason=reason,
+                             started=self.loop.time(), why="gone")
+            return
+        self.outcomes[f"{reason}/ordered"] += 1
+        src.migrator.spawn(self._migrate(src, dst, rid, reason))
 
     async def _migrate(self, src: SimulatedInstance, dst: SimulatedInstance, rid: str, reason: str) -> None:
         site = self.site
