@@ -60,6 +60,8 @@ class Site(Protocol):
 
     def at(self, t: float, fn: Callable, *args) -> None: ...
 
+    def observe(self, fn: Callable) -> None: ...
+
     def count_orders(self, src: str, dst: str, n: int) -> None: ...
 
     def woken(self, inst: SimulatedInstance) -> None: ...
@@ -93,15 +95,19 @@ class SimRoles:
             i.engine.role != "mixed" for i in self.site.instances.values())
 
     def start(self, mgr, migrations, going: Callable[[], bool]) -> None:
+        """The manager and migrations are there: the sweeps and the adaptive rule start (while ``going()``)."""
         self.mgr, self.migrations, self.going = mgr, migrations, going
+        self.site.observe(lambda kind, _, d: kind == "migration" and self.migrated(d["request"], d["reason"],
+                                                                                d["outcome"]))
         if self.on:
             self.site.at(self.site.now + self.cfg.scheduling.migration_interval_s, self._sweep)
         if self.adaptive and self.adapt_rules.on:
             self.site.at(self.site.now + ADAPT_EVERY_S, self._adapt)
 
-    def assign(self, inst: SimulatedInstance, index: int) -> None:
+    def assign(self, inst: SimulatedInstance) -> None:
         """A new instance's role: the one given for its index; an instance added later (auto-scaling) gets
         the short role (``disagg.short_role``) while roles are in use."""
+        index = len(self.site.instances)
         if index < len(self.initial):
             role = self.initial[index]
         elif self.on and self.mgr is not None:
@@ -112,9 +118,13 @@ class SimRoles:
 
     # ------------------------------------------------------------------ dispatch
 
-    def exclude(self, states: list, prompt_tokens: int, priority: int, exclude: tuple) -> tuple:
+    def exclude(self, dispatcher, prompt_tokens: int, priority: int, exclude: tuple) -> tuple:
         """Where a new request may go: ``exclude`` plus, while roles are in use, the instances outside the pool
-        ``disagg.decide`` picks (counted by decision)."""
+        ``disagg.decide`` picks (counted by decision) from the states the dispatcher (the proxy's view or the
+        manager: its ``states``) reads."""
+        if not self.on:
+            return exclude
+        states = dispatcher.states(self.site.now)
         if not disagg.active(states):
             return exclude
         rules = disagg.rules_of(self.cfg.disagg, self.ttft_of.get(1 if priority > 0 else 0, 0.0))

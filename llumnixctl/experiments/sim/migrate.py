@@ -245,6 +245,7 @@ class Site(Protocol):
     """What migrations need of the simulation (simulate.py's ``Simulation``)."""
 
     requests: Mapping  # request id -> SimulatedRequest (its ``owner``)
+    instances: Mapping  # instance id -> SimulatedInstance
 
     def at(self, t: float, fn: Callable, *args) -> None: ...
 
@@ -331,6 +332,18 @@ class SimMigrations:
         self.zmq.destroy(linger=0)
 
     # ------------------------------------------------------------------ orders
+
+    def pair(self, mgr, allows: Callable[[str], bool], every_s: float) -> None:
+        """Every ``every_s``: the manager's pairing plan (``Rescheduler.plan``); each order reaches its source a
+        message later (none onto an instance ``allows`` refuses: a prefill instance, sim/disagg.py)."""
+        site, now = self.site, self.loop.time()
+        for p, start in mgr.resched.plan(now):
+            if not allows(p.dst):
+                continue
+            mgr.resched.count_orders(p.src, p.dst, p.count)
+            self.outcomes[f"{start.reason}/ordered"] += 1
+            site.at(now + self.net.message_s, self.order, site.instances[p.src], site.instances[p.dst], start)
+        site.at(now + every_s, self.pair, mgr, allows, every_s)
 
     def order(self, src: SimulatedInstance, dst: SimulatedInstance, start: wire.MigrateStart) -> None:
         """The manager's order reached the source: it picks its requests as the instance does (queued ones

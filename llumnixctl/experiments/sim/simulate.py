@@ -87,11 +87,10 @@ class Simulation:
     def __init__(self, cfg: Config, instances: int, trace: list[TraceRequest], net: Network | None = None,
                  sample_s: float = 0.0, oracle: bool = False, slo_admission: bool = True,
                  roles: list[str] | None = None):
-        """``sample_s`` > 0: every so often (virtual seconds) look for fragmentation (a queue head that the
-        cluster's free blocks could hold but no single instance's can) and call the "sample" observers.
-        ``oracle``: dispatch by the engines' real caches first (sim/cache.py). ``slo_admission`` False: with
-        [slo] targets, admit everything and never give up (the targets only measure). ``roles``: each instance's
-        (prefill/decode disaggregation, sim/disagg.py; None: all mixed)."""
+        """``sample_s`` > 0: every so often (virtual seconds) look for fragmentation (a queue head that the cluster's
+        free blocks could hold but no single instance's can) and call the "sample" observers. ``oracle``: dispatch by
+        the engines' real caches first (sim/cache.py). ``slo_admission`` False: with [slo] targets, admit everything,
+        never give up (the targets only measure). ``roles``: the instances' (sim/disagg.py; None: all mixed)."""
         _engine_code()
         self.cfg = cfg
         self.oracle = oracle
@@ -114,8 +113,6 @@ class Simulation:
         self.n_instances = instances
         self.kv_bytes_per_token = kv_bytes_per_token(cfg.sim, self.net)
         self.roles = SimRoles(cfg, roles, self.net.message_s, self)  # (sim/disagg.py)
-        self.observe(lambda kind, _, d: kind == "migration" and self.roles.migrated(d["request"], d["reason"],
-                                                                                     d["outcome"]))
 
     # ------------------------------------------------------------------ the event loop
 
@@ -184,17 +181,17 @@ class Simulation:
             self.requests[rid] = SimulatedRequest(tr, rid)
             if rid not in self.cache.later_turns:  # a later turn waits for the one before it
                 self.at(tr.arrival_s, self._arrive, rid, ())
-        self.at(self.cfg.scheduling.migration_interval_s, self._pair)
+        every = self.cfg.scheduling.migration_interval_s  # the manager's pairing plans (never onto a prefill instance)
+        self.at(every, self.migrations.pair, self.mgr, self.roles.allows, every)
         if self.proxy is not None:
             self.proxy.start(lambda: self.mgr.snapshot(next(self._qid), PROXY_ADDRESS), self.net.dispatch_rtt_s,
                              self.at, lambda: self._left > 0)
 
     def add_instance(self) -> SimulatedInstance:
-        index = next(self._next_index)
-        iid = f"i{index}"
+        iid = f"i{next(self._next_index)}"
         inst = SimulatedInstance(iid, self.migrations.engine(), ident=iid.encode(), born=self.now,
                                  table=RequestTable(self.clock))
-        self.roles.assign(inst, index)
+        self.roles.assign(inst)
         self.instances[iid] = inst
         self.migrations.attach(inst)
         self.cache.publisher(inst)
@@ -220,14 +217,9 @@ class Simulation:
             req.sent = self.now
         if req.slo == "gave_up" or not self.slo.admitted(req):
             return
-        proxy = self.proxy
-        tr = req.trace
-        prio = 1 if tr.priority == "high" else 0
+        proxy, tr, prio = self.proxy, req.trace, 1 if req.trace.priority == "high" else 0
         local = proxy is not None and proxy.ready() and not self.oracle
-        # Roles in use: the pool the request prefills in (disagg.decide), the others excluded (sim/disagg.py).
-        if self.roles.on:
-            exclude = self.roles.exclude(proxy.states() if local else self.mgr.states(self.now), tr.prompt_tokens,
-                                         prio, exclude)
+        exclude = self.roles.exclude(proxy if local else self.mgr, tr.prompt_tokens, prio, exclude)  # (its pool)
         if local:
             iid = proxy.choose(prio, exclude)
             if iid is not None:
@@ -287,16 +279,6 @@ class Simulation:
         self._left -= 1
         self.cache.turn_ended(req)
 
-    def _pair(self) -> None:
-        for p, start in self.mgr.resched.plan(self.now):
-            if not self.roles.allows(p.dst):  # (never onto a prefill instance)
-                continue
-            self.mgr.resched.count_orders(p.src, p.dst, p.count)
-            self.migrations.outcomes[f"{start.reason}/ordered"] += 1
-            self.at(self.now + self.net.message_s, self.migrations.order, self.instances[p.src],
-                    self.instances[p.dst], start)
-        self.at(self.now + self.cfg.scheduling.migration_interval_s, self._pair)
-
     # ------------------------------------------------------------------ instances
 
     def _kick(self, inst: SimulatedInstance) -> None:
@@ -327,8 +309,7 @@ class Simulation:
                 if tok.finish_reason is None:
                     self.slo.abort(inst, tok.request_id)
                 continue
-            first = req.tokens == 0
-            if first:
+            if req.tokens == 0:
                 req.first = now
             else:
                 self.itls.append(now - req.last)
@@ -338,7 +319,7 @@ class Simulation:
                 inst.table.forget(tok.request_id)
                 req.finish = tok.finish_reason
                 self.end(req)
-            if first:
+            if req.tokens == 1:
                 self.roles.first_token(inst, req)  # a prefill instance hands it over
         inst.stepping = False
         inst.reporter.refresh()  # as the step loop does with the load a step read
