@@ -11,7 +11,7 @@ policy code (daemons/policy/disagg.py):
   ``disagg.handover_destination`` chooses now, by the instances' own migrators (sim/migrate.py): its KV copy
   lasts its bytes at ``--kv-gbps``; the destination continues decoding without prefill. With no destination
   with room it keeps decoding where it is, and is moved later (reason ``role``), as are the decodes left on an
-  instance that became a prefill instance; balance pairing never moves requests onto a prefill instance;
+  instance that became a prefill instance; balance pairing leaves prefill instances out;
 - adaptive roles (``disagg.adaptive``): ``disagg.adapt`` looks at the manager's states every second and its
   changes are applied at once (the instance reports its new role).
 """
@@ -19,6 +19,7 @@ policy code (daemons/policy/disagg.py):
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from typing import TYPE_CHECKING, Callable, Mapping, Protocol
 
 from daemons.policy import disagg, slo
@@ -87,6 +88,7 @@ class SimRoles:
         self.handover_s: list[float] = []
         self.changes: list[dict] = []
         self.moving: dict[str, str] = {}  # request id -> "handover" | "role" (a move of ours in flight)
+        self.incoming: dict[str, tuple[str, int]] = {}  # request id -> (destination, blocks) of those moves
         self.mgr = self.migrations = None  # (set by start)
 
     @property
@@ -135,10 +137,11 @@ class SimRoles:
         pool = {s.instance_id for s in d.pool}
         return tuple(exclude) + tuple(s.instance_id for s in states if s.instance_id not in pool)
 
-    def allows(self, dst: str) -> bool:
-        """Balance pairing may move requests onto ``dst`` (never onto a prefill instance)."""
-        inst = self.site.instances.get(dst)
-        return inst is None or inst.engine.role != "prefill"
+    def allows(self, src: str, dst: str) -> bool:
+        """Balance pairing may move requests from ``src`` to ``dst``: prefill instances are left out of it (their
+        decodes leave by handover, and by the role sweep)."""
+        return not any(i is not None and i.engine.role == "prefill"
+                       for i in (self.site.instances.get(src), self.site.instances.get(dst)))
 
     # ------------------------------------------------------------------ handover
 
@@ -155,17 +158,32 @@ class SimRoles:
         prio = 1 if req.trace.priority == "high" else 0
         tokens = req.trace.prompt_tokens + req.tokens
         blocks = disagg.handover_blocks(tokens, src.engine.block_size)
-        dst = disagg.handover_destination(self.mgr.states(self.site.now), src.iid, tokens, blocks,
+        dst = disagg.handover_destination(self._with_incoming(self.mgr.states(self.site.now)), src.iid, tokens, blocks,
                                           self.tpot_of.get(prio, 0.0), self.cfg.scheduling.high_priority_headroom,
                                           prio)
         if dst is None or dst not in self.site.instances:
             self.handovers[f"{reason}/no_destination"] += 1
             return False
         self.moving[rid] = reason
+        self.incoming[rid] = (dst, blocks)
         self.site.count_orders(src.iid, dst, 1)
         # HandoverReady reaches the manager, its MigrateStart the source: two messages.
         self.site.at(self.site.now + 2 * self.message_s, self._order, src, self.site.instances[dst], rid, reason)
         return True
+
+    def _with_incoming(self, states: list) -> list:
+        """The states with the handovers in flight to each instance counted as dispatches not yet reported
+        (pending blocks and requests): without them every handover of a burst goes to the same freest instance,
+        whose reservations then queue behind each other and find no room."""
+        per: dict[str, list[int]] = {}
+        for dst, blocks in self.incoming.values():
+            c = per.setdefault(dst, [0, 0])
+            c[0], c[1] = c[0] + blocks, c[1] + 1
+        if not per:
+            return states
+        return [replace(s, pending_blocks=s.pending_blocks + per[s.instance_id][0],
+                        pending_requests=s.pending_requests + per[s.instance_id][1]) if s.instance_id in per else s
+                for s in states]
 
     def _order(self, src: SimulatedInstance, dst: SimulatedInstance, rid: str, reason: str) -> None:
         self.migrations.move(src, dst, rid, reason)
@@ -175,6 +193,7 @@ class SimRoles:
         if self.moving.get(request) != reason:
             return
         del self.moving[request]
+        self.incoming.pop(request, None)
         self.handovers[f"{reason}/{outcome}"] += 1
         req = self.site.requests[request]
         if outcome == "committed" and reason == "handover" and req.first >= 0:

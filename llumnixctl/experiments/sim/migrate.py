@@ -333,12 +333,12 @@ class SimMigrations:
 
     # ------------------------------------------------------------------ orders
 
-    def pair(self, mgr, allows: Callable[[str], bool], every_s: float) -> None:
+    def pair(self, mgr, allows: Callable[[str, str], bool], every_s: float) -> None:
         """Every ``every_s``: the manager's pairing plan (``Rescheduler.plan``); each order reaches its source a
-        message later (none onto an instance ``allows`` refuses: a prefill instance, sim/disagg.py)."""
+        message later (none between instances ``allows`` refuses: prefill instances, sim/disagg.py)."""
         site, now = self.site, self.loop.time()
         for p, start in mgr.resched.plan(now):
-            if not allows(p.dst):
+            if not allows(p.src, p.dst):
                 continue
             mgr.resched.count_orders(p.src, p.dst, p.count)
             self.outcomes[f"{start.reason}/ordered"] += 1
