@@ -75,7 +75,7 @@ def test_an_empty_decode_pool_serves_whole_requests_on_the_prefill_instances():
 
 
 def test_adaptive_roles_convert_a_decode_instance_when_prefill_is_short():
-    sets = ["slo.ttft_ms=1500", "slo.tpot_ms=80", "disagg.adaptive=true", "disagg.adapt_interval_s=3",
+    sets = ["slo.ttft_ms=1500", "slo.tpot_ms=200", "disagg.adaptive=true", "disagg.adapt_interval_s=3",
             "disagg.adapt_sustain_s=1", "disagg.min_decode=1"]
     sim, res, moves = _run(["prefill", "decode", "decode", "decode"], sets, instances=4, n=160, rate=14.0,
                            prompt=(1500, 3000), output=(8, 24))

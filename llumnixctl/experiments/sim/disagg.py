@@ -162,7 +162,8 @@ class SimRoles:
                                           self.tpot_of.get(prio, 0.0), self.cfg.scheduling.high_priority_headroom,
                                           prio)
         if dst is None or dst not in self.site.instances:
-            self.handovers[f"{reason}/no_destination"] += 1
+            if reason == "handover":  # (the sweep's retries are not counted)
+                self.handovers["handover/no_destination"] += 1
             return False
         self.moving[rid] = reason
         self.incoming[rid] = (dst, blocks)
