@@ -386,7 +386,8 @@ class SimMigrations:
     async def _migrate(self, src: SimulatedInstance, dst: SimulatedInstance, rid: str, reason: str) -> None:
         site = self.site
         started = self.loop.time()
-        out = await src.migrator.migrate_out(rid, dst.iid, dst.host.request_address)
+        blocking = reason == "handover" and self.net.handover_blocking
+        out = await src.migrator.migrate_out(rid, dst.iid, dst.host.request_address, blocking=blocking)
         suspended = self.suspended_at.pop(rid, None)
         committed = self.committed_at.pop(rid, None)
         why = "" if out.outcome == "committed" else out.reason
