@@ -89,3 +89,24 @@ def test_adaptive_roles_convert_a_decode_instance_when_prefill_is_short():
     assert d["roles_at_end"].get("decode", 0) >= 1
     assert res["completed"] + res["slo"]["all"]["refused"] + res["slo"]["all"]["gave_up"] == len(sim.trace)
     assert res["leaked_blocks"] == 0
+
+
+def test_the_fleet_figure_writes_its_table_and_goals_and_can_be_run_in_pieces(tmp_path):
+    import json
+
+    from llumnixctl.experiments.figs import disagg_fleet
+
+    assert list(disagg_fleet.systems_for(8)) == ["adaptive", "2P6D", "3P5D", "4P4D", "5P3D", "6P2D", "llumnix", "slo"]
+    assert list(disagg_fleet.systems_for(16))[1:6] == ["4P12D", "6P10D", "8P8D", "10P6D", "12P4D"]
+    parts = tmp_path / "parts"
+    data = disagg_fleet.main(["--quick", "--out", str(tmp_path / "a"), "--loads", "1", "--systems",
+                              "adaptive,4P4D,llumnix", "--processes", "1", "--requests", "30", "--parts", str(parts)])
+    assert json.loads((tmp_path / "a" / "disagg-fleet.json").read_text())["points"] == data["points"]
+    rows = data["points"]["8"]["1"]
+    assert list(rows) == ["adaptive", "4P4D", "llumnix"]
+    assert rows["4P4D"]["handovers"].get("handover/committed", 0) > 0 and rows["llumnix"]["handover_ms"] is None
+    assert all(r["met"] + r["missed_ttft"] + r["missed_tpot"] + r["missed_both"] == 30 for r in rows.values())
+    goal = data["goals"]["8"]["per_load"][0]
+    assert goal["best_fixed"] == "4P4D" and goal["adaptive_goodput"] == rows["adaptive"]["goodput"]
+    again = disagg_fleet.main(["--quick", "--out", str(tmp_path / "b"), "--collect", str(parts)])
+    assert again["points"] == data["points"]
