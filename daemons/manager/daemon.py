@@ -73,7 +73,7 @@ class Manager:
         self.resched = Rescheduler(cfg, self.cluster, self.policies, self.clock, self.send, self.spawn, next_id,
                                    self.queries.lookup, lookup_timeout(mc), self.started)
         self.liveness = Liveness(self.cluster, self.clock, mc, cfg.scheduling, self.ctx, self.sec,
-                                 self.resched.orders.fail_migrations_from)
+                                 self.resched.orders.fail_migrations_from, self.send)
         self.registry = Registry(self.cluster, self.clock, mc, cfg.scheduling, self.send, self.liveness.watch,
                                  self.resched.joined)
         self.dispatcher = Dispatcher(self.cluster, self.policies, self.registry.cache_index.index, self.clock, mc,

@@ -33,7 +33,8 @@ class Migrator:
     transport (daemons/migration/transport.py; the daemon's: daemons/kvranks.py ``gloo_transport``).
 
     What the instance calls: ``migrate_out`` (one request to a destination; returns its outcome),
-    ``prefix_hits`` (what a destination holds already), ``on_peer_message`` (a message from a source, on the
+    ``prefix_hits`` (what a destination holds already), ``peer_dead`` (the manager's word that a peer died),
+    ``on_peer_message`` (a message from a source, on the
     instance's ROUTER), ``receiving`` / ``cancel_incoming`` / ``forward_abort`` (a request arriving, placed
     anew, aborted after it moved), ``stepped`` (after every engine step), ``spawn``, ``busy``, ``outgoing`` / ``incoming`` / ``committed`` /
     ``aborted`` (for the load report) and ``close``."""
@@ -85,6 +86,17 @@ class Migrator:
             self.spawn(self.destination.answer_prefix(identity, msg))
         elif isinstance(msg, wire.KvRendezvous):
             self.peers.relayed(msg)
+
+    def peer_dead(self, instance_id: str, address: str) -> None:
+        """The manager says ``instance_id`` (at request address ``address``) is dead (wire.PeerDead). Nothing
+        waits for it any longer: the moves out to it abort at once (a request suspended for it resumes decoding
+        here), the reservations of moves in from it are released as soon as no transfer can still write them
+        (their KV pairs are closed here, which ends those transfers), and our socket and pairs to it close."""
+        out = self.source.peer_dead(instance_id, address)
+        ending = self.destination.peer_dead(instance_id)
+        self.peers.peer_dead(instance_id, address, [inc.pair.key for inc in ending if inc.pair is not None])
+        log.info("instance %s (%s) is dead: %d move(s) out to it aborted, %d move(s) in from it released",
+                 instance_id, address or "no address", out, len(ending))
 
     def receiving(self, request_id: str) -> bool:
         return self.destination.receiving(request_id)

@@ -50,6 +50,8 @@ class Peers:
         self.next_prune = 0.0
         self.queries = 0
         self.waits: dict[int, asyncio.Future] = {}  # prefix queries by id
+        self.asked: dict[int, str] = {}  # ... and whom each asked
+        self.dead: set[str] = set()  # addresses of peers declared dead: nothing is sent there until revived
 
     def socket(self, address: str) -> zmq.asyncio.Socket:
         """Our socket to the destination at ``address`` (connected on first use)."""
@@ -64,7 +66,40 @@ class Peers:
         return sock
 
     def send(self, address: str, msg: wire.Message) -> bool:
+        """False where it could not go: the socket's queue is full, or the peer was declared dead (no socket
+        is made to a dead peer for a move's last word to it)."""
+        if address in self.dead:
+            return False
         return runtime.send_now(self.socket(address), wire.encode(msg))
+
+    def revive(self, address: str) -> None:
+        """A peer declared dead is there again (an order names it): it may be sent to."""
+        self.dead.discard(address)
+
+    def peer_dead(self, instance_id: str, address: str, held: list[str] = ()) -> None:
+        """The manager declared ``instance_id`` (at ``address``) dead: close our socket to it, answer our prefix
+        queries to it (nothing held), and close its KV pairs (the source pair named by its id, those it started
+        with us named by its key): their transfers in flight end, their staging buffers go. ``held``: pairs
+        that moves in from it hold, closed too."""
+        if address:
+            self.dead.add(address)
+            self._close(address)
+            for qid in [q for q, a in self.asked.items() if a == address]:
+                waiting = self.waits.get(qid)
+                if waiting is not None and not waiting.done():
+                    waiting.set_result([])
+        family = f"{instance_id}>"
+        for name in {*held, *(n for n in self.pairs_used if n == instance_id or n.startswith(family))}:
+            self.pairs_used.pop(name, None)
+            self.kv.forget(name)
+
+    def _close(self, address: str) -> None:
+        self.used.pop(address, None)
+        for task in self.tasks.pop(address, ()):
+            task.cancel()
+        sock = self.sockets.pop(address, None)
+        if sock is not None:
+            sock.close(0)
 
     def pair_used(self, name: str) -> None:
         """A KV pair (by the name the transport's ``forget`` takes) is in use now."""
@@ -80,12 +115,7 @@ class Peers:
         cut = now - PEER_IDLE_S
         busy, held = self.in_use()
         for address in [a for a, at in self.used.items() if at < cut and a not in busy]:
-            del self.used[address]
-            for task in self.tasks.pop(address, ()):
-                task.cancel()
-            sock = self.sockets.pop(address, None)
-            if sock is not None:
-                sock.close(0)
+            self._close(address)
         for name in [n for n, at in self.pairs_used.items() if at < cut and n not in held]:
             del self.pairs_used[name]
             self.kv.forget(name)
@@ -150,8 +180,10 @@ class Peers:
         self.queries += 1
         qid = self.queries
         waiting = self.waits[qid] = asyncio.get_running_loop().create_future()
+        self.asked[qid] = dst_address
         try:
-            self.send(dst_address, wire.PrefixQuery(qid, prompts))
+            if not self.send(dst_address, wire.PrefixQuery(qid, prompts)):
+                return [0] * len(prompts)
             blocks = await asyncio.wait_for(waiting, PREFIX_QUERY_TIMEOUT_S)
         except asyncio.TimeoutError:
             log.info("%s did not say within %gs what of %d prompt(s) it holds; choosing as if nothing",
@@ -159,6 +191,9 @@ class Peers:
             return [0] * len(prompts)
         finally:
             self.waits.pop(qid, None)
+            self.asked.pop(qid, None)
+        if not blocks and prompts:  # its peer was declared dead meanwhile
+            return [0] * len(prompts)
         if len(blocks) != len(prompts):
             log.warning("%s answered a prefix query about %d prompts with %d counts; ignored",
                         dst_address, len(prompts), len(blocks))
