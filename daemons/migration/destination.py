@@ -13,7 +13,7 @@ from daemons.config import MigrationConfig
 from daemons.engine.base import Engine, EngineError
 from daemons.kvlayout import KvLayout
 from daemons.migration.peers import Peers
-from daemons.migration.records import LEASE_EXPIRED, PEER_DEAD, Aborted, Host, Incoming
+from daemons.migration.records import LEASE_EXPIRED, PEER_DEAD, TRANSFER_FAILED, Aborted, Host, Incoming
 from daemons.migration.telemetry import M_BYTES, M_IN_FLIGHT, M_RELEASED
 from daemons.migration.transport import KvTransport, TransferError
 from daemons.requests import RequestTable, slo_mark
@@ -199,6 +199,7 @@ class Destination:
         try:
             got = await inc.receiving
         except TransferError as exc:
+            inc.cause = inc.cause or TRANSFER_FAILED
             raise Aborted(f"KV transfer failed: {exc}") from None
         except asyncio.CancelledError:
             if asyncio.current_task().cancelling():

@@ -64,8 +64,9 @@ GONE = object()  # put in a migration's replies when the connection to its desti
 DEAD = object()  # ... when the manager declares its destination dead (wire.PeerDead)
 
 # Why a destination released a reservation that never committed, besides its source's word (MigAbort) or a
-# failed stage: its source was declared dead (at once), or it heard nothing for dest_idle_timeout_s (the lease).
-PEER_DEAD, LEASE_EXPIRED = "peer_dead", "lease_expired"
+# refused stage: its source was declared dead (at once), its copy failed (a dead source's connection closes: at
+# once, often before the manager's word), or it heard nothing for dest_idle_timeout_s (the lease).
+PEER_DEAD, LEASE_EXPIRED, TRANSFER_FAILED = "peer_dead", "lease_expired", "transfer_failed"
 
 
 @dataclass
@@ -82,4 +83,4 @@ class Incoming:
     ids: list[int] = field(default_factory=list)  # the blocks reserved so far, in token order
     ended: bool = False
     aborted: bool = False  # the source sent MigAbort (or was declared dead): never commit
-    cause: str = ""  # PEER_DEAD or LEASE_EXPIRED: why it was released without its source's word
+    cause: str = ""  # PEER_DEAD, TRANSFER_FAILED or LEASE_EXPIRED: why it was released without its source's word

@@ -17,8 +17,9 @@ M_IN_FLIGHT = metrics.gauge("instance", "llumnix_migrations_in_flight", "Migrati
                             preset=[("source",), ("destination",)])
 M_RELEASED = metrics.counter("instance", "llumnix_instance_migration_released_total",
                              "Migrations given up without the peer's word, by role and cause: as destination, a "
-                             "reservation released because its source was declared dead (peer_dead) or fell silent "
-                             "for migration.dest_idle_timeout_s (lease_expired); as source, a move aborted (its "
-                             "request decoding here again) because its destination was declared dead (peer_dead)",
-                             ["role", "cause"], preset=[("destination", "peer_dead"), ("destination", "lease_expired"),
-                                                        ("source", "peer_dead")])
+                             "reservation released because its source was declared dead (peer_dead), its copy "
+                             "failed (transfer_failed: a dead source's connection closes) or it fell silent for "
+                             "migration.dest_idle_timeout_s (lease_expired); as source, a move aborted (its request "
+                             "decoding here again) because its destination was declared dead (peer_dead)",
+                             ["role", "cause"], preset=[("destination", "peer_dead"), ("destination", "transfer_failed"),
+                                                        ("destination", "lease_expired"), ("source", "peer_dead")])
