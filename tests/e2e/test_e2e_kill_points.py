@@ -27,8 +27,8 @@ from tests.streams import Stream, metric, proxy_metric, samples, wait_for
 pytestmark = pytest.mark.e2e
 
 SETS = FAST + [
-    "instance.min_step_s=0.02", "manager.dispatch_policy=flood",
-    "sim.prefill_ms=8000",  # x time_scale 0.1: each prefill takes 0.8 s, long enough to be killed in
+    "instance.min_step_s=0.01", "manager.dispatch_policy=flood",
+    "sim.prefill_ms=5000",  # x time_scale 0.1: each prefill takes 0.5 s, long enough to be killed in
     # A long prompt's ~60 blocks of 4 KiB take ~2.5 s to copy: a kill can land in the copy.
     "migration.bandwidth_limit_mbps=0.1", "migration.chunk_bytes=16384", "migration.max_decode_slowdown=0",
     "migration.timeout_s=60", "migration.dest_idle_timeout_s=60",
@@ -159,7 +159,7 @@ def test_source_killed_before_the_copy_in_its_prefill(c):
 
 
 def test_source_killed_during_the_copy_has_the_reservation_released_at_once(c):
-    s = Stream(c.url, 400, prompt=LONG)
+    s = Stream(c.url, 250, prompt=LONG)
     src, dst, mover = copying(c, s)
     before = released(c, dst, "destination")
     kill(c, src)
@@ -167,15 +167,17 @@ def test_source_killed_during_the_copy_has_the_reservation_released_at_once(c):
     wait_for(lambda: released(c, dst, "destination") == before + 1, 5, "the reservation was not released")
     assert time.monotonic() - t0 < 5  # migration.dest_idle_timeout_s is 60
     assert rows(c)[dst]["migrating_in"] == 0
-    s.check_sim(400, prompt_tokens=len(LONG))  # continued by re-prefill
+    s.check_sim(250, prompt_tokens=len(LONG))  # continued by re-prefill
     mover.join(30)
     assert "died during the migration" in mover.reply.get("error", ""), mover.reply
     settled(c, 10)
     restart(c, src)
 
 
-def test_source_killed_after_the_commit_leaves_the_stream_alone(c):
-    s = Stream(c.url, 250, prompt=SHORT)
+def test_source_killed_after_the_commit_then_destination_killed_mid_stream(c):
+    """After the commit the source dies: the stream never notices. Then its new instance dies mid-stream: the
+    proxy continues it on the third instance by re-prefill."""
+    s = Stream(c.url, 300, prompt=SHORT)
     s.wait_tokens(3)
     src = holder(c, s.rid)
     dst = others(c, src)[0]
@@ -183,14 +185,19 @@ def test_source_killed_after_the_commit_leaves_the_stream_alone(c):
     assert [o["outcome"] for o in reply["outcomes"]] == ["committed"], reply
     failovers = proxy_metric(c.url, "llumnix_proxy_failovers_total")
     kill(c, src)
-    s.check_sim(250, prompt_tokens=len(SHORT))
+    s.wait_tokens(len(s.ids) + 20)
     assert proxy_metric(c.url, "llumnix_proxy_failovers_total") == failovers  # it never noticed
+    assert holder(c, s.rid) == dst
+    kill(c, dst)
+    s.check_sim(300, prompt_tokens=len(SHORT))
+    assert proxy_metric(c.url, "llumnix_proxy_failovers_total") == failovers + 1
     settled(c, 10)
     restart(c, src)
+    restart(c, dst)
 
 
 def test_destination_killed_during_the_copy_keeps_the_request_decoding_at_the_source(c):
-    s = Stream(c.url, 400, prompt=LONG)
+    s = Stream(c.url, 250, prompt=LONG)
     src, dst, mover = copying(c, s)
     before = released(c, src, "source")
     failovers = proxy_metric(c.url, "llumnix_proxy_failovers_total")
@@ -199,24 +206,8 @@ def test_destination_killed_during_the_copy_keeps_the_request_decoding_at_the_so
     assert not mover.is_alive(), "the move waited for its dead destination"
     (o,) = mover.reply["outcomes"]
     assert o["outcome"] == "aborted", o
-    s.check_sim(400, prompt_tokens=len(LONG))
+    s.check_sim(250, prompt_tokens=len(LONG))
     assert proxy_metric(c.url, "llumnix_proxy_failovers_total") == failovers  # the source kept it
     assert released(c, src, "source") <= before + 1  # peer_dead if the manager's word came before the drop
-    settled(c, 10)
-    restart(c, dst)
-
-
-def test_destination_killed_mid_stream_fails_over_by_re_prefill(c):
-    s = Stream(c.url, 300, prompt=SHORT)
-    s.wait_tokens(3)
-    src = holder(c, s.rid)
-    dst = others(c, src)[0]
-    reply = move(c, s.rid, dst)
-    assert [o["outcome"] for o in reply["outcomes"]] == ["committed"], reply
-    s.wait_tokens(len(s.ids) + 20)
-    failovers = proxy_metric(c.url, "llumnix_proxy_failovers_total")
-    kill(c, dst)
-    s.check_sim(300, prompt_tokens=len(SHORT))
-    assert proxy_metric(c.url, "llumnix_proxy_failovers_total") == failovers + 1
     settled(c, 10)
     restart(c, dst)
