@@ -189,7 +189,8 @@ class Instance:
         handlers = {wire.ListRequests: lambda msg: self.listings.on_list_requests(msg.query_id),
                     wire.MigrateStart: self.orders.on_migrate_start,
                     wire.CacheSync: lambda msg: self.cache.on_sync(""),
-                    wire.PeerDead: self.on_peer_dead}
+                    wire.PeerDead: self.on_peer_dead,
+                    wire.PeerLink: lambda msg: self.migrator.link(msg.instance_id, msg.request_address)}
         tasks = [asyncio.create_task(c) for c in (self.intake.serve(), self.stepper.run(), self.control.serve(handlers),
                                                    self.reporter.run(), self.heartbeats.run())]
         stopped = asyncio.create_task(self.stop.wait())

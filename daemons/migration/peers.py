@@ -34,8 +34,8 @@ class Peers:
                  on_reply: Callable[[wire.Message], None], on_gone: Callable[[str], None]):
         """``dealer``: a new DEALER socket (secured, tuned); ``kv``: the KV transport whose idle pairs are
         forgotten; ``spawn``: run a task the migrator cancels at close; ``in_use``: the peer addresses and
-        KV pair names some migration holds now (never pruned); ``on_reply``: a destination's MigReady or
-        MigDone; ``on_gone``: the connection to that request address dropped."""
+        KV pair names some migration holds now (never pruned); ``on_reply``: a destination's MigReady, MigDone
+        or LinkReady; ``on_gone``: the connection to that request address dropped."""
         self.dealer = dealer
         self.kv = kv
         self.clock = clock
@@ -52,6 +52,7 @@ class Peers:
         self.waits: dict[int, asyncio.Future] = {}  # prefix queries by id
         self.asked: dict[int, str] = {}  # ... and whom each asked
         self.dead: set[str] = set()  # addresses of peers declared dead: nothing is sent there until revived
+        self.kept: set[str] = set()  # addresses and KV pair names made ahead (warmup.py): never pruned
 
     def socket(self, address: str) -> zmq.asyncio.Socket:
         """Our socket to the destination at ``address`` (connected on first use)."""
@@ -72,6 +73,17 @@ class Peers:
             return False
         return runtime.send_now(self.socket(address), wire.encode(msg))
 
+    def keep(self, pair_name: str, address: str = "") -> None:
+        """Links made ahead of the moves that will use them (daemons/migration/warmup.py): kept however long
+        they lie unused, until their peer is declared dead."""
+        self.kept.add(pair_name)
+        if address:
+            self.kept.add(address)
+
+    def unkeep(self, pair_name: str, address: str = "") -> None:
+        self.kept.discard(pair_name)
+        self.kept.discard(address)
+
     def revive(self, address: str) -> None:
         """A peer declared dead is there again (an order names it): it may be sent to."""
         self.dead.discard(address)
@@ -89,6 +101,7 @@ class Peers:
                 if waiting is not None and not waiting.done():
                     waiting.set_result([])
         family = f"{instance_id}>"
+        self.kept -= {address, instance_id, *(k for k in self.kept if k.startswith(family))}
         for name in {*held, *(n for n in self.pairs_used if n == instance_id or n.startswith(family))}:
             self.pairs_used.pop(name, None)
             self.kv.forget(name)
@@ -114,9 +127,9 @@ class Peers:
         self.next_prune = now + PEER_IDLE_S / 4
         cut = now - PEER_IDLE_S
         busy, held = self.in_use()
-        for address in [a for a, at in self.used.items() if at < cut and a not in busy]:
+        for address in [a for a, at in self.used.items() if at < cut and a not in busy and a not in self.kept]:
             self._close(address)
-        for name in [n for n, at in self.pairs_used.items() if at < cut and n not in held]:
+        for name in [n for n, at in self.pairs_used.items() if at < cut and n not in held and n not in self.kept]:
             del self.pairs_used[name]
             self.kv.forget(name)
 
@@ -134,7 +147,7 @@ class Peers:
     async def _read(self, sock) -> None:
         while True:
             msg = wire.decode(await sock.recv())
-            if isinstance(msg, (wire.MigReady, wire.MigDone)):
+            if isinstance(msg, (wire.MigReady, wire.MigDone, wire.LinkReady)):
                 self.on_reply(msg)
             elif isinstance(msg, wire.PrefixHits):
                 waiting = self.waits.get(msg.query_id)

@@ -133,3 +133,44 @@ def test_the_manager_tells_every_live_instance_when_one_is_marked_dead(caplog):
 
     Bench.run(scenario, ["manager.silent_dead_s=1"])
     assert "instance i2 marked dead" in log()
+
+
+# ---------------------------------------------------------------- links made ahead (daemons/migration/warmup.py)
+
+
+def test_links_made_ahead_are_the_ones_the_first_move_uses_and_survive_pruning():
+    from daemons.migration.peers import PEER_IDLE_S
+
+    async def scenario(c: VirtualCluster):
+        src, dst = c.instances["i0"], c.instances["i1"]
+        src.migrator.link("i1", "inproc://i1")
+        await c.until(lambda: src.migrator.warmup.links["i1"].state == "ready", 5, "the links were not made")
+        key = src.kv.pairs["i1"].key
+        assert list(dst.kv.pairs) == [key] and "inproc://i1" in src.migrator.peers.sockets
+        await asyncio.sleep(PEER_IDLE_S + 1)  # unused for longer than peers are kept ...
+        s = await c.request(max_tokens=300)
+        await c.tokens(s, 5)
+        reply = await c.migrate(s.request_id, "i1")  # ... the first move uses them: no new pair at either end
+        assert [o.outcome for o in reply.outcomes] == ["committed"], reply
+        assert src.kv.pairs["i1"].key == key and list(dst.kv.pairs) == [key]
+        assert ids(await c.result(s)) == c.expected(s, 300)
+        c.kill("i1")  # declared dead: what was kept for it goes
+        await dead(c, "i1")
+        await c.until(lambda: "i1" not in src.kv.pairs and not src.migrator.peers.kept, 1, "kept after death")
+        assert "i1" not in src.migrator.warmup.links
+
+    VirtualCluster.run(scenario, sets=PACED)
+
+
+def test_a_link_to_an_instance_with_another_kv_layout_is_refused_ahead_with_the_difference():
+    async def scenario(c: VirtualCluster):
+        await c.join("f32", "sim.kv_dtype=float32")
+        src = c.instances["i0"]
+        src.migrator.link("f32", "inproc://f32")
+        await c.until(lambda: src.migrator.warmup.links["f32"].state != "linking", 5, "no answer")
+        link = src.migrator.warmup.links["f32"]
+        assert (link.state, link.reason) == ("refused", "KV layout differs: KV dtype differs: source float16, "
+                                                        "destination float32"), link
+        assert not c.instances["f32"].kv.pairs and not src.migrator.peers.kept
+
+    VirtualCluster.run(scenario, instances=1, sets=PACED)
