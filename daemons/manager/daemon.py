@@ -279,8 +279,9 @@ class Manager:
                  self.bound, p.dispatch_policy, p.pairing_policy if p.migrating else "drains only",
                  p.request_selection, p.scaling_policy, self.mc.heartbeat_interval_s, metrics or "off")
         runtime.sd_notify("READY=1")
-        tasks = [asyncio.create_task(c) for c in (self.serve(stop), self.liveness.watch_heartbeats(stop),
-                                                  self.handover_links.run(stop), *self.resched.loops())]
+        loops = [self.handover_links.run(stop)] if self.cfg.disagg.link_ahead else []
+        tasks = [asyncio.create_task(c) for c in (self.serve(stop), self.liveness.watch_heartbeats(stop), *loops,
+                                                  *self.resched.loops())]
         failure = await runtime.first_failure(stop, tasks)
         runtime.sd_notify("STOPPING=1")
         if failure is not None:
