@@ -41,6 +41,7 @@ class Liveness:
         self.send = send
         self.links = LinkWatch(mc.link_timeout_s, self.link_changed, lambda _: M_LINKS_HEALED.inc(), clock)
         cluster.on_forget(self.unwatch)
+        cluster.on_forget(self.forgotten)
 
     def dead_after(self) -> float:
         return dead_after(self.mc)
@@ -93,6 +94,12 @@ class Liveness:
         log.warning("instance %s marked dead: %s", rec.instance_id, why)
         self.cluster.update_gauges(rec)
         self.tell_dead(rec)
+
+    def forgotten(self, rec: InstanceRecord) -> None:
+        """An instance that stopped (or was removed) is gone too: what the others keep for it (a socket, KV pairs
+        made ahead of handovers) goes. One marked dead was told then."""
+        if rec.state != "dead":
+            self.tell_dead(rec)
 
     def tell_dead(self, rec: InstanceRecord) -> None:
         """Every other instance hears of it at once (wire.PeerDead): a reservation for a move from it, a request

@@ -11,6 +11,7 @@ import asyncio
 import logging
 
 from daemons import wire
+from daemons.links import DOWN
 from daemons.migration.telemetry import M_RELEASED
 from tests.support.cluster import VirtualCluster
 from tests.support.manager import Bench, capture
@@ -174,3 +175,20 @@ def test_a_link_to_an_instance_with_another_kv_layout_is_refused_ahead_with_the_
         assert not c.instances["f32"].kv.pairs and not src.migrator.peers.kept
 
     VirtualCluster.run(scenario, instances=1, sets=PACED)
+
+
+def test_an_instance_that_stops_is_told_to_the_others_once_forgotten(caplog):
+    log = capture(caplog)
+
+    async def scenario(b: Bench):
+        i0, i1 = b.instance("i0"), b.instance("i1")
+        await b.deliver(i1.ident, wire.Goodbye("i1", "SIGTERM"))
+        i1.reporting = False
+        assert not b.wire.sent(i0.ident, wire.PeerDead)  # stopping still serves what it has
+        b.links.set("i1", DOWN)  # its process exited
+        await b.until(lambda: "i1" not in b.m.instances, 10, "i1 was not forgotten")
+        assert [(m.instance_id, m.request_address) for m in b.wire.sent(i0.ident, wire.PeerDead)] == [
+            ("i1", i1.address)]
+
+    Bench.run(scenario)
+    assert "instance i1 forgotten: it stopped" in log()
