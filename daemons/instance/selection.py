@@ -79,7 +79,8 @@ class Orders:
 
         async def one(rid: str) -> wire.MigrationOutcome:
             async with slots:
-                return await migrator.migrate_out(rid, msg.dst, msg.dst_address, msg.blocking)
+                return await migrator.migrate_out(rid, msg.dst, msg.dst_address, msg.blocking,
+                                                  paced=msg.reason not in ("handover", "role"))
 
         outcomes = await asyncio.gather(*(one(r) for r in rids))
         if msg.reason in ("handover", "role"):

@@ -46,8 +46,10 @@ def test_long_prompts_are_handed_over_at_their_first_token_and_stream_as_unmigra
         shorts = [await c.request(max_tokens=OUT, prompt_tokens=SHORT) for _ in range(4)]
         for s in longs:
             assert s.tried[0] == "i0", f"{s.request_id} (long) was not prefilled on the prefill instance: {s.tried}"
+            assert s.disagg == "remote"
         for s in shorts:
             assert s.tried[0] in ("i1", "i2"), f"{s.request_id} (short) did not prefill where it decodes: {s.tried}"
+            assert s.disagg == "local_short"
         for s in longs + shorts:
             got = await c.result(s)
             assert [o.token_id for o in got] == c.expected(s, OUT), s.request_id
@@ -106,3 +108,55 @@ def test_a_handover_with_no_room_keeps_decoding_at_the_prefill_instance():
         assert s.instance_id == "i0" and not _outcomes(c)
 
     VirtualCluster.run(scenario, instances=0, sets=SETS)
+
+
+def test_draining_the_last_decode_instance_moves_its_requests_to_the_prefill_one():
+    async def scenario(c: VirtualCluster):
+        await _roles(c, "prefill", "decode")
+        streams = [await c.request(max_tokens=200, prompt_tokens=SHORT) for _ in range(3)]
+        await c.until(lambda: all(s.next_index >= 3 for s in streams), 10, "the batch did not start")
+        assert {s.instance_id for s in streams} == {"i1"}  # short prompts prefill where they decode
+        c.manager.resched.lifecycle.on_drain(wire.DrainQuery(1, "i1"))
+        for s in streams:
+            got = await c.result(s)
+            assert [o.token_id for o in got] == c.expected(s, 200)
+            assert s.instance_id == "i0"  # no decode instance left: the prefill one serves whole requests
+        out = _outcomes(c)
+        assert out.get("drain/committed") == 3 and not any("aborted" in k for k in out), out
+
+    VirtualCluster.run(scenario, instances=0, sets=SETS)
+
+
+def test_adaptive_roles_give_a_ttft_bound_cluster_another_prefill_instance():
+    """One prefill and two decode instances with targets: long prompts queue on the prefill instance (TTFT far over
+    its target) while decoding has slack; after the imbalance has held adapt_sustain_s, one decode instance (the
+    least loaded) becomes prefill, once; every stream is exact."""
+    sets = SETS + ["slo.ttft_ms=300", "slo.tpot_ms=500", "disagg.adaptive=true", "disagg.adapt_interval_s=30",
+                   "disagg.adapt_sustain_s=1", "disagg.prefill_busy_tokens=1000000"]
+
+    async def scenario(c: VirtualCluster):
+        await _roles(c, "prefill", "decode", "decode")
+        warm = [await c.request(max_tokens=8, prompt_tokens=LONG) for _ in range(2)]
+        for s in warm:
+            await c.result(s)
+        streams = [await c.request(max_tokens=OUT, prompt_tokens=1500) for _ in range(24)]
+        await c.until(lambda: c.manager.resched.roles.memory.last_change is not None, 20, "no role changed")
+        roles = {iid: inst.standing.role for iid, inst in c.instances.items()}
+        assert sorted(roles.values()) == ["decode", "prefill", "prefill"], roles
+        for s in streams:
+            got = await c.result(s, within_s=300)
+            assert [o.token_id for o in got] == c.expected(s, OUT)
+        assert sorted(inst.standing.role for inst in c.instances.values()) == ["decode", "prefill", "prefill"]
+
+    VirtualCluster.run(scenario, instances=0, sets=sets)
+
+
+def test_a_scaled_out_instance_takes_the_role_that_is_short():
+    async def scenario(c: VirtualCluster):
+        await _roles(c, "prefill", "decode")
+        reply = await c.manager.resched.lifecycle.on_add(wire.AddQuery(1, 1))
+        assert isinstance(reply, wire.AddReply), reply
+        (iid,) = reply.instance_ids
+        await c.until(lambda: c.instances[iid].standing.role == "decode", 5, f"{iid} got no role")  # no targets: decode
+
+    VirtualCluster.run(scenario, instances=0, sets=SETS + ["scaling.launcher=start {id}"])
