@@ -21,6 +21,7 @@ log = logging.getLogger("llumnix.migration")
 
 
 PEER_IDLE_S = 300.0  # a peer socket or KV pair unused this long (and in no migration) is closed
+DEAD_KEPT = 1024  # addresses of dead peers remembered (a fleet that replaces instances must not grow it)
 
 
 class Peers:
@@ -51,7 +52,8 @@ class Peers:
         self.queries = 0
         self.waits: dict[int, asyncio.Future] = {}  # prefix queries by id
         self.asked: dict[int, str] = {}  # ... and whom each asked
-        self.dead: set[str] = set()  # addresses of peers declared dead: nothing is sent there until revived
+        # Addresses of peers declared dead (the latest DEAD_KEPT): nothing is sent there until revived.
+        self.dead: dict[str, None] = {}
         self.kept: set[str] = set()  # addresses and KV pair names made ahead (warmup.py): never pruned
 
     def socket(self, address: str) -> zmq.asyncio.Socket:
@@ -86,7 +88,7 @@ class Peers:
 
     def revive(self, address: str) -> None:
         """A peer declared dead is there again (an order names it): it may be sent to."""
-        self.dead.discard(address)
+        self.dead.pop(address, None)
 
     def peer_dead(self, instance_id: str, address: str, held: list[str] = ()) -> None:
         """The manager declared ``instance_id`` (at ``address``) dead: close our socket to it, answer our prefix
@@ -94,7 +96,9 @@ class Peers:
         with us named by its key): their transfers in flight end, their staging buffers go. ``held``: pairs
         that moves in from it hold, closed too."""
         if address:
-            self.dead.add(address)
+            self.dead[address] = None
+            while len(self.dead) > DEAD_KEPT:
+                del self.dead[next(iter(self.dead))]
             self._close(address)
             for qid in [q for q, a in self.asked.items() if a == address]:
                 waiting = self.waits.get(qid)

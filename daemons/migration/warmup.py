@@ -76,6 +76,7 @@ class Warmup:
         old = self.links.get(instance_id)
         if old is not None and old.address == address and old.state in ("linking", "ready"):
             return
+        self.peers.revive(address)  # the manager sees it live (a restarted instance may have a dead one's address)
         self.links[instance_id] = Link(instance_id, address)
         self.spawn(self._link(self.links[instance_id]))
 
