@@ -9,9 +9,12 @@ import dataclasses
 import logging
 from typing import Awaitable, Callable
 
+import msgspec
+
 from daemons import metrics, wire
 from daemons.clock import Clock
 from daemons.config import Config
+from daemons.manager.handover_links import tp_refusal
 from daemons.manager.orders import Orders, Send
 from daemons.manager.records import InstanceRecord
 from daemons.manager.view import Cluster
@@ -62,6 +65,11 @@ class Roles:
             return wire.RoleReply(msg.query_id, r.instance_id, current, current)
         if msg.role not in disagg.ROLES:
             return wire.ErrorReply(msg.query_id, f"unknown role {msg.role!r} (known: {', '.join(disagg.ROLES)})")
+        refusal = tp_refusal(msgspec.structs.replace(r.info, load=msgspec.structs.replace(r.load, role=msg.role)),
+                             self.cluster.records())
+        if refusal:
+            return wire.ErrorReply(msg.query_id, refusal.replace(f"instance {r.instance_id} ({msg.role}) refused",
+                                                                 f"role {msg.role} for {r.instance_id} refused"))
         moving = r.load.running if msg.role == "prefill" and current != "prefill" else 0
         self.set_role(r, msg.role, "operator")
         return wire.RoleReply(msg.query_id, r.instance_id, msg.role, current, moving)

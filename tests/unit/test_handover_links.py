@@ -72,3 +72,31 @@ def test_the_manager_tells_prefill_instances_their_targets_once_per_process_and_
 
     Bench.run(scenario)
     assert "prefill instance i0: make the links to i1 now" in log()
+
+
+def test_a_role_change_that_would_put_a_smaller_tp_decode_beside_a_larger_prefill_is_refused():
+    from daemons.config import Config
+    from daemons.manager.roles import Roles
+
+    class View:
+        def __init__(self, recs):
+            self.instances = {r.instance_id: r for r in recs}
+
+        def get(self, iid):
+            return self.instances.get(iid)
+
+        def records(self):
+            return self.instances.values()
+
+        def set_role(self, r, role):
+            r.load = wire.InstanceLoad(**{**_fields(r.load), "role": role})
+
+    sent = []
+    view = View([rec("i0", "prefill", tp=2), rec("i1", "mixed", tp=1), rec("i2", "mixed", tp=2)])
+    roles = Roles(Config(), view, None, lambda r, m: sent.append((r.instance_id, m)), None, None)
+    reply = roles.on_role(wire.RoleQuery(1, "i1", "decode"))
+    assert isinstance(reply, wire.ErrorReply) and "role decode for i1 refused" in reply.message, reply
+    assert "tensor-parallel size 1, smaller than prefill instance i0's 2" in reply.message
+    assert not sent and view.get("i1").load.role == "mixed"
+    reply = roles.on_role(wire.RoleQuery(2, "i2", "decode"))
+    assert isinstance(reply, wire.RoleReply) and reply.role == "decode" and sent == [("i2", wire.SetRole("decode", "operator"))]
