@@ -203,27 +203,55 @@ def test_bad_options_are_refused_before_anything_starts():
         assert res.returncode == 2 and words in res.stderr, (args, res.stderr)
 
 
-def test_the_command_runs_every_configuration_of_every_round_interleaved(monkeypatch, tmp_path):
-    calls = []
-
+def fake_run_one(calls: list):
     def run_one(backend, sets, roles, reqs, kinds, target, round_, ttft_s, tpot_s, timeout_s, log):
         calls.append((round_, bench_disagg.roles_label(roles), [s for s in sets if s.startswith(("slo.", "disagg."))]))
         mixed = bench_disagg.roles_label(roles).endswith("mixed")
-        f = figures(100 if mixed else 40, 300 if mixed else 400, 2.0 if mixed else 2.5, handover=None if mixed else 20,
-                    queued=None if mixed else 100)
+        f = figures(100 + round_ if mixed else 40, 300 if mixed else 400, 2.0 if mixed else 2.5,
+                    handover=None if mixed else 20, queued=None if mixed else 100)
         return f | {"errors": []}
+    return run_one
 
-    monkeypatch.setattr(bench_disagg, "run_one", run_one)
+
+def test_the_command_runs_every_configuration_of_every_round_interleaved(monkeypatch, tmp_path):
+    calls: list = []
+    monkeypatch.setattr(bench_disagg, "run_one", fake_run_one(calls))
     out = tmp_path / "r.json"
     res = CliRunner().invoke(app, ["disagg", "--backend", "sim", "--rounds", "2", "--seconds", "5", "--json",
                                    "--out", str(out)])
     assert res.exit_code == 0, res.output
     assert [(r, label) for r, label, _ in calls] == [(0, "3 mixed"), (0, "1P+2D"), (0, "1P+2D"),
                                                     (1, "3 mixed"), (1, "1P+2D"), (1, "1P+2D")]
-    assert calls[2][2] == ["disagg.adaptive=true", "slo.ttft_ms=3000", "slo.tpot_ms=100"] and calls[1][2] == []
+    assert calls[2][2] == ["disagg.adaptive=true", "slo.ttft_ms=1000", "slo.tpot_ms=25"] and calls[1][2] == []
     doc = json.loads(out.read_text())
     assert json.loads(res.stdout) == doc
     for key in ("backend", "cores", "instances", "rounds", "trace", "slo", "roles", "summary", "sanity", "runs"):
         assert key in doc, key
-    assert doc["sanity"]["split"]["tpot_p99_ratio"] == 0.4 and len(doc["runs"]) == 6
+    assert doc["sanity"]["split"]["tpot_p99_ratio"] == round(40 / 100.5, 4) and len(doc["runs"]) == 6
     assert doc["trace"]["long_prompt"] == 2048 and doc["roles"]["adaptive"] == "1P+2D"
+
+
+def test_rounds_split_over_runs_merge_into_one_result(monkeypatch, tmp_path):
+    calls: list = []
+    monkeypatch.setattr(bench_disagg, "run_one", fake_run_one(calls))
+    files = []
+    for k in range(3):
+        files.append(tmp_path / f"r{k}.json")
+        res = CliRunner().invoke(app, ["disagg", "--backend", "sim", "--rounds", "1", "--first-round", str(k),
+                                       "--configs", "mixed,split", "--out", str(files[-1])])
+        assert res.exit_code == 0, res.output
+    assert [c[0] for c in calls] == [0, 0, 1, 1, 2, 2]  # each run its own round (its own trace)
+    res = CliRunner().invoke(app, ["disagg", "--merge", str(files[0]), "--merge", str(files[1]), "--merge",
+                                   str(files[2]), "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["rounds"] == 3 and len(doc["runs"]) == 6
+    assert doc["summary"]["mixed"]["decode_tpot_p99_ms"] == {"median": 101, "min": 100, "max": 102,
+                                                             "values": [100, 101, 102]}
+    assert doc["sanity"]["split"]["tpot_p99_ratio"] == round(40 / 101, 4)
+    again = CliRunner().invoke(app, ["disagg", "--merge", str(files[0]), "--merge", str(files[0])])
+    assert again.exit_code == 2 and "repeat a round" in again.stderr
+    other = json.loads(files[1].read_text()) | {"instances": 4}
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    differ = CliRunner().invoke(app, ["disagg", "--merge", str(files[0]), "--merge", str(tmp_path / "other.json")])
+    assert differ.exit_code == 2 and "'instances'" in differ.stderr

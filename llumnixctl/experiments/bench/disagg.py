@@ -204,12 +204,14 @@ def command(
     long_rate: Annotated[float, typer.Option(help="long prompts: Poisson arrivals per second", min=0.0)] = 0.5,
     long_lengths: Annotated[str, typer.Option(metavar="PROMPT:OUTPUT", help="long prompts: prompt and output tokens (at least 10:1)")] = "2048:100",
     batch: Annotated[int, typer.Option(help="max_num_seqs of each instance", min=1)] = 16,
-    slo_ttft_ms: Annotated[float, typer.Option(help="TTFT target, ms: goodput and attainment count it; set as slo.ttft_ms on the adaptive cluster (admission by predicted TTFT there; 0: none)", min=0.0)] = 3000.0,
-    slo_tpot_ms: Annotated[float, typer.Option(help="TPOT target, ms: goodput and attainment count it; set as slo.tpot_ms on the adaptive cluster (0: none)", min=0.0)] = 100.0,
+    slo_ttft_ms: Annotated[Optional[float], typer.Option(help="TTFT target, ms: goodput and attainment count it; set as slo.ttft_ms on the adaptive cluster (admission by predicted TTFT there; 0: none; default: 3000 with vllm, 1000 with sim)", min=0.0)] = None,
+    slo_tpot_ms: Annotated[Optional[float], typer.Option(help="TPOT target, ms: goodput and attainment count it; set as slo.tpot_ms on the adaptive cluster (0: none; default: 10 with vllm, 25 with sim)", min=0.0)] = None,
     slo_everywhere: Annotated[bool, typer.Option(help="set the [slo] targets on the mixed and split clusters too (admission by SLO everywhere)")] = False,
     model: Annotated[Optional[Path], typer.Option(metavar="DIR", help="--backend vllm: the checkpoint (default: a tiny random-weight model)")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="a setting of every configuration's cluster, after the bench's own: section.key=value")] = None,
     seed: Annotated[int, typer.Option(help="trace seed (each round adds its number)")] = 0,
+    first_round: Annotated[int, typer.Option(help="number of the first round (its trace): split the rounds over several runs of the command, each with --out, then --merge their files", min=0)] = 0,
+    merge: Annotated[Optional[list[Path]], typer.Option("--merge", metavar="FILE", help="run nothing: summarize the runs of these --out files (the same trace, instances and SLO), as one result")] = None,
     request_timeout: Annotated[float, typer.Option(help="seconds a request may take before it counts as failed", min=1.0)] = 600.0,
     out: Annotated[Optional[Path], typer.Option("--out", "--save", metavar="FILE", help="write the JSON here")] = None,
     json_: Annotated[bool, typer.Option("--json", help="print JSON instead of the table")] = False,
@@ -222,6 +224,16 @@ def command(
         err.print(f"llumnixctl: {msg}", markup=False)
         raise typer.Exit(2)
 
+    if merge:
+        try:
+            res = figs.merge_results([json.loads(p.read_text()) for p in merge])
+        except (OSError, ValueError, KeyError) as exc:
+            bad(f"--merge: {exc}")
+        return report(res, out, json_, err)
+    if slo_ttft_ms is None:
+        slo_ttft_ms = 3000.0 if backend == "vllm" else 1000.0
+    if slo_tpot_ms is None:
+        slo_tpot_ms = 10.0 if backend == "vllm" else 25.0
     names = [c.strip() for c in configs.split(",") if c.strip()]
     if backend not in ("sim", "vllm"):
         bad("--backend is sim or vllm")
@@ -241,12 +253,12 @@ def command(
     try:
         common, target, label = backend_sets(backend, batch, model, scratch)
         common += [*QUIET, f"model.max_model_len={max(4096, lp + lo + 64, sp + so + 64)}"]
-        for r in range(rounds):
+        for r in range(first_round, first_round + rounds):
             reqs, kinds = figs.mixed_trace(mix, r)
             for cfg in names:
                 roles = roles_of(cfg, instances, prefill)
                 sets = common + config_sets(cfg, slo_ttft_ms, slo_tpot_ms, slo_everywhere) + list(set_ or [])
-                err.print(f"round {r + 1}/{rounds}: {cfg} ({roles_label(roles)}) ...", markup=False)
+                err.print(f"round {r + 1 - first_round}/{rounds}: {cfg} ({roles_label(roles)}) ...", markup=False)
                 f = run_one(backend, sets, roles, reqs, kinds, target, r, slo_ttft_ms / 1000, slo_tpot_ms / 1000,
                             request_timeout, lambda m: err.print(m, markup=False))
                 runs.append({"config": cfg, "round": r, "figures": f})
@@ -255,18 +267,23 @@ def command(
         raise typer.Exit(1) from None
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    summary = figs.summarize(runs)
     res = {"backend": backend, "model": label, "cores": psutil.cpu_count(), "instances": instances,
            "prefill": prefill, "batch": batch, "rounds": rounds, "trace": figs.mix_dict(mix),
            "slo": {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms, "on_clusters": "all" if slo_everywhere else "adaptive"},
            "roles": {c: roles_label(roles_of(c, instances, prefill)) for c in names}, "settings": list(set_ or []),
-           "summary": summary, "sanity": figs.sanity(summary), "runs": runs}
+           "runs": runs}
+    report(figs.with_summary(res), out, json_, err)
+
+
+def report(res: dict, out: Path | None, json_: bool, err: Console) -> None:
+    """Write (--out), print (JSON or the table), and say so when requests failed."""
     if out is not None:
         out.write_text(json.dumps(res, indent=2) + "\n")
     if json_:
         sys.stdout.write(json.dumps(res, indent=2) + "\n")
     else:
         Console().print(figs.summary_table(res))
-    if any(run["figures"]["failed"] for run in runs):
-        first = next(e for run in runs for e in run["figures"]["errors"])
-        err.print(f"bench disagg: some requests failed; first error: {first}", markup=False)
+    failed = sum(run["figures"]["failed"] for run in res["runs"])
+    if failed:
+        first = next((e for run in res["runs"] for e in run["figures"].get("errors", [])), "")
+        err.print(f"bench disagg: {failed} requests failed or were refused; first error: {first}", markup=False)

@@ -286,6 +286,34 @@ def sanity(summary: dict) -> dict:
     return out
 
 
+def with_summary(res: dict) -> dict:
+    """A result with its runs' summary and sanity checks (recomputed)."""
+    summary = summarize(res["runs"])
+    return {**{k: v for k, v in res.items() if k not in ("summary", "sanity", "runs")},
+            "summary": summary, "sanity": sanity(summary), "runs": res["runs"]}
+
+
+MERGE_SAME = ("backend", "model", "instances", "prefill", "batch", "trace", "slo", "settings")
+
+
+def merge_results(docs: list[dict]) -> dict:
+    """Several results of the command (rounds split over runs, --first-round) as one: their runs in the order
+    given, summarized again. ValueError when they differ in what makes them comparable, or repeat a round."""
+    if not docs:
+        raise ValueError("no file to merge")
+    first = docs[0]
+    for d in docs[1:]:
+        for key in MERGE_SAME:
+            if d.get(key) != first.get(key):
+                raise ValueError(f"the files differ in {key!r}: {first.get(key)!r} vs {d.get(key)!r}")
+    runs = [r for d in docs for r in d["runs"]]
+    seen = [(r["config"], r["round"]) for r in runs]
+    if len(set(seen)) != len(seen):
+        raise ValueError("the files repeat a round of a configuration (give each run its own --first-round)")
+    roles = {k: v for d in docs for k, v in d["roles"].items()}
+    return with_summary({**first, "roles": roles, "rounds": len({r["round"] for r in runs}), "runs": runs})
+
+
 def _cell(s: dict, digits: int) -> str:
     if s["median"] is None:
         return "-"
