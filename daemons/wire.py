@@ -341,6 +341,7 @@ class HandoverReady(msgspec.Struct, **_tagged(56)):
     blocks: int
     priority: int = 0
     slo_tpot_ms: float = 0.0
+    reason: str = "handover"  # "handover": its first token here; "role": it was decoding here when the role changed
 
 
 class PeerDead(msgspec.Struct, **_tagged(57)):

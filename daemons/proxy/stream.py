@@ -36,7 +36,7 @@ class Stream:
     __slots__ = ("request_id", "submit", "ready", "next_index", "early", "waiter", "done", "error", "status",
                  "instance_id", "address", "tried", "sent_at", "given_back", "epoch", "owner_from", "token_ids",
                  "failovers", "progress_at", "deadline", "fenced", "exclude", "tenant", "weight", "trace",
-                 "prefix_keys", "starts", "first_by", "predicted")
+                 "prefix_keys", "starts", "first_by", "predicted", "disagg")
 
     def __init__(self, request_id: str, submit: wire.Submit, timeout_s: float = 0.0, now: float = 0.0):
         """``now``: its owner's clock (daemons.clock.Clock ``monotonic``); ``timeout_s`` counts from it."""
@@ -69,6 +69,7 @@ class Stream:
         self.weight = 1.0
         self.trace = None  # its spans (daemons/proxy/traces.py StreamTrace), with tracing on
         self.prefix_keys: list[int] | None = None  # its prompt's block keys (llumnix-cache), once computed
+        self.disagg = ""  # with roles: where it was decided to prefill (daemons/policy/disagg.py DECISIONS)
 
     def place(self, instance_id: str, address: str, epoch: int, from_index: int) -> None:
         """A new placement (a dispatch, a failover, a migration's claim): owned by ``instance_id`` under

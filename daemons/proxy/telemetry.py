@@ -26,6 +26,11 @@ M_FENCED = metrics.counter("proxy", "llumnix_proxy_fenced_total", "Token outputs
 M_RESENT = metrics.counter("proxy", "llumnix_proxy_resubmits_total",
                            "Requests sent again, same epoch, because their instance's heartbeats showed it had not "
                            "taken in every Submit sent proxy.stall_timeout_s before (lost on the way, or it restarted)")
+M_DISAGG = metrics.counter("proxy", "llumnix_proxy_disagg_decisions_total",
+                           "Dispatches from the proxy's own view while instances have roles, by where the request "
+                           "prefills: remote (on a prefill instance, handed over at its first token), local_short, "
+                           "local_cached, local_prefill_busy (where it will decode), no_prefill_pool, no_decode_pool",
+                           ["decision"])
 M_CACHE_DISPATCHES = metrics.counter("proxy", "llumnix_proxy_cache_dispatches_total",
                                      "llumnix-cache dispatches of requests cached somewhere, by what decided: cache (another "
                                      "instance than llumnix would pick) or load (the same)", ["decided_by"],
