@@ -70,15 +70,6 @@ def config_sets(config: str, ttft_ms: float, tpot_ms: float, slo_everywhere: boo
     return slo if slo_everywhere else []
 
 
-def role_placement(roles: list[str]) -> Callable[[str], tuple[list[str], list[str]]]:
-    """localcluster.up's ``place``: instance iK gets ``instance.role`` = roles[K]; the other daemons nothing."""
-    def place(name: str) -> tuple[list[str], list[str]]:
-        if name.startswith("instance-i"):
-            return [], [f"instance.role={roles[int(name[len('instance-i'):])]}"]
-        return [], []
-    return place
-
-
 def scrape(address: str) -> dict[str, float]:
     """One /metrics page (``host:port`` or a URL), parsed; {} when it cannot be read."""
     url = address if address.startswith("http") else f"http://{address}"
@@ -153,7 +144,7 @@ def run_one(backend: str, sets: list[str], roles: list[str], reqs, kinds: list[s
     run_dir = Path(tempfile.mkdtemp(prefix="llumnix-bench-disagg-"))
     try:
         state = localcluster.up(run_dir, len(roles), backend, 0, None, sets,
-                                timeout_s=60 if backend == "sim" else 600, place=role_placement(roles))
+                                timeout_s=60 if backend == "sim" else 600, roles=roles)
     except localcluster.ClusterError as exc:
         shutil.rmtree(run_dir, ignore_errors=True)
         raise RuntimeError(str(exc)) from None

@@ -27,6 +27,7 @@ MIN_LONG_RATIO = 10  # a long prompt's input:output, at least
 PHASES = ("queued", "prefill", "handover", "first_decode")
 PHASE_METRIC = "llumnix_instance_request_phase_seconds"
 DOWNTIME_METRIC = "llumnix_migration_downtime_seconds"
+MIGRATION_METRIC = "llumnix_migration_seconds"
 MIGRATIONS_METRIC = "llumnix_migrations_total"
 DECISIONS_METRICS = ("llumnix_proxy_disagg_decisions_total", "llumnix_manager_disagg_decisions_total")
 TPOT_GOAL_RATIO = 0.5  # the issue's goal: P99 TPOT of the decode traffic disaggregated <= 1/2 of mixed serving's
@@ -145,14 +146,21 @@ def run_figures(results: list[dict], kinds: list[str], seconds: float, ttft_s: f
 # ------------------------------------------------------------------ the clusters' counters
 
 
+IDENTITY_LABELS = ("instance_id", "model_name")  # who counted it: left out, so that a cluster's pages add up
+
+
 def parse_metrics(text: str) -> dict[str, float]:
-    """A Prometheus text page as {``name{k=v,...}``: value}, labels sorted; samples with the same key summed."""
+    """A Prometheus text page as {``name{k=v,...}``: value}, labels sorted, without the identity labels (and
+    without the ``_created`` samples); samples with the same key summed."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}" if s.labels else "")
+            if s.name.endswith("_created"):
+                continue
+            labels = sorted((k, v) for k, v in s.labels.items() if k not in IDENTITY_LABELS)
+            key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in labels) + "}" if labels else "")
             out[key] = out.get(key, 0.0) + s.value
     return out
 
@@ -207,6 +215,7 @@ def cluster_figures(ordered_before: dict[str, int], ordered_after: dict[str, int
             "migrations": by_label(inst_before, inst_after, MIGRATIONS_METRIC, "outcome"),
             "phase_mean_ms": phases, "handover_ms": phases["handover"],
             "migration_downtime_mean_ms": hist_mean_ms(inst_before, inst_after, DOWNTIME_METRIC),
+            "migration_mean_ms": hist_mean_ms(inst_before, inst_after, MIGRATION_METRIC),
             "decisions": {k: int(v) for k, v in decisions.items()}, "roles_at_end": dict(sorted(roles.items()))}
 
 
@@ -229,6 +238,7 @@ HEADLINES = (
     ("handover_ms", ("cluster", "handover_ms"), "handover phase mean, ms"),
     ("queued_ms", ("cluster", "phase_mean_ms", "queued"), "queued phase mean, ms"),
     ("migration_downtime_ms", ("cluster", "migration_downtime_mean_ms"), "migration downtime mean, ms"),
+    ("migration_ms", ("cluster", "migration_mean_ms"), "migration time mean, ms"),
 )
 
 
@@ -378,7 +388,7 @@ def handover_rows(samples: list[dict]) -> list[dict]:
         for cl in dict.fromkeys(s["cluster"] for s in samples):
             mine = [s for s in samples if s["tokens"] == n and s["cluster"] == cl]
             row[cl] = {k: spread([s.get(k) for s in mine])
-                       for k in ("ttft_ms", "gap_ms", "step_ms", "handover_ms", "downtime_ms")}
+                       for k in ("ttft_ms", "gap_ms", "step_ms", "handover_ms", "migration_ms", "downtime_ms")}
             row[cl]["handovers"] = sum(s.get("handovers", 0) for s in mine)
             row[cl]["repeats"] = len(mine)
         rows.append(row)
@@ -390,11 +400,13 @@ def handover_table(result: dict) -> Table:
     [min-max] over the repeats, ms."""
     t = Table(title=f"bench handover: {result['backend']} ({result['model']}), {result['repeat']} requests per "
                     "length; gap = the client's longest wait between two tokens")
-    for col in ("prompt", "cluster", "TTFT ms", "gap ms", "step ms", "handover ms", "downtime ms", "handovers"):
+    for col in ("prompt", "cluster", "TTFT ms", "gap ms", "step ms", "handover ms", "migration ms", "downtime ms",
+                "handovers"):
         t.add_column(col, justify="left" if col == "cluster" else "right")
     for r in result["results"]:
         for c in ("disagg", "mixed"):
             if c in r:
-                cells = [_cell(r[c][k], 1) for k in ("ttft_ms", "gap_ms", "step_ms", "handover_ms", "downtime_ms")]
+                cells = [_cell(r[c][k], 1) for k in ("ttft_ms", "gap_ms", "step_ms", "handover_ms", "migration_ms",
+                                                     "downtime_ms")]
                 t.add_row(str(r["tokens"]), c, *cells, f"{r[c]['handovers']}/{r[c]['repeats']}")
     return t

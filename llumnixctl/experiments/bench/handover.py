@@ -31,7 +31,7 @@ from rich.console import Console
 from daemons.config import ConfigError, load_config
 from llumnixctl.admin import AdminClient
 from llumnixctl.experiments.bench import disagg_figures as figs
-from llumnixctl.experiments.bench.disagg import QUIET, VLLM_PATIENCE, Counters, Target, role_placement, vocab_of, wait_idle
+from llumnixctl.experiments.bench.disagg import QUIET, VLLM_PATIENCE, Counters, Target, vocab_of, wait_idle
 from llumnixctl.experiments.bench.serve import stream_completion
 from llumnixctl.lab import localcluster
 
@@ -87,6 +87,7 @@ def sample(admin: AdminClient, url: str, target: Target, prompt: list[int], deco
     return {**figs.handover_gap(r["times"]), "tokens_out": len(r["times"]), "error": r["error"],
             "handovers": committed, "handovers_aborted": aborted,
             "handover_ms": figs.hist_mean_ms(before.instances, after.instances, figs.PHASE_METRIC, "phase=handover"),
+            "migration_ms": figs.hist_mean_ms(before.instances, after.instances, figs.MIGRATION_METRIC),
             "downtime_ms": figs.hist_mean_ms(before.instances, after.instances, figs.DOWNTIME_METRIC)}
 
 
@@ -99,7 +100,7 @@ def run(backend: str, lengths: list[int], repeat: int, decode_tokens: int, basel
         log(f"{cluster}: starting {len(roles)} instance(s) ...")
         try:
             state = localcluster.up(run_dir, len(roles), backend, 0, None, sets, timeout_s=600,
-                                    place=role_placement(roles))
+                                    roles=roles)
         except localcluster.ClusterError as exc:
             shutil.rmtree(run_dir, ignore_errors=True)
             raise RuntimeError(str(exc)) from None
