@@ -122,13 +122,14 @@ def test_the_cluster_figures_count_handovers_phases_and_decisions():
 
 
 def figures(tpot99: float, long_ttft: float, goodput: float, handover: float | None = None,
-            queued: float | None = None) -> dict:
+            queued: float | None = None, migration: float | None = None) -> dict:
     return {"kinds": {"short": {"tpot_p99_ms": tpot99, "tpot_p50_ms": tpot99 / 2, "itl_p99_ms": None,
                                 "ttft_p50_ms": 50.0, "ttft_p99_ms": 90.0},
                       "long": {"ttft_p50_ms": long_ttft, "ttft_p99_ms": long_ttft * 1.5}},
             "slo": {"goodput_rps": goodput, "attainment": 0.9}, "failed": 0,
             "cluster": {"handovers": {"committed": 10, "aborted": 0}, "handover_ms": handover,
-                        "phase_mean_ms": {"queued": queued}, "migration_downtime_mean_ms": None}}
+                        "phase_mean_ms": {"queued": queued}, "migration_downtime_mean_ms": None,
+                        "migration_mean_ms": migration}}
 
 
 def test_rounds_give_medians_and_ranges_and_the_sanity_checks_compare_with_mixed():
@@ -157,6 +158,11 @@ def test_rounds_give_medians_and_ranges_and_the_sanity_checks_compare_with_mixed
     bare = figs.sanity(figs.summarize([{"config": "mixed", "round": 0, "figures": figures(100, 300, 2)},
                                        {"config": "split", "round": 0, "figures": figures(40, 400, 3)}]))
     assert bare["split"]["handover_plus_queued_ms"] is None and bare["split"]["ttft_increase_within"] is None
+    # no handover phase measured: the migrations' mean time stands for it
+    moved = figs.sanity(figs.summarize([{"config": "mixed", "round": 0, "figures": figures(100, 300, 2)},
+                                        {"config": "split", "round": 0, "figures": figures(40, 400, 3, migration=70,
+                                                                                           queued=40)}]))
+    assert moved["split"]["handover_plus_queued_ms"] == 110 and moved["split"]["ttft_increase_within"] is True
 
 
 def test_the_handover_gap_is_the_longest_wait_after_the_first_token():
