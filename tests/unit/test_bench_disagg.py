@@ -226,15 +226,15 @@ def test_the_command_runs_every_configuration_of_every_round_interleaved(monkeyp
     res = CliRunner().invoke(app, ["disagg", "--backend", "sim", "--rounds", "2", "--seconds", "5", "--json",
                                    "--out", str(out)])
     assert res.exit_code == 0, res.output
-    assert [(r, label) for r, label, _ in calls] == [(0, "3 mixed"), (0, "1P+2D"), (0, "1P+2D"),
-                                                    (1, "3 mixed"), (1, "1P+2D"), (1, "1P+2D")]
+    assert [(r, label) for r, label, _ in calls] == [(0, "2 mixed"), (0, "1P+1D"), (0, "1P+1D"),
+                                                    (1, "2 mixed"), (1, "1P+1D"), (1, "1P+1D")]
     assert calls[2][2] == ["disagg.adaptive=true", "slo.ttft_ms=1000", "slo.tpot_ms=25"] and calls[1][2] == []
     doc = json.loads(out.read_text())
     assert json.loads(res.stdout) == doc
     for key in ("backend", "cores", "instances", "rounds", "trace", "slo", "roles", "summary", "sanity", "runs"):
         assert key in doc, key
     assert doc["sanity"]["split"]["tpot_p99_ratio"] == round(40 / 100.5, 4) and len(doc["runs"]) == 6
-    assert doc["trace"]["long_prompt"] == 2048 and doc["roles"]["adaptive"] == "1P+2D"
+    assert doc["trace"]["long_prompt"] == 2048 and doc["roles"]["adaptive"] == "1P+1D"
 
 
 def test_rounds_split_over_runs_merge_into_one_result(monkeypatch, tmp_path):

@@ -185,7 +185,7 @@ def backend_sets(backend: str, batch: int, model: Path | None, run_dir: Path) ->
 
 def command(
     backend: Annotated[str, typer.Option(metavar="sim|vllm", help="engine of the instances (vllm: a tiny random-weight model unless --model)")] = "vllm",
-    instances: Annotated[int, typer.Option(help="instances of every configuration's cluster", min=2, max=16)] = 3,
+    instances: Annotated[int, typer.Option(help="instances of every configuration's cluster", min=2, max=16)] = 2,
     prefill: Annotated[int, typer.Option(help="prefill instances of the split and adaptive configurations (the rest decode)", min=1)] = 1,
     configs: Annotated[str, typer.Option(help="configurations to run, comma-separated: mixed, split, adaptive")] = "mixed,split,adaptive",
     rounds: Annotated[int, typer.Option(help="interleaved rounds of every configuration", min=1)] = 3,
