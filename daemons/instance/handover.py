@@ -31,19 +31,17 @@ class Handovers:
         self.clock = clock
         self.offered: dict[str, float] = {}  # request id -> when it was offered
         self.before: set[str] = set()  # requests held when the role became prefill (moved for the role)
-        self.prefill = standing.role == "prefill"  # the role as of the last step
+        standing.watch_role(self.role_changed)
+
+    def role_changed(self, old: str, new: str) -> None:
+        """What runs here when the role becomes prefill moves for the role; leaving prefill, nothing is offered."""
+        self.offered.clear()
+        self.before = {rid for rid, _ in self.requests.items()} if new == "prefill" else set()
 
     def outputs(self, outputs: list[wire.TokenOut]) -> None:
         """(After a step, its tokens sent) Offer the requests that decode here but belong on a decode instance."""
         if self.standing.role != "prefill":
-            if self.prefill:
-                self.prefill = False
-                self.offered.clear()
-                self.before.clear()
             return
-        if not self.prefill:  # the role just became prefill: what runs here now moves for the role
-            self.prefill = True
-            self.before = {rid for rid, _ in self.requests.items()}
         now = self.clock.monotonic()
         for out in outputs:
             rid = out.request_id

@@ -24,6 +24,7 @@ class Standing:
 
     def __init__(self, role: str = "mixed") -> None:
         self.role = role  # "mixed" | "prefill" | "decode": set by the manager's SetRole (``set_role``)
+        self._role_watchers: list = []  # called with (old, new) on a change
         self._accepting = True
         self._draining = ""  # the reason while the manager has us draining
         self._elsewhere = True  # (while draining) another instance takes requests
@@ -71,7 +72,14 @@ class Standing:
     def set_role(self, msg: wire.SetRole) -> str:
         """Apply the manager's SetRole; returns the role it replaced."""
         was, self.role = self.role, msg.role
+        if was != msg.role:
+            for fn in self._role_watchers:
+                fn(was, msg.role)
         return was
+
+    def watch_role(self, fn) -> None:
+        """Call ``fn(old, new)`` when the role changes."""
+        self._role_watchers.append(fn)
 
     def stop_accepting(self) -> None:
         self._accepting = False

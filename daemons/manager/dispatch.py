@@ -47,7 +47,8 @@ class Dispatcher:
         chosen: list[str | None] = [None] * len(msgs)
         states = self.cluster.states(now)
         if policy.disagg.active(states):
-            return self._replies(msgs, self._disaggregated(msgs, now))
+            decisions: list[str] = [""] * len(msgs)
+            return self._replies(msgs, self._disaggregated(msgs, now, decisions), decisions)
         cached = self._cache_hits(msgs)
         plain = [i for i, m in enumerate(msgs) if not m.exclude and i not in cached]
         if plain:
@@ -76,7 +77,7 @@ class Dispatcher:
         self.turn += len(msgs)
         return self._replies(msgs, chosen)
 
-    def _disaggregated(self, msgs: list[wire.Dispatch], now: float) -> list[str | None]:
+    def _disaggregated(self, msgs: list[wire.Dispatch], now: float, decisions: list[str]) -> list[str | None]:
         """With roles: each request (higher priority first) to the pool ``disagg.decide`` picks (prefill remotely,
         or where it will decode), then by the dispatch policy within it, the ones before it counted."""
         chosen: list[str | None] = [None] * len(msgs)
@@ -88,6 +89,7 @@ class Dispatcher:
             rules = policy.disagg.rules_of(self.dc, self.ttft_targets.get(1 if m.priority > 0 else 0, 0.0))
             decision = policy.disagg.decide(states, m.prompt_tokens, hits.get(i), rules, m.priority)
             M_DISAGG.labels(decision.decision).inc()
+            decisions[i] = decision.decision
             chosen[i] = policy.dispatch(self.policies.dispatch_policy, decision.pool, self.turn + i,
                                         self.sc.high_priority_headroom, m.priority, hits=hits.get(i),
                                         cache_band=self.sc.cache_band, cache_floor=self.sc.cache_min_freeness,
@@ -97,16 +99,18 @@ class Dispatcher:
         self.turn += len(msgs)
         return chosen
 
-    def _replies(self, msgs: list[wire.Dispatch], chosen: list[str | None]) -> list[wire.DispatchReply]:
+    def _replies(self, msgs: list[wire.Dispatch], chosen: list[str | None],
+                 decisions: list[str] | None = None) -> list[wire.DispatchReply]:
         replies = []
-        for msg, iid in zip(msgs, chosen):
+        for k, (msg, iid) in enumerate(zip(msgs, chosen)):
             if iid is None:
                 M_NO_INSTANCE.inc()
                 replies.append(wire.DispatchReply(msg.query_id, reason="no live instance can take requests"))
                 continue
             rec = self.cluster.instances[iid]
             log.debug("request %s -> %s", msg.request_id, iid)
-            replies.append(wire.DispatchReply(msg.query_id, instance_id=iid, request_address=rec.info.request_address))
+            replies.append(wire.DispatchReply(msg.query_id, instance_id=iid, request_address=rec.info.request_address,
+                                              disagg=decisions[k] if decisions else ""))
         return replies
 
     def _cache_hits(self, msgs: list[wire.Dispatch], any_policy: bool = False) -> dict[int, dict[str, int]]:

@@ -5,6 +5,7 @@ and decode roles by their predicted TTFT and TPOT against the SLO."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Awaitable, Callable
 
@@ -21,7 +22,8 @@ log = logging.getLogger("llumnix.manager")
 M_HANDOVERS = metrics.counter("manager", "llumnix_manager_handovers_offered_total",
                               "Requests prefill instances offered for a handover, by what the manager did: ordered "
                               "(a decode destination was chosen), no_destination (none had room: it keeps decoding "
-                              "where it is and is offered again), stale (not a prefill instance any more, or unknown)",
+                              "where it is and is offered again), stale (from an instance we do not know as live, or "
+                              "a request whose handover is in flight)",
                               ["result"])
 M_ROLE_CHANGES = metrics.counter("manager", "llumnix_manager_role_changes_total",
                                  "Role changes the manager sent, by new role and reason (operator, adaptive)",
@@ -45,6 +47,7 @@ class Roles:
         self.spawn = spawn
         self.assigned: dict[str, str] = {}  # instance id -> the role we told it last
         self.handing: set[str] = set()  # request ids whose handover order is in flight
+        self.incoming: dict[str, list[int]] = {}  # destination id -> blocks of each handover in flight to it
         self.adaptive = None  # the adaptive rule's memory (daemons/policy/disagg.py), once it runs
 
     # ------------------------------------------------------------------ an operator's role change
@@ -88,12 +91,14 @@ class Roles:
         """A prefill instance's request has its first token (or decodes where it no longer belongs): choose the
         decode instance now, by the policy in force, and order the move."""
         src = self.cluster.get(msg.instance_id)
-        if src is None or src.state == "dead" or (src.load.role or "mixed") != "prefill" or msg.request_id in self.handing:
+        # (The instance offers only while in role prefill; our view may still show a report sent before our SetRole.)
+        if src is None or src.state == "dead" or msg.request_id in self.handing:
             M_HANDOVERS.labels("stale").inc()
             return
         now = self.clock.monotonic()
         tpot_s = msg.slo_tpot_ms / 1000.0 or self.targets[1 if msg.priority > 0 else 0].tpot_s
-        dst_id = disagg.handover_destination(self.cluster.states(now), src.instance_id, msg.prompt_tokens, msg.blocks,
+        states = [self._with_incoming(s) for s in self.cluster.states(now)]
+        dst_id = disagg.handover_destination(states, src.instance_id, msg.prompt_tokens, msg.blocks,
                                              tpot_s, self.sc.high_priority_headroom, msg.priority)
         dst = self.cluster.get(dst_id) if dst_id else None
         if dst is None:
@@ -101,13 +106,28 @@ class Roles:
             return
         M_HANDOVERS.labels("ordered").inc()
         self.handing.add(msg.request_id)
+        self.incoming.setdefault(dst.instance_id, []).append(msg.blocks)
         start = wire.MigrateStart(0, dst=dst.instance_id, dst_address=dst.info.request_address,
                                   request_ids=[msg.request_id], reason=msg.reason or "handover")
-        self.spawn(self._hand_over(src, start, msg.request_id))
+        self.spawn(self._hand_over(src, start, msg.request_id, msg.blocks))
 
-    async def _hand_over(self, src: InstanceRecord, start: wire.MigrateStart, request_id: str) -> None:
+    def _with_incoming(self, s):
+        """``s`` with the handovers in flight to it counted as its own pending dispatches: the handovers of one
+        step's prefills (offered together) spread over the decode instances instead of all choosing the freest."""
+        blocks = self.incoming.get(s.instance_id)
+        if not blocks:
+            return s
+        return dataclasses.replace(s, pending_blocks=s.pending_blocks + sum(blocks),
+                                   pending_requests=s.pending_requests + len(blocks))
+
+    async def _hand_over(self, src: InstanceRecord, start: wire.MigrateStart, request_id: str, blocks: int) -> None:
         try:
             await self.orders.run_order(src, start)
         finally:
             self.handing.discard(request_id)
+            ledger = self.incoming.get(start.dst)
+            if ledger is not None:
+                ledger.remove(blocks)
+                if not ledger:
+                    del self.incoming[start.dst]
 

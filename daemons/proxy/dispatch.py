@@ -117,6 +117,7 @@ class Dispatcher:
                     raise NoInstance(reply.reason or "no live instance")
             if reply is not None and reply.instance_id:
                 M_ASKED.inc()
+                stream.disagg = reply.disagg
                 self.known.set_address(reply.instance_id, reply.request_address)
                 return reply.instance_id, reply.request_address
         chosen = self._choose_here(stream)
