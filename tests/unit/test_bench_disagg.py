@@ -99,6 +99,21 @@ llumnix_migration_downtime_seconds_sum{instance_id="i0",model_name="m"} %(d)f
 PROXY = """# TYPE llumnix_proxy_disagg_decisions_total counter
 llumnix_proxy_disagg_decisions_total{decision="remote"} %d
 llumnix_proxy_disagg_decisions_total{decision="local_short"} %d
+# TYPE llumnix_proxy_migration_gap_seconds histogram
+llumnix_proxy_migration_gap_seconds_count{kind="handover"} %d
+llumnix_proxy_migration_gap_seconds_sum{kind="handover"} %f
+llumnix_proxy_migration_gap_seconds_count{kind="migration"} 7
+llumnix_proxy_migration_gap_seconds_sum{kind="migration"} 70
+"""
+OWN = """# TYPE llumnix_instance_request_prefill_time_seconds histogram
+llumnix_instance_request_prefill_time_seconds_count{instance_id="i0"} %(n)d
+llumnix_instance_request_prefill_time_seconds_sum{instance_id="i0"} %(s)f
+# TYPE llumnix_instance_handover_seconds histogram
+llumnix_instance_handover_seconds_count{instance_id="i0"} %(n)d
+llumnix_instance_handover_seconds_sum{instance_id="i0"} %(s)f
+# TYPE llumnix_instance_handovers_total counter
+llumnix_instance_handovers_total{instance_id="i0",reason="handover",outcome="committed"} %(n)d
+llumnix_instance_handovers_total{instance_id="i0",reason="role",outcome="aborted"} 1
 """
 
 
@@ -111,7 +126,7 @@ def test_the_cluster_figures_count_handovers_phases_and_decisions():
     assert not any("_created" in k or "instance_id" in k for k in after)
     c = figs.cluster_figures({"handover/committed": 3, "balance/committed": 1},
                              {"handover/committed": 7, "handover/aborted": 1, "balance/committed": 1}, before, after,
-                             figs.parse_metrics(PROXY % (1, 5)), figs.parse_metrics(PROXY % (5, 6)),
+                             figs.parse_metrics(PROXY % (1, 5, 1, 0.01)), figs.parse_metrics(PROXY % (5, 6, 3, 0.07)),
                              {"i1": "decode", "i0": "prefill"})
     assert c["handovers"] == {"committed": 4, "aborted": 1}
     assert c["ordered_migrations"] == {"handover/aborted": 1, "handover/committed": 4}
@@ -119,6 +134,12 @@ def test_the_cluster_figures_count_handovers_phases_and_decisions():
     assert c["phase_mean_ms"]["prefill"] is None and c["migration_downtime_mean_ms"] == pytest.approx(10.0)
     assert c["migrations"] == {"committed": 4} and c["decisions"] == {"local_short": 1, "remote": 4}
     assert list(c["roles_at_end"]) == ["i0", "i1"]
+    assert c["handover_gap_mean_ms"] == pytest.approx(30.0)  # the handovers' gaps, not the other migrations'
+    # where the instances have no per-phase histogram, their own prefill and handover histograms stand in
+    own0, own1 = figs.parse_metrics(OWN % {"n": 1, "s": 0.2}), figs.parse_metrics(OWN % {"n": 3, "s": 0.5})
+    c = figs.cluster_figures({}, {}, own0, own1, {}, {}, {})
+    assert c["phase_mean_ms"]["prefill"] == pytest.approx(150.0) and c["handover_ms"] == pytest.approx(150.0)
+    assert c["phase_mean_ms"]["queued"] is None and c["instance_handovers"] == {"handover/committed": 2}
 
 
 def figures(tpot99: float, long_ttft: float, goodput: float, handover: float | None = None,
@@ -170,7 +191,8 @@ def test_the_handover_gap_is_the_longest_wait_after_the_first_token():
     assert g == {"ttft_ms": 300.0, "gap_ms": 50.0, "gap_at": 2, "step_ms": 10.0}
     assert figs.handover_gap([0.3])["gap_ms"] is None and figs.handover_gap([])["ttft_ms"] is None
     samples = [{"tokens": n, "cluster": c, "gap_ms": gap, "ttft_ms": 100.0, "step_ms": 10.0, "handovers": int(c == "disagg"),
-                "handover_ms": 5.0 if c == "disagg" else None, "downtime_ms": None, "migration_ms": None}
+                "handover_ms": 5.0 if c == "disagg" else None, "downtime_ms": None, "migration_ms": None,
+                "proxy_gap_ms": 9.0 if c == "disagg" else None}
                for n in (256, 1024) for c in ("disagg", "mixed") for gap in ((30.0, 40.0, 35.0) if c == "disagg" else (12.0,) * 3)]
     rows = figs.handover_rows(samples)
     assert [r["tokens"] for r in rows] == [256, 1024]

@@ -25,7 +25,15 @@ CONFIGS = ("mixed", "split", "adaptive")
 KINDS = ("short", "long")
 MIN_LONG_RATIO = 10  # a long prompt's input:output, at least
 PHASES = ("queued", "prefill", "handover", "first_decode")
-PHASE_METRIC = "llumnix_instance_request_phase_seconds"
+PHASE_METRIC = "llumnix_instance_request_phase_seconds"  # {phase}, where the instances have it
+# Each phase's histograms, the first one with observations taken: the per-phase one, else the instances' own
+PHASE_SOURCES = {"queued": ((PHASE_METRIC, "phase=queued"), ("llumnix_instance_request_queue_time_seconds", "")),
+                 "prefill": ((PHASE_METRIC, "phase=prefill"), ("llumnix_instance_request_prefill_time_seconds", "")),
+                 "handover": ((PHASE_METRIC, "phase=handover"), ("llumnix_instance_handover_seconds", "")),
+                 "first_decode": ((PHASE_METRIC, "phase=first_decode"),)}
+HANDOVERS_METRIC = "llumnix_instance_handovers_total"  # {reason, outcome}, on the prefill instances
+HANDOVER_BYTES_METRIC = "llumnix_instance_handover_bytes"
+GAP_METRIC = "llumnix_proxy_migration_gap_seconds"  # {kind}: the client's gap as the proxy sees it
 DOWNTIME_METRIC = "llumnix_migration_downtime_seconds"
 MIGRATION_METRIC = "llumnix_migration_seconds"
 MIGRATIONS_METRIC = "llumnix_migrations_total"
@@ -197,6 +205,31 @@ def by_label(before: dict[str, float], after: dict[str, float], name: str, label
     return {k: v for k, v in sorted(out.items()) if v}
 
 
+def by_labels(before: dict[str, float], after: dict[str, float], name: str, labels: tuple[str, ...]) -> dict[str, float]:
+    """A counter's increase per combination of ``labels``, as "a/b" (e.g. reason/outcome)."""
+    out: dict[str, float] = {}
+    for key in after:
+        if key.startswith(name + "{"):
+            have = dict(p.split("=", 1) for p in key[len(name) + 1:-1].split(","))
+            if all(k in have for k in labels):
+                k = "/".join(have[x] for x in labels)
+                out[k] = out.get(k, 0.0) + delta(before, after, key)
+    return {k: int(v) for k, v in sorted(out.items()) if v}
+
+
+def phase_mean_ms(before: dict[str, float], after: dict[str, float], phase: str) -> float | None:
+    """A TTFT phase's mean, ms, from the first of its histograms (PHASE_SOURCES) that observed anything."""
+    for name, labels in PHASE_SOURCES[phase]:
+        mean = hist_mean_ms(before, after, name, labels)
+        if mean is not None:
+            return mean
+    return None
+
+
+def _scaled(x: float | None, k: float) -> float | None:
+    return None if x is None else round(x * k, 3)
+
+
 def cluster_figures(ordered_before: dict[str, int], ordered_after: dict[str, int], inst_before: dict[str, float],
                     inst_after: dict[str, float], proxy_before: dict[str, float], proxy_after: dict[str, float],
                     roles: dict[str, str]) -> dict:
@@ -205,7 +238,7 @@ def cluster_figures(ordered_before: dict[str, int], ordered_after: dict[str, int
     histogram), the migrations' mean downtime, the dispatch decisions, the roles at the end."""
     ordered = {k: ordered_after.get(k, 0) - ordered_before.get(k, 0) for k in ordered_after}
     ordered = {k: v for k, v in sorted(ordered.items()) if v}
-    phases = {p: hist_mean_ms(inst_before, inst_after, PHASE_METRIC, f"phase={p}") for p in PHASES}
+    phases = {p: phase_mean_ms(inst_before, inst_after, p) for p in PHASES}
     decisions: dict[str, float] = {}
     for name in DECISIONS_METRICS:
         for k, v in by_label(proxy_before, proxy_after, name, "decision").items():
@@ -213,7 +246,10 @@ def cluster_figures(ordered_before: dict[str, int], ordered_after: dict[str, int
     return {"handovers": {"committed": ordered.get("handover/committed", 0), "aborted": ordered.get("handover/aborted", 0)},
             "ordered_migrations": ordered,
             "migrations": by_label(inst_before, inst_after, MIGRATIONS_METRIC, "outcome"),
+            "instance_handovers": by_labels(inst_before, inst_after, HANDOVERS_METRIC, ("reason", "outcome")),
             "phase_mean_ms": phases, "handover_ms": phases["handover"],
+            "handover_gap_mean_ms": hist_mean_ms(proxy_before, proxy_after, GAP_METRIC, "kind=handover"),
+            "handover_bytes_mean": _scaled(hist_mean_ms(inst_before, inst_after, HANDOVER_BYTES_METRIC), 1e-3),
             "migration_downtime_mean_ms": hist_mean_ms(inst_before, inst_after, DOWNTIME_METRIC),
             "migration_mean_ms": hist_mean_ms(inst_before, inst_after, MIGRATION_METRIC),
             "decisions": {k: int(v) for k, v in decisions.items()}, "roles_at_end": dict(sorted(roles.items()))}
@@ -236,8 +272,10 @@ HEADLINES = (
     ("failed", ("failed",), "failed requests"),
     ("handovers_committed", ("cluster", "handovers", "committed"), "handovers committed"),
     ("handovers_aborted", ("cluster", "handovers", "aborted"), "handovers aborted"),
-    ("handover_ms", ("cluster", "handover_ms"), "handover phase mean, ms"),
-    ("queued_ms", ("cluster", "phase_mean_ms", "queued"), "queued phase mean, ms"),
+    ("handover_ms", ("cluster", "handover_ms"), "handover mean (order to commit), ms"),
+    ("handover_gap_ms", ("cluster", "handover_gap_mean_ms"), "client's gap at handover (proxy), mean ms"),
+    ("queued_ms", ("cluster", "phase_mean_ms", "queued"), "queued mean, ms"),
+    ("prefill_ms", ("cluster", "phase_mean_ms", "prefill"), "prefill step mean, ms"),
     ("migration_downtime_ms", ("cluster", "migration_downtime_mean_ms"), "migration downtime mean, ms"),
     ("migration_ms", ("cluster", "migration_mean_ms"), "migration time mean, ms"),
 )
@@ -391,7 +429,7 @@ def handover_rows(samples: list[dict]) -> list[dict]:
         for cl in dict.fromkeys(s["cluster"] for s in samples):
             mine = [s for s in samples if s["tokens"] == n and s["cluster"] == cl]
             row[cl] = {k: spread([s.get(k) for s in mine])
-                       for k in ("ttft_ms", "gap_ms", "step_ms", "handover_ms", "migration_ms", "downtime_ms")}
+                       for k in ("ttft_ms", "gap_ms", "proxy_gap_ms", "step_ms", "handover_ms", "migration_ms", "downtime_ms")}
             row[cl]["handovers"] = sum(s.get("handovers", 0) for s in mine)
             row[cl]["repeats"] = len(mine)
         rows.append(row)
@@ -400,16 +438,16 @@ def handover_rows(samples: list[dict]) -> list[dict]:
 
 def handover_table(result: dict) -> Table:
     """Rows: prompt length x cluster (disagg: 1 prefill + 1 decode; mixed: one instance); cells: median
-    [min-max] over the repeats, ms."""
+    [min-max] over the repeats, ms (gap: the client's; proxy gap: the proxy's own measure of the handover's)."""
     t = Table(title=f"bench handover: {result['backend']} ({result['model']}), {result['repeat']} requests per "
                     "length; gap = the client's longest wait between two tokens")
-    for col in ("prompt", "cluster", "TTFT ms", "gap ms", "step ms", "handover ms", "migration ms", "downtime ms",
+    for col in ("prompt", "cluster", "TTFT ms", "gap ms", "proxy gap ms", "step ms", "handover ms", "downtime ms",
                 "handovers"):
         t.add_column(col, justify="left" if col == "cluster" else "right")
     for r in result["results"]:
         for c in ("disagg", "mixed"):
             if c in r:
-                cells = [_cell(r[c][k], 1) for k in ("ttft_ms", "gap_ms", "step_ms", "handover_ms", "migration_ms",
+                cells = [_cell(r[c][k], 1) for k in ("ttft_ms", "gap_ms", "proxy_gap_ms", "step_ms", "handover_ms",
                                                      "downtime_ms")]
                 t.add_row(str(r["tokens"]), c, *cells, f"{r[c]['handovers']}/{r[c]['repeats']}")
     return t

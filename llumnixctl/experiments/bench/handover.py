@@ -5,8 +5,9 @@ On a cluster of one prefill and one decode instance, one streamed request at a t
 instance at its first token (a live migration of reason "handover"). The client records every token's arrival;
 the figures per length: TTFT, the longest gap between two tokens after the first (the handover's downtime as the
 client sees it: the last stage's copy plus the steps around it) and the median gap (the decode step), and from
-the cluster the handovers committed, the handover phase (``llumnix_instance_request_phase_seconds{phase=
-"handover"}``) and the migration's downtime (``llumnix_migration_downtime_seconds``). With ``--baseline`` (the
+the cluster the handovers committed, the handover's time from its order to the commit
+(``llumnix_instance_handover_seconds``), the migration's time and downtime (``llumnix_migration_seconds``,
+``llumnix_migration_downtime_seconds``) and the gap the proxy measured (``llumnix_proxy_migration_gap_seconds``). With ``--baseline`` (the
 default) the same requests also run on one mixed instance: its longest gap is what decoding alone gives.
 
 --backend vllm uses the tiny random-weight model while the lengths fit its context (4096 tokens with the decode
@@ -86,7 +87,8 @@ def sample(admin: AdminClient, url: str, target: Target, prompt: list[int], deco
     aborted = after.ordered.get("handover/aborted", 0) - before.ordered.get("handover/aborted", 0)
     return {**figs.handover_gap(r["times"]), "tokens_out": len(r["times"]), "error": r["error"],
             "handovers": committed, "handovers_aborted": aborted,
-            "handover_ms": figs.hist_mean_ms(before.instances, after.instances, figs.PHASE_METRIC, "phase=handover"),
+            "handover_ms": figs.phase_mean_ms(before.instances, after.instances, "handover"),
+            "proxy_gap_ms": figs.hist_mean_ms(before.proxy, after.proxy, figs.GAP_METRIC, "kind=handover"),
             "migration_ms": figs.hist_mean_ms(before.instances, after.instances, figs.MIGRATION_METRIC),
             "downtime_ms": figs.hist_mean_ms(before.instances, after.instances, figs.DOWNTIME_METRIC)}
 
