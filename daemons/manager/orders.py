@@ -96,7 +96,9 @@ class Orders:
         for gone in [iid for iid in self.drain_backoff if self.cluster.get(iid) is None]:
             del self.drain_backoff[gone]
         states = [dataclasses.replace(self.cluster.state(r, now), host=r.info.host) for r in live]
-        if policy.disagg.active(states):  # prefill instances hand over what decodes: balance the others (and drains)
+        if policy.disagg.active(states) and any(s.role != "prefill" and s.dispatchable for s in states):
+            # Prefill instances hand over what decodes: balance the others, and drain into them (with no decode
+            # or mixed instance left, prefill ones serve whole requests and take drains too).
             states = [s for s in states if s.role != "prefill" or s.draining]
         pairs = policy.pair(states, self.sc.high_priority_headroom,
                             self.sc.migrate_out_threshold, self.sc.migrate_in_threshold,

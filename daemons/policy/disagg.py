@@ -134,3 +134,148 @@ def misplaced(role: str, output_tokens: int) -> bool:
 def handover_blocks(prompt_tokens: int, block_size: int) -> int:
     """Blocks a just-prefilled request holds (its prompt and first token)."""
     return blocks_for(prompt_tokens + 1, block_size)
+
+
+# ------------------------------------------------------------------ adaptive roles
+#
+# Instances move between the prefill and decode roles by the SLO: the prefill pool is short while a new request's
+# predicted TTFT on its best instance is over (1 + margin) of the TTFT target and the decode pool has slack (its
+# mean predicted TPOT, with a request joining, under (1 - margin) of the TPOT target); the decode pool is short in
+# the reverse case. Only an imbalance that has held ``sustain_s`` changes a role, at most one change per
+# ``interval_s``, and every change restarts both timers (what follows a change is judged on what was seen after
+# it: no flip-flop on a prediction the change has not had time to move). Mixed instances are never changed; a
+# draining, cordoned or dead instance is never picked; a pool never shrinks below its minimum. Without both
+# targets nothing changes.
+
+REFERENCE_PROMPT = 512  # the prompt predicted for when none is queued on the prefill pool (slo.REFERENCE_PROMPT_TOKENS)
+
+
+@dataclass(frozen=True)
+class AdaptRules:
+    """Adaptive roles' settings ([disagg] adapt_*, min_prefill, min_decode) and the normal class's [slo]
+    targets in seconds (0: none; without both, nothing changes)."""
+
+    interval_s: float = 10.0
+    sustain_s: float = 5.0
+    margin: float = 0.2
+    min_prefill: int = 1
+    min_decode: int = 1
+    ttft_target_s: float = 0.0
+    tpot_target_s: float = 0.0
+
+    @property
+    def on(self) -> bool:
+        return self.ttft_target_s > 0 and self.tpot_target_s > 0
+
+
+def adapt_rules_of(disagg, slo_cfg) -> AdaptRules:
+    """AdaptRules from the [disagg] and [slo] settings (daemons/config.py DisaggConfig, SloConfig)."""
+    return AdaptRules(disagg.adapt_interval_s, disagg.adapt_sustain_s, disagg.adapt_margin, disagg.min_prefill,
+                      disagg.min_decode, slo_cfg.ttft_ms / 1000.0, slo_cfg.tpot_ms / 1000.0)
+
+
+@dataclass(frozen=True)
+class AdaptMemory:
+    """What the rule remembers between two calls: since when the prefill pool (``prefill_short_since``) and the
+    decode pool (``decode_short_since``) have been short (None: not now), and the last change (when, and
+    ``direction``: the role an instance was given; "" before the first)."""
+
+    prefill_short_since: float | None = None
+    decode_short_since: float | None = None
+    last_change: float | None = None
+    direction: str = ""
+
+
+@dataclass(frozen=True)
+class RoleChange:
+    """Give ``instance_id`` the role ``role`` (its requests that no longer fit move by migration)."""
+
+    instance_id: str
+    role: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Pressure:
+    """Each pool's prediction against its target: ``ttft`` (a new request's TTFT on the best prefill instance /
+    the TTFT target) and ``tpot`` (the decode pool's mean TPOT with a request joining / the TPOT target); 0 where
+    nothing is predicted (no fitted model, no target, an empty pool)."""
+
+    ttft: float
+    tpot: float
+
+
+def representative_prompt(pre: list[InstanceState]) -> int:
+    """The prompt the prefill pool is judged on: the mean prompt queued there, else REFERENCE_PROMPT."""
+    waiting = sum(s.waiting for s in pre)
+    return max(1, sum(s.waiting_tokens for s in pre) // waiting) if waiting else REFERENCE_PROMPT
+
+
+def pressure(states: list[InstanceState], rules: AdaptRules) -> Pressure:
+    """The two pools' predictions against their targets (the prefill pool: the decode pool's instances when
+    there is no prefill instance, as they then prefill everything)."""
+    if not rules.on:
+        return Pressure(0.0, 0.0)
+    pre, dec = pools(states)
+    front = pre or dec
+    ttft = tpot = 0.0
+    if any(fitted(s.latency) for s in front):
+        prompt = representative_prompt(front)
+        ttft = min(predict_ttft(s, prompt) for s in pooled(front)) / rules.ttft_target_s
+    if any(fitted(s.latency) for s in dec):
+        prompt = representative_prompt(pre) if pre else REFERENCE_PROMPT
+        per = [predict_tpot(s, prompt) for s in pooled(dec)]
+        tpot = sum(per) / len(per) / rules.tpot_target_s
+    return Pressure(ttft, tpot)
+
+
+def _least_loaded(states: list[InstanceState], role: str) -> InstanceState | None:
+    """The instance of ``role`` to convert: dispatchable, fewest requests, then least KV used (then by id)."""
+    pick = [s for s in states if s.role == role and s.dispatchable]
+    return min(pick, key=lambda s: (s.running + s.waiting + s.pending_requests, s.blocks_used + s.pending_blocks,
+                                    s.instance_id), default=None)
+
+
+def adapt(states: list[InstanceState], rules: AdaptRules, memory: AdaptMemory,
+          now: float) -> tuple[RoleChange | None, AdaptMemory]:
+    """One look at the cluster at ``now``: the role change to make (None: none) and the memory for the next call."""
+    if not rules.on or not any(s.role != "mixed" for s in states):
+        return None, AdaptMemory(last_change=memory.last_change, direction=memory.direction)
+    p = pressure(states, rules)
+    hi, lo = 1.0 + rules.margin, 1.0 - rules.margin
+    prefill_short = p.ttft > hi and p.tpot < lo
+    decode_short = p.tpot > hi and p.ttft < lo
+    mem = AdaptMemory(
+        (memory.prefill_short_since if memory.prefill_short_since is not None else now) if prefill_short else None,
+        (memory.decode_short_since if memory.decode_short_since is not None else now) if decode_short else None,
+        memory.last_change, memory.direction)
+    if mem.last_change is not None and now - mem.last_change < rules.interval_s:
+        return None, mem
+    pre, dec = pools(states)
+    change = None
+    if prefill_short and now - mem.prefill_short_since >= rules.sustain_s and len(dec) - 1 >= rules.min_decode:
+        s = _least_loaded(states, "decode")
+        if s is not None:
+            change = RoleChange(s.instance_id, "prefill",
+                                f"prefill short for {now - mem.prefill_short_since:.1f} s: TTFT {p.ttft:.2f}x target, "
+                                f"TPOT {p.tpot:.2f}x")
+    elif decode_short and now - mem.decode_short_since >= rules.sustain_s and len(pre) - 1 >= rules.min_prefill:
+        s = _least_loaded(states, "prefill")
+        if s is not None:
+            change = RoleChange(s.instance_id, "decode",
+                                f"decode short for {now - mem.decode_short_since:.1f} s: TPOT {p.tpot:.2f}x target, "
+                                f"TTFT {p.ttft:.2f}x")
+    if change is None:
+        return None, mem
+    return change, AdaptMemory(None, None, now, change.role)
+
+
+def short_role(states: list[InstanceState], rules: AdaptRules) -> str:
+    """The role a new instance should get (auto-scaling): the pool predicted further over its target; "mixed"
+    when no instance has a role; "decode" with roles but no targets (it serves whole requests too)."""
+    if not any(s.role != "mixed" for s in states):
+        return "mixed"
+    if not rules.on:
+        return "decode"
+    p = pressure(states, rules)
+    return "prefill" if p.ttft > p.tpot else "decode"

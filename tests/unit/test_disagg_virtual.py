@@ -108,3 +108,20 @@ def test_a_handover_with_no_room_keeps_decoding_at_the_prefill_instance():
         assert s.instance_id == "i0" and not _outcomes(c)
 
     VirtualCluster.run(scenario, instances=0, sets=SETS)
+
+
+def test_draining_the_last_decode_instance_moves_its_requests_to_the_prefill_one():
+    async def scenario(c: VirtualCluster):
+        await _roles(c, "prefill", "decode")
+        streams = [await c.request(max_tokens=200, prompt_tokens=SHORT) for _ in range(3)]
+        await c.until(lambda: all(s.next_index >= 3 for s in streams), 10, "the batch did not start")
+        assert {s.instance_id for s in streams} == {"i1"}  # short prompts prefill where they decode
+        c.manager.resched.lifecycle.on_drain(wire.DrainQuery(1, "i1"))
+        for s in streams:
+            got = await c.result(s)
+            assert [o.token_id for o in got] == c.expected(s, 200)
+            assert s.instance_id == "i0"  # no decode instance left: the prefill one serves whole requests
+        out = _outcomes(c)
+        assert out.get("drain/committed") == 3 and not any("aborted" in k for k in out), out
+
+    VirtualCluster.run(scenario, instances=0, sets=SETS)

@@ -23,6 +23,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping, Protocol
 
+import msgspec
 import zmq
 
 from daemons import runtime, security, wire
@@ -222,6 +223,11 @@ def sim_engine_class():
         class Engine(SimEngine):
             layout: SimLayout
             on_suspend: Callable[[str], None]
+            role = "mixed"  # its role (sim/disagg.py), in its load reports
+
+            def load(self) -> wire.InstanceLoad:
+                load = super().load()
+                return msgspec.structs.replace(load, role=self.role) if self.role != "mixed" else load
 
             def kv_blocks(self) -> SimLayout:
                 return self.layout
@@ -239,6 +245,7 @@ class Site(Protocol):
     """What migrations need of the simulation (simulate.py's ``Simulation``)."""
 
     requests: Mapping  # request id -> SimulatedRequest (its ``owner``)
+    instances: Mapping  # instance id -> SimulatedInstance
 
     def at(self, t: float, fn: Callable, *args) -> None: ...
 
@@ -326,6 +333,18 @@ class SimMigrations:
 
     # ------------------------------------------------------------------ orders
 
+    def pair(self, mgr, allows: Callable[[str, str], bool], every_s: float) -> None:
+        """Every ``every_s``: the manager's pairing plan (``Rescheduler.plan``); each order reaches its source a
+        message later (none between instances ``allows`` refuses: prefill instances, sim/disagg.py)."""
+        site, now = self.site, self.loop.time()
+        for p, start in mgr.resched.plan(now):
+            if not allows(p.src, p.dst):
+                continue
+            mgr.resched.count_orders(p.src, p.dst, p.count)
+            self.outcomes[f"{start.reason}/ordered"] += 1
+            site.at(now + self.net.message_s, self.order, site.instances[p.src], site.instances[p.dst], start)
+        site.at(now + every_s, self.pair, mgr, allows, every_s)
+
     def order(self, src: SimulatedInstance, dst: SimulatedInstance, start: wire.MigrateStart) -> None:
         """The manager's order reached the source: it picks its requests as the instance does (queued ones
         go back through dispatch), and its migrator moves each."""
@@ -354,10 +373,21 @@ class SimMigrations:
         for rid in moving:
             src.migrator.spawn(self._migrate(src, dst, rid, start.reason))
 
+    def move(self, src: SimulatedInstance, dst: SimulatedInstance, rid: str, reason: str) -> None:
+        """The manager's order to move ``rid`` (a handover, say) reached the source: its migrator moves it."""
+        if src.gone is not None or rid not in src.table:
+            self.site.count_orders(src.iid, dst.iid, -1)
+            self.site.notify("migration", src=src.iid, dst=dst.iid, request=rid, outcome="aborted", reason=reason,
+                             started=self.loop.time(), why="gone")
+            return
+        self.outcomes[f"{reason}/ordered"] += 1
+        src.migrator.spawn(self._migrate(src, dst, rid, reason))
+
     async def _migrate(self, src: SimulatedInstance, dst: SimulatedInstance, rid: str, reason: str) -> None:
         site = self.site
         started = self.loop.time()
-        out = await src.migrator.migrate_out(rid, dst.iid, dst.host.request_address)
+        blocking = reason == "handover" and self.net.handover_blocking
+        out = await src.migrator.migrate_out(rid, dst.iid, dst.host.request_address, blocking=blocking)
         suspended = self.suspended_at.pop(rid, None)
         committed = self.committed_at.pop(rid, None)
         why = "" if out.outcome == "committed" else out.reason

@@ -23,6 +23,7 @@ class Network:
     kv_bytes_per_token: int = 0  # 0: from the sim engine's KV shape
     launch_s: float = 30.0  # auto-scaling: a launched instance loads its model and registers this much later
     step_overhead_s: float = 0.0  # the daemon's own cost per step (event loop, sockets), on top of model time
+    handover_blocking: bool = False  # a handover (sim/disagg.py) skips pre-copy: suspended at once, copied in one stage
 
 
 @dataclass

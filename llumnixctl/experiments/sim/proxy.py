@@ -102,6 +102,10 @@ class SimProxy:
         return policy.dispatch(policy_name, states, self.turn, self.headroom, priority, start=start,
                                tpot_target_s=self.view.tpot_targets.get(1 if priority > 0 else 0, 0.0))
 
+    def states(self, now: float) -> list:
+        """The instances it would dispatch among, as its dispatch view sees them at ``now``."""
+        return [self.view.state_of(v, v.load, now) for v in self.known.alive()]
+
     def predict(self, instance_id: str, tokens: int, priority: int) -> tuple[float, float] | None:
         """(TTFT, TPOT) the proxy predicts for a request placed on ``instance_id`` now (None: no model yet)."""
         beat = self.known.beats.get(instance_id)

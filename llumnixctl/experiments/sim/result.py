@@ -46,6 +46,9 @@ def result_of(sim, wall_s: float) -> dict:
         **sim.cache.figures(),
     })
     out["slo"] = slo_of(sim, duration)
+    roles = sim.roles.figures()
+    if roles:  # prefill/decode disaggregation (sim/disagg.py)
+        out["disagg"] = roles
     return out
 
 

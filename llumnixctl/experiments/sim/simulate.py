@@ -59,6 +59,7 @@ from daemons.config import Config, ConfigError, load_config
 from daemons.requests import RequestTable
 from llumnixctl.common import ConfigOpt, JsonOpt, die, out, print_json
 from llumnixctl.experiments.sim.cache import SimCache
+from llumnixctl.experiments.sim.disagg import SimRoles, parse_roles
 from llumnixctl.experiments.sim.migrate import SimMigrations
 from llumnixctl.experiments.sim.parts import (PROXY_ADDRESS, Network, SimulatedInstance, SimulatedRequest,
                                              kv_bytes_per_token)
@@ -84,11 +85,12 @@ EngineError = EngineRequest = SimEngine = None  # set by _engine_code()
 
 class Simulation:
     def __init__(self, cfg: Config, instances: int, trace: list[TraceRequest], net: Network | None = None,
-                 sample_s: float = 0.0, oracle: bool = False, slo_admission: bool = True):
-        """``sample_s`` > 0: every so often (virtual seconds) look for fragmentation (a queue head that the
-        cluster's free blocks could hold but no single instance's can) and call the "sample" observers.
-        ``oracle``: dispatch by the engines' real caches first (sim/cache.py). ``slo_admission`` False: with
-        [slo] targets, admit everything and never give up (the targets only measure)."""
+                 sample_s: float = 0.0, oracle: bool = False, slo_admission: bool = True,
+                 roles: list[str] | None = None):
+        """``sample_s`` > 0: every so often (virtual seconds) look for fragmentation (a queue head that the cluster's
+        free blocks could hold but no single instance's can) and call the "sample" observers. ``oracle``: dispatch by
+        the engines' real caches first (sim/cache.py). ``slo_admission`` False: with [slo] targets, admit everything,
+        never give up (the targets only measure). ``roles``: the instances' (sim/disagg.py; None: all mixed)."""
         _engine_code()
         self.cfg = cfg
         self.oracle = oracle
@@ -110,6 +112,7 @@ class Simulation:
         self._qid = itertools.count(1)
         self.n_instances = instances
         self.kv_bytes_per_token = kv_bytes_per_token(cfg.sim, self.net)
+        self.roles = SimRoles(cfg, roles, self.net.message_s, self)  # (sim/disagg.py)
 
     # ------------------------------------------------------------------ the event loop
 
@@ -153,6 +156,7 @@ class Simulation:
                                  self.reports.drain, self.reports.stop)
         try:
             self._start()
+            self.roles.start(self.mgr, self.migrations, lambda: self._left > 0)
             if self._left:
                 await self._finished
             if linger_s > 0:
@@ -177,7 +181,8 @@ class Simulation:
             self.requests[rid] = SimulatedRequest(tr, rid)
             if rid not in self.cache.later_turns:  # a later turn waits for the one before it
                 self.at(tr.arrival_s, self._arrive, rid, ())
-        self.at(self.cfg.scheduling.migration_interval_s, self._pair)
+        every = self.cfg.scheduling.migration_interval_s  # the manager's pairing plans (never onto a prefill instance)
+        self.at(every, self.migrations.pair, self.mgr, self.roles.allows, every)
         if self.proxy is not None:
             self.proxy.start(lambda: self.mgr.snapshot(next(self._qid), PROXY_ADDRESS), self.net.dispatch_rtt_s,
                              self.at, lambda: self._left > 0)
@@ -186,6 +191,7 @@ class Simulation:
         iid = f"i{next(self._next_index)}"
         inst = SimulatedInstance(iid, self.migrations.engine(), ident=iid.encode(), born=self.now,
                                  table=RequestTable(self.clock))
+        self.roles.assign(inst)
         self.instances[iid] = inst
         self.migrations.attach(inst)
         self.cache.publisher(inst)
@@ -211,10 +217,10 @@ class Simulation:
             req.sent = self.now
         if req.slo == "gave_up" or not self.slo.admitted(req):
             return
-        proxy = self.proxy
-        if proxy is not None and proxy.ready() and not self.oracle:
-            tr = req.trace
-            prio = 1 if tr.priority == "high" else 0
+        proxy, tr, prio = self.proxy, req.trace, 1 if req.trace.priority == "high" else 0
+        local = proxy is not None and proxy.ready() and not self.oracle
+        exclude = self.roles.exclude(proxy if local else self.mgr, tr.prompt_tokens, prio, exclude)  # (its pool)
+        if local:
             iid = proxy.choose(prio, exclude)
             if iid is not None:
                 self.slo.sent(req, iid)
@@ -273,14 +279,6 @@ class Simulation:
         self._left -= 1
         self.cache.turn_ended(req)
 
-    def _pair(self) -> None:
-        for p, start in self.mgr.resched.plan(self.now):
-            self.mgr.resched.count_orders(p.src, p.dst, p.count)
-            self.migrations.outcomes[f"{start.reason}/ordered"] += 1
-            self.at(self.now + self.net.message_s, self.migrations.order, self.instances[p.src],
-                    self.instances[p.dst], start)
-        self.at(self.now + self.cfg.scheduling.migration_interval_s, self._pair)
-
     # ------------------------------------------------------------------ instances
 
     def _kick(self, inst: SimulatedInstance) -> None:
@@ -321,6 +319,8 @@ class Simulation:
                 inst.table.forget(tok.request_id)
                 req.finish = tok.finish_reason
                 self.end(req)
+            if req.tokens == 1:
+                self.roles.first_token(inst, req)  # a prefill instance hands it over
         inst.stepping = False
         inst.reporter.refresh()  # as the step loop does with the load a step read
         self._kick(inst)
@@ -353,11 +353,12 @@ class Simulation:
 
 
 def simulate(cfg: Config, instances: int, trace: list[TraceRequest], net: Network | None = None,
-             sample_s: float = 0.0, observers: tuple = (), oracle: bool = False, slo_admission: bool = True) -> dict:
+             sample_s: float = 0.0, observers: tuple = (), oracle: bool = False, slo_admission: bool = True,
+             roles: list[str] | None = None) -> dict:
     """Run ``trace`` on ``instances`` simulated instances with the settings of ``cfg``; the figures."""
     if instances < 1:
         raise ValueError("a cluster needs at least one instance")
-    sim = Simulation(cfg, instances, trace, net, sample_s, oracle, slo_admission)
+    sim = Simulation(cfg, instances, trace, net, sample_s, oracle, slo_admission, roles)
     for fn in observers:
         sim.observe(fn)
     return sim.run()
@@ -400,14 +401,19 @@ def command(
     config: ConfigOpt = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="any setting: section.key=value (sim.*, scheduling.*, migration.*, ...)")] = None,
     slo_admission: Annotated[bool, typer.Option("--slo-admission/--no-slo-admission", help="with [slo] TTFT targets (--set slo.ttft_ms=...): admit by them and give up on requests queued past slo.give_up_factor x target, as the proxy does; --no-slo-admission queues everything and only measures against the targets")] = True,
+    roles_: Annotated[Optional[str], typer.Option("--roles", metavar="P:D|LIST", help="prefill/decode disaggregation: P prefill then D decode instances (P + D = --instances), or one role per instance (prefill,decode,mixed,...); default: all mixed")] = None,
+    handover_blocking: Annotated[bool, typer.Option("--handover-blocking", help="with --roles: a handover skips pre-copy (the request is suspended when the order reaches its prefill instance and its KV goes in one stage), instead of pre-copying while it decodes there")] = False,
+    adaptive_roles: Annotated[bool, typer.Option("--adaptive-roles", help="move instances between the prefill and decode roles by the SLO's targets (disagg.adaptive; needs --roles and slo.ttft_ms, slo.tpot_ms)")] = False,
     json_: JsonOpt = False,
 ) -> None:
     """A cluster in virtual time, on the daemons' own scheduler and policy code (see llumnixctl/experiments/sim/simulate.py)."""
     oracle = policy_ == "oracle-cache"
     sets = list(set_ or []) + ([f"manager.dispatch_policy={'llumnix' if oracle else policy_}"] if policy_ else [])
+    sets += ["disagg.adaptive=true"] if adaptive_roles else []
     try:
         cfg = load_config(config, sets)
-    except ConfigError as exc:
+        roles = parse_roles(roles_, instances) if roles_ else None
+    except (ConfigError, ValueError) as exc:
         die(str(exc), 2)
     try:
         reqs = _trace(trace_file, requests, rate, arrival, cv, (prompt_min, prompt_max), (output_min, output_max),
@@ -415,11 +421,11 @@ def command(
     except (OSError, ValueError) as exc:
         die(f"cannot read the trace: {exc}", 2)
     net = Network(report_lag_s=report_lag_ms / 1e3, dispatch_rtt_s=dispatch_rtt_ms / 1e3, kv_gbps=kv_gbps,
-                  kv_bytes_per_token=kv_bytes_per_token)
+                  kv_bytes_per_token=kv_bytes_per_token, handover_blocking=handover_blocking)
     import logging
 
     logging.getLogger("llumnix").setLevel(logging.WARNING)  # the manager's info lines are per event here
-    res = simulate(cfg, instances, reqs, net, oracle=oracle, slo_admission=slo_admission)
+    res = simulate(cfg, instances, reqs, net, oracle=oracle, slo_admission=slo_admission, roles=roles)
     if json_:
         print_json(res)
         return
