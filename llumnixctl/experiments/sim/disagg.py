@@ -22,6 +22,7 @@ from collections import Counter
 from dataclasses import replace
 from typing import TYPE_CHECKING, Callable, Mapping, Protocol
 
+from daemons import wire
 from daemons.policy import disagg, slo
 from daemons.policy.disagg import AdaptMemory
 from llumnixctl.experiments.sim.result import stats_of
@@ -225,6 +226,7 @@ class SimRoles:
             self.changes.append({"t": round(now, 3), "instance": change.instance_id, "from": inst.engine.role,
                                  "to": change.role, "reason": change.reason})
             inst.engine.role = change.role
+            inst.standing.set_role(wire.SetRole(change.role, "adaptive"))  # the reports' role (the daemons' owner)
             inst.reporter.refresh()
             self.site.woken(inst)
         if self.going():
