@@ -30,8 +30,8 @@ from rich.table import Table
 from daemons import runtime, wire
 from daemons.config import ConfigError, load_config
 from llumnixctl.admin import AdminClient
-from llumnixctl.experiments.bench import (cache as bench_cache, engine as bench_engine, manager as bench_manager,
-                                         migration as bench_migration, overload as bench_overload,
+from llumnixctl.experiments.bench import (cache as bench_cache, disagg as bench_disagg, engine as bench_engine, manager as bench_manager,
+                                         handover as bench_handover, migration as bench_migration, overload as bench_overload,
                                          predict as bench_predict,
                                          policies as bench_policies, serve as bench_serve, steady as bench_steady)
 from llumnixctl.experiments.bench.cluster import start_cluster
@@ -331,3 +331,5 @@ app.command("steady")(bench_steady.command)
 app.command("cache")(bench_cache.command)
 app.command("overload")(bench_overload.command)
 app.command("predict")(bench_predict.command)
+app.command("disagg")(bench_disagg.command)
+app.command("handover")(bench_handover.command)
