@@ -207,6 +207,7 @@ class DispatchReply(msgspec.Struct, **_tagged(11)):
     instance_id: str = ""  # empty: no live instance
     request_address: str = ""
     reason: str = ""
+    disagg: str = ""  # with roles: where it was decided to prefill (daemons/policy/disagg.py DECISIONS)
 
     def __post_init__(self) -> None:
         endpoints.check(self.request_address, "request_address", empty_ok=True)
@@ -341,6 +342,7 @@ class HandoverReady(msgspec.Struct, **_tagged(56)):
     blocks: int
     priority: int = 0
     slo_tpot_ms: float = 0.0
+    reason: str = "handover"  # "handover": its first token here; "role": it was decoding here when the role changed
 
 
 class PeerDead(msgspec.Struct, **_tagged(57)):

@@ -148,6 +148,9 @@ class AdminClient:
     def drain(self, instance_id: str, drain: bool = True, cordon_only: bool = False) -> wire.DrainReply:
         return self.ask(lambda qid: wire.DrainQuery(qid, instance_id, drain, cordon_only))
 
+    def role(self, instance_id: str, role: str = "") -> wire.RoleReply:
+        return self.ask(lambda qid: wire.RoleQuery(qid, instance_id, role))
+
     def remove(self, instance_id: str, timeout_s: float) -> wire.RemoveReply:
         return self.ask(lambda qid: wire.RemoveQuery(qid, instance_id, timeout_s))
 

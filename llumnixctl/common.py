@@ -152,6 +152,7 @@ def instance_json(v: wire.InstanceView) -> dict:
         "predicted_ttft_s": _round(ttft), "predicted_tpot_s": _round(tpot),
         "slo_met": ld.slo_met, "slo_judged": ld.slo_judged,
         "slo_attainment": round(ld.slo_met / ld.slo_judged, 4) if ld.slo_judged else None,
+        "role": ld.role or "mixed",
     }
 
 

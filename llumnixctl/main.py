@@ -61,30 +61,41 @@ def up(
     run_dir: RunDirOpt = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="setting for every daemon: section.key=value")] = None,
     timeout: Annotated[float, typer.Option(help="seconds to wait for the cluster to serve (a large model on the vllm backend may need more)")] = 60.0,
+    roles: Annotated[Optional[str], typer.Option("--roles", metavar="ROLE,...", help="the instances' roles in order (instance.role: mixed, prefill or decode; those not named are mixed), e.g. prefill,decode: prefill/decode disaggregation")] = None,
     json_: JsonOpt = False,
 ) -> None:
     """Start a local cluster in the background (manager, instances, proxy) and wait until it serves.
 
     To serve to an SLO, give its targets: --set slo.ttft_ms=MS --set slo.tpot_ms=MS (admission by predicted
-    time to first token, 429 with Retry-After past it; llumnixctl status shows predictions and attainment)."""
+    time to first token, 429 with Retry-After past it; llumnixctl status shows predictions and attainment).
+
+    To disaggregate prefill and decode, give roles: --roles prefill,decode (long prompts prefill on i0 and are
+    handed over to i1 by live migration at their first token; llumnixctl role changes them at run time)."""
     from llumnixctl.lab import localcluster  # the lab's: operator commands run without it
 
     run_dir = run_dir or localcluster.default_run_dir()
     sets = list(set_ or [])
+    role_list = [r.strip() for r in roles.split(",")] if roles else []
+    bad = [r for r in role_list if r not in ("mixed", "prefill", "decode")]
+    if bad or len(role_list) > instances:
+        die(f"--roles {roles!r}: " + (f"unknown role {bad[0]!r} (mixed, prefill or decode)" if bad else
+                                      f"{len(role_list)} roles for {instances} instance(s)"), 2)
     try:
         cfg = load_config(config, sets, {"instance.backend": backend})  # fail here, not in a child's log
         if backend == "vllm":
             sets += model_settings(cfg, model, run_dir)
         elif model is not None:
             die("--model is for --backend vllm: the sim engine has no model", 2)
-        state = localcluster.up(run_dir, instances, backend, port, config, sets, timeout, proxies=proxies)
+        state = localcluster.up(run_dir, instances, backend, port, config, sets, timeout, proxies=proxies,
+                                roles=role_list)
     except (ConfigError, localcluster.ClusterError) as exc:
         die(str(exc), 2 if isinstance(exc, ConfigError) else 1)
     if json_:
         print_json({"url": state.url, "urls": state.urls, "manager": state.manager_address, "run_dir": str(run_dir),
                     "processes": [{"name": p.name, "pid": p.pid, "log": p.log} for p in state.procs]})
         return
-    out.print(f"cluster up: {instances} {backend} instance(s)" + (f", {proxies} proxies" if proxies > 1 else ""))
+    out.print(f"cluster up: {instances} {backend} instance(s)" + (f", {proxies} proxies" if proxies > 1 else "")
+              + (f"; roles {', '.join(f'i{i} {r}' for i, r in enumerate(role_list))}" if role_list else ""))
     for url in state.urls:
         out.print(f"  OpenAI API  {url}/v1")
     out.print(f"  manager     {state.manager_address}")

@@ -1,4 +1,4 @@
-"""Operator verbs over the manager: drain, undrain, cordon, uncordon, remove, add, policy.
+"""Operator verbs over the manager: drain, undrain, cordon, uncordon, remove, add, role, policy.
 
 Each one prints one line (or ``--json``) and exits non-zero when it did not happen. ``local-instance`` is
 the launcher of ``llumnixctl up`` clusters (what ``add`` and auto-scaling run there), not for operators.
@@ -119,6 +119,44 @@ def add(count: Annotated[int, typer.Option("--count", "-n", min=1, help="instanc
         out.print(f"added {', '.join(reply.instance_ids)}")
 
 
+def role(instance: InstanceArg,
+         new_role: Annotated[Optional[str], typer.Argument(metavar="ROLE", help="mixed, prefill or decode (omit: show the current role)")] = None,
+         wait: Annotated[bool, typer.Option("--wait", help="wait until the instance reports the new role")] = False,
+         timeout: Annotated[float, typer.Option("--timeout", help="with --wait: seconds to wait")] = 30.0,
+         manager: ManagerOpt = None, run_dir: RunDirOpt = None, config: ConfigOpt = None, json_: JsonOpt = False) -> None:
+    """Show or change an instance's role (prefill/decode disaggregation). A request decoding on an instance that
+    becomes prefill moves to a decode instance by live migration at its next token, never by abort; a prefill
+    instance hands each request over at its first token. With no decode instance, prefill ones serve whole requests."""
+    if new_role is not None and new_role not in ("mixed", "prefill", "decode"):
+        die(f"unknown role {new_role!r} (mixed, prefill or decode)", code=2)
+    client = admin(manager, run_dir, config, 5.0)
+    reply = _call(client, lambda c: c.role(instance, new_role or ""))
+    confirmed = None
+    if wait and new_role:
+        start = time.monotonic()
+        while True:
+            snap = _call(client, AdminClient.status)
+            view = next((v for v in snap.instances if v.instance_id == instance), None)
+            if view is None or view.state == "dead":
+                die(f"instance {instance} went away")
+            if view.last_report_age_s < time.monotonic() - start and (view.load.role or "mixed") == new_role:
+                confirmed = round(time.monotonic() - start, 3)
+                break
+            if time.monotonic() - start > timeout:
+                die(f"instance {instance} did not report role {new_role} within {timeout:g}s")
+            time.sleep(0.05)
+    data = {"id": reply.instance_id, "role": reply.role, "previous": reply.previous, "moving": reply.moving}
+    if confirmed is not None:
+        data["confirmed_s"] = confirmed
+    if json_:
+        print_json(data)
+    elif not new_role:
+        out.print(f"{instance}: {reply.role}")
+    else:
+        moving = f"; {reply.moving} running request(s) move to decode instances" if reply.moving else ""
+        out.print(f"{instance}: {reply.previous} -> {reply.role}{moving}")
+
+
 def policy(dispatch: Annotated[Optional[str], typer.Option("--dispatch", metavar="POLICY", help="llumnix, llumnix-cache, infaas++, rr or flood (manager.dispatch_policy)")] = None,
            pairing: Annotated[Optional[str], typer.Option("--pairing", metavar="POLICY", help="llumnix or off (scheduling.pairing_policy)")] = None,
            selection: Annotated[Optional[str], typer.Option("--selection", metavar="POLICY", help="llumnix, last-running, longest or first-waiting (scheduling.request_selection)")] = None,
@@ -156,6 +194,6 @@ def local_instance(instance: InstanceArg,
 
 
 def register(app: typer.Typer) -> None:
-    for fn in (drain, undrain, cordon, uncordon, remove, add, policy):
+    for fn in (drain, undrain, cordon, uncordon, remove, add, role, policy):
         app.command()(fn)
     app.command("local-instance", hidden=True)(local_instance)

@@ -37,6 +37,11 @@ def status_json(snap: wire.Snapshot, address: str) -> dict:
         "slo_met": sum(r["slo_met"] for r in rows), "slo_judged": sum(r["slo_judged"] for r in rows),
         "slo_reference_prompt_tokens": REFERENCE_PROMPT_TOKENS,
     }
+    roles: dict[str, int] = {}
+    for r in alive:
+        roles[r["role"]] = roles.get(r["role"], 0) + 1
+    totals["roles"] = roles
+    totals["handovers"] = {k.split("/", 1)[1]: v for k, v in snap.ordered_migrations.items() if k.startswith("handover/")}
     totals["slo_attainment"] = round(totals["slo_met"] / totals["slo_judged"], 4) if totals["slo_judged"] else None
     return {"instances": rows, "totals": totals,
             "manager": {"address": address, "uptime_s": snap.uptime_s, "dispatch_policy": snap.dispatch_policy,
@@ -80,18 +85,21 @@ def render_status(data: dict) -> Group:
                         f"{m['pairing_policy'] if m['migrating'] else 'drains only'} · selection {m['request_selection']} "
                         f"· scaling {m['scaling_policy']}", title_justify="left")
     right = ("PID", "RUNNING", "WAITING", "VIRTUAL USAGE", "FREENESS", "TTFT*", "TPOT*", "SLO MET")
-    for col in ("ID", "HOST", "PID", "STATE", "BLOCKS USED/TOTAL", "RUNNING", "WAITING", "VIRTUAL USAGE", "FREENESS",
-                "MIGRATING OUT/IN", "TTFT*", "TPOT*", "SLO MET", "LAST REPORT"):
+    roles = any(r.get("role", "mixed") != "mixed" for r in data["instances"])  # the ROLE column, when disaggregated
+    for col in ("ID", "HOST", "PID", "STATE", *(("ROLE",) if roles else ()), "BLOCKS USED/TOTAL", "RUNNING", "WAITING",
+                "VIRTUAL USAGE", "FREENESS", "MIGRATING OUT/IN", "TTFT*", "TPOT*", "SLO MET", "LAST REPORT"):
         table.add_column(col, justify="right" if col in right else "left")
     for r in data["instances"]:
         style = "red" if r["state"] != "alive" else "yellow" if r["draining"] or r["cordoned"] else None
-        table.add_row(r["id"], r["host"], str(r["pid"]), flags_text(r), f"{r['blocks_used']}/{r['blocks_total']}",
+        role = (r.get("role", "mixed"),) if roles else ()
+        table.add_row(r["id"], r["host"], str(r["pid"]), flags_text(r), *role, f"{r['blocks_used']}/{r['blocks_total']}",
                       str(r["running"]), str(r["waiting"]), number_text(r["virtual_usage"], "inf"), number_text(r["freeness"], "-inf"),
                       f"{r['migrating_out']}/{r['migrating_in']}", _ms(r["predicted_ttft_s"]),
                       _ms(r["predicted_tpot_s"]), _attained(r), f"{r['last_report_age_s']:.1f}s ago", style=style)
     t = data["totals"]
     table.add_section()
-    table.add_row("total", "", "", f"{t['alive']}/{t['instances']} alive", f"{t['blocks_used']}/{t['blocks_total']}",
+    table.add_row("total", "", "", f"{t['alive']}/{t['instances']} alive", *(("",) if roles else ()),
+                  f"{t['blocks_used']}/{t['blocks_total']}",
                   str(t["running"]), str(t["waiting"]), "",
                   "" if t["mean_freeness"] is None else f"{t['mean_freeness']:.2f} avg",
                   f"{t['migrations_in_flight']} in flight", "", "", _attained(t), "")
@@ -105,6 +113,11 @@ def render_status(data: dict) -> Group:
     ordered = ", ".join(f"{k} {v}" for k, v in sorted(t["ordered_migrations"].items())) or "none"
     parts.append(f"migrations: {t['migrations_committed']} committed, {t['migrations_aborted']} aborted, "
                  f"{t['migrations_in_flight']} in flight; ordered by the manager: {ordered}")
+    if roles:
+        handovers = t.get("handovers", {})
+        parts.append("roles: " + ", ".join(f"{n} {k}" for k, n in sorted(t.get("roles", {}).items())) +
+                     f"; handovers: {handovers.get('committed', 0)} committed, {handovers.get('aborted', 0)} aborted, "
+                     f"{handovers.get('lost', 0)} lost")
     if t["scale_outs"] or t["scale_ins"] or t["launching"] or m["scaling_policy"] != "off":
         parts.append(f"scaling: {t['scale_outs']} out, {t['scale_ins']} in, {t['launching']} launching")
     return Group(*parts)

@@ -58,7 +58,7 @@ class Control:
         """Each message from the manager to its handler (``handlers``: by message type, with this object's own
         for RegisterAck, SetDraining and Shutdown)."""
         table: dict[type, Handler] = {wire.RegisterAck: self.on_register_ack, wire.SetDraining: self.set_draining,
-                                      wire.Shutdown: self.on_shutdown, **handlers}
+                                      wire.Shutdown: self.on_shutdown, wire.SetRole: self.set_role, **handlers}
         while True:
             msg = await self.line.recv()
             handler = table.get(type(msg))
@@ -89,6 +89,16 @@ class Control:
                 self.give_back_queued()
         elif was and not draining:
             log.info("no longer draining")
+
+    def set_role(self, msg: wire.SetRole) -> None:
+        if msg.role not in ("mixed", "prefill", "decode"):
+            log.warning("ignored SetRole to unknown role %r", msg.role)
+            return
+        was = self.standing.set_role(msg)
+        if was != msg.role:
+            log.info("role %s -> %s (%s)%s", was, msg.role, msg.reason or "manager",
+                     ": requests decoding here move to decode instances" if msg.role == "prefill" else "")
+        self.reporter.changed()
 
     def stop_accepting(self, reason: str) -> None:
         """Shutting down: leave the dispatch set, and tell the manager why."""

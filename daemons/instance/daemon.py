@@ -21,6 +21,7 @@ from daemons.engine.base import Engine, EngineError
 from daemons.instance.attainment import Attainment
 from daemons.instance.cache import CacheReports
 from daemons.instance.control import Control
+from daemons.instance.handover import Handovers
 from daemons.instance.intake import Intake
 from daemons.instance.listings import Listings
 from daemons.instance.mailbox import Mailbox
@@ -73,7 +74,7 @@ class Instance:
         self.faults = faults or Faults(ic.id)
         self.migrator: Migrator | None = None  # built when it starts (its KV transport listens)
         self.ident = Identity(ic.id)
-        self.standing = Standing()
+        self.standing = Standing(ic.role)
         self.stop = asyncio.Event()
         self.stop_reason = "SIGTERM"
         self.phases = metrics.RequestPhases()  # queue, prefill and decode times of the requests held here
@@ -96,9 +97,11 @@ class Instance:
             self.reporter, self.watchdog, self.proxies, self.requests,
             lambda address, why: self.mailbox.call(lambda: self.intake.abort_orphans(address, why)),
             min(heartbeat_s, ic.step_timeout_s / 4), self.clock)
+        self.handovers = Handovers(self.standing, self.requests, self.ident, self.line.tell, lambda: engine.block_size,
+                                   cfg.disagg.handover_lease_s, self.clock)
         self.stepper = StepLoop(engine, self.mailbox, self.intake, self.listings, self.tokens, self.reporter,
                                 self.cache, self.phases, migrator, self.watchdog, self.faults, ic, self.clock,
-                                self.fit)
+                                self.fit, self.handovers)
         self.orders = Orders(engine, self.requests, self.mailbox, migrator, lambda: self.reporter.last,
                              self.intake.redispatch_queued, self.line.tell, self.ident, cfg.migration.max_in_flight,
                              self.clock)

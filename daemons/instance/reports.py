@@ -79,7 +79,7 @@ class Reporter:
         self.heartbeat_s = heartbeat_s
         self.min_interval_s = min_interval_s
         self.clock = clock
-        self.last = engine.load()
+        self.last = self._with_role(engine.load())
         self.load_changed = asyncio.Event()
         self.seq = 0
         self.preemptions = metrics.PreemptionCounter(M_PREEMPTIONS, self.last.preemptions)
@@ -100,7 +100,11 @@ class Reporter:
         cache = getattr(self.engine, "cache", None)
         if cache is not None and cache.query_tokens:
             load = msgspec.structs.replace(load, prefix_query_tokens=cache.query_tokens, prefix_hit_tokens=cache.hit_tokens)
-        return load
+        return self._with_role(load)
+
+    def _with_role(self, load: wire.InstanceLoad) -> wire.InstanceLoad:
+        role = getattr(self.standing, "role", "mixed")
+        return load if load.role == role else msgspec.structs.replace(load, role=role)
 
     def refresh(self, load: wire.InstanceLoad | None = None) -> None:
         """(At a boundary, or after a step with the load it read) The load is current: report it."""
@@ -108,7 +112,8 @@ class Reporter:
         self.load_changed.set()
 
     def changed(self) -> None:
-        """Something the reports carry changed (draining, say): report soon."""
+        """Something the reports carry changed (draining, the role): report soon."""
+        self.last = self._with_role(self.last)
         self.load_changed.set()
 
     def stalled(self) -> None:

@@ -13,7 +13,7 @@ from daemons.clock import Clock
 from daemons.engine.base import Engine
 from daemons.instance.mailbox import Mailbox
 from daemons.instance.standing import Identity
-from daemons.instance.telemetry import PREFIX_QUERY_TOKENS
+from daemons.instance.telemetry import M_HANDOVER_BYTES, M_HANDOVER_S, M_HANDOVERS, PREFIX_QUERY_TOKENS
 from daemons.requests import RequestTable
 
 if TYPE_CHECKING:
@@ -79,9 +79,16 @@ class Orders:
 
         async def one(rid: str) -> wire.MigrationOutcome:
             async with slots:
-                return await migrator.migrate_out(rid, msg.dst, msg.dst_address, msg.blocking)
+                return await migrator.migrate_out(rid, msg.dst, msg.dst_address, msg.blocking,
+                                                  paced=msg.reason not in ("handover", "role"))
 
         outcomes = await asyncio.gather(*(one(r) for r in rids))
+        if msg.reason in ("handover", "role"):
+            for o in outcomes:
+                M_HANDOVERS.labels(msg.reason, o.outcome).inc()
+                if o.outcome == "committed":
+                    M_HANDOVER_S.observe(o.total_ms / 1000.0)
+                    M_HANDOVER_BYTES.observe(o.bytes)
         self.tell_manager(wire.MigrateResult(msg.query_id, self.ident.instance_id, list(outcomes)))
 
     async def cached_at_destination(self, msg: wire.MigrateStart) -> dict[str, int]:

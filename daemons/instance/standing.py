@@ -1,5 +1,5 @@
 """Who the instance is (known once its request socket is bound) and where it stands with the manager
-(accepting, draining, cordoned): each has one owner that changes it, and the other parts read it."""
+(accepting, draining, cordoned, its role): each has one owner that changes it, and the other parts read it."""
 
 from __future__ import annotations
 
@@ -22,7 +22,9 @@ class Standing:
     """Whether it takes requests: changed by the manager's SetDraining (``drain``, through control.py) and by
     shutting down (``stop_accepting``); read by intake, reports and the migrator."""
 
-    def __init__(self) -> None:
+    def __init__(self, role: str = "mixed") -> None:
+        self.role = role  # "mixed" | "prefill" | "decode": set by the manager's SetRole (``set_role``)
+        self._role_watchers: list = []  # called with (old, new) on a change
         self._accepting = True
         self._draining = ""  # the reason while the manager has us draining
         self._elsewhere = True  # (while draining) another instance takes requests
@@ -66,6 +68,18 @@ class Standing:
         self._cordoned = msg.cordoned
         self._elsewhere = msg.elsewhere
         return was
+
+    def set_role(self, msg: wire.SetRole) -> str:
+        """Apply the manager's SetRole; returns the role it replaced."""
+        was, self.role = self.role, msg.role
+        if was != msg.role:
+            for fn in self._role_watchers:
+                fn(was, msg.role)
+        return was
+
+    def watch_role(self, fn) -> None:
+        """Call ``fn(old, new)`` when the role changes."""
+        self._role_watchers.append(fn)
 
     def stop_accepting(self) -> None:
         self._accepting = False

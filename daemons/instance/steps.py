@@ -24,6 +24,7 @@ from daemons.clock import Clock
 from daemons.config import InstanceConfig
 from daemons.engine.base import Engine
 from daemons.instance.cache import CacheReports
+from daemons.instance.handover import Handovers
 from daemons.instance.intake import Intake
 from daemons.instance.listings import Listings
 from daemons.instance.mailbox import Mailbox
@@ -62,8 +63,9 @@ class StepLoop:
     def __init__(self, engine: Engine, mailbox: Mailbox, intake: Intake, listings: Listings, tokens: TokenPath,
                  reporter: Reporter, cache: CacheReports, phases: metrics.RequestPhases,
                  migrator: Callable[[], Migrator | None], watchdog: Watchdog, faults: Faults, ic: InstanceConfig,
-                 clock: Clock, fit: StepFit):
+                 clock: Clock, fit: StepFit, handovers: Handovers | None = None):
         self.engine = engine
+        self.handovers = handovers  # offers requests to hand over (role prefill; None: never)
         self.fit = fit  # the step-time model: each step's work and time go to it
         self.mailbox = mailbox
         self.intake = intake
@@ -246,6 +248,8 @@ class StepLoop:
         self.tokens.emit(step.outputs)
         self.phases.outputs(step.outputs, step.start, step_s)
         self.tokens.flush()
+        if self.handovers is not None and step.outputs:
+            self.handovers.outputs(step.outputs)
 
     def timed(self, step: Step, step_s: float) -> None:
         """A step ended, ``step_s`` after it began (paced steps: padding included, as the clients see it)."""

@@ -43,6 +43,17 @@ M_ORPHANED = metrics.counter("instance", "llumnix_instance_requests_orphaned_tot
                              "Requests aborted because their proxy was gone")
 M_FAILOVERS_IN = metrics.counter("instance", "llumnix_instance_failovers_in_total",
                                  "Requests taken over from another instance by re-prefill")
+M_HANDOVERS = metrics.counter("instance", "llumnix_instance_handovers_total",
+                              "Handovers out of this (prefill) instance that ended, by reason (handover: at the first "
+                              "token; role: decoding when the role changed) and outcome (committed, aborted)",
+                              ["reason", "outcome"])
+M_HANDOVER_S = metrics.histogram("instance", "llumnix_instance_handover_seconds",
+                                 "A handover from the order to the destination's commit (the request decodes here "
+                                 "meanwhile; the client's gap is the last stage: llumnix_proxy_migration_gap_seconds)",
+                                 buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
+M_HANDOVER_BYTES = metrics.histogram("instance", "llumnix_instance_handover_bytes",
+                                     "KV bytes a committed handover sent (cached prefix blocks on the destination are not sent)",
+                                     buckets=(1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10))
 M_BEAT_LATE = metrics.histogram("instance", "llumnix_instance_heartbeat_lateness_seconds",
                                 "How late each heartbeat tick of the llumlet ran (0: on time): what a busy engine or "
                                 "host costs the liveness and load signals",

@@ -29,11 +29,12 @@ log = logging.getLogger("llumnix.manager")
 
 # Who may send what to the manager when cluster sockets use CURVE keys (the role comes from the key).
 _VERBS: dict[str, tuple[type, ...]] = {
-    "instance": (wire.Register, wire.LoadReport, wire.Goodbye, wire.RequestList, wire.MigrateResult, wire.CacheEvents),
+    "instance": (wire.Register, wire.LoadReport, wire.Goodbye, wire.RequestList, wire.MigrateResult, wire.CacheEvents,
+                 wire.HandoverReady),
     "proxy": (wire.Dispatch, wire.Dispatched, wire.SnapshotQuery, wire.StatusQuery),
     "reader": (wire.StatusQuery, wire.SnapshotQuery, wire.RequestsQuery, wire.PolicyQuery),  # policy: read only
     "operator": (wire.StatusQuery, wire.SnapshotQuery, wire.RequestsQuery, wire.PolicyQuery, wire.MigrateQuery,
-                 wire.DrainQuery, wire.RemoveQuery, wire.AddQuery),
+                 wire.DrainQuery, wire.RemoveQuery, wire.AddQuery, wire.RoleQuery),
 }
 
 
@@ -77,7 +78,8 @@ class Manager:
         self.registry = Registry(self.cluster, self.clock, mc, cfg.scheduling, self.send, self.liveness.watch,
                                  self.resched.joined)
         self.dispatcher = Dispatcher(self.cluster, self.policies, self.registry.cache_index.index, self.clock, mc,
-                                     cfg.scheduling, {c: t.tpot_s for c, t in targets.items()})
+                                     cfg.scheduling, {c: t.tpot_s for c, t in targets.items()}, cfg.disagg,
+                                     {c: t.ttft_s for c, t in targets.items()})
         orders, lifecycle = self.resched.orders, self.resched.lifecycle
         # What each message type does, given (connection identity, message, sender's key role:name): answered
         # at once (the reply, or None) ...
@@ -93,6 +95,8 @@ class Manager:
             wire.Goodbye: lambda i, m, _: self.registry.on_goodbye(i, m),
             wire.PolicyQuery: lambda _, m, __: self.policies.change(m),
             wire.DrainQuery: lambda _, m, __: lifecycle.on_drain(m),
+            wire.HandoverReady: lambda _, m, __: self.resched.roles.on_handover(m),
+            wire.RoleQuery: lambda _, m, __: self.resched.roles.on_role(m),
         }
         # ... or later, by a task (dispatches are answered in batches by serve()).
         self._later = {
@@ -189,7 +193,8 @@ class Manager:
     async def handle(self, ident: bytes, msg: wire.Message, principal: str = "") -> None:
         """One message from the connection ``ident``; ``principal``: its key's role:name (CURVE), "" without."""
         reply: wire.Message | None = None
-        if (self.sec.enabled and isinstance(msg, (wire.LoadReport, wire.Goodbye, wire.RequestList, wire.MigrateResult))
+        if (self.sec.enabled and isinstance(msg, (wire.LoadReport, wire.Goodbye, wire.RequestList, wire.MigrateResult,
+                                                  wire.HandoverReady))
                 and self._impostor(msg, principal)):
             if isinstance(msg, wire.LoadReport):  # it would wait forever to be asked to register: tell it why not
                 reply = wire.RegisterAck(msg.instance_id, accepted=False, final=True,

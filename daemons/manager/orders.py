@@ -96,6 +96,10 @@ class Orders:
         for gone in [iid for iid in self.drain_backoff if self.cluster.get(iid) is None]:
             del self.drain_backoff[gone]
         states = [dataclasses.replace(self.cluster.state(r, now), host=r.info.host) for r in live]
+        if policy.disagg.active(states) and any(s.role != "prefill" and s.dispatchable for s in states):
+            # Prefill instances hand over what decodes: balance the others, and drain into them (with no decode
+            # or mixed instance left, prefill ones serve whole requests and take drains too).
+            states = [s for s in states if s.role != "prefill" or s.draining]
         pairs = policy.pair(states, self.sc.high_priority_headroom,
                             self.sc.migrate_out_threshold, self.sc.migrate_in_threshold,
                             self.sc.max_migrations_per_instance, balance=self.policies.migrating and not drains_only,
@@ -121,6 +125,10 @@ class Orders:
                       f"; across hosts, at most {p.budget_blocks:.0f} blocks" if p.cross_node else "")
             self.spawn(self._run_order(self.cluster.instances[p.src], start))
         return [p for p, _ in orders]
+
+    async def run_order(self, src: InstanceRecord, start: wire.MigrateStart) -> None:
+        """Order ``start`` of ``src`` and count its outcomes by its reason (a handover, daemons/manager/roles.py)."""
+        await self._run_order(src, start)
 
     async def _run_order(self, src: InstanceRecord, start: wire.MigrateStart) -> None:
         result = await self.order_migration(src, start, start.count)

@@ -16,6 +16,10 @@ M_INSTANCES = metrics.gauge("manager", "llumnix_manager_instances", "Instances i
                             preset=[("alive",), ("stopping",), ("dead",)])
 M_DISPATCHES = metrics.counter("manager", "llumnix_manager_dispatches_total", "Dispatch decisions, by instance",
                                ["instance_id"])
+M_DISAGG = metrics.counter("manager", "llumnix_manager_disagg_decisions_total",
+                           "Dispatches answered while instances have roles, by where the request prefills: remote "
+                           "(on a prefill instance, handed over at its first token), local_short, local_cached, "
+                           "local_prefill_busy (where it will decode), no_prefill_pool, no_decode_pool", ["decision"])
 M_CACHE_DISPATCHES = metrics.counter("manager", "llumnix_manager_cache_dispatches_total",
                                      "llumnix-cache dispatches of requests cached somewhere, by what decided: cache (another "
                                      "instance than llumnix would pick) or load (the same)", ["decided_by"],
@@ -43,6 +47,9 @@ M_DRAINING = metrics.gauge("manager", "llumnix_instance_draining",
                            "1 while the instance drains (drain, remove, scale-in, stopping)", ["instance_id"])
 M_CORDONED = metrics.gauge("manager", "llumnix_instance_cordoned", "1 while the instance takes no new requests",
                            ["instance_id"])
+M_ROLE = metrics.gauge("manager", "llumnix_instance_role",
+                       "1 for the instance's role (label role: mixed, prefill or decode), 0 for the others",
+                       ["instance_id", "role"])
 M_BAD_FRAMES = metrics.counter("manager", "llumnix_manager_malformed_frames_total",
                                "Frames dropped because they did not decode")
 M_REFUSED = metrics.counter("manager", "llumnix_manager_refused_messages_total",

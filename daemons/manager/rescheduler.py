@@ -1,6 +1,6 @@
 """The manager's rescheduling, one object per decision: migration orders (orders.py: the pairing loop,
-operators' migrations), instances leaving and joining (lifecycle.py: drain, cordon, remove, add) and
-auto-scaling (scaling.py), which launches instances through the launcher (launcher.py). A removed or
+operators' migrations), instances leaving and joining (lifecycle.py: drain, cordon, remove, add), roles and
+handovers (roles.py: prefill/decode disaggregation) and auto-scaling (scaling.py), which launches instances through the launcher (launcher.py). A removed or
 scaled-in instance is drained, then told to stop once nothing is left on it.
 
 ``Rescheduler`` builds the three and wires them together. It is given what they need (the cluster as the
@@ -20,6 +20,7 @@ from daemons.manager.launcher import Launcher
 from daemons.manager.lifecycle import Lifecycle
 from daemons.manager.orders import Lookup, Orders, Send
 from daemons.manager.records import InstanceRecord, Policies
+from daemons.manager.roles import Roles
 from daemons.manager.scaling import Scaling
 from daemons.manager.view import Cluster
 
@@ -27,7 +28,7 @@ log = logging.getLogger("llumnix.manager")
 
 
 class Rescheduler:
-    """Holds ``orders``, ``lifecycle``, ``scaling`` and their ``launcher``; decides what a registration means
+    """Holds ``orders``, ``lifecycle``, ``scaling`` and their ``launcher``, and ``roles``; decides what a registration means
     for them (flags said again, a retirement resumed, a launch done)."""
 
     def __init__(self, cfg: Config, cluster: Cluster, policies: Policies, clock: Clock, send: Send,
@@ -42,11 +43,13 @@ class Rescheduler:
                                    self.orders.new_drain)
         self.scaling = Scaling(cfg.scaling, cluster, policies, clock, self.launcher, self.lifecycle.retire, spawn,
                                min(1.0, cfg.manager.heartbeat_interval_s), started)
+        self.roles = Roles(cfg, cluster, self.orders, send, clock, spawn)
 
     def joined(self, r: InstanceRecord, new: bool) -> None:
         """An instance registered (``new``: one we did not know)."""
         if new:
             self.launcher.registered(r.instance_id)
+        self.roles.joined(r)
         if r.drain_reason or r.cordoned:  # it forgot (restarted) or we did: say it again
             self.lifecycle.tell(r)
         if new and r.drain_reason in ("remove", "scale-in"):  # we restarted in the middle of it
@@ -62,7 +65,7 @@ class Rescheduler:
 
     def loops(self) -> list[Awaitable]:
         """The coroutines that run as long as the manager: pairing, scaling."""
-        return [self.orders.pairing_loop(), self.scaling.scaling_loop()]
+        return [self.orders.pairing_loop(), self.scaling.scaling_loop(), self.roles.loop()]
 
     def counters(self) -> dict:
         """What status shows of the rescheduling (the Snapshot's fields)."""

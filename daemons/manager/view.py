@@ -8,11 +8,14 @@ import logging
 from types import MappingProxyType
 from typing import Callable, Collection, Mapping, Protocol
 
+import msgspec
+
 from daemons import policy, wire
 from daemons.clock import Clock
 from daemons.config import SchedulingConfig
 from daemons.policy import slo
-from daemons.manager.records import (M_CORDONED, M_DRAINING, M_FREENESS, M_INSTANCES, M_USAGE, PER_INSTANCE_GAUGES,
+from daemons.policy.disagg import ROLES
+from daemons.manager.records import (M_CORDONED, M_DRAINING, M_FREENESS, M_INSTANCES, M_ROLE, M_USAGE, PER_INSTANCE_GAUGES,
                                      InstanceRecord)
 
 log = logging.getLogger("llumnix.manager")
@@ -21,7 +24,7 @@ log = logging.getLogger("llumnix.manager")
 class Cluster(Protocol):
     """What the rescheduler's parts (orders.py, lifecycle.py, scaling.py) see of the cluster view: the records
     and their states to read, and the few things they change through verbs: an instance's drain and cordon
-    flags, its count of orders in flight, forgetting it."""
+    flags, its role as told, its count of orders in flight, forgetting it."""
 
     instances: Mapping[str, InstanceRecord]
 
@@ -32,6 +35,7 @@ class Cluster(Protocol):
     def view(self, now: float) -> list[wire.InstanceView]: ...
     def set_flags(self, r: InstanceRecord, drain_reason: str | None = None, cordoned: bool | None = None) -> None: ...
     def count_orders(self, instance_id: str, count: int) -> None: ...
+    def set_role(self, r: InstanceRecord, role: str) -> None: ...
     def forget(self, r: InstanceRecord, why: str) -> None: ...
 
 
@@ -75,6 +79,8 @@ class ClusterView:
         log.info("instance %s forgotten: %s", r.instance_id, why)
         for gauge in PER_INSTANCE_GAUGES:
             gauge.remove(r.instance_id)  # (nothing to remove if it never reported)
+        for role in ROLES:
+            M_ROLE.remove(r.instance_id, role)
         self._count_states()
 
     def set_flags(self, r: InstanceRecord, drain_reason: str | None = None, cordoned: bool | None = None) -> None:
@@ -84,6 +90,12 @@ class ClusterView:
         if cordoned is not None:
             r.cordoned = cordoned
         self.update_gauges(r)
+
+    def set_role(self, r: InstanceRecord, role: str) -> None:
+        """The role we just told ``r`` (its next report confirms it): dispatch and pairing see it at once."""
+        if r.load.role != role:
+            r.load = msgspec.structs.replace(r.load, role=role)
+            self.update_gauges(r)
 
     def count_orders(self, instance_id: str, count: int) -> None:
         """``count`` (negative: ended) more migrations in flight with the instance as source or destination."""
@@ -99,7 +111,8 @@ class ClusterView:
         # credit while it fades).
         credit = r.credit(now, self.sc.new_instance_credit_s) if r.credit0 else 0.0
         tpot = self.slo_tpot()
-        key = (r.reports, r.dispatched_n, len(r.pending), r.state, r.drain_reason, r.cordoned, r.orders, credit, tpot)
+        key = (r.reports, r.dispatched_n, len(r.pending), r.state, r.drain_reason, r.cordoned, r.orders, credit, tpot,
+               r.load.role)
         if not excluded and r.state_key == key:
             return r.cached_state
         s = policy.state_of(
@@ -141,6 +154,8 @@ class ClusterView:
         M_USAGE.labels(iid).set(policy.virtual_usage(s, self.sc.high_priority_headroom))
         M_DRAINING.labels(iid).set(1 if r.draining else 0)
         M_CORDONED.labels(iid).set(1 if r.cordoned else 0)
+        for role in ROLES:
+            M_ROLE.labels(iid, role).set(1 if (r.load.role or "mixed") == role else 0)
         if r.gauge_state != r.state:  # counting every instance on every report is O(N) per report
             r.gauge_state = r.state
             self._count_states()

@@ -65,11 +65,13 @@ class Migrator:
 
     # ---------------------------------------------------------------- what the instance calls
 
-    async def migrate_out(self, request_id: str, dst: str, dst_address: str, blocking: bool = False) -> wire.MigrationOutcome:
+    async def migrate_out(self, request_id: str, dst: str, dst_address: str, blocking: bool = False,
+                          paced: bool = True) -> wire.MigrationOutcome:
         """Move one request to ``dst`` (its instance id, at request address ``dst_address``); never raises: the
         outcome says what happened. ``blocking`` skips pre-copy (suspend, then copy everything): the
-        stop-and-copy baseline that benchmarks compare with."""
-        return await Move(self.source, request_id, dst, dst_address, blocking).run()
+        stop-and-copy baseline that benchmarks compare with. ``paced`` False: its pre-copy runs at full speed
+        (a handover: the request must reach its decode instance soon)."""
+        return await Move(self.source, request_id, dst, dst_address, blocking, paced).run()
 
     async def prefix_hits(self, dst_address: str, prompts: list[list[int]]) -> list[int]:
         """Of each prompt, the leading full blocks the destination holds (zeros where it does not answer)."""

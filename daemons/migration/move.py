@@ -81,8 +81,11 @@ class Move:
     """One request on its way out. ``run`` walks the states; each stage is one ``_stage`` call, and every
     way out of the walk ends in ``_abort`` (a named outcome) or the commit, then ``_release``."""
 
-    def __init__(self, src: Source, request_id: str, dst: str, dst_address: str, blocking: bool = False):
-        """``blocking``: no pre-copy (suspend, then copy everything), the stop-and-copy baseline."""
+    def __init__(self, src: Source, request_id: str, dst: str, dst_address: str, blocking: bool = False,
+                 paced: bool = True):
+        """``blocking``: no pre-copy (suspend, then copy everything), the stop-and-copy baseline. ``paced``: False
+        for a copy that must end soon whatever it costs the source's steps (a handover out of a prefill instance)."""
+        self.paced = paced
         self.src = src
         self.clock = src.clock
         self.request_id, self.dst, self.dst_address, self.blocking = request_id, dst, dst_address, blocking
@@ -157,7 +160,7 @@ class Move:
         peers.relay_rendezvous(self.pair, lambda msg: peers.send(address, msg))
         # Pacing and one-message chunks alike for this process's pairs and a tensor-parallel engine's ranks
         # (each rank's pair reads the duty the engine last handed it; both ends have the same TP size).
-        self.pacer = DutyPacer(src.cfg.max_decode_slowdown) if src.cfg.max_decode_slowdown > 0 else None
+        self.pacer = DutyPacer(src.cfg.max_decode_slowdown) if src.cfg.max_decode_slowdown > 0 and self.paced else None
         return view
 
     # ---------------------------------------------------------------- one stage: plan → send → account

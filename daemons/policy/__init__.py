@@ -6,9 +6,11 @@ One sign convention everywhere: *freeness*, higher is freer.
 - dispatch.py: where a new request goes (llumnix, infaas++, rr, flood)
 - migration.py: which instances pair up, which requests a source sends
 - scaling.py: when to add or remove an instance
+- disagg.py: prefill/decode roles: where a request prefills, where it is handed over
 - slo.py: predicted TTFT and TPOT, the SLO's admission rule and its share of virtual usage
 """
 
+from daemons.policy import disagg
 from daemons.policy.dispatch import (DISPATCH_POLICIES, MIGRATING_POLICIES, cache_choice, dispatch, dispatch_batch,
                                      pick, scorer, slo_cache_choice)
 from daemons.policy.migration import (PAIRING_POLICIES, SELECTION_POLICIES, Choice, CrossNode, Pair, cross_node_budget_blocks,
@@ -19,6 +21,7 @@ from daemons.policy.usage import (INF, InstanceState, blocks_for, fading_credit,
                                   scaling_freeness, state_of, virtual_usage)
 
 __all__ = [
+    "disagg",
     "DISPATCH_POLICIES", "MIGRATING_POLICIES", "PAIRING_POLICIES", "SELECTION_POLICIES", "SCALING_POLICIES",
     "INF", "InstanceState", "Pair", "Choice", "CrossNode", "Scaler",
     "dispatch", "dispatch_batch", "pick", "scorer", "cache_choice", "slo_cache_choice", "pair", "select_migrants", "average_freeness", "scale_in_victim",

@@ -16,7 +16,8 @@ from daemons.proxy.admission import Placing
 from daemons.proxy.known import KnownInstances
 from daemons.proxy.stream import NoInstance, Stream
 from daemons.proxy.streams import Port
-from daemons.proxy.telemetry import M_ASKED, M_CACHE_DISPATCHES, M_LOCAL, M_WAITED
+from daemons.policy import slo
+from daemons.proxy.telemetry import M_ASKED, M_CACHE_DISPATCHES, M_DISAGG, M_LOCAL, M_WAITED
 from daemons.proxy.view import DispatchView
 from daemons.tracing import now_ns
 
@@ -73,6 +74,8 @@ class Dispatcher:
         self.clock = clock
         self.pc = cfg.proxy
         self.sc = cfg.scheduling
+        self.dc = cfg.disagg
+        self.ttft_targets = {c: t.ttft_s for c, t in slo.class_targets(cfg.slo).items()}
         self.queue_timeout_s = cfg.admission.queue_timeout_s
         self.known = known
         self.view = view
@@ -114,6 +117,7 @@ class Dispatcher:
                     raise NoInstance(reply.reason or "no live instance")
             if reply is not None and reply.instance_id:
                 M_ASKED.inc()
+                stream.disagg = reply.disagg
                 self.known.set_address(reply.instance_id, reply.request_address)
                 return reply.instance_id, reply.request_address
         chosen = self._choose_here(stream)
@@ -166,6 +170,8 @@ class Dispatcher:
         self._turn += 1
         priority = stream.submit.priority
         sc = self.sc
+        if self.view.roles:
+            return self._disaggregated(stream)
         hits = self._cache_hits(stream)
         if not stream.exclude:
             chosen = self.view.choose(self.known.alive, self.known.dispatch_policy, priority, self._turn, self.known.tie_start(), hits,
@@ -180,11 +186,30 @@ class Dispatcher:
                                cache_floor=sc.cache_min_freeness,
                                tpot_target_s=self.view.tpot_targets.get(1 if priority > 0 else 0, 0.0))
 
-    def _cache_hits(self, stream: Stream) -> dict[str, int] | None:
+    def _disaggregated(self, stream: Stream) -> str | None:
+        """Instances have roles: the pool ``disagg.decide`` picks for the request (prefill on a prefill instance,
+        handed over at its first token, or where it will decode), then the dispatch policy within it."""
+        sub = stream.submit
+        cls = 1 if sub.priority > 0 else 0
+        now = self.clock.monotonic()
+        states = [self.view.state_of(v, v.load, now) for v in self.known.alive() if v.instance_id not in stream.exclude]
+        hits = self._cache_hits(stream, any_policy=True)
+        tokens = len(sub.prompt_token_ids) + len(sub.output_token_ids)
+        decision = policy.disagg.decide(states, tokens, hits, policy.disagg.rules_of(self.dc, self.ttft_targets.get(cls, 0.0)),
+                                        sub.priority)
+        M_DISAGG.labels(decision.decision).inc()
+        stream.disagg = decision.decision
+        sc = self.sc
+        return policy.dispatch(self.known.dispatch_policy, decision.pool, self._turn, sc.high_priority_headroom,
+                               sub.priority, start=self.known.tie_start(), hits=hits, cache_band=sc.cache_band,
+                               cache_floor=sc.cache_min_freeness, tpot_target_s=self.view.tpot_targets.get(cls, 0.0))
+
+    def _cache_hits(self, stream: Stream, any_policy: bool = False) -> dict[str, int] | None:
         """llumnix-cache: the request's cached leading blocks on each instance that holds some (None: another
-        policy, or nothing cached anywhere). Its block hashes are computed once (vLLM's, daemons/prefix.py)."""
+        policy, or nothing cached anywhere). Its block hashes are computed once (vLLM's, daemons/prefix.py).
+        ``any_policy``: whatever the policy (the disaggregation decision weighs what decode instances cache)."""
         index = self.cache_index.index
-        if self.known.dispatch_policy not in ("llumnix-cache", "slo") or not len(index):
+        if (not any_policy and self.known.dispatch_policy not in ("llumnix-cache", "slo")) or not len(index):
             return None
         keys = self._prefix_keys(stream)
         if not keys:

@@ -7,7 +7,7 @@ import asyncio
 import logging
 
 from daemons import wire
-from daemons.proxy.telemetry import M_DUPLICATES
+from daemons.proxy.telemetry import M_DUPLICATES, M_MIGRATION_GAP
 
 log = logging.getLogger("llumnix.proxy")
 
@@ -36,7 +36,7 @@ class Stream:
     __slots__ = ("request_id", "submit", "ready", "next_index", "early", "waiter", "done", "error", "status",
                  "instance_id", "address", "tried", "sent_at", "given_back", "epoch", "owner_from", "token_ids",
                  "failovers", "progress_at", "deadline", "fenced", "exclude", "tenant", "weight", "trace",
-                 "prefix_keys", "starts", "first_by", "predicted")
+                 "prefix_keys", "starts", "first_by", "predicted", "disagg", "gap_from", "moves")
 
     def __init__(self, request_id: str, submit: wire.Submit, timeout_s: float = 0.0, now: float = 0.0):
         """``now``: its owner's clock (daemons.clock.Clock ``monotonic``); ``timeout_s`` counts from it."""
@@ -69,12 +69,21 @@ class Stream:
         self.weight = 1.0
         self.trace = None  # its spans (daemons/proxy/traces.py StreamTrace), with tracing on
         self.prefix_keys: list[int] | None = None  # its prompt's block keys (llumnix-cache), once computed
+        self.disagg = ""  # with roles: where it was decided to prefill (daemons/policy/disagg.py DECISIONS)
+        self.gap_from = -1  # a migration's first index: the gap before it is measured (-1: none pending)
+        self.moves = 0  # live migrations it followed
 
     def place(self, instance_id: str, address: str, epoch: int, from_index: int) -> None:
         """A new placement (a dispatch, a failover, a migration's claim): owned by ``instance_id`` under
         ``epoch`` (newer than the current one) from index ``from_index`` on."""
         self.instance_id, self.address, self.epoch, self.owner_from = instance_id, address, epoch, from_index
         self.starts.append((epoch, from_index))
+
+    def migrated(self, from_index: int) -> None:
+        """A live migration moved it (wire.Moved): the gap before its token ``from_index`` is measured."""
+        self.moves += 1
+        if from_index >= self.next_index and from_index > 0:
+            self.gap_from = from_index
 
     def owns(self, instance_id: str, out: wire.TokenOut) -> bool:
         """Whether ``out`` may reach the client: from the current owner, or from an earlier placement for an
@@ -103,6 +112,10 @@ class Stream:
         while self.next_index in self.early:
             self._accept(self.early.pop(self.next_index))
         if now is not None:
+            if 0 <= self.gap_from < self.next_index:
+                kind = "handover" if self.moves == 1 and self.disagg == "remote" else "migration"
+                M_MIGRATION_GAP.labels(kind).observe(max(0.0, now - self.progress_at))
+                self.gap_from = -1
             self.progress_at = now
         self._wake()
 

@@ -98,6 +98,7 @@ class Streams:
             if stream.trace is not None:
                 stream.trace.moved(stream.instance_id, msg.instance_id, msg.epoch, msg.from_index)
             stream.place(msg.instance_id, msg.request_address, msg.epoch, msg.from_index)
+            stream.migrated(msg.from_index)
             stream.sent_at = now
             if msg.instance_id not in stream.tried:
                 stream.tried.append(msg.instance_id)

@@ -18,6 +18,12 @@ M_GIVEN_BACK = metrics.counter("proxy", "llumnix_proxy_given_back_total",
 M_BAD_FRAMES = metrics.counter("proxy", "llumnix_proxy_malformed_frames_total", "Frames dropped because they did not decode")
 M_DUPLICATES = metrics.counter("proxy", "llumnix_proxy_duplicate_tokens_total",
                                "Token outputs dropped because their index was already emitted")
+M_MIGRATION_GAP = metrics.histogram("proxy", "llumnix_proxy_migration_gap_seconds",
+                                    "The client's gap between the last token from a request's source and the first "
+                                    "from its destination after a live migration (its downtime as the client sees "
+                                    "it), by kind: handover (the first move of a request prefilled remotely) or "
+                                    "migration (any other)", ["kind"],
+                                    buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
 M_FAILOVERS = metrics.counter("proxy", "llumnix_proxy_failovers_total",
                               "Streams continued on another instance by re-prefill, by cause", ["cause"],
                               preset=[(c,) for c in ("dead", "silent", "unhealthy", "stalled", "refused", "full", "failed")])
@@ -26,6 +32,11 @@ M_FENCED = metrics.counter("proxy", "llumnix_proxy_fenced_total", "Token outputs
 M_RESENT = metrics.counter("proxy", "llumnix_proxy_resubmits_total",
                            "Requests sent again, same epoch, because their instance's heartbeats showed it had not "
                            "taken in every Submit sent proxy.stall_timeout_s before (lost on the way, or it restarted)")
+M_DISAGG = metrics.counter("proxy", "llumnix_proxy_disagg_decisions_total",
+                           "Dispatches from the proxy's own view while instances have roles, by where the request "
+                           "prefills: remote (on a prefill instance, handed over at its first token), local_short, "
+                           "local_cached, local_prefill_busy (where it will decode), no_prefill_pool, no_decode_pool",
+                           ["decision"])
 M_CACHE_DISPATCHES = metrics.counter("proxy", "llumnix_proxy_cache_dispatches_total",
                                      "llumnix-cache dispatches of requests cached somewhere, by what decided: cache (another "
                                      "instance than llumnix would pick) or load (the same)", ["decided_by"],

@@ -51,6 +51,7 @@ class DispatchView:
         self.stale = True  # membership to build again
         self.built_at = 0.0
         self.by_cache = False  # the last choice was the cache's, another than llumnix would pick
+        self.roles: dict[str, str] = {}  # instance id -> its role, for those not mixed (dispatch then disaggregates)
 
     # ------------------------------------------------------------------ inputs
 
@@ -69,12 +70,20 @@ class DispatchView:
         while mine and mine[0][0] <= beat.taken:
             mine.popleft()
         ok = beat.healthy and beat.accepting and beat.load is not None
+        if beat.load is not None:
+            self._role(iid, beat.load.role)
         entry = self.entries.get(iid)
         if entry is not None and ok:
             entry.load = beat.load
             self.dirty.add(iid)
         elif entry is not None or (ok and not (before is not None and before.healthy and before.accepting)):
             self.stale = True  # it stopped taking requests, or started again
+
+    def _role(self, iid: str, role: str) -> None:
+        if role and role != "mixed":
+            self.roles[iid] = role
+        else:
+            self.roles.pop(iid, None)
 
     def sent_to(self, instance_id: str, load: wire.InstanceLoad | None, tokens: int) -> None:
         """A Submit of ``tokens`` went to ``instance_id``: its load until a heartbeat shows it."""
@@ -161,6 +170,8 @@ class DispatchView:
     def _build(self, views: list[wire.InstanceView], now: float) -> None:
         views = sorted(views, key=lambda v: v.instance_id)
         self.entries = {v.instance_id: _Entry(v) for v in views}
+        for v in views:
+            self._role(v.instance_id, self.entries[v.instance_id].load.role)
         self.ids = [v.instance_id for v in views]
         self.at = {iid: j for j, iid in enumerate(self.ids)}
         self.scores.clear()

@@ -70,13 +70,14 @@ def proxy_names(proxies: int) -> list[str]:
 
 def up(run_dir: Path, instances: int, backend: str, port: int, config: str | None, sets: list[str],
        timeout_s: float = 60.0, *, place: Placement | None = None, manager_host: str = "127.0.0.1",
-       proxies: int = 1) -> ClusterState:
+       proxies: int = 1, roles: list[str] | None = None) -> ClusterState:
     """Start the manager, ``instances`` instances (i0, i1, ...) and ``proxies`` proxies; wait until every
     proxy's /health counts every instance alive.
 
     The first proxy listens on ``port`` (its URL is ``url``); the others (``proxy-1``, ...) on free ports of
     the same host, each with its own token address (``proxy.token_address`` binds port 0 unless set: with
-    a fixed port in ``sets`` only one proxy could bind it). ``urls`` lists every proxy's URL.
+    a fixed port in ``sets`` only one proxy could bind it). ``urls`` lists every proxy's URL. ``roles``: the
+    instances' roles (instance.role), in order (those past its end: mixed).
 
     ``place`` (optional) maps a daemon's name (``manager``, ``proxy``, ``instance-i0``, ...) to (argv prefix,
     extra ``--set`` settings): e.g. ``(lab.prefix("i0"), ["instance.request_address=tcp://198.18.0.2:0",
@@ -160,8 +161,9 @@ def up(run_dir: Path, instances: int, backend: str, port: int, config: str | Non
                     raise fail(f"llumnix-manager did not answer within {timeout_s:g}s", mgr) from None
         for i in range(instances):
             prefix, extra = where(f"instance-i{i}")
+            role = ["--set", f"instance.role={roles[i]}"] if roles and i < len(roles) else []
             argv = prefix + daemon_argv("instance") + common + ["--set", f"instance.id=i{i}", "--set",
-                                                            f"instance.backend={backend}"] + as_args(extra)
+                                                            f"instance.backend={backend}"] + role + as_args(extra)
             state.procs.append(spawn(run_dir, f"instance-i{i}", argv))
         for name, proxy_port in zip(proxy_names(proxies), ports):
             prefix, extra = where(name)

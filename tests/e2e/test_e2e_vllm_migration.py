@@ -20,7 +20,7 @@ pytest.importorskip("vllm")
 
 from llumnixctl.lab import localcluster  # noqa: E402
 from llumnixctl.lab.model import write_tiny_model  # noqa: E402
-from tests.conftest import Cluster  # noqa: E402
+from tests.conftest import Cluster, ctl  # noqa: E402
 from tests.e2e.test_e2e_migration import migrate, move, settle, where  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -290,6 +290,68 @@ def test_migrate_count_and_cli_outcome(vcluster):
     for s in streams:
         assert len(s.result().ids) == 250
     settle(vcluster)
+
+
+# ---------------------------------------------------------------- prefill/decode disaggregation on vLLM
+
+LONG = [(11 * k) % 700 + 100 for k in range(300)]  # 300 tokens: past disagg.min_uncached_tokens (256)
+
+
+def _roles(c, **roles: str) -> None:
+    """Set roles in process (milliseconds), then wait until each instance reports its role."""
+    client = c.admin()
+    try:
+        for iid, role in roles.items():
+            client.role(iid, role)
+        deadline = time.monotonic() + 10
+        while {v.instance_id: v.load.role for v in client.status().instances if v.instance_id in roles} != roles:
+            assert time.monotonic() < deadline, "the instances did not report their roles"
+            time.sleep(0.05)
+    finally:
+        client.close()
+
+
+def _ordered(c) -> dict:
+    return c.status()["totals"]["ordered_migrations"]
+
+
+def test_disaggregated_streams_equal_mixed_ones_and_a_role_change_under_load_drops_nothing(vcluster):
+    """1 prefill + 1 decode: a long prompt prefills on the prefill instance and is handed over to the decode one
+    at its first token; greedy and seeded streams (tokens, logprobs) are those of mixed serving. Then the roles
+    swap while two requests decode: both move by migration (reason role), and stream as unmoved."""
+    c = vcluster
+    bodies = [{"prompt": LONG, "max_tokens": 60, **KINDS[k]} for k in KINDS]
+    refs = [Stream(c.url, b).result() for b in bodies]
+    before = _ordered(c)
+    _roles(c, i0="prefill", i1="decode")
+    res = ctl("role", "i0", "--run-dir", str(c.run_dir), "--json")
+    assert res.returncode == 0 and json.loads(res.stdout)["role"] == "prefill", res.stderr
+    try:
+        streams = [Stream(c.url, b) for b in bodies]
+        for s, ref in zip(streams, refs):
+            s.result()
+            assert s.ids == ref.ids and s.text == ref.text
+            assert s.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+        after = _ordered(c)
+        assert after.get("handover/committed", 0) - before.get("handover/committed", 0) == 2, (before, after)
+        assert not any("handover/" in k and not k.endswith("committed") for k in after), after
+        settle(c)
+        # Role change under load: two requests decode on i1 (a decode instance); i1 becomes prefill, i0 decode.
+        body = {"prompt": PROMPT, "max_tokens": 80, **KINDS["greedy"]}
+        ref = Stream(c.url, body).result()
+        moving = [Stream(c.url, body) for _ in range(2)]
+        for s in moving:
+            s.wait_tokens(3)
+            assert where(c, s.rid) == "i1"  # a short prompt prefills where it decodes
+        _roles(c, i1="prefill", i0="decode")
+        for s in moving:
+            assert s.result().ids == ref.ids
+        final = _ordered(c)
+        assert final.get("role/committed", 0) - after.get("role/committed", 0) == 2, final
+        st = settle(c)
+        assert [i["role"] for i in st["instances"]] == ["decode", "prefill"]
+    finally:
+        _roles(c, i0="mixed", i1="mixed")
 
 
 # ---------------------------------------------------------------- failover on vLLM

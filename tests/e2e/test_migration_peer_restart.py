@@ -18,11 +18,11 @@ pytestmark = pytest.mark.e2e
 
 def test_a_migration_to_a_restarted_peer_makes_a_new_pair_and_commits(start_cluster):
     c = start_cluster(2, ["instance.min_step_s=0.02", "manager.dispatch_policy=flood"])  # flood: all on i0
-    s = Stream(c.url, 400, prompt="x " * 40)
+    s = Stream(c.url, 150, prompt="x " * 40)
     s.wait_tokens(3)
     assert where(c, s.rid) == "i0"
     assert move(c, s.rid, "i1")["outcome"] == "committed"  # the i0 > i1 pair now exists
-    s.check_sim(400)
+    s.check_sim(150)
 
     old = c.proc("instance-i1")
     address = next(i["request_address"] for i in c.status()["instances"] if i["id"] == "i1")
@@ -32,9 +32,9 @@ def test_a_migration_to_a_restarted_peer_makes_a_new_pair_and_commits(start_clus
     wait_for(lambda: any(i["id"] == "i1" and i["state"] == "alive" and i["request_address"] != address
                          for i in c.status()["instances"]), 30, "i1 did not come back")
 
-    s = Stream(c.url, 400, prompt="x " * 40)
+    s = Stream(c.url, 150, prompt="x " * 40)
     s.wait_tokens(3)
     assert where(c, s.rid) == "i0"
     out = move(c, s.rid, "i1")
     assert out["outcome"] == "committed", out
-    s.check_sim(400)
+    s.check_sim(150)

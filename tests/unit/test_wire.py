@@ -15,6 +15,7 @@ def _samples():
         wire.Goodbye("i0"),
         wire.Dispatch(1, "r", 5, 1, ["i1"]),
         wire.DispatchReply(1, "i0", "tcp://a:1"),
+        wire.DispatchReply(1, "i0", "tcp://a:1", disagg="remote"),
         wire.SnapshotQuery(2),
         wire.SnapshotQuery(3, "tcp://127.0.0.1:5555"),
         wire.Dispatched("r", "i0", 5, 1),

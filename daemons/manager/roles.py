@@ -1,0 +1,133 @@
+"""Roles (prefill/decode disaggregation, daemons/policy/disagg.py): an operator's ``llumnixctl role``, the
+handovers prefill instances offer (each a migration ordered with reason "handover", or "role" for a request that
+was decoding when its instance became prefill), and the adaptive rule that moves instances between the prefill
+and decode roles by their predicted TTFT and TPOT against the SLO."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Awaitable, Callable
+
+from daemons import metrics, wire
+from daemons.clock import Clock
+from daemons.config import Config
+from daemons.manager.orders import Orders, Send
+from daemons.manager.records import InstanceRecord
+from daemons.manager.view import Cluster
+from daemons.policy import disagg, slo
+
+log = logging.getLogger("llumnix.manager")
+
+M_HANDOVERS = metrics.counter("manager", "llumnix_manager_handovers_offered_total",
+                              "Requests prefill instances offered for a handover, by what the manager did: ordered "
+                              "(a decode destination was chosen), no_destination (none had room: it keeps decoding "
+                              "where it is and is offered again), stale (from an instance we do not know as live, or "
+                              "a request whose handover is in flight)",
+                              ["result"])
+M_ROLE_CHANGES = metrics.counter("manager", "llumnix_manager_role_changes_total",
+                                 "Role changes the manager sent, by new role and reason (operator, adaptive)",
+                                 ["role", "reason"])
+
+
+class Roles:
+    """Owns the roles it set (``assigned``: said again when an instance registers anew) and the adaptive rule's
+    memory. Reads the cluster view; orders handovers through ``orders`` and tells instances their role through
+    ``send``."""
+
+    def __init__(self, cfg: Config, cluster: Cluster, orders: Orders, send: Send, clock: Clock,
+                 spawn: Callable[[Awaitable], object]):
+        self.dc = cfg.disagg
+        self.sc = cfg.scheduling
+        self.targets = slo.class_targets(cfg.slo)
+        self.cluster = cluster
+        self.orders = orders
+        self.send = send
+        self.clock = clock
+        self.spawn = spawn
+        self.assigned: dict[str, str] = {}  # instance id -> the role we told it last
+        self.handing: set[str] = set()  # request ids whose handover order is in flight
+        self.incoming: dict[str, list[int]] = {}  # destination id -> blocks of each handover in flight to it
+        self.adaptive = None  # the adaptive rule's memory (daemons/policy/disagg.py), once it runs
+
+    # ------------------------------------------------------------------ an operator's role change
+
+    def on_role(self, msg: wire.RoleQuery) -> wire.Message:
+        r = self.cluster.get(msg.instance_id)
+        if r is None or r.state == "dead":
+            return wire.ErrorReply(msg.query_id, f"{msg.instance_id!r} is not a live instance (see llumnixctl status)")
+        current = r.load.role or "mixed"
+        if not msg.role:
+            return wire.RoleReply(msg.query_id, r.instance_id, current, current)
+        if msg.role not in disagg.ROLES:
+            return wire.ErrorReply(msg.query_id, f"unknown role {msg.role!r} (known: {', '.join(disagg.ROLES)})")
+        moving = r.load.running if msg.role == "prefill" and current != "prefill" else 0
+        self.set_role(r, msg.role, "operator")
+        return wire.RoleReply(msg.query_id, r.instance_id, msg.role, current, moving)
+
+    def set_role(self, r: InstanceRecord, role: str, reason: str) -> None:
+        """Tell ``r`` its new role; our view shows it at once (its next report confirms it)."""
+        self.assigned[r.instance_id] = role
+        self.cluster.set_role(r, role)
+        self.send(r, wire.SetRole(role, reason))
+        M_ROLE_CHANGES.labels(role, reason).inc()
+        log.info("instance %s: role %s (%s)", r.instance_id, role, reason)
+
+    def joined(self, r: InstanceRecord) -> None:
+        """An instance registered: one that lost the role we set (it restarted) is told again."""
+        role = self.assigned.get(r.instance_id)
+        if role is not None and role != (r.load.role or "mixed"):
+            self.send(r, wire.SetRole(role, "repeated"))
+            self.cluster.set_role(r, role)
+
+    async def loop(self) -> None:
+        """Every ``disagg.adapt_interval_s`` with ``disagg.adaptive``: the adaptive rule."""
+        while True:
+            await self.clock.sleep(self.dc.adapt_interval_s)
+
+    # ------------------------------------------------------------------ handovers
+
+    def on_handover(self, msg: wire.HandoverReady) -> None:
+        """A prefill instance's request has its first token (or decodes where it no longer belongs): choose the
+        decode instance now, by the policy in force, and order the move."""
+        src = self.cluster.get(msg.instance_id)
+        # (The instance offers only while in role prefill; our view may still show a report sent before our SetRole.)
+        if src is None or src.state == "dead" or msg.request_id in self.handing:
+            M_HANDOVERS.labels("stale").inc()
+            return
+        now = self.clock.monotonic()
+        tpot_s = msg.slo_tpot_ms / 1000.0 or self.targets[1 if msg.priority > 0 else 0].tpot_s
+        states = [self._with_incoming(s) for s in self.cluster.states(now)]
+        dst_id = disagg.handover_destination(states, src.instance_id, msg.prompt_tokens, msg.blocks,
+                                             tpot_s, self.sc.high_priority_headroom, msg.priority)
+        dst = self.cluster.get(dst_id) if dst_id else None
+        if dst is None:
+            M_HANDOVERS.labels("no_destination").inc()
+            return
+        M_HANDOVERS.labels("ordered").inc()
+        self.handing.add(msg.request_id)
+        self.incoming.setdefault(dst.instance_id, []).append(msg.blocks)
+        start = wire.MigrateStart(0, dst=dst.instance_id, dst_address=dst.info.request_address,
+                                  request_ids=[msg.request_id], reason=msg.reason or "handover")
+        self.spawn(self._hand_over(src, start, msg.request_id, msg.blocks))
+
+    def _with_incoming(self, s):
+        """``s`` with the handovers in flight to it counted as its own pending dispatches: the handovers of one
+        step's prefills (offered together) spread over the decode instances instead of all choosing the freest."""
+        blocks = self.incoming.get(s.instance_id)
+        if not blocks:
+            return s
+        return dataclasses.replace(s, pending_blocks=s.pending_blocks + sum(blocks),
+                                   pending_requests=s.pending_requests + len(blocks))
+
+    async def _hand_over(self, src: InstanceRecord, start: wire.MigrateStart, request_id: str, blocks: int) -> None:
+        try:
+            await self.orders.run_order(src, start)
+        finally:
+            self.handing.discard(request_id)
+            ledger = self.incoming.get(start.dst)
+            if ledger is not None:
+                ledger.remove(blocks)
+                if not ledger:
+                    del self.incoming[start.dst]
+
