@@ -150,7 +150,8 @@ class DisaggConfig:
     adapt_margin: float = setting(0.2, "adaptive roles: hysteresis; one pool must be predicted over (1 + margin) of its target while the other is under (1 - margin) of its own", minimum=0.0, maximum=1.0)
     min_prefill: int = setting(1, "adaptive roles never leave fewer prefill instances than this (once there is one)", minimum=0)
     min_decode: int = setting(1, "adaptive roles never leave fewer decode instances than this", minimum=1)
-    handover_lease_s: float = setting(10.0, "a handover whose decode destination was chosen but that has not started within this long is given up (the request keeps decoding where it is, and is moved later by the role's migrations)", minimum=0.1)
+    handover_lease_s: float = setting(2.0, "a request a prefill instance offered for a handover that is still there this long after (no decode instance had room, the move failed, the manager was away) is offered again; meanwhile it decodes where it is", minimum=0.1)
+    link_ahead: bool = setting(True, "each prefill instance makes its links to every decode and mixed instance (socket, KV pair, layout check) when either joins or takes its role, so that no handover pays for them; off: the first handover to an instance makes them")
 
 
 @dataclass

@@ -230,7 +230,7 @@ class RankKv:
             if fut is not None and fut.done():
                 del self.ops[op]
                 self.duties.pop(op, None)
-                exc = fut.exception()
+                exc = "its pair was closed before it ran" if fut.cancelled() else fut.exception()
                 self.ended[op] = ("done", fut.result()) if exc is None else ("error", f"rank {self.rank}: {exc}")
                 while len(self.ended) > KEEP_ENDED:
                     self.ended.popitem(last=False)

@@ -164,6 +164,9 @@ class Register(msgspec.Struct, **_tagged(1)):
     cordoned: bool = False
     uptime_s: float = 0.0
     scale_in_protected: bool = False  # instance.scale_in_protected: auto-scaling never retires it
+    # Its KV layout (daemons/kvlayout.py KvLayout.spec, with its tensor-parallel size): prefill/decode roles
+    # need a decode instance's TP at least the prefill's, checked at registration ("": not said).
+    kv_spec: str = ""
 
     def __post_init__(self) -> None:
         endpoints.check(self.request_address, "request_address")
@@ -351,6 +354,35 @@ class PeerDead(msgspec.Struct, **_tagged(57)):
 
     instance_id: str
     request_address: str
+
+
+class PeerLink(msgspec.Struct, **_tagged(90)):
+    """manager -> instance (in role prefill): make the links to ``instance_id`` (at ``request_address``) now, off
+    any request's path: the socket, the KV pair (its rendezvous over that socket) and the layout check that a
+    handover to it would otherwise do first (daemons/migration/warmup.py)."""
+
+    instance_id: str
+    request_address: str
+
+
+class LinkOpen(msgspec.Struct, **_tagged(91)):
+    """instance -> instance, on the migration channel: join the KV pair ``pair_key`` now (the source's KV
+    transfer at ``kv_address``, "" for a rendezvous over this channel) if our KV layouts agree; answered by
+    LinkReady. ``chunk_blocks``: the blocks per message its moves will use (staging is sized for it)."""
+
+    pair_key: str
+    src: str
+    kv_spec: str
+    kv_address: str = ""
+    chunk_blocks: int = 1
+
+
+class LinkReady(msgspec.Struct, **_tagged(92)):
+    """instance -> instance: the answer to LinkOpen (not ``ok``: ``reason`` says why, e.g. the layouts differ)."""
+
+    pair_key: str
+    ok: bool = True
+    reason: str = ""
 
 
 class RoleQuery(msgspec.Struct, **_tagged(79)):
@@ -788,6 +820,9 @@ Message = (
     | SetRole
     | HandoverReady
     | PeerDead
+    | PeerLink
+    | LinkOpen
+    | LinkReady
     | RoleQuery
     | RoleReply
     | Submit

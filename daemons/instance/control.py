@@ -39,16 +39,19 @@ class Control:
         self.stop = stop
         self.clock = clock
         self.started = clock.monotonic()
+        self.kv_spec: str | None = None  # its KV layout, with its tensor-parallel size (wire.Register)
 
     def register_msg(self) -> wire.Register:
         ic = self.cfg.instance
+        if self.kv_spec is None:  # asked once, at the first registration, before the first step
+            self.kv_spec = self.engine.kv_blocks().spec
         return wire.Register(
             instance_id=self.ident.instance_id, host=ic.host or socket.gethostname(), pid=os.getpid(),
             request_address=self.ident.request_address, backend=self.engine.backend, model=self.cfg.model.name,
             load=self.reporter.last, metrics_address=self.ident.metrics_address,
             max_model_len=self.engine.max_model_len, drain_reason=self.standing.register_reason(),
             cordoned=self.standing.cordoned, uptime_s=round(self.clock.monotonic() - self.started, 3),
-            scale_in_protected=ic.scale_in_protected,
+            scale_in_protected=ic.scale_in_protected, kv_spec=self.kv_spec,
         )
 
     def register(self) -> None:

@@ -191,7 +191,9 @@ class Instance:
         self.watchdog.start()
         handlers = {wire.ListRequests: lambda msg: self.listings.on_list_requests(msg.query_id),
                     wire.MigrateStart: self.orders.on_migrate_start,
-                    wire.CacheSync: lambda msg: self.cache.on_sync("")}
+                    wire.CacheSync: lambda msg: self.cache.on_sync(""),
+                    wire.PeerDead: self.on_peer_dead,
+                    wire.PeerLink: lambda msg: self.migrator.link(msg.instance_id, msg.request_address)}
         tasks = [asyncio.create_task(c) for c in (self.intake.serve(), self.stepper.run(), self.control.serve(handlers),
                                                    self.reporter.run(), self.heartbeats.run())]
         stopped = asyncio.create_task(self.stop.wait())
@@ -203,6 +205,11 @@ class Instance:
                             grace=self.ic.shutdown_grace_s if failure is None else 0.0)
         if failure is not None:
             raise SystemExit(1)  # let systemd's Restart=on-failure see it
+
+    def on_peer_dead(self, msg: wire.PeerDead) -> None:
+        """The manager declared another instance dead: what our migrations with it hold goes at once."""
+        if msg.instance_id != self.ident.instance_id and self.migrator is not None:
+            self.migrator.peer_dead(msg.instance_id, msg.request_address)
 
     async def shutdown(self, tasks: list[asyncio.Task], reason: str, grace: float) -> None:
         """Drain, then stop: leave the dispatch set and, for a grace period, let the manager migrate running

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llumnix.instance")
 
-PEER_MESSAGES = (wire.MigStage, wire.MigAbort, wire.PrefixQuery, wire.KvRendezvous)
+PEER_MESSAGES = (wire.MigStage, wire.MigAbort, wire.PrefixQuery, wire.KvRendezvous, wire.LinkOpen)
 
 
 class Intake:

@@ -16,6 +16,7 @@ from daemons.cli import ConfigFile, LogLevel, Overrides, daemon_main
 from daemons.clock import Clock
 from daemons.config import Config
 from daemons.manager.dispatch import Dispatcher
+from daemons.manager.handover_links import HandoverLinks
 from daemons.manager.liveness import Liveness
 from daemons.manager.queries import Queries, lookup_timeout
 from daemons.manager.records import M_BAD_FRAMES, M_REFUSED, InstanceRecord, Policies
@@ -74,9 +75,10 @@ class Manager:
         self.resched = Rescheduler(cfg, self.cluster, self.policies, self.clock, self.send, self.spawn, next_id,
                                    self.queries.lookup, lookup_timeout(mc), self.started)
         self.liveness = Liveness(self.cluster, self.clock, mc, cfg.scheduling, self.ctx, self.sec,
-                                 self.resched.orders.fail_migrations_from)
+                                 self.resched.orders.fail_migrations_from, self.send)
         self.registry = Registry(self.cluster, self.clock, mc, cfg.scheduling, self.send, self.liveness.watch,
                                  self.resched.joined)
+        self.handover_links = HandoverLinks(self.cluster, self.clock, self.send, mc.heartbeat_interval_s / 2)
         self.dispatcher = Dispatcher(self.cluster, self.policies, self.registry.cache_index.index, self.clock, mc,
                                      cfg.scheduling, {c: t.tpot_s for c, t in targets.items()}, cfg.disagg,
                                      {c: t.ttft_s for c, t in targets.items()})
@@ -129,7 +131,7 @@ class Manager:
         """The objects whose tasks the manager runs (tests/support stops them all, as a kill would)."""
         r = self.resched
         return (self, self.cluster, self.registry, self.liveness, self.dispatcher, self.queries, r, r.orders,
-                r.lifecycle, r.scaling, r.launcher)
+                r.lifecycle, r.scaling, r.launcher, self.handover_links)
 
     def on_register(self, ident: bytes, msg: wire.Register, principal: str = "") -> wire.Message | None:
         return self.registry.on_register(ident, msg, principal)
@@ -277,7 +279,8 @@ class Manager:
                  self.bound, p.dispatch_policy, p.pairing_policy if p.migrating else "drains only",
                  p.request_selection, p.scaling_policy, self.mc.heartbeat_interval_s, metrics or "off")
         runtime.sd_notify("READY=1")
-        tasks = [asyncio.create_task(c) for c in (self.serve(stop), self.liveness.watch_heartbeats(stop),
+        loops = [self.handover_links.run(stop)] if self.cfg.disagg.link_ahead else []
+        tasks = [asyncio.create_task(c) for c in (self.serve(stop), self.liveness.watch_heartbeats(stop), *loops,
                                                   *self.resched.loops())]
         failure = await runtime.first_failure(stop, tasks)
         runtime.sd_notify("STOPPING=1")

@@ -124,10 +124,12 @@ class Launcher:
         async for line in proc.stdout:
             log.info("launcher %s: %s", instance_id, line.decode(errors="replace").rstrip())
 
-    def registered(self, instance_id: str) -> None:
-        """A new instance registered: the launch that named it, or else the oldest one waiting, is done."""
+    def registered(self, instance_id: str) -> bool:
+        """A new instance registered: the launch that named it, or else the oldest one waiting, is done. Whether
+        it was one of our launches."""
         launch = self.launches.get(instance_id)
         if launch is None or launch.registered.done():
             launch = next((x for x in self.launches.values() if not x.registered.done()), None)
         if launch is not None:
             launch.registered.set_result(instance_id)
+        return launch is not None

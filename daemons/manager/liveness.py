@@ -12,7 +12,7 @@ from typing import Callable
 import zmq
 import zmq.asyncio
 
-from daemons import runtime, security
+from daemons import runtime, security, wire
 from daemons.clock import Clock
 from daemons.config import ManagerConfig, SchedulingConfig
 from daemons.links import DOWN, UP, LinkWatch
@@ -26,9 +26,11 @@ class Liveness:
     """Owns ``links`` (the connection watch) and each record's ``probe``, ``late`` and its state dead."""
 
     def __init__(self, cluster: ClusterView, clock: Clock, mc: ManagerConfig, sc: SchedulingConfig,
-                 ctx: zmq.asyncio.Context, sec: security.Security, on_dead: Callable[[str], None]):
+                 ctx: zmq.asyncio.Context, sec: security.Security, on_dead: Callable[[str], None],
+                 send: Callable[[InstanceRecord, wire.Message], None] | None = None):
         """``ctx``, ``sec``: where the probe sockets are made, and their keys. ``on_dead(instance_id)``: an
-        instance was marked dead (the migrations it was ordered fail at once)."""
+        instance was marked dead (the migrations it was ordered fail at once). ``send``: a message to an
+        instance (the others hear of a death by it: wire.PeerDead)."""
         self.cluster = cluster
         self.clock = clock
         self.mc = mc
@@ -36,8 +38,10 @@ class Liveness:
         self.ctx = ctx
         self.sec = sec
         self.on_dead = on_dead
+        self.send = send
         self.links = LinkWatch(mc.link_timeout_s, self.link_changed, lambda _: M_LINKS_HEALED.inc(), clock)
         cluster.on_forget(self.unwatch)
+        cluster.on_forget(self.forgotten)
 
     def dead_after(self) -> float:
         return dead_after(self.mc)
@@ -89,6 +93,23 @@ class Liveness:
         M_DEATHS.inc()
         log.warning("instance %s marked dead: %s", rec.instance_id, why)
         self.cluster.update_gauges(rec)
+        self.tell_dead(rec)
+
+    def forgotten(self, rec: InstanceRecord) -> None:
+        """An instance that stopped (or was removed) is gone too: what the others keep for it (a socket, KV pairs
+        made ahead of handovers) goes. One marked dead was told then."""
+        if rec.state != "dead":
+            self.tell_dead(rec)
+
+    def tell_dead(self, rec: InstanceRecord) -> None:
+        """Every other instance hears of it at once (wire.PeerDead): a reservation for a move from it, a request
+        suspended for a move to it, its sockets and KV pairs are let go now, not after their timeouts."""
+        if self.send is None:
+            return
+        msg = wire.PeerDead(rec.instance_id, rec.info.request_address)
+        for r in self.cluster.records():
+            if r is not rec and r.state != "dead":
+                self.send(r, msg)
 
     async def watch_heartbeats(self, stop: asyncio.Event) -> None:
         period = self.mc.heartbeat_interval_s / 2

@@ -9,6 +9,7 @@ from typing import Callable
 from daemons import prefix, wire
 from daemons.clock import Clock
 from daemons.config import ManagerConfig, SchedulingConfig
+from daemons.manager.handover_links import tp_refusal
 from daemons.manager.records import M_PREFIX_INDEX, InstanceRecord
 from daemons.manager.view import ClusterView
 
@@ -73,6 +74,12 @@ class Registry:
                             "%s pid %d at %s until that one is gone", msg.instance_id, old.info.host, old.info.pid,
                             old.info.request_address, msg.host, msg.pid, msg.request_address)
             return None
+        refusal = tp_refusal(msg, self.cluster.records())
+        if refusal and not msg.load.requests_received:  # joining: refused (it exits, saying why)
+            log.warning("%s", refusal)
+            return wire.RegisterAck(msg.instance_id, accepted=False, final=True, reason=refusal)
+        if refusal:  # one that served already registers again (we restarted): kept, and said
+            log.warning("%s (it has served already: kept)", refusal)
         self.duplicates.pop(ident, None)
         rec = InstanceRecord(info=msg, identity=ident, load=msg.load, last_seen=now, registered_at=now,
                              credit_age0=msg.uptime_s)

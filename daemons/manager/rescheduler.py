@@ -47,8 +47,8 @@ class Rescheduler:
 
     def joined(self, r: InstanceRecord, new: bool) -> None:
         """An instance registered (``new``: one we did not know)."""
-        if new:
-            self.launcher.registered(r.instance_id)
+        if new and self.launcher.registered(r.instance_id) and r.instance_id not in self.roles.assigned:
+            self.roles.launched(r)
         self.roles.joined(r)
         if r.drain_reason or r.cordoned:  # it forgot (restarted) or we did: say it again
             self.lifecycle.tell(r)

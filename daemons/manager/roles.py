@@ -9,9 +9,12 @@ import dataclasses
 import logging
 from typing import Awaitable, Callable
 
+import msgspec
+
 from daemons import metrics, wire
 from daemons.clock import Clock
 from daemons.config import Config
+from daemons.manager.handover_links import tp_refusal
 from daemons.manager.orders import Orders, Send
 from daemons.manager.records import InstanceRecord
 from daemons.manager.view import Cluster
@@ -48,7 +51,8 @@ class Roles:
         self.assigned: dict[str, str] = {}  # instance id -> the role we told it last
         self.handing: set[str] = set()  # request ids whose handover order is in flight
         self.incoming: dict[str, list[int]] = {}  # destination id -> blocks of each handover in flight to it
-        self.adaptive = None  # the adaptive rule's memory (daemons/policy/disagg.py), once it runs
+        self.adapt_rules = disagg.adapt_rules_of(cfg.disagg, cfg.slo)
+        self.memory = disagg.AdaptMemory()  # the adaptive rule's memory between looks
 
     # ------------------------------------------------------------------ an operator's role change
 
@@ -61,6 +65,11 @@ class Roles:
             return wire.RoleReply(msg.query_id, r.instance_id, current, current)
         if msg.role not in disagg.ROLES:
             return wire.ErrorReply(msg.query_id, f"unknown role {msg.role!r} (known: {', '.join(disagg.ROLES)})")
+        refusal = tp_refusal(msgspec.structs.replace(r.info, load=msgspec.structs.replace(r.load, role=msg.role)),
+                             self.cluster.records())
+        if refusal:
+            return wire.ErrorReply(msg.query_id, refusal.replace(f"instance {r.instance_id} ({msg.role}) refused",
+                                                                 f"role {msg.role} for {r.instance_id} refused"))
         moving = r.load.running if msg.role == "prefill" and current != "prefill" else 0
         self.set_role(r, msg.role, "operator")
         return wire.RoleReply(msg.query_id, r.instance_id, msg.role, current, moving)
@@ -81,9 +90,32 @@ class Roles:
             self.cluster.set_role(r, role)
 
     async def loop(self) -> None:
-        """Every ``disagg.adapt_interval_s`` with ``disagg.adaptive``: the adaptive rule."""
+        """With ``disagg.adaptive``, the adaptive rule looks at the cluster every second (it changes a role only on
+        an imbalance sustained ``disagg.adapt_sustain_s``, at most once per ``disagg.adapt_interval_s``)."""
         while True:
-            await self.clock.sleep(self.dc.adapt_interval_s)
+            await self.clock.sleep(min(1.0, self.dc.adapt_interval_s))
+            if self.dc.adaptive:
+                self.adapt_once()
+
+    def adapt_once(self) -> disagg.RoleChange | None:
+        """One look of the adaptive rule (daemons/policy/disagg.py ``adapt``); the change it makes, if any."""
+        now = self.clock.monotonic()
+        change, self.memory = disagg.adapt(self.cluster.states(now), self.adapt_rules, self.memory, now)
+        if change is not None:
+            r = self.cluster.get(change.instance_id)
+            if r is not None:
+                log.info("adaptive roles: %s becomes %s (%s)", change.instance_id, change.role, change.reason)
+                self.set_role(r, change.role, "adaptive")
+        return change
+
+    def launched(self, r: InstanceRecord) -> None:
+        """An instance that auto-scaling (or ``llumnixctl add``) started registered: while instances have roles,
+        it takes the role that is short (by the SLO's predictions; decode without targets)."""
+        now = self.clock.monotonic()
+        states = [s for s in self.cluster.states(now) if s.instance_id != r.instance_id]
+        role = disagg.short_role(states, self.adapt_rules)
+        if role != "mixed" and role != (r.load.role or "mixed"):
+            self.set_role(r, role, "scale-out")
 
     # ------------------------------------------------------------------ handovers
 

@@ -20,7 +20,10 @@ the instance calls after every step), under ``bandwidth_limit_mbps`` as the hard
 Every step is acknowledged and has a timeout. The source aborts when the request finishes or is preempted
 during pre-copy, or when the destination refuses, times out, dies or a transfer fails; it resumes the
 request if it had suspended it, and tells the destination to release. A destination that hears nothing for
-``dest_idle_timeout_s`` releases its reservation; one whose receive fails releases at once. Blocks that a
+``dest_idle_timeout_s`` (a bounded lease) releases its reservation; one whose receive fails releases at once.
+A peer the manager declares dead (``wire.PeerDead``, ``Migrator.peer_dead``) is waited for no longer: moves
+out to it abort at once (a suspended request resumes here), reservations of moves in from it are released at
+once, and the sockets and KV pairs to it close (counted: ``llumnix_instance_migration_released_total``). Blocks that a
 transfer may still write are only released after the transfer has ended, so a late chunk never lands in a
 block that another request got in the meantime.
 

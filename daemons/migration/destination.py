@@ -13,8 +13,8 @@ from daemons.config import MigrationConfig
 from daemons.engine.base import Engine, EngineError
 from daemons.kvlayout import KvLayout
 from daemons.migration.peers import Peers
-from daemons.migration.records import Aborted, Host, Incoming
-from daemons.migration.telemetry import M_BYTES, M_IN_FLIGHT
+from daemons.migration.records import LEASE_EXPIRED, PEER_DEAD, TRANSFER_FAILED, Aborted, Host, Incoming
+from daemons.migration.telemetry import M_BYTES, M_IN_FLIGHT, M_RELEASED
 from daemons.migration.transport import KvTransport, TransferError
 from daemons.requests import RequestTable, slo_mark
 from daemons.watchdog import Faults
@@ -56,6 +56,19 @@ class Destination:
         for inc in [i for i in self.incoming.values() if i.request_id == request_id]:
             inc.aborted = True
             await self._end(inc)
+
+    def peer_dead(self, instance_id: str) -> list[Incoming]:
+        """The manager declared the source ``instance_id`` dead: its moves here will never commit. Each is
+        released at once (as soon as no transfer can still write its blocks: closing their KV pairs, which
+        the caller does, ends those). Returns them."""
+        ending = [inc for inc in self.incoming.values() if inc.src == instance_id and not inc.ended]
+        for inc in ending:
+            inc.aborted = True  # a commit waiting for its step boundary will not happen
+            inc.cause = inc.cause or PEER_DEAD
+            log.warning("migration of %s from %s: the source was declared dead; releasing its reservation",
+                        inc.request_id, inc.src)
+            self.spawn(self._end(inc))
+        return ending
 
     def close(self) -> None:
         for inc in self.incoming.values():
@@ -186,7 +199,13 @@ class Destination:
         try:
             got = await inc.receiving
         except TransferError as exc:
+            inc.cause = inc.cause or TRANSFER_FAILED
             raise Aborted(f"KV transfer failed: {exc}") from None
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():
+                raise
+            # Its pair was closed before the receive ran (the source declared dead): nothing was written.
+            raise Aborted("KV transfer cancelled: its pair was closed") from None
         finally:
             inc.receiving = None
         M_BYTES.labels("in").inc(got)
@@ -234,6 +253,8 @@ class Destination:
             except (TransferError, asyncio.CancelledError):
                 pass
         await self.boundary(lambda: self.engine.release(inc.request_id))
+        if inc.cause:
+            M_RELEASED.labels("destination", inc.cause).inc()
         self._forget(inc)
 
     def _forget(self, inc: Incoming) -> None:
@@ -251,4 +272,5 @@ class Destination:
             if self.clock.monotonic() - inc.last_heard > idle:
                 log.warning("migration of %s from %s: no word from the source for %.1fs; releasing its blocks",
                             inc.request_id, inc.src, idle)
+                inc.cause = inc.cause or LEASE_EXPIRED
                 await self._end(inc)

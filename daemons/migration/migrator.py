@@ -20,6 +20,7 @@ from daemons.migration.peers import Peers
 from daemons.migration.records import Host, Incoming, Outgoing
 from daemons.migration.source import Source
 from daemons.migration.transport import KvTransport
+from daemons.migration.warmup import Warmup
 from daemons.pacing import Baseline
 from daemons.requests import RequestTable
 from daemons.watchdog import Faults
@@ -33,7 +34,9 @@ class Migrator:
     transport (daemons/migration/transport.py; the daemon's: daemons/kvranks.py ``gloo_transport``).
 
     What the instance calls: ``migrate_out`` (one request to a destination; returns its outcome),
-    ``prefix_hits`` (what a destination holds already), ``on_peer_message`` (a message from a source, on the
+    ``prefix_hits`` (what a destination holds already), ``peer_dead`` (the manager's word that a peer died),
+    ``link`` (make the links to a peer ahead of its moves),
+    ``on_peer_message`` (a message from a source, on the
     instance's ROUTER), ``receiving`` / ``cancel_incoming`` / ``forward_abort`` (a request arriving, placed
     anew, aborted after it moved), ``stepped`` (after every engine step), ``spawn``, ``busy``, ``outgoing`` / ``incoming`` / ``committed`` /
     ``aborted`` (for the load report) and ``close``."""
@@ -56,9 +59,13 @@ class Migrator:
         self.source = Source(host, cfg, engine, requests, boundary, kv, self.peers, self.clock)
         self.destination = Destination(host, cfg, engine, requests, boundary, kv, self.peers, self.clock,
                                        faults or Faults("", ""), self.spawn, lambda: self.busy)
+        self.warmup = Warmup(host, cfg, engine, kv, self.peers, self.source.lock, self.clock, self.spawn)
 
     def _reply(self, msg: wire.Message) -> None:
-        self.source.deliver(msg)
+        if isinstance(msg, wire.LinkReady):
+            self.warmup.on_ready(msg)
+        else:
+            self.source.deliver(msg)
 
     def _gone(self, address: str) -> None:
         self.source.peer_gone(address)
@@ -87,6 +94,24 @@ class Migrator:
             self.spawn(self.destination.answer_prefix(identity, msg))
         elif isinstance(msg, wire.KvRendezvous):
             self.peers.relayed(msg)
+        elif isinstance(msg, wire.LinkOpen):
+            self.warmup.on_open(identity, msg)
+
+    def peer_dead(self, instance_id: str, address: str) -> None:
+        """The manager says ``instance_id`` (at request address ``address``) is dead (wire.PeerDead). Nothing
+        waits for it any longer: the moves out to it abort at once (a request suspended for it resumes decoding
+        here), the reservations of moves in from it are released as soon as no transfer can still write them
+        (their KV pairs are closed here, which ends those transfers), and our socket and pairs to it close."""
+        out = self.source.peer_dead(instance_id, address)
+        ending = self.destination.peer_dead(instance_id)
+        self.warmup.forget(instance_id)
+        self.peers.peer_dead(instance_id, address, [inc.pair.key for inc in ending if inc.pair is not None])
+        log.info("instance %s (%s) is dead: %d move(s) out to it aborted, %d move(s) in from it released",
+                 instance_id, address or "no address", out, len(ending))
+
+    def link(self, instance_id: str, address: str) -> None:
+        """(wire.PeerLink) Make the links a move to ``instance_id`` needs now, in the background (warmup.py)."""
+        self.warmup.link(instance_id, address)
 
     def receiving(self, request_id: str) -> bool:
         return self.destination.receiving(request_id)

@@ -28,7 +28,7 @@ from daemons import stages, wire
 from daemons.clock import Clock
 from daemons.migration.records import Aborted, DestinationFailed, Outgoing, Refused
 from daemons.migration.source import Source
-from daemons.migration.telemetry import M_DOWNTIME, M_DURATION, M_IN_FLIGHT, M_MIGRATIONS
+from daemons.migration.telemetry import M_DOWNTIME, M_DURATION, M_IN_FLIGHT, M_MIGRATIONS, M_RELEASED
 from daemons.pacing import DutyPacer
 
 log = logging.getLogger("llumnix.migration")
@@ -130,12 +130,15 @@ class Move:
         src = self.src
         if self.dst == src.host.instance_id:
             raise Aborted("source and destination are the same instance")
+        src.peers.revive(self.dst_address)  # ordered after it was declared dead: the manager sees it back
         self.entry = src.requests.begin_migration(self.request_id)
         if self.entry is None:
             raise Aborted("the request is not here or is already migrating")
         lock = src.lock(self.dst)
         await lock.acquire()
         self.lock = lock
+        if self.out.dead.is_set():  # declared dead while this move waited for its turn
+            raise DestinationFailed(f"destination {self.dst} was declared dead")
 
         def first_look():
             view = src.engine.migration_view(self.request_id)
@@ -235,13 +238,13 @@ class Move:
             stage.plan.tail_tokens, duty=duty, one_message=stage.last)) if ids else None)
         if sending is not None and stage.await_ready:
             with src.pacing(self.out.mig_id, paced):
-                self.result.bytes += await src.sent(sending, nbytes, paced is not None)
+                self.result.bytes += await src.sent(self.out, sending, nbytes, paced is not None)
         stage.timings["sent"] = self.clock.monotonic()
         await src.reply(self.out, wire.MigDone, stage.number,
                         "the commit" if stage.last else f"stage {stage.number}'s copy")
         stage.timings["done"] = self.clock.monotonic()
         if sending is not None and not stage.await_ready:  # done: the destination got it all
-            self.result.bytes += await src.sent(sending, nbytes)
+            self.result.bytes += await src.sent(self.out, sending, nbytes)
         t = stage.timings
         log.debug("migration %s stage %d (%s): %d blocks; ready %.2f ms, copy %.2f ms, done %.2f ms%s",
                   self.out.mig_id, stage.number, self.phase.value, len(ids), (t["ready"] - t["message"]) * 1e3,
@@ -292,6 +295,8 @@ class Move:
                       Phase.ABORTED_DST if isinstance(exc, DestinationFailed) else Phase.ABORTED_SRC)
         self.result.reason = str(exc) if isinstance(exc, Aborted) else f"internal error: {exc!r}"
         self.result.resumed_at = -1
+        if self.out.dead.is_set():
+            M_RELEASED.labels("source", "peer_dead").inc()
         if self.pair is not None:  # the destination may have heard of this move
             src.peers.send(self.dst_address, wire.MigAbort(self.out.mig_id, self.result.reason))
             # The pair may be half-way through a rendezvous or a transfer the peer gave up on: start the next

@@ -21,6 +21,7 @@ log = logging.getLogger("llumnix.migration")
 
 
 PEER_IDLE_S = 300.0  # a peer socket or KV pair unused this long (and in no migration) is closed
+DEAD_KEPT = 1024  # addresses of dead peers remembered (a fleet that replaces instances must not grow it)
 
 
 class Peers:
@@ -34,8 +35,8 @@ class Peers:
                  on_reply: Callable[[wire.Message], None], on_gone: Callable[[str], None]):
         """``dealer``: a new DEALER socket (secured, tuned); ``kv``: the KV transport whose idle pairs are
         forgotten; ``spawn``: run a task the migrator cancels at close; ``in_use``: the peer addresses and
-        KV pair names some migration holds now (never pruned); ``on_reply``: a destination's MigReady or
-        MigDone; ``on_gone``: the connection to that request address dropped."""
+        KV pair names some migration holds now (never pruned); ``on_reply``: a destination's MigReady, MigDone
+        or LinkReady; ``on_gone``: the connection to that request address dropped."""
         self.dealer = dealer
         self.kv = kv
         self.clock = clock
@@ -50,6 +51,10 @@ class Peers:
         self.next_prune = 0.0
         self.queries = 0
         self.waits: dict[int, asyncio.Future] = {}  # prefix queries by id
+        self.asked: dict[int, str] = {}  # ... and whom each asked
+        # Addresses of peers declared dead (the latest DEAD_KEPT): nothing is sent there until revived.
+        self.dead: dict[str, None] = {}
+        self.kept: set[str] = set()  # addresses and KV pair names made ahead (warmup.py): never pruned
 
     def socket(self, address: str) -> zmq.asyncio.Socket:
         """Our socket to the destination at ``address`` (connected on first use)."""
@@ -64,7 +69,54 @@ class Peers:
         return sock
 
     def send(self, address: str, msg: wire.Message) -> bool:
+        """False where it could not go: the socket's queue is full, or the peer was declared dead (no socket
+        is made to a dead peer for a move's last word to it)."""
+        if address in self.dead:
+            return False
         return runtime.send_now(self.socket(address), wire.encode(msg))
+
+    def keep(self, pair_name: str, address: str = "") -> None:
+        """Links made ahead of the moves that will use them (daemons/migration/warmup.py): kept however long
+        they lie unused, until their peer is declared dead."""
+        self.kept.add(pair_name)
+        if address:
+            self.kept.add(address)
+
+    def unkeep(self, pair_name: str, address: str = "") -> None:
+        self.kept.discard(pair_name)
+        self.kept.discard(address)
+
+    def revive(self, address: str) -> None:
+        """A peer declared dead is there again (an order names it): it may be sent to."""
+        self.dead.pop(address, None)
+
+    def peer_dead(self, instance_id: str, address: str, held: list[str] = ()) -> None:
+        """The manager declared ``instance_id`` (at ``address``) dead: close our socket to it, answer our prefix
+        queries to it (nothing held), and close its KV pairs (the source pair named by its id, those it started
+        with us named by its key): their transfers in flight end, their staging buffers go. ``held``: pairs
+        that moves in from it hold, closed too."""
+        if address:
+            self.dead[address] = None
+            while len(self.dead) > DEAD_KEPT:
+                del self.dead[next(iter(self.dead))]
+            self._close(address)
+            for qid in [q for q, a in self.asked.items() if a == address]:
+                waiting = self.waits.get(qid)
+                if waiting is not None and not waiting.done():
+                    waiting.set_result([])
+        family = f"{instance_id}>"
+        self.kept -= {address, instance_id, *(k for k in self.kept if k.startswith(family))}
+        for name in {*held, *(n for n in self.pairs_used if n == instance_id or n.startswith(family))}:
+            self.pairs_used.pop(name, None)
+            self.kv.forget(name)
+
+    def _close(self, address: str) -> None:
+        self.used.pop(address, None)
+        for task in self.tasks.pop(address, ()):
+            task.cancel()
+        sock = self.sockets.pop(address, None)
+        if sock is not None:
+            sock.close(0)
 
     def pair_used(self, name: str) -> None:
         """A KV pair (by the name the transport's ``forget`` takes) is in use now."""
@@ -79,14 +131,9 @@ class Peers:
         self.next_prune = now + PEER_IDLE_S / 4
         cut = now - PEER_IDLE_S
         busy, held = self.in_use()
-        for address in [a for a, at in self.used.items() if at < cut and a not in busy]:
-            del self.used[address]
-            for task in self.tasks.pop(address, ()):
-                task.cancel()
-            sock = self.sockets.pop(address, None)
-            if sock is not None:
-                sock.close(0)
-        for name in [n for n, at in self.pairs_used.items() if at < cut and n not in held]:
+        for address in [a for a, at in self.used.items() if at < cut and a not in busy and a not in self.kept]:
+            self._close(address)
+        for name in [n for n, at in self.pairs_used.items() if at < cut and n not in held and n not in self.kept]:
             del self.pairs_used[name]
             self.kv.forget(name)
 
@@ -104,7 +151,7 @@ class Peers:
     async def _read(self, sock) -> None:
         while True:
             msg = wire.decode(await sock.recv())
-            if isinstance(msg, (wire.MigReady, wire.MigDone)):
+            if isinstance(msg, (wire.MigReady, wire.MigDone, wire.LinkReady)):
                 self.on_reply(msg)
             elif isinstance(msg, wire.PrefixHits):
                 waiting = self.waits.get(msg.query_id)
@@ -150,8 +197,10 @@ class Peers:
         self.queries += 1
         qid = self.queries
         waiting = self.waits[qid] = asyncio.get_running_loop().create_future()
+        self.asked[qid] = dst_address
         try:
-            self.send(dst_address, wire.PrefixQuery(qid, prompts))
+            if not self.send(dst_address, wire.PrefixQuery(qid, prompts)):
+                return [0] * len(prompts)
             blocks = await asyncio.wait_for(waiting, PREFIX_QUERY_TIMEOUT_S)
         except asyncio.TimeoutError:
             log.info("%s did not say within %gs what of %d prompt(s) it holds; choosing as if nothing",
@@ -159,6 +208,9 @@ class Peers:
             return [0] * len(prompts)
         finally:
             self.waits.pop(qid, None)
+            self.asked.pop(qid, None)
+        if not blocks and prompts:  # its peer was declared dead meanwhile
+            return [0] * len(prompts)
         if len(blocks) != len(prompts):
             log.warning("%s answered a prefix query about %d prompts with %d counts; ignored",
                         dst_address, len(prompts), len(blocks))

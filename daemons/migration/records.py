@@ -52,14 +52,21 @@ class Host(Protocol):
 class Outgoing:
     mig_id: str
     dst_address: str = ""
-    replies: asyncio.Queue = field(default_factory=asyncio.Queue)  # MigReady / MigDone / GONE from the destination
+    replies: asyncio.Queue = field(default_factory=asyncio.Queue)  # MigReady / MigDone / GONE / DEAD
     dst: str = ""  # the destination's instance id (its KV pair's name here)
+    dead: asyncio.Event = field(default_factory=asyncio.Event)  # the manager declared the destination dead
 
 
 # A destination that does not answer a prefix query within this is taken to hold nothing. It answers at its
 # next step boundary, after a long prefill step or on a loaded host seconds away: the order's choice may wait.
 PREFIX_QUERY_TIMEOUT_S = 5.0
 GONE = object()  # put in a migration's replies when the connection to its destination drops
+DEAD = object()  # ... when the manager declares its destination dead (wire.PeerDead)
+
+# Why a destination released a reservation that never committed, besides its source's word (MigAbort) or a
+# refused stage: its source was declared dead (at once), its copy failed (a dead source's connection closes: at
+# once, often before the manager's word), or it heard nothing for dest_idle_timeout_s (the lease).
+PEER_DEAD, LEASE_EXPIRED, TRANSFER_FAILED = "peer_dead", "lease_expired", "transfer_failed"
 
 
 @dataclass
@@ -75,4 +82,5 @@ class Incoming:
     receiving: asyncio.Future | None = None  # a Gloo receive that may still write our blocks
     ids: list[int] = field(default_factory=list)  # the blocks reserved so far, in token order
     ended: bool = False
-    aborted: bool = False  # the source sent MigAbort: never commit
+    aborted: bool = False  # the source sent MigAbort (or was declared dead): never commit
+    cause: str = ""  # PEER_DEAD, TRANSFER_FAILED or LEASE_EXPIRED: why it was released without its source's word

@@ -14,7 +14,7 @@ from daemons.clock import Clock
 from daemons.config import MigrationConfig
 from daemons.engine.base import Engine
 from daemons.migration.peers import Peers
-from daemons.migration.records import GONE, DestinationFailed, Host, Outgoing, Refused
+from daemons.migration.records import DEAD, GONE, DestinationFailed, Host, Outgoing, Refused
 from daemons.migration.telemetry import M_BYTES
 from daemons.migration.transport import KvTransport, TransferError
 from daemons.pacing import MIN_DUTY, DutyPacer
@@ -59,6 +59,17 @@ class Source:
             if out.dst_address == address:
                 out.replies.put_nowait(GONE)
 
+    def peer_dead(self, instance_id: str, address: str) -> int:
+        """The manager declared ``instance_id`` (at ``address``) dead: the moves there stop at once, whatever
+        they wait for (an answer, a copy, their turn); a suspended request resumes here. How many."""
+        n = 0
+        for out in self.outgoing.values():
+            if (out.dst == instance_id or (address and out.dst_address == address)) and not out.dead.is_set():
+                out.dead.set()
+                out.replies.put_nowait(DEAD)
+                n += 1
+        return n
+
     def addresses(self) -> set[str]:
         return {o.dst_address for o in self.outgoing.values()}
 
@@ -94,6 +105,8 @@ class Source:
         """The destination's ``kind`` answer to ``stage``, within migration.timeout_s."""
         deadline = self.clock.monotonic() + self.cfg.timeout_s
         while True:
+            if out.dead.is_set():
+                raise DestinationFailed(f"the destination was declared dead while waiting for {what}")
             left = deadline - self.clock.monotonic()
             if left <= 0:
                 raise DestinationFailed(f"destination did not answer {what} within {self.cfg.timeout_s:g}s")
@@ -101,6 +114,8 @@ class Source:
                 msg = await asyncio.wait_for(out.replies.get(), left)
             except asyncio.TimeoutError:
                 continue
+            if msg is DEAD:
+                continue  # said at the top of the loop
             if msg is GONE:
                 raise DestinationFailed(f"the connection to the destination dropped while waiting for {what} (did it die?)")
             if isinstance(msg, kind) and msg.stage == stage:
@@ -108,13 +123,25 @@ class Source:
                     raise Refused(f"destination refused: {msg.reason}")
                 return msg
 
-    async def sent(self, sending: asyncio.Future, nbytes: int, paced: bool = False) -> int:
-        """The bytes of a transfer, once it ended (within migration.timeout_s plus its bytes at a floor rate)."""
+    async def sent(self, out: Outgoing, sending: asyncio.Future, nbytes: int, paced: bool = False) -> int:
+        """The bytes of a transfer, once it ended (within migration.timeout_s plus its bytes at a floor rate),
+        unless the destination is declared dead first: then at once (the copy only reads our blocks, and the
+        request keeps them: it may end on the pair's thread whenever)."""
         rate = 1e8 * (MIN_DUTY if paced else 1.0)  # at least 100 MB/s, or that at the lowest duty where paced
+        dead = asyncio.ensure_future(out.dead.wait())
         try:
-            sent = await asyncio.wait_for(sending, self.cfg.timeout_s + nbytes / rate)
-        except (TransferError, asyncio.TimeoutError) as exc:
-            raise DestinationFailed(f"KV transfer failed: {str(exc) or 'timed out'}") from None
+            done, _ = await asyncio.wait({sending, dead}, timeout=self.cfg.timeout_s + nbytes / rate,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            dead.cancel()
+        if sending not in done:
+            sending.cancel()
+            raise DestinationFailed("the destination was declared dead during the copy" if out.dead.is_set()
+                                    else "KV transfer failed: timed out")
+        try:
+            sent = sending.result()
+        except (TransferError, asyncio.CancelledError) as exc:  # cancelled: its pair was closed before it ran
+            raise DestinationFailed(f"KV transfer failed: {str(exc) or 'cancelled'}") from None
         M_BYTES.labels("out").inc(sent)
         return sent
 

@@ -15,3 +15,17 @@ M_BYTES = metrics.counter("instance", "llumnix_migration_bytes_total", "KV bytes
                           preset=[("out",), ("in",)])
 M_IN_FLIGHT = metrics.gauge("instance", "llumnix_migrations_in_flight", "Migrations in progress, by role", ["role"],
                             preset=[("source",), ("destination",)])
+M_RELEASED = metrics.counter("instance", "llumnix_instance_migration_released_total",
+                             "Migrations given up without the peer's word, by role and cause: as destination, a "
+                             "reservation released because its source was declared dead (peer_dead), its copy "
+                             "failed (transfer_failed: a dead source's connection closes) or it fell silent for "
+                             "migration.dest_idle_timeout_s (lease_expired); as source, a move aborted (its request "
+                             "decoding here again) because its destination was declared dead (peer_dead)",
+                             ["role", "cause"], preset=[("destination", "peer_dead"), ("destination", "transfer_failed"),
+                                                        ("destination", "lease_expired"), ("source", "peer_dead")])
+M_LINKS = metrics.counter("instance", "llumnix_instance_links_made_ahead_total",
+                          "Links to a handover destination made ahead of its moves (wire.PeerLink: socket, KV pair, "
+                          "layout check), by outcome", ["outcome"], preset=[("ready",), ("refused",), ("failed",)])
+M_LINK_SECONDS = metrics.histogram("instance", "llumnix_instance_link_setup_seconds",
+                                   "Time to make the links to a handover destination ahead of its moves",
+                                   buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0))

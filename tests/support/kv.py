@@ -3,7 +3,8 @@ implementation of daemons/migration/transport.py's ``KvTransport`` (a pair's ``s
 futures of the bytes moved), with the blocks copied by the engines' own ``KvBlocks`` gather and scatter instead
 of Gloo. A pair matches its sends and receives in the order they were
 posted, as a Gloo pair does; a transfer whose peer never posts its half never completes (the migration's own
-timeouts end it, as with a dead peer)."""
+timeouts end it, as with a silent peer), unless the pair is closed at either end: then its transfers not yet
+completed fail, as a Gloo pair's do when its peer's connection goes."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from concurrent.futures import Future
 import torch
 
 from daemons.kvlayout import KvBlocks
+from daemons.migration.transport import TransferError
 
 
 class Hub:
@@ -26,6 +28,7 @@ class Hub:
         self.bytes_per_s = bytes_per_s
         self.sends: dict[str, deque] = {}
         self.recvs: dict[str, deque] = {}
+        self.open: dict[str, list[Future]] = {}  # by key: the futures of transfers not completed yet
         self._ids = itertools.count(1)
         self.moved_bytes = 0
 
@@ -33,6 +36,7 @@ class Hub:
         return MemoryKv(self, name)
 
     def post(self, key: str, side: str, item) -> None:
+        self.open[key] = [f for f in self.open.get(key, ()) if not f.done()] + [item[-1]]
         (self.sends if side == "send" else self.recvs).setdefault(key, deque()).append(item)
         sends, recvs = self.sends.get(key), self.recvs.get(key)
         while sends and recvs:
@@ -67,6 +71,9 @@ class Hub:
     def drop(self, key: str) -> None:
         self.sends.pop(key, None)
         self.recvs.pop(key, None)
+        for fut in self.open.pop(key, []):
+            if not fut.done():
+                fut.set_exception(TransferError(f"KV pair {key} was closed"))
 
 
 class MemoryPair:

@@ -125,3 +125,38 @@ def test_draining_the_last_decode_instance_moves_its_requests_to_the_prefill_one
         assert out.get("drain/committed") == 3 and not any("aborted" in k for k in out), out
 
     VirtualCluster.run(scenario, instances=0, sets=SETS)
+
+
+def test_adaptive_roles_give_a_ttft_bound_cluster_another_prefill_instance():
+    """One prefill and two decode instances with targets: long prompts queue on the prefill instance (TTFT far over
+    its target) while decoding has slack; after the imbalance has held adapt_sustain_s, one decode instance (the
+    least loaded) becomes prefill, once; every stream is exact."""
+    sets = SETS + ["slo.ttft_ms=300", "slo.tpot_ms=500", "disagg.adaptive=true", "disagg.adapt_interval_s=30",
+                   "disagg.adapt_sustain_s=1", "disagg.prefill_busy_tokens=1000000"]
+
+    async def scenario(c: VirtualCluster):
+        await _roles(c, "prefill", "decode", "decode")
+        warm = [await c.request(max_tokens=8, prompt_tokens=LONG) for _ in range(2)]
+        for s in warm:
+            await c.result(s)
+        streams = [await c.request(max_tokens=OUT, prompt_tokens=1500) for _ in range(24)]
+        await c.until(lambda: c.manager.resched.roles.memory.last_change is not None, 20, "no role changed")
+        roles = {iid: inst.standing.role for iid, inst in c.instances.items()}
+        assert sorted(roles.values()) == ["decode", "prefill", "prefill"], roles
+        for s in streams:
+            got = await c.result(s, within_s=300)
+            assert [o.token_id for o in got] == c.expected(s, OUT)
+        assert sorted(inst.standing.role for inst in c.instances.values()) == ["decode", "prefill", "prefill"]
+
+    VirtualCluster.run(scenario, instances=0, sets=sets)
+
+
+def test_a_scaled_out_instance_takes_the_role_that_is_short():
+    async def scenario(c: VirtualCluster):
+        await _roles(c, "prefill", "decode")
+        reply = await c.manager.resched.lifecycle.on_add(wire.AddQuery(1, 1))
+        assert isinstance(reply, wire.AddReply), reply
+        (iid,) = reply.instance_ids
+        await c.until(lambda: c.instances[iid].standing.role == "decode", 5, f"{iid} got no role")  # no targets: decode
+
+    VirtualCluster.run(scenario, instances=0, sets=SETS + ["scaling.launcher=start {id}"])

@@ -10,6 +10,7 @@ def _samples():
     view = wire.InstanceView("i0", "h", 1, "alive", "tcp://a:1", "sim", "m", load, 1.5, 0.1)
     return [
         wire.Register("i0", "h", 1, "tcp://a:1", "sim", "m", load),
+        wire.Register("i0", "h", 1, "tcp://a:1", "sim", "m", load, kv_spec="engine=sim;layout=block-major;tp=2"),
         wire.RegisterAck("i0", accepted=False, reason="x"),
         wire.LoadReport("i0", 3, load),
         wire.Goodbye("i0"),
@@ -69,6 +70,9 @@ def _samples():
         wire.SetRole("prefill", "operator"),
         wire.HandoverReady("i0", "r1", 900, 57, 1, 40.0),
         wire.PeerDead("i1", "tcp://127.0.0.1:5001"),
+        wire.PeerLink("i1", "tcp://127.0.0.1:5001"),
+        wire.LinkOpen("i0>i1/ab12", "i0", "engine=sim;tp=1", "", 2048),
+        wire.LinkReady("i0>i1/ab12", False, "KV layout differs: tensor-parallel size differs: source 2, destination 1"),
         wire.RoleQuery(14, "i0", "decode"),
         wire.RoleReply(14, "i0", "decode", "prefill", 2),
     ]

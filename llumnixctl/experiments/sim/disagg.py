@@ -1,8 +1,8 @@
 """Prefill/decode disaggregation in the simulator (llumnixctl/experiments/sim/simulate.py), on the daemons' own
 policy code (daemons/policy/disagg.py):
 
-- roles: each simulated instance has one (``mixed``, ``prefill``, ``decode``), held as an instance holds it (its
-  ``Standing``, which its reports carry), so the manager's and the proxy's states see it;
+- roles: each simulated instance has one (``mixed``, ``prefill``, ``decode``), carried in its load reports (the
+  sim engine's ``role``), so the manager's and the proxy's states see it;
 - dispatch: while any instance has a role, ``disagg.decide`` picks the pool a new request prefills in (from the
   same states the dispatcher reads), and the dispatch policy picks within it (the other instances excluded);
   the decisions are counted by kind;
@@ -226,8 +226,8 @@ class SimRoles:
             self.changes.append({"t": round(now, 3), "instance": change.instance_id, "from": inst.engine.role,
                                  "to": change.role, "reason": change.reason})
             inst.engine.role = change.role
-            inst.standing.set_role(wire.SetRole(change.role, "adaptive"))  # (what its reports carry)
-            inst.reporter.changed()
+            inst.standing.set_role(wire.SetRole(change.role, "adaptive"))  # the reports' role (the daemons' owner)
+            inst.reporter.refresh()
             self.site.woken(inst)
         if self.going():
             self.site.at(now + ADAPT_EVERY_S, self._adapt)

@@ -68,7 +68,7 @@ class SimReports:
         instance's step loop does) and its heartbeats, running."""
         ic, heartbeat_s = self.cfg.instance, self.cfg.manager.heartbeat_interval_s
         watchdog = Watchdog(ic.step_timeout_s, ic.hung_exit_s, self.clock)  # never stalled: sim steps end
-        inst.standing = Standing(getattr(inst.engine, "role", "mixed"))  # (its role: sim/disagg.py)
+        inst.standing = Standing(getattr(inst.engine, "role", "mixed"))  # the role its reports carry (sim/disagg.py)
         inst.fit = self.fit_class(inst.engine.prefill_budget)
         ident = Identity(inst.iid, inst.host.request_address)
         inst.reporter = reporter = self.reporter_class(
