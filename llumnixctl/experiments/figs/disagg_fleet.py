@@ -181,6 +181,8 @@ def plot(plt, data):
         pts = data["points"][size]
         loads = sorted(pts, key=float)
         names = list(dict.fromkeys(k for ld in loads for k in pts[ld]))
+        splits = [n for n in names if n[0].isdigit()]
+        cmap = plt.get_cmap("viridis")
         for ax, (k, title) in zip(row, (("attainment", "SLO attainment"), ("goodput", "goodput (met req/s)"))):
             for name in names:
                 xs = [float(ld) for ld in loads if name in pts[ld]]
@@ -188,7 +190,8 @@ def plot(plt, data):
                 if name == "adaptive":
                     ax.plot(xs, ys, "o-", color="C3", lw=2.2, ms=5, label=name, zorder=5)
                 elif name[0].isdigit():
-                    ax.plot(xs, ys, ".-", lw=0.9, alpha=0.75, label=name)
+                    ax.plot(xs, ys, ".-", lw=0.9, alpha=0.8, label=name,
+                            color=cmap(splits.index(name) / max(len(splits) - 1, 1) * 0.9))
                 else:
                     ax.plot(xs, ys, "s--" if name == "llumnix" else "^:", color="k" if name == "llumnix" else "grey",
                             lw=1.2, ms=4, label=f"mixed {name}")

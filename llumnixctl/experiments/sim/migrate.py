@@ -387,7 +387,8 @@ class SimMigrations:
         site = self.site
         started = self.loop.time()
         blocking = reason == "handover" and self.net.handover_blocking
-        out = await src.migrator.migrate_out(rid, dst.iid, dst.host.request_address, blocking=blocking)
+        out = await src.migrator.migrate_out(rid, dst.iid, dst.host.request_address, blocking=blocking,
+                                             paced=reason not in ("handover", "role"))  # (as the instance's)
         suspended = self.suspended_at.pop(rid, None)
         committed = self.committed_at.pop(rid, None)
         why = "" if out.outcome == "committed" else out.reason
