@@ -151,6 +151,7 @@ class DisaggConfig:
     min_prefill: int = setting(1, "adaptive roles never leave fewer prefill instances than this (once there is one)", minimum=0)
     min_decode: int = setting(1, "adaptive roles never leave fewer decode instances than this", minimum=1)
     handover_lease_s: float = setting(2.0, "a request a prefill instance offered for a handover that is still there this long after (no decode instance had room, the move failed, the manager was away) is offered again; meanwhile it decodes where it is", minimum=0.1)
+    handover_precopy: bool = setting(False, "a handover pre-copies while the request decodes on its prefill instance (each stage waits for that instance's step, a prefill chunk long), instead of one stage: suspended at the first step boundary after its first token, its KV sent at once, committed on the decode instance (the client's gap is the copy; measured in the simulator: order to commit P50 163 ms one-stage vs 312 ms pre-copy under prefill load)")
     link_ahead: bool = setting(True, "each prefill instance makes its links to every decode and mixed instance (socket, KV pair, layout check) when either joins or takes its role, so that no handover pays for them; off: the first handover to an instance makes them")
 
 

@@ -41,6 +41,7 @@ class Roles:
     def __init__(self, cfg: Config, cluster: Cluster, orders: Orders, send: Send, clock: Clock,
                  spawn: Callable[[Awaitable], object]):
         self.dc = cfg.disagg
+        self.max_in_flight = cfg.migration.max_in_flight
         self.sc = cfg.scheduling
         self.targets = slo.class_targets(cfg.slo)
         self.cluster = cluster
@@ -50,7 +51,7 @@ class Roles:
         self.spawn = spawn
         self.assigned: dict[str, str] = {}  # instance id -> the role we told it last
         self.handing: set[str] = set()  # request ids whose handover order is in flight
-        self.incoming: dict[str, list[int]] = {}  # destination id -> blocks of each handover in flight to it
+        self.incoming: dict[str, list[tuple[str, int]]] = {}  # destination -> (source, blocks) of each handover in flight
         self.adapt_rules = disagg.adapt_rules_of(cfg.disagg, cfg.slo)
         self.memory = disagg.AdaptMemory()  # the adaptive rule's memory between looks
 
@@ -129,7 +130,9 @@ class Roles:
             return
         now = self.clock.monotonic()
         tpot_s = msg.slo_tpot_ms / 1000.0 or self.targets[1 if msg.priority > 0 else 0].tpot_s
-        states = [self._with_incoming(s) for s in self.cluster.states(now)]
+        # A destination receiving from migration.max_in_flight other sources would refuse one more (a source's own
+        # moves to one destination queue behind each other, so they never do).
+        states = [self._with_incoming(s) for s in self.cluster.states(now) if self._takes(s.instance_id, src.instance_id)]
         dst_id = disagg.handover_destination(states, src.instance_id, msg.prompt_tokens, msg.blocks,
                                              tpot_s, self.sc.high_priority_headroom, msg.priority)
         dst = self.cluster.get(dst_id) if dst_id else None
@@ -138,10 +141,15 @@ class Roles:
             return
         M_HANDOVERS.labels("ordered").inc()
         self.handing.add(msg.request_id)
-        self.incoming.setdefault(dst.instance_id, []).append(msg.blocks)
+        self.incoming.setdefault(dst.instance_id, []).append((src.instance_id, msg.blocks))
         start = wire.MigrateStart(0, dst=dst.instance_id, dst_address=dst.info.request_address,
-                                  request_ids=[msg.request_id], reason=msg.reason or "handover")
-        self.spawn(self._hand_over(src, start, msg.request_id, msg.blocks))
+                                  request_ids=[msg.request_id], reason=msg.reason or "handover",
+                                  blocking=not self.dc.handover_precopy)
+        self.spawn(self._hand_over(src, start, msg.request_id, (src.instance_id, msg.blocks)))
+
+    def _takes(self, dst: str, src: str) -> bool:
+        sources = {s for s, _ in self.incoming.get(dst, ())}
+        return src in sources or len(sources) < self.max_in_flight
 
     def _with_incoming(self, s):
         """``s`` with the handovers in flight to it counted as its own pending dispatches: the handovers of one
@@ -149,17 +157,18 @@ class Roles:
         blocks = self.incoming.get(s.instance_id)
         if not blocks:
             return s
-        return dataclasses.replace(s, pending_blocks=s.pending_blocks + sum(blocks),
+        return dataclasses.replace(s, pending_blocks=s.pending_blocks + sum(b for _, b in blocks),
                                    pending_requests=s.pending_requests + len(blocks))
 
-    async def _hand_over(self, src: InstanceRecord, start: wire.MigrateStart, request_id: str, blocks: int) -> None:
+    async def _hand_over(self, src: InstanceRecord, start: wire.MigrateStart, request_id: str,
+                         entry: tuple[str, int]) -> None:
         try:
             await self.orders.run_order(src, start)
         finally:
             self.handing.discard(request_id)
             ledger = self.incoming.get(start.dst)
             if ledger is not None:
-                ledger.remove(blocks)
+                ledger.remove(entry)
                 if not ledger:
                     del self.incoming[start.dst]
 

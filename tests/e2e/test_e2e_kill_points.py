@@ -34,6 +34,7 @@ SETS = FAST + [
     # A long prompt's ~60 blocks of 4 KiB take ~2.5 s to hand over: a kill can land in the copy.
     "migration.bandwidth_limit_mbps=0.1", "migration.chunk_bytes=16384", "migration.max_decode_slowdown=0",
     "migration.timeout_s=60", "migration.dest_idle_timeout_s=60",
+    "disagg.handover_precopy=true",  # a paced pre-copy is a window to kill in (a one-stage copy takes ~10 ms)
 ]
 LONG = list(range(100, 1100))  # 1000 prompt tokens (63 blocks): prefilled on i0, handed over slowly
 MEDIUM = list(range(100, 400))  # 300 (19 blocks): prefilled on i0 (over disagg.min_uncached_tokens), handed over
