@@ -402,7 +402,7 @@ def command(
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="any setting: section.key=value (sim.*, scheduling.*, migration.*, ...)")] = None,
     slo_admission: Annotated[bool, typer.Option("--slo-admission/--no-slo-admission", help="with [slo] TTFT targets (--set slo.ttft_ms=...): admit by them and give up on requests queued past slo.give_up_factor x target, as the proxy does; --no-slo-admission queues everything and only measures against the targets")] = True,
     roles_: Annotated[Optional[str], typer.Option("--roles", metavar="P:D|LIST", help="prefill/decode disaggregation: P prefill then D decode instances (P + D = --instances), or one role per instance (prefill,decode,mixed,...); default: all mixed")] = None,
-    handover_blocking: Annotated[bool, typer.Option("--handover-blocking", help="with --roles: a handover skips pre-copy (the request is suspended when the order reaches its prefill instance and its KV goes in one stage), instead of pre-copying while it decodes there; the default unless --set disagg.handover_precopy=true")] = False,
+    handover_blocking: Annotated[bool, typer.Option("--handover-blocking", help="with --roles: a handover skips pre-copy (the request is suspended when the order reaches its prefill instance and its KV goes in one stage), instead of pre-copying while it decodes there (as --set disagg.handover_precopy=false)")] = False,
     adaptive_roles: Annotated[bool, typer.Option("--adaptive-roles", help="move instances between the prefill and decode roles by the SLO's targets (disagg.adaptive; needs --roles and slo.ttft_ms, slo.tpot_ms)")] = False,
     json_: JsonOpt = False,
 ) -> None:
