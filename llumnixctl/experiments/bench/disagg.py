@@ -39,6 +39,7 @@ from rich.console import Console
 
 from daemons.config import ConfigError, load_config
 from llumnixctl.admin import AdminClient, ManagerUnreachable
+from llumnixctl.experiments.bench.overload import vocab_of
 from llumnixctl.experiments.bench import disagg_figures as figs
 from llumnixctl.experiments.bench.serve import replay, stream_completion
 from llumnixctl.lab import localcluster
@@ -107,16 +108,6 @@ def wait_idle(admin: AdminClient, timeout_s: float = 60.0) -> bool:
             return True
         time.sleep(0.2)
     return False
-
-
-def vocab_of(path: Path) -> int:
-    """The token ids a checkpoint takes: its config's vocabulary, or its tokenizer's where that knows fewer (the
-    proxy refuses an id the tokenizer does not know)."""
-    vocab = int(json.loads((path / "config.json").read_text()).get("vocab_size", 32000))
-    tokenizer = path / "tokenizer.json"
-    if tokenizer.exists():
-        vocab = min(vocab, len(json.loads(tokenizer.read_text())["model"]["vocab"]))
-    return vocab
 
 
 class Target:

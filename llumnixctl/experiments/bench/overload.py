@@ -101,7 +101,7 @@ async def _overload(url: str, rate: float, seconds: float, prompt: int, output: 
         return list(await asyncio.gather(*(one(k, at, high) for k, (at, high) in enumerate(arrivals))))
 
 
-def _vocab(path: Path) -> int:
+def vocab_of(path: Path) -> int:
     """The token ids a checkpoint takes: its config's vocabulary, or its tokenizer's where that knows fewer (the
     proxy refuses an id the tokenizer does not know)."""
     vocab = int(json.loads((path / "config.json").read_text()).get("vocab_size", 32000))
@@ -176,7 +176,7 @@ def command(
         from llumnixctl.lab.model import write_tiny_model
 
         path = (model or write_tiny_model(run_dir / "tiny")).resolve()
-        MODEL, VOCAB = path.name, _vocab(path) - 8
+        MODEL, VOCAB = path.name, vocab_of(path) - 8
         sets += [f"model.path={path}", f"model.name={MODEL}"]
     timeout = 600.0
     state = localcluster.up(run_dir, instances, backend, 0, None, sets, timeout_s=60 if backend == "sim" else 300)
