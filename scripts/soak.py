@@ -11,8 +11,11 @@ A lost request is one that errored or got other tokens than the sim's (goal 0). 
 proxy serving it was killed under it (or refused while that proxy was down) is counted apart and sent again
 to another proxy, as a client behind a load balancer would: no proxy can finish a stream whose connection
 died with it. Leaked blocks are the KV blocks still held by live instances once the load stopped and the
-cluster settled (goal 0). The first proxy and instance i0 are never killed: they are the witnesses whose
-memory must stay flat (RSS growth after the warm-up below 10%) while every peer around them comes and goes.
+cluster settled (goal 0). The first proxy and instance i0 are never killed, and the manager is killed only
+during the warm-up: these three are the witnesses whose memory must stay flat after the warm-up (RSS growth
+below 10%) while every peer around them comes and goes. Every migration an instance logged as aborted is
+listed with its reason and what explains it (the request ended on its source, the destination refused, or
+the destination was killed); an unexplained one fails the soak as a lost request does.
 Every loop is bounded in count and time; traffic goes only to the local cluster on 127.0.0.1.
 """
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -39,12 +43,19 @@ from llumnixctl.main import status_json  # noqa: E402
 
 VOCAB = 32000
 REQUEST_DEADLINE_S = 300.0  # one stream, start to end, at most
-WITNESSES = ("proxy", "instance-i0")  # never killed: their memory is measured over the whole soak
+WITNESSES = ("proxy", "instance-i0", "manager")  # their memory is measured after the warm-up, one process each
+# The proxy and instance i0 are never killed; the manager is killed and restarted only during the warm-up
+# (--manager-chaos-s), then lives on, so that its growth over hours is measured too.
 SAMPLE_EVERY_S = 15.0
 
 
 def now_s(t0: float) -> str:
     return f"{time.monotonic() - t0:7.1f}s"
+
+
+def wall(t: float) -> str:
+    """Wall-clock time as the daemons' log lines write it (to the millisecond), for matching them."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) + f",{int(t * 1000) % 1000:03d}"
 
 
 # ---------------------------------------------------------------------- cluster views
@@ -93,15 +104,15 @@ def growth(series: list[dict], warmup_s: float) -> dict[str, dict]:
     out = {}
     for name in WITNESSES:
         rows = [r for r in series if r["name"] == name]
-        pids = {r["pid"] for r in rows}
         after = [r for r in rows if r["t"] >= warmup_s]
+        pids = {r["pid"] for r in after}
         if len(pids) != 1 or len(after) < 6:
             out[name] = {"pids": sorted(pids), "samples_after_warmup": len(after)}
             continue
         mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
         w = max(3, min(20, len(after) // 4))  # up to 5 minutes: descriptors come and go with client connections
         first, last = after[:w], after[-w:]
-        out[name] = {"pid": rows[0]["pid"], "samples_after_warmup": len(after)}
+        out[name] = {"pid": after[0]["pid"], "samples_after_warmup": len(after)}
         for k in ("rss_mb", "fds", "sockets"):
             a, b = mean(first, k), mean(last, k)
             out[name][k] = {"after_warmup": round(a, 1), "end": round(b, 1), "max": max(r[k] for r in after),
@@ -139,6 +150,52 @@ def ctl(run_dir: Path, *args: str, timeout: float = 60) -> subprocess.CompletedP
                               capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return subprocess.CompletedProcess(args, 124, "", f"timed out after {timeout:g}s")
+
+
+# ---------------------------------------------------------------------- aborted migrations
+
+ABORT_LINE = re.compile(r"^(\S+ \S+) \w+ llumnix-instance: migration of (\S+) to (\S+) (aborted-src|aborted-dst)"
+                        r"(?: \((.*)\))?: \d+ stages,")
+# How a reason explains itself: the request ended where it was (a race every live migration has), or the
+# destination said no (its reason follows). A destination that failed is explained only by a kill of it.
+REQUEST_ENDED = ("finished or was preempted", "not running here", "preempted on the source", "already migrating")
+KILL_EXPLAINS_S = 60.0  # a destination killed this long before the abort explains it (leases are 10-15 s)
+
+
+def aborted_migrations(run_dir: Path, kills: list[tuple[float, str]]) -> dict:
+    """Every migration out that an instance of the run logged as aborted, from every instance's log (a killed
+    instance's log stays: a restart appends), with its reason and what explains it: ``request_ended``,
+    ``destination_refused``, ``destination_killed`` (``kills``: (wall time, instance id) of each kill -9) or
+    ``unexplained``."""
+    rows = []
+    for log in sorted(run_dir.glob("instance-*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            m = ABORT_LINE.match(line)
+            if m is None:
+                continue
+            at, rid, dst, ended, reason = m.groups()
+            reason = reason or ""
+            try:
+                t = time.mktime(time.strptime(at.split(",")[0], "%Y-%m-%d %H:%M:%S")) + int(at.split(",")[1]) / 1000
+            except (ValueError, IndexError):
+                t = 0.0
+            if any(k in reason for k in REQUEST_ENDED):
+                why = "request_ended"
+            elif reason.startswith("destination refused"):
+                why = "destination_refused"
+            elif ended == "aborted-dst" and any(iid == dst and 0 <= t - kt <= KILL_EXPLAINS_S for kt, iid in kills):
+                why = "destination_killed"
+            else:
+                why = "unexplained"
+            rows.append({"at": at, "source": log.stem.removeprefix("instance-"), "request": rid, "destination": dst,
+                         "ended": ended, "reason": reason, "explained_by": why})
+    by: dict[str, dict[str, int]] = {}
+    for r in rows:
+        key = re.sub(r"\b(cmpl|chatcmpl)-[0-9a-f]+\b", "ID", r["reason"]) or "(no reason)"
+        by.setdefault(r["explained_by"], {}).setdefault(key, 0)
+        by[r["explained_by"]][key] += 1
+    return {"count": len(rows), "unexplained": sum(r["explained_by"] == "unexplained" for r in rows),
+            "by_explanation": by, "all": rows}
 
 
 # ---------------------------------------------------------------------- load
@@ -214,7 +271,7 @@ def one_stream(client: httpx.Client, url: str, rnd: random.Random, tally: Tally,
             error = f"wrong usage: {usage}"
     tally.add(error is None, len(ids), None if error is None else
               {"id": rid, "max_tokens": max_tokens, "got": len(ids), "error": str(error)[:300],
-               "seconds": round(time.monotonic() - start, 2)})
+               "seconds": round(time.monotonic() - start, 2), "proxy": url, "at": wall(time.time())})
 
 
 def worker(urls: list[str], seed: int, end: float, budget: threading.Semaphore, tally: Tally,
@@ -252,9 +309,12 @@ def worker(urls: list[str], seed: int, end: float, budget: threading.Semaphore, 
 class Chaos(threading.Thread):
     """Each kind of fault on its own timer, every 20-60 s (--chaos-min/--chaos-max)."""
 
-    def __init__(self, run_dir: Path, manager: str, rnd: random.Random, end: float, lo: float, hi: float, t0: float):
+    def __init__(self, run_dir: Path, manager: str, rnd: random.Random, end: float, lo: float, hi: float, t0: float,
+                 manager_until: float | None = None):
         super().__init__(daemon=True)
         self.run_dir, self.manager, self.rnd, self.end, self.lo, self.hi, self.t0 = run_dir, manager, rnd, end, lo, hi, t0
+        self.manager_until = end if manager_until is None else manager_until  # no manager kill after this
+        self.kills: list[tuple[float, str]] = []  # (wall time, instance id) of each kill -9 of an instance
         self.stop = threading.Event()
         self.counts: dict[str, int] = {}
         self.events: list[str] = []
@@ -278,7 +338,7 @@ class Chaos(threading.Thread):
         return killed >= since - 0.5 or back == 0.0 and killed > 0 or back > since
 
     def note(self, what: str) -> None:
-        line = f"{now_s(self.t0)} {' | '.join(what.splitlines())}"
+        line = f"{now_s(self.t0)} [{wall(time.time())}] {' | '.join(what.splitlines())}"
         self.events.append(line)
         print("chaos", line, flush=True)
 
@@ -309,6 +369,7 @@ class Chaos(threading.Thread):
         proc = live[iid].process()
         if proc is not None:
             proc.kill()
+            self.kills.append((time.time(), iid))
             self.count("kill")
             self.note(f"kill -9 {iid} (pid {live[iid].pid}, {view.get(iid, {}).get('running', '?')} running)")
 
@@ -404,6 +465,10 @@ class Chaos(threading.Thread):
             for iid, at in list(self.drained.items()):
                 if now >= at:
                     self.undrain(iid)
+            if "kill_manager" in due and now + 15 >= self.manager_until:
+                del due["kill_manager"]
+                if self.manager_until < self.end:
+                    self.note("the manager is killed no more: from now on it is a witness")
             for kind, at in sorted(due.items(), key=lambda kv: kv[1]):
                 if now >= at and now < self.end:
                     try:
@@ -456,7 +521,10 @@ def run(args) -> int:
     tally = Tally()
     budget = threading.Semaphore(args.max_requests)
     rnd = random.Random(args.seed)
-    chaos = Chaos(run_dir, manager, random.Random(args.seed + 1), end, args.chaos_min, args.chaos_max, t0)
+    warmup = min(args.warmup, args.duration / 4)
+    manager_chaos_s = warmup if args.manager_chaos_s is None else args.manager_chaos_s
+    chaos = Chaos(run_dir, manager, random.Random(args.seed + 1), end, args.chaos_min, args.chaos_max, t0,
+                  manager_until=t0 + manager_chaos_s)
     workers = [threading.Thread(target=worker, args=(state.urls, args.seed * 1000 + k, end, budget, tally, chaos),
                                 daemon=True) for k in range(args.concurrency)]
     series: list[dict] = sample(run_dir, 0.0)
@@ -493,8 +561,8 @@ def run(args) -> int:
     rss_end = rss(run_dir)
     sampling.set()
     series.extend(sample(run_dir, time.monotonic() - t0))
-    warmup = min(args.warmup, args.duration / 4)
     grown = growth(series, warmup)
+    aborts = aborted_migrations(run_dir, chaos.kills)
     flat = all(g.get("rss_mb", {}).get("growth") is not None and g["rss_mb"]["growth"] < 0.10
                and g["fds"]["end"] <= g["fds"]["after_warmup"] * 1.10 + 2 for g in grown.values())
     report = {
@@ -514,14 +582,15 @@ def run(args) -> int:
                   "duplicates": proxy_metric(url, "llumnix_proxy_duplicate_tokens_total")},
         "migrations": None if st is None else {k: st["totals"][k] for k in (
             "migrations_committed", "migrations_aborted", "scale_outs", "scale_ins")},
-        "chaos": chaos.counts, "chaos_events": chaos.events,
+        "aborted_migrations": aborts,
+        "chaos": chaos.counts, "manager_chaos_s": manager_chaos_s, "chaos_events": chaos.events,
         "rss_mb": {"start": rss_start, "end": rss_end},
         "warmup_s": warmup, "witness_growth": grown, "memory_flat": flat, "samples": series,
         "pids": sorted({p.pid for p in procs(run_dir)}),
         "processes": [{"name": p.name, "pid": p.pid, "create_time": p.create_time} for p in procs(run_dir)],
     }
     report["ok"] = bool(report["requests"]["lost"] == 0 and leaked == 0 and stuck == 0 and tally.sent > 0
-                        and (flat or not args.check_memory))
+                        and aborts["unexplained"] == 0 and (flat or not args.check_memory))
     Path(args.out).write_text(json.dumps(report, indent=2))
     print_summary(report)
     return 0 if report["ok"] else 1
@@ -539,6 +608,11 @@ def print_summary(r: dict) -> None:
     print(f"leaked blocks after settling: {r['leaked_blocks']} over {len(r['instances_at_end'])} live instances")
     print(f"proxy: {r['proxy']}")
     print(f"migrations/scaling: {r['migrations']}")
+    a = r.get("aborted_migrations") or {}
+    print(f"aborted migrations in the instances' logs: {a.get('count', '?')}, unexplained {a.get('unexplained', '?')}")
+    for why, reasons in (a.get("by_explanation") or {}).items():
+        for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
+            print(f"  {n:4d}  {why:20s} {reason[:150]}")
     print(f"chaos: {r['chaos']}")
     names = sorted(set(r["rss_mb"]["start"]) | set(r["rss_mb"]["end"]))
     print("RSS MB (start -> end):")
@@ -594,7 +668,7 @@ def plot(args) -> int:
         role = "manager" if name == "manager" else "proxy" if name.startswith("proxy") else "instance"
         witness = name in WITNESSES
         group = name if witness else role
-        label = None if group in labelled else (f"{name} (witness: never killed by the soak)" if witness
+        label = None if group in labelled else (f"{name} (witness: {'killed only in the warm-up' if name == 'manager' else 'never killed'})" if witness
                                                 else f"{role}s (killed and restarted)")
         labelled.add(group)
         ts = [r["t"] / 60 for r in rows]
@@ -653,6 +727,9 @@ def main() -> int:
     r.add_argument("--settle-timeout", type=float, default=120)
     r.add_argument("--warmup", type=float, default=900, help="seconds before memory is measured (at most a quarter"
                    " of the duration)")
+    r.add_argument("--manager-chaos-s", type=float, default=None,
+                   help="kill and restart the manager only this long into the soak (default: the warm-up), so that"
+                   " one manager lives on as a witness whose memory is measured")
     r.add_argument("--check-memory", action=argparse.BooleanOptionalAction, default=True,
                    help="fail when a witness's RSS grew 10%% or more after the warm-up, or its descriptors 10%%")
     u = sub.add_parser("up")

@@ -333,10 +333,13 @@ class Move:
         M_MIGRATIONS.labels(r.outcome).inc()
         if self.tracer is not None and self.entry is not None and self.entry.traceparent:
             trace(self.tracer, self.entry.traceparent, self.request_id, self.start_ns, self.traced, r)
-        log.info("migration of %s to %s %s%s: %d stages, %d blocks, %.1f MB, downtime %.2f ms, total %.1f ms",
-                 self.request_id, self.dst, r.ended, f" ({r.reason})" if r.reason else "", r.stages, r.blocks,
+        log.info(OUTCOME_LOG, self.request_id, self.dst, r.ended, f" ({r.reason})" if r.reason else "", r.stages, r.blocks,
                  r.bytes / 1e6, r.downtime_ms, r.total_ms)
         return r
+
+
+# One line per migration out; scripts/soak.py reads the aborted ones back from the instances' logs.
+OUTCOME_LOG = "migration of %s to %s %s%s: %d stages, %d blocks, %.1f MB, downtime %.2f ms, total %.1f ms"
 
 
 def trace(tr, traceparent: str, request_id: str, start_ns: int, traced: list[tuple], r: wire.MigrationOutcome) -> None:
