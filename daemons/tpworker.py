@@ -5,6 +5,8 @@ The engine calls these methods on every rank with ``collective_rpc``, between st
 
 from __future__ import annotations
 
+import os
+
 from daemons.engine.vllm_worker import attention_backends, commit_runner_state, generator_state
 from daemons.kvlayout import KvBlocks
 from daemons.kvranks import RankKv
@@ -18,6 +20,28 @@ class LlumnixWorker:
         if rank_kv is None:
             raise RuntimeError("llumnix_kv_layout was not called on this worker")
         return rank_kv
+
+    def llumnix_own_group(self, nice: int) -> str:
+        """Move this rank into a scheduling group of its own at niceness ``nice`` ('' when done, else why not).
+
+        Where the kernel groups tasks by session (autogroup: on by default on desktop and many server
+        kernels, for every task outside a cpu cgroup), niceness only orders the threads within one group,
+        and groups share the CPU equally: a rank niced inside its instance's session still took a whole
+        group's share from every other session on the host (an operator's llumnixctl, the other daemons).
+        A session of its own, with that group's niceness raised, gives the host's other sessions the CPU
+        first. Under a cpu cgroup (systemd) autogroups do not apply and the threads' niceness already does."""
+        try:
+            os.setsid()
+        except OSError as exc:
+            return f"setsid: {exc}"
+        try:
+            with open("/proc/self/autogroup", "w") as f:
+                f.write(f"{nice}\n")
+        except FileNotFoundError:
+            return ""  # no autogroups in this kernel: niceness orders all threads already
+        except OSError as exc:
+            return f"/proc/self/autogroup: {exc}"
+        return ""
 
     def llumnix_kv_layout(self, describe: str, layout: str, tp: int) -> tuple[str, int]:
         """This rank's KV spec (``describe`` plus its attention backends) and a block's bytes on this rank."""

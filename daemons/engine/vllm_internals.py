@@ -237,13 +237,19 @@ class VllmInternals:
         return [w.proc.pid for w in workers if getattr(w, "proc", None) is not None and w.proc.pid]
 
     def renice_workers(self, increment: int) -> None:
-        """Lower the workers' priority by ``increment`` (all their threads: niceness is per thread on Linux)."""
+        """Lower the workers' priority by ``increment`` (all their threads: niceness is per thread on Linux),
+        each in a scheduling group of its own (daemons/tpworker.py ``llumnix_own_group``): where the kernel
+        groups tasks by session, a thread's niceness alone weighs nothing against other sessions."""
         for pid in self.worker_pids():
             try:
                 for tid in os.listdir(f"/proc/{pid}/task"):
                     os.setpriority(os.PRIO_PROCESS, int(tid), os.getpriority(os.PRIO_PROCESS, int(tid)) + increment)
             except OSError as exc:  # gone, or no /proc (not Linux): they run at our priority
                 log.warning("could not renice worker process %d: %s", pid, exc)
+        for pid, why in zip(self.worker_pids(), self.core.model_executor.collective_rpc(
+                "llumnix_own_group", args=(min(increment, 19),))):
+            if why:
+                log.warning("worker process %d keeps its instance's scheduling group: %s", pid, why)
 
     # ---- requests
     def sampling_params(self, sp) -> object:
