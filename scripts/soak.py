@@ -11,8 +11,8 @@ A lost request is one that errored or got other tokens than the sim's (goal 0). 
 proxy serving it was killed under it (or refused while that proxy was down) is counted apart and sent again
 to another proxy, as a client behind a load balancer would: no proxy can finish a stream whose connection
 died with it. Leaked blocks are the KV blocks still held by live instances once the load stopped and the
-cluster settled (goal 0). The first proxy and instance i0 are never killed, and the manager is killed only
-during the warm-up: these three are the witnesses whose memory must stay flat after the warm-up (RSS growth
+cluster settled (goal 0). The first proxy and instance i0 are never killed, and the manager is killed only in
+the first half of the warm-up: these three are the witnesses whose memory must stay flat after the warm-up (RSS growth
 below 10%) while every peer around them comes and goes. Every migration an instance logged as aborted is
 listed with its reason and what explains it (the request ended on its source, the destination refused, or
 the destination was killed); an unexplained one fails the soak as a lost request does.
@@ -44,8 +44,8 @@ from llumnixctl.main import status_json  # noqa: E402
 VOCAB = 32000
 REQUEST_DEADLINE_S = 300.0  # one stream, start to end, at most
 WITNESSES = ("proxy", "instance-i0", "manager")  # their memory is measured after the warm-up, one process each
-# The proxy and instance i0 are never killed; the manager is killed and restarted only during the warm-up
-# (--manager-chaos-s), then lives on, so that its growth over hours is measured too.
+# The proxy and instance i0 are never killed; the manager is killed and restarted only during the first half
+# of the warm-up (--manager-chaos-s), then lives on, so that its growth over hours is measured too.
 SAMPLE_EVERY_S = 15.0
 
 
@@ -522,7 +522,7 @@ def run(args) -> int:
     budget = threading.Semaphore(args.max_requests)
     rnd = random.Random(args.seed)
     warmup = min(args.warmup, args.duration / 4)
-    manager_chaos_s = warmup if args.manager_chaos_s is None else args.manager_chaos_s
+    manager_chaos_s = warmup / 2 if args.manager_chaos_s is None else args.manager_chaos_s
     chaos = Chaos(run_dir, manager, random.Random(args.seed + 1), end, args.chaos_min, args.chaos_max, t0,
                   manager_until=t0 + manager_chaos_s)
     workers = [threading.Thread(target=worker, args=(state.urls, args.seed * 1000 + k, end, budget, tally, chaos),
@@ -728,8 +728,9 @@ def main() -> int:
     r.add_argument("--warmup", type=float, default=900, help="seconds before memory is measured (at most a quarter"
                    " of the duration)")
     r.add_argument("--manager-chaos-s", type=float, default=None,
-                   help="kill and restart the manager only this long into the soak (default: the warm-up), so that"
-                   " one manager lives on as a witness whose memory is measured")
+                   help="kill and restart the manager only this long into the soak (default: half the warm-up, so"
+                   " that the last manager has warmed up too: a fresh one's descriptors rise for minutes as peers and"
+                   " clients connect), then it lives on as a witness whose memory is measured")
     r.add_argument("--check-memory", action=argparse.BooleanOptionalAction, default=True,
                    help="fail when a witness's RSS grew 10%% or more after the warm-up, or its descriptors 10%%")
     u = sub.add_parser("up")

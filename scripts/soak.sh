@@ -2,7 +2,7 @@
 # Soak a local sim cluster (4 instances, 2 proxies): bounded streamed load for DURATION_S seconds (default
 # 3600) with random migrations, drains, kill -9 of instances (auto-scaling replaces them; min = max, and
 # i0 has instance.scale_in_protected, so no scale-in ever stops the never-killed instance i0), and kill -9 and
-# restart of the second proxy and (during the warm-up only) of the manager, each every ~20-60 s; every
+# restart of the second proxy and (in the first half of the warm-up only) of the manager, each every ~20-60 s; every
 # stream checked token by token; every daemon's RSS, descriptors and sockets sampled every 15 s; then the
 # leaked KV blocks and every aborted migration's reason. Writes OUT_DIR/soak.json and OUT_DIR/rss.png
 # (default: a new /tmp/llumnix-soak.* directory) and prints a summary; exits non-zero if a request was lost,
