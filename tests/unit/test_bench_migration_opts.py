@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from llumnixctl.experiments.bench import migration as bench_migration
 from tests.conftest import cli
 
@@ -81,3 +83,5 @@ def test_a_request_without_room_for_the_moves_left_stops_with_the_decode_tokens_
     hint = bench_migration._room_hint(8192, 120, 6000, 40.0, 4, 8)
     assert "120 tokens left" in hint and "--decode-tokens 1536 or more" in hint  # 4 x 309 = 1236, rounded up past
     assert bench_migration._step_ms([0.0, 0.04, 0.08, 0.5]) == 40.0  # the median gap: one slow gap does not count
+    # tokens batched into one chunk share its arrival time: per token, the chunk's gap over its tokens
+    assert bench_migration._step_ms([0.0, 0.02, 0.02, 0.04, 0.04, 0.06, 0.06]) == pytest.approx(10.0)

@@ -152,8 +152,16 @@ def _moves_need(move_ms: float, step_ms: float, moves: int, gap_tokens: int) -> 
 
 
 def _step_ms(times: list[float]) -> float:
-    """The median gap between a stream's tokens so far (its decode step time), in ms."""
-    gaps = [(b - a) * 1e3 for a, b in zip(times, times[1:])]
+    """A stream's decode step time so far, in ms: the median gap between its chunks, each divided by the tokens
+    the later chunk brought (a proxy that batches tokens into one chunk gives them one arrival time; their
+    gaps of 0 made the median 0, and a fast engine's room hint asked for tens of thousands of tokens)."""
+    arrivals: list[tuple[float, int]] = []  # (arrival time, tokens that came then)
+    for t in times:
+        if arrivals and arrivals[-1][0] == t:
+            arrivals[-1] = (t, arrivals[-1][1] + 1)
+        else:
+            arrivals.append((t, 1))
+    gaps = [(b - a) * 1e3 / n for (a, _), (b, n) in zip(arrivals, arrivals[1:])]
     return statistics.median(gaps) if gaps else 1.0
 
 
