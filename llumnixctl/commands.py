@@ -4,6 +4,8 @@ completion, the man pages), is asked for, so that an operator command loads none
 
 from __future__ import annotations
 
+import signal
+
 import typer
 import typer.core
 import typer.main
@@ -40,6 +42,14 @@ class Commands(typer.core.TyperGroup):
         if self.lab_added:
             return
         self.lab_added = True
+        # The lab's commands (benchmarks, checks) start clusters and stop them on the way out, in finally
+        # blocks: SIGTERM (timeout(1), a CI job cancelled) leaves as Ctrl-C does, through them. With the default
+        # action a `timeout 900 llumnixctl bench migration` left its four daemons running, one at half a core.
+        try:
+            if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+                signal.signal(signal.SIGTERM, signal.default_int_handler)
+        except ValueError:  # not the main thread (a test's runner): the caller owns the signals
+            pass
         lab = typer.main.get_group(lab_commands()).commands
         both = {**self.commands, **{n: c for n, c in lab.items() if n not in self.commands}}
         # Typer's order: every command, then every group (as if all were declared on one app)

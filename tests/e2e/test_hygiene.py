@@ -108,5 +108,31 @@ def test_a_process_left_running_fails_the_run_and_is_killed(tmp_path, after, rc)
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
+def test_a_benchmark_sent_sigterm_stops_the_cluster_it_started():
+    """``timeout 900 llumnixctl bench ...`` sends SIGTERM: the benchmark leaves as on Ctrl-C, and the daemons it
+    started (each in a session of its own, so the signal reaches only the benchmark) are stopped, not orphaned."""
+    bench = psutil.Popen([sys.executable, "-m", "llumnixctl.main", "bench", "migration", "--backend", "sim",
+                          "--lengths", "256", "--repeat", "50", "--decode-tokens", "20000"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    daemons: list[psutil.Process] = []
+    try:
+        def cluster_up() -> bool:
+            daemons[:] = [k for k in bench.children(recursive=True) if "daemons." in " ".join(k.cmdline())]
+            return len(daemons) == 4 or bench.poll() is not None  # manager, two instances, proxy
+
+        wait_for(cluster_up, 60, "the benchmark's cluster did not start")
+        assert bench.poll() is None, bench.stderr.read()
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(60) != 0
+        _, alive = psutil.wait_procs(daemons, timeout=30)
+        assert not alive, [(k.pid, k.cmdline()[2:3]) for k in alive]
+    finally:
+        for k in [bench, *daemons]:
+            try:
+                k.kill()
+            except psutil.Error:
+                pass
+
+
 def test_the_run_marker_is_set():
     assert os.environ.get(RUN_MARKER)
