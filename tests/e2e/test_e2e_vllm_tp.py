@@ -147,9 +147,23 @@ def test_operator_verbs_find_move_and_drain_a_tp_request(tp_cluster):
     ``migrate REQ --to``, found at its new owner, and moved back by draining that owner."""
     c = tp_cluster
     run = ["--run-dir", str(c.run_dir)]
-    # Four CLI runs and two moves happen while it streams: a CLI run takes seconds on a loaded 2-core host
-    # (a CI run saw a 160-token stream end between `requests` and `describe`).
-    s = Stream(c.url, {"prompt": PROMPT, "max_tokens": OPERATOR_TOKENS, **KINDS["greedy"]})
+    # Six CLI runs and two moves happen while it streams: a CLI run takes seconds on a loaded 2-core host
+    # (a CI run saw a 160-token stream end between `requests` and `describe`). The client keeps it open until
+    # they are done, then reads on past the drain's move and leaves (the migrated test checks a whole stream).
+    s = StoppedStream(c.url, {"prompt": PROMPT, "max_tokens": OPERATOR_TOKENS, **KINDS["greedy"]})
+    try:
+        _verbs_on(c, s, run)
+    except BaseException:
+        s.close_at(0)
+        raise
+    n = len(s.ids) + AFTER_MOVE
+    s.close_at(n)
+    s.join(120)
+    assert s.error is None and len(s.ids) >= n, (s.error, len(s.ids), n)
+    settle(c, timeout=30)
+
+
+def _verbs_on(c: Cluster, s: Stream, run: list[str]) -> None:
     s.wait_tokens(20)
     rows = ctl_json("requests", *run)
     assert rows["unreachable"] == []
@@ -170,10 +184,6 @@ def test_operator_verbs_find_move_and_drain_a_tp_request(tp_cluster):
         assert where(c, s.rid) == here  # the drain moved it back
     finally:
         ctl_json("undrain", _other(here), *run)
-    assert len(s.result().ids) == OPERATOR_TOKENS and s.finish == "length"
-    settle(c, timeout=30)
-
-
 
 
 ROUND_TOKENS = 600  # at instance.min_step_s 0.05, 30 s: the verbs' budget on a loaded host (the client closes sooner)
