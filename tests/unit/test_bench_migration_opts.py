@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from llumnixctl.experiments.bench import migration as bench_migration
+from llumnixctl.experiments.bench import headroom, migration as bench_migration
 from tests.conftest import cli
 
 
@@ -78,10 +78,10 @@ def test_requests_get_room_for_their_moves_by_default(monkeypatch):
 
 def test_a_request_without_room_for_the_moves_left_stops_with_the_decode_tokens_that_would_do():
     # 3 moves of 6 s at 40 ms a token, 8 tokens of steady decoding after each: 2 x 150 + 1 + 8 tokens a move
-    need = bench_migration._moves_need(6000, 40.0, 3, 8)
+    need = headroom.moves_need(6000, 40.0, 3, 8)
     assert need == 3 * (300 + 1 + 8)
-    hint = bench_migration._room_hint(8192, 120, 6000, 40.0, 4, 8)
+    hint = headroom.hint(8192, 120, 6000, 40.0, 4, 8)
     assert "120 tokens left" in hint and "--decode-tokens 1536 or more" in hint  # 4 x 309 = 1236, rounded up past
-    assert bench_migration._step_ms([0.0, 0.04, 0.08, 0.5]) == 40.0  # the median gap: one slow gap does not count
+    assert headroom.step_ms([0.0, 0.04, 0.08, 0.5]) == 40.0  # the median gap: one slow gap does not count
     # tokens batched into one chunk share its arrival time: per token, the chunk's gap over its tokens
-    assert bench_migration._step_ms([0.0, 0.02, 0.02, 0.04, 0.04, 0.06, 0.06]) == pytest.approx(10.0)
+    assert headroom.step_ms([0.0, 0.02, 0.02, 0.04, 0.04, 0.06, 0.06]) == pytest.approx(10.0)

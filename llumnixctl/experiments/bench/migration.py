@@ -59,6 +59,7 @@ from llumnixctl.admin import AdminClient
 from llumnixctl.common import sse_chunks
 from llumnixctl.lab import localcluster
 from llumnixctl.lab.procs import stop
+from llumnixctl.experiments.bench import headroom
 
 DEFAULT_LENGTHS = "256,512,1024,2048,4096,8192"
 AUTO_DECODE_TOKENS = 2048  # --decode-tokens 0: the room each request has past its prompt (the context holds it)
@@ -143,26 +144,6 @@ def _recompute_ms(request_address: str, prompt: list[int], timeout_s: float, rep
     finally:
         dealer.close(0)
         pull.close(0)
-
-
-def _moves_need(move_ms: float, step_ms: float, moves: int, gap_tokens: int) -> int:
-    """Tokens a request must still have for ``moves`` more moves that take ``move_ms`` each (twice that: a
-    loaded machine's speed varies) at ``step_ms`` a token, with ``gap_tokens`` of steady decoding after each."""
-    return moves * (int(2 * move_ms / max(step_ms, 0.1)) + 1 + gap_tokens)
-
-
-def _step_ms(times: list[float]) -> float:
-    """A stream's decode step time so far, in ms: the median gap between its chunks, each divided by the tokens
-    the later chunk brought (a proxy that batches tokens into one chunk gives them one arrival time; their
-    gaps of 0 made the median 0, and a fast engine's room hint asked for tens of thousands of tokens)."""
-    arrivals: list[tuple[float, int]] = []  # (arrival time, tokens that came then)
-    for t in times:
-        if arrivals and arrivals[-1][0] == t:
-            arrivals[-1] = (t, arrivals[-1][1] + 1)
-        else:
-            arrivals.append((t, 1))
-    gaps = [(b - a) * 1e3 / n for (a, _), (b, n) in zip(arrivals, arrivals[1:])]
-    return statistics.median(gaps) if gaps else 1.0
 
 
 def _longest(lengths: list[int], decode_tokens: int) -> int:
@@ -273,11 +254,11 @@ def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int
             outs, windows = [], []
             for k in range(repeat):
                 there = _other(here, addresses)
-                step_ms = _step_ms(s.times)
+                step_ms = headroom.step_ms(s.times)
                 if outs:
-                    need = _moves_need(max(o.total_ms for o in outs), step_ms, repeat - k, gap_tokens)
+                    need = headroom.moves_need(max(o.total_ms for o in outs), step_ms, repeat - k, gap_tokens)
                     if room - len(s.ids) < need:
-                        raise RuntimeError(_room_hint(n, room - len(s.ids), max(o.total_ms for o in outs), step_ms,
+                        raise RuntimeError(headroom.hint(n, room - len(s.ids), max(o.total_ms for o in outs), step_ms,
                                                       repeat, gap_tokens))
                 t0 = time.perf_counter()
                 try:
@@ -286,7 +267,7 @@ def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int
                     out = wire.MigrationOutcome(s.rid, here, there, "aborted", str(exc))
                 if out.outcome != "committed":
                     ended = len(s.ids) >= room or not s.is_alive()
-                    hint = "" if not ended else " (it ended: " + _room_hint(
+                    hint = "" if not ended else " (it ended: " + headroom.hint(
                         n, 0, (time.perf_counter() - t0) * 1e3, step_ms, repeat, gap_tokens) + ")"
                     raise RuntimeError(f"the {n}-token migration aborted: {out.reason}{hint}")
                 outs.append(out)
@@ -342,12 +323,6 @@ def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int
     if shared_prefix:
         result["shared_prefix"] = {"tokens": shared_prefix, "results": prefix_rows}
     return result
-
-
-def _room_hint(n: int, left: int, move_ms: float, step_ms: float, repeat: int, gap_tokens: int) -> str:
-    need = _moves_need(move_ms, step_ms, repeat, gap_tokens)
-    return (f"the {n}-token request has {left} tokens left; {repeat} moves of {move_ms:.0f} ms at {step_ms:.1f} ms a "
-            f"token need about {need}: run with --decode-tokens {-(-need // 256) * 256 + 256} or more, or fewer --repeat")
 
 
 def _where(admin: AdminClient, request_id: str) -> str:
