@@ -120,24 +120,30 @@ def test_tp_migrated_stream_equals_unmigrated(tp_cluster, kind):
     time: two instances of two ranks already take this machine's two cores."""
     c = tp_cluster
     body = {"prompt": PROMPT, "max_tokens": TOKENS, **KINDS[kind]}
-    ref = Stream(c.url, body).result()
-    assert len(ref.ids) == TOKENS
-    s = Stream(c.url, body)
-    s.wait_tokens(4)
-    here = where(c, s.rid)
-    for _ in range(2):  # there and back, mid-decode
-        at = len(s.ids)
-        there = _other(here)
-        out = move(c, s.rid, there)
-        assert out["outcome"] == "committed", (out, c.logs())
-        assert at <= out["resumed_at"] < TOKENS and out["bytes"] > 0, out
-        print(f"{kind} move at {at}: downtime {out['downtime_ms']:.1f} ms, total {out['total_ms']:.1f} ms, "
-              f"{out['stages']} stages")
-        here = there
-        s.wait_tokens(len(s.ids) + 2)
-    s.result()
-    assert s.ids == ref.ids
-    assert s.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+    s = StoppedStream(c.url, body)  # closed AFTER_MOVE tokens past the second move (whole streams: TP 1's tests)
+    try:
+        s.wait_tokens(4)
+        here = where(c, s.rid)
+        for _ in range(2):  # there and back, mid-decode
+            at = len(s.ids)
+            there = _other(here)
+            out = move(c, s.rid, there)
+            assert out["outcome"] == "committed", (out, c.logs())
+            assert at <= out["resumed_at"] < TOKENS and out["bytes"] > 0, out
+            print(f"{kind} move at {at}: downtime {out['downtime_ms']:.1f} ms, total {out['total_ms']:.1f} ms, "
+                  f"{out['stages']} stages")
+            here = there
+            s.wait_tokens(len(s.ids) + 2)
+    except BaseException:
+        s.close_at(0)
+        raise
+    n = out["resumed_at"] + AFTER_MOVE
+    s.close_at(n)
+    s.join(120)
+    assert s.error is None and len(s.ids) >= n, (s.error, len(s.ids), n)
+    ref = Reference(c.url, body, n)
+    assert s.ids[:n] == ref.ids
+    assert s.logprobs[:n] == pytest.approx(ref.logprobs, abs=1e-4)
     st = settle(c, timeout=30)  # every block of both ranks' KV is free again on both instances
     assert all(i["blocks_used"] == 0 for i in st["instances"])
 
@@ -211,6 +217,8 @@ class StoppedStream(Stream):
                         self.rid = chunk.get("id", self.rid)
                         for ch in chunk.get("choices", []):
                             self.ids += ch.get("token_ids", [])
+                            if ch.get("logprobs"):
+                                self.logprobs += ch["logprobs"]["token_logprobs"]
                     if self.until is not None and len(self.ids) >= self.until:
                         return
         except httpx.HTTPError as exc:
@@ -224,11 +232,13 @@ class Reference:
     def __init__(self, url: str, body: dict, n: int):
         self.url, self.body = url, body
         self.ids: list[int] = []
+        self.logprobs: list[float] = []
         self.upto(n)
 
     def upto(self, n: int) -> list[int]:
         if len(self.ids) < n:
-            self.ids = Stream(self.url, {**self.body, "max_tokens": n}).result().ids
+            run = Stream(self.url, {**self.body, "max_tokens": n}).result()
+            self.ids, self.logprobs = run.ids, run.logprobs
             assert len(self.ids) == n
         return self.ids[:n]
 
