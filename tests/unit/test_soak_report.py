@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def soak():
-    spec = importlib.util.spec_from_file_location("soak_script", ROOT / "scripts" / "soak.py")
+    spec = importlib.util.spec_from_file_location("soak_report_script", ROOT / "scripts" / "soak_report.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
