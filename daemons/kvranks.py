@@ -5,14 +5,14 @@ The migration protocol (daemons/migration/) sees the same interface (daemons/mig
 ``KvTransport``) as ``kvtransfer.KvTransfer``: pairs with a key, ``send`` and ``recv`` that resolve to the
 bytes moved. Here a pair stands for N Gloo pairs, one per rank, each between rank r of the source and rank r
 of the destination (``RankKv``, which runs in each worker process: daemons/tpworker.py), all found under the
-pair's key in this instance's rendezvous store. A send or receive asks every rank to start (one
-``collective_rpc`` between steps), then polls them between steps; it resolves when every rank has moved its
-blocks, and fails as soon as one rank fails (the migration then aborts, and the destination releases its
-reservation only once no rank can still write). Commit happens after that, so a request commits only when
-every rank has its blocks.
+pair's key in this instance's rendezvous store. A send or receive asks every rank to start and to say when it
+ended, over each rank's control line (daemons/kvrankctl.py), never waiting for an engine step; it resolves
+when every rank has moved its blocks, and fails once one rank failed and none can still write (the migration
+then aborts, and the destination releases its reservation). Commit happens after that, so a request commits
+only when every rank has its blocks.
 
 No engine module is imported here: the engine says whether its KV lives in worker processes (``kv_ranks``:
-how to call every rank, and how many there are), and the ranks' side is handed the KV blocks to move.
+each rank's control endpoint), and the ranks' side is handed the KV blocks to move.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from daemons.config import MigrationConfig
 from daemons.kvlayout import KvBlocks
+from daemons.kvrankctl import RankLinks, RankTimeout
 from daemons.kvtransfer import DEST_RANK, SOURCE_RANK, KvTransfer, Pair
 from daemons.migration.transport import KvTransport, TransferError
 
@@ -37,10 +38,10 @@ log = logging.getLogger("llumnix.engine.vllm.tp")
 
 KEEP_ENDED = 256  # ended transfers whose outcome a rank still answers for
 
-# Between polls of the ranks' transfers, doubling up to MAX_POLL_S (each poll also waits for a step boundary;
-# a short stage, the last one above all, is seen done within a millisecond or two).
-POLL_S = 0.0005
-MAX_POLL_S = 0.008
+CALL_S = 10.0  # a start or a forget: the rank answers at once, unless its process waits long for a CPU
+WAIT_S = 2.0  # between checks that a rank whose transfer is still going answers at all
+ALIVE_S = 10.0
+PACE_S = 0.005  # how often a paced send's share of time is looked at (the engine changes it once a step)
 
 
 class TpPair:
@@ -83,52 +84,76 @@ class TpPair:
         op = next(self._ops)
         # The cap is per instance: each rank moves 1/N of the bytes, so each gets 1/N of the rate.
         per_rank = limit_bytes_s / o.ranks if limit_bytes_s > 0 else 0.0
-        wait = POLL_S
+        waits: list[asyncio.Task] = []
+        pacing = None
         try:
             first = duty() if duty is not None else None
-            await o.boundary(lambda: o.rpc("llumnix_kv_start", op, role, self.key, self.store_address, o.host,
-                                           block_ids, chunk_blocks, per_rank, o.timeout_s, tail_tokens, first,
-                                           one_message))
-            while True:
-                now = {op: duty()} if duty is not None else None
-                states = [r[op] for r in await o.boundary(lambda: o.rpc("llumnix_kv_poll", [op], now))]
-                failed = [s[1] for s in states if s[0] == "error"]
-                if failed:
-                    self.broken = True
-                    if any(s[0] == "pending" for s in states):
-                        # Another rank may still be writing: wait until it ends (its own timeout bounds it).
-                        await self._drain(op)
-                    raise TransferError("; ".join(failed)[:300])
-                if all(s[0] == "done" for s in states):
-                    return sum(s[1] for s in states)
-                await asyncio.sleep(wait)
-                wait = min(wait * 2, MAX_POLL_S)
+            links = o.links.links
+            started = await asyncio.gather(*(link.call(
+                "start", op, role, self.key, self.store_address, o.host, block_ids, chunk_blocks, per_rank,
+                o.timeout_s, tail_tokens, first, one_message, timeout_s=CALL_S) for link in links),
+                return_exceptions=True)
+            # A rank that refused started nothing; one that did not answer in time may have started: it is waited
+            # for like the others (its answer to ``wait`` follows its start on the same line).
+            failed = [str(r) for r in started if isinstance(r, BaseException)]
+            waits = [asyncio.ensure_future(self._wait(link, op)) for link, r in zip(links, started)
+                     if not isinstance(r, BaseException) or isinstance(r, RankTimeout)]
+            if duty is not None and not failed:
+                pacing = asyncio.ensure_future(self._pace(op, duty, first))
+            moved = 0
+            # Until every rank that may write has ended: the destination releases its reservation only then.
+            for done in asyncio.as_completed(waits):
+                state = await done
+                if state[0] == "error":
+                    failed.append(state[1])
+                else:
+                    moved += state[1]
+            if failed:
+                raise TransferError("; ".join(dict.fromkeys(failed))[:300])
+            return moved
         except TransferError:
+            self.broken = True
             raise
-        except Exception as exc:  # the executor failed (a worker died): the instance is going down anyway
+        except Exception as exc:  # a worker died or answered nonsense: the instance is going down anyway
             self.broken = True
             raise TransferError(f"tensor-parallel workers unreachable: {exc}") from None
+        finally:
+            if pacing is not None:
+                pacing.cancel()
+            for t in waits:
+                t.cancel()
 
-    async def _drain(self, op: int) -> None:
-        o = self.owner
+    @staticmethod
+    async def _wait(link, op: int) -> list:
+        """The rank's answer when its transfer ends; meanwhile, every ``WAIT_S``, whether the rank still answers
+        at all (a worker that died never would)."""
         while True:
-            states = [r[op] for r in await o.boundary(lambda: o.rpc("llumnix_kv_poll", [op]))]
-            if not any(s[0] == "pending" for s in states):
-                return
-            await asyncio.sleep(0.01)
+            try:
+                return await link.call("wait", op, timeout_s=WAIT_S)
+            except RankTimeout:
+                await link.call("duty", {}, timeout_s=ALIVE_S)  # raises if the rank is gone
+
+    async def _pace(self, op: int, duty: Callable[[], float], sent: float | None) -> None:
+        """A paced send's share of time, handed to every rank whenever the engine's steps change it."""
+        links = self.owner.links
+        while True:
+            await asyncio.sleep(PACE_S)
+            now = duty()
+            if now != sent:
+                sent = now
+                await links.everyone("duty", {op: now}, timeout_s=ALIVE_S)
 
 
 class TpTransfer:
     """``KvTransfer``'s interface for a tensor-parallel engine; its rendezvous store is the instance's."""
 
-    def __init__(self, kv: KvTransfer, rpc: Callable, boundary: Callable, ranks: int):
+    def __init__(self, kv: KvTransfer, links: RankLinks):
         self.kv = kv
         self.host = kv.host
         self.timeout_s = kv.timeout_s
         self.address = kv.serve_store()  # the ranks are processes of their own: they meet at a TCPStore
-        self.rpc = rpc
-        self.boundary = boundary
-        self.ranks = ranks
+        self.links = links
+        self.ranks = len(links)
         self.pairs: dict[str, TpPair] = {}
 
     def source_pair(self, me: str, peer: str, peer_address: str = "") -> TpPair:
@@ -163,13 +188,14 @@ class TpTransfer:
             return
         pair.broken = True
         try:
-            fut = self.boundary(lambda: self.rpc("llumnix_kv_forget", pair.key + "/"))
+            task = asyncio.ensure_future(self.links.everyone("forget", pair.key + "/", timeout_s=CALL_S))
         except RuntimeError:  # no running loop (shutting down): the workers go with the engine
             return
-        fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # best effort: nothing waits for it
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # best effort: nothing waits for it
 
     def close(self) -> None:
         self.pairs.clear()
+        self.links.close()
         self.kv.close()
 
 
@@ -248,14 +274,14 @@ class RankKv:
 
 
 
-def gloo_transport(cfg: MigrationConfig, engine, boundary: Callable) -> KvTransport:
+def gloo_transport(cfg: MigrationConfig, engine) -> KvTransport:
     """An instance's KV transport: Gloo pairs (daemons/kvtransfer.py), rank by rank where the engine's KV lives
-    in tensor-parallel worker processes (its ``kv_ranks()``: (rpc, N), or None for a KV in this process).
-    ``boundary`` runs a function between engine steps (the ranks are only called there)."""
+    in tensor-parallel worker processes (its ``kv_ranks()``: each rank's control endpoint, and the directory
+    they live in; None for a KV in this process). Asked before the engine's first step."""
     kv = KvTransfer(cfg.kv_host, cfg.kv_port, cfg.timeout_s)
     kv_ranks = getattr(engine, "kv_ranks", None)
     ranks = kv_ranks() if kv_ranks is not None else None
     if ranks is None:
         return kv
-    rpc, n = ranks
-    return TpTransfer(kv, rpc, boundary, n)
+    endpoints, directory = ranks
+    return TpTransfer(kv, RankLinks(endpoints, directory))

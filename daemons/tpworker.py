@@ -1,14 +1,17 @@
 """The class vLLM mixes into each worker of a tensor-parallel instance (``worker_extension_cls``, named in
 daemons/engine/vllm_internals.py): where the engine's runner-state verbs (daemons/engine/vllm_worker.py) and
 the KV transport's rank (daemons/kvranks.py ``RankKv``) meet, so that neither of those imports the other.
-The engine calls these methods on every rank with ``collective_rpc``, between steps."""
+The engine calls these methods on every rank with ``collective_rpc``, between steps; a rank's KV transfers
+are driven apart from the steps, over its control thread (``llumnix_kv_serve``)."""
 
 from __future__ import annotations
 
 import os
+import sys
 
 from daemons.engine.vllm_worker import attention_backends, commit_runner_state, generator_state
 from daemons.kvlayout import KvBlocks
+from daemons.kvrankctl import RankServer
 from daemons.kvranks import RankKv
 
 
@@ -54,17 +57,19 @@ class LlumnixWorker:
             rank_kv = self._llumnix_kv = RankKv(kv, get_tensor_model_parallel_rank())
         return rank_kv.kv.spec, rank_kv.kv.block_nbytes
 
-    def llumnix_kv_start(self, op: int, role: str, key: str, store_address: str, host: str, block_ids: list[int],
-                         chunk_blocks: int, limit_bytes_s: float, timeout_s: float, tail_tokens: int = 0,
-                         duty: float | None = None, one_message: bool = False) -> None:
-        self._llumnix_rank().start(op, role, key, store_address, host, block_ids, chunk_blocks, limit_bytes_s,
-                                   timeout_s, tail_tokens, duty, one_message)
+    def llumnix_kv_serve(self, directory: str) -> str:
+        """Start this rank's KV control thread (daemons/kvrankctl.py ``RankServer``), whose calls the llumlet makes
+        beside the engine's steps; its endpoint. Once per worker."""
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-    def llumnix_kv_poll(self, ops: list[int], duties: dict[int, float] | None = None) -> dict[int, tuple]:
-        return self._llumnix_rank().poll(ops, duties)
-
-    def llumnix_kv_forget(self, prefix: str) -> None:
-        self._llumnix_rank().forget(prefix)
+        server = getattr(self, "_llumnix_kv_server", None)
+        if server is None:
+            # The control thread answers while the worker's thread runs a step's Python: let it in sooner than
+            # the default 5 ms (an answer's delay is a migration's, and the last stage's is downtime).
+            sys.setswitchinterval(0.001)
+            server = self._llumnix_kv_server = RankServer(self._llumnix_rank, directory,
+                                                          get_tensor_model_parallel_rank())
+        return server.endpoint
 
     def llumnix_generator_state(self, request_id: str) -> bytes:
         return generator_state(self.model_runner, request_id)

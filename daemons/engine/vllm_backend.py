@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Callable
 
 import msgspec
 
@@ -27,6 +26,7 @@ from daemons.engine.vllm_cache import VllmPrefixCache
 from daemons.engine.vllm_internals import VllmInternals, lower_this_thread, set_env, set_num_threads
 from daemons.engine.vllm_migration import LiveRequest, LiveRequests, VllmMigrations
 from daemons.kvlayout import KvShards
+from daemons.kvrankctl import endpoint_dir, remove_endpoint_dir
 from daemons.wire import InstanceLoad, MigratingRequest, RequestLoad, RequestState, TokenOut
 
 log = logging.getLogger("llumnix.engine.vllm")
@@ -67,6 +67,7 @@ class VllmEngine:
         self._live = LiveRequests()
         self._migrations = VllmMigrations(self._live, s, self._v.moves, self._v.sampling_params)
         self._kv_blocks: KvBlocks | KvShards | None = None
+        self._kv_control: tuple[list[str], str] | None = None  # the ranks' KV control endpoints (kv_ranks)
         self._received = 0
         self._tokens_generated = 0
         self._closed = False
@@ -222,13 +223,22 @@ class VllmEngine:
                                                     v.tensor_parallel_size))
         return self._kv_blocks
 
-    def kv_ranks(self) -> tuple[Callable, int] | None:
+    def kv_ranks(self) -> tuple[list[str], str] | None:
         """Where this engine's KV lives, for the KV transport (daemons/kvranks.py ``gloo_transport``): None in
-        this process; else (call a method on every tensor-parallel worker between steps, how many there are),
-        and every rank moves its own shard."""
+        this process; else every tensor-parallel rank's KV control endpoint (each rank moves its own shard,
+        daemons/kvrankctl.py) and the directory they are in, which the transport removes when it closes. The
+        first call starts the ranks' control threads: it comes before the first step (collective_rpc is for
+        between steps)."""
         if self._s.in_process:
             return None
-        return self._s.rpc, self._s.tensor_parallel_size
+        if self._kv_control is None:
+            directory = endpoint_dir()
+            try:
+                self._kv_control = (self._s.rpc("llumnix_kv_serve", directory), directory)
+            except Exception:
+                remove_endpoint_dir(directory)
+                raise
+        return self._kv_control
 
     def shutdown(self) -> None:
         if self._closed:

@@ -8,11 +8,11 @@ its own copy of the runner's per-request state. vLLM mixes ``tpworker.LlumnixWor
 every rank with ``collective_rpc``, always between steps (the executor's message queues are not thread-safe):
 
 - ``llumnix_kv_layout``: the rank's KV layout, which the handshake compares;
-- ``llumnix_kv_start`` / ``llumnix_kv_poll`` / ``llumnix_kv_forget``: rank r of the source sends its shard of
-  a stage's blocks to rank r of the destination over its own Gloo pair (named by the migration's pair key and
-  the rank, found in the source instance's rendezvous store; daemons/kvranks.py ``RankKv``). ``start`` only
-  queues the transfer on the pair's thread and returns: the worker goes on running steps while the bytes
-  move; the engine polls;
+- ``llumnix_kv_serve``: start the rank's KV control thread (daemons/kvrankctl.py), once, before the first
+  step. Over it, and not through ``collective_rpc``, the llumlet has rank r of the source send its shard of a
+  stage's blocks to rank r of the destination over its own Gloo pair (named by the migration's pair key and
+  the rank, found in the source instance's rendezvous store; daemons/kvranks.py ``RankKv``), and hears when
+  it ended: the worker goes on running steps while the bytes move, and no call waits for a step;
 - ``llumnix_generator_state`` and ``llumnix_commit``: the runner state of a migrating request (the seeded
   generator; the cached request a committed migration needs), the same code the ``uni`` executor runs
   in process (``generator_state``, ``commit_runner_state``).

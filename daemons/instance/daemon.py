@@ -156,7 +156,7 @@ class Instance:
     def build_migrator(self) -> Migrator:
         """The migrator, with the KV transport it moves blocks over: the one given (tests/support moves blocks
         in memory), else Gloo pairs, rank by rank for a tensor-parallel engine (daemons/kvranks.py)."""
-        kv = self.kv or gloo_transport(self.cfg.migration, self.engine, self.mailbox.call)
+        kv = self.kv or gloo_transport(self.cfg.migration, self.engine)
         return Migrator(self, self.cfg.migration, self.engine, self.requests, self.mailbox.call, self.faults, kv,
                         self.clock)
 
