@@ -581,6 +581,9 @@ class MigrationOutcome(msgspec.Struct, array_like=True, omit_defaults=True):
     # finished or was preempted, ...), aborted-dst (the destination refused, died or did not answer) or
     # uncertain (no answer to the last stage: resumed here, the proxy keeps one copy).
     ended: str = ""
+    # Of downtime_ms, the destination's part after the blocks were in place: its wait for a step boundary (up to
+    # one of its steps) and the commit. The rest is the copy: the last stage's message, blocks and answer.
+    join_ms: float = 0.0
 
 
 class MigrateQuery(msgspec.Struct, **_tagged(60)):
@@ -669,6 +672,9 @@ class MigDone(msgspec.Struct, **_tagged(66)):
     stage: int
     ok: bool = True
     reason: str = ""
+    # The last stage: how long the destination took from the blocks in place to the request committed (its
+    # wait for a step boundary, then the commit), a part of the request's downtime.
+    join_ms: float = 0.0
 
 
 class MigAbort(msgspec.Struct, **_tagged(67)):

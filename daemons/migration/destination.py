@@ -153,10 +153,12 @@ class Destination:
                 await self._received(inc)
                 t_got = self.clock.monotonic()
                 inc.last_heard = t_got
+                join_ms = 0.0
                 if msg.last:
                     await self._commit_at_boundary(inc, msg)
+                    join_ms = (self.clock.monotonic() - t_got) * 1e3
                 if not (msg.last and self.faults.get("drop_commit_ack")):
-                    answer(inc.identity, wire.MigDone(msg.mig_id, msg.stage))
+                    answer(inc.identity, wire.MigDone(msg.mig_id, msg.stage, join_ms=join_ms))
                 log.debug("migration %s stage %d in: %d blocks, %.2f ms from message to done (received %.2f ms)",
                           msg.mig_id, msg.stage, msg.n_blocks, (self.clock.monotonic() - t_in) * 1e3,
                           (t_got - t_in) * 1e3)

@@ -240,9 +240,11 @@ class Move:
             with src.pacing(self.out.mig_id, paced):
                 self.result.bytes += await src.sent(self.out, sending, nbytes, paced is not None)
         stage.timings["sent"] = self.clock.monotonic()
-        await src.reply(self.out, wire.MigDone, stage.number,
-                        "the commit" if stage.last else f"stage {stage.number}'s copy")
+        done = await src.reply(self.out, wire.MigDone, stage.number,
+                               "the commit" if stage.last else f"stage {stage.number}'s copy")
         stage.timings["done"] = self.clock.monotonic()
+        if stage.last:
+            self.result.join_ms = done.join_ms
         if sending is not None and not stage.await_ready:  # done: the destination got it all
             self.result.bytes += await src.sent(self.out, sending, nbytes)
         t = stage.timings

@@ -53,6 +53,23 @@ def test_a_migrated_stream_equals_the_unmigrated_one_and_frees_the_source():
     VirtualCluster.run(scenario, sets=PACED)
 
 
+def test_the_destinations_wait_to_commit_is_reported_as_the_join_part_of_the_downtime(monkeypatch):
+    """The destination's commit waits 1.5 s (as behind a long engine step), within the source's timeout: the
+    migration commits, and its outcome splits the downtime into that wait (join_ms) and the copy."""
+    monkeypatch.setenv("LLUMNIX_FAULTS", "i1:slow_commit_s=1.5")
+
+    async def scenario(c: VirtualCluster):
+        s = await c.request(max_tokens=600)
+        await c.tokens(s, 10)
+        (o,) = (await c.migrate(s.request_id, "i1")).outcomes
+        assert o.outcome == "committed", o
+        assert 1500 <= o.join_ms <= o.downtime_ms, o
+        assert o.downtime_ms - o.join_ms < 500, o  # the copy of one block, a round trip on virtual time
+        assert ids(await c.result(s)) == c.expected(s, 600)
+
+    VirtualCluster.run(scenario, sets=FENCING)
+
+
 def test_a_commit_later_than_the_source_waits_leaves_exactly_one_copy_on_the_source(monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger="llumnix")  # the daemons' INFO lines, whatever ran in this process before
     """The destination's commit waits 10 s; the source gives up after 4 s, says so (MigAbort) and resumes

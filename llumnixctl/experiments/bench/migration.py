@@ -297,6 +297,9 @@ def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int
                 "migration_ms": statistics.median(o.total_ms for o in outs),
                 "stages": outs[0].stages, "bytes": outs[0].bytes, "migrations": len(outs),
                 "downtime_ms_all": [round(o.downtime_ms, 3) for o in outs],
+                # Of each downtime, the destination's wait for its step boundary and the commit (the rest: the copy).
+                "downtime_join_ms": statistics.median(o.join_ms for o in outs),
+                "downtime_copy_ms": statistics.median(o.downtime_ms - o.join_ms for o in outs),
                 "blocking_copy_ms": blocking.downtime_ms, "recompute_ms": recompute,
                 "decode_step_ms": statistics.mean(quiet) if quiet else None,
                 "decode_step_migrating_ms": statistics.mean(during) if during else None,
@@ -428,13 +431,14 @@ def command(
         console.print(table)
         return
     table = Table(title=title)
-    for col in ("tokens", "MB moved", "stages", "downtime ms (median)", "migration ms (median)", "blocking copy ms",
+    for col in ("tokens", "MB moved", "stages", "downtime ms (median)", "copy / join ms", "migration ms (median)",
+                "blocking copy ms",
                 "recompute ms", "decode step ms", "while migrating", "slowdown %", "client gap ms"):
         table.add_column(col, justify="right")
     for r in result["results"]:
         slowdown = r.get("decode_slowdown_pct")
         table.add_row(str(r["tokens"]), f"{r['bytes'] / 1e6:.1f}", str(r["stages"]), ms(r["downtime_ms"]),
-                      ms(r["migration_ms"]), ms(r["blocking_copy_ms"]), ms(r["recompute_ms"]),
+                      f"{ms(r.get('downtime_copy_ms'))} / {ms(r.get('downtime_join_ms'))}", ms(r["migration_ms"]), ms(r["blocking_copy_ms"]), ms(r["recompute_ms"]),
                       ms(r["decode_step_ms"]), ms(r["decode_step_migrating_ms"]),
                       "-" if slowdown is None else f"{slowdown:+.1f}", ms(r["client_gap_ms"]))
     console.print(table)
