@@ -185,8 +185,40 @@ def up(run_dir: Path, instances: int, backend: str, port: int, config: str | Non
         client.close()
     except KeyboardInterrupt:
         stop(state)
+        stop_strays(state)
         raise
     return state
+
+
+DAEMON_MODULES = ("daemons.manager", "daemons.instance", "daemons.proxy.app")
+
+
+def stop_strays(state: ClusterState, timeout_s: float = 10.0) -> list[int]:
+    """Stop the daemons this process started that ``state`` does not hold: an interrupt (Ctrl-C, or the SIGTERM
+    of ``timeout``) that lands in ``spawn`` after the child was started, before its Proc was recorded, leaves
+    one. The pids it stopped."""
+    known = {p.pid for p in state.procs}
+    strays = []
+    for child in psutil.Process().children():
+        try:
+            argv = child.cmdline()
+        except psutil.Error:
+            continue
+        if child.pid not in known and any(m in argv for m in DAEMON_MODULES):
+            strays.append(child)
+    for child in strays:
+        try:
+            child.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(strays, timeout=timeout_s)
+    for child in alive:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=timeout_s)
+    return [c.pid for c in strays]
 
 
 def launcher_command(run_dir: Path) -> str:

@@ -136,3 +136,26 @@ def test_a_benchmark_sent_sigterm_stops_the_cluster_it_started():
 
 def test_the_run_marker_is_set():
     assert os.environ.get(RUN_MARKER)
+
+
+def test_an_interrupt_between_a_daemons_start_and_its_record_stops_that_daemon_too(tmp_path, monkeypatch):
+    """The SIGTERM (or Ctrl-C) that reaches ``llumnixctl up`` or a benchmark just after a daemon was started,
+    before ``spawn`` returned its record, used to leave that daemon running (the hog-loaded CI met it with the
+    proxy): ``up`` stops every daemon it started, recorded or not."""
+    real = localcluster.spawn
+    started: list[int] = []
+
+    def interrupted(run_dir, name, argv):
+        proc = real(run_dir, name, argv)
+        started.append(proc.pid)
+        if name == "proxy":
+            raise KeyboardInterrupt  # the proxy runs; its record never reaches the cluster's state
+        return proc
+
+    monkeypatch.setattr(localcluster, "spawn", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        localcluster.up(tmp_path, 1, "sim", 0, None, [], timeout_s=60)
+    assert len(started) == 3  # manager, instance, proxy
+    _, alive = psutil.wait_procs([psutil.Process(p) for p in started if psutil.pid_exists(p)], timeout=30)
+    assert not alive, [(k.pid, k.cmdline()[2:3]) for k in alive]
+    assert not [c for c in psutil.Process().children() if c.pid in started]
