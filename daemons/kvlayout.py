@@ -63,10 +63,13 @@ class KvBlocks:
     """Block copies between per-layer KV tensors (block index first) and one flat uint8 buffer."""
 
     def __init__(self, caches: list[torch.Tensor], describe: str, layout: str = "", tp: int = 1,
-                 token_slots: bool = False):
+                 token_slots: bool = False, batched: bool | None = None):
         """``token_slots``: dim 2 of a block view indexes the token slots the engine writes, so a partial
         block's first t tokens are ``[:, :t]`` (the sim). vLLM's attention kernels may keep a block's bytes
-        in their own order: off, and the last stage sends its partial block whole."""
+        in their own order: off, and the last stage sends its partial block whole. ``batched``: copy every
+        layer's blocks of a chunk in one ``index_select`` / ``index_copy_`` over a view that spans the layers,
+        where the layers are evenly spaced in one storage (None: on a GPU, where each copy is a kernel
+        launch and a chunk of 4 blocks of 32 layers at 4 runs took 128 of them)."""
         self.token_slots = token_slots
         caches = _unique(list(caches))
         if not caches:
@@ -94,6 +97,9 @@ class KvBlocks:
         self.block_tokens = inner[1] if len(inner) > 1 else 1  # N: token slots per block
         self._words = words
         self._layer_step = self._even_layers(words)
+        if batched is None:
+            batched = self.device.type != "cpu"
+        self._stacked = self._stack(self._sources()) if batched and self.path != "fused" else None
         self.layout = KvLayout(engine=describe, layout=layout or "block-major", layers=len(caches),
                                block="x".join(str(d) for d in inner), dtype=str(self.dtype).removeprefix("torch."),
                                tp=tp)
@@ -122,6 +128,15 @@ class KvBlocks:
             return "fused", torch.as_strided(caches[0], (self.num_blocks, page * n), (stride0, 1), base), []
         return "rows", None, [torch.as_strided(c, (self.num_blocks, page), (c.stride(0), 1), c.storage_offset())
                               for c in caches]
+
+    def _stack(self, views: list[torch.Tensor]) -> torch.Tensor | None:
+        """One view ``[layers, num_blocks, ...]`` over the per-layer ``views`` when the layers are evenly
+        spaced in one storage (``_layer_step``), else None."""
+        if self._layer_step is None or len(views) < 2:
+            return None
+        first = views[0]
+        return torch.as_strided(first, (len(views), *first.shape), (self._layer_step, *first.stride()),
+                                first.storage_offset())
 
     @staticmethod
     def _even_layers(caches: list[torch.Tensor]) -> int | None:
@@ -232,6 +247,9 @@ class KvBlocks:
         n * block_nbytes). Runs of consecutive ids are sliced (a plain copy); many short runs go through
         ``index_select``."""
         dst = self._view(out, len(block_ids))
+        if self._stacked is not None:
+            torch.index_select(self._stacked, 1, self._index(block_ids), out=dst)
+            return
         runs = self._runs(block_ids)
         if len(runs) <= MAX_RUNS:
             for src, slot in zip(self._sources(), self._slots(dst)):
@@ -245,6 +263,9 @@ class KvBlocks:
     def scatter(self, block_ids: list[int], buf: torch.Tensor) -> None:
         """Write what ``gather`` produced into the blocks ``block_ids`` (the same count, any ids)."""
         src = self._view(buf, len(block_ids))
+        if self._stacked is not None:
+            self._stacked.index_copy_(1, self._index(block_ids), src)
+            return
         runs = self._runs(block_ids)
         if len(runs) <= MAX_RUNS:
             for dst, slot in zip(self._sources(), self._slots(src)):

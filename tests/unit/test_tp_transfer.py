@@ -7,11 +7,14 @@ What it shows: every rank moves its own shard; a paced pre-copy's duty reaches t
 is what their copy threads read; the last stage's one-message framing is told to both ends alike; a transfer
 ends while the engine's step loop (here: nothing) is never asked; a rank's failure fails the pair; a
 malformed control message is dropped and the rank goes on.
+
+``LLUMNIX_KV_TEST_DEVICE=cuda`` puts every shard on the GPU (scripts/gpu-check.sh does, on a GPU node).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import threading
 from concurrent.futures import Future
@@ -27,6 +30,7 @@ from daemons.kvtransfer import KvTransfer
 
 RANKS = 2
 BLOCKS = 12
+DEVICE = os.environ.get("LLUMNIX_KV_TEST_DEVICE", "cpu")
 
 
 class ReadsDuty(dict):
@@ -77,7 +81,7 @@ class Instance:
         self.directory = endpoint_dir()
         self.servers = []
         for r in range(RANKS):
-            caches = [torch.randn(BLOCKS, 2, 4, 8, generator=gen) for _ in range(3)]  # 3 layers, rank r's heads
+            caches = [torch.randn(BLOCKS, 2, 4, 8, generator=gen).to(DEVICE) for _ in range(3)]  # 3 layers, rank r's heads
             rank = Rank(KvBlocks(caches, "test/tp", "test", RANKS), r, told=self.told)
             rank.duties = ReadsDuty()
             self.ranks.append(rank)

@@ -1,0 +1,151 @@
+#!/usr/bin/env python3
+"""How fast our KV path moves one request's blocks, on the device the KV lives on, without an engine.
+
+A real Gloo pair over 127.0.0.1 (both ends in this process, each on its own thread, as two instances' pairs
+on one node are), per request length:
+
+- ``whole``: all of a request's blocks in chunks of ``--chunk-bytes``, double-buffered (a blocking copy, or
+  a first pre-copy stage): ms and GB/s;
+- ``last``: what a migration's last stage moves while the request is suspended after pre-copy (one full block
+  and the written slots of the partial one, as one message): ms, the copy part of the downtime;
+- ``load`` / ``store``: one chunk from the KV into the host buffer (on a GPU: gather on the device, copy to
+  pinned memory on the transfer's stream) and back: GB/s, the device's share of the copy.
+
+Shapes default to one rank of Llama-3-8B (32 layers, 8 KV heads of 128, bfloat16: 128 KiB a token), blocks
+of 16 tokens, in vLLM's layer-outermost layout.
+
+    .venv/bin/python scripts/kv-bench.py [--device cuda] [--tokens 1024,8192] [--json]
+
+Prints a table (or one JSON document with ``--json``); medians of ``--repeat`` runs after one warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from daemons.kvlayout import KvBlocks, Staging  # noqa: E402
+from daemons.kvtransfer import DEST_RANK, SOURCE_RANK, Pair  # noqa: E402
+from tests.support.kvviews import ORDERS, layout_views  # noqa: E402
+
+
+def pair() -> tuple[Pair, Pair]:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60),
+                          use_libuv=True)
+    src = Pair("kv-bench", "127.0.0.1", SOURCE_RANK, store, 60)
+    dst = Pair("kv-bench", "127.0.0.1", DEST_RANK,
+               lambda: dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=60),
+                                     use_libuv=True), 60)
+    return src, dst
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, repeat: int, device: str) -> list[float]:
+    fn()  # warm-up: buffers, the pair's first messages
+    out = []
+    for _ in range(repeat):
+        sync(device)
+        began = time.perf_counter()
+        fn()
+        sync(device)
+        out.append(time.perf_counter() - began)
+    return out
+
+
+def move(src: Pair, dst: Pair, ka: KvBlocks, kb: KvBlocks, send_ids, recv_ids, chunk: int, tail: int = 0,
+         one_message: bool = False) -> int:
+    got = dst.recv(kb, recv_ids, chunk, tail_tokens=tail, one_message=one_message)
+    sent = src.send(ka, send_ids, chunk, tail_tokens=tail, one_message=one_message).result(120)
+    if got.result(120) != sent:
+        raise RuntimeError(f"sent {sent} bytes, received {got.result()}")
+    return sent
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--tokens", default="1024,8192", help="request lengths, comma-separated")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-size", type=int, default=128)
+    ap.add_argument("--block", type=int, default=16, help="tokens per KV block")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--layout", default="LBHNC", choices=list(ORDERS))
+    ap.add_argument("--chunk-bytes", type=int, default=8 << 20, help="migration.chunk_bytes")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("kv-bench: --device cuda, but torch sees no CUDA device", file=sys.stderr)
+        return 2
+    lengths = [int(x) for x in args.tokens.split(",") if x.strip()]
+    dtype = getattr(torch, args.dtype)
+    blocks = max(-(-n // args.block) for n in lengths) + 2
+    views = dict(layers=args.layers, blocks=blocks, heads=args.kv_heads, tokens=args.block,
+                 channels=2 * args.head_size, dtype=dtype, device=args.device)
+    a = layout_views(args.layout, seed=1, **views)
+    b = layout_views(args.layout, seed=2, **views)
+    ka, kb = KvBlocks(a, "kv-bench", args.layout, token_slots=True), KvBlocks(b, "kv-bench", args.layout, token_slots=True)
+    chunk = max(1, args.chunk_bytes // ka.block_nbytes)
+    src, dst = pair()
+    rng = random.Random(0)
+    results = []
+    try:
+        for n in lengths:
+            count = -(-n // args.block)
+            send_ids, recv_ids = rng.sample(range(blocks), count), rng.sample(range(blocks), count)
+            nbytes = count * ka.block_nbytes
+            whole = timed(lambda: move(src, dst, ka, kb, send_ids, recv_ids, chunk), args.repeat, args.device)
+            tail = n % args.block or args.block
+            last_ids, last_into = send_ids[-2:], recv_ids[-2:]
+            last = timed(lambda: move(src, dst, ka, kb, last_ids, last_into, chunk, tail=tail, one_message=True),
+                         args.repeat, args.device)
+            results.append({"tokens": n, "blocks": count, "bytes": nbytes,
+                            "whole_ms": statistics.median(whole) * 1e3,
+                            "whole_gb_s": nbytes / statistics.median(whole) / 1e9,
+                            "last_ms": statistics.median(last) * 1e3,
+                            "last_bytes": ka.block_nbytes + ka.tail_nbytes(tail)})
+        st_a, st_b = Staging(ka, chunk * ka.block_nbytes), Staging(kb, chunk * kb.block_nbytes)
+        ids = rng.sample(range(blocks), min(chunk, blocks))
+        load = timed(lambda: st_a.load(0, ids), args.repeat, args.device)
+        store = timed(lambda: st_b.store(0, ids), args.repeat, args.device)
+    finally:
+        src.close()
+        dst.close()
+    chunk_bytes = len(ids) * ka.block_nbytes
+    doc = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+           "torch": torch.__version__, "layout": args.layout, "block_nbytes": ka.block_nbytes,
+           "copy_path": ka.path, "chunk_blocks": chunk, "repeat": args.repeat,
+           "load_gb_s": chunk_bytes / statistics.median(load) / 1e9,
+           "store_gb_s": chunk_bytes / statistics.median(store) / 1e9, "results": results}
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return 0
+    print(f"{doc['device']}, torch {doc['torch']}: {args.layers} layers x {args.kv_heads} KV heads x {args.head_size}, "
+          f"{args.dtype}, {args.block}-token blocks of {ka.block_nbytes / 1024:.0f} KiB, layout {args.layout} "
+          f"({ka.path} copies), chunks of {chunk} blocks; medians of {args.repeat}")
+    print(f"one chunk into the host buffer {doc['load_gb_s']:.2f} GB/s, back {doc['store_gb_s']:.2f} GB/s")
+    print(f"{'tokens':>7} {'MiB':>8} {'whole ms':>9} {'GB/s':>6} {'last stage ms':>14}")
+    for r in results:
+        print(f"{r['tokens']:>7} {r['bytes'] / 2**20:>8.1f} {r['whole_ms']:>9.1f} {r['whole_gb_s']:>6.2f} "
+              f"{r['last_ms']:>14.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
