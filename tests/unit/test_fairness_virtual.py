@@ -82,13 +82,13 @@ BIG = ["sim.max_num_seqs=64", "sim.num_blocks=2048", "sim.eos_rate=0"]
 
 
 def _light_ttfts(heavy: bool, fair: bool = True) -> list[float]:
-    """The light key's times to first token: 30 requests of 512 prompt tokens, Poisson arrivals at 2 a second
+    """The light key's times to first token: 15 requests of 512 prompt tokens, Poisson arrivals at 2 a second
     from t=1; beside it (``heavy``) a key sending 150 short requests a second (about twice what the two
     instances of 64 slots serve) from t=0 to past the light key's end."""
     async def scenario(c: VirtualCluster):
         rng = random.Random(7)
         at, arrivals = 1.0, []
-        for _ in range(30):
+        for _ in range(15):
             at += rng.expovariate(2.0)
             arrivals.append(at)
         ttfts: list[float] = []
