@@ -291,12 +291,19 @@ class Staging:
         self.nbytes = nbytes
         self.two_hop = kv.device.type != "cpu" if two_hop is None else two_hop
         pin = kv.device.type == "cuda"
-        self._host = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
-        self._dev = [torch.empty(nbytes, dtype=torch.uint8, device=kv.device) for _ in range(2)] if self.two_hop else []
-        self._stream = torch.cuda.Stream(device=kv.device) if kv.device.type == "cuda" else None
+        # A thread starts on GPU 0 whatever its process's rank set for its own thread: pinning host memory (or
+        # any call that needs a context) from a transfer thread of rank 1 would open a context on GPU 0 and
+        # take memory there. Every CUDA call here runs with the KV's device current.
+        with self._on_device():
+            self._host = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+            self._dev = [torch.empty(nbytes, dtype=torch.uint8, device=kv.device) for _ in range(2)] if self.two_hop else []
+            self._stream = torch.cuda.Stream(device=kv.device) if kv.device.type == "cuda" else None
 
     def host(self, i: int) -> torch.Tensor:
         return self._host[i]
+
+    def _on_device(self):
+        return torch.cuda.device(self.kv.device) if self.kv.device.type == "cuda" else contextlib.nullcontext()
 
     def _on_stream(self):
         return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
@@ -310,7 +317,7 @@ class Staging:
         if not self.two_hop:
             self.kv.gather(block_ids, self._host[i])
             return n
-        with self._on_stream():
+        with self._on_device(), self._on_stream():
             self.kv.gather(block_ids, self._dev[i])
             self._host[i][:n].copy_(self._dev[i][:n], non_blocking=True)
         self._sync()
@@ -320,7 +327,7 @@ class Staging:
         """Like ``load``, for the first ``tokens`` slots of one block (``KvBlocks.gather_tail``)."""
         if not self.two_hop:
             return self.kv.gather_tail(block_id, tokens, self._host[i])
-        with self._on_stream():
+        with self._on_device(), self._on_stream():
             n = self.kv.gather_tail(block_id, tokens, self._dev[i])
             self._host[i][:n].copy_(self._dev[i][:n], non_blocking=True)
         self._sync()
@@ -331,7 +338,7 @@ class Staging:
         n = self.kv.tail_nbytes(tokens)
         if not self.two_hop:
             return self.kv.scatter_tail(block_id, tokens, self._host[i])
-        with self._on_stream():
+        with self._on_device(), self._on_stream():
             self._dev[i][:n].copy_(self._host[i][:n], non_blocking=True)
             self.kv.scatter_tail(block_id, tokens, self._dev[i])
         self._sync()
@@ -342,7 +349,7 @@ class Staging:
         if not self.two_hop:
             self.kv.scatter(block_ids, self._host[i])
             return n
-        with self._on_stream():
+        with self._on_device(), self._on_stream():
             self._dev[i][:n].copy_(self._host[i][:n], non_blocking=True)
             self.kv.scatter(block_ids, self._dev[i])
         self._sync()

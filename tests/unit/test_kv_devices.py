@@ -125,3 +125,30 @@ def test_a_last_stage_moves_only_the_written_slots_of_its_partial_block(gloo_pai
         assert same_bytes(x[5, :, :tokens], y[8, :, :tokens])
         assert same_bytes(was[8, :, tokens:], y[8, :, tokens:])  # the slots not written keep their bytes
 
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_a_transfer_thread_copies_with_the_kvs_gpu_current_not_gpu_0():
+    """A tensor-parallel rank's KV is on GPU r, but a thread starts with GPU 0 current: staging must make the
+    KV's GPU current for its allocations and copies, or rank r opens a context on GPU 0 and takes memory there."""
+    import threading
+
+    class Spy(KvBlocks):
+        seen: list[int] = []
+
+        def gather(self, block_ids, out):
+            self.seen.append(torch.cuda.current_device())
+            super().gather(block_ids, out)
+
+    kv = Spy(layout_views("LBNHC", LAYERS, BLOCKS, HEADS, TOKENS, CHANNELS, device="cuda:1"), "test", "LBNHC")
+    from daemons.kvlayout import Staging
+
+    def run():
+        st = Staging(kv, 2 * kv.block_nbytes)
+        st.load(0, [3, 4])
+        Spy.seen.append(torch.cuda.current_device())  # outside staging: the thread's own device again
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(60)
+    assert Spy.seen == [1, 0]
