@@ -81,7 +81,7 @@ step() {  # step NAME LLUMNIXCTL-ARGS...
 # Our KV copy path on the GPU: no vLLM needed.
 run_step kv-cuda env LLUMNIX_KV_TEST_DEVICE=cuda "$py" -m pytest -q -p no:cacheprovider -o addopts= \
     tests/unit/test_kv_devices.py tests/unit/test_tp_transfer.py
-run_step kv-bench "$py" scripts/kv-bench.py --json --device cuda --tokens 256,1024,4096,8192
+run_step kv-bench "$py" scripts/kv-bench.py --json --device cuda --layout all --tokens 256,1024,4096,8192
 
 vllm_steps() {  # needs CUDA vLLM and llumnixctl in the venv
     if [ -n "${MODEL:-}" ]; then
@@ -160,9 +160,10 @@ for name in names:
     elif rc == 0 and name == "kv-cuda":
         line = f"ok: {said[0] if said else 'passed'}"
     elif rc == 0 and name == "kv-bench":
-        line = (f"ok: chunk to host {r['load_gb_s']:.1f} GB/s, back {r['store_gb_s']:.1f} GB/s; "
-                + ", ".join(f"{x['tokens']} tokens: whole {x['whole_ms']:.0f} ms ({x['whole_gb_s']:.1f} GB/s), "
-                            f"last stage {x['last_ms']:.2f} ms" for x in r["results"]))
+        line = "ok: " + "; ".join(
+            f"{m['layout']}: chunk to host {m['load_gb_s']:.1f} GB/s, back {m['store_gb_s']:.1f} GB/s, "
+            + ", ".join(f"{x['tokens']} tokens {x['whole_ms']:.0f} ms ({x['whole_gb_s']:.1f} GB/s), "
+                        f"last stage {x['last_ms']:.2f} ms" for x in m["results"]) for m in r["layouts"])
     elif rc == 0 and name.startswith("check-"):
         moves = sum(q["migrations"] for q in r["requests"])
         worst = max(q["downtime_ms"] for q in r["requests"])
