@@ -1,11 +1,61 @@
 """TCP ports for the daemons of a local cluster (llumnixctl/lab/localcluster.py) and the benchmarks: free ones,
-chosen where no outgoing connection takes them first."""
+chosen where no outgoing connection takes them first, and never handed out twice at once on one machine.
+
+A port is chosen seconds before the daemon told to listen on it binds it, and nothing holds it meanwhile: two
+processes choosing at once (two test streams, a soak beside a benchmark) could both be handed the same free
+port, and the slower daemon would find it in use (it happened: "cannot serve HTTP on 127.0.0.1:31813: Address
+already in use", a proxy of one test stream against a daemon of the other). So every port handed out is
+recorded, under an exclusive lock, in a file that every process of this user on the machine reads
+(``$TMPDIR/llumnix-ports-UID``), and none is handed out again for ``RESERVE_S`` seconds.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
+import logging
+import os
 import random
 import socket
+import tempfile
+import time
 from pathlib import Path
+
+log = logging.getLogger("llumnix.ports")
+
+RESERVE_S = 300.0  # a port handed out is handed out again (by any process of this user) only after this long
+LOW = 10000  # the lowest port chosen
+
+
+def reservations_path() -> Path:
+    return Path(tempfile.gettempdir()) / f"llumnix-ports-{os.getuid()}"
+
+
+@contextlib.contextmanager
+def _reserved():
+    """The ports handed out in the last ``RESERVE_S`` seconds ({port: when}), under an exclusive lock held
+    until the block ends; what the block leaves in the dict is written back. Where the file cannot be used
+    (another user's, a read-only directory), an empty dict that is not kept: ports are then chosen as before."""
+    try:
+        f = open(reservations_path(), "a+", encoding="utf-8")
+    except OSError as exc:
+        log.debug("port reservations unavailable: %s", exc)
+        yield {}
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        try:
+            held = {int(k): float(v) for k, v in json.loads(f.read() or "{}").items()}
+        except (ValueError, TypeError, AttributeError):
+            held = {}  # a torn or foreign file: start again
+        now = time.time()
+        held = {port: at for port, at in held.items() if now - RESERVE_S < at <= now + 1}
+        yield held
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps(held))
 
 
 def ephemeral_start() -> int:
@@ -24,16 +74,20 @@ def free_port(host: str = "127.0.0.1") -> int:
     outgoing connection on the machine ("Address already in use")."""
     top = ephemeral_start()
     rng = random.Random()
-    for _ in range(64) if top > 12000 else ():
-        port = rng.randrange(10000, top)
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
+    with _reserved() as held:
+        for _ in range(256) if top > LOW + 2000 else ():
+            port = rng.randrange(LOW, top)
+            if port in held:
+                continue
+            with socket.socket() as s:
                 try:
-                    s.bind(("127.0.0.1", port))
+                    s.bind((host, port))
                 except OSError:
-                    continue
+                    try:
+                        s.bind(("127.0.0.1", port))
+                    except OSError:
+                        continue
+            held[port] = time.time()
             return port
     with socket.socket() as s:
         try:
@@ -44,8 +98,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def distinct_ports(host: str, ports: list[int], n: int) -> list[int]:
-    """``ports`` plus free ports up to ``n`` in all, no two alike (free_port may hand out a port twice:
-    nothing holds it between calls)."""
+    """``ports`` plus free ports up to ``n`` in all, no two alike (where the reservations file cannot be used,
+    free_port may hand out a port twice)."""
     ports = list(ports)
     while len(ports) < n:
         candidate = free_port(host)
