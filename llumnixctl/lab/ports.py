@@ -75,10 +75,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     top = ephemeral_start()
     rng = random.Random()
     with _reserved() as held:
-        for _ in range(256) if top > LOW + 2000 else ():
-            port = rng.randrange(LOW, top)
-            if port in held:
-                continue
+        unheld = [p for p in range(LOW, top) if p not in held] if top > LOW + 2000 else []
+        for port in rng.sample(unheld, min(256, len(unheld))):
             with socket.socket() as s:
                 try:
                     s.bind((host, port))
