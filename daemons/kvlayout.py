@@ -306,7 +306,13 @@ class Staging:
         return torch.cuda.device(self.kv.device) if self.kv.device.type == "cuda" else contextlib.nullcontext()
 
     def _on_stream(self):
-        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+        """The copy stream, with the KV's device current (see ``__init__``)."""
+        if self._stream is None:
+            return contextlib.nullcontext()
+        both = contextlib.ExitStack()
+        both.enter_context(torch.cuda.device(self.kv.device))
+        both.enter_context(torch.cuda.stream(self._stream))
+        return both
 
     def _sync(self) -> None:
         if self._stream is not None:
@@ -317,7 +323,7 @@ class Staging:
         if not self.two_hop:
             self.kv.gather(block_ids, self._host[i])
             return n
-        with self._on_device(), self._on_stream():
+        with self._on_stream():
             self.kv.gather(block_ids, self._dev[i])
             self._host[i][:n].copy_(self._dev[i][:n], non_blocking=True)
         self._sync()
@@ -327,7 +333,7 @@ class Staging:
         """Like ``load``, for the first ``tokens`` slots of one block (``KvBlocks.gather_tail``)."""
         if not self.two_hop:
             return self.kv.gather_tail(block_id, tokens, self._host[i])
-        with self._on_device(), self._on_stream():
+        with self._on_stream():
             n = self.kv.gather_tail(block_id, tokens, self._dev[i])
             self._host[i][:n].copy_(self._dev[i][:n], non_blocking=True)
         self._sync()
@@ -338,7 +344,7 @@ class Staging:
         n = self.kv.tail_nbytes(tokens)
         if not self.two_hop:
             return self.kv.scatter_tail(block_id, tokens, self._host[i])
-        with self._on_device(), self._on_stream():
+        with self._on_stream():
             self._dev[i][:n].copy_(self._host[i][:n], non_blocking=True)
             self.kv.scatter_tail(block_id, tokens, self._dev[i])
         self._sync()
@@ -349,7 +355,7 @@ class Staging:
         if not self.two_hop:
             self.kv.scatter(block_ids, self._host[i])
             return n
-        with self._on_device(), self._on_stream():
+        with self._on_stream():
             self._dev[i][:n].copy_(self._host[i][:n], non_blocking=True)
             self.kv.scatter(block_ids, self._dev[i])
         self._sync()

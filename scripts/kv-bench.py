@@ -27,27 +27,16 @@ import random
 import statistics
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 from daemons.kvlayout import KvBlocks, Staging  # noqa: E402
-from daemons.kvtransfer import DEST_RANK, SOURCE_RANK, Pair  # noqa: E402
+from daemons.kvtransfer import Pair  # noqa: E402
+from tests.support.gloo import loopback_pair  # noqa: E402
 from tests.support.kvviews import ORDERS, layout_views  # noqa: E402
-
-
-def pair() -> tuple[Pair, Pair]:
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60),
-                          use_libuv=True)
-    src = Pair("kv-bench", "127.0.0.1", SOURCE_RANK, store, 60)
-    dst = Pair("kv-bench", "127.0.0.1", DEST_RANK,
-               lambda: dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=60),
-                                     use_libuv=True), 60)
-    return src, dst
 
 
 def sync(device: str) -> None:
@@ -102,7 +91,7 @@ def main() -> int:
         print(f"kv-bench: unknown layout {', '.join(unknown)} (one of {', '.join(ORDERS)}, or all)", file=sys.stderr)
         return 2
     lengths = [int(x) for x in args.tokens.split(",") if x.strip()]
-    src, dst = pair()
+    src, dst = loopback_pair("kv-bench", 60)
     try:
         measured = [measure(args, layout, lengths, src, dst) for layout in layouts]
     finally:

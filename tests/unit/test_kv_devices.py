@@ -10,14 +10,11 @@ allocator where vLLM imports. The transfers are real Gloo pairs over a real TCPS
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from daemons.kvlayout import MAX_RUNS, KvBlocks
-from daemons.kvtransfer import DEST_RANK, SOURCE_RANK, Pair
+from tests.support.gloo import loopback_pair
 from tests.support.kvviews import ORDERS, layout_views
 
 LAYERS, BLOCKS, HEADS, TOKENS, CHANNELS = 3, 24, 2, 16, 16
@@ -49,12 +46,7 @@ def test_the_views_have_the_strides_vllms_allocator_gives():
 
 @pytest.fixture(scope="module")
 def gloo_pair():
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30),
-                          use_libuv=True)
-    src = Pair("devices/test", "127.0.0.1", SOURCE_RANK, store, 30)
-    dst = Pair("devices/test", "127.0.0.1", DEST_RANK,
-               lambda: dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=30),
-                                     use_libuv=True), 30)
+    src, dst = loopback_pair("devices/test")
     yield src, dst
     src.close()
     dst.close()

@@ -8,7 +8,6 @@ hand; the transfer is a real Gloo pair over a real TCPStore on 127.0.0.1.
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 
 import pytest
 
@@ -16,14 +15,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
 vllm_kv = pytest.importorskip("vllm.v1.kv_cache_interface")
 
-import torch.distributed as dist  # noqa: E402
 from vllm.config import VllmConfig  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 from daemons.kvlayout import MAX_RUNS, KvBlocks, KvLayout, Staging  # noqa: E402
-from daemons.kvtransfer import DEST_RANK, SOURCE_RANK, Pair  # noqa: E402
+from tests.support.gloo import loopback_pair  # noqa: E402
 
 LAYERS = 3
 NUM_BLOCKS = 24
@@ -57,13 +55,7 @@ def blocks_equal(src: list[torch.Tensor], src_ids: list[int], dst: list[torch.Te
 
 @pytest.fixture(scope="module")
 def gloo_pair():
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30),
-                          use_libuv=True)
-    key = "layouts/test"
-    src = Pair(key, "127.0.0.1", SOURCE_RANK, store, 30)
-    dst = Pair(key, "127.0.0.1", DEST_RANK,
-               lambda: dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=30),
-                                     use_libuv=True), 30)
+    src, dst = loopback_pair("layouts/test")
     yield src, dst
     src.close()
     dst.close()

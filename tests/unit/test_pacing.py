@@ -4,7 +4,6 @@ the pair's thread runs (kvtransfer.transfer_cores)."""
 from __future__ import annotations
 
 import time
-from datetime import timedelta
 
 import pytest
 from hypothesis import given, settings
@@ -70,16 +69,9 @@ def test_the_transfer_thread_runs_off_the_engines_cores():
 @pytest.fixture(scope="module")
 def gloo_pair():
     torch = pytest.importorskip("torch")
-    import torch.distributed as dist
+    from tests.support.gloo import loopback_pair
 
-    from daemons.kvtransfer import DEST_RANK, SOURCE_RANK, Pair
-
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30),
-                          use_libuv=True)
-    src = Pair("pacing/test", "127.0.0.1", SOURCE_RANK, store, 30)
-    dst = Pair("pacing/test", "127.0.0.1", DEST_RANK,
-               lambda: dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=30),
-                                     use_libuv=True), 30)
+    src, dst = loopback_pair("pacing/test")
     yield torch, src, dst
     src.close()
     dst.close()
