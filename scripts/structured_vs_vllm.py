@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from llumnixctl.lab import localcluster  # noqa: E402
+from llumnixctl.experiments.bench.engine import popen_api_server, stop_api_server  # noqa: E402
 from llumnixctl.lab.ports import free_port  # noqa: E402
 
 NAME = "m"
@@ -165,8 +166,7 @@ def start_vllm(model: Path, port: int, log: Path, tool_parser: str) -> subproces
         argv += ["--tool-call-parser", tool_parser, "--enable-auto-tool-choice"]
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    with open(log, "wb") as out:
-        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return popen_api_server(argv, log, env)
 
 
 def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
@@ -216,8 +216,7 @@ def main() -> int:
         theirs = {name: answer(client, ep, args) for name, ep, args in checks}
         results["timing"]["vllm api_server"] = {k: timing(vllm_url, "completion", b, opts.runs) for k, b in timed.items()}
     finally:
-        proc.terminate()
-        proc.wait(30)
+        stop_api_server(proc)  # and its engine core process, by pid
     sets = [f"model.path={model}", f"model.name={NAME}", f"model.max_model_len={ENGINE['max_model_len']}",
             f"vllm.dtype={ENGINE['dtype']}", f"vllm.block_size={ENGINE['block_size']}",
             f"vllm.kv_cache_bytes={ENGINE['kv_cache_bytes']}", f"vllm.max_num_seqs={ENGINE['max_num_seqs']}",

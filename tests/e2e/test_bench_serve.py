@@ -143,12 +143,13 @@ class VllmServer:
         self.model = str(write_tiny_model(tmp_path_factory.mktemp("tiny")))
         self.log = tmp_path_factory.mktemp("vllm") / "server.log"
         self.url = f"http://127.0.0.1:{_free_port()}"
+        from llumnixctl.experiments.bench.engine import popen_api_server
+
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
-        with open(self.log, "wb") as f:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--host",
-                 "127.0.0.1", "--port", self.url.rsplit(":", 1)[1], "--max-model-len", "1024", "--dtype", "float32",
-                 "--enforce-eager"], stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.proc = popen_api_server(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--host",
+             "127.0.0.1", "--port", self.url.rsplit(":", 1)[1], "--max-model-len", "1024", "--dtype", "float32",
+             "--enforce-eager"], self.log, env)
         self.children: list[psutil.Process] = []
 
     def _note_children(self) -> None:

@@ -3,6 +3,13 @@ api_server's figures and ratios come beside them."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
 from typer.testing import CliRunner
 
 from llumnixctl.experiments.bench import engine as bench_engine
@@ -39,3 +46,36 @@ def test_the_command_keeps_its_options():
     out = CliRunner().invoke(app, ["engine", "--help"], env={"COLUMNS": "200"}).output
     for option in ("--model", "--tokens", "--batch", "--batch-tokens", "--json", "--api-server", "--repeat"):
         assert option in out, option
+
+
+
+# A stand-in for vLLM's server: binds a ZeroMQ socket as a file under VLLM_RPC_BASE_PATH, as vLLM does
+# (``get_open_zmq_ipc_path``), says where, and ends at SIGTERM without closing it. vLLM's own servers left such
+# files in /tmp, a few per run.
+_SERVER = r"""
+import os, sys, uuid, zmq
+sock = zmq.Context().socket(zmq.PULL)
+path = os.path.join(os.environ["VLLM_RPC_BASE_PATH"], str(uuid.uuid4()))
+sock.bind("ipc://" + path)
+print(path, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_vllm_server_started_here_leaves_no_socket_file_behind(tmp_path):
+    log = tmp_path / "server.log"
+    proc = bench_engine.popen_api_server([sys.executable, "-c", _SERVER], log, dict(os.environ))
+    try:
+        deadline = time.monotonic() + 60
+        while not log.read_text().strip():  # bound once its path is printed
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            try:
+                proc.wait(0.05)
+            except subprocess.TimeoutExpired:
+                pass
+        sock = Path(log.read_text().split()[0])
+        assert sock.is_socket() and sock.parent != Path(tempfile.gettempdir()), sock
+    finally:
+        bench_engine.stop_api_server(proc)
+    assert proc.poll() is not None
+    assert not sock.exists() and not sock.parent.exists()

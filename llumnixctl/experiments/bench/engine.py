@@ -138,8 +138,7 @@ def start_api_server(path: Path, vllm: dict, run_dir: Path, timeout_s: float = 3
             "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
     log = run_dir / "api_server.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = popen_api_server(argv, log, env)
     deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
@@ -185,9 +184,34 @@ def _tree(proc: subprocess.Popen) -> list[psutil.Process]:
         return []
 
 
+# vLLM's server binds its ZeroMQ sockets as files under VLLM_RPC_BASE_PATH (default: the temporary directory)
+# and leaves them there when it is stopped: each server started here gets a directory of its own, which
+# stop_api_server removes. By the server's pid.
+_ipc_dirs: dict[int, str] = {}
+
+
+def popen_api_server(argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+    """Start vLLM's server (``argv``) in a session of its own, its output to ``log``; stop it with
+    ``stop_api_server``."""
+    ipc = tempfile.mkdtemp(prefix="vllm-ipc-")
+    try:
+        with open(log, "wb") as f:
+            proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env={**env, "VLLM_RPC_BASE_PATH": ipc},
+                                    start_new_session=True)
+    except BaseException:
+        shutil.rmtree(ipc, ignore_errors=True)
+        raise
+    _ipc_dirs[proc.pid] = ipc
+    return proc
+
+
 def stop_api_server(proc: subprocess.Popen, children: list[psutil.Process] | None = None) -> None:
-    """By pid: the server, then its children (``children``: as noted while it ran) if they outlived it."""
+    """By pid: the server, then its children (``children``: as noted while it ran) if they outlived it; then
+    the directory of its socket files, when ``popen_api_server`` started it."""
     stop([proc], 20, _tree(proc)[1:] or (children or []))
+    ipc = _ipc_dirs.pop(proc.pid, None)
+    if ipc is not None:
+        shutil.rmtree(ipc, ignore_errors=True)
 
 
 def api_server_run(path: Path, vllm: dict, run_dir: Path, tokens: int, batch: int, batch_tokens: int,
