@@ -3,12 +3,24 @@ version (``vllm_internals.TESTED_VERSION``)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Future
+from functools import partial
 
 from daemons.engine.base import EngineError
 from daemons.engine.vllm_internals_state import VllmState
 from daemons.engine.vllm_worker import commit_runner_state, generator_state
+
+log = logging.getLogger("llumnix.engine.vllm")
+
+
+def _committed(request_id: str, done: Future) -> None:
+    """A rank's failure to take a migrated request's runner state: its next step fails on that rank too
+    (the engine's failure path); this says why."""
+    exc = done.exception()
+    if exc is not None:
+        log.error("the ranks did not take migrated request %s's runner state: %s", request_id, exc)
 
 
 class VllmMoves:
@@ -27,6 +39,8 @@ class VllmMoves:
         self._s.scheduler.running.remove(req)
         if self._s.in_process:
             return generator_state(self._s.runner(), req.request_id)
+        if req.sampling_params.sampling_type != self._s.m.RANDOM_SEED:
+            return b""  # the runner keeps a generator only for a seeded request: no round trip to the ranks
         return self._s.rpc("llumnix_generator_state", req.request_id)[0]  # every rank samples alike
 
     def resume(self, req) -> None:
@@ -166,6 +180,8 @@ class VllmMoves:
         if self._s.in_process:
             commit_runner_state(self._s.runner(), self._s.m.CachedRequestState, *args)
         else:
-            self._s.rpc("llumnix_commit", *args)
+            # Not waited for: the ranks take it before the step that first schedules the request (their queue is
+            # in order), so the commit, which is downtime, is not a round trip to every rank.
+            self._s.post("llumnix_commit", *args).add_done_callback(partial(_committed, rid))
         self._s.scheduler.requests[req.request_id] = req
         self._s.scheduler.running.append(req)

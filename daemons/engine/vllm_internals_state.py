@@ -116,3 +116,10 @@ class VllmState:
     def rpc(self, method: str, *args) -> list:
         """Call a ``LlumnixWorker`` method on every rank (between steps only); one result per rank."""
         return self.core.model_executor.collective_rpc(method, args=args)
+
+    def post(self, method: str, *args):
+        """Send a ``LlumnixWorker`` call to every rank (between steps only) without waiting for it: the ranks
+        take the executor's broadcast queue in order, so they run it before the next step (or call) sent after
+        it, and the executor reads its answers before any later call's. Its future (``concurrent.futures``)
+        fails if a rank failed."""
+        return self.core.model_executor.collective_rpc(method, args=args, non_block=True)

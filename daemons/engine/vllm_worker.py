@@ -15,7 +15,10 @@ every rank with ``collective_rpc``, always between steps (the executor's message
   it ended: the worker goes on running steps while the bytes move, and no call waits for a step;
 - ``llumnix_generator_state`` and ``llumnix_commit``: the runner state of a migrating request (the seeded
   generator; the cached request a committed migration needs), the same code the ``uni`` executor runs
-  in process (``generator_state``, ``commit_runner_state``).
+  in process (``generator_state``, ``commit_runner_state``). Both are downtime, so neither is a round trip
+  unless it must be: the generator is asked for only when the request is seeded (no other has one), and the
+  commit is sent without waiting (``VllmState.post``): the ranks read the executor's queue in order, so they
+  take it before the step that first schedules the request.
 """
 
 from __future__ import annotations
