@@ -18,9 +18,11 @@ from daemons.config import ModelConfig, VllmConfig
 from daemons.engine.base import EngineError
 from daemons.engine.vllm_internals_migration import VllmMoves
 from daemons.engine.vllm_internals_state import AMX_ENV, VllmState
+from daemons.kvrankctl import endpoint_dir, remove_endpoint_dir
 
 TESTED_VERSION = "0.32"  # major.minor the VllmInternals section was checked against
 UNTESTED_ENV = "LLUMNIX_VLLM_UNTESTED"
+RPC_PATH_ENV = "VLLM_RPC_BASE_PATH"  # where vLLM binds its ZeroMQ sockets as files (default: the temporary directory)
 log = logging.getLogger("llumnix.engine.vllm")
 
 
@@ -182,11 +184,15 @@ class VllmInternals:
         )
         if cfg.gpu_memory_utilization > 0:
             args.gpu_memory_utilization = cfg.gpu_memory_utilization
+        self._ipc_dir = self.socket_dir(cfg)
         try:
             self.config = args.create_engine_config(m.UsageContext.ENGINE_CONTEXT)
             self.core = m.EngineCore(self.config, m.Executor.get_class(self.config), log_stats=False)
-        except (ValueError, OSError) as exc:  # bad path, bad config, KV cache too small for max_model_len
-            raise EngineError(f"vLLM could not start on {model.path!r}: {exc}") from exc
+        except BaseException as exc:
+            remove_endpoint_dir(self._ipc_dir)
+            if isinstance(exc, (ValueError, OSError)):  # bad path, bad config, KV cache too small for max_model_len
+                raise EngineError(f"vLLM could not start on {model.path!r}: {exc}") from exc
+            raise
         self.model_config = self.config.model_config
         if cfg.tensor_parallel_size > 1 and cfg.worker_nice > 0:
             self.renice_workers(cfg.worker_nice)
@@ -230,6 +236,18 @@ class VllmInternals:
             return {"distributed_executor_backend": "uni"}
         return {"distributed_executor_backend": "mp", "tensor_parallel_size": cfg.tensor_parallel_size,
                 "worker_extension_cls": "daemons.tpworker.LlumnixWorker"}
+
+    @staticmethod
+    def socket_dir(cfg: VllmConfig) -> str:
+        """Where the multiprocess executor's message queues bind their ZeroMQ sockets (as files): a directory
+        of this instance's own (daemons/kvrankctl.py ``endpoint_dir``), removed at ``shutdown``, rather than the
+        temporary directory itself, where vLLM leaves them when its workers are stopped (16 per TP 2 cluster).
+        One that a killed instance left is removed by the next instance's start (``sweep_stale``). '' for the
+        ``uni`` executor (no such sockets), or where the operator set VLLM_RPC_BASE_PATH."""
+        if cfg.tensor_parallel_size <= 1 or os.environ.get(RPC_PATH_ENV):
+            return ""
+        os.environ[RPC_PATH_ENV] = path = endpoint_dir()
+        return path
 
     def worker_pids(self) -> list[int]:
         """The worker processes of vLLM's multiprocess executor (none for the ``uni`` executor)."""
@@ -315,7 +333,12 @@ class VllmInternals:
         return eco.outputs if eco is not None else []
 
     def shutdown(self) -> None:
-        self.core.shutdown()
+        try:
+            self.core.shutdown()
+        finally:
+            remove_endpoint_dir(self._ipc_dir)
+            if self._ipc_dir and os.environ.get(RPC_PATH_ENV) == self._ipc_dir:
+                del os.environ[RPC_PATH_ENV]
 
 
 def apply_workarounds(vllm: VllmConfig | None = None) -> None:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import stat
+import tempfile
 from pathlib import Path
 
 import httpx
@@ -24,6 +26,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from daemons.kvrankctl import PREFIX  # noqa: E402
 from llumnixctl.lab import localcluster  # noqa: E402
 from llumnixctl.lab.model import write_tiny_model  # noqa: E402
 from tests.conftest import Cluster, cli, ctl_json  # noqa: E402
@@ -53,8 +56,22 @@ def _workers(run_dir) -> list[psutil.Process]:
     return out
 
 
+def _socket_files() -> set[str]:
+    """What the instances' ranks and vLLM's message queues bind as files in the temporary directory: the
+    directories (daemons/kvrankctl.py ``PREFIX``) and any socket straight in it (vLLM's default place)."""
+    found = set()
+    for e in os.scandir(tempfile.gettempdir()):
+        try:
+            if e.name.startswith(PREFIX) or stat.S_ISSOCK(e.stat(follow_symlinks=False).st_mode):
+                found.add(e.path)
+        except FileNotFoundError:  # gone meanwhile
+            pass
+    return found
+
+
 @pytest.fixture(scope="module")
 def tp_cluster(tmp_path_factory):
+    sockets_before = _socket_files()
     model = write_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama")
     run_dir = tmp_path_factory.mktemp("tp")
     state = localcluster.up(run_dir, 2, "vllm", 0, None,
@@ -84,6 +101,8 @@ def tp_cluster(tmp_path_factory):
             except psutil.NoSuchProcess:
                 pass
         assert not left, f"worker processes outlived their instance: {left}"
+        # vLLM left 16 socket files in /tmp per TP 2 cluster (its workers are stopped without closing them)
+        assert not _socket_files() - sockets_before
 
 
 def test_tp_instances_run_one_worker_process_per_rank(tp_cluster):
