@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import stat
 import tempfile
 from pathlib import Path
@@ -56,13 +57,18 @@ def _workers(run_dir) -> list[psutil.Process]:
     return out
 
 
+_VLLM_SOCKET = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")  # vLLM's uuid4 names
+
+
 def _socket_files() -> set[str]:
     """What the instances' ranks and vLLM's message queues bind as files in the temporary directory: the
-    directories (daemons/kvrankctl.py ``PREFIX``) and any socket straight in it (vLLM's default place)."""
+    directories (daemons/kvrankctl.py ``PREFIX``) and vLLM's sockets straight in it (its default place), not
+    whatever else on the machine binds a socket there."""
     found = set()
     for e in os.scandir(tempfile.gettempdir()):
         try:
-            if e.name.startswith(PREFIX) or stat.S_ISSOCK(e.stat(follow_symlinks=False).st_mode):
+            if e.name.startswith(PREFIX) or (_VLLM_SOCKET.fullmatch(e.name)
+                                             and stat.S_ISSOCK(e.stat(follow_symlinks=False).st_mode)):
                 found.add(e.path)
         except FileNotFoundError:  # gone meanwhile
             pass
