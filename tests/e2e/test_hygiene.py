@@ -108,12 +108,16 @@ def test_a_process_left_running_fails_the_run_and_is_killed(tmp_path, after, rc)
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
-def test_a_benchmark_sent_sigterm_stops_the_cluster_it_started():
+def test_a_benchmark_sent_sigterm_stops_the_cluster_it_started(tmp_path):
     """``timeout 900 llumnixctl bench ...`` sends SIGTERM: the benchmark leaves as on Ctrl-C, and the daemons it
-    started (each in a session of its own, so the signal reaches only the benchmark) are stopped, not orphaned."""
+    started (each in a session of its own, so the signal reaches only the benchmark) are stopped, not orphaned.
+    Nor is its run directory left in the temporary directory: the signal comes while the cluster starts, before
+    the benchmark's own finally block (each CI run left one llumnix-bench-mig-* in /tmp)."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
     bench = psutil.Popen([sys.executable, "-m", "llumnixctl.main", "bench", "migration", "--backend", "sim",
                           "--lengths", "256", "--repeat", "50", "--decode-tokens", "20000"],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "TMPDIR": str(scratch)})
     daemons: list[psutil.Process] = []
     try:
         def cluster_up() -> bool:
@@ -126,6 +130,8 @@ def test_a_benchmark_sent_sigterm_stops_the_cluster_it_started():
         assert bench.wait(60) != 0
         _, alive = psutil.wait_procs(daemons, timeout=30)
         assert not alive, [(k.pid, k.cmdline()[2:3]) for k in alive]
+        kept = {f"llumnix-ports-{os.getuid()}"}  # the ports handed out lately (llumnixctl/lab/ports.py): meant to stay
+        assert sorted(p.name for p in scratch.iterdir() if p.name not in kept) == []
     finally:
         for k in [bench, *daemons]:
             try:

@@ -26,7 +26,6 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ from llumnixctl.experiments.bench import engine as bench_engine, serve as bench_
 from llumnixctl.experiments.traces import cache as tracecache
 from llumnixctl.experiments.bench.serve_figures import stats_ms
 from llumnixctl.lab import localcluster
+from llumnixctl.lab.scratch import scratch_dir
 
 SYSTEMS = ("llumnix-cache", "llumnix", "smg", "vllm-router")
 TRACES = ("shared-prefix", "multi-turn", "hotspot")
@@ -284,7 +284,7 @@ def command(
     for t in kinds:
         if t not in TRACES:
             raise typer.BadParameter(f"unknown trace {t!r} (known: {', '.join(TRACES)})")
-    work = Path(tempfile.mkdtemp(prefix="llumnix-bench-cache-"))
+    work = scratch_dir("llumnix-bench-cache-")
     path = (model or write_tiny_model(work / "tiny-llama")).resolve()
     words = Words(path)
     vllm = {"max_num_seqs": max_num_seqs, "kv_cache_bytes": (kv_tokens + 128) * BYTES_PER_TOKEN, "block_size": 128}

@@ -24,7 +24,6 @@ import random
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -42,6 +41,7 @@ from llumnixctl.admin import AdminClient
 from llumnixctl.common import die, sse_chunks
 from llumnixctl.experiments.bench.migration import wait_idle
 from llumnixctl.lab import localcluster
+from llumnixctl.lab.scratch import scratch_dir
 
 app = typer.Typer(no_args_is_help=True, help="Checks that pass or fail: exit status 0 or 1.")
 
@@ -273,7 +273,7 @@ def run(backend: str, model: Path | None, tp: int, extra: list[str], requests: i
         logprobs: int, log, structured: bool = False) -> dict:
     """The check; raises RuntimeError when the cluster does not start or a request fails."""
     t0 = time.monotonic()
-    run_dir = Path(tempfile.mkdtemp(prefix="llumnix-check-mig-"))
+    run_dir = scratch_dir("llumnix-check-mig-")
     state = None
     try:
         generated = backend == "vllm" and model is None

@@ -15,10 +15,8 @@ import shutil
 import socket
 import statistics
 import sys
-import tempfile
 import time
 import uuid
-from pathlib import Path
 from typing import Annotated, Callable
 
 import psutil
@@ -39,6 +37,7 @@ from llumnixctl.experiments.bench.proxy_short import (SHORT_GOAL_RPS, host_port,
                                                      short_rate, stream_load)
 from llumnixctl.lab import localcluster
 from llumnixctl.stats import percentile
+from llumnixctl.lab.scratch import scratch_dir
 
 app = typer.Typer(no_args_is_help=True, help="Benchmarks that print their figures.")
 
@@ -228,7 +227,7 @@ def proxy(
 def _overhead_run(instances: int, requests: int, streams: int, concurrency: int, tokens: int, short_seconds: float,
                   short_connections: int, short_clients: int, client: str, extra: list[str]) -> dict:
     """The zero-step-time cluster with one proxy: TTFT direct vs proxied, streamed tokens/s, one-token rate."""
-    run_dir = Path(tempfile.mkdtemp(prefix="llumnix-bench-"))
+    run_dir = scratch_dir("llumnix-bench-")
     sets = ["sim.time_scale=0", "sim.max_num_seqs=256", "proxy.log_level=warning", "instance.log_level=warning"] + extra
     state = start_cluster(run_dir, instances, "sim", sets)
     out: dict = {}
@@ -276,7 +275,7 @@ def _throughput(state, streams: int, concurrency: int, tokens: int) -> dict:
 def _burst_run(instances: int, proxies: int, k: int, tokens: int, seqs: int, extra: list[str]) -> dict:
     """A cluster of ``proxies`` proxies whose sim steps take model time (sim.time_scale as set, 1 by default),
     batches of ``seqs``: a burst that herds onto few instances queues there, and its TTFT shows it."""
-    run_dir = Path(tempfile.mkdtemp(prefix="llumnix-bench-"))
+    run_dir = scratch_dir("llumnix-bench-")
     sets = [f"sim.max_num_seqs={seqs}", "proxy.log_level=warning", "instance.log_level=warning"] + extra
     try:
         state = localcluster.up(run_dir, instances, "sim", 0, None, sets, timeout_s=120, proxies=proxies)

@@ -27,7 +27,6 @@ import asyncio
 import json
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Annotated, Callable, Optional
@@ -43,6 +42,7 @@ from llumnixctl.experiments.bench.overload import vocab_of
 from llumnixctl.experiments.bench import disagg_figures as figs
 from llumnixctl.experiments.bench.serve import replay, stream_completion
 from llumnixctl.lab import localcluster
+from llumnixctl.lab.scratch import scratch_dir
 
 QUIET = ["instance.log_level=warning", "proxy.log_level=warning", "manager.log_level=warning", "proxy.access_log=false"]
 # A CPU prefill of thousands of tokens holds the GIL for seconds (vLLM's CPU attention op): the watchdog and the
@@ -132,7 +132,7 @@ async def _warm_up(url: str, target: Target, instances: int, long_prompt: int, t
 def run_one(backend: str, sets: list[str], roles: list[str], reqs, kinds: list[str], target: Target, round_: int,
             ttft_s: float, tpot_s: float, timeout_s: float, log: Callable[[str], None]) -> dict:
     """One configuration on a fresh cluster: warm up, replay the trace, count. Returns the run's figures."""
-    run_dir = Path(tempfile.mkdtemp(prefix="llumnix-bench-disagg-"))
+    run_dir = scratch_dir("llumnix-bench-disagg-")
     try:
         state = localcluster.up(run_dir, len(roles), backend, 0, None, sets,
                                 timeout_s=60 if backend == "sim" else 600, roles=roles)
@@ -230,7 +230,7 @@ def command(
         load_config(None, list(set_ or []))  # a bad --set fails here, not in a daemon's log
     except (ValueError, ConfigError) as exc:
         bad(str(exc))
-    scratch = Path(tempfile.mkdtemp(prefix="llumnix-bench-disagg-model-"))
+    scratch = scratch_dir("llumnix-bench-disagg-model-")
     runs: list[dict] = []
     try:
         common, target, label = backend_sets(backend, batch, model, scratch)

@@ -35,6 +35,7 @@ from llumnixctl.experiments.bench.cluster import start_cluster
 from llumnixctl.experiments.bench.proxy_short import stream_load
 from llumnixctl.lab import localcluster
 from llumnixctl.lab.procs import stop
+from llumnixctl.lab.scratch import scratch_dir
 
 PROMPT = [5, 17, 300, 42, 7, 99, 12, 8]
 KV_CACHE_BYTES = 256 << 20
@@ -299,7 +300,7 @@ def command(
     from daemons.config import VllmConfig
     from llumnixctl.lab.model import write_tiny_model
 
-    run_dir = Path(tempfile.mkdtemp(prefix="llumnix-bench-"))
+    run_dir = scratch_dir("llumnix-bench-")
     path = model or write_tiny_model(run_dir / "tiny-llama")
     if dtype not in ("auto", "float32", "bfloat16", "float16"):
         Console(stderr=True).print(f"llumnixctl: unknown --dtype {dtype!r}; choose auto, float32, bfloat16 or float16")

@@ -20,7 +20,6 @@ import asyncio
 import json
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -35,6 +34,7 @@ from llumnixctl.experiments.bench import disagg_figures as figs
 from llumnixctl.experiments.bench.disagg import QUIET, VLLM_PATIENCE, Counters, Target, vocab_of, wait_idle
 from llumnixctl.experiments.bench.serve import stream_completion
 from llumnixctl.lab import localcluster
+from llumnixctl.lab.scratch import scratch_dir
 
 TINY_CONTEXT = 4096  # the tiny model's max_position_embeddings (llumnixctl/lab/model.py)
 KV_HEAVY_BYTES_PER_TOKEN = 64 * 1024  # 32 layers x 8 KV heads x 64 x 2 (K, V) x 2 bytes
@@ -98,7 +98,7 @@ def run(backend: str, lengths: list[int], repeat: int, decode_tokens: int, basel
     samples = []
     for cluster in ["disagg"] + ["mixed"] * baseline:
         roles = CLUSTERS[cluster]
-        run_dir = Path(tempfile.mkdtemp(prefix="llumnix-bench-handover-"))
+        run_dir = scratch_dir("llumnix-bench-handover-")
         log(f"{cluster}: starting {len(roles)} instance(s) ...")
         try:
             state = localcluster.up(run_dir, len(roles), backend, 0, None, sets, timeout_s=600,
@@ -148,7 +148,7 @@ def command(
     except (ValueError, ConfigError) as exc:
         err.print(f"llumnixctl: {exc}", markup=False)
         raise typer.Exit(2) from None
-    scratch = Path(tempfile.mkdtemp(prefix="llumnix-bench-handover-model-"))
+    scratch = scratch_dir("llumnix-bench-handover-model-")
     try:
         path, target, label = None, Target("llumnix-sim", 32000), "sim"
         if backend == "vllm":

@@ -31,7 +31,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -48,6 +47,7 @@ from llumnixctl.admin import AdminClient, ManagerUnreachable
 from llumnixctl.experiments.bench.manager_peers import MODEL, emulated_load
 from llumnixctl.lab.localcluster import free_port
 from llumnixctl.lab.procs import stop
+from llumnixctl.lab.scratch import scratch_dir
 
 PER_EMULATOR = 400  # emulated instances per emulator process
 HISTOGRAM = "llumnix_manager_pairing_round_seconds"
@@ -197,7 +197,7 @@ def _wait_for(pred, timeout_s: float, what: str, alive: list[subprocess.Popen]):
 def run(instances: list[int], rates: list[int], seconds: float, heartbeat_s: float, sets: list[str],
         up_timeout_s: float = 60.0, log_dir: Path | None = None, echo=lambda s: None, profile: str = "") -> dict:
     """The whole benchmark; every process it starts is stopped (by pid) before it returns or raises."""
-    work = Path(tempfile.mkdtemp(prefix="llumnix-bench-manager-"))
+    work = scratch_dir("llumnix-bench-manager-")
     log_dir = log_dir or work
     procs: list[subprocess.Popen] = []
     started: list[int] = []

@@ -39,7 +39,6 @@ import subprocess
 import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -60,6 +59,7 @@ from llumnixctl.common import sse_chunks
 from llumnixctl.lab import localcluster
 from llumnixctl.lab.procs import stop
 from llumnixctl.experiments.bench import headroom
+from llumnixctl.lab.scratch import scratch_dir
 
 DEFAULT_LENGTHS = "256,512,1024,2048,4096,8192"
 AUTO_DECODE_TOKENS = 2048  # --decode-tokens 0: the room each request has past its prompt (the context holds it)
@@ -195,7 +195,7 @@ def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int
     """The benchmark; ``lab``: run across the hosts of a llumnixctl.lab.netns lab (Lab.describe() plus what
     --netns measured), from inside its control host; ``extra``: settings after the benchmark's own (--set);
     ``shared_prefix``: measure a shared prefix of this many tokens instead (vLLM)."""
-    run_dir = Path(tempfile.mkdtemp(prefix="llumnix-bench-mig-"))
+    run_dir = scratch_dir("llumnix-bench-mig-")
     place, manager_host = _placement(lab) if lab else (None, "127.0.0.1")
     generated = backend == "vllm" and model is None
     try:

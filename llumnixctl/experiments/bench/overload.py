@@ -22,7 +22,6 @@ import json
 import random
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -36,6 +35,7 @@ from llumnixctl.experiments.bench.goodput import gave_up, high_refused_while_nor
 from llumnixctl.experiments.bench.serve import stream_completion
 from llumnixctl.lab import localcluster
 from llumnixctl.stats import percentile
+from llumnixctl.lab.scratch import scratch_dir
 
 MODEL = "llumnix-sim"
 VOCAB = 30000  # prompt token ids stay under this (--backend vllm: the tiny model's vocabulary)
@@ -167,7 +167,7 @@ def command(
     err = Console(stderr=True)
     if backend not in ("sim", "vllm"):
         raise typer.BadParameter("sim or vllm", param_hint="--backend")
-    run_dir = Path(tempfile.mkdtemp(prefix="llumnix-overload-"))
+    run_dir = scratch_dir("llumnix-overload-")
     sets = [f"{backend}.max_num_seqs={batch}", "instance.log_level=warning", "proxy.log_level=warning",
             "proxy.access_log=false", *(set_ or [])]
     if slo_enforce:

@@ -19,10 +19,8 @@ import json
 import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Annotated, Optional
 
 import psutil
@@ -38,6 +36,7 @@ from llumnixctl.experiments.traces import gen as trace, options as traceopts
 from llumnixctl.experiments.traces.gen import TraceOptions
 from llumnixctl.lab import localcluster
 from llumnixctl.stats import percentile
+from llumnixctl.lab.scratch import scratch_dir
 
 DEFAULT_POLICIES = "rr,infaas++,llumnix"
 MODEL = "llumnix-sim"
@@ -153,7 +152,7 @@ def _summarize(results: list[dict]) -> dict:
 
 def run_policy(policy: str, reqs: list[trace.TraceRequest], instances: int, sets: list[str], timeout_s: float,
                up_timeout_s: float, log, per_request: bool = False) -> dict:
-    run_dir = Path(tempfile.mkdtemp(prefix="llumnix-bench-pol-"))
+    run_dir = scratch_dir("llumnix-bench-pol-")
     log(f"{policy}: starting {instances} sim instances ...")
     t_up = time.perf_counter()
     state = start_cluster(run_dir, instances, "sim", sets + [f"manager.dispatch_policy={policy}"],

@@ -19,7 +19,6 @@ import json
 import random
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -33,6 +32,7 @@ from llumnixctl.experiments.bench.cluster import start_cluster
 from llumnixctl.experiments.bench.serve import stream_completion
 from llumnixctl.lab import localcluster
 from llumnixctl.stats import percentile
+from llumnixctl.lab.scratch import scratch_dir
 
 PROMPTS = (32, 64, 128, 256, 512)
 OUTPUTS = (16, 32, 64, 128)
@@ -133,7 +133,7 @@ def command(
     if backend not in ("sim", "vllm") or not factors or any(f <= 0 for f in factors):
         err.print("llumnixctl: --backend is sim or vllm, and every load is > 0", markup=False)
         raise typer.Exit(2)
-    run_dir = Path(tempfile.mkdtemp(prefix="llumnix-predict-"))
+    run_dir = scratch_dir("llumnix-predict-")
     sets = ["instance.log_level=warning", "proxy.log_level=warning", "proxy.access_log=false"]
     name = "llumnix-sim"
     if backend == "vllm":

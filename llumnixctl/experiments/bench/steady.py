@@ -17,7 +17,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ from rich.table import Table
 from llumnixctl.experiments.bench import engine as bench_engine
 from llumnixctl.experiments.traces import files as traces, gen as trace_mod, mix as tracemix
 from llumnixctl.lab import localcluster
+from llumnixctl.lab.scratch import scratch_dir
 
 BYTES_PER_TOKEN = 1024  # the tiny model's KV: 2 layers x (K, V) x 2 heads x 64 x bf16
 
@@ -167,7 +167,7 @@ def command(
 
     signal.signal(signal.SIGTERM, interrupted)
     err = Console(stderr=True)
-    work = Path(tempfile.mkdtemp(prefix="llumnix-steady-"))
+    work = scratch_dir("llumnix-steady-")
     path = (model or write_tiny_model(work / "tiny-llama")).resolve()
     kv_bytes = (kv_tokens + 128) * BYTES_PER_TOKEN  # vLLM keeps one block of 128 tokens back (its null block)
     rows = []

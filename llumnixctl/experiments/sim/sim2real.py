@@ -23,7 +23,6 @@ import json
 import logging
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 from daemons.config import load_config
@@ -34,6 +33,7 @@ from llumnixctl.experiments.traces import gen as trace_mod
 from llumnixctl.experiments.sim.simulate import Network, Simulation
 from llumnixctl.lab import localcluster
 from llumnixctl.stats import percentile
+from llumnixctl.lab.scratch import scratch_dir
 
 KEYS = ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "mean_e2el_ms", "p99_e2el_ms")
 SETS = ["instance.log_level=warning", "proxy.log_level=warning", "manager.log_level=warning",
@@ -41,7 +41,7 @@ SETS = ["instance.log_level=warning", "proxy.log_level=warning", "manager.log_le
 
 
 def real_run(trace: list[trace_mod.TraceRequest], instances: int, sets: list[str]) -> dict:
-    run_dir = Path(tempfile.mkdtemp(prefix="llumnix-sim2real-"))
+    run_dir = scratch_dir("llumnix-sim2real-")
     try:
         state = localcluster.up(run_dir, instances, "sim", 0, None, sets, timeout_s=120)
         try:
