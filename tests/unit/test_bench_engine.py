@@ -50,19 +50,22 @@ def test_the_command_keeps_its_options():
 
 
 # A stand-in for vLLM's server: binds a ZeroMQ socket as a file under VLLM_RPC_BASE_PATH, as vLLM does
-# (``get_open_zmq_ipc_path``), says where, and ends at SIGTERM without closing it. vLLM's own servers left such
-# files in /tmp, a few per run.
+# (``get_open_zmq_ipc_path``), makes a file in the temporary directory as its engine's FileStore does
+# (``get_file_store_init_method``), says where, and ends at SIGTERM without removing either. vLLM's own servers
+# left such files in /tmp, a few per run.
 _SERVER = r"""
-import os, sys, uuid, zmq
+import os, sys, tempfile, uuid, zmq
 sock = zmq.Context().socket(zmq.PULL)
 path = os.path.join(os.environ["VLLM_RPC_BASE_PATH"], str(uuid.uuid4()))
 sock.bind("ipc://" + path)
-print(path, flush=True)
+store = os.path.join(tempfile.gettempdir(), "vllm_dist_" + uuid.uuid4().hex)
+open(store, "w").close()
+print(path, store, flush=True)
 sys.stdin.read()
 """
 
 
-def test_a_vllm_server_started_here_leaves_no_socket_file_behind(tmp_path):
+def test_a_vllm_server_started_here_leaves_no_socket_or_store_file_behind(tmp_path):
     log = tmp_path / "server.log"
     proc = bench_engine.popen_api_server([sys.executable, "-c", _SERVER], log, dict(os.environ))
     try:
@@ -73,9 +76,10 @@ def test_a_vllm_server_started_here_leaves_no_socket_file_behind(tmp_path):
                 proc.wait(0.05)
             except subprocess.TimeoutExpired:
                 pass
-        sock = Path(log.read_text().split()[0])
+        sock, store = (Path(p) for p in log.read_text().split()[:2])
         assert sock.is_socket() and sock.parent != Path(tempfile.gettempdir()), sock
+        assert store.is_file() and store.parent != Path(tempfile.gettempdir()), store
     finally:
         bench_engine.stop_api_server(proc)
     assert proc.poll() is not None
-    assert not sock.exists() and not sock.parent.exists()
+    assert not sock.exists() and not sock.parent.exists() and not store.exists()

@@ -193,12 +193,14 @@ _ipc_dirs: dict[int, str] = {}
 
 def popen_api_server(argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
     """Start vLLM's server (``argv``) in a session of its own, its output to ``log``; stop it with
-    ``stop_api_server``."""
+    ``stop_api_server``. What it writes in the temporary directory goes in one of its own, removed when it is
+    stopped: its ZeroMQ sockets (VLLM_RPC_BASE_PATH) and the rest (TMPDIR: its engine's torch.distributed
+    FileStore, vllm_dist_*, stays where the process that made it is killed)."""
     ipc = tempfile.mkdtemp(prefix="vllm-ipc-")
     try:
         with open(log, "wb") as f:
-            proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env={**env, "VLLM_RPC_BASE_PATH": ipc},
-                                    start_new_session=True)
+            proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT,
+                                    env={**env, "VLLM_RPC_BASE_PATH": ipc, "TMPDIR": ipc}, start_new_session=True)
     except BaseException:
         shutil.rmtree(ipc, ignore_errors=True)
         raise
