@@ -20,9 +20,9 @@ import argparse
 import json
 import multiprocessing
 import random
+import signal
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from daemons.config import body_limit, load_config  # noqa: E402
 from llumnixctl.lab import localcluster  # noqa: E402
+from llumnixctl.lab.scratch import scratch_dir  # noqa: E402
 from llumnixctl.stats import percentile  # noqa: E402
 
 SETS = ["manager.heartbeat_interval_s=0.2", "sim.time_scale=0.1", "instance.shutdown_grace_s=1"]
@@ -152,7 +153,7 @@ def main() -> int:
     args = ap.parse_args()
     sets = SETS + args.set
     cfg = load_config(None, sets)
-    run_dir = Path(tempfile.mkdtemp(prefix="llumnix-hostile."))
+    run_dir = scratch_dir("llumnix-hostile.")
     state = localcluster.up(run_dir, args.instances, "sim", 0, None, sets, timeout_s=180)
     try:
         url = state.url
@@ -214,4 +215,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # timeout(1): leave through the finally blocks, as on Ctrl-C
     sys.exit(main())

@@ -19,10 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from llumnixctl.lab import localcluster  # noqa: E402
 from llumnixctl.experiments.bench.engine import popen_api_server, stop_api_server  # noqa: E402
 from llumnixctl.lab.ports import free_port  # noqa: E402
+from llumnixctl.lab.scratch import scratch_dir  # noqa: E402
 
 NAME = "m"
 ENGINE = {"dtype": "float32", "block_size": 32, "kv_cache_bytes": 64 << 20, "max_num_seqs": 8, "max_model_len": 1024}
@@ -194,7 +195,7 @@ def main() -> int:
     opts = ap.parse_args()
     from openai import OpenAI
 
-    work = Path(tempfile.mkdtemp(prefix="llumnix-structured-"))
+    work = scratch_dir("llumnix-structured-")
     model = opts.model
     if model is None:
         from llumnixctl.lab.model import write_tiny_model
@@ -248,4 +249,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # timeout(1): leave through the finally blocks, as on Ctrl-C
     sys.exit(main())

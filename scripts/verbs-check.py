@@ -16,9 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -27,6 +27,7 @@ import httpx
 
 from llumnixctl.lab import localcluster
 from llumnixctl.lab.model import write_tiny_model
+from llumnixctl.lab.scratch import scratch_dir
 
 BASE = ["vllm.kv_cache_bytes=33554432", "vllm.block_size=32", "vllm.max_num_seqs=8", "vllm.dtype=float32",
         "instance.shutdown_grace_s=1", "manager.dispatch_policy=flood", "model.name=tiny-llama",
@@ -148,7 +149,7 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     rnd = random.Random(a.seed)
-    tmp = tempfile.mkdtemp(prefix="verbs-check-")
+    tmp = scratch_dir("verbs-check-")
     run_dir = a.run_dir or Path(tmp) / "run"
     model = write_tiny_model(Path(tmp) / "tiny-llama")
     sets = ([] if a.bare else BASE) + ["model.name=tiny-llama", f"model.path={model}", f"vllm.tensor_parallel_size={a.tp}", f"instance.min_step_s={a.min_step_s}",
@@ -192,4 +193,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # timeout(1): leave through the finally blocks, as on Ctrl-C
     sys.exit(main())
