@@ -47,7 +47,7 @@ from llumnixctl.admin import AdminClient, ManagerUnreachable
 from llumnixctl.experiments.bench.manager_peers import MODEL, emulated_load
 from llumnixctl.lab.localcluster import free_port
 from llumnixctl.lab.procs import stop
-from llumnixctl.lab.scratch import scratch_dir
+from llumnixctl.lab.scratch import keep, scratch_dir
 
 PER_EMULATOR = 400  # emulated instances per emulator process
 HISTOGRAM = "llumnix_manager_pairing_round_seconds"
@@ -309,6 +309,7 @@ def run(instances: list[int], rates: list[int], seconds: float, heartbeat_s: flo
             run_n["emulated"] = emu_stats
             out["runs"].append(run_n)
     except RuntimeError as exc:
+        keep(log_dir)
         raise RuntimeError(f"{exc} (logs in {log_dir})") from None
     else:
         if log_dir == work:
