@@ -311,6 +311,9 @@ def run(instances: list[int], rates: list[int], seconds: float, heartbeat_s: flo
     except RuntimeError as exc:
         keep(log_dir)
         raise RuntimeError(f"{exc} (logs in {log_dir})") from None
+    except Exception:  # a client that died without its output: its log says why
+        keep(log_dir)
+        raise
     else:
         if log_dir == work:
             shutil.rmtree(work, ignore_errors=True)
