@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from daemons.config import body_limit, load_config  # noqa: E402
 from llumnixctl.lab import localcluster  # noqa: E402
-from llumnixctl.lab.scratch import keep, scratch_dir  # noqa: E402
+from llumnixctl.lab.scratch import kept_if, scratch_dir  # noqa: E402
 from llumnixctl.stats import percentile  # noqa: E402
 
 SETS = ["manager.heartbeat_interval_s=0.2", "sim.time_scale=0.1", "instance.shutdown_grace_s=1"]
@@ -154,11 +154,8 @@ def main() -> int:
     sets = SETS + args.set
     cfg = load_config(None, sets)
     run_dir = scratch_dir("llumnix-hostile.")
-    try:
+    with kept_if(run_dir, localcluster.ClusterError):  # its error points at the daemons' logs there
         state = localcluster.up(run_dir, args.instances, "sim", 0, None, sets, timeout_s=180)
-    except localcluster.ClusterError:
-        keep(run_dir)  # the error points at the daemons' logs there
-        raise
     try:
         url = state.url
         phase = ["warmup"]

@@ -118,11 +118,11 @@ install -e ".${extras:+[$extras]}"
 # of ours imports them: the packages' own test suites, pip, and the anthropic SDK (a vLLM dependency whose
 # import vLLM does not make): a quarter of the files, 8 of the 33 s this step takes on 2 cores.
 site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-skip=$(.venv/bin/python -c 'import re, sys; s = re.escape(sys.argv[1]); print(f"^{s}/(anthropic|pip)/|^{s}/[^/]+/(.*/)?tests?/")' "$site")
 dists=$(.venv/bin/python -c 'from importlib.metadata import distributions
 print("\n".join(sorted(f"{d.name}=={d.version}" for d in distributions())))')
 if [ "$dists" != "$(cat .venv/.llumnix-bytecode 2>/dev/null)" ]; then
   echo "compiling bytecode ..." >&2
+  skip=$(.venv/bin/python -c 'import re, sys; s = re.escape(sys.argv[1]); print(f"^{s}/(anthropic|pip)/|^{s}/[^/]+/(.*/)?tests?/")' "$site")
   .venv/bin/python -m compileall -q -j 0 -x "$skip" "$site" >/dev/null 2>&1 || true  # a few packages ship files for other Pythons
   printf '%s' "$dists" > .venv/.llumnix-bytecode
 fi

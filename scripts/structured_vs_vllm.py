@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 from llumnixctl.lab import localcluster  # noqa: E402
 from llumnixctl.experiments.bench.engine import popen_api_server, stop_api_server  # noqa: E402
 from llumnixctl.lab.ports import free_port  # noqa: E402
-from llumnixctl.lab.scratch import keep, scratch_dir  # noqa: E402
+from llumnixctl.lab.scratch import kept_if, scratch_dir  # noqa: E402
 
 NAME = "m"
 ENGINE = {"dtype": "float32", "block_size": 32, "kv_cache_bytes": 64 << 20, "max_num_seqs": 8, "max_model_len": 1024}
@@ -222,11 +222,8 @@ def main() -> int:
             f"vllm.dtype={ENGINE['dtype']}", f"vllm.block_size={ENGINE['block_size']}",
             f"vllm.kv_cache_bytes={ENGINE['kv_cache_bytes']}", f"vllm.max_num_seqs={ENGINE['max_num_seqs']}",
             "vllm.disable_any_whitespace=true", "instance.log_level=warning", "proxy.log_level=warning"]
-    try:
+    with kept_if(work, localcluster.ClusterError):  # its error points at the daemons' logs there
         state = localcluster.up(work / "cluster", 1, "vllm", 0, None, sets, timeout_s=300)
-    except localcluster.ClusterError:
-        keep(work)  # the error points at the daemons' logs there
-        raise
     try:
         client = OpenAI(base_url=state.url + "/v1", api_key="x", max_retries=0)
         ours = {name: answer(client, ep, args) for name, ep, args in checks}

@@ -27,7 +27,7 @@ import httpx
 
 from llumnixctl.lab import localcluster
 from llumnixctl.lab.model import write_tiny_model
-from llumnixctl.lab.scratch import keep, scratch_dir
+from llumnixctl.lab.scratch import keep, kept_if, scratch_dir
 
 BASE = ["vllm.kv_cache_bytes=33554432", "vllm.block_size=32", "vllm.max_num_seqs=8", "vllm.dtype=float32",
         "instance.shutdown_grace_s=1", "manager.dispatch_policy=flood", "model.name=tiny-llama",
@@ -155,11 +155,8 @@ def main() -> int:
     sets = ([] if a.bare else BASE) + ["model.name=tiny-llama", f"model.path={model}", f"vllm.tensor_parallel_size={a.tp}", f"instance.min_step_s={a.min_step_s}",
                    *a.sets]
     t_start = time.monotonic()
-    try:
+    with kept_if(tmp, localcluster.ClusterError):  # its error points at the daemons' logs there
         state = localcluster.up(run_dir, 2, "vllm", 0, None, sets, timeout_s=400)
-    except localcluster.ClusterError:
-        keep(tmp)  # the error points at the daemons' logs there
-        raise
     rounds = []
     try:
         ref = Stream(state.url, a.tokens)

@@ -6,10 +6,11 @@ directory, as the process exits. A command whose error names a log in its direct
 from __future__ import annotations
 
 import atexit
+import contextlib
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 _removals: dict[Path, Callable[[], None]] = {}
 
@@ -31,3 +32,14 @@ def keep(path: Path) -> None:
     remove = _removals.pop(Path(path), None)
     if remove is not None:
         atexit.unregister(remove)
+
+
+@contextlib.contextmanager
+def kept_if(path: Path, *errors: type[BaseException]) -> Iterator[None]:
+    """Within: one of ``errors`` (any Exception if none given) keeps ``path`` (``keep``) as it propagates; for a
+    step whose error points at the logs there (a cluster that did not start)."""
+    try:
+        yield
+    except errors or (Exception,):
+        keep(path)
+        raise

@@ -13,6 +13,7 @@ import psutil
 import pytest
 
 from llumnixctl.lab import localcluster
+from llumnixctl.lab.ports import reservations_path
 from tests.conftest import RUN_MARKER, ctl_json
 from tests.streams import wait_for
 
@@ -130,7 +131,7 @@ def test_a_benchmark_sent_sigterm_stops_the_cluster_it_started(tmp_path):
         assert bench.wait(60) != 0
         _, alive = psutil.wait_procs(daemons, timeout=30)
         assert not alive, [(k.pid, k.cmdline()[2:3]) for k in alive]
-        kept = {f"llumnix-ports-{os.getuid()}"}  # the ports handed out lately (llumnixctl/lab/ports.py): meant to stay
+        kept = {reservations_path().name}  # the ports handed out lately: meant to stay
         assert sorted(p.name for p in scratch.iterdir() if p.name not in kept) == []
     finally:
         for k in [bench, *daemons]:

@@ -35,7 +35,7 @@ from llumnixctl.experiments.bench.goodput import gave_up, high_refused_while_nor
 from llumnixctl.experiments.bench.serve import stream_completion
 from llumnixctl.lab import localcluster
 from llumnixctl.stats import percentile
-from llumnixctl.lab.scratch import keep, scratch_dir
+from llumnixctl.lab.scratch import kept_if, scratch_dir
 
 MODEL = "llumnix-sim"
 VOCAB = 30000  # prompt token ids stay under this (--backend vllm: the tiny model's vocabulary)
@@ -179,11 +179,8 @@ def command(
         MODEL, VOCAB = path.name, vocab_of(path) - 8
         sets += [f"model.path={path}", f"model.name={MODEL}"]
     timeout = 600.0
-    try:
+    with kept_if(run_dir, localcluster.ClusterError):  # its error points at the daemons' logs there
         state = localcluster.up(run_dir, instances, backend, 0, None, sets, timeout_s=60 if backend == "sim" else 300)
-    except localcluster.ClusterError:
-        keep(run_dir)  # the error points at the daemons' logs there
-        raise
     try:
         err.print("capacity ...")
         capacity = asyncio.run(_capacity(state.url, instances * batch, 15.0, prompt, output, timeout))
