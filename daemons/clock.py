@@ -14,7 +14,7 @@ global is patched.
   ``monotonic()`` agrees with the loop's timers.
 
 What does not read a ``Clock``: the latency histograms (daemons/metrics.py, the proxy's access log) time real
-durations with ``time.perf_counter``, and the Gloo pairs' threads (daemons/kvtransfer.py) pace real bytes on
+durations with ``time.perf_counter``, and the Gloo pairs' threads (daemons/kv/transfer.py) pace real bytes on
 real time; neither decides anything the protocol does.
 
 A virtual-time loop with nothing ready and no timer set would wait forever: it raises ``Deadlock`` instead

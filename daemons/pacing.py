@@ -5,7 +5,7 @@ still decoding on the source slow down while it runs. The source times its engin
 a migration make the baseline, those during pre-copy are compared with it, and the share of time the copy
 may run (its *duty*) follows AIMD: halved when the recent steps are slower than the baseline by more than
 the target, raised by a fixed amount when they are not. The copy thread runs a chunk, then rests so long
-that its busy time is ``duty`` of the whole (daemons/kvtransfer.py), under ``migration.bandwidth_limit_mbps``
+that its busy time is ``duty`` of the whole (daemons/kv/transfer.py), under ``migration.bandwidth_limit_mbps``
 as the hard cap. The last stage is the request's downtime and is never paced.
 
 Pure logic over plain numbers: no clocks, no threads (tests/unit/test_pacing.py).

@@ -3,7 +3,7 @@
 Off by default: with no ``tracing.otlp_endpoint`` a daemon's ``Tracer`` is ``None``, nothing of OpenTelemetry
 is imported, and the request path pays one ``is None`` test per event. On, the proxy opens a span per
 request (``llumnix.request``, the child of the client's ``traceparent`` when it sent one) and records its
-queueing, dispatches, prefill, decode and failovers under it (daemons/proxy/traces.py); the request's
+queueing, dispatches, prefill, decode and failovers under it (daemons/proxy/cluster/traces.py); the request's
 ``traceparent`` travels to the instance in ``wire.Submit`` and on with a migration
 (``wire.MigratingRequest``), so that each migration's span and its stages (daemons/migration/move.py)
 join the same trace.

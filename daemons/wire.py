@@ -164,7 +164,7 @@ class Register(msgspec.Struct, **_tagged(1)):
     cordoned: bool = False
     uptime_s: float = 0.0
     scale_in_protected: bool = False  # instance.scale_in_protected: auto-scaling never retires it
-    # Its KV layout (daemons/kvlayout.py KvLayout.spec, with its tensor-parallel size): prefill/decode roles
+    # Its KV layout (daemons/kv/layout.py KvLayout.spec, with its tensor-parallel size): prefill/decode roles
     # need a decode instance's TP at least the prefill's, checked at registration ("": not said).
     kv_spec: str = ""
 
@@ -697,7 +697,7 @@ class PrefixHits(msgspec.Struct, **_tagged(69)):
 
 class KvRendezvous(msgspec.Struct, **_tagged(78)):
     """instance <-> instance, on the migration channel: one end of a KV pair wrote its Gloo address (daemons/
-    kvtransfer.py RelayStore); the other end keeps it for the pair named ``pair_key``."""
+    kv/transfer.py RelayStore); the other end keeps it for the pair named ``pair_key``."""
 
     pair_key: str
     key: str

@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from daemons.kvlayout import KvBlocks, Staging  # noqa: E402
-from daemons.kvtransfer import Pair  # noqa: E402
+from daemons.kv.layout import KvBlocks, Staging  # noqa: E402
+from daemons.kv.transfer import Pair  # noqa: E402
 from tests.support.gloo import loopback_pair  # noqa: E402
 from tests.support.kvviews import ORDERS, layout_views  # noqa: E402
 

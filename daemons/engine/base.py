@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from daemons.kvlayout import KvBlocks, KvLayout  # noqa: F401  (re-exported: engines build them)
+from daemons.kv.layout import KvBlocks, KvLayout  # noqa: F401  (re-exported: engines build them)
 from daemons.wire import InstanceLoad, MigratingRequest, RequestLoad, RequestState, SamplingParams, TokenOut
 
 
@@ -91,11 +91,32 @@ class MigrationView:
     computed_tokens: int  # tokens whose KV is written; full blocks below this never change again
 
 
+class PrefixCacheCounts(Protocol):
+    """What the instance reads of an engine's prefix cache for its load reports."""
+
+    query_tokens: int  # prompt tokens looked up at admission
+    hit_tokens: int  # of those, found cached (prefill skipped)
+
+
 class Engine(Protocol):
     backend: str
     block_size: int
     max_model_len: int
+    vocab_size: int  # token ids are 0 .. vocab_size - 1
     prefix_caching: bool  # it keeps a prefix cache: a source asks its destination what it holds (prefix_hits)
+
+    # ---- capabilities (``EngineDefaults`` gives each the answer of an engine that lacks it)
+    blocking_step: bool  # a step is real compute: the instance runs it on a thread of its own
+    prefill_budget: int  # most prompt tokens one step prefills (0: unknown), for the step-time model
+    cache: PrefixCacheCounts | None  # its prefix cache, whose blocks the instance publishes; None: none
+
+    def init_thread(self) -> None:
+        """First thing on the engine's step thread (``blocking_step`` engines), before any step."""
+
+    def kv_ranks(self) -> tuple[list[str], str] | None:
+        """Where its KV lives when not in this process: each tensor-parallel rank's KV control endpoint and
+        their directory (the KV transport drives the ranks there); None for a KV in this process. The first
+        call comes before the first step."""
 
     # ---- serving
     def add_request(self, request: EngineRequest) -> None:
@@ -156,3 +177,20 @@ class Engine(Protocol):
 
     def release(self, request_id: str) -> bool:
         """Free a reservation that will not be committed. False if there is none."""
+
+
+class EngineDefaults:
+    """The capabilities of the ``Engine`` protocol as an engine without them has them: a step that is quick
+    (run on the event loop), no step-thread set-up, no known prefill budget, no prefix cache, its KV in this
+    process. An engine inherits this and overrides what it has."""
+
+    blocking_step = False
+    prefill_budget = 0
+    cache: PrefixCacheCounts | None = None
+
+    def init_thread(self) -> None:
+        return None
+
+    def kv_ranks(self) -> tuple[list[str], str] | None:
+        return None
+

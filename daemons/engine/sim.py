@@ -23,7 +23,8 @@ from operator import attrgetter
 import torch
 
 from daemons.config import ModelConfig, SimConfig
-from daemons.engine.base import EngineError, EngineRequest, KvBlocks, MigrationView, StepResult, check_request
+from daemons.engine.base import (EngineDefaults, EngineError, EngineRequest, KvBlocks, MigrationView, StepResult,
+                                  check_request)
 from daemons.engine.sim_cache import SimPrefixCache
 from daemons.engine.sim_migration import SimEngineMigrations
 from daemons.engine.sim_requests import SimRequestTable, SimBlocks, SimRequest, WaitingQueue, cdiv
@@ -38,7 +39,7 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torc
 _priority = attrgetter("priority")
 
 
-class SimEngine:
+class SimEngine(EngineDefaults):
     """Scheduling and stepping; its parts: the request table (``SimRequestTable``), the free list (``SimBlocks``),
     the waiting queue, and the migrating requests (``SimEngineMigrations``, to which the migration verbs go)."""
 
@@ -51,6 +52,7 @@ class SimEngine:
         self.cfg = sim
         self.block_size = sim.block_size
         self.max_model_len = model.max_model_len
+        self.vocab_size = sim.vocab_size
         self.num_blocks = sim.num_blocks
         self.prefill_budget = sim.max_num_batched_tokens  # most prompt tokens one step prefills
         dtype = _DTYPES[sim.kv_dtype]

@@ -21,12 +21,13 @@ import time
 import msgspec
 
 from daemons.config import ModelConfig, VllmConfig
-from daemons.engine.base import EngineError, EngineRequest, KvBlocks, MigrationView, StepResult, check_request
+from daemons.engine.base import (EngineDefaults, EngineError, EngineRequest, KvBlocks, MigrationView, StepResult,
+                                  check_request)
 from daemons.engine.vllm_cache import VllmPrefixCache
 from daemons.engine.vllm_internals import VllmInternals, lower_this_thread, set_env, set_num_threads
 from daemons.engine.vllm_migration import LiveRequest, LiveRequests, VllmMigrations
-from daemons.kvlayout import KvShards
-from daemons.kvrankctl import endpoint_dir, remove_endpoint_dir
+from daemons.kv.layout import KvShards
+from daemons.ipcdirs import endpoint_dir, remove_endpoint_dir
 from daemons.wire import InstanceLoad, MigratingRequest, RequestLoad, RequestState, TokenOut
 
 log = logging.getLogger("llumnix.engine.vllm")
@@ -39,7 +40,7 @@ def _cdiv(a: int, b: int) -> int:
 # ==================================================================== the engine
 
 
-class VllmEngine:
+class VllmEngine(EngineDefaults):
     """The Engine protocol over vLLM. Not thread-safe: add, abort and step mutate one scheduler, so every
     call must come from one thread (or be serialized), as the protocol says. Its parts: vLLM's internals
     (``VllmInternals``, with ``state`` to read them), the requests it serves (``LiveRequests``) and the migrating
@@ -59,6 +60,7 @@ class VllmEngine:
         self.version = s.m.version
         self.block_size = s.block_size
         self.max_model_len = s.max_model_len
+        self.vocab_size = s.vocab_size
         self.prefill_budget = self._v.prefill_budget  # most tokens one step schedules
         self.prefix_caching = bool(vllm.enable_prefix_caching)
         # What the instance publishes of vLLM's prefix cache (daemons/engine/vllm_cache.py).
@@ -224,9 +226,9 @@ class VllmEngine:
         return self._kv_blocks
 
     def kv_ranks(self) -> tuple[list[str], str] | None:
-        """Where this engine's KV lives, for the KV transport (daemons/kvranks.py ``gloo_transport``): None in
+        """Where this engine's KV lives, for the KV transport (daemons/kv/ranks.py ``gloo_transport``): None in
         this process; else every tensor-parallel rank's KV control endpoint (each rank moves its own shard,
-        daemons/kvrankctl.py) and the directory they are in, which the transport removes when it closes. The
+        daemons/kv/rankctl.py) and the directory they are in, which the transport removes when it closes. The
         first call starts the ranks' control threads: it comes before the first step (collective_rpc is for
         between steps)."""
         if self._s.in_process:

@@ -18,7 +18,7 @@ from daemons.config import ModelConfig, VllmConfig
 from daemons.engine.base import EngineError
 from daemons.engine.vllm_internals_migration import VllmMoves
 from daemons.engine.vllm_internals_state import AMX_ENV, VllmState
-from daemons.kvrankctl import endpoint_dir, remove_endpoint_dir
+from daemons.ipcdirs import endpoint_dir, remove_endpoint_dir
 
 TESTED_VERSION = "0.32"  # major.minor the VllmInternals section was checked against
 UNTESTED_ENV = "LLUMNIX_VLLM_UNTESTED"
@@ -231,16 +231,16 @@ class VllmInternals:
     @staticmethod
     def parallel_args(cfg: VllmConfig) -> dict:
         """One rank: the ``uni`` executor, the worker in this process. Several: vLLM's multiprocess executor,
-        one worker process per rank, with our worker extension (daemons/tpworker.py ``LlumnixWorker``) mixed in."""
+        one worker process per rank, with our worker extension (daemons/kv/tpworker.py ``LlumnixWorker``) mixed in."""
         if cfg.tensor_parallel_size <= 1:
             return {"distributed_executor_backend": "uni"}
         return {"distributed_executor_backend": "mp", "tensor_parallel_size": cfg.tensor_parallel_size,
-                "worker_extension_cls": "daemons.tpworker.LlumnixWorker"}
+                "worker_extension_cls": "daemons.kv.tpworker.LlumnixWorker"}
 
     @staticmethod
     def socket_dir(cfg: VllmConfig) -> str:
         """Where the multiprocess executor's message queues bind their ZeroMQ sockets (as files): a directory
-        of this instance's own (daemons/kvrankctl.py ``endpoint_dir``), removed at ``shutdown``, rather than the
+        of this instance's own (daemons/ipcdirs.py ``endpoint_dir``), removed at ``shutdown``, rather than the
         temporary directory itself, where vLLM leaves them when its workers are stopped (16 per TP 2 cluster).
         One that a killed instance left is removed by the next instance's start (``sweep_stale``). '' for the
         ``uni`` executor (no such sockets), or where the operator set VLLM_RPC_BASE_PATH."""
@@ -256,7 +256,7 @@ class VllmInternals:
 
     def renice_workers(self, increment: int) -> None:
         """Lower the workers' priority by ``increment`` (all their threads: niceness is per thread on Linux),
-        each in a scheduling group of its own (daemons/tpworker.py ``llumnix_own_group``): where the kernel
+        each in a scheduling group of its own (daemons/kv/tpworker.py ``llumnix_own_group``): where the kernel
         groups tasks by session, a thread's niceness alone weighs nothing against other sessions."""
         for pid in self.worker_pids():
             try:

@@ -1,5 +1,5 @@
 """What runs where vLLM's model runner lives: in this process (the ``uni`` executor), or in each worker
-process of a tensor-parallel instance (vLLM's multiprocess executor), where daemons/tpworker.py's
+process of a tensor-parallel instance (vLLM's multiprocess executor), where daemons/kv/tpworker.py's
 ``LlumnixWorker`` calls it.
 
 With ``vllm.tensor_parallel_size = N`` every rank holds its own shard of each KV block (its KV heads) and
@@ -8,10 +8,10 @@ its own copy of the runner's per-request state. vLLM mixes ``tpworker.LlumnixWor
 every rank with ``collective_rpc``, always between steps (the executor's message queues are not thread-safe):
 
 - ``llumnix_kv_layout``: the rank's KV layout, which the handshake compares;
-- ``llumnix_kv_serve``: start the rank's KV control thread (daemons/kvrankctl.py), once, before the first
+- ``llumnix_kv_serve``: start the rank's KV control thread (daemons/kv/rankctl.py), once, before the first
   step. Over it, and not through ``collective_rpc``, the llumlet has rank r of the source send its shard of a
   stage's blocks to rank r of the destination over its own Gloo pair (named by the migration's pair key and
-  the rank, found in the source instance's rendezvous store; daemons/kvranks.py ``RankKv``), and hears when
+  the rank, found in the source instance's rendezvous store; daemons/kv/ranks.py ``RankKv``), and hears when
   it ended: the worker goes on running steps while the bytes move, and no call waits for a step;
 - ``llumnix_generator_state`` and ``llumnix_commit``: the runner state of a migrating request (the seeded
   generator; the cached request a committed migration needs), the same code the ``uni`` executor runs

@@ -26,7 +26,7 @@ class CacheReports:
         self.mailbox = mailbox
         self.heartbeat_s = heartbeat_s
         self.clock = clock
-        self.pub = prefix.Publisher("") if getattr(engine, "cache", None) is not None else None
+        self.pub = prefix.Publisher("") if engine.cache is not None else None
         self._syncs: dict[str, float] = {}  # asker -> when we last sent it our whole cache
         self._counted = (0, 0)  # the cache's (queried, hit) tokens already in the metrics
 

@@ -31,7 +31,7 @@ from daemons.instance.selection import Orders
 from daemons.instance.standing import Identity, Standing
 from daemons.instance.steps import StepLoop
 from daemons.instance.tokens import ManagerLine, TokenPath
-from daemons.kvranks import gloo_transport
+from daemons.kv.ranks import gloo_transport
 from daemons.migration import Migrator
 from daemons.proxylinks import ProxyLinks
 from daemons.requests import RequestTable
@@ -89,7 +89,7 @@ class Instance:
         self.intake = Intake(self.router, engine, self.requests, self.phases, self.tokens, self.proxies,
                              self.standing, self.mailbox.wake, migrator, self.cache.on_sync, self.clock)
         self.listings = Listings(engine, self.requests, self.intake.pending, self.line.tell, self.ident, self.clock)
-        self.fit = StepFit(getattr(engine, "prefill_budget", 0))  # the step-time model (the SLO's predictions)
+        self.fit = StepFit(engine.prefill_budget)  # the step-time model (the SLO's predictions)
         self.reporter = Reporter(engine, migrator, self.watchdog, self.line.tell, self.proxies, self.intake.taken,
                                  self.standing, self.ident, self.cache, self.phases, self.requests, heartbeat_s,
                                  ic.load_report_min_interval_s, self.clock, self.fit, self.attainment)
@@ -155,8 +155,8 @@ class Instance:
 
     def build_migrator(self) -> Migrator:
         """The migrator, with the KV transport it moves blocks over: the one given (tests/support moves blocks
-        in memory), else Gloo pairs, rank by rank for a tensor-parallel engine (daemons/kvranks.py)."""
-        kv = self.kv or gloo_transport(self.cfg.migration, self.engine)
+        in memory), else Gloo pairs, rank by rank for a tensor-parallel engine (daemons/kv/ranks.py)."""
+        kv = self.kv or gloo_transport(self.cfg.migration, self.engine.kv_ranks())
         return Migrator(self, self.cfg.migration, self.engine, self.requests, self.mailbox.call, self.faults, kv,
                         self.clock)
 

@@ -125,7 +125,7 @@ class Intake:
             self._taken[msg.reply_to] = self._taken.get(msg.reply_to, 0) + 1
             held = self.requests.get(msg.request_id)
             if held is not None and held.epoch == msg.epoch:
-                continue  # sent again by a proxy that took it for lost (daemons/proxy/failover.py check_taken)
+                continue  # sent again by a proxy that took it for lost (daemons/proxy/cluster/failover.py check_taken)
             reason = self.standing.give_back_reason()
             if reason:
                 M_REDISPATCHED.inc()

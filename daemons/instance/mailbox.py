@@ -8,7 +8,7 @@ import logging
 from typing import Callable
 
 from daemons.engine.base import EngineError
-from daemons.kvtransfer import TransferError
+from daemons.kv.transfer import TransferError
 
 log = logging.getLogger("llumnix.instance")
 

@@ -97,7 +97,7 @@ class Reporter:
             latency = self.fit.fit()
             if latency is not None:
                 load = msgspec.structs.replace(load, latency=latency)
-        cache = getattr(self.engine, "cache", None)
+        cache = self.engine.cache
         if cache is not None and cache.query_tokens:
             load = msgspec.structs.replace(load, prefix_query_tokens=cache.query_tokens, prefix_hit_tokens=cache.hit_tokens)
         return self._with_role(load)

@@ -86,7 +86,7 @@ class StepLoop:
         # A real engine's step takes milliseconds of compute: run it on a worker thread so sockets stay
         # served. The engine is only ever touched between steps, from the event loop thread.
         self.executor = (ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=self._init_engine_thread)
-                         if getattr(engine, "blocking_step", False) else None)
+                         if engine.blocking_step else None)
         if self.executor is not None:
             # The step thread runs Python between its kernels and holds the GIL meanwhile; by default a
             # waiting thread gets it after up to 5 ms. The event loop serves sockets (tokens, migration
@@ -102,9 +102,7 @@ class StepLoop:
                 os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + self.engine_nice)
             except OSError as exc:
                 log.warning("instance.engine_nice=%d not applied: %s", self.engine_nice, exc)
-        init = getattr(self.engine, "init_thread", None)
-        if init is not None:
-            init()
+        self.engine.init_thread()
 
     async def run(self) -> None:
         while True:

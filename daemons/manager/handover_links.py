@@ -11,7 +11,7 @@ from typing import Callable, Iterable
 
 from daemons import wire
 from daemons.clock import Clock
-from daemons.kvspec import KvLayout
+from daemons.kv.spec import KvLayout
 from daemons.manager.records import InstanceRecord
 from daemons.manager.view import ClusterView
 

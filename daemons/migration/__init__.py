@@ -28,9 +28,9 @@ transfer may still write are only released after the transfer has ended, so a la
 block that another request got in the meantime.
 
 Engine calls that change scheduler state run between steps (``boundary``); Gloo work runs on the pair's
-thread (kvtransfer.Pair) and only touches blocks no step writes. The KV moves through a transport the
+thread (daemons/kv/transfer.py Pair) and only touches blocks no step writes. The KV moves through a transport the
 instance hands over (``transport.py``'s ``KvTransport``: Gloo pairs, a tensor-parallel engine's ranks, or
-in memory in the tests), which imports no engine module; the engines describe their KV in daemons/kvlayout.py.
+in memory in the tests), which imports no engine module; the engines describe their KV in daemons/kv/layout.py.
 
 Ownership (daemons/requests.py): the destination commits the request as the source's placement epoch + 1
 and tells the proxy (``Moved``); so does the source once it hears of the commit. A source whose last stage

@@ -11,7 +11,7 @@ from daemons import stages, wire
 from daemons.clock import Clock
 from daemons.config import MigrationConfig
 from daemons.engine.base import Engine, EngineError
-from daemons.kvlayout import KvLayout
+from daemons.kv.layout import KvLayout
 from daemons.migration.peers import Peers
 from daemons.migration.records import LEASE_EXPIRED, PEER_DEAD, TRANSFER_FAILED, Aborted, Host, Incoming
 from daemons.migration.telemetry import M_BYTES, M_IN_FLIGHT, M_RELEASED

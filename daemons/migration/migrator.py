@@ -31,7 +31,7 @@ log = logging.getLogger("llumnix.migration")
 class Migrator:
     """Both roles of this instance. Built by the instance, which gives it ``boundary`` (run a function between
     engine steps), its request table, through whose verbs a migration hands requests over, and its KV
-    transport (daemons/migration/transport.py; the daemon's: daemons/kvranks.py ``gloo_transport``).
+    transport (daemons/migration/transport.py; the daemon's: daemons/kv/ranks.py ``gloo_transport``).
 
     What the instance calls: ``migrate_out`` (one request to a destination; returns its outcome),
     ``prefix_hits`` (what a destination holds already), ``peer_dead`` (the manager's word that a peer died),

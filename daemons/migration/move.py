@@ -230,7 +230,7 @@ class Move:
             self.result.last_stage_blocks = len(ids)
         nbytes = len(ids) * self.kb.block_nbytes
         # The cap spares the engine during pre-copy; the last stage is downtime: never paced. Its few blocks
-        # go as one message per chunk (kvtransfer: fewer Gloo rounds).
+        # go as one message per chunk (daemons/kv/transfer.py: fewer Gloo rounds).
         paced = self.pacer if ids and not stage.last else None
         duty = (lambda: paced.duty) if paced else None
         sending = (asyncio.wrap_future(self.pair.send(

@@ -162,7 +162,7 @@ class Peers:
             else:
                 log.warning("dropped an unexpected message from a migration peer")
 
-    # ---------------------------------------------------------------- KV pair rendezvous (kvtransfer.RelayStore)
+    # ---------------------------------------------------------------- KV pair rendezvous (daemons/kv/transfer.py RelayStore)
 
     def relay_rendezvous(self, pair: KvPair, send: Callable[[wire.Message], None]) -> None:
         """The pair's rendezvous writes go to its peer as wire.KvRendezvous through ``send`` (on the event

@@ -1,10 +1,10 @@
 """What the migration protocol needs of a KV transport: pairs that move a stage's blocks between two instances.
 
-Implementations: Gloo pairs (daemons/kvtransfer.py ``KvTransfer``), a tensor-parallel engine's ranks each over
-its own Gloo pair (daemons/kvranks.py ``TpTransfer``), and blocks copied in memory between instances of one
+Implementations: Gloo pairs (daemons/kv/transfer.py ``KvTransfer``), a tensor-parallel engine's ranks each over
+its own Gloo pair (daemons/kv/ranks.py ``TpTransfer``), and blocks copied in memory between instances of one
 process (tests/support/kv.py ``MemoryKv``). The instance picks one and hands it to the Migrator
-(daemons/kvranks.py ``gloo_transport`` in the daemon). The blocks are described by the engine
-(daemons/kvlayout.py); a transport imports no engine module and the engines import no transport.
+(daemons/kv/ranks.py ``gloo_transport`` in the daemon). The blocks are described by the engine
+(daemons/kv/layout.py); a transport imports no engine module and the engines import no transport.
 
 A pair matches its sends and receives in the order they were posted at its two ends (both ends post in the
 order of the control messages, which travel in order on one ZeroMQ connection), so no tags are needed. A
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Awaitable, Callable, Protocol
 
-from daemons.kvlayout import KvBlocks
+from daemons.kv.layout import KvBlocks
 
 
 class TransferError(Exception):
@@ -23,7 +23,7 @@ class TransferError(Exception):
 
 
 class Relay(Protocol):
-    """A pair's rendezvous store whose writes must reach the peer (kvtransfer.RelayStore)."""
+    """A pair's rendezvous store whose writes must reach the peer (daemons/kv/transfer.py RelayStore)."""
 
     def attach(self, send: Callable[[str, bytes], None]) -> None: ...
 

@@ -28,7 +28,7 @@ from daemons import wire
 from daemons.clock import Clock
 from daemons.config import MigrationConfig
 from daemons.engine.base import Engine
-from daemons.kvlayout import KvLayout
+from daemons.kv.layout import KvLayout
 from daemons.migration.peers import Peers
 from daemons.migration.records import Host
 from daemons.migration.telemetry import M_LINK_SECONDS, M_LINKS

@@ -19,7 +19,7 @@ Routes: /v1/completions, /v1/chat/completions (streamed or not, with usage), /v1
   instance, status, prompt and completion tokens, TTFT, total time, finish reason; the same as ``extra``
   fields for a JSON formatter), and the name of the request's API key; ``proxy.access_log = false`` turns it
   off.
-- API keys: with ``proxy.api_keys_file`` (see daemons/proxy/apikeys.py), every /v1 route and /tokenize,
+- API keys: with ``proxy.api_keys_file`` (see daemons/proxy/front/apikeys.py), every /v1 route and /tokenize,
   /detokenize need ``Authorization: Bearer KEY`` (else 401), and priority high needs a key with
   ``high_priority = true`` (else 403). ``/metrics`` needs the token of ``security.metrics_token_file`` when
   that is set. ``/health``, ``/version``, ``/openapi.json`` and ``/docs`` stay open.
@@ -46,16 +46,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from daemons import metrics, runtime, security
 from daemons.cli import ConfigFile, LogLevel, Overrides, daemon_main, package_version
 from daemons.config import Config
-from daemons.proxy.apikeys import ApiKeys, ApiKeysError, check_token
-from daemons.proxy.call import Call, Headers
-from daemons.proxy.cluster import ClusterClient
-from daemons.proxy.fastpath import FastPath
-from daemons.proxy.guard import Guard
-from daemons.proxy.openapi import openapi_document
-from daemons.proxy.protocol import ApiError
-from daemons.proxy.render import Job  # noqa: F401  (tests build Jobs from here)
+from daemons.proxy.front.apikeys import ApiKeys, ApiKeysError, check_token
+from daemons.proxy.front.call import Call, Headers
+from daemons.proxy.cluster.client import ClusterClient
+from daemons.proxy.front.fastpath import FastPath
+from daemons.proxy.front.guard import Guard
+from daemons.proxy.api.openapi import openapi_document
+from daemons.proxy.api.protocol import ApiError
+from daemons.proxy.api.render import Job  # noqa: F401  (tests build Jobs from here)
 from daemons.proxy.service import Proxy
-from daemons.proxy.tokenizer import TokenizerError
+from daemons.proxy.api.tokenizer import TokenizerError
 
 log = logging.getLogger("llumnix.proxy")
 
@@ -64,7 +64,7 @@ GC_THRESHOLD = 10_000  # the collector's first generation (Python's default: 700
 
 
 class _Guard:
-    """ASGI middleware, before any route: the proxy's guard (daemons/proxy/guard.py) checks the API key of the
+    """ASGI middleware, before any route: the proxy's guard (daemons/proxy/front/guard.py) checks the API key of the
     routes that need one and the body size of every request, by its Content-Length or counted as it
     arrives (the route's error handler answers a 413 raised while it reads)."""
 
@@ -156,7 +156,7 @@ def build_app(cfg: Config) -> FastAPI:
 
     # The body routes are plain Starlette routes: the body is decoded by msgspec, so FastAPI's per-request
     # dependency and validation machinery would only add latency. openapi_document describes them. With
-    # proxy.fast_path (the default), the completion routes are answered before FastAPI (daemons/proxy/fastpath.py).
+    # proxy.fast_path (the default), the completion routes are answered before FastAPI (daemons/proxy/front/fastpath.py).
     app.add_route("/v1/completions", counted("/v1/completions", completion(False)), methods=["POST"])
     app.add_route("/v1/chat/completions", counted("/v1/chat/completions", completion(True)), methods=["POST"])
     app.add_route("/tokenize", counted("/tokenize", proxy.routes.tokenize), methods=["POST"])

@@ -1,11 +1,12 @@
-"""The proxy's request logic, whichever HTTP path calls it (daemons/proxy/fastpath.py, or FastAPI's routes in
+"""The proxy's request logic, whichever HTTP path calls it (daemons/proxy/front/fastpath.py, or FastAPI's routes in
 daemons/proxy/app.py): a completion or chat request is checked, tokenized, dispatched over the cluster
-(daemons/proxy/cluster.py) and its tokens rendered (daemons/proxy/render.py), with the access log.
+(daemons/proxy/cluster/client.py) and its tokens rendered (daemons/proxy/api/render.py), with the access log.
 
-``Proxy`` is a facade over the objects that decide: ``Checks`` (checks.py: what a request must be),
-``TenantLimits`` (tenants.py: each API key's limits), ``AccessLog`` (access.py), ``Guard`` (guard.py: API keys,
-body limits and request counts, for both HTTP paths), ``Routes`` (routes.py: models, tokenize, detokenize,
-health) and the ``ClusterClient``; how an answer goes out is output.py's functions."""
+``Proxy`` is a facade over the objects that decide: ``Checks`` (front/checks.py: what a request must be),
+``TenantLimits`` (front/tenants.py: each API key's limits), ``AccessLog`` (front/access.py), ``Guard``
+(front/guard.py: API keys, body limits and request counts, for both HTTP paths), ``Routes`` (front/routes.py:
+models, tokenize, detokenize, health) and the ``ClusterClient``; how an answer goes out is api/output.py's
+functions."""
 
 from __future__ import annotations
 
@@ -19,21 +20,21 @@ import msgspec
 from daemons import metrics, wire
 from daemons.clock import Clock
 from daemons.config import Config, body_limit
-from daemons.proxy.access import AccessLog
-from daemons.proxy.apikeys import ApiKeys
-from daemons.proxy.call import Call, Reply
-from daemons.proxy.checks import Checks
-from daemons.proxy.cluster import M_REJECTED, ClusterClient, NoInstance, Overloaded, Stream
-from daemons.proxy.goodput import Goodput
-from daemons.proxy.guard import Guard
-from daemons.proxy.output import collect, sse
-from daemons.proxy.protocol import ApiError, ChatRequest, CompletionRequest, decode_body, derive_seed, parse_priority
-from daemons.proxy.render import Choice, Job, token_id_text
-from daemons.proxy.routes import Routes
-from daemons.proxy.tenants import TenantLimits, Tenants
-from daemons.proxy.tokenizer import Tokenizer, load_tokenizer
-from daemons.proxy.toolcalls import ToolCalls
-from daemons.proxy.traces import RequestTrace
+from daemons.proxy.front.access import AccessLog
+from daemons.proxy.front.apikeys import ApiKeys
+from daemons.proxy.front.call import Call, Reply
+from daemons.proxy.front.checks import Checks
+from daemons.proxy.cluster.client import M_REJECTED, ClusterClient, NoInstance, Overloaded, Stream
+from daemons.proxy.cluster.goodput import Goodput
+from daemons.proxy.front.guard import Guard
+from daemons.proxy.api.output import collect, sse
+from daemons.proxy.api.protocol import ApiError, ChatRequest, CompletionRequest, decode_body, derive_seed, parse_priority
+from daemons.proxy.api.render import Choice, Job, token_id_text
+from daemons.proxy.front.routes import Routes
+from daemons.proxy.front.tenants import TenantLimits, Tenants
+from daemons.proxy.api.tokenizer import Tokenizer, load_tokenizer
+from daemons.proxy.api.toolcalls import ToolCalls
+from daemons.proxy.cluster.traces import RequestTrace
 from daemons.tracing import Tracer
 
 # Defined in daemons/metrics.py, with the latencies of each request (Job.timer).
@@ -59,10 +60,10 @@ class Proxy:
                                      if cfg.proxy.api_keys_file else None)
         self.tracer = Tracer.create(cfg.tracing, "llumnix-proxy")  # None: tracing off
         self.cluster = ClusterClient(cfg, clock=clock, tracer=self.tracer)
-        self.goodput = Goodput(cfg.slo)  # SLO outcomes per class (daemons/proxy/goodput.py)
+        self.goodput = Goodput(cfg.slo)  # SLO outcomes per class (daemons/proxy/cluster/goodput.py)
         self.active: set[str] = set()  # ids of the requests this proxy is serving
         self.checks = Checks(self.tokenizer, self.model, self.max_model_len, cfg.proxy.max_prompt_tokens, cfg.proxy)
-        self.tenants = Tenants(clock.monotonic)  # per-key limits (daemons/proxy/tenants.py)
+        self.tenants = Tenants(clock.monotonic)  # per-key limits (daemons/proxy/front/tenants.py)
         self.limits = TenantLimits(self.tenants)
         self.access = AccessLog(cfg.proxy.access_log)
         self.guard = Guard(self.keys, body_limit(cfg), self.access)
@@ -101,7 +102,7 @@ class Proxy:
         return reply
 
     def _admit(self, priority: int, job: Job, prompt_tokens: int = 0) -> None:
-        """Admission control (daemons/proxy/admission.py ``admit``): 429 with Retry-After, before any tokenizing
+        """Admission control (daemons/proxy/cluster/admission.py ``admit``): 429 with Retry-After, before any tokenizing
         (``prompt_tokens``: an estimate from the body's size, for the SLO's prediction)."""
         principal = job.principal
         job.priority, job.slo = priority, self.goodput.targets_for(priority, principal)
@@ -288,6 +289,6 @@ class Proxy:
         self.access.write(job, job.chat, job.arrival, 499)
 
     def _ended(self, job: Job) -> None:
-        """A streamed answer ended (daemons/proxy/output.py ``sse``): let the request go and log it."""
+        """A streamed answer ended (daemons/proxy/api/output.py ``sse``): let the request go and log it."""
         self._end(job)
         self.access.write(job, job.chat, job.arrival, job.status)

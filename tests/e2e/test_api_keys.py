@@ -19,7 +19,7 @@ import pytest
 
 from daemons.config import SimConfig
 from daemons.engine.sim import sim_token_id
-from daemons.proxy.tokenizer import SimTokenizer
+from daemons.proxy.api.tokenizer import SimTokenizer
 from llumnixctl.lab import localcluster
 from tests.conftest import FAST, UP_TIMEOUT_S, Cluster
 from tests.streams import wait_for

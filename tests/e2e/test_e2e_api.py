@@ -13,7 +13,7 @@ import pytest
 
 from daemons.config import SimConfig
 from daemons.engine.sim import sim_token_id
-from daemons.proxy.tokenizer import SimTokenizer
+from daemons.proxy.api.tokenizer import SimTokenizer
 
 pytestmark = pytest.mark.e2e
 

@@ -27,7 +27,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from daemons.kvrankctl import PREFIX  # noqa: E402
+from daemons.ipcdirs import PREFIX  # noqa: E402
 from llumnixctl.lab import localcluster  # noqa: E402
 from llumnixctl.lab.model import write_tiny_model  # noqa: E402
 from tests.conftest import Cluster, cli, ctl_json  # noqa: E402
@@ -62,7 +62,7 @@ _VLLM_SOCKET = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9
 
 def _socket_files() -> set[str]:
     """What the instances' ranks and vLLM's message queues bind as files in the temporary directory: the
-    directories (daemons/kvrankctl.py ``PREFIX``) and vLLM's sockets straight in it (its default place), not
+    directories (daemons/ipcdirs.py ``PREFIX``) and vLLM's sockets straight in it (its default place), not
     whatever else on the machine binds a socket there."""
     found = set()
     for e in os.scandir(tempfile.gettempdir()):

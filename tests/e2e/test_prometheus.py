@@ -63,7 +63,7 @@ class Out:
 def test_bind_exports_a_daemons_series_with_its_labels():
     from daemons import metrics
     import daemons.instance  # noqa: F401  (declares the instance's metrics)
-    import daemons.proxy.cluster  # noqa: F401
+    import daemons.proxy.cluster.client  # noqa: F401
 
     metrics.bind("instance", "bind-test", "i7")
     assert sample("llumnix_instance_requests_total", model_name="bind-test", instance_id="i7") == 0

@@ -14,7 +14,7 @@ import pytest
 
 from daemons.config import Config, SimConfig
 from daemons.engine.sim import sim_logprobs, sim_token_id
-from daemons.proxy.tokenizer import HFTokenizer, SimTokenizer
+from daemons.proxy.api.tokenizer import HFTokenizer, SimTokenizer
 
 pytestmark = pytest.mark.e2e
 

@@ -488,7 +488,7 @@ def test_structured_output_survives_migration_and_failover(model_dir):
 
     from daemons.config import SimConfig
     from daemons.engine.sim import SimEngine
-    from daemons.proxy.tokenizer import HFTokenizer
+    from daemons.proxy.api.tokenizer import HFTokenizer
     from daemons.wire import StructuredOutputs
 
     tok = HFTokenizer(model_dir)

@@ -21,7 +21,7 @@ pytest.importorskip("vllm")
 
 from daemons.engine.base import EngineRequest  # noqa: E402
 from daemons.engine.vllm_internals import apply_workarounds  # noqa: E402
-from daemons.proxy.tokenizer import HFTokenizer  # noqa: E402
+from daemons.proxy.api.tokenizer import HFTokenizer  # noqa: E402
 from daemons.wire import SamplingParams  # noqa: E402
 from llumnixctl.lab.realmodel import ensure_smollm2  # noqa: E402
 from tests.e2e.test_vllm_engine import _migrate_within, engine, offline, pool_used, run  # noqa: E402

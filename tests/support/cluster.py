@@ -31,7 +31,7 @@ from daemons.config import load_config
 from daemons.engine.sim import SimEngine, sim_token_id
 from daemons.instance import Instance
 from daemons.manager import Manager
-from daemons.proxy.cluster import ClusterClient, Stream
+from daemons.proxy.cluster.client import ClusterClient, Stream
 from daemons.watchdog import EXIT_HUNG, Faults
 from tests.support import virtual
 from tests.support.kv import Hub

@@ -1,5 +1,5 @@
 """A real Gloo pair on loopback, both ends in this process: what the KV copy tests and scripts/kv-bench.py move
-blocks over (daemons/kvtransfer.py ``Pair``, its source end holding the TCPStore its destination end joins)."""
+blocks over (daemons/kv/transfer.py ``Pair``, its source end holding the TCPStore its destination end joins)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from daemons.kvtransfer import DEST_RANK, SOURCE_RANK, Pair
+from daemons.kv.transfer import DEST_RANK, SOURCE_RANK, Pair
 
 
 def loopback_pair(key: str, timeout_s: float = 30) -> tuple[Pair, Pair]:

@@ -15,7 +15,7 @@ from concurrent.futures import Future
 
 import torch
 
-from daemons.kvlayout import KvBlocks
+from daemons.kv.layout import KvBlocks
 from daemons.migration.transport import TransferError
 
 

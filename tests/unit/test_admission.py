@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from daemons import wire
 from daemons.config import load_config
-from daemons.proxy.cluster import ClusterClient, Overloaded
+from daemons.proxy.cluster.client import ClusterClient, Overloaded
 
 
 _made: list[ClusterClient] = []

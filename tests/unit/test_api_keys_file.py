@@ -1,4 +1,4 @@
-"""The proxy's API keys file in process (daemons/proxy/apikeys.py): parsing, the errors that name the file and
+"""The proxy's API keys file in process (daemons/proxy/front/apikeys.py): parsing, the errors that name the file and
 the key, reloading on change with the last good keys kept, and how often the file is looked at."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from daemons.proxy.apikeys import ApiKeys, ApiKeysError, Principal, Unauthorized, parse
+from daemons.proxy.front.apikeys import ApiKeys, ApiKeysError, Principal, Unauthorized, parse
 from tests.e2e.test_api_keys import KEYS, render
 
 

@@ -1,5 +1,5 @@
 """Dispatch at the edge, scripted: several proxies' real cluster clients choose instances from their own views
-(daemons/proxy/view.py) while the instances' heartbeats reach them in an order the test sets. What
+(daemons/proxy/cluster/view.py) while the instances' heartbeats reach them in an order the test sets. What
 tests/e2e/test_edge_dispatch.py shows with real daemons only when the machine's timing allows (a burst over four
 proxies spreads instead of herding) is shown here for the orders that matter, the same way on every run: no
 heartbeat during the burst, and heartbeats after every round. The tie rotation's wall-clock turn is pinned
@@ -13,7 +13,7 @@ import pytest
 
 from daemons import wire
 from daemons.config import load_config
-from daemons.proxy.cluster import ClusterClient
+from daemons.proxy.cluster.client import ClusterClient
 from tests.support import virtual
 
 INSTANCES = ["i0", "i1", "i2", "i3"]

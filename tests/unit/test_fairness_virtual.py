@@ -1,4 +1,4 @@
-"""Fair sharing between API keys on a saturated cluster (daemons/proxy/fairgate.py), on the harness
+"""Fair sharing between API keys on a saturated cluster (daemons/proxy/cluster/fairgate.py), on the harness
 (tests/support/cluster.py): real manager, sim instances and the proxy's cluster client, virtual time.
 
 - Two keys both backlogged, one sending ten times the other's rate: while both wait, each is served half the

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from daemons.kvlayout import MAX_RUNS, KvBlocks
+from daemons.kv.layout import MAX_RUNS, KvBlocks
 from tests.support.gloo import loopback_pair
 from tests.support.kvviews import ORDERS, layout_views
 
@@ -133,7 +133,7 @@ def test_a_transfer_thread_copies_with_the_kvs_gpu_current_not_gpu_0():
             super().gather(block_ids, out)
 
     kv = Spy(layout_views("LBNHC", LAYERS, BLOCKS, HEADS, TOKENS, CHANNELS, device="cuda:1"), "test", "LBNHC")
-    from daemons.kvlayout import Staging
+    from daemons.kv.layout import Staging
 
     def run():
         st = Staging(kv, 2 * kv.block_nbytes)

@@ -20,7 +20,7 @@ from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups  # noqa:
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
-from daemons.kvlayout import MAX_RUNS, KvBlocks, KvLayout, Staging  # noqa: E402
+from daemons.kv.layout import MAX_RUNS, KvBlocks, KvLayout, Staging  # noqa: E402
 from tests.support.gloo import loopback_pair  # noqa: E402
 
 LAYERS = 3

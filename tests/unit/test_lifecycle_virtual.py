@@ -278,8 +278,8 @@ def test_departed_peers_are_forgotten_on_both_sides():
     to the old proxy (and stop heartbeating it) after orphan_timeout_s, though it held no request of theirs;
     the proxy closes its socket to the dead instance and forgets it once it is out of the manager's view and
     silent for FORGET_AFTER_S. Restarts on new ports do not grow any daemon."""
-    from daemons.proxy.cluster import ClusterClient
-    from daemons.proxy.failover import FORGET_AFTER_S
+    from daemons.proxy.cluster.client import ClusterClient
+    from daemons.proxy.cluster.failover import FORGET_AFTER_S
 
     async def scenario(c: VirtualCluster):
         old = c.proxy.token_address
@@ -311,7 +311,7 @@ def test_a_request_its_instance_never_took_in_is_sent_again_after_the_stall_time
     will ever come for: the instance's heartbeats, which count the Submits it took in, fall short of what was
     sent; the request is sent again after proxy.stall_timeout_s instead of waiting out its deadline. Requests
     only queued on a saturated instance were taken in, and a copy sent again is ignored: each runs once."""
-    from daemons.proxy.telemetry import M_RESENT
+    from daemons.proxy.cluster.telemetry import M_RESENT
 
     async def scenario(c: VirtualCluster):
         dropped = []

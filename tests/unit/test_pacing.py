@@ -1,5 +1,5 @@
 """Pre-copy pacing (daemons/pacing.py) over plain numbers, the copy's rests on a real Gloo pair, and where
-the pair's thread runs (kvtransfer.transfer_cores)."""
+the pair's thread runs (daemons/kv/transfer.py transfer_cores)."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def test_a_rest_makes_the_busy_time_its_duty_of_the_whole(busy, duty):
 
 
 def test_the_transfer_thread_runs_off_the_engines_cores():
-    from daemons.kvtransfer import transfer_cores
+    from daemons.kv.transfer import transfer_cores
 
     assert transfer_cores({0}, [{0}]) is None  # one core: nowhere else to go
     assert transfer_cores({0, 1, 2, 3}, [{0, 1, 2, 3}, {0, 1, 2, 3}]) is None  # engine unbound: the kernel balances
@@ -80,8 +80,8 @@ def gloo_pair():
 @pytest.mark.parametrize("duty", [1.0, 0.25])
 def test_a_send_with_a_duty_rests_after_each_chunk_in_proportion(gloo_pair, monkeypatch, duty):
     torch, src, dst = gloo_pair
-    from daemons import kvtransfer
-    from daemons.kvlayout import KvBlocks
+    from daemons.kv import transfer as kvtransfer
+    from daemons.kv.layout import KvBlocks
 
     a = torch.randint(0, 1000, (16, 2, 4, 8), dtype=torch.int16)
     b = torch.zeros_like(a)
@@ -107,8 +107,8 @@ def test_one_message_chunks_round_trip_on_the_rows_path(gloo_pair, monkeypatch, 
     """The last stage's framing: each chunk one message, staged at both ends, even where a run of blocks
     could go straight out of the per-layer KV tensors (one message per layer)."""
     torch, src, dst = gloo_pair
-    from daemons.kvlayout import KvBlocks
-    from daemons.kvtransfer import Pair
+    from daemons.kv.layout import KvBlocks
+    from daemons.kv.transfer import Pair
 
     a = [torch.randint(0, 1000, (16, 2, 4, 8), dtype=torch.int16) for _ in range(3)]  # a tensor per layer: rows
     b = [torch.zeros_like(t) for t in a]

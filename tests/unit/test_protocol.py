@@ -1,7 +1,7 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from daemons.proxy.protocol import ApiError, ChatRequest, CompletionRequest, StopChecker, decode_body, parse_priority
+from daemons.proxy.api.protocol import ApiError, ChatRequest, CompletionRequest, StopChecker, decode_body, parse_priority
 
 
 def test_stop_string_split_across_tokens():
@@ -116,7 +116,7 @@ def test_off_values_of_unsupported_fields_are_fine(kind, extra):
 
 
 def test_derived_seeds():
-    from daemons.proxy.protocol import derive_seed
+    from daemons.proxy.api.protocol import derive_seed
 
     assert derive_seed(None, 3) is None
     assert [derive_seed(7, k) for k in range(3)] == [7, 8, 9]

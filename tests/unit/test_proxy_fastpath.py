@@ -1,4 +1,4 @@
-"""The completion routes' fast path (daemons/proxy/fastpath.py) answers exactly as the FastAPI path does.
+"""The completion routes' fast path (daemons/proxy/front/fastpath.py) answers exactly as the FastAPI path does.
 
 One real proxy app (its Proxy, tokenizer, keys and limits) over a fake cluster whose "instance" streams
 deterministic tokens; every request is sent to both ways of serving it, the raw ASGI fast path and FastAPI's
@@ -19,8 +19,8 @@ import pytest
 from daemons import wire
 from daemons.config import load_config
 from daemons.proxy.app import M_REQUESTS, build_app
-from daemons.proxy.cluster import Stream
-from daemons.proxy.fastpath import FastPath
+from daemons.proxy.cluster.client import Stream
+from daemons.proxy.front.fastpath import FastPath
 
 KEY, LOW_KEY = "sk-fast-high", "sk-fast-low"
 LIMIT = 2048

@@ -10,12 +10,12 @@ import pytest
 
 from daemons import wire
 from daemons.clock import VirtualTimeLoop
-from daemons.proxy.access import AccessLog
-from daemons.proxy.guard import M_REQUESTS, Guard
-from daemons.proxy.known import KnownInstances
-from daemons.proxy.protocol import ApiError
-from daemons.proxy.stream import Stream
-from daemons.proxy.streams import Streams
+from daemons.proxy.front.access import AccessLog
+from daemons.proxy.front.guard import M_REQUESTS, Guard
+from daemons.proxy.cluster.known import KnownInstances
+from daemons.proxy.api.protocol import ApiError
+from daemons.proxy.cluster.stream import Stream
+from daemons.proxy.cluster.streams import Streams
 
 RID = "r1"
 

@@ -8,7 +8,7 @@ import time
 import zmq
 
 from daemons import wire
-from daemons.proxy.cluster import Stream
+from daemons.proxy.cluster.client import Stream
 from daemons.proxylinks import ProxyLinks
 from daemons.requests import AbortAction, RequestTable
 

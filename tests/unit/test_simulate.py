@@ -14,7 +14,7 @@ from daemons import policy
 from daemons.config import load_config
 from daemons.engine.sim import SimEngine
 from daemons.migration import Migrator
-from daemons.proxy.view import DispatchView
+from daemons.proxy.cluster.view import DispatchView
 from llumnixctl.experiments.traces import gen as trace
 from llumnixctl.experiments.sim.simulate import Network, simulate
 

@@ -20,7 +20,7 @@ from daemons.engine.profile import LatencyProfile
 from daemons.engine.sim import SimEngine, model_time
 from daemons.instance.predictor import StepFit
 from daemons.policy import slo
-from daemons.proxy.cluster import ClusterClient, Overloaded
+from daemons.proxy.cluster.client import ClusterClient, Overloaded
 
 PROFILE = "daemons/engine/profiles"
 
@@ -289,8 +289,8 @@ def test_without_a_ttft_target_the_queue_bounds_decide():
 
 def test_goodput_counts_each_outcome_per_class():
     from daemons.config import SloConfig
-    from daemons.proxy.goodput import Goodput
-    from daemons.proxy.telemetry import M_SLO
+    from daemons.proxy.cluster.goodput import Goodput
+    from daemons.proxy.cluster.telemetry import M_SLO
 
     g = Goodput(SloConfig(ttft_ms=500, tpot_ms=50, high_ttft_ms=200))
 

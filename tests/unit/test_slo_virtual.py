@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 
-from daemons.proxy.cluster import Overloaded
+from daemons.proxy.cluster.client import Overloaded
 from tests.support.cluster import VirtualCluster
 
 SETS = ["sim.max_num_seqs=8", "sim.num_blocks=512", "sim.eos_rate=0"]

@@ -1,6 +1,6 @@
 """A client that stops reading a stream (its socket's buffers full: uvicorn's ``send`` no longer returns) is
 cut off after proxy.write_timeout_s: the request is aborted on its instance, the proxy lets go of it, the
-access line says 408, and a client that keeps reading is not touched (daemons/proxy/fastpath.py)."""
+access line says 408, and a client that keeps reading is not touched (daemons/proxy/front/fastpath.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from daemons.config import load_config
 from daemons.proxy.app import build_app
-from daemons.proxy.fastpath import M_SLOW_READERS, FastPath
+from daemons.proxy.front.fastpath import M_SLOW_READERS, FastPath
 from tests.unit.test_proxy_fastpath import Access, FakeInstance
 
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from daemons import wire
 from daemons.config import load_config
-from daemons.proxy.cluster import ClusterClient, Stream
+from daemons.proxy.cluster.client import ClusterClient, Stream
 
 IDS = ["i0", "i1", "i2"]
 RID = "req-1"
@@ -88,7 +88,7 @@ def migrations(plan: dict, base: int, epoch0: int, content) -> tuple[list[tuple[
 
 
 def fail_over(stream: Stream, to: str) -> None:
-    """The placement a failover makes (daemons/proxy/dispatch.py): a new epoch, owned from the next index."""
+    """The placement a failover makes (daemons/proxy/cluster/dispatch.py): a new epoch, owned from the next index."""
     stream.place(to, address(to), stream.epoch + 1, stream.next_index)
     stream.tried.append(to)
     stream.early.clear()  # a gap's tokens came from the copy we left: the new one sends them again

@@ -12,12 +12,14 @@ directly where they can:
 - no import circle among our modules, counting every import: those under ``if TYPE_CHECKING`` and inside
   functions too (a circle moved out of sight is still a circle);
 - no module importing another's private (``_name``) names;
-- the engines do not import the KV transport, and the transport imports no engine module.
+- the engines import no module of the KV transport (daemons/kv/ but its shared description and the TP worker
+  bridge), at any depth, and the transport imports no engine module.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 
 import pytest
 
@@ -29,7 +31,7 @@ LONG_FILES_ALLOWED = {"daemons.wire"}
 # Classes that extend a class from outside the project by design, reading what that class defines.
 EXTENDS_OUTSIDE = {
     # vLLM's worker_extension_cls: mixed into vLLM's own worker at run time, whose model_runner it reads.
-    "daemons.tpworker.LlumnixWorker": {"model_runner"},
+    "daemons.kv.tpworker.LlumnixWorker": {"model_runner"},
 }
 
 MODULES = s.load()
@@ -54,10 +56,21 @@ def test_no_import_circle_counting_every_import():
     assert s.find_circles(s.import_graph(MODULES, top_level=False)) == []
 
 
+# daemons/kv/: what is not the transport. The KV's description, which engines build and transports read, and the
+# class vLLM mixes into a tensor-parallel worker, the one place where a rank's engine verbs and its transport meet.
+KV_SHARED = {"daemons.kv", "daemons.kv.spec", "daemons.kv.layout"}
+KV_BRIDGE = {"daemons.kv.tpworker"}
+
+
+def kv_transport_modules() -> set[str]:
+    return {m for m in MODULES if m.startswith("daemons.kv.")} - KV_SHARED - KV_BRIDGE
+
+
 def test_engines_and_the_kv_transport_do_not_import_each_other():
-    graph = s.import_graph(MODULES)
-    engines = {m for m in MODULES if m.startswith("daemons.engine")}
-    transport = {m for m in MODULES if m == "daemons.kvtransfer" or m.startswith("daemons.kvtransfer.")}
+    graph = s.import_graph(MODULES, top_level=False)
+    engines = {m for m in MODULES if m == "daemons.engine" or m.startswith("daemons.engine.")}
+    transport = kv_transport_modules()
+    assert {"daemons.kv.transfer", "daemons.kv.ranks", "daemons.kv.rankctl"} <= transport
     assert sorted(f"{m} -> {d}" for m in engines for d in graph[m] & transport) == []
     assert sorted(f"{m} -> {d}" for m in transport for d in graph[m] & engines) == []
 
@@ -97,3 +110,32 @@ def test_the_foreign_attribute_check_sees_a_mixin_reaching_into_its_host():
 ])
 def test_the_import_reader_sees_imports_at_any_depth(source, top_level, expect):
     assert s.imports("x", s.ROOT / "x.py", ast.parse(source), top_level) == expect
+
+
+# The proxy's layers (daemons/proxy/__init__.py): front may import api and cluster; api only cluster's Stream.
+PROXY_TOP = {"daemons.proxy", "daemons.proxy.app", "daemons.proxy.service"}
+
+
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 3 and parts[:2] == ["daemons", "proxy"] else None
+
+
+def test_the_proxy_layers_import_one_way():
+    graph = s.import_graph(MODULES, top_level=False)
+    allowed = {"front": {"front", "api", "cluster"}, "api": {"api"}, "cluster": {"cluster"}}
+    wrong = sorted(f"{m} -> {d}" for m in MODULES if _layer(m) for d in graph[m]
+                   if (d in PROXY_TOP or (_layer(d) and _layer(d) not in allowed[_layer(m)]))
+                   and not (_layer(m) == "api" and d == "daemons.proxy.cluster.stream"))
+    assert {_layer(m) for m in MODULES} >= {"front", "api", "cluster"}
+    assert wrong == []
+
+
+def test_no_engine_capability_is_found_by_probing():
+    """What an engine can do is declared in the Engine protocol (daemons/engine/base.py, with EngineDefaults), never
+    found with getattr/hasattr on an engine object."""
+    probe = re.compile(r"\b(?:getattr|hasattr)\(\s*[\w.]*engine\b[\w.]*\s*,")
+    found = sorted(f"{m}:{n}" for m, (p, _) in MODULES.items() if m.startswith(("daemons.", "llumnixctl."))
+                   for n, line in enumerate(p.read_text().splitlines(), 1) if probe.search(line))
+    # The simulator keeps a prefill/decode role on its sim engines until it runs the instance's own Standing.
+    assert [f for f in found if not f.startswith("llumnixctl.experiments.sim.reports:")] == []

@@ -1,6 +1,6 @@
 """Structured output and tools at the proxy: what a request's response_format, structured_outputs, tools and
 tool_choice become on the wire (vLLM's server's rules and messages), and how a forced tool choice's output is
-answered as tool calls (daemons/proxy/structured.py, daemons/proxy/toolcalls.py)."""
+answered as tool calls (daemons/proxy/api/structured.py, daemons/proxy/api/toolcalls.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import msgspec
 import pytest
 
 from daemons import wire
-from daemons.proxy.protocol import ApiError, ChatRequest, CompletionRequest, decode_body
-from daemons.proxy.render import Choice, Job
-from daemons.proxy.structured import ToolChoice, required_schema
-from daemons.proxy.toolcalls import ToolCalls
+from daemons.proxy.api.protocol import ApiError, ChatRequest, CompletionRequest, decode_body
+from daemons.proxy.api.render import Choice, Job
+from daemons.proxy.api.structured import ToolChoice, required_schema
+from daemons.proxy.api.toolcalls import ToolCalls
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather",
@@ -114,7 +114,7 @@ def test_forced_tool_choice_constrains_to_the_tools_schema():
 
 
 def test_tools_and_tool_messages_reach_the_chat_template(tmp_path):
-    from daemons.proxy.tokenizer import HFTokenizer
+    from daemons.proxy.api.tokenizer import HFTokenizer
     from tokenizers import Tokenizer, models
 
     Tokenizer(models.BPE()).save(str(tmp_path / "tokenizer.json"))

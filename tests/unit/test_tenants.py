@@ -1,4 +1,4 @@
-"""Tenants: per-key limits (daemons/proxy/tenants.py) and the fair queue between keys (daemons/proxy/fairness.py),
+"""Tenants: per-key limits (daemons/proxy/front/tenants.py) and the fair queue between keys (daemons/proxy/cluster/fairness.py),
 alone on a hand-driven clock, then through the proxy's HTTP path with a keys file (429, Retry-After, the
 code naming the limit, the metric by key and reason, and the limit given back when a request ends)."""
 
@@ -10,11 +10,11 @@ import json
 import pytest
 
 from daemons.config import load_config
-from daemons.proxy.apikeys import ApiKeysError, Principal, parse
+from daemons.proxy.front.apikeys import ApiKeysError, Principal, parse
 from daemons.proxy.app import build_app
-from daemons.proxy.fairness import ACTIVE_S, FairQueue
-from daemons.proxy.telemetry import M_TENANT_REJECTED
-from daemons.proxy.tenants import TenantLimited, Tenants
+from daemons.proxy.cluster.fairness import ACTIVE_S, FairQueue
+from daemons.proxy.cluster.telemetry import M_TENANT_REJECTED
+from daemons.proxy.front.tenants import TenantLimited, Tenants
 from tests.unit.test_proxy_fastpath import Client, FakeInstance
 
 

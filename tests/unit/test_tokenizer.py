@@ -3,7 +3,7 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from daemons.proxy.tokenizer import HFTokenizer, SimTokenizer, TokenizerError, load_tokenizer
+from daemons.proxy.api.tokenizer import HFTokenizer, SimTokenizer, TokenizerError, load_tokenizer
 from llumnixctl.lab.model import write_tiny_model
 
 
@@ -94,7 +94,7 @@ class _Counting:
 def test_tokens_that_decode_to_nothing_cost_linear_time(hf):
     # Special tokens are skipped when decoding: a stream of them adds no text. The window must still move on
     # (it used to grow with every such token: each token decoded all of them again, quadratic).
-    from daemons.proxy.tokenizer import _IncrementalDetokenizer
+    from daemons.proxy.api.tokenizer import _IncrementalDetokenizer
 
     eos = hf._tok.token_to_id(hf.eos_token)
     assert hf.decode([eos]) == ""
@@ -109,8 +109,8 @@ def test_tokens_that_decode_to_nothing_cost_linear_time(hf):
 
 
 def test_a_text_longer_than_the_limit_times_the_longest_token_is_refused_before_encoding(hf, monkeypatch):
-    from daemons.proxy.checks import Checks
-    from daemons.proxy.protocol import ApiError, ChatRequest, CompletionRequest, decode_body
+    from daemons.proxy.front.checks import Checks
+    from daemons.proxy.api.protocol import ApiError, ChatRequest, CompletionRequest, decode_body
 
     per = hf.max_token_chars
     assert per == max(len(t) for t in hf._tok.get_vocab(with_added_tokens=True))
@@ -134,8 +134,8 @@ def test_a_text_longer_than_the_limit_times_the_longest_token_is_refused_before_
 def test_sim_tokens_stand_for_bounded_text_so_a_huge_prompt_is_refused_before_encoding(monkeypatch):
     """A word longer than a sim token's bound is several tokens (so the character bound holds), and an 8 MiB
     prompt of one repeated letter is refused by its length alone, without the work of encoding it."""
-    from daemons.proxy.checks import Checks
-    from daemons.proxy.protocol import ApiError, CompletionRequest, decode_body
+    from daemons.proxy.front.checks import Checks
+    from daemons.proxy.api.protocol import ApiError, CompletionRequest, decode_body
 
     tok = SimTokenizer(32000, 2)
     per = tok.max_token_chars

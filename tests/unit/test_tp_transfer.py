@@ -1,6 +1,6 @@
 """A tensor-parallel engine's KV transfer without vLLM: the llumlet's ``TpTransfer`` over two ranks per
 instance, each rank a ``RankKv`` with its own KV shard and its own real Gloo pair, served by its own control
-thread on a real ZeroMQ ipc socket (daemons/kvrankctl.py ``RankServer``, as in a worker process, minus the
+thread on a real ZeroMQ ipc socket (daemons/kv/rankctl.py ``RankServer``, as in a worker process, minus the
 process).
 
 What it shows: every rank moves its own shard; a paced pre-copy's duty reaches the ranks while they copy and
@@ -22,11 +22,12 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from daemons.kvlayout import KvBlocks
-from daemons.kvrankctl import RankLinks, RankServer, endpoint_dir
-from daemons.kvranks import RankKv, TpTransfer
+from daemons.kv.layout import KvBlocks
+from daemons.ipcdirs import endpoint_dir
+from daemons.kv.rankctl import RankLinks, RankServer
+from daemons.kv.ranks import RankKv, TpTransfer
 from daemons.migration.transport import TransferError
-from daemons.kvtransfer import KvTransfer
+from daemons.kv.transfer import KvTransfer
 
 RANKS = 2
 BLOCKS = 12
@@ -208,7 +209,7 @@ def test_endpoint_directories_that_killed_instances_left_are_swept_and_live_ones
     import os
     import time
 
-    from daemons.kvrankctl import PREFIX, STALE_S, sweep_stale
+    from daemons.ipcdirs import PREFIX, STALE_S, sweep_stale
 
     live = tmp_path / f"{PREFIX}live"
     dead = tmp_path / f"{PREFIX}dead"

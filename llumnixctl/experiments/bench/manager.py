@@ -12,7 +12,7 @@ answered at once with a MigrateResult with no outcome (the source found nothing 
 ListRequests with an empty RequestList.
 
 Then, per dispatch rate, a client process sends Dispatch queries open loop on one DEALER (as the
-proxy does, daemons/proxy/cluster.py): every millisecond, the ones due by then, whatever came back. Per
+proxy does, daemons/proxy/cluster/client.py): every millisecond, the ones due by then, whatever came back. Per
 dispatch, the round trip from its send to its DispatchReply; the achieved rate; the manager's CPU (and
 the emulators' and the client's: they share the machine). The manager's
 ``llumnix_manager_pairing_round_seconds`` histogram, scraped from its /metrics before and after each

@@ -80,11 +80,13 @@ class _Probed(Simulation):
 
 
 _CURRENT: dict = {}
+_PATCHED = False  # SimEngine._preempt wrapped, once per process
 
 
 def _patch_preempt() -> None:
     """Record each preemption (virtual time, tokens to recompute) of the simulation running in this process."""
-    if getattr(sim_engine.SimEngine, "_figs_patched", False):
+    global _PATCHED
+    if _PATCHED:
         return
     inner = sim_engine.SimEngine._preempt
 
@@ -96,7 +98,7 @@ def _patch_preempt() -> None:
         return inner(self, req)
 
     sim_engine.SimEngine._preempt = _preempt
-    sim_engine.SimEngine._figs_patched = True
+    _PATCHED = True
 
 
 def _herding(dispatches: list[tuple[float, str]], n_instances: int) -> dict:

@@ -144,7 +144,7 @@ def command(
             engine, name = SimEngine(cfg.sim, cfg.model), "sim"
         else:
             die(f"unknown --backend {backend!r}; choose vllm or sim", 2)
-        prof = measure(engine, pre, bat, ctx, repeat, err, vocab=getattr(engine, "vocab_size", 1000) or 1000)
+        prof = measure(engine, pre, bat, ctx, repeat, err, vocab=engine.vocab_size)
     except EngineError as exc:
         die(str(exc))
     finally:

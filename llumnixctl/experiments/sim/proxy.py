@@ -1,16 +1,16 @@
 """The simulator's proxy with ``proxy.dispatch = local`` (the default; llumnixctl/experiments/sim/simulate.py): it
-chooses each new request's instance itself, with the proxy's own ``DispatchView`` (daemons/proxy/view.py:
+chooses each new request's instance itself, with the proxy's own ``DispatchView`` (daemons/proxy/cluster/view.py:
 the cluster's dispatch policy over the instances' streamed loads and its own dispatches they do not show
 yet), and tells the manager afterwards. Its inputs come as a proxy's do: the manager's snapshots (asked for
 every ``proxy.snapshot_interval_s``, answered a round trip later) and the instances' heartbeats (with each
 load report, a report lag later). Before its first snapshot, or when its view has no instance for a request,
 it asks the manager, as the proxy does.
 
-What it knows of the instances is the proxy's own ``KnownInstances`` (daemons/proxy/known.py): which take
+What it knows of the instances is the proxy's own ``KnownInstances`` (daemons/proxy/cluster/known.py): which take
 requests, with which load, judged as the proxy judges them (with no connections to watch, by silence).
 
 With an SLO ([slo] TTFT targets) it admits each new request as the proxy does, with the proxy's own
-``Admission`` (daemons/proxy/admission.py: ``daemons.policy.slo.admit`` over the heartbeats' loads plus our
+``Admission`` (daemons/proxy/cluster/admission.py: ``daemons.policy.slo.admit`` over the heartbeats' loads plus our
 dispatches they do not show yet), whatever proxy.dispatch is; and at each request's first dispatch it takes the
 proxy's prediction of its TTFT and TPOT there (``DispatchView.predict``), for the prediction error.
 
@@ -27,10 +27,10 @@ from daemons import policy, wire
 from daemons.clock import Clock
 from daemons.config import Config
 from daemons.policy import slo
-from daemons.proxy.admission import Admission, Placing
-from daemons.proxy.known import KnownInstances
-from daemons.proxy.stream import Overloaded
-from daemons.proxy.view import DispatchView
+from daemons.proxy.cluster.admission import Admission, Placing
+from daemons.proxy.cluster.known import KnownInstances
+from daemons.proxy.cluster.stream import Overloaded
+from daemons.proxy.cluster.view import DispatchView
 
 
 class SimProxy:

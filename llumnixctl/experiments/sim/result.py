@@ -55,7 +55,7 @@ def result_of(sim, wall_s: float) -> dict:
 def slo_of(sim, duration: float) -> dict:
     """Serving to an SLO, per priority class (normal, high) and in all: requests admitted, refused, given up;
     of those that finished, met (both targets), missed_ttft, missed_tpot, missed_both (each request in one,
-    as the proxy's goodput counter: daemons/proxy/goodput.py); attainment (met / admitted: a request that
+    as the proxy's goodput counter: daemons/proxy/cluster/goodput.py); attainment (met / admitted: a request that
     gave up or failed missed), goodput (met per second of the run), P99 TTFT and TPOT of the admitted
     requests that finished; and the prediction error: the median of |predicted - actual| / actual of TTFT
     and TPOT, predicted at each request's first dispatch. Without targets every finished request meets."""

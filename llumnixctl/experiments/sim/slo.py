@@ -2,7 +2,7 @@
 proxy admits each new request with the proxy's own ``Admission`` (sim/proxy.py; daemons.policy.slo.admit):
 a refused request is counted and ends there; an admitted one that has no token ``slo.give_up_factor`` times its
 class's TTFT target after it arrived is aborted where it queues and counted as given up (as the proxy's failover
-check does: daemons/proxy/failover.py). At each request's first dispatch the proxy's prediction of its TTFT and
+check does: daemons/proxy/cluster/failover.py). At each request's first dispatch the proxy's prediction of its TTFT and
 TPOT there is kept, for the prediction error (sim/result.py)."""
 
 from __future__ import annotations

@@ -1,0 +1,162 @@
+"""Admission: a new request is refused at once (429) while the cluster's queued work is past the [admission]
+bounds, or (503) when no instance lives; with an SLO ([slo] TTFT targets), when no instance is predicted to meet its
+class's time-to-first-token target (daemons/policy/slo.py ``admit``), with a Retry-After from the predicted drain
+time. ``Placing``: the requests waiting here for an instance (or for their turn in the fair queue), which count
+as queued work."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Callable
+
+from daemons import policy
+from daemons.clock import Clock
+from daemons.policy import slo
+from daemons.proxy.cluster.known import KnownInstances
+from daemons.proxy.cluster.stream import Overloaded
+from daemons.proxy.cluster.telemetry import AUTO_BATCHES, AUTO_KV_CACHES
+from daemons.proxy.cluster.view import DispatchView
+
+log = logging.getLogger("llumnix.proxy")
+
+
+class Placing:
+    """The requests waiting in this proxy to be placed: request id -> prompt tokens. Written by dispatch
+    (waiting for an instance) and the fair gate (waiting for a turn); read by admission."""
+
+    def __init__(self):
+        self._tokens: dict[str, int] = {}
+
+    def add(self, request_id: str, prompt_tokens: int) -> None:
+        self._tokens[request_id] = prompt_tokens
+
+    def discard(self, request_id: str) -> None:
+        self._tokens.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def tokens(self) -> int:
+        return sum(self._tokens.values())
+
+
+class Admission:
+    """Reads the instances' heartbeats (known.py), our own dispatches they do not show yet (view.py) and the
+    requests placing here. Receives those, the clock, the [admission] settings and ``under_share`` (whether
+    a key holds less than its share of the fair queue: daemons/proxy/cluster/fairgate.py)."""
+
+    def __init__(self, adm, clock: Clock, known: KnownInstances, view: DispatchView, placing: Placing,
+                 under_share: Callable[[str], bool], slo_cfg=None):
+        self.adm = adm
+        self.clock = clock
+        self.known = known
+        self.view = view
+        self.placing = placing
+        self.under_share = under_share
+        self.targets = slo.class_targets(slo_cfg) if slo_cfg is not None else {}
+        self.shares = {slo.NORMAL: slo_cfg.normal_share} if slo_cfg is not None else {}
+        self.admit_at = slo_cfg.admit_at if slo_cfg is not None else 1.0
+        self.by_slo = any(t.ttft_s > 0 for t in self.targets.values())  # a TTFT target turns admission by SLO on
+
+    def admit(self, priority: int, tenant: str = "", prompt_tokens: int = 0,
+              key_targets: slo.Targets | None = None) -> slo.Verdict | None:
+        """Raise Overloaded if the request is refused. With an SLO: by its class's TTFT target (``prompt_tokens``:
+        its prompt, an estimate before tokenizing; ``key_targets``: its API key's, where tighter), and the verdict
+        (with the best predicted TTFT) is returned; otherwise by the queue bounds (``admit_by_queue``)."""
+        if not self.by_slo:
+            self.admit_by_queue(priority, tenant)
+            return None
+        targets = self.targets
+        if key_targets is not None and key_targets.on:
+            cls = slo.HIGH if priority > 0 else slo.NORMAL
+            targets = {**targets, cls: targets[cls].tighter(key_targets)}
+        states = self.states()
+        if not states:
+            return None  # nothing to predict from: placement waits for an instance, or says none is alive
+        verdict = slo.admit(states, prompt_tokens, 1 if priority > 0 else 0, targets, self.shares, self.admit_at)
+        if not verdict.admitted:
+            cls = "high-priority" if priority > 0 else "normal-priority"
+            if verdict.reason == "higher_class":
+                message = (f"the cluster is overloaded: high-priority requests are refused now, and normal ones "
+                           f"hold their share (slo.normal_share) or more")
+            elif verdict.reason == "tpot":
+                tpot_ms = targets[1 if priority > 0 else 0].tpot_s * 1000
+                message = (f"the cluster is overloaded: every instance predicted to give this {cls} request its first "
+                           f"token in time would run past its time-per-output-token target with it ({tpot_ms:g} ms; "
+                           f"[slo] tpot_ms, admit_at)")
+            else:
+                target_ms = targets[1 if priority > 0 else 0].ttft_s * 1000
+                message = (f"the cluster is overloaded: no instance is predicted to give this {cls} request its first "
+                           f"token within {self.admit_at:g} of its target ({target_ms:g} ms; [slo] ttft_ms, "
+                           f"admit_at); the best predicted is {_ms(verdict.ttft_s)}")
+            raise Overloaded(message, verdict.reason, verdict.retry_after_s)
+        return verdict
+
+    def states(self) -> list[policy.InstanceState]:
+        """The instances that take requests, as the SLO's predictions see them: their heartbeats' load, our own
+        dispatches they do not show yet, and the requests placing here spread over them."""
+        now = self.clock.monotonic()
+        serving = list(self.known.serving())
+        if not serving:
+            return []
+        n = len(serving)
+        waiting_here = math.ceil(len(self.placing) / n)
+        tokens_here = self.placing.tokens() / n
+        out = []
+        for iid, beat in serving:
+            load = beat.load
+            pending_requests, pending_blocks = self.view.pending(iid, now)
+            blocks_here = policy.blocks_for(int(tokens_here), load.block_size)
+            out.append(policy.state_of(iid, load, pending_requests=pending_requests + waiting_here,
+                                       pending_blocks=pending_blocks + blocks_here))
+        return out
+
+    def admit_by_queue(self, priority: int, tenant: str = "") -> None:
+        """Raise Overloaded if the work that would wait in the cluster is past [admission]'s bounds for
+        ``priority``. Requests that would wait: those waiting to start on the instances that take requests
+        (their heartbeats), our own dispatches they do not show yet, the requests waiting here for an
+        instance and this one, less the free batch slots; prompt tokens likewise, less the free KV. High
+        priority's bounds are admission.high_priority_factor times larger. A key (``tenant``) that holds less
+        than its share of the fair queue is let in past the bounds (daemons/proxy/cluster/fairgate.py)."""
+        adm = self.adm
+        serving = requests = tokens = free_slots = free_tokens = room = capacity = kv = 0
+        for _, beat in self.known.serving():
+            load = beat.load
+            serving += 1
+            requests += load.waiting
+            tokens += load.waiting_tokens
+            free_slots += max(load.batch_size - load.running, 0)
+            free_tokens += max(load.blocks_total - load.blocks_used, 0) * load.block_size
+            kv += load.blocks_total * load.block_size
+            room += AUTO_BATCHES * load.batch_size if adm.max_queued_requests < 0 else adm.max_queued_requests
+            capacity += (AUTO_KV_CACHES * load.blocks_total * load.block_size if adm.max_queued_tokens < 0
+                         else adm.max_queued_tokens)
+        if not serving:
+            return  # nothing to measure against: placement waits for an instance, or says none is alive
+        now = self.clock.monotonic()
+        for iid in self.view.pending_ids():
+            beat = self.known.beats.get(iid)
+            block = beat.load.block_size if beat is not None and beat.load is not None else 16
+            pending_requests, pending_blocks = self.view.pending(iid, now)
+            requests += pending_requests
+            tokens += pending_blocks * block
+        requests += len(self.placing) + 1  # with this one
+        tokens += self.placing.tokens()
+        factor = adm.high_priority_factor if priority > 0 else 1.0
+        high = " for high priority" if priority > 0 else ""
+        if priority > 0 and factor > 1:  # room for high priority even where normal may not wait at all
+            room, capacity = max(room * factor, room + serving), max(capacity * factor, capacity + kv)
+        if (requests - free_slots > room or tokens - free_tokens > capacity) and self.under_share(tenant):
+            return
+        if requests - free_slots > room:
+            raise Overloaded(f"the cluster is overloaded: {requests - free_slots} requests would wait on its {serving} "
+                             f"instance(s) (admission.max_queued_requests: {room} in all{high})", "queued_requests")
+        if tokens - free_tokens > capacity:
+            raise Overloaded(f"the cluster is overloaded: {tokens - free_tokens} prompt tokens would wait on its "
+                             f"{serving} instance(s) (admission.max_queued_tokens: {capacity} in all{high})",
+                             "queued_tokens")
+
+
+def _ms(seconds: float) -> str:
+    return "unbounded (nothing has finished there yet)" if seconds >= slo.UNKNOWN_WAIT_S else f"{seconds * 1000:.0f} ms"

@@ -1,0 +1,254 @@
+"""Dispatch: ask the manager or choose from our own view (by the manager's policy), wait for an instance that
+can take the request, submit it under a new epoch."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable, Protocol
+
+import msgspec
+
+from daemons import policy, prefix, wire
+from daemons.clock import Clock
+from daemons.links import UP
+from daemons.proxy.cluster.admission import Placing
+from daemons.proxy.cluster.known import KnownInstances
+from daemons.proxy.cluster.stream import NoInstance, Stream
+from daemons.proxy.cluster.streams import Port
+from daemons.policy import slo
+from daemons.proxy.cluster.telemetry import M_ASKED, M_CACHE_DISPATCHES, M_DISAGG, M_LOCAL, M_WAITED
+from daemons.proxy.cluster.view import DispatchView
+from daemons.tracing import now_ns
+
+log = logging.getLogger("llumnix.proxy")
+
+
+class Manager(Protocol):
+    """What dispatch asks and tells the manager (daemons/proxy/cluster/managerlink.py ManagerLink)."""
+
+    def next_id(self) -> int: ...
+
+    async def ask(self, msg, timeout: float): ...
+
+    def tell_soon(self, msg: wire.Message) -> None: ...
+
+
+class Changes:
+    """Dispatches waiting for what instances can take to change (a heartbeat, a snapshot, a connection)."""
+
+    def __init__(self):
+        self._waiting: list[asyncio.Future] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._waiting)
+
+    async def wait(self, timeout: float) -> None:
+        """Until ``wake`` (or ``timeout``)."""
+        fut = asyncio.get_running_loop().create_future()
+        self._waiting.append(fut)
+        try:
+            await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            if fut in self._waiting:
+                self._waiting.remove(fut)
+
+    def wake(self) -> None:
+        waiting, self._waiting = self._waiting, []
+        for fut in waiting:
+            if not fut.done():
+                fut.set_result(None)
+
+
+class Dispatcher:
+    """Places each stream on an instance and submits it there. Owns the dispatch turn count. Receives the
+    clock, the config, what we know of the instances (read only), the dispatch view, the prefix cache index,
+    the port to the instances, the manager link, the requests placing here, the waits for a change and
+    ``on_full`` (the stream's request path is full: failover's ``instance_failed``)."""
+
+    def __init__(self, clock: Clock, cfg, known: KnownInstances, view: DispatchView, cache_index: prefix.Follower,
+                 port: Port, manager: Manager, placing: Placing, changes: Changes,
+                 on_full: Callable[..., None]):
+        self.clock = clock
+        self.pc = cfg.proxy
+        self.sc = cfg.scheduling
+        self.dc = cfg.disagg
+        self.ttft_targets = {c: t.ttft_s for c, t in slo.class_targets(cfg.slo).items()}
+        self.queue_timeout_s = cfg.admission.queue_timeout_s
+        self.known = known
+        self.view = view
+        self.cache_index = cache_index
+        self.port = port
+        self.manager = manager
+        self.placing = placing
+        self.changes = changes
+        self.on_full = on_full
+        self._turn = 0
+
+    async def _choose(self, stream: Stream) -> tuple[str, str]:
+        """Where the request goes: by default from our own view (the manager hears of it afterwards);
+        with proxy.dispatch = manager, before we have any view, or when our view has no instance for it (one
+        that just joined may not be in it yet), the manager's answer."""
+        sub = stream.submit
+        if self.pc.dispatch == "local" and self.known.snapshot:
+            chosen = self._choose_here(stream)
+            if chosen is not None:
+                return self._chose(sub, chosen)
+        return await self._ask_or_choose(stream)
+
+    def _chose(self, sub: wire.Submit, chosen: str) -> tuple[str, str]:
+        M_LOCAL.inc()
+        self.manager.tell_soon(wire.Dispatched(sub.request_id, chosen, len(sub.prompt_token_ids), sub.priority))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("request %s -> %s (own view: %s)", sub.request_id, chosen, self.view.describe(chosen))
+        return chosen, self.known.addresses[chosen]
+
+    async def _ask_or_choose(self, stream: Stream) -> tuple[str, str]:
+        sub = stream.submit
+        if self.known.manager_ok() or not self.known.snapshot:
+            keys = self._prefix_keys(stream) if self.known.dispatch_policy in ("llumnix-cache", "slo") else []
+            q = wire.Dispatch(self.manager.next_id(), sub.request_id, len(sub.prompt_token_ids), sub.priority,
+                              stream.exclude, keys)
+            reply = await self.manager.ask(q, self.pc.dispatch_timeout_s)
+            if reply is not None:
+                if not reply.instance_id and not any(v.instance_id not in stream.exclude for v in self.known.alive()):
+                    raise NoInstance(reply.reason or "no live instance")
+            if reply is not None and reply.instance_id:
+                M_ASKED.inc()
+                stream.disagg = reply.disagg
+                self.known.set_address(reply.instance_id, reply.request_address)
+                return reply.instance_id, reply.request_address
+        chosen = self._choose_here(stream)
+        if chosen is None:
+            raise NoInstance("no live instance" if self.known.manager_ok() else
+                             "no live instance (the manager is unreachable and the last snapshot has none)")
+        return self._chose(sub, chosen)
+
+    async def _place(self, stream: Stream) -> tuple[str, str]:
+        """``_choose``, waiting while no instance can take the request right now but some live instance could
+        later (stalled, draining, cordoned, or not in our view yet): until one can, for at most
+        admission.queue_timeout_s. With no live instance at all, NoInstance at once."""
+        deadline = 0.0
+        try:
+            while True:
+                try:
+                    return await self._choose(stream)
+                except NoInstance as exc:
+                    if not self._could_serve(stream):
+                        raise
+                    now = self.clock.monotonic()
+                    if not deadline:
+                        deadline = now + self.queue_timeout_s
+                        M_WAITED.inc()
+                        self.placing.add(stream.request_id, len(stream.submit.prompt_token_ids))
+                        log.info("request %s: %s; waiting up to %gs for an instance (admission.queue_timeout_s)",
+                                 stream.request_id, exc, self.queue_timeout_s)
+                    if now >= deadline or stream.done:
+                        raise NoInstance(f"{exc}; no instance could take it within {self.queue_timeout_s:g}s "
+                                         f"(admission.queue_timeout_s)", "wait_timeout") from None
+                    await self.changes.wait(min(deadline - now, 1.0))
+        finally:
+            self.placing.discard(stream.request_id)
+
+    def _could_serve(self, stream: Stream) -> bool:
+        """Whether some live instance that the request has not failed on exists, taking requests or not."""
+        exclude = stream.exclude
+        states = self.known.states()
+        for iid in {*states, *self.known.beats}:
+            if iid in exclude or states.get(iid) == "dead" or self.known.dead(iid):
+                continue
+            if iid in states or self.known.link_state(self.known.address(iid)) == UP:
+                return True
+        return False
+
+    def _choose_here(self, stream: Stream) -> str | None:
+        """The dispatch policy over our view (daemons/proxy/cluster/view.py): the instances' streamed loads plus our
+        own dispatches they do not show yet; the manager's snapshot adds flags, a new instance's credit and
+        ordered migrations. A request that failed somewhere avoids those instances (rare: built afresh)."""
+        self._turn += 1
+        priority = stream.submit.priority
+        sc = self.sc
+        if self.view.roles:
+            return self._disaggregated(stream)
+        hits = self._cache_hits(stream)
+        if not stream.exclude:
+            chosen = self.view.choose(self.known.alive, self.known.dispatch_policy, priority, self._turn, self.known.tie_start(), hits,
+                                      sc.cache_band, sc.cache_min_freeness)
+            if hits is not None:
+                M_CACHE_DISPATCHES.labels("cache" if self.view.by_cache else "load").inc()
+            return chosen
+        now = self.clock.monotonic()
+        states = [self.view.state_of(v, v.load, now) for v in self.known.alive() if v.instance_id not in stream.exclude]
+        return policy.dispatch(self.known.dispatch_policy, states, self._turn, sc.high_priority_headroom, priority,
+                               start=self.known.tie_start(), hits=hits, cache_band=sc.cache_band,
+                               cache_floor=sc.cache_min_freeness,
+                               tpot_target_s=self.view.tpot_targets.get(1 if priority > 0 else 0, 0.0))
+
+    def _disaggregated(self, stream: Stream) -> str | None:
+        """Instances have roles: the pool ``disagg.decide`` picks for the request (prefill on a prefill instance,
+        handed over at its first token, or where it will decode), then the dispatch policy within it."""
+        sub = stream.submit
+        cls = 1 if sub.priority > 0 else 0
+        now = self.clock.monotonic()
+        states = [self.view.state_of(v, v.load, now) for v in self.known.alive() if v.instance_id not in stream.exclude]
+        hits = self._cache_hits(stream, any_policy=True)
+        tokens = len(sub.prompt_token_ids) + len(sub.output_token_ids)
+        decision = policy.disagg.decide(states, tokens, hits, policy.disagg.rules_of(self.dc, self.ttft_targets.get(cls, 0.0)),
+                                        sub.priority)
+        M_DISAGG.labels(decision.decision).inc()
+        stream.disagg = decision.decision
+        sc = self.sc
+        return policy.dispatch(self.known.dispatch_policy, decision.pool, self._turn, sc.high_priority_headroom,
+                               sub.priority, start=self.known.tie_start(), hits=hits, cache_band=sc.cache_band,
+                               cache_floor=sc.cache_min_freeness, tpot_target_s=self.view.tpot_targets.get(cls, 0.0))
+
+    def _cache_hits(self, stream: Stream, any_policy: bool = False) -> dict[str, int] | None:
+        """llumnix-cache: the request's cached leading blocks on each instance that holds some (None: another
+        policy, or nothing cached anywhere). Its block hashes are computed once (vLLM's, daemons/prefix.py).
+        ``any_policy``: whatever the policy (the disaggregation decision weighs what decode instances cache)."""
+        index = self.cache_index.index
+        if (not any_policy and self.known.dispatch_policy not in ("llumnix-cache", "slo")) or not len(index):
+            return None
+        keys = self._prefix_keys(stream)
+        if not keys:
+            return None
+        return {iid: n for iid, n in index.match(keys).items() if n} or None
+
+    def _prefix_keys(self, stream: Stream) -> list[int]:
+        """The keys of the prompt's full blocks (vLLM's block hashes, daemons/prefix.py, at the instances' block
+        size), computed once; none while no instance's block size is known yet."""
+        if stream.prefix_keys is None:
+            entry = next(iter(self.view.entries.values()), None)
+            block_size = entry.load.block_size if entry is not None else self.known.block_size()
+            if not block_size:
+                return []
+            stream.prefix_keys = prefix.keys(prefix.block_hashes(stream.submit.prompt_token_ids, block_size))
+        return stream.prefix_keys
+
+    def _predict(self, instance_id: str, load: wire.InstanceLoad, tokens: int, priority: int) -> tuple[float, float]:
+        """(TTFT, TPOT) predicted for a request of ``tokens`` placed on ``instance_id`` now (daemons/policy/slo.py)."""
+        return self.view.predict(instance_id, load, tokens, priority)
+
+    async def dispatch(self, stream: Stream) -> None:
+        """Place the request (again) under a new epoch; a placement after tokens were streamed continues
+        from them (re-prefill)."""
+        since = now_ns() if stream.trace is not None else 0
+        instance_id, address = await self._place(stream)
+        if stream.done:  # ended (client gone, deadline) while we chose
+            return
+        stream.place(instance_id, address, stream.epoch + 1, stream.next_index)
+        stream.tried.append(instance_id)
+        stream.sent_at = stream.progress_at = self.clock.monotonic()
+        stream.early.clear()  # a gap's tokens came from the copy we left: the new one sends them again
+        submit = msgspec.structs.replace(stream.submit, epoch=stream.epoch, output_token_ids=list(stream.token_ids))
+        beat = self.known.beats.get(instance_id)
+        tokens = len(submit.prompt_token_ids) + len(submit.output_token_ids)
+        if stream.predicted is None and beat is not None and beat.load is not None and beat.load.latency is not None:
+            stream.predicted = self._predict(instance_id, beat.load, tokens, submit.priority)
+        self.view.sent_to(instance_id, beat.load if beat is not None else None, tokens)
+        if stream.trace is not None:
+            stream.trace.dispatched(since, instance_id, stream.epoch, len(stream.token_ids))
+        if not self.port.send(address, submit):
+            self.on_full(stream, f"the request path to instance {instance_id} is full", cause="full")
