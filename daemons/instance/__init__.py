@@ -28,6 +28,8 @@ concern, gives each what it needs, and starts their loops. Each owns its state; 
   run by the simulator).
 - ``Control`` (``control.py``): the manager protocol (its handler table, registration, drain, stop) and
   ``Standing``/``Identity`` (``standing.py``): where the instance stands and who it is.
+- ``Handovers`` (``handover.py``): in role prefill, each request that decodes here offered to the manager for a
+  handover to a decode instance.
 
 Every request's owner, placement epoch and progress live in one table (daemons/requests.py); the links to
 proxies (token path, backlog, proxy liveness) in daemons/proxylinks.py; liveness by progress in

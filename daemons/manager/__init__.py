@@ -22,8 +22,11 @@ built, only what it needs (the clock, its config section, the cluster view, a ``
 - ``Queries`` (queries.py): request listings fanned out to the instances, and lookups;
 - ``Rescheduler`` (rescheduler.py), built with the ``Cluster`` view and an order port, not the manager; it
   holds ``Orders`` (orders.py: the pairing loop, operators' migrations, their results), ``Lifecycle``
-  (lifecycle.py: drain and cordon, remove, add), ``Scaling`` (scaling.py: auto-scaling) and the
-  ``Launcher`` (launcher.py: starting instances for scale-out and ``llumnixctl add``).
+  (lifecycle.py: drain and cordon, remove, add), ``Scaling`` (scaling.py: auto-scaling), the
+  ``Launcher`` (launcher.py: starting instances for scale-out and ``llumnixctl add``) and ``Roles`` (roles.py:
+  prefill/decode roles, the handovers prefill instances offer, the adaptive rule);
+- ``HandoverLinks`` (handover_links.py): the links each prefill instance makes ahead to the instances it may hand
+  over to.
 
 Imports go one way: records <- view <- (registry, liveness, dispatch, queries, orders, lifecycle, scaling)
 <- rescheduler <- daemon.

@@ -3,7 +3,7 @@
 One sign convention everywhere: *freeness*, higher is freer.
 
 - usage.py: virtual usage, freeness, the imbalance potential
-- dispatch.py: where a new request goes (llumnix, infaas++, rr, flood)
+- dispatch.py: where a new request goes (llumnix, llumnix-cache, infaas++, rr, flood, slo)
 - migration.py: which instances pair up, which requests a source sends
 - scaling.py: when to add or remove an instance
 - disagg.py: prefill/decode roles: where a request prefills, where it is handed over
