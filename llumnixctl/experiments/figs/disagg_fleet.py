@@ -98,10 +98,11 @@ def run_job(job: dict) -> dict:
     import logging
 
     logging.getLogger("llumnix").setLevel(logging.WARNING)
-    cfg = load_config(None, PAPER_LIKE + COMMON_SETS + job["sets"] + target_sets(TARGETS))
+    blocking = ["disagg.handover_precopy=false"] if job["blocking"] else []
+    cfg = load_config(None, PAPER_LIKE + COMMON_SETS + job["sets"] + target_sets(TARGETS) + blocking)
     t0 = time.perf_counter()
-    res = simulate(cfg, job["instances"], job["trace"], Network(kv_gbps=KV_GBPS, handover_blocking=job["blocking"]),
-                   slo_admission=False, roles=job["roles"])
+    res = simulate(cfg, job["instances"], job["trace"], Network(kv_gbps=KV_GBPS), slo_admission=False,
+                   roles=job["roles"])
     s = res["slo"]["normal"]
     row = {k: s[k] for k in ("met", "missed_ttft", "missed_tpot", "missed_both", "attainment", "goodput",
                              "p99_ttft_ms", "p99_tpot_ms")}

@@ -56,7 +56,7 @@ class _Probed(Simulation):
             self.wall = {"dispatch": [], "plan": []}
             self.cpu = {"dispatch": [], "plan": []}
             mgr, resched = self.mgr, self.mgr.resched
-            inner_d, inner_p = mgr.on_dispatch_batch, resched.plan
+            inner_d, inner_p = mgr.on_dispatch_batch, resched.orders.plan
 
             def on_dispatch_batch(msgs):
                 t, c = time.perf_counter(), time.thread_time()
@@ -75,7 +75,7 @@ class _Probed(Simulation):
                     self.cpu["plan"].append(time.thread_time() - c)
 
             mgr.on_dispatch_batch = on_dispatch_batch
-            resched.plan = plan
+            resched.orders.plan = plan  # (its pairing loop plans through it)
         super()._start()
 
 

@@ -160,3 +160,6 @@ class Publication:
 
     def count(self) -> None:  # (the simulation's figures count the cache: SimCache.figures)
         pass
+
+    def collect(self) -> None:  # (at a boundary: the changes are read as each report publishes)
+        pass

@@ -1,7 +1,7 @@
 """The simulator's migrations (llumnixctl/experiments/sim/simulate.py): each simulated instance runs the daemons'
 own ``Migrator`` (daemons/migration/: the source's ``Move`` state machine, the destination's side, their
-messages and timeouts) on the simulation's virtual time. The source's request selection is the instance's
-(``keep_for``, ``migrants_for``). What the simulator provides is what a migrator needs of its instance and
+messages and timeouts) on the simulation's virtual time. The orders come from the manager to the instance's
+own ``Orders`` (sim/llumlet.py), which selects the requests and runs them. What the simulator provides is what a migrator needs of its instance and
 of the network:
 
 - ``SimHost``: the migrator's ``Host`` (daemons/migration/records.py): its request socket (a ROUTER on
@@ -23,7 +23,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping, Protocol
 
-import msgspec
 import zmq
 
 from daemons import runtime, security, wire
@@ -147,13 +146,6 @@ class _Proxies:
         pass
 
 
-class _Wake:
-    """The host's ``wake``: the migrator sets it when the engine has something new (a commit, a resume)."""
-
-    def __init__(self, fn: Callable[[], None]) -> None:
-        self.set = fn
-
-
 class SimHost:
     """What a migrator needs of its simulated instance (daemons/migration/records.py's ``Host``). Owns the
     instance's request socket; ``deliver(identity, msg)`` gets its peers' messages (the migrator's
@@ -161,15 +153,15 @@ class SimHost:
     ``abort_local(request_id)`` what the migrator tells the instance."""
 
     def __init__(self, instance_id: str, ctx: zmq.asyncio.Context, sec_cfg, message_s: float,
-                 loop: asyncio.AbstractEventLoop, moved: Callable[[str, str], None], wake: Callable[[], None],
-                 abort_local: Callable[[str], None]) -> None:
+                 loop: asyncio.AbstractEventLoop, moved: Callable[[str, str], None], wake: asyncio.Event,
+                 abort_local: Callable[[str], bool]) -> None:
         self.ctx = ctx
         self.sec = security.Security(sec_cfg, "instance", ctx)
         self.instance_id = instance_id
         self.request_address = f"inproc://sim-{instance_id}"
         self.accepting = True
         self.draining = ""
-        self.wake = _Wake(wake)
+        self.wake = wake  # the instance's mailbox's: the migrator sets it when the engine has news
         self.proxies = _Proxies()
         self.tracer = None  # no spans in a simulation
         self.message_s = message_s
@@ -201,8 +193,7 @@ class SimHost:
         self._moved(request_id, instance_id)
 
     def abort_local(self, request_id: str) -> bool:
-        self._abort(request_id)
-        return True
+        return self._abort(request_id)
 
     def close(self) -> None:
         self.reader.cancel()
@@ -215,7 +206,8 @@ _ENGINE = None
 
 def sim_engine_class():
     """The sim engine with a layout instead of KV tensors, telling the simulation when it suspends a request
-    for its last stage (the start of the migration's downtime)."""
+    for its last stage (the start of the migration's downtime); each step's model time includes the daemon's
+    own cost per step (``Network.step_overhead_s``)."""
     global _ENGINE
     if _ENGINE is None:
         from daemons.engine.sim import SimEngine  # (torch: only once a simulation runs)
@@ -223,11 +215,12 @@ def sim_engine_class():
         class Engine(SimEngine):
             layout: SimLayout
             on_suspend: Callable[[str], None]
-            role = "mixed"  # its role (sim/disagg.py), in its load reports
+            overhead_s = 0.0  # the daemon's own cost per step (Network.step_overhead_s), on top of model time
 
-            def load(self) -> wire.InstanceLoad:
-                load = super().load()
-                return msgspec.structs.replace(load, role=self.role) if self.role != "mixed" else load
+            def step(self):
+                result = super().step()
+                result.model_time_s += self.overhead_s
+                return result
 
             def kv_blocks(self) -> SimLayout:
                 return self.layout
@@ -247,24 +240,17 @@ class Site(Protocol):
     requests: Mapping  # request id -> SimulatedRequest (its ``owner``)
     instances: Mapping  # instance id -> SimulatedInstance
 
-    def at(self, t: float, fn: Callable, *args) -> None: ...
-
-    def woken(self, inst: SimulatedInstance) -> None: ...  # its engine has news: report and step
-
-    def redispatch(self, request_id: str, src: str) -> None: ...  # a queued request goes back to the proxy
-
     def notify(self, kind: str, **data) -> None: ...
 
     def maybe_gone(self, inst: SimulatedInstance) -> None: ...
 
-    def count_orders(self, src: str, dst: str, n: int) -> None: ...  # the manager's ledger of orders in flight
-
 
 class SimMigrations:
     """Each instance's own migrator and what they share: the in-process ZeroMQ context their sockets meet in,
-    the KV pairs' hub, and the figures: ``outcomes`` (by reason and outcome, and abort reasons), ``downtimes``
-    (seconds, from the suspend at the source to the commit's answer there), ``copies`` (every KV copy:
-    start, seconds, bytes, source)."""
+    the KV pairs' hub, and the figures: ``outcomes`` (orders by reason, migrations by reason and outcome, and
+    abort reasons), ``downtimes`` (seconds, from the suspend at the source to the commit's answer there),
+    ``copies`` (every KV copy: start, seconds, bytes, source). Orders come from the manager (its pairing, its
+    handovers) to each instance's own ``Orders`` (sim/llumlet.py), which runs the migrations."""
 
     def __init__(self, cfg, net, loop: asyncio.AbstractEventLoop, kv_bytes_per_token: int, site: Site) -> None:
         import zmq.asyncio
@@ -282,6 +268,7 @@ class SimMigrations:
         self.copies: list[tuple[float, float, int, str]] = []
         self.suspended_at: dict[str, float] = {}  # request id -> when its source suspended it (its last stage)
         self.committed_at: dict[str, float] = {}  # request id -> when its destination committed it
+        self.reasons: dict[tuple[str, str], str] = {}  # (source, request or destination) -> its order's reason
         self.hosts: list[SimHost] = []
         self.migrators: list = []
 
@@ -295,10 +282,11 @@ class SimMigrations:
         per_token = self.kv_bytes_per_token
         engine.layout = SimLayout(engine.block_size * per_token, per_token)
         engine.on_suspend = lambda rid: self.suspended_at.__setitem__(rid, self.loop.time())
+        engine.overhead_s = self.net.step_overhead_s
         return engine
 
     def attach(self, inst: SimulatedInstance) -> None:
-        """The instance's own migrator, with its host, its step boundary and a KV transport."""
+        """The instance's own migrator, with its host, its step boundary (its mailbox) and a KV transport."""
         site = self.site
 
         def moved(rid: str, iid: str) -> None:
@@ -306,19 +294,9 @@ class SimMigrations:
             if iid == inst.iid:  # the destination committed it (or an unanswered source resumed it)
                 self.committed_at[rid] = self.loop.time()
 
-        def abort_local(rid: str) -> None:
-            inst.engine.abort_request(rid)
-            inst.table.forget(rid)
-            site.woken(inst)
-
-        def boundary(fn: Callable) -> asyncio.Future:  # as the instance's: the call, then a report and a step
-            fut = inst.at_boundary(fn)
-            site.woken(inst)
-            return fut
-
         inst.host = SimHost(inst.iid, self.zmq, self.cfg.security, self.net.message_s, self.loop, moved,
-                            lambda: site.woken(inst), abort_local)
-        inst.migrator = self.migrator_class(inst.host, self.cfg.migration, inst.engine, inst.table, boundary,
+                            inst.mailbox.wake, lambda rid: inst.intake.abort_local(rid))
+        inst.migrator = self.migrator_class(inst.host, self.cfg.migration, inst.engine, inst.table, inst.mailbox.call,
                                             None, SimKv(self.kv_hub, inst.iid), self.clock)
         inst.host.deliver = inst.migrator.on_peer_message
         self.hosts.append(inst.host)
@@ -331,75 +309,32 @@ class SimMigrations:
             host.close()
         self.zmq.destroy(linger=0)
 
-    # ------------------------------------------------------------------ orders
+    # ------------------------------------------------------------------ what the figures hear
 
-    def pair(self, mgr, allows: Callable[[str, str], bool], every_s: float) -> None:
-        """Every ``every_s``: the manager's pairing plan (``Rescheduler.plan``); each order reaches its source a
-        message later (none between instances ``allows`` refuses: prefill instances, sim/disagg.py)."""
-        site, now = self.site, self.loop.time()
-        for p, start in mgr.resched.plan(now):
-            if not allows(p.src, p.dst):
-                continue
-            mgr.resched.count_orders(p.src, p.dst, p.count)
-            self.outcomes[f"{start.reason}/ordered"] += 1
-            site.at(now + self.net.message_s, self.order, site.instances[p.src], site.instances[p.dst], start)
-        site.at(now + every_s, self.pair, mgr, allows, every_s)
-
-    def order(self, src: SimulatedInstance, dst: SimulatedInstance, start: wire.MigrateStart) -> None:
-        """The manager's order reached the source: it picks its requests as the instance does (queued ones
-        go back through dispatch), and its migrator moves each."""
-        from daemons.instance import keep_for, migrants_for  # (torch: only once a simulation runs)
-
-        site = self.site
-        if src.gone is not None:
-            site.count_orders(src.iid, start.dst, -start.count)
-            return
-        table = src.table
-        rows = src.engine.requests()
-        keep = keep_for(start, table.migrating(), table.arrivals(), self.loop.time())
-        keep |= {r.request_id for r in rows if r.request_id not in table}
-        chosen = migrants_for(start, rows, keep, src.engine.load(), src.engine.block_size)
-        moving = [c.request_id for c in chosen if not c.redispatch]
-        for c in chosen:
-            if c.redispatch:  # a queued request goes back through dispatch
-                src.engine.abort_request(c.request_id)
-                table.forget(c.request_id)
-                site.woken(src)
-                site.redispatch(c.request_id, src.iid)
-        site.maybe_gone(src)
-        unused = start.count - len(moving)
-        if unused > 0:
-            site.count_orders(src.iid, start.dst, -unused)
-        for rid in moving:
-            src.migrator.spawn(self._migrate(src, dst, rid, start.reason))
-
-    def move(self, src: SimulatedInstance, dst: SimulatedInstance, rid: str, reason: str) -> None:
-        """The manager's order to move ``rid`` (a handover, say) reached the source: its migrator moves it."""
-        if src.gone is not None or rid not in src.table:
-            self.site.count_orders(src.iid, dst.iid, -1)
-            self.site.notify("migration", src=src.iid, dst=dst.iid, request=rid, outcome="aborted", reason=reason,
-                             started=self.loop.time(), why="gone")
-            return
+    def ordered(self, src: str, start: wire.MigrateStart) -> None:
+        """The manager sent ``src`` an order (sim/llumlet.py ManagerWire): its reason, for the migrations it runs."""
+        reason = start.reason or "operator"
         self.outcomes[f"{reason}/ordered"] += 1
-        src.migrator.spawn(self._migrate(src, dst, rid, reason))
+        for rid in start.request_ids:
+            self.reasons[(src, rid)] = reason
+        if not start.request_ids:
+            self.reasons[(src, start.dst)] = reason
 
-    async def _migrate(self, src: SimulatedInstance, dst: SimulatedInstance, rid: str, reason: str) -> None:
-        site = self.site
-        started = self.loop.time()
-        blocking = reason == "handover" and self.net.handover_blocking
-        out = await src.migrator.migrate_out(rid, dst.iid, dst.host.request_address, blocking=blocking,
-                                             paced=reason not in ("handover", "role"))  # (as the instance's)
+    def ended(self, src: SimulatedInstance, dst: str, rid: str, out: wire.MigrationOutcome, started: float) -> None:
+        """A migration out of ``src`` ended (sim/llumlet.py MigratorTap)."""
+        reason = self.reasons.pop((src.iid, rid), None) or self.reasons.get((src.iid, dst), "operator")
         suspended = self.suspended_at.pop(rid, None)
         committed = self.committed_at.pop(rid, None)
         why = "" if out.outcome == "committed" else out.reason
         if out.outcome == "committed" and suspended is not None and committed is not None:
             self.downtimes.append(committed + self.net.message_s - suspended)  # the commit's answer reached the source
-        site.count_orders(src.iid, dst.iid, -1)
-        self.outcomes[f"{reason or 'operator'}/{out.outcome}"] += 1
+        self.outcomes[f"{reason}/{out.outcome}"] += 1
         if why:
             self.outcomes[f"aborted: {why.split(':')[0]}"] += 1
-        site.woken(src)
-        site.woken(dst)
-        site.notify("migration", src=src.iid, dst=dst.iid, request=rid, outcome=out.outcome, reason=reason,
-                    started=started, why=why)
-        site.maybe_gone(src)
+        src.mailbox.wake.set()
+        target = self.site.instances.get(dst)
+        if target is not None:
+            target.mailbox.wake.set()
+        self.site.notify("migration", src=src.iid, dst=dst, request=rid, outcome=out.outcome, reason=reason,
+                         started=started, why=why)
+        self.site.maybe_gone(src)

@@ -3,7 +3,6 @@ instances."""
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 
 from llumnixctl.experiments.traces.gen import TraceRequest
@@ -23,7 +22,6 @@ class Network:
     kv_bytes_per_token: int = 0  # 0: from the sim engine's KV shape
     launch_s: float = 30.0  # auto-scaling: a launched instance loads its model and registers this much later
     step_overhead_s: float = 0.0  # the daemon's own cost per step (event loop, sockets), on top of model time
-    handover_blocking: bool = False  # a handover (sim/disagg.py) skips pre-copy: suspended at once, copied in one stage
 
 
 @dataclass
@@ -45,52 +43,45 @@ class SimulatedRequest:
     predicted: tuple | None = None  # (TTFT, TPOT) the proxy predicted at its first dispatch (SLO models known)
 
 
+def _mailbox():
+    from daemons.instance.mailbox import Mailbox  # (torch: only once a simulation runs)
+
+    return Mailbox()
+
+
 @dataclass
 class SimulatedInstance:
+    """One simulated instance: its engine and the instance daemon's own parts (sim/llumlet.py builds them)."""
+
     iid: str
     engine: object  # a sim engine (simmigrate.sim_engine_class)
     ident: bytes
-    stepping: bool = False
-    free_at: float = 0.0
-    step_start: float = 0.0
-    taken: dict = field(default_factory=dict)  # proxy address -> its Submits taken in (the heartbeats say so)
-    boundary: list = field(default_factory=list)  # (callable, future): the migrator's calls for the next boundary
+    mailbox: object = field(default_factory=_mailbox)  # its daemons.instance.mailbox.Mailbox (the step boundary)
     table: object = None  # its request table (daemons/requests.py)
     migrator: object = None  # its own daemons.migration.Migrator
     host: object = None  # what the migrator needs of it (simmigrate.SimHost)
+    line: object = None  # its line to the manager (sim/llumlet.py ManagerLine)
+    ident_of: object = None  # who it is (daemons.instance.standing.Identity)
+    intake: object = None  # its daemons.instance.intake.Intake
+    tokens: object = None  # its daemons.instance.tokens.TokenPath (to the proxy: sim/llumlet.py ProxyPort)
+    phases: object = None  # its request phases (daemons.metrics.RequestPhases)
+    tap: object = None  # its migrator as its parts reach it (sim/llumlet.py MigratorTap)
+    stepper: object = None  # its daemons.instance.steps.StepLoop
+    orders: object = None  # its daemons.instance.selection.Orders
+    handovers: object = None  # its daemons.instance.handover.Handovers
+    tasks: list = field(default_factory=list)  # its step loop's and control's tasks
     born: float = 0.0
     gone: float | None = None  # when it stopped (scaled in)
     retiring: bool = False
     pub: object = None  # its prefix-cache Publisher (sim.prefix_caching)
     reporter: object = None  # its own daemons.instance.reports.Reporter (sim/reports.py)
     fit: object = None  # its step-time model (daemons.instance.predictor.StepFit), which its reports carry
-    standing: object = None  # where it stands (daemons.instance.standing.Standing): what its heartbeats say
+    standing: object = None  # where it stands (daemons.instance.standing.Standing): its role, draining
 
-    def at_boundary(self, fn) -> asyncio.Future:
-        """As the instance's ``boundary``: ``fn()`` between two steps (now, when no step is in flight); the
-        future gets its result or its exception."""
-        fut = asyncio.get_running_loop().create_future()
-        if self.stepping:
-            self.boundary.append((fn, fut))
-        else:
-            _run_call(fn, fut)
-        return fut
-
-    def run_boundary(self) -> bool:
-        """(Before a step) What waited for the boundary; whether anything did."""
-        calls, self.boundary = self.boundary, []
-        for fn, fut in calls:
-            _run_call(fn, fut)
-        return bool(calls)
-
-
-def _run_call(fn, fut: asyncio.Future) -> None:
-    if fut.done():
-        return
-    try:
-        fut.set_result(fn())
-    except Exception as exc:  # to the migration that asked (an EngineError, say: it names the outcome)
-        fut.set_exception(exc)
+    @property
+    def taken(self):
+        """Per proxy address, the Submits it took in (its intake's count, which its heartbeats carry)."""
+        return self.intake.taken if self.intake is not None else {}
 
 
 def kv_bytes_per_token(sim, net: Network) -> int:

@@ -2,8 +2,8 @@
 the instance's own ``Reporter`` and ``Heartbeats`` (daemons/instance/reports.py) on the simulation's virtual
 time, so its reports go out as a daemon's do (on change, at most every ``instance.load_report_min_interval_s``,
 at least every heartbeat) and carry its ``current_load`` (the engine's load with its migrator's migrating out
-and in). What the simulator provides is where they go: a report reaches the manager (``on_report``) a report
-lag later, and a heartbeat (each report's, and each heartbeat period's) the simulated proxy as late
+and in). What the simulator provides is where they go: a report reaches the manager a report lag later (its
+line, sim/llumlet.py), and a heartbeat (each report's, and each heartbeat period's) the simulated proxy as late
 (proxy.dispatch = local). The cache's changes go first (sim/cache.py)."""
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Protocol
 
 import msgspec
 
-from daemons import metrics, wire
-from daemons.instance.standing import Identity, Standing
+from daemons import wire
 from daemons.watchdog import Watchdog
 
 if TYPE_CHECKING:
@@ -64,25 +63,19 @@ class SimReports:
         self.tasks: dict[str, list[asyncio.Task]] = {}
 
     def start(self, inst: SimulatedInstance) -> None:
-        """A new instance: its reporter (``inst.reporter``, whose ``refresh`` the simulation calls where the
-        instance's step loop does) and its heartbeats, running."""
+        """A new instance (its standing, intake and line to the manager there): its reporter (``inst.reporter``,
+        which its step loop refreshes) and its heartbeats, running."""
         ic, heartbeat_s = self.cfg.instance, self.cfg.manager.heartbeat_interval_s
         watchdog = Watchdog(ic.step_timeout_s, ic.hung_exit_s, self.clock)  # never stalled: sim steps end
-        inst.standing = Standing(getattr(inst.engine, "role", "mixed"))  # the role its reports carry (sim/disagg.py)
         inst.fit = self.fit_class(inst.engine.prefill_budget)
-        ident = Identity(inst.iid, inst.host.request_address)
         inst.reporter = reporter = self.reporter_class(
-            inst.engine, lambda: inst.migrator, watchdog, lambda msg: self.tell(inst, msg), self.proxy_line,
-            inst.taken, inst.standing, ident, self.cache_of(inst), metrics.RequestPhases(), inst.table,
+            inst.engine, lambda: inst.migrator, watchdog, inst.line.tell, self.proxy_line, inst.taken,
+            inst.standing, inst.ident_of, self.cache_of(inst), inst.phases, inst.table,
             heartbeat_s, ic.load_report_min_interval_s, self.clock, inst.fit)
         beats = self.heartbeats_class(reporter, watchdog, self.proxy_line, inst.table, lambda address, why: None,
                                       min(heartbeat_s, ic.step_timeout_s / 4), self.clock)
         loop = asyncio.get_running_loop()
         self.tasks[inst.iid] = [loop.create_task(reporter.run()), loop.create_task(beats.run())]
-
-    def tell(self, inst: SimulatedInstance, msg: wire.Message) -> None:
-        """The instance's message to the manager: its load report, a report lag later."""
-        self.site.at(self.site.now + self.lag_s, self.mgr.on_report, inst.ident, msg)
 
     def drain(self, inst: SimulatedInstance, reason: str) -> None:
         """The manager drains it (scale-in): it takes no new requests, and says so soon."""

@@ -5,13 +5,16 @@ loop of ``daemons.clock`` (the one the in-process test harness runs the daemons 
 re-implements a policy or a scheduler:
 
 - each instance is the sim engine (``daemons/engine/sim.py``: blocks, continuous batching, chunked
-  admission, preemption by recompute, priorities) without KV tensors, stepped by a virtual clock: a step
-  takes the model time the engine returns for it, and its tokens come out at its end;
-- the manager is a real ``daemons.manager.Manager`` (no socket is bound) given the virtual clock (``daemons.clock``):
-  it takes the instances' registrations and load reports (``on_register``, ``on_report``), answers
-  dispatches (``on_dispatch_batch``, pending dispatches counted as in the daemon) and plans migrations
-  every ``scheduling.migration_interval_s`` (``Rescheduler.plan``); a source picks its requests with the
-  instance's own ``migrants_for`` and ``keep_for``;
+  admission, preemption by recompute, priorities) without KV tensors, run by the instance daemon's own parts
+  (sim/llumlet.py): its ``StepLoop`` and ``Mailbox`` (a step takes the model time the engine returns for it,
+  its tokens come out at its end, engine calls wait for its boundary), ``Intake``, ``TokenPath``,
+  ``Handovers``, migration ``Orders`` and ``Control``;
+- the manager is a real ``daemons.manager.Manager`` given the virtual clock (``daemons.clock``) and, for its
+  socket, the simulation's (sim/llumlet.py ``ManagerWire``): it takes the instances' registrations and
+  messages (load reports, handover offers, migration results) through its own handlers, answers dispatches
+  (``on_dispatch_batch``, pending dispatches counted as in the daemon), runs its own pairing loop every
+  ``scheduling.migration_interval_s`` and its ``Roles`` (handovers, adaptive roles); its orders reach each
+  instance's ``Control`` a message later;
 - each instance reports with the instance's own ``Reporter`` and ``Heartbeats`` (daemons/instance/reports.py:
   on change, at most every ``instance.load_report_min_interval_s``, and every heartbeat; its load is the
   instance's ``current_load``, with its migrator's migrating out and in); a report reaches the manager
@@ -50,6 +53,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Annotated, Optional
 
+import msgspec
 import typer
 
 from daemons import manager as manager_module
@@ -58,8 +62,10 @@ from daemons.clock import LoopClock, VirtualTimeLoop, run_virtual
 from daemons.config import Config, ConfigError, load_config
 from daemons.requests import RequestTable
 from llumnixctl.common import ConfigOpt, JsonOpt, die, out, print_json
+from llumnixctl.experiments.sim import llumlet
 from llumnixctl.experiments.sim.cache import SimCache
 from llumnixctl.experiments.sim.disagg import SimRoles, parse_roles
+from llumnixctl.experiments.sim.llumlet import ManagerLine, ManagerWire
 from llumnixctl.experiments.sim.migrate import SimMigrations
 from llumnixctl.experiments.sim.parts import (PROXY_ADDRESS, Network, SimulatedInstance, SimulatedRequest,
                                              kv_bytes_per_token)
@@ -75,12 +81,12 @@ from llumnixctl.experiments.traces.gen import TraceRequest
 def _engine_code() -> None:
     """Import the engine and instance code (torch and all) when a simulation runs, not when llumnixctl
     starts: every command would pay seconds for it."""
-    global EngineError, EngineRequest, SimEngine
-    from daemons.engine.base import EngineError, EngineRequest  # noqa: F811
-    from daemons.engine.sim import SimEngine  # noqa: F811
+    global Standing
+    from daemons.instance.standing import Standing  # noqa: F811
 
 
-EngineError = EngineRequest = SimEngine = None  # set by _engine_code()
+Standing = None  # set by _engine_code()
+MIGRATIONS_SETTLE_S = 30.0  # after the last request: at most this long for the migrations in flight to end
 
 
 class Simulation:
@@ -112,7 +118,8 @@ class Simulation:
         self._qid = itertools.count(1)
         self.n_instances = instances
         self.kv_bytes_per_token = kv_bytes_per_token(cfg.sim, self.net)
-        self.roles = SimRoles(cfg, roles, self.net.message_s, self)  # (sim/disagg.py)
+        self.roles = SimRoles(cfg, roles, self)  # (sim/disagg.py)
+        self._finished = None
 
     # ------------------------------------------------------------------ the event loop
 
@@ -131,8 +138,6 @@ class Simulation:
     def _event(self, fn, args) -> None:
         self.events += 1
         fn(*args)
-        if self._left == 0 and not self._finished.done():
-            self._finished.set_result(None)
 
     @property
     def now(self) -> float:
@@ -146,22 +151,33 @@ class Simulation:
         return self.result(time.perf_counter() - wall)
 
     async def _main(self, linger_s: float) -> None:
-        self.mgr = manager_module.Manager(self.cfg, clock=self.clock)
+        # The manager's socket: what it sends an instance reaches its llumlet a message later (sim/llumlet.py).
+        self.wire = ManagerWire(self.net.message_s, self, lambda src, start: self.migrations.ordered(src, start))
+        self.mgr = manager_module.Manager(self.cfg, clock=self.clock, sock=self.wire)
         self._finished = self.loop.create_future()
         self.migrations = SimMigrations(self.cfg, self.net, self.loop, self.kv_bytes_per_token, self)
         self.cache = SimCache(self.cfg, self.mgr, self.trace, self.net.report_lag_s, self.oracle, self)
         self.reports = SimReports(self.cfg, self.net.report_lag_s, self.mgr, self.proxy, PROXY_ADDRESS,
                                   self.cache.reports, self, self.clock)
         self.scaler = SimScaling(self.mgr, min(1.0, self.cfg.manager.heartbeat_interval_s), self.net.launch_s, self,
-                                 self.reports.drain, self.reports.stop)
+                                 self.reports.drain, self._stop_instance)
+        # The manager's own loops: its pairing plans (Orders.pairing_loop) and, with disagg.adaptive, its roles'.
+        loops = [self.mgr.resched.orders.pairing_loop(), *self.roles.start(self.mgr)]
+        self.tasks = [self.loop.create_task(c) for c in loops]
         try:
             self._start()
-            self.roles.start(self.mgr, self.migrations, lambda: self._left > 0)
             if self._left:
                 await self._finished
+            # The migrations still in flight end (an abort on its way to a destination that reserved blocks):
+            # nothing measured changes meanwhile, no request is left.
+            settle = self.now + MIGRATIONS_SETTLE_S
+            while self.now < settle and any(i.migrator.busy for i in self.instances.values() if i.gone is None):
+                await asyncio.sleep(0.01)
             if linger_s > 0:
                 await asyncio.sleep(linger_s)
         finally:
+            for task in self.tasks + [t for i in self.instances.values() for t in i.tasks]:
+                task.cancel()
             await self.migrations.close()
             self.mgr.sec.close()
             self.mgr.ctx.destroy(linger=0)
@@ -181,25 +197,38 @@ class Simulation:
             self.requests[rid] = SimulatedRequest(tr, rid)
             if rid not in self.cache.later_turns:  # a later turn waits for the one before it
                 self.at(tr.arrival_s, self._arrive, rid, ())
-        every = self.cfg.scheduling.migration_interval_s  # the manager's pairing plans (never onto a prefill instance)
-        self.at(every, self.migrations.pair, self.mgr, self.roles.allows, every)
         if self.proxy is not None:
             self.proxy.start(lambda: self.mgr.snapshot(next(self._qid), PROXY_ADDRESS), self.net.dispatch_rtt_s,
                              self.at, lambda: self._left > 0)
 
     def add_instance(self) -> SimulatedInstance:
-        iid = f"i{next(self._next_index)}"
+        """A new instance: its engine and its llumlet, the instance daemon's own parts (sim/llumlet.py), registered
+        with the manager."""
+        index = next(self._next_index)
+        iid = f"i{index}"
         inst = SimulatedInstance(iid, self.migrations.engine(), ident=iid.encode(), born=self.now,
-                                 table=RequestTable(self.clock))
-        self.roles.assign(inst)
+                                 table=RequestTable(self.clock), standing=Standing(self.roles.role_of(index)))
         self.instances[iid] = inst
+        self.wire.by_ident[inst.ident] = inst
+        inst.line = ManagerLine(inst.ident, self.mgr, self.net.report_lag_s, self)
         self.migrations.attach(inst)
+        llumlet.intake(inst, self.clock, self, self.migrations.ended)
         self.cache.publisher(inst)
+        load = inst.engine.load()
         self.mgr.on_register(inst.ident, wire.Register(
-            iid, self.cfg.instance.host or "sim", 0, f"inproc://sim-{iid}", "sim", self.cfg.model.name, inst.engine.load(),
-            max_model_len=self.cfg.model.max_model_len))
+            iid, self.cfg.instance.host or "sim", 0, inst.host.request_address, "sim", self.cfg.model.name,
+            msgspec.structs.replace(load, role=inst.standing.role), max_model_len=self.cfg.model.max_model_len))
         self.reports.start(inst)
+        inst.tasks = [self.loop.create_task(c) for c in llumlet.build(inst, self.cfg, self.clock, self.cache.reports(inst))]
+        if index >= self.n_instances:  # (auto-scaling launched it)
+            self.roles.launched(self.mgr.instances[iid])
         return inst
+
+    def _stop_instance(self, inst: SimulatedInstance) -> None:
+        """A scaled-in instance stopped: its reports, its step loop and its control end."""
+        self.reports.stop(inst)
+        for task in inst.tasks:
+            task.cancel()
 
     def _sample(self) -> None:
         loads = self.fragmentation.sample([i.engine.load() for i in self.instances.values() if i.gone is None])
@@ -219,9 +248,8 @@ class Simulation:
             return
         proxy, tr, prio = self.proxy, req.trace, 1 if req.trace.priority == "high" else 0
         local = proxy is not None and proxy.ready() and not self.oracle
-        exclude = self.roles.exclude(proxy if local else self.mgr, tr.prompt_tokens, prio, exclude)  # (its pool)
         if local:
-            iid = proxy.choose(prio, exclude)
+            iid = proxy.choose(prio, self.roles.exclude(proxy, tr.prompt_tokens, prio, exclude))  # (in its pool)
             if iid is not None:
                 self.slo.sent(req, iid)
                 req.dispatches += 1
@@ -243,6 +271,7 @@ class Simulation:
             reply = self.mgr.on_dispatch_batch([wire.Dispatch(next(self._qid), rid, tr.prompt_tokens, prio,
                                                               list(exclude),
                                                               self.cache.keys_of(req) if self.cache.cache_keys else [])])[0]
+            self.roles.decided(reply.disagg)  # (the manager decides with roles itself)
             if not reply.instance_id:
                 return self._fail(req, reply.reason or "no instance")
             iid = reply.instance_id
@@ -252,23 +281,16 @@ class Simulation:
         self.at(self.now + self.net.dispatch_rtt_s / 2 + self.net.submit_s, self._submit, rid, iid)
 
     def _submit(self, rid: str, iid: str) -> None:
+        """The proxy's Submit reaches the instance's intake (taken in at its next step boundary)."""
         req = self.requests[rid]
         if req.slo == "gave_up":
             return
         inst = self.instances[iid]
         tr = req.trace
         sampling = wire.SamplingParams(max_tokens=max(1, tr.output_tokens), ignore_eos=True)
-        try:
-            inst.engine.add_request(EngineRequest(rid, self.cache.prompt_of(req), sampling,
-                                                  priority=1 if tr.priority == "high" else 0,
-                                                  arrival_time=req.sent))
-        except EngineError as exc:
-            return self._fail(req, str(exc))
         req.owner = iid
-        inst.taken[PROXY_ADDRESS] = inst.taken.get(PROXY_ADDRESS, 0) + 1
-        inst.table.admit(rid, PROXY_ADDRESS, 1)
-        inst.reporter.refresh()
-        self._kick(inst)
+        inst.intake.post(wire.Submit(rid, self.cache.prompt_of(req), sampling, PROXY_ADDRESS,
+                                     priority=1 if tr.priority == "high" else 0, arrival_time=req.sent, epoch=1))
 
     def _fail(self, req: SimulatedRequest, why: str) -> None:
         req.error = why
@@ -278,31 +300,23 @@ class Simulation:
         """``req`` ended (finished, failed, refused, gave up): its session's next turn may go."""
         self._left -= 1
         self.cache.turn_ended(req)
+        if self._left == 0 and self._finished is not None and not self._finished.done():
+            self._finished.set_result(None)
 
     # ------------------------------------------------------------------ instances
 
-    def _kick(self, inst: SimulatedInstance) -> None:
-        if not inst.stepping and (inst.engine.has_work() or inst.boundary):
-            inst.stepping = True
-            self.at(max(self.now, inst.free_at), self._step, inst)
+    def from_instance(self, inst: SimulatedInstance, msg: wire.Message) -> None:
+        """What an instance's token path sends the proxy (sim/llumlet.py ProxyPort): a step's tokens, a request
+        that failed, a request given back for re-dispatch (the owner of a moved request is noted by its host)."""
+        if isinstance(msg, wire.TokenBatch):
+            self._tokens(inst, msg.outputs)
+        elif isinstance(msg, wire.RequestFailed):
+            self._fail(self.requests[msg.request_id], msg.message)
+        elif isinstance(msg, wire.Redispatch):
+            self.redispatch(msg.request_id, inst.iid)
 
-    def _step(self, inst: SimulatedInstance) -> None:
-        if inst.run_boundary():  # what waited for a step boundary (the migrator's engine calls)
-            inst.reporter.refresh()
-        if not inst.engine.has_work():
-            inst.stepping = False
-            return
-        result = inst.engine.step()
-        dt = max(result.model_time_s + self.net.step_overhead_s, self.cfg.instance.min_step_s)
-        inst.step_start = self.now
-        inst.free_at = self.now + dt
-        self.at(inst.free_at, self._step_done, inst, result.outputs,
-                (result.prefill_tokens, result.decodes, result.context_tokens))
-
-    def _step_done(self, inst: SimulatedInstance, outputs: list, work: tuple[int, int, int]) -> None:
+    def _tokens(self, inst: SimulatedInstance, outputs: list) -> None:
         now = self.now
-        inst.fit.stepped(*work, now - inst.step_start)  # the instance's step-time model, as its step loop feeds it
-        inst.fit.finished(sum(1 for o in outputs if o.finish_reason is not None), now)
         for tok in outputs:
             req = self.requests[tok.request_id]
             if req.slo == "gave_up":  # the step that made it ran as it gave up; it is gone
@@ -316,23 +330,12 @@ class Simulation:
             req.last = now
             req.tokens += 1
             if tok.finish_reason is not None:
-                inst.table.forget(tok.request_id)
                 req.finish = tok.finish_reason
                 self.end(req)
-            if req.tokens == 1:
-                self.roles.first_token(inst, req)  # a prefill instance hands it over
-        inst.stepping = False
-        inst.reporter.refresh()  # as the step loop does with the load a step read
-        self._kick(inst)
-        inst.migrator.stepped(inst.free_at - inst.step_start)  # paces a migration's pre-copy
         self.notify("step", instance=inst, outputs=outputs)
         self.scaler.maybe_gone(inst)
 
     # ------------------------------------------------------------------ what migrations need (simmigrate.Site)
-
-    def woken(self, inst: SimulatedInstance) -> None:
-        inst.reporter.refresh()
-        self._kick(inst)
 
     def redispatch(self, request_id: str, src: str) -> None:
         self.at(self.now + self.net.message_s, self._arrive, request_id, (src,))
@@ -342,9 +345,6 @@ class Simulation:
 
     def arrive(self, request_id: str) -> None:
         self._arrive(request_id, ())
-
-    def count_orders(self, src: str, dst: str, n: int) -> None:
-        self.mgr.resched.count_orders(src, dst, n)
 
     # ------------------------------------------------------------------ figures
 
@@ -410,6 +410,7 @@ def command(
     oracle = policy_ == "oracle-cache"
     sets = list(set_ or []) + ([f"manager.dispatch_policy={'llumnix' if oracle else policy_}"] if policy_ else [])
     sets += ["disagg.adaptive=true"] if adaptive_roles else []
+    sets += ["disagg.handover_precopy=false"] if handover_blocking else []
     try:
         cfg = load_config(config, sets)
         roles = parse_roles(roles_, instances) if roles_ else None
@@ -421,8 +422,7 @@ def command(
     except (OSError, ValueError) as exc:
         die(f"cannot read the trace: {exc}", 2)
     net = Network(report_lag_s=report_lag_ms / 1e3, dispatch_rtt_s=dispatch_rtt_ms / 1e3, kv_gbps=kv_gbps,
-                  kv_bytes_per_token=kv_bytes_per_token,
-                  handover_blocking=handover_blocking or not cfg.disagg.handover_precopy)  # (the daemons' default)
+                  kv_bytes_per_token=kv_bytes_per_token)
     import logging
 
     logging.getLogger("llumnix").setLevel(logging.WARNING)  # the manager's info lines are per event here

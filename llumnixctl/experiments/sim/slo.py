@@ -24,8 +24,6 @@ class Site(Protocol):
 
     def at(self, t: float, fn: Callable, *args) -> None: ...
 
-    def woken(self, inst: SimulatedInstance) -> None: ...
-
     def end(self, req: SimulatedRequest) -> None: ...
 
 
@@ -71,12 +69,7 @@ class SimSlo:
     def abort(self, inst: SimulatedInstance, rid: str) -> None:
         """Abort ``rid`` on ``inst`` at its next step boundary (a given-up request it holds)."""
 
-        def abort() -> None:
-            if inst.engine.abort_request(rid):
-                inst.table.forget(rid)
-
-        inst.at_boundary(abort)
-        self.site.woken(inst)
+        inst.mailbox.call(lambda: inst.intake.abort_local(rid))
 
     def sent(self, req: SimulatedRequest, iid: str) -> None:
         """The proxy sent ``req`` to ``iid``: its pending dispatch there, and (the first time) what it predicted."""
