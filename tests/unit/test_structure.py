@@ -137,5 +137,4 @@ def test_no_engine_capability_is_found_by_probing():
     probe = re.compile(r"\b(?:getattr|hasattr)\(\s*[\w.]*engine\b[\w.]*\s*,")
     found = sorted(f"{m}:{n}" for m, (p, _) in MODULES.items() if m.startswith(("daemons.", "llumnixctl."))
                    for n, line in enumerate(p.read_text().splitlines(), 1) if probe.search(line))
-    # The simulator keeps a prefill/decode role on its sim engines until it runs the instance's own Standing.
-    assert [f for f in found if not f.startswith("llumnixctl.experiments.sim.reports:")] == []
+    assert found == []
