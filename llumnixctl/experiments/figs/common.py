@@ -11,10 +11,12 @@ own profile with ``sim.profile`` (``llumnixctl profile`` on the GPU node) to rep
 
 from __future__ import annotations
 
+import argparse
 import json
 import multiprocessing
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -88,3 +90,36 @@ def trace_summary(trace: list[TraceRequest]) -> dict:
     from llumnixctl.experiments.traces import gen as trace_mod
 
     return trace_mod.summary(trace)
+
+
+def size_parser(module: str, doc: str, instances_help: str | None = None) -> argparse.ArgumentParser:
+    """The options of ``python -m MODULE`` that ``full_size`` completes: --out, --quick, --requests, --instances."""
+    p = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path("results"))
+    p.add_argument("--quick", action="store_true", help="a tiny version (tests)")
+    p.add_argument("--requests", type=int, default=None)
+    p.add_argument("--instances", type=int, default=None, help=instances_help)
+    return p
+
+
+def full_size(args) -> None:
+    """Fill in what the command line (and ``--quick``) left unset as the full run has it: the paper's scale,
+    3,000 requests of the M-M mix on 16 instances."""
+    args.requests = args.requests or 3000
+    args.instances = args.instances or 16
+    args.mix = args.mix or "M-M"
+
+
+def run_figure(args, name: str, figure: str, paper: dict, build_jobs: Callable, run_jobs: Callable, analyse: Callable,
+               differences: Callable[[dict, dict], list[str]], plot: Callable[[Any, dict], None]) -> dict:
+    """A figure measured beside the paper's: ``build_jobs(args)`` makes the simulations (and the setup they
+    record), ``run_jobs`` runs them, ``analyse`` reads their results into ours, ``differences(ours, setup)`` says
+    where ours and ``paper`` differ. Writes NAME.json (and NAME.png through ``plot``), says so, returns the data."""
+    t0 = time.time()
+    jobs, setup = build_jobs(args)
+    an = analyse(run_jobs(jobs))
+    data = {"figure": figure, "quick": args.quick, "setup": setup, "ours": an, "paper": paper,
+            "differences": differences(an, setup), "wall_s": round(time.time() - t0, 1)}
+    for path in write(args.out, name, data, plot):
+        print(f"wrote {path}")
+    return data
