@@ -123,3 +123,50 @@ def run_figure(args, name: str, figure: str, paper: dict, build_jobs: Callable, 
     for path in write(args.out, name, data, plot):
         print(f"wrote {path}")
     return data
+
+
+# ---------------------------------------------------------------------------------------------- fleet sweeps
+# (disagg_fleet, slo_fleet): one simulation per system and load, run on every core or in pieces (--parts,
+# then --collect), against SLO targets.
+
+
+def sweep_options(p: argparse.ArgumentParser, collect_help: str) -> None:
+    """--processes, and --parts / --collect: a sweep run in pieces, its figure made from their rows."""
+    p.add_argument("--processes", type=int, default=None, help="simulations at once (default: every core)")
+    p.add_argument("--parts", default=None, help="a folder for each simulation's row as it finishes (JSON)")
+    p.add_argument("--collect", type=Path, default=None, metavar="DIR", help=collect_help)
+
+
+def target_sets(targets: dict) -> list[str]:
+    return [f"slo.ttft_ms={targets['ttft_ms']:g}", f"slo.tpot_ms={targets['tpot_ms']:g}"]
+
+
+def keep_part(job: dict, row: dict, name: str) -> dict:
+    """``row``, also written to the job's ``parts`` folder (if any) as NAME.json."""
+    if job.get("parts"):
+        Path(job["parts"]).mkdir(parents=True, exist_ok=True)
+        (Path(job["parts"]) / f"{name}.json").write_text(json.dumps(row) + "\n")
+    return row
+
+
+def collected(p: argparse.ArgumentParser, folder: Path) -> list[dict]:
+    """The rows that earlier runs' --parts wrote to ``folder`` (an error of ``p`` where there are none)."""
+    rows = [json.loads(f.read_text()) for f in sorted(folder.glob("*.json"))]
+    if not rows:
+        p.error(f"no rows in {folder}")
+    return rows
+
+
+def run_sweep(run_job: Callable[[dict], dict], jobs: list[dict], processes: int) -> list[dict]:
+    """``run_job`` of each job, on ``processes`` processes (the costliest first)."""
+    if processes <= 1:
+        return [run_job(j) for j in jobs]
+    with multiprocessing.get_context("fork").Pool(processes) as pool:
+        return pool.map(run_job, sorted(jobs, key=lambda j: -j["cost"]), chunksize=1)
+
+
+def sweep_wall_s(t0: float, collect: Path | None, results: list[dict], processes: int) -> float:
+    """The sweep's wall time: since ``t0``, or (collected rows) their simulations' time over the processes."""
+    if collect is None:
+        return time.perf_counter() - t0
+    return sum(r["result"]["wall_s"] for r in results) / max(1, processes)
