@@ -15,7 +15,7 @@ engine keeps stepping.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from daemons.kv.layout import KvBlocks, KvLayout  # noqa: F401  (re-exported: engines build them)
 from daemons.wire import InstanceLoad, MigratingRequest, RequestLoad, RequestState, SamplingParams, TokenOut
@@ -194,3 +194,36 @@ class EngineDefaults:
     def kv_ranks(self) -> tuple[list[str], str] | None:
         return None
 
+
+
+class MigrationParts:
+    """The Engine protocol's migration verbs as the engine's part ``_migrations`` does them (``SimEngineMigrations``,
+    ``VllmMigrations``, which the engine builds): both engines hand these verbs over unchanged. An engine inherits
+    this beside ``EngineDefaults``; ``cached_blocks`` and ``prefix_hits`` stay the engine's own (they depend on
+    its prefix cache)."""
+
+    _migrations: Any
+
+    def migration_view(self, request_id: str) -> MigrationView | None:
+        return self._migrations.migration_view(request_id)
+
+    def migrating_request(self, request_id: str) -> MigratingRequest:
+        return self._migrations.migrating_request(request_id)
+
+    def suspend(self, request_id: str) -> RequestState:
+        return self._migrations.suspend(request_id)
+
+    def resume(self, request_id: str) -> None:
+        self._migrations.resume(request_id)
+
+    def drop_migrated(self, request_id: str) -> None:
+        self._migrations.drop_migrated(request_id)
+
+    def reserve(self, request: MigratingRequest, tokens: int) -> list[int]:
+        return self._migrations.reserve(request, tokens)
+
+    def commit(self, request_id: str, state: RequestState) -> None:
+        self._migrations.commit(request_id, state)
+
+    def release(self, request_id: str) -> bool:
+        return self._migrations.release(request_id)

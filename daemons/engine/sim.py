@@ -23,13 +23,13 @@ from operator import attrgetter
 import torch
 
 from daemons.config import ModelConfig, SimConfig
-from daemons.engine.base import (EngineDefaults, EngineError, EngineRequest, KvBlocks, MigrationView, StepResult,
+from daemons.engine.base import (EngineDefaults, EngineError, EngineRequest, KvBlocks, MigrationParts, StepResult,
                                   check_request)
 from daemons.engine.sim_cache import SimPrefixCache
 from daemons.engine.sim_migration import SimEngineMigrations
 from daemons.engine.sim_requests import SimRequestTable, SimBlocks, SimRequest, WaitingQueue, cdiv
 from daemons.engine.sim_values import draw, kv_value, sim_logprobs, sim_token_id, write_kv
-from daemons.wire import InstanceLoad, MigratingRequest, RequestLoad, RequestState, TokenOut
+from daemons.wire import InstanceLoad, RequestLoad, TokenOut
 
 __all__ = ["SimEngine", "kv_value", "sim_logprobs", "sim_token_id"]
 
@@ -39,7 +39,7 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torc
 _priority = attrgetter("priority")
 
 
-class SimEngine(EngineDefaults):
+class SimEngine(EngineDefaults, MigrationParts):
     """Scheduling and stepping; its parts: the request table (``SimRequestTable``), the free list (``SimBlocks``),
     the waiting queue, and the migrating requests (``SimEngineMigrations``, to which the migration verbs go)."""
 
@@ -234,35 +234,11 @@ class SimEngine(EngineDefaults):
         self._blocks.reset()
         self.kv_caches = []
 
-    def migration_view(self, request_id: str) -> MigrationView | None:
-        return self._migrations.migration_view(request_id)
-
-    def migrating_request(self, request_id: str) -> MigratingRequest:
-        return self._migrations.migrating_request(request_id)
-
-    def suspend(self, request_id: str) -> RequestState:
-        return self._migrations.suspend(request_id)
-
-    def resume(self, request_id: str) -> None:
-        self._migrations.resume(request_id)
-
-    def drop_migrated(self, request_id: str) -> None:
-        self._migrations.drop_migrated(request_id)
-
-    def reserve(self, request: MigratingRequest, tokens: int) -> list[int]:
-        return self._migrations.reserve(request, tokens)
-
     def cached_blocks(self, request_id: str) -> int:
         return 0  # no prefix cache
 
     def prefix_hits(self, prompts: list[list[int]]) -> list[int]:
         return [0] * len(prompts)
-
-    def commit(self, request_id: str, state: RequestState) -> None:
-        self._migrations.commit(request_id, state)
-
-    def release(self, request_id: str) -> bool:
-        return self._migrations.release(request_id)
 
     # ---------------------------------------------------------------- internals
 

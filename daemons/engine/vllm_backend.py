@@ -21,14 +21,14 @@ import time
 import msgspec
 
 from daemons.config import ModelConfig, VllmConfig
-from daemons.engine.base import (EngineDefaults, EngineError, EngineRequest, KvBlocks, MigrationView, StepResult,
+from daemons.engine.base import (EngineDefaults, EngineError, EngineRequest, KvBlocks, MigrationParts, StepResult,
                                   check_request)
 from daemons.engine.vllm_cache import VllmPrefixCache
 from daemons.engine.vllm_internals import VllmInternals, lower_this_thread, set_env, set_num_threads
 from daemons.engine.vllm_migration import LiveRequest, LiveRequests, VllmMigrations
 from daemons.kv.layout import KvShards
 from daemons.ipcdirs import endpoint_dir, remove_endpoint_dir
-from daemons.wire import InstanceLoad, MigratingRequest, RequestLoad, RequestState, TokenOut
+from daemons.wire import InstanceLoad, RequestLoad, TokenOut
 
 log = logging.getLogger("llumnix.engine.vllm")
 
@@ -40,7 +40,7 @@ def _cdiv(a: int, b: int) -> int:
 # ==================================================================== the engine
 
 
-class VllmEngine(EngineDefaults):
+class VllmEngine(EngineDefaults, MigrationParts):
     """The Engine protocol over vLLM. Not thread-safe: add, abort and step mutate one scheduler, so every
     call must come from one thread (or be serialized), as the protocol says. Its parts: vLLM's internals
     (``VllmInternals``, with ``state`` to read them), the requests it serves (``LiveRequests``) and the migrating
@@ -249,32 +249,8 @@ class VllmEngine(EngineDefaults):
         self._live.clear()
         self._v.shutdown()
 
-    def migration_view(self, request_id: str) -> MigrationView | None:
-        return self._migrations.migration_view(request_id)
-
-    def migrating_request(self, request_id: str) -> MigratingRequest:
-        return self._migrations.migrating_request(request_id)
-
-    def suspend(self, request_id: str) -> RequestState:
-        return self._migrations.suspend(request_id)
-
-    def resume(self, request_id: str) -> None:
-        self._migrations.resume(request_id)
-
-    def drop_migrated(self, request_id: str) -> None:
-        self._migrations.drop_migrated(request_id)
-
-    def reserve(self, request: MigratingRequest, tokens: int) -> list[int]:
-        return self._migrations.reserve(request, tokens)
-
     def cached_blocks(self, request_id: str) -> int:
         return self._migrations.cached_blocks(request_id)
 
     def prefix_hits(self, prompts: list[list[int]]) -> list[int]:
         return self._migrations.prefix_hits(prompts)
-
-    def commit(self, request_id: str, state: RequestState) -> None:
-        self._migrations.commit(request_id, state)
-
-    def release(self, request_id: str) -> bool:
-        return self._migrations.release(request_id)

@@ -39,6 +39,7 @@ receiver does the reverse. On CPU the gather writes the host buffer directly, as
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import torch
 
@@ -242,40 +243,46 @@ class KvBlocks:
     def _slots(self, view: torch.Tensor):
         return [view] if self.path == "fused" else list(view)
 
-    def gather(self, block_ids: list[int], out: torch.Tensor) -> None:
+    def gather(self, block_ids: list[int], out: torch.Tensor) -> int:
         """Copy the blocks ``block_ids`` of every layer into ``out`` (uint8, on the KV's device, at least
-        n * block_nbytes). Runs of consecutive ids are sliced (a plain copy); many short runs go through
-        ``index_select``."""
-        dst = self._view(out, len(block_ids))
-        if self._stacked is not None:
-            torch.index_select(self._stacked, 1, self._index(block_ids), out=dst)
-            return
-        runs = self._runs(block_ids)
-        if len(runs) <= MAX_RUNS:
-            for src, slot in zip(self._sources(), self._slots(dst)):
-                for pos, first, n in runs:
-                    slot[pos:pos + n].copy_(src[first:first + n])
-            return
-        idx = self._index(block_ids)
-        for src, slot in zip(self._sources(), self._slots(dst)):
-            torch.index_select(src, 0, idx, out=slot)
+        n * block_nbytes); returns the bytes written (n * block_nbytes). Runs of consecutive ids are sliced (a
+        plain copy); many short runs go through ``index_select``."""
+        return self._copy(block_ids, out, into_kv=False)
 
-    def scatter(self, block_ids: list[int], buf: torch.Tensor) -> None:
-        """Write what ``gather`` produced into the blocks ``block_ids`` (the same count, any ids)."""
-        src = self._view(buf, len(block_ids))
-        if self._stacked is not None:
-            self._stacked.index_copy_(1, self._index(block_ids), src)
-            return
-        runs = self._runs(block_ids)
-        if len(runs) <= MAX_RUNS:
-            for dst, slot in zip(self._sources(), self._slots(src)):
-                for pos, first, n in runs:
-                    dst[first:first + n].copy_(slot[pos:pos + n])
-            return
-        idx = self._index(block_ids)
-        for dst, slot in zip(self._sources(), self._slots(src)):
-            dst.index_copy_(0, idx, slot)
+    def scatter(self, block_ids: list[int], buf: torch.Tensor) -> int:
+        """Write what ``gather`` produced into the blocks ``block_ids`` (the same count, any ids); returns the
+        bytes read from ``buf``."""
+        return self._copy(block_ids, buf, into_kv=True)
 
+    def _copy(self, block_ids: list[int], buf: torch.Tensor, into_kv: bool) -> int:
+        """``gather`` (the KV's blocks to ``buf``) or ``scatter`` (``buf`` to them): one tensor op over the
+        stacked KV; else per layer, a slice copy per run of consecutive ids, or one indexed copy past MAX_RUNS."""
+        view = self._view(buf, len(block_ids))
+        if self._stacked is not None:
+            idx = self._index(block_ids)
+            if into_kv:
+                self._stacked.index_copy_(1, idx, view)
+            else:
+                torch.index_select(self._stacked, 1, idx, out=view)
+            return len(block_ids) * self.block_nbytes
+        runs = self._runs(block_ids)
+        pairs = list(zip(self._sources(), self._slots(view)))
+        if len(runs) <= MAX_RUNS:
+            for kv, slot in pairs:
+                for pos, first, n in runs:
+                    kv_run, buf_run = kv[first:first + n], slot[pos:pos + n]
+                    if into_kv:
+                        kv_run.copy_(buf_run)
+                    else:
+                        buf_run.copy_(kv_run)
+            return len(block_ids) * self.block_nbytes
+        idx = self._index(block_ids)
+        for kv, slot in pairs:
+            if into_kv:
+                kv.index_copy_(0, idx, slot)
+            else:
+                torch.index_select(kv, 0, idx, out=slot)
+        return len(block_ids) * self.block_nbytes
 
 class Staging:
     """A transfer's two staging slots for one KV: host buffers that Gloo sends from and receives into,
@@ -319,44 +326,40 @@ class Staging:
             self._stream.synchronize()
 
     def load(self, i: int, block_ids: list[int]) -> int:
-        n = len(block_ids) * self.kv.block_nbytes
-        if not self.two_hop:
-            self.kv.gather(block_ids, self._host[i])
-            return n
-        with self._on_stream():
-            self.kv.gather(block_ids, self._dev[i])
-            self._host[i][:n].copy_(self._dev[i][:n], non_blocking=True)
-        self._sync()
-        return n
+        """The blocks ``block_ids`` into staging slot ``i``'s host buffer; returns their bytes."""
+        return self._load(i, lambda into: self.kv.gather(block_ids, into))
 
     def load_tail(self, i: int, block_id: int, tokens: int) -> int:
         """Like ``load``, for the first ``tokens`` slots of one block (``KvBlocks.gather_tail``)."""
+        return self._load(i, lambda into: self.kv.gather_tail(block_id, tokens, into))
+
+    def store_tail(self, i: int, block_id: int, tokens: int) -> int:
+        """Like ``store``, for the first ``tokens`` slots of one block (``KvBlocks.scatter_tail``)."""
+        return self._store(i, self.kv.tail_nbytes(tokens), lambda src: self.kv.scatter_tail(block_id, tokens, src))
+
+    def store(self, i: int, block_ids: list[int]) -> int:
+        """Staging slot ``i``'s host buffer into the blocks ``block_ids``; returns their bytes."""
+        return self._store(i, len(block_ids) * self.kv.block_nbytes, lambda src: self.kv.scatter(block_ids, src))
+
+    def _load(self, i: int, gather: Callable[[torch.Tensor], int]) -> int:
+        """``gather(into)`` (which returns the bytes it wrote) into slot ``i``'s host buffer: directly, or (two
+        hops) into its device buffer, then copied to the host."""
         if not self.two_hop:
-            return self.kv.gather_tail(block_id, tokens, self._host[i])
+            return gather(self._host[i])
         with self._on_stream():
-            n = self.kv.gather_tail(block_id, tokens, self._dev[i])
+            n = gather(self._dev[i])
             self._host[i][:n].copy_(self._dev[i][:n], non_blocking=True)
         self._sync()
         return n
 
-    def store_tail(self, i: int, block_id: int, tokens: int) -> int:
-        """Like ``store``, for the first ``tokens`` slots of one block (``KvBlocks.scatter_tail``)."""
-        n = self.kv.tail_nbytes(tokens)
+    def _store(self, i: int, n: int, scatter: Callable[[torch.Tensor], object]) -> int:
+        """``scatter(src)`` of the first ``n`` bytes of slot ``i``'s host buffer: directly, or (two hops) copied
+        to its device buffer first."""
         if not self.two_hop:
-            return self.kv.scatter_tail(block_id, tokens, self._host[i])
-        with self._on_stream():
-            self._dev[i][:n].copy_(self._host[i][:n], non_blocking=True)
-            self.kv.scatter_tail(block_id, tokens, self._dev[i])
-        self._sync()
-        return n
-
-    def store(self, i: int, block_ids: list[int]) -> int:
-        n = len(block_ids) * self.kv.block_nbytes
-        if not self.two_hop:
-            self.kv.scatter(block_ids, self._host[i])
+            scatter(self._host[i])
             return n
         with self._on_stream():
             self._dev[i][:n].copy_(self._host[i][:n], non_blocking=True)
-            self.kv.scatter(block_ids, self._dev[i])
+            scatter(self._dev[i])
         self._sync()
         return n

@@ -14,6 +14,7 @@ from daemons.engine.base import Engine, EngineError
 from daemons.kv.layout import KvLayout
 from daemons.migration.peers import Peers
 from daemons.migration.records import LEASE_EXPIRED, PEER_DEAD, TRANSFER_FAILED, Aborted, Host, Incoming
+from daemons.migration.side import Side
 from daemons.migration.telemetry import M_BYTES, M_IN_FLIGHT, M_RELEASED
 from daemons.migration.transport import KvTransport, TransferError
 from daemons.requests import RequestTable, slo_mark
@@ -22,7 +23,7 @@ from daemons.watchdog import Faults
 log = logging.getLogger("llumnix.migration")
 
 
-class Destination:
+class Destination(Side):
     """Owns ``incoming`` (by migration id): the moves into this instance. Receives the instance (``host``: its
     replies to peers, its state, its proxies), the engine (between steps only, through ``boundary``), the
     request table a commit takes the request into, the KV transport and the peers (pair bookkeeping),
@@ -31,14 +32,7 @@ class Destination:
     def __init__(self, host: Host, cfg: MigrationConfig, engine: Engine, requests: RequestTable, boundary: Callable,
                  kv: KvTransport, peers: Peers, clock: Clock, faults: Faults, spawn: Callable,
                  busy: Callable[[], int]):
-        self.host = host
-        self.cfg = cfg
-        self.engine = engine
-        self.requests = requests
-        self.boundary = boundary
-        self.kv = kv
-        self.peers = peers
-        self.clock = clock
+        super().__init__(host, cfg, engine, requests, boundary, kv, peers, clock)
         self.faults = faults  # tests swap it (Migrator.faults)
         self.spawn = spawn
         self.busy = busy

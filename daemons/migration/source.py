@@ -15,6 +15,7 @@ from daemons.config import MigrationConfig
 from daemons.engine.base import Engine
 from daemons.migration.peers import Peers
 from daemons.migration.records import DEAD, GONE, DestinationFailed, Host, Outgoing, Refused
+from daemons.migration.side import Side
 from daemons.migration.telemetry import M_BYTES
 from daemons.migration.transport import KvTransport, TransferError
 from daemons.pacing import MIN_DUTY, DutyPacer
@@ -23,7 +24,7 @@ from daemons.requests import RequestTable
 log = logging.getLogger("llumnix.migration")
 
 
-class Source:
+class Source(Side):
     """Owns ``outgoing`` (by migration id), a lock per destination, the pacers of the copies running now and
     the counts of moves committed and aborted. Receives the instance (``host``: its id and address, its wake
     event, its word to the proxies, its tracer), the engine (between steps only, through ``boundary``), the
@@ -31,14 +32,7 @@ class Source:
 
     def __init__(self, host: Host, cfg: MigrationConfig, engine: Engine, requests: RequestTable, boundary: Callable,
                  kv: KvTransport, peers: Peers, clock: Clock):
-        self.host = host
-        self.cfg = cfg
-        self.engine = engine
-        self.requests = requests
-        self.boundary = boundary
-        self.kv = kv
-        self.peers = peers
-        self.clock = clock
+        super().__init__(host, cfg, engine, requests, boundary, kv, peers, clock)
         self.outgoing: dict[str, Outgoing] = {}
         self.locks: dict[str, asyncio.Lock] = {}  # by destination id
         self.pacers: dict[str, DutyPacer] = {}  # by migration id, while its pre-copy sends

@@ -14,11 +14,8 @@ migrations sharing a NIC), so the per-instance egress peaks below are what a NIC
 
 from __future__ import annotations
 
-import argparse
 import math
-import time
 from collections import defaultdict
-from pathlib import Path
 
 from llumnixctl.experiments.figs import common
 from llumnixctl.experiments.figs.fig13 import run_jobs
@@ -238,11 +235,7 @@ def plot(plt, data: dict) -> None:
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="python -m llumnixctl.experiments.figs.bursts", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=Path("results"))
-    p.add_argument("--quick", action="store_true", help="a tiny version (tests)")
-    p.add_argument("--requests", type=int, default=None)
-    p.add_argument("--instances", type=int, default=None)
+    p = common.size_parser("llumnixctl.experiments.figs.bursts", __doc__)
     p.add_argument("--rate", type=float, default=None)
     p.add_argument("--cvs", default="4,8")
     p.add_argument("--mix", default=None)
@@ -254,25 +247,15 @@ def parse(argv):
         args.requests, args.instances, args.mix = args.requests or 150, args.instances or 3, args.mix or "M-M"
         args.rate = args.rate or 15.0
         args.cvs = args.cvs[-1:]
-    args.requests = args.requests or 3000
-    args.instances = args.instances or 16
-    args.mix = args.mix or "M-M"
+    common.full_size(args)
     args.rate = args.rate or 45.0 * args.instances / 16
     return args
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse(argv)
-    t0 = time.time()
-    jobs, setup = build_jobs(args)
-    results = run_jobs(jobs)
-    an = analyse(results)
-    data = {"figure": "Bursts: migration traffic under Gamma CV 4-8 (a reviewer's question; no paper figure)",
-            "quick": args.quick, "setup": setup, "ours": an, "paper": PAPER, "differences": differences(an),
-            "wall_s": round(time.time() - t0, 1)}
-    for path in common.write(args.out, "bursts", data, plot):
-        print(f"wrote {path}")
-    return data
+    return common.run_figure(parse(argv), "bursts",
+                             "Bursts: migration traffic under Gamma CV 4-8 (a reviewer's question; no paper figure)",
+                             PAPER, build_jobs, run_jobs, analyse, lambda an, setup: differences(an), plot)
 
 
 if __name__ == "__main__":

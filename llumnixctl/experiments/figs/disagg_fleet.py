@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import random
 import time
 from pathlib import Path
 
 from daemons.config import load_config
-from llumnixctl.experiments.figs.common import PAPER_LIKE, trace_summary, write
+from llumnixctl.experiments.figs.common import (PAPER_LIKE, collected, keep_part, run_sweep, sweep_options,
+                                                sweep_wall_s, target_sets, trace_summary, write)
 from llumnixctl.experiments.sim.simulate import Network, simulate
 from llumnixctl.experiments.traces import gen
 from llumnixctl.experiments.traces.gen import TraceRequest
@@ -90,10 +90,6 @@ def systems_for(instances: int) -> dict[str, dict]:
     return out
 
 
-def target_sets(targets: dict) -> list[str]:
-    return [f"slo.ttft_ms={targets['ttft_ms']:g}", f"slo.tpot_ms={targets['tpot_ms']:g}"]
-
-
 def run_job(job: dict) -> dict:
     import logging
 
@@ -114,12 +110,9 @@ def run_job(job: dict) -> dict:
     row["role_changes"] = d.get("changes", [])
     row["roles_at_end"] = d.get("roles_at_end")
     row["wall_s"] = time.perf_counter() - t0
-    out = {"instances": job["instances"], "load": job["load"], "system": job["system"],
-           "requests": len(job["trace"]), "result": row}
-    if job.get("parts"):
-        Path(job["parts"]).mkdir(parents=True, exist_ok=True)
-        (Path(job["parts"]) / f"{job['instances']}-{job['load']:g}x-{job['system']}.json").write_text(json.dumps(out) + "\n")
-    return out
+    return keep_part(job, {"instances": job["instances"], "load": job["load"], "system": job["system"],
+                           "requests": len(job["trace"]), "result": row},
+                     f"{job['instances']}-{job['load']:g}x-{job['system']}")
 
 
 def jobs_for(sizes, loads, n: int, only: set[str] | None, parts: str | None, phase_s: float = 0.0,
@@ -236,9 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
                         "(PHASES; default 0: one stationary mix)")
     p.add_argument("--handover-blocking", action="store_true",
                    help="handovers skip pre-copy (suspended at the order, one stage): simulate --handover-blocking")
-    p.add_argument("--processes", type=int, default=None, help="simulations at once (default: every core)")
-    p.add_argument("--parts", default=None, help="a folder for each simulation's row as it finishes (JSON)")
-    p.add_argument("--collect", type=Path, default=None, metavar="DIR", help="run nothing: the figure from --parts rows")
+    sweep_options(p, "run nothing: the figure from --parts rows")
     args = p.parse_args(argv)
     n = args.requests or (40 if args.quick else 400)
     sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else ([8] if args.quick else [8, 16])
@@ -247,15 +238,7 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     jobs, traces = jobs_for(sizes, loads, n, only, args.parts, args.phase_s, args.handover_blocking)
     procs = args.processes or min(len(jobs), os.cpu_count() or 1)
-    if args.collect is not None:
-        results = [json.loads(f.read_text()) for f in sorted(args.collect.glob("*.json"))]
-        if not results:
-            p.error(f"no rows in {args.collect}")
-    elif procs <= 1:
-        results = [run_job(j) for j in jobs]
-    else:
-        with multiprocessing.get_context("fork").Pool(procs) as pool:
-            results = pool.map(run_job, sorted(jobs, key=lambda j: -j["cost"]), chunksize=1)
+    results = collected(p, args.collect) if args.collect is not None else run_sweep(run_job, jobs, procs)
     points: dict = {}
     for r in results:
         points.setdefault(str(r["instances"]), {}).setdefault(f"{r['load']:g}", {})[r["system"]] = r["result"]
@@ -273,8 +256,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "capacity_rps_per_instance": CAPACITY, "capacity_note": CAPACITY_NOTE, "targets": TARGETS,
                 "targets_note": TARGETS_NOTE, "settings": PAPER_LIKE + COMMON_SETS + target_sets(TARGETS),
                 "kv_gbps": KV_GBPS, "traces": traces,
-                "wall_s": (time.perf_counter() - t0 if args.collect is None
-                           else sum(r["result"]["wall_s"] for r in results) / max(1, procs)),
+                "wall_s": sweep_wall_s(t0, args.collect, results, procs),
                 "cores": os.cpu_count(), "processes": procs},
         "points": points,
         "goals": goals(points),

@@ -10,11 +10,8 @@ The simulator's result has no per-priority split, so ``PrioritySimulation`` (a s
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing
 import os
-import time
-from pathlib import Path
 
 from daemons.config import load_config
 from llumnixctl.experiments.figs import common
@@ -207,11 +204,7 @@ def plot(plt, data: dict) -> None:
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="python -m llumnixctl.experiments.figs.fig13", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=Path("results"))
-    p.add_argument("--quick", action="store_true", help="a tiny version (tests)")
-    p.add_argument("--requests", type=int, default=None)
-    p.add_argument("--instances", type=int, default=None)
+    p = common.size_parser("llumnixctl.experiments.figs.fig13", __doc__)
     p.add_argument("--rates", default=None, help="arrivals per second, comma-separated (default 40,55 x instances/16)")
     p.add_argument("--cv", type=float, default=2.0)
     p.add_argument("--mix", default=None, help="the paper's length mix (default M-M; S-S with --quick)")
@@ -223,25 +216,15 @@ def parse(argv):
         args.requests, args.instances = args.requests or 60, args.instances or 2
         args.rates, args.mix = args.rates or "8", args.mix or "S-S"
         args.headrooms = args.headrooms[-1:]
-    args.mix = args.mix or "M-M"
-    args.requests = args.requests or 3000
-    args.instances = args.instances or 16
+    common.full_size(args)
     args.rates = ([float(x) for x in args.rates.split(",")] if args.rates
                   else [round(r * args.instances / 16, 1) for r in (40.0, 55.0)])
     return args
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse(argv)
-    t0 = time.time()
-    jobs, setup = build_jobs(args)
-    results = run_jobs(jobs)
-    an = analyse(results)
-    data = {"figure": "Llumnix (OSDI'24) Fig 13: priorities", "quick": args.quick, "setup": setup,
-            "ours": an, "paper": PAPER, "differences": differences(an), "wall_s": round(time.time() - t0, 1)}
-    for path in common.write(args.out, "fig13", data, plot):
-        print(f"wrote {path}")
-    return data
+    return common.run_figure(parse(argv), "fig13", "Llumnix (OSDI'24) Fig 13: priorities", PAPER, build_jobs,
+                             run_jobs, analyse, lambda an, setup: differences(an), plot)
 
 
 if __name__ == "__main__":

@@ -14,10 +14,7 @@ order of 15-30 s on one A10 (an estimate, not a measurement).
 
 from __future__ import annotations
 
-import argparse
-import time
 from dataclasses import replace
-from pathlib import Path
 
 from llumnixctl.experiments.figs import common
 from llumnixctl.experiments.figs.fig13 import run_jobs
@@ -175,11 +172,7 @@ def plot(plt, data: dict) -> None:
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="python -m llumnixctl.experiments.figs.fig14", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=Path("results"))
-    p.add_argument("--quick", action="store_true", help="a tiny version (tests)")
-    p.add_argument("--requests", type=int, default=None)
-    p.add_argument("--instances", type=int, default=None, help="scaling.max_instances")
+    p = common.size_parser("llumnixctl.experiments.figs.fig14", __doc__, "scaling.max_instances")
     p.add_argument("--mix", default=None)
     p.add_argument("--cv", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=1)
@@ -195,9 +188,7 @@ def parse(argv):
         args.requests, args.instances, args.mix = args.requests or 100, args.instances or 4, args.mix or "S-S"
         args.thresholds = args.thresholds[1:3:2] or args.thresholds
         args.launch_s = min(args.launch_s, 5.0)
-    args.requests = args.requests or 3000
-    args.instances = args.instances or 16
-    args.mix = args.mix or "M-M"
+    common.full_size(args)
     args.min_instances = 2 if args.instances >= 4 else 1
     args.low, args.high = 5.0 * args.instances / 16, 30.0 * args.instances / 16
     if args.quick:
@@ -209,15 +200,8 @@ def parse(argv):
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
-    t0 = time.time()
-    jobs, setup = build_jobs(args)
-    results = run_jobs(jobs)
-    an = analyse(results)
-    data = {"figure": "Llumnix (OSDI'24) Fig 14 and Fig 15: auto-scaling", "quick": args.quick, "setup": setup,
-            "ours": an, "paper": PAPER, "differences": differences(an, setup), "wall_s": round(time.time() - t0, 1)}
-    for path in common.write(args.out, args.name, data, plot):
-        print(f"wrote {path}")
-    return data
+    return common.run_figure(args, args.name, "Llumnix (OSDI'24) Fig 14 and Fig 15: auto-scaling", PAPER, build_jobs,
+                             run_jobs, analyse, differences, plot)
 
 
 if __name__ == "__main__":

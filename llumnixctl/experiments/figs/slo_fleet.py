@@ -22,14 +22,13 @@ rather than at every run: each 16-instance simulation of the L-L mix costs minut
 from __future__ import annotations
 
 import argparse
-import json
-import multiprocessing
 import os
 import time
 from pathlib import Path
 
 from daemons.config import load_config
-from llumnixctl.experiments.figs.common import PAPER_LIKE, PAPER_NET, trace_summary, write
+from llumnixctl.experiments.figs.common import (PAPER_LIKE, PAPER_NET, collected, keep_part, run_sweep, sweep_options,
+                                                sweep_wall_s, target_sets, trace_summary, write)
 from llumnixctl.experiments.sim.simulate import Network, simulate
 from llumnixctl.experiments.traces.mix import paper_trace
 
@@ -63,10 +62,6 @@ COMMON_SETS = [  # fig11's (the project's defaults, written out)
 QUICK_BOUNDS = (1, 1024)  # (fig11.QUICK_BOUNDS)
 
 
-def target_sets(targets: dict) -> list[str]:
-    return [f"slo.ttft_ms={targets['ttft_ms']:g}", f"slo.tpot_ms={targets['tpot_ms']:g}"]
-
-
 def run_job(job: dict) -> dict:
     import logging
 
@@ -83,11 +78,8 @@ def run_job(job: dict) -> dict:
     row["refused_share"] = s["refused"] / max(1, s["admitted"] + s["refused"])
     row["migrations_committed"] = sum(v for k, v in res["migrations"].items() if k.endswith("/committed"))
     row["wall_s"] = time.perf_counter() - t0
-    out = {"load": job["load"], "system": job["system"], "requests": len(job["trace"]), "result": row}
-    if job.get("parts"):
-        Path(job["parts"]).mkdir(parents=True, exist_ok=True)
-        (Path(job["parts"]) / f"{job['load']:g}x-{job['system']}.json").write_text(json.dumps(out) + "\n")
-    return out
+    return keep_part(job, {"load": job["load"], "system": job["system"], "requests": len(job["trace"]), "result": row},
+                     f"{job['load']:g}x-{job['system']}")
 
 
 def jobs_for(loads, systems, n: int, instances: int, quick: bool, parts: str | None) -> tuple[list[dict], dict]:
@@ -190,10 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--instances", type=int, default=None, help="instances (default 16)")
     p.add_argument("--loads", default=None, help="loads, x capacity, comma-separated (default 0.5,1,1.5,2,2.5,3)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="systems to run (default all)")
-    p.add_argument("--processes", type=int, default=None, help="simulations at once (default: every core)")
-    p.add_argument("--parts", default=None, help="a folder for each simulation's row as it finishes (JSON)")
-    p.add_argument("--collect", type=Path, default=None, metavar="DIR",
-                   help="run nothing: the figure from the rows of earlier runs' --parts DIR (a sweep run in pieces)")
+    sweep_options(p, "run nothing: the figure from the rows of earlier runs' --parts DIR (a sweep run in pieces)")
     args = p.parse_args(argv)
     n = args.requests or (40 if args.quick else 2000)
     instances = args.instances or (2 if args.quick else 16)
@@ -204,20 +193,13 @@ def main(argv: list[str] | None = None) -> dict:
             p.error(f"unknown system {s!r}: {', '.join(SYSTEMS)}")
     t0 = time.perf_counter()
     if args.collect is not None:
-        results = [json.loads(f.read_text()) for f in sorted(args.collect.glob("*.json"))]
-        if not results:
-            p.error(f"no rows in {args.collect}")
+        results = collected(p, args.collect)
         n = results[0]["requests"]
         loads = sorted({r["load"] for r in results})
     jobs, traces = jobs_for(loads, systems, n, instances, args.quick, args.parts)
     procs = args.processes or min(len(jobs), os.cpu_count() or 1)
-    if args.collect is not None:
-        pass
-    elif procs <= 1:
-        results = [run_job(j) for j in jobs]
-    else:
-        with multiprocessing.get_context("fork").Pool(procs) as pool:
-            results = pool.map(run_job, sorted(jobs, key=lambda j: -j["cost"]), chunksize=1)
+    if args.collect is None:
+        results = run_sweep(run_job, jobs, procs)
     points: dict = {}
     for r in results:
         points.setdefault(f"{r['load']:g}", {})[r["system"]] = r["result"]
@@ -232,8 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "unloaded": UNLOADED, "targets": TARGETS, "targets_note": TARGETS_NOTE,
                 "settings": PAPER_LIKE + COMMON_SETS + target_sets(TARGETS),
                 "systems": {s: SYSTEMS[s] for s in systems}, "network": PAPER_NET, "traces": traces,
-                "wall_s": (time.perf_counter() - t0 if args.collect is None
-                           else sum(r["result"]["wall_s"] for r in results) / max(1, procs)),
+                "wall_s": sweep_wall_s(t0, args.collect, results, procs),
                 "cores": os.cpu_count(), "processes": procs},
         "points": points,
         "goals": goals(points),
