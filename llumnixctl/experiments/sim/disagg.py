@@ -4,7 +4,8 @@ policy code (daemons/policy/disagg.py):
 - roles: each simulated instance has one (``mixed``, ``prefill``, ``decode``), carried in its load reports (the
   sim engine's ``role``), so the manager's and the proxy's states see it;
 - dispatch: while any instance has a role, ``disagg.decide`` picks the pool a new request prefills in (from the
-  same states the dispatcher reads), and the dispatch policy picks within it (the other instances excluded);
+  same states the dispatcher reads: ``policy.pool_for``, the first half of every dispatcher's ``policy.place``),
+  and the dispatch policy picks within it (the other instances excluded);
   the decisions are counted by kind;
 - handover: a request that gets its first token on a prefill instance is handed over, as the manager orders it
   (``HandoverReady`` to the manager, ``MigrateStart`` back: two message latencies), to the decode instance
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Protocol
 
 from daemons import wire
 from daemons.policy import disagg, slo
+from daemons.policy.dispatch import Ask, pool_for, rules_of
 from daemons.policy.disagg import AdaptMemory
 from llumnixctl.experiments.sim.result import stats_of
 
@@ -78,9 +80,9 @@ class SimRoles:
 
     def __init__(self, cfg, roles: list[str] | None, message_s: float, site: Site) -> None:
         self.cfg, self.initial, self.message_s, self.site = cfg, list(roles or []), message_s, site
-        targets = slo.class_targets(cfg.slo)
-        self.ttft_of = {k: t.ttft_s for k, t in targets.items()}
-        self.tpot_of = {k: t.tpot_s for k, t in targets.items()}
+        self.classes = slo.Classes(cfg.slo)
+        self.tpot_of = {k: t.tpot_s for k, t in self.classes.targets.items()}
+        self.rules = rules_of(cfg)
         self.adaptive = cfg.disagg.adaptive
         self.adapt_rules = disagg.adapt_rules_of(cfg.disagg, cfg.slo)
         self.memory = AdaptMemory()
@@ -130,8 +132,10 @@ class SimRoles:
         states = dispatcher.states(self.site.now)
         if not disagg.active(states):
             return exclude
-        rules = disagg.rules_of(self.cfg.disagg, self.ttft_of.get(1 if priority > 0 else 0, 0.0))
-        d = disagg.decide([s for s in states if s.instance_id not in exclude], prompt_tokens, None, rules, priority)
+        d = pool_for([s for s in states if s.instance_id not in exclude],
+                     Ask(prompt_tokens, priority, self.classes.of(priority)), self.rules)
+        if d is None:
+            return exclude
         self.decisions[d.decision] += 1
         if not d.pool:
             return exclude

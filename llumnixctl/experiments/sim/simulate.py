@@ -53,7 +53,7 @@ from typing import Annotated, Optional
 import typer
 
 from daemons import manager as manager_module
-from daemons import wire
+from daemons import policy, wire
 from daemons.clock import LoopClock, VirtualTimeLoop, run_virtual
 from daemons.config import Config, ConfigError, load_config
 from daemons.requests import RequestTable
@@ -171,7 +171,7 @@ class Simulation:
         self._next_index = itertools.count()
         for _ in range(self.n_instances):
             self.add_instance()
-        if self.cfg.scaling.policy != "off":
+        if policy.SCALING.get(self.cfg.scaling.policy).scales:
             self.scaler.start()
         if self.sample_s > 0:
             self.at(self.sample_s, self._sample)
@@ -221,7 +221,7 @@ class Simulation:
         local = proxy is not None and proxy.ready() and not self.oracle
         exclude = self.roles.exclude(proxy if local else self.mgr, tr.prompt_tokens, prio, exclude)  # (its pool)
         if local:
-            iid = proxy.choose(prio, exclude)
+            iid = proxy.choose(prio, exclude, tr.prompt_tokens)
             if iid is not None:
                 self.slo.sent(req, iid)
                 req.dispatches += 1
