@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from daemons.policy.registry import PAIRING, SELECTION
+from daemons.policy.slo import HIGH, class_of
 from daemons.policy.usage import (INF, InstanceState, blocks_for, instance_freeness, move_lowers_potential,
                                   real_usage, request_usage, virtual_usage)
 from daemons.wire import RequestLoad
@@ -188,8 +189,9 @@ def select_migrants(policy: str, requests: list[RequestLoad], count: int, *, src
         if redispatch:
             out = into = float(blocks_for(r.prompt_tokens + r.output_tokens + 1, block_size))
         else:
-            out = request_usage(r.blocks, r.priority > 0, src_blocks, headroom)
-            into = request_usage(r.blocks, r.priority > 0, dst_blocks, headroom)
+            high = class_of(r.priority) == HIGH
+            out = request_usage(r.blocks, high, src_blocks, headroom)
+            into = request_usage(r.blocks, high, dst_blocks, headroom)
         if not drain and not move_lowers_potential(src_usage, src_blocks, dst_usage, dst_blocks, out, into):
             continue
         room = 0 if redispatch else r.blocks - min(cached.get(r.request_id, 0), r.blocks) + COPY_HEADROOM_BLOCKS

@@ -293,7 +293,7 @@ def admit(states: list[InstanceState], prompt_tokens: int, priority: int, target
     under it is admitted on its own target alone, even while a higher class is refused. ``admit_at``: the fraction
     of a target a prediction must be within (headroom for the prediction's error and for what arrives meanwhile)."""
     mine = targets.get(priority, Targets())
-    high = priority > NORMAL
+    high = class_of(priority) == HIGH
     states = pooled(states)
     ttft = best_ttft(states, prompt_tokens, high)
     if mine.ttft_s > 0 and ttft > mine.ttft_s * admit_at:

@@ -113,7 +113,7 @@ class ClusterClient:
         self.gate = FairGate(FairQueue(clock.monotonic, pc.fair_burst_tokens) if pc.fair_queuing else None, clock,
                              pc.fair_reserve, self.known, self.view, self.placing)
         self.admission = Admission(cfg.admission, clock, self.known, self.view, self.placing, self.gate.under_share,
-                                   cfg.slo)
+                                   cfg.slo, self.classes)
         self.failover = Failover(clock, pc, cfg.manager, self.ownership, self.known, self.view, self.port,
                                  self._dispatch, self._spawn)
         self.dispatcher = Dispatcher(clock, cfg, self.known, self.view, self.cache_index, self.port, self.link,
@@ -153,9 +153,11 @@ class ClusterClient:
     def manager_ok(self) -> bool:
         return self.known.manager_ok()
 
-    def admit(self, priority: int, tenant: str = "", prompt_tokens: int = 0, key_targets=None):
-        """Raises Overloaded (daemons/proxy/cluster/admission.py); with an SLO, returns the verdict."""
-        return self.admission.admit(priority, tenant, prompt_tokens, key_targets)
+    def admit(self, request: slo.RequestSlo | int, tenant: str = "", prompt_tokens: int = 0):
+        """Raises Overloaded (daemons/proxy/cluster/admission.py); with an SLO, returns the verdict. ``request``: its
+        SLO class and targets (``classes.of``, where the proxy parsed it), or its priority (its class's)."""
+        return self.admission.admit(request if isinstance(request, slo.RequestSlo) else self.classes.of(request),
+                                    tenant, prompt_tokens)
 
     # ------------------------------------------------------------------ life cycle
 

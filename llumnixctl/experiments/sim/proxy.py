@@ -47,7 +47,7 @@ class SimProxy:
         self.known = KnownInstances(clock, cfg.proxy.instance_timeout_s, self.interval_s, lambda address: "unknown")
         self.known.dispatch_policy = cfg.manager.dispatch_policy
         self.admission = Admission(cfg.admission, clock, self.known, self.view, Placing(), lambda tenant: False,
-                                   cfg.slo)
+                                   cfg.slo, self.classes)
         self.turn = 0
 
     def start(self, snapshot: Callable[[], wire.Snapshot], rtt_s: float, at: Callable, going: Callable[[], bool]) -> None:
@@ -77,7 +77,7 @@ class SimProxy:
         """The proxy's admission of a new request (by SLO): its verdict, refused or not (None: nothing to
         predict from yet, admitted)."""
         try:
-            return self.admission.admit(priority, "", prompt_tokens)
+            return self.admission.admit(self.classes.of(priority), "", prompt_tokens)
         except Overloaded as exc:
             return slo.Verdict(False, math.inf, exc.retry_after_s, exc.reason)
 
