@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from daemons import endpoints
+from daemons.policy.registry import DISPATCH, PAIRING, SCALING, SELECTION
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -52,7 +53,7 @@ class ManagerConfig:
     dead_after_missed: int = setting(3, "heartbeats an instance may miss before it counts as late; a late instance whose connection is up stays in dispatch (slow is not dead), one whose connection cannot be watched is marked dead", minimum=1)
     link_timeout_s: float = setting(3.0, "a connection to an instance that answers no keepalive for this long is dropped and reconnected; the instance is marked dead when the reconnection is refused (its process is gone: a killed one within ~0.1 s) or has not completed within this long again (frozen, or host unreachable); keepalives are answered by ZeroMQ's I/O thread, so a busy instance keeps answering", minimum=0.05)
     silent_dead_s: float = setting(30.0, "an instance whose connection is up but that sends no report for this long is marked dead (a wedged process)", minimum=0.1)
-    dispatch_policy: str = setting("llumnix", "where new requests go: llumnix (freest by virtual usage; migrates), llumnix-cache (as llumnix, but among instances free enough (scheduling.cache_band, scheduling.cache_min_freeness) the one that caches most of the request's prompt, by the cluster prefix index of the proxy or, for dispatches it is asked for, the manager), infaas++ (freest by real usage, no migration), rr (round-robin, no migration), flood (all to one, no migration; tests), slo (the best predicted time to first token, counting only the uncached part of the prompt, among the instances whose predicted time per output token stays under [slo]'s target; virtual usage counts the TPOT target; migrates)", choices=("llumnix", "llumnix-cache", "infaas++", "rr", "flood", "slo"))
+    dispatch_policy: str = setting(DISPATCH.default.name, DISPATCH.described("where new requests go"), choices=DISPATCH.names)
     query_timeout_s: float = setting(1.0, "how long the manager waits for instances to answer a fan-out query", minimum=0.01)
     dead_instance_ttl_s: float = setting(600.0, "a dead instance stays in the view (state dead) this long, then is forgotten", minimum=0.0)
     pending_dispatch_ttl_s: float = setting(5.0, "a dispatch not yet seen in its instance's reports stops counting as load after this long", minimum=0.0)
@@ -221,13 +222,13 @@ class MigrationConfig:
 
 @dataclass
 class SchedulingConfig:
-    pairing_policy: str = setting("llumnix", "migration pairing when dispatch_policy is llumnix: llumnix (instances below migrate_out_threshold to those above migrate_in_threshold, least free with freest) or off (only drains migrate)", choices=("llumnix", "off"))
+    pairing_policy: str = setting(PAIRING.default.name, PAIRING.described("migration pairing when dispatch_policy migrates"), choices=PAIRING.names)
     migration_interval_s: float = setting(0.5, "how often the manager pairs instances and orders migrations", minimum=0.01)
     migrate_out_threshold: float = setting(6.0, "an instance whose freeness is below this sheds requests (freeness: free blocks per request, virtual usage counted; for 16-token blocks, 6 is ~100 decode steps of room)")
     migrate_in_threshold: float = setting(8.0, "an instance whose freeness is above this takes migrated requests (keep it above migrate_out_threshold: the gap stops a destination turning source)")
     max_migrations_per_instance: int = setting(2, "most manager-ordered migrations in flight per instance, as source or destination", minimum=1)
     migration_cooldown_s: float = setting(10.0, "a request that arrived by migration is not moved again for balancing within this long (drains ignore it)", minimum=0.0)
-    request_selection: str = setting("llumnix", "which requests a source sheds first: llumnix (lower priority, then fewer blocks), last-running (most recently admitted), longest (most blocks), first-waiting (queued requests re-dispatched first, then as llumnix)", choices=("llumnix", "last-running", "longest", "first-waiting"))
+    request_selection: str = setting(SELECTION.default.name, SELECTION.described("which requests a source sheds first"), choices=SELECTION.names)
     high_priority_headroom: float = setting(0.1, "execution priority: each running high-priority request adds this fraction of its instance's KV blocks to the instance's virtual usage (0 = priorities only order queues)", minimum=0.0)
     new_instance_credit: float = setting(0.5, "an instance that joins a loaded cluster starts with this fraction of its blocks as negative virtual usage, so dispatch and migration fill it first", minimum=0.0)
     new_instance_credit_s: float = setting(30.0, "the credit fades linearly to 0 over this long", minimum=0.0)
@@ -241,7 +242,7 @@ class SchedulingConfig:
 
 @dataclass
 class ScalingConfig:
-    policy: str = setting("off", "auto-scaling: off, or llumnix (keep the average freeness between scale_up_threshold and scale_down_threshold)", choices=("off", "llumnix"))
+    policy: str = setting(SCALING.default.name, SCALING.described("auto-scaling"), choices=SCALING.names)
     scale_up_threshold: float = setting(4.0, "average freeness (normal-priority load) below this for sustain_s adds an instance")
     scale_down_threshold: float = setting(128.0, "average freeness above this for sustain_s drains the freest instance and stops it")
     sustain_s: float = setting(10.0, "how long the average must stay out of the band before the cluster scales", minimum=0.0)

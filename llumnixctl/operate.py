@@ -13,6 +13,7 @@ from typing import Annotated, Optional
 import typer
 
 from daemons import wire
+from daemons.policy.registry import DISPATCH, PAIRING, SCALING, SELECTION
 from llumnixctl.admin import AdminClient
 from llumnixctl.common import ConfigOpt, JsonOpt, ManagerOpt, RunDirOpt, admin, ask, die, instance_json, out, print_json
 
@@ -157,10 +158,10 @@ def role(instance: InstanceArg,
         out.print(f"{instance}: {reply.previous} -> {reply.role}{moving}")
 
 
-def policy(dispatch: Annotated[Optional[str], typer.Option("--dispatch", metavar="POLICY", help="llumnix, llumnix-cache, infaas++, rr or flood (manager.dispatch_policy)")] = None,
-           pairing: Annotated[Optional[str], typer.Option("--pairing", metavar="POLICY", help="llumnix or off (scheduling.pairing_policy)")] = None,
-           selection: Annotated[Optional[str], typer.Option("--selection", metavar="POLICY", help="llumnix, last-running, longest or first-waiting (scheduling.request_selection)")] = None,
-           scaling: Annotated[Optional[str], typer.Option("--scaling", metavar="POLICY", help="off or llumnix (scaling.policy)")] = None,
+def policy(dispatch: Annotated[Optional[str], typer.Option("--dispatch", metavar="POLICY", help=f"{DISPATCH.listing()} ({DISPATCH.setting})")] = None,
+           pairing: Annotated[Optional[str], typer.Option("--pairing", metavar="POLICY", help=f"{PAIRING.listing()} ({PAIRING.setting})")] = None,
+           selection: Annotated[Optional[str], typer.Option("--selection", metavar="POLICY", help=f"{SELECTION.listing()} ({SELECTION.setting})")] = None,
+           scaling: Annotated[Optional[str], typer.Option("--scaling", metavar="POLICY", help=f"{SCALING.listing()} ({SCALING.setting})")] = None,
            manager: ManagerOpt = None, run_dir: RunDirOpt = None, config: ConfigOpt = None, json_: JsonOpt = False) -> None:
     """Show the manager's policies, or change them while it runs (until it restarts: then the config rules)."""
     client = admin(manager, run_dir, config, 5.0)

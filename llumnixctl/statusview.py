@@ -12,6 +12,7 @@ from rich.console import Group
 from rich.table import Table
 
 from daemons import wire
+from daemons.policy.registry import SCALING
 from daemons.policy.slo import REFERENCE_PROMPT_TOKENS
 from llumnixctl.common import instance_json
 
@@ -118,6 +119,6 @@ def render_status(data: dict) -> Group:
         parts.append("roles: " + ", ".join(f"{n} {k}" for k, n in sorted(t.get("roles", {}).items())) +
                      f"; handovers: {handovers.get('committed', 0)} committed, {handovers.get('aborted', 0)} aborted, "
                      f"{handovers.get('lost', 0)} lost")
-    if t["scale_outs"] or t["scale_ins"] or t["launching"] or m["scaling_policy"] != "off":
+    if t["scale_outs"] or t["scale_ins"] or t["launching"] or (m["scaling_policy"] not in SCALING or SCALING.get(m["scaling_policy"]).scales):
         parts.append(f"scaling: {t['scale_outs']} out, {t['scale_ins']} in, {t['launching']} launching")
     return Group(*parts)

@@ -29,7 +29,7 @@ def migrants_for(msg: wire.MigrateStart, requests: list[wire.RequestLoad], keep:
     virtual-time simulator (llumnixctl/experiments/sim/simulate.py)."""
     operator = not msg.reason
     return policy.select_migrants(
-        msg.selection or "llumnix", requests, msg.count, src_usage=policy.INF if operator else msg.src_usage,
+        msg.selection or policy.SELECTION.default.name, requests, msg.count, src_usage=policy.INF if operator else msg.src_usage,
         src_blocks=load.blocks_total, dst_usage=msg.dst_usage, dst_blocks=msg.dst_blocks or load.blocks_total,
         headroom=msg.headroom, block_size=block_size, drain=msg.drain or operator, exclude=keep,
         dst_free=policy.INF if msg.dst_free_blocks < 0 else msg.dst_free_blocks, cached=cached)

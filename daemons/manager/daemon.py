@@ -11,7 +11,7 @@ import typer
 import zmq
 import zmq.asyncio
 
-from daemons import metrics, runtime, security, wire
+from daemons import metrics, policy, runtime, security, wire
 from daemons.cli import ConfigFile, LogLevel, Overrides, daemon_main
 from daemons.clock import Clock
 from daemons.config import Config
@@ -67,9 +67,9 @@ class Manager:
         query_ids = itertools.count(1)  # fan-outs and migration orders: answers are matched by it
         next_id = lambda: next(query_ids)  # noqa: E731
         self.policies = Policies(cfg)
-        targets = slo.class_targets(cfg.slo)
-        self.cluster = ClusterView(cfg.scheduling, self.clock, lambda: targets[slo.NORMAL].tpot_s
-                                   if self.policies.dispatch_policy == "slo" else 0.0, cfg.slo.tpot_full)
+        classes = slo.Classes(cfg.slo)
+        self.cluster = ClusterView(cfg.scheduling, self.clock, lambda: classes.targets[slo.NORMAL].tpot_s
+                                   if self.policies.dispatch.predicts else 0.0, cfg.slo.tpot_full)
         self.proxies = ProxyRanks(mc.heartbeat_interval_s)
         self.queries = Queries(self.cluster, mc, self.send, next_id)
         self.resched = Rescheduler(cfg, self.cluster, self.policies, self.clock, self.send, self.spawn, next_id,
@@ -80,8 +80,7 @@ class Manager:
                                  self.resched.joined)
         self.handover_links = HandoverLinks(self.cluster, self.clock, self.send, mc.heartbeat_interval_s / 2)
         self.dispatcher = Dispatcher(self.cluster, self.policies, self.registry.cache_index.index, self.clock, mc,
-                                     cfg.scheduling, {c: t.tpot_s for c, t in targets.items()}, cfg.disagg,
-                                     {c: t.ttft_s for c, t in targets.items()})
+                                     policy.rules_of(cfg), classes)
         orders, lifecycle = self.resched.orders, self.resched.lifecycle
         # What each message type does, given (connection identity, message, sender's key role:name): answered
         # at once (the reply, or None) ...
@@ -305,7 +304,7 @@ def main(
     config: ConfigFile = None,
     address: Annotated[Optional[str], typer.Option(help="ZeroMQ address of the manager, to serve on (manager.address)")] = None,
     bind: Annotated[Optional[str], typer.Option(help="address to bind when it differs from --address, e.g. tcp://*:7100 (manager.bind)")] = None,
-    dispatch_policy: Annotated[Optional[str], typer.Option(help="llumnix, llumnix-cache, infaas++, rr or flood (manager.dispatch_policy; see Dispatch in llumnix-manager(8))")] = None,
+    dispatch_policy: Annotated[Optional[str], typer.Option(help=f"{policy.DISPATCH.listing()} (manager.dispatch_policy; see Dispatch in llumnix-manager(8))")] = None,
     metrics_port: Annotated[Optional[int], typer.Option(help="port of the Prometheus endpoint on manager.metrics_host; 0 picks a free port, -1 turns it off (manager.metrics_port)")] = None,
     log_level: LogLevel("manager") = None,
     set_: Overrides(" (see llumnix.toml(5))") = None,

@@ -7,10 +7,11 @@ import logging
 
 from daemons import policy, wire
 from daemons.clock import Clock
-from daemons.config import DisaggConfig, ManagerConfig, SchedulingConfig
+from daemons.config import ManagerConfig
 from daemons.manager.records import (M_CACHE_DISPATCHES, M_DISAGG, M_DISPATCHES, M_NO_INSTANCE, InstanceRecord,
                                      Policies)
 from daemons.manager.view import ClusterView
+from daemons.policy import slo
 from daemons.prefix import PrefixIndex
 
 log = logging.getLogger("llumnix.manager")
@@ -20,19 +21,17 @@ class Dispatcher:
     """Owns the dispatch turn and count, and writes each record's ledger (``pending``, ``dispatched_n``)."""
 
     def __init__(self, cluster: ClusterView, policies: Policies, index: PrefixIndex, clock: Clock,
-                 mc: ManagerConfig, sc: SchedulingConfig, tpot_targets: dict[int, float] | None = None,
-                 dc: DisaggConfig | None = None, ttft_targets: dict[int, float] | None = None):
-        """``index``: which instance caches which prompt blocks (read, for llumnix-cache). ``tpot_targets``,
-        ``ttft_targets``: per priority class, for the slo policy and the disaggregation decision (``dc``)."""
-        self.tpot_targets = tpot_targets or {}
-        self.ttft_targets = ttft_targets or {}
-        self.dc = dc or DisaggConfig()
+                 mc: ManagerConfig, rules: policy.Rules, classes: slo.Classes):
+        """``index``: which instance caches which prompt blocks (read by the prefix-aware policies and the
+        disaggregation decision). ``rules``: what dispatch reads of the settings; ``classes``: the [slo] targets
+        per class, which each dispatch query's request gets once, where it comes in."""
+        self.rules = rules
+        self.classes = classes
         self.cluster = cluster
         self.policies = policies
         self.index = index
         self.clock = clock
         self.mc = mc
-        self.sc = sc
         self.turn = 0
         self.dispatched_total = 0
         cluster.on_forget(lambda r: M_DISPATCHES.remove(r.instance_id))
@@ -43,59 +42,56 @@ class Dispatcher:
         now = self.clock.monotonic()
         for r in self.cluster.records():
             r.retire_pending(now, self.mc.pending_dispatch_ttl_s)
-        headroom = self.sc.high_priority_headroom
         chosen: list[str | None] = [None] * len(msgs)
         states = self.cluster.states(now)
+        asks = [policy.Ask(m.prompt_tokens, m.priority, self.classes.of(m.priority)) for m in msgs]
         if policy.disagg.active(states):
             decisions: list[str] = [""] * len(msgs)
-            return self._replies(msgs, self._disaggregated(msgs, now, decisions), decisions)
+            return self._replies(msgs, self._disaggregated(msgs, asks, now, decisions), decisions)
         cached = self._cache_hits(msgs)
         plain = [i for i, m in enumerate(msgs) if not m.exclude and i not in cached]
+        p = self.policies.dispatch
         if plain:
-            picks = policy.dispatch_batch(self.policies.dispatch_policy, states,
-                                          [(msgs[i].priority, msgs[i].prompt_tokens + 1) for i in plain],
-                                          self.turn, headroom, self.tpot_targets)
+            picks = policy.dispatch_batch(p, states, [(msgs[i].priority, msgs[i].prompt_tokens + 1) for i in plain],
+                                          self.turn, self.rules.headroom,
+                                          {c: t.tpot_s for c, t in self.classes.targets.items()})
             for i, iid in zip(plain, picks):
                 chosen[i] = iid
                 if iid is not None:
                     self._count_dispatch(self.cluster.instances[iid], msgs[i], now)
         # Re-dispatches that must avoid the instances they failed on, and requests whose prompt some instance
-        # caches (llumnix-cache): one at a time, in priority order.
-        sc = self.sc
+        # caches (prefix-aware policies): one at a time, in priority order.
         for i in sorted((i for i, m in enumerate(msgs) if m.exclude or i in cached), key=lambda i: -msgs[i].priority):
-            excluded = set(msgs[i].exclude)
-            states = [self.cluster.state(r, now, excluded=r.instance_id in excluded) for r in self.cluster.records()]
-            chosen[i] = policy.dispatch(self.policies.dispatch_policy, states, self.turn + i, headroom, msgs[i].priority,
-                                        hits=cached.get(i), cache_band=sc.cache_band, cache_floor=sc.cache_min_freeness,
-                                        tpot_target_s=self.tpot_targets.get(1 if msgs[i].priority > 0 else 0, 0.0))
+            states = self._states(msgs[i], now)
+            ask = policy.Ask(asks[i].prompt_tokens, asks[i].priority, asks[i].slo, cached.get(i))
+            chosen[i] = policy.place(p, states, ask, self.turn + i, self.rules).instance_id
             if i in cached:
-                blind = chosen[i] if chosen[i] not in cached[i] else policy.dispatch(
-                    self.policies.dispatch_policy, states, self.turn + i, headroom, msgs[i].priority)
+                blind = chosen[i] if chosen[i] not in cached[i] else policy.place(
+                    p, states, asks[i], self.turn + i, self.rules).instance_id
                 M_CACHE_DISPATCHES.labels("load" if blind == chosen[i] else "cache").inc()
             if chosen[i] is not None:
                 self._count_dispatch(self.cluster.instances[chosen[i]], msgs[i], now)
         self.turn += len(msgs)
         return self._replies(msgs, chosen)
 
-    def _disaggregated(self, msgs: list[wire.Dispatch], now: float, decisions: list[str]) -> list[str | None]:
-        """With roles: each request (higher priority first) to the pool ``disagg.decide`` picks (prefill remotely,
-        or where it will decode), then by the dispatch policy within it, the ones before it counted."""
+    def _states(self, msg: wire.Dispatch, now: float) -> list[policy.InstanceState]:
+        """The instances' states for one query, those it failed on not taking requests."""
+        excluded = set(msg.exclude)
+        return [self.cluster.state(r, now, excluded=r.instance_id in excluded) for r in self.cluster.records()]
+
+    def _disaggregated(self, msgs: list[wire.Dispatch], asks: list[policy.Ask], now: float,
+                       decisions: list[str]) -> list[str | None]:
+        """With roles: each request (higher priority first) placed by ``policy.place`` (the pool the
+        disaggregation decision picks, then the dispatch policy within it), the ones before it counted."""
         chosen: list[str | None] = [None] * len(msgs)
         hits = self._cache_hits(msgs, any_policy=True)
         for i in sorted(range(len(msgs)), key=lambda i: -msgs[i].priority):
-            m = msgs[i]
-            excluded = set(m.exclude)
-            states = [self.cluster.state(r, now, excluded=r.instance_id in excluded) for r in self.cluster.records()]
-            rules = policy.disagg.rules_of(self.dc, self.ttft_targets.get(1 if m.priority > 0 else 0, 0.0))
-            decision = policy.disagg.decide(states, m.prompt_tokens, hits.get(i), rules, m.priority)
-            M_DISAGG.labels(decision.decision).inc()
-            decisions[i] = decision.decision
-            chosen[i] = policy.dispatch(self.policies.dispatch_policy, decision.pool, self.turn + i,
-                                        self.sc.high_priority_headroom, m.priority, hits=hits.get(i),
-                                        cache_band=self.sc.cache_band, cache_floor=self.sc.cache_min_freeness,
-                                        tpot_target_s=self.tpot_targets.get(1 if m.priority > 0 else 0, 0.0))
+            ask = policy.Ask(asks[i].prompt_tokens, asks[i].priority, asks[i].slo, hits.get(i))
+            placed = policy.place(self.policies.dispatch, self._states(msgs[i], now), ask, self.turn + i, self.rules)
+            M_DISAGG.labels(placed.decision).inc()
+            decisions[i], chosen[i] = placed.decision, placed.instance_id
             if chosen[i] is not None:
-                self._count_dispatch(self.cluster.instances[chosen[i]], m, now)
+                self._count_dispatch(self.cluster.instances[chosen[i]], msgs[i], now)
         self.turn += len(msgs)
         return chosen
 
@@ -114,10 +110,10 @@ class Dispatcher:
         return replies
 
     def _cache_hits(self, msgs: list[wire.Dispatch], any_policy: bool = False) -> dict[int, dict[str, int]]:
-        """llumnix-cache: for each query whose prompt some instance caches, the cached leading blocks of it on
+        """The prefix-aware policies: for each query whose prompt some instance caches, the cached leading blocks of it on
         each instance that holds some (from our prefix index). ``any_policy``: whatever the policy (the
         disaggregation decision weighs what the decode instances cache)."""
-        if (not any_policy and self.policies.dispatch_policy not in ("llumnix-cache", "slo")) or not len(self.index):
+        if (not any_policy and not self.policies.dispatch.prefix_aware) or not len(self.index):
             return {}
         out = {}
         for i, m in enumerate(msgs):

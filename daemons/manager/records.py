@@ -119,17 +119,22 @@ class Policies:
     @property
     def migrating(self) -> bool:
         """Whether balancing migrations run: the llumnix dispatch policy with pairing on (drains always run)."""
-        return self.dispatch_policy in policy.MIGRATING_POLICIES and self.pairing_policy != "off"
+        return self.dispatch.migrates and policy.PAIRING.get(self.pairing_policy).balances
+
+    @property
+    def dispatch(self) -> policy.DispatchPolicy:
+        """The dispatch policy in force, as the object that knows what it does."""
+        return policy.DISPATCH.get(self.dispatch_policy)
 
     def change(self, msg: wire.PolicyQuery) -> wire.Message:
         """``llumnixctl policy``: the policies ``msg`` names (all or none: an unknown one changes nothing)."""
-        known = {"dispatch_policy": policy.DISPATCH_POLICIES, "pairing_policy": policy.PAIRING_POLICIES,
-                 "request_selection": policy.SELECTION_POLICIES, "scaling_policy": policy.SCALING_POLICIES}
+        known = {"dispatch_policy": policy.DISPATCH, "pairing_policy": policy.PAIRING,
+                 "request_selection": policy.SELECTION, "scaling_policy": policy.SCALING}
         wanted = {name: getattr(msg, name) for name in self.NAMES}
         for name, value in wanted.items():
             if value and value not in known[name]:
                 return wire.ErrorReply(msg.query_id, f"unknown {name.replace('_', ' ')} {value!r} "
-                                                     f"(known: {', '.join(known[name])})")
+                                                     f"(known: {', '.join(known[name].names)})")
         for name, value in wanted.items():
             if value and value != getattr(self, name):
                 log.info("%s: %s -> %s (llumnixctl policy)", name.replace("_", " "), getattr(self, name), value)

@@ -43,7 +43,7 @@ class Roles:
         self.dc = cfg.disagg
         self.max_in_flight = cfg.migration.max_in_flight
         self.sc = cfg.scheduling
-        self.targets = slo.class_targets(cfg.slo)
+        self.classes = slo.Classes(cfg.slo)
         self.cluster = cluster
         self.orders = orders
         self.send = send
@@ -129,7 +129,8 @@ class Roles:
             M_HANDOVERS.labels("stale").inc()
             return
         now = self.clock.monotonic()
-        tpot_s = msg.slo_tpot_ms / 1000.0 or self.targets[1 if msg.priority > 0 else 0].tpot_s
+        # The handed-over request's SLO, once, as it comes in: its own TPOT target (the Submit's), else its class's.
+        tpot_s = msg.slo_tpot_ms / 1000.0 or self.classes.of(msg.priority).targets.tpot_s
         # A destination receiving from migration.max_in_flight other sources would refuse one more (a source's own
         # moves to one destination queue behind each other, so they never do).
         states = [self._with_incoming(s) for s in self.cluster.states(now) if self._takes(s.instance_id, src.instance_id)]

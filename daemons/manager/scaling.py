@@ -59,7 +59,7 @@ class Scaling:
         avg = policy.average_freeness(states)
         M_CLUSTER_FREENESS.set(math.nan if avg is None else avg)
         serving = len(policy.scaling.serving(states))
-        if self.policies.scaling_policy == "off":
+        if not policy.SCALING.get(self.policies.scaling_policy).scales:
             self.scaler.reset()
             return None, avg, serving, states
         return self.scaler.observe(now, avg, serving, launching), avg, serving, states

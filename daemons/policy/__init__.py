@@ -3,7 +3,10 @@
 One sign convention everywhere: *freeness*, higher is freer.
 
 - usage.py: virtual usage, freeness, the imbalance potential
-- dispatch.py: where a new request goes (llumnix, llumnix-cache, infaas++, rr, flood, slo)
+- registry.py: every policy as an object (name, help, the settings it reads, its behaviour), one registry per
+  choice: DISPATCH, PAIRING, SELECTION, SCALING
+- dispatch.py: where a new request goes, composed once: the pool (disagg.py), then the instance by the policy (llumnix, llumnix-cache,
+  infaas++, rr, flood, slo)
 - migration.py: which instances pair up, which requests a source sends
 - scaling.py: when to add or remove an instance
 - disagg.py: prefill/decode roles: where a request prefills, where it is handed over
@@ -11,8 +14,10 @@ One sign convention everywhere: *freeness*, higher is freer.
 """
 
 from daemons.policy import disagg
-from daemons.policy.dispatch import (DISPATCH_POLICIES, MIGRATING_POLICIES, cache_choice, dispatch, dispatch_batch,
-                                     pick, scorer, slo_cache_choice)
+from daemons.policy.dispatch import (DISPATCH_POLICIES, MIGRATING_POLICIES, Ask, Placement, Rules, cache_choice,
+                                     dispatch, dispatch_batch, pick, place, pool_for, rules_of, scorer,
+                                     slo_cache_choice)
+from daemons.policy.registry import DISPATCH, PAIRING, SCALING, SELECTION, DispatchPolicy
 from daemons.policy.migration import (PAIRING_POLICIES, SELECTION_POLICIES, Choice, CrossNode, Pair, cross_node_budget_blocks,
                                       cross_node_saving_ms, crosses_hosts, pair, select_migrants, transfer_ms)
 from daemons.policy.scaling import SCALING_POLICIES, Scaler, average_freeness, scale_in_victim
@@ -21,7 +26,8 @@ from daemons.policy.usage import (INF, InstanceState, blocks_for, fading_credit,
                                   scaling_freeness, state_of, virtual_usage)
 
 __all__ = [
-    "disagg",
+    "disagg", "DISPATCH", "PAIRING", "SELECTION", "SCALING", "DispatchPolicy", "Ask", "Placement", "Rules",
+    "place", "pool_for", "rules_of",
     "DISPATCH_POLICIES", "MIGRATING_POLICIES", "PAIRING_POLICIES", "SELECTION_POLICIES", "SCALING_POLICIES",
     "INF", "InstanceState", "Pair", "Choice", "CrossNode", "Scaler",
     "dispatch", "dispatch_batch", "pick", "scorer", "cache_choice", "slo_cache_choice", "pair", "select_migrants", "average_freeness", "scale_in_victim",

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from daemons.policy.slo import fitted, predict_tpot, predict_ttft, pooled
+from daemons.policy.slo import HIGH, class_of, fitted, predict_tpot, predict_ttft, pooled
 from daemons.policy.usage import InstanceState, blocks_for, instance_freeness
 
 ROLES = ("mixed", "prefill", "decode")
@@ -81,7 +81,7 @@ def decide(states: list[InstanceState], prompt_tokens: int, hits: dict[str, int]
         return Decision("local_cached" if cached else "local_short", dec)
     if uncached < rules.min_uncached_fraction * prompt_tokens:
         return Decision("local_cached", dec)
-    if prefill_busy(pre, dec, uncached, rules, priority > 0):
+    if prefill_busy(pre, dec, uncached, rules, class_of(priority) == HIGH):
         return Decision("local_prefill_busy", dec)
     return Decision("remote", pre)
 
@@ -121,7 +121,7 @@ def handover_destination(states: list[InstanceState], src: str, prompt_tokens: i
             tpot = predict_tpot(s, prompt_tokens)
             scored.append((tpot > tpot_target_s, tpot, -instance_freeness(s, 0.0), s.instance_id))
         return min(scored)[3]
-    h = 0.0 if priority > 0 else headroom
+    h = 0.0 if class_of(priority) == HIGH else headroom
     return max(fits, key=lambda s: instance_freeness(s, h)).instance_id  # (the first in id order on a tie)
 
 

@@ -1,23 +1,90 @@
-"""Dispatch: which instance a new request goes to."""
+"""Dispatch: which instance a new request goes to, composed once for every dispatcher (the manager, the proxies'
+own views, the simulator): the pool first (``pool_for``: with prefill/decode roles, where the request prefills,
+daemons/policy/disagg.py), then the instance within it by the dispatch policy in force (``dispatch``: the
+policy object of daemons/policy/registry.py, over the pool completed by the cluster's fits where the policy
+predicts by them, slo.pooled). ``place`` is the two."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-from itertools import chain
+from dataclasses import dataclass, field, replace
 
-from daemons.policy.slo import pooled, slo_score
-from daemons.policy.usage import InstanceState, blocks_for, instance_freeness, real_freeness
+from daemons.policy import disagg
+from daemons.policy.registry import DISPATCH, DispatchPolicy, cache_choice, slo_cache_choice
+from daemons.policy.slo import NO_SLO, RequestSlo, class_of, pooled
+from daemons.policy.usage import InstanceState, blocks_for
 
-DISPATCH_POLICIES = ("llumnix", "llumnix-cache", "infaas++", "rr", "flood", "slo")
+DISPATCH_POLICIES = DISPATCH.names
 # The baselines dispatch without virtual usage and never migrate to rebalance (drains still migrate).
-MIGRATING_POLICIES = ("llumnix", "llumnix-cache", "slo")
-# Scored by virtual usage (with llumnix-cache, a request's cached blocks may decide: ``cache_choice``).
-VIRTUAL_USAGE_POLICIES = ("llumnix", "llumnix-cache")
+MIGRATING_POLICIES = tuple(p.name for p in DISPATCH if p.migrates)
+
+__all__ = ["DISPATCH_POLICIES", "MIGRATING_POLICIES", "Ask", "Placement", "Rules", "cache_choice", "dispatch",
+           "dispatch_batch", "pick", "place", "pool_for", "rules_of", "scorer", "slo_cache_choice"]
 
 
-def dispatch(policy: str, states: list[InstanceState], turn: int, headroom: float = 0.0, priority: int = 0,
-             start: float | None = None, hits: dict[str, int] | None = None, cache_band: float = 0.25,
-             cache_floor: float = 0.0, tpot_target_s: float = 0.0) -> str | None:
+def policy_of(policy: str | DispatchPolicy) -> DispatchPolicy:
+    return policy if isinstance(policy, DispatchPolicy) else DISPATCH.get(policy)
+
+
+@dataclass(frozen=True)
+class Rules:
+    """What dispatch reads of the settings, once per process: the high-priority headroom, llumnix-cache's band
+    and floor ([scheduling]) and the disaggregation decision's thresholds ([disagg]; the TTFT target is the
+    request's class's)."""
+
+    headroom: float = 0.0
+    cache_band: float = 0.25
+    cache_floor: float = 0.0
+    disagg: disagg.Rules = field(default_factory=disagg.Rules)
+
+
+def rules_of(cfg) -> Rules:
+    """Rules from the settings (daemons/config.py Config)."""
+    sc = cfg.scheduling
+    return Rules(sc.high_priority_headroom, sc.cache_band, sc.cache_min_freeness, disagg.rules_of(cfg.disagg))
+
+
+@dataclass(frozen=True)
+class Ask:
+    """A new request as dispatch sees it: its prompt's tokens, its scheduling priority, its SLO class and targets
+    (computed once where the request entered the process: slo.Classes.of) and its cached leading blocks per
+    instance (the prefix index's hits; None: unknown or none)."""
+
+    prompt_tokens: int
+    priority: int = 0
+    slo: RequestSlo = NO_SLO
+    hits: dict[str, int] | None = None
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a request goes (None: no instance may take it) and the disaggregation decision ("": no roles)."""
+
+    instance_id: str | None
+    decision: str = ""
+
+
+def pool_for(states: list[InstanceState], ask: Ask, rules: Rules) -> disagg.Decision | None:
+    """The pool a request is dispatched among while some instance has a role (``disagg.decide``: prefill remotely,
+    or where it will decode); None: no roles, every instance."""
+    if not disagg.active(states):
+        return None
+    return disagg.decide(states, ask.prompt_tokens, ask.hits, replace(rules.disagg, ttft_target_s=ask.slo.targets.ttft_s),
+                         ask.priority)
+
+
+def place(policy: str | DispatchPolicy, states: list[InstanceState], ask: Ask, turn: int, rules: Rules,
+          start: float | None = None) -> Placement:
+    """Where a new request goes: the pool (``pool_for``), then the instance within it by ``policy``."""
+    decision = pool_for(states, ask, rules)
+    pool = states if decision is None else decision.pool
+    chosen = dispatch(policy, pool, turn, rules.headroom, ask.priority, start, ask.hits, rules.cache_band,
+                      rules.cache_floor, ask.slo.targets.tpot_s)
+    return Placement(chosen, "" if decision is None else decision.decision)
+
+
+def dispatch(policy: str | DispatchPolicy, states: list[InstanceState], turn: int, headroom: float = 0.0,
+             priority: int = 0, start: float | None = None, hits: dict[str, int] | None = None,
+             cache_band: float = 0.25, cache_floor: float = 0.0, tpot_target_s: float = 0.0) -> str | None:
     """Pick the instance for a new request of ``priority``, or None when no instance may take one.
 
     ``turn`` is a counter the caller advances on every dispatch: round-robin uses it, and the freeness
@@ -33,160 +100,68 @@ def dispatch(policy: str, states: list[InstanceState], turn: int, headroom: floa
     ones; a high-priority request itself is placed by virtual usage without it, so high-priority requests
     gather where normal load is light instead of each one spreading headroom over another instance.
     """
+    p = policy_of(policy)
     eligible = sorted((s for s in states if s.dispatchable), key=lambda s: s.instance_id)
-    if policy == "slo":  # each instance's model completed by the cluster's (slo.pooled)
+    if p.predicts:  # each instance's model completed by the cluster's (slo.pooled)
         eligible = pooled(eligible)
-    score = scorer(policy, headroom, priority, tpot_target_s)
+    score = p.scorer(headroom, class_of(priority) > 0, tpot_target_s)
     ids, scores = [s.instance_id for s in eligible], [score(s) for s in eligible] if score else []
-    if policy == "slo" and hits:
-        j = slo_cache_choice({iid: j for j, iid in enumerate(ids)}, ids, {s.instance_id: s for s in eligible},
-                             scores, hits)
+    if hits and p.prefix_aware:
+        j = p.cache_pick({iid: j for j, iid in enumerate(ids)}, {s.instance_id: s for s in eligible}, scores, hits,
+                         cache_band, cache_floor)
         if j is not None:
             return ids[j]
-    if policy == "llumnix-cache" and hits:
-        j = cache_choice({iid: j for j, iid in enumerate(ids)}, scores, hits, cache_band, cache_floor)
-        if j is not None:
-            return ids[j]
-    return pick(policy, ids, scores, turn, start)
+    return p.pick(ids, scores, turn, start)
 
 
-def cache_choice(at: dict[str, int], scores: list[float], hits: dict[str, int], band: float,
-                 floor: float) -> int | None:
-    """llumnix-cache: where the request's cache decides, or None where load does. The instances free enough
-    for the cache to decide are those within ``band`` of the freest: at least ``band`` times as free when
-    the freest has room (``best`` >= 0), at most ``1 - band`` of its deficit further behind when even the
-    freest is overloaded (``best`` < 0: then ``band * best`` would exclude everybody). While the freest is
-    at least ``floor`` free, an instance must be too. Among them the one holding most of the request's
-    leading blocks (``hits``) wins, the freer on a tie. So affinity holds while there is room, and balance
-    takes over when one instance is much busier than the rest: an instance that a hot prefix makes busier
-    falls out of the band, the next request of that prefix goes to the freest instance, which then caches
-    it too. When the whole cluster is overloaded alike, the cache still decides within the band: a hit
-    saves prefill work that every queued request waits for. ``at``: each instance's place in ``scores``
-    (freeness by virtual usage). Work: the instances that hold some of the request, not all of them."""
-    if not hits or not scores:
-        return None
-    best = max(scores)
-    limit = best - (1.0 - band) * abs(best)
-    if best >= floor:
-        limit = max(limit, floor)
-    chosen, key = None, None
-    for iid, h in hits.items():
-        j = at.get(iid)
-        if j is None or h <= 0 or scores[j] < limit:
-            continue
-        if key is None or (h, scores[j]) > key:
-            chosen, key = j, (h, scores[j])
-    return chosen
-
-
-def scorer(policy: str, headroom: float = 0.0, priority: int = 0, tpot_target_s: float = 0.0):
+def scorer(policy: str | DispatchPolicy, headroom: float = 0.0, priority: int = 0, tpot_target_s: float = 0.0):
     """What ``dispatch`` ranks instances by for a request of ``priority``: a function of an InstanceState
-    (higher is freer), or None for the policies that do not look at load. A dispatcher that keeps scores
-    between dispatches (a proxy's view of hundreds of instances) recomputes only the instances that changed.
-    slo: minus the predicted TTFT of the queue (the request's own prompt adds the same on every instance but
-    for what each caches: ``slo_cache_bonus``), behind every instance that keeps ``tpot_target_s``."""
-    if policy not in DISPATCH_POLICIES:
-        raise ValueError(f"unknown dispatch policy {policy!r} (known: {', '.join(DISPATCH_POLICIES)})")
-    if policy in ("rr", "flood"):
-        return None
-    if policy == "slo":
-        return lambda s: slo_score(s, 0, priority > 0, tpot_target_s)
-    if policy == "infaas++":
-        return real_freeness
-    h = 0.0 if priority > 0 else headroom  # llumnix and llumnix-cache (where ``cache_choice`` may decide)
-    return lambda s: instance_freeness(s, h)
+    (higher is freer), or None for the policies that do not look at load (the policy's own, registry.py)."""
+    return policy_of(policy).scorer(headroom, class_of(priority) > 0, tpot_target_s)
 
 
-def slo_cache_choice(at: dict[str, int], ids: list[str], states: dict[str, InstanceState], scores: list[float],
-                     hits: dict[str, int]) -> int | None:
-    """slo with a prefix index: the instances' scores less the prefill each saves with the request's cached
-    leading blocks (``hits``), so the predicted TTFT counts only the uncached part of the prompt. None: no
-    instance caches any of it (the plain scores decide)."""
-    if not hits or not scores:
-        return None
-    best_j, best = None, max(scores)
-    for iid, h in hits.items():
-        j = at.get(iid)
-        s = states.get(iid)
-        if j is None or h <= 0 or s is None or s.latency is None:
-            continue
-        score = scores[j] + h * s.block_size * s.latency.prefill_ms_per_token / 1000.0
-        if score > best:
-            best_j, best = j, score
-    return best_j
-
-
-def pick(policy: str, ids: list[str], scores: list[float], turn: int, start: float | None = None) -> str | None:
+def pick(policy: str | DispatchPolicy, ids: list[str], scores: list[float], turn: int,
+         start: float | None = None) -> str | None:
     """``dispatch``'s choice among the eligible instances ``ids`` (in id order) with their ``scores`` (by
     ``scorer``; ignored by rr and flood)."""
-    if not ids:
-        return None
-    if policy == "rr":
-        return ids[turn % len(ids)]
-    if policy == "flood":
-        return ids[0]
-    best = max(scores)
-    tol = 1e-9 * max(1.0, abs(best))
-    floor = best - tol
-    if start is not None:
-        n = len(ids)
-        first = int(start % 1.0 * n + 1e-9) % n  # (a start of k/n is k, not k - 1)
-        for j in chain(range(first, n), range(first)):
-            if scores[j] >= floor:
-                return ids[j]
-    ties = [iid for iid, f in zip(ids, scores) if f >= floor]
-    return ties[turn % len(ties)]
+    return policy_of(policy).pick(ids, scores, turn, start)
 
 
-def dispatch_batch(policy: str, states: list[InstanceState], requests: list[tuple[int, int]], turn: int,
-                   headroom: float = 0.0, tpot_targets: dict[int, float] | None = None) -> list[str | None]:
+def dispatch_batch(policy: str | DispatchPolicy, states: list[InstanceState], requests: list[tuple[int, int]],
+                   turn: int, headroom: float = 0.0, tpot_targets: dict[int, float] | None = None) -> list[str | None]:
     """Dispatch requests that arrived together, given as (priority, prompt tokens): higher
     scheduling priority first, each to the freest instance once the ones before it are counted there.
-    Returns the chosen instance per request, in the order given.
+    Returns the chosen instance per request, in the order given. ``tpot_targets``: by SLO class.
 
     The same choices as calling ``dispatch`` once per request with the earlier ones counted, but each
     instance is scored once per batch and again only when a request lands on it (a manager of hundreds
     of instances answers batches of dispatches without re-scoring them all for each)."""
-    if policy not in DISPATCH_POLICIES:
-        raise ValueError(f"unknown dispatch policy {policy!r} (known: {', '.join(DISPATCH_POLICIES)})")
+    p = policy_of(policy)
     order = sorted(range(len(requests)), key=lambda i: -requests[i][0])  # stable: arrival order within a priority
     chosen: list[str | None] = [None] * len(requests)
     eligible = sorted((s for s in states if s.dispatchable), key=lambda s: s.instance_id)
     if not eligible:
         return chosen
-    if policy in ("rr", "flood"):
-        for k, i in enumerate(order):
-            chosen[i] = eligible[(turn + k) % len(eligible) if policy == "rr" else 0].instance_id
-        return chosen
-    if policy == "slo":  # each instance's model completed by the cluster's (slo.pooled)
+    if p.predicts:  # each instance's model completed by the cluster's (slo.pooled)
         eligible = pooled(eligible)
     ids = [s.instance_id for s in eligible]
+    fns = {cls: p.scorer(headroom, cls > 0, (tpot_targets or {}).get(cls, 0.0)) for cls in (0, 1)}
+    scores: dict[int, list[float]] = {}  # by SLO class: normal requests' and high ones'
 
-    def score_fn(h: float):
-        if policy == "slo":  # (keyed by the priority class instead of the headroom)
-            return scorer("slo", priority=int(h), tpot_target_s=(tpot_targets or {}).get(int(h), 0.0))
-        return (lambda s: instance_freeness(s, h)) if policy in VIRTUAL_USAGE_POLICIES else real_freeness
-
-    scores: dict[float, list[float]] = {}  # by the headroom used: normal requests' and high ones' (0)
-
-    def scored(h: float) -> list[float]:
-        if h not in scores:
-            fn = score_fn(h)
-            scores[h] = [fn(s) for s in eligible]
-        return scores[h]
+    def scored(cls: int) -> list[float]:
+        if cls not in scores:
+            scores[cls] = [fns[cls](s) for s in eligible] if fns[cls] else []
+        return scores[cls]
 
     for k, i in enumerate(order):
         prio, tokens = requests[i]
-        h = (1 if prio > 0 else 0) if policy == "slo" else 0.0 if prio > 0 else headroom
-        xs = scored(h)
-        best = max(xs)
-        tol = 1e-9 * max(1.0, abs(best))
-        ties = [j for j, f in enumerate(xs) if best - f <= tol]
-        j = ties[(turn + k) % len(ties)]
-        chosen[i] = ids[j]
-        s = eligible[j]
-        s = eligible[j] = replace(s, pending_blocks=s.pending_blocks + blocks_for(tokens, s.block_size),
-                                  pending_requests=s.pending_requests + 1)
-        for hh, ys in scores.items():
-            ys[j] = score_fn(hh)(s)
+        xs = scored(class_of(prio))
+        chosen[i] = iid = p.pick(ids, xs, turn + k)
+        j = ids.index(iid) if xs else None
+        if j is None:
+            continue
+        s = eligible[j] = replace(eligible[j], pending_blocks=eligible[j].pending_blocks + blocks_for(tokens, eligible[j].block_size),
+                                  pending_requests=eligible[j].pending_requests + 1)
+        for cls, ys in scores.items():
+            ys[j] = fns[cls](s)
     return chosen

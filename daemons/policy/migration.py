@@ -25,12 +25,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from daemons.policy.registry import PAIRING, SELECTION
+from daemons.policy.slo import HIGH, class_of
 from daemons.policy.usage import (INF, InstanceState, blocks_for, instance_freeness, move_lowers_potential,
                                   real_usage, request_usage, virtual_usage)
 from daemons.wire import RequestLoad
 
-PAIRING_POLICIES = ("llumnix", "off")
-SELECTION_POLICIES = ("llumnix", "last-running", "longest", "first-waiting")
+PAIRING_POLICIES = PAIRING.names
+SELECTION_POLICIES = SELECTION.names
 # What a destination holds beyond a migrating request's blocks while it copies (migration.py reserves
 # last_stage_max_blocks + 2: 3 at its default of 1, 4 at 2), so that the last stage needs no new reservation.
 COPY_HEADROOM_BLOCKS = 4
@@ -172,17 +174,10 @@ def select_migrants(policy: str, requests: list[RequestLoad], count: int, *, src
     the blocks that would move (fewest first); its room at the destination counts only those.
     """
     cached = cached or {}
-    if policy not in SELECTION_POLICIES:
-        raise ValueError(f"unknown request selection policy {policy!r} (known: {', '.join(SELECTION_POLICIES)})")
+    chosen_policy = SELECTION.get(policy)
     running = [r for r in requests if r.state == "running" and r.request_id not in exclude]
-    if policy == "last-running":
-        running.reverse()
-    elif policy == "longest":
-        running.sort(key=lambda r: -r.blocks)
-    else:
-        running.sort(key=lambda r: (r.priority, r.blocks - min(cached.get(r.request_id, 0), r.blocks)))
-    ordered: list[tuple[RequestLoad, bool]] = [(r, False) for r in running]
-    if policy == "first-waiting" or drain:
+    ordered: list[tuple[RequestLoad, bool]] = [(r, False) for r in chosen_policy.order(running, cached)]
+    if chosen_policy.queued_first or drain:
         queued = [r for r in requests if _redispatchable(r) and r.request_id not in exclude]
         queued.sort(key=lambda r: r.priority)  # stable: queue order within a priority; high ones go last
         ordered = [(r, True) for r in queued] + ordered
@@ -194,8 +189,9 @@ def select_migrants(policy: str, requests: list[RequestLoad], count: int, *, src
         if redispatch:
             out = into = float(blocks_for(r.prompt_tokens + r.output_tokens + 1, block_size))
         else:
-            out = request_usage(r.blocks, r.priority > 0, src_blocks, headroom)
-            into = request_usage(r.blocks, r.priority > 0, dst_blocks, headroom)
+            high = class_of(r.priority) == HIGH
+            out = request_usage(r.blocks, high, src_blocks, headroom)
+            into = request_usage(r.blocks, high, dst_blocks, headroom)
         if not drain and not move_lowers_potential(src_usage, src_blocks, dst_usage, dst_blocks, out, into):
             continue
         room = 0 if redispatch else r.blocks - min(cached.get(r.request_id, 0), r.blocks) + COPY_HEADROOM_BLOCKS

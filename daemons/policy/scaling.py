@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from daemons.policy.registry import SCALING
 from daemons.policy.usage import InstanceState, scaling_freeness
 
-SCALING_POLICIES = ("off", "llumnix")
+SCALING_POLICIES = SCALING.names
 
 
 def serving(states: list[InstanceState]) -> list[InstanceState]:

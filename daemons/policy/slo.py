@@ -61,6 +61,42 @@ def class_targets(slo) -> dict[int, Targets]:
     return {NORMAL: normal, HIGH: high}
 
 
+def class_of(priority: int) -> int:
+    """A request's SLO class by its scheduling priority: HIGH for any priority above normal, else NORMAL."""
+    return HIGH if priority > 0 else NORMAL
+
+
+@dataclass(frozen=True)
+class RequestSlo:
+    """A request's SLO class and targets, computed once where the request enters a process (``Classes.of``) and
+    carried with it: ``targets``, its class's ([slo]: what dispatch and admission schedule by); ``own``, what it
+    is judged against (its class's, tightened by its API key's)."""
+
+    cls: int = NORMAL
+    targets: Targets = Targets()
+    own: Targets = Targets()
+
+    @property
+    def high(self) -> bool:
+        return self.cls > NORMAL
+
+
+NO_SLO = RequestSlo()
+
+
+class Classes:
+    """The [slo] targets per class, read once per process: ``of`` gives each request its ``RequestSlo``."""
+
+    def __init__(self, slo_cfg):
+        self.targets = class_targets(slo_cfg)
+
+    def of(self, priority: int, key: Targets | None = None) -> RequestSlo:
+        """The class and targets of a request of ``priority`` (``key``: its API key's own targets, if any)."""
+        cls = class_of(priority)
+        mine = self.targets[cls]
+        return RequestSlo(cls, mine, mine.tighter(key) if key is not None and key.on else mine)
+
+
 def fitted(fit) -> bool:
     return fit is not None and fit.steps > 0
 
@@ -218,19 +254,27 @@ def pooled(states: list[InstanceState]) -> list[InstanceState]:
     informed would decide (a start-up burst went to an instance whose model said its queue prefilled for free).
     (In the simulator, with prefill 0.2 ms per token, instances' fits went as low as 0.001 for a minute; a
     3,000-token prompt was then predicted at 33 ms and admitted against a 230 ms target.)"""
-    fits = [s.latency for s in states if fitted(s.latency)]
-    if not fits:
+    worst = pool_reference(s.latency for s in states)
+    if worst is None:
         return states
-    worst = max(fits, key=lambda f: f.prefill_ms_per_token)
-    per_token = worst.prefill_ms_per_token
-    out = []
-    for s in states:
-        if not fitted(s.latency):
-            s = replace(s, latency=msgspec.structs.replace(worst, finish_rate=0.0))
-        elif s.latency.prefill_ms_per_token < per_token:
-            s = replace(s, latency=msgspec.structs.replace(s.latency, prefill_ms_per_token=per_token))
-        out.append(s)
-    return out
+    return [pooled_state(s, worst) for s in states]
+
+
+def pool_reference(fits):
+    """The fit ``pooled`` completes the others' by: of the fitted ones among ``fits``, the one with the highest
+    per-token prefill cost (None: none fitted)."""
+    return max((f for f in fits if fitted(f)), key=lambda f: f.prefill_ms_per_token, default=None)
+
+
+def pooled_state(s: InstanceState, worst) -> InstanceState:
+    """One instance's state completed by the cluster's ``worst`` fit (``pool_reference``; None: as it is)."""
+    if worst is None:
+        return s
+    if not fitted(s.latency):
+        return replace(s, latency=msgspec.structs.replace(worst, finish_rate=0.0))
+    if s.latency.prefill_ms_per_token < worst.prefill_ms_per_token:
+        return replace(s, latency=msgspec.structs.replace(s.latency, prefill_ms_per_token=worst.prefill_ms_per_token))
+    return s
 
 
 def class_share(states: list[InstanceState], high: bool) -> float:
@@ -249,7 +293,7 @@ def admit(states: list[InstanceState], prompt_tokens: int, priority: int, target
     under it is admitted on its own target alone, even while a higher class is refused. ``admit_at``: the fraction
     of a target a prediction must be within (headroom for the prediction's error and for what arrives meanwhile)."""
     mine = targets.get(priority, Targets())
-    high = priority > NORMAL
+    high = class_of(priority) == HIGH
     states = pooled(states)
     ttft = best_ttft(states, prompt_tokens, high)
     if mine.ttft_s > 0 and ttft > mine.ttft_s * admit_at:

@@ -105,14 +105,15 @@ class Proxy:
         """Admission control (daemons/proxy/cluster/admission.py ``admit``): 429 with Retry-After, before any tokenizing
         (``prompt_tokens``: an estimate from the body's size, for the SLO's prediction)."""
         principal = job.principal
-        job.priority, job.slo = priority, self.goodput.targets_for(priority, principal)
+        # The request's SLO class and targets, computed here once (its key's where tighter): admission, dispatch,
+        # the instance's attainment and goodput read them.
+        job.priority, job.slo = priority, self.cluster.classes.of(priority, Goodput.key_targets(principal))
         try:
-            self.cluster.admit(priority, principal.name if principal is not None else "", prompt_tokens,
-                               Goodput.key_targets(principal))
+            self.cluster.admit(job.slo, principal.name if principal is not None else "", prompt_tokens)
         except Overloaded as exc:
             M_REJECTED.labels(exc.reason).inc()
             if exc.reason in ("ttft", "higher_class"):
-                self.goodput.refused(priority, job.slo)
+                self.goodput.refused(job.slo)
             raise self._retry_later(429, str(exc), "rate_limit_exceeded", exc.retry_after_s) from None
 
     def _retry_later(self, status: int, message: str, code: str, retry_after_s: float = 0.0) -> ApiError:
@@ -159,7 +160,7 @@ class Proxy:
                      top_n: int) -> Reply:
         priority = parse_priority(req.priority, call.headers.get("x-llumnix-priority"))
         principal = call.principal
-        if priority > 0 and principal is not None and not principal.high_priority:
+        if job.slo.high and principal is not None and not principal.high_priority:
             raise ApiError(403, f"The API key '{principal.name}' may not send priority high: it lacks the "
                                 f"high_priority permission (high_priority = true in proxy.api_keys_file).",
                            "priority", type_="invalid_request_error", code="permission_denied")
@@ -178,8 +179,8 @@ class Proxy:
                            "x-request-id", code="request_id_in_use")
         now = self.clock.time()
         traceparent = job.trace.traceparent if job.trace is not None else ""
-        targets = job.slo  # the instance where it finishes judges it against these (its attainment)
-        ttft_ms, tpot_ms = (targets.ttft_s * 1000.0, targets.tpot_s * 1000.0) if targets is not None else (0.0, 0.0)
+        targets = job.slo.own  # the instance where it finishes judges it against these (its attainment)
+        ttft_ms, tpot_ms = targets.ttft_s * 1000.0, targets.tpot_s * 1000.0
         submits = [wire.Submit(rid, ids, sampling if n == 1 else msgspec.structs.replace(
             sampling, seed=derive_seed(sampling.seed, k)), self.cluster.token_address, priority, now,
             traceparent=traceparent, slo_ttft_ms=ttft_ms, slo_tpot_ms=tpot_ms) for k, rid in enumerate(sub_ids)]
@@ -193,9 +194,9 @@ class Proxy:
             for c, first in zip(job.choices, firsts):
                 if not first:
                     if c.stream.status == 429:  # it gave up waiting for its first token (slo.give_up_factor)
-                        self.goodput.gave_up(job.priority, job.slo)
+                        self.goodput.gave_up(job.slo)
                         raise self._retry_later(429, c.stream.error or "overloaded", "rate_limit_exceeded",
-                                                job.slo.ttft_s if job.slo is not None else 0.0)
+                                                job.slo.own.ttft_s)
                     raise ApiError(c.stream.status, c.stream.error or "request failed")
             job.timer.first_token(job.first_at)
             headers = {"x-request-id": call.echo_id or job.id}
@@ -226,14 +227,14 @@ class Proxy:
     async def _submit(self, job: Job, submits: list[wire.Submit]) -> None:
         p = job.principal
         tenant, weight = (p.name, p.weight) if p is not None else ("", 1.0)
-        give_up_s = self.goodput.give_up_s(job.slo) if job.slo is not None else 0.0
+        give_up_s = self.goodput.give_up_s(job.slo.own)
         if len(submits) == 1:
             try:
-                job.choices[0].stream = await self.cluster.submit(submits[0], tenant, weight, give_up_s)
+                job.choices[0].stream = await self.cluster.submit(submits[0], tenant, weight, give_up_s, slo_=job.slo)
             except NoInstance as exc:
                 raise self._no_instance(exc) from None
             return
-        results = await asyncio.gather(*(self.cluster.submit(s, tenant, weight, give_up_s) for s in submits),
+        results = await asyncio.gather(*(self.cluster.submit(s, tenant, weight, give_up_s, slo_=job.slo) for s in submits),
                                        return_exceptions=True)
         for c, res in zip(job.choices, results):
             if isinstance(res, Stream):
@@ -282,7 +283,7 @@ class Proxy:
             return
         timer = job.timer
         tpot = ((timer.last[0] - timer.first[0]) / (timer.tokens[0] - 1)) if timer.tokens[0] > 1 else None
-        self.goodput.finished(job.priority, job.slo, job.first_at - job.arrival, tpot, c.stream.predicted)
+        self.goodput.finished(job.slo, job.first_at - job.arrival, tpot, c.stream.predicted)
 
     def _abandoned(self, job: Job) -> None:
         self._end(job)

@@ -39,8 +39,9 @@ class FakeInstance:
         self.submitted: list[wire.Submit] = []
         cluster.submit = self.submit
 
-    async def submit(self, sub: wire.Submit, tenant: str = "", weight: float = 1.0, give_up_s: float = 0.0) -> Stream:
-        stream = Stream(sub.request_id, sub)
+    async def submit(self, sub: wire.Submit, tenant: str = "", weight: float = 1.0, give_up_s: float = 0.0,
+                     slo_=None) -> Stream:
+        stream = Stream(sub.request_id, sub, slo_=slo_) if slo_ is not None else Stream(sub.request_id, sub)
         self.cluster.streams[sub.request_id] = stream
         self.submitted.append(sub)
         outs = [self.out(sub, i) for i in range(sub.sampling.max_tokens)]

@@ -62,7 +62,7 @@ def test_an_overloaded_cluster_refuses_by_the_proxys_own_rule_and_serves_the_res
     assert 0 <= both["prediction_error"]["ttft"] < 10
     assert res["leaked_blocks"] == 0
     if dispatch == "local":  # the slo policy's TPOT targets reach the proxy's view, as in the proxy
-        assert sim.proxy.view.tpot_targets == {0: 0.06, 1: 0.06}
+        assert {c: t.tpot_s for c, t in sim.proxy.classes.targets.items()} == {0: 0.06, 1: 0.06}
     text = result_block(res)
     assert "Serving to an SLO" in text and "Attainment (met / admitted)" in text
 

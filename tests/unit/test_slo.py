@@ -292,24 +292,27 @@ def test_goodput_counts_each_outcome_per_class():
     from daemons.proxy.cluster.goodput import Goodput
     from daemons.proxy.cluster.telemetry import M_SLO
 
-    g = Goodput(SloConfig(ttft_ms=500, tpot_ms=50, high_ttft_ms=200))
+    cfg = SloConfig(ttft_ms=500, tpot_ms=50, high_ttft_ms=200)
+    g, classes = Goodput(cfg), slo.Classes(cfg)
 
     def count(cls: str, outcome: str) -> float:
         return M_SLO.labels(cls, outcome)._value.get()
 
     before = {(c, o): count(c, o) for c in ("normal", "high") for o in ("met", "missed_ttft", "missed_tpot",
                                                                         "missed_both", "refused")}
-    normal, high = g.targets_for(0), g.targets_for(1)
-    assert high == slo.Targets(0.2, 0.05)  # a class without its own TPOT target takes normal's
-    assert g.finished(0, normal, 0.4, 0.04, None) == "met"
-    assert g.finished(1, high, 0.4, 0.04, None) == "missed_ttft"  # 400 ms is past high priority's 200
-    assert g.finished(0, normal, 0.4, 0.06, None) == "missed_tpot"
-    assert g.finished(0, normal, 0.6, None, None) == "missed_ttft"  # one token: no TPOT to miss
-    assert g.finished(0, normal, 0.6, 0.06, (0.3, 0.03)) == "missed_both"
-    g.refused(1, high)
+    normal, high = classes.of(0), classes.of(1)
+    assert high.own == slo.Targets(0.2, 0.05) and high.cls == slo.HIGH  # a class without its own TPOT takes normal's
+    assert g.finished(normal, 0.4, 0.04, None) == "met"
+    assert g.finished(high, 0.4, 0.04, None) == "missed_ttft"  # 400 ms is past high priority's 200
+    assert g.finished(normal, 0.4, 0.06, None) == "missed_tpot"
+    assert g.finished(normal, 0.6, None, None) == "missed_ttft"  # one token: no TPOT to miss
+    assert g.finished(normal, 0.6, 0.06, (0.3, 0.03)) == "missed_both"
+    g.refused(high)
     after = {k: count(*k) - v for k, v in before.items()}
     assert after[("normal", "met")] == 1 and after[("high", "missed_ttft")] == 1 and after[("normal", "missed_tpot")] == 1
     assert after[("normal", "missed_ttft")] == 1 and after[("normal", "missed_both")] == 1
     assert after[("high", "refused")] == 1
     key = type("Key", (), {"slo_ttft_ms": 100.0, "slo_tpot_ms": 0.0})()
-    assert g.targets_for(0, key) == slo.Targets(0.1, 0.05) and g.give_up_s(g.targets_for(0, key)) == pytest.approx(0.2)
+    keyed = classes.of(0, g.key_targets(key))
+    assert keyed.own == slo.Targets(0.1, 0.05) and keyed.targets == slo.Targets(0.5, 0.05)  # dispatch: the class's
+    assert g.give_up_s(keyed.own) == pytest.approx(0.2)

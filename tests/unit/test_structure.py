@@ -23,6 +23,7 @@ import re
 
 import pytest
 
+from daemons.policy.registry import REGISTRIES
 from tests.support import structure as s
 
 MAX_FILE_LINES = 500
@@ -138,3 +139,46 @@ def test_no_engine_capability_is_found_by_probing():
     found = sorted(f"{m}:{n}" for m, (p, _) in MODULES.items() if m.startswith(("daemons.", "llumnixctl."))
                    for n, line in enumerate(p.read_text().splitlines(), 1) if probe.search(line))
     assert found == []
+
+
+# A policy is an object (daemons/policy/registry.py): code asks it what it does, never compares its name.
+POLICY_NAMES = {name for registry in REGISTRIES for name in registry.names}
+ABOUT_A_POLICY = re.compile(r"polic|selection|dispatch|scaling|pairing", re.I)
+# Figure scripts name their runs after the policy each ran (labels of results, not a policy in force).
+RUN_LABELS = ("llumnixctl.experiments.figs.",)
+
+
+def policy_name_comparisons(module: str, path, tree: ast.AST) -> list[str]:
+    """``x == "slo"``, ``x != "off"``, ``x in ("llumnix-cache", "slo")`` where ``x`` is about a policy."""
+    source = path.read_text()
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        names = [o for o in operands if isinstance(o, ast.Constant) and o.value in POLICY_NAMES]
+        names += [o for o in operands if isinstance(o, (ast.Tuple, ast.List, ast.Set))
+                  and any(isinstance(e, ast.Constant) and e.value in POLICY_NAMES for e in o.elts)]
+        others = [o for o in operands if o not in names]
+        if names and any(ABOUT_A_POLICY.search(ast.get_source_segment(source, o) or "") for o in others):
+            found.append(f"{module}:{node.lineno}: {ast.get_source_segment(source, node)}")
+    return found
+
+
+def test_no_policy_name_is_compared_as_a_string_outside_the_registry():
+    found = [f for m, (p, tree) in MODULES.items() if m.startswith(("daemons.", "llumnixctl."))
+             and not m.startswith(("daemons.policy", *RUN_LABELS)) for f in policy_name_comparisons(m, p, tree)]
+    assert found == []
+
+
+def test_the_policy_name_check_sees_one():
+    tree = ast.parse('if cfg.dispatch_policy in ("llumnix-cache", "slo") or p.scaling_policy != "off":\n    pass\n'
+                     'if key == "slo":\n    pass\n')
+    text = ('if cfg.dispatch_policy in ("llumnix-cache", "slo") or p.scaling_policy != "off":\n    pass\n'
+            'if key == "slo":\n    pass\n')
+
+    class Source:
+        def read_text(self):
+            return text
+
+    assert len(policy_name_comparisons("x", Source(), tree)) == 2  # (a result's "slo" key is not a policy)

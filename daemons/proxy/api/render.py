@@ -74,7 +74,7 @@ class Job:
         self.ended = False
         self.trace = None  # its span (daemons/proxy/cluster/traces.py RequestTrace), with tracing on
         self.priority = 0
-        self.slo = None  # its SLO (daemons/policy/slo.py Targets), once admitted
+        self.slo = None  # its SLO class and targets (daemons/policy/slo.py RequestSlo), once admitted
         self.tools: ToolCalls | None = None  # a forced tool choice: the output is answered as tool calls
         self._head = b""
 

@@ -47,46 +47,42 @@ class Admission:
     a key holds less than its share of the fair queue: daemons/proxy/cluster/fairgate.py)."""
 
     def __init__(self, adm, clock: Clock, known: KnownInstances, view: DispatchView, placing: Placing,
-                 under_share: Callable[[str], bool], slo_cfg=None):
+                 under_share: Callable[[str], bool], slo_cfg=None, classes: slo.Classes | None = None):
         self.adm = adm
         self.clock = clock
         self.known = known
         self.view = view
         self.placing = placing
         self.under_share = under_share
-        self.targets = slo.class_targets(slo_cfg) if slo_cfg is not None else {}
+        self.targets = (classes or slo.Classes(slo_cfg)).targets if slo_cfg is not None else {}
         self.shares = {slo.NORMAL: slo_cfg.normal_share} if slo_cfg is not None else {}
         self.admit_at = slo_cfg.admit_at if slo_cfg is not None else 1.0
         self.by_slo = any(t.ttft_s > 0 for t in self.targets.values())  # a TTFT target turns admission by SLO on
 
-    def admit(self, priority: int, tenant: str = "", prompt_tokens: int = 0,
-              key_targets: slo.Targets | None = None) -> slo.Verdict | None:
-        """Raise Overloaded if the request is refused. With an SLO: by its class's TTFT target (``prompt_tokens``:
-        its prompt, an estimate before tokenizing; ``key_targets``: its API key's, where tighter), and the verdict
-        (with the best predicted TTFT) is returned; otherwise by the queue bounds (``admit_by_queue``)."""
+    def admit(self, r: slo.RequestSlo, tenant: str = "", prompt_tokens: int = 0) -> slo.Verdict | None:
+        """Raise Overloaded if the request (``r``: its SLO class and targets, slo.Classes.of) is refused. With an SLO:
+        by its TTFT target (``prompt_tokens``: its prompt, an estimate before tokenizing), and the verdict (with the
+        best predicted TTFT) is returned; otherwise by the queue bounds (``admit_by_queue``)."""
         if not self.by_slo:
-            self.admit_by_queue(priority, tenant)
+            self.admit_by_queue(r.high, tenant)
             return None
-        targets = self.targets
-        if key_targets is not None and key_targets.on:
-            cls = slo.HIGH if priority > 0 else slo.NORMAL
-            targets = {**targets, cls: targets[cls].tighter(key_targets)}
+        targets = {**self.targets, r.cls: r.own}  # its own: its class's, or its key's where tighter
         states = self.states()
         if not states:
             return None  # nothing to predict from: placement waits for an instance, or says none is alive
-        verdict = slo.admit(states, prompt_tokens, 1 if priority > 0 else 0, targets, self.shares, self.admit_at)
+        verdict = slo.admit(states, prompt_tokens, r.cls, targets, self.shares, self.admit_at)
         if not verdict.admitted:
-            cls = "high-priority" if priority > 0 else "normal-priority"
+            cls = "high-priority" if r.high else "normal-priority"
             if verdict.reason == "higher_class":
                 message = (f"the cluster is overloaded: high-priority requests are refused now, and normal ones "
                            f"hold their share (slo.normal_share) or more")
             elif verdict.reason == "tpot":
-                tpot_ms = targets[1 if priority > 0 else 0].tpot_s * 1000
+                tpot_ms = r.own.tpot_s * 1000
                 message = (f"the cluster is overloaded: every instance predicted to give this {cls} request its first "
                            f"token in time would run past its time-per-output-token target with it ({tpot_ms:g} ms; "
                            f"[slo] tpot_ms, admit_at)")
             else:
-                target_ms = targets[1 if priority > 0 else 0].ttft_s * 1000
+                target_ms = r.own.ttft_s * 1000
                 message = (f"the cluster is overloaded: no instance is predicted to give this {cls} request its first "
                            f"token within {self.admit_at:g} of its target ({target_ms:g} ms; [slo] ttft_ms, "
                            f"admit_at); the best predicted is {_ms(verdict.ttft_s)}")
@@ -112,7 +108,7 @@ class Admission:
                                        pending_blocks=pending_blocks + blocks_here))
         return out
 
-    def admit_by_queue(self, priority: int, tenant: str = "") -> None:
+    def admit_by_queue(self, high: bool, tenant: str = "") -> None:
         """Raise Overloaded if the work that would wait in the cluster is past [admission]'s bounds for
         ``priority``. Requests that would wait: those waiting to start on the instances that take requests
         (their heartbeats), our own dispatches they do not show yet, the requests waiting here for an
@@ -143,18 +139,18 @@ class Admission:
             tokens += pending_blocks * block
         requests += len(self.placing) + 1  # with this one
         tokens += self.placing.tokens()
-        factor = adm.high_priority_factor if priority > 0 else 1.0
-        high = " for high priority" if priority > 0 else ""
-        if priority > 0 and factor > 1:  # room for high priority even where normal may not wait at all
+        factor = adm.high_priority_factor if high else 1.0
+        for_high = " for high priority" if high else ""
+        if high and factor > 1:  # room for high priority even where normal may not wait at all
             room, capacity = max(room * factor, room + serving), max(capacity * factor, capacity + kv)
         if (requests - free_slots > room or tokens - free_tokens > capacity) and self.under_share(tenant):
             return
         if requests - free_slots > room:
             raise Overloaded(f"the cluster is overloaded: {requests - free_slots} requests would wait on its {serving} "
-                             f"instance(s) (admission.max_queued_requests: {room} in all{high})", "queued_requests")
+                             f"instance(s) (admission.max_queued_requests: {room} in all{for_high})", "queued_requests")
         if tokens - free_tokens > capacity:
             raise Overloaded(f"the cluster is overloaded: {tokens - free_tokens} prompt tokens would wait on its "
-                             f"{serving} instance(s) (admission.max_queued_tokens: {capacity} in all{high})",
+                             f"{serving} instance(s) (admission.max_queued_tokens: {capacity} in all{for_high})",
                              "queued_tokens")
 
 

@@ -48,7 +48,7 @@ import logging
 import zmq
 import zmq.asyncio
 
-from daemons import metrics, prefix, runtime, security, wire
+from daemons import metrics, policy, prefix, runtime, security, wire
 from daemons.policy import slo
 from daemons.clock import Clock
 from daemons.links import DOWN, UP, LinkWatch
@@ -98,8 +98,8 @@ class ClusterClient:
         links = LinkWatch(pc.instance_timeout_s, self._link_changed, lambda _: M_LINKS_HEALED.inc(), clock)  # by address
         self.port = port = InstancePort(self.ctx, self.sec, links)
         self.known = known = KnownInstances(clock, pc.instance_timeout_s, pc.snapshot_interval_s, links.state)
-        self.view = DispatchView(cfg.manager.pending_dispatch_ttl_s, cfg.scheduling.high_priority_headroom,
-                                 clock.monotonic, {c: t.tpot_s for c, t in slo.class_targets(cfg.slo).items()})
+        self.view = DispatchView(cfg.manager.pending_dispatch_ttl_s, policy.rules_of(cfg), clock.monotonic)
+        self.classes = slo.Classes(cfg.slo)  # each request's class and targets, once (``submit``)
         # Which instance caches which prompt blocks, from their CacheEvents (daemons/prefix.py): learnt again
         # from the instances themselves after a restart, within a heartbeat.
         self.cache_index = prefix.Follower(lambda iid: port.ask_cache(known.address(iid)), clock.monotonic,
@@ -113,7 +113,7 @@ class ClusterClient:
         self.gate = FairGate(FairQueue(clock.monotonic, pc.fair_burst_tokens) if pc.fair_queuing else None, clock,
                              pc.fair_reserve, self.known, self.view, self.placing)
         self.admission = Admission(cfg.admission, clock, self.known, self.view, self.placing, self.gate.under_share,
-                                   cfg.slo)
+                                   cfg.slo, self.classes)
         self.failover = Failover(clock, pc, cfg.manager, self.ownership, self.known, self.view, self.port,
                                  self._dispatch, self._spawn)
         self.dispatcher = Dispatcher(clock, cfg, self.known, self.view, self.cache_index, self.port, self.link,
@@ -153,9 +153,11 @@ class ClusterClient:
     def manager_ok(self) -> bool:
         return self.known.manager_ok()
 
-    def admit(self, priority: int, tenant: str = "", prompt_tokens: int = 0, key_targets=None):
-        """Raises Overloaded (daemons/proxy/cluster/admission.py); with an SLO, returns the verdict."""
-        return self.admission.admit(priority, tenant, prompt_tokens, key_targets)
+    def admit(self, request: slo.RequestSlo | int, tenant: str = "", prompt_tokens: int = 0):
+        """Raises Overloaded (daemons/proxy/cluster/admission.py); with an SLO, returns the verdict. ``request``: its
+        SLO class and targets (``classes.of``, where the proxy parsed it), or its priority (its class's)."""
+        return self.admission.admit(request if isinstance(request, slo.RequestSlo) else self.classes.of(request),
+                                    tenant, prompt_tokens)
 
     # ------------------------------------------------------------------ life cycle
 
@@ -186,12 +188,15 @@ class ClusterClient:
 
     # ------------------------------------------------------------------ requests
 
-    async def submit(self, submit: wire.Submit, tenant: str = "", weight: float = 1.0, give_up_s: float = 0.0) -> Stream:
+    async def submit(self, submit: wire.Submit, tenant: str = "", weight: float = 1.0, give_up_s: float = 0.0,
+                     slo_: slo.RequestSlo | None = None) -> Stream:
         """Dispatch and send a request; the returned stream yields its tokens. Raises NoInstance. ``tenant``:
         the name of its API key, for the fair queue between keys (daemons/proxy/cluster/fairgate.py); ``weight``: that
-        key's share. ``give_up_s``: with no token that long after now, it ends with 429 (0: never)."""
+        key's share. ``give_up_s``: with no token that long after now, it ends with 429 (0: never). ``slo_``: its
+        SLO class and targets as the proxy parsed them (None: its priority's class's)."""
         now = self.clock.monotonic()
-        stream = Stream(submit.request_id, submit, self.pc.request_timeout_s, now)
+        stream = Stream(submit.request_id, submit, self.pc.request_timeout_s, now,
+                        slo_ if slo_ is not None else self.classes.of(submit.priority))
         if give_up_s > 0:
             stream.first_by = now + give_up_s
         if self.tracer is not None and submit.traceparent:

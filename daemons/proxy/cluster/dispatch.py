@@ -16,7 +16,6 @@ from daemons.proxy.cluster.admission import Placing
 from daemons.proxy.cluster.known import KnownInstances
 from daemons.proxy.cluster.stream import NoInstance, Stream
 from daemons.proxy.cluster.streams import Port
-from daemons.policy import slo
 from daemons.proxy.cluster.telemetry import M_ASKED, M_CACHE_DISPATCHES, M_DISAGG, M_LOCAL, M_WAITED
 from daemons.proxy.cluster.view import DispatchView
 from daemons.tracing import now_ns
@@ -73,9 +72,6 @@ class Dispatcher:
                  on_full: Callable[..., None]):
         self.clock = clock
         self.pc = cfg.proxy
-        self.sc = cfg.scheduling
-        self.dc = cfg.disagg
-        self.ttft_targets = {c: t.ttft_s for c, t in slo.class_targets(cfg.slo).items()}
         self.queue_timeout_s = cfg.admission.queue_timeout_s
         self.known = known
         self.view = view
@@ -108,7 +104,7 @@ class Dispatcher:
     async def _ask_or_choose(self, stream: Stream) -> tuple[str, str]:
         sub = stream.submit
         if self.known.manager_ok() or not self.known.snapshot:
-            keys = self._prefix_keys(stream) if self.known.dispatch_policy in ("llumnix-cache", "slo") else []
+            keys = self._prefix_keys(stream) if self._policy().prefix_aware else []
             q = wire.Dispatch(self.manager.next_id(), sub.request_id, len(sub.prompt_token_ids), sub.priority,
                               stream.exclude, keys)
             reply = await self.manager.ask(q, self.pc.dispatch_timeout_s)
@@ -163,53 +159,35 @@ class Dispatcher:
                 return True
         return False
 
-    def _choose_here(self, stream: Stream) -> str | None:
-        """The dispatch policy over our view (daemons/proxy/cluster/view.py): the instances' streamed loads plus our
-        own dispatches they do not show yet; the manager's snapshot adds flags, a new instance's credit and
-        ordered migrations. A request that failed somewhere avoids those instances (rare: built afresh)."""
-        self._turn += 1
-        priority = stream.submit.priority
-        sc = self.sc
-        if self.view.roles:
-            return self._disaggregated(stream)
-        hits = self._cache_hits(stream)
-        if not stream.exclude:
-            chosen = self.view.choose(self.known.alive, self.known.dispatch_policy, priority, self._turn, self.known.tie_start(), hits,
-                                      sc.cache_band, sc.cache_min_freeness)
-            if hits is not None:
-                M_CACHE_DISPATCHES.labels("cache" if self.view.by_cache else "load").inc()
-            return chosen
-        now = self.clock.monotonic()
-        states = [self.view.state_of(v, v.load, now) for v in self.known.alive() if v.instance_id not in stream.exclude]
-        return policy.dispatch(self.known.dispatch_policy, states, self._turn, sc.high_priority_headroom, priority,
-                               start=self.known.tie_start(), hits=hits, cache_band=sc.cache_band,
-                               cache_floor=sc.cache_min_freeness,
-                               tpot_target_s=self.view.tpot_targets.get(1 if priority > 0 else 0, 0.0))
+    def _policy(self) -> policy.DispatchPolicy:
+        return policy.DISPATCH.get(self.known.dispatch_policy)
 
-    def _disaggregated(self, stream: Stream) -> str | None:
-        """Instances have roles: the pool ``disagg.decide`` picks for the request (prefill on a prefill instance,
-        handed over at its first token, or where it will decode), then the dispatch policy within it."""
+    def _choose_here(self, stream: Stream) -> str | None:
+        """The dispatch policy over our view (daemons/proxy/cluster/view.py ``choose``: ``policy.place``, the pool
+        and then the instance): the instances' streamed loads plus our own dispatches they do not show yet; the
+        manager's snapshot adds flags, a new instance's credit and ordered migrations. A request that failed
+        somewhere avoids those instances."""
+        self._turn += 1
         sub = stream.submit
-        cls = 1 if sub.priority > 0 else 0
-        now = self.clock.monotonic()
-        states = [self.view.state_of(v, v.load, now) for v in self.known.alive() if v.instance_id not in stream.exclude]
-        hits = self._cache_hits(stream, any_policy=True)
-        tokens = len(sub.prompt_token_ids) + len(sub.output_token_ids)
-        decision = policy.disagg.decide(states, tokens, hits, policy.disagg.rules_of(self.dc, self.ttft_targets.get(cls, 0.0)),
-                                        sub.priority)
-        M_DISAGG.labels(decision.decision).inc()
-        stream.disagg = decision.decision
-        sc = self.sc
-        return policy.dispatch(self.known.dispatch_policy, decision.pool, self._turn, sc.high_priority_headroom,
-                               sub.priority, start=self.known.tie_start(), hits=hits, cache_band=sc.cache_band,
-                               cache_floor=sc.cache_min_freeness, tpot_target_s=self.view.tpot_targets.get(cls, 0.0))
+        self.view.refresh(self.known.alive)
+        roles = bool(self.view.roles)  # the disaggregation decision weighs what decode instances cache
+        ask = policy.Ask(len(sub.prompt_token_ids) + len(sub.output_token_ids),
+                         sub.priority, stream.slo, self._cache_hits(stream, any_policy=roles))
+        chosen = self.view.choose(self.known.alive, self._policy(), ask, self._turn, self.known.tie_start(),
+                                  stream.exclude)
+        if self.view.decision:
+            M_DISAGG.labels(self.view.decision).inc()
+            stream.disagg = self.view.decision
+        elif ask.hits is not None and not stream.exclude:
+            M_CACHE_DISPATCHES.labels("cache" if self.view.by_cache else "load").inc()
+        return chosen
 
     def _cache_hits(self, stream: Stream, any_policy: bool = False) -> dict[str, int] | None:
-        """llumnix-cache: the request's cached leading blocks on each instance that holds some (None: another
-        policy, or nothing cached anywhere). Its block hashes are computed once (vLLM's, daemons/prefix.py).
+        """The prefix-aware policies: the request's cached leading blocks on each instance that holds some (None:
+        another policy, or nothing cached anywhere). Its block hashes are computed once (vLLM's, daemons/prefix.py).
         ``any_policy``: whatever the policy (the disaggregation decision weighs what decode instances cache)."""
         index = self.cache_index.index
-        if (not any_policy and self.known.dispatch_policy not in ("llumnix-cache", "slo")) or not len(index):
+        if (not any_policy and not self._policy().prefix_aware) or not len(index):
             return None
         keys = self._prefix_keys(stream)
         if not keys:
@@ -227,9 +205,6 @@ class Dispatcher:
             stream.prefix_keys = prefix.keys(prefix.block_hashes(stream.submit.prompt_token_ids, block_size))
         return stream.prefix_keys
 
-    def _predict(self, instance_id: str, load: wire.InstanceLoad, tokens: int, priority: int) -> tuple[float, float]:
-        """(TTFT, TPOT) predicted for a request of ``tokens`` placed on ``instance_id`` now (daemons/policy/slo.py)."""
-        return self.view.predict(instance_id, load, tokens, priority)
 
     async def dispatch(self, stream: Stream) -> None:
         """Place the request (again) under a new epoch; a placement after tokens were streamed continues
@@ -246,7 +221,7 @@ class Dispatcher:
         beat = self.known.beats.get(instance_id)
         tokens = len(submit.prompt_token_ids) + len(submit.output_token_ids)
         if stream.predicted is None and beat is not None and beat.load is not None and beat.load.latency is not None:
-            stream.predicted = self._predict(instance_id, beat.load, tokens, submit.priority)
+            stream.predicted = self.view.predict(instance_id, beat.load, tokens, stream.slo.high)
         self.view.sent_to(instance_id, beat.load if beat is not None else None, tokens)
         if stream.trace is not None:
             stream.trace.dispatched(since, instance_id, stream.epoch, len(stream.token_ids))

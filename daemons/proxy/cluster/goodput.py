@@ -9,10 +9,10 @@ from daemons.proxy.cluster.telemetry import M_SLO, M_TPOT_RATIO, M_TTFT_RATIO, S
 
 
 class Goodput:
-    """Owns nothing but the counters it writes. Receives the [slo] settings."""
+    """Owns nothing but the counters it writes. Receives the [slo] settings. Each request comes with its SLO class
+    and targets (slo.RequestSlo, computed once where the proxy parsed it)."""
 
     def __init__(self, slo_cfg):
-        self.targets = slo.class_targets(slo_cfg)
         self.give_up_factor = slo_cfg.give_up_factor
 
     @staticmethod
@@ -22,36 +22,28 @@ class Goodput:
             return None
         return slo.Targets(principal.slo_ttft_ms / 1000.0, principal.slo_tpot_ms / 1000.0)
 
-    def targets_for(self, priority: int, principal=None) -> slo.Targets:
-        mine = self.targets[slo.HIGH if priority > 0 else slo.NORMAL]
-        key = self.key_targets(principal)
-        return mine.tighter(key) if key is not None else mine
-
     def give_up_s(self, targets: slo.Targets) -> float:
         """How long a request may wait for its first token before it gives up (0: forever)."""
         return targets.ttft_s * self.give_up_factor if targets.ttft_s > 0 and self.give_up_factor > 0 else 0.0
 
-    @staticmethod
-    def _cls(priority: int) -> str:
-        return SLO_CLASSES[1 if priority > 0 else 0]
+    def refused(self, r: slo.RequestSlo) -> None:
+        if r.own.on:
+            M_SLO.labels(SLO_CLASSES[r.cls], "refused").inc()
 
-    def refused(self, priority: int, targets: slo.Targets) -> None:
-        if targets.on:
-            M_SLO.labels(self._cls(priority), "refused").inc()
+    def gave_up(self, r: slo.RequestSlo) -> None:
+        if r.own.on:
+            M_SLO.labels(SLO_CLASSES[r.cls], "gave_up").inc()
 
-    def gave_up(self, priority: int, targets: slo.Targets) -> None:
-        if targets.on:
-            M_SLO.labels(self._cls(priority), "gave_up").inc()
-
-    def finished(self, priority: int, targets: slo.Targets, ttft_s: float, tpot_s: float | None,
+    def finished(self, r: slo.RequestSlo, ttft_s: float, tpot_s: float | None,
                  predicted: tuple[float, float] | None) -> str:
         """A request that got its answer: its outcome (also counted when it has targets)."""
+        targets = r.own
         missed_ttft = targets.ttft_s > 0 and ttft_s > targets.ttft_s
         missed_tpot = targets.tpot_s > 0 and tpot_s is not None and tpot_s > targets.tpot_s
         outcome = ("missed_both" if missed_ttft and missed_tpot else "missed_ttft" if missed_ttft
                    else "missed_tpot" if missed_tpot else "met")
         if targets.on:
-            M_SLO.labels(self._cls(priority), outcome).inc()
+            M_SLO.labels(SLO_CLASSES[r.cls], outcome).inc()
         if predicted is not None:
             ttft_p, tpot_p = predicted
             if ttft_p > 0:

@@ -38,7 +38,7 @@ class KnownInstances:
         self.beat_at: dict[str, float] = {}  # instance id -> monotonic time of its last heartbeat
         self.addresses: dict[str, str] = {}  # instance id -> request address
         self.owner_keys: dict[str, str] = {}  # instance id -> "role:name" of its CURVE key (from_owner)
-        self.dispatch_policy = "llumnix"  # the manager's, from its snapshots: our fallback dispatches the same way
+        self.dispatch_policy = policy.DISPATCH.default.name  # the manager's, from its snapshots: our fallback dispatches the same way
         self.rank, self.proxies = 0, 1  # our place among the proxies the manager hears from (see tie_start)
         self._forged_logged = Throttle(60.0)
 
@@ -51,7 +51,7 @@ class KnownInstances:
                 self.owner_keys[v.instance_id] = v.key
             self.addresses[v.instance_id] = v.request_address
         self.rank, self.proxies = msg.proxy_rank, msg.proxies
-        if msg.dispatch_policy in policy.DISPATCH_POLICIES:
+        if msg.dispatch_policy in policy.DISPATCH:
             self.dispatch_policy = msg.dispatch_policy
 
     def heard_beat(self, beat: wire.Heartbeat) -> wire.Heartbeat | None:

@@ -7,6 +7,7 @@ import asyncio
 import logging
 
 from daemons import wire
+from daemons.policy.slo import NO_SLO, RequestSlo
 from daemons.proxy.cluster.telemetry import M_DUPLICATES, M_MIGRATION_GAP
 
 log = logging.getLogger("llumnix.proxy")
@@ -36,12 +37,15 @@ class Stream:
     __slots__ = ("request_id", "submit", "ready", "next_index", "early", "waiter", "done", "error", "status",
                  "instance_id", "address", "tried", "sent_at", "given_back", "epoch", "owner_from", "token_ids",
                  "failovers", "progress_at", "deadline", "fenced", "exclude", "tenant", "weight", "trace",
-                 "prefix_keys", "starts", "first_by", "predicted", "disagg", "gap_from", "moves")
+                 "prefix_keys", "starts", "first_by", "predicted", "disagg", "gap_from", "moves", "slo")
 
-    def __init__(self, request_id: str, submit: wire.Submit, timeout_s: float = 0.0, now: float = 0.0):
-        """``now``: its owner's clock (daemons.clock.Clock ``monotonic``); ``timeout_s`` counts from it."""
+    def __init__(self, request_id: str, submit: wire.Submit, timeout_s: float = 0.0, now: float = 0.0,
+                 slo_: RequestSlo = NO_SLO):
+        """``now``: its owner's clock (daemons.clock.Clock ``monotonic``); ``timeout_s`` counts from it. ``slo_``:
+        its SLO class and targets (daemons/policy/slo.py ``Classes.of``, where the request came in)."""
         self.request_id = request_id
         self.submit = submit
+        self.slo = slo_
         self.ready: list[wire.TokenOut] = []
         self.next_index = 0
         self.early: dict[int, wire.TokenOut] = {}

@@ -33,12 +33,11 @@ class _Entry:
 
 
 class DispatchView:
-    def __init__(self, ttl_s: float, headroom: float, now: Callable[[], float],
-                 tpot_targets: dict[int, float] | None = None):
+    def __init__(self, ttl_s: float, rules: policy.Rules, now: Callable[[], float]):
+        """``rules``: what dispatch reads of the settings (policy.rules_of)."""
         self.now = now  # its client's clock
         self.ttl_s = ttl_s
-        self.headroom = headroom
-        self.tpot_targets = tpot_targets or {}  # per priority class (the slo policy)
+        self.rules = rules
         # Our own dispatches per instance not yet in its heartbeats' load: (our Submit number to it, blocks, time).
         self.mine: dict[str, deque] = {}
         self.sent: dict[str, int] = {}  # instance id -> Submits we sent it (its heartbeats' ``taken`` counts them)
@@ -46,11 +45,14 @@ class DispatchView:
         self.entries: dict[str, _Entry] = {}  # the instances that take requests, by id
         self.ids: list[str] = []  # their ids, in order
         self.at: dict[str, int] = {}  # id -> its index in ``ids``
-        self.scores: dict[tuple, list[float]] = {}  # by (policy, priority class), aligned with ``ids``
+        self.scores: dict[tuple, list[float]] = {}  # by (policy, SLO class), aligned with ``ids``
+        self.scorers: dict[tuple, tuple] = {}  # by the same key: (the scorer, whether the policy pools the fits)
+        self.reference = None  # the fit the pooling policies complete the instances' by (slo.pool_reference)
         self.dirty: set[str] = set()  # entries to score again
         self.stale = True  # membership to build again
         self.built_at = 0.0
         self.by_cache = False  # the last choice was the cache's, another than llumnix would pick
+        self.decision = ""  # the last choice's disaggregation decision ("": no roles)
         self.roles: dict[str, str] = {}  # instance id -> its role, for those not mixed (dispatch then disaggregates)
 
     # ------------------------------------------------------------------ inputs
@@ -115,49 +117,70 @@ class DispatchView:
         """The instances that may have dispatches of ours pending (see ``pending``)."""
         return list(self.mine)
 
-    def predict(self, instance_id: str, load: wire.InstanceLoad, tokens: int, priority: int) -> tuple[float, float]:
-        """(TTFT, TPOT) predicted for a request of ``tokens`` placed on ``instance_id`` now: its load plus our own
-        dispatches it does not show yet (daemons/policy/slo.py). The proxy's (dispatch.py) and the simulator's."""
+    def predict(self, instance_id: str, load: wire.InstanceLoad, tokens: int, high: bool) -> tuple[float, float]:
+        """(TTFT, TPOT) predicted for a request of ``tokens`` (``high``: of the high SLO class) placed on
+        ``instance_id`` now: its load plus our own dispatches it does not show yet (daemons/policy/slo.py). The
+        proxy's (dispatch.py) and the simulator's."""
         pending_requests, pending_blocks = self.pending(instance_id, self.now())
         s = policy.state_of(instance_id, load, pending_requests=pending_requests, pending_blocks=pending_blocks)
-        return slo.predict_ttft(s, tokens, priority > 0), slo.predict_tpot(s, tokens)
+        return slo.predict_ttft(s, tokens, high), slo.predict_tpot(s, tokens)
 
     # ------------------------------------------------------------------ the dispatch
 
-    def choose(self, alive, dispatch_policy: str, priority: int, turn: int, start: float | None,
-               hits: dict[str, int] | None = None, cache_band: float = 0.25, cache_floor: float = 0.0) -> str | None:
-        """The instance for a new request. ``alive`` gives the client's merged view of the instances that
-        take requests (called only when membership must be built again). llumnix-cache: ``hits`` are the
-        request's cached leading blocks per instance (policy.cache_choice over llumnix's kept scores)."""
+    def choose(self, alive, dispatch_policy: str | policy.DispatchPolicy, ask: policy.Ask, turn: int,
+               start: float | None, exclude: tuple | list = ()) -> str | None:
+        """The instance for a new request: ``policy.place`` over our view (the pool, then the instance by the
+        policy), and ``decision`` its disaggregation decision. ``alive`` gives the client's merged view of the
+        instances that take requests. Without roles and exclusions (the usual case) the same choice from the
+        scores kept between dispatches, recomputed only for the instances whose inputs changed."""
+        p = dispatch_policy if isinstance(dispatch_policy, policy.DispatchPolicy) else policy.DISPATCH.get(dispatch_policy)
         now = self.now()
-        if self.stale or now - self.built_at > REFRESH_S:
-            self._build(alive(), now)
-        elif self.dirty:
-            for iid in self.dirty:
-                if iid in self.entries:
-                    self._rescore(iid, now)
-            self.dirty.clear()
-        base = "llumnix" if dispatch_policy == "llumnix-cache" else dispatch_policy
-        key = (base, 1 if priority > 0 else 0)
+        self.by_cache, self.decision = False, ""
+        self.refresh(alive)
+        if self.roles or exclude:  # (rare, or a cluster with roles: built afresh)
+            states = [self.state_of(v, v.load, now) for v in alive() if v.instance_id not in exclude]
+            placed = policy.place(p, states, ask, turn, self.rules, start)
+            self.decision = placed.decision
+            return placed.instance_id
+        key = (p.score_key, ask.slo.cls)
+        if key not in self.scorers:
+            self.scorers[key] = (p.scorer(self.rules.headroom, ask.slo.high, ask.slo.targets.tpot_s), p.predicts)
         scores = self.scores.get(key)
         if scores is None:
-            score = self._scorer(key)
-            scores = self.scores[key] = [self._score(self.entries[i], key, score, now) for i in self.ids] if score else []
-        self.by_cache = False
-        plain = policy.pick(dispatch_policy, self.ids, scores, turn, start)
-        if hits and dispatch_policy == "slo":
-            states = {iid: self.entries[iid].state for iid in hits if iid in self.entries}
-            j = policy.slo_cache_choice(self.at, self.ids, {i: st for i, st in states.items() if st is not None},
-                                        scores, hits)
-            if j is not None:
-                self.by_cache = self.ids[j] != plain
-                return self.ids[j]
-        if hits and dispatch_policy == "llumnix-cache":
-            j = policy.cache_choice(self.at, scores, hits, cache_band, cache_floor)
+            scores = self.scores[key] = [self._score(self.entries[i], key, now) for i in self.ids]
+        plain = p.pick(self.ids, scores, turn, start)
+        if ask.hits and p.prefix_aware:
+            states = {iid: self._scored_state(self.entries[iid], p.predicts, now) for iid in ask.hits
+                      if iid in self.entries}
+            j = p.cache_pick(self.at, states, scores, ask.hits, self.rules.cache_band, self.rules.cache_floor)
             if j is not None:
                 self.by_cache = self.ids[j] != plain
                 return self.ids[j]
         return plain
+
+    def refresh(self, alive) -> None:
+        """Membership (and the instances' roles) built again when stale, else the instances whose inputs changed
+        scored again."""
+        now = self.now()
+        if self.stale or now - self.built_at > REFRESH_S:
+            self._build(alive(), now)
+        elif self.dirty:
+            self._pool()
+            for iid in self.dirty:
+                if iid in self.entries:
+                    self._rescore(iid, now)
+            self.dirty.clear()
+
+    def _pool(self) -> None:
+        """The pooling policies' reference fit (slo.pool_reference, over the instances' fits): when it changes, the
+        scores by those policies are all stale."""
+        reference = slo.pool_reference(e.load.latency for e in self.entries.values())
+        if reference != self.reference:
+            self.reference = reference
+            for key in [k for k, (_, pooling) in self.scorers.items() if pooling]:
+                self.scores.pop(key, None)
+                for e in self.entries.values():
+                    e.scores.pop(key, None)
 
     def state_of(self, view: wire.InstanceView, load: wire.InstanceLoad, now: float) -> policy.InstanceState:
         mine = self.mine.get(view.instance_id)
@@ -176,6 +199,7 @@ class DispatchView:
         self.at = {iid: j for j, iid in enumerate(self.ids)}
         self.scores.clear()
         self.dirty.clear()
+        self.reference = slo.pool_reference(e.load.latency for e in self.entries.values())
         self.stale, self.built_at = False, now
 
     def _rescore(self, iid: str, now: float) -> None:
@@ -185,17 +209,20 @@ class DispatchView:
         entry.scores.clear()
         for key, scores in self.scores.items():
             if scores:
-                scores[self.at[iid]] = self._score(entry, key, self._scorer(key), now)
+                scores[self.at[iid]] = self._score(entry, key, now)
 
-    def _scorer(self, key: tuple):
-        base, cls = key
-        return policy.scorer(base, self.headroom, cls, self.tpot_targets.get(cls, 0.0))
+    def _scored_state(self, entry: _Entry, pooling: bool, now: float) -> policy.InstanceState:
+        """The state a policy scores: completed by the cluster's fits for a pooling one (slo.pooled)."""
+        if entry.state is None:
+            entry.state = self.state_of(entry.view, entry.load, now)
+        return slo.pooled_state(entry.state, self.reference) if pooling else entry.state
 
-    def _score(self, entry: _Entry, key: tuple, score, now: float) -> float:
+    def _score(self, entry: _Entry, key: tuple, now: float) -> float:
+        score, pooling = self.scorers[key]
+        if score is None:  # (a policy that does not look at load)
+            return 0.0
         if key not in entry.scores:
-            if entry.state is None:
-                entry.state = self.state_of(entry.view, entry.load, now)
-            entry.scores[key] = score(entry.state)
+            entry.scores[key] = score(self._scored_state(entry, pooling, now))
         return entry.scores[key]
 
     def describe(self, instance_id: str) -> str:

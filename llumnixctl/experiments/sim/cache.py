@@ -44,7 +44,7 @@ class SimCache:
     def __init__(self, cfg, mgr: Manager, trace: list, report_lag_s: float, oracle: bool, site: Site) -> None:
         self.cfg, self.mgr, self.report_lag_s, self.oracle, self.site = cfg, mgr, report_lag_s, oracle, site
         self.caching = cfg.sim.prefix_caching
-        self.cache_keys = self.caching and cfg.manager.dispatch_policy == "llumnix-cache"
+        self.cache_keys = self.caching and policy.DISPATCH.get(cfg.manager.dispatch_policy).cache_affinity
         self.by_cache = 0
         if self.caching:
             mgr.cache_index._ask = self.sync

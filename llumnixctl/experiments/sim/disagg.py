@@ -4,8 +4,9 @@ policy code (daemons/policy/disagg.py):
 - roles: each simulated instance has one (``mixed``, ``prefill``, ``decode``), held by its ``Standing`` as the
   daemon's, so its load reports carry it and the manager's and the proxy's states see it;
 - dispatch: the manager's dispatcher decides with roles itself (``disagg.decide``, its reply says which way,
-  counted here); the proxy's own dispatch (proxy.dispatch = local) takes the pool ``disagg.decide`` picks and
-  the dispatch policy picks within it; the decisions are counted by kind;
+  counted here); the proxy's own dispatch (proxy.dispatch = local) takes the pool ``policy.pool_for`` picks (the
+  first half of every dispatcher's ``policy.place``) and the dispatch policy picks within it; the decisions are
+  counted by kind;
 - handover: everything is the daemons'. A prefill instance's ``Handovers`` (daemons/instance/handover.py, after
   each step of its ``StepLoop``) offers a request with a token here to the manager (``HandoverReady``: one
   report lag), whose ``Roles.on_handover`` (daemons/manager/roles.py) chooses the decode instance (caps on
@@ -26,6 +27,7 @@ from typing import Callable, Mapping, Protocol
 
 from daemons import wire
 from daemons.policy import disagg, slo
+from daemons.policy.dispatch import Ask, pool_for, rules_of
 from llumnixctl.experiments.sim.result import stats_of
 
 
@@ -70,7 +72,8 @@ class SimRoles:
 
     def __init__(self, cfg, roles: list[str] | None, site: Site) -> None:
         self.cfg, self.initial, self.site = cfg, list(roles or []), site
-        self.ttft_of = {k: t.ttft_s for k, t in slo.class_targets(cfg.slo).items()}
+        self.classes = slo.Classes(cfg.slo)
+        self.rules = rules_of(cfg)
         self.adaptive = cfg.disagg.adaptive
         self.adapt_rules = disagg.adapt_rules_of(cfg.disagg, cfg.slo)
         self.decisions: Counter = Counter()
@@ -131,8 +134,10 @@ class SimRoles:
         states = dispatcher.states(self.site.now)
         if not disagg.active(states):
             return exclude
-        rules = disagg.rules_of(self.cfg.disagg, self.ttft_of.get(1 if priority > 0 else 0, 0.0))
-        d = disagg.decide([s for s in states if s.instance_id not in exclude], prompt_tokens, None, rules, priority)
+        d = pool_for([s for s in states if s.instance_id not in exclude],
+                     Ask(prompt_tokens, priority, self.classes.of(priority)), self.rules)
+        if d is None:
+            return exclude
         self.decided(d.decision)
         if not d.pool:
             return exclude

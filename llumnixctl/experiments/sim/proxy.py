@@ -42,12 +42,12 @@ class SimProxy:
         self.headroom = cfg.scheduling.high_priority_headroom
         self.interval_s = cfg.proxy.snapshot_interval_s
         self.local = cfg.proxy.dispatch == "local"  # it chooses instances itself (else the manager does)
-        self.view = DispatchView(cfg.manager.pending_dispatch_ttl_s, self.headroom, clock.monotonic,
-                                 {c: t.tpot_s for c, t in slo.class_targets(cfg.slo).items()})  # as the proxy's
+        self.view = DispatchView(cfg.manager.pending_dispatch_ttl_s, policy.rules_of(cfg), clock.monotonic)  # as the proxy's
+        self.classes = slo.Classes(cfg.slo)  # each request's SLO class and targets, where it comes in
         self.known = KnownInstances(clock, cfg.proxy.instance_timeout_s, self.interval_s, lambda address: "unknown")
         self.known.dispatch_policy = cfg.manager.dispatch_policy
         self.admission = Admission(cfg.admission, clock, self.known, self.view, Placing(), lambda tenant: False,
-                                   cfg.slo)
+                                   cfg.slo, self.classes)
         self.turn = 0
 
     def start(self, snapshot: Callable[[], wire.Snapshot], rtt_s: float, at: Callable, going: Callable[[], bool]) -> None:
@@ -65,7 +65,8 @@ class SimProxy:
     def ready(self) -> bool:
         """It chooses instances itself (proxy.dispatch = local), has a snapshot, and its policy is one it applies
         itself."""
-        return self.local and bool(self.known.snapshot) and self.known.dispatch_policy != "llumnix-cache"
+        return (self.local and bool(self.known.snapshot)
+                and not policy.DISPATCH.get(self.known.dispatch_policy).cache_affinity)
 
     @property
     def by_slo(self) -> bool:
@@ -76,7 +77,7 @@ class SimProxy:
         """The proxy's admission of a new request (by SLO): its verdict, refused or not (None: nothing to
         predict from yet, admitted)."""
         try:
-            return self.admission.admit(priority, "", prompt_tokens)
+            return self.admission.admit(self.classes.of(priority), "", prompt_tokens)
         except Overloaded as exc:
             return slo.Verdict(False, math.inf, exc.retry_after_s, exc.reason)
 
@@ -91,16 +92,13 @@ class SimProxy:
 
     # ------------------------------------------------------------------ the dispatch
 
-    def choose(self, priority: int, exclude: tuple = ()) -> str | None:
-        """The instance for a new request (None: the view has none; ask the manager)."""
+    def choose(self, priority: int, exclude: tuple = (), prompt_tokens: int = 0) -> str | None:
+        """The instance for a new request (None: the view has none; ask the manager): the proxy's own
+        ``DispatchView.choose`` (``policy.place`` over its view)."""
         self.turn += 1
-        start, policy_name = self.known.tie_start(), self.known.dispatch_policy
-        if not exclude:
-            return self.view.choose(self.known.alive, policy_name, priority, self.turn, start)
-        now = self.clock.monotonic()
-        states = [self.view.state_of(v, v.load, now) for v in self.known.alive() if v.instance_id not in exclude]
-        return policy.dispatch(policy_name, states, self.turn, self.headroom, priority, start=start,
-                               tpot_target_s=self.view.tpot_targets.get(1 if priority > 0 else 0, 0.0))
+        ask = policy.Ask(prompt_tokens, priority, self.classes.of(priority))
+        return self.view.choose(self.known.alive, self.known.dispatch_policy, ask, self.turn, self.known.tie_start(),
+                                exclude)
 
     def states(self, now: float) -> list:
         """The instances it would dispatch among, as its dispatch view sees them at ``now``."""
@@ -111,7 +109,7 @@ class SimProxy:
         beat = self.known.beats.get(instance_id)
         if beat is None or beat.load is None or beat.load.latency is None:
             return None
-        return self.view.predict(instance_id, beat.load, tokens, priority)
+        return self.view.predict(instance_id, beat.load, tokens, self.classes.of(priority).high)
 
     def sent(self, instance_id: str, tokens: int) -> None:
         """A request of ``tokens`` went to ``instance_id``: its load until a heartbeat shows it."""

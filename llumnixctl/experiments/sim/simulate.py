@@ -57,7 +57,7 @@ import msgspec
 import typer
 
 from daemons import manager as manager_module
-from daemons import wire
+from daemons import policy, wire
 from daemons.clock import LoopClock, VirtualTimeLoop, run_virtual
 from daemons.config import Config, ConfigError, load_config
 from daemons.requests import RequestTable
@@ -187,7 +187,7 @@ class Simulation:
         self._next_index = itertools.count()
         for _ in range(self.n_instances):
             self.add_instance()
-        if self.cfg.scaling.policy != "off":
+        if policy.SCALING.get(self.cfg.scaling.policy).scales:
             self.scaler.start()
         if self.sample_s > 0:
             self.at(self.sample_s, self._sample)
@@ -249,7 +249,8 @@ class Simulation:
         proxy, tr, prio = self.proxy, req.trace, 1 if req.trace.priority == "high" else 0
         local = proxy is not None and proxy.ready() and not self.oracle
         if local:
-            iid = proxy.choose(prio, self.roles.exclude(proxy, tr.prompt_tokens, prio, exclude))  # (in its pool)
+            iid = proxy.choose(prio, self.roles.exclude(proxy, tr.prompt_tokens, prio, exclude),  # (in its pool)
+                               tr.prompt_tokens)
             if iid is not None:
                 self.slo.sent(req, iid)
                 req.dispatches += 1
