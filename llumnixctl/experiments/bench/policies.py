@@ -32,6 +32,8 @@ from daemons.config import ConfigError, load_config
 from llumnixctl.admin import AdminClient, ManagerUnreachable
 from llumnixctl.experiments.bench import serve as bench_serve, serve_figures as bench_serve_figures
 from llumnixctl.experiments.bench.cluster import start_cluster
+from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, Budget, Progress, Units, budget_option,
+                                                 skipped_lines)
 from llumnixctl.experiments.traces import gen as trace, options as traceopts
 from llumnixctl.experiments.traces.gen import TraceOptions
 from llumnixctl.lab import localcluster
@@ -269,8 +271,10 @@ def command(
     up_timeout: Annotated[float, typer.Option(help="seconds a cluster may take to come up", min=1.0)] = 60.0,
     per_request: Annotated[bool, typer.Option(help="with --json: every request's figures too (under per_request)")] = False,
     json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    budget_s: Annotated[float, budget_option()] = DEFAULT_BUDGET_S,
 ) -> None:
     """Round-robin, INFaaS++ and Llumnix on the same generated trace: latencies, preemptions, migrations.
+    A policy whose run would not fit in --budget-s is skipped (--json: skipped).
 
     One throw-away sim cluster per policy, with the same settings but the
     policy; the same trace replayed open loop against each. The defaults put
@@ -311,6 +315,7 @@ def command(
     ~40 s) ends 100-115 s after the start; with start and stop, one policy takes about 2 minutes.
     The llumnix policy keeps its own defaults (the [scheduling] section); --set changes them.
     """
+    budget = Budget(budget_s)
     err = Console(stderr=True)
 
     def die(msg: str, code: int = 2) -> None:
@@ -345,15 +350,25 @@ def command(
                         "high_fraction": high_fraction, "seed": seed, "summary": trace.summary(reqs)},
               "instances": instances, "cores": psutil.cpu_count(), "settings": sets, "policies": {}}
     log = lambda m: err.print(m, markup=False)  # noqa: E731
+    progress = Progress(len(names), start=budget.t0)
+    units = Units(budget, progress)
     for name in names:
+        if not units.start({"policy": name}, f"policy {name}"):
+            continue
         try:
             r = run_policy(name, reqs, instances, sets, request_timeout, up_timeout, log, per_request and json_)
         except RuntimeError as exc:
+            progress.close()
             die(str(exc), 1)
+        units.done()
         result["policies"][name] = r
         log(f"{name}: done in {r['wall_s']:.0f}s; {r['completed']}/{r['requests']} completed, {r['errors']} errors, "
             f"{r['preemptions']} preemptions, {r['migrations']['committed']} migrations")
+    progress.close()
+    result.update(budget.fields())
     if json_:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
         return
     print_tables(result)
+    for line in skipped_lines(result["skipped"], lambda s: f"policy {s['policy']}"):
+        Console().print(line, markup=False)
