@@ -8,7 +8,7 @@ import io
 import pytest
 
 from llumnixctl.experiments.bench.budget import (Budget, Progress, Units, estimate, fit_seconds, plan,
-                                                 skipped_lines)
+                                                 skipped_lines, trace_prefix)
 
 
 class Clock:
@@ -150,3 +150,13 @@ def test_skipped_lines_name_the_unit_and_the_reason():
     assert skipped_lines([{"tokens": 8192, "reason": "estimated 300 s, 20 s of the 240 s budget left"}],
                          lambda s: f"length {s['tokens']}") == [
         "skipped length 8192: estimated 300 s, 20 s of the 240 s budget left"]
+
+
+def test_a_trace_is_cut_to_the_requests_every_replay_can_serve_within_the_budget():
+    arrivals = [0.0, 5.0, 10.0, 20.0, 40.0]
+    outputs = [100, 400, 100, 2000, 100]
+    # 3 replays of 20 s overhead, 25 ms a token: the first 3 take 3 x (10 + 10 + 20) = 120 s; the 4th request's
+    # 2000 tokens make it 3 x (20 + 50 + 20) = 270 s
+    assert trace_prefix(arrivals, outputs, 3, 200.0, 0.025, 20.0) == 3
+    assert trace_prefix(arrivals, outputs, 3, 1e9, 0.025, 20.0) == 5  # all of it fits
+    assert trace_prefix(arrivals, outputs, 3, 1.0, 0.025, 20.0) == 1  # never none

@@ -133,6 +133,21 @@ def fit_seconds(budget: Budget, seconds: float, reserve_s: float = 0.0, least: f
     return float(min(seconds, max(least, room)))
 
 
+def trace_prefix(arrivals: list[float], outputs: list[int], replays: int, room_s: float, step_s: float,
+                 overhead_s: float) -> int:
+    """How many requests of a trace (the first ones, in arrival order) ``replays`` replays of it fit in
+    ``room_s``: each takes its last arrival, then the decoding of its longest output at ``step_s`` a token, and
+    ``overhead_s`` (its cluster's start and stop). All of them when they fit; at least 1."""
+    longest = 0
+    best = 1
+    for k, (at, out) in enumerate(zip(arrivals, outputs), start=1):
+        longest = max(longest, out)
+        if replays * (at + longest * step_s + overhead_s) > room_s:
+            break
+        best = k
+    return best
+
+
 def plan(units: list[tuple[dict, float]], durations: list[float], budget_s: float | None,
          start_s: float = 0.0) -> tuple[list[dict], list[dict]]:
     """Offline replay of ``Budget``: units as (unit, size) in run order, each one's measured duration when it

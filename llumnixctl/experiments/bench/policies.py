@@ -32,8 +32,8 @@ from daemons.config import ConfigError, load_config
 from llumnixctl.admin import AdminClient, ManagerUnreachable
 from llumnixctl.experiments.bench import serve as bench_serve, serve_figures as bench_serve_figures
 from llumnixctl.experiments.bench.cluster import start_cluster
-from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, Budget, Progress, Units, budget_option,
-                                                 skipped_lines)
+from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, STOP_RESERVE_S, Budget, Progress, Units,
+                                                 budget_option, skipped_lines, trace_prefix)
 from llumnixctl.experiments.traces import gen as trace, options as traceopts
 from llumnixctl.experiments.traces.gen import TraceOptions
 from llumnixctl.lab import localcluster
@@ -41,6 +41,11 @@ from llumnixctl.stats import percentile
 from llumnixctl.lab.scratch import scratch_dir
 
 DEFAULT_POLICIES = "rr,infaas++,llumnix"
+# What a policy's replay takes past the trace's last arrival, to cut a trace to the budget (--budget-s): a decode
+# step at sim.time_scale 1 is 15-20 ms (25 with the queueing of a loaded run), and a cluster starts and stops in
+# about 20 s on 2 loaded cores.
+STEP_S_ESTIMATE = 0.025
+POLICY_OVERHEAD_S = 20.0
 MODEL = "llumnix-sim"
 # The cluster every policy gets (see the command's docstring for why these values).
 PRESSURE = ["sim.num_blocks=320", "sim.block_size=16", "sim.time_scale=1.0"]
@@ -345,6 +350,19 @@ def command(
                               output=(output_min, output_max), alpha=alpha, high_fraction=high_fraction, seed=seed)
     except ValueError as exc:
         die(str(exc))
+    if budget.budget_s is not None and len(names) > 1:
+        # Every policy replays the same trace, so that they compare: a trace they cannot all replay within the
+        # budget is cut (its first requests) rather than a policy skipped.
+        k = trace_prefix([r.arrival_s for r in reqs], [r.output_tokens for r in reqs], len(names),
+                         budget.left() - STOP_RESERVE_S, STEP_S_ESTIMATE, POLICY_OVERHEAD_S)
+        if k < len(reqs):
+            budget.skip({"part": "trace", "requests": len(reqs), "run": k},
+                        f"the trace cut to its first {k} of {len(reqs)} requests (arriving over "
+                        f"{reqs[k - 1].arrival_s:.0f} s): {len(names)} policies replaying all of it would take about "
+                        f"{len(names) * (reqs[-1].arrival_s + max(r.output_tokens for r in reqs) * STEP_S_ESTIMATE + POLICY_OVERHEAD_S):.0f} s, "
+                        f"{max(0.0, budget.left()):.0f} s of the {budget.budget_s:.0f} s budget left")
+            reqs = reqs[:k]
+            err.print(f"bench policies: {budget.skipped[-1]['reason']}", markup=False)
     result = {"trace": {"requests": requests, "rate": rate, "arrival": arrival, "cv": cv if arrival == "gamma" else 1.0,
                         "prompt": [prompt_min, prompt_max], "output": [output_min, output_max], "alpha": alpha,
                         "high_fraction": high_fraction, "seed": seed, "summary": trace.summary(reqs)},
@@ -370,5 +388,5 @@ def command(
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
         return
     print_tables(result)
-    for line in skipped_lines(result["skipped"], lambda s: f"policy {s['policy']}"):
+    for line in skipped_lines(result["skipped"], lambda s: f"policy {s['policy']}" if "policy" in s else "part of the trace"):
         Console().print(line, markup=False)
