@@ -130,6 +130,7 @@ def test_the_progress_line_counts_units_and_seconds_since_the_start():
     p.step("length 1024")
     assert p.update("length 1024, round 2") == "[2/12] length 1024, round 2: 71 s elapsed"
     assert p.skipped("length 8192", "no time") == "[3/12] length 8192: skipped (no time)"
+    assert p.label == ""  # the heartbeat does not repeat a unit that ended
     assert out.getvalue().splitlines() == ["[1/12] length 256: 41 s elapsed", "[2/12] length 1024: 71 s elapsed",
                                            "[2/12] length 1024, round 2: 71 s elapsed",
                                            "[3/12] length 8192: skipped (no time)"]

@@ -208,15 +208,17 @@ class Progress:
         return text
 
     def update(self, label: str) -> str:
-        """The same unit, a new part of it (``round 2``)."""
+        """The same unit, a new part of it (``round 2``), or what runs between units (a cluster's start)."""
         self.label = label
         text = self.line()
         self._write(text)
+        self._start_heartbeat()
         return text
 
     def skipped(self, label: str, reason: str) -> str:
         """The next unit is skipped: ``[i+1/n] label: skipped (reason)``."""
         self.i += 1
+        self.label = ""  # nothing runs: no heartbeat repeats a unit that ended
         text = f"[{self.i}/{self.total}] {label}: skipped ({reason})"
         self._write(text)
         return text

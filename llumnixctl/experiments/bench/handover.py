@@ -113,6 +113,7 @@ def run(backend: str, lengths: list[int], repeat: int, decode_tokens: int, basel
         t_up = time.monotonic()
         run_dir = scratch_dir("llumnix-bench-handover-")
         log(f"{cluster}: starting {len(roles)} instance(s) ...")
+        progress.update(f"{cluster}: starting {len(roles)} instance(s)")
         try:
             state = localcluster.up(run_dir, len(roles), backend, 0, None, sets, timeout_s=600,
                                     roles=roles)

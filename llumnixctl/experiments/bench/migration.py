@@ -221,6 +221,7 @@ def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int
             log("writing the kv-heavy test model ...")
             model = write_tiny_model(run_dir / "kv-heavy", size="kv-heavy")
         log("starting two instances ...")
+        progress.update("starting two instances")
         state = localcluster.up(run_dir, 2, backend, 0, None,
                                 _settings(backend, model, lengths, decode_tokens, shared_prefix > 0) + list(extra or []),
                                 timeout_s=600, place=place, manager_host=manager_host)
