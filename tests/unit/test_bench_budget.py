@@ -7,7 +7,7 @@ import io
 
 import pytest
 
-from llumnixctl.experiments.bench.budget import (Budget, Progress, Units, estimate, fit_seconds, plan,
+from llumnixctl.experiments.bench.budget import (Budget, Progress, Rounds, Units, estimate, fit_seconds, plan,
                                                  skipped_lines, trace_prefix)
 
 
@@ -96,30 +96,65 @@ def test_a_timed_phase_is_shortened_to_the_budget_but_not_below_its_floor():
     assert fit_seconds(Budget(None), 120, reserve_s=30) == 120
 
 
-def test_units_of_several_kinds_are_estimated_by_kind_and_skipped_with_a_progress_line():
+def test_rounds_run_whole_or_not_at_all_and_each_skipped_unit_has_a_progress_line():
+    """bench disagg's default: 3 interleaved rounds of mixed, split and adaptive. A round runs only when all its
+    configurations fit (a round without one of them compares nothing); the first always runs."""
     clock, out = Clock(), io.StringIO()
     b = Budget(240, clock=clock)
-    p = Progress(6, stream=out, clock=clock, start=0.0, heartbeat_s=None)
-    u = Units(b, p, reserve_s=15)
+    p = Progress(9, stream=out, clock=clock, start=0.0, heartbeat_s=None)
+    rounds = Rounds(b, p, reserve_s=15)
+    took = {"mixed": 35.0, "split": 60.0, "adaptive": 60.0}
     ran = []
-    durations = {"llumnix": 60.0, "router": 90.0}
-    clock.t = 30  # start-up
-    for rnd in (1, 2, 3):
-        for name in ("llumnix", "router"):
-            if u.start({"round": rnd, "system": name}, f"round {rnd}/3: {name}", key=name):
-                clock.t += durations[name]
-                u.done()
-                ran.append((rnd, name))
-    # 30 + 60 = 90; the router has no estimate of its own: the llumnix one's (72 s) fits 150 - 15; 90 more: 180.
-    # round 2, llumnix: 72 s against 60 left minus 15 reserved: skipped; router: 108: skipped; round 3 likewise.
-    assert ran == [(1, "llumnix"), (1, "router")]
-    assert [(s["round"], s["system"]) for s in b.skipped] == [(2, "llumnix"), (2, "router"), (3, "llumnix"), (3, "router")]
+    clock.t = 5  # the model written
+    for r in (1, 2, 3):
+        units = [({"config": c, "round": r}, f"round {r}/3: {c}", c) for c in took]
+        if not rounds.begin(units):
+            continue
+        for unit, label, key in units:
+            rounds.start(label)
+            clock.t += took[key]
+            rounds.done(key)
+            ran.append((r, key))
+    # round 1 ends at 160 s; round 2 is estimated at 1.2 x 155 = 186 s (+15) against 80 s left: skipped whole
+    assert ran == [(1, "mixed"), (1, "split"), (1, "adaptive")]
+    assert [(s["round"], s["config"]) for s in b.skipped] == [(r, c) for r in (2, 3) for c in took]
+    assert b.skipped[0]["reason"] == "the round estimated 186 s (+15 s for what follows), 80 s of the 240 s budget left"
     lines = out.getvalue().splitlines()
-    assert lines[0] == "[1/6] round 1/3: llumnix: 30 s elapsed"
-    assert lines[1] == "[2/6] round 1/3: router: 90 s elapsed"
-    assert lines[2] == ("[3/6] round 2/3: llumnix: skipped (estimated 72 s (+15 s for what follows), "
-                        "60 s of the 240 s budget left)")
-    assert lines[-1].startswith("[6/6] round 3/3: router: skipped (")
+    assert lines[:3] == ["[1/9] round 1/3: mixed: 5 s elapsed", "[2/9] round 1/3: split: 40 s elapsed",
+                         "[3/9] round 1/3: adaptive: 100 s elapsed"]
+    assert lines[3].startswith("[4/9] round 2/3: mixed: skipped (the round estimated 186 s") and len(lines) == 9
+
+
+def test_a_later_round_runs_when_it_fits():
+    clock = Clock()
+    b = Budget(240, clock=clock)
+    rounds = Rounds(b, Progress(4, stream=io.StringIO(), clock=clock, heartbeat_s=None), reserve_s=15)
+    ran = 0
+    for r in (1, 2, 3, 4):
+        units = [({"round": r, "system": "llumnix"}, f"round {r}", "llumnix")]
+        if rounds.begin(units):
+            rounds.start(f"round {r}")
+            clock.t += 50
+            rounds.done("llumnix")
+            ran += 1
+    # 50, 100, 150: the 4th is estimated at 60 s + 15 against 90 s left: it runs; ends at 200
+    assert ran == 4 and b.skipped == []
+
+
+def test_units_of_one_kind_are_estimated_from_the_longest_and_skipped_with_a_progress_line():
+    clock, out = Clock(), io.StringIO()
+    b = Budget(240, clock=clock)
+    p = Progress(3, stream=out, clock=clock, start=0.0, heartbeat_s=None)
+    u = Units(b, p, reserve_s=15)
+    clock.t = 10
+    for name in ("rr", "infaas++", "llumnix"):
+        if u.start({"policy": name}, f"policy {name}"):
+            clock.t += 90
+            u.done()
+    # 100: infaas++ estimated 108 + 15 against 140 left: runs; at 190 llumnix is skipped
+    assert [s["policy"] for s in b.skipped] == ["llumnix"]
+    assert out.getvalue().splitlines()[-1] == ("[3/3] policy llumnix: skipped (estimated 108 s (+15 s for what "
+                                               "follows), 50 s of the 240 s budget left)")
 
 
 def test_the_progress_line_counts_units_and_seconds_since_the_start():

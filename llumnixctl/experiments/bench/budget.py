@@ -280,6 +280,57 @@ class Units:
         return seconds
 
 
+class Rounds:
+    """Interleaved rounds of several systems (configurations) under a budget: a comparison needs every system of
+    a round, so rounds run whole or not at all. The first round always runs; a later one runs when the sum of
+    its systems' estimates (each the longest of that system measured so far, or of any when it has none) fits
+    in what is left, else each of its units is skipped, with a progress line each:
+
+        rounds = Rounds(budget, progress)
+        for k in range(n):
+            units = [({"round": k + 1, "system": s}, f"round {k + 1}/{n}: {s}", s) for s in systems]
+            if not rounds.begin(units):
+                continue
+            for unit, label, key in units:
+                rounds.start(label)
+                ...
+                rounds.done(key)
+    """
+
+    def __init__(self, budget: Budget, progress: Progress, reserve_s: float = STOP_RESERVE_S):
+        self.budget, self.progress, self.reserve_s = budget, progress, reserve_s
+        self.measured: dict[object, list[tuple[float, float]]] = {}
+        self._t0 = 0.0
+        self._first = True
+
+    def estimate(self, key: object) -> float | None:
+        return estimate(self.measured.get(key, []) or [x for xs in self.measured.values() for x in xs])
+
+    def begin(self, units: list[tuple[dict, str, object]]) -> bool:
+        if self._first:
+            self._first = False
+            self.budget.always()
+            return True
+        ests = [self.estimate(key) for _, _, key in units]
+        total = None if any(e is None for e in ests) else sum(ests)
+        if self.budget.allows(total, self.reserve_s):
+            return True
+        reason = "the round " + self.budget.reason(total, self.reserve_s)
+        for unit, label, _ in units:
+            self.budget.skip(unit, reason)
+            self.progress.skipped(label, reason)
+        return False
+
+    def start(self, label: str) -> None:
+        self.progress.step(label)
+        self._t0 = self.budget.clock()
+
+    def done(self, key: object) -> float:
+        seconds = self.budget.clock() - self._t0
+        self.measured.setdefault(key, []).append((1.0, seconds))
+        return seconds
+
+
 def skipped_lines(skipped: list[dict], describe: Callable[[dict], str]) -> list[str]:
     """The human output's closing lines: one per skipped unit."""
     return [f"skipped {describe(s)}: {s['reason']}" for s in skipped]

@@ -35,7 +35,7 @@ import httpx
 import typer
 
 from llumnixctl.experiments.bench import engine as bench_engine, serve as bench_serve
-from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, Budget, Progress, Units, budget_option,
+from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, Budget, Progress, Rounds, budget_option,
                                                  skipped_lines)
 from llumnixctl.experiments.traces import cache as tracecache
 from llumnixctl.experiments.bench.serve_figures import stats_ms
@@ -295,16 +295,18 @@ def command(
     vllm = {"max_num_seqs": max_num_seqs, "kv_cache_bytes": (kv_tokens + 128) * BYTES_PER_TOKEN, "block_size": 128}
     rows = []
     progress = Progress(rounds * len(kinds) * len(names), start=budget.t0)
-    units = Units(budget, progress)
+    rounds_ = Rounds(budget, progress)
     try:
         for k in range(rounds):
+            if not rounds_.begin([({"round": k + 1, "trace": kind, "system": name},
+                                   f"round {k + 1}/{rounds}, {kind}: {name}", (kind, name))
+                                  for kind in kinds for name in (names if k % 2 == 0 else list(reversed(names)))]):
+                continue
             for kind in kinds:
                 reqs = make_trace(kind, requests, rate, seed + k)
                 order = names if k % 2 == 0 else list(reversed(names))  # interleaved: nobody always first
                 for name in order:
-                    if not units.start({"round": k + 1, "trace": kind, "system": name},
-                                       f"round {k + 1}/{rounds}, {kind}: {name}", key=name):
-                        continue
+                    rounds_.start(f"round {k + 1}/{rounds}, {kind}: {name}")
                     d = work / f"r{k}-{kind}-{name}"
                     d.mkdir()
                     sys.stderr.write(f"round {k + 1}/{rounds}, {kind}: {name} ...\n")
@@ -314,7 +316,7 @@ def command(
                     else:
                         res = peer(name, smg if name == "smg" else vllm_router, path, d, reqs, words, instances, vllm)
                     rows.append({"round": k + 1, "trace": kind, "system": name, **res})
-                    units.done()
+                    rounds_.done((kind, name))
                     sys.stderr.write(json.dumps(rows[-1]) + "\n")
     finally:
         progress.close()

@@ -40,7 +40,7 @@ from daemons.config import ConfigError, load_config
 from llumnixctl.admin import AdminClient, ManagerUnreachable
 from llumnixctl.experiments.bench.overload import vocab_of
 from llumnixctl.experiments.bench import disagg_figures as figs
-from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, Budget, Progress, Units, budget_option,
+from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, Budget, Progress, Rounds, budget_option,
                                                  skipped_lines)
 from llumnixctl.experiments.bench.serve import replay, stream_completion
 from llumnixctl.lab import localcluster
@@ -238,22 +238,24 @@ def command(
     scratch = scratch_dir("llumnix-bench-disagg-model-")
     runs: list[dict] = []
     progress = Progress(rounds * len(names), start=budget.t0)
-    units = Units(budget, progress)
+    rounds_ = Rounds(budget, progress)
     try:
         common, target, label = backend_sets(backend, batch, model, scratch)
         common += [*QUIET, f"model.max_model_len={max(4096, lp + lo + 64, sp + so + 64)}"]
         for r in range(first_round, first_round + rounds):
             reqs, kinds = figs.mixed_trace(mix, r)
+            if not rounds_.begin([({"config": cfg, "round": r}, f"round {r + 1 - first_round}/{rounds}: {cfg}", cfg)
+                                  for cfg in names]):
+                continue
             for cfg in names:
                 roles = roles_of(cfg, instances, prefill)
                 sets = common + config_sets(cfg, slo_ttft_ms, slo_tpot_ms, slo_everywhere) + list(set_ or [])
-                if not units.start({"config": cfg, "round": r}, f"round {r + 1 - first_round}/{rounds}: {cfg}", key=cfg):
-                    continue
+                rounds_.start(f"round {r + 1 - first_round}/{rounds}: {cfg}")
                 err.print(f"round {r + 1 - first_round}/{rounds}: {cfg} ({roles_label(roles)}) ...", markup=False)
                 f = run_one(backend, sets, roles, reqs, kinds, target, r, slo_ttft_ms / 1000, slo_tpot_ms / 1000,
                             request_timeout, lambda m: err.print(m, markup=False))
                 runs.append({"config": cfg, "round": r, "figures": f})
-                units.done()
+                rounds_.done(cfg)
     except RuntimeError as exc:
         err.print(f"llumnixctl: bench disagg: {exc}", markup=False)
         raise typer.Exit(1) from None

@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from llumnixctl.experiments.bench import engine as bench_engine
-from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, Budget, Progress, Units, budget_option,
+from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, Budget, Progress, Rounds, budget_option,
                                                  skipped_lines)
 from llumnixctl.experiments.traces import files as traces, gen as trace_mod, mix as tracemix
 from llumnixctl.lab import localcluster
@@ -177,7 +177,7 @@ def command(
     kv_bytes = (kv_tokens + 128) * BYTES_PER_TOKEN  # vLLM keeps one block of 128 tokens back (its null block)
     rows = []
     progress = Progress(rounds * (2 if router else 1), start=budget.t0)
-    units = Units(budget, progress)
+    rounds_ = Rounds(budget, progress)
     try:
         for k in range(rounds):
             reqs = trace_mod.generate(requests, rate=rate, arrival="gamma", cv=cv, prompt=(16, prompt_max),
@@ -190,14 +190,16 @@ def command(
                 systems.append(("plain router", lambda d: plain_router(router, path, d, tfile, kv_bytes, max_num_seqs)))
             if k % 2:
                 systems.reverse()  # interleaved: neither always runs first
+            if not rounds_.begin([({"round": k + 1, "system": name}, f"round {k + 1}/{rounds}: {name}", name)
+                                  for name, _ in systems]):
+                continue
             for name, run in systems:
-                if not units.start({"round": k + 1, "system": name}, f"round {k + 1}/{rounds}: {name}", key=name):
-                    continue
+                rounds_.start(f"round {k + 1}/{rounds}: {name}")
                 err.print(f"round {k + 1}/{rounds}: {name} ...")
                 d = work / f"r{k}-{name.replace(' ', '-')}"
                 d.mkdir()
                 rows.append(_summary(name, k + 1, run(d)))
-                units.done()
+                rounds_.done(name)
                 err.print(json.dumps(rows[-1]))
     finally:
         progress.close()
