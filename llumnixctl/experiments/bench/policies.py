@@ -42,10 +42,10 @@ from llumnixctl.lab.scratch import scratch_dir
 
 DEFAULT_POLICIES = "rr,infaas++,llumnix"
 # What a policy's replay takes past the trace's last arrival, to cut a trace to the budget (--budget-s): a decode
-# step at sim.time_scale 1 is 15-20 ms (25 with the queueing of a loaded run), and a cluster starts and stops in
-# about 20 s on 2 loaded cores.
-STEP_S_ESTIMATE = 0.025
-POLICY_OVERHEAD_S = 20.0
+# step at sim.time_scale 1 is 15-20 ms, and a cluster starts and stops in about 15 s on 2 loaded cores (a policy's
+# replay of the first 53 requests, 13 s of arrivals, took 45-50 s in all at load average 3-7).
+STEP_S_ESTIMATE = 0.02
+POLICY_OVERHEAD_S = 15.0
 MODEL = "llumnix-sim"
 # The cluster every policy gets (see the command's docstring for why these values).
 PRESSURE = ["sim.num_blocks=320", "sim.block_size=16", "sim.time_scale=1.0"]
@@ -362,7 +362,7 @@ def command(
                         f"{len(names) * (reqs[-1].arrival_s + max(r.output_tokens for r in reqs) * STEP_S_ESTIMATE + POLICY_OVERHEAD_S):.0f} s, "
                         f"{max(0.0, budget.left()):.0f} s of the {budget.budget_s:.0f} s budget left")
             reqs = reqs[:k]
-            err.print(f"bench policies: {budget.skipped[-1]['reason']}", markup=False)
+            sys.stderr.write(f"bench policies: {budget.skipped[-1]['reason']}\n")  # one line, never wrapped
     result = {"trace": {"requests": requests, "rate": rate, "arrival": arrival, "cv": cv if arrival == "gamma" else 1.0,
                         "prompt": [prompt_min, prompt_max], "output": [output_min, output_max], "alpha": alpha,
                         "high_fraction": high_fraction, "seed": seed, "summary": trace.summary(reqs)},
