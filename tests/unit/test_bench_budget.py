@@ -111,7 +111,7 @@ def test_rounds_run_whole_or_not_at_all_and_each_skipped_unit_has_a_progress_lin
         if not rounds.begin(units):
             continue
         for unit, label, key in units:
-            rounds.start(label)
+            assert rounds.start(unit, label, key)
             clock.t += took[key]
             rounds.done(key)
             ran.append((r, key))
@@ -133,7 +133,7 @@ def test_a_later_round_runs_when_it_fits():
     for r in (1, 2, 3, 4):
         units = [({"round": r, "system": "llumnix"}, f"round {r}", "llumnix")]
         if rounds.begin(units):
-            rounds.start(f"round {r}")
+            assert rounds.start(*units[0])
             clock.t += 50
             rounds.done("llumnix")
             ran += 1
@@ -196,3 +196,23 @@ def test_a_trace_is_cut_to_the_requests_every_replay_can_serve_within_the_budget
     assert trace_prefix(arrivals, outputs, 3, 200.0, 0.025, 20.0) == 3
     assert trace_prefix(arrivals, outputs, 3, 1e9, 0.025, 20.0) == 5  # all of it fits
     assert trace_prefix(arrivals, outputs, 3, 1.0, 0.025, 20.0) == 1  # never none
+
+
+def test_a_first_round_longer_than_the_budget_runs_its_units_while_they_fit():
+    """bench cache with our two systems: each (trace, system) starts 4 engines and replays 300 requests."""
+    clock = Clock()
+    b = Budget(240, clock=clock)
+    rounds = Rounds(b, Progress(8, stream=io.StringIO(), clock=clock, heartbeat_s=None), reserve_s=15)
+    ran = []
+    for r in (1, 2):
+        units = [({"round": r, "trace": t, "system": s}, f"round {r}: {t} {s}", (t, s))
+                 for t in ("shared-prefix", "multi-turn") for s in ("llumnix-cache", "llumnix")]
+        if not rounds.begin(units):
+            continue
+        for unit, label, key in units:
+            if rounds.start(unit, label, key):
+                clock.t += 150
+                rounds.done(key)
+                ran.append(key)
+    assert ran == [("shared-prefix", "llumnix-cache")]
+    assert len(b.skipped) == 7 and b.skipped[0]["system"] == "llumnix" and b.skipped[0]["round"] == 1

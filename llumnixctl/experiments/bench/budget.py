@@ -282,9 +282,10 @@ class Units:
 
 class Rounds:
     """Interleaved rounds of several systems (configurations) under a budget: a comparison needs every system of
-    a round, so rounds run whole or not at all. The first round always runs; a later one runs when the sum of
-    its systems' estimates (each the longest of that system measured so far, or of any when it has none) fits
-    in what is left, else each of its units is skipped, with a progress line each:
+    a round, so a later round runs whole or not at all: when the sum of its systems' estimates (each the longest
+    of that system measured so far, or of any when it has none) fits in what is left, else each of its units is
+    skipped, with a progress line each. In the first round, each unit after the first is weighed alone (a first
+    round longer than the budget, as ``bench cache``'s, would otherwise have none):
 
         rounds = Rounds(budget, progress)
         for k in range(n):
@@ -292,7 +293,8 @@ class Rounds:
             if not rounds.begin(units):
                 continue
             for unit, label, key in units:
-                rounds.start(label)
+                if not rounds.start(unit, label, key):
+                    continue
                 ...
                 rounds.done(key)
     """
@@ -301,15 +303,14 @@ class Rounds:
         self.budget, self.progress, self.reserve_s = budget, progress, reserve_s
         self.measured: dict[object, list[tuple[float, float]]] = {}
         self._t0 = 0.0
-        self._first = True
+        self._round = 0
 
     def estimate(self, key: object) -> float | None:
         return estimate(self.measured.get(key, []) or [x for xs in self.measured.values() for x in xs])
 
     def begin(self, units: list[tuple[dict, str, object]]) -> bool:
-        if self._first:
-            self._first = False
-            self.budget.always()
+        self._round += 1
+        if self._round == 1:
             return True
         ests = [self.estimate(key) for _, _, key in units]
         total = None if any(e is None for e in ests) else sum(ests)
@@ -321,9 +322,15 @@ class Rounds:
             self.progress.skipped(label, reason)
         return False
 
-    def start(self, label: str) -> None:
+    def start(self, unit: dict, label: str, key: object) -> bool:
+        """Whether the unit runs (its progress line is printed either way)."""
+        if self._round == 1 and not self.budget.consider(unit, self.estimate(key), self.reserve_s):
+            self.progress.skipped(label, self.budget.skipped[-1]["reason"])
+            return False
+        self.budget.always()
         self.progress.step(label)
         self._t0 = self.budget.clock()
+        return True
 
     def done(self, key: object) -> float:
         seconds = self.budget.clock() - self._t0

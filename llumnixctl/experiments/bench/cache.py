@@ -306,7 +306,9 @@ def command(
                 reqs = make_trace(kind, requests, rate, seed + k)
                 order = names if k % 2 == 0 else list(reversed(names))  # interleaved: nobody always first
                 for name in order:
-                    rounds_.start(f"round {k + 1}/{rounds}, {kind}: {name}")
+                    if not rounds_.start({"round": k + 1, "trace": kind, "system": name},
+                                         f"round {k + 1}/{rounds}, {kind}: {name}", (kind, name)):
+                        continue
                     d = work / f"r{k}-{kind}-{name}"
                     d.mkdir()
                     sys.stderr.write(f"round {k + 1}/{rounds}, {kind}: {name} ...\n")

@@ -250,7 +250,8 @@ def command(
             for cfg in names:
                 roles = roles_of(cfg, instances, prefill)
                 sets = common + config_sets(cfg, slo_ttft_ms, slo_tpot_ms, slo_everywhere) + list(set_ or [])
-                rounds_.start(f"round {r + 1 - first_round}/{rounds}: {cfg}")
+                if not rounds_.start({"config": cfg, "round": r}, f"round {r + 1 - first_round}/{rounds}: {cfg}", cfg):
+                    continue
                 err.print(f"round {r + 1 - first_round}/{rounds}: {cfg} ({roles_label(roles)}) ...", markup=False)
                 f = run_one(backend, sets, roles, reqs, kinds, target, r, slo_ttft_ms / 1000, slo_tpot_ms / 1000,
                             request_timeout, lambda m: err.print(m, markup=False))

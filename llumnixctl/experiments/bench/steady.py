@@ -194,7 +194,8 @@ def command(
                                   for name, _ in systems]):
                 continue
             for name, run in systems:
-                rounds_.start(f"round {k + 1}/{rounds}: {name}")
+                if not rounds_.start({"round": k + 1, "system": name}, f"round {k + 1}/{rounds}: {name}", name):
+                    continue
                 err.print(f"round {k + 1}/{rounds}: {name} ...")
                 d = work / f"r{k}-{name.replace(' ', '-')}"
                 d.mkdir()
