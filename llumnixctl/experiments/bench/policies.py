@@ -284,7 +284,9 @@ def command(
     One throw-away sim cluster per policy, with the same settings but the
     policy; the same trace replayed open loop against each. The defaults put
     4 instances under KV-memory pressure near their capacity; one policy
-    takes about 2 minutes.
+    takes about 2 minutes. Within the default --budget-s (240 s) on 2
+    cores the trace is cut to its first requests (the policies then see
+    little pressure; skipped says so): --budget-s 0 replays all of it.
 
     --json prints:
     {"trace": {"requests", "rate", "arrival", "cv", "prompt", "output"
