@@ -25,7 +25,8 @@ def test_nothing_measured_gives_no_estimate():
 
 def test_units_of_one_size_are_estimated_as_the_longest_measured():
     assert estimate([(1, 50.0), (1, 70.0)], 1, safety=1.0) == 70.0
-    assert estimate([(1, 50.0)], 1) == pytest.approx(60.0)  # the default safety, 1.2
+    assert estimate([(1, 50.0)], 1) == pytest.approx(55.0)  # the default safety for a unit like one measured, 1.1
+    assert estimate([(1, 50.0)], 2) == pytest.approx(120.0)  # past the largest measured, 1.2
 
 
 def test_a_longer_unit_scales_at_least_linearly_and_at_most_quadratically():
@@ -103,7 +104,7 @@ def test_rounds_run_whole_or_not_at_all_and_each_skipped_unit_has_a_progress_lin
     b = Budget(240, clock=clock)
     p = Progress(9, stream=out, clock=clock, start=0.0, heartbeat_s=None)
     rounds = Rounds(b, p, reserve_s=15)
-    took = {"mixed": 35.0, "split": 60.0, "adaptive": 60.0}
+    took = {"mixed": 36.0, "split": 60.0, "adaptive": 60.0}
     ran = []
     clock.t = 5  # the model written
     for r in (1, 2, 3):
@@ -115,14 +116,14 @@ def test_rounds_run_whole_or_not_at_all_and_each_skipped_unit_has_a_progress_lin
             clock.t += took[key]
             rounds.done(key)
             ran.append((r, key))
-    # round 1 ends at 160 s; round 2 is estimated at 1.2 x 155 = 186 s (+15) against 80 s left: skipped whole
+    # round 1 ends at 161 s; round 2 is estimated at 1.1 x 156 = 172 s (+15) against 79 s left: skipped whole
     assert ran == [(1, "mixed"), (1, "split"), (1, "adaptive")]
     assert [(s["round"], s["config"]) for s in b.skipped] == [(r, c) for r in (2, 3) for c in took]
-    assert b.skipped[0]["reason"] == "the round estimated 186 s (+15 s for what follows), 80 s of the 240 s budget left"
+    assert b.skipped[0]["reason"] == "the round estimated 172 s (+15 s for what follows), 79 s of the 240 s budget left"
     lines = out.getvalue().splitlines()
-    assert lines[:3] == ["[1/9] round 1/3: mixed: 5 s elapsed", "[2/9] round 1/3: split: 40 s elapsed",
-                         "[3/9] round 1/3: adaptive: 100 s elapsed"]
-    assert lines[3].startswith("[4/9] round 2/3: mixed: skipped (the round estimated 186 s") and len(lines) == 9
+    assert lines[:3] == ["[1/9] round 1/3: mixed: 5 s elapsed", "[2/9] round 1/3: split: 41 s elapsed",
+                         "[3/9] round 1/3: adaptive: 101 s elapsed"]
+    assert lines[3].startswith("[4/9] round 2/3: mixed: skipped (the round estimated 172 s") and len(lines) == 9
 
 
 def test_a_later_round_runs_when_it_fits():
@@ -151,9 +152,9 @@ def test_units_of_one_kind_are_estimated_from_the_longest_and_skipped_with_a_pro
         if u.start({"policy": name}, f"policy {name}"):
             clock.t += 90
             u.done()
-    # 100: infaas++ estimated 108 + 15 against 140 left: runs; at 190 llumnix is skipped
+    # 100: infaas++ estimated 99 + 15 against 140 left: runs; at 190 llumnix is skipped
     assert [s["policy"] for s in b.skipped] == ["llumnix"]
-    assert out.getvalue().splitlines()[-1] == ("[3/3] policy llumnix: skipped (estimated 108 s (+15 s for what "
+    assert out.getvalue().splitlines()[-1] == ("[3/3] policy llumnix: skipped (estimated 99 s (+15 s for what "
                                                "follows), 50 s of the 240 s budget left)")
 
 

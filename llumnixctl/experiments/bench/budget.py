@@ -39,14 +39,19 @@ def budget_option() -> typer.models.OptionInfo:
     return typer.Option("--budget-s", help=BUDGET_HELP, min=0.0)
 
 
-def estimate(measured: Iterable[tuple[float, float]], size: float = 1.0, *, safety: float = 1.2) -> float | None:
+SAFETY_SAME = 1.1  # a unit like one measured (a round, a load): rounds on a loaded machine vary by about that
+SAFETY_LARGER = 1.2  # a longer unit than any measured: its power law is a guess too
+
+
+def estimate(measured: Iterable[tuple[float, float]], size: float = 1.0, *,
+             safety: float | None = None) -> float | None:
     """Seconds a unit of ``size`` should take, from units measured as (size, seconds); None when nothing was.
 
     Units of one size (rounds, repetitions): the longest measured. Units that grow (prompt lengths): the
     largest measured one scaled as a power of the size ratio, the power fitted to the two largest sizes and
     held between 1 (fixed costs make small units look flat: a length twice as long takes at least twice as
-    long to prefill and to copy) and 2 (attention). Times ``safety``: a loaded machine's next unit is rarely
-    faster."""
+    long to prefill and to copy) and 2 (attention). Times ``safety`` (default: ``SAFETY_SAME``, or
+    ``SAFETY_LARGER`` past the largest measured): a loaded machine's next unit is rarely faster."""
     pts: dict[float, float] = {}
     for s, t in measured:
         pts[float(s)] = max(pts.get(float(s), 0.0), float(t))
@@ -55,13 +60,13 @@ def estimate(measured: Iterable[tuple[float, float]], size: float = 1.0, *, safe
     sizes = sorted(pts)
     top = sizes[-1]
     if size <= top:  # a unit no larger than one measured: the longest of those at least as large
-        return max(t for s, t in pts.items() if s >= size) * safety
+        return max(t for s, t in pts.items() if s >= size) * (SAFETY_SAME if safety is None else safety)
     power = 1.0
     if len(sizes) >= 2:
         s0, s1 = sizes[-2], sizes[-1]
         if pts[s0] > 0 and pts[s1] > 0:
             power = min(2.0, max(1.0, math.log(pts[s1] / pts[s0]) / math.log(s1 / s0)))
-    return pts[top] * (size / top) ** power * safety
+    return pts[top] * (size / top) ** power * (SAFETY_LARGER if safety is None else safety)
 
 
 def fmt_s(seconds: float) -> str:
