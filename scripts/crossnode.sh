@@ -18,7 +18,7 @@ venv="${LLUMNIX_VENV:-.venv}"
 py="$venv/bin/python"
 lengths="${LENGTHS:-256,1024,4096}"
 common=(bench migration --backend sim --lengths "$lengths" --repeat "${REPEAT:-6}"
-        --decode-tokens "${DECODE_TOKENS:-1600}" --json)
+        --decode-tokens "${DECODE_TOKENS:-1600}" --json --budget-s 0)
 runs=(
     "same host (loopback)|"
     "separate hosts, no limit|--netns"

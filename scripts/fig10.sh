@@ -16,7 +16,8 @@ fi
 if ! "$venv/bin/python" -c "import matplotlib" 2>/dev/null; then
     "$venv/bin/python" -m pip install --quiet "matplotlib>=3.8"
 fi
-args=(bench migration --backend "${BACKEND:-vllm}" --lengths "${LENGTHS:-256,512,1024,2048,4096,8192}" --json)
+# --budget-s 0: every length, however long it takes (the benchmark's default budget skips what exceeds 4 minutes)
+args=(bench migration --backend "${BACKEND:-vllm}" --lengths "${LENGTHS:-256,512,1024,2048,4096,8192}" --json --budget-s 0)
 if [ -n "${MODEL:-}" ]; then
     args+=(--model "$MODEL")
 fi

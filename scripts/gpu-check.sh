@@ -114,9 +114,9 @@ vllm_steps() {  # needs CUDA vLLM and llumnixctl in the venv
     fi
     # A saturating bursty trace on two instances sharing the GPU: no request may fail and no instance may be marked
     # dead (liveness by connection); the llumlets' heartbeat lateness and the proxy's refusals are in the JSON.
-    step steady bench steady --json --rounds 1 --requests 300 --rate 16 "${check_model[@]}" \
+    step steady bench steady --json --rounds 1 --requests 300 --rate 16 --budget-s 0 "${check_model[@]}" \
         --set vllm.gpu_memory_utilization=0.4 "${gpu_sets[@]}"
-    bench=(bench migration --json "${bench_model[@]}" --set vllm.gpu_memory_utilization=0.4 --set vllm.omp_threads=0)
+    bench=(bench migration --json --budget-s 0 "${bench_model[@]}" --set vllm.gpu_memory_utilization=0.4 --set vllm.omp_threads=0)
     if [ -n "${LENGTHS:-}" ]; then
         bench+=(--lengths "$LENGTHS")
     fi

@@ -16,7 +16,7 @@ venv="${LLUMNIX_VENV:-.venv}"
 if [ ! -x "$venv/bin/llumnixctl" ]; then
     LLUMNIX_EXTRAS="${LLUMNIX_EXTRAS:-test}" bash scripts/install.sh  # the sim engine needs no vLLM
 fi
-args=(bench policies --json)
+args=(bench policies --json --budget-s 0)  # the whole trace for every policy (the default budget cuts it)
 [ -n "${RATE:-}" ] && args+=(--rate "$RATE")
 [ -n "${REQUESTS:-}" ] && args+=(--requests "$REQUESTS")
 [ -n "${POLICIES:-}" ] && args+=(--policies "$POLICIES")

@@ -35,6 +35,8 @@ import httpx
 import typer
 
 from llumnixctl.experiments.bench import engine as bench_engine, serve as bench_serve
+from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, Budget, Progress, Rounds, budget_option,
+                                                 skipped_lines)
 from llumnixctl.experiments.traces import cache as tracecache
 from llumnixctl.experiments.bench.serve_figures import stats_ms
 from llumnixctl.lab import localcluster
@@ -264,8 +266,11 @@ def command(
     seed: Annotated[int, typer.Option(help="trace seed (round k uses seed + k)")] = 0,
     save: Annotated[Optional[Path], typer.Option(metavar="FILE", help="write the JSON here")] = None,
     json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    budget_s: Annotated[float, budget_option()] = DEFAULT_BUDGET_S,
 ) -> None:
-    """Prefix-cache-aware routing on vLLM engines: ours (cache-aware and cache-blind) vs smg and vllm-router cache_aware."""
+    """Prefix-cache-aware routing on vLLM engines: ours (cache-aware and cache-blind) vs smg and vllm-router cache_aware.
+    A system's run of a trace that would not fit in --budget-s is skipped (--json: skipped)."""
+    budget = Budget(budget_s)
     from llumnixctl.lab.model import write_tiny_model
 
     def interrupted(*_):
@@ -289,12 +294,21 @@ def command(
     words = Words(path)
     vllm = {"max_num_seqs": max_num_seqs, "kv_cache_bytes": (kv_tokens + 128) * BYTES_PER_TOKEN, "block_size": 128}
     rows = []
+    progress = Progress(rounds * len(kinds) * len(names), start=budget.t0)
+    rounds_ = Rounds(budget, progress)
     try:
         for k in range(rounds):
+            if not rounds_.begin([({"round": k + 1, "trace": kind, "system": name},
+                                   f"round {k + 1}/{rounds}, {kind}: {name}", (kind, name))
+                                  for kind in kinds for name in (names if k % 2 == 0 else list(reversed(names)))]):
+                continue
             for kind in kinds:
                 reqs = make_trace(kind, requests, rate, seed + k)
                 order = names if k % 2 == 0 else list(reversed(names))  # interleaved: nobody always first
                 for name in order:
+                    if not rounds_.start({"round": k + 1, "trace": kind, "system": name},
+                                         f"round {k + 1}/{rounds}, {kind}: {name}", (kind, name)):
+                        continue
                     d = work / f"r{k}-{kind}-{name}"
                     d.mkdir()
                     sys.stderr.write(f"round {k + 1}/{rounds}, {kind}: {name} ...\n")
@@ -304,14 +318,20 @@ def command(
                     else:
                         res = peer(name, smg if name == "smg" else vllm_router, path, d, reqs, words, instances, vllm)
                     rows.append({"round": k + 1, "trace": kind, "system": name, **res})
+                    rounds_.done((kind, name))
                     sys.stderr.write(json.dumps(rows[-1]) + "\n")
     finally:
+        progress.close()
         shutil.rmtree(work, ignore_errors=True)
     res = {"requests": requests, "rate": rate, "instances": instances, "kv_tokens": kv_tokens,
-           "max_num_seqs": max_num_seqs, "cores": os.cpu_count(), "rounds": rows, "summary": summarize(rows)}
+           "max_num_seqs": max_num_seqs, "cores": os.cpu_count(), "rounds": rows, "summary": summarize(rows),
+           **budget.fields()}
     if save is not None:
         save.write_text(json.dumps(res, indent=2) + "\n")
     sys.stdout.write(json.dumps(res if json_ else res["summary"], indent=2) + "\n")
+    if not json_:
+        for line in skipped_lines(res["skipped"], lambda s: f"{s['system']} on {s['trace']}, round {s['round']}"):
+            sys.stderr.write(line + "\n")
 
 
 def summarize(rows: list[dict]) -> dict:

@@ -32,6 +32,8 @@ from llumnixctl.experiments.bench import (cache as bench_cache, disagg as bench_
                                          handover as bench_handover, migration as bench_migration, overload as bench_overload,
                                          predict as bench_predict,
                                          policies as bench_policies, serve as bench_serve, steady as bench_steady)
+from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, STOP_RESERVE_S, Budget, Progress, budget_option,
+                                                 skipped_lines)
 from llumnixctl.experiments.bench.cluster import start_cluster
 from llumnixctl.experiments.bench.proxy_short import (SHORT_GOAL_RPS, host_port, open_nodelay, pick_client,
                                                      short_rate, stream_load)
@@ -193,9 +195,12 @@ def proxy(
     burst_seqs: Annotated[int, typer.Option(help="sim.max_num_seqs of the burst run's instances", min=1)] = 8,
     set_: Annotated[list[str] | None, typer.Option("--set", help="extra setting for every daemon of both clusters, after the bench's own (so it may override them): section.key=value; a bad one fails before anything starts (status 2)")] = None,
     json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    budget_s: Annotated[float, budget_option()] = DEFAULT_BUDGET_S,
 ) -> None:
     """Proxy overhead: added time to first token, tokens/s and CPU per streamed token (sim, zero step time),
-    one-token requests/s through one proxy; optionally a burst over several proxies (sim steps of real time)."""
+    one-token requests/s through one proxy; optionally a burst over several proxies (sim steps of real time).
+    A part that would not fit in what is left of --budget-s is skipped (its keys stay null; --json: skipped)."""
+    budget = Budget(budget_s)
     extra = list(set_ or [])
     try:
         cfg = load_config(None, extra)  # a bad --set fails here, not in a daemon's log
@@ -209,34 +214,51 @@ def proxy(
               "direct_ttft_ms": None, "proxy_ttft_ms": None, "added_ttft_ms_p50": None, "streams": streams,
               "concurrency": concurrency, "tokens": 0, "expected_tokens": streams * tokens, "tokens_per_s": None,
               "proxy_cpu_us_per_token": None, "short_requests": None, "short_requests_per_s": None, "burst": None}
+    progress = Progress(bool(requests) + bool(streams) + (short_seconds > 0) + bool(burst_requests), start=budget.t0)
+
+    def part(unit: str, label: str, estimate_s: float | None = None) -> bool:
+        if budget.consider({"part": unit}, estimate_s, STOP_RESERVE_S):
+            progress.step(label)
+            return True
+        progress.skipped(label, budget.skipped[-1]["reason"])
+        return False
+
     try:
         if requests or streams or short_seconds > 0:
             result |= _overhead_run(instances, requests, streams, concurrency, tokens, short_seconds,
-                                    short_connections, short_clients, client, extra)
-        if burst_requests:
+                                    short_connections, short_clients, client, extra, part)
+        if burst_requests and part("burst", f"burst of {burst_requests} over {proxies} proxies"):
             result["burst"] = _burst_run(instances, proxies, burst_requests, burst_tokens, burst_seqs, extra)
     except RuntimeError as exc:  # a client or the cluster failed mid-run (the cluster is stopped by then)
         Console(stderr=True).print(f"llumnixctl: bench proxy: {exc}", markup=False)
         raise typer.Exit(1) from None
+    finally:
+        progress.close()
+    result.update(budget.fields())
     if json_:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
         return
     _print_proxy(result)
+    for line in skipped_lines(result["skipped"], lambda s: f"the {s['part']} part"):
+        Console().print(line, markup=False)
 
 
 def _overhead_run(instances: int, requests: int, streams: int, concurrency: int, tokens: int, short_seconds: float,
-                  short_connections: int, short_clients: int, client: str, extra: list[str]) -> dict:
-    """The zero-step-time cluster with one proxy: TTFT direct vs proxied, streamed tokens/s, one-token rate."""
+                  short_connections: int, short_clients: int, client: str, extra: list[str],
+                  part: Callable[..., bool] = lambda *_: True) -> dict:
+    """The zero-step-time cluster with one proxy: TTFT direct vs proxied, streamed tokens/s, one-token rate.
+    ``part(unit, label, estimate_s)``: whether to run a part (the budget's say; it prints the progress line)."""
     run_dir = scratch_dir("llumnix-bench-")
     sets = ["sim.time_scale=0", "sim.max_num_seqs=256", "proxy.log_level=warning", "instance.log_level=warning"] + extra
     state = start_cluster(run_dir, instances, "sim", sets)
     out: dict = {}
     try:
-        if requests:
+        if requests and part("ttft", f"TTFT, {requests} requests direct and through the proxy"):
             out |= _ttft_comparison(state, requests)
-        if streams:
+        if streams and part("throughput", f"throughput, {streams} streams of {tokens} tokens"):
             out |= _throughput(state, streams, concurrency, tokens)
-        if short_seconds > 0:
+        if short_seconds > 0 and part("short", f"one-token requests, 2 x {short_seconds:g} s",
+                                      2 * max(1.0, short_seconds) + 10):
             kinds = {kind: short_rate(state, run_dir, "llumnix-sim", kind == "stream", short_connections, short_clients,
                                       short_seconds, client) for kind in ("stream", "plain")}
             out["short_requests"] = {"client": client, "connections": short_connections, "seconds": short_seconds,

@@ -40,6 +40,8 @@ from daemons.config import ConfigError, load_config
 from llumnixctl.admin import AdminClient, ManagerUnreachable
 from llumnixctl.experiments.bench.overload import vocab_of
 from llumnixctl.experiments.bench import disagg_figures as figs
+from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, Budget, Progress, Rounds, budget_option,
+                                                 skipped_lines)
 from llumnixctl.experiments.bench.serve import replay, stream_completion
 from llumnixctl.lab import localcluster
 from llumnixctl.lab.scratch import scratch_dir
@@ -197,9 +199,12 @@ def command(
     request_timeout: Annotated[float, typer.Option(help="seconds a request may take before it counts as failed", min=1.0)] = 600.0,
     out: Annotated[Optional[Path], typer.Option("--out", "--save", metavar="FILE", help="write the JSON here")] = None,
     json_: Annotated[bool, typer.Option("--json", help="print JSON instead of the table")] = False,
+    budget_s: Annotated[float, budget_option()] = DEFAULT_BUDGET_S,
 ) -> None:
     """Disaggregated (fixed split, adaptive) against mixed serving on a trace of long prompts in decode traffic:
-    decode TPOT, TTFT, goodput, handovers; medians and ranges over interleaved rounds."""
+    decode TPOT, TTFT, goodput, handovers; medians and ranges over interleaved rounds. A configuration's round
+    that would not fit in --budget-s is skipped (--json: skipped)."""
+    budget = Budget(budget_s)
     err = Console(stderr=True)
 
     def bad(msg: str) -> None:
@@ -232,28 +237,37 @@ def command(
         bad(str(exc))
     scratch = scratch_dir("llumnix-bench-disagg-model-")
     runs: list[dict] = []
+    progress = Progress(rounds * len(names), start=budget.t0)
+    rounds_ = Rounds(budget, progress)
     try:
         common, target, label = backend_sets(backend, batch, model, scratch)
         common += [*QUIET, f"model.max_model_len={max(4096, lp + lo + 64, sp + so + 64)}"]
         for r in range(first_round, first_round + rounds):
             reqs, kinds = figs.mixed_trace(mix, r)
+            if not rounds_.begin([({"config": cfg, "round": r}, f"round {r + 1 - first_round}/{rounds}: {cfg}", cfg)
+                                  for cfg in names]):
+                continue
             for cfg in names:
                 roles = roles_of(cfg, instances, prefill)
                 sets = common + config_sets(cfg, slo_ttft_ms, slo_tpot_ms, slo_everywhere) + list(set_ or [])
+                if not rounds_.start({"config": cfg, "round": r}, f"round {r + 1 - first_round}/{rounds}: {cfg}", cfg):
+                    continue
                 err.print(f"round {r + 1 - first_round}/{rounds}: {cfg} ({roles_label(roles)}) ...", markup=False)
                 f = run_one(backend, sets, roles, reqs, kinds, target, r, slo_ttft_ms / 1000, slo_tpot_ms / 1000,
                             request_timeout, lambda m: err.print(m, markup=False))
                 runs.append({"config": cfg, "round": r, "figures": f})
+                rounds_.done(cfg)
     except RuntimeError as exc:
         err.print(f"llumnixctl: bench disagg: {exc}", markup=False)
         raise typer.Exit(1) from None
     finally:
+        progress.close()
         shutil.rmtree(scratch, ignore_errors=True)
     res = {"backend": backend, "model": label, "cores": psutil.cpu_count(), "instances": instances,
            "prefill": prefill, "batch": batch, "rounds": rounds, "trace": figs.mix_dict(mix),
            "slo": {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms, "on_clusters": "all" if slo_everywhere else "adaptive"},
            "roles": {c: roles_label(roles_of(c, instances, prefill)) for c in names}, "settings": list(set_ or []),
-           "runs": runs}
+           "runs": runs, **budget.fields()}
     report(figs.with_summary(res), out, json_, err)
 
 
@@ -265,6 +279,8 @@ def report(res: dict, out: Path | None, json_: bool, err: Console) -> None:
         sys.stdout.write(json.dumps(res, indent=2) + "\n")
     else:
         Console().print(figs.summary_table(res))
+        for line in skipped_lines(res.get("skipped", []), lambda s: f"{s['config']} round {s['round']}"):
+            Console().print(line, markup=False)
     failed = sum(run["figures"]["failed"] for run in res["runs"])
     if failed:
         first = next((e for run in res["runs"] for e in run["figures"].get("errors", [])), "")

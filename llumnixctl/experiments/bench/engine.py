@@ -31,7 +31,14 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, STOP_RESERVE_S, Budget, Progress, budget_option,
+                                                 estimate, skipped_lines)
 from llumnixctl.experiments.bench.cluster import start_cluster
+
+# What the api_server run and the cluster run take against the offline run (start-up included), to weigh the
+# api_server run against --budget-s (see command).
+API_SERVER_VS_OFFLINE = 2.5
+CLUSTER_VS_OFFLINE = 1.3
 from llumnixctl.experiments.bench.proxy_short import stream_load
 from llumnixctl.lab import localcluster
 from llumnixctl.lab.procs import stop
@@ -297,8 +304,12 @@ def command(
     repeat: Annotated[int, typer.Option(help="runs of each measure; the best counts (shared cores are noisy)", min=1)] = 1,
     json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
     dtype: Annotated[str, typer.Option(metavar="auto|float32|bfloat16|float16", help="weights and activations on all three sides (vllm.dtype; auto: the checkpoint's). On a CPU without bf16 instructions float32 runs a bf16 checkpoint's prefill and batched steps about ten times faster")] = "auto",
+    budget_s: Annotated[float, budget_option()] = DEFAULT_BUDGET_S,
 ) -> None:
-    """vLLM through the whole cluster (proxy, manager, one instance) against vLLM's offline run and its api_server."""
+    """vLLM through the whole cluster (proxy, manager, one instance) against vLLM's offline run and its api_server.
+    The api_server run is skipped when it would not leave room in --budget-s for the cluster run (estimated from
+    the offline run: 2.5 and 1.3 times as long); --json then says so in skipped."""
+    budget = Budget(budget_s)
     from daemons.config import VllmConfig
     from llumnixctl.lab.model import write_tiny_model
 
@@ -311,22 +322,38 @@ def command(
     vllm = {"max_num_seqs": cfg.max_num_seqs, "kv_cache_bytes": cfg.kv_cache_bytes, "block_size": cfg.block_size,
             "dtype": cfg.dtype}
     err = Console(stderr=True)
+    progress = Progress(2 + api_server, start=budget.t0)
     try:
+        progress.step("offline vLLM")
+        budget.always()
+        t0 = time.monotonic()
         err.print("offline vLLM run ...")
         offline = offline_run(path, vllm, tokens, batch, batch_tokens, repeat)
+        offline_s = estimate([(1.0, time.monotonic() - t0)])
         api = None
         if api_server:
-            err.print("vLLM api_server run ...")
-            api = api_server_run(path, vllm, run_dir, tokens, batch, batch_tokens, repeat)
+            # Every side runs the same requests, but the servers start slower than the offline engine: measured
+            # here (load average 8-10) offline 57 s in all, api_server 140 s (126 of them its start), cluster 72 s.
+            if budget.consider({"run": "api_server"}, API_SERVER_VS_OFFLINE * offline_s,
+                               CLUSTER_VS_OFFLINE * offline_s + STOP_RESERVE_S):
+                progress.step("vLLM api_server")
+                err.print("vLLM api_server run ...")
+                api = api_server_run(path, vllm, run_dir, tokens, batch, batch_tokens, repeat)
+            else:
+                progress.skipped("vLLM api_server", budget.skipped[-1]["reason"])
+        progress.step("cluster")  # the subject: always measured
         err.print("cluster run ...")
         cluster = cluster_run(path, vllm, run_dir, tokens, batch, batch_tokens, repeat)
     except BenchError as exc:
         err.print(f"llumnixctl: {exc}", markup=False)
         raise typer.Exit(1) from None
     finally:
+        progress.close()
         shutil.rmtree(run_dir, ignore_errors=True)
-    res = result_of(cluster, offline, api, model, tokens, batch, batch_tokens, repeat, dtype)
+    res = {**result_of(cluster, offline, api, model, tokens, batch, batch_tokens, repeat, dtype), **budget.fields()}
     if json_:
         sys.stdout.write(json.dumps(res, indent=2) + "\n")
         return
     print_table(res)
+    for line in skipped_lines(res["skipped"], lambda s: f"the {s['run']} run"):
+        Console().print(line, markup=False)

@@ -20,6 +20,7 @@ import asyncio
 import json
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -31,6 +32,8 @@ from rich.console import Console
 from daemons.config import ConfigError, load_config
 from llumnixctl.admin import AdminClient
 from llumnixctl.experiments.bench import disagg_figures as figs
+from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, STOP_RESERVE_S, Budget, Progress, budget_option,
+                                                 estimate, skipped_lines)
 from llumnixctl.experiments.bench.disagg import QUIET, VLLM_PATIENCE, Counters, Target, vocab_of, wait_idle
 from llumnixctl.experiments.bench.serve import stream_completion
 from llumnixctl.lab import localcluster
@@ -94,12 +97,23 @@ def sample(admin: AdminClient, url: str, target: Target, prompt: list[int], deco
 
 
 def run(backend: str, lengths: list[int], repeat: int, decode_tokens: int, baseline: bool, sets: list[str],
-        target: Target, log) -> list[dict]:
+        target: Target, log, budget: Budget | None = None, progress: Progress | None = None) -> list[dict]:
+    """``budget``: a (cluster, length) whose estimate does not fit is skipped (``budget.skipped``). On the
+    handover cluster a length must leave room for the same length on the baseline one (and its start, as long
+    as the first took); the baseline runs only the lengths the handover cluster ran."""
+    budget = budget or Budget(None)
+    clusters = ["disagg"] + ["mixed"] * baseline
+    progress = progress or Progress(len(clusters) * len(lengths), heartbeat_s=None)
     samples = []
-    for cluster in ["disagg"] + ["mixed"] * baseline:
+    measured: list[tuple[int, float]] = []  # (length, seconds), both clusters: their lengths cost alike
+    ran: set[int] = set()
+    up_s = 0.0
+    for cluster in clusters:
         roles = CLUSTERS[cluster]
+        t_up = time.monotonic()
         run_dir = scratch_dir("llumnix-bench-handover-")
         log(f"{cluster}: starting {len(roles)} instance(s) ...")
+        progress.update(f"{cluster}: starting {len(roles)} instance(s)")
         try:
             state = localcluster.up(run_dir, len(roles), backend, 0, None, sets, timeout_s=600,
                                     roles=roles)
@@ -109,12 +123,28 @@ def run(backend: str, lengths: list[int], repeat: int, decode_tokens: int, basel
         admin = AdminClient.for_args(state.manager_address, state.args, timeout_s=10)
         try:
             sample(admin, state.url, target, figs.prompt_tokens(min(lengths), target.vocab, "warm"), 8)  # one-time costs
+            up_s = max(up_s, time.monotonic() - t_up)
             for n in lengths:
+                label = f"{cluster}, length {n}"
+                if cluster == "mixed" and n not in ran:
+                    progress.skipped(label, budget.skip({"cluster": cluster, "tokens": n},
+                                                        "not run on the handover cluster")["reason"])
+                    continue
+                est = estimate(measured, n)
+                later = (est or 0.0) + up_s if cluster == "disagg" and baseline else 0.0  # its baseline's share
+                if not budget.consider({"cluster": cluster, "tokens": n}, est, STOP_RESERVE_S + later):
+                    progress.skipped(label, budget.skipped[-1]["reason"])
+                    continue
+                progress.step(label)
+                ran.add(n)
+                t_len = time.monotonic()
                 for k in range(repeat):
+                    progress.update(f"{label}, request {k + 1}/{repeat}")
                     log(f"{cluster}: {n} tokens, {k + 1}/{repeat} ...")
                     s = sample(admin, state.url, target, figs.prompt_tokens(n, target.vocab, f"{cluster}-{n}-{k}"),
                                decode_tokens)
                     samples.append({"tokens": n, "cluster": cluster, "repeat": k, **s})
+                measured.append((n, time.monotonic() - t_len))
         finally:
             admin.close()
             localcluster.stop(state)
@@ -133,9 +163,11 @@ def command(
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="a setting of the clusters, after the bench's own: section.key=value")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "--save", metavar="FILE", help="write the JSON here")] = None,
     json_: Annotated[bool, typer.Option("--json", help="print JSON instead of the table")] = False,
+    budget_s: Annotated[float, budget_option()] = DEFAULT_BUDGET_S,
 ) -> None:
     """The client's longest gap between tokens at the handover (prefill instance to decode instance), per prompt
-    length, against one mixed instance's."""
+    length, against one mixed instance's. Lengths that would not fit in --budget-s are skipped (--json: skipped)."""
+    budget = Budget(budget_s)
     err = Console(stderr=True)
     try:
         if backend not in ("sim", "vllm"):
@@ -159,7 +191,9 @@ def command(
             path = (model or write_tiny_model(scratch / size, size=size)).resolve()
             target, label = Target("bench", vocab_of(path) - 8), f"{size} (generated)" if model is None else str(path)
         sets = cluster_sets(backend, ns, decode_tokens, size, path) + list(set_ or [])
-        samples = run(backend, ns, repeat, decode_tokens, baseline, sets, target, lambda m: err.print(m, markup=False))
+        with Progress((1 + baseline) * len(ns), start=budget.t0) as progress:
+            samples = run(backend, ns, repeat, decode_tokens, baseline, sets, target,
+                          lambda m: err.print(m, markup=False), budget, progress)
     except RuntimeError as exc:
         err.print(f"llumnixctl: bench handover: {exc}", markup=False)
         raise typer.Exit(1) from None
@@ -167,13 +201,15 @@ def command(
         shutil.rmtree(scratch, ignore_errors=True)
     res = {"backend": backend, "model": label, "cores": psutil.cpu_count(), "repeat": repeat,
            "decode_tokens": decode_tokens, "settings": list(set_ or []), "results": figs.handover_rows(samples),
-           "samples": samples}
+           "samples": samples, **budget.fields()}
     if out is not None:
         out.write_text(json.dumps(res, indent=2) + "\n")
     if json_:
         sys.stdout.write(json.dumps(res, indent=2) + "\n")
     else:
         Console().print(figs.handover_table(res))
+        for line in skipped_lines(res["skipped"], lambda s: f"{s['cluster']} length {s['tokens']}"):
+            Console().print(line, markup=False)
     failed = [s for s in samples if s["error"]]
     if failed:
         err.print(f"bench handover: {len(failed)} requests failed; first error: {failed[0]['error']}", markup=False)

@@ -44,6 +44,8 @@ from rich.table import Table
 
 from daemons import wire
 from llumnixctl.admin import AdminClient, ManagerUnreachable
+from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, STOP_RESERVE_S, Budget, Progress, budget_option,
+                                                 estimate, skipped_lines)
 from llumnixctl.experiments.bench.manager_peers import MODEL, emulated_load
 from llumnixctl.lab.localcluster import free_port
 from llumnixctl.lab.procs import stop
@@ -195,8 +197,14 @@ def _wait_for(pred, timeout_s: float, what: str, alive: list[subprocess.Popen]):
 
 
 def run(instances: list[int], rates: list[int], seconds: float, heartbeat_s: float, sets: list[str],
-        up_timeout_s: float = 60.0, log_dir: Path | None = None, echo=lambda s: None, profile: str = "") -> dict:
-    """The whole benchmark; every process it starts is stopped (by pid) before it returns or raises."""
+        up_timeout_s: float = 60.0, log_dir: Path | None = None, echo=lambda s: None, profile: str = "",
+        budget: Budget | None = None, progress: Progress | None = None) -> dict:
+    """The whole benchmark; every process it starts is stopped (by pid) before it returns or raises.
+    ``budget``: an instance count whose estimate (from the counts measured before, ``budget.estimate``) does
+    not fit in what is left is skipped (``skipped``)."""
+    budget = budget or Budget(None)
+    progress = progress or Progress(len(instances), heartbeat_s=None)
+    measured: list[tuple[int, float]] = []
     work = scratch_dir("llumnix-bench-manager-")
     log_dir = log_dir or work
     procs: list[subprocess.Popen] = []
@@ -206,6 +214,11 @@ def run(instances: list[int], rates: list[int], seconds: float, heartbeat_s: flo
     py = sys.executable
     try:
         for n in instances:
+            if not budget.consider({"instances": n}, estimate(measured, n), STOP_RESERVE_S):
+                progress.skipped(f"{n} instances", budget.skipped[-1]["reason"])
+                continue
+            progress.step(f"{n} instances")
+            t_n = time.monotonic()
             service = service_times(n, sets)
             port, mport = free_port(), free_port()
             address = f"tcp://127.0.0.1:{port}"
@@ -256,6 +269,7 @@ def run(instances: list[int], rates: list[int], seconds: float, heartbeat_s: flo
                 time.sleep(max(1.0, 2 * heartbeat_s))  # a few report rounds before the first phase
                 run_n["idle_manager_cpu_percent"] = round(100 * (_cpu([pm]) - c0) / (time.monotonic() - t0), 1)
                 for rate in rates:
+                    progress.update(f"{n} instances, {rate}/s")
                     before = _scrape(mport)
                     c_mgr, c_emu, t0 = _cpu([pm]), _cpu(pe), time.monotonic()
                     spec = {"manager": address, "rate": rate, "seconds": seconds, "grace_s": 5.0, "feeds": feeds,
@@ -308,6 +322,7 @@ def run(instances: list[int], rates: list[int], seconds: float, heartbeat_s: flo
                     pass
             run_n["emulated"] = emu_stats
             out["runs"].append(run_n)
+            measured.append((n, time.monotonic() - t_n))
     except RuntimeError as exc:
         keep(log_dir)
         raise RuntimeError(f"{exc} (logs in {log_dir})") from None
@@ -320,6 +335,7 @@ def run(instances: list[int], rates: list[int], seconds: float, heartbeat_s: flo
     finally:
         stop(procs)
         out["pids"] = started
+        out.update(budget.fields())
     return out
 
 
@@ -345,6 +361,7 @@ def command(
     up_timeout: Annotated[float, typer.Option(help="seconds the manager and the instances may take to come up", min=1.0)] = 60.0,
     profile: Annotated[str, typer.Option(metavar="FILE", help="run the manager under cProfile: stats to FILE.N per instance count")] = "",
     json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    budget_s: Annotated[float, budget_option()] = DEFAULT_BUDGET_S,
 ) -> None:
     """The real llumnix-manager against emulated instances over ZeroMQ: dispatch latency, pairing rounds.
 
@@ -363,13 +380,20 @@ def command(
     "latency_ms" and "send_lag_ms": {"mean", "p50", "p99", "p999", "max"},
     "pairing_round": {"count", "mean_ms", "p99_ms", "max_ms_le"},
     "manager_cpu_percent", "manager_cpu_s", "emulators_cpu_percent",
-    "client_cpu_percent", "instance_deaths", "catch_up_s"}]}], "pids"}.
+    "client_cpu_percent", "instance_deaths", "catch_up_s"}]}], "pids",
+    "budget_s", "skipped": [{"instances", "reason"}]}.
+
+    Instance counts run in the order given; one whose estimate (from the counts run before it) does not fit in
+    what is left of --budget-s is skipped.
     """
+    budget = Budget(budget_s)
     ns, rs = _ints(instances, "--instances"), _ints(rates, "--rates")
     console = Console(stderr=json_)
     try:
-        data = run(ns, rs, seconds, heartbeat, list(set_ or []), up_timeout,
-                   echo=lambda s: console.print(f"[dim]{s}[/dim]"), profile=profile)
+        with Progress(len(ns), start=budget.t0) as progress:
+            data = run(ns, rs, seconds, heartbeat, list(set_ or []), up_timeout,
+                       echo=lambda s: console.print(f"[dim]{s}[/dim]"), profile=profile, budget=budget,
+                       progress=progress)
     except RuntimeError as exc:
         console.print(f"[red]bench manager: {exc}[/red]")
         raise typer.Exit(1) from None
@@ -400,3 +424,5 @@ def command(
         service.add_row(str(r["instances"]), *(f"{sv[k]:.0f}" for k in ("dispatch_1", "dispatch_10", "report",
                                                                          "pairing_round")))
     console.print(service)
+    for line in skipped_lines(data.get("skipped", []), lambda s: f"{s['instances']} instances"):
+        console.print(line, markup=False)

@@ -59,6 +59,8 @@ from llumnixctl.common import sse_chunks
 from llumnixctl.lab import localcluster
 from llumnixctl.lab.procs import stop
 from llumnixctl.experiments.bench import headroom
+from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, STOP_RESERVE_S, Budget, Progress, budget_option,
+                                                 estimate, skipped_lines)
 from llumnixctl.lab.scratch import scratch_dir
 
 DEFAULT_LENGTHS = "256,512,1024,2048,4096,8192"
@@ -191,10 +193,24 @@ def _placement(lab: dict):
 
 
 def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int, log, repeat: int = 4,
-        gap_tokens: int = 8, lab: dict | None = None, extra: list[str] | None = None, shared_prefix: int = 0) -> dict:
+        gap_tokens: int = 8, lab: dict | None = None, extra: list[str] | None = None, shared_prefix: int = 0,
+        budget: Budget | None = None, progress: Progress | None = None) -> dict:
     """The benchmark; ``lab``: run across the hosts of a llumnixctl.lab.netns lab (Lab.describe() plus what
     --netns measured), from inside its control host; ``extra``: settings after the benchmark's own (--set);
-    ``shared_prefix``: measure a shared prefix of this many tokens instead (vLLM)."""
+    ``shared_prefix``: measure a shared prefix of this many tokens instead (vLLM); ``budget``: lengths whose
+    estimate (from the lengths measured before, ``budget.estimate``) does not fit in what is left are skipped
+    (JSON ``skipped``); ``progress``: a line per length and migration on stderr."""
+    budget = budget or Budget(None)
+    progress = progress or Progress(len(lengths), heartbeat_s=None)
+    measured: list[tuple[int, float]] = []  # (length, seconds) of the lengths run so far
+
+    def consider(n: int) -> bool:
+        est = estimate(measured, n)
+        if budget.consider({"tokens": n}, est, STOP_RESERVE_S):
+            progress.step(f"length {n}")
+            return True
+        progress.skipped(f"length {n}", budget.skipped[-1]["reason"])
+        return False
     run_dir = scratch_dir("llumnix-bench-mig-")
     place, manager_host = _placement(lab) if lab else (None, "127.0.0.1")
     generated = backend == "vllm" and model is None
@@ -205,6 +221,7 @@ def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int
             log("writing the kv-heavy test model ...")
             model = write_tiny_model(run_dir / "kv-heavy", size="kv-heavy")
         log("starting two instances ...")
+        progress.update("starting two instances")
         state = localcluster.up(run_dir, 2, backend, 0, None,
                                 _settings(backend, model, lengths, decode_tokens, shared_prefix > 0) + list(extra or []),
                                 timeout_s=600, place=place, manager_host=manager_host)
@@ -220,7 +237,11 @@ def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int
         for n in lengths if shared_prefix else []:
             if n <= shared_prefix:
                 log(f"{n} tokens: not longer than the shared prefix ({shared_prefix}); skipped")
+                progress.skipped(f"length {n}", budget.skip({"tokens": n}, "not longer than the shared prefix")["reason"])
                 continue
+            if not consider(n):
+                continue
+            t_len = time.monotonic()
             log(f"{n} tokens, {shared_prefix} of them a shared prefix ...")
             row = {"tokens": n}
             for when in ("before", "after"):
@@ -240,7 +261,11 @@ def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int
                              "downtime_ms": out.downtime_ms, "migration_ms": out.total_ms}
                 wait_idle(admin)
             prefix_rows.append(row)
+            measured.append((n, time.monotonic() - t_len))
         for n in [] if shared_prefix else lengths:
+            if not consider(n):
+                continue
+            t_len = time.monotonic()
             log(f"{n} tokens ...")
             prompt = [rng.randrange(10, 1000) for _ in range(n)]
             # (1) live migrations with pre-copy, back and forth, and the decode step time around them. The
@@ -253,6 +278,7 @@ def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int
             here = _where(admin, s.rid)
             outs, windows = [], []
             for k in range(repeat):
+                progress.update(f"length {n}, migration {k + 1}/{repeat}")
                 there = _other(here, addresses)
                 step_ms = headroom.step_ms(s.times)
                 if outs:
@@ -282,6 +308,7 @@ def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int
             stalls = [max([(b - a) * 1e3 for a, b in gaps if a < end and b > last], default=0.0)
                       for _, last, end in windows]
             # (2) recomputation: an instance prefills what the request had when it first moved
+            progress.update(f"length {n}, recomputation and blocking copy")
             recompute = _recompute_ms(addresses[here], prompt + s.ids[:outs[0].resumed_at], timeout_s=900,
                                       reply_host=manager_host)
             # (3) blocking stop-and-copy of a request of the same length
@@ -309,6 +336,7 @@ def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int
                 if quiet and during else None,
             })
             wait_idle(admin)
+            measured.append((n, time.monotonic() - t_len))
     finally:
         admin.close()
         localcluster.stop(state)
@@ -322,7 +350,8 @@ def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int
         network = {"netns": True, "rate": lab.get("rate") or None, "delay_ms": lab.get("delay_ms", 0.0),
                    "link_gbps_measured": lab.get("link_gbps_measured"), "delay_available": lab.get("delay_available"),
                    "hosts": {n: h["address"] for n, h in lab["hosts"].items()}}
-    result = {"backend": backend, "model": label, "cores": psutil.cpu_count(), "network": network, "results": results}
+    result = {"backend": backend, "model": label, "cores": psutil.cpu_count(), "network": network, "results": results,
+              **budget.fields()}
     if shared_prefix:
         result["shared_prefix"] = {"tokens": shared_prefix, "results": prefix_rows}
     return result
@@ -361,8 +390,13 @@ def command(
     delay_ms: Annotated[float, typer.Option(help="with --netns: added one-way latency between the instances (half on each instance's link, each way)", min=0.0)] = 0.0,
     set_: Annotated[list[str] | None, typer.Option("--set", help="setting for every daemon, after the benchmark's own (so it wins over them): section.key=value; on a GPU node e.g. vllm.gpu_memory_utilization=0.4 (the two instances share the GPU) and vllm.omp_threads=0 (leave OpenMP alone); a bad one gives status 2")] = None,
     shared_prefix: Annotated[int, typer.Option(help="vllm: measure instead what prefix caching saves a migration whose prompt starts with a prefix of this many tokens that the destination served before (bytes, cached blocks, downtime; before/after); lengths up to it are skipped", min=0)] = 0,
+    budget_s: Annotated[float, budget_option()] = DEFAULT_BUDGET_S,
 ) -> None:
-    """Live-migration downtime against blocking copy and recomputation, per request length (the paper's Fig 10)."""
+    """Live-migration downtime against blocking copy and recomputation, per request length (the paper's Fig 10).
+
+    Lengths run shortest first; a length whose estimate (from the lengths measured before it) does not fit in
+    what is left of --budget-s is skipped, and the output says so (--json: skipped)."""
+    budget = Budget(budget_s)
     err = Console(stderr=True)
     if backend not in ("vllm", "sim"):
         err.print(f"llumnixctl: unknown --backend {backend!r}; choose vllm or sim", markup=False)
@@ -395,14 +429,16 @@ def command(
     lab = json.loads(os.environ[LAB_ENV]) if netns and os.environ.get(LAB_ENV) else None
     if netns and lab is None:  # build the hosts, then run again inside the control one
         argv = ["bench", "migration", "--backend", backend, "--lengths", lengths, "--decode-tokens", str(decode_tokens),
-                "--repeat", str(repeat), "--netns", "--rate", rate, "--delay-ms", str(delay_ms)]
+                "--repeat", str(repeat), "--netns", "--rate", rate, "--delay-ms", str(delay_ms),
+                "--budget-s", str(max(1.0, budget.left()) if budget.budget_s else 0)]
         argv += (["--model", str(model.resolve())] if model else []) + (["--json"] if json_ else [])
         argv += [a for x in extra for a in ("--set", x)] + (["--shared-prefix", str(shared_prefix)] if shared_prefix else [])
         raise typer.Exit(_in_lab(argv, rate, delay_ms, err))
     try:
-        result = run(backend, model.resolve() if model else None, sizes,
-                     decode_tokens, lambda m: err.print(m, markup=False), repeat=repeat, lab=lab,
-                     extra=extra, shared_prefix=shared_prefix)
+        with Progress(len(sizes), start=budget.t0) as progress:
+            result = run(backend, model.resolve() if model else None, sizes,
+                         decode_tokens, lambda m: err.print(m, markup=False), repeat=repeat, lab=lab,
+                         extra=extra, shared_prefix=shared_prefix, budget=budget, progress=progress)
     except RuntimeError as exc:
         err.print(f"llumnixctl: {exc}", markup=False)
         raise typer.Exit(1) from None
@@ -429,6 +465,7 @@ def command(
             table.add_row(str(r["tokens"]), f"{b['bytes'] / 1e6:.1f}", ms(b["downtime_ms"]), f"{a['bytes'] / 1e6:.1f}",
                           str(a["cached_blocks"]), ms(a["downtime_ms"]))
         console.print(table)
+        _print_skipped(console, result)
         return
     table = Table(title=title)
     for col in ("tokens", "MB moved", "stages", "downtime ms (median)", "copy / join ms", "migration ms (median)",
@@ -442,6 +479,12 @@ def command(
                       ms(r["decode_step_ms"]), ms(r["decode_step_migrating_ms"]),
                       "-" if slowdown is None else f"{slowdown:+.1f}", ms(r["client_gap_ms"]))
     console.print(table)
+    _print_skipped(console, result)
+
+
+def _print_skipped(console: Console, result: dict) -> None:
+    for line in skipped_lines(result.get("skipped", []), lambda s: f"length {s['tokens']}"):
+        console.print(line, markup=False)
 
 
 def _in_lab(argv: list[str], rate: str, delay_ms: float, err: Console) -> int:

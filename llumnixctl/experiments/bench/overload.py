@@ -31,6 +31,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, STOP_RESERVE_S, Budget, Progress,
+                                                 budget_option, fit_seconds, skipped_lines)
 from llumnixctl.experiments.bench.goodput import gave_up, high_refused_while_normal_admitted, slo_figures
 from llumnixctl.experiments.bench.serve import stream_completion
 from llumnixctl.lab import localcluster
@@ -160,10 +162,14 @@ def command(
     seed: Annotated[int, typer.Option(help="arrivals seed")] = 0,
     save: Annotated[Optional[Path], typer.Option(metavar="FILE", help="write the JSON here")] = None,
     json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    budget_s: Annotated[float, budget_option()] = DEFAULT_BUDGET_S,
 ) -> None:
     """Admission control at --factor times the cluster's capacity: refusals, their speed, admitted TTFT; with
-    --slo-ttft-ms, goodput and attainment per class."""
+    --slo-ttft-ms, goodput and attainment per class. An overload longer than what is left of --budget-s is
+    shortened to fit (JSON: seconds is what ran, skipped says what was cut and why)."""
     global MODEL, VOCAB
+    budget = Budget(budget_s)
+    progress = Progress(3, start=budget.t0)
     err = Console(stderr=True)
     if backend not in ("sim", "vllm"):
         raise typer.BadParameter("sim or vllm", param_hint="--backend")
@@ -182,20 +188,34 @@ def command(
     with kept_if(run_dir, localcluster.ClusterError):  # its error points at the daemons' logs there
         state = localcluster.up(run_dir, instances, backend, 0, None, sets, timeout_s=60 if backend == "sim" else 300)
     try:
+        progress.step("capacity")
+        t_cap = time.monotonic()
         err.print("capacity ...")
         capacity = asyncio.run(_capacity(state.url, instances * batch, 15.0, prompt, output, timeout))
+        tail_s = time.monotonic() - t_cap  # what the overload's last admitted requests take to finish, about
+        progress.step("unloaded TTFT")
         err.print(f"capacity {capacity:.2f} requests/s; unloaded TTFT ...")
         unloaded = asyncio.run(_unloaded(state.url, 30, prompt, output, timeout))
         rate = factor * capacity
+        requested = seconds
+        seconds = fit_seconds(budget, seconds, tail_s + STOP_RESERVE_S)
+        if seconds < requested:
+            budget.skip({"part": "overload", "requested_s": requested, "run_s": seconds},
+                        f"overload shortened from {requested:g} s to {seconds:g} s: "
+                        f"{max(0.0, budget.left()):.0f} s of the {budget.budget_s:.0f} s budget left, "
+                        f"{tail_s + STOP_RESERVE_S:.0f} s kept for its requests' tail and the cluster's stop")
+        progress.step(f"overload, {seconds:g} s")
         err.print(f"overload: {rate:.1f} requests/s for {seconds:g}s ...")
         results = asyncio.run(_overload(state.url, rate, seconds, prompt, output, high_fraction, timeout, seed))
     finally:
+        progress.close()
         localcluster.stop(state)
         shutil.rmtree(run_dir, ignore_errors=True)
     res = {"instances": instances, "batch": batch, "factor": factor, "seconds": seconds, "prompt": prompt,
            "output": output, "high_fraction": high_fraction, "sets": set_ or [], "backend": backend,
            "slo_enforced": bool(slo_enforce and (slo_ttft_ms or slo_tpot_ms)),
-           **analyse(results, unloaded, capacity, rate, seconds, slo_ttft_ms / 1000, slo_tpot_ms / 1000)}
+           **analyse(results, unloaded, capacity, rate, seconds, slo_ttft_ms / 1000, slo_tpot_ms / 1000),
+           **budget.fields()}
     if save is not None:
         save.write_text(json.dumps(res, indent=2) + "\n")
     if json_:
@@ -206,7 +226,7 @@ def command(
     table.add_column("measure")
     table.add_column("value", justify="right")
     for key, value in res.items():
-        if key in ("sets", "slo") or isinstance(value, (list, dict)) and not value:
+        if key in ("sets", "slo", "skipped") or isinstance(value, (list, dict)) and not value:
             continue
         table.add_row(key, f"{value:.2f}" if isinstance(value, float) else str(value))
     if res["slo"] is not None:
@@ -221,3 +241,5 @@ def command(
             table.add_row(f"  {cls}: attainment, goodput", ("-" if c["attainment"] is None else f"{c['attainment']:.3f}")
                           + f", {c['goodput_rps']:.2f}/s")
     Console().print(table)
+    for line in skipped_lines(res["skipped"], lambda s: s["part"]):
+        Console().print(line, markup=False)

@@ -32,6 +32,8 @@ from daemons.config import ConfigError, load_config
 from llumnixctl.admin import AdminClient, ManagerUnreachable
 from llumnixctl.experiments.bench import serve as bench_serve, serve_figures as bench_serve_figures
 from llumnixctl.experiments.bench.cluster import start_cluster
+from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, STOP_RESERVE_S, Budget, Progress, Units,
+                                                 budget_option, skipped_lines, trace_prefix)
 from llumnixctl.experiments.traces import gen as trace, options as traceopts
 from llumnixctl.experiments.traces.gen import TraceOptions
 from llumnixctl.lab import localcluster
@@ -39,6 +41,11 @@ from llumnixctl.stats import percentile
 from llumnixctl.lab.scratch import scratch_dir
 
 DEFAULT_POLICIES = "rr,infaas++,llumnix"
+# What a policy's replay takes past the trace's last arrival, to cut a trace to the budget (--budget-s): a decode
+# step at sim.time_scale 1 is 15-20 ms, and a cluster starts and stops in about 15 s on 2 loaded cores (a policy's
+# replay of the first 53 requests, 13 s of arrivals, took 45-50 s in all at load average 3-7).
+STEP_S_ESTIMATE = 0.02
+POLICY_OVERHEAD_S = 15.0
 MODEL = "llumnix-sim"
 # The cluster every policy gets (see the command's docstring for why these values).
 PRESSURE = ["sim.num_blocks=320", "sim.block_size=16", "sim.time_scale=1.0"]
@@ -269,13 +276,17 @@ def command(
     up_timeout: Annotated[float, typer.Option(help="seconds a cluster may take to come up", min=1.0)] = 60.0,
     per_request: Annotated[bool, typer.Option(help="with --json: every request's figures too (under per_request)")] = False,
     json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    budget_s: Annotated[float, budget_option()] = DEFAULT_BUDGET_S,
 ) -> None:
     """Round-robin, INFaaS++ and Llumnix on the same generated trace: latencies, preemptions, migrations.
+    A policy whose run would not fit in --budget-s is skipped (--json: skipped).
 
     One throw-away sim cluster per policy, with the same settings but the
     policy; the same trace replayed open loop against each. The defaults put
     4 instances under KV-memory pressure near their capacity; one policy
-    takes about 2 minutes.
+    takes about 2 minutes. Within the default --budget-s (240 s) on 2
+    cores the trace is cut to its first requests (the policies then see
+    little pressure; skipped says so): --budget-s 0 replays all of it.
 
     --json prints:
     {"trace": {"requests", "rate", "arrival", "cv", "prompt", "output"
@@ -311,6 +322,7 @@ def command(
     ~40 s) ends 100-115 s after the start; with start and stop, one policy takes about 2 minutes.
     The llumnix policy keeps its own defaults (the [scheduling] section); --set changes them.
     """
+    budget = Budget(budget_s)
     err = Console(stderr=True)
 
     def die(msg: str, code: int = 2) -> None:
@@ -340,20 +352,43 @@ def command(
                               output=(output_min, output_max), alpha=alpha, high_fraction=high_fraction, seed=seed)
     except ValueError as exc:
         die(str(exc))
+    if budget.budget_s is not None and len(names) > 1:
+        # Every policy replays the same trace, so that they compare: a trace they cannot all replay within the
+        # budget is cut (its first requests) rather than a policy skipped.
+        k = trace_prefix([r.arrival_s for r in reqs], [r.output_tokens for r in reqs], len(names),
+                         budget.left() - STOP_RESERVE_S, STEP_S_ESTIMATE, POLICY_OVERHEAD_S)
+        if k < len(reqs):
+            budget.skip({"part": "trace", "requests": len(reqs), "run": k},
+                        f"the trace cut to its first {k} of {len(reqs)} requests (arriving over "
+                        f"{reqs[k - 1].arrival_s:.0f} s): {len(names)} policies replaying all of it would take about "
+                        f"{len(names) * (reqs[-1].arrival_s + max(r.output_tokens for r in reqs) * STEP_S_ESTIMATE + POLICY_OVERHEAD_S):.0f} s, "
+                        f"{max(0.0, budget.left()):.0f} s of the {budget.budget_s:.0f} s budget left")
+            reqs = reqs[:k]
+            sys.stderr.write(f"bench policies: {budget.skipped[-1]['reason']}\n")  # one line, never wrapped
     result = {"trace": {"requests": requests, "rate": rate, "arrival": arrival, "cv": cv if arrival == "gamma" else 1.0,
                         "prompt": [prompt_min, prompt_max], "output": [output_min, output_max], "alpha": alpha,
                         "high_fraction": high_fraction, "seed": seed, "summary": trace.summary(reqs)},
               "instances": instances, "cores": psutil.cpu_count(), "settings": sets, "policies": {}}
     log = lambda m: err.print(m, markup=False)  # noqa: E731
+    progress = Progress(len(names), start=budget.t0)
+    units = Units(budget, progress)
     for name in names:
+        if not units.start({"policy": name}, f"policy {name}"):
+            continue
         try:
             r = run_policy(name, reqs, instances, sets, request_timeout, up_timeout, log, per_request and json_)
         except RuntimeError as exc:
+            progress.close()
             die(str(exc), 1)
+        units.done()
         result["policies"][name] = r
         log(f"{name}: done in {r['wall_s']:.0f}s; {r['completed']}/{r['requests']} completed, {r['errors']} errors, "
             f"{r['preemptions']} preemptions, {r['migrations']['committed']} migrations")
+    progress.close()
+    result.update(budget.fields())
     if json_:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
         return
     print_tables(result)
+    for line in skipped_lines(result["skipped"], lambda s: f"policy {s['policy']}" if "policy" in s else "part of the trace"):
+        Console().print(line, markup=False)

@@ -28,6 +28,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, Budget, Progress, Units, budget_option,
+                                                 skipped_lines)
 from llumnixctl.experiments.bench.cluster import start_cluster
 from llumnixctl.experiments.bench.serve import stream_completion
 from llumnixctl.lab import localcluster
@@ -122,8 +124,11 @@ def command(
     seed: Annotated[int, typer.Option(help="arrivals seed")] = 0,
     save: Annotated[Optional[Path], typer.Option(metavar="FILE", help="write the JSON here")] = None,
     json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    budget_s: Annotated[float, budget_option()] = DEFAULT_BUDGET_S,
 ) -> None:
-    """How far the predicted TTFT and TPOT of each request are from the actual ones, at several loads."""
+    """How far the predicted TTFT and TPOT of each request are from the actual ones, at several loads. A load
+    that would not fit in --budget-s is skipped (--json: skipped)."""
+    budget = Budget(budget_s)
     err = Console(stderr=True)
     try:
         factors = [float(x) for x in loads.split(",") if x.strip()]
@@ -147,19 +152,27 @@ def command(
     sets += set_ or []
     timeout = 600.0
     rows = []
+    progress = Progress(1 + len(factors), start=budget.t0)
+    units = Units(budget, progress)
     state = start_cluster(run_dir, instances, backend, sets, timeout_s=300)
     try:
+        progress.step("capacity")
         err.print("capacity (and every instance's step-time model) ...")
         capacity = asyncio.run(_capacity(state.url, name, instances * batch, 20.0, timeout))
+        units.measured[None] = [(1.0, seconds)]  # a load takes its seconds and its requests' tail: at least that
         for k, factor in enumerate(factors):
+            if not units.start({"load": factor}, f"load {factor:g}x"):
+                continue
             err.print(f"{factor:g}x capacity ({factor * capacity:.2f} requests/s) for {seconds:g}s ...")
             results = asyncio.run(_load(state.url, name, factor * capacity, seconds, timeout, seed + k))
             rows.append({"load": factor, "rate_rps": factor * capacity, **errors(results)})
+            units.done()
     finally:
+        progress.close()
         localcluster.stop(state)
         shutil.rmtree(run_dir, ignore_errors=True)
     res = {"backend": backend, "instances": instances, "batch": batch, "capacity_rps": capacity,
-           "seconds": seconds, "sets": set_ or [], "loads": rows}
+           "seconds": seconds, "sets": set_ or [], "loads": rows, **budget.fields()}
     if save is not None:
         save.write_text(json.dumps(res, indent=2) + "\n")
     if json_:
@@ -179,3 +192,5 @@ def command(
                       pct(r["ttft_error_p90"]), pct(r["ttft_bias_p50"]), pct(r["tpot_error_p50"]),
                       pct(r["tpot_error_p90"]), pct(r["tpot_bias_p50"]))
     Console().print(table)
+    for line in skipped_lines(res["skipped"], lambda s: f"load {s['load']:g}x"):
+        Console().print(line, markup=False)

@@ -27,6 +27,8 @@ from rich.console import Console
 from rich.table import Table
 
 from llumnixctl.experiments.bench import engine as bench_engine
+from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, Budget, Progress, Rounds, budget_option,
+                                                 skipped_lines)
 from llumnixctl.experiments.traces import files as traces, gen as trace_mod, mix as tracemix
 from llumnixctl.lab import localcluster
 from llumnixctl.lab.scratch import scratch_dir
@@ -158,8 +160,11 @@ def command(
     seed: Annotated[int, typer.Option(help="trace seed (round k uses seed + k)")] = 0,
     save: Annotated[Optional[Path], typer.Option(metavar="FILE", help="write the JSON here")] = None,
     json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    budget_s: Annotated[float, budget_option()] = DEFAULT_BUDGET_S,
 ) -> None:
-    """Our cluster on a saturated host against a plain router, same engines and trace: failures, deaths, lateness."""
+    """Our cluster on a saturated host against a plain router, same engines and trace: failures, deaths, lateness.
+    A system's round that would not fit in --budget-s is skipped (--json: skipped)."""
+    budget = Budget(budget_s)
     from llumnixctl.lab.model import write_tiny_model
 
     def interrupted(*_):
@@ -171,6 +176,8 @@ def command(
     path = (model or write_tiny_model(work / "tiny-llama")).resolve()
     kv_bytes = (kv_tokens + 128) * BYTES_PER_TOKEN  # vLLM keeps one block of 128 tokens back (its null block)
     rows = []
+    progress = Progress(rounds * (2 if router else 1), start=budget.t0)
+    rounds_ = Rounds(budget, progress)
     try:
         for k in range(rounds):
             reqs = trace_mod.generate(requests, rate=rate, arrival="gamma", cv=cv, prompt=(16, prompt_max),
@@ -183,16 +190,23 @@ def command(
                 systems.append(("plain router", lambda d: plain_router(router, path, d, tfile, kv_bytes, max_num_seqs)))
             if k % 2:
                 systems.reverse()  # interleaved: neither always runs first
+            if not rounds_.begin([({"round": k + 1, "system": name}, f"round {k + 1}/{rounds}: {name}", name)
+                                  for name, _ in systems]):
+                continue
             for name, run in systems:
+                if not rounds_.start({"round": k + 1, "system": name}, f"round {k + 1}/{rounds}: {name}", name):
+                    continue
                 err.print(f"round {k + 1}/{rounds}: {name} ...")
                 d = work / f"r{k}-{name.replace(' ', '-')}"
                 d.mkdir()
                 rows.append(_summary(name, k + 1, run(d)))
+                rounds_.done(name)
                 err.print(json.dumps(rows[-1]))
     finally:
+        progress.close()
         shutil.rmtree(work, ignore_errors=True)
     res = {"requests": requests, "rate": rate, "cv": cv, "kv_tokens": kv_tokens, "max_num_seqs": max_num_seqs,
-           "cores": os.cpu_count(), "rounds": rows}
+           "cores": os.cpu_count(), "rounds": rows, **budget.fields()}
     if save is not None:
         save.write_text(json.dumps(res, indent=2) + "\n")
     if json_:
@@ -213,3 +227,5 @@ def command(
                        if (op := r.get("operator_requests")) and op["count"] else ""),
                       f"{r['mean_ttft_ms']:.0f}", f"{r['p99_ttft_ms']:.0f}")
     Console().print(table)
+    for line in skipped_lines(res["skipped"], lambda s: f"{s['system']} round {s['round']}"):
+        Console().print(line, markup=False)
