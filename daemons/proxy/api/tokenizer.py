@@ -24,6 +24,9 @@ from typing import Protocol
 SIM_TOKEN_CHARS = 16  # the longest piece of text one sim token stands for
 _PIECES = re.compile(r"\w{1,%d}|[^\w\s]" % SIM_TOKEN_CHARS)
 _SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]  # 70 syllables
+_NSYL = len(_SYLLABLES)
+_NPAIRS = _NSYL * _NSYL
+_PAIRS = [_SYLLABLES[k % _NSYL] + _SYLLABLES[k // _NSYL] for k in range(_NPAIRS)]  # two digits: low, then high
 
 
 class Detokenizer(Protocol):
@@ -93,15 +96,18 @@ class _SimTexts(dict):
         self.eos_token_id = eos_token_id
 
     def __missing__(self, token_id: int) -> str:
+        """The id's syllables, lowest base-70 digit first (two digits at a time once past the first)."""
         if token_id == self.eos_token_id or token_id < 3:
             text = ""
+        elif token_id < _NSYL:
+            text = " " + _SYLLABLES[token_id]
         else:
             n, parts = token_id, []
-            while True:
-                n, r = divmod(n, len(_SYLLABLES))
-                parts.append(_SYLLABLES[r])
-                if n == 0:
-                    break
+            while n >= _NSYL:
+                n, r = divmod(n, _NPAIRS)
+                parts.append(_PAIRS[r])
+            if n:
+                parts.append(_SYLLABLES[n])
             text = " " + "".join(parts)
         self[token_id] = text
         return text
