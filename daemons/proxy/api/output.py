@@ -56,6 +56,7 @@ async def sse(job: Job, firsts: list[list[wire.TokenOut]], ended: Callable[[Job]
     """The server-sent events of every choice as its tokens come; ``ended(job)`` once the stream ends
     (the request let go and logged), however it ends."""
     M_INFLIGHT.inc()
+    count = M_TOKENS.labels().inc  # its one series, once: each chunk adds to it without the wrapper's calls
     sent = 0
     pending: dict = {}
     try:
@@ -70,7 +71,7 @@ async def sse(job: Job, firsts: list[list[wire.TokenOut]], ended: Callable[[Job]
                     return
                 if chunk:
                     yield chunk
-                M_TOKENS.inc(c.completion_tokens - sent)
+                count(c.completion_tokens - sent)
                 sent = c.completion_tokens
                 outs = await c.stream.take()
                 if not outs:
@@ -99,7 +100,7 @@ async def sse(job: Job, firsts: list[list[wire.TokenOut]], ended: Callable[[Job]
             if chunk:
                 yield chunk
             done_tokens = job.completion_tokens
-            M_TOKENS.inc(done_tokens - sent)
+            count(done_tokens - sent)
             sent = done_tokens
         yield job.end_chunks()
     except BaseException:
@@ -109,6 +110,6 @@ async def sse(job: Job, firsts: list[list[wire.TokenOut]], ended: Callable[[Job]
     finally:
         for fut in pending:
             fut.cancel()
-        M_TOKENS.inc(job.completion_tokens - sent)
+        count(job.completion_tokens - sent)
         M_INFLIGHT.dec()
         ended(job)

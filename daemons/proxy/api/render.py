@@ -8,6 +8,7 @@ text, one chunk from a pre-rendered head and tail around the JSON string, and on
 
 from __future__ import annotations
 
+import operator
 import os
 
 import msgspec
@@ -19,13 +20,15 @@ from daemons.proxy.api.tokenizer import Detokenizer
 from daemons.proxy.api.toolcalls import ToolCalls
 
 _json = msgspec.json.encode
+_token_id = operator.attrgetter("token_id")
+_finish_reason = operator.attrgetter("finish_reason")
 
 
 class Choice:
     """One sequence of a request: its stream, detokenizer, stop strings and what it has rendered."""
 
     __slots__ = ("index", "detok", "stop", "plain", "lp", "lp_offset", "token_ids", "completion_tokens", "stream",
-                 "reason", "texts", "_text_head", "_text_tail")
+                 "reason", "texts", "_text_head", "_text_tail", "_text_between")
 
     def __init__(self, job: "Job", index: int, stops: list[str], detok: Detokenizer, want_ids: bool):
         self.index = index
@@ -43,9 +46,16 @@ class Choice:
                                        else f'{{"index":{index},"text":').encode()
         self._text_tail = (b'},"logprobs":null,"finish_reason":null}]}\n\n' if job.chat
                            else b',"logprobs":null,"finish_reason":null}]}\n\n')
+        self._text_between = self._text_tail + self._text_head
 
     def text_chunk(self, text: str) -> bytes:
         return self._text_head + _json(text) + self._text_tail
+
+    def text_chunks(self, texts: list[str]) -> bytes:
+        """One chunk per text, as ``text_chunk`` writes each, in one join."""
+        if not texts:
+            return b""
+        return self._text_head + self._text_between.join(map(_json, texts)) + self._text_tail
 
 
 class Job:
@@ -126,6 +136,15 @@ class Job:
     @staticmethod
     def _consume_plain(c: Choice, outs: list[wire.TokenOut]) -> list[str]:
         """consume() without stop strings, logprobs or token ids: each token's text as it comes."""
+        reasons = list(map(_finish_reason, outs))
+        ended = len(outs) - reasons.count(None)
+        if not ended or (ended == 1 and reasons[-1] is not None):  # none finished, or the last only: per batch
+            texts = list(map(c.detok.add, map(_token_id, outs)))
+            c.completion_tokens += len(outs)
+            if ended:
+                texts[-1] += c.detok.flush()
+                c.reason = reasons[-1]
+            return list(filter(None, texts))
         pieces, add = [], c.detok.add
         for out in outs:
             c.completion_tokens += 1
@@ -147,7 +166,7 @@ class Job:
             chunk = self.tools.chunk(self._head, c.index, "".join(pieces), c.reason is not None,
                                      self.take_logprobs(c))
         elif c.plain:
-            chunk = b"".join(map(c.text_chunk, pieces))
+            chunk = c.text_chunks(pieces)
         else:
             chunk = self.rich_chunk(c, "".join(pieces))
         if c.reason is not None:

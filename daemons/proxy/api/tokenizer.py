@@ -24,6 +24,9 @@ from typing import Protocol
 SIM_TOKEN_CHARS = 16  # the longest piece of text one sim token stands for
 _PIECES = re.compile(r"\w{1,%d}|[^\w\s]" % SIM_TOKEN_CHARS)
 _SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]  # 70 syllables
+_NSYL = len(_SYLLABLES)
+_NPAIRS = _NSYL * _NSYL
+_PAIRS = [_SYLLABLES[k % _NSYL] + _SYLLABLES[k // _NSYL] for k in range(_NPAIRS)]  # two digits: low, then high
 
 
 class Detokenizer(Protocol):
@@ -59,27 +62,13 @@ class SimTokenizer:
     def __init__(self, vocab_size: int, eos_token_id: int):
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
-        self._cache: dict[int, str] = {}
+        self._cache = _SimTexts(eos_token_id)
+        # A token's text is a dict lookup in C (its detokenizer's ``add``), computed once on a miss.
+        self.decode_token = self._cache.__getitem__
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         span = self.vocab_size - 3
         return [3 + zlib.crc32(p.encode()) % span for p in _PIECES.findall(text)]
-
-    def decode_token(self, token_id: int) -> str:
-        text = self._cache.get(token_id)
-        if text is None:
-            if token_id == self.eos_token_id or token_id < 3:
-                text = ""
-            else:
-                n, parts = token_id, []
-                while True:
-                    n, r = divmod(n, len(_SYLLABLES))
-                    parts.append(_SYLLABLES[r])
-                    if n == 0:
-                        break
-                text = " " + "".join(parts)
-            self._cache[token_id] = text
-        return text
 
     def token_text(self, token_id: int) -> str:
         return self.decode_token(token_id)
@@ -97,6 +86,31 @@ class SimTokenizer:
                             extra: dict | None = None, tools: list[dict] | None = None) -> str:
         turns = [f"<|{m['role']}|> {m['content']}" for m in messages]
         return "\n".join(turns) + ("\n<|assistant|>" if add_generation_prompt else "")
+
+
+class _SimTexts(dict):
+    """The text of each sim token id asked for so far; a missing one is computed (and kept) on lookup."""
+
+    def __init__(self, eos_token_id: int):
+        super().__init__()
+        self.eos_token_id = eos_token_id
+
+    def __missing__(self, token_id: int) -> str:
+        """The id's syllables, lowest base-70 digit first (two digits at a time once past the first)."""
+        if token_id == self.eos_token_id or token_id < 3:
+            text = ""
+        elif token_id < _NSYL:
+            text = " " + _SYLLABLES[token_id]
+        else:
+            n, parts = token_id, []
+            while n >= _NSYL:
+                n, r = divmod(n, _NPAIRS)
+                parts.append(_PAIRS[r])
+            if n:
+                parts.append(_SYLLABLES[n])
+            text = " " + "".join(parts)
+        self[token_id] = text
+        return text
 
 
 class _SimDetokenizer:

@@ -106,7 +106,24 @@ class Stream:
     def feed(self, out: wire.TokenOut, now: float | None = None) -> None:
         """Take one output; ``now`` (the owner's clock) marks progress (None: a caller that does not watch
         for stalls, e.g. a test's fake instance)."""
-        if self.done or out.index < self.next_index or out.index in self.early:
+        index = out.index
+        if index == self.next_index and not self.done and not self.early and self.gap_from < 0:
+            # The common case, once per token: the next index, nothing held early, no migration gap pending
+            # (what the general way below does then, without its calls).
+            if index == 0 and self.trace is not None:
+                self.trace.first_token()
+            self.ready.append(out)
+            self.token_ids.append(out.token_id)
+            self.next_index = index + 1
+            if out.finish_reason is not None:
+                self.done = True
+            if now is not None:
+                self.progress_at = now
+            waiter = self.waiter
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+            return
+        if self.done or index < self.next_index or index in self.early:
             M_DUPLICATES.inc()
             return
         if out.index != self.next_index:

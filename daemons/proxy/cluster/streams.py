@@ -78,12 +78,14 @@ class Streams:
 
     def tokens(self, instance_id: str, outputs: list[wire.TokenOut], now: float) -> None:
         """A TokenBatch of ``instance_id``: each output to its stream if it comes from a copy that owns it."""
+        get = self.by_id.get
         for out in outputs:
-            stream = self.by_id.get(out.request_id)
+            stream = get(out.request_id)
             if stream is None:
                 self._orphan(instance_id, out)
                 continue
-            if stream.owns(instance_id, out):
+            # From its current owner (the common case, decided here without a call), or Stream.owns.
+            if (out.epoch == stream.epoch and instance_id == stream.instance_id) or stream.owns(instance_id, out):
                 stream.feed(out, now)
             elif not stream.done:
                 M_FENCED.inc()
