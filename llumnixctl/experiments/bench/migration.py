@@ -39,26 +39,22 @@ import subprocess
 import shutil
 import statistics
 import sys
-import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Annotated
 
-import httpx
 import psutil
 import typer
-import zmq
 from rich.console import Console
 from rich.table import Table
 
-from daemons import runtime, wire
+from daemons import wire
 from daemons.config import ConfigError, load_config
 from llumnixctl.admin import AdminClient
-from llumnixctl.common import sse_chunks
 from llumnixctl.lab import localcluster
 from llumnixctl.lab.procs import stop
 from llumnixctl.experiments.bench import headroom
+from llumnixctl.experiments.bench.streamclock import TimedStream, recompute_ms
 from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, STOP_RESERVE_S, Budget, Progress, budget_option,
                                                  estimate, skipped_lines)
 from llumnixctl.lab.scratch import scratch_dir
@@ -67,85 +63,6 @@ DEFAULT_LENGTHS = "256,512,1024,2048,4096,8192"
 AUTO_DECODE_TOKENS = 2048  # --decode-tokens 0: the room each request has past its prompt (the context holds it)
 LAB_ENV = "LLUMNIX_BENCH_NETNS"  # set for the run inside the control namespace: the lab, as JSON
 KV_BYTES_PER_TOKEN = 64 * 1024  # the kv-heavy model: 32 layers x 8 KV heads x 64 x 2 (K, V) x 2 bytes
-
-
-class _Tokens(threading.Thread):
-    """A streamed completion whose token arrival times are kept."""
-
-    def __init__(self, url: str, model: str, prompt: list[int], max_tokens: int):
-        super().__init__(daemon=True)
-        self.url, self.model, self.prompt, self.max_tokens = url, model, prompt, max_tokens
-        self.times: list[float] = []
-        self.ids: list[int] = []
-        self.rid = ""
-        self.error: str | None = None
-        self.stop = threading.Event()
-        self.start()
-
-    def run(self) -> None:
-        body = {"model": self.model, "prompt": self.prompt, "max_tokens": self.max_tokens, "ignore_eos": True,
-                "temperature": 0, "stream": True, "return_token_ids": True}
-        try:
-            with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=600) as resp:
-                if resp.status_code != 200:
-                    self.error = f"HTTP {resp.status_code}: {resp.read()[:300]!r}"
-                    return
-                for chunk in sse_chunks(resp):
-                    if "error" in chunk:
-                        self.error = str(chunk["error"])
-                        return
-                    now = time.perf_counter()
-                    self.rid = chunk["id"]
-                    for ch in chunk["choices"]:
-                        for t in ch.get("token_ids", []):
-                            self.ids.append(t)
-                            self.times.append(now)
-                    if self.stop.is_set():
-                        return  # closing the stream aborts the request
-        except httpx.HTTPError as exc:
-            self.error = repr(exc)
-
-    def wait(self, n: int, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while len(self.ids) < n:
-            if self.error or not self.is_alive():
-                raise RuntimeError(f"the benchmark request failed: {self.error or 'stream ended'}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the benchmark request made {len(self.ids)} tokens in {timeout:g}s")
-            time.sleep(0.001)
-
-    def end(self) -> None:
-        self.stop.set()
-        self.join(60)
-
-
-def _gaps_ms(times: list[float], start: float, end: float) -> list[float]:
-    return [(b - a) * 1e3 for a, b in zip(times, times[1:]) if start <= a and b <= end]
-
-
-def _recompute_ms(request_address: str, prompt: list[int], timeout_s: float, reply_host: str = "127.0.0.1") -> float:
-    """Prefill ``prompt`` on one instance from scratch: time to its first token, over ZeroMQ."""
-    ctx = zmq.Context.instance()
-    pull = runtime.tune(ctx.socket(zmq.PULL))
-    dealer = runtime.tune(ctx.socket(zmq.DEALER))
-    try:
-        reply_to = runtime.bind(pull, f"tcp://{reply_host}:0")
-        dealer.connect(request_address)
-        sub = wire.Submit(f"recompute-{uuid.uuid4().hex}", prompt, wire.SamplingParams(max_tokens=1, ignore_eos=True,
-                                                                                       temperature=0), reply_to)
-        t0 = time.perf_counter()
-        dealer.send(wire.encode(sub))
-        while True:
-            if not pull.poll(int(timeout_s * 1000)):
-                raise RuntimeError(f"recomputation on the destination did not finish within {timeout_s:g}s")
-            msg = wire.decode(pull.recv())
-            if isinstance(msg, wire.RequestFailed):
-                raise RuntimeError(f"recomputation refused: {msg.message}")
-            if isinstance(msg, wire.TokenBatch) and msg.outputs:
-                return (time.perf_counter() - t0) * 1e3
-    finally:
-        dealer.close(0)
-        pull.close(0)
 
 
 def _longest(lengths: list[int], decode_tokens: int) -> int:
@@ -246,12 +163,12 @@ def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int
             row = {"tokens": n}
             for when in ("before", "after"):
                 prefix = [rng.randrange(10, 1000) for _ in range(shared_prefix)]  # new each time: cached nowhere
-                s = _Tokens(state.url, model_name, prefix + [rng.randrange(10, 1000) for _ in range(n - shared_prefix)],
+                s = TimedStream(state.url, model_name, prefix + [rng.randrange(10, 1000) for _ in range(n - shared_prefix)],
                             decode_tokens)
                 s.wait(8, timeout=900)
                 there = _other(_where(admin, s.rid), addresses)
                 if when == "after":  # the destination serves another request with the same prefix first
-                    _recompute_ms(addresses[there], prefix + [rng.randrange(10, 1000) for _ in range(32)],
+                    recompute_ms(addresses[there], prefix + [rng.randrange(10, 1000) for _ in range(32)],
                                   timeout_s=900, reply_host=manager_host)
                 out = admin.migrate(there, request_id=s.rid).outcomes[0]
                 s.end()
@@ -273,7 +190,7 @@ def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int
             # have the tokens the moves left need (a pre-copy that outlasts them would find it finished), from
             # what the moves so far took: else the benchmark stops with the --decode-tokens that would do.
             room = max(decode_tokens, _longest(lengths, decode_tokens) - n - 64)
-            s = _Tokens(state.url, model_name, prompt, room)
+            s = TimedStream(state.url, model_name, prompt, room)
             s.wait(8, timeout=900)
             here = _where(admin, s.rid)
             outs, windows = [], []
@@ -309,10 +226,10 @@ def run(backend: str, model: Path | None, lengths: list[int], decode_tokens: int
                       for _, last, end in windows]
             # (2) recomputation: an instance prefills what the request had when it first moved
             progress.update(f"length {n}, recomputation and blocking copy")
-            recompute = _recompute_ms(addresses[here], prompt + s.ids[:outs[0].resumed_at], timeout_s=900,
+            recompute = recompute_ms(addresses[here], prompt + s.ids[:outs[0].resumed_at], timeout_s=900,
                                       reply_host=manager_host)
             # (3) blocking stop-and-copy of a request of the same length
-            b = _Tokens(state.url, model_name, prompt, room)  # ended once it moved
+            b = TimedStream(state.url, model_name, prompt, room)  # ended once it moved
             b.wait(8, timeout=900)
             blocking = admin.migrate(_other(_where(admin, b.rid), addresses), request_id=b.rid, blocking=True).outcomes[0]
             b.end()
