@@ -223,12 +223,17 @@ def slo_score(s: InstanceState, prompt_tokens: int, high: bool, tpot_target_s: f
 # ------------------------------------------------------------------ admission
 
 
+# Why the SLO's admission refuses a request: no instance is predicted to give it its first token in time ("ttft"),
+# those that would are too busy to keep its time per output token ("tpot"), or a higher class is refused now.
+REFUSALS = ("ttft", "tpot", "higher_class")
+
+
 @dataclass(frozen=True)
 class Verdict:
     admitted: bool
     ttft_s: float  # the best predicted TTFT found for the request (inf: no instance)
     retry_after_s: float = 0.0  # refused: when its class is predicted to fit again
-    reason: str = ""  # refused: "ttft" (no instance meets the target) or "higher_class" (one above is refused)
+    reason: str = ""  # refused: one of REFUSALS
 
 
 def best_ttft(states: list[InstanceState], prompt_tokens: int, high: bool, tpot_s: float = 0.0) -> float:

@@ -112,8 +112,7 @@ class Proxy:
             self.cluster.admit(job.slo, principal.name if principal is not None else "", prompt_tokens)
         except Overloaded as exc:
             M_REJECTED.labels(exc.reason).inc()
-            if exc.reason in ("ttft", "higher_class"):
-                self.goodput.refused(job.slo)
+            self.goodput.refused(job.slo, exc.reason)
             raise self._retry_later(429, str(exc), "rate_limit_exceeded", exc.retry_after_s) from None
 
     def _retry_later(self, status: int, message: str, code: str, retry_after_s: float = 0.0) -> ApiError:

@@ -307,11 +307,15 @@ def test_goodput_counts_each_outcome_per_class():
     assert g.finished(normal, 0.4, 0.06, None) == "missed_tpot"
     assert g.finished(normal, 0.6, None, None) == "missed_ttft"  # one token: no TPOT to miss
     assert g.finished(normal, 0.6, 0.06, (0.3, 0.03)) == "missed_both"
-    g.refused(high)
+    g.refused(high, "ttft")
+    for reason in ("tpot", "higher_class"):  # every refusal of the SLO's admission is a refusal of the request
+        g.refused(normal, reason)
+    for reason in ("queued_requests", "queued_tokens", "no_instance"):  # the queue bounds': not the SLO's
+        g.refused(normal, reason)
     after = {k: count(*k) - v for k, v in before.items()}
     assert after[("normal", "met")] == 1 and after[("high", "missed_ttft")] == 1 and after[("normal", "missed_tpot")] == 1
     assert after[("normal", "missed_ttft")] == 1 and after[("normal", "missed_both")] == 1
-    assert after[("high", "refused")] == 1
+    assert after[("high", "refused")] == 1 and after[("normal", "refused")] == 2
     key = type("Key", (), {"slo_ttft_ms": 100.0, "slo_tpot_ms": 0.0})()
     keyed = classes.of(0, g.key_targets(key))
     assert keyed.own == slo.Targets(0.1, 0.05) and keyed.targets == slo.Targets(0.5, 0.05)  # dispatch: the class's

@@ -26,8 +26,10 @@ class Goodput:
         """How long a request may wait for its first token before it gives up (0: forever)."""
         return targets.ttft_s * self.give_up_factor if targets.ttft_s > 0 and self.give_up_factor > 0 else 0.0
 
-    def refused(self, r: slo.RequestSlo) -> None:
-        if r.own.on:
+    def refused(self, r: slo.RequestSlo, reason: str) -> None:
+        """A request turned away at admission, for ``reason`` (an Overloaded's): counted as refused when the SLO's
+        admission refused it (slo.REFUSALS), not when the queue bounds did ([admission])."""
+        if r.own.on and reason in slo.REFUSALS:
             M_SLO.labels(SLO_CLASSES[r.cls], "refused").inc()
 
     def gave_up(self, r: slo.RequestSlo) -> None:
