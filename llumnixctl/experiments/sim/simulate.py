@@ -286,6 +286,8 @@ class Simulation:
         if req.slo == "gave_up":
             return
         inst = self.instances[iid]
+        if inst.gone is not None:  # it stopped (scaled in) before the Submit came: the proxy places it again
+            return self.redispatch(rid, iid)
         tr = req.trace
         sampling = wire.SamplingParams(max_tokens=max(1, tr.output_tokens), ignore_eos=True)
         req.owner = iid
