@@ -136,6 +136,11 @@ def bound() -> dict[str, str]:
     return dict(_bound)
 
 
+def counting() -> bool:
+    """Whether metrics count (not within ``off()``): work done only for a gauge can be skipped when not."""
+    return not _off
+
+
 @contextmanager
 def off() -> Iterator[None]:
     """Within: no metric counts anything (``llumnixctl simulate``: its many instances' daemon parts share one
