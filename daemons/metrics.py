@@ -25,7 +25,8 @@ vllm/v1/metrics/buckets.py) and a name that ends as vLLM's does, so that dashboa
 from __future__ import annotations
 
 import time
-from typing import Iterable
+from contextlib import contextmanager
+from typing import Iterable, Iterator
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -43,6 +44,22 @@ FINISHED_REASONS = ("stop", "length", "abort", "error")  # as vLLM's finished_re
 _SCOPES = {"manager": ("model_name",), "proxy": ("model_name",), "instance": ("model_name", "instance_id")}
 _bound: dict[str, str] = {"model_name": "", "instance_id": ""}
 _all: list["Metric"] = []
+_off = 0  # ``off()`` scopes open: while any is, every update does nothing
+
+
+class _Off:
+    """The series of every metric while ``off()``: counts nothing."""
+
+    def labels(self, *values: str) -> "_Off":
+        return self
+
+    def inc(self, amount: float = 1) -> None:
+        pass
+
+    dec = set = observe = inc
+
+
+_OFF = _Off()
 
 
 class Metric:
@@ -61,6 +78,8 @@ class Metric:
         _all.append(self)
 
     def labels(self, *values: str):
+        if _off:
+            return _OFF
         child = self._children.get(values)
         if child is None:
             child = self._children[values] = self.family.labels(*(_bound[k] for k in self.scope), *values)
@@ -115,6 +134,24 @@ def bind(daemon: str, model_name: str, instance_id: str = "") -> None:
 
 def bound() -> dict[str, str]:
     return dict(_bound)
+
+
+def counting() -> bool:
+    """Whether metrics count (not within ``off()``): work done only for a gauge can be skipped when not."""
+    return not _off
+
+
+@contextmanager
+def off() -> Iterator[None]:
+    """Within: no metric counts anything (``llumnixctl simulate``: its many instances' daemon parts share one
+    process, its figures are its own, and updating the series would cost it a good part of its time). What
+    the daemons decide never reads a metric."""
+    global _off
+    _off += 1
+    try:
+        yield
+    finally:
+        _off -= 1
 
 
 # ---------------------------------------------------------------------------------------------- proxy

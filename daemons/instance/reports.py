@@ -154,6 +154,8 @@ class Reporter:
 
     def count_slo(self, load: wire.InstanceLoad) -> None:
         """The SLO gauges: predictions for the reference prompt, attainment over the window."""
+        if not metrics.counting():
+            return
         ttft, tpot = slo.reference_prediction(self.ident.instance_id, load)
         if ttft is not None:
             M_PREDICTED_TTFT.set(ttft)

@@ -48,7 +48,7 @@ class Step:
     start: float  # on the instance's clock
     took_s: float  # on that clock, faults included
     model_time_s: float  # (the sim) the time it stands for: its tokens exist once it is up
-    load: wire.InstanceLoad  # the engine's, right after it
+    load: wire.InstanceLoad | None  # the engine's, right after it (a step at a time: None, its boundary reads it)
     rows: list[wire.RequestLoad] | None  # the engine's request rows right after it, when listings keep them
     work: tuple[int, int, int] = (0, 0, 0)  # what it did: prefill tokens, decodes, their context tokens
 
@@ -144,12 +144,13 @@ class StepLoop:
         """(Engine thread, or the loop for a step at a time) Step, handing each step to ``deliver``, until the
         boundary is wanted or no work is left (``once``: one step)."""
         while True:
-            deliver(self.step())
+            deliver(self.step(with_load=not once))
             if once or self.boundary_wanted() or not self.engine.has_work():
                 return
 
-    def step(self) -> Step:
-        """One engine step, timed (the watchdog sees it run), with the faults that act on steps."""
+    def step(self, with_load: bool = True) -> Step:
+        """One engine step, timed (the watchdog sees it run), with the faults that act on steps; the engine's
+        load after it when ``with_load`` (steps back to back: their boundary may be many steps away)."""
         start = self.clock.monotonic()
         self.watchdog.step_began(start)
         if self._hangs():  # (on the engine thread: the thread never comes back)
@@ -168,7 +169,8 @@ class StepLoop:
         now = self.clock.monotonic()
         took = now - start
         rows = self.engine.requests() if self.listings.rows_due(took, now) else None
-        return Step(result.outputs, start, took, result.model_time_s, self.engine.load(), rows,
+        return Step(result.outputs, start, took, result.model_time_s,
+                    self.engine.load() if with_load else None, rows,
                     (result.prefill_tokens, result.decodes, result.context_tokens))
 
     def _hangs(self) -> bool:

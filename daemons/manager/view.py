@@ -10,7 +10,7 @@ from typing import Callable, Collection, Mapping, Protocol
 
 import msgspec
 
-from daemons import policy, wire
+from daemons import metrics, policy, wire
 from daemons.clock import Clock
 from daemons.config import SchedulingConfig
 from daemons.policy import slo
@@ -148,6 +148,8 @@ class ClusterView:
     # ------------------------------------------------------------------ gauges
 
     def update_gauges(self, r: InstanceRecord, now: float | None = None) -> None:
+        if not metrics.counting():
+            return
         iid = r.instance_id
         s = self.state(r, self.clock.monotonic() if now is None else now)
         M_FREENESS.labels(iid).set(policy.instance_freeness(s, self.sc.high_priority_headroom))

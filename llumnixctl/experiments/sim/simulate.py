@@ -57,7 +57,7 @@ import msgspec
 import typer
 
 from daemons import manager as manager_module
-from daemons import policy, wire
+from daemons import metrics, policy, wire
 from daemons.clock import LoopClock, VirtualTimeLoop, run_virtual
 from daemons.config import Config, ConfigError, load_config
 from daemons.requests import RequestTable
@@ -147,7 +147,8 @@ class Simulation:
         """The simulation, to the end of its last request; ``linger_s``: then that many virtual seconds more
         (what is on its way arrives: reports, cache batches)."""
         wall = time.perf_counter()
-        run_virtual(lambda loop: self._main(linger_s), loop=self.loop)
+        with metrics.off():  # (the daemons' Prometheus series: the figures are the simulation's own)
+            run_virtual(lambda loop: self._main(linger_s), loop=self.loop)
         return self.result(time.perf_counter() - wall)
 
     async def _main(self, linger_s: float) -> None:
@@ -287,6 +288,8 @@ class Simulation:
         if req.slo == "gave_up":
             return
         inst = self.instances[iid]
+        if inst.gone is not None:  # it stopped (scaled in) before the Submit came: the proxy places it again
+            return self.redispatch(rid, iid)
         tr = req.trace
         sampling = wire.SamplingParams(max_tokens=max(1, tr.output_tokens), ignore_eos=True)
         req.owner = iid
