@@ -14,13 +14,13 @@ One sign convention everywhere: *freeness*, higher is freer.
 """
 
 from daemons.policy import disagg
-from daemons.policy.dispatch import (DISPATCH_POLICIES, MIGRATING_POLICIES, Ask, Placement, Rules, cache_choice,
+from daemons.policy.dispatch import (Ask, Placement, Rules, cache_choice,
                                      dispatch, dispatch_batch, pick, place, pool_for, rules_of, scorer,
                                      slo_cache_choice)
 from daemons.policy.registry import DISPATCH, PAIRING, SCALING, SELECTION, DispatchPolicy
-from daemons.policy.migration import (PAIRING_POLICIES, SELECTION_POLICIES, Choice, CrossNode, Pair, cross_node_budget_blocks,
+from daemons.policy.migration import (Choice, CrossNode, Pair, cross_node_budget_blocks,
                                       cross_node_saving_ms, crosses_hosts, pair, select_migrants, transfer_ms)
-from daemons.policy.scaling import SCALING_POLICIES, Scaler, average_freeness, scale_in_victim
+from daemons.policy.scaling import Scaler, average_freeness, scale_in_victim
 from daemons.policy.usage import (INF, InstanceState, blocks_for, fading_credit, freeness, instance_freeness,
                                   move_lowers_potential, potential, real_freeness, real_usage, request_usage,
                                   scaling_freeness, state_of, virtual_usage)
@@ -28,7 +28,6 @@ from daemons.policy.usage import (INF, InstanceState, blocks_for, fading_credit,
 __all__ = [
     "disagg", "DISPATCH", "PAIRING", "SELECTION", "SCALING", "DispatchPolicy", "Ask", "Placement", "Rules",
     "place", "pool_for", "rules_of",
-    "DISPATCH_POLICIES", "MIGRATING_POLICIES", "PAIRING_POLICIES", "SELECTION_POLICIES", "SCALING_POLICIES",
     "INF", "InstanceState", "Pair", "Choice", "CrossNode", "Scaler",
     "dispatch", "dispatch_batch", "pick", "scorer", "cache_choice", "slo_cache_choice", "pair", "select_migrants", "average_freeness", "scale_in_victim",
     "crosses_hosts", "cross_node_budget_blocks", "cross_node_saving_ms", "transfer_ms",

@@ -13,11 +13,7 @@ from daemons.policy.registry import DISPATCH, DispatchPolicy, cache_choice, slo_
 from daemons.policy.slo import NO_SLO, RequestSlo, class_of, pooled
 from daemons.policy.usage import InstanceState, blocks_for
 
-DISPATCH_POLICIES = DISPATCH.names
-# The baselines dispatch without virtual usage and never migrate to rebalance (drains still migrate).
-MIGRATING_POLICIES = tuple(p.name for p in DISPATCH if p.migrates)
-
-__all__ = ["DISPATCH_POLICIES", "MIGRATING_POLICIES", "Ask", "Placement", "Rules", "cache_choice", "dispatch",
+__all__ = ["Ask", "Placement", "Rules", "cache_choice", "dispatch",
            "dispatch_batch", "pick", "place", "pool_for", "rules_of", "scorer", "slo_cache_choice"]
 
 

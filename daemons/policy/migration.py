@@ -25,14 +25,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from daemons.policy.registry import PAIRING, SELECTION
+from daemons.policy.registry import SELECTION
 from daemons.policy.slo import HIGH, class_of
 from daemons.policy.usage import (INF, InstanceState, blocks_for, instance_freeness, move_lowers_potential,
                                   real_usage, request_usage, virtual_usage)
 from daemons.wire import RequestLoad
 
-PAIRING_POLICIES = PAIRING.names
-SELECTION_POLICIES = SELECTION.names
 # What a destination holds beyond a migrating request's blocks while it copies (migration.py reserves
 # last_stage_max_blocks + 2: 3 at its default of 1, 4 at 2), so that the last stage needs no new reservation.
 COPY_HEADROOM_BLOCKS = 4

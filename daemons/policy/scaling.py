@@ -15,10 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from daemons.policy.registry import SCALING
 from daemons.policy.usage import InstanceState, scaling_freeness
-
-SCALING_POLICIES = SCALING.names
 
 
 def serving(states: list[InstanceState]) -> list[InstanceState]:

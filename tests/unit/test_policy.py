@@ -32,10 +32,10 @@ serving_states = st.lists(an_instance, min_size=1, max_size=8, unique_by=lambda 
 
 def test_policy_names_match_the_config():
     fields = {f"{sec}.{f.name}": f for sec, cls in config.sections() for f in dataclasses.fields(cls)}
-    assert fields["manager.dispatch_policy"].metadata["choices"] == policy.DISPATCH_POLICIES
-    assert fields["scheduling.pairing_policy"].metadata["choices"] == policy.PAIRING_POLICIES
-    assert fields["scheduling.request_selection"].metadata["choices"] == policy.SELECTION_POLICIES
-    assert fields["scaling.policy"].metadata["choices"] == policy.SCALING_POLICIES
+    assert fields["manager.dispatch_policy"].metadata["choices"] == policy.DISPATCH.names
+    assert fields["scheduling.pairing_policy"].metadata["choices"] == policy.PAIRING.names
+    assert fields["scheduling.request_selection"].metadata["choices"] == policy.SELECTION.names
+    assert fields["scaling.policy"].metadata["choices"] == policy.SCALING.names
 
 
 # ---------------------------------------------------------------- virtual usage and freeness
@@ -85,7 +85,7 @@ def test_potential_and_moves():
 # ---------------------------------------------------------------- dispatch
 
 
-@given(states, st.sampled_from(policy.DISPATCH_POLICIES), st.integers(0, 10_000), HEADROOMS)
+@given(states, st.sampled_from(policy.DISPATCH.names), st.integers(0, 10_000), HEADROOMS)
 def test_dispatch_never_picks_dead_draining_or_cordoned(ss, name, turn, headroom):
     chosen = dispatch(name, ss, turn, headroom)
     eligible = {s.instance_id for s in ss if s.alive and not s.draining and not s.cordoned}
@@ -113,7 +113,7 @@ def test_a_burst_spreads_over_equal_instances():
     assert picks == {f"i{k}": 10 for k in range(4)}
 
 
-@given(states, st.sampled_from(policy.DISPATCH_POLICIES), st.integers(0, 10_000), HEADROOMS, st.floats(0, 0.999))
+@given(states, st.sampled_from(policy.DISPATCH.names), st.integers(0, 10_000), HEADROOMS, st.floats(0, 0.999))
 def test_a_start_still_picks_a_freest_eligible_instance(ss, name, turn, headroom, start):
     eligible = [s for s in ss if s.dispatchable]
     chosen = dispatch(name, ss, turn, headroom, start=start)
@@ -201,7 +201,7 @@ def _batch_one_by_one(policy_name, ss, requests, turn, headroom):
     return chosen
 
 
-@given(states, st.sampled_from(policy.DISPATCH_POLICIES),
+@given(states, st.sampled_from(policy.DISPATCH.names),
        st.lists(st.tuples(st.sampled_from([0, 1]), st.integers(1, 2000)), min_size=1, max_size=20),
        st.integers(0, 1000), HEADROOMS)
 def test_batch_dispatch_is_one_dispatch_per_request(ss, name, requests, turn, headroom):
