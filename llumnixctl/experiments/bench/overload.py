@@ -13,6 +13,12 @@ With --slo-ttft-ms/--slo-tpot-ms the cluster serves to those targets ([slo]: adm
 figures add goodput and attainment per class (llumnixctl/experiments/bench/goodput.py) and the moments a
 high-priority request was refused while a normal one was admitted; --no-slo-enforce measures against the same
 targets with [slo] left off (the comparison).
+
+With --burst N the open loop is replaced by a burst (llumnixctl/experiments/bench/burst.py): a warm-up of --warmup
+short requests, then N streams written at once over the cluster's --proxies proxies by a raw client (an HTTP
+library's own cost on a 2-core host would be counted as the server's), refused ones retrying after their
+Retry-After up to --retries times; printed: admitted and refused, the admitted TTFT, the refusals' time at the
+client and at the proxies (their llumnix_proxy_refusal_seconds), and what the retries got.
 """
 
 from __future__ import annotations
@@ -162,6 +168,10 @@ def command(
     seed: Annotated[int, typer.Option(help="arrivals seed")] = 0,
     save: Annotated[Optional[Path], typer.Option(metavar="FILE", help="write the JSON here")] = None,
     json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    burst_n: Annotated[int, typer.Option("--burst", help="instead of the open loop: a warm-up of --warmup short requests, then this many streams sent at once, spread over --proxies proxies (0: the open loop)", min=0)] = 0,
+    warmup: Annotated[int, typer.Option(help="--burst: requests one at a time before the burst, with short answers", min=0)] = 12,
+    retries: Annotated[int, typer.Option(help="--burst: a refused stream waits its Retry-After and tries again, this many times at most", min=0)] = 0,
+    proxies: Annotated[int, typer.Option(help="--burst: proxies of the cluster; the burst is spread evenly over them", min=1)] = 1,
     budget_s: Annotated[float, budget_option()] = DEFAULT_BUDGET_S,
 ) -> None:
     """Admission control at --factor times the cluster's capacity: refusals, their speed, admitted TTFT; with
@@ -169,7 +179,7 @@ def command(
     shortened to fit (JSON: seconds is what ran, skipped says what was cut and why)."""
     global MODEL, VOCAB
     budget = Budget(budget_s)
-    progress = Progress(3, start=budget.t0)
+    progress = Progress(2 if burst_n else 3, start=budget.t0)
     err = Console(stderr=True)
     if backend not in ("sim", "vllm"):
         raise typer.BadParameter("sim or vllm", param_hint="--backend")
@@ -186,7 +196,11 @@ def command(
         sets += [f"model.path={path}", f"model.name={MODEL}"]
     timeout = 600.0
     with kept_if(run_dir, localcluster.ClusterError):  # its error points at the daemons' logs there
-        state = localcluster.up(run_dir, instances, backend, 0, None, sets, timeout_s=60 if backend == "sim" else 300)
+        state = localcluster.up(run_dir, instances, backend, 0, None, sets, timeout_s=60 if backend == "sim" else 300,
+                                proxies=proxies)
+    if burst_n:
+        return _burst_command(state, run_dir, budget, progress, burst_n, warmup, retries, prompt, output,
+                              slo_ttft_ms, slo_tpot_ms, backend, instances, batch, set_ or [], save, json_)
     try:
         progress.step("capacity")
         t_cap = time.monotonic()
@@ -243,3 +257,43 @@ def command(
     Console().print(table)
     for line in skipped_lines(res["skipped"], lambda s: s["part"]):
         Console().print(line, markup=False)
+
+
+def _burst_command(state, run_dir: Path, budget: Budget, progress: Progress, n: int, warmup: int, retries: int,
+                   prompt: int, output: int, ttft_ms: float, tpot_ms: float, backend: str, instances: int, batch: int,
+                   sets: list[str], save: Optional[Path], json_: bool) -> None:
+    from llumnixctl.experiments.bench import burst
+
+    def body(k: int, out: int) -> dict:
+        return _body(prompt, out, False, k)
+
+    try:
+        progress.step(f"warm-up, {warmup} requests")
+        warmed = asyncio.run(burst.warm_up(state.url, body, warmup, min(output, 16), 600.0))
+        progress.step(f"burst of {n} over {len(state.urls)} proxies")
+        deadline = max(30.0, budget.left() - STOP_RESERVE_S)
+        t0 = time.perf_counter()
+        results = asyncio.run(burst.burst(state.urls, body, n, output, retries, 600.0, deadline))
+        wall = time.perf_counter() - t0
+        at_proxy = burst.proxy_refusals(state.urls)
+    finally:
+        progress.close()
+        localcluster.stop(state)
+        shutil.rmtree(run_dir, ignore_errors=True)
+    res = {"backend": backend, "instances": instances, "batch": batch, "proxies": len(state.urls), "burst": n,
+           "warmup": warmed, "retries": retries, "prompt": prompt, "output": output, "slo_ttft_ms": ttft_ms,
+           "slo_tpot_ms": tpot_ms, "sets": sets, "wall_s": round(wall, 1),
+           **burst.analyse(results, ttft_ms / 1000, tpot_ms / 1000), **at_proxy, **budget.fields()}
+    if save is not None:
+        save.write_text(json.dumps(res, indent=2) + "\n")
+    if json_:
+        sys.stdout.write(json.dumps(res, indent=2) + "\n")
+        return
+    table = Table(title=f"a burst of {n} streams on {instances} {backend} instances, TTFT target {ttft_ms:g} ms")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for key, value in res.items():
+        if key in ("sets", "skipped"):
+            continue
+        table.add_row(key, f"{value:.2f}" if isinstance(value, float) else str(value))
+    Console().print(table)
