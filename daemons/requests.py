@@ -35,15 +35,16 @@ class SloMark:
     arrival: float  # when the proxy took it (wall clock: wire.Submit.arrival_time)
     first_time: float = 0.0  # when its first token went out (wall clock; 0: not yet)
     first_index: int = 0  # that token's output index
+    predicted_ttft_s: float = 0.0  # what the proxy predicted its TTFT would be (0: nothing)
 
 
 def slo_mark(ttft_ms: float, tpot_ms: float, arrival: float, first_time: float = 0.0,
-             first_index: int = 0) -> SloMark | None:
-    """The mark of a request with these targets (ms, as wire.Submit and wire.MigratingRequest carry them); None
-    when it has none."""
-    if not (ttft_ms > 0 or tpot_ms > 0):
+             first_index: int = 0, predicted_ttft_ms: float = 0.0) -> SloMark | None:
+    """The mark of a request with these targets (ms, as wire.Submit and wire.MigratingRequest carry them), or with
+    a predicted TTFT to judge; None when it has neither."""
+    if not (ttft_ms > 0 or tpot_ms > 0 or predicted_ttft_ms > 0):
         return None
-    return SloMark(ttft_ms / 1000.0, tpot_ms / 1000.0, arrival, first_time, first_index)
+    return SloMark(ttft_ms / 1000.0, tpot_ms / 1000.0, arrival, first_time, first_index, predicted_ttft_ms / 1000.0)
 
 
 @dataclass(slots=True)

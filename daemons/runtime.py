@@ -89,6 +89,24 @@ def setup_logging(level: str, daemon: str, fmt: str | None = None) -> logging.Lo
     return logging.getLogger(f"llumnix.{daemon}")
 
 
+def lower_priority(increment: int) -> None:
+    """Lower this process's CPU priority by ``increment`` (niceness), and its session's scheduling group's where the
+    kernel groups a session's tasks (autogroup: there a process's own niceness weighs only against its own
+    session's). Never fails: a kernel without autogroup, or a sandbox that hides /proc, keeps what it can."""
+    if increment <= 0:
+        return
+    try:
+        nice = os.nice(increment)
+    except OSError as exc:
+        logging.getLogger("llumnix").warning("could not lower this process's priority: %s", exc)
+        return
+    try:
+        with open("/proc/self/autogroup", "w") as f:
+            f.write(str(nice))
+    except OSError:
+        pass  # no autogroup (or not writable): the process's niceness alone applies
+
+
 def sd_notify(state: str) -> None:
     """Tell systemd (Type=notify) about READY=1 / STOPPING=1; a no-op outside systemd."""
     addr = os.environ.get("NOTIFY_SOCKET")

@@ -89,6 +89,23 @@ class RequestLoad(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_tokens: int
     output_tokens: int
     priority: int = 0
+    max_tokens: int = 0  # the most output tokens it may generate (its sampling's max_tokens; 0: not said)
+
+
+class Outlook(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What an instance's requests will still claim, by the output lengths it observes (daemons/instance/outlook.py;
+    read by the SLO's slot and KV waits: daemons/policy/slo.py). A request's expected output is the mean, over the
+    recent finishes that got as far as it has, of their lengths capped by its max_tokens; a finish cut by its
+    own max_tokens says only "at least that", and counts as reaching the cap (conservative)."""
+
+    committed_blocks: int = 0  # KV blocks its running and waiting requests will hold at their expected final lengths
+    # The running requests by expected remaining output tokens, at up to 8 ranks, cumulative: (remaining tokens of
+    # the request at that rank, requests finished by then, the KV blocks they give back).
+    drain: list[tuple[int, int, int]] = []
+    lengths: list[int] = []  # 16 quantiles of the observed output lengths (a finish cut by max_tokens: UNBOUNDED)
+
+
+UNBOUNDED = 1 << 30  # an output length known only as "at least": longer than any max_tokens
 
 
 class LatencyFit(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -106,6 +123,10 @@ class LatencyFit(msgspec.Struct, array_like=True, omit_defaults=True):
     extra_ms: float = 0.0  # recent mean of (step time - the model's decode part): prefills of others, noise
     chunk_tokens: int = 0  # most prompt tokens one step prefills (the engine's budget; 0: unbounded)
     finish_rate: float = 0.0  # requests finished per second, recent mean (how fast queued requests get a slot)
+    # The largest steps it has run: a decode batch and the prompt tokens of one step (0: not said). Past them its
+    # model only extrapolates, and the predictions take no less per request or token than there (an upper bound).
+    decode_seen: int = 0
+    prefill_seen: int = 0
 
 
 class InstanceLoad(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -142,6 +163,12 @@ class InstanceLoad(msgspec.Struct, array_like=True, omit_defaults=True):
     slo_judged: int = 0
     slo_met: int = 0
     role: str = "mixed"  # "mixed" | "prefill" | "decode" (prefill/decode disaggregation: daemons/policy/disagg.py)
+    outlook: Outlook | None = None  # what its requests will still claim (None: not reported)
+    # The SLO's TTFT predictions against what happened, over the last slo.window_s: |predicted - actual| / actual
+    # of the requests that got their first token here (median, 90th percentile; judged: how many).
+    ttft_error_p50: float = 0.0
+    ttft_error_p90: float = 0.0
+    ttft_error_judged: int = 0
 
 
 # ---------------------------------------------------------------- instance <-> manager
@@ -440,6 +467,9 @@ class Submit(msgspec.Struct, **_tagged(40)):
     # The instance where it finishes judges it (daemons/instance/attainment.py).
     slo_ttft_ms: float = 0.0
     slo_tpot_ms: float = 0.0
+    # The TTFT the proxy predicted when it placed the request here, ms (0: none); the instance judges the
+    # prediction's error by it (daemons/instance/attainment.py) and reports it (InstanceLoad ttft_error_*).
+    predicted_ttft_ms: float = 0.0
 
     def __post_init__(self) -> None:
         endpoints.check(self.reply_to, "reply_to")

@@ -152,6 +152,11 @@ def instance_json(v: wire.InstanceView) -> dict:
         "predicted_ttft_s": _round(ttft), "predicted_tpot_s": _round(tpot),
         "slo_met": ld.slo_met, "slo_judged": ld.slo_judged,
         "slo_attainment": round(ld.slo_met / ld.slo_judged, 4) if ld.slo_judged else None,
+        # The proxies' TTFT predictions for requests placed here against the actual TTFTs, over slo.window_s:
+        # |predicted - actual| / actual, median and 90th percentile (None: none judged).
+        "ttft_error_p50": round(ld.ttft_error_p50, 4) if ld.ttft_error_judged else None,
+        "ttft_error_p90": round(ld.ttft_error_p90, 4) if ld.ttft_error_judged else None,
+        "ttft_error_judged": ld.ttft_error_judged,
         "role": ld.role or "mixed",
     }
 

@@ -3,7 +3,8 @@
 The SLO columns: per instance, the TTFT and TPOT predicted for a new request of a 512-token prompt
 (daemons/policy/slo.py ``reference_prediction``, from the step-time model each instance reports), and the
 attainment over the last slo.window_s: of the requests with an SLO that finished on it, the share that met both
-targets (daemons/instance/attainment.py); the cluster's line sums them.
+targets (daemons/instance/attainment.py); the cluster's line sums them; and the error of the TTFT the proxies
+predicted for the requests placed there (same file), so an operator sees when the model is wrong.
 """
 
 from __future__ import annotations
@@ -79,16 +80,24 @@ def _attained(r: dict) -> str:
     return f"{r['slo_met']}/{r['slo_judged']} {100 * r['slo_attainment']:.0f}%"
 
 
+def _error(r: dict) -> str:
+    """The TTFT predictions' error over the window, median / 90th percentile ("-": none judged)."""
+    if not r.get("ttft_error_judged"):
+        return "-"
+    return f"{100 * r['ttft_error_p50']:.0f}%/{100 * r['ttft_error_p90']:.0f}%"
+
+
 def render_status(data: dict) -> Group:
     """The status table and its summary lines, from status_json's data (what `status` prints)."""
     m = data["manager"]
     table = Table(title=f"manager {m['address']} · dispatch {m['dispatch_policy']} · migration "
                         f"{m['pairing_policy'] if m['migrating'] else 'drains only'} · selection {m['request_selection']} "
                         f"· scaling {m['scaling_policy']}", title_justify="left")
-    right = ("PID", "RUNNING", "WAITING", "VIRTUAL USAGE", "FREENESS", "TTFT*", "TPOT*", "SLO MET")
+    right = ("PID", "RUNNING", "WAITING", "VIRTUAL USAGE", "FREENESS", "TTFT*", "TPOT*", "SLO MET", "TTFT ERR")
     roles = any(r.get("role", "mixed") != "mixed" for r in data["instances"])  # the ROLE column, when disaggregated
     for col in ("ID", "HOST", "PID", "STATE", *(("ROLE",) if roles else ()), "BLOCKS USED/TOTAL", "RUNNING", "WAITING",
-                "VIRTUAL USAGE", "FREENESS", "MIGRATING OUT/IN", "TTFT*", "TPOT*", "SLO MET", "LAST REPORT"):
+                "VIRTUAL USAGE", "FREENESS", "MIGRATING OUT/IN", "TTFT*", "TPOT*", "SLO MET", "TTFT ERR",
+                "LAST REPORT"):
         table.add_column(col, justify="right" if col in right else "left")
     for r in data["instances"]:
         style = "red" if r["state"] != "alive" else "yellow" if r["draining"] or r["cordoned"] else None
@@ -96,17 +105,20 @@ def render_status(data: dict) -> Group:
         table.add_row(r["id"], r["host"], str(r["pid"]), flags_text(r), *role, f"{r['blocks_used']}/{r['blocks_total']}",
                       str(r["running"]), str(r["waiting"]), number_text(r["virtual_usage"], "inf"), number_text(r["freeness"], "-inf"),
                       f"{r['migrating_out']}/{r['migrating_in']}", _ms(r["predicted_ttft_s"]),
-                      _ms(r["predicted_tpot_s"]), _attained(r), f"{r['last_report_age_s']:.1f}s ago", style=style)
+                      _ms(r["predicted_tpot_s"]), _attained(r), _error(r), f"{r['last_report_age_s']:.1f}s ago",
+                      style=style)
     t = data["totals"]
     table.add_section()
     table.add_row("total", "", "", f"{t['alive']}/{t['instances']} alive", *(("",) if roles else ()),
                   f"{t['blocks_used']}/{t['blocks_total']}",
                   str(t["running"]), str(t["waiting"]), "",
                   "" if t["mean_freeness"] is None else f"{t['mean_freeness']:.2f} avg",
-                  f"{t['migrations_in_flight']} in flight", "", "", _attained(t), "")
+                  f"{t['migrations_in_flight']} in flight", "", "", _attained(t), "", "")
     parts: list = [table, f"* predicted for a new request of a {t['slo_reference_prompt_tokens']}-token prompt (its "
                           "instance's step-time model); SLO MET: requests that met both targets of those that finished "
-                          "in the last slo.window_s"]
+                          "in the last slo.window_s; TTFT ERR: the proxies' TTFT predictions for the requests placed "
+                          "there against the actual, |predicted - actual| / actual, median / 90th percentile over the "
+                          "same window (the model is wrong when these are large)"]
     if t["prefix_query_tokens"]:
         each = ", ".join(f"{r['id']} {100 * r['prefix_hit_rate']:.0f}%" for r in data["instances"] if r["prefix_hit_rate"] is not None)
         parts.append(f"prefix cache: {100 * t['prefix_hit_tokens'] / t['prefix_query_tokens']:.1f}% of "

@@ -202,7 +202,8 @@ class SimEngine(EngineDefaults, MigrationParts):
     def requests(self) -> list[RequestLoad]:
         def row(r: SimRequest, state: str) -> RequestLoad:
             return RequestLoad(request_id=r.rid, state=state, blocks=len(r.blocks), prompt_tokens=r.prompt_len,
-                               output_tokens=r.generated, priority=r.priority)
+                               output_tokens=r.generated, priority=r.priority,
+                               max_tokens=max(r.max_total - r.prompt_len, 0))
 
         out = [row(r, "running") for r in self._table.running.values()]
         out += [row(r, "migrating") for r in self._migrations.suspended()]

@@ -195,7 +195,7 @@ class VllmEngine(EngineDefaults, MigrationParts):
         def row(r, state: str) -> RequestLoad:
             return RequestLoad(request_id=r.request_id, state=state, blocks=len(v.block_ids(r.request_id)),
                                prompt_tokens=r.num_prompt_tokens, output_tokens=r.num_output_tokens,
-                               priority=v.priority(r))
+                               priority=v.priority(r), max_tokens=r.max_tokens or 0)
 
         out = [row(r, "running") for r in v.running()]
         out += [row(self._live[rid].req, "migrating") for rid in self._migrations.suspended()]

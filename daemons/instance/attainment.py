@@ -53,19 +53,56 @@ class SloWindow:
             self._met -= judged.popleft()[1]
 
 
+class ErrorWindow:
+    """Owns the TTFT predictions' relative errors of the last ``window_s`` seconds. Verbs: ``add``, ``stats``
+    ((median, 90th percentile, count) over the window)."""
+
+    def __init__(self, window_s: float, clock: Clock):
+        self.window_s = window_s
+        self.clock = clock
+        self._errors: deque[tuple[float, float]] = deque()
+        self._stats: tuple[float, float, int] | None = (0.0, 0.0, 0)
+
+    def add(self, error: float) -> None:
+        self._evict()
+        self._errors.append((self.clock.monotonic(), error))
+        self._stats = None
+
+    def stats(self) -> tuple[float, float, int]:
+        self._evict()
+        if self._stats is None:
+            xs = sorted(e for _, e in self._errors)
+            n = len(xs)
+            self._stats = (xs[n // 2], xs[min(n - 1, int(0.9 * n))], n) if n else (0.0, 0.0, 0)
+        return self._stats
+
+    def _evict(self) -> None:
+        since = self.clock.monotonic() - self.window_s
+        errors = self._errors
+        while errors and errors[0][0] <= since:
+            errors.popleft()
+            self._stats = None
+
+
 class Attainment:
     """Judges the requests that finish here (``token``: each token of a request with an SLO, as it goes out) into
-    its ``window``. Reads the wall clock (``clock.time()``: the proxy's arrival times are wall clock too)."""
+    its ``window``, and the TTFT the proxy predicted for each against the actual one at its first token into
+    ``errors`` (|predicted - actual| / actual). Reads the wall clock (``clock.time()``: the proxy's arrival times
+    are wall clock too)."""
 
     def __init__(self, window_s: float, clock: Clock):
         self.clock = clock
         self.window = SloWindow(window_s, clock)
+        self.errors = ErrorWindow(window_s, clock)
 
     def token(self, mark: SloMark, out: wire.TokenOut) -> None:
         if not mark.first_time:
             mark.first_time = self.clock.time()
             mark.first_index = out.index
-        if out.finish_reason is not None and out.finish_reason != "abort":
+            actual = mark.first_time - mark.arrival
+            if mark.predicted_ttft_s > 0 and actual > 0:
+                self.errors.add(abs(mark.predicted_ttft_s - actual) / actual)
+        if out.finish_reason is not None and out.finish_reason != "abort" and (mark.ttft_s > 0 or mark.tpot_s > 0):
             self.window.add(judge(mark, out.index, self.clock.time()))
 
     def counts(self) -> tuple[int, int]:

@@ -25,6 +25,7 @@ from daemons.instance.handover import Handovers
 from daemons.instance.intake import Intake
 from daemons.instance.listings import Listings
 from daemons.instance.mailbox import Mailbox
+from daemons.instance.outlook import OutputLengths
 from daemons.instance.predictor import StepFit
 from daemons.instance.reports import Heartbeats, Reporter
 from daemons.instance.selection import Orders
@@ -89,7 +90,8 @@ class Instance:
         self.intake = Intake(self.router, engine, self.requests, self.phases, self.tokens, self.proxies,
                              self.standing, self.mailbox.wake, migrator, self.cache.on_sync, self.clock)
         self.listings = Listings(engine, self.requests, self.intake.pending, self.line.tell, self.ident, self.clock)
-        self.fit = StepFit(engine.prefill_budget)  # the step-time model (the SLO's predictions)
+        # The step-time model and the output lengths observed here (the SLO's predictions).
+        self.fit = StepFit(engine.prefill_budget, lengths=OutputLengths())
         self.reporter = Reporter(engine, migrator, self.watchdog, self.line.tell, self.proxies, self.intake.taken,
                                  self.standing, self.ident, self.cache, self.phases, self.requests, heartbeat_s,
                                  ic.load_report_min_interval_s, self.clock, self.fit, self.attainment)
@@ -266,6 +268,7 @@ def main(
 
 def start(cfg: Config):
     """Check the keys and addresses before loading a model for minutes, load the engine, then run."""
+    runtime.lower_priority(cfg.instance.nice)  # the control plane on this host first (instance.nice)
     pre = security.Security(cfg.security, "instance")
     pre.check_bind("instance.request_address", cfg.instance.request_address)
     pre.check_bind("migration.kv_host", cfg.migration.kv_host)

@@ -150,7 +150,8 @@ class Intake:
             log.info("request %s failed over to us: continues at token %d (epoch %d)", msg.request_id,
                      len(msg.output_token_ids), msg.epoch)
         # A failover's re-prefill is not judged: its first token went out elsewhere.
-        mark = None if msg.output_token_ids else slo_mark(msg.slo_ttft_ms, msg.slo_tpot_ms, msg.arrival_time)
+        mark = None if msg.output_token_ids else slo_mark(msg.slo_ttft_ms, msg.slo_tpot_ms, msg.arrival_time,
+                                                          predicted_ttft_ms=msg.predicted_ttft_ms)
         self.requests.admit(msg.request_id, msg.reply_to, msg.epoch, len(msg.output_token_ids), msg.traceparent, mark,
                             prompt_tokens=len(msg.prompt_token_ids), priority=msg.priority)
         self.phases.admitted(msg.request_id)

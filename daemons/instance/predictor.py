@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 from daemons import wire
+from daemons.instance.outlook import OutputLengths
 
 # Features, scaled to about 1 for a typical step (the ridge term then treats them alike):
 # [prefilled?, prefill tokens / 1k, decoded?, decoding requests / 64, context tokens / 64k].
@@ -44,8 +45,11 @@ class StepFit:
     Verbs: ``stepped`` (one step: what it did and how long it took), ``finished`` (requests done), ``fit``
     (the model as of now, for the load report)."""
 
-    def __init__(self, chunk_tokens: int = 0, half_life_steps: float = 500.0, rate_window_s: float = 10.0):
+    def __init__(self, chunk_tokens: int = 0, half_life_steps: float = 500.0, rate_window_s: float = 10.0,
+                 lengths: OutputLengths | None = None):
         self.chunk_tokens = chunk_tokens
+        # The output lengths observed here (None: not kept, and the reports carry no outlook: [slo] off).
+        self.lengths = lengths
         self.decay = 0.5 ** (1.0 / half_life_steps)
         self.rate_window_s = rate_window_s
         self.xtx = [[0.0] * _N for _ in range(_N)]
@@ -56,6 +60,8 @@ class StepFit:
         self._dirty = False
         self.extra_ms = 0.0
         self.finish_rate = 0.0
+        self.decode_seen = 0  # the largest decode batch and prefill (tokens of one step) it has run
+        self.prefill_seen = 0
         self._finished = 0
         self._rate_since: float | None = None
 
@@ -71,6 +77,8 @@ class StepFit:
             self.xty[i] = self.xty[i] * d + xi * y
         self.weight = self.weight * d + 1.0
         self.steps += 1
+        self.decode_seen = max(self.decode_seen, decodes)
+        self.prefill_seen = max(self.prefill_seen, prefill_tokens)
         self._dirty = True
         if decodes > 0 and self.steps > _MIN_STEPS:
             residual = y - self._decode_part(decodes, context_tokens)
@@ -89,6 +97,15 @@ class StepFit:
             self.finish_rate += w * (rate - self.finish_rate)
             self._finished, self._rate_since = 0, now
 
+    def outputs(self, outputs: list[wire.TokenOut], now: float) -> None:
+        """A step's outputs: the requests that finished (their number, and where kept, their lengths)."""
+        ended = [o for o in outputs if o.finish_reason is not None]
+        self.finished(len(ended), now)
+        if self.lengths is not None:
+            for o in ended:
+                if o.finish_reason != "abort":
+                    self.lengths.finished(o.index + 1, o.finish_reason == "stop")
+
     def fit(self) -> wire.LatencyFit | None:
         if self.steps < _MIN_STEPS:
             return None
@@ -96,7 +113,7 @@ class StepFit:
             self._refit()
         c = [k / s for k, s in zip(self.coef, _SCALE)]
         return wire.LatencyFit(self.steps, c[0], c[1], c[2], c[3], c[4], self.extra_ms, self.chunk_tokens,
-                               self.finish_rate)
+                               self.finish_rate, self.decode_seen, self.prefill_seen)
 
     # ------------------------------------------------------------------ internals
 

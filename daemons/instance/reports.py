@@ -15,6 +15,7 @@ from daemons import metrics, runtime, wire
 from daemons.clock import Clock
 from daemons.engine.base import Engine
 from daemons.instance.attainment import Attainment
+from daemons.instance.outlook import outlook
 from daemons.instance.predictor import StepFit
 from daemons.instance.standing import Identity, Standing
 from daemons.instance.telemetry import (
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from daemons.migration import Migrator
 
 log = logging.getLogger("llumnix.instance")
+OUTLOOK_MAX_AGE_S = 0.5  # an outlook of the same requests is aged, not computed again, for at most this long
 
 
 class ReportedCache(Protocol):
@@ -79,6 +81,11 @@ class Reporter:
         self.heartbeat_s = heartbeat_s
         self.min_interval_s = min_interval_s
         self.clock = clock
+        # The last outlook, and when, of which requests (their counts) and at which tokens_generated (``with_outlook``).
+        self._outlook: wire.Outlook | None = None
+        self._outlook_at = 0.0
+        self._outlook_key: tuple = ()
+        self._outlook_tokens = 0
         self.last = self._with_role(engine.load())
         self.load_changed = asyncio.Event()
         self.seq = 0
@@ -86,7 +93,7 @@ class Reporter:
 
     def current_load(self, load: wire.InstanceLoad | None = None) -> wire.InstanceLoad:
         """The engine's load (``load``: as the engine thread just read it) with the llumlet's own state."""
-        load = self.engine.load() if load is None else load
+        load = self.with_outlook(self.engine.load()) if load is None else load
         m = self.migrator()
         if m is not None and (m.busy or m.committed or m.aborted):
             load = msgspec.structs.replace(load, migrating_out=len(m.outgoing), migrating_in=len(m.incoming),
@@ -101,6 +108,29 @@ class Reporter:
         if cache is not None and cache.query_tokens:
             load = msgspec.structs.replace(load, prefix_query_tokens=cache.query_tokens, prefix_hit_tokens=cache.hit_tokens)
         return self._with_role(load)
+
+    def with_outlook(self, load: wire.InstanceLoad, rows: list[wire.RequestLoad] | None = None) -> wire.InstanceLoad:
+        """(Between steps, or on the engine thread right after one) ``load`` with what its requests will still
+        claim (daemons/instance/outlook.py), when the step-time model keeps output lengths ([slo] on);
+        ``rows``: the engine's request rows, when just read."""
+        if self.fit is None or self.fit.lengths is None:
+            return load
+        now = self.clock.monotonic()
+        key = (load.running, load.waiting, load.requests_received, load.preemptions, load.migrating_out,
+               load.migrating_in)
+        cached = self._outlook
+        if rows is None and cached is not None and key == self._outlook_key and now - self._outlook_at < OUTLOOK_MAX_AGE_S:
+            # The same requests as when it was computed (none started, finished, came or left since): only older,
+            # by the decode steps run since (reading every request each step costs, on the engine's thread).
+            steps = (load.tokens_generated - self._outlook_tokens) // max(load.running, 1)
+            if steps > 0:
+                cached = msgspec.structs.replace(cached, drain=[(max(r - steps, 1), d, f) for r, d, f in cached.drain])
+            return msgspec.structs.replace(load, outlook=cached)
+        rows = self.engine.requests() if rows is None else rows
+        hands_over = getattr(self.standing, "role", "mixed") == "prefill"
+        self._outlook = outlook(rows, self.fit.lengths, load.block_size, hands_over)
+        self._outlook_at, self._outlook_key, self._outlook_tokens = now, key, load.tokens_generated
+        return msgspec.structs.replace(load, outlook=self._outlook)
 
     def _with_role(self, load: wire.InstanceLoad) -> wire.InstanceLoad:
         role = getattr(self.standing, "role", "mixed")
@@ -148,9 +178,12 @@ class Reporter:
         if self.attainment is None:
             return load
         met, judged = self.attainment.counts()
-        if judged == load.slo_judged and met == load.slo_met:
+        p50, p90, n = self.attainment.errors.stats()
+        if (judged, met, n, p50, p90) == (load.slo_judged, load.slo_met, load.ttft_error_judged, load.ttft_error_p50,
+                                          load.ttft_error_p90):
             return load
-        return msgspec.structs.replace(load, slo_met=met, slo_judged=judged)
+        return msgspec.structs.replace(load, slo_met=met, slo_judged=judged, ttft_error_p50=p50, ttft_error_p90=p90,
+                                       ttft_error_judged=n)
 
     def count_slo(self, load: wire.InstanceLoad) -> None:
         """The SLO gauges: predictions for the reference prompt, attainment over the window."""

@@ -169,8 +169,8 @@ class StepLoop:
         now = self.clock.monotonic()
         took = now - start
         rows = self.engine.requests() if self.listings.rows_due(took, now) else None
-        return Step(result.outputs, start, took, result.model_time_s,
-                    self.engine.load() if with_load else None, rows,
+        load = self.reporter.with_outlook(self.engine.load(), rows) if with_load else None
+        return Step(result.outputs, start, took, result.model_time_s, load, rows,
                     (result.prefill_tokens, result.decodes, result.context_tokens))
 
     def _hangs(self) -> bool:
@@ -255,7 +255,7 @@ class StepLoop:
         """A step ended, ``step_s`` after it began (paced steps: padding included, as the clients see it)."""
         M_STEP.observe(step_s)
         self.fit.stepped(*step.work, step_s)
-        self.fit.finished(sum(1 for o in step.outputs if o.finish_reason is not None), self.clock.monotonic())
+        self.fit.outputs(step.outputs, self.clock.monotonic())
         migrator = self.migrator()
         if migrator is not None:
             migrator.stepped(step_s)  # paces a migration's pre-copy (daemons/pacing.py)

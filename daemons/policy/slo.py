@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 
 import msgspec
 
+from daemons.policy.lengths import expected_output
 from daemons.policy.usage import InstanceState, blocks_for, state_of
 
 HIGH, NORMAL = 1, 0
@@ -102,17 +103,42 @@ def fitted(fit) -> bool:
 
 
 def decode_ms(fit, batch: int, context_tokens: int) -> float:
+    """A decode step of ``batch`` requests holding ``context_tokens``. Past the largest batch the instance has run
+    (``decode_seen``) its model only extrapolates, and a batch there takes no less per request than at that largest:
+    where the steps could not tell a step's fixed cost from its per-request cost (a warm-up one request at a time),
+    the fit may put it all in the fixed part and call a batch of 100 as fast as one; this bound, linear through
+    the origin from the largest batch run, is above the truth for any step time that grows at most linearly."""
     if batch <= 0:
         return 0.0
-    return max(0.0, fit.decode_ms + fit.decode_ms_per_seq * batch + fit.decode_ms_per_token * context_tokens)
+    ms = max(0.0, fit.decode_ms + fit.decode_ms_per_seq * batch + fit.decode_ms_per_token * context_tokens)
+    seen = fit.decode_seen
+    if 0 < seen < batch:
+        at_seen = fit.decode_ms + fit.decode_ms_per_seq * seen + fit.decode_ms_per_token * context_tokens * seen / batch
+        ms = max(ms, max(at_seen, 0.0) * batch / seen)
+    return ms
+
+
+def prefill_step_ms(fit, tokens: int) -> float:
+    """The prefill part of a step of ``tokens`` prompt tokens; past the largest the instance has run
+    (``prefill_seen``), no less per token than there (as ``decode_ms``: an upper bound where the model cannot know)."""
+    if tokens <= 0:
+        return 0.0
+    ms = max(0.0, fit.prefill_ms + fit.prefill_ms_per_token * tokens)
+    seen = fit.prefill_seen
+    if 0 < seen < tokens:
+        ms = max(ms, max(fit.prefill_ms + fit.prefill_ms_per_token * seen, 0.0) * tokens / seen)
+    return ms
+
+
+def extrapolated(fit, prefill_tokens: int, batch: int) -> bool:
+    """Whether a step of this size is past what the instance has run (its prediction is the bound, not the model)."""
+    return (0 < fit.prefill_seen < prefill_tokens) or (0 < fit.decode_seen < batch)
 
 
 def step_ms(fit, prefill_tokens: int, batch: int, context_tokens: int) -> float:
-    """A step's time by the model (the same formula as daemons/engine/sim.py's ``model_time``)."""
-    ms = decode_ms(fit, batch, context_tokens)
-    if prefill_tokens > 0:
-        ms += max(0.0, fit.prefill_ms + fit.prefill_ms_per_token * prefill_tokens)
-    return ms
+    """A step's time by the model (the formula of daemons/engine/sim.py's ``model_time``, bounded past the largest
+    steps run)."""
+    return decode_ms(fit, batch, context_tokens) + prefill_step_ms(fit, prefill_tokens)
 
 
 @dataclass(frozen=True)
@@ -131,9 +157,14 @@ def ahead_of(s: InstanceState, high: bool) -> Ahead:
     return Ahead(s.waiting + s.pending_requests, s.waiting_tokens + s.pending_blocks * s.block_size)
 
 
-def slot_wait_s(s: InstanceState, fit, ahead: Ahead, prompt_tokens: int) -> float:
-    """How long until the requests ahead and this one all have a batch slot and their KV cache: the requests that
-    must finish first, at the instance's recent finish rate."""
+def slot_wait_s(s: InstanceState, fit, ahead: Ahead, prompt_tokens: int, max_tokens: int = 0) -> float:
+    """How long until the requests ahead and this one all have a batch slot and their KV cache. With the
+    instance's outlook (wire.Outlook: its requests' KV at their expected final lengths, and when the running ones
+    are expected to finish), by that: KV counts at what the requests will grow to, not what they hold now (vLLM
+    admits by the prompt, and preempts what it admitted as the batch's KV grows); else the requests that must
+    finish first, at the instance's recent finish rate. ``max_tokens``: the request's (0: not known)."""
+    if s.outlook is not None:
+        return outlook_wait_s(s, fit, ahead, prompt_tokens, max_tokens)
     free_slots = max(s.batch_size - s.running, 0)
     short = ahead.requests + 1 - free_slots
     free_blocks = s.blocks_total - s.blocks_used
@@ -148,15 +179,47 @@ def slot_wait_s(s: InstanceState, fit, ahead: Ahead, prompt_tokens: int) -> floa
     return short / fit.finish_rate
 
 
+REFERENCE_OUTPUT_TOKENS = 256  # a request's max_tokens where it is not known (dispatch scores, status)
+
+
+def final_blocks(s: InstanceState, prompt_tokens: int, max_tokens: int = 0) -> int:
+    """KV blocks a new request will hold on ``s`` at its expected final length (the output lengths ``s``
+    observes, capped at ``max_tokens``; all of it when ``s`` has observed none)."""
+    lengths = s.outlook.lengths if s.outlook is not None else []
+    return blocks_for(prompt_tokens + expected_output(lengths, 0, max_tokens or REFERENCE_OUTPUT_TOKENS),
+                      s.block_size)
+
+
+def outlook_wait_s(s: InstanceState, fit, ahead: Ahead, prompt_tokens: int, max_tokens: int = 0) -> float:
+    """``slot_wait_s`` by the instance's outlook: short of slots or of KV (at final lengths: the requests there,
+    our pending dispatches and this one), the wait is until enough running requests are expected to finish (their
+    remaining tokens at the current decode step's time); past all of them, the queued ones must run whole answers
+    first, in waves of a batch (or a KV cache) at a time."""
+    o = s.outlook
+    need_slots = ahead.requests + 1 - max(s.batch_size - s.running, 0)
+    need_blocks = o.committed_blocks + s.pending_final_blocks + final_blocks(s, prompt_tokens, max_tokens) - s.blocks_total
+    if need_slots <= 0 and need_blocks <= 0:
+        return 0.0
+    step_s = (decode_ms(fit, max(s.running, 1), s.context_tokens) + max(fit.extra_ms, 0.0)) / 1000.0
+    for remaining, done, freed in o.drain:
+        if done >= need_slots and freed >= need_blocks:
+            return remaining * step_s
+    last_s, done, freed = (o.drain[-1][0] * step_s, o.drain[-1][1], o.drain[-1][2]) if o.drain else (0.0, 0, 0)
+    answer_s = expected_output(o.lengths, 0, max_tokens or REFERENCE_OUTPUT_TOKENS) * step_s
+    waves = max(math.ceil((need_slots - done) / max(s.batch_size, 1)),
+                math.ceil((need_blocks - freed) / max(s.blocks_total, 1)), 1)
+    return last_s + waves * answer_s
+
+
 def prefill_s(s: InstanceState, fit, tokens: int) -> float:
     """Time to prefill ``tokens`` queued prompt tokens, in steps of at most chunk_tokens that also decode the
     running batch."""
     steps = max(1, math.ceil(tokens / fit.chunk_tokens)) if fit.chunk_tokens > 0 else 1
-    per_step = fit.prefill_ms + decode_ms(fit, s.running, s.context_tokens)
-    return max(0.0, steps * per_step + fit.prefill_ms_per_token * tokens) / 1000.0
+    per_step = prefill_step_ms(fit, math.ceil(tokens / steps)) + decode_ms(fit, s.running, s.context_tokens)
+    return max(0.0, steps * per_step) / 1000.0
 
 
-def predict_ttft(s: InstanceState, prompt_tokens: int, high: bool = False) -> float:
+def predict_ttft(s: InstanceState, prompt_tokens: int, high: bool = False, max_tokens: int = 0) -> float:
     """Seconds until a new request of ``prompt_tokens`` uncached prompt tokens gets its first token on ``s``
     (0 while the instance has no model yet: it has not stepped, so nothing waits there either)."""
     fit = s.latency
@@ -166,7 +229,8 @@ def predict_ttft(s: InstanceState, prompt_tokens: int, high: bool = False) -> fl
     # A request joins at a step boundary: while a batch runs, it first waits out what is left of the current step
     # (half of one, on average).
     boundary = 0.5 * (decode_ms(fit, s.running, s.context_tokens) + max(fit.extra_ms, 0.0)) / 1000.0 if s.running else 0.0
-    return boundary + slot_wait_s(s, fit, ahead, prompt_tokens) + prefill_s(s, fit, ahead.tokens + prompt_tokens)
+    return (boundary + slot_wait_s(s, fit, ahead, prompt_tokens, max_tokens)
+            + prefill_s(s, fit, ahead.tokens + prompt_tokens))
 
 
 def predict_tpot(s: InstanceState, prompt_tokens: int = 0, joining: int = 1) -> float:
@@ -234,20 +298,23 @@ class Verdict:
     ttft_s: float  # the best predicted TTFT found for the request (inf: no instance)
     retry_after_s: float = 0.0  # refused: when its class is predicted to fit again
     reason: str = ""  # refused: one of REFUSALS
+    fits: tuple[str, ...] = ()  # admitted: the instances predicted to meet its target (where it may be placed)
 
 
-def best_ttft(states: list[InstanceState], prompt_tokens: int, high: bool, tpot_s: float = 0.0) -> float:
+def best_ttft(states: list[InstanceState], prompt_tokens: int, high: bool, tpot_s: float = 0.0,
+              max_tokens: int = 0) -> float:
     """The best predicted TTFT over the instances that take requests (with ``tpot_s``: over those whose predicted
     TPOT with the request joining stays within it; inf: none)."""
-    return min((predict_ttft(s, prompt_tokens, high) for s in states
+    return min((predict_ttft(s, prompt_tokens, high, max_tokens) for s in states
                 if s.dispatchable and not (tpot_s > 0 and predict_tpot(s, prompt_tokens) > tpot_s)),
                default=math.inf)
 
 
-def kept_ttft(states: list[InstanceState], prompt_tokens: int, high: bool, t: Targets, admit_at: float) -> float:
+def kept_ttft(states: list[InstanceState], prompt_tokens: int, high: bool, t: Targets, admit_at: float,
+              max_tokens: int = 0) -> float:
     """The best predicted TTFT of a request of targets ``t`` among the instances where it would also keep its TPOT
     target (within ``admit_at`` of it; every instance when it has none)."""
-    return best_ttft(states, prompt_tokens, high, t.tpot_s * admit_at if t.tpot_s > 0 else 0.0)
+    return best_ttft(states, prompt_tokens, high, t.tpot_s * admit_at if t.tpot_s > 0 else 0.0, max_tokens)
 
 
 def pooled(states: list[InstanceState]) -> list[InstanceState]:
@@ -292,7 +359,7 @@ def class_share(states: list[InstanceState], high: bool) -> float:
 
 
 def admit(states: list[InstanceState], prompt_tokens: int, priority: int, targets: dict[int, Targets],
-          shares: dict[int, float], admit_at: float = 1.0) -> Verdict:
+          shares: dict[int, float], admit_at: float = 1.0, max_tokens: int = 0) -> Verdict:
     """Admit a request of ``priority`` (its class's TTFT target in ``targets``; a class without a TTFT target is
     always admitted) or refuse it. ``shares``: the fraction of the cluster's requests reserved for a class; a class
     under it is admitted on its own target alone, even while a higher class is refused. ``admit_at``: the fraction
@@ -300,10 +367,16 @@ def admit(states: list[InstanceState], prompt_tokens: int, priority: int, target
     mine = targets.get(priority, Targets())
     high = class_of(priority) == HIGH
     states = pooled(states)
-    ttft = best_ttft(states, prompt_tokens, high)
-    if mine.ttft_s > 0 and ttft > mine.ttft_s * admit_at:
-        return Verdict(False, ttft, retry_after(ttft, mine.ttft_s * admit_at), "ttft")
-    if mine.ttft_s > 0 and kept_ttft(states, prompt_tokens, high, mine, admit_at) > mine.ttft_s * admit_at:
+    limit = mine.ttft_s * admit_at
+    tpot = mine.tpot_s * admit_at if mine.tpot_s > 0 else 0.0
+    # Each instance's predicted TTFT, and whether its TPOT with the request joining stays within the target.
+    preds = [(s.instance_id, predict_ttft(s, prompt_tokens, high, max_tokens),
+              not (tpot > 0 and predict_tpot(s, prompt_tokens) > tpot)) for s in states if s.dispatchable]
+    ttft = min((t for _, t, _ in preds), default=math.inf)
+    if mine.ttft_s > 0 and ttft > limit:
+        return Verdict(False, ttft, retry_after(ttft, limit), "ttft")
+    fits = tuple(iid for iid, t, kept in preds if t <= limit and kept)
+    if mine.ttft_s > 0 and not fits:
         return Verdict(False, ttft, decode_drain_s(states), "tpot")  # every instance fast enough is too busy
     under_share = class_share(states, high) < shares.get(priority, 0.0)
     if not under_share:
@@ -313,7 +386,7 @@ def admit(states: list[InstanceState], prompt_tokens: int, priority: int, target
                 if theirs > t.ttft_s * admit_at:
                     return Verdict(False, ttft, retry_after(best_ttft(states, 0, cls > NORMAL), t.ttft_s * admit_at),
                                    "higher_class")
-    return Verdict(True, ttft)
+    return Verdict(True, ttft, fits=fits if mine.ttft_s > 0 else ())
 
 
 def decode_drain_s(states: list[InstanceState]) -> float:

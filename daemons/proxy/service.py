@@ -24,7 +24,7 @@ from daemons.proxy.front.access import AccessLog
 from daemons.proxy.front.apikeys import ApiKeys
 from daemons.proxy.front.call import Call, Reply
 from daemons.proxy.front.checks import Checks
-from daemons.proxy.cluster.client import M_REJECTED, ClusterClient, NoInstance, Overloaded, Stream
+from daemons.proxy.cluster.client import M_REFUSAL, M_REJECTED, ClusterClient, NoInstance, Overloaded, Stream
 from daemons.proxy.cluster.goodput import Goodput
 from daemons.proxy.front.guard import Guard
 from daemons.proxy.api.output import collect, sse
@@ -40,6 +40,20 @@ from daemons.tracing import Tracer
 # Defined in daemons/metrics.py, with the latencies of each request (Job.timer).
 M_INFLIGHT = metrics.P_IN_FLIGHT
 CHARS_PER_TOKEN = 4  # admission's estimate of a prompt's tokens from its request body, before tokenizing
+
+
+# A body larger than this is not read before admission has checked that even its best case (one prompt token,
+# one output token, the highest priority its caller may send) would be admitted: a refusal does not wait for it.
+PRE_ADMIT_BYTES = 16384
+
+
+def prompt_estimate(body, body_bytes: int) -> int:
+    """Admission's estimate of a request's prompt tokens before tokenizing: a completion's token ids as they are,
+    else the body's size at CHARS_PER_TOKEN."""
+    prompt = body.prompt if isinstance(body, CompletionRequest) else None
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return len(prompt)
+    return body_bytes // CHARS_PER_TOKEN
 
 _json = msgspec.json.encode
 
@@ -101,16 +115,22 @@ class Proxy:
             self.access.write(job, chat, arrival, reply.status)
         return reply
 
-    def _admit(self, priority: int, job: Job, prompt_tokens: int = 0) -> None:
+    def _admit(self, priority: int, job: Job, prompt_tokens: int = 0, max_tokens: int = 0, final: bool = False) -> None:
         """Admission control (daemons/proxy/cluster/admission.py ``admit``): 429 with Retry-After, before any tokenizing
-        (``prompt_tokens``: an estimate from the body's size, for the SLO's prediction)."""
+        (``prompt_tokens``: an estimate from the body, for the SLO's prediction; ``max_tokens``: the most it may
+        generate, 0: not known yet; ``final``: the check with the body read, whose admission counts at once against
+        the next ones'). How long the refusal took, from the request's arrival, goes to
+        llumnix_proxy_refusal_seconds."""
         principal = job.principal
         # The request's SLO class and targets, computed here once (its key's where tighter): admission, dispatch,
         # the instance's attainment and goodput read them.
         job.priority, job.slo = priority, self.cluster.classes.of(priority, Goodput.key_targets(principal))
         try:
-            self.cluster.admit(job.slo, principal.name if principal is not None else "", prompt_tokens)
+            verdict = self.cluster.admit(job.slo, principal.name if principal is not None else "", prompt_tokens,
+                                         max_tokens, job.id if final else "")
+            job.fits = verdict.fits if verdict is not None else ()
         except Overloaded as exc:
+            M_REFUSAL.observe(time.perf_counter() - job.arrival)
             M_REJECTED.labels(exc.reason).inc()
             self.goodput.refused(job.slo, exc.reason)
             raise self._retry_later(429, str(exc), "rate_limit_exceeded", exc.retry_after_s) from None
@@ -126,13 +146,17 @@ class Proxy:
         header_priority = call.headers.get("x-llumnix-priority")
         if header_priority is not None:  # refused before the body is read, however large
             self._admit(parse_priority(None, header_priority), job)
+        elif self._large(call):  # refused before a large body is read, when even the best case would be
+            self._admit(self._best_priority(call), job, 1, 1)
         raw = await call.read()
         body = decode_body(raw, ChatRequest if job.chat else CompletionRequest)
         job.model = body.model
         self.checks.check_model(body.model)
         body.unsupported()
         self.checks.check_stops(body)
-        self._admit(parse_priority(body.priority, header_priority), job, len(raw) // CHARS_PER_TOKEN)
+        prompt_tokens = prompt_estimate(body, len(raw))
+        self._admit(parse_priority(body.priority, header_priority), job, prompt_tokens,
+                    self._max_tokens_estimate(body, prompt_tokens), final=True)
         structured = body.structured()
         if job.chat:
             tools = self.checks.tool_choice(body)
@@ -151,6 +175,26 @@ class Proxy:
             top_n = body.logprobs or 0
             sampling = body.sampling(max_tokens, body.logprobs, structured)
         return await self._serve(call, job, body, ids, sampling, top_n)
+
+    def _large(self, call: Call) -> bool:
+        """A body that may take a while to arrive (over PRE_ADMIT_BYTES, or of unknown length)."""
+        length = call.headers.get("content-length")
+        return length is None or not length.isdigit() or int(length) > PRE_ADMIT_BYTES
+
+    @staticmethod
+    def _best_priority(call: Call) -> int:
+        """The highest priority this caller may send (its body may ask for it): high unless its API key may not."""
+        principal = call.principal
+        return 1 if principal is None or principal.high_priority else 0
+
+    def _max_tokens_estimate(self, body, prompt_tokens: int) -> int:
+        """The most tokens a request may generate, as admission sees it before the checks: what it asks for (a
+        chat request's max_completion_tokens first), else the default (completions: 16; chat: up to the context
+        limit)."""
+        asked = (body.max_completion_tokens if isinstance(body, ChatRequest) else None) or body.max_tokens
+        if asked:
+            return asked
+        return 16 if not isinstance(body, ChatRequest) else max(self.max_model_len - prompt_tokens, 1)
 
     def _in_flight(self, job: Job, sub_ids: list[str]) -> bool:
         return job.id in self.active or any(rid in self.cluster.streams for rid in sub_ids)
@@ -229,11 +273,13 @@ class Proxy:
         give_up_s = self.goodput.give_up_s(job.slo.own)
         if len(submits) == 1:
             try:
-                job.choices[0].stream = await self.cluster.submit(submits[0], tenant, weight, give_up_s, slo_=job.slo)
+                job.choices[0].stream = await self.cluster.submit(submits[0], tenant, weight, give_up_s, slo_=job.slo,
+                                                                  fits=job.fits)
             except NoInstance as exc:
                 raise self._no_instance(exc) from None
             return
-        results = await asyncio.gather(*(self.cluster.submit(s, tenant, weight, give_up_s, slo_=job.slo) for s in submits),
+        results = await asyncio.gather(*(self.cluster.submit(s, tenant, weight, give_up_s, slo_=job.slo, fits=job.fits)
+                                         for s in submits),
                                        return_exceptions=True)
         for c, res in zip(job.choices, results):
             if isinstance(res, Stream):

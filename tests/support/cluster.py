@@ -224,16 +224,18 @@ class VirtualCluster:
     # ------------------------------------------------------------------ requests
 
     async def request(self, max_tokens: int = 20, prompt_tokens: int = 16, priority: int = 0, tenant: str = "",
-                      weight: float = 1.0, give_up_s: float = 0.0, **sampling) -> Stream:
+                      weight: float = 1.0, give_up_s: float = 0.0, fits: tuple[str, ...] = (), request_id: str = "",
+                      **sampling) -> Stream:
         """A request through the proxy's cluster client (dispatched by the manager), as the HTTP front end
         sends one; its stream. ``priority`` 1 is the API's "high"; ``tenant``: its API key's name (the fair
         queue between keys), with that key's ``weight``; ``give_up_s``: with no token that long, it ends with 429
-        (the front end's slo.give_up_factor times its TTFT target)."""
-        rid = f"req-{next(self._rids)}"
+        (the front end's slo.give_up_factor times its TTFT target); ``fits``: the instances admission by SLO found
+        fit (its verdict's), where the front end places it; ``request_id``: its id (default: the next req-N)."""
+        rid = request_id or f"req-{next(self._rids)}"
         params = wire.SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)
         submit = wire.Submit(rid, list(range(100, 100 + prompt_tokens)), params, self.proxy.token_address,
                              priority=priority)
-        return await self.proxy.submit(submit, tenant, weight, give_up_s)
+        return await self.proxy.submit(submit, tenant, weight, give_up_s, fits=fits)
 
     async def tokens(self, stream: Stream, n: int, within_s: float = 30) -> None:
         """Wait (virtual time) until the stream has at least ``n`` tokens (or ended)."""

@@ -40,7 +40,7 @@ class FakeInstance:
         cluster.submit = self.submit
 
     async def submit(self, sub: wire.Submit, tenant: str = "", weight: float = 1.0, give_up_s: float = 0.0,
-                     slo_=None) -> Stream:
+                     slo_=None, fits=()) -> Stream:
         stream = Stream(sub.request_id, sub, slo_=slo_) if slo_ is not None else Stream(sub.request_id, sub)
         self.cluster.streams[sub.request_id] = stream
         self.submitted.append(sub)

@@ -75,8 +75,12 @@ def test_an_empty_decode_pool_serves_whole_requests_on_the_prefill_instances():
 
 
 def test_adaptive_roles_convert_a_decode_instance_when_prefill_is_short():
+    # Admission holds the predicted TTFT of what it admits under slo.admit_at of the target, so a short prefill
+    # pool shows as a prediction at that level (and refusals), never far past the target: admitted up to the
+    # target itself and with a narrow hysteresis, this short trace lets the rule see it. (Judging the pools by
+    # their refusals is the open part of adaptive roles under admission.)
     sets = ["slo.ttft_ms=1500", "slo.tpot_ms=200", "disagg.adaptive=true", "disagg.adapt_interval_s=3",
-            "disagg.adapt_sustain_s=1", "disagg.min_decode=1"]
+            "disagg.adapt_sustain_s=1", "disagg.min_decode=1", "disagg.adapt_margin=0.05", "slo.admit_at=1"]
     sim, res, moves = _run(["prefill", "decode", "decode", "decode"], sets, instances=4, n=160, rate=14.0,
                            prompt=(1500, 3000), output=(8, 24))
     d = res["disagg"]

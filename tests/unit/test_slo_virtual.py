@@ -37,13 +37,16 @@ def test_overload_is_refused_with_the_predicted_drain_and_the_admitted_meet_the_
 
         async def one(at: float):
             await asyncio.sleep(at)
+            rid = f"burst-{at:.4f}"
             try:
-                c.proxy.admit(0, prompt_tokens=PROMPT)
+                verdict = c.proxy.admit(0, prompt_tokens=PROMPT, max_tokens=OUT, request_id=rid)
             except Overloaded as exc:
                 refusals.append((c.loop.time(), exc.retry_after_s, exc.reason))
                 return
             arrived = c.loop.time()
-            stream = await c.request(max_tokens=OUT, prompt_tokens=PROMPT)
+            # As the front end (daemons/proxy/service.py): admitted, it counts at once (until its dispatch), and it
+            # is placed among the instances admission found fit.
+            stream = await c.request(max_tokens=OUT, prompt_tokens=PROMPT, fits=verdict.fits, request_id=rid)
             first = await asyncio.wait_for(stream.take(), 60)
             ttfts.append(c.loop.time() - arrived)
             rest = await c.result(stream, within_s=120)

@@ -85,6 +85,7 @@ class Job:
         self.trace = None  # its span (daemons/proxy/cluster/traces.py RequestTrace), with tracing on
         self.priority = 0
         self.slo = None  # its SLO class and targets (daemons/policy/slo.py RequestSlo), once admitted
+        self.fits: tuple[str, ...] = ()  # (admission by SLO) the instances predicted to meet its TTFT target
         self.tools: ToolCalls | None = None  # a forced tool choice: the output is answered as tool calls
         self._head = b""
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import replace
 from typing import Callable
 
 from daemons import policy
@@ -22,23 +23,40 @@ log = logging.getLogger("llumnix.proxy")
 
 
 class Placing:
-    """The requests waiting in this proxy to be placed: request id -> prompt tokens. Written by dispatch
-    (waiting for an instance) and the fair gate (waiting for a turn); read by admission."""
+    """The requests admitted here and not yet placed: request id -> (prompt tokens, max_tokens, until when it
+    counts). Written by admission (admitted: it counts at once, before its dispatch, or the next request's
+    admission would not see it), dispatch (waiting for an instance; placed: ``discard``) and the fair gate (waiting
+    for a turn); read by admission. An admission's entry that no dispatch discards (the request failed before it:
+    a bad body, a full choice of ``n``) stops counting after ``ADMITTED_TTL_S``."""
 
-    def __init__(self):
-        self._tokens: dict[str, int] = {}
+    ADMITTED_TTL_S = 2.0
 
-    def add(self, request_id: str, prompt_tokens: int) -> None:
-        self._tokens[request_id] = prompt_tokens
+    def __init__(self, now: Callable[[], float] | None = None):
+        self.now = now or (lambda: 0.0)
+        self._reqs: dict[str, tuple[int, int, float]] = {}
+
+    def add(self, request_id: str, prompt_tokens: int, max_tokens: int = 0, ttl_s: float = 0.0) -> None:
+        """``ttl_s``: it stops counting that long from now unless added again (0: until discarded)."""
+        self._reqs[request_id] = (prompt_tokens, max_tokens, self.now() + ttl_s if ttl_s > 0 else math.inf)
 
     def discard(self, request_id: str) -> None:
-        self._tokens.pop(request_id, None)
+        self._reqs.pop(request_id, None)
+
+    def _live(self) -> dict[str, tuple[int, int, float]]:
+        now = self.now()
+        if any(until <= now for _, _, until in self._reqs.values()):
+            self._reqs = {rid: v for rid, v in self._reqs.items() if v[2] > now}
+        return self._reqs
 
     def __len__(self) -> int:
-        return len(self._tokens)
+        return len(self._live())
 
     def tokens(self) -> int:
-        return sum(self._tokens.values())
+        return sum(v[0] for v in self._live().values())
+
+    def max_tokens(self) -> int:
+        """The most tokens they may generate, all together (0 where one did not say)."""
+        return sum(v[1] for v in self._live().values())
 
 
 class Admission:
@@ -59,18 +77,22 @@ class Admission:
         self.admit_at = slo_cfg.admit_at if slo_cfg is not None else 1.0
         self.by_slo = any(t.ttft_s > 0 for t in self.targets.values())  # a TTFT target turns admission by SLO on
 
-    def admit(self, r: slo.RequestSlo, tenant: str = "", prompt_tokens: int = 0) -> slo.Verdict | None:
+    def admit(self, r: slo.RequestSlo, tenant: str = "", prompt_tokens: int = 0, max_tokens: int = 0,
+              proxies: int = 1, request_id: str = "") -> slo.Verdict | None:
         """Raise Overloaded if the request (``r``: its SLO class and targets, slo.Classes.of) is refused. With an SLO:
-        by its TTFT target (``prompt_tokens``: its prompt, an estimate before tokenizing), and the verdict (with the
-        best predicted TTFT) is returned; otherwise by the queue bounds (``admit_by_queue``)."""
+        by its TTFT target (``prompt_tokens``: its prompt, an estimate before tokenizing; ``max_tokens``: the most it
+        may generate, 0: not said), and the verdict (with the best predicted TTFT) is returned; otherwise by the
+        queue bounds (``admit_by_queue``). ``proxies``: how many proxies admit into the same instances (each
+        counts the others' admissions not yet in the instances' reports as many as its own). ``request_id``: an
+        admitted request counts as placing here at once, until its dispatch (``Placing``)."""
         if not self.by_slo:
             self.admit_by_queue(r.high, tenant)
             return None
         targets = {**self.targets, r.cls: r.own}  # its own: its class's, or its key's where tighter
-        states = self.states()
+        states = self.states(proxies)
         if not states:
             return None  # nothing to predict from: placement waits for an instance, or says none is alive
-        verdict = slo.admit(states, prompt_tokens, r.cls, targets, self.shares, self.admit_at)
+        verdict = slo.admit(states, prompt_tokens, r.cls, targets, self.shares, self.admit_at, max_tokens)
         if not verdict.admitted:
             cls = "high-priority" if r.high else "normal-priority"
             if verdict.reason == "higher_class":
@@ -87,16 +109,19 @@ class Admission:
                            f"token within {self.admit_at:g} of its target ({target_ms:g} ms; [slo] ttft_ms, "
                            f"admit_at); the best predicted is {_ms(verdict.ttft_s)}")
             raise Overloaded(message, verdict.reason, verdict.retry_after_s)
+        if request_id:
+            self.placing.add(request_id, prompt_tokens, max_tokens, Placing.ADMITTED_TTL_S)
         return verdict
 
-    def states(self) -> list[policy.InstanceState]:
+    def states(self, proxies: int = 1) -> list[policy.InstanceState]:
         """The instances that take requests, as the SLO's predictions see them: their heartbeats' load, our own
-        dispatches they do not show yet, and the requests placing here spread over them."""
+        dispatches they do not show yet (``proxies`` > 1: times as many, for the other proxies' that we cannot
+        see), and the requests placing here spread over them."""
         now = self.clock.monotonic()
         serving = list(self.known.serving())
         if not serving:
             return []
-        n = len(serving)
+        n, k = len(serving), max(proxies, 1)
         waiting_here = math.ceil(len(self.placing) / n)
         tokens_here = self.placing.tokens() / n
         out = []
@@ -104,8 +129,14 @@ class Admission:
             load = beat.load
             pending_requests, pending_blocks = self.view.pending(iid, now)
             blocks_here = policy.blocks_for(int(tokens_here), load.block_size)
-            out.append(policy.state_of(iid, load, pending_requests=pending_requests + waiting_here,
-                                       pending_blocks=pending_blocks + blocks_here))
+            state = policy.state_of(iid, load, pending_requests=pending_requests * k + waiting_here,
+                                    pending_blocks=pending_blocks * k + blocks_here,
+                                    pending_final_blocks=self.view.pending_final(iid, now) * k)
+            if waiting_here and load.outlook is not None:  # those placing here, at their expected final lengths
+                each = slo.final_blocks(state, int(tokens_here / waiting_here),
+                                        self.placing.max_tokens() // max(len(self.placing), 1))
+                state = replace(state, pending_final_blocks=state.pending_final_blocks + each * waiting_here)
+            out.append(state)
         return out
 
     def admit_by_queue(self, high: bool, tenant: str = "") -> None:

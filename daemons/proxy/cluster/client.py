@@ -63,7 +63,7 @@ from daemons.proxy.cluster.managerlink import ManagerLink
 from daemons.proxy.cluster.stream import NoInstance, Overloaded, Stream
 from daemons.proxy.cluster.streams import Streams
 from daemons.proxy.cluster.telemetry import (M_BAD_FRAMES, M_LINKS_DOWN, M_LINKS_HEALED, M_PEERS, M_PREFIX_INDEX,
-                                     M_REJECTED, REJECT_REASONS)
+                                     M_REFUSAL, M_REJECTED, REJECT_REASONS)
 from daemons.proxy.cluster.tokens import InstancePort
 from daemons.proxy.cluster.traces import StreamTrace
 from daemons.proxy.cluster.view import DispatchView
@@ -71,7 +71,7 @@ from daemons.tracing import now_ns
 
 log = logging.getLogger("llumnix.proxy")
 
-__all__ = ["M_REJECTED", "REJECT_REASONS", "ClusterClient", "NoInstance", "Overloaded", "Stream"]
+__all__ = ["M_REFUSAL", "M_REJECTED", "REJECT_REASONS", "ClusterClient", "NoInstance", "Overloaded", "Stream"]
 
 
 class ClusterClient:
@@ -107,7 +107,7 @@ class ClusterClient:
         self.link = ManagerLink(self.manager, clock, pc.snapshot_interval_s, lambda: port.token_address,
                                 self._on_snapshot)
         self.ownership = Streams(self.port, self.known.address, self.known.set_address)
-        self.placing = Placing()
+        self.placing = Placing(self.clock.monotonic)
         self.changes = Changes()
         # Between API keys (daemons/proxy/cluster/fairgate.py); submits without a key never wait there.
         self.gate = FairGate(FairQueue(clock.monotonic, pc.fair_burst_tokens) if pc.fair_queuing else None, clock,
@@ -153,11 +153,14 @@ class ClusterClient:
     def manager_ok(self) -> bool:
         return self.known.manager_ok()
 
-    def admit(self, request: slo.RequestSlo | int, tenant: str = "", prompt_tokens: int = 0):
+    def admit(self, request: slo.RequestSlo | int, tenant: str = "", prompt_tokens: int = 0, max_tokens: int = 0,
+              request_id: str = ""):
         """Raises Overloaded (daemons/proxy/cluster/admission.py); with an SLO, returns the verdict. ``request``: its
-        SLO class and targets (``classes.of``, where the proxy parsed it), or its priority (its class's)."""
+        SLO class and targets (``classes.of``, where the proxy parsed it), or its priority (its class's). Every
+        proxy the manager hears from admits into the same instances: each counts the others' admissions too.
+        ``request_id``: admitted, it counts at once as placing here, until its dispatch."""
         return self.admission.admit(request if isinstance(request, slo.RequestSlo) else self.classes.of(request),
-                                    tenant, prompt_tokens)
+                                    tenant, prompt_tokens, max_tokens, self.known.proxies, request_id)
 
     # ------------------------------------------------------------------ life cycle
 
@@ -189,16 +192,19 @@ class ClusterClient:
     # ------------------------------------------------------------------ requests
 
     async def submit(self, submit: wire.Submit, tenant: str = "", weight: float = 1.0, give_up_s: float = 0.0,
-                     slo_: slo.RequestSlo | None = None) -> Stream:
+                     slo_: slo.RequestSlo | None = None, fits: tuple[str, ...] = ()) -> Stream:
         """Dispatch and send a request; the returned stream yields its tokens. Raises NoInstance. ``tenant``:
         the name of its API key, for the fair queue between keys (daemons/proxy/cluster/fairgate.py); ``weight``: that
         key's share. ``give_up_s``: with no token that long after now, it ends with 429 (0: never). ``slo_``: its
-        SLO class and targets as the proxy parsed them (None: its priority's class's)."""
+        SLO class and targets as the proxy parsed them (None: its priority's class's). ``fits``: the instances
+        admission by SLO predicted to meet its target (its first placement is among them; empty: any)."""
         now = self.clock.monotonic()
         stream = Stream(submit.request_id, submit, self.pc.request_timeout_s, now,
                         slo_ if slo_ is not None else self.classes.of(submit.priority))
         if give_up_s > 0:
             stream.first_by = now + give_up_s
+        if fits:
+            stream.fits = frozenset(fits)
         if self.tracer is not None and submit.traceparent:
             stream.trace = StreamTrace(self.tracer, submit.traceparent)
         self.ownership.add(stream)

@@ -106,7 +106,7 @@ class Dispatcher:
         if self.known.manager_ok() or not self.known.snapshot:
             keys = self._prefix_keys(stream) if self._policy().prefix_aware else []
             q = wire.Dispatch(self.manager.next_id(), sub.request_id, len(sub.prompt_token_ids), sub.priority,
-                              stream.exclude, keys)
+                              self._excluded(stream), keys)
             reply = await self.manager.ask(q, self.pc.dispatch_timeout_s)
             if reply is not None:
                 if not reply.instance_id and not any(v.instance_id not in stream.exclude for v in self.known.alive()):
@@ -138,7 +138,8 @@ class Dispatcher:
                     if not deadline:
                         deadline = now + self.queue_timeout_s
                         M_WAITED.inc()
-                        self.placing.add(stream.request_id, len(stream.submit.prompt_token_ids))
+                        self.placing.add(stream.request_id, len(stream.submit.prompt_token_ids),
+                                        stream.submit.sampling.max_tokens)
                         log.info("request %s: %s; waiting up to %gs for an instance (admission.queue_timeout_s)",
                                  stream.request_id, exc, self.queue_timeout_s)
                     if now >= deadline or stream.done:
@@ -174,13 +175,23 @@ class Dispatcher:
         ask = policy.Ask(len(sub.prompt_token_ids) + len(sub.output_token_ids),
                          sub.priority, stream.slo, self._cache_hits(stream, any_policy=roles))
         chosen = self.view.choose(self.known.alive, self._policy(), ask, self._turn, self.known.tie_start(),
-                                  stream.exclude)
+                                  self._excluded(stream))
         if self.view.decision:
             M_DISAGG.labels(self.view.decision).inc()
             stream.disagg = self.view.decision
         elif ask.hits is not None and not stream.exclude:
             M_CACHE_DISPATCHES.labels("cache" if self.view.by_cache else "load").inc()
         return chosen
+
+    def _excluded(self, stream: Stream) -> list[str]:
+        """Where the request may not go: the instances it failed on; and on its first placement, when admission by
+        SLO found only some instances predicted to meet its target, the others (the policy chooses among those)."""
+        if stream.fits is None or stream.tried:
+            return stream.exclude
+        others = [v.instance_id for v in self.known.alive() if v.instance_id not in stream.fits]
+        if len(others) == len(self.known.alive()):  # none of them takes requests now: any
+            return stream.exclude
+        return [*stream.exclude, *others] if others else stream.exclude
 
     def _cache_hits(self, stream: Stream, any_policy: bool = False) -> dict[str, int] | None:
         """The prefix-aware policies: the request's cached leading blocks on each instance that holds some (None:
@@ -220,9 +231,12 @@ class Dispatcher:
         submit = msgspec.structs.replace(stream.submit, epoch=stream.epoch, output_token_ids=list(stream.token_ids))
         beat = self.known.beats.get(instance_id)
         tokens = len(submit.prompt_token_ids) + len(submit.output_token_ids)
+        left = max(submit.sampling.max_tokens - len(submit.output_token_ids), 1)  # what it may still generate
         if stream.predicted is None and beat is not None and beat.load is not None and beat.load.latency is not None:
-            stream.predicted = self.view.predict(instance_id, beat.load, tokens, stream.slo.high)
-        self.view.sent_to(instance_id, beat.load if beat is not None else None, tokens)
+            stream.predicted = self.view.predict(instance_id, beat.load, tokens, stream.slo.high, left)
+            if not submit.output_token_ids:  # its first placement: the instance judges the prediction
+                submit = msgspec.structs.replace(submit, predicted_ttft_ms=stream.predicted[0] * 1000.0)
+        self.view.sent_to(instance_id, beat.load if beat is not None else None, tokens, left)
         if stream.trace is not None:
             stream.trace.dispatched(since, instance_id, stream.epoch, len(stream.token_ids))
         if not self.port.send(address, submit):

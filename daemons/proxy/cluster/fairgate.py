@@ -69,7 +69,7 @@ class FairGate:
         w.handle = (asyncio.get_running_loop().create_future(), sub)
         M_TENANT_WAITED.labels(tenant).inc()
         M_TENANT_QUEUED.set(fq.waiting)
-        self.placing.add(stream.request_id, len(sub.prompt_token_ids))
+        self.placing.add(stream.request_id, len(sub.prompt_token_ids), sub.sampling.max_tokens)
         released = w.handle[0]
         taken = False
         try:

@@ -37,7 +37,7 @@ class Stream:
     __slots__ = ("request_id", "submit", "ready", "next_index", "early", "waiter", "done", "error", "status",
                  "instance_id", "address", "tried", "sent_at", "given_back", "epoch", "owner_from", "token_ids",
                  "failovers", "progress_at", "deadline", "fenced", "exclude", "tenant", "weight", "trace",
-                 "prefix_keys", "starts", "first_by", "predicted", "disagg", "gap_from", "moves", "slo")
+                 "prefix_keys", "starts", "first_by", "predicted", "disagg", "gap_from", "moves", "slo", "fits")
 
     def __init__(self, request_id: str, submit: wire.Submit, timeout_s: float = 0.0, now: float = 0.0,
                  slo_: RequestSlo = NO_SLO):
@@ -69,6 +69,10 @@ class Stream:
         self.deadline = now + timeout_s if timeout_s > 0 else 0.0
         self.fenced: set[tuple[str, int]] = set()  # copies already told to abort
         self.exclude: list[str] = []  # instances that failed it: not placed there again
+        # (Admission by SLO) the instances predicted to meet its TTFT target when it was admitted: its first
+        # placement is among them (None: any). Dispatch by another policy would otherwise place it where admission
+        # did not look.
+        self.fits: frozenset[str] | None = None
         self.tenant = ""  # the API key it was charged to in the fair queue (daemons/proxy/cluster/fairgate.py)
         self.weight = 1.0
         self.trace = None  # its spans (daemons/proxy/cluster/traces.py StreamTrace), with tracing on

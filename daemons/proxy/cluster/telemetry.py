@@ -57,6 +57,11 @@ M_REJECTED = metrics.counter("proxy", "llumnix_proxy_admission_rejections_total"
                              "higher_class (429: a higher-priority class is refused now), tpot (429: the instances "
                              "predicted to meet its TTFT target would all pass its TPOT target with it)",
                              ["reason"], preset=[(r,) for r in REJECT_REASONS])
+M_REFUSAL = metrics.histogram("proxy", "llumnix_proxy_refusal_seconds",
+                               "How long a request refused at admission (429) took to be answered, from its "
+                               "arrival at the proxy (the client's wait for a no; network and queueing before the "
+                               "proxy read it not included)",
+                               buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0))
 SLO_CLASSES = ("normal", "high")
 SLO_OUTCOMES = ("met", "missed_ttft", "missed_tpot", "missed_both", "refused", "gave_up")
 M_SLO = metrics.counter("proxy", "llumnix_proxy_slo_requests_total",

@@ -38,7 +38,8 @@ class DispatchView:
         self.now = now  # its client's clock
         self.ttl_s = ttl_s
         self.rules = rules
-        # Our own dispatches per instance not yet in its heartbeats' load: (our Submit number to it, blocks, time).
+        # Our own dispatches per instance not yet in its heartbeats' load: (our Submit number to it, blocks, time,
+        # blocks at its expected final length).
         self.mine: dict[str, deque] = {}
         self.sent: dict[str, int] = {}  # instance id -> Submits we sent it (its heartbeats' ``taken`` counts them)
         self.taken: dict[str, int] = {}  # instance id -> ``taken`` of its last heartbeat
@@ -87,11 +88,15 @@ class DispatchView:
         else:
             self.roles.pop(iid, None)
 
-    def sent_to(self, instance_id: str, load: wire.InstanceLoad | None, tokens: int) -> None:
-        """A Submit of ``tokens`` went to ``instance_id``: its load until a heartbeat shows it."""
+    def sent_to(self, instance_id: str, load: wire.InstanceLoad | None, tokens: int, max_tokens: int = 0) -> None:
+        """A Submit of ``tokens`` (that may generate ``max_tokens`` more) went to ``instance_id``: its load until a
+        heartbeat shows it."""
         n = self.sent[instance_id] = self.sent.get(instance_id, 0) + 1
         block_size = load.block_size if load is not None else 16
-        self.mine.setdefault(instance_id, deque()).append((n, policy.blocks_for(tokens + 1, block_size), self.now()))
+        final = (slo.final_blocks(policy.state_of(instance_id, load), tokens, max_tokens)
+                 if load is not None and load.outlook is not None else policy.blocks_for(tokens + 1, block_size))
+        self.mine.setdefault(instance_id, deque()).append((n, policy.blocks_for(tokens + 1, block_size), self.now(),
+                                                           final))
         self.dirty.add(instance_id)
 
     def lost(self, instance_id: str, n: int) -> None:
@@ -107,23 +112,32 @@ class DispatchView:
         (requests, KV blocks)."""
         fresh = now - self.ttl_s
         requests = blocks = 0
-        for _, b, at in self.mine.get(instance_id, ()):
+        for _, b, at, _ in self.mine.get(instance_id, ()):
             if at > fresh:
                 requests += 1
                 blocks += b
         return requests, blocks
 
+    def pending_final(self, instance_id: str, now: float) -> int:
+        """The KV blocks our pending dispatches to ``instance_id`` (``pending``) will hold at their expected final
+        lengths."""
+        fresh = now - self.ttl_s
+        return sum(f for _, _, at, f in self.mine.get(instance_id, ()) if at > fresh)
+
     def pending_ids(self) -> list[str]:
         """The instances that may have dispatches of ours pending (see ``pending``)."""
         return list(self.mine)
 
-    def predict(self, instance_id: str, load: wire.InstanceLoad, tokens: int, high: bool) -> tuple[float, float]:
+    def predict(self, instance_id: str, load: wire.InstanceLoad, tokens: int, high: bool,
+                max_tokens: int = 0) -> tuple[float, float]:
         """(TTFT, TPOT) predicted for a request of ``tokens`` (``high``: of the high SLO class) placed on
         ``instance_id`` now: its load plus our own dispatches it does not show yet (daemons/policy/slo.py). The
         proxy's (dispatch.py) and the simulator's."""
-        pending_requests, pending_blocks = self.pending(instance_id, self.now())
-        s = policy.state_of(instance_id, load, pending_requests=pending_requests, pending_blocks=pending_blocks)
-        return slo.predict_ttft(s, tokens, high), slo.predict_tpot(s, tokens)
+        now = self.now()
+        pending_requests, pending_blocks = self.pending(instance_id, now)
+        s = policy.state_of(instance_id, load, pending_requests=pending_requests, pending_blocks=pending_blocks,
+                            pending_final_blocks=self.pending_final(instance_id, now))
+        return slo.predict_ttft(s, tokens, high, max_tokens), slo.predict_tpot(s, tokens)
 
     # ------------------------------------------------------------------ the dispatch
 
@@ -186,8 +200,9 @@ class DispatchView:
         mine = self.mine.get(view.instance_id)
         while mine and now - mine[0][2] > self.ttl_s:
             mine.popleft()
-        return policy.state_of(view.instance_id, load, pending_blocks=sum(b for _, b, _ in mine) if mine else 0,
+        return policy.state_of(view.instance_id, load, pending_blocks=sum(m[1] for m in mine) if mine else 0,
                                pending_requests=len(mine) if mine else 0, credit=view.credit,
+                               pending_final_blocks=sum(m[3] for m in mine) if mine else 0,
                                migrations=view.migrations_ordered)
 
     def _build(self, views: list[wire.InstanceView], now: float) -> None:

@@ -41,6 +41,7 @@ class SimulatedRequest:
     keys: list | None = None  # their block keys
     slo: str = ""  # admission by SLO: "admitted", "refused", "gave_up" (no token give_up_factor x its target on)
     predicted: tuple | None = None  # (TTFT, TPOT) the proxy predicted at its first dispatch (SLO models known)
+    fits: tuple = ()  # admission by SLO: the instances predicted to meet its target (its first placement: among them)
 
 
 def _mailbox():

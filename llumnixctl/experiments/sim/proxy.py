@@ -46,7 +46,8 @@ class SimProxy:
         self.classes = slo.Classes(cfg.slo)  # each request's SLO class and targets, where it comes in
         self.known = KnownInstances(clock, cfg.proxy.instance_timeout_s, self.interval_s, lambda address: "unknown")
         self.known.dispatch_policy = cfg.manager.dispatch_policy
-        self.admission = Admission(cfg.admission, clock, self.known, self.view, Placing(), lambda tenant: False,
+        self.placing = Placing(clock.monotonic)  # admitted, not yet dispatched
+        self.admission = Admission(cfg.admission, clock, self.known, self.view, self.placing, lambda tenant: False,
                                    cfg.slo, self.classes)
         self.turn = 0
 
@@ -73,11 +74,11 @@ class SimProxy:
         """Admission by SLO is on (a TTFT target)."""
         return self.admission.by_slo
 
-    def admit(self, priority: int, prompt_tokens: int) -> slo.Verdict | None:
+    def admit(self, priority: int, prompt_tokens: int, max_tokens: int = 0, request_id: str = "") -> slo.Verdict | None:
         """The proxy's admission of a new request (by SLO): its verdict, refused or not (None: nothing to
         predict from yet, admitted)."""
         try:
-            return self.admission.admit(self.classes.of(priority), "", prompt_tokens)
+            return self.admission.admit(self.classes.of(priority), "", prompt_tokens, max_tokens, 1, request_id)
         except Overloaded as exc:
             return slo.Verdict(False, math.inf, exc.retry_after_s, exc.reason)
 
@@ -104,15 +105,17 @@ class SimProxy:
         """The instances it would dispatch among, as its dispatch view sees them at ``now``."""
         return [self.view.state_of(v, v.load, now) for v in self.known.alive()]
 
-    def predict(self, instance_id: str, tokens: int, priority: int) -> tuple[float, float] | None:
+    def predict(self, instance_id: str, tokens: int, priority: int, max_tokens: int = 0) -> tuple[float, float] | None:
         """(TTFT, TPOT) the proxy predicts for a request placed on ``instance_id`` now (None: no model yet)."""
         beat = self.known.beats.get(instance_id)
         if beat is None or beat.load is None or beat.load.latency is None:
             return None
-        return self.view.predict(instance_id, beat.load, tokens, self.classes.of(priority).high)
+        return self.view.predict(instance_id, beat.load, tokens, self.classes.of(priority).high, max_tokens)
 
-    def sent(self, instance_id: str, tokens: int) -> None:
-        """A request of ``tokens`` went to ``instance_id``: its load until a heartbeat shows it."""
+    def sent(self, instance_id: str, tokens: int, max_tokens: int = 0, request_id: str = "") -> None:
+        """A request of ``tokens`` (that may generate ``max_tokens``) went to ``instance_id``: its load until a
+        heartbeat shows it (and no longer as admitted here, not placed)."""
+        self.placing.discard(request_id)
         beat = self.known.beats.get(instance_id)
-        self.view.sent_to(instance_id, beat.load if beat is not None else None, tokens)
+        self.view.sent_to(instance_id, beat.load if beat is not None else None, tokens, max_tokens)
 

@@ -54,10 +54,12 @@ class SimReports:
 
     def __init__(self, cfg, report_lag_s: float, mgr: Manager, proxy: SimProxy | None, proxy_address: str,
                  cache_of: Callable[[SimulatedInstance], object], site: Site, clock) -> None:
+        from daemons.instance.outlook import OutputLengths
         from daemons.instance.predictor import StepFit
         from daemons.instance.reports import Heartbeats, Reporter  # (torch: only once a simulation runs)
 
         self.reporter_class, self.heartbeats_class, self.fit_class = Reporter, Heartbeats, StepFit
+        self.lengths_class = OutputLengths
         self.cfg, self.lag_s, self.mgr, self.cache_of, self.site, self.clock = cfg, report_lag_s, mgr, cache_of, site, clock
         self.proxy_line = ProxyLine(proxy_address, proxy, report_lag_s, site)
         self.tasks: dict[str, list[asyncio.Task]] = {}
@@ -67,7 +69,7 @@ class SimReports:
         which its step loop refreshes) and its heartbeats, running."""
         ic, heartbeat_s = self.cfg.instance, self.cfg.manager.heartbeat_interval_s
         watchdog = Watchdog(ic.step_timeout_s, ic.hung_exit_s, self.clock)  # never stalled: sim steps end
-        inst.fit = self.fit_class(inst.engine.prefill_budget)
+        inst.fit = self.fit_class(inst.engine.prefill_budget, lengths=self.lengths_class())
         inst.reporter = reporter = self.reporter_class(
             inst.engine, lambda: inst.migrator, watchdog, inst.line.tell, self.proxy_line, inst.taken,
             inst.standing, inst.ident_of, self.cache_of(inst), inst.phases, inst.table,

@@ -248,6 +248,7 @@ class Simulation:
         if req.slo == "gave_up" or not self.slo.admitted(req):
             return
         proxy, tr, prio = self.proxy, req.trace, 1 if req.trace.priority == "high" else 0
+        exclude = self.slo.among_fits(req, exclude, self.instances)
         local = proxy is not None and proxy.ready() and not self.oracle
         if local:
             iid = proxy.choose(prio, self.roles.exclude(proxy, tr.prompt_tokens, prio, exclude),  # (in its pool)

@@ -44,16 +44,26 @@ class SimSlo:
             return True
         tr = req.trace
         prio = 1 if tr.priority == "high" else 0
-        verdict = self.proxy.admit(prio, tr.prompt_tokens)
+        verdict = self.proxy.admit(prio, tr.prompt_tokens, max(1, tr.output_tokens), req.rid)
         if verdict is not None and not verdict.admitted:
             req.slo = "refused"
             self.site.end(req)
             return False
         req.slo = "admitted"
+        req.fits = verdict.fits if verdict is not None else ()
         give_up_s = self.targets[prio].ttft_s * self.give_up_factor
         if give_up_s > 0:
             self.site.at(self.site.now + give_up_s, self.give_up, req.rid)
         return True
+
+    @staticmethod
+    def among_fits(req: SimulatedRequest, exclude: tuple, instances) -> tuple:
+        """``exclude`` for a dispatch of ``req``: on its first placement, also the instances admission did not find
+        fit for it (as the proxy's dispatch: daemons/proxy/cluster/dispatch.py ``_excluded``)."""
+        if not req.fits or req.dispatches:
+            return exclude
+        others = tuple(iid for iid in instances if iid not in req.fits)
+        return (*exclude, *others) if len(others) < len(instances) else exclude
 
     def give_up(self, rid: str) -> None:
         """No token yet, give_up_factor times its TTFT target after it arrived: it ends, aborted where it queues."""
@@ -78,5 +88,5 @@ class SimSlo:
         tr = req.trace
         prio = 1 if tr.priority == "high" else 0
         if req.predicted is None:
-            req.predicted = self.proxy.predict(iid, tr.prompt_tokens, prio)
-        self.proxy.sent(iid, tr.prompt_tokens)
+            req.predicted = self.proxy.predict(iid, tr.prompt_tokens, prio, max(1, tr.output_tokens))
+        self.proxy.sent(iid, tr.prompt_tokens, max(1, tr.output_tokens), req.rid)
