@@ -3,8 +3,6 @@ numbered batches before each load report, the whole cache to whoever asks (Cache
 
 from __future__ import annotations
 
-
-
 from daemons import prefix
 from daemons.instance.shared import Shared
 from daemons.instance.telemetry import M_PREFIX_BLOCKS, M_PREFIX_HIT, M_PREFIX_QUERIED

@@ -7,8 +7,6 @@ that was running here when the role changed to prefill is offered at its next to
 
 from __future__ import annotations
 
-
-
 from daemons import wire
 from daemons.instance.shared import Shared
 from daemons.policy.disagg import handover_blocks
