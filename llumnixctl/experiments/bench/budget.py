@@ -18,13 +18,16 @@ with an injected clock): tests/unit/test_bench_budget.py.
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Callable, Iterable, TextIO
 
 import typer
+from rich.console import Console
 
 # 4 minutes: every benchmark's default run ends within 5 on 2 loaded cores, stopping its cluster included.
 DEFAULT_BUDGET_S = 240.0
@@ -346,3 +349,17 @@ class Rounds:
 def skipped_lines(skipped: list[dict], describe: Callable[[dict], str]) -> list[str]:
     """The human output's closing lines: one per skipped unit."""
     return [f"skipped {describe(s)}: {s['reason']}" for s in skipped]
+
+
+def emit(res: dict, json_: bool, show: Callable[[dict], None], describe: Callable[[dict], str],
+         save: Path | None = None) -> None:
+    """A bench command's output: ``res`` written to ``save`` (--save, --out) if given, then printed as JSON
+    (--json), or shown for people (``show``) with a closing line per skipped unit (``describe``: which)."""
+    if save is not None:
+        save.write_text(json.dumps(res, indent=2) + "\n")
+    if json_:
+        sys.stdout.write(json.dumps(res, indent=2) + "\n")
+        return
+    show(res)
+    for line in skipped_lines(res.get("skipped", []), describe):
+        Console().print(line, markup=False)

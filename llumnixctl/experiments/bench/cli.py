@@ -14,7 +14,6 @@ import json
 import shutil
 import socket
 import statistics
-import sys
 import time
 import uuid
 from typing import Annotated, Callable
@@ -33,7 +32,7 @@ from llumnixctl.experiments.bench import (cache as bench_cache, disagg as bench_
                                          predict as bench_predict,
                                          policies as bench_policies, serve as bench_serve, steady as bench_steady)
 from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, STOP_RESERVE_S, Budget, Progress, budget_option,
-                                                 skipped_lines)
+                                                 emit)
 from llumnixctl.experiments.bench.cluster import start_cluster
 from llumnixctl.experiments.bench.proxy_short import (SHORT_GOAL_RPS, host_port, open_nodelay, pick_client,
                                                      short_rate, stream_load)
@@ -235,12 +234,7 @@ def proxy(
     finally:
         progress.close()
     result.update(budget.fields())
-    if json_:
-        sys.stdout.write(json.dumps(result, indent=2) + "\n")
-        return
-    _print_proxy(result)
-    for line in skipped_lines(result["skipped"], lambda s: f"the {s['part']} part"):
-        Console().print(line, markup=False)
+    emit(result, json_, _print_proxy, lambda s: f"the {s['part']} part")
 
 
 def _overhead_run(instances: int, requests: int, streams: int, concurrency: int, tokens: int, short_seconds: float,

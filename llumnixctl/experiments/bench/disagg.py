@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Annotated, Callable, Optional
@@ -41,8 +40,8 @@ from llumnixctl.admin import AdminClient, ManagerUnreachable
 from llumnixctl.experiments.bench.overload import vocab_of
 from llumnixctl.experiments.bench import disagg_figures as figs
 from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, Budget, Progress, Rounds, budget_option,
-                                                 skipped_lines)
-from llumnixctl.experiments.bench.serve import replay, stream_completion
+                                                 emit)
+from llumnixctl.experiments.bench.serve import fetch_metrics, replay, stream_completion
 from llumnixctl.lab import localcluster
 from llumnixctl.lab.scratch import scratch_dir
 
@@ -74,15 +73,8 @@ def config_sets(config: str, ttft_ms: float, tpot_ms: float, slo_everywhere: boo
 
 
 def scrape(address: str) -> dict[str, float]:
-    """One /metrics page (``host:port`` or a URL), parsed; {} when it cannot be read."""
-    url = address if address.startswith("http") else f"http://{address}"
-    if not url.rstrip("/").endswith("/metrics"):
-        url = url.rstrip("/") + "/metrics"
-    try:
-        resp = httpx.get(url, timeout=10)
-        return figs.parse_metrics(resp.text) if resp.status_code == 200 else {}
-    except (httpx.HTTPError, ValueError):
-        return {}
+    """One /metrics page (``host:port`` or a URL), parsed (``figs.parse_metrics``); {} when it cannot be read."""
+    return fetch_metrics(address, figs.parse_metrics)
 
 
 class Counters:
@@ -273,14 +265,8 @@ def command(
 
 def report(res: dict, out: Path | None, json_: bool, err: Console) -> None:
     """Write (--out), print (JSON or the table), and say so when requests failed."""
-    if out is not None:
-        out.write_text(json.dumps(res, indent=2) + "\n")
-    if json_:
-        sys.stdout.write(json.dumps(res, indent=2) + "\n")
-    else:
-        Console().print(figs.summary_table(res))
-        for line in skipped_lines(res.get("skipped", []), lambda s: f"{s['config']} round {s['round']}"):
-            Console().print(line, markup=False)
+    emit(res, json_, lambda r: Console().print(figs.summary_table(r)), lambda s: f"{s['config']} round {s['round']}",
+         save=out)
     failed = sum(run["figures"]["failed"] for run in res["runs"])
     if failed:
         first = next((e for run in res["runs"] for e in run["figures"].get("errors", [])), "")

@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, STOP_RESERVE_S, Budget, Progress, budget_option,
-                                                 estimate, skipped_lines)
+                                                 estimate, emit)
 from llumnixctl.experiments.bench.cluster import start_cluster
 
 # What the api_server run and the cluster run take against the offline run (start-up included), to weigh the
@@ -351,9 +351,4 @@ def command(
         progress.close()
         shutil.rmtree(run_dir, ignore_errors=True)
     res = {**result_of(cluster, offline, api, model, tokens, batch, batch_tokens, repeat, dtype), **budget.fields()}
-    if json_:
-        sys.stdout.write(json.dumps(res, indent=2) + "\n")
-        return
-    print_table(res)
-    for line in skipped_lines(res["skipped"], lambda s: f"the {s['run']} run"):
-        Console().print(line, markup=False)
+    emit(res, json_, print_table, lambda s: f"the {s['run']} run")

@@ -15,7 +15,6 @@ Nothing here asserts a timing; the figures depend on the machine and on what els
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 import statistics
 import sys
@@ -33,7 +32,7 @@ from llumnixctl.admin import AdminClient, ManagerUnreachable
 from llumnixctl.experiments.bench import serve as bench_serve, serve_figures as bench_serve_figures
 from llumnixctl.experiments.bench.cluster import start_cluster
 from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, STOP_RESERVE_S, Budget, Progress, Units,
-                                                 budget_option, skipped_lines, trace_prefix)
+                                                 budget_option, emit, trace_prefix)
 from llumnixctl.experiments.traces import gen as trace, options as traceopts
 from llumnixctl.experiments.traces.gen import TraceOptions
 from llumnixctl.lab import localcluster
@@ -386,9 +385,4 @@ def command(
             f"{r['preemptions']} preemptions, {r['migrations']['committed']} migrations")
     progress.close()
     result.update(budget.fields())
-    if json_:
-        sys.stdout.write(json.dumps(result, indent=2) + "\n")
-        return
-    print_tables(result)
-    for line in skipped_lines(result["skipped"], lambda s: f"policy {s['policy']}" if "policy" in s else "part of the trace"):
-        Console().print(line, markup=False)
+    emit(result, json_, print_tables, lambda s: f"policy {s['policy']}" if "policy" in s else "part of the trace")
