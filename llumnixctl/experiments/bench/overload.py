@@ -18,10 +18,10 @@ targets with [slo] left off (the comparison).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -32,9 +32,9 @@ from rich.console import Console
 from rich.table import Table
 
 from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, STOP_RESERVE_S, Budget, Progress,
-                                                 budget_option, fit_seconds, skipped_lines)
+                                                 budget_option, emit, fit_seconds)
 from llumnixctl.experiments.bench.goodput import gave_up, high_refused_while_normal_admitted, slo_figures
-from llumnixctl.experiments.bench.serve import stream_completion
+from llumnixctl.experiments.bench.serve import closed_loop_rate, stream_completion
 from llumnixctl.lab import localcluster
 from llumnixctl.stats import percentile
 from llumnixctl.lab.scratch import kept_if, scratch_dir
@@ -53,22 +53,8 @@ def _body(prompt: int, output: int, high: bool, k: int) -> dict:
 
 async def _capacity(url: str, concurrency: int, seconds: float, prompt: int, output: int, timeout: float) -> float:
     """Completed requests per second with ``concurrency`` requests always in flight."""
-    done = 0
-    stop = time.perf_counter() + seconds
-
-    async def worker(w: int, client: httpx.AsyncClient) -> None:
-        nonlocal done
-        k = 0
-        while time.perf_counter() < stop:
-            r = await stream_completion(client, url, _body(prompt, output, False, w * 100_000 + k), None, timeout)
-            k += 1
-            if r["error"] is None and time.perf_counter() <= stop:
-                done += 1
-
-    t0 = time.perf_counter()
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=None), timeout=timeout) as client:
-        await asyncio.gather(*(worker(w, client) for w in range(concurrency)))
-    return done / (time.perf_counter() - t0)
+    return await closed_loop_rate(url, concurrency, seconds, timeout,
+                                  lambda w: (_body(prompt, output, False, w * 100_000 + k) for k in itertools.count()))
 
 
 async def _unloaded(url: str, n: int, prompt: int, output: int, timeout: float) -> list[float]:
@@ -216,13 +202,13 @@ def command(
            "slo_enforced": bool(slo_enforce and (slo_ttft_ms or slo_tpot_ms)),
            **analyse(results, unloaded, capacity, rate, seconds, slo_ttft_ms / 1000, slo_tpot_ms / 1000),
            **budget.fields()}
-    if save is not None:
-        save.write_text(json.dumps(res, indent=2) + "\n")
-    if json_:
-        sys.stdout.write(json.dumps(res, indent=2) + "\n")
-        return
-    table = Table(title=f"{factor:g}x capacity ({res['capacity_rps']:.2f} requests/s) for {seconds:g}s, "
-                        f"{instances} {backend} instances of batch {batch}")
+    emit(res, json_, _show, lambda s: s["part"], save=save)
+
+
+def _show(res: dict) -> None:
+    """The overload's measures (and the SLO's, with targets), as a table."""
+    table = Table(title=f"{res['factor']:g}x capacity ({res['capacity_rps']:.2f} requests/s) for {res['seconds']:g}s, "
+                        f"{res['instances']} {res['backend']} instances of batch {res['batch']}")
     table.add_column("measure")
     table.add_column("value", justify="right")
     for key, value in res.items():
@@ -241,5 +227,3 @@ def command(
             table.add_row(f"  {cls}: attainment, goodput", ("-" if c["attainment"] is None else f"{c['attainment']:.3f}")
                           + f", {c['goodput_rps']:.2f}/s")
     Console().print(table)
-    for line in skipped_lines(res["skipped"], lambda s: s["part"]):
-        Console().print(line, markup=False)
