@@ -34,7 +34,7 @@ from rich.table import Table
 from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, STOP_RESERVE_S, Budget, Progress,
                                                  budget_option, emit, fit_seconds)
 from llumnixctl.experiments.bench.goodput import gave_up, high_refused_while_normal_admitted, slo_figures
-from llumnixctl.experiments.bench.serve import closed_loop_rate, stream_completion
+from llumnixctl.experiments.bench.serve import closed_loop_rate, poisson_arrivals, stream_completion
 from llumnixctl.lab import localcluster
 from llumnixctl.stats import percentile
 from llumnixctl.lab.scratch import kept_if, scratch_dir
@@ -70,12 +70,7 @@ async def _unloaded(url: str, n: int, prompt: int, output: int, timeout: float) 
 async def _overload(url: str, rate: float, seconds: float, prompt: int, output: int, high_fraction: float,
                     timeout: float, seed: int) -> list[dict]:
     rng = random.Random(seed)
-    arrivals, t = [], 0.0
-    while True:
-        t += rng.expovariate(rate)
-        if t > seconds:
-            break
-        arrivals.append((t, rng.random() < high_fraction))
+    arrivals = poisson_arrivals(rng, rate, seconds, lambda: rng.random() < high_fraction)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout, connect=10.0)) as client:
         t0 = time.perf_counter() + 0.2

@@ -30,7 +30,7 @@ from rich.table import Table
 from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, Budget, Progress, Units, budget_option,
                                                  emit)
 from llumnixctl.experiments.bench.cluster import start_cluster
-from llumnixctl.experiments.bench.serve import closed_loop_rate, stream_completion
+from llumnixctl.experiments.bench.serve import closed_loop_rate, poisson_arrivals, stream_completion
 from llumnixctl.lab import localcluster
 from llumnixctl.stats import percentile
 from llumnixctl.lab.scratch import scratch_dir
@@ -55,12 +55,7 @@ async def _capacity(url: str, model: str, concurrency: int, seconds: float, time
 
 async def _load(url: str, model: str, rate: float, seconds: float, timeout: float, seed: int) -> list[dict]:
     rng = random.Random(seed)
-    arrivals, t = [], 0.0
-    while True:
-        t += rng.expovariate(rate)
-        if t > seconds:
-            break
-        arrivals.append(t)
+    arrivals = poisson_arrivals(rng, rate, seconds)
     bodies = [_body(model, rng, 500_000 + k) for k in range(len(arrivals))]
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout, connect=10.0)) as client:

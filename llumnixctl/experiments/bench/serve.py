@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import sys
 import time
 from datetime import datetime
@@ -101,6 +102,17 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, hea
     if out["error"] is None and not out["times"]:
         out["error"] = "no chunk with a choice in the stream"
     return out
+
+
+def poisson_arrivals(rng: random.Random, rate: float, seconds: float, mark: Callable[[], object] | None = None) -> list:
+    """The arrival times of a Poisson process of ``rate`` per second within ``seconds``; with ``mark``, each as
+    (time, ``mark()``), its mark drawn right after its gap (an open-loop load)."""
+    arrivals, t = [], 0.0
+    while True:
+        t += rng.expovariate(rate)
+        if t > seconds:
+            return arrivals
+        arrivals.append(t if mark is None else (t, mark()))
 
 
 async def closed_loop_rate(url: str, concurrency: int, seconds: float, timeout: float,
