@@ -1,4 +1,5 @@
-"""A benchmark's time budget and its progress line.
+"""A benchmark's time budget and its progress line; and what every bench command shares besides: its flags
+``--budget-s``, ``--json`` and ``--save`` (``BudgetOpt``, ``JsonOpt``, ``SaveOpt``) and its output (``emit``).
 
 Every ``llumnixctl bench`` command takes ``--budget-s`` (default ``DEFAULT_BUDGET_S``; 0: none). The budget counts
 from the command's start, cluster start-up included. Before each unit of work (a length, a round, a
@@ -24,7 +25,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterable, TextIO
+from typing import Annotated, Callable, Iterable, Optional, TextIO
 
 import typer
 from rich.console import Console
@@ -41,6 +42,10 @@ def budget_option() -> typer.models.OptionInfo:
     """``--budget-s`` (for ``Annotated[float, budget_option()] = DEFAULT_BUDGET_S``)."""
     return typer.Option("--budget-s", help=BUDGET_HELP, min=0.0)
 
+
+BudgetOpt = Annotated[float, budget_option()]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON")]
+SaveOpt = Annotated[Optional[Path], typer.Option(metavar="FILE", help="write the JSON here")]
 
 SAFETY_SAME = 1.1  # a unit like one measured (a round, a load): rounds on a loaded machine vary by about that
 SAFETY_LARGER = 1.2  # a longer unit than any measured: its power law is a guess too

@@ -31,7 +31,7 @@ from llumnixctl.experiments.bench import (cache as bench_cache, disagg as bench_
                                          handover as bench_handover, migration as bench_migration, overload as bench_overload,
                                          predict as bench_predict,
                                          policies as bench_policies, serve as bench_serve, steady as bench_steady)
-from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, STOP_RESERVE_S, Budget, Progress, budget_option,
+from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, STOP_RESERVE_S, Budget, BudgetOpt, JsonOpt, Progress,
                                                  emit)
 from llumnixctl.experiments.bench.cluster import start_cluster
 from llumnixctl.experiments.bench.proxy_short import (SHORT_GOAL_RPS, host_port, open_nodelay, pick_client,
@@ -193,8 +193,8 @@ def proxy(
     burst_tokens: Annotated[int, typer.Option(help="output tokens per burst stream", min=1)] = 32,
     burst_seqs: Annotated[int, typer.Option(help="sim.max_num_seqs of the burst run's instances", min=1)] = 8,
     set_: Annotated[list[str] | None, typer.Option("--set", help="extra setting for every daemon of both clusters, after the bench's own (so it may override them): section.key=value; a bad one fails before anything starts (status 2)")] = None,
-    json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
-    budget_s: Annotated[float, budget_option()] = DEFAULT_BUDGET_S,
+    json_: JsonOpt = False,
+    budget_s: BudgetOpt = DEFAULT_BUDGET_S,
 ) -> None:
     """Proxy overhead: added time to first token, tokens/s and CPU per streamed token (sim, zero step time),
     one-token requests/s through one proxy; optionally a burst over several proxies (sim steps of real time).

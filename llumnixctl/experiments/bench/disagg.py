@@ -39,8 +39,7 @@ from daemons.config import ConfigError, load_config
 from llumnixctl.admin import AdminClient, ManagerUnreachable
 from llumnixctl.experiments.bench.overload import vocab_of
 from llumnixctl.experiments.bench import disagg_figures as figs
-from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, Budget, Progress, Rounds, budget_option,
-                                                 emit)
+from llumnixctl.experiments.bench.budget import DEFAULT_BUDGET_S, Budget, BudgetOpt, Progress, Rounds, emit
 from llumnixctl.experiments.bench.serve import fetch_metrics, replay, stream_completion
 from llumnixctl.lab import localcluster
 from llumnixctl.lab.scratch import scratch_dir
@@ -191,7 +190,7 @@ def command(
     request_timeout: Annotated[float, typer.Option(help="seconds a request may take before it counts as failed", min=1.0)] = 600.0,
     out: Annotated[Optional[Path], typer.Option("--out", "--save", metavar="FILE", help="write the JSON here")] = None,
     json_: Annotated[bool, typer.Option("--json", help="print JSON instead of the table")] = False,
-    budget_s: Annotated[float, budget_option()] = DEFAULT_BUDGET_S,
+    budget_s: BudgetOpt = DEFAULT_BUDGET_S,
 ) -> None:
     """Disaggregated (fixed split, adaptive) against mixed serving on a trace of long prompts in decode traffic:
     decode TPOT, TTFT, goodput, handovers; medians and ranges over interleaved rounds. A configuration's round

@@ -30,8 +30,8 @@ from rich.console import Console
 from daemons.config import ConfigError, load_config
 from llumnixctl.admin import AdminClient
 from llumnixctl.experiments.bench import disagg_figures as figs
-from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, STOP_RESERVE_S, Budget, Progress, budget_option,
-                                                 estimate, emit)
+from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, STOP_RESERVE_S, Budget, BudgetOpt, Progress, emit,
+                                                 estimate)
 from llumnixctl.experiments.bench.disagg import QUIET, VLLM_PATIENCE, Counters, Target, vocab_of, wait_idle
 from llumnixctl.experiments.bench.serve import stream_completion
 from llumnixctl.lab import localcluster
@@ -161,7 +161,7 @@ def command(
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="a setting of the clusters, after the bench's own: section.key=value")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "--save", metavar="FILE", help="write the JSON here")] = None,
     json_: Annotated[bool, typer.Option("--json", help="print JSON instead of the table")] = False,
-    budget_s: Annotated[float, budget_option()] = DEFAULT_BUDGET_S,
+    budget_s: BudgetOpt = DEFAULT_BUDGET_S,
 ) -> None:
     """The client's longest gap between tokens at the handover (prefill instance to decode instance), per prompt
     length, against one mixed instance's. Lengths that would not fit in --budget-s are skipped (--json: skipped)."""

@@ -31,8 +31,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, STOP_RESERVE_S, Budget, Progress,
-                                                 budget_option, emit, fit_seconds)
+from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, STOP_RESERVE_S, Budget, BudgetOpt, JsonOpt, Progress,
+                                                 SaveOpt, emit, fit_seconds)
 from llumnixctl.experiments.bench.goodput import gave_up, high_refused_while_normal_admitted, slo_figures
 from llumnixctl.experiments.bench.serve import closed_loop_rate, poisson_arrivals, stream_completion
 from llumnixctl.lab import localcluster
@@ -141,9 +141,9 @@ def command(
     backend: Annotated[str, typer.Option(metavar="sim|vllm", help="engine of the instances (vllm: a tiny random-weight model unless --model)")] = "sim",
     model: Annotated[Optional[Path], typer.Option(metavar="DIR", help="--backend vllm: the checkpoint (default: a tiny random-weight model)")] = None,
     seed: Annotated[int, typer.Option(help="arrivals seed")] = 0,
-    save: Annotated[Optional[Path], typer.Option(metavar="FILE", help="write the JSON here")] = None,
-    json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
-    budget_s: Annotated[float, budget_option()] = DEFAULT_BUDGET_S,
+    save: SaveOpt = None,
+    json_: JsonOpt = False,
+    budget_s: BudgetOpt = DEFAULT_BUDGET_S,
 ) -> None:
     """Admission control at --factor times the cluster's capacity: refusals, their speed, admitted TTFT; with
     --slo-ttft-ms, goodput and attainment per class. An overload longer than what is left of --budget-s is

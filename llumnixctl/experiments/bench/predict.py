@@ -27,7 +27,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, Budget, Progress, Units, budget_option,
+from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, Budget, BudgetOpt, JsonOpt, Progress, SaveOpt, Units,
                                                  emit)
 from llumnixctl.experiments.bench.cluster import start_cluster
 from llumnixctl.experiments.bench.serve import closed_loop_rate, poisson_arrivals, stream_completion
@@ -105,9 +105,9 @@ def command(
     model: Annotated[Optional[Path], typer.Option(metavar="DIR", help="vllm: checkpoint directory")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="a setting of the cluster: section.key=value")] = None,
     seed: Annotated[int, typer.Option(help="arrivals seed")] = 0,
-    save: Annotated[Optional[Path], typer.Option(metavar="FILE", help="write the JSON here")] = None,
-    json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
-    budget_s: Annotated[float, budget_option()] = DEFAULT_BUDGET_S,
+    save: SaveOpt = None,
+    json_: JsonOpt = False,
+    budget_s: BudgetOpt = DEFAULT_BUDGET_S,
 ) -> None:
     """How far the predicted TTFT and TPOT of each request are from the actual ones, at several loads. A load
     that would not fit in --budget-s is skipped (--json: skipped)."""
