@@ -293,12 +293,7 @@ def _burst_run(instances: int, proxies: int, k: int, tokens: int, seqs: int, ext
     batches of ``seqs``: a burst that herds onto few instances queues there, and its TTFT shows it."""
     run_dir = scratch_dir("llumnix-bench-")
     sets = [f"sim.max_num_seqs={seqs}", "proxy.log_level=warning", "instance.log_level=warning"] + extra
-    try:
-        state = localcluster.up(run_dir, instances, "sim", 0, None, sets, timeout_s=120, proxies=proxies)
-    except localcluster.ClusterError as exc:
-        Console(stderr=True).print(f"llumnixctl: {exc}", markup=False)
-        shutil.rmtree(run_dir, ignore_errors=True)
-        raise typer.Exit(1) from None
+    state = start_cluster(run_dir, instances, "sim", sets, timeout_s=120, proxies=proxies)
     try:
         out = burst(state, "llumnix-sim", k, tokens, load_config(None, sets).proxy.snapshot_interval_s)
     finally:
