@@ -154,6 +154,41 @@ def off() -> Iterator[None]:
         _off -= 1
 
 
+# ------------------------------------------------------------------------------ in several daemons
+# A family that more than one daemon exports, declared once: each daemon's has its own name
+# (llumnix_<daemon>_...) and, where it says whose, its own words.
+
+
+def malformed_frames(daemon: str) -> Metric:
+    return counter(daemon, f"llumnix_{daemon}_malformed_frames_total", "Frames dropped because they did not decode")
+
+
+def disagg_decisions(daemon: str, which: str) -> Metric:
+    """``which``: the dispatches it counts."""
+    return counter(daemon, f"llumnix_{daemon}_disagg_decisions_total",
+                   f"{which} while instances have roles, by where the request prefills: remote (on a prefill "
+                   "instance, handed over at its first token), local_short, local_cached, local_prefill_busy (where "
+                   "it will decode), no_prefill_pool, no_decode_pool", ["decision"])
+
+
+def cache_dispatches(daemon: str) -> Metric:
+    return counter(daemon, f"llumnix_{daemon}_cache_dispatches_total",
+                   "llumnix-cache dispatches of requests cached somewhere, by what decided: cache (another instance "
+                   "than llumnix would pick) or load (the same)", ["decided_by"], preset=[("cache",), ("load",)])
+
+
+def prefix_index_blocks(daemon: str, whose: str) -> Metric:
+    return gauge(daemon, f"llumnix_{daemon}_prefix_index_blocks",
+                 f"Cached blocks in {whose} prefix index, summed over the instances that hold them")
+
+
+def links_healed(daemon: str, timeout_setting: str, so: str) -> Metric:
+    """``so``: what the healing spared."""
+    return counter(daemon, f"llumnix_{daemon}_instance_links_healed_total",
+                   f"Connections to instances dropped (no keepalive answered within {timeout_setting}) that a "
+                   f"reconnection healed: {so}")
+
+
 # ---------------------------------------------------------------------------------------------- proxy
 
 P_REQUESTS = counter("proxy", "llumnix_proxy_requests_total", "HTTP API requests, by route and status",

@@ -26,6 +26,8 @@ concern, gives each what it needs, and starts their loops. Each owns its state; 
 - ``Listings`` (``listings.py``): the manager's request listings, answered at once from the request table (with the engine rows they keep).
 - ``Orders`` (``selection.py``): migration orders, which requests go (with the pure ``migrants_for``, also
   run by the simulator).
+- ``Shared`` (``shared.py``): what the parts share (the engine, the request table, the mailbox, the clock, ...),
+  built once and handed to each part, which takes what it reads.
 - ``Control`` (``control.py``): the manager protocol (its handler table, registration, drain, stop) and
   ``Standing``/``Identity`` (``standing.py``): where the instance stands and who it is.
 - ``Handovers`` (``handover.py``): in role prefill, each request that decodes here offered to the manager for a

@@ -3,12 +3,8 @@ numbered batches before each load report, the whole cache to whoever asks (Cache
 
 from __future__ import annotations
 
-from typing import Callable
-
-from daemons import prefix, wire
-from daemons.clock import Clock
-from daemons.engine.base import Engine
-from daemons.instance.mailbox import Mailbox
+from daemons import prefix
+from daemons.instance.shared import Shared
 from daemons.instance.telemetry import M_PREFIX_BLOCKS, M_PREFIX_HIT, M_PREFIX_QUERIED
 from daemons.proxylinks import ProxyLinks
 
@@ -18,15 +14,12 @@ class CacheReports:
     events are not read yet), when each asker last got the whole cache, and the counts already in the
     metrics. The engine is read only while the engine thread is not in a step (``mailbox``)."""
 
-    def __init__(self, engine: Engine, proxies: ProxyLinks, tell_manager: Callable[[wire.Message], None],
-                 mailbox: Mailbox, heartbeat_s: float, clock: Clock):
-        self.engine = engine
+    def __init__(self, shared: Shared, proxies: ProxyLinks, heartbeat_s: float):
+        self.engine, self.tell_manager, self.mailbox, self.clock = (shared.engine, shared.tell_manager, shared.mailbox,
+                                                                    shared.clock)
         self.proxies = proxies
-        self.tell_manager = tell_manager
-        self.mailbox = mailbox
         self.heartbeat_s = heartbeat_s
-        self.clock = clock
-        self.pub = prefix.Publisher("") if engine.cache is not None else None
+        self.pub = prefix.Publisher("") if self.engine.cache is not None else None
         self._syncs: dict[str, float] = {}  # asker -> when we last sent it our whole cache
         self._counted = (0, 0)  # the cache's (queried, hit) tokens already in the metrics
 

@@ -9,11 +9,9 @@ import socket
 from typing import Callable
 
 from daemons import runtime, wire
-from daemons.clock import Clock
 from daemons.config import Config
-from daemons.engine.base import Engine
 from daemons.instance.reports import Reporter
-from daemons.instance.standing import Identity, Standing
+from daemons.instance.shared import Shared
 from daemons.instance.telemetry import M_BAD_FRAMES
 from daemons.instance.tokens import ManagerLine
 
@@ -27,18 +25,15 @@ class Control:
     ``give_back_queued()``: queued requests go back to their proxies (posted for the next boundary);
     ``stop(reason)``: the instance stops."""
 
-    def __init__(self, line: ManagerLine, standing: Standing, reporter: Reporter, ident: Identity, engine: Engine,
-                 cfg: Config, give_back_queued: Callable[[], object], stop: Callable[[str], None], clock: Clock):
+    def __init__(self, shared: Shared, cfg: Config, line: ManagerLine, reporter: Reporter,
+                 give_back_queued: Callable[[], object], stop: Callable[[str], None]):
+        self.standing, self.ident, self.engine, self.clock = shared.standing, shared.ident, shared.engine, shared.clock
         self.line = line
-        self.standing = standing
         self.reporter = reporter
-        self.ident = ident
-        self.engine = engine
         self.cfg = cfg
         self.give_back_queued = give_back_queued
         self.stop = stop
-        self.clock = clock
-        self.started = clock.monotonic()
+        self.started = self.clock.monotonic()
         self.kv_spec: str | None = None  # its KV layout, with its tensor-parallel size (wire.Register)
 
     def register_msg(self) -> wire.Register:

@@ -30,7 +30,8 @@ from daemons.instance.predictor import StepFit
 from daemons.instance.reports import Heartbeats, Reporter
 from daemons.instance.selection import Orders
 from daemons.instance.standing import Identity, Standing
-from daemons.instance.steps import StepLoop
+from daemons.instance.shared import Shared
+from daemons.instance.steps import StepLoop, Stepped
 from daemons.instance.tokens import ManagerLine, TokenPath
 from daemons.kv.ranks import gloo_transport
 from daemons.migration import Migrator
@@ -79,36 +80,33 @@ class Instance:
         self.stop = asyncio.Event()
         self.stop_reason = "SIGTERM"
         self.phases = metrics.RequestPhases()  # queue, prefill and decode times of the requests held here
-        migrator = lambda: self.migrator  # noqa: E731  (the parts ask for it when they need it)
         heartbeat_s = cfg.manager.heartbeat_interval_s
 
         self.line = ManagerLine(self.manager)
         self.mailbox = Mailbox()
+        # (the parts ask for the migrator when they need it)
+        shared = Shared(engine, self.requests, self.ident, self.standing, self.mailbox, self.phases, self.line.tell,
+                        lambda: self.migrator, self.clock)
         self.attainment = Attainment(cfg.slo.window_s, self.clock)  # SLO judgements of the requests that finish here
         self.tokens = TokenPath(self.proxies, self.requests, self.ident, self.attainment.token)
-        self.cache = CacheReports(engine, self.proxies, self.line.tell, self.mailbox, heartbeat_s, self.clock)
-        self.intake = Intake(self.router, engine, self.requests, self.phases, self.tokens, self.proxies,
-                             self.standing, self.mailbox.wake, migrator, self.cache.on_sync, self.clock)
-        self.listings = Listings(engine, self.requests, self.intake.pending, self.line.tell, self.ident, self.clock)
+        self.cache = CacheReports(shared, self.proxies, heartbeat_s)
+        self.intake = Intake(shared, self.router, self.tokens, self.proxies, self.cache.on_sync)
+        self.listings = Listings(shared, self.intake.pending)
         # The step-time model and the output lengths observed here (the SLO's predictions).
         self.fit = StepFit(engine.prefill_budget, lengths=OutputLengths())
-        self.reporter = Reporter(engine, migrator, self.watchdog, self.line.tell, self.proxies, self.intake.taken,
-                                 self.standing, self.ident, self.cache, self.phases, self.requests, heartbeat_s,
-                                 ic.load_report_min_interval_s, self.clock, self.fit, self.attainment)
+        self.reporter = Reporter(shared, cfg, self.watchdog, self.proxies, self.intake.taken, self.cache, self.fit,
+                                 self.attainment)
         self.heartbeats = Heartbeats(
             self.reporter, self.watchdog, self.proxies, self.requests,
             lambda address, why: self.mailbox.call(lambda: self.intake.abort_orphans(address, why)),
             min(heartbeat_s, ic.step_timeout_s / 4), self.clock)
-        self.handovers = Handovers(self.standing, self.requests, self.ident, self.line.tell, lambda: engine.block_size,
-                                   cfg.disagg.handover_lease_s, self.clock)
-        self.stepper = StepLoop(engine, self.mailbox, self.intake, self.listings, self.tokens, self.reporter,
-                                self.cache, self.phases, migrator, self.watchdog, self.faults, ic, self.clock,
-                                self.fit, self.handovers)
-        self.orders = Orders(engine, self.requests, self.mailbox, migrator, lambda: self.reporter.last,
-                             self.intake.redispatch_queued, self.line.tell, self.ident, cfg.migration.max_in_flight,
-                             self.clock)
-        self.control = Control(self.line, self.standing, self.reporter, self.ident, engine, cfg,
-                               lambda: self.mailbox.call(self.intake.redispatch_queued), self.halt, self.clock)
+        self.handovers = Handovers(shared, cfg.disagg.handover_lease_s)
+        self.stepper = StepLoop(shared, ic, Stepped(self.intake, self.listings, self.tokens, self.reporter, self.cache,
+                                                    self.handovers), self.watchdog, self.faults, self.fit)
+        self.orders = Orders(shared, lambda: self.reporter.last, self.intake.redispatch_queued,
+                             cfg.migration.max_in_flight)
+        self.control = Control(shared, cfg, self.line, self.reporter,
+                               lambda: self.mailbox.call(self.intake.redispatch_queued), self.halt)
 
     # ------------------------------------------------------------------ what the migrator reads (Host)
 

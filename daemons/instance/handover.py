@@ -7,31 +7,23 @@ that was running here when the role changed to prefill is offered at its next to
 
 from __future__ import annotations
 
-from typing import Callable
-
 from daemons import wire
-from daemons.clock import Clock
-from daemons.instance.standing import Identity, Standing
+from daemons.instance.shared import Shared
 from daemons.policy.disagg import handover_blocks
-from daemons.requests import RequestTable
 
 
 class Handovers:
     """Owns the requests offered to the manager and when (``offered``). Reads the role (``standing``), the request
     table (placed here or arrived by migration, prompt length, priority, SLO) and the block size."""
 
-    def __init__(self, standing: Standing, requests: RequestTable, ident: Identity, tell_manager: Callable[[wire.Message], None],
-                 block_size: Callable[[], int], lease_s: float, clock: Clock):
-        self.standing = standing
-        self.requests = requests
-        self.ident = ident
-        self.tell_manager = tell_manager
-        self.block_size = block_size
+    def __init__(self, shared: Shared, lease_s: float):
+        self.standing, self.requests, self.ident, self.tell_manager, self.clock = (
+            shared.standing, shared.requests, shared.ident, shared.tell_manager, shared.clock)
+        self.engine = shared.engine  # its block size only
         self.lease_s = lease_s
-        self.clock = clock
         self.offered: dict[str, float] = {}  # request id -> when it was offered
         self.before: set[str] = set()  # requests held when the role became prefill (moved for the role)
-        standing.watch_role(self.role_changed)
+        self.standing.watch_role(self.role_changed)
 
     def role_changed(self, old: str, new: str) -> None:
         """What runs here when the role becomes prefill moves for the role; leaving prefill, nothing is offered."""
@@ -59,7 +51,7 @@ class Handovers:
             reason = "role" if rid in self.before or entry.arrived else "handover"
             slo_tpot_ms = entry.slo.tpot_s * 1000.0 if entry.slo is not None else 0.0
             self.tell_manager(wire.HandoverReady(
-                self.ident.instance_id, rid, entry.prompt_tokens, handover_blocks(entry.prompt_tokens + out.index, self.block_size()),
+                self.ident.instance_id, rid, entry.prompt_tokens, handover_blocks(entry.prompt_tokens + out.index, self.engine.block_size),
                 entry.priority, slo_tpot_ms, reason))
         if len(self.offered) + len(self.before) > 4 * max(len(self.requests), 16):
             self.offered = {r: t for r, t in self.offered.items() if r in self.requests}

@@ -4,22 +4,20 @@ to their proxies (draining, rebalancing) or orphaned (their proxy is gone)."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Callable, Mapping
 
 import zmq.asyncio
 
-from daemons import metrics, runtime, wire
-from daemons.clock import Clock
-from daemons.engine.base import Engine, EngineError, EngineRequest
-from daemons.instance.standing import Standing
+from daemons import runtime, wire
+from daemons.engine.base import EngineError, EngineRequest
+from daemons.instance.shared import Shared
 from daemons.instance.telemetry import (
     M_BAD_FRAMES, M_FAILOVERS_IN, M_FINISHED, M_ORPHANED, M_REDISPATCHED, M_REJECTED, M_REQUESTS)
 from daemons.instance.tokens import TokenPath
 from daemons.proxylinks import ProxyLinks
-from daemons.requests import AbortAction, RequestTable, slo_mark
+from daemons.requests import AbortAction, slo_mark
 
 if TYPE_CHECKING:
     from daemons.migration import Migrator
@@ -34,21 +32,15 @@ class Intake:
     heartbeats). Serves the request socket: proxies' messages go to the inbox, migration peers' to the
     migrator (``migrator()``: None until the instance has started it)."""
 
-    def __init__(self, router: zmq.asyncio.Socket, engine: Engine, requests: RequestTable,
-                 phases: metrics.RequestPhases, tokens: TokenPath, proxies: ProxyLinks, standing: Standing,
-                 wake: asyncio.Event, migrator: Callable[[], Migrator | None], on_cache_sync: Callable[[str], None],
-                 clock: Clock):
+    def __init__(self, shared: Shared, router: zmq.asyncio.Socket | None, tokens: TokenPath, proxies: ProxyLinks,
+                 on_cache_sync: Callable[[str], None]):
+        self.engine, self.requests, self.phases, self.standing = (shared.engine, shared.requests, shared.phases,
+                                                                  shared.standing)
+        self.wake, self.migrator, self.clock = shared.mailbox.wake, shared.migrator, shared.clock
         self.router = router
-        self.engine = engine
-        self.requests = requests
-        self.phases = phases
         self.tokens = tokens
         self.proxies = proxies
-        self.standing = standing
-        self.wake = wake
-        self.migrator = migrator
         self.on_cache_sync = on_cache_sync
-        self.clock = clock
         self._inbox: list[wire.Submit | wire.Abort] = []
         self._taken: dict[str, int] = {}  # by proxy token address: its Submits taken in at step boundaries
 

@@ -8,11 +8,8 @@ import logging
 from typing import Callable
 
 from daemons import wire
-from daemons.clock import Clock
-from daemons.engine.base import Engine
-from daemons.instance.standing import Identity
+from daemons.instance.shared import Shared
 from daemons.instance.telemetry import LISTING_WINDOW_S, LONG_STEP_S, MOVED_LATELY_S, M_QUERY, ROWS_EVERY_S
-from daemons.requests import RequestTable
 
 log = logging.getLogger("llumnix.instance")
 
@@ -32,14 +29,10 @@ class Listings:
     were read, or no rows kept) gets its row from the table: waiting until its first token, then running with
     the blocks its tokens fill."""
 
-    def __init__(self, engine: Engine, requests: RequestTable, pending: Callable[[], list[wire.Submit | wire.Abort]],
-                 tell_manager: Callable[[wire.Message], None], ident: Identity, clock: Clock):
-        self.engine = engine
-        self.requests = requests
+    def __init__(self, shared: Shared, pending: Callable[[], list[wire.Submit | wire.Abort]]):
+        self.engine, self.requests, self.tell_manager, self.ident, self.clock = (
+            shared.engine, shared.requests, shared.tell_manager, shared.ident, shared.clock)
         self.pending = pending
-        self.tell_manager = tell_manager
-        self.ident = ident
-        self.clock = clock
         self.rows: list[wire.RequestLoad] | None = None
         self._rows_until = 0.0  # rows are kept until then
         self._rows_at = 0.0  # when they were read

@@ -7,26 +7,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from typing import TYPE_CHECKING, Callable, Mapping, Protocol
+from typing import Callable, Mapping, Protocol
 
 import msgspec
 
 from daemons import metrics, runtime, wire
 from daemons.clock import Clock
-from daemons.engine.base import Engine
+from daemons.config import Config
 from daemons.instance.attainment import Attainment
 from daemons.instance.outlook import outlook
 from daemons.instance.predictor import StepFit
-from daemons.instance.standing import Identity, Standing
+from daemons.instance.shared import Shared
 from daemons.instance.telemetry import (
     M_BEAT_LATE, M_BLOCKS_TOTAL, M_BLOCKS_USED, M_HEALTHY, M_KV_USAGE, M_PREDICTED_TPOT, M_PREDICTED_TTFT,
     M_PREEMPTIONS, M_RUNNING, M_SLO_ATTAINMENT, M_SLO_JUDGED, M_SLO_MET, M_WAITING)
 from daemons.policy import slo
 from daemons.requests import RequestTable
 from daemons.watchdog import Watchdog
-
-if TYPE_CHECKING:
-    from daemons.migration import Migrator
 
 log = logging.getLogger("llumnix.instance")
 OUTLOOK_MAX_AGE_S = 0.5  # an outlook of the same requests is aged, not computed again, for at most this long
@@ -60,33 +57,27 @@ class Reporter:
     watchdog's verdict, the Submits taken per proxy (``taken``), where the instance stands, the step-time
     model (``fit``) and the SLO attainment over its window (``attainment``)."""
 
-    def __init__(self, engine: Engine, migrator: Callable[[], Migrator | None], watchdog: Watchdog,
-                 tell_manager: Callable[[wire.Message], None], proxies: BeatLinks, taken: Mapping[str, int],
-                 standing: Standing, ident: Identity, cache: ReportedCache, phases: metrics.RequestPhases,
-                 requests: RequestTable, heartbeat_s: float, min_interval_s: float, clock: Clock,
-                 fit: StepFit | None = None, attainment: Attainment | None = None):
-        self.engine = engine
+    def __init__(self, shared: Shared, cfg: Config, watchdog: Watchdog, proxies: BeatLinks,
+                 taken: Mapping[str, int], cache: ReportedCache, fit: StepFit | None = None,
+                 attainment: Attainment | None = None):
+        """``cfg``: its periods (manager.heartbeat_interval_s, instance.load_report_min_interval_s)."""
+        self.engine, self.migrator, self.tell_manager = shared.engine, shared.migrator, shared.tell_manager
+        self.standing, self.ident, self.phases = shared.standing, shared.ident, shared.phases
+        self.requests, self.clock = shared.requests, shared.clock
         self.fit = fit  # the step-time model the reports carry (None: none)
         self.attainment = attainment  # the SLO attainment over its window the reports carry (None: none)
-        self.migrator = migrator
         self.watchdog = watchdog
-        self.tell_manager = tell_manager
         self.proxies = proxies
         self.taken = taken
-        self.standing = standing
-        self.ident = ident
         self.cache = cache
-        self.phases = phases
-        self.requests = requests
-        self.heartbeat_s = heartbeat_s
-        self.min_interval_s = min_interval_s
-        self.clock = clock
+        self.heartbeat_s = cfg.manager.heartbeat_interval_s
+        self.min_interval_s = cfg.instance.load_report_min_interval_s
         # The last outlook, and when, of which requests (their counts) and at which tokens_generated (``with_outlook``).
         self._outlook: wire.Outlook | None = None
         self._outlook_at = 0.0
         self._outlook_key: tuple = ()
         self._outlook_tokens = 0
-        self.last = self._with_role(engine.load())
+        self.last = self._with_role(self.engine.load())
         self.load_changed = asyncio.Event()
         self.seq = 0
         self.preemptions = metrics.PreemptionCounter(M_PREEMPTIONS, self.last.preemptions)

@@ -6,18 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from daemons import policy, wire
-from daemons.clock import Clock
-from daemons.engine.base import Engine
-from daemons.instance.mailbox import Mailbox
-from daemons.instance.standing import Identity
+from daemons.instance.shared import Shared
 from daemons.instance.telemetry import M_HANDOVER_BYTES, M_HANDOVER_S, M_HANDOVERS, PREFIX_QUERY_TOKENS
-from daemons.requests import RequestTable
-
-if TYPE_CHECKING:
-    from daemons.migration import Migrator
 
 log = logging.getLogger("llumnix.instance")
 
@@ -49,20 +42,14 @@ class Orders:
     orders: it reads the engine (at boundaries, through ``mailbox``), the request table, the last load
     (``load()``), and gives queued migrants back through ``redispatch_queued``."""
 
-    def __init__(self, engine: Engine, requests: RequestTable, mailbox: Mailbox,
-                 migrator: Callable[[], Migrator | None], load: Callable[[], wire.InstanceLoad],
-                 redispatch_queued: Callable[[set[str]], int], tell_manager: Callable[[wire.Message], None],
-                 ident: Identity, max_in_flight: int, clock: Clock):
-        self.engine = engine
-        self.requests = requests
-        self.mailbox = mailbox
-        self.migrator = migrator
+    def __init__(self, shared: Shared, load: Callable[[], wire.InstanceLoad],
+                 redispatch_queued: Callable[[set[str]], int], max_in_flight: int):
+        self.engine, self.requests, self.mailbox, self.migrator = (shared.engine, shared.requests, shared.mailbox,
+                                                                   shared.migrator)
+        self.tell_manager, self.ident, self.clock = shared.tell_manager, shared.ident, shared.clock
         self.load = load
         self.redispatch_queued = redispatch_queued
-        self.tell_manager = tell_manager
-        self.ident = ident
         self.max_in_flight = max_in_flight
-        self.clock = clock
 
     def on_migrate_start(self, msg: wire.MigrateStart) -> None:
         self.migrator().spawn(self.migrate_command(msg))

@@ -17,25 +17,20 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
-from daemons import metrics, wire
-from daemons.clock import Clock
+from daemons import wire
 from daemons.config import InstanceConfig
-from daemons.engine.base import Engine
 from daemons.instance.cache import CacheReports
 from daemons.instance.handover import Handovers
 from daemons.instance.intake import Intake
 from daemons.instance.listings import Listings
-from daemons.instance.mailbox import Mailbox
 from daemons.instance.predictor import StepFit
 from daemons.instance.reports import Reporter
+from daemons.instance.shared import Shared
 from daemons.instance.telemetry import M_STEP
 from daemons.instance.tokens import TokenPath
 from daemons.watchdog import Faults, Watchdog
-
-if TYPE_CHECKING:
-    from daemons.migration import Migrator
 
 log = logging.getLogger("llumnix.instance")
 
@@ -53,6 +48,18 @@ class Step:
     work: tuple[int, int, int] = (0, 0, 0)  # what it did: prefill tokens, decodes, their context tokens
 
 
+@dataclass(frozen=True)
+class Stepped:
+    """The parts the step loop drives between steps, each through its verbs."""
+
+    intake: Intake  # requests in
+    listings: Listings  # the request rows they keep
+    tokens: TokenPath  # tokens out
+    reporter: Reporter  # the load
+    cache: CacheReports  # prefix-cache changes
+    handovers: Handovers | None = None  # requests offered for a handover (role prefill; None: never)
+
+
 class StepLoop:
     """Owns the engine thread (``executor``, None when steps do not block: the sim), the step count and the
     faults that act on steps. Between steps it drives the other parts through their verbs: ``intake``
@@ -60,33 +67,25 @@ class StepLoop:
     ``cache`` (prefix-cache changes), ``phases`` (metrics), the migrator's pacing (``migrator()``) and the step-time
     model (``fit``)."""
 
-    def __init__(self, engine: Engine, mailbox: Mailbox, intake: Intake, listings: Listings, tokens: TokenPath,
-                 reporter: Reporter, cache: CacheReports, phases: metrics.RequestPhases,
-                 migrator: Callable[[], Migrator | None], watchdog: Watchdog, faults: Faults, ic: InstanceConfig,
-                 clock: Clock, fit: StepFit, handovers: Handovers | None = None):
-        self.engine = engine
-        self.handovers = handovers  # offers requests to hand over (role prefill; None: never)
+    def __init__(self, shared: Shared, ic: InstanceConfig, parts: Stepped, watchdog: Watchdog, faults: Faults,
+                 fit: StepFit):
+        self.engine, self.mailbox, self.phases, self.migrator, self.clock = (
+            shared.engine, shared.mailbox, shared.phases, shared.migrator, shared.clock)
+        self.intake, self.listings, self.tokens = parts.intake, parts.listings, parts.tokens
+        self.reporter, self.cache = parts.reporter, parts.cache
+        self.handovers = parts.handovers  # offers requests to hand over (role prefill; None: never)
         self.fit = fit  # the step-time model: each step's work and time go to it
-        self.mailbox = mailbox
-        self.intake = intake
-        self.listings = listings
-        self.tokens = tokens
-        self.reporter = reporter
-        self.cache = cache
-        self.phases = phases
-        self.migrator = migrator
         self.watchdog = watchdog
         self.faults = faults
         self.engine_nice = ic.engine_nice
         self.min_step_s = ic.min_step_s
-        self.clock = clock
         self.steps = 0
         self._halt = False  # the loop was cancelled: the engine thread stops after its step
         self._failure: BaseException | None = None  # raised by the loop, as if postprocess had raised there
         # A real engine's step takes milliseconds of compute: run it on a worker thread so sockets stay
         # served. The engine is only ever touched between steps, from the event loop thread.
         self.executor = (ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=self._init_engine_thread)
-                         if engine.blocking_step else None)
+                         if self.engine.blocking_step else None)
         if self.executor is not None:
             # The step thread runs Python between its kernels and holds the GIL meanwhile; by default a
             # waiting thread gets it after up to 5 ms. The event loop serves sockets (tokens, migration

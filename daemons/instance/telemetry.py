@@ -35,8 +35,7 @@ M_RUNNING = metrics.gauge("instance", "llumnix_instance_running_requests", "Requ
 M_WAITING = metrics.gauge("instance", "llumnix_instance_waiting_requests", "Requests waiting")
 M_PREEMPTIONS = metrics.counter("instance", "llumnix_instance_preemptions_total",
                                 "Preemptions (recompute) by the engine (as vllm:num_preemptions)")
-M_BAD_FRAMES = metrics.counter("instance", "llumnix_instance_malformed_frames_total",
-                               "Frames dropped because they did not decode")
+M_BAD_FRAMES = metrics.malformed_frames("instance")
 M_REDISPATCHED = metrics.counter("instance", "llumnix_instance_requests_redispatched_total",
                                  "Queued requests given back to their proxy for re-dispatch (draining)")
 M_ORPHANED = metrics.counter("instance", "llumnix_instance_requests_orphaned_total",

@@ -271,17 +271,22 @@ class Pair:
     def _frames(kv: KvBlocks, buf, n: int, one_message: bool) -> list:
         return [buf[:n * kv.block_nbytes]] if one_message else kv.frames(buf, n)
 
+    def _pieces(self, kv: KvBlocks, st: Staging, block_ids: list[int], chunk_blocks: int, tail_tokens: int,
+                one_message: bool) -> tuple[list[tuple[list[int], list | None]], int | None]:
+        """How the blocks travel, alike on both ends: the chunks of whole blocks, each with its tensors when it is
+        one run of blocks on the CPU (it goes straight out of or into the KV tensor; None: through staging), and
+        the partial last block (None: none)."""
+        whole, tail = self._split(block_ids, tail_tokens)
+        return [(chunk, None if st.two_hop or one_message else kv.direct(chunk))
+                for chunk in self._chunks(whole, chunk_blocks)], tail
+
     def _send_parts(self, kv: KvBlocks, st: Staging, block_ids: list[int], chunk_blocks: int, tail_tokens: int,
                     one_message: bool = False):
         """Per chunk, a function of its staging slot that returns the tensors to send, in order."""
-        whole, tail = self._split(block_ids, tail_tokens)
-        parts = []
-        for chunk in self._chunks(whole, chunk_blocks):
-            direct = None if st.two_hop or one_message else kv.direct(chunk)
-            if direct is not None:  # one run of blocks on the CPU: send out of the KV tensor itself
-                parts.append(lambda b, d=direct: d)
-            else:
-                parts.append(lambda b, c=chunk: (st.load(b, c), self._frames(kv, st.host(b), len(c), one_message))[1])
+        chunks, tail = self._pieces(kv, st, block_ids, chunk_blocks, tail_tokens, one_message)
+        parts = [(lambda b, d=direct: d) if direct is not None else
+                 (lambda b, c=chunk: (st.load(b, c), self._frames(kv, st.host(b), len(c), one_message))[1])
+                 for chunk, direct in chunks]
         if tail is not None:
             parts.append(lambda b: [st.host(b)[:st.load_tail(b, tail, tail_tokens)]])
         return parts
@@ -289,15 +294,10 @@ class Pair:
     def _recv_parts(self, kv: KvBlocks, st: Staging, block_ids: list[int], chunk_blocks: int, tail_tokens: int,
                     one_message: bool = False):
         """Per chunk, (the tensors to receive into from staging slot b, what writes slot b out then)."""
-        whole, tail = self._split(block_ids, tail_tokens)
-        parts = []
-        for chunk in self._chunks(whole, chunk_blocks):
-            direct = None if st.two_hop or one_message else kv.direct(chunk)
-            if direct is not None:  # one run of blocks on the CPU: receive into the KV tensor itself
-                parts.append((lambda b, d=direct: d, lambda b: 0))
-            else:
-                parts.append((lambda b, c=chunk: self._frames(kv, st.host(b), len(c), one_message),
-                              lambda b, c=chunk: st.store(b, c)))
+        chunks, tail = self._pieces(kv, st, block_ids, chunk_blocks, tail_tokens, one_message)
+        parts = [(lambda b, d=direct: d, lambda b: 0) if direct is not None else
+                 (lambda b, c=chunk: self._frames(kv, st.host(b), len(c), one_message), lambda b, c=chunk: st.store(b, c))
+                 for chunk, direct in chunks]
         if tail is not None:
             parts.append((lambda b: [st.host(b)[:kv.tail_nbytes(tail_tokens)]],
                           lambda b: st.store_tail(b, tail, tail_tokens)))

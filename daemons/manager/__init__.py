@@ -20,7 +20,8 @@ built, only what it needs (the clock, its config section, the cluster view, a ``
 - ``Liveness`` (liveness.py): connections watched and reports timed: late, dead, forgotten;
 - ``Dispatcher`` (dispatch.py): dispatch decisions and the pending-dispatch ledger;
 - ``Queries`` (queries.py): request listings fanned out to the instances, and lookups;
-- ``Rescheduler`` (rescheduler.py), built with the ``Cluster`` view and an order port, not the manager; it
+- ``Rescheduler`` (rescheduler.py), built with one ``Shared`` (shared.py: the settings, the ``Cluster`` view,
+  the policies, the clock, an order port, ``spawn``), not the manager, which it hands to each of its parts; it
   holds ``Orders`` (orders.py: the pairing loop, operators' migrations, their results), ``Lifecycle``
   (lifecycle.py: drain and cordon, remove, add), ``Scaling`` (scaling.py: auto-scaling), the
   ``Launcher`` (launcher.py: starting instances for scale-out and ``llumnixctl add``) and ``Roles`` (roles.py:
@@ -28,8 +29,8 @@ built, only what it needs (the clock, its config section, the cluster view, a ``
 - ``HandoverLinks`` (handover_links.py): the links each prefill instance makes ahead to the instances it may hand
   over to.
 
-Imports go one way: records <- view <- (registry, liveness, dispatch, queries, orders, lifecycle, scaling)
-<- rescheduler <- daemon.
+Imports go one way: records <- view <- shared <- (registry, liveness, dispatch, queries, orders, lifecycle,
+scaling) <- rescheduler <- daemon.
 """
 
 from daemons.manager.daemon import Manager, app, entry, main

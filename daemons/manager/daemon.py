@@ -22,6 +22,7 @@ from daemons.manager.queries import Queries, lookup_timeout
 from daemons.manager.records import M_BAD_FRAMES, M_REFUSED, InstanceRecord, Policies
 from daemons.manager.registry import Registry
 from daemons.manager.rescheduler import Rescheduler
+from daemons.manager.shared import Shared
 from daemons.manager.view import ClusterView, ProxyRanks
 from daemons.policy import slo
 from daemons.throttle import Throttle
@@ -72,7 +73,7 @@ class Manager:
                                    if self.policies.dispatch.predicts else 0.0, cfg.slo.tpot_full)
         self.proxies = ProxyRanks(mc.heartbeat_interval_s)
         self.queries = Queries(self.cluster, mc, self.send, next_id)
-        self.resched = Rescheduler(cfg, self.cluster, self.policies, self.clock, self.send, self.spawn, next_id,
+        self.resched = Rescheduler(Shared(cfg, self.cluster, self.policies, self.clock, self.send, self.spawn), next_id,
                                    self.queries.lookup, lookup_timeout(mc), self.started)
         self.liveness = Liveness(self.cluster, self.clock, mc, cfg.scheduling, self.ctx, self.sec,
                                  self.resched.orders.fail_migrations_from, self.send)

@@ -8,11 +8,9 @@ import logging
 from typing import Callable
 
 from daemons import wire
-from daemons.clock import Clock
-from daemons.config import ManagerConfig, ScalingConfig
 from daemons.manager.launcher import Launcher, LaunchError
 from daemons.manager.records import InstanceRecord, dead_after
-from daemons.manager.view import Cluster
+from daemons.manager.shared import Shared
 
 log = logging.getLogger("llumnix.manager")
 
@@ -20,16 +18,12 @@ log = logging.getLogger("llumnix.manager")
 class Lifecycle:
     """Owns ``retiring`` (the instances being removed or scaled in)."""
 
-    def __init__(self, cluster: Cluster, clock: Clock, mc: ManagerConfig, scfg: ScalingConfig, launcher: Launcher,
-                 send: Callable[[InstanceRecord, wire.Message], None], new_drain: Callable[[str], None]):
-        """``send``: a message to an instance. ``new_drain(instance_id)``: an operator drains it anew (its
-        drain orders start again at once, orders.py)."""
-        self.cluster = cluster
-        self.clock = clock
-        self.mc = mc
-        self.scfg = scfg
+    def __init__(self, shared: Shared, launcher: Launcher, new_drain: Callable[[str], None]):
+        """``new_drain(instance_id)``: an operator drains it anew (its drain orders start again at once,
+        orders.py)."""
+        self.cluster, self.clock, self.send = shared.cluster, shared.clock, shared.send
+        self.mc, self.scfg = shared.cfg.manager, shared.cfg.scaling
         self.launcher = launcher
-        self.send = send
         self.new_drain = new_drain
         self.retiring: set[str] = set()
 

@@ -15,10 +15,8 @@ from typing import Awaitable, Callable
 import msgspec
 
 from daemons import metrics, policy, wire
-from daemons.clock import Clock
-from daemons.config import MigrationConfig, SchedulingConfig
-from daemons.manager.records import InstanceRecord, Policies
-from daemons.manager.view import Cluster
+from daemons.manager.records import InstanceRecord
+from daemons.manager.shared import Shared
 
 log = logging.getLogger("llumnix.manager")
 
@@ -33,7 +31,6 @@ M_PAIRING_ROUND = metrics.histogram("manager", "llumnix_manager_pairing_round_se
                                     buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1,
                                              0.25, 0.5, 1.0, 2.5))
 
-Send = Callable[[InstanceRecord, wire.Message], None]
 Lookup = Callable[[str], Awaitable[wire.RequestsReply]]
 
 
@@ -41,19 +38,12 @@ class Orders:
     """Owns the orders in flight (their results awaited by query id), the tally of their outcomes, the
     pairing turn, each draining source's backoff, and the KV size seen in committed migrations."""
 
-    def __init__(self, sc: SchedulingConfig, mig: MigrationConfig, cluster: Cluster, policies: Policies,
-                 clock: Clock, send: Send, spawn: Callable[[Awaitable], object], next_id: Callable[[], int],
-                 lookup: Lookup, lookup_timeout_s: float):
-        """``send``: the order port (a message to an instance). ``spawn``: run a coroutine as a task of the
-        manager's. ``next_id``: a query id. ``lookup(request_id)``: which instance holds a request (queries.py),
-        which may take ``lookup_timeout_s``."""
-        self.sc = sc
-        self.mig = mig
-        self.cluster = cluster
-        self.policies = policies
-        self.clock = clock
-        self.send = send
-        self.spawn = spawn
+    def __init__(self, shared: Shared, next_id: Callable[[], int], lookup: Lookup, lookup_timeout_s: float):
+        """``next_id``: a query id. ``lookup(request_id)``: which instance holds a request (queries.py), which
+        may take ``lookup_timeout_s``."""
+        self.sc, self.mig = shared.cfg.scheduling, shared.cfg.migration
+        self.cluster, self.policies, self.clock = shared.cluster, shared.policies, shared.clock
+        self.send, self.spawn = shared.send, shared.spawn
         self.next_id = next_id
         self.lookup = lookup
         self.lookup_timeout_s = lookup_timeout_s

@@ -16,14 +16,8 @@ M_INSTANCES = metrics.gauge("manager", "llumnix_manager_instances", "Instances i
                             preset=[("alive",), ("stopping",), ("dead",)])
 M_DISPATCHES = metrics.counter("manager", "llumnix_manager_dispatches_total", "Dispatch decisions, by instance",
                                ["instance_id"])
-M_DISAGG = metrics.counter("manager", "llumnix_manager_disagg_decisions_total",
-                           "Dispatches answered while instances have roles, by where the request prefills: remote "
-                           "(on a prefill instance, handed over at its first token), local_short, local_cached, "
-                           "local_prefill_busy (where it will decode), no_prefill_pool, no_decode_pool", ["decision"])
-M_CACHE_DISPATCHES = metrics.counter("manager", "llumnix_manager_cache_dispatches_total",
-                                     "llumnix-cache dispatches of requests cached somewhere, by what decided: cache (another "
-                                     "instance than llumnix would pick) or load (the same)", ["decided_by"],
-                                     preset=[("cache",), ("load",)])
+M_DISAGG = metrics.disagg_decisions("manager", "Dispatches answered")
+M_CACHE_DISPATCHES = metrics.cache_dispatches("manager")
 M_NO_INSTANCE = metrics.counter("manager", "llumnix_manager_dispatch_failures_total",
                                 "Dispatch queries with no eligible instance")
 M_DEATHS = metrics.counter("manager", "llumnix_manager_instance_deaths_total",
@@ -32,13 +26,10 @@ M_DEATHS = metrics.counter("manager", "llumnix_manager_instance_deaths_total",
 M_LATE = metrics.counter("manager", "llumnix_manager_late_instances_total",
                          "Times an instance missed manager.dead_after_missed heartbeats while its connection was "
                          "up: late, kept in dispatch, not marked dead")
-M_LINKS_HEALED = metrics.counter("manager", "llumnix_manager_instance_links_healed_total",
-                                 "Connections to instances dropped (no keepalive answered within "
-                                 "manager.link_timeout_s) that a reconnection healed: not marked dead")
+M_LINKS_HEALED = metrics.links_healed("manager", "manager.link_timeout_s", "not marked dead")
 # Per instance, what only the manager knows. What an instance knows of itself (blocks used, running and waiting
 # requests) is exported by the instance alone: llumnix_instance_kv_blocks_used, _running_requests, _waiting_requests.
-M_PREFIX_INDEX = metrics.gauge("manager", "llumnix_manager_prefix_index_blocks",
-                               "Cached blocks in the manager's prefix index, summed over the instances that hold them")
+M_PREFIX_INDEX = metrics.prefix_index_blocks("manager", "the manager's")
 M_FREENESS = metrics.gauge("manager", "llumnix_instance_freeness",
                            "Freeness (M - sum V) / B as the manager computes it (-Inf while draining)", ["instance_id"])
 M_USAGE = metrics.gauge("manager", "llumnix_instance_virtual_usage_blocks",
@@ -50,8 +41,7 @@ M_CORDONED = metrics.gauge("manager", "llumnix_instance_cordoned", "1 while the 
 M_ROLE = metrics.gauge("manager", "llumnix_instance_role",
                        "1 for the instance's role (label role: mixed, prefill or decode), 0 for the others",
                        ["instance_id", "role"])
-M_BAD_FRAMES = metrics.counter("manager", "llumnix_manager_malformed_frames_total",
-                               "Frames dropped because they did not decode")
+M_BAD_FRAMES = metrics.malformed_frames("manager")
 M_REFUSED = metrics.counter("manager", "llumnix_manager_refused_messages_total",
                             "Messages refused because the sender's key (role) may not send them")
 PER_INSTANCE_GAUGES = (M_FREENESS, M_USAGE, M_DRAINING, M_CORDONED)

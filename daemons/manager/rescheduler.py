@@ -3,9 +3,9 @@ operators' migrations), instances leaving and joining (lifecycle.py: drain, cord
 handovers (roles.py: prefill/decode disaggregation) and auto-scaling (scaling.py), which launches instances through the launcher (launcher.py). A removed or
 scaled-in instance is drained, then told to stop once nothing is left on it.
 
-``Rescheduler`` builds the three and wires them together. It is given what they need (the cluster as the
-``Cluster`` protocol of view.py, an order port to send to an instance, a way to spawn tasks and to look a
-request up), not the manager.
+``Rescheduler`` builds the three and wires them together. It is given what they need (``Shared``, shared.py: the
+cluster as the ``Cluster`` protocol of view.py, an order port to send to an instance, a way to spawn tasks; and a
+way to look a request up), not the manager.
 """
 
 from __future__ import annotations
@@ -14,15 +14,13 @@ import logging
 from typing import Awaitable, Callable
 
 from daemons import policy, wire
-from daemons.clock import Clock
-from daemons.config import Config
 from daemons.manager.launcher import Launcher
 from daemons.manager.lifecycle import Lifecycle
-from daemons.manager.orders import Lookup, Orders, Send
-from daemons.manager.records import InstanceRecord, Policies
+from daemons.manager.orders import Lookup, Orders
+from daemons.manager.records import InstanceRecord
 from daemons.manager.roles import Roles
 from daemons.manager.scaling import Scaling
-from daemons.manager.view import Cluster
+from daemons.manager.shared import Shared
 
 log = logging.getLogger("llumnix.manager")
 
@@ -31,19 +29,17 @@ class Rescheduler:
     """Holds ``orders``, ``lifecycle``, ``scaling`` and their ``launcher``, and ``roles``; decides what a registration means
     for them (flags said again, a retirement resumed, a launch done)."""
 
-    def __init__(self, cfg: Config, cluster: Cluster, policies: Policies, clock: Clock, send: Send,
-                 spawn: Callable[[Awaitable], object], next_id: Callable[[], int], lookup: Lookup,
-                 lookup_timeout_s: float, started: float):
-        self.spawn = spawn
+    def __init__(self, shared: Shared, next_id: Callable[[], int], lookup: Lookup, lookup_timeout_s: float,
+                 started: float):
+        cfg, cluster = shared.cfg, shared.cluster
+        self.spawn = shared.spawn
         self.scfg = cfg.scaling
-        self.launcher = Launcher(cfg.scaling, cfg.manager.address, lambda: set(cluster.instances), clock)
-        self.orders = Orders(cfg.scheduling, cfg.migration, cluster, policies, clock, send, spawn, next_id, lookup,
-                             lookup_timeout_s)
-        self.lifecycle = Lifecycle(cluster, clock, cfg.manager, cfg.scaling, self.launcher, send,
-                                   self.orders.new_drain)
-        self.scaling = Scaling(cfg.scaling, cluster, policies, clock, self.launcher, self.lifecycle.retire, spawn,
-                               min(1.0, cfg.manager.heartbeat_interval_s), started)
-        self.roles = Roles(cfg, cluster, self.orders, send, clock, spawn)
+        self.launcher = Launcher(cfg.scaling, cfg.manager.address, lambda: set(cluster.instances), shared.clock)
+        self.orders = Orders(shared, next_id, lookup, lookup_timeout_s)
+        self.lifecycle = Lifecycle(shared, self.launcher, self.orders.new_drain)
+        self.scaling = Scaling(shared, self.launcher, self.lifecycle.retire, min(1.0, cfg.manager.heartbeat_interval_s),
+                               started)
+        self.roles = Roles(shared, self.orders)
 
     def joined(self, r: InstanceRecord, new: bool) -> None:
         """An instance registered (``new``: one we did not know)."""

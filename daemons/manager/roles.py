@@ -7,17 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Awaitable, Callable
 
 import msgspec
 
 from daemons import metrics, wire
-from daemons.clock import Clock
-from daemons.config import Config
 from daemons.manager.handover_links import tp_refusal
-from daemons.manager.orders import Orders, Send
+from daemons.manager.orders import Orders
 from daemons.manager.records import InstanceRecord
-from daemons.manager.view import Cluster
+from daemons.manager.shared import Shared
 from daemons.policy import disagg, slo
 
 log = logging.getLogger("llumnix.manager")
@@ -38,17 +35,14 @@ class Roles:
     memory. Reads the cluster view; orders handovers through ``orders`` and tells instances their role through
     ``send``."""
 
-    def __init__(self, cfg: Config, cluster: Cluster, orders: Orders, send: Send, clock: Clock,
-                 spawn: Callable[[Awaitable], object]):
+    def __init__(self, shared: Shared, orders: Orders):
+        cfg = shared.cfg
         self.dc = cfg.disagg
         self.max_in_flight = cfg.migration.max_in_flight
         self.sc = cfg.scheduling
         self.classes = slo.Classes(cfg.slo)
-        self.cluster = cluster
+        self.cluster, self.send, self.clock, self.spawn = shared.cluster, shared.send, shared.clock, shared.spawn
         self.orders = orders
-        self.send = send
-        self.clock = clock
-        self.spawn = spawn
         self.assigned: dict[str, str] = {}  # instance id -> the role we told it last
         self.handing: set[str] = set()  # request ids whose handover order is in flight
         self.incoming: dict[str, list[tuple[str, int]]] = {}  # destination -> (source, blocks) of each handover in flight

@@ -8,11 +8,8 @@ import math
 from typing import Awaitable, Callable
 
 from daemons import metrics, policy
-from daemons.clock import Clock
-from daemons.config import ScalingConfig
 from daemons.manager.launcher import Launcher, LaunchError
-from daemons.manager.records import Policies
-from daemons.manager.view import Cluster
+from daemons.manager.shared import Shared
 
 log = logging.getLogger("llumnix.manager")
 
@@ -28,18 +25,14 @@ Retire = Callable[..., Awaitable[object]]
 class Scaling:
     """Owns ``scaler`` (policy.Scaler: the sustained signal and the cooldown), ``scale_outs`` and ``scale_ins``."""
 
-    def __init__(self, scfg: ScalingConfig, cluster: Cluster, policies: Policies, clock: Clock, launcher: Launcher,
-                 retire: Retire, spawn: Callable[[Awaitable], object], period_s: float, started: float):
+    def __init__(self, shared: Shared, launcher: Launcher, retire: Retire, period_s: float, started: float):
         """``retire(instance_id, reason, timeout_s, undrain_on_timeout=)``: drain and stop one (lifecycle.py).
-        ``spawn``: run a coroutine as a task of the manager's. ``period_s``: how often it looks. ``started``:
-        when the manager started (no decision before a launch could have registered)."""
-        self.scfg = scfg
-        self.cluster = cluster
-        self.policies = policies
-        self.clock = clock
+        ``period_s``: how often it looks. ``started``: when the manager started (no decision before a launch
+        could have registered)."""
+        self.scfg = scfg = shared.cfg.scaling
+        self.cluster, self.policies, self.clock, self.spawn = shared.cluster, shared.policies, shared.clock, shared.spawn
         self.launcher = launcher
         self.retire = retire
-        self.spawn = spawn
         self.period_s = period_s
         self.scale_outs = 0
         self.scale_ins = 0

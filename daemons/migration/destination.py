@@ -8,16 +8,13 @@ import logging
 from typing import Callable
 
 from daemons import stages, wire
-from daemons.clock import Clock
-from daemons.config import MigrationConfig
-from daemons.engine.base import Engine, EngineError
+from daemons.engine.base import EngineError
 from daemons.kv.layout import KvLayout
-from daemons.migration.peers import Peers
-from daemons.migration.records import LEASE_EXPIRED, PEER_DEAD, TRANSFER_FAILED, Aborted, Host, Incoming
-from daemons.migration.side import Side
+from daemons.migration.records import LEASE_EXPIRED, PEER_DEAD, TRANSFER_FAILED, Aborted, Incoming
+from daemons.migration.side import Parts, Side
 from daemons.migration.telemetry import M_BYTES, M_IN_FLIGHT, M_RELEASED
-from daemons.migration.transport import KvTransport, TransferError
-from daemons.requests import RequestTable, slo_mark
+from daemons.migration.transport import TransferError
+from daemons.requests import slo_mark
 from daemons.watchdog import Faults
 
 log = logging.getLogger("llumnix.migration")
@@ -29,10 +26,8 @@ class Destination(Side):
     request table a commit takes the request into, the KV transport and the peers (pair bookkeeping),
     ``spawn`` for its tasks and ``busy`` (migrations in flight here, both roles) for ``max_in_flight``."""
 
-    def __init__(self, host: Host, cfg: MigrationConfig, engine: Engine, requests: RequestTable, boundary: Callable,
-                 kv: KvTransport, peers: Peers, clock: Clock, faults: Faults, spawn: Callable,
-                 busy: Callable[[], int]):
-        super().__init__(host, cfg, engine, requests, boundary, kv, peers, clock)
+    def __init__(self, parts: Parts, faults: Faults, spawn: Callable, busy: Callable[[], int]):
+        super().__init__(parts)
         self.faults = faults  # tests swap it (Migrator.faults)
         self.spawn = spawn
         self.busy = busy

@@ -18,6 +18,7 @@ from daemons.migration.destination import Destination
 from daemons.migration.move import Move
 from daemons.migration.peers import Peers
 from daemons.migration.records import Host, Incoming, Outgoing
+from daemons.migration.side import Parts
 from daemons.migration.source import Source
 from daemons.migration.transport import KvTransport
 from daemons.migration.warmup import Warmup
@@ -56,10 +57,10 @@ class Migrator:
             return self.source.addresses(), self.source.pair_names() | self.destination.pair_names()
 
         self.peers = Peers(dealer, kv, self.clock, self.spawn, in_use, self._reply, self._gone)
-        self.source = Source(host, cfg, engine, requests, boundary, kv, self.peers, self.clock)
-        self.destination = Destination(host, cfg, engine, requests, boundary, kv, self.peers, self.clock,
-                                       faults or Faults("", ""), self.spawn, lambda: self.busy)
-        self.warmup = Warmup(host, cfg, engine, kv, self.peers, self.source.lock, self.clock, self.spawn)
+        parts = Parts(host, cfg, engine, requests, boundary, kv, self.peers, self.clock)
+        self.source = Source(parts)
+        self.destination = Destination(parts, faults or Faults("", ""), self.spawn, lambda: self.busy)
+        self.warmup = Warmup(parts, self.source.lock, self.spawn)
 
     def _reply(self, msg: wire.Message) -> None:
         if isinstance(msg, wire.LinkReady):

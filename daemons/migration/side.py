@@ -1,7 +1,9 @@
-"""``Side``: what the two sides of the moves (``Source``, ``Destination``) both receive from the migrator."""
+"""``Side``: what the two sides of the moves (``Source``, ``Destination``) both receive from the migrator, as one
+``Parts``."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 from daemons.clock import Clock
@@ -13,18 +15,26 @@ from daemons.migration.transport import KvTransport
 from daemons.requests import RequestTable
 
 
+@dataclass(frozen=True)
+class Parts:
+    """What the migrator gives both sides (and its link warm-up): the instance (``host``), the migration
+    settings, the engine (between steps only, through ``boundary``), the request table, the KV transport, the
+    peers and the clock."""
+
+    host: Host
+    cfg: MigrationConfig
+    engine: Engine
+    requests: RequestTable
+    boundary: Callable
+    kv: KvTransport
+    peers: Peers
+    clock: Clock
+
+
 class Side:
     """One side of the moves: out of this instance (``Source``) or into it (``Destination``). Holds what both
-    are given: the instance (``host``), the migration settings, the engine (between steps only, through
-    ``boundary``), the request table, the KV transport, the peers and the clock."""
+    are given (``Parts``)."""
 
-    def __init__(self, host: Host, cfg: MigrationConfig, engine: Engine, requests: RequestTable, boundary: Callable,
-                 kv: KvTransport, peers: Peers, clock: Clock):
-        self.host = host
-        self.cfg = cfg
-        self.engine = engine
-        self.requests = requests
-        self.boundary = boundary
-        self.kv = kv
-        self.peers = peers
-        self.clock = clock
+    def __init__(self, parts: Parts):
+        self.host, self.cfg, self.engine, self.requests = parts.host, parts.cfg, parts.engine, parts.requests
+        self.boundary, self.kv, self.peers, self.clock = parts.boundary, parts.kv, parts.peers, parts.clock

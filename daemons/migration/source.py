@@ -7,19 +7,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Callable
 
 from daemons import wire
-from daemons.clock import Clock
-from daemons.config import MigrationConfig
-from daemons.engine.base import Engine
-from daemons.migration.peers import Peers
-from daemons.migration.records import DEAD, GONE, DestinationFailed, Host, Outgoing, Refused
-from daemons.migration.side import Side
+from daemons.migration.records import DEAD, GONE, DestinationFailed, Outgoing, Refused
+from daemons.migration.side import Parts, Side
 from daemons.migration.telemetry import M_BYTES
-from daemons.migration.transport import KvTransport, TransferError
+from daemons.migration.transport import TransferError
 from daemons.pacing import MIN_DUTY, DutyPacer
-from daemons.requests import RequestTable
+
 
 log = logging.getLogger("llumnix.migration")
 
@@ -30,9 +25,8 @@ class Source(Side):
     event, its word to the proxies, its tracer), the engine (between steps only, through ``boundary``), the
     request table (whose verbs mark a request migrating and hand it over), the KV transport and the peers."""
 
-    def __init__(self, host: Host, cfg: MigrationConfig, engine: Engine, requests: RequestTable, boundary: Callable,
-                 kv: KvTransport, peers: Peers, clock: Clock):
-        super().__init__(host, cfg, engine, requests, boundary, kv, peers, clock)
+    def __init__(self, parts: Parts):
+        super().__init__(parts)
         self.outgoing: dict[str, Outgoing] = {}
         self.locks: dict[str, asyncio.Lock] = {}  # by destination id
         self.pacers: dict[str, DutyPacer] = {}  # by migration id, while its pre-copy sends

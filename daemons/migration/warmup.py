@@ -25,14 +25,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 from daemons import wire
-from daemons.clock import Clock
-from daemons.config import MigrationConfig
-from daemons.engine.base import Engine
 from daemons.kv.layout import KvLayout
-from daemons.migration.peers import Peers
-from daemons.migration.records import Host
+from daemons.migration.side import Parts
 from daemons.migration.telemetry import M_LINK_SECONDS, M_LINKS
-from daemons.migration.transport import KvTransport, TransferError
+from daemons.migration.transport import TransferError
 
 log = logging.getLogger("llumnix.migration")
 
@@ -54,15 +50,10 @@ class Warmup:
     (socket, rendezvous relay, what is kept), ``lock`` (a destination's move lock, daemons/migration/source.py)
     and ``spawn``."""
 
-    def __init__(self, host: Host, cfg: MigrationConfig, engine: Engine, kv: KvTransport, peers: Peers,
-                 lock: Callable[[str], asyncio.Lock], clock: Clock, spawn: Callable):
-        self.host = host
-        self.cfg = cfg
-        self.engine = engine
-        self.kv = kv
-        self.peers = peers
+    def __init__(self, parts: Parts, lock: Callable[[str], asyncio.Lock], spawn: Callable):
+        self.host, self.cfg, self.engine, self.kv, self.peers, self.clock = (parts.host, parts.cfg, parts.engine,
+                                                                             parts.kv, parts.peers, parts.clock)
         self.lock = lock
-        self.clock = clock
         self.spawn = spawn
         self.links: dict[str, Link] = {}
         self.waits: dict[str, asyncio.Future] = {}  # LinkReady by pair key

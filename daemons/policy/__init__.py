@@ -5,8 +5,10 @@ One sign convention everywhere: *freeness*, higher is freer.
 - usage.py: virtual usage, freeness, the imbalance potential
 - registry.py: every policy as an object (name, help, the settings it reads, its behaviour), one registry per
   choice: DISPATCH, PAIRING, SELECTION, SCALING
+- plugins/: policies in modules of their own, each registered as the registry imports it (a new policy is one
+  file there and its test: least_requests.py is the example)
 - dispatch.py: where a new request goes, composed once: the pool (disagg.py), then the instance by the policy (llumnix, llumnix-cache,
-  infaas++, rr, flood, slo)
+  infaas++, rr, flood, slo, and the plugins')
 - migration.py: which instances pair up, which requests a source sends
 - scaling.py: when to add or remove an instance
 - disagg.py: prefill/decode roles: where a request prefills, where it is handed over

@@ -236,6 +236,16 @@ def _least_loaded(states: list[InstanceState], role: str) -> InstanceState | Non
                                     s.instance_id), default=None)
 
 
+def _convert(states: list[InstanceState], source: str, role: str, short_s: float, spare: bool, rules: AdaptRules,
+             pressure: str) -> RoleChange | None:
+    """The pool of ``role`` has been short for ``short_s``: once that is sustained, and the pool of ``source``
+    can spare one (``spare``), its least loaded instance takes ``role``."""
+    if short_s < rules.sustain_s or not spare:
+        return None
+    s = _least_loaded(states, source)
+    return None if s is None else RoleChange(s.instance_id, role, f"{role} short for {short_s:.1f} s: {pressure}")
+
+
 def adapt(states: list[InstanceState], rules: AdaptRules, memory: AdaptMemory,
           now: float) -> tuple[RoleChange | None, AdaptMemory]:
     """One look at the cluster at ``now``: the role change to make (None: none) and the memory for the next call."""
@@ -253,18 +263,12 @@ def adapt(states: list[InstanceState], rules: AdaptRules, memory: AdaptMemory,
         return None, mem
     pre, dec = pools(states)
     change = None
-    if prefill_short and now - mem.prefill_short_since >= rules.sustain_s and len(dec) - 1 >= rules.min_decode:
-        s = _least_loaded(states, "decode")
-        if s is not None:
-            change = RoleChange(s.instance_id, "prefill",
-                                f"prefill short for {now - mem.prefill_short_since:.1f} s: TTFT {p.ttft:.2f}x target, "
-                                f"TPOT {p.tpot:.2f}x")
-    elif decode_short and now - mem.decode_short_since >= rules.sustain_s and len(pre) - 1 >= rules.min_prefill:
-        s = _least_loaded(states, "prefill")
-        if s is not None:
-            change = RoleChange(s.instance_id, "decode",
-                                f"decode short for {now - mem.decode_short_since:.1f} s: TPOT {p.tpot:.2f}x target, "
-                                f"TTFT {p.ttft:.2f}x")
+    if prefill_short:
+        change = _convert(states, "decode", "prefill", now - mem.prefill_short_since, len(dec) - 1 >= rules.min_decode,
+                          rules, f"TTFT {p.ttft:.2f}x target, TPOT {p.tpot:.2f}x")
+    elif decode_short:
+        change = _convert(states, "prefill", "decode", now - mem.decode_short_since, len(pre) - 1 >= rules.min_prefill,
+                          rules, f"TPOT {p.tpot:.2f}x target, TTFT {p.ttft:.2f}x")
     if change is None:
         return None, mem
     return change, AdaptMemory(None, None, now, change.role)

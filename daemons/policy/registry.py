@@ -1,16 +1,20 @@
 """Every policy, declared once, as an object: its name (the string config files and ``llumnixctl policy`` use),
 what it does (its help: the settings' help, the daemons' ``--help`` and the man pages are made from it), the
 settings it reads, and its behaviour. Nothing outside this module compares a policy's name: code asks the policy
-object (``DISPATCH.get(name).migrates``), so that a new policy is one entry here (tests/unit/test_structure.py
-checks that no other module compares a policy name as a string).
+object (``DISPATCH.get(name).migrates``), so that a new policy is one entry here, or one module of its own in
+daemons/policy/plugins/ that registers it (``DISPATCH.register(...)``; each module there is imported once this
+module is, see daemons/policy/plugins/least_requests.py). tests/unit/test_structure.py checks that no other
+module compares a policy name as a string.
 
 Four registries, one per choice: ``DISPATCH`` (manager.dispatch_policy), ``PAIRING`` (scheduling.pairing_policy),
 ``SELECTION`` (scheduling.request_selection) and ``SCALING`` (scaling.policy). The first policy registered is a
-registry's default.
+registry's default; the plugins' come after this module's, by module name.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from dataclasses import dataclass
 from itertools import chain
 from typing import Callable, Generic, Iterator, TypeVar
@@ -36,8 +40,18 @@ class Registry(Generic[P]):
 
     def __init__(self, kind: str, setting: str, *policies: P):
         self.kind, self.setting = kind, setting
-        self._by_name: dict[str, P] = {p.name: p for p in policies}
-        self.names: tuple[str, ...] = tuple(self._by_name)
+        self._by_name: dict[str, P] = {}
+        self.names: tuple[str, ...] = ()
+        for p in policies:
+            self.register(p)
+
+    def register(self, policy: P) -> P:
+        """Add ``policy``, listed last (a module of daemons/policy/plugins/ registers its own); returns it."""
+        if policy.name in self._by_name:
+            raise ValueError(f"{self.kind} {policy.name!r} is registered twice")
+        self._by_name[policy.name] = policy
+        self.names = tuple(self._by_name)
+        return policy
 
     def __contains__(self, name: object) -> bool:
         return name in self._by_name
@@ -300,3 +314,14 @@ SCALING: Registry[ScalingPolicy] = Registry(
 )
 
 REGISTRIES = (DISPATCH, PAIRING, SELECTION, SCALING)
+
+
+def _load_plugins() -> None:
+    """Import each module of daemons/policy/plugins/ (by name): each registers its policies as it loads."""
+    from daemons.policy import plugins
+
+    for m in pkgutil.iter_modules(plugins.__path__):
+        importlib.import_module(f"{plugins.__name__}.{m.name}")
+
+
+_load_plugins()

@@ -12,10 +12,11 @@ from hypothesis import given, settings, strategies as st
 
 from daemons import wire
 from daemons.clock import Clock
-from daemons.config import MigrationConfig, SchedulingConfig
+from daemons.config import Config, MigrationConfig, SchedulingConfig
 from daemons.policy import (INF, CrossNode, InstanceState, cross_node_budget_blocks, cross_node_saving_ms,
                             crosses_hosts, pair, select_migrants, transfer_ms)
 from daemons.manager.orders import Orders
+from daemons.manager.shared import Shared
 from daemons.wire import RequestLoad
 
 KV = 64 * 1024  # the kv-heavy shape: bytes per token
@@ -151,8 +152,10 @@ def test_rescheduler_learns_kv_size_and_pairs_with_hosts():
     spawned = []
 
     def orders(sc: SchedulingConfig) -> Orders:  # no manager loop: only what pair_once and learn touch
-        return Orders(sc, MigrationConfig(), cluster, SimpleNamespace(migrating=True, request_selection="llumnix"),
-                      Clock(), send=None, spawn=spawned.append, next_id=None, lookup=None, lookup_timeout_s=10.0)
+        shared = Shared(Config(scheduling=sc, migration=MigrationConfig()), cluster,
+                        SimpleNamespace(migrating=True, request_selection="llumnix"), Clock(), send=None,
+                        spawn=spawned.append)
+        return Orders(shared, next_id=None, lookup=None, lookup_timeout_s=10.0)
 
     rs = orders(SchedulingConfig(cross_node_bandwidth_gbps=10.0))
     [p] = rs.pair_once()

@@ -22,6 +22,7 @@ from daemons.proxy.cluster.admission import Placing
 from daemons.proxy.cluster.dispatch import Changes
 from daemons.proxy.cluster.dispatch import Dispatcher as ProxyDispatcher
 from daemons.proxy.cluster.known import KnownInstances
+from daemons.proxy.cluster.shared import Shared
 from daemons.proxy.cluster.stream import Stream
 from daemons.proxy.cluster.view import DispatchView
 from llumnixctl.experiments.sim.proxy import SimProxy
@@ -83,7 +84,7 @@ def _proxy(cfg, snap, hits, clock) -> ProxyDispatcher:
     known.took_snapshot(snap)
     known.tie_start = lambda: None  # the manager's tie rotation: by the turn
     dview = DispatchView(cfg.manager.pending_dispatch_ttl_s, policy.rules_of(cfg), clock.monotonic)
-    return ProxyDispatcher(clock, cfg, known, dview, Index(hits), port=None, manager=None, placing=Placing(),
+    return ProxyDispatcher(Shared(cfg, clock, known, dview, port=None), Index(hits), manager=None, placing=Placing(),
                            changes=Changes(), on_full=lambda *a: None)
 
 

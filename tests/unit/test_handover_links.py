@@ -77,6 +77,7 @@ def test_the_manager_tells_prefill_instances_their_targets_once_per_process_and_
 def test_a_role_change_that_would_put_a_smaller_tp_decode_beside_a_larger_prefill_is_refused():
     from daemons.config import Config
     from daemons.manager.roles import Roles
+    from daemons.manager.shared import Shared
 
     class View:
         def __init__(self, recs):
@@ -93,7 +94,7 @@ def test_a_role_change_that_would_put_a_smaller_tp_decode_beside_a_larger_prefil
 
     sent = []
     view = View([rec("i0", "prefill", tp=2), rec("i1", "mixed", tp=1), rec("i2", "mixed", tp=2)])
-    roles = Roles(Config(), view, None, lambda r, m: sent.append((r.instance_id, m)), None, None)
+    roles = Roles(Shared(Config(), view, None, None, lambda r, m: sent.append((r.instance_id, m)), None), None)
     reply = roles.on_role(wire.RoleQuery(1, "i1", "decode"))
     assert isinstance(reply, wire.ErrorReply) and "role decode for i1 refused" in reply.message, reply
     assert "tensor-parallel size 1, smaller than prefill instance i0's 2" in reply.message

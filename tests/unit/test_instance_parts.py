@@ -14,6 +14,7 @@ from daemons.engine.sim import SimEngine
 from daemons.instance import Instance
 from daemons.instance.intake import Intake
 from daemons.instance.mailbox import Mailbox
+from daemons.instance.shared import Shared
 from daemons.instance.standing import Identity, Standing
 from daemons.instance.tokens import TokenPath
 from daemons.requests import RequestTable
@@ -81,8 +82,9 @@ def make_intake(standing: Standing):
     requests = RequestTable()
     links = Sent()
     tokens = TokenPath(links, requests, Identity("i9"))
-    intake = Intake(None, engine, requests, metrics.RequestPhases(), tokens, links, standing, asyncio.Event(),
-                    lambda: None, lambda reply_to: None, clock=virtual.LoopClock(virtual.VirtualTimeLoop()))
+    shared = Shared(engine, requests, Identity("i9"), standing, Mailbox(), metrics.RequestPhases(), lambda msg: None,
+                    lambda: None, virtual.LoopClock(virtual.VirtualTimeLoop()))
+    intake = Intake(shared, None, tokens, links, lambda reply_to: None)
     return intake, engine, requests, links
 
 

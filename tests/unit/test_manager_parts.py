@@ -17,6 +17,7 @@ from daemons.manager.orders import Orders
 from daemons.manager.records import InstanceRecord, Policies
 from daemons.manager.registry import Registry
 from daemons.manager.rescheduler import Rescheduler
+from daemons.manager.shared import Shared
 from daemons.manager.view import ClusterView
 
 CFG = load_config(None, [])
@@ -85,8 +86,8 @@ def test_the_registry_watches_a_new_instance_and_hands_it_to_the_rescheduler():
 def test_an_order_counts_on_both_instances_until_its_result_and_fails_at_once_when_its_source_dies():
     async def scenario():
         view, sent, ids = cluster_of("i0", "i1"), [], iter(range(1, 100))
-        orders = Orders(CFG.scheduling, CFG.migration, view, Policies(CFG), VirtualTimeLoop().clock(),
-                        send=lambda r, m: sent.append((r.instance_id, m)), spawn=asyncio.ensure_future,
+        orders = Orders(Shared(CFG, view, Policies(CFG), VirtualTimeLoop().clock(),
+                               send=lambda r, m: sent.append((r.instance_id, m)), spawn=asyncio.ensure_future),
                         next_id=lambda: next(ids), lookup=None, lookup_timeout_s=10.0)
         start = wire.MigrateStart(0, dst="i1", dst_address="inproc://i1", count=2)
         task = asyncio.ensure_future(orders.order_migration(view.get("i0"), start, 2))
@@ -109,7 +110,7 @@ def test_a_drain_sets_the_flag_tells_the_instance_and_restarts_its_backoff():
     view, sent, drained = cluster_of("i0"), [], []
     clock = VirtualTimeLoop().clock()
     launcher = Launcher(CFG.scaling, CFG.manager.address, lambda: set(view.instances), clock)
-    life = Lifecycle(view, clock, CFG.manager, CFG.scaling, launcher, send=lambda r, m: sent.append(m),
+    life = Lifecycle(Shared(CFG, view, Policies(CFG), clock, send=lambda r, m: sent.append(m), spawn=None), launcher,
                      new_drain=drained.append)
     reply = life.on_drain(wire.DrainQuery(1, "i0"))
     assert isinstance(reply, wire.DrainReply) and reply.instance.drain_reason == "operator"
@@ -121,7 +122,8 @@ def test_a_drain_sets_the_flag_tells_the_instance_and_restarts_its_backoff():
 
 def test_the_rescheduler_is_built_without_the_manager():
     view = cluster_of("i0")
-    r = Rescheduler(CFG, view, Policies(CFG), VirtualTimeLoop().clock(), send=lambda r, m: None, spawn=lambda c: c.close(),
-                    next_id=lambda: 1, lookup=None, lookup_timeout_s=10.0, started=0.0)
+    shared = Shared(CFG, view, Policies(CFG), VirtualTimeLoop().clock(), send=lambda r, m: None,
+                    spawn=lambda c: c.close())
+    r = Rescheduler(shared, next_id=lambda: 1, lookup=None, lookup_timeout_s=10.0, started=0.0)
     assert r.counters() == {"ordered_migrations": {}, "scale_outs": 0, "scale_ins": 0, "launching": 0}
     assert r.plan(0.0) == []  # one idle instance: nothing to pair

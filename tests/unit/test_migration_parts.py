@@ -14,6 +14,7 @@ from daemons.clock import Clock
 from daemons.migration.move import Stage
 from daemons.migration.peers import PEER_IDLE_S, Peers
 from daemons.migration.records import DestinationFailed, Outgoing, Refused
+from daemons.migration.side import Parts
 from daemons.migration.source import Source
 
 
@@ -28,7 +29,7 @@ class ManualClock(Clock):
 def source(timeout_s: float = 5.0) -> Source:
     cfg = SimpleNamespace(timeout_s=timeout_s)
     host = SimpleNamespace(wake=asyncio.Event())
-    return Source(host, cfg, engine=None, requests=None, boundary=None, kv=None, peers=None, clock=Clock())
+    return Source(Parts(host, cfg, engine=None, requests=None, boundary=None, kv=None, peers=None, clock=Clock()))
 
 
 def test_answers_reach_their_move_and_a_refusal_or_a_drop_ends_the_wait():

@@ -35,7 +35,9 @@ sockets and tasks, and routes each message to them):
 - ``Streams`` (streams.py): the streams by request id and which copy (instance, epoch) may feed each.
 - ``Dispatcher`` (dispatch.py): places a stream (asks the manager or chooses here, waits for an instance)
   and submits it under a new epoch.
-- ``Failover`` (failover.py): deadlines, dead, stalled or refusing owners, lost Submits, redispatch.
+- ``Failover`` (failover.py): deadlines, dead, stalled or refusing owners, lost Submits, redispatch. It and
+  the ``Dispatcher`` are built with one ``Shared`` (shared.py): the settings, the clock, ``KnownInstances``,
+  the ``DispatchView`` and the ``InstancePort``.
 - ``FairGate`` (fairgate.py) with ``Placing`` and ``Admission`` (admission.py): the fair queue between API
   keys, the requests waiting here, and the bounds a new request is refused past.
 """
@@ -49,17 +51,18 @@ import zmq
 import zmq.asyncio
 
 from daemons import metrics, policy, prefix, runtime, security, wire
-from daemons.policy import slo
 from daemons.clock import Clock
 from daemons.links import DOWN, UP, LinkWatch
+from daemons.policy import slo
 from daemons.proxy.cluster import tokens
 from daemons.proxy.cluster.admission import Admission, Placing
 from daemons.proxy.cluster.dispatch import Changes, Dispatcher
+from daemons.proxy.cluster.failover import FORGET_AFTER_S, Failover
 from daemons.proxy.cluster.fairgate import FairGate
 from daemons.proxy.cluster.fairness import FairQueue
-from daemons.proxy.cluster.failover import FORGET_AFTER_S, Failover
 from daemons.proxy.cluster.known import KnownInstances
 from daemons.proxy.cluster.managerlink import ManagerLink
+from daemons.proxy.cluster.shared import Shared
 from daemons.proxy.cluster.stream import NoInstance, Overloaded, Stream
 from daemons.proxy.cluster.streams import Streams
 from daemons.proxy.cluster.telemetry import (M_BAD_FRAMES, M_LINKS_DOWN, M_LINKS_HEALED, M_PEERS, M_PREFIX_INDEX,
@@ -114,10 +117,10 @@ class ClusterClient:
                              pc.fair_reserve, self.known, self.view, self.placing)
         self.admission = Admission(cfg.admission, clock, self.known, self.view, self.placing, self.gate.under_share,
                                    cfg.slo, self.classes)
-        self.failover = Failover(clock, pc, cfg.manager, self.ownership, self.known, self.view, self.port,
-                                 self._dispatch, self._spawn)
-        self.dispatcher = Dispatcher(clock, cfg, self.known, self.view, self.cache_index, self.port, self.link,
-                                     self.placing, self.changes, self.failover.instance_failed)
+        shared = Shared(cfg, clock, self.known, self.view, self.port)
+        self.failover = Failover(shared, self.ownership, self._dispatch, self._spawn)
+        self.dispatcher = Dispatcher(shared, self.cache_index, self.link, self.placing, self.changes,
+                                     self.failover.instance_failed)
 
     # ------------------------------------------------------------------ read-only views for callers and tests
 

@@ -10,14 +10,11 @@ from typing import Callable, Protocol
 import msgspec
 
 from daemons import policy, prefix, wire
-from daemons.clock import Clock
 from daemons.links import UP
 from daemons.proxy.cluster.admission import Placing
-from daemons.proxy.cluster.known import KnownInstances
+from daemons.proxy.cluster.shared import Shared
 from daemons.proxy.cluster.stream import NoInstance, Stream
-from daemons.proxy.cluster.streams import Port
 from daemons.proxy.cluster.telemetry import M_ASKED, M_CACHE_DISPATCHES, M_DISAGG, M_LOCAL, M_WAITED
-from daemons.proxy.cluster.view import DispatchView
 from daemons.tracing import now_ns
 
 log = logging.getLogger("llumnix.proxy")
@@ -67,16 +64,12 @@ class Dispatcher:
     the port to the instances, the manager link, the requests placing here, the waits for a change and
     ``on_full`` (the stream's request path is full: failover's ``instance_failed``)."""
 
-    def __init__(self, clock: Clock, cfg, known: KnownInstances, view: DispatchView, cache_index: prefix.Follower,
-                 port: Port, manager: Manager, placing: Placing, changes: Changes,
-                 on_full: Callable[..., None]):
-        self.clock = clock
-        self.pc = cfg.proxy
-        self.queue_timeout_s = cfg.admission.queue_timeout_s
-        self.known = known
-        self.view = view
+    def __init__(self, shared: Shared, cache_index: prefix.Follower, manager: Manager, placing: Placing,
+                 changes: Changes, on_full: Callable[..., None]):
+        self.clock, self.known, self.view, self.port = shared.clock, shared.known, shared.view, shared.port
+        self.pc = shared.cfg.proxy
+        self.queue_timeout_s = shared.cfg.admission.queue_timeout_s
         self.cache_index = cache_index
-        self.port = port
         self.manager = manager
         self.placing = placing
         self.changes = changes

@@ -11,13 +11,11 @@ from typing import Awaitable, Callable
 import msgspec
 
 from daemons import wire
-from daemons.clock import Clock
 from daemons.links import DOWN
-from daemons.proxy.cluster.known import KnownInstances
+from daemons.proxy.cluster.shared import Shared
 from daemons.proxy.cluster.stream import NoInstance, Stream
-from daemons.proxy.cluster.streams import Port, Streams
+from daemons.proxy.cluster.streams import Streams
 from daemons.proxy.cluster.telemetry import M_FAILOVERS, M_GAVE_UP, M_GIVEN_BACK, M_RESENT, M_RETRIES, M_TIMEOUTS
-from daemons.proxy.cluster.view import DispatchView
 
 log = logging.getLogger("llumnix.proxy")
 
@@ -31,15 +29,11 @@ class Failover:
     count of our Submits), the port to the instances, ``dispatch`` (a stream placed again under a new epoch)
     and ``spawn`` (runs a coroutine as the client's task)."""
 
-    def __init__(self, clock: Clock, pc, mc, streams: Streams, known: KnownInstances, view: DispatchView, port: Port,
-                 dispatch: Callable[[Stream], Awaitable[None]], spawn: Callable[[Awaitable], None]):
-        self.clock = clock
-        self.pc = pc
-        self.mc = mc
+    def __init__(self, shared: Shared, streams: Streams, dispatch: Callable[[Stream], Awaitable[None]],
+                 spawn: Callable[[Awaitable], None]):
+        self.clock, self.known, self.view, self.port = shared.clock, shared.known, shared.view, shared.port
+        self.pc, self.mc = shared.cfg.proxy, shared.cfg.manager
         self.streams = streams
-        self.known = known
-        self.view = view
-        self.port = port
         self.dispatch = dispatch
         self.spawn = spawn
         self._sent_counts: dict[str, deque] = {}  # instance id -> (time, Submits sent) at its heartbeats

@@ -15,7 +15,7 @@ M_RETRIES = metrics.counter("proxy", "llumnix_proxy_redispatches_total",
                             "Requests sent to another instance after one failed before any token")
 M_GIVEN_BACK = metrics.counter("proxy", "llumnix_proxy_given_back_total",
                                "Queued requests a draining instance gave back, dispatched again")
-M_BAD_FRAMES = metrics.counter("proxy", "llumnix_proxy_malformed_frames_total", "Frames dropped because they did not decode")
+M_BAD_FRAMES = metrics.malformed_frames("proxy")
 M_DUPLICATES = metrics.counter("proxy", "llumnix_proxy_duplicate_tokens_total",
                                "Token outputs dropped because their index was already emitted")
 M_MIGRATION_GAP = metrics.histogram("proxy", "llumnix_proxy_migration_gap_seconds",
@@ -32,17 +32,9 @@ M_FENCED = metrics.counter("proxy", "llumnix_proxy_fenced_total", "Token outputs
 M_RESENT = metrics.counter("proxy", "llumnix_proxy_resubmits_total",
                            "Requests sent again, same epoch, because their instance's heartbeats showed it had not "
                            "taken in every Submit sent proxy.stall_timeout_s before (lost on the way, or it restarted)")
-M_DISAGG = metrics.counter("proxy", "llumnix_proxy_disagg_decisions_total",
-                           "Dispatches from the proxy's own view while instances have roles, by where the request "
-                           "prefills: remote (on a prefill instance, handed over at its first token), local_short, "
-                           "local_cached, local_prefill_busy (where it will decode), no_prefill_pool, no_decode_pool",
-                           ["decision"])
-M_CACHE_DISPATCHES = metrics.counter("proxy", "llumnix_proxy_cache_dispatches_total",
-                                     "llumnix-cache dispatches of requests cached somewhere, by what decided: cache (another "
-                                     "instance than llumnix would pick) or load (the same)", ["decided_by"],
-                                     preset=[("cache",), ("load",)])
-M_PREFIX_INDEX = metrics.gauge("proxy", "llumnix_proxy_prefix_index_blocks",
-                               "Cached blocks in this proxy's prefix index, summed over the instances that hold them")
+M_DISAGG = metrics.disagg_decisions("proxy", "Dispatches from the proxy's own view")
+M_CACHE_DISPATCHES = metrics.cache_dispatches("proxy")
+M_PREFIX_INDEX = metrics.prefix_index_blocks("proxy", "this proxy's")
 M_FORGED = metrics.counter("proxy", "llumnix_proxy_forged_messages_total",
                            "Messages on the token path dropped because their sender's CURVE key is not the key the "
                            "instance they speak for registered with")
@@ -84,9 +76,7 @@ M_WAITED = metrics.counter("proxy", "llumnix_proxy_dispatch_waits_total",
 M_LINKS_DOWN = metrics.counter("proxy", "llumnix_proxy_instance_links_lost_total",
                                "Connections to instances lost (process gone, or no keepalive answered within "
                                "proxy.instance_timeout_s)")
-M_LINKS_HEALED = metrics.counter("proxy", "llumnix_proxy_instance_links_healed_total",
-                                 "Connections to instances dropped (no keepalive answered within "
-                                 "proxy.instance_timeout_s) that a reconnection healed: nothing failed over")
+M_LINKS_HEALED = metrics.links_healed("proxy", "proxy.instance_timeout_s", "nothing failed over")
 
 
 TIE_TURN_S = 60.0

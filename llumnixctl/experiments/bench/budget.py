@@ -1,4 +1,5 @@
-"""A benchmark's time budget and its progress line.
+"""A benchmark's time budget and its progress line; and what every bench command shares besides: its flags
+``--budget-s``, ``--json`` and ``--save`` (``BudgetOpt``, ``JsonOpt``, ``SaveOpt``) and its output (``emit``).
 
 Every ``llumnixctl bench`` command takes ``--budget-s`` (default ``DEFAULT_BUDGET_S``; 0: none). The budget counts
 from the command's start, cluster start-up included. Before each unit of work (a length, a round, a
@@ -18,13 +19,16 @@ with an injected clock): tests/unit/test_bench_budget.py.
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import threading
 import time
-from typing import Callable, Iterable, TextIO
+from pathlib import Path
+from typing import Annotated, Callable, Iterable, Optional, TextIO
 
 import typer
+from rich.console import Console
 
 # 4 minutes: every benchmark's default run ends within 5 on 2 loaded cores, stopping its cluster included.
 DEFAULT_BUDGET_S = 240.0
@@ -38,6 +42,10 @@ def budget_option() -> typer.models.OptionInfo:
     """``--budget-s`` (for ``Annotated[float, budget_option()] = DEFAULT_BUDGET_S``)."""
     return typer.Option("--budget-s", help=BUDGET_HELP, min=0.0)
 
+
+BudgetOpt = Annotated[float, budget_option()]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON")]
+SaveOpt = Annotated[Optional[Path], typer.Option(metavar="FILE", help="write the JSON here")]
 
 SAFETY_SAME = 1.1  # a unit like one measured (a round, a load): rounds on a loaded machine vary by about that
 SAFETY_LARGER = 1.2  # a longer unit than any measured: its power law is a guess too
@@ -346,3 +354,17 @@ class Rounds:
 def skipped_lines(skipped: list[dict], describe: Callable[[dict], str]) -> list[str]:
     """The human output's closing lines: one per skipped unit."""
     return [f"skipped {describe(s)}: {s['reason']}" for s in skipped]
+
+
+def emit(res: dict, json_: bool, show: Callable[[dict], None], describe: Callable[[dict], str],
+         save: Path | None = None) -> None:
+    """A bench command's output: ``res`` written to ``save`` (--save, --out) if given, then printed as JSON
+    (--json), or shown for people (``show``) with a closing line per skipped unit (``describe``: which)."""
+    if save is not None:
+        save.write_text(json.dumps(res, indent=2) + "\n")
+    if json_:
+        sys.stdout.write(json.dumps(res, indent=2) + "\n")
+        return
+    show(res)
+    for line in skipped_lines(res.get("skipped", []), describe):
+        Console().print(line, markup=False)

@@ -35,8 +35,8 @@ import httpx
 import typer
 
 from llumnixctl.experiments.bench import engine as bench_engine, serve as bench_serve
-from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, Budget, Progress, Rounds, budget_option,
-                                                 skipped_lines)
+from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, Budget, BudgetOpt, JsonOpt, Progress, Rounds,
+                                                 SaveOpt, skipped_lines)
 from llumnixctl.experiments.traces import cache as tracecache
 from llumnixctl.experiments.bench.serve_figures import stats_ms
 from llumnixctl.lab import localcluster
@@ -264,9 +264,9 @@ def command(
     vllm_router: Annotated[Optional[str], typer.Option(help="the vllm-router binary (pip install vllm-router, in a venv of its own)")] = None,
     model: Annotated[Optional[Path], typer.Option(metavar="DIR", help="checkpoint directory (default: a tiny random model)")] = None,
     seed: Annotated[int, typer.Option(help="trace seed (round k uses seed + k)")] = 0,
-    save: Annotated[Optional[Path], typer.Option(metavar="FILE", help="write the JSON here")] = None,
-    json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
-    budget_s: Annotated[float, budget_option()] = DEFAULT_BUDGET_S,
+    save: SaveOpt = None,
+    json_: JsonOpt = False,
+    budget_s: BudgetOpt = DEFAULT_BUDGET_S,
 ) -> None:
     """Prefix-cache-aware routing on vLLM engines: ours (cache-aware and cache-blind) vs smg and vllm-router cache_aware.
     A system's run of a trace that would not fit in --budget-s is skipped (--json: skipped)."""

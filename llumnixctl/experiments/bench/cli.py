@@ -14,7 +14,6 @@ import json
 import shutil
 import socket
 import statistics
-import sys
 import time
 import uuid
 from typing import Annotated, Callable
@@ -32,8 +31,8 @@ from llumnixctl.experiments.bench import (cache as bench_cache, disagg as bench_
                                          handover as bench_handover, migration as bench_migration, overload as bench_overload,
                                          predict as bench_predict,
                                          policies as bench_policies, serve as bench_serve, steady as bench_steady)
-from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, STOP_RESERVE_S, Budget, Progress, budget_option,
-                                                 skipped_lines)
+from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, STOP_RESERVE_S, Budget, BudgetOpt, JsonOpt, Progress,
+                                                 emit)
 from llumnixctl.experiments.bench.cluster import start_cluster
 from llumnixctl.experiments.bench.proxy_short import (SHORT_GOAL_RPS, host_port, open_nodelay, pick_client,
                                                      short_rate, stream_load)
@@ -194,8 +193,8 @@ def proxy(
     burst_tokens: Annotated[int, typer.Option(help="output tokens per burst stream", min=1)] = 32,
     burst_seqs: Annotated[int, typer.Option(help="sim.max_num_seqs of the burst run's instances", min=1)] = 8,
     set_: Annotated[list[str] | None, typer.Option("--set", help="extra setting for every daemon of both clusters, after the bench's own (so it may override them): section.key=value; a bad one fails before anything starts (status 2)")] = None,
-    json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
-    budget_s: Annotated[float, budget_option()] = DEFAULT_BUDGET_S,
+    json_: JsonOpt = False,
+    budget_s: BudgetOpt = DEFAULT_BUDGET_S,
 ) -> None:
     """Proxy overhead: added time to first token, tokens/s and CPU per streamed token (sim, zero step time),
     one-token requests/s through one proxy; optionally a burst over several proxies (sim steps of real time).
@@ -235,12 +234,7 @@ def proxy(
     finally:
         progress.close()
     result.update(budget.fields())
-    if json_:
-        sys.stdout.write(json.dumps(result, indent=2) + "\n")
-        return
-    _print_proxy(result)
-    for line in skipped_lines(result["skipped"], lambda s: f"the {s['part']} part"):
-        Console().print(line, markup=False)
+    emit(result, json_, _print_proxy, lambda s: f"the {s['part']} part")
 
 
 def _overhead_run(instances: int, requests: int, streams: int, concurrency: int, tokens: int, short_seconds: float,
@@ -299,12 +293,7 @@ def _burst_run(instances: int, proxies: int, k: int, tokens: int, seqs: int, ext
     batches of ``seqs``: a burst that herds onto few instances queues there, and its TTFT shows it."""
     run_dir = scratch_dir("llumnix-bench-")
     sets = [f"sim.max_num_seqs={seqs}", "proxy.log_level=warning", "instance.log_level=warning"] + extra
-    try:
-        state = localcluster.up(run_dir, instances, "sim", 0, None, sets, timeout_s=120, proxies=proxies)
-    except localcluster.ClusterError as exc:
-        Console(stderr=True).print(f"llumnixctl: {exc}", markup=False)
-        shutil.rmtree(run_dir, ignore_errors=True)
-        raise typer.Exit(1) from None
+    state = start_cluster(run_dir, instances, "sim", sets, timeout_s=120, proxies=proxies)
     try:
         out = burst(state, "llumnix-sim", k, tokens, load_config(None, sets).proxy.snapshot_interval_s)
     finally:

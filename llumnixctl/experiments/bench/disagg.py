@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Annotated, Callable, Optional
@@ -40,9 +39,8 @@ from daemons.config import ConfigError, load_config
 from llumnixctl.admin import AdminClient, ManagerUnreachable
 from llumnixctl.experiments.bench.overload import vocab_of
 from llumnixctl.experiments.bench import disagg_figures as figs
-from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, Budget, Progress, Rounds, budget_option,
-                                                 skipped_lines)
-from llumnixctl.experiments.bench.serve import replay, stream_completion
+from llumnixctl.experiments.bench.budget import DEFAULT_BUDGET_S, Budget, BudgetOpt, Progress, Rounds, emit
+from llumnixctl.experiments.bench.serve import fetch_metrics, replay, stream_completion
 from llumnixctl.lab import localcluster
 from llumnixctl.lab.scratch import scratch_dir
 
@@ -74,15 +72,8 @@ def config_sets(config: str, ttft_ms: float, tpot_ms: float, slo_everywhere: boo
 
 
 def scrape(address: str) -> dict[str, float]:
-    """One /metrics page (``host:port`` or a URL), parsed; {} when it cannot be read."""
-    url = address if address.startswith("http") else f"http://{address}"
-    if not url.rstrip("/").endswith("/metrics"):
-        url = url.rstrip("/") + "/metrics"
-    try:
-        resp = httpx.get(url, timeout=10)
-        return figs.parse_metrics(resp.text) if resp.status_code == 200 else {}
-    except (httpx.HTTPError, ValueError):
-        return {}
+    """One /metrics page (``host:port`` or a URL), parsed (``figs.parse_metrics``); {} when it cannot be read."""
+    return fetch_metrics(address, figs.parse_metrics)
 
 
 class Counters:
@@ -199,7 +190,7 @@ def command(
     request_timeout: Annotated[float, typer.Option(help="seconds a request may take before it counts as failed", min=1.0)] = 600.0,
     out: Annotated[Optional[Path], typer.Option("--out", "--save", metavar="FILE", help="write the JSON here")] = None,
     json_: Annotated[bool, typer.Option("--json", help="print JSON instead of the table")] = False,
-    budget_s: Annotated[float, budget_option()] = DEFAULT_BUDGET_S,
+    budget_s: BudgetOpt = DEFAULT_BUDGET_S,
 ) -> None:
     """Disaggregated (fixed split, adaptive) against mixed serving on a trace of long prompts in decode traffic:
     decode TPOT, TTFT, goodput, handovers; medians and ranges over interleaved rounds. A configuration's round
@@ -273,14 +264,8 @@ def command(
 
 def report(res: dict, out: Path | None, json_: bool, err: Console) -> None:
     """Write (--out), print (JSON or the table), and say so when requests failed."""
-    if out is not None:
-        out.write_text(json.dumps(res, indent=2) + "\n")
-    if json_:
-        sys.stdout.write(json.dumps(res, indent=2) + "\n")
-    else:
-        Console().print(figs.summary_table(res))
-        for line in skipped_lines(res.get("skipped", []), lambda s: f"{s['config']} round {s['round']}"):
-            Console().print(line, markup=False)
+    emit(res, json_, lambda r: Console().print(figs.summary_table(r)), lambda s: f"{s['config']} round {s['round']}",
+         save=out)
     failed = sum(run["figures"]["failed"] for run in res["runs"])
     if failed:
         first = next((e for run in res["runs"] for e in run["figures"].get("errors", [])), "")

@@ -31,8 +31,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, STOP_RESERVE_S, Budget, Progress, budget_option,
-                                                 estimate, skipped_lines)
+from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, STOP_RESERVE_S, Budget, BudgetOpt, JsonOpt, Progress,
+                                                 emit, estimate)
 from llumnixctl.experiments.bench.cluster import start_cluster
 
 # What the api_server run and the cluster run take against the offline run (start-up included), to weigh the
@@ -302,9 +302,9 @@ def command(
     batch_tokens: Annotated[int, typer.Option(help="output tokens per batched stream")] = 256,
     api_server: Annotated[bool, typer.Option("--api-server/--no-api-server", help="also measure vLLM's own OpenAI server")] = True,
     repeat: Annotated[int, typer.Option(help="runs of each measure; the best counts (shared cores are noisy)", min=1)] = 1,
-    json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    json_: JsonOpt = False,
     dtype: Annotated[str, typer.Option(metavar="auto|float32|bfloat16|float16", help="weights and activations on all three sides (vllm.dtype; auto: the checkpoint's). On a CPU without bf16 instructions float32 runs a bf16 checkpoint's prefill and batched steps about ten times faster")] = "auto",
-    budget_s: Annotated[float, budget_option()] = DEFAULT_BUDGET_S,
+    budget_s: BudgetOpt = DEFAULT_BUDGET_S,
 ) -> None:
     """vLLM through the whole cluster (proxy, manager, one instance) against vLLM's offline run and its api_server.
     The api_server run is skipped when it would not leave room in --budget-s for the cluster run (estimated from
@@ -351,9 +351,4 @@ def command(
         progress.close()
         shutil.rmtree(run_dir, ignore_errors=True)
     res = {**result_of(cluster, offline, api, model, tokens, batch, batch_tokens, repeat, dtype), **budget.fields()}
-    if json_:
-        sys.stdout.write(json.dumps(res, indent=2) + "\n")
-        return
-    print_table(res)
-    for line in skipped_lines(res["skipped"], lambda s: f"the {s['run']} run"):
-        Console().print(line, markup=False)
+    emit(res, json_, print_table, lambda s: f"the {s['run']} run")

@@ -17,9 +17,7 @@ tokens), else the KV-heavy one (context 16384, as ``bench migration``), unless -
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -32,8 +30,8 @@ from rich.console import Console
 from daemons.config import ConfigError, load_config
 from llumnixctl.admin import AdminClient
 from llumnixctl.experiments.bench import disagg_figures as figs
-from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, STOP_RESERVE_S, Budget, Progress, budget_option,
-                                                 estimate, skipped_lines)
+from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, STOP_RESERVE_S, Budget, BudgetOpt, Progress, emit,
+                                                 estimate)
 from llumnixctl.experiments.bench.disagg import QUIET, VLLM_PATIENCE, Counters, Target, vocab_of, wait_idle
 from llumnixctl.experiments.bench.serve import stream_completion
 from llumnixctl.lab import localcluster
@@ -163,7 +161,7 @@ def command(
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="a setting of the clusters, after the bench's own: section.key=value")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "--save", metavar="FILE", help="write the JSON here")] = None,
     json_: Annotated[bool, typer.Option("--json", help="print JSON instead of the table")] = False,
-    budget_s: Annotated[float, budget_option()] = DEFAULT_BUDGET_S,
+    budget_s: BudgetOpt = DEFAULT_BUDGET_S,
 ) -> None:
     """The client's longest gap between tokens at the handover (prefill instance to decode instance), per prompt
     length, against one mixed instance's. Lengths that would not fit in --budget-s are skipped (--json: skipped)."""
@@ -202,14 +200,8 @@ def command(
     res = {"backend": backend, "model": label, "cores": psutil.cpu_count(), "repeat": repeat,
            "decode_tokens": decode_tokens, "settings": list(set_ or []), "results": figs.handover_rows(samples),
            "samples": samples, **budget.fields()}
-    if out is not None:
-        out.write_text(json.dumps(res, indent=2) + "\n")
-    if json_:
-        sys.stdout.write(json.dumps(res, indent=2) + "\n")
-    else:
-        Console().print(figs.handover_table(res))
-        for line in skipped_lines(res["skipped"], lambda s: f"{s['cluster']} length {s['tokens']}"):
-            Console().print(line, markup=False)
+    emit(res, json_, lambda r: Console().print(figs.handover_table(r)), lambda s: f"{s['cluster']} length {s['tokens']}",
+         save=out)
     failed = [s for s in samples if s["error"]]
     if failed:
         err.print(f"bench handover: {len(failed)} requests failed; first error: {failed[0]['error']}", markup=False)

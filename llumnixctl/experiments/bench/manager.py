@@ -44,7 +44,7 @@ from rich.table import Table
 
 from daemons import wire
 from llumnixctl.admin import AdminClient, ManagerUnreachable
-from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, STOP_RESERVE_S, Budget, Progress, budget_option,
+from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, STOP_RESERVE_S, Budget, BudgetOpt, JsonOpt, Progress,
                                                  estimate, skipped_lines)
 from llumnixctl.experiments.bench.manager_peers import MODEL, emulated_load
 from llumnixctl.lab.localcluster import free_port
@@ -360,8 +360,8 @@ def command(
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="extra manager setting: section.key=value")] = None,
     up_timeout: Annotated[float, typer.Option(help="seconds the manager and the instances may take to come up", min=1.0)] = 60.0,
     profile: Annotated[str, typer.Option(metavar="FILE", help="run the manager under cProfile: stats to FILE.N per instance count")] = "",
-    json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
-    budget_s: Annotated[float, budget_option()] = DEFAULT_BUDGET_S,
+    json_: JsonOpt = False,
+    budget_s: BudgetOpt = DEFAULT_BUDGET_S,
 ) -> None:
     """The real llumnix-manager against emulated instances over ZeroMQ: dispatch latency, pairing rounds.
 

@@ -55,7 +55,7 @@ from llumnixctl.lab import localcluster
 from llumnixctl.lab.procs import stop
 from llumnixctl.experiments.bench import headroom
 from llumnixctl.experiments.bench.streamclock import TimedStream, recompute_ms
-from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, STOP_RESERVE_S, Budget, Progress, budget_option,
+from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, STOP_RESERVE_S, Budget, BudgetOpt, JsonOpt, Progress,
                                                  estimate, skipped_lines)
 from llumnixctl.lab.scratch import scratch_dir
 
@@ -301,13 +301,13 @@ def command(
     model: Annotated[Path | None, typer.Option(metavar="DIR", help="vllm: checkpoint directory (default: generate the kv-heavy model)")] = None,
     decode_tokens: Annotated[int, typer.Option(help=f"room past the prompt for each benchmark request's output (raised to 8 + 24 per repetition if less); 0: {AUTO_DECODE_TOKENS}. Requests are ended once measured; before each move the benchmark checks, from what the moves so far took, that the request cannot finish during the moves left, else it stops with the value that would do", min=0)] = 0,
     repeat: Annotated[int, typer.Option(help="live migrations per length (back and forth)", min=1)] = 4,
-    json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    json_: JsonOpt = False,
     netns: Annotated[bool, typer.Option("--netns", help="each instance on its own network namespace (\"host\"); manager, proxy and client on a control one (root)")] = False,
     rate: Annotated[str, typer.Option(metavar="RATE", help="with --netns: limit each instance's link, both ways (tc rate: 10gbit, 1gbit; empty = no limit)")] = "",
     delay_ms: Annotated[float, typer.Option(help="with --netns: added one-way latency between the instances (half on each instance's link, each way)", min=0.0)] = 0.0,
     set_: Annotated[list[str] | None, typer.Option("--set", help="setting for every daemon, after the benchmark's own (so it wins over them): section.key=value; on a GPU node e.g. vllm.gpu_memory_utilization=0.4 (the two instances share the GPU) and vllm.omp_threads=0 (leave OpenMP alone); a bad one gives status 2")] = None,
     shared_prefix: Annotated[int, typer.Option(help="vllm: measure instead what prefix caching saves a migration whose prompt starts with a prefix of this many tokens that the destination served before (bytes, cached blocks, downtime; before/after); lengths up to it are skipped", min=0)] = 0,
-    budget_s: Annotated[float, budget_option()] = DEFAULT_BUDGET_S,
+    budget_s: BudgetOpt = DEFAULT_BUDGET_S,
 ) -> None:
     """Live-migration downtime against blocking copy and recomputation, per request length (the paper's Fig 10).
 

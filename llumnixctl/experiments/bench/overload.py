@@ -24,10 +24,10 @@ client and at the proxies (their llumnix_proxy_refusal_seconds), and what the re
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -37,10 +37,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, STOP_RESERVE_S, Budget, Progress,
-                                                 budget_option, fit_seconds, skipped_lines)
+from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, STOP_RESERVE_S, Budget, BudgetOpt, JsonOpt, Progress,
+                                                 SaveOpt, emit, fit_seconds)
 from llumnixctl.experiments.bench.goodput import gave_up, high_refused_while_normal_admitted, slo_figures
-from llumnixctl.experiments.bench.serve import stream_completion
+from llumnixctl.experiments.bench.serve import closed_loop_rate, poisson_arrivals, stream_completion
 from llumnixctl.lab import localcluster
 from llumnixctl.stats import percentile
 from llumnixctl.lab.scratch import kept_if, scratch_dir
@@ -59,22 +59,8 @@ def _body(prompt: int, output: int, high: bool, k: int) -> dict:
 
 async def _capacity(url: str, concurrency: int, seconds: float, prompt: int, output: int, timeout: float) -> float:
     """Completed requests per second with ``concurrency`` requests always in flight."""
-    done = 0
-    stop = time.perf_counter() + seconds
-
-    async def worker(w: int, client: httpx.AsyncClient) -> None:
-        nonlocal done
-        k = 0
-        while time.perf_counter() < stop:
-            r = await stream_completion(client, url, _body(prompt, output, False, w * 100_000 + k), None, timeout)
-            k += 1
-            if r["error"] is None and time.perf_counter() <= stop:
-                done += 1
-
-    t0 = time.perf_counter()
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=None), timeout=timeout) as client:
-        await asyncio.gather(*(worker(w, client) for w in range(concurrency)))
-    return done / (time.perf_counter() - t0)
+    return await closed_loop_rate(url, concurrency, seconds, timeout,
+                                  lambda w: (_body(prompt, output, False, w * 100_000 + k) for k in itertools.count()))
 
 
 async def _unloaded(url: str, n: int, prompt: int, output: int, timeout: float) -> list[float]:
@@ -90,12 +76,7 @@ async def _unloaded(url: str, n: int, prompt: int, output: int, timeout: float) 
 async def _overload(url: str, rate: float, seconds: float, prompt: int, output: int, high_fraction: float,
                     timeout: float, seed: int) -> list[dict]:
     rng = random.Random(seed)
-    arrivals, t = [], 0.0
-    while True:
-        t += rng.expovariate(rate)
-        if t > seconds:
-            break
-        arrivals.append((t, rng.random() < high_fraction))
+    arrivals = poisson_arrivals(rng, rate, seconds, lambda: rng.random() < high_fraction)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout, connect=10.0)) as client:
         t0 = time.perf_counter() + 0.2
@@ -166,13 +147,13 @@ def command(
     backend: Annotated[str, typer.Option(metavar="sim|vllm", help="engine of the instances (vllm: a tiny random-weight model unless --model)")] = "sim",
     model: Annotated[Optional[Path], typer.Option(metavar="DIR", help="--backend vllm: the checkpoint (default: a tiny random-weight model)")] = None,
     seed: Annotated[int, typer.Option(help="arrivals seed")] = 0,
-    save: Annotated[Optional[Path], typer.Option(metavar="FILE", help="write the JSON here")] = None,
-    json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
     burst_n: Annotated[int, typer.Option("--burst", help="instead of the open loop: a warm-up of --warmup short requests, then this many streams sent at once, spread over --proxies proxies (0: the open loop)", min=0)] = 0,
     warmup: Annotated[int, typer.Option(help="--burst: requests one at a time before the burst, with short answers", min=0)] = 12,
     retries: Annotated[int, typer.Option(help="--burst: a refused stream waits its Retry-After and tries again, this many times at most", min=0)] = 0,
     proxies: Annotated[int, typer.Option(help="--burst: proxies of the cluster; the burst is spread evenly over them", min=1)] = 1,
-    budget_s: Annotated[float, budget_option()] = DEFAULT_BUDGET_S,
+    save: SaveOpt = None,
+    json_: JsonOpt = False,
+    budget_s: BudgetOpt = DEFAULT_BUDGET_S,
 ) -> None:
     """Admission control at --factor times the cluster's capacity: refusals, their speed, admitted TTFT; with
     --slo-ttft-ms, goodput and attainment per class. An overload longer than what is left of --budget-s is
@@ -230,13 +211,13 @@ def command(
            "slo_enforced": bool(slo_enforce and (slo_ttft_ms or slo_tpot_ms)),
            **analyse(results, unloaded, capacity, rate, seconds, slo_ttft_ms / 1000, slo_tpot_ms / 1000),
            **budget.fields()}
-    if save is not None:
-        save.write_text(json.dumps(res, indent=2) + "\n")
-    if json_:
-        sys.stdout.write(json.dumps(res, indent=2) + "\n")
-        return
-    table = Table(title=f"{factor:g}x capacity ({res['capacity_rps']:.2f} requests/s) for {seconds:g}s, "
-                        f"{instances} {backend} instances of batch {batch}")
+    emit(res, json_, _show, lambda s: s["part"], save=save)
+
+
+def _show(res: dict) -> None:
+    """The overload's measures (and the SLO's, with targets), as a table."""
+    table = Table(title=f"{res['factor']:g}x capacity ({res['capacity_rps']:.2f} requests/s) for {res['seconds']:g}s, "
+                        f"{res['instances']} {res['backend']} instances of batch {res['batch']}")
     table.add_column("measure")
     table.add_column("value", justify="right")
     for key, value in res.items():
@@ -255,8 +236,6 @@ def command(
             table.add_row(f"  {cls}: attainment, goodput", ("-" if c["attainment"] is None else f"{c['attainment']:.3f}")
                           + f", {c['goodput_rps']:.2f}/s")
     Console().print(table)
-    for line in skipped_lines(res["skipped"], lambda s: s["part"]):
-        Console().print(line, markup=False)
 
 
 def _burst_command(state, run_dir: Path, budget: Budget, progress: Progress, n: int, warmup: int, retries: int,
@@ -284,12 +263,12 @@ def _burst_command(state, run_dir: Path, budget: Budget, progress: Progress, n: 
            "warmup": warmed, "retries": retries, "prompt": prompt, "output": output, "slo_ttft_ms": ttft_ms,
            "slo_tpot_ms": tpot_ms, "sets": sets, "wall_s": round(wall, 1),
            **burst.analyse(results, ttft_ms / 1000, tpot_ms / 1000), **at_proxy, **budget.fields()}
-    if save is not None:
-        save.write_text(json.dumps(res, indent=2) + "\n")
-    if json_:
-        sys.stdout.write(json.dumps(res, indent=2) + "\n")
-        return
-    table = Table(title=f"a burst of {n} streams on {instances} {backend} instances, TTFT target {ttft_ms:g} ms")
+    emit(res, json_, _show_burst, lambda s: s["part"], save=save)
+
+
+def _show_burst(res: dict) -> None:
+    table = Table(title=f"a burst of {res['burst']} streams on {res['instances']} {res['backend']} instances, "
+                        f"TTFT target {res['slo_ttft_ms']:g} ms")
     table.add_column("measure")
     table.add_column("value", justify="right")
     for key, value in res.items():

@@ -15,7 +15,6 @@ Nothing here asserts a timing; the figures depend on the machine and on what els
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 import statistics
 import sys
@@ -32,8 +31,8 @@ from daemons.config import ConfigError, load_config
 from llumnixctl.admin import AdminClient, ManagerUnreachable
 from llumnixctl.experiments.bench import serve as bench_serve, serve_figures as bench_serve_figures
 from llumnixctl.experiments.bench.cluster import start_cluster
-from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, STOP_RESERVE_S, Budget, Progress, Units,
-                                                 budget_option, skipped_lines, trace_prefix)
+from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, STOP_RESERVE_S, Budget, BudgetOpt, JsonOpt, Progress,
+                                                 Units, emit, trace_prefix)
 from llumnixctl.experiments.traces import gen as trace, options as traceopts
 from llumnixctl.experiments.traces.gen import TraceOptions
 from llumnixctl.lab import localcluster
@@ -275,8 +274,8 @@ def command(
     request_timeout: Annotated[float, typer.Option(help="seconds a request may take before it counts as an error", min=1.0)] = 180.0,
     up_timeout: Annotated[float, typer.Option(help="seconds a cluster may take to come up", min=1.0)] = 60.0,
     per_request: Annotated[bool, typer.Option(help="with --json: every request's figures too (under per_request)")] = False,
-    json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
-    budget_s: Annotated[float, budget_option()] = DEFAULT_BUDGET_S,
+    json_: JsonOpt = False,
+    budget_s: BudgetOpt = DEFAULT_BUDGET_S,
 ) -> None:
     """Round-robin, INFaaS++ and Llumnix on the same generated trace: latencies, preemptions, migrations.
     A policy whose run would not fit in --budget-s is skipped (--json: skipped).
@@ -386,9 +385,4 @@ def command(
             f"{r['preemptions']} preemptions, {r['migrations']['committed']} migrations")
     progress.close()
     result.update(budget.fields())
-    if json_:
-        sys.stdout.write(json.dumps(result, indent=2) + "\n")
-        return
-    print_tables(result)
-    for line in skipped_lines(result["skipped"], lambda s: f"policy {s['policy']}" if "policy" in s else "part of the trace"):
-        Console().print(line, markup=False)
+    emit(result, json_, print_tables, lambda s: f"policy {s['policy']}" if "policy" in s else "part of the trace")

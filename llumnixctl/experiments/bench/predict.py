@@ -15,23 +15,22 @@ queue length the load makes.
 from __future__ import annotations
 
 import asyncio
-import json
+import itertools
 import random
 import shutil
-import sys
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Iterator, Optional
 
 import httpx
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, Budget, Progress, Units, budget_option,
-                                                 skipped_lines)
+from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, Budget, BudgetOpt, JsonOpt, Progress, SaveOpt, Units,
+                                                 emit)
 from llumnixctl.experiments.bench.cluster import start_cluster
-from llumnixctl.experiments.bench.serve import stream_completion
+from llumnixctl.experiments.bench.serve import closed_loop_rate, poisson_arrivals, stream_completion
 from llumnixctl.lab import localcluster
 from llumnixctl.stats import percentile
 from llumnixctl.lab.scratch import scratch_dir
@@ -47,32 +46,16 @@ def _body(model: str, rng: random.Random, k: int) -> dict:
 
 
 async def _capacity(url: str, model: str, concurrency: int, seconds: float, timeout: float) -> float:
-    done = 0
-    stop = time.perf_counter() + seconds
+    def bodies(w: int) -> Iterator[dict]:
+        rng = random.Random(w)
+        return (_body(model, rng, w * 100_000 + k) for k in itertools.count())
 
-    async def worker(w: int, client: httpx.AsyncClient) -> None:
-        nonlocal done
-        rng, k = random.Random(w), 0
-        while time.perf_counter() < stop:
-            r = await stream_completion(client, url, _body(model, rng, w * 100_000 + k), None, timeout)
-            k += 1
-            if r["error"] is None and time.perf_counter() <= stop:
-                done += 1
-
-    t0 = time.perf_counter()
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=None), timeout=timeout) as client:
-        await asyncio.gather(*(worker(w, client) for w in range(concurrency)))
-    return done / (time.perf_counter() - t0)
+    return await closed_loop_rate(url, concurrency, seconds, timeout, bodies)
 
 
 async def _load(url: str, model: str, rate: float, seconds: float, timeout: float, seed: int) -> list[dict]:
     rng = random.Random(seed)
-    arrivals, t = [], 0.0
-    while True:
-        t += rng.expovariate(rate)
-        if t > seconds:
-            break
-        arrivals.append(t)
+    arrivals = poisson_arrivals(rng, rate, seconds)
     bodies = [_body(model, rng, 500_000 + k) for k in range(len(arrivals))]
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout, connect=10.0)) as client:
@@ -122,9 +105,9 @@ def command(
     model: Annotated[Optional[Path], typer.Option(metavar="DIR", help="vllm: checkpoint directory")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="a setting of the cluster: section.key=value")] = None,
     seed: Annotated[int, typer.Option(help="arrivals seed")] = 0,
-    save: Annotated[Optional[Path], typer.Option(metavar="FILE", help="write the JSON here")] = None,
-    json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
-    budget_s: Annotated[float, budget_option()] = DEFAULT_BUDGET_S,
+    save: SaveOpt = None,
+    json_: JsonOpt = False,
+    budget_s: BudgetOpt = DEFAULT_BUDGET_S,
 ) -> None:
     """How far the predicted TTFT and TPOT of each request are from the actual ones, at several loads. A load
     that would not fit in --budget-s is skipped (--json: skipped)."""
@@ -173,13 +156,13 @@ def command(
         shutil.rmtree(run_dir, ignore_errors=True)
     res = {"backend": backend, "instances": instances, "batch": batch, "capacity_rps": capacity,
            "seconds": seconds, "sets": set_ or [], "loads": rows, **budget.fields()}
-    if save is not None:
-        save.write_text(json.dumps(res, indent=2) + "\n")
-    if json_:
-        sys.stdout.write(json.dumps(res, indent=2) + "\n")
-        return
-    table = Table(title=f"predicted vs actual, {instances} {backend} instances of batch {batch}, capacity "
-                        f"{capacity:.2f} requests/s; |predicted - actual| / actual")
+    emit(res, json_, _show, lambda s: f"load {s['load']:g}x", save=save)
+
+
+def _show(res: dict) -> None:
+    """The loads' prediction errors, as a table."""
+    table = Table(title=f"predicted vs actual, {res['instances']} {res['backend']} instances of batch {res['batch']}, "
+                        f"capacity {res['capacity_rps']:.2f} requests/s; |predicted - actual| / actual")
     for col in ("load", "requests", "predicted", "TTFT P50", "TTFT P90", "TTFT bias", "TPOT P50", "TPOT P90",
                 "TPOT bias"):
         table.add_column(col, justify="right")
@@ -187,10 +170,8 @@ def command(
     def pct(x: float | None) -> str:
         return "-" if x is None else f"{x * 100:.0f}%"
 
-    for r in rows:
+    for r in res["loads"]:
         table.add_row(f"{r['load']:g}x", str(r["requests"]), str(r["predicted"]), pct(r["ttft_error_p50"]),
                       pct(r["ttft_error_p90"]), pct(r["ttft_bias_p50"]), pct(r["tpot_error_p50"]),
                       pct(r["tpot_error_p90"]), pct(r["tpot_bias_p50"]))
     Console().print(table)
-    for line in skipped_lines(res["skipped"], lambda s: f"load {s['load']:g}x"):
-        Console().print(line, markup=False)

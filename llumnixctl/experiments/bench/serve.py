@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import sys
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Callable, Optional
+from typing import Annotated, Callable, Iterator, Optional
 
 import httpx
 import typer
@@ -101,6 +102,38 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, hea
     if out["error"] is None and not out["times"]:
         out["error"] = "no chunk with a choice in the stream"
     return out
+
+
+def poisson_arrivals(rng: random.Random, rate: float, seconds: float, mark: Callable[[], object] | None = None) -> list:
+    """The arrival times of a Poisson process of ``rate`` per second within ``seconds``; with ``mark``, each as
+    (time, ``mark()``), its mark drawn right after its gap (an open-loop load)."""
+    arrivals, t = [], 0.0
+    while True:
+        t += rng.expovariate(rate)
+        if t > seconds:
+            return arrivals
+        arrivals.append(t if mark is None else (t, mark()))
+
+
+async def closed_loop_rate(url: str, concurrency: int, seconds: float, timeout: float,
+                           bodies: Callable[[int], Iterator[dict]]) -> float:
+    """Completed requests per second over ``seconds`` with ``concurrency`` streamed requests always in flight:
+    worker ``w`` sends the bodies of ``bodies(w)``, one after the other (a capacity measurement)."""
+    done = 0
+    stop = time.perf_counter() + seconds
+
+    async def worker(w: int, client: httpx.AsyncClient) -> None:
+        nonlocal done
+        next_body = bodies(w)
+        while time.perf_counter() < stop:
+            r = await stream_completion(client, url, next(next_body), None, timeout)
+            if r["error"] is None and time.perf_counter() <= stop:
+                done += 1
+
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=None), timeout=timeout) as client:
+        await asyncio.gather(*(worker(w, client) for w in range(concurrency)))
+    return done / (time.perf_counter() - t0)
 
 
 async def replay(url: str, reqs: list[trace_mod.TraceRequest], body: Callable[[trace_mod.TraceRequest], dict], *,
@@ -226,25 +259,33 @@ PROXY_COUNTERS = {"failovers": "llumnix_proxy_failovers_total", "rejected": "llu
                   "waited": "llumnix_proxy_dispatch_waits_total"}
 
 
-def _scrape(address: str) -> dict[str, float]:
-    """Every sample of a /metrics page (``host:port`` or a URL), by name and labels; {} if it cannot be read."""
-    from prometheus_client.parser import text_string_to_metric_families
-
+def fetch_metrics(address: str, parse: Callable[[str], dict[str, float]]) -> dict[str, float]:
+    """A /metrics page (``host:port`` or a URL), ``parse``d; {} if it cannot be read."""
     url = address if address.startswith("http") else f"http://{address}"
     if not url.rstrip("/").endswith("/metrics"):
         url = url.rstrip("/") + "/metrics"
     try:
         resp = httpx.get(url, timeout=10)
-        if resp.status_code != 200:
-            return {}
-        out: dict[str, float] = {}
-        for fam in text_string_to_metric_families(resp.text):
-            for smp in fam.samples:
-                key = smp.name + "".join(f"|{k}={v}" for k, v in sorted(smp.labels.items()) if k == "le")
-                out[key] = out.get(key, 0.0) + smp.value
-        return out
+        return parse(resp.text) if resp.status_code == 200 else {}
     except (httpx.HTTPError, ValueError):  # unreachable, or not a Prometheus page
         return {}
+
+
+def _by_name_and_bucket(text: str) -> dict[str, float]:
+    """Every sample of a Prometheus page by name (and a histogram bucket's ``le``), summed over other labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            key = smp.name + "".join(f"|{k}={v}" for k, v in sorted(smp.labels.items()) if k == "le")
+            out[key] = out.get(key, 0.0) + smp.value
+    return out
+
+
+def _scrape(address: str) -> dict[str, float]:
+    """Every sample of a /metrics page (``host:port`` or a URL), by name and labels; {} if it cannot be read."""
+    return fetch_metrics(address, _by_name_and_bucket)
 
 
 def _quantile(before: dict[str, float], after: dict[str, float], name: str, q: float) -> float | None:

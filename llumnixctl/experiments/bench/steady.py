@@ -27,8 +27,8 @@ from rich.console import Console
 from rich.table import Table
 
 from llumnixctl.experiments.bench import engine as bench_engine
-from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, Budget, Progress, Rounds, budget_option,
-                                                 skipped_lines)
+from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, Budget, BudgetOpt, JsonOpt, Progress, Rounds,
+                                                 SaveOpt, skipped_lines)
 from llumnixctl.experiments.traces import files as traces, gen as trace_mod, mix as tracemix
 from llumnixctl.lab import localcluster
 from llumnixctl.lab.scratch import scratch_dir
@@ -158,9 +158,9 @@ def command(
     model: Annotated[Optional[Path], typer.Option(metavar="DIR", help="checkpoint directory (default: a tiny random model)")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="a setting for our cluster: section.key=value")] = None,
     seed: Annotated[int, typer.Option(help="trace seed (round k uses seed + k)")] = 0,
-    save: Annotated[Optional[Path], typer.Option(metavar="FILE", help="write the JSON here")] = None,
-    json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
-    budget_s: Annotated[float, budget_option()] = DEFAULT_BUDGET_S,
+    save: SaveOpt = None,
+    json_: JsonOpt = False,
+    budget_s: BudgetOpt = DEFAULT_BUDGET_S,
 ) -> None:
     """Our cluster on a saturated host against a plain router, same engines and trace: failures, deaths, lateness.
     A system's round that would not fit in --budget-s is skipped (--json: skipped)."""

@@ -119,6 +119,7 @@ def intake(inst: SimulatedInstance, clock, site: Site, ended: Callable) -> None:
     """The llumlet's way in and out on ``inst`` (its engine, request table, mailbox, standing and migrator are
     there): its ``Intake``, ``TokenPath`` and request phases, and the migrator as its parts reach it."""
     from daemons.instance.intake import Intake  # (torch: only once a simulation runs)
+    from daemons.instance.shared import Shared
     from daemons.instance.standing import Identity
     from daemons.instance.tokens import TokenPath
 
@@ -126,9 +127,10 @@ def intake(inst: SimulatedInstance, clock, site: Site, ended: Callable) -> None:
     proxies = ProxyPort(inst, site)
     inst.phases = metrics.RequestPhases()
     inst.tap = MigratorTap(inst, ended)
+    inst.shared = Shared(inst.engine, inst.table, inst.ident_of, inst.standing, inst.mailbox, inst.phases,
+                         inst.line.tell, lambda: inst.tap, clock)
     inst.tokens = TokenPath(proxies, inst.table, inst.ident_of)
-    inst.intake = Intake(None, inst.engine, inst.table, inst.phases, inst.tokens, proxies, inst.standing,
-                         inst.mailbox.wake, lambda: inst.tap, lambda reply_to: None, clock)
+    inst.intake = Intake(inst.shared, None, inst.tokens, proxies, lambda reply_to: None)
 
 
 def build(inst: SimulatedInstance, cfg, clock, cache) -> list:
@@ -138,20 +140,18 @@ def build(inst: SimulatedInstance, cfg, clock, cache) -> list:
     from daemons.instance.handover import Handovers
     from daemons.instance.listings import Listings
     from daemons.instance.selection import Orders
-    from daemons.instance.steps import StepLoop
+    from daemons.instance.steps import StepLoop, Stepped
     from daemons.watchdog import Faults, Watchdog
 
-    engine, ic, ident, migrator = inst.engine, cfg.instance, inst.ident_of, (lambda: inst.tap)
-    listings = Listings(engine, inst.table, inst.intake.pending, inst.line.tell, ident, clock)
-    inst.handovers = Handovers(inst.standing, inst.table, ident, inst.line.tell, lambda: engine.block_size,
-                               cfg.disagg.handover_lease_s, clock)
-    inst.stepper = StepLoop(engine, inst.mailbox, inst.intake, listings, inst.tokens, inst.reporter, cache,
-                            inst.phases, migrator, Watchdog(ic.step_timeout_s, ic.hung_exit_s, clock),
-                            Faults(inst.iid, ""), ic, clock, inst.fit, inst.handovers)
-    inst.orders = Orders(engine, inst.table, inst.mailbox, migrator, lambda: inst.reporter.last,
-                         inst.intake.redispatch_queued, inst.line.tell, ident, cfg.migration.max_in_flight, clock)
-    control = Control(inst.line, inst.standing, inst.reporter, ident, engine, cfg,
-                      lambda: inst.mailbox.call(inst.intake.redispatch_queued), lambda reason: None, clock)
+    shared, ic = inst.shared, cfg.instance
+    listings = Listings(shared, inst.intake.pending)
+    inst.handovers = Handovers(shared, cfg.disagg.handover_lease_s)
+    inst.stepper = StepLoop(shared, ic, Stepped(inst.intake, listings, inst.tokens, inst.reporter, cache, inst.handovers),
+                            Watchdog(ic.step_timeout_s, ic.hung_exit_s, clock), Faults(inst.iid, ""), inst.fit)
+    inst.orders = Orders(shared, lambda: inst.reporter.last, inst.intake.redispatch_queued,
+                         cfg.migration.max_in_flight)
+    control = Control(shared, cfg, inst.line, inst.reporter, lambda: inst.mailbox.call(inst.intake.redispatch_queued),
+                      lambda reason: None)
     handlers = {wire.MigrateStart: inst.orders.on_migrate_start,
                 wire.ListRequests: lambda msg: listings.on_list_requests(msg.query_id)}
     return [inst.stepper.run(), control.serve(handlers)]

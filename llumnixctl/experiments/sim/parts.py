@@ -63,6 +63,7 @@ class SimulatedInstance:
     host: object = None  # what the migrator needs of it (simmigrate.SimHost)
     line: object = None  # its line to the manager (sim/llumlet.py ManagerLine)
     ident_of: object = None  # who it is (daemons.instance.standing.Identity)
+    shared: object = None  # what its parts share (daemons.instance.shared.Shared): they are built with it
     intake: object = None  # its daemons.instance.intake.Intake
     tokens: object = None  # its daemons.instance.tokens.TokenPath (to the proxy: sim/llumlet.py ProxyPort)
     phases: object = None  # its request phases (daemons.metrics.RequestPhases)

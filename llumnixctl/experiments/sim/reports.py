@@ -9,6 +9,7 @@ line, sim/llumlet.py), and a heartbeat (each report's, and each heartbeat period
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import TYPE_CHECKING, Callable, Mapping, Protocol
 
 import msgspec
@@ -70,10 +71,10 @@ class SimReports:
         ic, heartbeat_s = self.cfg.instance, self.cfg.manager.heartbeat_interval_s
         watchdog = Watchdog(ic.step_timeout_s, ic.hung_exit_s, self.clock)  # never stalled: sim steps end
         inst.fit = self.fit_class(inst.engine.prefill_budget, lengths=self.lengths_class())
-        inst.reporter = reporter = self.reporter_class(
-            inst.engine, lambda: inst.migrator, watchdog, inst.line.tell, self.proxy_line, inst.taken,
-            inst.standing, inst.ident_of, self.cache_of(inst), inst.phases, inst.table,
-            heartbeat_s, ic.load_report_min_interval_s, self.clock, inst.fit)
+        # (the reporter reads the migrator itself, not the tap its other parts reach it through)
+        shared = dataclasses.replace(inst.shared, migrator=lambda: inst.migrator)
+        inst.reporter = reporter = self.reporter_class(shared, self.cfg, watchdog, self.proxy_line, inst.taken,
+                                                       self.cache_of(inst), inst.fit)
         beats = self.heartbeats_class(reporter, watchdog, self.proxy_line, inst.table, lambda address, why: None,
                                       min(heartbeat_s, ic.step_timeout_s / 4), self.clock)
         loop = asyncio.get_running_loop()

@@ -398,7 +398,7 @@ def command(
     alpha: opts.Alpha = 1.0,
     high_fraction: opts.HighFraction = 0.0,
     seed: opts.Seed = 0,
-    policy_: Annotated[Optional[str], typer.Option("--policy", metavar="POLICY", help="dispatch policy: llumnix, llumnix-cache, infaas++, rr (manager.dispatch_policy), or oracle-cache (here only: the instance whose cache really holds most of the prompt)")] = None,
+    policy_: Annotated[Optional[str], typer.Option("--policy", metavar="POLICY", help=f"dispatch policy: {policy.DISPATCH.listing().replace(' or ', ', ')} (manager.dispatch_policy), or oracle-cache (here only: the instance whose cache really holds most of the prompt)")] = None,
     report_lag_ms: Annotated[float, typer.Option(help="a load report's delay to the manager", min=0.0)] = 2.0,
     dispatch_rtt_ms: Annotated[float, typer.Option(help="the proxy's round trip to the manager per request", min=0.0)] = 1.0,
     kv_gbps: Annotated[float, typer.Option(help="what one migration's KV copy achieves, Gbit/s", min=0.001)] = 10.0,
