@@ -216,14 +216,8 @@ def command(
 
 def _show(res: dict) -> None:
     """The overload's measures (and the SLO's, with targets), as a table."""
-    table = Table(title=f"{res['factor']:g}x capacity ({res['capacity_rps']:.2f} requests/s) for {res['seconds']:g}s, "
-                        f"{res['instances']} {res['backend']} instances of batch {res['batch']}")
-    table.add_column("measure")
-    table.add_column("value", justify="right")
-    for key, value in res.items():
-        if key in ("sets", "slo", "skipped") or isinstance(value, (list, dict)) and not value:
-            continue
-        table.add_row(key, f"{value:.2f}" if isinstance(value, float) else str(value))
+    table = _measures(f"{res['factor']:g}x capacity ({res['capacity_rps']:.2f} requests/s) for {res['seconds']:g}s, "
+                      f"{res['instances']} {res['backend']} instances of batch {res['batch']}", res)
     if res["slo"] is not None:
         slo = res["slo"]
         table.add_section()
@@ -267,12 +261,18 @@ def _burst_command(state, run_dir: Path, budget: Budget, progress: Progress, n: 
 
 
 def _show_burst(res: dict) -> None:
-    table = Table(title=f"a burst of {res['burst']} streams on {res['instances']} {res['backend']} instances, "
-                        f"TTFT target {res['slo_ttft_ms']:g} ms")
+    Console().print(_measures(f"a burst of {res['burst']} streams on {res['instances']} {res['backend']} instances, "
+                              f"TTFT target {res['slo_ttft_ms']:g} ms", res))
+
+
+def _measures(title: str, res: dict) -> Table:
+    """A table of ``res``'s plain measures, one row each (its settings, SLO part, skipped units and empty
+    lists apart)."""
+    table = Table(title=title)
     table.add_column("measure")
     table.add_column("value", justify="right")
     for key, value in res.items():
-        if key in ("sets", "skipped"):
+        if key in ("sets", "slo", "skipped") or isinstance(value, (list, dict)) and not value:
             continue
         table.add_row(key, f"{value:.2f}" if isinstance(value, float) else str(value))
-    Console().print(table)
+    return table
