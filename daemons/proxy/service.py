@@ -190,11 +190,12 @@ class Proxy:
     def _max_tokens_estimate(self, body, prompt_tokens: int) -> int:
         """The most tokens a request may generate, as admission sees it before the checks: what it asks for (a
         chat request's max_completion_tokens first), else the default (completions: 16; chat: up to the context
-        limit)."""
+        limit); never past the context limit."""
+        room = max(self.max_model_len - prompt_tokens, 1)  # (more is a 400 from the checks, not a refusal)
         asked = (body.max_completion_tokens if isinstance(body, ChatRequest) else None) or body.max_tokens
         if asked:
-            return asked
-        return 16 if not isinstance(body, ChatRequest) else max(self.max_model_len - prompt_tokens, 1)
+            return min(asked, room)
+        return min(16, room) if not isinstance(body, ChatRequest) else room
 
     def _in_flight(self, job: Job, sub_ids: list[str]) -> bool:
         return job.id in self.active or any(rid in self.cluster.streams for rid in sub_ids)

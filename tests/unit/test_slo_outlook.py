@@ -196,12 +196,19 @@ def test_a_large_body_is_refused_before_it_is_read():
             reads.append(1)
             return b'{"model": "llumnix-sim", "prompt": [5, 6, 7], "max_tokens": 4}'
 
+        from daemons.proxy.cluster.telemetry import M_REFUSAL
+
+        def observed() -> float:
+            return sum(s.value for m in M_REFUSAL.family.collect() for s in m.samples if s.name.endswith("_count"))
+
         for length, read in (("100000", False), ("60", True)):
             reads.clear()
+            before = observed()
             with pytest.raises(ApiError) as refused:
                 asyncio.run(p.handle(Call({"content-length": length}, None, None, body), chat=False))
             assert refused.value.status == 429 and refused.value.headers["Retry-After"]
             assert bool(reads) == read
+            assert observed() == before + 1  # its time, in llumnix_proxy_refusal_seconds
     finally:
         p.cluster.pull.close(0)
         p.cluster.manager.close(0)

@@ -153,7 +153,18 @@ def analyse(results: list[dict], ttft_s: float, tpot_s: float) -> dict:
         "gave_up_after_admission": len(given_up),
         "other_errors": len(other), "first_other_error": other[0]["error"][:300] if other else "",
         "attainment_of_admitted": (sum(1 for r in admitted if met(r)) / len(admitted)) if admitted else None,
+        **_prediction_error(admitted),
     }
+
+
+def _prediction_error(admitted: list[dict]) -> dict:
+    """|predicted - actual| / actual of the admitted requests' TTFT (the proxy's x-llumnix-predicted-ttft-ms
+    against the client's; the client's includes the way to the proxy): median and 90th percentile."""
+    errors = sorted(abs(float(r["predicted_ttft_ms"]) / 1000 - r["times"][0]) / r["times"][0]
+                    for r in admitted if r.get("predicted_ttft_ms") and r["times"] and r["times"][0] > 0)
+    if not errors:
+        return {"ttft_error_p50": None, "ttft_error_p90": None}
+    return {"ttft_error_p50": round(percentile(errors, 50), 3), "ttft_error_p90": round(percentile(errors, 90), 3)}
 
 
 def proxy_refusals(urls: list[str]) -> dict:
