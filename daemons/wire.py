@@ -22,6 +22,8 @@ Sockets:
 - instance ROUTER <- proxy DEALER      ProxyAlive (the proxy's liveness, every heartbeat interval)
 - proxy PULL, manager ROUTER <- instance  CacheEvents (what its prefix cache stored and removed, on change)
 - instance ROUTER <- proxy DEALER, instance DEALER <- manager  CacheSync (send your whole prefix cache)
+- manager ROUTER  <- llumnixctl, proxy LoraQuery / LoraReply, ErrorReply (LoRA adapters: load, unload, list)
+- instance DEALER <- manager           LoraOrder / LoraResult
 """
 
 from __future__ import annotations
@@ -142,6 +144,10 @@ class InstanceLoad(msgspec.Struct, array_like=True, omit_defaults=True):
     slo_judged: int = 0
     slo_met: int = 0
     role: str = "mixed"  # "mixed" | "prefill" | "decode" (prefill/decode disaggregation: daemons/policy/disagg.py)
+    # LoRA (daemons/engine/adapters.py): the adapters it holds, most recently used first, and its free adapter
+    # slots (lora.slots less those held; 0 with LoRA off).
+    adapters: list[str] = []
+    adapter_slots: int = 0
 
 
 # ---------------------------------------------------------------- instance <-> manager
@@ -276,6 +282,7 @@ class Snapshot(msgspec.Struct, **_tagged(13)):
     launching: int = 0  # instances launched that have not registered yet
     proxies: int = 0  # proxies heard from lately (their snapshot queries)
     proxy_rank: int = 0  # the asking proxy's place among them: it offsets the proxies' tie rotations
+    adapters: dict[str, str] = {}  # the LoRA adapters the cluster serves: name -> path (daemons/manager/adapters.py)
 
 
 # ---------------------------------------------------------------- admin (llumnixctl) <-> manager
@@ -440,6 +447,9 @@ class Submit(msgspec.Struct, **_tagged(40)):
     # The instance where it finishes judges it (daemons/instance/attainment.py).
     slo_ttft_ms: float = 0.0
     slo_tpot_ms: float = 0.0
+    # The LoRA adapter it runs with ("": the base model) and where the instance loads it from if it holds it not.
+    adapter: str = ""
+    adapter_path: str = ""
 
     def __post_init__(self) -> None:
         endpoints.check(self.reply_to, "reply_to")
@@ -548,6 +558,8 @@ class MigratingRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     slo_tpot_ms: float = 0.0
     first_token_time: float = 0.0
     first_token_index: int = 0
+    adapter: str = ""  # its LoRA adapter (wire.Submit): the destination holds it, or loads it, before stage 0
+    adapter_path: str = ""
 
     def __post_init__(self) -> None:
         endpoints.check(self.reply_to, "reply_to", empty_ok=True)  # empty until the source sets it
@@ -776,6 +788,55 @@ class PolicyReply(msgspec.Struct, **_tagged(77)):
 MAX_CACHE_KEYS = 1 << 21  # block keys in one CacheEvents (a whole cache of two million blocks)
 
 
+class AdapterOutcome(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one instance did with a LoRA order."""
+
+    instance_id: str
+    ok: bool
+    message: str = ""
+
+
+class AdapterRow(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One adapter the cluster serves: where it loads from, and the instances that hold it now."""
+
+    name: str
+    path: str
+    instances: list[str] = []
+
+
+class LoraQuery(msgspec.Struct, **_tagged(81)):
+    """llumnixctl or a proxy -> manager: load an adapter (on ``instances``, default: every instance, within
+    lora.max_replicas), unload it (everywhere), or list them (``op`` "load" | "unload" | "list")."""
+
+    query_id: int
+    op: str
+    name: str = ""
+    path: str = ""
+    instances: list[str] = []
+
+
+class LoraReply(msgspec.Struct, **_tagged(82)):
+    query_id: int
+    adapters: list[AdapterRow] = []
+    outcomes: list[AdapterOutcome] = []
+
+
+class LoraOrder(msgspec.Struct, **_tagged(83)):
+    """manager -> instance: load (``path``) or unload the adapter ``name``; answered by a LoraResult."""
+
+    query_id: int
+    op: str  # "load" | "unload"
+    name: str
+    path: str = ""
+
+
+class LoraResult(msgspec.Struct, **_tagged(84)):
+    query_id: int
+    instance_id: str
+    ok: bool
+    message: str = ""
+
+
 class CacheEvents(msgspec.Struct, **_tagged(55)):
     """instance -> manager and every proxy it serves: what its prefix cache stored and removed since the last
     batch (64-bit block keys, daemons/prefix.py; each key in one list, its state after the batch), or the whole
@@ -860,6 +921,10 @@ Message = (
     | PolicyReply
     | CacheEvents
     | CacheSync
+    | LoraQuery
+    | LoraReply
+    | LoraOrder
+    | LoraResult
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -15,5 +15,5 @@ def make_engine(cfg: Config) -> Engine:
     if backend == "vllm":
         from daemons.engine.vllm_backend import VllmEngine
 
-        return VllmEngine(cfg.model, cfg.vllm)
+        return VllmEngine(cfg.model, cfg.vllm, cfg.lora)
     raise ValueError(f"unknown engine backend {backend!r}")

@@ -35,6 +35,8 @@ class EngineRequest:
     # Tokens this request already produced elsewhere (a failover): the engine prefills prompt + these and
     # continues at index len(output_token_ids); max_tokens and min_tokens count them as already generated.
     output_token_ids: list[int] = field(default_factory=list)
+    adapter: str = ""  # its LoRA adapter ("": the base model), loaded from adapter_path first if not held
+    adapter_path: str = ""
 
 
 def check_request(request: EngineRequest, in_use: bool, max_model_len: int, vocab_size: int | None = None) -> None:
@@ -63,7 +65,8 @@ def check_incoming(request: MigratingRequest, in_use: bool, max_model_len: int,
     """The checks a destination makes before reserving for a migrating request; returns it as an
     EngineRequest. A migrating request must also be able to end where it would have ended on its source."""
     engine_request = EngineRequest(request.request_id, request.prompt_token_ids, request.sampling,
-                                   request.arrival_time, request.priority)
+                                   request.arrival_time, request.priority, adapter=request.adapter,
+                                   adapter_path=request.adapter_path)
     check_request(engine_request, in_use, max_model_len, vocab_size)
     if request.max_total > max_model_len:
         raise EngineError(f"the request may grow to {request.max_total} tokens; this instance's context limit is "
@@ -140,6 +143,17 @@ class Engine(Protocol):
     def shutdown(self) -> None:
         """Release resources (threads, memory). Idempotent."""
 
+    # ---- LoRA adapters (``EngineDefaults``: none)
+    def load_adapter(self, name: str, path: str) -> bool:
+        """Hold adapter ``name`` from ``path`` (False: held already), unloading the least recently used one
+        without running requests if every slot is taken. EngineError names the adapter and what is wrong."""
+
+    def unload_adapter(self, name: str) -> bool:
+        """Unload ``name``, at once or when its running requests end. False if it is not held."""
+
+    def adapter_rows(self) -> list:
+        """The adapters held (daemons/engine/adapters.py ``Adapter``), most recently used first."""
+
     # ---- migration, source side
     def kv_blocks(self) -> KvBlocks:
         """The KV tensors as blocks (built once; ``spec`` must match the peer's)."""
@@ -194,6 +208,14 @@ class EngineDefaults:
     def kv_ranks(self) -> tuple[list[str], str] | None:
         return None
 
+    def load_adapter(self, name: str, path: str) -> bool:
+        raise EngineError(f"adapter {name!r}: the {getattr(self, 'backend', '')} engine serves no LoRA adapters")
+
+    def unload_adapter(self, name: str) -> bool:
+        return False
+
+    def adapter_rows(self) -> list:
+        return []
 
 
 class MigrationParts:

@@ -14,7 +14,7 @@ import os
 import threading
 from types import SimpleNamespace
 
-from daemons.config import ModelConfig, VllmConfig
+from daemons.config import LoraConfig, ModelConfig, VllmConfig
 from daemons.engine.base import EngineError
 from daemons.engine.vllm_internals_migration import VllmMoves
 from daemons.engine.vllm_internals_state import AMX_ENV, VllmState
@@ -157,7 +157,7 @@ class VllmInternals:
         no_amx.llumnix_no_amx = True
         cpu_attn._get_attn_isa = no_amx
 
-    def __init__(self, model: ModelConfig, cfg: VllmConfig):
+    def __init__(self, model: ModelConfig, cfg: VllmConfig, lora: LoraConfig | None = None):
         self.m = m = self.import_checked()
         self.workarounds()
         args = m.EngineArgs(
@@ -181,6 +181,7 @@ class VllmInternals:
             async_scheduling=False,  # migration suspends requests between steps
             structured_outputs_config=self.structured_outputs_config(cfg),
             **self.parallel_args(cfg),
+            **self.lora_args(lora),
         )
         if cfg.gpu_memory_utilization > 0:
             args.gpu_memory_utilization = cfg.gpu_memory_utilization
@@ -227,6 +228,16 @@ class VllmInternals:
         from vllm.config.kv_events import KVEventsConfig
 
         return KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+
+    @staticmethod
+    def lora_args(lora: LoraConfig | None) -> dict:
+        """LoRA on (lora.slots > 0): as many adapters in a batch as held (max_loras), and room for one more
+        held (max_cpu_loras): a new one loads before the one it replaces goes (daemons/engine/vllm_lora.py), so
+        vLLM's own LRU never unloads one behind daemons/engine/adapters.py's back."""
+        if lora is None or not lora.slots:
+            return {}
+        return {"enable_lora": True, "max_loras": lora.slots, "max_cpu_loras": lora.slots + 1,
+                "max_lora_rank": lora.max_rank}
 
     @staticmethod
     def parallel_args(cfg: VllmConfig) -> dict:
@@ -291,10 +302,11 @@ class VllmInternals:
         return p
 
     def add(self, request_id: str, prompt: list[int], params, arrival_time: float, priority: int,
-            generated: list[int] | None = None):
+            generated: list[int] | None = None, lora=None):
         """``generated``: a failover's tokens the client already has (in ``prompt`` too): a grammar is advanced
-        over them before the request's first step, so the output continues where they left it."""
-        req = self.moves.build(request_id, prompt, params, arrival_time, priority)
+        over them before the request's first step, so the output continues where they left it. ``lora``: its
+        adapter (``lora_request``), or None for the base model."""
+        req = self.moves.build(request_id, prompt, params, arrival_time, priority, lora)
         if generated and req.use_structured_output:
             self.moves.advance_grammar(req, generated)
         self.core.add_request(req)
@@ -302,6 +314,20 @@ class VllmInternals:
 
     def abort(self, request_id: str) -> None:
         self.core.abort_requests([request_id])  # frees its blocks now
+
+    # ---- LoRA adapters (EngineCore.add_lora, remove_lora: the worker loads and activates the weights)
+    @staticmethod
+    def lora_request(name: str, lora_id: int, path: str):
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path)
+
+    def add_lora(self, name: str, lora_id: int, path: str) -> None:
+        """Load and activate; raises what vLLM raises (its LoRA checks: rank, target modules, shapes)."""
+        self.core.add_lora(self.lora_request(name, lora_id, path))
+
+    def remove_lora(self, lora_id: int) -> None:
+        self.core.remove_lora(lora_id)
 
     def _watch_schedule(self) -> None:
         """Note what each step schedules (``last_work``): the scheduler's ``schedule`` is wrapped on the instance

@@ -1,0 +1,135 @@
+"""The LoRA adapters an engine holds: its slots, which adapter each holds, how recently each was used, which
+requests run with each, and the choice of the adapter a new one replaces (the least recently used that no
+request runs with). Both engines keep one (``AdapterTable``); loading the weights is the engine's own part
+(vllm_lora.py for vLLM; the sim engine only waits its load time)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from daemons.engine.base import EngineError
+
+
+class AdapterBusy(EngineError):
+    """Every adapter slot holds an adapter with running requests: another instance may take the request."""
+
+
+@dataclass
+class Adapter:
+    name: str
+    path: str
+    lora_id: int  # the engine's id for it (vLLM's lora_int_id: unique per load)
+    used: int = 0  # when it was last used (the table's counter: larger is more recent)
+    running: set[str] | None = None  # requests that run with it now
+    unloading: bool = False  # unload asked while requests ran: it goes when the last of them ends
+    # counters since it was loaded here (metrics)
+    requests: int = 0
+    tokens: int = 0
+
+
+class AdapterTable:
+    """Owns the held adapters. The engine asks ``plan`` before it loads (which adapter, if any, to unload
+    first), tells ``loaded`` and ``unloaded`` after, and ``started`` and ``ended`` for each request that runs
+    with one."""
+
+    def __init__(self, slots: int):
+        self.slots = slots
+        self._held: dict[str, Adapter] = {}
+        self._ids = itertools.count(1)
+        self._clock = itertools.count(1)
+        self.loads = 0  # monotonic
+        self.evictions = 0  # monotonic: adapters unloaded to make room
+
+    def get(self, name: str) -> Adapter | None:
+        return self._held.get(name)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._held
+
+    def held(self) -> list[str]:
+        """Held adapters, most recently used first."""
+        return [a.name for a in sorted(self._held.values(), key=lambda a: -a.used)]
+
+    def rows(self) -> list[Adapter]:
+        return sorted(self._held.values(), key=lambda a: -a.used)
+
+    def free_slots(self) -> int:
+        return max(0, self.slots - len(self._held))
+
+    def plan(self, name: str) -> Adapter | None:
+        """Before loading ``name``: the held adapter to unload first (None: a slot is free, or ``name`` is held).
+        EngineError when every slot holds an adapter that requests run with."""
+        if not self.slots:
+            raise EngineError(f"adapter {name!r}: this instance serves no LoRA adapters (lora.slots = 0)")
+        if name in self._held or len(self._held) < self.slots:
+            return None
+        idle = [a for a in self._held.values() if not a.running]
+        if not idle:
+            raise AdapterBusy(f"adapter {name!r}: all {self.slots} adapter slots hold adapters with running requests "
+                              f"({', '.join(sorted(self._held))}); try again when they finish")
+        return min(idle, key=lambda a: a.used)
+
+    def new_id(self) -> int:
+        return next(self._ids)
+
+    def loaded(self, name: str, path: str, lora_id: int) -> Adapter:
+        a = self._held[name] = Adapter(name, path, lora_id, next(self._clock), set())
+        self.loads += 1
+        return a
+
+    def unloaded(self, name: str, evicted: bool = False) -> None:
+        self._held.pop(name, None)
+        self.evictions += evicted
+
+    def unload_when_idle(self, name: str) -> bool:
+        """Unload asked: True when it may go now; else it goes when its last request ends (``ended``)."""
+        a = self._held[name]
+        a.unloading = bool(a.running)
+        return not a.running
+
+    def use(self, name: str) -> Adapter:
+        a = self._held[name]
+        a.used = next(self._clock)
+        return a
+
+    def started(self, name: str, request_id: str) -> Adapter:
+        a = self.use(name)
+        a.running.add(request_id)
+        a.requests += 1
+        return a
+
+    def ended(self, name: str, request_id: str) -> Adapter | None:
+        """A request that ran with ``name`` left; the adapter when it is to be unloaded now (asked while it ran)."""
+        a = self._held.get(name)
+        if a is None:
+            return None
+        a.running.discard(request_id)
+        return a if a.unloading and not a.running else None
+
+    def unloading(self, name: str) -> bool:
+        a = self._held.get(name)
+        return a is not None and a.unloading
+
+
+def check_adapter_dir(name: str, path: str, max_rank: int) -> dict:
+    """What can be checked of an adapter before an engine reads its weights: the directory and its
+    adapter_config.json exist, and its rank is within ``max_rank``. Returns the config; EngineError names the
+    adapter and what is wrong."""
+    p = Path(path)
+    if not p.is_dir():
+        raise EngineError(f"adapter {name!r}: {path!r} is not a directory (a PEFT adapter directory with "
+                          f"adapter_config.json and adapter_model.safetensors)")
+    try:
+        config = json.loads((p / "adapter_config.json").read_text())
+    except FileNotFoundError:
+        raise EngineError(f"adapter {name!r}: {path!r} holds no adapter_config.json (not a PEFT adapter)") from None
+    except (OSError, ValueError) as exc:
+        raise EngineError(f"adapter {name!r}: cannot read {p / 'adapter_config.json'}: {exc}") from None
+    ranks = [config.get("r") or 0, *(config.get("rank_pattern") or {}).values()]
+    rank = max(int(r) for r in ranks if isinstance(r, (int, float)))
+    if rank > max_rank:
+        raise EngineError(f"adapter {name!r}: its rank is {rank}, over this instance's limit lora.max_rank = {max_rank}")
+    return config

@@ -1,0 +1,93 @@
+"""The vllm engine's LoRA adapters: the table of what it holds (daemons/engine/adapters.py) kept in step with
+vLLM's (``VllmInternals.add_lora``, ``remove_lora``), and each request's ``LoRARequest``.
+
+vLLM runs with ``max_cpu_loras`` one above lora.slots (``VllmInternals.lora_args``): a new adapter is loaded
+first and only then is the table's victim unloaded, so a load that fails costs nothing, and vLLM's own LRU
+never evicts an adapter the table still counts on."""
+
+from __future__ import annotations
+
+import logging
+
+from daemons.config import LoraConfig
+from daemons.engine.adapters import Adapter, AdapterTable, check_adapter_dir
+from daemons.engine.base import EngineError
+
+log = logging.getLogger("llumnix.engine.vllm")
+
+
+class VllmAdapters:
+    """Owns the adapter table of one vllm engine. ``load`` and ``unload`` are the operator's verbs; ``start``
+    (a request that runs with an adapter, loading it first if need be) and ``end`` bracket each request."""
+
+    def __init__(self, internals, lora: LoraConfig):
+        self._v = internals
+        self.table = AdapterTable(lora.slots)
+        self.max_rank = lora.max_rank
+
+    def load(self, name: str, path: str) -> bool:
+        """Hold ``name`` from ``path``; False when it was held already (from that path). EngineError names the
+        adapter and what is wrong: a bad path, a rank over lora.max_rank, weights that do not fit this model."""
+        held = self.table.get(name)
+        if held is not None:
+            if held.path != path:
+                raise EngineError(f"adapter {name!r} is loaded here from {held.path!r}; unload it before loading "
+                                  f"another {path!r} under that name")
+            held.unloading = False
+            self.table.use(name)
+            return False
+        check_adapter_dir(name, path, self.max_rank)
+        victim = self.table.plan(name)
+        lora_id = self.table.new_id()
+        try:
+            self._v.add_lora(name, lora_id, path)
+        except Exception as exc:  # vLLM's checks raise ValueError, RuntimeError, its own LoRA errors
+            self._forget(lora_id)
+            raise EngineError(f"adapter {name!r} from {path!r} does not fit this model "
+                              f"({type(exc).__name__}: {exc})") from None
+        self.table.loaded(name, path, lora_id)
+        if victim is not None:
+            self._v.remove_lora(victim.lora_id)
+            self.table.unloaded(victim.name, evicted=True)
+            log.info("adapter %s unloaded to make room for %s (least recently used)", victim.name, name)
+        log.info("adapter %s loaded from %s", name, path)
+        return True
+
+    def _forget(self, lora_id: int) -> None:
+        try:
+            self._v.remove_lora(lora_id)
+        except Exception as exc:  # it was never added: nothing to undo
+            log.debug("nothing to remove for lora id %d: %r", lora_id, exc)
+
+    def unload(self, name: str) -> bool:
+        """Unload ``name`` now, or when its running requests end. False if it is not held."""
+        if name not in self.table:
+            return False
+        if self.table.unload_when_idle(name):
+            self._drop(self.table.get(name))
+        return True
+
+    def _drop(self, adapter: Adapter) -> None:
+        self._v.remove_lora(adapter.lora_id)
+        self.table.unloaded(adapter.name)
+        log.info("adapter %s unloaded", adapter.name)
+
+    def start(self, name: str, path: str, request_id: str):
+        """The ``LoRARequest`` a request that runs with ``name`` is built with; loads the adapter from ``path``
+        first if it is not held (EngineError when it cannot be)."""
+        if name not in self.table:
+            if not path:
+                raise EngineError(f"adapter {name!r} is not loaded on this instance")
+            self.load(name, path)
+        a = self.table.started(name, request_id)
+        return self._v.lora_request(a.name, a.lora_id, a.path)
+
+    def end(self, name: str, request_id: str) -> None:
+        gone = self.table.ended(name, request_id)
+        if gone is not None:
+            self._drop(gone)
+
+    def tokens(self, name: str, n: int) -> None:
+        a = self.table.get(name)
+        if a is not None:
+            a.tokens += n
