@@ -114,6 +114,47 @@ class AdapterTable:
         return a is not None and a.unloading
 
 
+def module_dims(hf_config) -> dict[str, tuple[int, int]]:
+    """(inputs, outputs) of the projections a LoRA adapter of a LLaMA-like model targets, from the model's
+    config (hidden size, heads, head size, MLP size); {} for a config that does not say."""
+    hidden = getattr(hf_config, "hidden_size", None)
+    heads = getattr(hf_config, "num_attention_heads", None)
+    if not hidden or not heads:
+        return {}
+    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+    kv = (getattr(hf_config, "num_key_value_heads", None) or heads) * head_dim
+    q = heads * head_dim
+    dims = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden)}
+    mlp = getattr(hf_config, "intermediate_size", None)
+    if mlp:
+        dims.update(gate_proj=(hidden, mlp), up_proj=(hidden, mlp), down_proj=(mlp, hidden))
+    return dims
+
+
+def check_shapes(name: str, path: str, dims: dict[str, tuple[int, int]], base: str = "") -> None:
+    """Each of the adapter's low-rank pairs fits the projection it targets here (A: inputs, B: outputs): vLLM copies
+    a smaller adapter into its slots without a word, and its answers are then garbage. EngineError names the
+    adapter, the projection and the model it was made for (adapter_config.json's base_model_name_or_path)."""
+    from safetensors import safe_open
+
+    weights = Path(path) / "adapter_model.safetensors"
+    if not dims or not weights.exists():
+        return  # a .bin adapter: vLLM's own checks only
+    with safe_open(str(weights), framework="pt") as f:
+        for key in f.keys():
+            module, sep, rest = key.partition(".lora_")
+            kind = module.rsplit(".", 1)[-1]
+            if not sep or kind not in dims:
+                continue
+            shape = f.get_slice(key).get_shape()
+            got, want, what = ((shape[-1], dims[kind][0], "inputs") if rest.startswith("A") else
+                               (shape[0], dims[kind][1], "outputs"))
+            if got != want:
+                made_for = f" (it was made for {base})" if base else ""
+                raise EngineError(f"adapter {name!r} does not fit this model{made_for}: its {kind} has {got} {what}, "
+                                  f"this model's {want}")
+
+
 def check_adapter_dir(name: str, path: str, max_rank: int) -> dict:
     """What can be checked of an adapter before an engine reads its weights: the directory and its
     adapter_config.json exist, and its rank is within ``max_rank``. Returns the config; EngineError names the

@@ -101,6 +101,20 @@ class PrefixCacheCounts(Protocol):
     hit_tokens: int  # of those, found cached (prefill skipped)
 
 
+class AdapterVerbs(Protocol):
+    """What the instance asks of an engine's LoRA adapters (daemons/engine/adapters.py holds their table)."""
+
+    def load(self, name: str, path: str) -> bool:
+        """Hold ``name`` from ``path`` (False: held already), unloading the least recently used adapter without
+        running requests if every slot is taken. EngineError names the adapter and what is wrong."""
+
+    def unload(self, name: str) -> bool:
+        """Unload ``name``, at once or when its running requests end. False if it is not held."""
+
+    def rows(self) -> list:
+        """The adapters held (``Adapter``), most recently used first."""
+
+
 class Engine(Protocol):
     backend: str
     block_size: int
@@ -112,6 +126,7 @@ class Engine(Protocol):
     blocking_step: bool  # a step is real compute: the instance runs it on a thread of its own
     prefill_budget: int  # most prompt tokens one step prefills (0: unknown), for the step-time model
     cache: PrefixCacheCounts | None  # its prefix cache, whose blocks the instance publishes; None: none
+    adapters: AdapterVerbs | None  # its LoRA adapters (lora.slots > 0); None: it serves none
 
     def init_thread(self) -> None:
         """First thing on the engine's step thread (``blocking_step`` engines), before any step."""
@@ -142,17 +157,6 @@ class Engine(Protocol):
 
     def shutdown(self) -> None:
         """Release resources (threads, memory). Idempotent."""
-
-    # ---- LoRA adapters (``EngineDefaults``: none)
-    def load_adapter(self, name: str, path: str) -> bool:
-        """Hold adapter ``name`` from ``path`` (False: held already), unloading the least recently used one
-        without running requests if every slot is taken. EngineError names the adapter and what is wrong."""
-
-    def unload_adapter(self, name: str) -> bool:
-        """Unload ``name``, at once or when its running requests end. False if it is not held."""
-
-    def adapter_rows(self) -> list:
-        """The adapters held (daemons/engine/adapters.py ``Adapter``), most recently used first."""
 
     # ---- migration, source side
     def kv_blocks(self) -> KvBlocks:
@@ -201,6 +205,7 @@ class EngineDefaults:
     blocking_step = False
     prefill_budget = 0
     cache: PrefixCacheCounts | None = None
+    adapters: AdapterVerbs | None = None
 
     def init_thread(self) -> None:
         return None
@@ -208,14 +213,6 @@ class EngineDefaults:
     def kv_ranks(self) -> tuple[list[str], str] | None:
         return None
 
-    def load_adapter(self, name: str, path: str) -> bool:
-        raise EngineError(f"adapter {name!r}: the {getattr(self, 'backend', '')} engine serves no LoRA adapters")
-
-    def unload_adapter(self, name: str) -> bool:
-        return False
-
-    def adapter_rows(self) -> list:
-        return []
 
 
 class MigrationParts:

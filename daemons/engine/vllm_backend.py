@@ -20,11 +20,12 @@ import time
 
 import msgspec
 
-from daemons.config import LoraConfig, ModelConfig, VllmConfig, parse_adapters
+from daemons.config import LoraConfig, ModelConfig, VllmConfig
 from daemons.engine.base import (EngineDefaults, EngineError, EngineRequest, KvBlocks, MigrationParts, StepResult,
                                   check_request)
 from daemons.engine.vllm_cache import VllmPrefixCache
 from daemons.engine.vllm_internals import VllmInternals, lower_this_thread, set_env, set_num_threads
+from daemons.engine.adapters import module_dims
 from daemons.engine.vllm_lora import VllmAdapters
 from daemons.engine.vllm_migration import LiveRequest, LiveRequests, VllmMigrations
 from daemons.kv.layout import KvShards
@@ -68,9 +69,10 @@ class VllmEngine(EngineDefaults, MigrationParts):
         # What the instance publishes of vLLM's prefix cache (daemons/engine/vllm_cache.py).
         self.cache = VllmPrefixCache(s.scheduler, s.pool) if self.prefix_caching else None
         self.eos_token_id = self._v.eos_token_id
-        # Its LoRA adapters (vllm_lora.py), None with lora.slots = 0.
-        self._adapters = VllmAdapters(self._v, lora) if lora.slots else None
-        self._live = LiveRequests(self._left)
+        # Its LoRA adapters (vllm_lora.py: the Engine protocol's ``adapters``), None with lora.slots = 0.
+        self.adapters = adapters = (VllmAdapters(self._v.lora, lora, module_dims(self._v.model_config.hf_config))
+                                    if lora.slots else None)
+        self._live = LiveRequests(adapters.left if adapters is not None else lambda live: None)
         self._migrations = VllmMigrations(self._live, s, self._v.moves, self._v.sampling_params, self._lora_for)
         self._kv_blocks: KvBlocks | KvShards | None = None
         self._kv_control: tuple[list[str], str] | None = None  # the ranks' KV control endpoints (kv_ranks)
@@ -79,7 +81,8 @@ class VllmEngine(EngineDefaults, MigrationParts):
         self._closed = False
         if not s.in_process:
             self.kv_blocks()
-        self._load_configured(lora)
+        if adapters is not None:
+            adapters.load_configured(lora.adapters)
 
     def init_thread(self) -> None:
         """Run first on the thread that will call ``step``. OpenMP's thread count is per thread, taken from
@@ -120,7 +123,7 @@ class VllmEngine(EngineDefaults, MigrationParts):
             req = self._v.add(rid, list(prompt), params, request.arrival_time or time.time(), request.priority, done, lora)
         except BaseException:
             if lora is not None:
-                self._adapters.end(request.adapter, rid)
+                self.adapters.end(request.adapter, rid)
             raise
         live = self._live.add(LiveRequest(rid, req, sp, request.adapter, request.adapter_path))
         live.emitted = len(done)
@@ -160,8 +163,8 @@ class VllmEngine(EngineDefaults, MigrationParts):
                 outputs.append(TokenOut(request_id=live.rid, index=live.emitted, token_id=int(token),
                                         finish_reason=reason, logprob=logprob, top=top))
                 live.emitted += 1
-            if live.adapter and self._adapters is not None:
-                self._adapters.tokens(live.adapter, len(tokens))
+            if live.adapter and self.adapters is not None:
+                self.adapters.tokens(live.adapter, len(tokens))
             if o.finish_reason is not None:
                 if not tokens:
                     log.warning("vLLM finished %s (%s) without a token; the client sees no final token",
@@ -200,8 +203,8 @@ class VllmEngine(EngineDefaults, MigrationParts):
             waiting_high=sum(1 for r in waiting_high),
             waiting_high_tokens=sum(r.num_tokens - r.num_computed_tokens for r in waiting_high),
             context_tokens=sum(r.num_tokens for r in v.running()),
-            adapters=self._adapters.table.held() if self._adapters is not None else [],
-            adapter_slots=self._adapters.table.free_slots() if self._adapters is not None else 0,
+            adapters=self.adapters.table.held() if self.adapters is not None else [],
+            adapter_slots=self.adapters.table.free_slots() if self.adapters is not None else 0,
         )
 
     def requests(self) -> list[RequestLoad]:
@@ -228,38 +231,10 @@ class VllmEngine(EngineDefaults, MigrationParts):
         """The model runner's KV tensors, one per layer (see ``VllmInternals.kv_caches`` for the layout)."""
         return self._s.kv_caches()
 
-    # ---------------------------------------------------------------- LoRA adapters (VllmAdapters does it)
-
     def _lora_for(self, name: str, path: str, request_id: str):
-        if self._adapters is None:
+        if self.adapters is None:
             raise EngineError(f"adapter {name!r}: this instance serves no LoRA adapters (lora.slots = 0)")
-        return self._adapters.start(name, path, request_id)
-
-    def _left(self, live: LiveRequest) -> None:
-        if live.adapter and self._adapters is not None:
-            self._adapters.end(live.adapter, live.rid)
-
-    def _load_configured(self, lora: LoraConfig) -> None:
-        """lora.adapters, up to lora.slots; one that does not load is logged and the rest go on."""
-        for name, path in list(parse_adapters(lora.adapters).items())[:lora.slots]:
-            try:
-                self.load_adapter(name, path)
-            except EngineError as exc:
-                log.error("lora.adapters: %s", exc)
-
-    def load_adapter(self, name: str, path: str) -> bool:
-        """Hold the LoRA adapter ``name`` from ``path`` (False: held already). EngineError names what is wrong."""
-        if self._adapters is None:
-            raise EngineError(f"adapter {name!r}: this instance serves no LoRA adapters (lora.slots = 0)")
-        return self._adapters.load(name, path)
-
-    def unload_adapter(self, name: str) -> bool:
-        """Unload ``name`` (when its running requests end). False if it is not held."""
-        return self._adapters is not None and self._adapters.unload(name)
-
-    def adapter_rows(self) -> list:
-        """The adapters held (daemons/engine/adapters.py ``Adapter``), most recently used first."""
-        return self._adapters.table.rows() if self._adapters is not None else []
+        return self.adapters.start(name, path, request_id)
 
     # ---------------------------------------------------------------- migration (VllmMigrations does it)
 

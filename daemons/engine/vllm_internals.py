@@ -181,7 +181,7 @@ class VllmInternals:
             async_scheduling=False,  # migration suspends requests between steps
             structured_outputs_config=self.structured_outputs_config(cfg),
             **self.parallel_args(cfg),
-            **self.lora_args(lora),
+            **lora_args(lora),
         )
         if cfg.gpu_memory_utilization > 0:
             args.gpu_memory_utilization = cfg.gpu_memory_utilization
@@ -199,6 +199,7 @@ class VllmInternals:
             self.renice_workers(cfg.worker_nice)
         self.state = VllmState(m, self.core, self.config)
         self.moves = VllmMoves(self.state)
+        self.lora = VllmLoraCalls(self.core)
         self.prefill_budget = int(self.config.scheduler_config.max_num_batched_tokens or 0)
         self.last_work = (0, 0, 0)  # (prefill tokens, decodes, their context tokens) of the last step
         self._watch_schedule()
@@ -228,16 +229,6 @@ class VllmInternals:
         from vllm.config.kv_events import KVEventsConfig
 
         return KVEventsConfig(enable_kv_cache_events=True, publisher="null")
-
-    @staticmethod
-    def lora_args(lora: LoraConfig | None) -> dict:
-        """LoRA on (lora.slots > 0): as many adapters in a batch as held (max_loras), and room for one more
-        held (max_cpu_loras): a new one loads before the one it replaces goes (daemons/engine/vllm_lora.py), so
-        vLLM's own LRU never unloads one behind daemons/engine/adapters.py's back."""
-        if lora is None or not lora.slots:
-            return {}
-        return {"enable_lora": True, "max_loras": lora.slots, "max_cpu_loras": lora.slots + 1,
-                "max_lora_rank": lora.max_rank}
 
     @staticmethod
     def parallel_args(cfg: VllmConfig) -> dict:
@@ -315,20 +306,6 @@ class VllmInternals:
     def abort(self, request_id: str) -> None:
         self.core.abort_requests([request_id])  # frees its blocks now
 
-    # ---- LoRA adapters (EngineCore.add_lora, remove_lora: the worker loads and activates the weights)
-    @staticmethod
-    def lora_request(name: str, lora_id: int, path: str):
-        from vllm.lora.request import LoRARequest
-
-        return LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path)
-
-    def add_lora(self, name: str, lora_id: int, path: str) -> None:
-        """Load and activate; raises what vLLM raises (its LoRA checks: rank, target modules, shapes)."""
-        self.core.add_lora(self.lora_request(name, lora_id, path))
-
-    def remove_lora(self, lora_id: int) -> None:
-        self.core.remove_lora(lora_id)
-
     def _watch_schedule(self) -> None:
         """Note what each step schedules (``last_work``): the scheduler's ``schedule`` is wrapped on the instance
         (``EngineCore.step`` calls ``self.scheduler.schedule``). A request given one token is decoding; every
@@ -365,6 +342,37 @@ class VllmInternals:
             remove_endpoint_dir(self._ipc_dir)
             if self._ipc_dir and os.environ.get(RPC_PATH_ENV) == self._ipc_dir:
                 del os.environ[RPC_PATH_ENV]
+
+
+def lora_args(lora: LoraConfig | None) -> dict:
+    """vLLM's LoRA arguments. On (lora.slots > 0): as many adapters in a batch as held (max_loras), and room for
+    one more held (max_cpu_loras): a new one loads before the one it replaces goes (daemons/engine/vllm_lora.py),
+    so vLLM's own LRU never unloads one behind daemons/engine/adapters.py's back."""
+    if lora is None or not lora.slots:
+        return {}
+    return {"enable_lora": True, "max_loras": lora.slots, "max_cpu_loras": lora.slots + 1,
+            "max_lora_rank": lora.max_rank}
+
+
+class VllmLoraCalls:
+    """vLLM's LoRA verbs (``EngineCore.add_lora``, ``remove_lora``: the worker loads and activates the weights)
+    and its ``LoRARequest``."""
+
+    def __init__(self, core):
+        self.core = core
+
+    @staticmethod
+    def request(name: str, lora_id: int, path: str):
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path)
+
+    def add(self, name: str, lora_id: int, path: str) -> None:
+        """Load and activate; raises what vLLM raises (its LoRA checks: rank, target modules, shapes)."""
+        self.core.add_lora(self.request(name, lora_id, path))
+
+    def remove(self, lora_id: int) -> None:
+        self.core.remove_lora(lora_id)
 
 
 def apply_workarounds(vllm: VllmConfig | None = None) -> None:

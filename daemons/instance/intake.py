@@ -17,7 +17,7 @@ from daemons.engine.adapters import AdapterBusy
 from daemons.engine.base import Engine, EngineError, EngineRequest
 from daemons.instance.standing import Standing
 from daemons.instance.telemetry import (
-    M_BAD_FRAMES, M_FAILOVERS_IN, M_FINISHED, M_ORPHANED, M_REDISPATCHED, M_REJECTED, M_REQUESTS)
+    M_ADAPTER_REQUESTS, M_BAD_FRAMES, M_FAILOVERS_IN, M_FINISHED, M_ORPHANED, M_REDISPATCHED, M_REJECTED, M_REQUESTS)
 from daemons.instance.tokens import TokenPath
 from daemons.proxylinks import ProxyLinks
 from daemons.requests import AbortAction, RequestTable, slo_mark
@@ -137,6 +137,11 @@ class Intake:
             self._admit(msg)
 
     def _admit(self, msg: wire.Submit) -> None:
+        if msg.adapter and self.engine.adapters is None:
+            M_REJECTED.inc()
+            self.tokens.fail(msg.request_id, msg.reply_to, f"adapter {msg.adapter!r}: instance "
+                             f"{self.tokens.ident.instance_id} serves no LoRA adapters (lora.slots = 0)", True, status=503)
+            return
         try:
             self.engine.add_request(EngineRequest(msg.request_id, msg.prompt_token_ids, msg.sampling,
                                                   msg.arrival_time or self.clock.time(), msg.priority,
@@ -150,6 +155,8 @@ class Intake:
             self.tokens.fail(msg.request_id, msg.reply_to, str(exc), False, status=400)
             return
         M_REQUESTS.inc()
+        if msg.adapter:
+            M_ADAPTER_REQUESTS.labels(msg.adapter).inc()
         if msg.output_token_ids:
             M_FAILOVERS_IN.inc()
             log.info("request %s failed over to us: continues at token %d (epoch %d)", msg.request_id,

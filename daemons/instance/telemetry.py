@@ -75,3 +75,8 @@ M_SLO_MET = metrics.gauge("instance", "llumnix_instance_slo_met_requests",
                           "Of those, the requests that met both their TTFT and TPOT targets")
 M_SLO_ATTAINMENT = metrics.gauge("instance", "llumnix_instance_slo_attainment",
                                  "slo_met / slo_judged over the last slo.window_s (NaN while none was judged)")
+M_ADAPTER_LOADS = metrics.counter("instance", "llumnix_instance_adapter_loads_total",
+                                  "LoRA adapters loaded here (an order, or a request for an adapter not held), by adapter",
+                                  ["adapter"])
+M_ADAPTER_REQUESTS = metrics.counter("instance", "llumnix_instance_adapter_requests_total",
+                                     "Requests taken in that run with a LoRA adapter, by adapter", ["adapter"])

@@ -86,6 +86,7 @@ class Job:
         self.priority = 0
         self.slo = None  # its SLO class and targets (daemons/policy/slo.py RequestSlo), once admitted
         self.tools: ToolCalls | None = None  # a forced tool choice: the output is answered as tool calls
+        self.adapter = ""  # the LoRA adapter its model names ("": the base model)
         self._head = b""
 
     def setup(self, model: str, prompt_tokens: int, include_usage: bool, token_text, top_n: int) -> None:
