@@ -209,6 +209,7 @@ class Dispatch(msgspec.Struct, **_tagged(10)):
     exclude: list[str] = []  # instances the proxy already failed on
     # llumnix-cache: the keys of the prompt's full blocks (daemons/prefix.py), for the manager's prefix index
     prefix_keys: list[int] = []
+    adapter: str = ""  # its LoRA adapter: placed among the instances that hold it (daemons/policy/residency.py)
 
 
 class DispatchReply(msgspec.Struct, **_tagged(11)):

@@ -48,6 +48,8 @@ class InstanceState:
     latency: object = None  # its fitted step-time model (wire.LatencyFit; None: none yet)
     slo_usage: float = 0.0  # blocks of virtual usage its predicted TPOT adds (slo.latency_usage; 0: off)
     role: str = "mixed"  # "mixed" | "prefill" | "decode" (daemons/policy/disagg.py)
+    adapters: tuple[str, ...] = ()  # the LoRA adapters it holds (daemons/policy/residency.py)
+    adapter_slots: int = 0  # its free adapter slots
 
     @property
     def batch(self) -> int:
@@ -140,4 +142,5 @@ def state_of(instance_id: str, load, **flags) -> InstanceState:
                          block_size=load.block_size, batch_size=load.batch_size, waiting_tokens=load.waiting_tokens,
                          waiting_high=load.waiting_high, waiting_high_tokens=load.waiting_high_tokens,
                          context_tokens=load.context_tokens, latency=load.latency,
-                         role=getattr(load, "role", "mixed") or "mixed", **flags)
+                         role=getattr(load, "role", "mixed") or "mixed", adapters=tuple(getattr(load, "adapters", ())),
+                         adapter_slots=getattr(load, "adapter_slots", 0), **flags)
