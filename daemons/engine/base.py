@@ -104,6 +104,9 @@ class PrefixCacheCounts(Protocol):
 class AdapterVerbs(Protocol):
     """What the instance asks of an engine's LoRA adapters (daemons/engine/adapters.py holds their table)."""
 
+    loads: int  # monotonic: adapters loaded
+    evictions: int  # monotonic: of those, unloaded to make room for another
+
     def load(self, name: str, path: str) -> bool:
         """Hold ``name`` from ``path`` (False: held already), unloading the least recently used adapter without
         running requests if every slot is taken. EngineError names the adapter and what is wrong."""

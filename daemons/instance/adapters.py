@@ -11,7 +11,7 @@ from daemons import wire
 from daemons.engine.base import Engine, EngineError
 from daemons.instance.mailbox import Mailbox
 from daemons.instance.standing import Identity
-from daemons.instance.telemetry import M_ADAPTER_LOADS
+from daemons.instance.telemetry import M_ADAPTER_EVICTIONS, M_ADAPTER_LOADS, M_ADAPTERS_HELD
 
 log = logging.getLogger("llumnix.instance")
 
@@ -37,10 +37,7 @@ class AdapterOrders:
         if adapters is None:
             raise EngineError(f"adapter {msg.name!r}: this instance serves no LoRA adapters (lora.slots = 0)")
         if msg.op == "load":
-            fresh = adapters.load(msg.name, msg.path)
-            if fresh:
-                M_ADAPTER_LOADS.labels(msg.name).inc()
-            return "loaded" if fresh else "already loaded"
+            return "loaded" if adapters.load(msg.name, msg.path) else "already loaded"
         if msg.op == "unload":
             return "unloaded" if adapters.unload(msg.name) else "not loaded here"
         raise ValueError(f"unknown LoRA order {msg.op!r} (load or unload)")
@@ -57,3 +54,22 @@ class AdapterOrders:
             log.warning("%s of adapter %s refused: %s", msg.op, msg.name, message)
         self.changed()
         self.tell_manager(wire.LoraResult(msg.query_id, self.ident.instance_id, ok, message))
+
+
+class AdapterCounts:
+    """The engine's adapter counters (its table's loads and evictions, monotonic) as metrics, read with each load
+    report: ints the engine thread only adds to, read on the event loop."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.loads = self.evictions = 0
+
+    def count(self, load: wire.InstanceLoad) -> None:
+        adapters = self.engine.adapters
+        if adapters is None:
+            return
+        loads, evictions = adapters.loads, adapters.evictions
+        M_ADAPTER_LOADS.inc(loads - self.loads)
+        M_ADAPTER_EVICTIONS.inc(evictions - self.evictions)
+        self.loads, self.evictions = loads, evictions
+        M_ADAPTERS_HELD.set(len(load.adapters))

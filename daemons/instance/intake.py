@@ -164,7 +164,7 @@ class Intake:
         # A failover's re-prefill is not judged: its first token went out elsewhere.
         mark = None if msg.output_token_ids else slo_mark(msg.slo_ttft_ms, msg.slo_tpot_ms, msg.arrival_time)
         self.requests.admit(msg.request_id, msg.reply_to, msg.epoch, len(msg.output_token_ids), msg.traceparent, mark,
-                            prompt_tokens=len(msg.prompt_token_ids), priority=msg.priority)
+                            prompt_tokens=len(msg.prompt_token_ids), priority=msg.priority, adapter=msg.adapter)
         self.phases.admitted(msg.request_id)
 
     async def _after_reservation(self, migrator: Migrator, msg: wire.Submit) -> None:
