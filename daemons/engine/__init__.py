@@ -11,7 +11,7 @@ def make_engine(cfg: Config) -> Engine:
     if backend == "sim":
         from daemons.engine.sim import SimEngine
 
-        return SimEngine(cfg.sim, cfg.model)
+        return SimEngine(cfg.sim, cfg.model, lora=cfg.lora)
     if backend == "vllm":
         from daemons.engine.vllm_backend import VllmEngine
 

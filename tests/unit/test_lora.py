@@ -279,3 +279,57 @@ def test_the_manager_orders_loads_and_keeps_the_catalogue():
         assert isinstance(late, wire.ErrorReply) and "no answer within 1s" in late.message
 
     asyncio.run(run())
+
+
+# ------------------------------------------------------------------ the sim engine's adapters
+
+
+def _sim(slots=2, adapters="a=/m/a", load_ms=50.0):
+    from daemons.config import LoraConfig, ModelConfig, SimConfig
+    from daemons.engine.sim import SimEngine
+
+    sim = SimConfig(time_scale=1.0, eos_rate=0.0)
+    return SimEngine(sim, ModelConfig(), kv=False, lora=LoraConfig(slots=slots, adapters=adapters, load_ms=load_ms))
+
+
+def _req(rid, adapter="", path="", tokens=4):
+    from daemons.engine.base import EngineRequest
+
+    return EngineRequest(rid, [5] * 8, wire.SamplingParams(max_tokens=tokens, ignore_eos=True), adapter=adapter,
+                         adapter_path=path)
+
+
+def test_the_sim_engine_holds_adapters_in_slots_and_a_load_takes_its_time():
+    e = _sim()
+    assert (e.load().adapters, e.load().adapter_slots) == (["a"], 1)  # lora.adapters, loaded before serving
+    e.add_request(_req("r1", "a"))
+    plain = e.step().model_time_s  # held: no load time
+    e.add_request(_req("r2", "b", "/m/b"))
+    assert e.load().adapters == ["b", "a"] and e.load().adapter_slots == 0
+    loading = e.step().model_time_s
+    assert loading >= plain + 0.05 - 1e-9
+    with pytest.raises(AdapterBusy, match="adapter 'c'"):  # both slots' adapters have running requests
+        e.add_request(_req("r3", "c", "/m/c"))
+    while e.has_work():
+        e.step()
+    e.add_request(_req("r4", "c", "/m/c"))  # now a's, the least recently used, goes
+    assert e.load().adapters == ["c", "b"] and e.adapters.evictions == 1 and e.adapters.loads == 3
+
+
+def test_the_sim_engine_without_slots_refuses_an_adapter():
+    e = _sim(slots=0, adapters="")
+    assert e.adapters is None and e.load().adapters == [] and e.load().adapter_slots == 0
+    with pytest.raises(EngineError, match=r"serves no LoRA adapters \(lora.slots = 0\)"):
+        e.add_request(_req("r1", "a", "/m/a"))
+
+
+def test_an_unload_waits_for_the_sim_requests_running_with_it():
+    e = _sim()
+    e.add_request(_req("r1", "a", tokens=3))
+    e.step()
+    assert e.adapters.unload("a") is True and e.load().adapters == ["a"]  # r1 still runs with it
+    while e.has_work():
+        e.step()
+    assert e.adapters.unload("b") is False
+    e.adapters.load("b", "/m/b")  # any call looks again: r1 has left, a goes
+    assert e.load().adapters == ["b"]
