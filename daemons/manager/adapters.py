@@ -58,11 +58,18 @@ class Adapters:
         return sorted(r.instance_id for r in self.cluster.records() if r.state != "dead" and name in r.load.adapters)
 
     def rows(self) -> list[wire.AdapterRow]:
+        """Each adapter served or held, with its holders; the replicas gauge follows."""
         names = sorted(set(self.catalogue) | {a for r in self.live() for a in r.load.adapters})
         rows = [wire.AdapterRow(n, self.catalogue.get(n, ""), self.holders(n)) for n in names]
         for row in rows:
             M_ADAPTER_REPLICAS.labels(row.name).set(len(row.instances))
         return rows
+
+    def served(self) -> dict[str, str]:
+        """The catalogue, for a snapshot (the proxies serve these); the replicas gauge is brought up to date."""
+        if self.catalogue or any(r.load.adapters for r in self.cluster.records()):
+            self.rows()
+        return dict(self.catalogue)
 
     # ------------------------------------------------------------------ the operator's verbs
 

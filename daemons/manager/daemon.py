@@ -183,7 +183,7 @@ class Manager:
                              uptime_s=round(now - self.started, 3), dispatched_total=self.dispatcher.dispatched_total,
                              pairing_policy=p.pairing_policy, request_selection=p.request_selection,
                              scaling_policy=p.scaling_policy, migrating=p.migrating, proxies=proxies, proxy_rank=rank,
-                             adapters=dict(self.adapters.catalogue), **self.resched.counters())
+                             adapters=self.adapters.served(), **self.resched.counters())
 
     def _impostor(self, msg, principal: str) -> bool:
         """With keys: a message about a live instance from a key other than the one it registered with."""
