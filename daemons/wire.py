@@ -144,8 +144,8 @@ class InstanceLoad(msgspec.Struct, array_like=True, omit_defaults=True):
     slo_judged: int = 0
     slo_met: int = 0
     role: str = "mixed"  # "mixed" | "prefill" | "decode" (prefill/decode disaggregation: daemons/policy/disagg.py)
-    # LoRA (daemons/engine/adapters.py): the adapters it holds, most recently used first, and its free adapter
-    # slots (lora.slots less those held; 0 with LoRA off).
+    # LoRA (daemons/engine/adapters.py): the adapters it holds, most recently used first, and its open adapter
+    # slots (free, or holding an adapter no request runs with: a new adapter could load now; 0 with LoRA off).
     adapters: list[str] = []
     adapter_slots: int = 0
 

@@ -59,6 +59,11 @@ class AdapterTable:
     def free_slots(self) -> int:
         return max(0, self.slots - len(self._held))
 
+    def open_slots(self) -> int:
+        """Slots a new adapter could take now: free, or holding an adapter no request runs with (the load reports'
+        ``adapter_slots``: dispatch sends a request for an adapter not held only where it can load)."""
+        return self.free_slots() + sum(1 for a in self._held.values() if not a.running)
+
     def plan(self, name: str) -> Adapter | None:
         """Before loading ``name``: the held adapter to unload first (None: a slot is free, or ``name`` is held).
         EngineError when every slot holds an adapter that requests run with."""

@@ -24,14 +24,14 @@ class SimAdapters:
             self.load(name, path)
         self.owed_s = 0.0  # loaded before serving
 
-    def _prune(self) -> None:
+    def prune(self) -> None:
         for a in self.table.rows():
             for rid in [r for r in a.running if not self.live(r)]:
                 if self.table.ended(a.name, rid) is not None:
                     self.table.unloaded(a.name)
 
     def load(self, name: str, path: str) -> bool:
-        self._prune()
+        self.prune()
         held = self.table.get(name)
         if held is not None:
             if held.path != path:
@@ -48,7 +48,7 @@ class SimAdapters:
         return True
 
     def unload(self, name: str) -> bool:
-        self._prune()
+        self.prune()
         if name not in self.table:
             return False
         if self.table.unload_when_idle(name):
@@ -101,4 +101,5 @@ def load_fields(adapters: SimAdapters | None) -> dict:
     """The load report's adapter fields (wire.InstanceLoad)."""
     if adapters is None:
         return {}
-    return {"adapters": adapters.table.held(), "adapter_slots": adapters.table.free_slots()}
+    adapters.prune()
+    return {"adapters": adapters.table.held(), "adapter_slots": adapters.table.open_slots()}

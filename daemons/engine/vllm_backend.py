@@ -204,7 +204,7 @@ class VllmEngine(EngineDefaults, MigrationParts):
             waiting_high_tokens=sum(r.num_tokens - r.num_computed_tokens for r in waiting_high),
             context_tokens=sum(r.num_tokens for r in v.running()),
             adapters=self.adapters.table.held() if self.adapters is not None else [],
-            adapter_slots=self.adapters.table.free_slots() if self.adapters is not None else 0,
+            adapter_slots=self.adapters.table.open_slots() if self.adapters is not None else 0,
         )
 
     def requests(self) -> list[RequestLoad]:

@@ -33,13 +33,14 @@ class Rules:
     cache_floor: float = 0.0
     disagg: disagg.Rules = field(default_factory=disagg.Rules)
     max_replicas: int = 0  # lora.max_replicas: dispatch loads an adapter on no more instances (0: no bound)
+    residency: bool = True  # lora.residency: LoRA requests among their adapter's holders (False: by load alone)
 
 
 def rules_of(cfg) -> Rules:
     """Rules from the settings (daemons/config.py Config)."""
     sc = cfg.scheduling
     return Rules(sc.high_priority_headroom, sc.cache_band, sc.cache_min_freeness, disagg.rules_of(cfg.disagg),
-                 cfg.lora.max_replicas)
+                 cfg.lora.max_replicas, cfg.lora.residency)
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,10 @@ def place(policy: str | DispatchPolicy, states: list[InstanceState], ask: Ask, t
     instance within it by ``policy``."""
     decision = pool_for(states, ask, rules)
     pool = states if decision is None else decision.pool
-    pool = residency.adapter_pool(pool, ask.adapter, rules.max_replicas)
+    if rules.residency:
+        pool = residency.adapter_pool(pool, ask.adapter, rules.max_replicas)
+    elif ask.adapter:  # the baseline: any instance that serves adapters
+        pool = [s for s in pool if residency.serves_adapters(s)]
     chosen = dispatch(policy, pool, turn, rules.headroom, ask.priority, start, ask.hits, rules.cache_band,
                       rules.cache_floor, ask.slo.targets.tpot_s)
     return Placement(chosen, "" if decision is None else decision.decision)

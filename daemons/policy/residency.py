@@ -9,7 +9,7 @@ from daemons.policy.usage import InstanceState
 
 
 def serves_adapters(s: InstanceState) -> bool:
-    """The instance holds LoRA adapters or has slots for them (lora.slots > 0)."""
+    """The instance holds LoRA adapters or has slots open for them (lora.slots > 0)."""
     return s.adapter_slots > 0 or bool(s.adapters)
 
 
@@ -19,10 +19,11 @@ def hot(s: InstanceState) -> bool:
 
 
 def adapter_pool(states: list[InstanceState], adapter: str, max_replicas: int = 0) -> list[InstanceState]:
-    """The instances a request for ``adapter`` ("" : the base model, every instance) is dispatched among: the
-    holders that are not hot; else (none holds it, or all are hot, and fewer than ``max_replicas`` hold it, 0 =
-    no bound) the holders and the instances that may load it, those with a free slot first (a full one unloads
-    its least recently used idle adapter); holders only once ``max_replicas`` hold it."""
+    """The instances a request for ``adapter`` ("": the base model, every instance) is dispatched among: the
+    holders that are not hot. When every holder is hot (or none holds it) and fewer than ``max_replicas`` hold it
+    (0 = no bound): the holders and the instances that could load it now (an open slot: free, or holding an
+    adapter no request runs with) and are not hot; when none is, the holders alone (a load would only join a
+    queue), or with no holder, those that could load it, else every instance that serves adapters."""
     if not adapter:
         return states
     able = [s for s in states if s.dispatchable and serves_adapters(s)]
@@ -33,6 +34,8 @@ def adapter_pool(states: list[InstanceState], adapter: str, max_replicas: int = 
     replicas = sum(1 for s in states if s.alive and adapter in s.adapters)
     if holders and max_replicas and replicas >= max_replicas:
         return holders
-    others = [s for s in able if adapter not in s.adapters]
-    free = [s for s in others if s.adapter_slots > 0]
-    return holders + (free or others)
+    open_ = [s for s in able if adapter not in s.adapters and s.adapter_slots > 0]
+    room = [s for s in open_ if not hot(s)]
+    if room:
+        return holders + room
+    return holders or open_ or able

@@ -97,8 +97,8 @@ def test_loads_and_unloads_racing_requests_lose_nothing(start_cluster):
     assert codes and set(codes) <= {200, 404} and 200 in codes
     st = c.status()
     assert all(i["state"] == "alive" for i in st["instances"])
-    # Once the requests are done, every instance holds b once at most, and no slot is counted twice.
-    assert _wait(lambda: all(i["running"] == 0 and len(i["adapters"]) + i["adapter_slots"] == 2
+    # Once the requests are done, every instance holds b once at most, and every slot is open again.
+    assert _wait(lambda: all(i["running"] == 0 and len(i["adapters"]) <= 2 and i["adapter_slots"] == 2
                              for i in c.status()["instances"])), c.status()["instances"]
 
 

@@ -29,7 +29,9 @@ def test_a_free_slot_is_taken_before_anything_is_unloaded():
     t.loaded("a", "/a", t.new_id())
     assert t.plan("b") is None and t.free_slots() == 1
     t.loaded("b", "/b", t.new_id())
-    assert t.free_slots() == 0 and t.held() == ["b", "a"]
+    assert t.free_slots() == 0 and t.held() == ["b", "a"] and t.open_slots() == 2
+    t.started("a", "r1")
+    assert t.open_slots() == 1  # a's slot is busy: only b's could take a new adapter
 
 
 def test_the_least_recently_used_idle_adapter_makes_room():
@@ -158,15 +160,23 @@ def test_holders_first_and_instances_without_adapters_never():
     assert adapter_pool([_s("i0")], "a") == []
 
 
-def test_hot_holders_let_another_instance_load_it_free_slots_first():
+def test_hot_holders_let_another_instance_with_an_open_slot_load_it():
     ss = [_s("i0", ["a"], 0, waiting=2), _s("i1", ["b", "c"], 0), _s("i2", ["b"], 1)]
     assert [s.instance_id for s in adapter_pool(ss, "a")] == ["i0", "i2"]
-    full = [_s("i0", ["a"], 0, running=8), _s("i1", ["b"], 0)]  # a full batch is hot too
+    full = [_s("i0", ["a"], 0, running=8), _s("i1", ["b"], 1)]  # a full batch is hot too
     assert [s.instance_id for s in adapter_pool(full, "a")] == ["i0", "i1"]
+    busy = [full[0], _s("i1", ["b"], 0)]  # i1's slot holds an adapter in use: it could not load a now
+    assert [s.instance_id for s in adapter_pool(busy, "a")] == ["i0"]
+
+
+def test_when_every_instance_is_hot_the_holders_keep_it():
+    ss = [_s("i0", ["a"], 0, waiting=2), _s("i1", ["b"], 1, waiting=1)]
+    assert [s.instance_id for s in adapter_pool(ss, "a")] == ["i0"]  # a load there would only join a queue
+    assert [s.instance_id for s in adapter_pool(ss, "c")] == ["i1"]  # nobody holds it: where it can load
 
 
 def test_the_replica_bound_keeps_a_hot_adapter_where_it_is():
-    ss = [_s("i0", ["a"], 1, waiting=3), _s("i1", ["a"], 1, waiting=1), _s("i2", [], 2)]
+    ss = [_s("i0", ["a"], 1, waiting=3), _s("i1", ["a"], 1, waiting=1), _s("i2", [], 2)]  # i2: not hot
     assert [s.instance_id for s in adapter_pool(ss, "a", max_replicas=2)] == ["i0", "i1"]
     assert [s.instance_id for s in adapter_pool(ss, "a", max_replicas=3)] == ["i0", "i1", "i2"]
 
@@ -301,7 +311,7 @@ def _req(rid, adapter="", path="", tokens=4):
 
 def test_the_sim_engine_holds_adapters_in_slots_and_a_load_takes_its_time():
     e = _sim()
-    assert (e.load().adapters, e.load().adapter_slots) == (["a"], 1)  # lora.adapters, loaded before serving
+    assert (e.load().adapters, e.load().adapter_slots) == (["a"], 2)  # lora.adapters, loaded; a's slot idle: open
     e.add_request(_req("r1", "a"))
     plain = e.step().model_time_s  # held: no load time
     e.add_request(_req("r2", "b", "/m/b"))

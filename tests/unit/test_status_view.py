@@ -72,4 +72,4 @@ def test_status_shows_each_instances_adapters_and_free_slots():
     assert (data["instances"][1]["adapters"], data["instances"][1]["adapter_slots"]) == ([], 0)
     console = Console(width=250, record=True)
     console.print(render_status(data))
-    assert "adapters: i0 sql, chat (1 free)" in console.export_text()
+    assert "adapters: i0 sql, chat (1 open)" in console.export_text()
