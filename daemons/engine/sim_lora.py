@@ -57,9 +57,7 @@ class SimAdapters:
 
     def start(self, name: str, path: str, request_id: str) -> None:
         if name not in self.table:
-            if not path:
-                raise EngineError(f"adapter {name!r} is not loaded on this instance")
-            self.load(name, path)
+            self.load(name, path or name)  # (no weights: a request of the simulator names no path)
         self.table.started(name, request_id)
 
     def take_owed(self) -> float:

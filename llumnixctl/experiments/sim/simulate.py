@@ -93,11 +93,10 @@ class Simulation:
     def __init__(self, cfg: Config, instances: int, trace: list[TraceRequest], net: Network | None = None,
                  sample_s: float = 0.0, oracle: bool = False, slo_admission: bool = True,
                  roles: list[str] | None = None, adapter_of=None):
-        """``adapter_of(trace request)``: the LoRA adapter it names ("": the base model; default: none).
-        ``sample_s`` > 0: every so often (virtual seconds) look for fragmentation (a queue head that the cluster's
-        free blocks could hold but no single instance's can) and call the "sample" observers. ``oracle``: dispatch by
-        the engines' real caches first (sim/cache.py). ``slo_admission`` False: with [slo] targets, admit everything,
-        never give up (the targets only measure). ``roles``: the instances' (sim/disagg.py; None: all mixed)."""
+        """``sample_s`` > 0: every so often (virtual seconds) look for fragmentation (a queue head the cluster's free
+        blocks could hold, no single instance's) and call the "sample" observers. ``oracle``: dispatch by the engines'
+        real caches first (sim/cache.py). ``slo_admission`` False: with [slo] targets, admit all, never give up (they
+        only measure). ``roles``: the instances' (sim/disagg.py; None: mixed). ``adapter_of(request)``: its LoRA adapter."""
         _engine_code()
         self.cfg = cfg
         self.oracle = oracle
@@ -296,10 +295,8 @@ class Simulation:
         tr = req.trace
         sampling = wire.SamplingParams(max_tokens=max(1, tr.output_tokens), ignore_eos=True)
         req.owner = iid
-        adapter = self.adapter_of(tr)
-        inst.intake.post(wire.Submit(rid, self.cache.prompt_of(req), sampling, PROXY_ADDRESS,
-                                     priority=1 if tr.priority == "high" else 0, arrival_time=req.sent, epoch=1,
-                                     adapter=adapter, adapter_path=f"/adapters/{adapter}" if adapter else ""))
+        inst.intake.post(wire.Submit(rid, self.cache.prompt_of(req), sampling, PROXY_ADDRESS, int(tr.priority == "high"),
+                                     req.sent, 1, adapter=self.adapter_of(tr)))  # (a sim adapter: no path)
 
     def _fail(self, req: SimulatedRequest, why: str) -> None:
         req.error = why
@@ -319,10 +316,9 @@ class Simulation:
         that failed, a request given back for re-dispatch (the owner of a moved request is noted by its host)."""
         if isinstance(msg, wire.TokenBatch):
             self._tokens(inst, msg.outputs)
-        elif isinstance(msg, wire.RequestFailed) and msg.retryable:  # (every adapter slot busy there): elsewhere
-            self.redispatch(msg.request_id, inst.iid)
-        elif isinstance(msg, wire.RequestFailed):
-            self._fail(self.requests[msg.request_id], msg.message)
+        elif isinstance(msg, wire.RequestFailed):  # retryable: every adapter slot there is in use, go elsewhere
+            self.redispatch(msg.request_id, inst.iid) if msg.retryable else self._fail(self.requests[msg.request_id],
+                                                                                       msg.message)
         elif isinstance(msg, wire.Redispatch):
             self.redispatch(msg.request_id, inst.iid)
 
