@@ -1,6 +1,8 @@
 """The LoRA adapters an engine holds: its slots, which adapter each holds, how recently each was used, which
 requests run with each, and the choice of the adapter a new one replaces (the least recently used that no
-request runs with). Both engines keep one (``AdapterTable``); loading the weights is the engine's own part
+request runs with). When every slot holds an adapter in use, a new one loads beyond the slots (its request waits
+in the engine's queue: vLLM runs at most max_loras adapters in a batch), and the least recently used one goes as
+soon as it is idle. Both engines keep one (``AdapterTable``); loading the weights is the engine's own part
 (vllm_lora.py for vLLM; the sim engine only waits its load time)."""
 
 from __future__ import annotations
@@ -11,10 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from daemons.engine.base import EngineError
-
-
-class AdapterBusy(EngineError):
-    """Every adapter slot holds an adapter with running requests: another instance may take the request."""
 
 
 @dataclass
@@ -65,17 +63,17 @@ class AdapterTable:
         return self.free_slots() + sum(1 for a in self._held.values() if not a.running)
 
     def plan(self, name: str) -> Adapter | None:
-        """Before loading ``name``: the held adapter to unload first (None: a slot is free, or ``name`` is held).
-        EngineError when every slot holds an adapter that requests run with."""
+        """Before loading ``name``: the held adapter to unload first (None: a slot is free, ``name`` is held, or
+        every slot's adapter is in use: it loads beyond the slots, see ``ended``)."""
         if not self.slots:
             raise EngineError(f"adapter {name!r}: this instance serves no LoRA adapters (lora.slots = 0)")
         if name in self._held or len(self._held) < self.slots:
             return None
+        return self._idlest()
+
+    def _idlest(self) -> Adapter | None:
         idle = [a for a in self._held.values() if not a.running]
-        if not idle:
-            raise AdapterBusy(f"adapter {name!r}: all {self.slots} adapter slots hold adapters with running requests "
-                              f"({', '.join(sorted(self._held))}); try again when they finish")
-        return min(idle, key=lambda a: a.used)
+        return min(idle, key=lambda a: a.used) if idle else None
 
     def new_id(self) -> int:
         return next(self._ids)
@@ -92,7 +90,7 @@ class AdapterTable:
     def unload_when_idle(self, name: str) -> bool:
         """Unload asked: True when it may go now; else it goes when its last request ends (``ended``)."""
         a = self._held[name]
-        a.unloading = bool(a.running)
+        a.unloading = True
         return not a.running
 
     def use(self, name: str) -> Adapter:
@@ -106,13 +104,31 @@ class AdapterTable:
         a.requests += 1
         return a
 
-    def ended(self, name: str, request_id: str) -> Adapter | None:
-        """A request that ran with ``name`` left; the adapter when it is to be unloaded now (asked while it ran)."""
+    def ended(self, name: str, request_id: str) -> list[Adapter]:
+        """A request that ran with ``name`` left; the adapters to unload now: ``name`` if an unload was asked while
+        it ran (``unloading``), and while more are held than the slots, the least recently used idle ones (evicted)."""
         a = self._held.get(name)
         if a is None:
-            return None
+            return []
         a.running.discard(request_id)
-        return a if a.unloading and not a.running else None
+        gone = [a] if a.unloading and not a.running else []
+        return gone + self._excess(gone)
+
+    def settle(self, live) -> list[Adapter]:
+        """``ended`` for every request that ``live(request_id)`` says has left (an engine without a hook per exit)."""
+        gone = []
+        for a in self._held.values():
+            left = [r for r in a.running if not live(r)]
+            a.running.difference_update(left)
+            if left and a.unloading and not a.running:
+                gone.append(a)
+        return gone + self._excess(gone)
+
+    def _excess(self, going: list[Adapter]) -> list[Adapter]:
+        """While more are held than the slots: the least recently used idle ones."""
+        over = len(self._held) - len(going) - self.slots
+        idle = sorted((b for b in self._held.values() if not b.running and b not in going), key=lambda b: b.used)
+        return idle[:max(0, over)]
 
     def unloading(self, name: str) -> bool:
         a = self._held.get(name)

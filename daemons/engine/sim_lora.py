@@ -25,10 +25,8 @@ class SimAdapters:
         self.owed_s = 0.0  # loaded before serving
 
     def prune(self) -> None:
-        for a in self.table.rows():
-            for rid in [r for r in a.running if not self.live(r)]:
-                if self.table.ended(a.name, rid) is not None:
-                    self.table.unloaded(a.name)
+        for gone in self.table.settle(self.live):
+            self.table.unloaded(gone.name, evicted=not gone.unloading)
 
     def load(self, name: str, path: str) -> bool:
         self.prune()

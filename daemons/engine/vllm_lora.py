@@ -2,8 +2,10 @@
 vLLM's (``VllmInternals.add_lora``, ``remove_lora``), and each request's ``LoRARequest``.
 
 vLLM runs with ``max_cpu_loras`` one above lora.slots (``vllm_internals.lora_args``): a new adapter is loaded
-first and only then is the table's victim unloaded, so a load that fails costs nothing, and vLLM's own LRU
-never evicts an adapter the table still counts on."""
+first and only then is the table's victim unloaded, so a load that fails costs nothing. When every slot's adapter
+is in use a new one loads beyond the slots and the request waits in vLLM's queue (``max_loras`` adapters in a
+batch); past one more, vLLM's own LRU may evict an adapter in use, which vLLM loads again from its path when its
+requests next run (its ``LoRARequest`` carries it)."""
 
 from __future__ import annotations
 
@@ -91,9 +93,10 @@ class VllmAdapters:
         return True
 
     def _drop(self, adapter: Adapter) -> None:
+        """Unload: asked (``unloading``), or the least recently used idle one past the slots (evicted)."""
         self._v.remove(adapter.lora_id)
-        self.table.unloaded(adapter.name)
-        log.info("adapter %s unloaded", adapter.name)
+        self.table.unloaded(adapter.name, evicted=not adapter.unloading)
+        log.info("adapter %s unloaded%s", adapter.name, "" if adapter.unloading else " (least recently used)")
 
     def start(self, name: str, path: str, request_id: str):
         """The ``LoRARequest`` a request that runs with ``name`` is built with; loads the adapter from ``path``
@@ -106,8 +109,7 @@ class VllmAdapters:
         return self._v.request(a.name, a.lora_id, a.path)
 
     def end(self, name: str, request_id: str) -> None:
-        gone = self.table.ended(name, request_id)
-        if gone is not None:
+        for gone in self.table.ended(name, request_id):
             self._drop(gone)
 
     def left(self, live) -> None:

@@ -13,7 +13,6 @@ import zmq.asyncio
 
 from daemons import metrics, runtime, wire
 from daemons.clock import Clock
-from daemons.engine.adapters import AdapterBusy
 from daemons.engine.base import Engine, EngineError, EngineRequest
 from daemons.instance.standing import Standing
 from daemons.instance.telemetry import (
@@ -146,10 +145,6 @@ class Intake:
             self.engine.add_request(EngineRequest(msg.request_id, msg.prompt_token_ids, msg.sampling,
                                                   msg.arrival_time or self.clock.time(), msg.priority,
                                                   list(msg.output_token_ids), msg.adapter, msg.adapter_path))
-        except AdapterBusy as exc:  # every adapter slot busy here: another instance may take it
-            M_REJECTED.inc()
-            self.tokens.fail(msg.request_id, msg.reply_to, str(exc), True, status=503)
-            return
         except EngineError as exc:
             M_REJECTED.inc()
             self.tokens.fail(msg.request_id, msg.reply_to, str(exc), False, status=400)
