@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -193,3 +194,23 @@ def test_unload(vcluster):
     r = httpx.post(vcluster.url + "/v1/unload_lora_adapter", json={"lora_name": "chat"})
     assert r.status_code == 404 and r.json()["error"]["message"] == "The lora adapter 'chat' cannot be found."
     assert _wait(lambda: "chat" not in _listed(vcluster))
+
+
+def test_more_adapters_in_use_than_slots_wait_their_turn_and_answer_the_same(vcluster, adapters):
+    """One instance (the other cordoned), 2 slots, 3 adapters with requests at once: the third loads beyond the
+    slots and its request waits in vLLM's queue (max_loras = 2 a batch); every answer is what it is alone, and once
+    idle the instance holds 2 adapters again."""
+    first, second = sorted(i["id"] for i in vcluster.status()["instances"])
+    r = httpx.post(vcluster.url + "/v1/load_lora_adapter", json={"lora_name": "third", "lora_path": str(adapters["chat"])})
+    assert r.status_code == 200, r.text
+    alone = {m: _tokens(vcluster, m, PROMPTS[1]) for m in ("sql", "solo", "third")}
+    assert cli("cordon", second, "--run-dir", str(vcluster.run_dir)).returncode == 0
+    try:
+        time.sleep(0.3)  # the proxy's snapshot
+        with ThreadPoolExecutor(3) as pool:
+            together = dict(zip(alone, pool.map(lambda m: _tokens(vcluster, m, PROMPTS[1]), alone)))
+        assert together == alone
+        assert _wait(lambda: next(i for i in vcluster.status()["instances"] if i["id"] == first)["adapter_slots"] == 2)
+        assert len(next(i for i in vcluster.status()["instances"] if i["id"] == first)["adapters"]) <= 3
+    finally:
+        assert cli("uncordon", second, "--run-dir", str(vcluster.run_dir)).returncode == 0
