@@ -60,7 +60,8 @@ class SimEngineMigrations:
         # (and the ids themselves with a prefix cache: the destination names its blocks' content by them).
         prompt = req.tokens[:req.prompt_len] if req.tokens is not None else [0] * req.prompt_len
         return MigratingRequest(request_id=req.rid, prompt_token_ids=prompt, sampling=req.sampling,
-                                reply_to="", priority=req.priority, arrival_time=req.arrival_time, max_total=req.max_total)
+                                reply_to="", priority=req.priority, arrival_time=req.arrival_time, max_total=req.max_total,
+                                adapter=req.adapter[0], adapter_path=req.adapter[1])
 
     def suspend(self, request_id: str) -> RequestState:
         req = self._table.running[request_id]

@@ -111,3 +111,35 @@ def test_an_unknown_adapter_is_a_404_and_lora_off_refuses_loads(start_cluster):
     r = httpx.post(c.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/adapters/a"})
     assert r.status_code == 400 and "lora.slots is 0" in r.json()["error"]["message"]
     assert ctl_json("lora", "list", "--run-dir", str(c.run_dir)) == {"adapters": []}
+
+
+def _where(cluster, rid: str) -> str:
+    admin = cluster.admin()
+    try:
+        return next(r.instance_id for r in admin.requests().requests if r.request_id == rid)
+    finally:
+        admin.close()
+
+
+def test_a_drain_and_a_kill_move_lora_streams_with_their_adapter_exactly(start_cluster):
+    """Drain: the stream migrates to the other instance, which loads its adapter first. kill -9: it fails over
+    (re-prefill) to an instance that loads the adapter. Every token once, in order, as the sim makes them."""
+    import os
+    import signal
+
+    from tests.streams import Stream
+
+    c = start_cluster(3, LORA + ["instance.min_step_s=0.02", "manager.dispatch_policy=flood"])
+    _load(c, "d", "i0")
+    s = Stream(c.url, 120, prompt="x " * 20, model="d")
+    s.wait_tokens(10)
+    assert _where(c, s.rid) == "i0"
+    res = cli("drain", "i0", "--wait", "--timeout", "60", "--run-dir", str(c.run_dir))
+    assert res.returncode == 0, res.stderr
+    here = _where(c, s.rid)
+    assert here != "i0" and _wait(lambda: here in _listed(c)["d"])
+    s.wait_tokens(60)
+    os.kill(c.proc(f"instance-{here}").pid, signal.SIGKILL)
+    s.check_sim(120)
+    assert _wait(lambda: any(i["state"] == "alive" and "d" in i["adapters"] and i["id"] not in ("i0", here)
+                             for i in c.status()["instances"])), c.status()["instances"]
