@@ -184,6 +184,30 @@ class VllmConfig:
 
 
 @dataclass
+class LoraConfig:
+    slots: int = setting(0, "LoRA adapters one instance holds at once (vLLM's max_loras and max_cpu_loras; the sim engine's adapter slots); past it the least recently used adapter without running requests is unloaded (0 = LoRA off: requests name the base model)", minimum=0)
+    max_rank: int = setting(16, "largest adapter rank an instance takes (vLLM's max_lora_rank: 1, 8, 16, 32, 64, 128, 256, 320 or 512); an adapter of a higher rank is refused when it loads", minimum=1)
+    adapters: str = setting("", "adapters the cluster serves from the start, as NAME=PATH pairs separated by commas: every instance loads them at start (up to lora.slots), and any other instance loads one when a request for it is dispatched there")
+    max_replicas: int = setting(0, "most instances that hold one adapter after dispatch loaded it where it was not held (0 = no bound); `llumnixctl lora load` without --instances loads it on this many", minimum=0)
+    load_ms: float = setting(50.0, "the sim engine: time an adapter takes to load, ms (requests for it wait that long first)", minimum=0.0)
+    residency: bool = setting(True, "dispatch a request for an adapter among the instances that hold it (or may load it, as lora.max_replicas allows); false: by load alone, the adapter loaded wherever the request lands (a baseline for `llumnixctl bench lora`)")
+
+
+def parse_adapters(text: str, where: str = "lora.adapters") -> dict[str, str]:
+    """``NAME=PATH,NAME=PATH`` -> {name: path}; a ConfigError names what is wrong."""
+    out: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, path = part.partition("=")
+        name, path = name.strip(), path.strip()
+        if not sep or not name or not path:
+            raise ConfigError(f"{where}: {part!r} is not NAME=PATH (e.g. lora.adapters=\"sql=/models/sql-lora\")")
+        if name in out:
+            raise ConfigError(f"{where}: adapter {name!r} is named twice")
+        out[name] = path
+    return out
+
+
+@dataclass
 class SimConfig:
     block_size: int = setting(16, "tokens per KV block", minimum=1)
     num_blocks: int = setting(2048, "KV blocks per instance", minimum=1)
@@ -284,6 +308,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     sim: SimConfig = field(default_factory=SimConfig)
     vllm: VllmConfig = field(default_factory=VllmConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     migration: MigrationConfig = field(default_factory=MigrationConfig)
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
@@ -392,6 +417,12 @@ def _check_together(cfg: Config, where: str) -> None:
     if 0 < cfg.proxy.max_body_bytes < 1024:
         raise ConfigError(f"{where}: proxy.max_body_bytes must be 0 (from the context length) or >= 1024; "
                           f"got {cfg.proxy.max_body_bytes}")
+    adapters = parse_adapters(cfg.lora.adapters, f"{where}: lora.adapters")
+    if adapters and not cfg.lora.slots:
+        raise ConfigError(f"{where}: lora.adapters names {len(adapters)} adapter(s) but lora.slots is 0 (LoRA off); "
+                          f"set lora.slots to how many adapters one instance may hold")
+    if cfg.model.name in adapters:
+        raise ConfigError(f"{where}: lora.adapters names an adapter {cfg.model.name!r}, the base model's name")
     sc = cfg.scaling
     if sc.min_instances > sc.max_instances:
         raise ConfigError(f"{where}: scaling.min_instances ({sc.min_instances}) is above scaling.max_instances "

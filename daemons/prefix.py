@@ -59,6 +59,12 @@ def block_hashes(token_ids: Sequence[int], block_size: int, parent: bytes | None
     return out
 
 
+def adapter_keys(adapter: str, path: str) -> tuple | None:
+    """The extra keys vLLM hashes every block of a LoRA request with (its ``_gen_lora_extra_hash_keys``: the
+    adapter's name and path), so that one adapter's cached blocks are never another's or the base model's."""
+    return (("lora", adapter, path),) if adapter else None
+
+
 def key(block_hash: bytes | int) -> int:
     """The index's key of a block hash: its last 8 bytes, big-endian, which is what vLLM's KV events carry
     as an int (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, its default); an int is taken as such a key."""

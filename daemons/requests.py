@@ -59,6 +59,7 @@ class Entry:
     prompt_tokens: int = 0  # its prompt's length (the request listings' row while the engine's is not read yet)
     priority: int = 0
     slo: SloMark | None = None  # its SLO, when it has one and is judged here
+    adapter: str = ""  # its LoRA adapter (its tokens are counted by adapter)
 
 
 class AbortAction(enum.Enum):
@@ -94,20 +95,20 @@ class RequestTable:
     # ---------------------------------------------------------------- placement
 
     def admit(self, request_id: str, reply_to: str, epoch: int, emitted: int = 0, traceparent: str = "",
-              slo: SloMark | None = None, *, prompt_tokens: int = 0, priority: int = 0) -> Entry:
+              slo: SloMark | None = None, *, prompt_tokens: int = 0, priority: int = 0, adapter: str = "") -> Entry:
         """Placed here by a proxy (``emitted`` > 0: a failover continuing at that index)."""
         self._moved.pop(request_id, None)
         entry = self._reqs[request_id] = Entry(reply_to, max(epoch, 1), emitted, traceparent=traceparent, slo=slo,
-                                               prompt_tokens=prompt_tokens, priority=priority)
+                                               prompt_tokens=prompt_tokens, priority=priority, adapter=adapter)
         return entry
 
     def take_over(self, request_id: str, reply_to: str, epoch: int, emitted: int, traceparent: str = "",
-                  slo: SloMark | None = None, *, prompt_tokens: int = 0, priority: int = 0) -> Entry:
+                  slo: SloMark | None = None, *, prompt_tokens: int = 0, priority: int = 0, adapter: str = "") -> Entry:
         """A migration committed here: the request continues at ``emitted`` under ``epoch``."""
         self._moved.pop(request_id, None)
         entry = self._reqs[request_id] = Entry(reply_to, epoch, emitted, arrived=self.clock.monotonic(),
                                                traceparent=traceparent, slo=slo, prompt_tokens=prompt_tokens,
-                                               priority=priority)
+                                               priority=priority, adapter=adapter)
         return entry
 
     def hand_over(self, request_id: str, address: str) -> Entry | None:

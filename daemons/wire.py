@@ -22,6 +22,8 @@ Sockets:
 - instance ROUTER <- proxy DEALER      ProxyAlive (the proxy's liveness, every heartbeat interval)
 - proxy PULL, manager ROUTER <- instance  CacheEvents (what its prefix cache stored and removed, on change)
 - instance ROUTER <- proxy DEALER, instance DEALER <- manager  CacheSync (send your whole prefix cache)
+- manager ROUTER  <- llumnixctl, proxy LoraQuery / LoraReply, ErrorReply (LoRA adapters: load, unload, list)
+- instance DEALER <- manager           LoraOrder / LoraResult
 """
 
 from __future__ import annotations
@@ -169,6 +171,10 @@ class InstanceLoad(msgspec.Struct, array_like=True, omit_defaults=True):
     ttft_error_p50: float = 0.0
     ttft_error_p90: float = 0.0
     ttft_error_judged: int = 0
+    # LoRA (daemons/engine/adapters.py): the adapters it holds, most recently used first, and its open adapter
+    # slots (free, or holding an adapter no request runs with: a new adapter could load now; 0 with LoRA off).
+    adapters: list[str] = []
+    adapter_slots: int = 0
 
 
 # ---------------------------------------------------------------- instance <-> manager
@@ -230,6 +236,7 @@ class Dispatch(msgspec.Struct, **_tagged(10)):
     exclude: list[str] = []  # instances the proxy already failed on
     # llumnix-cache: the keys of the prompt's full blocks (daemons/prefix.py), for the manager's prefix index
     prefix_keys: list[int] = []
+    adapter: str = ""  # its LoRA adapter: placed among the instances that hold it (daemons/policy/residency.py)
 
 
 class DispatchReply(msgspec.Struct, **_tagged(11)):
@@ -303,6 +310,7 @@ class Snapshot(msgspec.Struct, **_tagged(13)):
     launching: int = 0  # instances launched that have not registered yet
     proxies: int = 0  # proxies heard from lately (their snapshot queries)
     proxy_rank: int = 0  # the asking proxy's place among them: it offsets the proxies' tie rotations
+    adapters: dict[str, str] = {}  # the LoRA adapters the cluster serves: name -> path (daemons/manager/adapters.py)
 
 
 # ---------------------------------------------------------------- admin (llumnixctl) <-> manager
@@ -470,6 +478,9 @@ class Submit(msgspec.Struct, **_tagged(40)):
     # The TTFT the proxy predicted when it placed the request here, ms (0: none); the instance judges the
     # prediction's error by it (daemons/instance/attainment.py) and reports it (InstanceLoad ttft_error_*).
     predicted_ttft_ms: float = 0.0
+    # The LoRA adapter it runs with ("": the base model) and where the instance loads it from if it holds it not.
+    adapter: str = ""
+    adapter_path: str = ""
 
     def __post_init__(self) -> None:
         endpoints.check(self.reply_to, "reply_to")
@@ -578,6 +589,8 @@ class MigratingRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     slo_tpot_ms: float = 0.0
     first_token_time: float = 0.0
     first_token_index: int = 0
+    adapter: str = ""  # its LoRA adapter (wire.Submit): the destination holds it, or loads it, before stage 0
+    adapter_path: str = ""
 
     def __post_init__(self) -> None:
         endpoints.check(self.reply_to, "reply_to", empty_ok=True)  # empty until the source sets it
@@ -806,6 +819,55 @@ class PolicyReply(msgspec.Struct, **_tagged(77)):
 MAX_CACHE_KEYS = 1 << 21  # block keys in one CacheEvents (a whole cache of two million blocks)
 
 
+class AdapterOutcome(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one instance did with a LoRA order."""
+
+    instance_id: str
+    ok: bool
+    message: str = ""
+
+
+class AdapterRow(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One adapter the cluster serves: where it loads from, and the instances that hold it now."""
+
+    name: str
+    path: str
+    instances: list[str] = []
+
+
+class LoraQuery(msgspec.Struct, **_tagged(81)):
+    """llumnixctl or a proxy -> manager: load an adapter (on ``instances``, default: every instance, within
+    lora.max_replicas), unload it (everywhere), or list them (``op`` "load" | "unload" | "list")."""
+
+    query_id: int
+    op: str
+    name: str = ""
+    path: str = ""
+    instances: list[str] = []
+
+
+class LoraReply(msgspec.Struct, **_tagged(82)):
+    query_id: int
+    adapters: list[AdapterRow] = []
+    outcomes: list[AdapterOutcome] = []
+
+
+class LoraOrder(msgspec.Struct, **_tagged(83)):
+    """manager -> instance: load (``path``) or unload the adapter ``name``; answered by a LoraResult."""
+
+    query_id: int
+    op: str  # "load" | "unload"
+    name: str
+    path: str = ""
+
+
+class LoraResult(msgspec.Struct, **_tagged(84)):
+    query_id: int
+    instance_id: str
+    ok: bool
+    message: str = ""
+
+
 class CacheEvents(msgspec.Struct, **_tagged(55)):
     """instance -> manager and every proxy it serves: what its prefix cache stored and removed since the last
     batch (64-bit block keys, daemons/prefix.py; each key in one list, its state after the batch), or the whole
@@ -890,6 +952,10 @@ Message = (
     | PolicyReply
     | CacheEvents
     | CacheSync
+    | LoraQuery
+    | LoraReply
+    | LoraOrder
+    | LoraResult
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -25,7 +25,7 @@ from rich.text import Text
 from daemons import wire
 from daemons.cli import version_callback
 from daemons.config import ConfigError, load_config, render_example, as_dict
-from llumnixctl import operate
+from llumnixctl import lora, operate
 from llumnixctl.admin import AdminClient, ManagerUnreachable
 from llumnixctl.common import (ConfigOpt, JsonOpt, ManagerOpt, RunDirOpt, TimeoutOpt, admin, ask, die, instance_json,
                                out, print_json, unreachable_message)
@@ -37,6 +37,7 @@ app = typer.Typer(cls=Commands, add_completion=True, no_args_is_help=True,
                   help="Operate a Llumnix cluster: local clusters, status, requests, benchmarks.")
 config_app = typer.Typer(no_args_is_help=True, help="Settings: the example file, the effective values.")
 app.add_typer(config_app, name="config")
+app.add_typer(lora.app, name="lora")
 
 
 @app.callback()

@@ -123,6 +123,10 @@ def render_status(data: dict) -> Group:
         each = ", ".join(f"{r['id']} {100 * r['prefix_hit_rate']:.0f}%" for r in data["instances"] if r["prefix_hit_rate"] is not None)
         parts.append(f"prefix cache: {100 * t['prefix_hit_tokens'] / t['prefix_query_tokens']:.1f}% of "
                      f"{t['prefix_query_tokens']} prompt tokens hit ({each})")
+    held = [r for r in data["instances"] if r.get("adapters") or r.get("adapter_slots")]
+    if held:  # LoRA: each instance's adapters, most recently used first, and its open slots (free, or idle)
+        parts.append("adapters: " + "; ".join(f"{r['id']} {', '.join(r.get('adapters', [])) or '-'} "
+                                              f"({r.get('adapter_slots', 0)} open)" for r in held))
     ordered = ", ".join(f"{k} {v}" for k, v in sorted(t["ordered_migrations"].items())) or "none"
     parts.append(f"migrations: {t['migrations_committed']} committed, {t['migrations_aborted']} aborted, "
                  f"{t['migrations_in_flight']} in flight; ordered by the manager: {ordered}")

@@ -87,6 +87,13 @@ if [[ ",$EXTRAS," == *",vllm,"* ]]; then
     .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
   fi
 fi
+# PEFT makes the LoRA adapters of the LoRA tests (llumnixctl/lab/adapter.py), with accelerate, which it imports.
+# Without their dependencies: PEFT's would pull another torch; what else they need comes with vLLM.
+if [[ ",$EXTRAS," == *",vllm,"* && ",$EXTRAS," == *",test,"* ]]; then
+  if ! installed peft 0.21.2 || ! installed accelerate 1.16.0; then
+    .venv/bin/python -m pip install -q --no-deps "peft==0.21.2" "accelerate==1.16.0"
+  fi
+fi
 # Prometheus and promtool (Debian's prometheus package) for tests/e2e/test_prometheus.py, with the test extra:
 # only where this runs as root with apt-get (elsewhere that test is skipped, and says why). The package would
 # start its own service: a policy-rc.d that says no is in place while it installs (one already there is kept).

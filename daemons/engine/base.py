@@ -35,6 +35,8 @@ class EngineRequest:
     # Tokens this request already produced elsewhere (a failover): the engine prefills prompt + these and
     # continues at index len(output_token_ids); max_tokens and min_tokens count them as already generated.
     output_token_ids: list[int] = field(default_factory=list)
+    adapter: str = ""  # its LoRA adapter ("": the base model), loaded from adapter_path first if not held
+    adapter_path: str = ""
 
 
 def check_request(request: EngineRequest, in_use: bool, max_model_len: int, vocab_size: int | None = None) -> None:
@@ -63,7 +65,8 @@ def check_incoming(request: MigratingRequest, in_use: bool, max_model_len: int,
     """The checks a destination makes before reserving for a migrating request; returns it as an
     EngineRequest. A migrating request must also be able to end where it would have ended on its source."""
     engine_request = EngineRequest(request.request_id, request.prompt_token_ids, request.sampling,
-                                   request.arrival_time, request.priority)
+                                   request.arrival_time, request.priority, adapter=request.adapter,
+                                   adapter_path=request.adapter_path)
     check_request(engine_request, in_use, max_model_len, vocab_size)
     if request.max_total > max_model_len:
         raise EngineError(f"the request may grow to {request.max_total} tokens; this instance's context limit is "
@@ -98,6 +101,23 @@ class PrefixCacheCounts(Protocol):
     hit_tokens: int  # of those, found cached (prefill skipped)
 
 
+class AdapterVerbs(Protocol):
+    """What the instance asks of an engine's LoRA adapters (daemons/engine/adapters.py holds their table)."""
+
+    loads: int  # monotonic: adapters loaded
+    evictions: int  # monotonic: of those, unloaded to make room for another
+
+    def load(self, name: str, path: str) -> bool:
+        """Hold ``name`` from ``path`` (False: held already), unloading the least recently used adapter without
+        running requests if every slot is taken. EngineError names the adapter and what is wrong."""
+
+    def unload(self, name: str) -> bool:
+        """Unload ``name``, at once or when its running requests end. False if it is not held."""
+
+    def rows(self) -> list:
+        """The adapters held (``Adapter``), most recently used first."""
+
+
 class Engine(Protocol):
     backend: str
     block_size: int
@@ -109,6 +129,7 @@ class Engine(Protocol):
     blocking_step: bool  # a step is real compute: the instance runs it on a thread of its own
     prefill_budget: int  # most prompt tokens one step prefills (0: unknown), for the step-time model
     cache: PrefixCacheCounts | None  # its prefix cache, whose blocks the instance publishes; None: none
+    adapters: AdapterVerbs | None  # its LoRA adapters (lora.slots > 0); None: it serves none
 
     def init_thread(self) -> None:
         """First thing on the engine's step thread (``blocking_step`` engines), before any step."""
@@ -187,6 +208,7 @@ class EngineDefaults:
     blocking_step = False
     prefill_budget = 0
     cache: PrefixCacheCounts | None = None
+    adapters: AdapterVerbs | None = None
 
     def init_thread(self) -> None:
         return None

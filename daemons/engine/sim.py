@@ -22,10 +22,11 @@ from operator import attrgetter
 
 import torch
 
-from daemons.config import ModelConfig, SimConfig
+from daemons.config import LoraConfig, ModelConfig, SimConfig
 from daemons.engine.base import (EngineDefaults, EngineError, EngineRequest, KvBlocks, MigrationParts, StepResult,
                                   check_request)
 from daemons.engine.sim_cache import SimPrefixCache
+from daemons.engine.sim_lora import adapters_of, load_fields, owed, start
 from daemons.engine.sim_migration import SimEngineMigrations
 from daemons.engine.sim_requests import SimRequestTable, SimBlocks, SimRequest, WaitingQueue, cdiv
 from daemons.engine.sim_values import draw, kv_value, sim_logprobs, sim_token_id, write_kv
@@ -46,9 +47,9 @@ class SimEngine(EngineDefaults, MigrationParts):
     backend = "sim"
     prefix_caching = False
 
-    def __init__(self, sim: SimConfig, model: ModelConfig, kv: bool = True):
+    def __init__(self, sim: SimConfig, model: ModelConfig, kv: bool = True, lora: LoraConfig | None = None):
         """``kv`` False: no KV tensors (the virtual-time simulator, llumnixctl/experiments/sim/simulate.py): the same
-        scheduling, block accounting and step times, nothing written or copied."""
+        scheduling, block accounting and step times, nothing written or copied. ``lora``: adapters (sim_lora.py)."""
         self.cfg = sim
         self.block_size = sim.block_size
         self.max_model_len = model.max_model_len
@@ -66,7 +67,9 @@ class SimEngine(EngineDefaults, MigrationParts):
         self._blocks = SimBlocks(sim.num_blocks, sim.watermark * sim.num_blocks, self.cache)
         self._table = SimRequestTable()
         self._waiting = WaitingQueue()
-        self._migrations = SimEngineMigrations(self._table, self._blocks, sim.block_size, model.max_model_len)
+        self.adapters = adapters_of(lora, lambda rid: rid in self._table.by_id or self._migrations.reserving(rid))
+        self._migrations = SimEngineMigrations(self._table, self._blocks, sim.block_size, model.max_model_len,
+                                               lambda r: start(self.adapters, r.adapter, r.adapter_path, r.request_id))
         self._kv_blocks: KvBlocks | None = None
         self._preemptions = 0
         self._received = 0
@@ -88,6 +91,7 @@ class SimEngine(EngineDefaults, MigrationParts):
         if request.sampling.structured is not None:  # it makes up tokens: a grammar cannot be honoured
             raise EngineError("the sim engine cannot constrain its output (response_format, structured_outputs or "
                               "a forced tool choice): it has no model; serve this request with the vllm backend")
+        start(self.adapters, request.adapter, request.adapter_path, rid)
         req = SimRequest(request, self.max_model_len)
         if self.cache is not None:
             req.tokens = list(request.prompt_token_ids) + list(request.output_token_ids)
@@ -173,7 +177,7 @@ class SimEngine(EngineDefaults, MigrationParts):
         outputs = [self._sample(r) for r in decoding]
         outputs += [self._sample(r) for r in prefilling]
         self._tokens_generated += len(outputs)
-        model_s = model_time(self.cfg, self._profile, prefill_tokens, len(decoding), context_tokens)
+        model_s = model_time(self.cfg, self._profile, prefill_tokens, len(decoding), context_tokens) + owed(self.adapters)
         return StepResult(outputs, model_s, prefill_tokens, len(decoding), context_tokens)
 
     def load(self) -> InstanceLoad:
@@ -197,13 +201,13 @@ class SimEngine(EngineDefaults, MigrationParts):
             waiting_high=self._waiting.count_above(0),
             waiting_high_tokens=self._waiting.tokens_above(0),
             context_tokens=self._table.context_tokens(),
+            **load_fields(self.adapters),
         )
 
     def requests(self) -> list[RequestLoad]:
         def row(r: SimRequest, state: str) -> RequestLoad:
             return RequestLoad(request_id=r.rid, state=state, blocks=len(r.blocks), prompt_tokens=r.prompt_len,
-                               output_tokens=r.generated, priority=r.priority,
-                               max_tokens=max(r.max_total - r.prompt_len, 0))
+                               output_tokens=r.generated, priority=r.priority, max_tokens=r.max_total - r.prompt_len)
 
         out = [row(r, "running") for r in self._table.running.values()]
         out += [row(r, "migrating") for r in self._migrations.suspended()]

@@ -3,6 +3,8 @@ the destination's reservation, commit and release."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 from daemons.engine.base import EngineError, MigrationView, check_incoming
 from daemons.engine.sim_requests import SimRequestTable, SimBlocks, SimRequest, cdiv
 from daemons.wire import MigratingRequest, RequestState
@@ -13,7 +15,10 @@ class SimEngineMigrations:
     and the reserved ones (migrating in: blocks held, not yet running), and moves requests between them, the
     engine's request table and the free list."""
 
-    def __init__(self, table: SimRequestTable, blocks: SimBlocks, block_size: int, max_model_len: int):
+    def __init__(self, table: SimRequestTable, blocks: SimBlocks, block_size: int, max_model_len: int,
+                 adapter: Callable[[MigratingRequest], None] = lambda request: None):
+        """``adapter``: an incoming request's LoRA adapter, loaded before its first hold (EngineError if it cannot)."""
+        self._adapter = adapter
         self._table = table
         self._blocks = blocks
         self._block_size = block_size
@@ -55,7 +60,8 @@ class SimEngineMigrations:
         # (and the ids themselves with a prefix cache: the destination names its blocks' content by them).
         prompt = req.tokens[:req.prompt_len] if req.tokens is not None else [0] * req.prompt_len
         return MigratingRequest(request_id=req.rid, prompt_token_ids=prompt, sampling=req.sampling,
-                                reply_to="", priority=req.priority, arrival_time=req.arrival_time, max_total=req.max_total)
+                                reply_to="", priority=req.priority, arrival_time=req.arrival_time, max_total=req.max_total,
+                                adapter=req.adapter[0], adapter_path=req.adapter[1])
 
     def suspend(self, request_id: str) -> RequestState:
         req = self._table.running[request_id]
@@ -81,6 +87,7 @@ class SimEngineMigrations:
         req = self._reserved.get(rid)
         if req is None:
             incoming = check_incoming(request, rid in self._table.by_id, self._max_model_len)
+            self._adapter(request)
             req = SimRequest(incoming, self._max_model_len)
             if self._blocks.cache is not None:
                 req.tokens = list(request.prompt_token_ids)

@@ -18,7 +18,7 @@ def cdiv(a: int, b: int) -> int:
 
 class SimRequest:
     __slots__ = ("rid", "prompt_len", "sampling", "priority", "arrival_time", "generated", "blocks",
-                 "preempted", "seed", "stop_ids", "max_total", "tokens", "hashes")
+                 "preempted", "seed", "stop_ids", "max_total", "tokens", "hashes", "adapter")
 
     def __init__(self, request: EngineRequest, max_model_len: int):
         self.rid = request.request_id
@@ -39,6 +39,7 @@ class SimRequest:
         # blocks as far as computed (daemons/engine/sim_cache.py); None without.
         self.tokens: list[int] | None = None
         self.hashes: list[bytes] = []
+        self.adapter = (request.adapter, request.adapter_path)  # its LoRA adapter: travels with a migration
 
 
 class WaitingQueue:

@@ -20,11 +20,13 @@ import time
 
 import msgspec
 
-from daemons.config import ModelConfig, VllmConfig
+from daemons.config import LoraConfig, ModelConfig, VllmConfig
 from daemons.engine.base import (EngineDefaults, EngineError, EngineRequest, KvBlocks, MigrationParts, StepResult,
                                   check_request)
 from daemons.engine.vllm_cache import VllmPrefixCache
 from daemons.engine.vllm_internals import VllmInternals, lower_this_thread, set_env, set_num_threads
+from daemons.engine.adapters import module_dims
+from daemons.engine.vllm_lora import VllmAdapters
 from daemons.engine.vllm_migration import LiveRequest, LiveRequests, VllmMigrations
 from daemons.kv.layout import KvShards
 from daemons.ipcdirs import endpoint_dir, remove_endpoint_dir
@@ -49,13 +51,14 @@ class VllmEngine(EngineDefaults, MigrationParts):
     backend = "vllm"
     blocking_step = True  # a step is milliseconds of model compute: the instance runs it off its event loop
 
-    def __init__(self, model: ModelConfig, vllm: VllmConfig):
+    def __init__(self, model: ModelConfig, vllm: VllmConfig, lora: LoraConfig | None = None):
         if not model.path:
             raise EngineError("model.path is empty: the vllm backend needs a checkpoint directory "
                               "(write a test model with `llumnixctl model tiny DIR`)")
         set_env(vllm)
         self.cfg = vllm
-        self._v = VllmInternals(model, vllm)
+        lora = lora or LoraConfig()
+        self._v = VllmInternals(model, vllm, lora)
         self._s = s = self._v.state
         self.version = s.m.version
         self.block_size = s.block_size
@@ -66,8 +69,11 @@ class VllmEngine(EngineDefaults, MigrationParts):
         # What the instance publishes of vLLM's prefix cache (daemons/engine/vllm_cache.py).
         self.cache = VllmPrefixCache(s.scheduler, s.pool) if self.prefix_caching else None
         self.eos_token_id = self._v.eos_token_id
-        self._live = LiveRequests()
-        self._migrations = VllmMigrations(self._live, s, self._v.moves, self._v.sampling_params)
+        # Its LoRA adapters (vllm_lora.py: the Engine protocol's ``adapters``), None with lora.slots = 0.
+        self.adapters = adapters = (VllmAdapters(self._v.lora, lora, module_dims(self._v.model_config.hf_config))
+                                    if lora.slots else None)
+        self._live = LiveRequests(adapters.left if adapters is not None else lambda live: None)
+        self._migrations = VllmMigrations(self._live, s, self._v.moves, self._v.sampling_params, self._lora_for)
         self._kv_blocks: KvBlocks | KvShards | None = None
         self._kv_control: tuple[list[str], str] | None = None  # the ranks' KV control endpoints (kv_ranks)
         self._received = 0
@@ -75,6 +81,8 @@ class VllmEngine(EngineDefaults, MigrationParts):
         self._closed = False
         if not s.in_process:
             self.kv_blocks()
+        if adapters is not None:
+            adapters.load_configured(lora.adapters)
 
     def init_thread(self) -> None:
         """Run first on the thread that will call ``step``. OpenMP's thread count is per thread, taken from
@@ -110,8 +118,14 @@ class VllmEngine(EngineDefaults, MigrationParts):
             params = self._v.sampling_params(sp)
         except self._s.m.request_errors as exc:  # vLLM's validation errors carry a client-ready message
             raise EngineError(str(exc)) from exc
-        req = self._v.add(rid, list(prompt), params, request.arrival_time or time.time(), request.priority, done)
-        live = self._live.add(LiveRequest(rid, req, sp))
+        lora = self._lora_for(request.adapter, request.adapter_path, rid) if request.adapter else None
+        try:
+            req = self._v.add(rid, list(prompt), params, request.arrival_time or time.time(), request.priority, done, lora)
+        except BaseException:
+            if lora is not None:
+                self.adapters.end(request.adapter, rid)
+            raise
+        live = self._live.add(LiveRequest(rid, req, sp, request.adapter, request.adapter_path))
         live.emitted = len(done)
         self._received += 1
 
@@ -149,6 +163,8 @@ class VllmEngine(EngineDefaults, MigrationParts):
                 outputs.append(TokenOut(request_id=live.rid, index=live.emitted, token_id=int(token),
                                         finish_reason=reason, logprob=logprob, top=top))
                 live.emitted += 1
+            if live.adapter and self.adapters is not None:
+                self.adapters.tokens(live.adapter, len(tokens))
             if o.finish_reason is not None:
                 if not tokens:
                     log.warning("vLLM finished %s (%s) without a token; the client sees no final token",
@@ -187,6 +203,8 @@ class VllmEngine(EngineDefaults, MigrationParts):
             waiting_high=sum(1 for r in waiting_high),
             waiting_high_tokens=sum(r.num_tokens - r.num_computed_tokens for r in waiting_high),
             context_tokens=sum(r.num_tokens for r in v.running()),
+            adapters=self.adapters.table.held() if self.adapters is not None else [],
+            adapter_slots=self.adapters.table.open_slots() if self.adapters is not None else 0,
         )
 
     def requests(self) -> list[RequestLoad]:
@@ -212,6 +230,11 @@ class VllmEngine(EngineDefaults, MigrationParts):
     def kv_caches(self) -> list:
         """The model runner's KV tensors, one per layer (see ``VllmInternals.kv_caches`` for the layout)."""
         return self._s.kv_caches()
+
+    def _lora_for(self, name: str, path: str, request_id: str):
+        if self.adapters is None:
+            raise EngineError(f"adapter {name!r}: this instance serves no LoRA adapters (lora.slots = 0)")
+        return self.adapters.start(name, path, request_id)
 
     # ---------------------------------------------------------------- migration (VllmMigrations does it)
 

@@ -14,7 +14,7 @@ import os
 import threading
 from types import SimpleNamespace
 
-from daemons.config import ModelConfig, VllmConfig
+from daemons.config import LoraConfig, ModelConfig, VllmConfig
 from daemons.engine.base import EngineError
 from daemons.engine.vllm_internals_migration import VllmMoves
 from daemons.engine.vllm_internals_state import AMX_ENV, VllmState
@@ -157,7 +157,7 @@ class VllmInternals:
         no_amx.llumnix_no_amx = True
         cpu_attn._get_attn_isa = no_amx
 
-    def __init__(self, model: ModelConfig, cfg: VllmConfig):
+    def __init__(self, model: ModelConfig, cfg: VllmConfig, lora: LoraConfig | None = None):
         self.m = m = self.import_checked()
         self.workarounds()
         args = m.EngineArgs(
@@ -181,6 +181,7 @@ class VllmInternals:
             async_scheduling=False,  # migration suspends requests between steps
             structured_outputs_config=self.structured_outputs_config(cfg),
             **self.parallel_args(cfg),
+            **lora_args(lora),
         )
         if cfg.gpu_memory_utilization > 0:
             args.gpu_memory_utilization = cfg.gpu_memory_utilization
@@ -198,6 +199,7 @@ class VllmInternals:
             self.renice_workers(cfg.worker_nice)
         self.state = VllmState(m, self.core, self.config)
         self.moves = VllmMoves(self.state)
+        self.lora = VllmLoraCalls(self.core)
         self.prefill_budget = int(self.config.scheduler_config.max_num_batched_tokens or 0)
         self.last_work = (0, 0, 0)  # (prefill tokens, decodes, their context tokens) of the last step
         self._watch_schedule()
@@ -291,10 +293,11 @@ class VllmInternals:
         return p
 
     def add(self, request_id: str, prompt: list[int], params, arrival_time: float, priority: int,
-            generated: list[int] | None = None):
+            generated: list[int] | None = None, lora=None):
         """``generated``: a failover's tokens the client already has (in ``prompt`` too): a grammar is advanced
-        over them before the request's first step, so the output continues where they left it."""
-        req = self.moves.build(request_id, prompt, params, arrival_time, priority)
+        over them before the request's first step, so the output continues where they left it. ``lora``: its
+        adapter (``lora_request``), or None for the base model."""
+        req = self.moves.build(request_id, prompt, params, arrival_time, priority, lora)
         if generated and req.use_structured_output:
             self.moves.advance_grammar(req, generated)
         self.core.add_request(req)
@@ -339,6 +342,37 @@ class VllmInternals:
             remove_endpoint_dir(self._ipc_dir)
             if self._ipc_dir and os.environ.get(RPC_PATH_ENV) == self._ipc_dir:
                 del os.environ[RPC_PATH_ENV]
+
+
+def lora_args(lora: LoraConfig | None) -> dict:
+    """vLLM's LoRA arguments. On (lora.slots > 0): as many adapters in a batch as held (max_loras), and room for
+    one more held (max_cpu_loras): a new one loads before the one it replaces goes (daemons/engine/vllm_lora.py),
+    so vLLM's own LRU never unloads one behind daemons/engine/adapters.py's back."""
+    if lora is None or not lora.slots:
+        return {}
+    return {"enable_lora": True, "max_loras": lora.slots, "max_cpu_loras": lora.slots + 1,
+            "max_lora_rank": lora.max_rank}
+
+
+class VllmLoraCalls:
+    """vLLM's LoRA verbs (``EngineCore.add_lora``, ``remove_lora``: the worker loads and activates the weights)
+    and its ``LoRARequest``."""
+
+    def __init__(self, core):
+        self.core = core
+
+    @staticmethod
+    def request(name: str, lora_id: int, path: str):
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path)
+
+    def add(self, name: str, lora_id: int, path: str) -> None:
+        """Load and activate; raises what vLLM raises (its LoRA checks: rank, target modules, shapes)."""
+        self.core.add_lora(self.request(name, lora_id, path))
+
+    def remove(self, lora_id: int) -> None:
+        self.core.remove_lora(lora_id)
 
 
 def apply_workarounds(vllm: VllmConfig | None = None) -> None:

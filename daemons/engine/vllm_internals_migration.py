@@ -50,11 +50,12 @@ class VllmMoves:
         self._s.scheduler.running.append(req)  # so the scheduler's own abort path finds it where it expects
         self._s.core.abort_requests([req.request_id])
 
-    def build(self, request_id: str, prompt: list[int], params, arrival_time: float, priority: int):
-        """A vLLM ``Request`` for our ``priority`` (1 = high), which vLLM serves first as -1."""
+    def build(self, request_id: str, prompt: list[int], params, arrival_time: float, priority: int, lora=None):
+        """A vLLM ``Request`` for our ``priority`` (1 = high), which vLLM serves first as -1; ``lora``: its
+        ``LoRARequest`` (vLLM keys its prefix cache's blocks by it too)."""
         ecr = self._s.m.EngineCoreRequest(
             request_id=request_id, prompt_token_ids=prompt, mm_features=None, sampling_params=params,
-            pooling_params=None, arrival_time=arrival_time, lora_request=None, cache_salt=None,
+            pooling_params=None, arrival_time=arrival_time, lora_request=lora, cache_salt=None,
             data_parallel_rank=None, priority=-priority)
         req, _wave = self._s.core.preprocess_add_request(ecr)
         return req
@@ -176,7 +177,8 @@ class VllmMoves:
         if came_back:  # it left this engine (migrated away) and came back before a step let the runner forget it
             self._s.scheduler.finished_req_ids.discard(rid)
         args = (rid, req.prompt_token_ids, params, params.sampling_type == self._s.m.RANDOM_SEED, engine_state,
-                list(self._s.block_ids(rid)), req.num_computed_tokens, list(req.output_token_ids), came_back)
+                list(self._s.block_ids(rid)), req.num_computed_tokens, list(req.output_token_ids), came_back,
+                req.lora_request)
         if self._s.in_process:
             commit_runner_state(self._s.runner(), self._s.m.CachedRequestState, *args)
         else:

@@ -14,22 +14,27 @@ from daemons.wire import MigratingRequest, RequestState, SamplingParams
 
 
 class LiveRequest:
-    __slots__ = ("rid", "req", "emitted", "sampling")
+    __slots__ = ("rid", "req", "emitted", "sampling", "adapter", "adapter_path")
 
-    def __init__(self, rid: str, req, sampling):
+    def __init__(self, rid: str, req, sampling, adapter: str = "", adapter_path: str = ""):
         self.rid = rid
         self.req = req  # vLLM's Request
         self.emitted = 0  # tokens sent out: the next TokenOut's index
         self.sampling = sampling  # ours, as the client gave it: travels with a migration
+        self.adapter = adapter  # its LoRA adapter ("": the base model); travels with a migration too
+        self.adapter_path = adapter_path
 
 
 class LiveRequests:
     """The requests vLLM holds for the engine (waiting, running, suspended) by id, and the preemptions of
     those that left."""
 
-    def __init__(self):
+    def __init__(self, gone: Callable[[LiveRequest], None] = lambda live: None):
+        """``gone``: told of each request that leaves the engine (finished, aborted, migrated out, a
+        reservation released): its adapter's count of running requests drops."""
         self._live: dict[str, LiveRequest] = {}
         self._finished_preemptions = 0
+        self.gone = gone
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._live
@@ -53,6 +58,7 @@ class LiveRequests:
     def forget(self, live: LiveRequest) -> None:
         del self._live[live.rid]
         self._finished_preemptions += live.req.num_preemptions
+        self.gone(live)
 
     def preemptions(self) -> int:
         return self._finished_preemptions + sum(l.req.num_preemptions for l in self._live.values())
@@ -67,7 +73,12 @@ class VllmMigrations:
     engine's ``LiveRequests`` through vLLM's scheduler and KV cache manager (``state`` reads them, ``moves``
     changes them). ``sampling_params`` turns our sampling parameters into vLLM's."""
 
-    def __init__(self, live: LiveRequests, state: VllmState, moves: VllmMoves, sampling_params: Callable):
+    def __init__(self, live: LiveRequests, state: VllmState, moves: VllmMoves, sampling_params: Callable,
+                 lora: Callable[[str, str, str], object]):
+        """``lora(adapter, path, request_id)``: the ``LoRARequest`` of an incoming request's adapter, loaded
+        first where it is not held (before stage 0's reservation: no block is taken for a request whose
+        adapter cannot load)."""
+        self._lora = lora
         self._live = live
         self._s = state
         self._moves = moves
@@ -105,7 +116,8 @@ class VllmMigrations:
         r = live.req
         return MigratingRequest(request_id=request_id, prompt_token_ids=list(r.prompt_token_ids), sampling=live.sampling,
                                 reply_to="", priority=self._s.priority(r), arrival_time=r.arrival_time,
-                                max_total=min(r.num_prompt_tokens + live.sampling.max_tokens, self._s.max_model_len))
+                                max_total=min(r.num_prompt_tokens + live.sampling.max_tokens, self._s.max_model_len),
+                                adapter=live.adapter, adapter_path=live.adapter_path)
 
     def suspend(self, request_id: str) -> RequestState:
         live = self._live[request_id]
@@ -138,10 +150,13 @@ class VllmMigrations:
                 params = self._sampling_params(request.sampling)
             except self._s.m.request_errors as exc:
                 raise EngineError(str(exc)) from exc
+            lora = self._lora(request.adapter, request.adapter_path, rid) if request.adapter else None
             req = self._moves.build(rid, list(request.prompt_token_ids), params, request.arrival_time or time.time(),
-                                    request.priority)
-            live = LiveRequest(rid, req, request.sampling)
+                                    request.priority, lora)
+            live = LiveRequest(rid, req, request.sampling, request.adapter, request.adapter_path)
         if tokens > max_model_len:
+            if rid not in self._reserved:
+                self._live.gone(live)
             raise EngineError(f"{tokens} tokens exceed this instance's context limit {max_model_len}")
         if rid not in self._reserved:  # the first hold takes what the prefix cache has of the prompt
             blocks, self._cached[rid] = self._moves.allocate_first(live.req, tokens) or (None, 0)
@@ -151,6 +166,7 @@ class VllmMigrations:
             if rid not in self._reserved:
                 self._moves.free(live.req)
                 self._cached.pop(rid, None)
+                self._live.gone(live)
             raise EngineError(f"no room: {-(-tokens // self._s.block_size)} blocks wanted, "
                               f"{self._s.blocks_free()} free")
         self._reserved[rid] = live
@@ -182,4 +198,5 @@ class VllmMigrations:
         if live is None:
             return False
         self._moves.free(live.req)
+        self._live.gone(live)
         return True

@@ -45,7 +45,7 @@ def generator_state(runner, request_id: str) -> bytes:
 
 def commit_runner_state(runner, cached_request_state, request_id: str, prompt_token_ids: list[int], params,
                         seeded: bool, engine_state: bytes, block_ids: list[int], num_computed_tokens: int,
-                        output_token_ids: list[int], came_back: bool) -> None:
+                        output_token_ids: list[int], came_back: bool, lora_request=None) -> None:
     """Give the runner the cached state of a request that arrives running (see ``VllmInternals.commit``)."""
     import torch
 
@@ -62,4 +62,4 @@ def commit_runner_state(runner, cached_request_state, request_id: str, prompt_to
     runner.requests[request_id] = cached_request_state(
         req_id=request_id, prompt_token_ids=prompt_token_ids, mm_features=[], sampling_params=params,
         pooling_params=None, generator=generator, block_ids=(list(block_ids),), num_computed_tokens=num_computed_tokens,
-        output_token_ids=list(output_token_ids), lora_request=None)
+        output_token_ids=list(output_token_ids), lora_request=lora_request)

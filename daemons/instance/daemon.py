@@ -18,6 +18,7 @@ from daemons.clock import Clock
 from daemons.config import Config
 from daemons.engine import make_engine
 from daemons.engine.base import Engine, EngineError
+from daemons.instance.adapters import AdapterOrders
 from daemons.instance.attainment import Attainment
 from daemons.instance.cache import CacheReports
 from daemons.instance.control import Control
@@ -105,6 +106,7 @@ class Instance:
                                                     self.handovers), self.watchdog, self.faults, self.fit)
         self.orders = Orders(shared, lambda: self.reporter.last, self.intake.redispatch_queued,
                              cfg.migration.max_in_flight)
+        self.adapters = AdapterOrders(engine, self.mailbox, self.line.tell, self.ident, self.reporter.changed)
         self.control = Control(shared, cfg, self.line, self.reporter,
                                lambda: self.mailbox.call(self.intake.redispatch_queued), self.halt)
 
@@ -193,7 +195,8 @@ class Instance:
                     wire.MigrateStart: self.orders.on_migrate_start,
                     wire.CacheSync: lambda msg: self.cache.on_sync(""),
                     wire.PeerDead: self.on_peer_dead,
-                    wire.PeerLink: lambda msg: self.migrator.link(msg.instance_id, msg.request_address)}
+                    wire.PeerLink: lambda msg: self.migrator.link(msg.instance_id, msg.request_address),
+                    wire.LoraOrder: self.adapters.on_order}
         tasks = [asyncio.create_task(c) for c in (self.intake.serve(), self.stepper.run(), self.control.serve(handlers),
                                                    self.reporter.run(), self.heartbeats.run())]
         stopped = asyncio.create_task(self.stop.wait())

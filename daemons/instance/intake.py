@@ -14,7 +14,7 @@ from daemons import runtime, wire
 from daemons.engine.base import EngineError, EngineRequest
 from daemons.instance.shared import Shared
 from daemons.instance.telemetry import (
-    M_BAD_FRAMES, M_FAILOVERS_IN, M_FINISHED, M_ORPHANED, M_REDISPATCHED, M_REJECTED, M_REQUESTS)
+    M_ADAPTER_REQUESTS, M_BAD_FRAMES, M_FAILOVERS_IN, M_FINISHED, M_ORPHANED, M_REDISPATCHED, M_REJECTED, M_REQUESTS)
 from daemons.instance.tokens import TokenPath
 from daemons.proxylinks import ProxyLinks
 from daemons.requests import AbortAction, slo_mark
@@ -128,15 +128,22 @@ class Intake:
             self._admit(msg)
 
     def _admit(self, msg: wire.Submit) -> None:
+        if msg.adapter and self.engine.adapters is None:
+            M_REJECTED.inc()
+            self.tokens.fail(msg.request_id, msg.reply_to, f"adapter {msg.adapter!r}: instance "
+                             f"{self.tokens.ident.instance_id} serves no LoRA adapters (lora.slots = 0)", True, status=503)
+            return
         try:
             self.engine.add_request(EngineRequest(msg.request_id, msg.prompt_token_ids, msg.sampling,
                                                   msg.arrival_time or self.clock.time(), msg.priority,
-                                                  list(msg.output_token_ids)))
+                                                  list(msg.output_token_ids), msg.adapter, msg.adapter_path))
         except EngineError as exc:
             M_REJECTED.inc()
             self.tokens.fail(msg.request_id, msg.reply_to, str(exc), False, status=400)
             return
         M_REQUESTS.inc()
+        if msg.adapter:
+            M_ADAPTER_REQUESTS.labels(msg.adapter).inc()
         if msg.output_token_ids:
             M_FAILOVERS_IN.inc()
             log.info("request %s failed over to us: continues at token %d (epoch %d)", msg.request_id,
@@ -145,7 +152,7 @@ class Intake:
         mark = None if msg.output_token_ids else slo_mark(msg.slo_ttft_ms, msg.slo_tpot_ms, msg.arrival_time,
                                                           predicted_ttft_ms=msg.predicted_ttft_ms)
         self.requests.admit(msg.request_id, msg.reply_to, msg.epoch, len(msg.output_token_ids), msg.traceparent, mark,
-                            prompt_tokens=len(msg.prompt_token_ids), priority=msg.priority)
+                            prompt_tokens=len(msg.prompt_token_ids), priority=msg.priority, adapter=msg.adapter)
         self.phases.admitted(msg.request_id)
 
     async def _after_reservation(self, migrator: Migrator, msg: wire.Submit) -> None:

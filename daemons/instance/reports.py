@@ -14,6 +14,7 @@ import msgspec
 from daemons import metrics, runtime, wire
 from daemons.clock import Clock
 from daemons.config import Config
+from daemons.instance.adapters import AdapterCounts
 from daemons.instance.attainment import Attainment
 from daemons.instance.outlook import outlook
 from daemons.instance.predictor import StepFit
@@ -81,6 +82,7 @@ class Reporter:
         self.load_changed = asyncio.Event()
         self.seq = 0
         self.preemptions = metrics.PreemptionCounter(M_PREEMPTIONS, self.last.preemptions)
+        self.adapter_counts = AdapterCounts(self.engine)
 
     def current_load(self, load: wire.InstanceLoad | None = None) -> wire.InstanceLoad:
         """The engine's load (``load``: as the engine thread just read it) with the llumlet's own state."""
@@ -160,6 +162,7 @@ class Reporter:
             M_RUNNING.set(load.running)
             M_WAITING.set(load.waiting)
             self.preemptions.update(load.preemptions)
+            self.adapter_counts.count(load)
             self.count_slo(load)
             if len(self.phases) > len(self.requests):  # some left by migration or a failure
                 self.phases.prune(self.requests)

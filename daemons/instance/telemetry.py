@@ -74,3 +74,12 @@ M_SLO_MET = metrics.gauge("instance", "llumnix_instance_slo_met_requests",
                           "Of those, the requests that met both their TTFT and TPOT targets")
 M_SLO_ATTAINMENT = metrics.gauge("instance", "llumnix_instance_slo_attainment",
                                  "slo_met / slo_judged over the last slo.window_s (NaN while none was judged)")
+M_ADAPTER_LOADS = metrics.counter("instance", "llumnix_instance_adapter_loads_total",
+                                  "LoRA adapters loaded here (an order, a request or a migration for one not held)")
+M_ADAPTER_EVICTIONS = metrics.counter("instance", "llumnix_instance_adapter_evictions_total",
+                                      "LoRA adapters unloaded to make room for another (the least recently used idle one)")
+M_ADAPTERS_HELD = metrics.gauge("instance", "llumnix_instance_adapters_held", "LoRA adapters held now")
+M_ADAPTER_TOKENS = metrics.counter("instance", "llumnix_instance_adapter_generation_tokens_total",
+                                   "Output tokens of requests that run with a LoRA adapter, by adapter", ["adapter"])
+M_ADAPTER_REQUESTS = metrics.counter("instance", "llumnix_instance_adapter_requests_total",
+                                     "Requests taken in that run with a LoRA adapter, by adapter", ["adapter"])

@@ -10,7 +10,7 @@ import zmq.asyncio
 
 from daemons import runtime, wire
 from daemons.instance.standing import Identity
-from daemons.instance.telemetry import M_FINISHED, M_TOKENS
+from daemons.instance.telemetry import M_ADAPTER_TOKENS, M_FINISHED, M_TOKENS
 from daemons.proxylinks import ProxyLinks
 from daemons.requests import RequestTable, SloMark
 
@@ -65,6 +65,8 @@ class TokenPath:
             if entry.slo is not None and judge is not None:
                 judge(entry.slo, out)
             out.epoch = entry.epoch
+            if entry.adapter:
+                M_ADAPTER_TOKENS.labels(entry.adapter).inc()
             by_proxy.setdefault(entry.reply_to, []).append(out)
             if out.finish_reason is not None:
                 M_FINISHED.labels(out.finish_reason).inc()

@@ -76,8 +76,8 @@ class LlumnixWorker:
 
     def llumnix_commit(self, request_id: str, prompt_token_ids: list[int], params, seeded: bool, engine_state: bytes,
                        block_ids: list[int], num_computed_tokens: int, output_token_ids: list[int],
-                       came_back: bool) -> None:
+                       came_back: bool, lora_request=None) -> None:
         from vllm.v1.worker.gpu_input_batch import CachedRequestState
 
         commit_runner_state(self.model_runner, CachedRequestState, request_id, prompt_token_ids, params, seeded,
-                            engine_state, block_ids, num_computed_tokens, output_token_ids, came_back)
+                            engine_state, block_ids, num_computed_tokens, output_token_ids, came_back, lora_request)

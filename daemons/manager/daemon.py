@@ -15,6 +15,7 @@ from daemons import metrics, policy, runtime, security, wire
 from daemons.cli import ConfigFile, LogLevel, Overrides, daemon_main
 from daemons.clock import Clock
 from daemons.config import Config
+from daemons.manager.adapters import Adapters
 from daemons.manager.dispatch import Dispatcher
 from daemons.manager.handover_links import HandoverLinks
 from daemons.manager.liveness import Liveness
@@ -32,11 +33,13 @@ log = logging.getLogger("llumnix.manager")
 # Who may send what to the manager when cluster sockets use CURVE keys (the role comes from the key).
 _VERBS: dict[str, tuple[type, ...]] = {
     "instance": (wire.Register, wire.LoadReport, wire.Goodbye, wire.RequestList, wire.MigrateResult, wire.CacheEvents,
-                 wire.HandoverReady),
-    "proxy": (wire.Dispatch, wire.Dispatched, wire.SnapshotQuery, wire.StatusQuery),
-    "reader": (wire.StatusQuery, wire.SnapshotQuery, wire.RequestsQuery, wire.PolicyQuery),  # policy: read only
+                 wire.HandoverReady, wire.LoraResult),
+    # LoraQuery: the proxies' /v1/load_lora_adapter and /v1/unload_lora_adapter (their API keys guard them)
+    "proxy": (wire.Dispatch, wire.Dispatched, wire.SnapshotQuery, wire.StatusQuery, wire.LoraQuery),
+    "reader": (wire.StatusQuery, wire.SnapshotQuery, wire.RequestsQuery, wire.PolicyQuery,  # policy, lora: read only
+               wire.LoraQuery),
     "operator": (wire.StatusQuery, wire.SnapshotQuery, wire.RequestsQuery, wire.PolicyQuery, wire.MigrateQuery,
-                 wire.DrainQuery, wire.RemoveQuery, wire.AddQuery, wire.RoleQuery),
+                 wire.DrainQuery, wire.RemoveQuery, wire.AddQuery, wire.RoleQuery, wire.LoraQuery),
 }
 
 
@@ -73,6 +76,7 @@ class Manager:
                                    if self.policies.dispatch.predicts else 0.0, cfg.slo.tpot_full)
         self.proxies = ProxyRanks(mc.heartbeat_interval_s)
         self.queries = Queries(self.cluster, mc, self.send, next_id)
+        self.adapters = Adapters(cfg, self.cluster, self.send, next_id)
         self.resched = Rescheduler(Shared(cfg, self.cluster, self.policies, self.clock, self.send, self.spawn), next_id,
                                    self.queries.lookup, lookup_timeout(mc), self.started)
         self.liveness = Liveness(self.cluster, self.clock, mc, cfg.scheduling, self.ctx, self.sec,
@@ -99,6 +103,7 @@ class Manager:
             wire.DrainQuery: lambda _, m, __: lifecycle.on_drain(m),
             wire.HandoverReady: lambda _, m, __: self.resched.roles.on_handover(m),
             wire.RoleQuery: lambda _, m, __: self.resched.roles.on_role(m),
+            wire.LoraResult: lambda _, m, __: self.adapters.on_result(m),
         }
         # ... or later, by a task (dispatches are answered in batches by serve()).
         self._later = {
@@ -106,6 +111,7 @@ class Manager:
             wire.MigrateQuery: orders.on_migrate,
             wire.RemoveQuery: lifecycle.on_remove,
             wire.AddQuery: lifecycle.on_add,
+            wire.LoraQuery: self.adapters.on_query,
         }
 
     # ------------------------------------------------------------------ what the simulator and tests drive
@@ -130,7 +136,7 @@ class Manager:
     def parts(self) -> tuple:
         """The objects whose tasks the manager runs (tests/support stops them all, as a kill would)."""
         r = self.resched
-        return (self, self.cluster, self.registry, self.liveness, self.dispatcher, self.queries, r, r.orders,
+        return (self, self.cluster, self.registry, self.liveness, self.dispatcher, self.queries, self.adapters, r, r.orders,
                 r.lifecycle, r.scaling, r.launcher, self.handover_links)
 
     def on_register(self, ident: bytes, msg: wire.Register, principal: str = "") -> wire.Message | None:
@@ -178,7 +184,7 @@ class Manager:
                              uptime_s=round(now - self.started, 3), dispatched_total=self.dispatcher.dispatched_total,
                              pairing_policy=p.pairing_policy, request_selection=p.request_selection,
                              scaling_policy=p.scaling_policy, migrating=p.migrating, proxies=proxies, proxy_rank=rank,
-                             **self.resched.counters())
+                             adapters=self.adapters.served(), **self.resched.counters())
 
     def _impostor(self, msg, principal: str) -> bool:
         """With keys: a message about a live instance from a key other than the one it registered with."""
@@ -225,6 +231,8 @@ class Manager:
         ok = isinstance(msg, _VERBS.get(role, ()))
         if ok and role == "reader" and isinstance(msg, wire.PolicyQuery):
             ok = not any((msg.dispatch_policy, msg.pairing_policy, msg.request_selection, msg.scaling_policy))
+        if ok and role == "reader" and isinstance(msg, wire.LoraQuery):
+            ok = msg.op == "list"
         if not ok:
             M_REFUSED.inc()
             verb = type(msg).__name__

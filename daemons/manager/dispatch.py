@@ -44,12 +44,12 @@ class Dispatcher:
             r.retire_pending(now, self.mc.pending_dispatch_ttl_s)
         chosen: list[str | None] = [None] * len(msgs)
         states = self.cluster.states(now)
-        asks = [policy.Ask(m.prompt_tokens, m.priority, self.classes.of(m.priority)) for m in msgs]
+        asks = [policy.Ask(m.prompt_tokens, m.priority, self.classes.of(m.priority), adapter=m.adapter) for m in msgs]
         if policy.disagg.active(states):
             decisions: list[str] = [""] * len(msgs)
             return self._replies(msgs, self._disaggregated(msgs, asks, now, decisions), decisions)
         cached = self._cache_hits(msgs)
-        plain = [i for i, m in enumerate(msgs) if not m.exclude and i not in cached]
+        plain = [i for i, m in enumerate(msgs) if not m.exclude and i not in cached and not m.adapter]
         p = self.policies.dispatch
         if plain:
             picks = policy.dispatch_batch(p, states, [(msgs[i].priority, msgs[i].prompt_tokens + 1) for i in plain],
@@ -59,11 +59,12 @@ class Dispatcher:
                 chosen[i] = iid
                 if iid is not None:
                     self._count_dispatch(self.cluster.instances[iid], msgs[i], now)
-        # Re-dispatches that must avoid the instances they failed on, and requests whose prompt some instance
-        # caches (prefix-aware policies): one at a time, in priority order.
-        for i in sorted((i for i, m in enumerate(msgs) if m.exclude or i in cached), key=lambda i: -msgs[i].priority):
+        # Re-dispatches that must avoid the instances they failed on, requests whose prompt some instance caches
+        # (prefix-aware policies) and LoRA requests (residency): one at a time, in priority order.
+        for i in sorted((i for i, m in enumerate(msgs) if m.exclude or i in cached or m.adapter),
+                        key=lambda i: -msgs[i].priority):
             states = self._states(msgs[i], now)
-            ask = policy.Ask(asks[i].prompt_tokens, asks[i].priority, asks[i].slo, cached.get(i))
+            ask = policy.Ask(asks[i].prompt_tokens, asks[i].priority, asks[i].slo, cached.get(i), msgs[i].adapter)
             chosen[i] = policy.place(p, states, ask, self.turn + i, self.rules).instance_id
             if i in cached:
                 blind = chosen[i] if chosen[i] not in cached[i] else policy.place(
@@ -86,7 +87,7 @@ class Dispatcher:
         chosen: list[str | None] = [None] * len(msgs)
         hits = self._cache_hits(msgs, any_policy=True)
         for i in sorted(range(len(msgs)), key=lambda i: -msgs[i].priority):
-            ask = policy.Ask(asks[i].prompt_tokens, asks[i].priority, asks[i].slo, hits.get(i))
+            ask = policy.Ask(asks[i].prompt_tokens, asks[i].priority, asks[i].slo, hits.get(i), msgs[i].adapter)
             placed = policy.place(self.policies.dispatch, self._states(msgs[i], now), ask, self.turn + i, self.rules)
             M_DISAGG.labels(placed.decision).inc()
             decisions[i], chosen[i] = placed.decision, placed.instance_id

@@ -222,7 +222,8 @@ class Destination(Side):
         self.requests.take_over(inc.request_id, inc.request.reply_to, epoch, state.emitted, inc.request.traceparent,
                                 slo_mark(r.slo_ttft_ms, r.slo_tpot_ms, r.arrival_time, r.first_token_time,
                                          r.first_token_index),
-                                prompt_tokens=len(inc.request.prompt_token_ids), priority=inc.request.priority)
+                                prompt_tokens=len(inc.request.prompt_token_ids), priority=inc.request.priority,
+                                adapter=inc.request.adapter)
         host.proxies.seen(inc.request.reply_to)  # its proxy has not spoken to us yet: count from now
         host.announce_move(inc.request_id, inc.request.reply_to, host.instance_id, host.request_address, epoch,
                            state.emitted)

@@ -1,6 +1,7 @@
 """Dispatch: which instance a new request goes to, composed once for every dispatcher (the manager, the proxies'
 own views, the simulator): the pool first (``pool_for``: with prefill/decode roles, where the request prefills,
-daemons/policy/disagg.py), then the instance within it by the dispatch policy in force (``dispatch``: the
+daemons/policy/disagg.py; for a LoRA request, the instances that hold its adapter or may load it,
+daemons/policy/residency.py), then the instance within it by the dispatch policy in force (``dispatch``: the
 policy object of daemons/policy/registry.py, over the pool completed by the cluster's fits where the policy
 predicts by them, slo.pooled). ``place`` is the two."""
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from daemons.policy import disagg
+from daemons.policy import disagg, residency
 from daemons.policy.registry import DISPATCH, DispatchPolicy, cache_choice, slo_cache_choice
 from daemons.policy.slo import NO_SLO, RequestSlo, class_of, pooled
 from daemons.policy.usage import InstanceState, blocks_for
@@ -31,12 +32,15 @@ class Rules:
     cache_band: float = 0.25
     cache_floor: float = 0.0
     disagg: disagg.Rules = field(default_factory=disagg.Rules)
+    max_replicas: int = 0  # lora.max_replicas: dispatch loads an adapter on no more instances (0: no bound)
+    residency: bool = True  # lora.residency: LoRA requests among their adapter's holders (False: by load alone)
 
 
 def rules_of(cfg) -> Rules:
     """Rules from the settings (daemons/config.py Config)."""
     sc = cfg.scheduling
-    return Rules(sc.high_priority_headroom, sc.cache_band, sc.cache_min_freeness, disagg.rules_of(cfg.disagg))
+    return Rules(sc.high_priority_headroom, sc.cache_band, sc.cache_min_freeness, disagg.rules_of(cfg.disagg),
+                 cfg.lora.max_replicas, cfg.lora.residency)
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,7 @@ class Ask:
     priority: int = 0
     slo: RequestSlo = NO_SLO
     hits: dict[str, int] | None = None
+    adapter: str = ""  # its LoRA adapter ("": the base model)
 
 
 @dataclass(frozen=True)
@@ -70,9 +75,14 @@ def pool_for(states: list[InstanceState], ask: Ask, rules: Rules) -> disagg.Deci
 
 def place(policy: str | DispatchPolicy, states: list[InstanceState], ask: Ask, turn: int, rules: Rules,
           start: float | None = None) -> Placement:
-    """Where a new request goes: the pool (``pool_for``), then the instance within it by ``policy``."""
+    """Where a new request goes: the pool (``pool_for``; for a LoRA request, narrowed by residency), then the
+    instance within it by ``policy``."""
     decision = pool_for(states, ask, rules)
     pool = states if decision is None else decision.pool
+    if rules.residency:
+        pool = residency.adapter_pool(pool, ask.adapter, rules.max_replicas)
+    elif ask.adapter:  # the baseline: any instance that serves adapters
+        pool = [s for s in pool if residency.serves_adapters(s)]
     chosen = dispatch(policy, pool, turn, rules.headroom, ask.priority, start, ask.hits, rules.cache_band,
                       rules.cache_floor, ask.slo.targets.tpot_s)
     return Placement(chosen, "" if decision is None else decision.decision)

@@ -50,6 +50,8 @@ class InstanceState:
     role: str = "mixed"  # "mixed" | "prefill" | "decode" (daemons/policy/disagg.py)
     outlook: object = None  # what its requests will still claim (wire.Outlook; None: not reported)
     pending_final_blocks: int = 0  # KV our pending dispatches will hold at their expected final lengths
+    adapters: tuple[str, ...] = ()  # the LoRA adapters it holds (daemons/policy/residency.py)
+    adapter_slots: int = 0  # its free adapter slots
 
     @property
     def batch(self) -> int:
@@ -143,4 +145,5 @@ def state_of(instance_id: str, load, **flags) -> InstanceState:
                          waiting_high=load.waiting_high, waiting_high_tokens=load.waiting_high_tokens,
                          context_tokens=load.context_tokens, latency=load.latency,
                          role=getattr(load, "role", "mixed") or "mixed", outlook=getattr(load, "outlook", None),
+                         adapters=tuple(getattr(load, "adapters", ())), adapter_slots=getattr(load, "adapter_slots", 0),
                          **flags)

@@ -161,12 +161,16 @@ def build_app(cfg: Config) -> FastAPI:
     app.add_route("/v1/chat/completions", counted("/v1/chat/completions", completion(True)), methods=["POST"])
     app.add_route("/tokenize", counted("/tokenize", proxy.routes.tokenize), methods=["POST"])
     app.add_route("/detokenize", counted("/detokenize", proxy.routes.detokenize), methods=["POST"])
+    app.add_route("/v1/load_lora_adapter", counted("/v1/load_lora_adapter", proxy.routes.load_lora_adapter),
+                  methods=["POST"])
+    app.add_route("/v1/unload_lora_adapter", counted("/v1/unload_lora_adapter", proxy.routes.unload_lora_adapter),
+                  methods=["POST"])
 
-    @app.get("/v1/models", summary="List the served model")
+    @app.get("/v1/models", summary="List the served model and its LoRA adapters (each with its base as parent)")
     async def models():
         return proxy.routes.models()
 
-    @app.get("/v1/models/{model_id:path}", summary="The served model's card (404 for any other id)")
+    @app.get("/v1/models/{model_id:path}", summary="The served model's or an adapter's card (404 for any other id)")
     async def model(model_id: str):
         return proxy.routes.model_info(model_id)
 

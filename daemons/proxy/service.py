@@ -76,12 +76,13 @@ class Proxy:
         self.cluster = ClusterClient(cfg, clock=clock, tracer=self.tracer)
         self.goodput = Goodput(cfg.slo)  # SLO outcomes per class (daemons/proxy/cluster/goodput.py)
         self.active: set[str] = set()  # ids of the requests this proxy is serving
-        self.checks = Checks(self.tokenizer, self.model, self.max_model_len, cfg.proxy.max_prompt_tokens, cfg.proxy)
+        self.checks = Checks(self.tokenizer, self.model, self.max_model_len, cfg.proxy.max_prompt_tokens, cfg.proxy,
+                             self.cluster.adapters)
         self.tenants = Tenants(clock.monotonic)  # per-key limits (daemons/proxy/front/tenants.py)
         self.limits = TenantLimits(self.tenants)
         self.access = AccessLog(cfg.proxy.access_log)
         self.guard = Guard(self.keys, body_limit(cfg), self.access)
-        self.routes = Routes(self.checks, self.cluster.alive, self.cluster.manager_ok)
+        self.routes = Routes(self.checks, self.cluster.alive, self.cluster.manager_ok, self.cluster.lora)
 
     async def handle(self, call: Call, chat: bool) -> Reply:
         """One completion or chat request; logs it once it is answered (a stream: once it ends). Raises
@@ -151,7 +152,7 @@ class Proxy:
         raw = await call.read()
         body = decode_body(raw, ChatRequest if job.chat else CompletionRequest)
         job.model = body.model
-        self.checks.check_model(body.model)
+        job.adapter = self.checks.check_model(body.model)
         body.unsupported()
         self.checks.check_stops(body)
         prompt_tokens = prompt_estimate(body, len(raw))
@@ -212,7 +213,7 @@ class Proxy:
         token_text = None
         if sampling.logprobs is not None:
             token_text = token_id_text if req.return_tokens_as_token_ids else self.tokenizer.token_text
-        job.setup(self.model, len(ids), include_usage, token_text, top_n)
+        job.setup(job.adapter or self.model, len(ids), include_usage, token_text, top_n)
         stops = req.stop_strings()
         n = req.n
         job.choices = [Choice(job, k, stops, self.tokenizer.detokenizer(), req.return_token_ids) for k in range(n)]
@@ -227,7 +228,8 @@ class Proxy:
         ttft_ms, tpot_ms = targets.ttft_s * 1000.0, targets.tpot_s * 1000.0
         submits = [wire.Submit(rid, ids, sampling if n == 1 else msgspec.structs.replace(
             sampling, seed=derive_seed(sampling.seed, k)), self.cluster.token_address, priority, now,
-            traceparent=traceparent, slo_ttft_ms=ttft_ms, slo_tpot_ms=tpot_ms) for k, rid in enumerate(sub_ids)]
+            traceparent=traceparent, slo_ttft_ms=ttft_ms, slo_tpot_ms=tpot_ms, adapter=job.adapter,
+            adapter_path=self.cluster.adapters().get(job.adapter, "")) for k, rid in enumerate(sub_ids)]
         self.active.add(job.id)
         handed_over = False  # to the streaming reply, which cleans up when it ends
         try:

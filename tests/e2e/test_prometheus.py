@@ -272,7 +272,9 @@ def prometheus(tmp_path, installed):
 
 def test_prometheus_scrapes_the_cluster_and_every_dashboard_query_has_data(start_cluster, prometheus, tmp_path):
     # With SLO targets no request here misses (a minute to the first token, 10 s per token): the SLO panels have data.
-    c = start_cluster(2, ["instance.min_step_s=0.01", "slo.ttft_ms=60000", "slo.tpot_ms=10000"])
+    # A LoRA adapter (the sim loads any path) and one request for it: the LoRA panels have data.
+    c = start_cluster(2, ["instance.min_step_s=0.01", "slo.ttft_ms=60000", "slo.tpot_ms=10000", "lora.slots=2",
+                          "lora.adapters=sql=/adapters/sql"])
     # The instances' targets as an operator gets them: scripts/monitoring/targets.py (file_sd).
     targets = tmp_path / "llumnix-instances.json"
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
@@ -307,6 +309,9 @@ scrape_configs:
         r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                                                     "max_tokens": 8, "ignore_eos": True})
         assert r.status_code == 200, r.text
+        n += 1
+        r = http.post("/v1/completions", json=BODY | {"model": "sql"})
+        assert r.status_code == 200 and r.json()["model"] == "sql", r.text
         n += 1
     s = Stream(c.url, 300, prompt="move me " * 20, ignore_eos=True)
     s.wait_tokens(5)

@@ -35,6 +35,28 @@ def test_block_hashes_are_vllms_own(monkeypatch):
         prefix.block_hashes(tokens, 0)
 
 
+def test_an_adapters_block_hashes_are_vllms_own(monkeypatch):
+    """A LoRA request's blocks are hashed with vLLM's LoRA extra keys: the proxy's index finds the blocks an
+    instance cached for that adapter, never the base model's or another adapter's."""
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    from types import SimpleNamespace
+
+    from vllm.lora.request import LoRARequest
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core import kv_cache_utils as kvu
+
+    kvu.init_none_hash(sha256)
+    tokens = list(range(100, 164))
+    extra = tuple(kvu._gen_lora_extra_hash_keys(SimpleNamespace(lora_request=LoRARequest("sql", 3, "/m/sql"))))
+    assert extra == prefix.adapter_keys("sql", "/m/sql")
+    want, parent = [], None
+    for b in range(4):
+        parent = kvu.hash_block_tokens(sha256, parent, tokens[b * 16:(b + 1) * 16], extra)
+        want.append(bytes(parent))
+    assert prefix.block_hashes(tokens, 16, extra_keys=prefix.adapter_keys("sql", "/m/sql")) == want
+    assert prefix.block_hashes(tokens, 16) != want
+
+
 def _brute(held: dict[str, set[int]], request: list[int]) -> dict[str, int]:
     out = {}
     for i, blocks in held.items():

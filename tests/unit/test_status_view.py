@@ -62,3 +62,14 @@ def test_status_table_shows_the_slo_columns_and_the_cluster_line():
     assert i0[col["SLO MET"]] == "36/40 90%" and total[col["SLO MET"]] == "36/40 90%"
     assert [i1[c] for c in col.values()] == ["-", "-", "-"]  # no model yet, nothing judged
     assert "512-token prompt" in text
+
+
+def test_status_shows_each_instances_adapters_and_free_slots():
+    held = wire.InstanceLoad(1000, 0, 0, 0, 8, 16, adapters=["sql", "chat"], adapter_slots=1)
+    off = wire.InstanceLoad(1000, 0, 0, 0, 8, 16)  # LoRA off: not in the adapters line
+    data = status_json(wire.Snapshot(0, [view("i0", held), view("i1", off)]), "tcp://127.0.0.1:7100")
+    assert (data["instances"][0]["adapters"], data["instances"][0]["adapter_slots"]) == (["sql", "chat"], 1)
+    assert (data["instances"][1]["adapters"], data["instances"][1]["adapter_slots"]) == ([], 0)
+    console = Console(width=250, record=True)
+    console.print(render_status(data))
+    assert "adapters: i0 sql, chat (1 open)" in console.export_text()

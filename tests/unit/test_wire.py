@@ -75,6 +75,12 @@ def _samples():
         wire.LinkReady("i0>i1/ab12", False, "KV layout differs: tensor-parallel size differs: source 2, destination 1"),
         wire.RoleQuery(14, "i0", "decode"),
         wire.RoleReply(14, "i0", "decode", "prefill", 2),
+        wire.LoraQuery(15, "load", "sql", "/models/sql", ["i0"]),
+        wire.LoraReply(15, [wire.AdapterRow("sql", "/models/sql", ["i0"])], [wire.AdapterOutcome("i0", True, "loaded")]),
+        wire.LoraOrder(16, "load", "sql", "/models/sql"),
+        wire.LoraResult(16, "i0", False, "adapter 'sql': its rank is 64, over this instance's limit lora.max_rank = 16"),
+        wire.Submit("r", [1, 2], wire.SamplingParams(), "tcp://p:1", adapter="sql", adapter_path="/models/sql"),
+        wire.LoadReport("i0", 4, wire.InstanceLoad(100, 10, 2, 1, 8, 16, adapters=["sql", "chat"], adapter_slots=2)),
     ]
 
 
@@ -111,3 +117,16 @@ def test_cache_events_are_bounded_and_a_cache_sync_names_an_address():
     assert wire.decode(over) is None
     assert wire.decode(msgspec.msgpack.encode([43, "not an address"])) is None
     assert wire.decode(wire.encode(wire.CacheSync())) == wire.CacheSync()
+
+
+def test_lora_fields_are_appended_and_an_older_peer_still_decodes():
+    """The adapter fields go at the end with defaults: a Submit or a load without them encodes as before, and one
+    with them decodes with the older struct's fields intact (array_like: an older peer reads the prefix)."""
+    plain = wire.Submit("r", [1, 2], wire.SamplingParams(), "tcp://p:1", epoch=3)
+    assert wire.decode(wire.encode(plain)) == plain
+    with_adapter = msgspec.structs.replace(plain, adapter="sql", adapter_path="/m/sql")
+    assert len(msgspec.msgpack.encode(with_adapter)) > len(msgspec.msgpack.encode(plain))
+    back = wire.decode(wire.encode(with_adapter))
+    assert (back.adapter, back.adapter_path, back.epoch) == ("sql", "/m/sql", 3)
+    load = wire.InstanceLoad(100, 10, 2, 1, 8, 16)
+    assert msgspec.msgpack.encode(load) == msgspec.msgpack.encode(msgspec.structs.replace(load, adapters=[], adapter_slots=0))

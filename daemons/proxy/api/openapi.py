@@ -8,8 +8,8 @@ from fastapi.openapi.utils import get_openapi
 
 from daemons.cli import package_version
 from daemons.proxy.api.protocol import (
-    ChatRequest, CompletionRequest, DetokenizeRequest, ErrorResponse, TokenizeRequest, document_schemas,
-    openapi_components,
+    ChatRequest, CompletionRequest, DetokenizeRequest, ErrorResponse, LoadLoraAdapterRequest, TokenizeRequest,
+    UnloadLoraAdapterRequest, document_schemas, openapi_components,
 )
 
 _BODY_ROUTES = [  # (path, struct, summary, streams)
@@ -17,6 +17,8 @@ _BODY_ROUTES = [  # (path, struct, summary, streams)
     ("/v1/chat/completions", ChatRequest, "Create a chat completion", True),
     ("/tokenize", TokenizeRequest, "Tokenize a prompt or chat messages (vLLM's route)", False),
     ("/detokenize", DetokenizeRequest, "Turn token ids into text (vLLM's route)", False),
+    ("/v1/load_lora_adapter", LoadLoraAdapterRequest, "Load a LoRA adapter on the instances (vLLM's route)", False),
+    ("/v1/unload_lora_adapter", UnloadLoraAdapterRequest, "Unload a LoRA adapter (vLLM's route)", False),
 ]
 _ERRORS = {"400": "Bad request (the body names the parameter)", "404": "Unknown model", "409": "Request id in flight",
            "413": "Request body larger than proxy.max_body_bytes", "499": "The client went away",
@@ -52,9 +54,13 @@ def openapi_document(app: FastAPI, model: str, max_model_len: int, api_keys: boo
         "/v1/chat/completions": {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8},
         "/tokenize": {"model": model, "prompt": "Hello"},
         "/detokenize": {"model": model, "tokens": [5, 6, 7]},
+        "/v1/load_lora_adapter": {"lora_name": "sql", "lora_path": "/models/sql-lora"},
+        "/v1/unload_lora_adapter": {"lora_name": "sql"},
     }
     for (path, _, summary, streams), ref in zip(_BODY_ROUTES, refs):
         ok = {"application/json": {"schema": {"type": "object"}}}
+        if path.endswith("_lora_adapter"):  # vLLM answers these with a line of text
+            ok = {"text/plain": {"schema": {"type": "string"}}}
         if streams:
             ok["text/event-stream"] = {"schema": {"type": "string"}}
         op = {"summary": summary, "operationId": path.strip("/").replace("/", "_"),

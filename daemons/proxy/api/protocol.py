@@ -243,6 +243,21 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
     tokens: list[int]
 
 
+class LoadLoraAdapterRequest(msgspec.Struct, kw_only=True):
+    """vLLM's /v1/load_lora_adapter: an adapter's name and its directory (as the instances see it)."""
+
+    lora_name: str = ""
+    lora_path: str = ""
+    load_inplace: bool = False  # vLLM's reload; here a load of a served name from its own path is harmless
+
+
+class UnloadLoraAdapterRequest(msgspec.Struct, kw_only=True):
+    """vLLM's /v1/unload_lora_adapter."""
+
+    lora_name: str = ""
+    lora_int_id: int | None = None  # vLLM's, ignored: adapters are named
+
+
 class ErrorInfo(msgspec.Struct):
     message: str
     type: str

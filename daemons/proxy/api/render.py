@@ -87,6 +87,7 @@ class Job:
         self.slo = None  # its SLO class and targets (daemons/policy/slo.py RequestSlo), once admitted
         self.fits: tuple[str, ...] = ()  # (admission by SLO) the instances predicted to meet its TTFT target
         self.tools: ToolCalls | None = None  # a forced tool choice: the output is answered as tool calls
+        self.adapter = ""  # the LoRA adapter its model names ("": the base model)
         self._head = b""
 
     def setup(self, model: str, prompt_tokens: int, include_usage: bool, token_text, top_n: int) -> None:

@@ -51,6 +51,7 @@ import zmq
 import zmq.asyncio
 
 from daemons import metrics, policy, prefix, runtime, security, wire
+from daemons.config import parse_adapters
 from daemons.clock import Clock
 from daemons.links import DOWN, UP, LinkWatch
 from daemons.policy import slo
@@ -73,6 +74,7 @@ from daemons.proxy.cluster.view import DispatchView
 from daemons.tracing import now_ns
 
 log = logging.getLogger("llumnix.proxy")
+LORA_TIMEOUT_S = 65.0  # the manager waits up to 60 s for its instances to load an adapter
 
 __all__ = ["M_REFUSAL", "M_REJECTED", "REJECT_REASONS", "ClusterClient", "NoInstance", "Overloaded", "Stream"]
 
@@ -101,6 +103,7 @@ class ClusterClient:
         links = LinkWatch(pc.instance_timeout_s, self._link_changed, lambda _: M_LINKS_HEALED.inc(), clock)  # by address
         self.port = port = InstancePort(self.ctx, self.sec, links)
         self.known = known = KnownInstances(clock, pc.instance_timeout_s, pc.snapshot_interval_s, links.state)
+        known.adapters = parse_adapters(cfg.lora.adapters)
         self.view = DispatchView(cfg.manager.pending_dispatch_ttl_s, policy.rules_of(cfg), clock.monotonic)
         self.classes = slo.Classes(cfg.slo)  # each request's class and targets, once (``submit``)
         # Which instance caches which prompt blocks, from their CacheEvents (daemons/prefix.py): learnt again
@@ -155,6 +158,21 @@ class ClusterClient:
 
     def manager_ok(self) -> bool:
         return self.known.manager_ok()
+
+    def adapters(self) -> dict[str, str]:
+        """The LoRA adapters the cluster serves: name -> path (the manager's last snapshot)."""
+        return self.known.adapters
+
+    async def lora(self, op: str, name: str, path: str = "") -> wire.Message | None:
+        """Ask the manager to load or unload an adapter (daemons/manager/adapters.py): its LoraReply or
+        ErrorReply, None if it did not answer. A load it answers is served here at once."""
+        reply = await self.link.ask(wire.LoraQuery(self.link.next_id(), op, name, path), LORA_TIMEOUT_S)
+        if isinstance(reply, wire.LoraReply):
+            if op == "load":
+                self.known.adapters[name] = path
+            elif op == "unload":
+                self.known.adapters.pop(name, None)
+        return reply
 
     def admit(self, request: slo.RequestSlo | int, tenant: str = "", prompt_tokens: int = 0, max_tokens: int = 0,
               request_id: str = ""):

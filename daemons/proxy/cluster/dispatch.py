@@ -99,7 +99,7 @@ class Dispatcher:
         if self.known.manager_ok() or not self.known.snapshot:
             keys = self._prefix_keys(stream) if self._policy().prefix_aware else []
             q = wire.Dispatch(self.manager.next_id(), sub.request_id, len(sub.prompt_token_ids), sub.priority,
-                              self._excluded(stream), keys)
+                              self._excluded(stream), keys, sub.adapter)
             reply = await self.manager.ask(q, self.pc.dispatch_timeout_s)
             if reply is not None:
                 if not reply.instance_id and not any(v.instance_id not in stream.exclude for v in self.known.alive()):
@@ -166,7 +166,7 @@ class Dispatcher:
         self.view.refresh(self.known.alive)
         roles = bool(self.view.roles)  # the disaggregation decision weighs what decode instances cache
         ask = policy.Ask(len(sub.prompt_token_ids) + len(sub.output_token_ids),
-                         sub.priority, stream.slo, self._cache_hits(stream, any_policy=roles))
+                         sub.priority, stream.slo, self._cache_hits(stream, any_policy=roles), sub.adapter)
         chosen = self.view.choose(self.known.alive, self._policy(), ask, self._turn, self.known.tie_start(),
                                   self._excluded(stream))
         if self.view.decision:
@@ -206,7 +206,9 @@ class Dispatcher:
             block_size = entry.load.block_size if entry is not None else self.known.block_size()
             if not block_size:
                 return []
-            stream.prefix_keys = prefix.keys(prefix.block_hashes(stream.submit.prompt_token_ids, block_size))
+            sub = stream.submit
+            stream.prefix_keys = prefix.keys(prefix.block_hashes(sub.prompt_token_ids, block_size,
+                                                                 extra_keys=prefix.adapter_keys(sub.adapter, sub.adapter_path)))
         return stream.prefix_keys
 
 

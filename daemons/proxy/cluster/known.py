@@ -40,6 +40,8 @@ class KnownInstances:
         self.owner_keys: dict[str, str] = {}  # instance id -> "role:name" of its CURVE key (from_owner)
         self.dispatch_policy = policy.DISPATCH.default.name  # the manager's, from its snapshots: our fallback dispatches the same way
         self.rank, self.proxies = 0, 1  # our place among the proxies the manager hears from (see tie_start)
+        # The LoRA adapters the cluster serves, name -> path: lora.adapters until the manager's snapshots say.
+        self.adapters: dict[str, str] = {}
         self._forged_logged = Throttle(60.0)
 
     # ------------------------------------------------------------------ what we hear
@@ -51,6 +53,7 @@ class KnownInstances:
                 self.owner_keys[v.instance_id] = v.key
             self.addresses[v.instance_id] = v.request_address
         self.rank, self.proxies = msg.proxy_rank, msg.proxies
+        self.adapters = dict(msg.adapters)
         if msg.dispatch_policy in policy.DISPATCH:
             self.dispatch_policy = msg.dispatch_policy
 

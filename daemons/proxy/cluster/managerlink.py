@@ -56,7 +56,7 @@ class ManagerLink:
             try:
                 if isinstance(msg, wire.Snapshot):
                     self.on_snapshot(msg)
-                if isinstance(msg, (wire.DispatchReply, wire.Snapshot)):
+                if isinstance(msg, (wire.DispatchReply, wire.Snapshot, wire.LoraReply, wire.ErrorReply)):
                     fut = self._queries.get(msg.query_id)
                     if fut is not None and not fut.done():
                         fut.set_result(msg)

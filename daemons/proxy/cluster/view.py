@@ -151,7 +151,7 @@ class DispatchView:
         now = self.now()
         self.by_cache, self.decision = False, ""
         self.refresh(alive)
-        if self.roles or exclude:  # (rare, or a cluster with roles: built afresh)
+        if self.roles or exclude or ask.adapter:  # (rare, a cluster with roles, or a LoRA request: built afresh)
             states = [self.state_of(v, v.load, now) for v in alive() if v.instance_id not in exclude]
             placed = policy.place(p, states, ask, turn, self.rules, start)
             self.decision = placed.decision

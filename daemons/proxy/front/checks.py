@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import re
+from typing import Callable, Mapping
 
 from daemons.proxy.front.call import Call
 from daemons.proxy.api.protocol import ApiError, ChatRequest, CompletionRequest, TokenizeRequest
@@ -15,20 +16,27 @@ _REQUEST_ID = re.compile(r"[!-~]{1,128}")  # visible ASCII: safe in logs, tables
 
 class Checks:
     """Raises ApiError (a 4xx body) for what is wrong. Receives the tokenizer, the served model's name and
-    context length, proxy.max_prompt_tokens and ``stop_limits`` (the [proxy] settings that bound stop strings)."""
+    context length, proxy.max_prompt_tokens, ``stop_limits`` (the [proxy] settings that bound stop strings) and
+    ``adapters`` (the LoRA adapters the cluster serves now: name -> path)."""
 
     def __init__(self, tokenizer: Tokenizer, model: str, max_model_len: int, max_prompt_tokens: int = 0,
-                 stop_limits=None):
+                 stop_limits=None, adapters: Callable[[], Mapping[str, str]] = dict):
         self.tokenizer = tokenizer
+        self.adapters = adapters
         self.model = model
         self.max_model_len = max_model_len
         self.max_prompt_tokens = max_prompt_tokens  # 0: only the context limit
         self.stop_limits = stop_limits
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model:
-            raise ApiError(404, f"The model `{model}` does not exist. This proxy serves `{self.model}`.", "model",
-                           code="model_not_found")
+    def check_model(self, model: str | None) -> str:
+        """The LoRA adapter ``model`` names ("": the base model); ApiError 404 for a model not served here."""
+        if model is None or model == self.model:
+            return ""
+        if model in self.adapters():
+            return model
+        served = ", ".join(f"`{m}`" for m in (self.model, *sorted(self.adapters())))
+        raise ApiError(404, f"The model `{model}` does not exist. This proxy serves {served}.", "model",
+                       code="model_not_found")
 
     def prompt_ids(self, req: CompletionRequest) -> list[int]:
         prompt = req.prompt

@@ -1,22 +1,28 @@
-"""The proxy's other routes: models, tokenize, detokenize, health."""
+"""The proxy's other routes: models, tokenize, detokenize, health, and vLLM's LoRA routes (load and unload an
+adapter, through the manager: daemons/manager/adapters.py)."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Awaitable, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from daemons.proxy.front.checks import Checks
-from daemons.proxy.api.protocol import ApiError, DetokenizeRequest, TokenizeRequest, decode_body
+from daemons import wire
+from daemons.proxy.api.protocol import (ApiError, DetokenizeRequest, LoadLoraAdapterRequest, TokenizeRequest,
+                                        UnloadLoraAdapterRequest, decode_body)
 
 
 class Routes:
-    """Receives the request checks (with the tokenizer and the model), and the cluster's ``alive`` (the
-    instances that take requests) and ``manager_ok``."""
+    """Receives the request checks (with the tokenizer, the model and the adapters served), and the cluster's
+    ``alive`` (the instances that take requests), ``manager_ok`` and ``lora`` (a load or unload, asked of the
+    manager: its reply, None without one)."""
 
-    def __init__(self, checks: Checks, alive: Callable[[], list], manager_ok: Callable[[], bool]):
+    def __init__(self, checks: Checks, alive: Callable[[], list], manager_ok: Callable[[], bool],
+                 lora: Callable[[str, str, str], Awaitable[wire.Message | None]] | None = None):
         self.checks = checks
+        self.lora = lora
         self.tokenizer = checks.tokenizer
         self.model = checks.model
         self.max_model_len = checks.max_model_len
@@ -27,14 +33,55 @@ class Routes:
         return {"id": self.model, "object": "model", "created": 0, "owned_by": "llumnix", "root": self.model,
                 "max_model_len": self.max_model_len}
 
+    def adapter_card(self, name: str, path: str) -> dict:
+        """As vLLM lists an adapter: its directory as ``root``, the base model as ``parent``."""
+        return {"id": name, "object": "model", "created": 0, "owned_by": "llumnix", "root": path,
+                "parent": self.model, "max_model_len": self.max_model_len}
+
     def models(self) -> dict:
-        return {"object": "list", "data": [self.model_card()]}
+        adapters = self.checks.adapters()
+        return {"object": "list", "data": [self.model_card(), *(self.adapter_card(n, adapters[n]) for n in sorted(adapters))]}
 
     def model_info(self, model_id: str) -> dict:
-        if model_id != self.model:
-            raise ApiError(404, f"The model `{model_id}` does not exist. This proxy serves `{self.model}`.", "model",
-                           code="model_not_found")
+        if self.checks.check_model(model_id):
+            return self.adapter_card(model_id, self.checks.adapters()[model_id])
         return self.model_card()
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        req = decode_body(await request.body(), LoadLoraAdapterRequest)
+        name, path = req.lora_name, req.lora_path
+        if not name or not path:
+            raise ApiError(400, "Both 'lora_name' and 'lora_path' must be provided.", "lora_name" if not name else "lora_path")
+        if name == self.model:
+            raise ApiError(400, f"The lora adapter '{name}' conflicts with a served base model.", "lora_name")
+        known = self.checks.adapters().get(name)
+        if known is not None and not (req.load_inplace and known == path):
+            raise ApiError(400, f"The lora adapter '{name}' has already been loaded (from {known}). If you want to "
+                                f"load the adapter in place, set 'load_inplace' to True.", "lora_name")
+        self._answered(await self._ask("load", name, path))
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        req = decode_body(await request.body(), UnloadLoraAdapterRequest)
+        name = req.lora_name
+        if not name:
+            raise ApiError(400, "'lora_name' needs to be provided to unload a LoRA adapter.", "lora_name")
+        if name not in self.checks.adapters():
+            raise ApiError(404, f"The lora adapter '{name}' cannot be found.", "lora_name", code="model_not_found")
+        self._answered(await self._ask("unload", name, ""))
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
+
+    async def _ask(self, op: str, name: str, path: str) -> wire.Message | None:
+        if self.lora is None:
+            raise ApiError(404, "this proxy loads no LoRA adapters")
+        return await self.lora(op, name, path)
+
+    @staticmethod
+    def _answered(reply: wire.Message | None) -> None:
+        if reply is None:
+            raise ApiError(503, "the manager did not answer; try again (LoRA adapters are loaded through it)")
+        if isinstance(reply, wire.ErrorReply):
+            raise ApiError(400, reply.message, "lora_path")
 
     async def tokenize(self, request: Request) -> Response:
         req = decode_body(await request.body(), TokenizeRequest)

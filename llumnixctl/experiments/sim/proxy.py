@@ -93,11 +93,11 @@ class SimProxy:
 
     # ------------------------------------------------------------------ the dispatch
 
-    def choose(self, priority: int, exclude: tuple = (), prompt_tokens: int = 0) -> str | None:
+    def choose(self, priority: int, exclude: tuple = (), prompt_tokens: int = 0, adapter: str = "") -> str | None:
         """The instance for a new request (None: the view has none; ask the manager): the proxy's own
         ``DispatchView.choose`` (``policy.place`` over its view)."""
         self.turn += 1
-        ask = policy.Ask(prompt_tokens, priority, self.classes.of(priority))
+        ask = policy.Ask(prompt_tokens, priority, self.classes.of(priority), adapter=adapter)
         return self.view.choose(self.known.alive, self.known.dispatch_policy, ask, self.turn, self.known.tie_start(),
                                 exclude)
 

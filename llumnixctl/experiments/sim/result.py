@@ -43,6 +43,10 @@ def result_of(sim, wall_s: float) -> dict:
         "migration_downtime_ms": stats_of("downtime", mig.downtimes)["mean_downtime_ms"] if mig.downtimes else None,
         "dispatch_policy": sim.mgr.dispatch_policy, "events": sim.events, "wall_s": wall_s,
         "leaked_blocks": sum(ld.blocks_used for ld in loads),
+        # LoRA (the sim engine's adapter slots): adapters loaded, and of those unloaded to make room
+        "adapter_loads": sum(i.engine.adapters.loads for i in sim.instances.values() if i.engine.adapters is not None),
+        "adapter_evictions": sum(i.engine.adapters.evictions for i in sim.instances.values()
+                                 if i.engine.adapters is not None),
         **sim.cache.figures(),
     })
     out["slo"] = slo_of(sim, duration)

@@ -92,11 +92,10 @@ MIGRATIONS_SETTLE_S = 30.0  # after the last request: at most this long for the 
 class Simulation:
     def __init__(self, cfg: Config, instances: int, trace: list[TraceRequest], net: Network | None = None,
                  sample_s: float = 0.0, oracle: bool = False, slo_admission: bool = True,
-                 roles: list[str] | None = None):
-        """``sample_s`` > 0: every so often (virtual seconds) look for fragmentation (a queue head that the cluster's
-        free blocks could hold but no single instance's can) and call the "sample" observers. ``oracle``: dispatch by
-        the engines' real caches first (sim/cache.py). ``slo_admission`` False: with [slo] targets, admit everything,
-        never give up (the targets only measure). ``roles``: the instances' (sim/disagg.py; None: all mixed)."""
+                 roles: list[str] | None = None, adapter_of=None):
+        """``sample_s`` > 0: every so often (virtual s) sample fragmentation (sim/result.py) for the "sample" observers.
+        ``oracle``: dispatch by the engines' caches first (sim/cache.py). ``slo_admission`` False: with [slo] targets,
+        admit all, never give up. ``roles``: the instances' (sim/disagg.py). ``adapter_of(request)``: its LoRA adapter."""
         _engine_code()
         self.cfg = cfg
         self.oracle = oracle
@@ -105,6 +104,7 @@ class Simulation:
         self.fragmentation = Fragmentation()
         self.net = net or Network()
         self.trace = trace
+        self.adapter_of = adapter_of or (lambda tr: "")
         self.loop = VirtualTimeLoop()  # the simulation's events are its timers (daemons/clock.py)
         self.clock = LoopClock(self.loop)  # the manager's clock too
         # proxy.dispatch = local (the default): the proxy's own dispatch view chooses (sim/proxy.py); with an
@@ -252,7 +252,7 @@ class Simulation:
         local = proxy is not None and proxy.ready() and not self.oracle
         if local:
             iid = proxy.choose(prio, self.roles.exclude(proxy, tr.prompt_tokens, prio, exclude),  # (in its pool)
-                               tr.prompt_tokens)
+                               tr.prompt_tokens, self.adapter_of(tr))
             if iid is not None:
                 self.slo.sent(req, iid)
                 req.dispatches += 1
@@ -273,7 +273,8 @@ class Simulation:
         if iid is None:
             reply = self.mgr.on_dispatch_batch([wire.Dispatch(next(self._qid), rid, tr.prompt_tokens, prio,
                                                               list(exclude),
-                                                              self.cache.keys_of(req) if self.cache.cache_keys else [])])[0]
+                                                              self.cache.keys_of(req) if self.cache.cache_keys else [],
+                                                              self.adapter_of(tr))])[0]
             self.roles.decided(reply.disagg)  # (the manager decides with roles itself)
             if not reply.instance_id:
                 return self._fail(req, reply.reason or "no instance")
@@ -294,8 +295,8 @@ class Simulation:
         tr = req.trace
         sampling = wire.SamplingParams(max_tokens=max(1, tr.output_tokens), ignore_eos=True)
         req.owner = iid
-        inst.intake.post(wire.Submit(rid, self.cache.prompt_of(req), sampling, PROXY_ADDRESS,
-                                     priority=1 if tr.priority == "high" else 0, arrival_time=req.sent, epoch=1))
+        inst.intake.post(wire.Submit(rid, self.cache.prompt_of(req), sampling, PROXY_ADDRESS, int(tr.priority == "high"),
+                                     req.sent, 1, adapter=self.adapter_of(tr)))  # (a sim adapter: no path)
 
     def _fail(self, req: SimulatedRequest, why: str) -> None:
         req.error = why
@@ -315,8 +316,9 @@ class Simulation:
         that failed, a request given back for re-dispatch (the owner of a moved request is noted by its host)."""
         if isinstance(msg, wire.TokenBatch):
             self._tokens(inst, msg.outputs)
-        elif isinstance(msg, wire.RequestFailed):
-            self._fail(self.requests[msg.request_id], msg.message)
+        elif isinstance(msg, wire.RequestFailed):  # retryable: every adapter slot there is in use, go elsewhere
+            self.redispatch(msg.request_id, inst.iid) if msg.retryable else self._fail(self.requests[msg.request_id],
+                                                                                       msg.message)
         elif isinstance(msg, wire.Redispatch):
             self.redispatch(msg.request_id, inst.iid)
 
@@ -359,11 +361,11 @@ class Simulation:
 
 def simulate(cfg: Config, instances: int, trace: list[TraceRequest], net: Network | None = None,
              sample_s: float = 0.0, observers: tuple = (), oracle: bool = False, slo_admission: bool = True,
-             roles: list[str] | None = None) -> dict:
+             roles: list[str] | None = None, adapter_of=None) -> dict:
     """Run ``trace`` on ``instances`` simulated instances with the settings of ``cfg``; the figures."""
     if instances < 1:
         raise ValueError("a cluster needs at least one instance")
-    sim = Simulation(cfg, instances, trace, net, sample_s, oracle, slo_admission, roles)
+    sim = Simulation(cfg, instances, trace, net, sample_s, oracle, slo_admission, roles, adapter_of)
     for fn in observers:
         sim.observe(fn)
     return sim.run()

