@@ -352,3 +352,27 @@ def test_an_unload_waits_for_the_sim_requests_running_with_it():
     assert e.adapters.unload("b") is False
     e.adapters.load("b", "/m/b")  # any call looks again: r1 has left, a goes
     assert e.load().adapters == ["b"]
+
+
+def test_the_sim_prefix_cache_keeps_an_adapters_blocks_apart():
+    from daemons.config import LoraConfig, ModelConfig, SimConfig
+    from daemons.engine.base import EngineRequest
+    from daemons.engine.sim import SimEngine
+
+    e = SimEngine(SimConfig(prefix_caching=True, eos_rate=0.0), ModelConfig(), kv=False, lora=LoraConfig(slots=2))
+    prompt = list(range(100, 164))  # 4 full blocks of 16
+
+    def run(rid: str, adapter: str = "") -> int:
+        before = e.cache.hit_tokens
+        e.add_request(EngineRequest(rid, prompt, wire.SamplingParams(max_tokens=2, ignore_eos=True), adapter=adapter,
+                                    adapter_path=f"/m/{adapter}" if adapter else ""))
+        while e.has_work():
+            e.step()
+        return e.cache.hit_tokens - before
+
+    assert run("base") == 0
+    assert run("a1", "a") == 0  # the base model's blocks are not the adapter's
+    again = run("a2", "a")  # the adapter's own are
+    assert again > 0
+    assert run("b1", "b") == 0  # nor another adapter's
+    assert run("base2") == again
