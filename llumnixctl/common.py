@@ -153,7 +153,7 @@ def instance_json(v: wire.InstanceView) -> dict:
         "slo_met": ld.slo_met, "slo_judged": ld.slo_judged,
         "slo_attainment": round(ld.slo_met / ld.slo_judged, 4) if ld.slo_judged else None,
         "role": ld.role or "mixed",
-        # LoRA: the adapters it holds, most recently used first, and its free adapter slots
+        # LoRA: the adapters it holds, most recently used first, and its open adapter slots (free, or idle)
         "adapters": list(ld.adapters), "adapter_slots": ld.adapter_slots,
     }
 

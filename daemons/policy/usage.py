@@ -49,7 +49,7 @@ class InstanceState:
     slo_usage: float = 0.0  # blocks of virtual usage its predicted TPOT adds (slo.latency_usage; 0: off)
     role: str = "mixed"  # "mixed" | "prefill" | "decode" (daemons/policy/disagg.py)
     adapters: tuple[str, ...] = ()  # the LoRA adapters it holds (daemons/policy/residency.py)
-    adapter_slots: int = 0  # its free adapter slots
+    adapter_slots: int = 0  # its open adapter slots (free, or holding an adapter no request runs with)
 
     @property
     def batch(self) -> int:
