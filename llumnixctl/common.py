@@ -158,7 +158,7 @@ def instance_json(v: wire.InstanceView) -> dict:
         "ttft_error_p90": round(ld.ttft_error_p90, 4) if ld.ttft_error_judged else None,
         "ttft_error_judged": ld.ttft_error_judged,
         "role": ld.role or "mixed",
-        # LoRA: the adapters it holds, most recently used first, and its free adapter slots
+        # LoRA: the adapters it holds, most recently used first, and its open adapter slots (free, or idle)
         "adapters": list(ld.adapters), "adapter_slots": ld.adapter_slots,
     }
 

@@ -22,10 +22,7 @@ class Adapter:
     lora_id: int  # the engine's id for it (vLLM's lora_int_id: unique per load)
     used: int = 0  # when it was last used (the table's counter: larger is more recent)
     running: set[str] | None = None  # requests that run with it now
-    unloading: bool = False  # unload asked while requests ran: it goes when the last of them ends
-    # counters since it was loaded here (metrics)
-    requests: int = 0
-    tokens: int = 0
+    unloading: bool = False  # unload asked: it goes when the last request running with it ends
 
 
 class AdapterTable:
@@ -101,7 +98,6 @@ class AdapterTable:
     def started(self, name: str, request_id: str) -> Adapter:
         a = self.use(name)
         a.running.add(request_id)
-        a.requests += 1
         return a
 
     def ended(self, name: str, request_id: str) -> list[Adapter]:

@@ -30,13 +30,14 @@ class SimPrefixCache:
     def __len__(self) -> int:
         return len(self._block_of)
 
-    def keys_of(self, tokens: list[int], hashes: list[bytes]) -> list[bytes]:
+    def keys_of(self, tokens: list[int], hashes: list[bytes], adapter: tuple[str, str] = ("", "")) -> list[bytes]:
         """``hashes`` (the chain hashes of ``tokens``' first full blocks, as far as known) extended to every
         full block of ``tokens``."""
         full = len(tokens) // self.block_size
         if len(hashes) < full:
             hashes.extend(prefix.block_hashes(tokens[len(hashes) * self.block_size:full * self.block_size],
-                                              self.block_size, parent=hashes[-1] if hashes else None))
+                                              self.block_size, parent=hashes[-1] if hashes else None,
+                                              extra_keys=prefix.adapter_keys(*adapter)))  # a LoRA's: its own blocks
         return hashes
 
     def hits(self, hashes: list[bytes], tokens: int) -> int:
@@ -110,7 +111,7 @@ class SimPrefixCache:
         """Of the ``tokens`` a waiting request (sim_requests.SimRequest) would prefill, those not cached."""
         if req.tokens is None:
             return tokens
-        return tokens - self.hits(self.keys_of(req.tokens, req.hashes), tokens)
+        return tokens - self.hits(self.keys_of(req.tokens, req.hashes, req.adapter), tokens)
 
     def prefilled(self, req) -> None:
         """An admitted request took its blocks: what they held is gone, its full blocks' content is there now
@@ -125,4 +126,4 @@ class SimPrefixCache:
         list is least recently freed first: vLLM's LRU eviction)."""
         if req.tokens is not None and req.blocks:
             computed = min(len(req.tokens), req.prompt_len + req.generated, len(req.blocks) * self.block_size)
-            self.filled(req.blocks, self.keys_of(req.tokens[:computed], req.hashes))
+            self.filled(req.blocks, self.keys_of(req.tokens[:computed], req.hashes, req.adapter))

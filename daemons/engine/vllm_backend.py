@@ -21,11 +21,11 @@ import time
 import msgspec
 
 from daemons.config import LoraConfig, ModelConfig, VllmConfig
+from daemons.engine.adapters import module_dims
 from daemons.engine.base import (EngineDefaults, EngineError, EngineRequest, KvBlocks, MigrationParts, StepResult,
                                   check_request)
 from daemons.engine.vllm_cache import VllmPrefixCache
 from daemons.engine.vllm_internals import VllmInternals, lower_this_thread, set_env, set_num_threads
-from daemons.engine.adapters import module_dims
 from daemons.engine.vllm_lora import VllmAdapters
 from daemons.engine.vllm_migration import LiveRequest, LiveRequests, VllmMigrations
 from daemons.kv.layout import KvShards
@@ -121,7 +121,7 @@ class VllmEngine(EngineDefaults, MigrationParts):
         lora = self._lora_for(request.adapter, request.adapter_path, rid) if request.adapter else None
         try:
             req = self._v.add(rid, list(prompt), params, request.arrival_time or time.time(), request.priority, done, lora)
-        except BaseException:
+        except Exception:
             if lora is not None:
                 self.adapters.end(request.adapter, rid)
             raise
@@ -163,8 +163,6 @@ class VllmEngine(EngineDefaults, MigrationParts):
                 outputs.append(TokenOut(request_id=live.rid, index=live.emitted, token_id=int(token),
                                         finish_reason=reason, logprob=logprob, top=top))
                 live.emitted += 1
-            if live.adapter and self.adapters is not None:
-                self.adapters.tokens(live.adapter, len(tokens))
             if o.finish_reason is not None:
                 if not tokens:
                     log.warning("vLLM finished %s (%s) without a token; the client sees no final token",

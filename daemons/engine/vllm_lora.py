@@ -116,8 +116,3 @@ class VllmAdapters:
         """A request left the engine (``LiveRequests.gone``)."""
         if live.adapter:
             self.end(live.adapter, live.rid)
-
-    def tokens(self, name: str, n: int) -> None:
-        a = self.table.get(name)
-        if a is not None:
-            a.tokens += n

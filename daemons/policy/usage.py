@@ -51,7 +51,7 @@ class InstanceState:
     outlook: object = None  # what its requests will still claim (wire.Outlook; None: not reported)
     pending_final_blocks: int = 0  # KV our pending dispatches will hold at their expected final lengths
     adapters: tuple[str, ...] = ()  # the LoRA adapters it holds (daemons/policy/residency.py)
-    adapter_slots: int = 0  # its free adapter slots
+    adapter_slots: int = 0  # its open adapter slots (free, or holding an adapter no request runs with)
 
     @property
     def batch(self) -> int:

@@ -82,7 +82,8 @@ class Proxy:
         self.limits = TenantLimits(self.tenants)
         self.access = AccessLog(cfg.proxy.access_log)
         self.guard = Guard(self.keys, body_limit(cfg), self.access)
-        self.routes = Routes(self.checks, self.cluster.alive, self.cluster.manager_ok, self.cluster.lora)
+        self.routes = Routes(self.checks, self.cluster.alive, self.cluster.manager_ok,
+                             self.cluster.lora if cfg.lora.api_updates else None)
 
     async def handle(self, call: Call, chat: bool) -> Reply:
         """One completion or chat request; logs it once it is answered (a stream: once it ends). Raises

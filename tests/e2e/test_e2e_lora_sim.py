@@ -103,7 +103,7 @@ def test_loads_and_unloads_racing_requests_lose_nothing(start_cluster):
 
 
 def test_an_unknown_adapter_is_a_404_and_lora_off_refuses_loads(start_cluster):
-    c = start_cluster(1, ["proxy.snapshot_interval_s=0.1"])
+    c = start_cluster(1, ["proxy.snapshot_interval_s=0.1", "lora.api_updates=true"])
     r = httpx.post(c.url + "/v1/completions", json={"model": "nope", "prompt": "hi", "max_tokens": 2})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     res = cli("lora", "load", "a", "/adapters/a", "--run-dir", str(c.run_dir))
@@ -143,3 +143,12 @@ def test_a_drain_and_a_kill_move_lora_streams_with_their_adapter_exactly(start_c
     s.check_sim(120)
     assert _wait(lambda: any(i["state"] == "alive" and "d" in i["adapters"] and i["id"] not in ("i0", here)
                              for i in c.status()["instances"])), c.status()["instances"]
+
+
+def test_the_proxys_lora_routes_are_off_unless_lora_api_updates(start_cluster):
+    c = start_cluster(1, LORA)
+    r = httpx.post(c.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/adapters/a"})
+    assert r.status_code == 404 and "lora.api_updates = false" in r.json()["error"]["message"]
+    assert httpx.post(c.url + "/v1/unload_lora_adapter", json={"lora_name": "a"}).status_code == 404
+    _load(c, "a")  # the operator's way
+    assert _complete(c, "a") == 200

@@ -25,7 +25,8 @@ from tests.conftest import Cluster, cli, ctl_json  # noqa: E402
 pytestmark = pytest.mark.e2e
 
 VLLM_SETS = ["vllm.kv_cache_bytes=67108864", "vllm.block_size=32", "vllm.max_num_seqs=8", "vllm.dtype=float32",
-             "instance.shutdown_grace_s=1", "lora.slots=2", "lora.max_rank=16", "proxy.snapshot_interval_s=0.1"]
+             "instance.shutdown_grace_s=1", "lora.slots=2", "lora.max_rank=16", "proxy.snapshot_interval_s=0.1",
+             "lora.api_updates=true"]
 PROMPTS = [[5, 17, 300, 42], list(range(10, 50))]
 N = 12
 

@@ -18,7 +18,8 @@ from llumnixctl.lab.adapter import write_adapter  # noqa: E402
 from llumnixctl.lab.model import write_tiny_model  # noqa: E402
 from tests.conftest import Cluster, cli, ctl_json  # noqa: E402
 from tests.e2e.test_e2e_migration import move, settle, where  # noqa: E402
-from tests.e2e.test_e2e_vllm_migration import BASE, KINDS, PROMPT, Stream  # noqa: E402
+from tests.e2e.test_e2e_vllm_migration import (BASE, KINDS, LONG, PROMPT, Stream, _ordered,  # noqa: E402
+                                                _ordered_by, _roles)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -97,3 +98,20 @@ def test_the_destination_loads_the_adapter_before_the_copy(vcluster, adapters):
     assert s.ids == ref.ids
     assert sorted(_listed(vcluster)["chat"]) == ["i0", "i1"]
     settle(vcluster)
+
+
+def test_a_lora_request_handed_over_to_a_decode_instance_streams_as_mixed(vcluster):
+    """1 prefill + 1 decode: a long LoRA prompt prefills on the prefill instance and is handed over at its first
+    token to the decode instance, with its adapter; the stream is the one of mixed serving."""
+    body = {"model": "sql", "prompt": LONG, "max_tokens": 30, **KINDS["greedy"]}
+    ref = Stream(vcluster.url, body).result()
+    before = _ordered(vcluster)
+    _roles(vcluster, i0="prefill", i1="decode")
+    try:
+        s = Stream(vcluster.url, body).result()
+        assert s.ids == ref.ids and s.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+        after = _ordered_by(vcluster, "handover/committed", before.get("handover/committed", 0) + 1)
+        assert after.get("handover/committed", 0) - before.get("handover/committed", 0) == 1, (before, after)
+        settle(vcluster)
+    finally:
+        _roles(vcluster, i0="mixed", i1="mixed")

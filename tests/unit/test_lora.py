@@ -352,3 +352,48 @@ def test_an_unload_waits_for_the_sim_requests_running_with_it():
     assert e.adapters.unload("b") is False
     e.adapters.load("b", "/m/b")  # any call looks again: r1 has left, a goes
     assert e.load().adapters == ["b"]
+
+
+def test_the_sim_prefix_cache_keeps_an_adapters_blocks_apart():
+    from daemons.config import LoraConfig, ModelConfig, SimConfig
+    from daemons.engine.base import EngineRequest
+    from daemons.engine.sim import SimEngine
+
+    e = SimEngine(SimConfig(prefix_caching=True, eos_rate=0.0), ModelConfig(), kv=False, lora=LoraConfig(slots=2))
+    prompt = list(range(100, 164))  # 4 full blocks of 16
+
+    def run(rid: str, adapter: str = "") -> int:
+        before = e.cache.hit_tokens
+        e.add_request(EngineRequest(rid, prompt, wire.SamplingParams(max_tokens=2, ignore_eos=True), adapter=adapter,
+                                    adapter_path=f"/m/{adapter}" if adapter else ""))
+        while e.has_work():
+            e.step()
+        return e.cache.hit_tokens - before
+
+    assert run("base") == 0
+    assert run("a1", "a") == 0  # the base model's blocks are not the adapter's
+    again = run("a2", "a")  # the adapter's own are
+    assert again > 0
+    assert run("b1", "b") == 0  # nor another adapter's
+    assert run("base2") == again
+
+
+def test_the_manager_dispatches_a_lora_request_to_a_holder_and_snapshots_carry_the_catalogue():
+    from tests.support.manager import Bench
+
+    async def scenario(b: Bench):
+        b.instance("i0", blocks_used=60, adapters=["a"], adapter_slots=1)  # busier, but it holds a
+        b.instance("i1", adapter_slots=2)
+        await b.heartbeats(1.5)
+
+        def ask(adapter: str) -> list[str]:
+            msgs = [wire.Dispatch(k, f"r{k}", 16, 0, adapter=adapter) for k in range(3)]
+            return [r.instance_id for r in b.m.on_dispatch_batch(msgs)]
+
+        assert ask("a") == ["i0", "i0", "i0"]
+        assert ask("") == ["i1", "i1", "i1"]  # the base model: by load
+        assert ask("b") == ["i1", "i1", "i1"]  # held nowhere: the freest that may load it
+        assert b.m.snapshot(1).adapters == {"a": "/m/a"}
+        assert [(r.name, r.instances) for r in b.m.adapters.rows()] == [("a", ["i0"])]
+
+    Bench.run(scenario, ["lora.slots=2", "lora.adapters=a=/m/a"])

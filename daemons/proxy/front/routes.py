@@ -17,7 +17,7 @@ from daemons.proxy.api.protocol import (ApiError, DetokenizeRequest, LoadLoraAda
 class Routes:
     """Receives the request checks (with the tokenizer, the model and the adapters served), and the cluster's
     ``alive`` (the instances that take requests), ``manager_ok`` and ``lora`` (a load or unload, asked of the
-    manager: its reply, None without one)."""
+    manager: its reply, None without one; None: lora.api_updates is off, the LoRA routes answer 404)."""
 
     def __init__(self, checks: Checks, alive: Callable[[], list], manager_ok: Callable[[], bool],
                  lora: Callable[[str, str, str], Awaitable[wire.Message | None]] | None = None):
@@ -48,6 +48,7 @@ class Routes:
         return self.model_card()
 
     async def load_lora_adapter(self, request: Request) -> Response:
+        self._lora_updates()
         req = decode_body(await request.body(), LoadLoraAdapterRequest)
         name, path = req.lora_name, req.lora_path
         if not name or not path:
@@ -62,6 +63,7 @@ class Routes:
         return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
 
     async def unload_lora_adapter(self, request: Request) -> Response:
+        self._lora_updates()
         req = decode_body(await request.body(), UnloadLoraAdapterRequest)
         name = req.lora_name
         if not name:
@@ -71,9 +73,12 @@ class Routes:
         self._answered(await self._ask("unload", name, ""))
         return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
 
-    async def _ask(self, op: str, name: str, path: str) -> wire.Message | None:
+    def _lora_updates(self) -> None:
         if self.lora is None:
-            raise ApiError(404, "this proxy loads no LoRA adapters")
+            raise ApiError(404, "LoRA adapters are not loaded through this API here (lora.api_updates = false): "
+                                "an operator loads them with `llumnixctl lora load`")
+
+    async def _ask(self, op: str, name: str, path: str) -> wire.Message | None:
         return await self.lora(op, name, path)
 
     @staticmethod
