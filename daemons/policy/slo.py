@@ -126,8 +126,14 @@ def prefill_step_ms(fit, tokens: int) -> float:
     ms = max(0.0, fit.prefill_ms + fit.prefill_ms_per_token * tokens)
     seen = fit.prefill_seen
     if 0 < seen < tokens:
-        ms = max(ms, max(fit.prefill_ms + fit.prefill_ms_per_token * seen, 0.0) * tokens / seen)
+        # A step of a few tokens is its fixed cost: taken as the cost of at least PREFILL_BOUND_FLOOR tokens, or the
+        # bound would call a 25-token prompt ten such steps.
+        per = max(fit.prefill_ms + fit.prefill_ms_per_token * seen, 0.0) / max(seen, PREFILL_BOUND_FLOOR)
+        ms = max(ms, per * tokens)
     return ms
+
+
+PREFILL_BOUND_FLOOR = 64  # prefill tokens below which a step's time says nothing of the per-token cost
 
 
 def extrapolated(fit, prefill_tokens: int, batch: int) -> bool:

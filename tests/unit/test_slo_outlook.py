@@ -119,6 +119,14 @@ def test_a_model_fitted_one_request_at_a_time_does_not_call_a_large_batch_free()
     assert slo.decode_ms(unbounded, 128, 128 * 80) < slo.decode_ms(model, 128, 128 * 80)
 
 
+def test_a_step_of_a_few_tokens_bounds_as_if_it_were_a_step_of_64():
+    """Prefills of 2 tokens at 20 ms are their fixed cost: a 25-token prompt is not bounded at 250 ms (the failure:
+    an idle instance predicted 370 ms and refused a one-word request against a 400 ms target)."""
+    model = msgspec.structs.replace(FIT, prefill_ms=20.0, prefill_ms_per_token=0.0, prefill_seen=2)
+    assert slo.prefill_step_ms(model, 25) == pytest.approx(20.0)
+    assert slo.prefill_step_ms(model, 640) == pytest.approx(200.0)  # past 64 tokens, the bound applies
+
+
 def test_within_what_was_run_the_bound_changes_nothing():
     model = msgspec.structs.replace(FIT, decode_seen=64, prefill_seen=4096)
     assert slo.decode_ms(model, 32, 1000) == pytest.approx(15 + 0.15 * 32 + 0.0005 * 1000)
