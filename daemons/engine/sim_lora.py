@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Callable
 
 from daemons.config import LoraConfig, parse_adapters
-from daemons.engine.adapters import Adapter, AdapterTable
+from daemons.engine.adapters import AdapterTable
 from daemons.engine.base import EngineError
 
 
@@ -62,17 +62,6 @@ class SimAdapters:
         """Load time the next step takes too (s)."""
         owed, self.owed_s = self.owed_s, 0.0
         return owed
-
-    def rows(self) -> list[Adapter]:
-        return self.table.rows()
-
-    @property
-    def loads(self) -> int:
-        return self.table.loads
-
-    @property
-    def evictions(self) -> int:
-        return self.table.evictions
 
 
 def adapters_of(lora: LoraConfig | None, live: Callable[[str], bool]) -> SimAdapters | None:

@@ -38,17 +38,6 @@ class VllmAdapters:
             except EngineError as exc:
                 log.error("lora.adapters: %s", exc)
 
-    def rows(self) -> list[Adapter]:
-        return self.table.rows()
-
-    @property
-    def loads(self) -> int:
-        return self.table.loads
-
-    @property
-    def evictions(self) -> int:
-        return self.table.evictions
-
     def load(self, name: str, path: str) -> bool:
         """Hold ``name`` from ``path``; False when it was held already (from that path). EngineError names the
         adapter and what is wrong: a bad path, a rank over lora.max_rank, weights that do not fit this model."""

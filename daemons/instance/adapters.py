@@ -68,7 +68,7 @@ class AdapterCounts:
         adapters = self.engine.adapters
         if adapters is None:
             return
-        loads, evictions = adapters.loads, adapters.evictions
+        loads, evictions = adapters.table.loads, adapters.table.evictions
         M_ADAPTER_LOADS.inc(loads - self.loads)
         M_ADAPTER_EVICTIONS.inc(evictions - self.evictions)
         self.loads, self.evictions = loads, evictions

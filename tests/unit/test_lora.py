@@ -332,7 +332,7 @@ def test_the_sim_engine_holds_adapters_in_slots_and_a_load_takes_its_time():
     while e.has_work():
         e.step()
     # Idle again: the least recently used (a) goes, one adapter per slot.
-    assert e.load().adapters == ["c", "b"] and e.adapters.evictions == 1 and e.adapters.loads == 3
+    assert e.load().adapters == ["c", "b"] and e.adapters.table.evictions == 1 and e.adapters.table.loads == 3
 
 
 def test_the_sim_engine_without_slots_refuses_an_adapter():

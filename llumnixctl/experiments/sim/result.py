@@ -44,8 +44,8 @@ def result_of(sim, wall_s: float) -> dict:
         "dispatch_policy": sim.mgr.dispatch_policy, "events": sim.events, "wall_s": wall_s,
         "leaked_blocks": sum(ld.blocks_used for ld in loads),
         # LoRA (the sim engine's adapter slots): adapters loaded, and of those unloaded to make room
-        "adapter_loads": sum(i.engine.adapters.loads for i in sim.instances.values() if i.engine.adapters is not None),
-        "adapter_evictions": sum(i.engine.adapters.evictions for i in sim.instances.values()
+        "adapter_loads": sum(i.engine.adapters.table.loads for i in sim.instances.values() if i.engine.adapters is not None),
+        "adapter_evictions": sum(i.engine.adapters.table.evictions for i in sim.instances.values()
                                  if i.engine.adapters is not None),
         **sim.cache.figures(),
     })
