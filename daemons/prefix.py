@@ -13,6 +13,10 @@ instance, how many leading blocks it holds: a chain hash names the whole prefix 
 block counts only when every block before it counted. A false hit of a 64-bit key (about 1 in 2^64 per
 pair) can only misplace a request, never change its output: the engine checks its own cache.
 
+An instance with a host-memory KV tier reports that tier's blocks too (``HOST``): a follower keeps them in a
+second index, and ``match_tiers`` says per instance how many leading blocks its engine holds and how many
+more its engine or its tier together hold (a restore from the tier continues an engine hit).
+
 Memory: one dict entry per distinct cached block key plus one set entry per (key, instance): about
 200 bytes per block cached on one instance, ~100 more for each further instance that caches it too.
 ``max_blocks_per_instance`` bounds an instance's share (its reports beyond that are ignored; an honest
@@ -29,6 +33,7 @@ from collections.abc import Iterable, Sequence
 from daemons import wire
 
 DEFAULT_SEED = "vllm-none-hash"
+ENGINE, HOST = 0, 1  # the tiers a block is reported in: the engine's KV cache, the instance's host-memory tier
 
 
 def _sha256(value) -> bytes:
@@ -160,6 +165,27 @@ class PrefixIndex:
         return out
 
 
+def match_tiers(engine: PrefixIndex, host: PrefixIndex, block_keys: Sequence[int],
+                among: Iterable[str] | None = None) -> dict[str, tuple[int, int]]:
+    """For each instance (of ``among``, default all known in either index) that holds the request's first block
+    somewhere: (leading blocks its engine holds, leading blocks its engine and its host tier hold together), each
+    stopping at its first miss. The second is at least the first; their difference is what a restore brings
+    back from the tier instead of a prefill."""
+    if among is None:
+        among = set(engine._held) | set(host._held)
+    eng = engine.match(block_keys, among)
+    out: dict[str, tuple[int, int]] = {}
+    alive = set(eng)
+    for depth, k in enumerate(block_keys):
+        holders = (engine._holders.get(k) or set()) | (host._holders.get(k) or set())
+        alive &= holders
+        if not alive:
+            break
+        for i in alive:
+            out[i] = (eng.get(i, 0), depth + 1)
+    return out
+
+
 class Publisher:
     """An instance's side: the changes its engine's prefix cache reports (``add``), netted per key, go out as
     numbered batches (``take``); ``full`` answers a receiver that asks for everything."""
@@ -169,25 +195,35 @@ class Publisher:
         self.epoch = epoch if epoch is not None else int.from_bytes(os.urandom(8), "little") >> 1 | 1
         self.seq = 0
         self._pending: dict[int, bool] = {}  # key -> stored (True) or removed (False), the last change wins
+        self._host: dict[int, bool] = {}  # the same for the host tier
 
-    def add(self, events: Iterable[tuple[bool, int]]) -> None:
-        pending = self._pending
-        for stored, k in events:
-            pending[k] = stored
+    def add(self, events: Iterable[tuple]) -> None:
+        """Changes as (stored?, key) for the engine's cache, or (stored?, key, tier) with ``HOST`` for the host
+        tier's."""
+        pending, host = self._pending, self._host
+        for ev in events:
+            if len(ev) == 2 or ev[2] == ENGINE:
+                pending[ev[1]] = ev[0]
+            else:
+                host[ev[1]] = ev[0]
 
     def take(self):
         """The next batch (wire.CacheEvents), or None when nothing changed."""
-        if not self._pending:
+        if not self._pending and not self._host:
             return None
         pending, self._pending = self._pending, {}
+        host, self._host = self._host, {}
         self.seq += 1
         return wire.CacheEvents(self.instance_id, self.epoch, self.seq, stored=[k for k, s in pending.items() if s],
-                                removed=[k for k, s in pending.items() if not s])
+                                removed=[k for k, s in pending.items() if not s],
+                                host_stored=[k for k, s in host.items() if s],
+                                host_removed=[k for k, s in host.items() if not s])
 
-    def full(self, snapshot: list[int]):
-        """Everything the cache holds (read after every pending change was added, so it includes them; they
-        still go out in the next batch, where applying them again changes nothing)."""
-        return wire.CacheEvents(self.instance_id, self.epoch, self.seq, stored=snapshot, full=True)
+    def full(self, snapshot: list[int], host: list[int] | None = None):
+        """Everything the cache (and ``host``: the host tier) holds, read after every pending change was added,
+        so it includes them; they still go out in the next batch, where applying them again changes nothing."""
+        return wire.CacheEvents(self.instance_id, self.epoch, self.seq, stored=snapshot, full=True,
+                                host_stored=list(host or ()))
 
 
 class Follower:
@@ -198,6 +234,7 @@ class Follower:
 
     def __init__(self, ask, clock, resync_s: float, max_blocks_per_instance: int = 1 << 22):
         self.index = PrefixIndex(max_blocks_per_instance)
+        self.host = PrefixIndex(max_blocks_per_instance)  # the instances' host-memory tiers
         self._ask, self._clock, self.resync_s = ask, clock, resync_s
         self.state: dict[str, list[int]] = {}  # instance -> [epoch, seq of the last batch applied; -1: unsynced]
         self._asked: dict[str, float] = {}
@@ -209,6 +246,7 @@ class Follower:
         st = self.state.get(iid)
         if msg.full:
             self.index.replace(iid, msg.stored)
+            self.host.replace(iid, msg.host_stored)
             self.state[iid] = [msg.epoch, msg.seq]
             return
         if st is not None and st[0] == msg.epoch and st[1] >= 0 and msg.seq <= st[1]:
@@ -216,8 +254,12 @@ class Follower:
         in_order = st is not None and st[0] == msg.epoch and st[1] >= 0 and msg.seq == st[1] + 1
         if st is None or st[0] != msg.epoch:
             self.index.cleared(iid)  # a new incarnation: what the old one held is gone
+            self.host.cleared(iid)
         self.index.removed(iid, msg.removed)
         self.index.stored(iid, msg.stored)
+        if msg.host_removed or msg.host_stored:
+            self.host.removed(iid, msg.host_removed)
+            self.host.stored(iid, msg.host_stored)
         if in_order:
             st[1] = msg.seq
         else:
@@ -237,8 +279,14 @@ class Follower:
 
     def forget(self, instance_id: str) -> None:
         self.index.cleared(instance_id)
+        self.host.cleared(instance_id)
         self.state.pop(instance_id, None)
         self._asked.pop(instance_id, None)
+
+    def match_tiers(self, block_keys: Sequence[int], among: Iterable[str] | None = None) -> dict[str, tuple[int, int]]:
+        """Per instance holding the request's first block: (engine's leading blocks, engine's and host tier's
+        together); see ``match_tiers``."""
+        return match_tiers(self.index, self.host, block_keys, among)
 
     def _request(self, instance_id: str) -> None:
         now = self._clock()

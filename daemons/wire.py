@@ -871,8 +871,9 @@ class LoraResult(msgspec.Struct, **_tagged(84)):
 class CacheEvents(msgspec.Struct, **_tagged(55)):
     """instance -> manager and every proxy it serves: what its prefix cache stored and removed since the last
     batch (64-bit block keys, daemons/prefix.py; each key in one list, its state after the batch), or the whole
-    cache (``full``, answering a CacheSync). ``epoch``: the cache's incarnation (a new one after a restart);
-    ``seq``: the batch's number in it (a full one carries the number of the last batch it includes)."""
+    cache (``full``, answering a CacheSync); ``host_*``: the same for its host-memory KV tier. ``epoch``: the
+    cache's incarnation (a new one after a restart); ``seq``: the batch's number in it (a full one carries the
+    number of the last batch it includes)."""
 
     instance_id: str
     epoch: int
@@ -880,6 +881,8 @@ class CacheEvents(msgspec.Struct, **_tagged(55)):
     stored: list[int] = []
     removed: list[int] = []
     full: bool = False
+    host_stored: list[int] = []  # the same for the instance's host-memory KV tier (a full batch: all it holds)
+    host_removed: list[int] = []
 
     def __post_init__(self) -> None:
         if len(self.stored) + len(self.removed) > MAX_CACHE_KEYS:

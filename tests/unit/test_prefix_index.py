@@ -8,7 +8,7 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from daemons import prefix
+from daemons import prefix, wire
 
 
 def test_block_hashes_are_vllms_own(monkeypatch):
@@ -147,3 +147,28 @@ def test_a_follower_asks_for_the_whole_cache_when_it_misses_a_batch_or_meets_a_n
     # An instance that publishes nothing (epoch 0 in its heartbeats) holds nothing in the index.
     f.on_beat("i0", 0, 0)
     assert f.index.instances() == [] and "i0" not in f.state
+
+
+def test_host_tier_blocks_follow_and_continue_engine_hits():
+    """A follower keeps an instance's host-tier blocks apart from its engine's: match_tiers gives the engine's
+    leading blocks and how far the engine and the tier together reach; a full batch and a new incarnation
+    replace both."""
+    asked = []
+    f = prefix.Follower(asked.append, lambda: 0.0, resync_s=1.0)
+    pub = prefix.Publisher("i0", epoch=3)
+    pub.add([(True, 1), (True, 2), (True, 3, prefix.HOST), (True, 4, prefix.HOST), (False, 4, prefix.HOST)])
+    f.on_events(pub.take())
+    assert f.index.blocks("i0") == 2 and f.host.blocks("i0") == 1
+    assert f.match_tiers([1, 2, 3, 4]) == {"i0": (2, 3)}
+    assert f.index.match([1, 2, 3]) == {"i0": 2}  # the engine-only view is unchanged
+    other = prefix.Publisher("i1", epoch=1)
+    other.add([(True, 1, prefix.HOST), (True, 2, prefix.HOST)])
+    f.on_events(other.take())
+    assert f.match_tiers([1, 2, 3]) == {"i0": (2, 3), "i1": (0, 2)}
+    assert f.match_tiers([9, 1]) == {}
+    f.on_events(pub.full([1], host=[2]))
+    assert f.match_tiers([1, 2, 3]) == {"i0": (1, 2), "i1": (0, 2)}
+    f.on_events(prefix.Publisher("i0", epoch=4).take() or wire.CacheEvents("i0", 4, 1, stored=[7]))
+    assert f.host.blocks("i0") == 0 and f.index.blocks("i0") == 1
+    f.forget("i1")
+    assert f.match_tiers([1, 2]) == {}
