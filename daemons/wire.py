@@ -481,6 +481,15 @@ class Submit(msgspec.Struct, **_tagged(40)):
     # The LoRA adapter it runs with ("": the base model) and where the instance loads it from if it holds it not.
     adapter: str = ""
     adapter_path: str = ""
+    # The conversation it belongs to (OpenAI's prompt_cache_key, else the session header; "": none) and how long
+    # its blocks should stay cached after it ends, s (0: the instance's kv_tier.retain_s).
+    session: str = ""
+    retain_s: float = 0.0
+    # A prefix pull (daemons/policy: predicted shorter than its prefill): before it is queued, the instance copies
+    # the prompt's first ``pull_blocks`` full blocks from instance ``pull_from`` (its KV, engine or host tier),
+    # over the migration's KV transport; a failed pull is a recompute, nothing else.
+    pull_from: str = ""
+    pull_blocks: int = 0
 
     def __post_init__(self) -> None:
         endpoints.check(self.reply_to, "reply_to")
