@@ -26,7 +26,7 @@ from functools import lru_cache
 from llumnixctl.experiments.traces.gen import TraceRequest, gaps, power_law
 
 
-def _popularity(n: int, skew: float, hot: float) -> list[float]:
+def popularity(n: int, skew: float, hot: float) -> list[float]:
     if n < 1:
         raise ValueError(f"the number of shared prompts must be >= 1; got {n}")
     if not 0.0 <= hot < 1.0:
@@ -39,7 +39,7 @@ def _popularity(n: int, skew: float, hot: float) -> list[float]:
     return [x / total for x in w]
 
 
-def _check(lo: int, hi: int, what: str) -> None:
+def check_bounds(lo: int, hi: int, what: str) -> None:
     if lo < 1 or hi < lo:
         raise ValueError(f"{what} bounds must satisfy 1 <= min <= max; got [{lo}, {hi}]")
 
@@ -48,11 +48,11 @@ def shared_prefix(n: int, *, rate: float, arrival: str = "poisson", cv: float = 
                   prefix_tokens: int = 384, skew: float = 1.0, hot: float = 0.0, suffix: tuple[int, int] = (16, 128),
                   output: tuple[int, int] = (16, 256), alpha: float = 1.0, seed: int = 0) -> list[TraceRequest]:
     """``n`` requests, each a shared system prompt and a suffix of its own (see the module's doc)."""
-    _check(*suffix, "suffix")
-    _check(*output, "output")
+    check_bounds(*suffix, "suffix")
+    check_bounds(*output, "output")
     if prefix_tokens < 1:
         raise ValueError(f"the shared prompts' length must be >= 1; got {prefix_tokens}")
-    weights = _popularity(prefixes, skew, hot)
+    weights = popularity(prefixes, skew, hot)
     r = {k: random.Random(f"llumnix-trace:{seed}:{k}") for k in ("arrival", "prefix", "prompt", "output")}
     t, out = 0.0, []
     for i, gap in enumerate(gaps(r["arrival"], n, rate, arrival, cv)):
@@ -70,9 +70,9 @@ def multi_turn(n: int, *, rate: float, arrival: str = "poisson", cv: float = 1.0
                message: tuple[int, int] = (16, 128), reply: tuple[int, int] = (16, 256), think: float = 5.0,
                max_context: int = 4096, alpha: float = 1.0, seed: int = 0) -> list[TraceRequest]:
     """``n`` requests (turns of sessions, in order of their nominal arrival; see the module's doc)."""
-    _check(*turns, "turns")
-    _check(*message, "message")
-    _check(*reply, "reply")
+    check_bounds(*turns, "turns")
+    check_bounds(*message, "message")
+    check_bounds(*reply, "reply")
     if system_tokens < 0 or think < 0:
         raise ValueError("system_tokens and think must be >= 0")
     if rate <= 0:
@@ -80,7 +80,7 @@ def multi_turn(n: int, *, rate: float, arrival: str = "poisson", cv: float = 1.0
     if (system_tokens if system_prompts else 0) + message[0] + reply[0] > max_context:
         raise ValueError(f"no turn fits in max_context {max_context}: a system prompt of {system_tokens} tokens, a "
                          f"message of at least {message[0]} and a reply of at least {reply[0]}")
-    weights = _popularity(max(system_prompts, 1), skew, 0.0)
+    weights = popularity(max(system_prompts, 1), skew, 0.0)
     r = streams(seed)
     session_rate = rate / ((turns[0] + turns[1]) / 2)
     rows: list[tuple[float, int, int, tuple, int, float]] = []

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 
-from llumnixctl.experiments.traces.cache import (_check, _popularity, conversation, sharing, streams)
+from llumnixctl.experiments.traces.cache import check_bounds, conversation, popularity, sharing, streams
 from llumnixctl.experiments.traces.gen import TraceRequest, gaps
 
 MAX_SESSIONS = 1_000_000  # sizing by working set stops here whatever it reached
@@ -35,9 +35,9 @@ def sessions(n: int = 0, *, session_rate: float, arrival: str = "poisson", cv: f
              seed: int = 0) -> list[TraceRequest]:
     """The turns of ``n`` sessions (``n`` = 0: of as many as make the working set reach ``working_set_tokens``),
     in order of their nominal arrival (see the module's doc)."""
-    _check(*turns, "turns")
-    _check(*message, "message")
-    _check(*reply, "reply")
+    check_bounds(*turns, "turns")
+    check_bounds(*message, "message")
+    check_bounds(*reply, "reply")
     if n < 0 or (n == 0 and working_set_tokens <= 0):
         raise ValueError("give a number of sessions (>= 1) or a working set to reach (tokens >= 1)")
     if system_tokens < 0 or think < 0:
@@ -48,7 +48,7 @@ def sessions(n: int = 0, *, session_rate: float, arrival: str = "poisson", cv: f
     if system_len + message[0] + reply[0] > max_context:
         raise ValueError(f"no turn fits in max_context {max_context}: a system prompt of {system_tokens} tokens, a "
                          f"message of at least {message[0]} and a reply of at least {reply[0]}")
-    weights = _popularity(max(agents, 1), skew, 0.0)
+    weights = popularity(max(agents, 1), skew, 0.0)
     r = streams(seed)
     rows: list[tuple] = []
     used_agents: set[int] = set()
