@@ -115,36 +115,43 @@ def _samples(address: str) -> list[tuple[str, dict, float]]:
     return bench_serve.fetch_metrics(address, parse) or []
 
 
-def engine_figures(ours: bool) -> Callable[[list[str]], dict]:
-    """``after(addresses, url)`` for bench/cache.py: turns each instance served, prompt tokens served from a cache;
-    ours: how the proxy placed the sessions' turns (``llumnix_proxy_session_dispatches_total{how}``, where it
-    exports it)."""
+def engine_figures(ours: bool) -> Callable[[list[str], str], dict]:
+    """``after(addresses, url)`` for bench/cache.py: ``tally`` of the engines' /metrics (and ours, the proxy's)."""
 
     def after(addresses: list[str], url: str) -> dict:
-        turns, queried, cached, by_source = [], 0.0, 0.0, {}
-        for a in addresses:
-            smp = _samples(a)
-            total = lambda name: sum(v for n, _, v in smp if n == name)  # noqa: E731
-            turns.append(int(total(OUR_TURNS if ours else VLLM_TURNS)))
-            if ours:
-                queried += total(OUR_QUERIED)
-                src = [(lb.get("source", ""), v) for n, lb, v in smp if n == OUR_SOURCES]
-                for s, v in src:
-                    by_source[s] = by_source.get(s, 0.0) + v
-                cached += sum(v for s, v in src if s in CACHED_SOURCES) if src else total(OUR_HIT)
-            else:
-                queried += total(VLLM_QUERIED)
-                cached += sum(total(n) for n in VLLM_HITS)
-        fair = sum(turns) / len(turns) if turns else 0.0
-        placed = {}
-        for n, lb, v in (_samples(url) if ours else []):
-            if n == PROXY_SESSIONS:
-                placed[lb.get("how", "")] = placed.get(lb.get("how", ""), 0) + int(v)
-        return {"turns_by_instance": turns, "session_dispatches": placed or None, "busiest_over_fair": round(max(turns) / fair, 3) if fair else None,
-                "cache": {"prompt_tokens": int(queried), "cached_tokens": int(cached),
-                          "by_source": {k: int(v) for k, v in sorted(by_source.items())} or None}}
+        return tally([_samples(a) for a in addresses], _samples(url) if ours else [], ours)
 
     return after
+
+
+def tally(engines: list[list[tuple[str, dict, float]]], proxy: list[tuple[str, dict, float]], ours: bool) -> dict:
+    """From each engine's samples (name, labels, value): the turns each served, the prompt tokens it was asked for
+    and those served from some cache (ours: by source where the instances export it); from our proxy's, how it
+    placed the sessions' turns (``llumnix_proxy_session_dispatches_total{how}``, where it exports it)."""
+    turns, queried, cached, by_source = [], 0.0, 0.0, {}
+    for smp in engines:
+        def total(name: str, smp=smp) -> float:
+            return sum(v for n, _, v in smp if n == name)
+
+        turns.append(int(total(OUR_TURNS if ours else VLLM_TURNS)))
+        if ours:
+            queried += total(OUR_QUERIED)
+            src = [(lb.get("source", ""), v) for n, lb, v in smp if n == OUR_SOURCES]
+            for s, v in src:
+                by_source[s] = by_source.get(s, 0.0) + v
+            cached += sum(v for s, v in src if s in CACHED_SOURCES) if src else total(OUR_HIT)
+        else:
+            queried += total(VLLM_QUERIED)
+            cached += sum(total(n) for n in VLLM_HITS)
+    placed: dict[str, int] = {}
+    for n, lb, v in proxy:
+        if n == PROXY_SESSIONS:
+            placed[lb.get("how", "")] = placed.get(lb.get("how", ""), 0) + int(v)
+    fair = sum(turns) / len(turns) if turns else 0.0
+    return {"turns_by_instance": turns, "session_dispatches": placed or None,
+            "busiest_over_fair": round(max(turns) / fair, 3) if fair else None,
+            "cache": {"prompt_tokens": int(queried), "cached_tokens": int(cached),
+                      "by_source": {k: int(v) for k, v in sorted(by_source.items())} or None}}
 
 
 def with_perfect(res: dict, reqs: list, block_size: int) -> dict:
