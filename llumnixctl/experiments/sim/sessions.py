@@ -110,8 +110,15 @@ def compare(simulation, config, sets: list[str], instances: int, trace: list, ne
              "trace": trace, "net": net, "seed": seed, "simulation": simulation} for s in systems]
     t0 = time.perf_counter()
     if processes > 1 and len(jobs) > 1:
-        with multiprocessing.get_context("fork").Pool(min(processes, len(jobs))) as pool:
+        pool = multiprocessing.get_context("fork").Pool(min(processes, len(jobs)))
+        try:
             rows = pool.map(_one, jobs, chunksize=1)
+            pool.close()  # (ended, not terminated: a terminated worker prints its KeyboardInterrupt)
+        except BaseException:
+            pool.terminate()
+            raise
+        finally:
+            pool.join()
     else:
         rows = [_one(j) for j in jobs]
     return {"instances": instances, "trace": tsessions.describe(trace, kv_tokens), "systems": rows,
