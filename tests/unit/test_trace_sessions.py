@@ -96,3 +96,21 @@ def test_bad_shapes_are_refused_with_what_was_wrong():
 def test_a_lead_token_shifts_what_a_perfect_cache_serves():
     reqs = tsessions.sessions(10, session_rate=1.0, seed=0)
     assert tracecache.sharing(reqs, 16, 1)["prompt_tokens"] == tracecache.sharing(reqs, 16)["prompt_tokens"] + len(reqs)
+
+
+def test_trace_generate_writes_a_session_trace_that_loads_back_whole(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from llumnixctl.experiments.traces import files as tracefiles
+
+    out = tmp_path / "s.jsonl"
+    res = subprocess.run([sys.executable, "-m", "llumnixctl.main", "trace", "generate", str(out), "--shape", "sessions",
+                          "-n", "6", "--rate", "2", "--prefixes", "2", "--prefix-tokens", "256", "--turns-min", "3",
+                          "--turns-max", "5", "--json"], capture_output=True, text=True, check=True)
+    data = json.loads(res.stdout)
+    expect = tsessions.sessions(6, session_rate=2, turns=(3, 5), agents=2, system_tokens=256, message=(16, 128),
+                                reply=(16, 256), think=5.0, max_context=4096)
+    assert data["sessions"] == 6 and data["working_set_tokens"] == tsessions.working_set(expect)
+    assert tracefiles.load(out) == expect  # segments, sessions, turns and think times round-trip
