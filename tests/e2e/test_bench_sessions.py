@@ -47,3 +47,5 @@ def test_bad_arguments_fail_before_any_cluster_starts():
     assert res.returncode == 2 and "api_server" in res.stderr
     res = ctl("bench", "sessions", "--turns-min", "5", "--turns-max", "2")
     assert res.returncode == 2 and "--turns-min" in res.stderr
+    res = ctl("bench", "sessions", "--max-context", "4096")
+    assert res.returncode == 2 and "BOS" in res.stderr

@@ -40,7 +40,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from llumnixctl.experiments.bench import cache as bench_cache, serve as bench_serve
+from llumnixctl.experiments.bench import cache as bench_cache, engine as bench_engine, serve as bench_serve
 from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, Budget, BudgetOpt, JsonOpt, Progress, Rounds,
                                                  SaveOpt, emit)
 from llumnixctl.experiments.traces import cache as tracecache, sessions as tsessions
@@ -226,6 +226,9 @@ def command(
     names = [s for s in (systems or "").split(",") if s] or [
         *OURS, *(["smg"] if smg else []), *(["vllm-router"] if vllm_router else [])]
     _check(names, engine, smg, vllm_router, turns_min, turns_max, message_min, message_max, reply_min, reply_max)
+    if engine == "vllm" and max_context >= bench_engine.MAX_MODEL_LEN:  # (the engines put a BOS before the prompt)
+        raise typer.BadParameter(f"--max-context must be below the engines' context of {bench_engine.MAX_MODEL_LEN} "
+                                 "tokens (a BOS comes first)")
     from daemons.config import ConfigError, load_config
 
     try:
