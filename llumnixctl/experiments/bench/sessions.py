@@ -347,7 +347,7 @@ def _show(res: dict) -> None:
     table = Table(title=f"bench sessions · {res['instances']} {res['engine']} engines of {res['kv_tokens']} KV tokens · "
                         f"{res['cores']} cores")
     for col in ("round", "system", "failed", "TTFT ms mean/P50/P99", "of perfect cache", "busiest/fair", "turns/s"):
-        table.add_column(col, justify="left" if col == "system" else "right", no_wrap=col == "system")
+        table.add_column(col, justify="left" if col == "system" else "right", no_wrap=True)
     for r in res["rounds"]:
         c = r["cache"]
         ttft = "-" if r["mean_ttft_ms"] is None else f"{r['mean_ttft_ms']:.0f}/{r['p50_ttft_ms']:.0f}/{r['p99_ttft_ms']:.0f}"
@@ -355,6 +355,6 @@ def _show(res: dict) -> None:
                       "-" if c["of_perfect"] is None else f"{100 * c['of_perfect']:.1f}%",
                       "-" if r["busiest_over_fair"] is None else f"{r['busiest_over_fair']:.2f}x",
                       "-" if r["turns_per_s"] is None else f"{r['turns_per_s']:.2f}")
-    Console().print(table)
+    Console(width=max(Console().width, 110)).print(table)  # (a pipe's 80 columns would cut the figures)
     if res["not_declared"]:
         Console().print(f"not on this build, not passed: {', '.join(res['not_declared'])}", markup=False)
