@@ -24,7 +24,8 @@ from rich.text import Text
 
 from daemons import wire
 from daemons.cli import version_callback
-from daemons.config import ConfigError, load_config, render_example, as_dict
+from daemons.config import ConfigError, load_config
+from daemons.config_text import as_dict, render_example
 from llumnixctl import lora, operate
 from llumnixctl.admin import AdminClient, ManagerUnreachable
 from llumnixctl.common import (ConfigOpt, JsonOpt, ManagerOpt, RunDirOpt, TimeoutOpt, admin, ask, die, instance_json,
