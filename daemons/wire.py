@@ -525,6 +525,7 @@ class Submit(msgspec.Struct, **_tagged(40)):
     # over the migration's KV transport; a failed pull is a recompute, nothing else.
     pull_from: str = ""
     pull_blocks: int = 0
+    pull_address: str = ""  # the request address of ``pull_from``
 
     def __post_init__(self) -> None:
         endpoints.check(self.reply_to, "reply_to")
@@ -782,6 +783,33 @@ class PrefixHits(msgspec.Struct, **_tagged(69)):
     blocks: list[int]  # one per prompt of the query, in its order
 
 
+class PullAsk(msgspec.Struct, **_tagged(110)):
+    """instance -> instance, a prefix pull (daemons/migration/pulls.py): send me these blocks (vLLM block hashes,
+    in prompt order) of your KV, engine or host tier, the leading ones you hold; ``kv_spec``: my KV layout
+    (a holder whose layout differs sends nothing)."""
+
+    pull_id: int
+    instance_id: str  # the asker's
+    hashes: list[bytes]
+    kv_spec: str = ""
+
+    def __post_init__(self) -> None:
+        if len(self.hashes) > 1 << 16 or any(len(h) > 64 for h in self.hashes):
+            raise ValueError("PullAsk: too many hashes, or one too long")
+
+
+class PullOffer(msgspec.Struct, **_tagged(111)):
+    """holder -> asker: the first ``blocks`` of the hashes asked for follow over the KV pair ``pair_key`` (the
+    holder has posted the send), ``nbytes`` bytes in all; 0 blocks: nothing (``reason`` says why)."""
+
+    pull_id: int
+    blocks: int = 0
+    nbytes: int = 0
+    pair_key: str = ""
+    store_address: str = ""
+    reason: str = ""
+
+
 class KvRendezvous(msgspec.Struct, **_tagged(78)):
     """instance <-> instance, on the migration channel: one end of a KV pair wrote its Gloo address (daemons/
     kv/transfer.py RelayStore); the other end keeps it for the pair named ``pair_key``."""
@@ -991,6 +1019,8 @@ Message = (
     | PrefixQuery
     | PrefixHits
     | KvRendezvous
+    | PullAsk
+    | PullOffer
     | DrainQuery
     | DrainReply
     | RemoveQuery

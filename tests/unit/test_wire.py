@@ -51,6 +51,8 @@ def _samples():
         wire.PrefixQuery(1, [[1, 2, 3], []]),
         wire.PrefixHits(1, [2, 0]),
         wire.KvRendezvous("i0>i1/ab", "i0>i1/ab/0/0", b"addr"),
+        wire.PullAsk(1, "i1", [b"h" * 32], "spec"),
+        wire.PullOffer(1, 2, 4096, "i0>i1#pull/ab", ""),
         wire.CacheEvents("i0", 7, 3, stored=[1, 2**64 - 1], removed=[5]),
         wire.CacheSync("tcp://p:1"),
         wire.MigrateStart(9, "i1", "tcp://b:2", count=2, reason="drain", selection="llumnix", drain=True,
