@@ -242,8 +242,12 @@ class Dispatcher:
         stream.sent_at = stream.progress_at = self.clock.monotonic()
         stream.early.clear()  # a gap's tokens came from the copy we left: the new one sends them again
         pull_from, pull_blocks = stream.pull
+        pull_address = self.known.address(pull_from) if pull_from and pull_from != instance_id else ""
+        if not pull_address:  # (the holder is not known here: no pull)
+            pull_from, pull_blocks = "", 0
+            stream.pull = ("", 0)
         submit = msgspec.structs.replace(stream.submit, epoch=stream.epoch, output_token_ids=list(stream.token_ids),
-                                         pull_from=pull_from, pull_blocks=pull_blocks)
+                                         pull_from=pull_from, pull_blocks=pull_blocks, pull_address=pull_address)
         if submit.session:
             self._session_turn(stream, instance_id)
         beat = self.known.beats.get(instance_id)
