@@ -54,7 +54,10 @@ def test_a_bad_session_field_is_a_400_naming_it(fields, param):
 
 def test_an_unknown_retention_or_an_overlong_header_is_a_400():
     with pytest.raises(ApiError) as exc:
-        session_of(body(prompt_cache_retention="forever"), Headers(), "x-session-id", 0)
+        body(prompt_cache_retention="forever")
+    assert exc.value.status == 400 and exc.value.param == "prompt_cache_retention"
+    with pytest.raises(ApiError) as exc:
+        retention_s("forever", 0)
     assert exc.value.status == 400 and exc.value.param == "prompt_cache_retention"
     with pytest.raises(ApiError) as exc:
         session_of(body(), Headers({"x-session-id": "s" * 300}), "x-session-id", 0)

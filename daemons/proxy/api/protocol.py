@@ -14,7 +14,7 @@ The same structs describe the request bodies in ``/openapi.json`` (``openapi_com
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
 from msgspec import Meta
@@ -69,7 +69,7 @@ class _Common(msgspec.Struct, kw_only=True):
     # OpenAI's prompt caching: the session (a conversation, an agent's loop) whose turns share a prefix, and how
     # long its cached prefix should be kept ("in_memory" or "24h"); daemons/proxy/api/sessions.py reads them
     prompt_cache_key: Annotated[str, Meta(max_length=MAX_SESSION_CHARS)] | None = None
-    prompt_cache_retention: str | None = None
+    prompt_cache_retention: Literal["in_memory", "in-memory", "24h"] | None = None
     # Structured output (daemons/proxy/api/structured.py): OpenAI's response_format, vLLM's structured_outputs
     response_format: dict[str, Any] | None = None
     structured_outputs: StructuredOutputsBody | None = None
