@@ -8,6 +8,7 @@ Sockets:
 - manager ROUTER  <- instance DEALER   Register, LoadReport, Goodbye / RegisterAck
 - manager ROUTER  <- proxy DEALER      Dispatch, SnapshotQuery / DispatchReply, Snapshot; Dispatched (no reply)
 - manager ROUTER  <- llumnixctl DEALER StatusQuery, RequestsQuery / Snapshot, RequestsReply, ErrorReply
+- manager ROUTER  <- llumnixctl DEALER SessionsQuery / SessionsReply (``llumnixctl sessions``)
 - instance ROUTER <- proxy DEALER      Submit, Abort (fire and forget: failures come back on the token path)
 - instance ROUTER <- manager           ListRequests / RequestList (for ``llumnixctl requests``)
 - proxy PULL      <- instance PUSH     TokenBatch, RequestFailed, Moved
@@ -237,6 +238,7 @@ class Dispatch(msgspec.Struct, **_tagged(10)):
     # llumnix-cache: the keys of the prompt's full blocks (daemons/prefix.py), for the manager's prefix index
     prefix_keys: list[int] = []
     adapter: str = ""  # its LoRA adapter: placed among the instances that hold it (daemons/policy/residency.py)
+    session: str = ""  # the session it names (wire.Submit.session): placed where its KV is (daemons/policy/sessions.py)
 
 
 class DispatchReply(msgspec.Struct, **_tagged(11)):
@@ -245,6 +247,9 @@ class DispatchReply(msgspec.Struct, **_tagged(11)):
     request_address: str = ""
     reason: str = ""
     disagg: str = ""  # with roles: where it was decided to prefill (daemons/policy/disagg.py DECISIONS)
+    pull_from: str = ""  # a prefix pull before it queues (wire.Submit.pull_from, pull_blocks; "": none)
+    pull_blocks: int = 0
+    how: str = ""  # a session's turn: how it was placed (daemons/policy/sessions.py HOW)
 
     def __post_init__(self) -> None:
         endpoints.check(self.request_address, "request_address", empty_ok=True)
@@ -263,6 +268,8 @@ class Dispatched(msgspec.Struct, **_tagged(14)):
     instance_id: str
     prompt_tokens: int
     priority: int = 0
+    session: str = ""  # the session it names, and its prompt's block keys (the manager's session table)
+    prefix_keys: list[int] = []
 
 
 class InstanceView(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -338,6 +345,34 @@ class RequestsReply(msgspec.Struct, **_tagged(22)):
     query_id: int
     requests: list[RequestInfo]
     unreachable: list[str] = []  # instances that did not answer in time
+
+
+class SessionsQuery(msgspec.Struct, **_tagged(100)):
+    """llumnixctl -> manager: the sessions it knows, most recently seen first (``limit``: at most; 0: all)."""
+
+    query_id: int
+    limit: int = 0
+
+
+class SessionRow(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One session (daemons/sessions.py): where its last turn went, and where its last prompt's KV is now by the
+    prefix index: per instance holding some, its leading blocks in the engine and more in the host tier."""
+
+    session: str
+    instance_id: str  # its last turn's
+    turns: int
+    prompt_tokens: int  # its last prompt's
+    blocks: int  # its last prompt's full blocks
+    age_s: float  # since its first turn
+    idle_s: float  # since its last
+    engine_blocks: dict[str, int] = {}
+    host_blocks: dict[str, int] = {}
+
+
+class SessionsReply(msgspec.Struct, **_tagged(101)):
+    query_id: int
+    sessions: list[SessionRow] = []
+    known: int = 0  # sessions the manager knows (the rows may be fewer: the limit)
 
 
 class ErrorReply(msgspec.Struct, **_tagged(23)):
@@ -950,6 +985,8 @@ Message = (
     | StatusQuery
     | RequestsQuery
     | RequestsReply
+    | SessionsQuery
+    | SessionsReply
     | ErrorReply
     | ListRequests
     | RequestList
