@@ -35,6 +35,10 @@ def test_a_tiny_session_trace_runs_on_our_systems_with_the_documented_shape():
         # the perfect cache of the trace that ran, in the sim engine's 16-token blocks
         assert c["perfect_tokens"] == tracecache.sharing(reqs, 16)["shareable_tokens"] > 0
         assert 0 < c["cached_tokens"] <= c["prompt_tokens"] and c["of_perfect"] > 0.5
+    placed = {r["system"]: r["session_dispatches"] for r in data["rounds"]}
+    if placed["llumnix-sessions"] is not None:  # a proxy that names sessions placed every turn as one's
+        assert sum(placed["llumnix-sessions"].values()) == trace["turns"]
+        assert not any((placed["llumnix-cache"] or {}).values())  # no key, no session
     assert set(data["summary"]) == {"llumnix-sessions", "llumnix-cache"}
     assert data["summary"]["llumnix-cache"]["failed"] == 0
     assert data["settings"]["llumnix-sessions"][-2:] == ["sim.time_scale=0.1", "instance.shutdown_grace_s=1"]

@@ -90,6 +90,9 @@ def test_compare_runs_the_three_systems_on_one_trace():
         assert r["completed"] == len(reqs) and r["failed"] == 0 and r["leaked_blocks"] == 0
         assert 0 < r["goodput_rps"] and 0 <= r["attainment"] <= 1 and r["p99_ttft_ms"] >= r["mean_ttft_ms"] > 0
     assert "manager.dispatch_policy=infaas++" in rows["infaas++"]["settings"]
+    # the manager placed the sessions' turns knowing their sessions; the others' turns named none
+    assert rows["sessions"]["sessions_known"] == (5 if simcache.DISPATCH_SESSION else 0)
+    assert rows["llumnix-cache"]["sessions_known"] == rows["infaas++"]["sessions_known"] == 0
     assert rows["llumnix-cache"]["prefix_hit_rate"] >= rows["infaas++"]["prefix_hit_rate"]
     assert res["trace"]["turns"] == len(reqs) and res["trace"]["working_set_over_kv"] > 0
     assert "P99 TTFT ms" in simsessions.compare_block(res)

@@ -95,6 +95,7 @@ def _one(job: dict) -> dict:
             "p99_tpot_ms": round(res["p99_tpot_ms"], 1), "goodput_rps": every.get("goodput"),
             "attainment": every.get("attainment"), "prefix_hit_rate": round(res.get("prefix_hit_rate", 0.0), 4),
             "preemptions": res["preemptions"], "leaked_blocks": res["leaked_blocks"],
+            "sessions_known": len(sim.mgr.dispatcher.sessions),  # (the manager's session table: its dispatches named them)
             "duration_s": round(res["duration"], 1), "wall_s": round(res["wall_s"], 1),
             "cpu_s": round(time.process_time() - cpu, 1), "settings": job["sets"]}
 
