@@ -20,12 +20,14 @@ import time
 
 import msgspec
 
-from daemons.config import LoraConfig, ModelConfig, VllmConfig
+from daemons.config import KvTierConfig, LoraConfig, ModelConfig, VllmConfig
 from daemons.engine.adapters import module_dims
 from daemons.engine.base import (EngineDefaults, EngineError, EngineRequest, KvBlocks, MigrationParts, StepResult,
                                   check_request)
+from daemons.engine.tier import HostTier, Retention, tier_blocks
 from daemons.engine.vllm_cache import VllmPrefixCache
 from daemons.engine.vllm_internals import VllmInternals, lower_this_thread, set_env, set_num_threads
+from daemons.engine.vllm_internals_tier import VllmTier
 from daemons.engine.vllm_lora import VllmAdapters
 from daemons.engine.vllm_migration import LiveRequest, LiveRequests, VllmMigrations
 from daemons.kv.layout import KvShards
@@ -51,7 +53,9 @@ class VllmEngine(EngineDefaults, MigrationParts):
     backend = "vllm"
     blocking_step = True  # a step is milliseconds of model compute: the instance runs it off its event loop
 
-    def __init__(self, model: ModelConfig, vllm: VllmConfig, lora: LoraConfig | None = None):
+    def __init__(self, model: ModelConfig, vllm: VllmConfig, lora: LoraConfig | None = None,
+                 kv_tier: KvTierConfig | None = None, clock=time.monotonic):
+        """``kv_tier``: its host tier and retention (None: neither); ``clock``: what retention deadlines read."""
         if not model.path:
             raise EngineError("model.path is empty: the vllm backend needs a checkpoint directory "
                               "(write a test model with `llumnixctl model tiny DIR`)")
@@ -83,6 +87,20 @@ class VllmEngine(EngineDefaults, MigrationParts):
             self.kv_blocks()
         if adapters is not None:
             adapters.load_configured(lora.adapters)
+        # The host tier and session retention (vllm_internals_tier.py), over the prefix cache of a KV in this process.
+        self._tiers = self._tiering(kv_tier or KvTierConfig(host_mb=0, retain_s=0.0), clock)
+        self.tier = self._tiers.tier if self._tiers is not None else None
+
+    def _tiering(self, cfg: KvTierConfig, clock) -> VllmTier | None:
+        s = self._s
+        if not self.prefix_caching or not s.in_process:
+            return None
+        total = s.blocks_total()
+        capacity = tier_blocks(cfg.host_mb, self.kv_blocks().block_nbytes, total)
+        limit = int(cfg.retain_share * (total + capacity))
+        retention = Retention(cfg.retain_s, cfg.max_retain_s, limit, clock) if cfg.retain_s > 0 and limit else None
+        tier = HostTier(capacity, self.kv_blocks().block_nbytes, retention) if capacity else None
+        return VllmTier(s, self.kv_blocks, tier, retention, clock)
 
     def init_thread(self) -> None:
         """Run first on the thread that will call ``step``. OpenMP's thread count is per thread, taken from
@@ -125,9 +143,13 @@ class VllmEngine(EngineDefaults, MigrationParts):
             if lora is not None:
                 self.adapters.end(request.adapter, rid)
             raise
-        live = self._live.add(LiveRequest(rid, req, sp, request.adapter, request.adapter_path))
+        live = self._live.add(LiveRequest(rid, req, sp, request.adapter, request.adapter_path, request.session,
+                                          request.retain_s))
         live.emitted = len(done)
         self._received += 1
+        if self._tiers is not None:
+            engine, host = self._tiers.restore(req)
+            self.cache.counted(len(prompt), engine * self.block_size, host * self.block_size)
 
     def abort_request(self, request_id: str) -> bool:
         live = self._live.get(request_id)
@@ -167,16 +189,33 @@ class VllmEngine(EngineDefaults, MigrationParts):
                 if not tokens:
                     log.warning("vLLM finished %s (%s) without a token; the client sees no final token",
                                 live.rid, o.finish_reason)
+                if self._tiers is not None and live.session:
+                    self._tiers.turn_ended(live.session, live.req, live.retain_s)
                 self._live.forget(live)
         self._tokens_generated += len(outputs)
         return StepResult(outputs, 0.0, *self._v.last_work)
 
-    def cache_events(self) -> list[tuple[bool, int]]:
-        """(stored?, block key) of every prefix-cache change since the last call ([] without a cache)."""
-        return self.cache.events() if self.cache is not None else []
+    def cache_events(self) -> list[tuple]:
+        """(stored?, block key) of every prefix-cache change since the last call ([] without a cache), then
+        (stored?, key, prefix.HOST) of the host tier's."""
+        events = self.cache.events() if self.cache is not None else []
+        return events + self.tier.events() if self.tier is not None else events
 
     def cache_snapshot(self) -> list[int]:
         return self.cache.snapshot() if self.cache is not None else []
+
+    def tier_snapshot(self) -> list[int]:
+        return self.tier.snapshot() if self.tier is not None else []
+
+    def export_blocks(self, hashes: list[bytes]):
+        if self._tiers is None:
+            raise EngineError("this instance keeps no prefix cache in this process to export from")
+        return self._tiers.export_blocks(hashes)
+
+    def import_blocks(self, hashes: list[bytes], payload) -> int:
+        if self._tiers is None:
+            raise EngineError("this instance has no host KV tier (kv_tier.host_mb = 0): nothing to import into")
+        return self._tiers.import_blocks(hashes, payload)
 
     def load(self) -> InstanceLoad:
         v = self._s
@@ -203,6 +242,10 @@ class VllmEngine(EngineDefaults, MigrationParts):
             context_tokens=sum(r.num_tokens for r in v.running()),
             adapters=self.adapters.table.held() if self.adapters is not None else [],
             adapter_slots=self.adapters.table.open_slots() if self.adapters is not None else 0,
+            tier_blocks=len(self.tier) if self.tier is not None else 0,
+            tier_capacity=self.tier.capacity if self.tier is not None else 0,
+            restore_ms_per_block=self.tier.restore_ms_per_block if self.tier is not None else 0.0,
+            retained_blocks=self._tiers.retained_blocks() if self._tiers is not None else 0,
         )
 
     def requests(self) -> list[RequestLoad]:
