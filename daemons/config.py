@@ -408,23 +408,9 @@ def parse_override(text: str) -> tuple[str, str, Any, str]:
     return section.strip(), key.strip(), value, raw
 
 
-def _check_url(value: str) -> str:
-    """Why ``value`` is not an http(s) URL with a host (empty: it is)."""
-    from urllib.parse import urlsplit
-
-    try:
-        parts = urlsplit(value)
-        parts.port  # noqa: B018 - raises on a port that is not a number
-    except ValueError as exc:
-        return f"is not a URL ({exc})"
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        return "must be an http:// or https:// URL with a host, e.g. http://127.0.0.1:4318/v1/traces"
-    return ""
-
-
 def _check_together(cfg: Config, where: str) -> None:
     """Settings that must agree with each other; the message names both keys and where they came from."""
-    if cfg.tracing.otlp_endpoint and (why := _check_url(cfg.tracing.otlp_endpoint)):
+    if cfg.tracing.otlp_endpoint and (why := endpoints.url_problem(cfg.tracing.otlp_endpoint)):
         raise ConfigError(f"{where}: tracing.otlp_endpoint {cfg.tracing.otlp_endpoint!r} {why}")
     if 0 < cfg.proxy.max_body_bytes < 1024:
         raise ConfigError(f"{where}: proxy.max_body_bytes must be 0 (from the context length) or >= 1024; "

@@ -254,15 +254,6 @@ class EngineDefaults:
     def init_thread(self) -> None:
         return None
 
-    def tier_snapshot(self) -> list[int]:
-        return []
-
-    def export_blocks(self, hashes: list[bytes]) -> tuple[int, Any]:
-        raise EngineError(f"the {self.backend} engine keeps no prefix cache to export from")
-
-    def import_blocks(self, hashes: list[bytes], payload: Any) -> int:
-        raise EngineError("this instance has no host KV tier (kv_tier.host_mb = 0): nothing to import into")
-
     def kv_ranks(self) -> tuple[list[str], str] | None:
         return None
 

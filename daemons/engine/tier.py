@@ -148,10 +148,12 @@ class HostTier:
     (retained ones last). Owns the rows, the map, its change log and its counters; the engine's glue copies
     bytes in and out of the rows it hands over."""
 
-    def __init__(self, capacity: int, block_nbytes: int, retention: Retention | None = None):
+    def __init__(self, capacity: int, block_nbytes: int, retention: Retention | None = None, store: bool = True):
+        """``store`` False: keys only (the sim engine: its hits save time, not bytes); ``block_nbytes`` still
+        counts what a block would move."""
         self.capacity = capacity
         self.block_nbytes = block_nbytes
-        self.rows = torch.empty((capacity, block_nbytes), dtype=torch.uint8) if block_nbytes else None
+        self.rows = torch.empty((capacity, block_nbytes), dtype=torch.uint8) if block_nbytes and store else None
         self._plain: OrderedDict[bytes, int] = OrderedDict()  # hash -> row, least recently used first
         self._kept: OrderedDict[bytes, int] = OrderedDict()  # the same for retained hashes (evicted last)
         self._free = list(range(capacity - 1, -1, -1))
@@ -236,10 +238,12 @@ class HostTier:
 
     def _retained(self, hashes: list[bytes], retained: bool) -> None:
         src, dst = (self._plain, self._kept) if retained else (self._kept, self._plain)
-        for h in hashes:
+        for h in (hashes if retained else reversed(hashes)):
             r = src.pop(h, None)
             if r is not None:
                 dst[h] = r
+                if not retained:  # a session past its deadline: its blocks go first
+                    dst.move_to_end(h, last=False)
 
     def retained_blocks(self) -> int:
         return len(self._kept)

@@ -24,10 +24,9 @@ from daemons.config import KvTierConfig, LoraConfig, ModelConfig, VllmConfig
 from daemons.engine.adapters import module_dims
 from daemons.engine.base import (EngineDefaults, EngineError, EngineRequest, KvBlocks, MigrationParts, StepResult,
                                   check_request)
-from daemons.engine.tier import HostTier, Retention, tier_blocks
 from daemons.engine.vllm_cache import VllmPrefixCache
 from daemons.engine.vllm_internals import VllmInternals, lower_this_thread, set_env, set_num_threads
-from daemons.engine.vllm_internals_tier import VllmTier
+from daemons.engine.vllm_internals_tier import build_tiers, need_tiers
 from daemons.engine.vllm_lora import VllmAdapters
 from daemons.engine.vllm_migration import LiveRequest, LiveRequests, VllmMigrations
 from daemons.kv.layout import KvShards
@@ -55,7 +54,6 @@ class VllmEngine(EngineDefaults, MigrationParts):
 
     def __init__(self, model: ModelConfig, vllm: VllmConfig, lora: LoraConfig | None = None,
                  kv_tier: KvTierConfig | None = None, clock=time.monotonic):
-        """``kv_tier``: its host tier and retention (None: neither); ``clock``: what retention deadlines read."""
         if not model.path:
             raise EngineError("model.path is empty: the vllm backend needs a checkpoint directory "
                               "(write a test model with `llumnixctl model tiny DIR`)")
@@ -87,20 +85,9 @@ class VllmEngine(EngineDefaults, MigrationParts):
             self.kv_blocks()
         if adapters is not None:
             adapters.load_configured(lora.adapters)
-        # The host tier and session retention (vllm_internals_tier.py), over the prefix cache of a KV in this process.
-        self._tiers = self._tiering(kv_tier or KvTierConfig(host_mb=0, retain_s=0.0), clock)
+        # Host tier and retention (vllm_internals_tier.py; kv_tier None: neither): over a prefix cache in this process.
+        self._tiers = build_tiers(s, self.kv_blocks, self.cache, kv_tier, clock) if self.cache is not None and s.in_process else None
         self.tier = self._tiers.tier if self._tiers is not None else None
-
-    def _tiering(self, cfg: KvTierConfig, clock) -> VllmTier | None:
-        s = self._s
-        if not self.prefix_caching or not s.in_process:
-            return None
-        total = s.blocks_total()
-        capacity = tier_blocks(cfg.host_mb, self.kv_blocks().block_nbytes, total)
-        limit = int(cfg.retain_share * (total + capacity))
-        retention = Retention(cfg.retain_s, cfg.max_retain_s, limit, clock) if cfg.retain_s > 0 and limit else None
-        tier = HostTier(capacity, self.kv_blocks().block_nbytes, retention) if capacity else None
-        return VllmTier(s, self.kv_blocks, tier, retention, clock)
 
     def init_thread(self) -> None:
         """Run first on the thread that will call ``step``. OpenMP's thread count is per thread, taken from
@@ -148,8 +135,7 @@ class VllmEngine(EngineDefaults, MigrationParts):
         live.emitted = len(done)
         self._received += 1
         if self._tiers is not None:
-            engine, host = self._tiers.restore(req)
-            self.cache.counted(len(prompt), engine * self.block_size, host * self.block_size)
+            self._tiers.restore(req)  # (and counts where its prompt's KV came from)
 
     def abort_request(self, request_id: str) -> bool:
         live = self._live.get(request_id)
@@ -196,8 +182,7 @@ class VllmEngine(EngineDefaults, MigrationParts):
         return StepResult(outputs, 0.0, *self._v.last_work)
 
     def cache_events(self) -> list[tuple]:
-        """(stored?, block key) of every prefix-cache change since the last call ([] without a cache), then
-        (stored?, key, prefix.HOST) of the host tier's."""
+        """(stored?, block key) of every prefix-cache change since the last call, then the host tier's."""
         events = self.cache.events() if self.cache is not None else []
         return events + self.tier.events() if self.tier is not None else events
 
@@ -208,14 +193,10 @@ class VllmEngine(EngineDefaults, MigrationParts):
         return self.tier.snapshot() if self.tier is not None else []
 
     def export_blocks(self, hashes: list[bytes]):
-        if self._tiers is None:
-            raise EngineError("this instance keeps no prefix cache in this process to export from")
-        return self._tiers.export_blocks(hashes)
+        return need_tiers(self._tiers).export_blocks(hashes)
 
     def import_blocks(self, hashes: list[bytes], payload) -> int:
-        if self._tiers is None:
-            raise EngineError("this instance has no host KV tier (kv_tier.host_mb = 0): nothing to import into")
-        return self._tiers.import_blocks(hashes, payload)
+        return need_tiers(self._tiers).import_blocks(hashes, payload)
 
     def load(self) -> InstanceLoad:
         v = self._s
@@ -242,10 +223,7 @@ class VllmEngine(EngineDefaults, MigrationParts):
             context_tokens=sum(r.num_tokens for r in v.running()),
             adapters=self.adapters.table.held() if self.adapters is not None else [],
             adapter_slots=self.adapters.table.open_slots() if self.adapters is not None else 0,
-            tier_blocks=len(self.tier) if self.tier is not None else 0,
-            tier_capacity=self.tier.capacity if self.tier is not None else 0,
-            restore_ms_per_block=self.tier.restore_ms_per_block if self.tier is not None else 0.0,
-            retained_blocks=self._tiers.retained_blocks() if self._tiers is not None else 0,
+            **(self._tiers.load_fields() if self._tiers is not None else {}),
         )
 
     def requests(self) -> list[RequestLoad]:

@@ -30,24 +30,47 @@ from typing import Callable
 
 import torch
 
+from daemons.config import KvTierConfig
 from daemons.engine.base import EngineError
-from daemons.engine.tier import HostTier, Retention
+from daemons.engine.tier import HostTier, Retention, tier_blocks
 from daemons.engine.vllm_internals_state import VllmState
 from daemons.kv.layout import KvBlocks
 
 RETAINED_EVERY_S = 0.5  # the count of retained blocks held (a scan of the retained hashes) is this old at most
 
 
+def build_tiers(state: VllmState, kv: Callable[[], KvBlocks], cache, cfg: KvTierConfig | None,
+                clock: Callable[[], float] = time.monotonic) -> VllmTier:
+    """The tier (``kv_tier.host_mb``, in blocks of the engine's KV layout) and retention (``kv_tier.retain_s``) of
+    an engine with prefix caching and its KV in this process; ``cfg`` None: neither."""
+    cfg = cfg or KvTierConfig(host_mb=0, retain_s=0.0)
+    total, nbytes = state.blocks_total(), kv().block_nbytes
+    capacity = tier_blocks(cfg.host_mb, nbytes, total)
+    limit = int(cfg.retain_share * (total + capacity))
+    retention = Retention(cfg.retain_s, cfg.max_retain_s, limit, clock) if cfg.retain_s > 0 and limit else None
+    tier = HostTier(capacity, nbytes, retention) if capacity else None
+    return VllmTier(state, kv, cache, tier, retention, clock)
+
+
+def need_tiers(tiers: VllmTier | None) -> VllmTier:
+    if tiers is None:
+        raise EngineError("this instance keeps no prefix cache in this process (vllm.enable_prefix_caching is off, "
+                          "or its KV is on tensor-parallel ranks): no blocks to move")
+    return tiers
+
+
 class VllmTier:
     """The tier and retention on one vLLM engine's pool. ``tier`` None: retention only (kv_tier.host_mb = 0);
     ``retention`` None: no retention (kv_tier.retain_s = 0)."""
 
-    def __init__(self, state: VllmState, kv: Callable[[], KvBlocks], tier: HostTier | None,
+    def __init__(self, state: VllmState, kv: Callable[[], KvBlocks], cache, tier: HostTier | None,
                  retention: Retention | None, clock: Callable[[], float] = time.monotonic):
+        """``cache``: the engine's prefix cache (vllm_cache.py), told where each new prompt's KV comes from."""
         from vllm.v1.core.kv_cache_utils import get_block_hash
 
         self._s = state
         self._kv_of = kv  # the engine's KvBlocks (built on first use)
+        self._cache = cache
         self.tier = tier
         self.retention = retention
         self.clock = clock
@@ -63,7 +86,7 @@ class VllmTier:
 
     def _get_new_blocks(self, num_blocks: int):
         if num_blocks > 0:
-            if self.retention is not None and len(self.retention):
+            if self.retention is not None and self.retention.expire() >= 0 and len(self.retention):
                 self._defer_retained(num_blocks)
             if self.tier is not None:
                 self._offload(num_blocks)
@@ -149,7 +172,12 @@ class VllmTier:
 
     def restore(self, req) -> tuple[int, int]:
         """(When ``req`` is added) Restore the leading blocks of its prompt past the prefix cache's hit that the
-        tier holds. Returns (blocks the engine held, blocks restored)."""
+        tier holds, and count where its prompt's KV comes from. Returns (blocks the engine held, blocks restored)."""
+        engine, host = self._restore(req)
+        self._cache.counted(req.num_tokens, engine * self._bs, host * self._bs)
+        return engine, host
+
+    def _restore(self, req) -> tuple[int, int]:
         hashes = req.block_hashes[:(req.num_tokens - 1) // self._bs]  # vLLM recomputes the last token
         held = self.engine_leading(hashes)
         i = len(held)
@@ -225,6 +253,14 @@ class VllmTier:
     def turn_ended(self, session: str, req, asked_s: float) -> None:
         if self.retention is not None and session:
             self.retention.turn_ended(session, list(req.block_hashes), asked_s)
+
+    def load_fields(self) -> dict:
+        """The tier's and retention's fields of the engine's load (wire.InstanceLoad)."""
+        tier = self.tier
+        out = {"retained_blocks": self.retained_blocks()} if self.retention is not None else {}
+        if tier is not None:
+            out.update(tier_blocks=len(tier), tier_capacity=tier.capacity, restore_ms_per_block=tier.restore_ms_per_block)
+        return out
 
     def retained_blocks(self) -> int:
         """Retained blocks held in the engine's cache or the tier (as of at most RETAINED_EVERY_S ago)."""
