@@ -1,6 +1,6 @@
 """The host KV tier and session retention on a real vLLM engine (daemons/engine/vllm_internals_tier.py), tiny
 random-weight LLaMA, a KV cache of 31 blocks: blocks evicted from vLLM's prefix cache are copied to the tier
-and restored when a prompt comes back, with the same greedy tokens as a recompute (and different ones when the
+and restored when a prompt comes back, with the same greedy tokens as when computed (and different ones when the
 tier's bytes are spoiled: the restored KV is what the model reads); the tier stays within its size and its
 events replay to what it holds; export and import carry a prefix from one engine to another's tier; a
 session's blocks outlive other blocks in vLLM's free queue until their deadline, never counted as used.
@@ -13,6 +13,7 @@ import os
 from contextlib import contextmanager
 
 import pytest
+import torch
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -73,40 +74,40 @@ def engine_holds(e: VllmEngine, prompt: list[int]) -> int:
     return len(e._tiers.engine_leading(prefix.block_hashes(prompt, BS)))
 
 
-def test_evicted_blocks_are_restored_with_the_same_tokens_and_spoiled_bytes_would_show(model_dir):
-    with engine(model_dir, caching=False) as e:
-        want = gen(e, "ref", A)
-    with engine(model_dir) as e:
-        assert gen(e, "a1", A) == want
-        for k, p in enumerate(OTHERS):
-            gen(e, f"o{k}", p)
-        assert engine_holds(e, A) == 0 and e.tier.leading(prefix.block_hashes(A, BS)) == 9
-        assert gen(e, "a2", A) == want  # from the tier
-        assert e.tier.restored_blocks == 9 and e.tier.restored_bytes == 9 * e.kv_blocks().block_nbytes
-        assert e.cache.by_source["host"] == 9 * BS
-        assert e.load().restore_ms_per_block == e.tier.restore_ms_per_block > 0
-        print(f"restore: {e.tier.restore_ms_per_block:.3f} ms per block of {e.kv_blocks().block_nbytes} bytes")
-        for k, p in enumerate(OTHERS):
-            gen(e, f"p{k}", p)
-        assert engine_holds(e, A) == 0
-        e.tier.rows.random_(0, 255)  # spoiled: a restore that used these bytes would change the tokens
-        assert gen(e, "a3", A) != want
-
-
-def test_the_tier_stays_within_its_size_and_its_events_replay_to_its_blocks(model_dir):
+def test_evicted_blocks_are_restored_with_the_same_tokens_and_the_tier_stays_within_its_size(model_dir):
     with engine(model_dir, host_mb=1) as e:  # 32 KiB blocks: 32 of them
         assert e.tier.capacity == (1 << 20) // e.kv_blocks().block_nbytes == 32
         held: set[int] = set()
-        for k in range(3):
+
+        def serve(rid: str, prompt: list[int]) -> list[int]:
+            out = gen(e, rid, prompt)
+            for ev in e.cache_events():
+                if len(ev) == 3:
+                    assert ev[2] == prefix.HOST
+                    (held.add if ev[0] else held.discard)(ev[1])
+            return out
+
+        want = serve("a1", A)
+        for k, p in enumerate(OTHERS):
+            serve(f"o{k}", p)
+        assert engine_holds(e, A) == 0 and e.tier.leading(prefix.block_hashes(A, BS)) == 9
+        assert serve("a2", A) == want  # from the tier
+        assert e.tier.restored_blocks == 9 and e.tier.restored_bytes == 9 * e.kv_blocks().block_nbytes
+        assert e.cache.by_source == {"engine": 0, "host": 9 * BS, "recomputed": 6 * 300 - 9 * BS}
+        assert e.load().restore_ms_per_block == e.tier.restore_ms_per_block > 0
+        print(f"restore: {e.tier.restore_ms_per_block:.3f} ms per block of {e.kv_blocks().block_nbytes} bytes")
+        for k in range(2):
             for j, p in enumerate(OTHERS):
-                gen(e, f"o{k}-{j}", p[:1] + [k] + p[2:], n=2)
-                for ev in e.cache_events():
-                    if len(ev) == 3:
-                        assert ev[2] == prefix.HOST
-                        (held.add if ev[0] else held.discard)(ev[1])
+                serve(f"p{k}-{j}", p[:1] + [k] + p[2:])
         assert len(e.tier) == 32 and held == set(e.tier_snapshot())
-        load = e.load()
-        assert (load.tier_blocks, load.tier_capacity) == (32, 32)
+        assert (e.load().tier_blocks, e.load().tier_capacity) == (32, 32)
+        assert engine_holds(e, A) == 0 and e.tier.leading(prefix.block_hashes(A, BS)) == 0
+        serve("a3", A)  # recomputed: into the engine, and to the tier again by the next traffic
+        for j, p in enumerate(OTHERS):
+            serve(f"q{j}", p)
+        assert engine_holds(e, A) == 0 and e.tier.leading(prefix.block_hashes(A, BS)) == 9
+        e.tier.rows.random_(0, 255)  # spoiled: a restore that used these bytes would change the tokens
+        assert serve("a4", A) != want
 
 
 def test_export_then_import_carries_a_prefix_into_another_engines_tier(model_dir):
@@ -121,15 +122,14 @@ def test_export_then_import_carries_a_prefix_into_another_engines_tier(model_dir
         assert dst.import_blocks(hashes[:n], payload) == 9
         assert gen(dst, "b", A) == want
         assert dst.tier.restored_blocks == 9 and dst.cache.by_source["host"] == 9 * BS
-    with engine(model_dir, host_mb=0) as off:
-        with pytest.raises(EngineError, match="kv_tier.host_mb"):
-            off.import_blocks(hashes[:n], payload)
 
 
 def test_a_sessions_blocks_outlive_others_in_vllms_free_queue_until_their_deadline(model_dir):
     clock = Clock()
     with engine(model_dir, host_mb=0, retain_s=30.0, clock=clock) as e:
         assert e.tier is None
+        with pytest.raises(EngineError, match="kv_tier.host_mb"):
+            e.import_blocks(prefix.block_hashes(A, BS), torch.zeros(9 * e.kv_blocks().block_nbytes, dtype=torch.uint8))
         want = gen(e, "a1", A, session="chat")
         assert e.load().retained_blocks == 9
         for k, p in enumerate(OTHERS[:3]):  # 30 blocks through 31, 10 of them A's
