@@ -235,7 +235,7 @@ class SimConfig:
 
 @dataclass
 class KvTierConfig:
-    host_mb: int = setting(-1, "host-memory KV tier per instance, MiB: blocks the engine evicts from its prefix cache are copied there and restored (instead of recomputed) when a prompt continues past what the engine holds; -1 = auto: 4 times the engine's KV cache, at most 1/8 of the host's memory; 0 = off. Needs the engine's prefix cache (vllm.enable_prefix_caching, sim.prefix_caching)", minimum=-1)
+    host_mb: int = setting(-1, "host-memory KV tier per instance, MiB: blocks the engine evicts from its prefix cache are copied there and restored (instead of recomputed) when a prompt continues past what the engine holds; -1 = auto: 4 times the engine's KV cache, at most 1/8 of the host's memory; 0 = off. Needs the engine's prefix cache (vllm.enable_prefix_caching, sim.prefix_caching) and, for vllm, its KV in the instance's process (tensor_parallel_size 1)", minimum=-1)
     retain_s: float = setting(60.0, "after a turn of a session (prompt_cache_key, or the session header) ends, its blocks are kept preferentially this long: the engine and the tier evict every other block first; they stay free (reclaimable) all along; 0 = off", minimum=0.0)
     max_retain_s: float = setting(600.0, "the longest retention a request may ask for", minimum=0.0)
     retain_share: float = setting(0.5, "most of the engine's blocks plus the tier's that retained sessions hold at once (past it the sessions due first lose their retention)", minimum=0.0, maximum=1.0)

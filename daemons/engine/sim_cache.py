@@ -65,7 +65,7 @@ class SimPrefixCache:
         self._log: list[tuple[bool, int]] = []  # (stored?, key) since the last events()
         self.query_tokens = 0  # prompt tokens looked up at admission
         self.hit_tokens = 0  # of those, found cached (prefill skipped)
-        self.by_source = {"engine": 0, "host": 0, "recomputed": 0}  # prompt tokens of new requests
+        self.by_source = {"engine": 0, "host": 0, "pulled": 0, "recomputed": 0}  # prompt tokens of new requests
         self.tier = tier
         self.retention = retention
 
@@ -122,7 +122,7 @@ class SimPrefixCache:
         """Blocks of another instance into the tier (their keys: see ``export``); how many were new there."""
         if self.tier is None:
             raise EngineError("this instance has no host KV tier (kv_tier.host_mb = 0): nothing to import into")
-        return sum(1 for h in hashes if self.tier.put(h) is not None)
+        return sum(1 for h in hashes if self.tier.put(h, imported=True) is not None)
 
     def retained_held(self) -> int:
         """Retained blocks held in the cache or the tier."""
@@ -219,6 +219,10 @@ class SimPrefixCache:
         first = engine_tokens // self.block_size
         for h in req.hashes[first:first + n]:
             self.tier.row(h)
+        pulled = min(self.tier.take_imported(req.hashes[first:first + n]) * self.block_size, host_tokens)
+        if pulled and not req.preempted:  # (counted as host tokens at admission: they came from another instance)
+            self.by_source["host"] -= pulled
+            self.by_source["pulled"] += pulled
         seconds = n * ms_per_block / 1000.0
         self.tier.restored(n, seconds)
         return seconds

@@ -157,6 +157,7 @@ class HostTier:
         self._plain: OrderedDict[bytes, int] = OrderedDict()  # hash -> row, least recently used first
         self._kept: OrderedDict[bytes, int] = OrderedDict()  # the same for retained hashes (evicted last)
         self._free = list(range(capacity - 1, -1, -1))
+        self._imported: set[bytes] = set()  # hashes that came from another instance (a pull) and wait for a restore
         self._log: list[tuple[bool, int, int]] = []  # (stored?, key, HOST) since the last events()
         self.retention = retention
         if retention is not None:
@@ -194,10 +195,10 @@ class HostTier:
             n += 1
         return n
 
-    def put(self, h: bytes) -> int | None:
+    def put(self, h: bytes, imported: bool = False) -> int | None:
         """A row for ``h``, which the caller fills now: a free one, else the least recently used block's (a
         retained block's only when no other is left). None: ``h`` is held already (it becomes the most recently
-        used) or the tier has no rows."""
+        used) or the tier has no rows. ``imported``: it comes from another instance (``take_imported``)."""
         if self.row(h) is not None or self.capacity <= 0:
             return None
         if self._free:
@@ -205,7 +206,10 @@ class HostTier:
         else:
             old, r = (self._plain if self._plain else self._kept).popitem(last=False)
             self._log.append((False, prefix.key(old), prefix.HOST))
+            self._imported.discard(old)
             self.evicted_blocks += 1
+        if imported:
+            self._imported.add(h)
         (self._kept if self.retention is not None and h in self.retention else self._plain)[h] = r
         self._log.append((True, prefix.key(h), prefix.HOST))
         self.stored_blocks += 1
@@ -217,6 +221,7 @@ class HostTier:
             r = self._kept.pop(h, None)
         if r is not None:
             self._free.append(r)
+            self._imported.discard(h)
             self._log.append((False, prefix.key(h), prefix.HOST))
 
     def restored(self, blocks: int, seconds: float) -> None:
@@ -231,6 +236,14 @@ class HostTier:
             del self.restore_times[:512]
         ms = 1000.0 * seconds / blocks
         self.restore_ms_per_block = ms if self.restored_blocks == blocks else 0.8 * self.restore_ms_per_block + 0.2 * ms
+
+    def take_imported(self, hashes: list[bytes]) -> int:
+        """Of blocks just restored, how many came from another instance (then they are ordinary tier blocks)."""
+        if not self._imported:
+            return 0
+        n = sum(1 for h in hashes if h in self._imported)
+        self._imported.difference_update(hashes)
+        return n
 
     def take_restore_times(self) -> list[float]:
         out, self.restore_times = self.restore_times, []
@@ -261,4 +274,5 @@ class HostTier:
         self._log.extend((False, prefix.key(h), prefix.HOST) for h in (*self._plain, *self._kept))
         self._plain.clear()
         self._kept.clear()
+        self._imported.clear()
         self._free = list(range(self.capacity - 1, -1, -1))

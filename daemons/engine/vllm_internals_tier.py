@@ -174,7 +174,8 @@ class VllmTier:
         """(When ``req`` is added) Restore the leading blocks of its prompt past the prefix cache's hit that the
         tier holds, and count where its prompt's KV comes from. Returns (blocks the engine held, blocks restored)."""
         engine, host = self._restore(req)
-        self._cache.counted(req.num_tokens, engine * self._bs, host * self._bs)
+        pulled = self.tier.take_imported(req.block_hashes[engine:engine + host]) if host else 0
+        self._cache.counted(req.num_tokens, engine * self._bs, (host - pulled) * self._bs, pulled * self._bs)
         return engine, host
 
     def _restore(self, req) -> tuple[int, int]:
@@ -242,7 +243,7 @@ class VllmTier:
         view = payload[:len(hashes) * nbytes].view(len(hashes), nbytes)
         stored = 0
         for i, h in enumerate(hashes):
-            r = self.tier.put(h)
+            r = self.tier.put(h, imported=True)
             if r is not None:
                 self.tier.rows[r] = view[i]
                 stored += 1

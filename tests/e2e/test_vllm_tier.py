@@ -93,7 +93,7 @@ def test_evicted_blocks_are_restored_with_the_same_tokens_and_the_tier_stays_wit
         assert engine_holds(e, A) == 0 and e.tier.leading(prefix.block_hashes(A, BS)) == 9
         assert serve("a2", A) == want  # from the tier
         assert e.tier.restored_blocks == 9 and e.tier.restored_bytes == 9 * e.kv_blocks().block_nbytes
-        assert e.cache.by_source == {"engine": 0, "host": 9 * BS, "recomputed": 6 * 300 - 9 * BS}
+        assert e.cache.by_source == {"engine": 0, "host": 9 * BS, "pulled": 0, "recomputed": 6 * 300 - 9 * BS}
         assert e.load().restore_ms_per_block == e.tier.restore_ms_per_block > 0
         print(f"restore: {e.tier.restore_ms_per_block:.3f} ms per block of {e.kv_blocks().block_nbytes} bytes")
         for k in range(2):
@@ -121,7 +121,7 @@ def test_export_then_import_carries_a_prefix_into_another_engines_tier(model_dir
     with engine(model_dir) as dst:
         assert dst.import_blocks(hashes[:n], payload) == 9
         assert gen(dst, "b", A) == want
-        assert dst.tier.restored_blocks == 9 and dst.cache.by_source["host"] == 9 * BS
+        assert dst.tier.restored_blocks == 9 and dst.cache.by_source["pulled"] == 9 * BS
 
 
 def test_a_sessions_blocks_outlive_others_in_vllms_free_queue_until_their_deadline(model_dir):

@@ -154,7 +154,7 @@ def test_evicted_blocks_go_to_the_tier_and_come_back_at_their_restore_cost():
     assert ids == ref
     assert t_ref == 40 / 1000  # recomputed
     assert t == (1 + 10 * 0.5) / 1000  # 9 whole blocks and the last token's: 10 restored, 1 token computed
-    assert e.cache.by_source == {"engine": 0, "host": 39, "recomputed": 4 * 40 + 1}
+    assert e.cache.by_source == {"engine": 0, "host": 39, "pulled": 0, "recomputed": 4 * 40 + 1}
     load = e.load()
     assert load.tier_capacity == e.tier.capacity == (1 << 20) // e.cache.block_nbytes
     assert 0 < load.tier_blocks == len(e.tier) and load.restore_ms_per_block == 0.5
@@ -185,6 +185,9 @@ def test_export_and_import_move_a_prefix_into_another_instances_tier():
     assert {prefix.key(x) for x in hashes} == set(dst.tier_snapshot())
     ids, t = run(dst, request("b", A))
     assert t == (1 + 10 * 0.5) / 1000  # restored, not recomputed
+    assert dst.cache.by_source == {"engine": 0, "host": 0, "pulled": 39, "recomputed": 1}
+    run(dst, request("c", A))  # and next time from its own cache
+    assert dst.cache.by_source["engine"] == 39 and dst.cache.by_source["pulled"] == 39
     off = engine(host_mb=0)
     try:
         off.import_blocks(hashes, payload)
