@@ -143,11 +143,11 @@ class VllmTier:
     def _gather(self, block_ids: list[int]) -> torch.Tensor:
         """The engine's blocks ``block_ids`` as ``[n, block_nbytes]``, block-major (tier.py's payload layout)."""
         kv, n = self._kv_of(), len(block_ids)
-        buf = torch.empty(n * kv.block_nbytes, dtype=torch.uint8)
+        buf = torch.empty(n * kv.block_nbytes, dtype=torch.uint8, device=kv.device)  # (then to the host, if need be)
         kv.gather(block_ids, buf)
         if kv.path == "fused":  # already block-major
-            return buf.view(n, kv.block_nbytes)
-        return buf.view(len(kv.caches), n, kv.layer_block_nbytes).transpose(0, 1).reshape(n, kv.block_nbytes)
+            return buf.view(n, kv.block_nbytes).cpu()
+        return buf.view(len(kv.caches), n, kv.layer_block_nbytes).transpose(0, 1).reshape(n, kv.block_nbytes).cpu()
 
     def _scatter(self, block_ids: list[int], rows: torch.Tensor) -> None:
         """``rows`` (``[n, block_nbytes]``, block-major) into the engine's blocks ``block_ids``."""
@@ -156,7 +156,7 @@ class VllmTier:
             buf = rows.reshape(-1)
         else:
             buf = rows.view(n, len(kv.caches), kv.layer_block_nbytes).transpose(0, 1).contiguous().view(-1)
-        kv.scatter(block_ids, buf)
+        kv.scatter(block_ids, buf.to(kv.device))
 
     # ---------------------------------------------------------------- restore
 

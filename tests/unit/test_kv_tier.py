@@ -230,3 +230,30 @@ def test_retained_blocks_reach_the_tier_and_are_kept_there_first():
     assert all(x in e.tier or e.cache.leading([prefix.key(x)]) for x in hashes)
     assert e.tier.leading(hashes) >= 9
     assert e.load().retained_blocks == 10
+
+
+def test_a_submits_session_and_retention_reach_the_engine_through_the_intake():
+    from daemons import metrics, wire
+    from daemons.instance.intake import Intake
+    from daemons.instance.mailbox import Mailbox
+    from daemons.instance.shared import Shared
+    from daemons.instance.standing import Identity, Standing
+    from daemons.instance.tokens import TokenPath
+    from daemons.requests import RequestTable
+    from tests.support import virtual
+    from tests.unit.test_instance_parts import REPLY_TO, Sent
+
+    clock = Clock()
+    e = engine(host_mb=0, retain_s=30.0, clock=clock)
+    links, requests = Sent(), RequestTable()
+    shared = Shared(e, requests, Identity("i9"), Standing(), Mailbox(), metrics.RequestPhases(), lambda msg: None,
+                    lambda: None, virtual.LoopClock(virtual.VirtualTimeLoop()))
+    intake = Intake(shared, None, TokenPath(links, requests, Identity("i9")), links, lambda reply_to: None)
+    intake.post(wire.Submit("a", A, wire.SamplingParams(max_tokens=2, ignore_eos=True), REPLY_TO, session="chat",
+                            retain_s=5.0))
+    intake.apply()
+    while e.has_work():
+        e.step()
+    assert e.load().retained_blocks == 10
+    clock.now = 5.0  # it asked for 5 s, not the default 30
+    assert e.load().retained_blocks == 0
