@@ -49,17 +49,3 @@ def check(address: str, what: str, bind: bool = False, empty_ok: bool = False) -
     why = problem(address, bind)
     if why:
         raise ValueError(f"{what} {address[:80]!r} {why}")
-
-
-def url_problem(value: str) -> str:
-    """Why ``value`` is not an http(s) URL with a host (empty: it is)."""
-    from urllib.parse import urlsplit
-
-    try:
-        parts = urlsplit(value)
-        parts.port  # noqa: B018 - raises on a port that is not a number
-    except ValueError as exc:
-        return f"is not a URL ({exc})"
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        return "must be an http:// or https:// URL with a host, e.g. http://127.0.0.1:4318/v1/traces"
-    return ""
