@@ -241,6 +241,7 @@ class KvTierConfig:
     max_retain_s: float = setting(600.0, "the longest retention a request may ask for", minimum=0.0)
     retain_share: float = setting(0.5, "most of the engine's blocks plus the tier's that retained sessions hold at once (past it the sessions due first lose their retention)", minimum=0.0, maximum=1.0)
     pull: bool = setting(True, "prefix pulls between instances: a request placed where its prefix is not cached may have it copied from an instance that holds it (engine or tier) when that is predicted shorter than its prefill")
+    pull_timeout_s: float = setting(2.0, "a prefix pull not done within this long (from the request's arrival to the blocks in this instance's host tier) is given up: the request queues at once and prefills what it lacks (nothing is lost; the holder's transfer ends into a buffer of its own)", minimum=0.01)
 
 
 @dataclass

@@ -160,7 +160,7 @@ class Instance:
         in memory), else Gloo pairs, rank by rank for a tensor-parallel engine (daemons/kv/ranks.py)."""
         kv = self.kv or gloo_transport(self.cfg.migration, self.engine.kv_ranks())
         return Migrator(self, self.cfg.migration, self.engine, self.requests, self.mailbox.call, self.faults, kv,
-                        self.clock)
+                        self.clock, self.cfg.kv_tier.pull_timeout_s)
 
     async def run(self) -> None:
         self.sec.check_bind("instance.request_address", self.ic.request_address)

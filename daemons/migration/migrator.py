@@ -17,7 +17,7 @@ from daemons.engine.base import Engine
 from daemons.migration.destination import Destination
 from daemons.migration.move import Move
 from daemons.migration.peers import Peers
-from daemons.migration.pulls import PULL_PEER, Pulls
+from daemons.migration.pulls import PULL_PEER, PULL_TIMEOUT_S, Pulls
 from daemons.migration.records import Host, Incoming, Outgoing
 from daemons.migration.side import Parts
 from daemons.migration.source import Source
@@ -44,7 +44,8 @@ class Migrator:
     ``aborted`` (for the load report) and ``close``."""
 
     def __init__(self, host: Host, cfg: MigrationConfig, engine: Engine, requests: RequestTable, boundary: Callable,
-                 faults: Faults | None, kv: KvTransport, clock: Clock | None = None):
+                 faults: Faults | None, kv: KvTransport, clock: Clock | None = None,
+                 pull_timeout_s: float = PULL_TIMEOUT_S):
         self.cfg = cfg
         self.kv = kv
         self.clock = clock or Clock()
@@ -62,7 +63,7 @@ class Migrator:
         self.source = Source(parts)
         self.destination = Destination(parts, faults or Faults("", ""), self.spawn, lambda: self.busy)
         self.warmup = Warmup(parts, self.source.lock, self.spawn)
-        self.pulls = Pulls(parts, self.spawn)
+        self.pulls = Pulls(parts, self.spawn, pull_timeout_s)  # (kv_tier.pull_timeout_s)
 
     def _reply(self, msg: wire.Message) -> None:
         if isinstance(msg, wire.LinkReady):

@@ -37,7 +37,7 @@ from daemons.migration.telemetry import M_PULL_BYTES, M_PULL_SECONDS, M_PULLS
 
 log = logging.getLogger("llumnix.migration")
 
-PULL_TIMEOUT_S = 2.0  # a pull's default bound, start to blocks in the tier
+PULL_TIMEOUT_S = 2.0  # a pull's bound, start to blocks in the tier (kv_tier.pull_timeout_s's default)
 PULL_PEER = "#pull"  # the suffix of the peer name a holder's pull pair is made under
 
 
