@@ -287,6 +287,8 @@ class SessionsConfig:
     kv_link_gbps: float = setting(10.0, "what a prefix pull between two instances is expected to achieve, Gbit/s (the migration's KV transport; llumnixctl bench migration measures it): a pull of N blocks is priced N x block bytes / this", minimum=0.001)
     kv_bytes_per_token: int = setting(0, "KV bytes per token of the served model (2 x layers x KV heads x head dim x bytes per element) for pricing restores and pulls; 0 = scheduling.cross_node_kv_bytes_per_token, or where that is 0 too, 131072 (an 8B model with grouped-query attention in 16-bit)", minimum=0)
     restore_gbps: float = setting(40.0, "host tier to engine copy rate, Gbit/s, that prices a host-tier hit while its instance has not measured its own (wire.InstanceLoad restore_ms_per_block)", minimum=0.001)
+    rehome_sessions: int = setting(2, "re-homing idle sessions: each sessions.rehome_interval_s the manager pairs hot instances (freeness below scheduling.migrate_out_threshold) that retain idle sessions' KV with cool ones (above scheduling.migrate_in_threshold) that have a host KV tier, and each hot one moves up to this many of its least recently used idle sessions (no turn running) into the cool one's tier, which retains them for what was left of their TTL; the index follows (0 = off)", minimum=0)
+    rehome_interval_s: float = setting(2.0, "how often the manager looks for hot instances whose idle sessions to re-home (sessions.rehome_sessions)", minimum=0.05)
 
 
 @dataclass

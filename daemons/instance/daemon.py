@@ -196,7 +196,8 @@ class Instance:
                     wire.CacheSync: lambda msg: self.cache.on_sync(""),
                     wire.PeerDead: self.on_peer_dead,
                     wire.PeerLink: lambda msg: self.migrator.link(msg.instance_id, msg.request_address),
-                    wire.LoraOrder: self.adapters.on_order}
+                    wire.LoraOrder: self.adapters.on_order,
+                    wire.Rehome: self.migrator.rehome.on_order}
         tasks = [asyncio.create_task(c) for c in (self.intake.serve(), self.stepper.run(), self.control.serve(handlers),
                                                    self.reporter.run(), self.heartbeats.run())]
         stopped = asyncio.create_task(self.stop.wait())
