@@ -66,6 +66,8 @@ def test_a_prefix_cached_on_one_instance_is_pulled_by_another_and_served_from_it
         assert s.instance_id == "i1"
         assert out == c.expected(s, 8)
         await c.until(lambda: idle(c), 5, "something stayed held")
+        i1 = c.instances["i1"]  # its reports carry its blocks' bytes (what pricing a pull reads)
+        assert i1.reporter.current_load().block_nbytes == i1.engine.tier.block_nbytes > 0
         return sources(c, "i1")
 
     before = outcomes()
