@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -267,6 +268,17 @@ class SchedulingConfig:
 
 
 @dataclass
+class SessionsConfig:
+    header: str = setting("x-session-id", "HTTP header naming a request's session (a conversation or an agent's loop) when its body has no OpenAI prompt_cache_key; its turns are then placed where the session's KV is (empty: only prompt_cache_key names sessions)")
+    affinity: bool = setting(True, "a session's next turn goes to the instance holding its KV (by the prefix index: engine or host tier) unless that instance is past sessions.bound times the mean load or predicted past the request's TTFT target; then to the cheapest other instance (with a prefix pull from the holder where kv_tier.pull is on and the copy is predicted shorter than the prefill). Applies to the dispatch policies that follow sessions (llumnix, llumnix-cache, slo); false: sessions are only named and shown")
+    bound: float = setting(1.25, "bounded-load affinity: an instance takes a session's turn for its KV only while its requests (running, queued, dispatched) stay within this many times the cluster's mean per instance, counting the new one; no instance serves more than this share because its sessions are popular", minimum=1.0)
+    max_sessions: int = setting(65536, "sessions each proxy and the manager remember (least recently seen forgotten first); about 2 KB each with a 2k-token prompt", minimum=1)
+    kv_link_gbps: float = setting(10.0, "what a prefix pull between two instances is expected to achieve, Gbit/s (the migration's KV transport; llumnixctl bench migration measures it): a pull of N blocks is priced N x block bytes / this", minimum=0.001)
+    kv_bytes_per_token: int = setting(0, "KV bytes per token of the served model (2 x layers x KV heads x head dim x bytes per element) for pricing restores and pulls; 0 = scheduling.cross_node_kv_bytes_per_token, or where that is 0 too, 131072 (an 8B model with grouped-query attention in 16-bit)", minimum=0)
+    restore_gbps: float = setting(40.0, "host tier to engine copy rate, Gbit/s, that prices a host-tier hit while its instance has not measured its own (wire.InstanceLoad restore_ms_per_block)", minimum=0.001)
+
+
+@dataclass
 class ScalingConfig:
     policy: str = setting(SCALING.default.name, SCALING.described("auto-scaling"), choices=SCALING.names)
     scale_up_threshold: float = setting(4.0, "average freeness (normal-priority load) below this for sustain_s adds an instance")
@@ -313,6 +325,7 @@ class Config:
     migration: MigrationConfig = field(default_factory=MigrationConfig)
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    sessions: SessionsConfig = field(default_factory=SessionsConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
 
@@ -411,6 +424,9 @@ def _check_url(value: str) -> str:
     return ""
 
 
+_HEADER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,63}")
+
+
 def _check_together(cfg: Config, where: str) -> None:
     """Settings that must agree with each other; the message names both keys and where they came from."""
     if cfg.tracing.otlp_endpoint and (why := _check_url(cfg.tracing.otlp_endpoint)):
@@ -424,6 +440,9 @@ def _check_together(cfg: Config, where: str) -> None:
                           f"set lora.slots to how many adapters one instance may hold")
     if cfg.model.name in adapters:
         raise ConfigError(f"{where}: lora.adapters names an adapter {cfg.model.name!r}, the base model's name")
+    if cfg.sessions.header and not _HEADER_NAME.fullmatch(cfg.sessions.header):
+        raise ConfigError(f"{where}: sessions.header {cfg.sessions.header!r} is not an HTTP header name (letters, "
+                          f"digits and - only, e.g. x-session-id)")
     sc = cfg.scaling
     if sc.min_instances > sc.max_instances:
         raise ConfigError(f"{where}: scaling.min_instances ({sc.min_instances}) is above scaling.max_instances "
@@ -462,31 +481,3 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     sources = ([str(path)] if path else []) + (["the command line"] if overrides or any(v is not None for v in (flags or {}).values()) else [])
     _check_together(cfg, " and ".join(sources) or "defaults")
     return cfg
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    return repr(value)
-
-
-def render_example() -> str:
-    """The text of llumnix.toml.example: every setting at its default, with its meaning."""
-    lines = [
-        "# llumnix.toml: every setting, at its default, with one line of meaning.",
-        "# Used by llumnix-manager, llumnix-instance, llumnix-proxy and llumnixctl (--config FILE, else $LLUMNIX_CONFIG,",
-        f"# else {SYSTEM_CONFIG} if it exists).",
-        "# Command-line flags and --set section.key=value override the file. Regenerate: llumnixctl config example",
-    ]
-    for name, cls in sections():
-        lines += ["", f"[{name}]"]
-        for f in dataclasses.fields(cls):
-            lines.append(f"# {f.metadata['help']}")
-            lines.append(f"{f.name} = {_toml_value(f.default)}")
-    return "\n".join(lines) + "\n"
-
-
-def as_dict(cfg: Config) -> dict:
-    return {name: dataclasses.asdict(getattr(cfg, name)) for name, _ in sections()}

@@ -8,6 +8,7 @@ Sockets:
 - manager ROUTER  <- instance DEALER   Register, LoadReport, Goodbye / RegisterAck
 - manager ROUTER  <- proxy DEALER      Dispatch, SnapshotQuery / DispatchReply, Snapshot; Dispatched (no reply)
 - manager ROUTER  <- llumnixctl DEALER StatusQuery, RequestsQuery / Snapshot, RequestsReply, ErrorReply
+- manager ROUTER  <- llumnixctl DEALER SessionsQuery / SessionsReply (``llumnixctl sessions``)
 - instance ROUTER <- proxy DEALER      Submit, Abort (fire and forget: failures come back on the token path)
 - instance ROUTER <- manager           ListRequests / RequestList (for ``llumnixctl requests``)
 - proxy PULL      <- instance PUSH     TokenBatch, RequestFailed, Moved
@@ -237,6 +238,7 @@ class Dispatch(msgspec.Struct, **_tagged(10)):
     # llumnix-cache: the keys of the prompt's full blocks (daemons/prefix.py), for the manager's prefix index
     prefix_keys: list[int] = []
     adapter: str = ""  # its LoRA adapter: placed among the instances that hold it (daemons/policy/residency.py)
+    session: str = ""  # the session it names (wire.Submit.session): placed where its KV is (daemons/policy/sessions.py)
 
 
 class DispatchReply(msgspec.Struct, **_tagged(11)):
@@ -245,6 +247,9 @@ class DispatchReply(msgspec.Struct, **_tagged(11)):
     request_address: str = ""
     reason: str = ""
     disagg: str = ""  # with roles: where it was decided to prefill (daemons/policy/disagg.py DECISIONS)
+    pull_from: str = ""  # a prefix pull before it queues (wire.Submit.pull_from, pull_blocks; "": none)
+    pull_blocks: int = 0
+    how: str = ""  # a session's turn: how it was placed (daemons/policy/sessions.py HOW)
 
     def __post_init__(self) -> None:
         endpoints.check(self.request_address, "request_address", empty_ok=True)
@@ -263,6 +268,8 @@ class Dispatched(msgspec.Struct, **_tagged(14)):
     instance_id: str
     prompt_tokens: int
     priority: int = 0
+    session: str = ""  # the session it names, and its prompt's block keys (the manager's session table)
+    prefix_keys: list[int] = []
 
 
 class InstanceView(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -338,6 +345,34 @@ class RequestsReply(msgspec.Struct, **_tagged(22)):
     query_id: int
     requests: list[RequestInfo]
     unreachable: list[str] = []  # instances that did not answer in time
+
+
+class SessionsQuery(msgspec.Struct, **_tagged(100)):
+    """llumnixctl -> manager: the sessions it knows, most recently seen first (``limit``: at most; 0: all)."""
+
+    query_id: int
+    limit: int = 0
+
+
+class SessionRow(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One session (daemons/sessions.py): where its last turn went, and where its last prompt's KV is now by the
+    prefix index: per instance holding some, its leading blocks in the engine and more in the host tier."""
+
+    session: str
+    instance_id: str  # its last turn's
+    turns: int
+    prompt_tokens: int  # its last prompt's
+    blocks: int  # its last prompt's full blocks
+    age_s: float  # since its first turn
+    idle_s: float  # since its last
+    engine_blocks: dict[str, int] = {}
+    host_blocks: dict[str, int] = {}
+
+
+class SessionsReply(msgspec.Struct, **_tagged(101)):
+    query_id: int
+    sessions: list[SessionRow] = []
+    known: int = 0  # sessions the manager knows (the rows may be fewer: the limit)
 
 
 class ErrorReply(msgspec.Struct, **_tagged(23)):
@@ -490,6 +525,7 @@ class Submit(msgspec.Struct, **_tagged(40)):
     # over the migration's KV transport; a failed pull is a recompute, nothing else.
     pull_from: str = ""
     pull_blocks: int = 0
+    pull_address: str = ""  # the request address of ``pull_from``
 
     def __post_init__(self) -> None:
         endpoints.check(self.reply_to, "reply_to")
@@ -747,6 +783,33 @@ class PrefixHits(msgspec.Struct, **_tagged(69)):
     blocks: list[int]  # one per prompt of the query, in its order
 
 
+class PullAsk(msgspec.Struct, **_tagged(110)):
+    """instance -> instance, a prefix pull (daemons/migration/pulls.py): send me these blocks (vLLM block hashes,
+    in prompt order) of your KV, engine or host tier, the leading ones you hold; ``kv_spec``: my KV layout
+    (a holder whose layout differs sends nothing)."""
+
+    pull_id: int
+    instance_id: str  # the asker's
+    hashes: list[bytes]
+    kv_spec: str = ""
+
+    def __post_init__(self) -> None:
+        if len(self.hashes) > 1 << 16 or any(len(h) > 64 for h in self.hashes):
+            raise ValueError("PullAsk: too many hashes, or one too long")
+
+
+class PullOffer(msgspec.Struct, **_tagged(111)):
+    """holder -> asker: the first ``blocks`` of the hashes asked for follow over the KV pair ``pair_key`` (the
+    holder has posted the send), ``nbytes`` bytes in all; 0 blocks: nothing (``reason`` says why)."""
+
+    pull_id: int
+    blocks: int = 0
+    nbytes: int = 0
+    pair_key: str = ""
+    store_address: str = ""
+    reason: str = ""
+
+
 class KvRendezvous(msgspec.Struct, **_tagged(78)):
     """instance <-> instance, on the migration channel: one end of a KV pair wrote its Gloo address (daemons/
     kv/transfer.py RelayStore); the other end keeps it for the pair named ``pair_key``."""
@@ -922,6 +985,8 @@ Message = (
     | StatusQuery
     | RequestsQuery
     | RequestsReply
+    | SessionsQuery
+    | SessionsReply
     | ErrorReply
     | ListRequests
     | RequestList
@@ -954,6 +1019,8 @@ Message = (
     | PrefixQuery
     | PrefixHits
     | KvRendezvous
+    | PullAsk
+    | PullOffer
     | DrainQuery
     | DrainReply
     | RemoveQuery

@@ -141,6 +141,9 @@ class AdminClient:
     def requests(self) -> wire.RequestsReply:
         return self.ask(wire.RequestsQuery)
 
+    def sessions(self, limit: int = 0) -> wire.SessionsReply:
+        return self.ask(lambda qid: wire.SessionsQuery(qid, limit))
+
     def migrate(self, dst: str, request_id: str = "", src: str = "", count: int = 1, blocking: bool = False) -> wire.MigrateReply:
         return self.ask(lambda qid: wire.MigrateQuery(qid, dst=dst, request_id=request_id, src=src, count=count,
                                                       blocking=blocking))

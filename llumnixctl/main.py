@@ -24,8 +24,9 @@ from rich.text import Text
 
 from daemons import wire
 from daemons.cli import version_callback
-from daemons.config import ConfigError, load_config, render_example, as_dict
-from llumnixctl import lora, operate
+from daemons.config import ConfigError, load_config
+from daemons.config_text import as_dict, render_example
+from llumnixctl import lora, operate, sessions
 from llumnixctl.admin import AdminClient, ManagerUnreachable
 from llumnixctl.common import (ConfigOpt, JsonOpt, ManagerOpt, RunDirOpt, TimeoutOpt, admin, ask, die, instance_json,
                                out, print_json, unreachable_message)
@@ -301,6 +302,9 @@ def describe_json(view: wire.InstanceView, reply: wire.RequestsReply) -> dict:
         # False when the instance is dead or did not answer the manager's query: its requests are unknown
         "requests_answered": view.state != "dead" and view.instance_id not in reply.unreachable,
     }
+
+
+app.command("sessions")(sessions.command)
 
 
 @app.command()

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llumnix.instance")
 
-PEER_MESSAGES = (wire.MigStage, wire.MigAbort, wire.PrefixQuery, wire.KvRendezvous, wire.LinkOpen)
+PEER_MESSAGES = (wire.MigStage, wire.MigAbort, wire.PrefixQuery, wire.KvRendezvous, wire.LinkOpen, wire.PullAsk)
 
 
 class Intake:
@@ -87,6 +87,12 @@ class Intake:
             return
         if isinstance(msg, wire.Submit):
             self.proxies.seen(msg.reply_to)
+            migrator = self.migrator()
+            if msg.pull_from and migrator is not None:  # its leading blocks come from there first (pulls.py)
+                migrator.pulls.start(msg, self.post)
+                return
+        elif isinstance(msg, wire.Abort) and (migrator := self.migrator()) is not None:
+            migrator.pulls.drop(msg.request_id)  # (one waiting for its pull never reaches the engine)
         elif not isinstance(msg, wire.Abort):
             M_BAD_FRAMES.inc()
             if msg is not None or len(frames) != 2:

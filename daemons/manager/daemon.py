@@ -37,9 +37,9 @@ _VERBS: dict[str, tuple[type, ...]] = {
     # LoraQuery: the proxies' /v1/load_lora_adapter and /v1/unload_lora_adapter (their API keys guard them)
     "proxy": (wire.Dispatch, wire.Dispatched, wire.SnapshotQuery, wire.StatusQuery, wire.LoraQuery),
     "reader": (wire.StatusQuery, wire.SnapshotQuery, wire.RequestsQuery, wire.PolicyQuery,  # policy, lora: read only
-               wire.LoraQuery),
+               wire.LoraQuery, wire.SessionsQuery),
     "operator": (wire.StatusQuery, wire.SnapshotQuery, wire.RequestsQuery, wire.PolicyQuery, wire.MigrateQuery,
-                 wire.DrainQuery, wire.RemoveQuery, wire.AddQuery, wire.RoleQuery, wire.LoraQuery),
+                 wire.DrainQuery, wire.RemoveQuery, wire.AddQuery, wire.RoleQuery, wire.LoraQuery, wire.SessionsQuery),
 }
 
 
@@ -84,8 +84,8 @@ class Manager:
         self.registry = Registry(self.cluster, self.clock, mc, cfg.scheduling, self.send, self.liveness.watch,
                                  self.resched.joined)
         self.handover_links = HandoverLinks(self.cluster, self.clock, self.send, mc.heartbeat_interval_s / 2)
-        self.dispatcher = Dispatcher(self.cluster, self.policies, self.registry.cache_index.index, self.clock, mc,
-                                     policy.rules_of(cfg), classes)
+        self.dispatcher = Dispatcher(self.cluster, self.policies, self.registry.cache_index, self.clock, mc,
+                                     policy.rules_of(cfg), classes, cfg.sessions.max_sessions)
         orders, lifecycle = self.resched.orders, self.resched.lifecycle
         # What each message type does, given (connection identity, message, sender's key role:name): answered
         # at once (the reply, or None) ...
@@ -104,6 +104,7 @@ class Manager:
             wire.HandoverReady: lambda _, m, __: self.resched.roles.on_handover(m),
             wire.RoleQuery: lambda _, m, __: self.resched.roles.on_role(m),
             wire.LoraResult: lambda _, m, __: self.adapters.on_result(m),
+            wire.SessionsQuery: lambda _, m, __: self.sessions(m),
         }
         # ... or later, by a task (dispatches are answered in batches by serve()).
         self._later = {
@@ -175,6 +176,11 @@ class Manager:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    def sessions(self, msg: wire.SessionsQuery) -> wire.SessionsReply:
+        """``llumnixctl sessions``: the sessions whose turns were placed, with where their KV is now."""
+        table = self.dispatcher.sessions
+        return wire.SessionsReply(msg.query_id, table.rows(self.cache_index.match_tiers, msg.limit), len(table))
 
     def snapshot(self, query_id: int, proxy: str = "") -> wire.Snapshot:
         now = self.clock.monotonic()

@@ -1,5 +1,6 @@
 """Dispatch: each new request to the freest instance by the policy in force, and the pending-dispatch ledger
-(dispatches the instances' reports do not show yet count as usage), also for the proxies' own dispatches."""
+(dispatches the instances' reports do not show yet count as usage), also for the proxies' own dispatches; and the
+sessions whose turns were placed, by us or by the proxies (daemons/sessions.py: ``llumnixctl sessions``)."""
 
 from __future__ import annotations
 
@@ -12,19 +13,22 @@ from daemons.manager.records import (M_CACHE_DISPATCHES, M_DISAGG, M_DISPATCHES,
                                      Policies)
 from daemons.manager.view import ClusterView
 from daemons.policy import slo
-from daemons.prefix import PrefixIndex
+from daemons.prefix import Follower
+from daemons.sessions import SessionTable
 
 log = logging.getLogger("llumnix.manager")
 
 
 class Dispatcher:
-    """Owns the dispatch turn and count, and writes each record's ledger (``pending``, ``dispatched_n``)."""
+    """Owns the dispatch turn and count and the session table, and writes each record's ledger (``pending``,
+    ``dispatched_n``)."""
 
-    def __init__(self, cluster: ClusterView, policies: Policies, index: PrefixIndex, clock: Clock,
-                 mc: ManagerConfig, rules: policy.Rules, classes: slo.Classes):
-        """``index``: which instance caches which prompt blocks (read by the prefix-aware policies and the
-        disaggregation decision). ``rules``: what dispatch reads of the settings; ``classes``: the [slo] targets
-        per class, which each dispatch query's request gets once, where it comes in."""
+    def __init__(self, cluster: ClusterView, policies: Policies, index: Follower, clock: Clock,
+                 mc: ManagerConfig, rules: policy.Rules, classes: slo.Classes, max_sessions: int = 65536):
+        """``index``: which instance caches which prompt blocks, by tier (read by the prefix-aware policies, a
+        session's turn and the disaggregation decision). ``rules``: what dispatch reads of the settings;
+        ``classes``: the [slo] targets per class, which each dispatch query's request gets once, where it comes in;
+        ``max_sessions``: sessions.max_sessions."""
         self.rules = rules
         self.classes = classes
         self.cluster = cluster
@@ -34,6 +38,7 @@ class Dispatcher:
         self.mc = mc
         self.turn = 0
         self.dispatched_total = 0
+        self.sessions = SessionTable(max_sessions, clock.monotonic)
         cluster.on_forget(lambda r: M_DISPATCHES.remove(r.instance_id))
 
     def on_dispatch_batch(self, msgs: list[wire.Dispatch]) -> list[wire.DispatchReply]:
@@ -49,7 +54,8 @@ class Dispatcher:
             decisions: list[str] = [""] * len(msgs)
             return self._replies(msgs, self._disaggregated(msgs, asks, now, decisions), decisions)
         cached = self._cache_hits(msgs)
-        plain = [i for i, m in enumerate(msgs) if not m.exclude and i not in cached and not m.adapter]
+        plain = [i for i, m in enumerate(msgs) if not m.exclude and i not in cached and not m.adapter and not m.session]
+        placed: dict[int, policy.Placement] = {}
         p = self.policies.dispatch
         if plain:
             picks = policy.dispatch_batch(p, states, [(msgs[i].priority, msgs[i].prompt_tokens + 1) for i in plain],
@@ -60,12 +66,15 @@ class Dispatcher:
                 if iid is not None:
                     self._count_dispatch(self.cluster.instances[iid], msgs[i], now)
         # Re-dispatches that must avoid the instances they failed on, requests whose prompt some instance caches
-        # (prefix-aware policies) and LoRA requests (residency): one at a time, in priority order.
-        for i in sorted((i for i, m in enumerate(msgs) if m.exclude or i in cached or m.adapter),
+        # (prefix-aware policies), sessions' turns and LoRA requests (residency): one at a time, in priority order.
+        for i in sorted((i for i, m in enumerate(msgs) if m.exclude or i in cached or m.adapter or m.session),
                         key=lambda i: -msgs[i].priority):
             states = self._states(msgs[i], now)
-            ask = policy.Ask(asks[i].prompt_tokens, asks[i].priority, asks[i].slo, cached.get(i), msgs[i].adapter)
-            chosen[i] = policy.place(p, states, ask, self.turn + i, self.rules).instance_id
+            tiers = cached.get(i)
+            ask = policy.Ask(asks[i].prompt_tokens, asks[i].priority, asks[i].slo, _hits(tiers), msgs[i].adapter,
+                             tiers, msgs[i].session, self.sessions.home(msgs[i].session))
+            placed[i] = policy.place(p, states, ask, self.turn + i, self.rules)
+            chosen[i] = placed[i].instance_id
             if i in cached:
                 blind = chosen[i] if chosen[i] not in cached[i] else policy.place(
                     p, states, asks[i], self.turn + i, self.rules).instance_id
@@ -73,7 +82,7 @@ class Dispatcher:
             if chosen[i] is not None:
                 self._count_dispatch(self.cluster.instances[chosen[i]], msgs[i], now)
         self.turn += len(msgs)
-        return self._replies(msgs, chosen)
+        return self._replies(msgs, chosen, placed=placed)
 
     def _states(self, msg: wire.Dispatch, now: float) -> list[policy.InstanceState]:
         """The instances' states for one query, those it failed on not taking requests."""
@@ -87,7 +96,8 @@ class Dispatcher:
         chosen: list[str | None] = [None] * len(msgs)
         hits = self._cache_hits(msgs, any_policy=True)
         for i in sorted(range(len(msgs)), key=lambda i: -msgs[i].priority):
-            ask = policy.Ask(asks[i].prompt_tokens, asks[i].priority, asks[i].slo, hits.get(i), msgs[i].adapter)
+            ask = policy.Ask(asks[i].prompt_tokens, asks[i].priority, asks[i].slo, _hits(hits.get(i)), msgs[i].adapter,
+                             hits.get(i), msgs[i].session, self.sessions.home(msgs[i].session))
             placed = policy.place(self.policies.dispatch, self._states(msgs[i], now), ask, self.turn + i, self.rules)
             M_DISAGG.labels(placed.decision).inc()
             decisions[i], chosen[i] = placed.decision, placed.instance_id
@@ -97,7 +107,8 @@ class Dispatcher:
         return chosen
 
     def _replies(self, msgs: list[wire.Dispatch], chosen: list[str | None],
-                 decisions: list[str] | None = None) -> list[wire.DispatchReply]:
+                 decisions: list[str] | None = None, placed: dict[int, policy.Placement] | None = None
+                 ) -> list[wire.DispatchReply]:
         replies = []
         for k, (msg, iid) in enumerate(zip(msgs, chosen)):
             if iid is None:
@@ -106,22 +117,25 @@ class Dispatcher:
                 continue
             rec = self.cluster.instances[iid]
             log.debug("request %s -> %s", msg.request_id, iid)
+            p = (placed or {}).get(k) or policy.Placement(iid)
             replies.append(wire.DispatchReply(msg.query_id, instance_id=iid, request_address=rec.info.request_address,
-                                              disagg=decisions[k] if decisions else ""))
+                                              disagg=decisions[k] if decisions else "", pull_from=p.pull_from,
+                                              pull_blocks=p.pull_blocks, how=p.how))
         return replies
 
-    def _cache_hits(self, msgs: list[wire.Dispatch], any_policy: bool = False) -> dict[int, dict[str, int]]:
-        """The prefix-aware policies: for each query whose prompt some instance caches, the cached leading blocks of it on
-        each instance that holds some (from our prefix index). ``any_policy``: whatever the policy (the
-        disaggregation decision weighs what the decode instances cache)."""
-        if (not any_policy and not self.policies.dispatch.prefix_aware) or not len(self.index):
+    def _cache_hits(self, msgs: list[wire.Dispatch], any_policy: bool = False) -> dict[int, policy.sessions.Tiers]:
+        """The prefix-aware policies and sessions' turns: for each query whose prompt some instance caches, its cached
+        leading blocks on each instance that holds some, by tier (our prefix index: prefix.match_tiers).
+        ``any_policy``: whatever the policy (the disaggregation decision weighs what the decode instances cache)."""
+        p = self.policies.dispatch
+        if not len(self.index.index) and not len(self.index.host):
             return {}
         out = {}
         for i, m in enumerate(msgs):
-            if m.prefix_keys:
-                hits = {iid: n for iid, n in self.index.match(m.prefix_keys).items() if n}
-                if hits:
-                    out[i] = hits
+            if m.prefix_keys and (any_policy or p.prefix_aware or (m.session and p.follows_sessions)):
+                tiers = {iid: t for iid, t in self.index.match_tiers(m.prefix_keys).items() if t[1]}
+                if tiers:
+                    out[i] = tiers
         return out
 
     def on_dispatched(self, msg: wire.Dispatched) -> None:
@@ -134,7 +148,14 @@ class Dispatcher:
             self._count_dispatch(rec, msg, now)
 
     def _count_dispatch(self, rec: InstanceRecord, msg: wire.Dispatch | wire.Dispatched, now: float) -> None:
+        if msg.session:
+            self.sessions.placed(msg.session, rec.instance_id, msg.prefix_keys, msg.prompt_tokens)
         rec.dispatched_n += 1
         rec.pending.append((rec.dispatched_n, policy.blocks_for(msg.prompt_tokens + 1, rec.load.block_size), now))
         self.dispatched_total += 1
         M_DISPATCHES.labels(rec.instance_id).inc()
+
+
+def _hits(tiers: policy.sessions.Tiers | None) -> dict[str, int] | None:
+    """A request's cached leading blocks per instance in any tier (policy.Ask.hits), from its ``tiers``."""
+    return {iid: both for iid, (_, both) in tiers.items()} if tiers else None

@@ -17,6 +17,7 @@ from daemons.engine.base import Engine
 from daemons.migration.destination import Destination
 from daemons.migration.move import Move
 from daemons.migration.peers import Peers
+from daemons.migration.pulls import PULL_PEER, Pulls
 from daemons.migration.records import Host, Incoming, Outgoing
 from daemons.migration.side import Parts
 from daemons.migration.source import Source
@@ -35,7 +36,7 @@ class Migrator:
     transport (daemons/migration/transport.py; the daemon's: daemons/kv/ranks.py ``gloo_transport``).
 
     What the instance calls: ``migrate_out`` (one request to a destination; returns its outcome),
-    ``prefix_hits`` (what a destination holds already), ``peer_dead`` (the manager's word that a peer died),
+    ``prefix_hits`` (what a destination holds already), ``pulls`` (prefix pulls, pulls.py), ``peer_dead`` (the manager's word that a peer died),
     ``link`` (make the links to a peer ahead of its moves),
     ``on_peer_message`` (a message from a source, on the
     instance's ROUTER), ``receiving`` / ``cancel_incoming`` / ``forward_abort`` (a request arriving, placed
@@ -61,10 +62,13 @@ class Migrator:
         self.source = Source(parts)
         self.destination = Destination(parts, faults or Faults("", ""), self.spawn, lambda: self.busy)
         self.warmup = Warmup(parts, self.source.lock, self.spawn)
+        self.pulls = Pulls(parts, self.spawn)
 
     def _reply(self, msg: wire.Message) -> None:
         if isinstance(msg, wire.LinkReady):
             self.warmup.on_ready(msg)
+        elif isinstance(msg, wire.PullOffer):
+            self.pulls.on_offer(msg)
         else:
             self.source.deliver(msg)
 
@@ -97,6 +101,8 @@ class Migrator:
             self.peers.relayed(msg)
         elif isinstance(msg, wire.LinkOpen):
             self.warmup.on_open(identity, msg)
+        elif isinstance(msg, wire.PullAsk):
+            self.pulls.on_ask(identity, msg)
 
     def peer_dead(self, instance_id: str, address: str) -> None:
         """The manager says ``instance_id`` (at request address ``address``) is dead (wire.PeerDead). Nothing
@@ -106,7 +112,9 @@ class Migrator:
         out = self.source.peer_dead(instance_id, address)
         ending = self.destination.peer_dead(instance_id)
         self.warmup.forget(instance_id)
+        self.pulls.peer_dead(address)
         self.peers.peer_dead(instance_id, address, [inc.pair.key for inc in ending if inc.pair is not None])
+        self.kv.forget(instance_id + PULL_PEER)
         log.info("instance %s (%s) is dead: %d move(s) out to it aborted, %d move(s) in from it released",
                  instance_id, address or "no address", out, len(ending))
 

@@ -35,8 +35,8 @@ class Peers:
                  on_reply: Callable[[wire.Message], None], on_gone: Callable[[str], None]):
         """``dealer``: a new DEALER socket (secured, tuned); ``kv``: the KV transport whose idle pairs are
         forgotten; ``spawn``: run a task the migrator cancels at close; ``in_use``: the peer addresses and
-        KV pair names some migration holds now (never pruned); ``on_reply``: a destination's MigReady, MigDone
-        or LinkReady; ``on_gone``: the connection to that request address dropped."""
+        KV pair names some migration holds now (never pruned); ``on_reply``: a destination's MigReady, MigDone,
+        LinkReady or PullOffer; ``on_gone``: the connection to that request address dropped."""
         self.dealer = dealer
         self.kv = kv
         self.clock = clock
@@ -151,7 +151,7 @@ class Peers:
     async def _read(self, sock) -> None:
         while True:
             msg = wire.decode(await sock.recv())
-            if isinstance(msg, (wire.MigReady, wire.MigDone, wire.LinkReady)):
+            if isinstance(msg, (wire.MigReady, wire.MigDone, wire.LinkReady, wire.PullOffer)):
                 self.on_reply(msg)
             elif isinstance(msg, wire.PrefixHits):
                 waiting = self.waits.get(msg.query_id)

@@ -29,3 +29,14 @@ M_LINKS = metrics.counter("instance", "llumnix_instance_links_made_ahead_total",
 M_LINK_SECONDS = metrics.histogram("instance", "llumnix_instance_link_setup_seconds",
                                    "Time to make the links to a handover destination ahead of its moves",
                                    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0))
+OUTCOMES = ("pulled", "held", "none_held", "unreachable", "holder_dead", "timeout", "failed")
+M_PULLS = metrics.counter("instance", "llumnix_kv_pulls_total",
+                          "Prefix pulls asked for by requests placed here, by outcome: pulled (blocks came), held (this "
+                          "instance already held them), none_held (the holder had none of them any more), "
+                          "unreachable, holder_dead, timeout (kv_tier.pull_timeout_s), failed (the transfer or the "
+                          "engine failed); whatever the outcome the request goes on, prefilling what it lacks",
+                          ["outcome"], preset=[(o,) for o in OUTCOMES])
+M_PULL_BYTES = metrics.counter("instance", "llumnix_kv_pulled_bytes_total", "KV bytes pulled in from other instances")
+M_PULL_SECONDS = metrics.histogram("instance", "llumnix_kv_pull_seconds",
+                                   "Time from a pull's start to its blocks in the host tier, pulls that brought blocks",
+                                   buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))

@@ -13,10 +13,12 @@ One sign convention everywhere: *freeness*, higher is freer.
 - scaling.py: when to add or remove an instance
 - disagg.py: prefill/decode roles: where a request prefills, where it is handed over
 - slo.py: predicted TTFT and TPOT, the SLO's admission rule and its share of virtual usage
+- sessions.py: a request's cached blocks priced by tier (engine, host, a pull, prefill) and a session's turn placed
+  where its KV is, with bounded load
 - residency.py: LoRA requests among the instances that hold their adapter, or may load it
 """
 
-from daemons.policy import disagg, residency
+from daemons.policy import disagg, residency, sessions
 from daemons.policy.dispatch import (Ask, Placement, Rules, cache_choice,
                                      dispatch, dispatch_batch, pick, place, pool_for, rules_of, scorer,
                                      slo_cache_choice)
@@ -29,7 +31,7 @@ from daemons.policy.usage import (INF, InstanceState, blocks_for, fading_credit,
                                   scaling_freeness, state_of, virtual_usage)
 
 __all__ = [
-    "disagg", "residency", "DISPATCH", "PAIRING", "SELECTION", "SCALING", "DispatchPolicy", "Ask", "Placement", "Rules",
+    "disagg", "residency", "sessions", "DISPATCH", "PAIRING", "SELECTION", "SCALING", "DispatchPolicy", "Ask", "Placement", "Rules",
     "place", "pool_for", "rules_of",
     "INF", "InstanceState", "Pair", "Choice", "CrossNode", "Scaler",
     "dispatch", "dispatch_batch", "pick", "scorer", "cache_choice", "slo_cache_choice", "pair", "select_migrants", "average_freeness", "scale_in_victim",

@@ -3,13 +3,14 @@ own views, the simulator): the pool first (``pool_for``: with prefill/decode rol
 daemons/policy/disagg.py; for a LoRA request, the instances that hold its adapter or may load it,
 daemons/policy/residency.py), then the instance within it by the dispatch policy in force (``dispatch``: the
 policy object of daemons/policy/registry.py, over the pool completed by the cluster's fits where the policy
-predicts by them, slo.pooled). ``place`` is the two."""
+predicts by them, slo.pooled). ``place`` is the two, with a session's turn placed where its KV is (within the
+load bound) and a prefix pull chosen where it pays (daemons/policy/sessions.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from daemons.policy import disagg, residency
+from daemons.policy import disagg, residency, sessions
 from daemons.policy.registry import DISPATCH, DispatchPolicy, cache_choice, slo_cache_choice
 from daemons.policy.slo import NO_SLO, RequestSlo, class_of, pooled
 from daemons.policy.usage import InstanceState, blocks_for
@@ -34,34 +35,45 @@ class Rules:
     disagg: disagg.Rules = field(default_factory=disagg.Rules)
     max_replicas: int = 0  # lora.max_replicas: dispatch loads an adapter on no more instances (0: no bound)
     residency: bool = True  # lora.residency: LoRA requests among their adapter's holders (False: by load alone)
+    sessions: sessions.Pricing = field(default_factory=sessions.Pricing)  # [sessions], kv_tier.pull
 
 
 def rules_of(cfg) -> Rules:
     """Rules from the settings (daemons/config.py Config)."""
     sc = cfg.scheduling
     return Rules(sc.high_priority_headroom, sc.cache_band, sc.cache_min_freeness, disagg.rules_of(cfg.disagg),
-                 cfg.lora.max_replicas, cfg.lora.residency)
+                 cfg.lora.max_replicas, cfg.lora.residency, sessions.pricing_of(cfg))
 
 
 @dataclass(frozen=True)
 class Ask:
     """A new request as dispatch sees it: its prompt's tokens, its scheduling priority, its SLO class and targets
     (computed once where the request entered the process: slo.Classes.of) and its cached leading blocks per
-    instance (the prefix index's hits; None: unknown or none)."""
+    instance (the prefix index's hits, in any tier; None: unknown or none)."""
 
     prompt_tokens: int
     priority: int = 0
     slo: RequestSlo = NO_SLO
     hits: dict[str, int] | None = None
     adapter: str = ""  # its LoRA adapter ("": the base model)
+    # Its cached leading blocks per instance by tier: (in the engine, in the engine or the host tier), from
+    # prefix.match_tiers (None: not looked up; ``hits`` is then what there is).
+    tiers: sessions.Tiers | None = None
+    session: str = ""  # the session it names ("": none)
+    home: str = ""  # the instance the session's last turn went to (a tie between holders goes there)
 
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a request goes (None: no instance may take it) and the disaggregation decision ("": no roles)."""
+    """Where a request goes (None: no instance may take it), the disaggregation decision ("": no roles), a prefix
+    pull before it queues (``pull_blocks`` leading blocks from ``pull_from``; none: "") and, for a session's turn,
+    how it was placed (sessions.HOW; "": no session)."""
 
     instance_id: str | None
     decision: str = ""
+    pull_from: str = ""
+    pull_blocks: int = 0
+    how: str = ""
 
 
 def pool_for(states: list[InstanceState], ask: Ask, rules: Rules) -> disagg.Decision | None:
@@ -76,21 +88,51 @@ def pool_for(states: list[InstanceState], ask: Ask, rules: Rules) -> disagg.Deci
 def place(policy: str | DispatchPolicy, states: list[InstanceState], ask: Ask, turn: int, rules: Rules,
           start: float | None = None) -> Placement:
     """Where a new request goes: the pool (``pool_for``; for a LoRA request, narrowed by residency), then the
-    instance within it by ``policy``."""
+    instance within it: a session's turn where its KV is while that instance is within the load bound and its
+    target (sessions.follow, for the policies that follow sessions), else by ``policy``; then a pull of its
+    prefix from the instance holding most of it, where that is predicted shorter than its prefill."""
     decision = pool_for(states, ask, rules)
     pool = states if decision is None else decision.pool
     if rules.residency:
         pool = residency.adapter_pool(pool, ask.adapter, rules.max_replicas)
     elif ask.adapter:  # the baseline: any instance that serves adapters
         pool = [s for s in pool if residency.serves_adapters(s)]
-    chosen = dispatch(policy, pool, turn, rules.headroom, ask.priority, start, ask.hits, rules.cache_band,
-                      rules.cache_floor, ask.slo.targets.tpot_s)
-    return Placement(chosen, "" if decision is None else decision.decision)
+    p, pricing = policy_of(policy), rules.sessions
+    went = sessions.Follow("", "new")
+    if ask.session and pricing.affinity and p.follows_sessions:
+        went = sessions.follow(pooled(pool), ask.prompt_tokens, ask.tiers, ask.home, pricing, ask.slo.targets.ttft_s,
+                               ask.slo.high)
+    chosen = went.instance_id or None
+    if chosen is None:
+        others = [s for s in pool if s.instance_id != went.avoid] if went.avoid else pool
+        chosen = _by_policy(p, others, ask, turn, rules, start)
+        if chosen is None and went.avoid:  # only its holder takes requests
+            chosen = _by_policy(p, pool, ask, turn, rules, start)
+    pull_from, pulled = _pull(states, chosen, ask, pricing)
+    how = ("pull" if pulled else went.how) if ask.session else ""
+    return Placement(chosen, "" if decision is None else decision.decision, pull_from, pulled, how)
+
+
+def _by_policy(p: DispatchPolicy, pool: list[InstanceState], ask: Ask, turn: int, rules: Rules,
+               start: float | None) -> str | None:
+    return dispatch(p, pool, turn, rules.headroom, ask.priority, start, ask.hits, rules.cache_band, rules.cache_floor,
+                    ask.slo.targets.tpot_s, ask.tiers, rules.sessions)
+
+
+def _pull(states: list[InstanceState], chosen: str | None, ask: Ask, pricing: sessions.Pricing) -> tuple[str, int]:
+    """sessions.pull_for to ``chosen`` from the live instances (none chosen: none)."""
+    if chosen is None or not ask.tiers or not pricing.pull:
+        return "", 0
+    dst = next((s for s in pooled(states) if s.instance_id == chosen), None)
+    if dst is None:
+        return "", 0
+    return sessions.pull_for(dst, [s.instance_id for s in states if s.alive], ask.tiers, ask.prompt_tokens, pricing)
 
 
 def dispatch(policy: str | DispatchPolicy, states: list[InstanceState], turn: int, headroom: float = 0.0,
              priority: int = 0, start: float | None = None, hits: dict[str, int] | None = None,
-             cache_band: float = 0.25, cache_floor: float = 0.0, tpot_target_s: float = 0.0) -> str | None:
+             cache_band: float = 0.25, cache_floor: float = 0.0, tpot_target_s: float = 0.0,
+             tiers: sessions.Tiers | None = None, pricing: sessions.Pricing | None = None) -> str | None:
     """Pick the instance for a new request of ``priority``, or None when no instance may take one.
 
     ``turn`` is a counter the caller advances on every dispatch: round-robin uses it, and the freeness
@@ -114,7 +156,7 @@ def dispatch(policy: str | DispatchPolicy, states: list[InstanceState], turn: in
     ids, scores = [s.instance_id for s in eligible], [score(s) for s in eligible] if score else []
     if hits and p.prefix_aware:
         j = p.cache_pick({iid: j for j, iid in enumerate(ids)}, {s.instance_id: s for s in eligible}, scores, hits,
-                         cache_band, cache_floor)
+                         cache_band, cache_floor, tiers, pricing)
         if j is not None:
             return ids[j]
     return p.pick(ids, scores, turn, start)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from itertools import chain
 from typing import Callable, Generic, Iterator, TypeVar
 
+from daemons.policy import sessions
 from daemons.policy.slo import slo_score
 from daemons.policy.usage import InstanceState, instance_freeness, real_freeness
 
@@ -98,13 +99,16 @@ class DispatchPolicy(Policy):
     ``prefix_aware``: a request's cached leading blocks (the prefix index's hits) may change its choice.
     ``cache_affinity``: the cache decides within a band of the freest (dispatchers without a prefix index ask
     one that has it). ``predicts``: it ranks by the SLO's predictions: each instance's step-time model is
-    completed by the cluster's (slo.pooled), and virtual usage counts the TPOT target."""
+    completed by the cluster's (slo.pooled), and virtual usage counts the TPOT target. ``follows_sessions``: a
+    request naming a session goes where its KV is, within the load bound (daemons/policy/sessions.py; the
+    baselines place it as any other)."""
 
     migrates: bool = True
     scores_as: str = ""
     prefix_aware: bool = False
     cache_affinity: bool = False
     predicts: bool = False
+    follows_sessions: bool = False
 
     @property
     def score_key(self) -> str:
@@ -134,9 +138,12 @@ class DispatchPolicy(Policy):
         return ties[turn % len(ties)]
 
     def cache_pick(self, at: dict[str, int], states: dict[str, InstanceState], scores: list[float],
-                   hits: dict[str, int] | None, band: float, floor: float) -> int | None:
-        """Where the request's cached blocks (``hits``) decide: an index into ``scores`` (``at``: each instance's),
-        or None where the plain scores do. ``states``: the instances, as scored."""
+                   hits: dict[str, int] | None, band: float, floor: float, tiers: sessions.Tiers | None = None,
+                   pricing: sessions.Pricing | None = None) -> int | None:
+        """Where the request's cached blocks (``hits``: leading blocks in some tier; ``tiers``: per instance, those
+        in its engine and in engine or host tier, when known) decide: an index into ``scores`` (``at``: each
+        instance's), or None where the plain scores do. ``states``: the instances, as scored; ``pricing``: what a
+        host block's restore costs."""
         return None
 
 
@@ -166,8 +173,8 @@ class Flood(DispatchPolicy):
 
 @dataclass(frozen=True)
 class CacheAffinity(DispatchPolicy):
-    def cache_pick(self, at, states, scores, hits, band, floor):
-        return cache_choice(at, scores, hits or {}, band, floor)
+    def cache_pick(self, at, states, scores, hits, band, floor, tiers=None, pricing=None):
+        return cache_choice(at, scores, hits or {}, band, floor, tiers)
 
 
 @dataclass(frozen=True)
@@ -175,12 +182,12 @@ class BySlo(DispatchPolicy):
     def scorer(self, headroom=0.0, high=False, tpot_target_s=0.0):
         return lambda s: slo_score(s, 0, high, tpot_target_s)
 
-    def cache_pick(self, at, states, scores, hits, band, floor):
-        return slo_cache_choice(at, states, scores, hits or {})
+    def cache_pick(self, at, states, scores, hits, band, floor, tiers=None, pricing=None):
+        return slo_cache_choice(at, states, scores, hits or {}, tiers, pricing)
 
 
 def cache_choice(at: dict[str, int], scores: list[float], hits: dict[str, int], band: float,
-                 floor: float) -> int | None:
+                 floor: float, tiers: sessions.Tiers | None = None) -> int | None:
     """llumnix-cache: where the request's cache decides, or None where load does. The instances free enough
     for the cache to decide are those within ``band`` of the freest: at least ``band`` times as free when
     the freest has room (``best`` >= 0), at most ``1 - band`` of its deficit further behind when even the
@@ -191,7 +198,8 @@ def cache_choice(at: dict[str, int], scores: list[float], hits: dict[str, int], 
     falls out of the band, the next request of that prefix goes to the freest instance, which then caches
     it too. When the whole cluster is overloaded alike, the cache still decides within the band: a hit
     saves prefill work that every queued request waits for. ``at``: each instance's place in ``scores``
-    (freeness by virtual usage). Work: the instances that hold some of the request, not all of them."""
+    (freeness by virtual usage). ``tiers``: with host tiers, of equal hits the one holding more in its engine
+    (no restore) wins. Work: the instances that hold some of the request, not all of them."""
     if not hits or not scores:
         return None
     best = max(scores)
@@ -203,16 +211,19 @@ def cache_choice(at: dict[str, int], scores: list[float], hits: dict[str, int], 
         j = at.get(iid)
         if j is None or h <= 0 or scores[j] < limit:
             continue
-        if key is None or (h, scores[j]) > key:
-            chosen, key = j, (h, scores[j])
+        k = (h, (tiers or {}).get(iid, (h, h))[0], scores[j])
+        if key is None or k > key:
+            chosen, key = j, k
     return chosen
 
 
 def slo_cache_choice(at: dict[str, int], states: dict[str, InstanceState], scores: list[float],
-                     hits: dict[str, int]) -> int | None:
+                     hits: dict[str, int], tiers: sessions.Tiers | None = None,
+                     pricing: sessions.Pricing | None = None) -> int | None:
     """slo with a prefix index: the instances' scores less the prefill each saves with the request's cached
-    leading blocks (``hits``), so the predicted TTFT counts only the uncached part of the prompt. None: no
-    instance caches any of it (the plain scores decide)."""
+    leading blocks (``hits``), so the predicted TTFT counts only the uncached part of the prompt; with ``tiers``,
+    a block in a host tier saves its prefill less its restore (sessions.saved_s). None: no instance caches any
+    of it (the plain scores decide)."""
     if not hits or not scores:
         return None
     best_j, best = None, max(scores)
@@ -221,7 +232,10 @@ def slo_cache_choice(at: dict[str, int], states: dict[str, InstanceState], score
         s = states.get(iid)
         if j is None or h <= 0 or s is None or s.latency is None:
             continue
-        score = scores[j] + h * s.block_size * s.latency.prefill_ms_per_token / 1000.0
+        if tiers is not None and iid in tiers:
+            score = scores[j] + sessions.saved_s(s, tiers, pricing or sessions.Pricing())
+        else:
+            score = scores[j] + h * s.block_size * s.latency.prefill_ms_per_token / 1000.0
         if score > best:
             best_j, best = j, score
     return best_j
@@ -229,19 +243,20 @@ def slo_cache_choice(at: dict[str, int], states: dict[str, InstanceState], score
 
 DISPATCH: Registry[DispatchPolicy] = Registry(
     "dispatch policy", "manager.dispatch_policy",
-    DispatchPolicy("llumnix", "freest by virtual usage; migrates", ("scheduling.high_priority_headroom",)),
+    DispatchPolicy("llumnix", "freest by virtual usage; migrates", ("scheduling.high_priority_headroom",),
+                   follows_sessions=True),
     CacheAffinity("llumnix-cache", "as llumnix, but among instances free enough (scheduling.cache_band, "
                   "scheduling.cache_min_freeness) the one that caches most of the request's prompt, by the cluster "
                   "prefix index of the proxy or, for dispatches it is asked for, the manager",
                   ("scheduling.high_priority_headroom", "scheduling.cache_band", "scheduling.cache_min_freeness"),
-                  scores_as="llumnix", prefix_aware=True, cache_affinity=True),
+                  scores_as="llumnix", prefix_aware=True, cache_affinity=True, follows_sessions=True),
     RealFreeness("infaas++", "freest by real usage, no migration", migrates=False),
     RoundRobin("rr", "round-robin, no migration", migrates=False),
     Flood("flood", "all to one, no migration; tests", migrates=False),
     BySlo("slo", "the best predicted time to first token, counting only the uncached part of the prompt, among the "
           "instances whose predicted time per output token stays under [slo]'s target; virtual usage counts the "
           "TPOT target; migrates", ("slo.tpot_ms", "slo.high_tpot_ms", "slo.tpot_full"),
-          prefix_aware=True, predicts=True),
+          prefix_aware=True, predicts=True, follows_sessions=True),
 )
 
 

@@ -157,10 +157,12 @@ class Ahead:
 
 def ahead_of(s: InstanceState, high: bool) -> Ahead:
     """Queued ahead of a new request: the high-priority queue for a high request, everything for a normal one
-    (our own dispatches its reports do not show yet count as queued)."""
+    (our own dispatches its reports do not show yet count as queued, less the prompt tokens they find cached: no
+    prefill waits for those)."""
     if high:
         return Ahead(s.waiting_high, s.waiting_high_tokens)
-    return Ahead(s.waiting + s.pending_requests, s.waiting_tokens + s.pending_blocks * s.block_size)
+    pending = max(s.pending_blocks * s.block_size - s.pending_cached_tokens, 0)
+    return Ahead(s.waiting + s.pending_requests, s.waiting_tokens + pending)
 
 
 def slot_wait_s(s: InstanceState, fit, ahead: Ahead, prompt_tokens: int, max_tokens: int = 0) -> float:
@@ -365,18 +367,21 @@ def class_share(states: list[InstanceState], high: bool) -> float:
 
 
 def admit(states: list[InstanceState], prompt_tokens: int, priority: int, targets: dict[int, Targets],
-          shares: dict[int, float], admit_at: float = 1.0, max_tokens: int = 0) -> Verdict:
+          shares: dict[int, float], admit_at: float = 1.0, max_tokens: int = 0,
+          cached: dict[str, int] | None = None) -> Verdict:
     """Admit a request of ``priority`` (its class's TTFT target in ``targets``; a class without a TTFT target is
     always admitted) or refuse it. ``shares``: the fraction of the cluster's requests reserved for a class; a class
     under it is admitted on its own target alone, even while a higher class is refused. ``admit_at``: the fraction
-    of a target a prediction must be within (headroom for the prediction's error and for what arrives meanwhile)."""
+    of a target a prediction must be within (headroom for the prediction's error and for what arrives meanwhile).
+    ``cached``: per instance, the prompt tokens it holds cached (engine or host tier): no prefill there."""
+    cached = cached or {}
     mine = targets.get(priority, Targets())
     high = class_of(priority) == HIGH
     states = pooled(states)
     limit = mine.ttft_s * admit_at
     tpot = mine.tpot_s * admit_at if mine.tpot_s > 0 else 0.0
     # Each instance's predicted TTFT, and whether its TPOT with the request joining stays within the target.
-    preds = [(s.instance_id, predict_ttft(s, prompt_tokens, high, max_tokens),
+    preds = [(s.instance_id, predict_ttft(s, max(prompt_tokens - cached.get(s.instance_id, 0), 0), high, max_tokens),
               not (tpot > 0 and predict_tpot(s, prompt_tokens) > tpot)) for s in states if s.dispatchable]
     ttft = min((t for _, t, _ in preds), default=math.inf)
     if mine.ttft_s > 0 and ttft > limit:

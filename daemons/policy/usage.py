@@ -50,8 +50,10 @@ class InstanceState:
     role: str = "mixed"  # "mixed" | "prefill" | "decode" (daemons/policy/disagg.py)
     outlook: object = None  # what its requests will still claim (wire.Outlook; None: not reported)
     pending_final_blocks: int = 0  # KV our pending dispatches will hold at their expected final lengths
+    pending_cached_tokens: int = 0  # prompt tokens of our pending dispatches it holds cached (no prefill to wait for)
     adapters: tuple[str, ...] = ()  # the LoRA adapters it holds (daemons/policy/residency.py)
     adapter_slots: int = 0  # its open adapter slots (free, or holding an adapter no request runs with)
+    restore_ms_per_block: float = 0.0  # a block from its host KV tier back into its engine (0: not measured)
 
     @property
     def batch(self) -> int:
@@ -146,4 +148,4 @@ def state_of(instance_id: str, load, **flags) -> InstanceState:
                          context_tokens=load.context_tokens, latency=load.latency,
                          role=getattr(load, "role", "mixed") or "mixed", outlook=getattr(load, "outlook", None),
                          adapters=tuple(getattr(load, "adapters", ())), adapter_slots=getattr(load, "adapter_slots", 0),
-                         **flags)
+                         restore_ms_per_block=getattr(load, "restore_ms_per_block", 0.0) or 0.0, **flags)

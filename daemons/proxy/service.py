@@ -30,6 +30,7 @@ from daemons.proxy.front.guard import Guard
 from daemons.proxy.api.output import collect, sse
 from daemons.proxy.api.protocol import ApiError, ChatRequest, CompletionRequest, decode_body, derive_seed, parse_priority
 from daemons.proxy.api.render import Choice, Job, token_id_text
+from daemons.proxy.api.sessions import NONE, Session, session_of
 from daemons.proxy.front.routes import Routes
 from daemons.proxy.front.tenants import TenantLimits, Tenants
 from daemons.proxy.api.tokenizer import Tokenizer, load_tokenizer
@@ -58,6 +59,14 @@ def prompt_estimate(body, body_bytes: int) -> int:
 _json = msgspec.json.encode
 
 
+def max_retain_s(cfg: Config) -> float:
+    """The most a request may ask its session's prefix kept (kv_tier.max_retain_s; 0 while that section is not
+    declared: prompt_cache_retention "24h" then asks for a day, and the instance bounds it)."""
+    # TODO(kv_tier): read cfg.kv_tier.max_retain_s directly once [kv_tier] is declared in daemons/config.py.
+    tier = getattr(cfg, "kv_tier", None)
+    return float(getattr(tier, "max_retain_s", 0.0) or 0.0)
+
+
 class Proxy:
     """The request path: admit, dispatch, serve and log each request, through the objects named in the
     module's text. Owns the ids of the requests in flight here."""
@@ -82,6 +91,8 @@ class Proxy:
         self.limits = TenantLimits(self.tenants)
         self.access = AccessLog(cfg.proxy.access_log)
         self.guard = Guard(self.keys, body_limit(cfg), self.access)
+        self.session_header = cfg.sessions.header.lower()
+        self.max_retain_s = max_retain_s(cfg)
         self.routes = Routes(self.checks, self.cluster.alive, self.cluster.manager_ok,
                              self.cluster.lora if cfg.lora.api_updates else None)
 
@@ -117,11 +128,12 @@ class Proxy:
             self.access.write(job, chat, arrival, reply.status)
         return reply
 
-    def _admit(self, priority: int, job: Job, prompt_tokens: int = 0, max_tokens: int = 0, final: bool = False) -> None:
+    def _admit(self, priority: int, job: Job, prompt_tokens: int = 0, max_tokens: int = 0, final: bool = False,
+               session: str = "") -> None:
         """Admission control (daemons/proxy/cluster/admission.py ``admit``): 429 with Retry-After, before any tokenizing
         (``prompt_tokens``: an estimate from the body, for the SLO's prediction; ``max_tokens``: the most it may
         generate, 0: not known yet; ``final``: the check with the body read, whose admission counts at once against
-        the next ones'). How long the refusal took, from the request's arrival, goes to
+        the next ones'; ``session``: its session, whose prompt's cached part is not counted as work). How long the refusal took, from the request's arrival, goes to
         llumnix_proxy_refusal_seconds."""
         principal = job.principal
         # The request's SLO class and targets, computed here once (its key's where tighter): admission, dispatch,
@@ -129,7 +141,7 @@ class Proxy:
         job.priority, job.slo = priority, self.cluster.classes.of(priority, Goodput.key_targets(principal))
         try:
             verdict = self.cluster.admit(job.slo, principal.name if principal is not None else "", prompt_tokens,
-                                         max_tokens, job.id if final else "")
+                                         max_tokens, job.id if final else "", session)
             job.fits = verdict.fits if verdict is not None else ()
         except Overloaded as exc:
             M_REFUSAL.observe(time.perf_counter() - job.arrival)
@@ -156,9 +168,10 @@ class Proxy:
         job.adapter = self.checks.check_model(body.model)
         body.unsupported()
         self.checks.check_stops(body)
+        session = session_of(body, call.headers, self.session_header, self.max_retain_s)
         prompt_tokens = prompt_estimate(body, len(raw))
         self._admit(parse_priority(body.priority, header_priority), job, prompt_tokens,
-                    self._max_tokens_estimate(body, prompt_tokens), final=True)
+                    self._max_tokens_estimate(body, prompt_tokens), final=True, session=session.name)
         structured = body.structured()
         if job.chat:
             tools = self.checks.tool_choice(body)
@@ -176,7 +189,7 @@ class Proxy:
             self.limits.charge(job, len(ids) + body.n * max_tokens)
             top_n = body.logprobs or 0
             sampling = body.sampling(max_tokens, body.logprobs, structured)
-        return await self._serve(call, job, body, ids, sampling, top_n)
+        return await self._serve(call, job, body, ids, sampling, top_n, session)
 
     def _large(self, call: Call) -> bool:
         """A body that may take a while to arrive (over PRE_ADMIT_BYTES, or of unknown length)."""
@@ -203,7 +216,7 @@ class Proxy:
         return job.id in self.active or any(rid in self.cluster.streams for rid in sub_ids)
 
     async def _serve(self, call: Call, job: Job, req, ids: list[int], sampling: wire.SamplingParams,
-                     top_n: int) -> Reply:
+                     top_n: int, session: Session = NONE) -> Reply:
         priority = parse_priority(req.priority, call.headers.get("x-llumnix-priority"))
         principal = call.principal
         if job.slo.high and principal is not None and not principal.high_priority:
@@ -230,7 +243,8 @@ class Proxy:
         submits = [wire.Submit(rid, ids, sampling if n == 1 else msgspec.structs.replace(
             sampling, seed=derive_seed(sampling.seed, k)), self.cluster.token_address, priority, now,
             traceparent=traceparent, slo_ttft_ms=ttft_ms, slo_tpot_ms=tpot_ms, adapter=job.adapter,
-            adapter_path=self.cluster.adapters().get(job.adapter, "")) for k, rid in enumerate(sub_ids)]
+            adapter_path=self.cluster.adapters().get(job.adapter, ""), session=session.name,
+            retain_s=session.retain_s) for k, rid in enumerate(sub_ids)]
         self.active.add(job.id)
         handed_over = False  # to the streaming reply, which cleans up when it ends
         try:

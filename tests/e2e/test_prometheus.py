@@ -205,7 +205,12 @@ def test_dashboard_is_complete():
                  "llumnix_proxy_slo_requests_total", "llumnix_instance_slo_attainment",
                  "llumnix_instance_slo_met_requests", "llumnix_instance_slo_judged_requests",
                  "llumnix_instance_predicted_ttft_seconds", "llumnix_instance_predicted_tpot_seconds",
-                 "llumnix_proxy_ttft_actual_over_predicted_bucket", "llumnix_proxy_tpot_actual_over_predicted_bucket"):
+                 "llumnix_proxy_ttft_actual_over_predicted_bucket", "llumnix_proxy_tpot_actual_over_predicted_bucket",
+                 # Sessions and KV tiers (issue #52)
+                 "llumnix_proxy_session_dispatches_total", "llumnix_proxy_sessions", "llumnix_prefix_tokens_total",
+                 "llumnix_kv_tier_blocks", "llumnix_kv_tier_capacity_blocks", "llumnix_kv_retained_blocks",
+                 "llumnix_kv_restored_bytes_total", "llumnix_kv_restore_seconds_bucket", "llumnix_kv_pulls_total",
+                 "llumnix_kv_pulled_bytes_total", "llumnix_kv_pull_seconds_bucket", "llumnix_sessions_rehomed_total"):
         assert name in used, name
 
 

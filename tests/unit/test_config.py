@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from daemons.config import Config, ConfigError, load_config, render_example, sections
+from daemons.config import Config, ConfigError, load_config, sections
+from daemons.config_text import render_example
 
 ROOT = Path(__file__).resolve().parents[2]
 

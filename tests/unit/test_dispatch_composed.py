@@ -41,6 +41,13 @@ class Index:
     def match(self, keys) -> dict[str, int]:
         return dict(self.hits)
 
+    @property
+    def host(self) -> dict:
+        return {}  # (no host tier: the Follower's second index)
+
+    def match_tiers(self, keys, among=None) -> dict[str, tuple[int, int]]:
+        return {iid: (n, n) for iid, n in self.hits.items()}
+
 
 fits = st.one_of(st.none(), st.builds(
     lambda steps, pt, dm, dps, rate: wire.LatencyFit(steps, 5.0, pt, dm, dps, 0.001, 1.0, 2048, rate),

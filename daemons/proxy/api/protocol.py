@@ -14,7 +14,7 @@ The same structs describe the request bodies in ``/openapi.json`` (``openapi_com
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
 from msgspec import Meta
@@ -35,7 +35,8 @@ Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
 
-MAX_N = 32  # most sequences one request may ask for (n): each is a request of its own on the cluster
+MAX_N = 32
+MAX_SESSION_CHARS = 256  # longest session name (prompt_cache_key, or the session header) accepted  # most sequences one request may ask for (n): each is a request of its own on the cluster
 
 
 class StreamOptions(msgspec.Struct):
@@ -65,6 +66,10 @@ class _Common(msgspec.Struct, kw_only=True):
     return_tokens_as_token_ids: bool = False  # vLLM's extension: logprobs name tokens "token_id:<id>"
     # scheduling priority: "normal" or "high" (also the x-llumnix-priority header)
     priority: str | int | None = None
+    # OpenAI's prompt caching: the session (a conversation, an agent's loop) whose turns share a prefix, and how
+    # long its cached prefix should be kept ("in_memory" or "24h"); daemons/proxy/api/sessions.py reads them
+    prompt_cache_key: Annotated[str, Meta(max_length=MAX_SESSION_CHARS)] | None = None
+    prompt_cache_retention: Literal["in_memory", "in-memory", "24h"] | None = None
     # Structured output (daemons/proxy/api/structured.py): OpenAI's response_format, vLLM's structured_outputs
     response_format: dict[str, Any] | None = None
     structured_outputs: StructuredOutputsBody | None = None

@@ -2,7 +2,12 @@
 bounds, or (503) when no instance lives; with an SLO ([slo] TTFT targets), when no instance is predicted to meet its
 class's time-to-first-token target (daemons/policy/slo.py ``admit``), with a Retry-After from the predicted drain
 time. ``Placing``: the requests waiting here for an instance (or for their turn in the fair queue), which count
-as queued work."""
+as queued work.
+
+Cached prompt tokens are not queued work: our dispatches count without the tokens their instance holds cached
+(engine or host tier, or pulled: daemons/proxy/cluster/view.py ``pending_cached``), and a session's turn is
+predicted and counted without the part of its prompt its last turn left cached (the session's last prompt's blocks,
+looked up in the prefix index per instance): a conversation that reuses more is not refused sooner."""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ from dataclasses import replace
 from typing import Callable
 
 from daemons import policy
+from daemons.sessions import SessionTable
 from daemons.clock import Clock
 from daemons.policy import slo
 from daemons.proxy.cluster.known import KnownInstances
@@ -65,7 +71,10 @@ class Admission:
     a key holds less than its share of the fair queue: daemons/proxy/cluster/fairgate.py)."""
 
     def __init__(self, adm, clock: Clock, known: KnownInstances, view: DispatchView, placing: Placing,
-                 under_share: Callable[[str], bool], slo_cfg=None, classes: slo.Classes | None = None):
+                 under_share: Callable[[str], bool], slo_cfg=None, classes: slo.Classes | None = None,
+                 sessions: SessionTable | None = None, match_tiers: Callable | None = None):
+        """``sessions`` and ``match_tiers`` (prefix.Follower.match_tiers): where a session's last prompt is cached
+        (None: sessions are not looked up)."""
         self.adm = adm
         self.clock = clock
         self.known = known
@@ -76,23 +85,44 @@ class Admission:
         self.shares = {slo.NORMAL: slo_cfg.normal_share} if slo_cfg is not None else {}
         self.admit_at = slo_cfg.admit_at if slo_cfg is not None else 1.0
         self.by_slo = any(t.ttft_s > 0 for t in self.targets.values())  # a TTFT target turns admission by SLO on
+        self.sessions = sessions
+        self.match_tiers = match_tiers
+
+    def cached(self, session: str, prompt_tokens: int) -> dict[str, int]:
+        """Per instance, the prompt tokens of a turn of ``session`` it holds cached (engine or host tier): the blocks
+        of the session's last prompt it still holds, which lead its next one ({}: none, or no session)."""
+        if not session or self.sessions is None or self.match_tiers is None:
+            return {}
+        keys = self.sessions.keys(session)
+        if not keys:
+            return {}
+        out = {}
+        for iid, (_, both) in self.match_tiers(keys).items():
+            beat = self.known.beats.get(iid)
+            block = beat.load.block_size if beat is not None and beat.load is not None else 16
+            if both:
+                out[iid] = min(both * block, prompt_tokens)
+        return out
 
     def admit(self, r: slo.RequestSlo, tenant: str = "", prompt_tokens: int = 0, max_tokens: int = 0,
-              proxies: int = 1, request_id: str = "") -> slo.Verdict | None:
+              proxies: int = 1, request_id: str = "", session: str = "") -> slo.Verdict | None:
         """Raise Overloaded if the request (``r``: its SLO class and targets, slo.Classes.of) is refused. With an SLO:
         by its TTFT target (``prompt_tokens``: its prompt, an estimate before tokenizing; ``max_tokens``: the most it
         may generate, 0: not said), and the verdict (with the best predicted TTFT) is returned; otherwise by the
         queue bounds (``admit_by_queue``). ``proxies``: how many proxies admit into the same instances (each
         counts the others' admissions not yet in the instances' reports as many as its own). ``request_id``: an
-        admitted request counts as placing here at once, until its dispatch (``Placing``)."""
+        admitted request counts as placing here at once, until its dispatch (``Placing``). ``session``: the session
+        it names, whose cached part of the prompt is not work (``cached``)."""
         if not self.by_slo:
             self.admit_by_queue(r.high, tenant)
             return None
+        cached = self.cached(session, prompt_tokens)
+        work = prompt_tokens - max(cached.values(), default=0)  # where it would go: where most of it is cached
         targets = {**self.targets, r.cls: r.own}  # its own: its class's, or its key's where tighter
         states = self.states(proxies)
         if not states:
             return None  # nothing to predict from: placement waits for an instance, or says none is alive
-        verdict = slo.admit(states, prompt_tokens, r.cls, targets, self.shares, self.admit_at, max_tokens)
+        verdict = slo.admit(states, prompt_tokens, r.cls, targets, self.shares, self.admit_at, max_tokens, cached)
         if not verdict.admitted:
             cls = "high-priority" if r.high else "normal-priority"
             if verdict.reason == "higher_class":
@@ -110,7 +140,7 @@ class Admission:
                            f"admit_at); the best predicted is {_ms(verdict.ttft_s)}")
             raise Overloaded(message, verdict.reason, verdict.retry_after_s)
         if request_id:
-            self.placing.add(request_id, prompt_tokens, max_tokens, Placing.ADMITTED_TTL_S)
+            self.placing.add(request_id, work, max_tokens, Placing.ADMITTED_TTL_S)
         return verdict
 
     def states(self, proxies: int = 1) -> list[policy.InstanceState]:
@@ -131,7 +161,8 @@ class Admission:
             blocks_here = policy.blocks_for(int(tokens_here), load.block_size)
             state = policy.state_of(iid, load, pending_requests=pending_requests * k + waiting_here,
                                     pending_blocks=pending_blocks * k + blocks_here,
-                                    pending_final_blocks=self.view.pending_final(iid, now) * k)
+                                    pending_final_blocks=self.view.pending_final(iid, now) * k,
+                                    pending_cached_tokens=self.view.pending_cached(iid, now) * k)
             if waiting_here and load.outlook is not None:  # those placing here, at their expected final lengths
                 each = slo.final_blocks(state, int(tokens_here / waiting_here),
                                         self.placing.max_tokens() // max(len(self.placing), 1))
@@ -167,7 +198,7 @@ class Admission:
             block = beat.load.block_size if beat is not None and beat.load is not None else 16
             pending_requests, pending_blocks = self.view.pending(iid, now)
             requests += pending_requests
-            tokens += pending_blocks * block
+            tokens += max(pending_blocks * block - self.view.pending_cached(iid, now), 0)
         requests += len(self.placing) + 1  # with this one
         tokens += self.placing.tokens()
         factor = adm.high_priority_factor if high else 1.0

@@ -71,6 +71,7 @@ from daemons.proxy.cluster.telemetry import (M_BAD_FRAMES, M_LINKS_DOWN, M_LINKS
 from daemons.proxy.cluster.tokens import InstancePort
 from daemons.proxy.cluster.traces import StreamTrace
 from daemons.proxy.cluster.view import DispatchView
+from daemons.sessions import SessionTable
 from daemons.tracing import now_ns
 
 log = logging.getLogger("llumnix.proxy")
@@ -118,12 +119,14 @@ class ClusterClient:
         # Between API keys (daemons/proxy/cluster/fairgate.py); submits without a key never wait there.
         self.gate = FairGate(FairQueue(clock.monotonic, pc.fair_burst_tokens) if pc.fair_queuing else None, clock,
                              pc.fair_reserve, self.known, self.view, self.placing)
+        # The sessions this proxy placed turns of (daemons/sessions.py): admission and dispatch read them.
+        self.sessions = SessionTable(cfg.sessions.max_sessions, clock.monotonic)
         self.admission = Admission(cfg.admission, clock, self.known, self.view, self.placing, self.gate.under_share,
-                                   cfg.slo, self.classes)
+                                   cfg.slo, self.classes, self.sessions, self.cache_index.match_tiers)
         shared = Shared(cfg, clock, self.known, self.view, self.port)
         self.failover = Failover(shared, self.ownership, self._dispatch, self._spawn)
         self.dispatcher = Dispatcher(shared, self.cache_index, self.link, self.placing, self.changes,
-                                     self.failover.instance_failed)
+                                     self.failover.instance_failed, self.sessions)
 
     # ------------------------------------------------------------------ read-only views for callers and tests
 
@@ -175,13 +178,14 @@ class ClusterClient:
         return reply
 
     def admit(self, request: slo.RequestSlo | int, tenant: str = "", prompt_tokens: int = 0, max_tokens: int = 0,
-              request_id: str = ""):
+              request_id: str = "", session: str = ""):
         """Raises Overloaded (daemons/proxy/cluster/admission.py); with an SLO, returns the verdict. ``request``: its
         SLO class and targets (``classes.of``, where the proxy parsed it), or its priority (its class's). Every
         proxy the manager hears from admits into the same instances: each counts the others' admissions too.
-        ``request_id``: admitted, it counts at once as placing here, until its dispatch."""
+        ``request_id``: admitted, it counts at once as placing here, until its dispatch. ``session``: its session
+        (its cached prompt is not counted as work)."""
         return self.admission.admit(request if isinstance(request, slo.RequestSlo) else self.classes.of(request),
-                                    tenant, prompt_tokens, max_tokens, self.known.proxies, request_id)
+                                    tenant, prompt_tokens, max_tokens, self.known.proxies, request_id, session)
 
     # ------------------------------------------------------------------ life cycle
 

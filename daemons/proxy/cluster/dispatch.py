@@ -14,7 +14,9 @@ from daemons.links import UP
 from daemons.proxy.cluster.admission import Placing
 from daemons.proxy.cluster.shared import Shared
 from daemons.proxy.cluster.stream import NoInstance, Stream
-from daemons.proxy.cluster.telemetry import M_ASKED, M_CACHE_DISPATCHES, M_DISAGG, M_LOCAL, M_WAITED
+from daemons.proxy.cluster.telemetry import (M_ASKED, M_CACHE_DISPATCHES, M_DISAGG, M_LOCAL, M_SESSION_DISPATCHES,
+                                             M_SESSIONS, M_WAITED)
+from daemons.sessions import SessionTable
 from daemons.tracing import now_ns
 
 log = logging.getLogger("llumnix.proxy")
@@ -61,11 +63,12 @@ class Changes:
 class Dispatcher:
     """Places each stream on an instance and submits it there. Owns the dispatch turn count. Receives the
     clock, the config, what we know of the instances (read only), the dispatch view, the prefix cache index,
-    the port to the instances, the manager link, the requests placing here, the waits for a change and
-    ``on_full`` (the stream's request path is full: failover's ``instance_failed``)."""
+    the port to the instances, the manager link, the requests placing here, the waits for a change,
+    ``on_full`` (the stream's request path is full: failover's ``instance_failed``) and the sessions known here
+    (each turn placed is written there)."""
 
     def __init__(self, shared: Shared, cache_index: prefix.Follower, manager: Manager, placing: Placing,
-                 changes: Changes, on_full: Callable[..., None]):
+                 changes: Changes, on_full: Callable[..., None], sessions: SessionTable | None = None):
         self.clock, self.known, self.view, self.port = shared.clock, shared.known, shared.view, shared.port
         self.pc = shared.cfg.proxy
         self.queue_timeout_s = shared.cfg.admission.queue_timeout_s
@@ -74,6 +77,8 @@ class Dispatcher:
         self.placing = placing
         self.changes = changes
         self.on_full = on_full
+        self.sessions = sessions if sessions is not None else SessionTable(shared.cfg.sessions.max_sessions,
+                                                                           shared.clock.monotonic)
         self._turn = 0
 
     async def _choose(self, stream: Stream) -> tuple[str, str]:
@@ -84,12 +89,15 @@ class Dispatcher:
         if self.pc.dispatch == "local" and self.known.snapshot:
             chosen = self._choose_here(stream)
             if chosen is not None:
-                return self._chose(sub, chosen)
+                return self._chose(stream, chosen)
         return await self._ask_or_choose(stream)
 
-    def _chose(self, sub: wire.Submit, chosen: str) -> tuple[str, str]:
+    def _chose(self, stream: Stream, chosen: str) -> tuple[str, str]:
         M_LOCAL.inc()
-        self.manager.tell_soon(wire.Dispatched(sub.request_id, chosen, len(sub.prompt_token_ids), sub.priority))
+        sub = stream.submit
+        keys = self._prefix_keys(stream) if sub.session else []
+        self.manager.tell_soon(wire.Dispatched(sub.request_id, chosen, len(sub.prompt_token_ids), sub.priority,
+                                               sub.session, keys))
         if log.isEnabledFor(logging.DEBUG):
             log.debug("request %s -> %s (own view: %s)", sub.request_id, chosen, self.view.describe(chosen))
         return chosen, self.known.addresses[chosen]
@@ -97,9 +105,9 @@ class Dispatcher:
     async def _ask_or_choose(self, stream: Stream) -> tuple[str, str]:
         sub = stream.submit
         if self.known.manager_ok() or not self.known.snapshot:
-            keys = self._prefix_keys(stream) if self._policy().prefix_aware else []
+            keys = self._prefix_keys(stream) if self._policy().prefix_aware or sub.session else []
             q = wire.Dispatch(self.manager.next_id(), sub.request_id, len(sub.prompt_token_ids), sub.priority,
-                              self._excluded(stream), keys, sub.adapter)
+                              self._excluded(stream), keys, sub.adapter, sub.session)
             reply = await self.manager.ask(q, self.pc.dispatch_timeout_s)
             if reply is not None:
                 if not reply.instance_id and not any(v.instance_id not in stream.exclude for v in self.known.alive()):
@@ -107,13 +115,14 @@ class Dispatcher:
             if reply is not None and reply.instance_id:
                 M_ASKED.inc()
                 stream.disagg = reply.disagg
+                stream.pull, stream.how = (reply.pull_from, reply.pull_blocks), reply.how
                 self.known.set_address(reply.instance_id, reply.request_address)
                 return reply.instance_id, reply.request_address
         chosen = self._choose_here(stream)
         if chosen is None:
             raise NoInstance("no live instance" if self.known.manager_ok() else
                              "no live instance (the manager is unreachable and the last snapshot has none)")
-        return self._chose(sub, chosen)
+        return self._chose(stream, chosen)
 
     async def _place(self, stream: Stream) -> tuple[str, str]:
         """``_choose``, waiting while no instance can take the request right now but some live instance could
@@ -165,10 +174,15 @@ class Dispatcher:
         sub = stream.submit
         self.view.refresh(self.known.alive)
         roles = bool(self.view.roles)  # the disaggregation decision weighs what decode instances cache
-        ask = policy.Ask(len(sub.prompt_token_ids) + len(sub.output_token_ids),
-                         sub.priority, stream.slo, self._cache_hits(stream, any_policy=roles), sub.adapter)
+        tiers = self._tiers(stream, any_policy=roles)
+        hits = {iid: both for iid, (_, both) in tiers.items()} if tiers else None
+        ask = policy.Ask(len(sub.prompt_token_ids) + len(sub.output_token_ids), sub.priority, stream.slo, hits,
+                         sub.adapter, tiers, sub.session, self.sessions.home(sub.session) if sub.session else "")
         chosen = self.view.choose(self.known.alive, self._policy(), ask, self._turn, self.known.tie_start(),
                                   self._excluded(stream))
+        placed = self.view.placement
+        stream.pull, stream.how = (placed.pull_from, placed.pull_blocks), placed.how
+        stream.tiers = tiers
         if self.view.decision:
             M_DISAGG.labels(self.view.decision).inc()
             stream.disagg = self.view.decision
@@ -186,17 +200,21 @@ class Dispatcher:
             return stream.exclude
         return [*stream.exclude, *others] if others else stream.exclude
 
-    def _cache_hits(self, stream: Stream, any_policy: bool = False) -> dict[str, int] | None:
-        """The prefix-aware policies: the request's cached leading blocks on each instance that holds some (None:
-        another policy, or nothing cached anywhere). Its block hashes are computed once (vLLM's, daemons/prefix.py).
+    def _tiers(self, stream: Stream, any_policy: bool = False) -> policy.sessions.Tiers | None:
+        """The request's cached leading blocks on each instance that holds some, by tier (prefix.match_tiers: in the
+        engine, in the engine or its host tier), for the prefix-aware policies and a session's turn (None: another
+        policy, or nothing cached anywhere). Its block hashes are computed once (vLLM's, daemons/prefix.py).
         ``any_policy``: whatever the policy (the disaggregation decision weighs what decode instances cache)."""
-        index = self.cache_index.index
-        if (not any_policy and not self._policy().prefix_aware) or not len(index):
+        follower = self.cache_index
+        p = self._policy()
+        if not (any_policy or p.prefix_aware or (stream.submit.session and p.follows_sessions)):
+            return None
+        if not len(follower.index) and not len(follower.host):
             return None
         keys = self._prefix_keys(stream)
         if not keys:
             return None
-        return {iid: n for iid, n in index.match(keys).items() if n} or None
+        return {iid: t for iid, t in follower.match_tiers(keys).items() if t[1]} or None
 
     def _prefix_keys(self, stream: Stream) -> list[int]:
         """The keys of the prompt's full blocks (vLLM's block hashes, daemons/prefix.py, at the instances' block
@@ -223,7 +241,15 @@ class Dispatcher:
         stream.tried.append(instance_id)
         stream.sent_at = stream.progress_at = self.clock.monotonic()
         stream.early.clear()  # a gap's tokens came from the copy we left: the new one sends them again
-        submit = msgspec.structs.replace(stream.submit, epoch=stream.epoch, output_token_ids=list(stream.token_ids))
+        pull_from, pull_blocks = stream.pull
+        pull_address = self.known.address(pull_from) if pull_from and pull_from != instance_id else ""
+        if not pull_address:  # (the holder is not known here: no pull)
+            pull_from, pull_blocks = "", 0
+            stream.pull = ("", 0)
+        submit = msgspec.structs.replace(stream.submit, epoch=stream.epoch, output_token_ids=list(stream.token_ids),
+                                         pull_from=pull_from, pull_blocks=pull_blocks, pull_address=pull_address)
+        if submit.session:
+            self._session_turn(stream, instance_id)
         beat = self.known.beats.get(instance_id)
         tokens = len(submit.prompt_token_ids) + len(submit.output_token_ids)
         left = max(submit.sampling.max_tokens - len(submit.output_token_ids), 1)  # what it may still generate
@@ -231,8 +257,25 @@ class Dispatcher:
             stream.predicted = self.view.predict(instance_id, beat.load, tokens, stream.slo.high, left)
             if not submit.output_token_ids:  # its first placement: the instance judges the prediction
                 submit = msgspec.structs.replace(submit, predicted_ttft_ms=stream.predicted[0] * 1000.0)
-        self.view.sent_to(instance_id, beat.load if beat is not None else None, tokens, left)
+        self.view.sent_to(instance_id, beat.load if beat is not None else None, tokens, left,
+                          self._cached_tokens(stream, instance_id, beat))
         if stream.trace is not None:
             stream.trace.dispatched(since, instance_id, stream.epoch, len(stream.token_ids))
         if not self.port.send(address, submit):
             self.on_full(stream, f"the request path to instance {instance_id} is full", cause="full")
+
+    def _session_turn(self, stream: Stream, instance_id: str) -> None:
+        """A session's turn placed: written in the session table, counted by how it was placed."""
+        sub = stream.submit
+        self.sessions.placed(sub.session, instance_id, self._prefix_keys(stream), len(sub.prompt_token_ids))
+        M_SESSION_DISPATCHES.labels(stream.how or "new").inc()
+        M_SESSIONS.set(len(self.sessions))
+
+    @staticmethod
+    def _cached_tokens(stream: Stream, instance_id: str, beat) -> int:
+        """Prompt tokens of the request that ``instance_id`` holds in its engine or host tier, or that its pull
+        brings: not work that waits there (admission)."""
+        tiers = stream.tiers or {}
+        blocks = tiers.get(instance_id, (0, 0))[1] + stream.pull[1]
+        block = beat.load.block_size if beat is not None and beat.load is not None else 16
+        return min(blocks * block, len(stream.submit.prompt_token_ids))

@@ -37,7 +37,8 @@ class Stream:
     __slots__ = ("request_id", "submit", "ready", "next_index", "early", "waiter", "done", "error", "status",
                  "instance_id", "address", "tried", "sent_at", "given_back", "epoch", "owner_from", "token_ids",
                  "failovers", "progress_at", "deadline", "fenced", "exclude", "tenant", "weight", "trace",
-                 "prefix_keys", "starts", "first_by", "predicted", "disagg", "gap_from", "moves", "slo", "fits")
+                 "prefix_keys", "starts", "first_by", "predicted", "disagg", "gap_from", "moves", "slo", "fits",
+                 "tiers", "pull", "how")
 
     def __init__(self, request_id: str, submit: wire.Submit, timeout_s: float = 0.0, now: float = 0.0,
                  slo_: RequestSlo = NO_SLO):
@@ -78,6 +79,9 @@ class Stream:
         self.trace = None  # its spans (daemons/proxy/cluster/traces.py StreamTrace), with tracing on
         self.prefix_keys: list[int] | None = None  # its prompt's block keys (llumnix-cache), once computed
         self.disagg = ""  # with roles: where it was decided to prefill (daemons/policy/disagg.py DECISIONS)
+        self.tiers: dict[str, tuple[int, int]] | None = None  # its cached leading blocks by instance and tier
+        self.pull: tuple[str, int] = ("", 0)  # the prefix pull its placement chose: (from, blocks)
+        self.how = ""  # a session's turn: how it was placed (daemons/policy/sessions.py HOW)
         self.gap_from = -1  # a migration's first index: the gap before it is measured (-1: none pending)
         self.moves = 0  # live migrations it followed
 

@@ -96,3 +96,11 @@ M_TENANT_QUEUED = metrics.gauge("proxy", "llumnix_proxy_fair_queue_requests",
 M_TENANT_TOKENS = metrics.counter("proxy", "llumnix_proxy_tenant_tokens_total",
                                   "Tokens served per API key (prompt and generated), as the fair queue counts them",
                                   ["key"])
+SESSION_HOW = ("affinity", "spilled", "new", "pull")  # daemons/policy/sessions.py HOW
+M_SESSION_DISPATCHES = metrics.counter("proxy", "llumnix_proxy_session_dispatches_total",
+                                       "Turns of named sessions (prompt_cache_key or sessions.header) placed, by how: "
+                                       "affinity (where the session's KV is), spilled (its holder was past "
+                                       "sessions.bound or its TTFT target: another instance), new (no instance held "
+                                       "any of it), pull (placed with a prefix pull from the holder)", ["how"],
+                                       preset=[(h,) for h in SESSION_HOW])
+M_SESSIONS = metrics.gauge("proxy", "llumnix_proxy_sessions", "Sessions this proxy knows (sessions.max_sessions at most)")

@@ -39,7 +39,7 @@ class DispatchView:
         self.ttl_s = ttl_s
         self.rules = rules
         # Our own dispatches per instance not yet in its heartbeats' load: (our Submit number to it, blocks, time,
-        # blocks at its expected final length).
+        # blocks at its expected final length, prompt tokens it holds cached: no work to wait for).
         self.mine: dict[str, deque] = {}
         self.sent: dict[str, int] = {}  # instance id -> Submits we sent it (its heartbeats' ``taken`` counts them)
         self.taken: dict[str, int] = {}  # instance id -> ``taken`` of its last heartbeat
@@ -54,6 +54,7 @@ class DispatchView:
         self.built_at = 0.0
         self.by_cache = False  # the last choice was the cache's, another than llumnix would pick
         self.decision = ""  # the last choice's disaggregation decision ("": no roles)
+        self.placement = policy.Placement(None)  # the last choice whole: its prefix pull, how a session's turn went
         self.roles: dict[str, str] = {}  # instance id -> its role, for those not mixed (dispatch then disaggregates)
 
     # ------------------------------------------------------------------ inputs
@@ -88,15 +89,16 @@ class DispatchView:
         else:
             self.roles.pop(iid, None)
 
-    def sent_to(self, instance_id: str, load: wire.InstanceLoad | None, tokens: int, max_tokens: int = 0) -> None:
-        """A Submit of ``tokens`` (that may generate ``max_tokens`` more) went to ``instance_id``: its load until a
-        heartbeat shows it."""
+    def sent_to(self, instance_id: str, load: wire.InstanceLoad | None, tokens: int, max_tokens: int = 0,
+                cached_tokens: int = 0) -> None:
+        """A Submit of ``tokens`` (that may generate ``max_tokens`` more; ``cached_tokens`` of them cached there, in
+        the engine or its host tier, or pulled) went to ``instance_id``: its load until a heartbeat shows it."""
         n = self.sent[instance_id] = self.sent.get(instance_id, 0) + 1
         block_size = load.block_size if load is not None else 16
         final = (slo.final_blocks(policy.state_of(instance_id, load), tokens, max_tokens)
                  if load is not None and load.outlook is not None else policy.blocks_for(tokens + 1, block_size))
         self.mine.setdefault(instance_id, deque()).append((n, policy.blocks_for(tokens + 1, block_size), self.now(),
-                                                           final))
+                                                           final, cached_tokens))
         self.dirty.add(instance_id)
 
     def lost(self, instance_id: str, n: int) -> None:
@@ -112,7 +114,7 @@ class DispatchView:
         (requests, KV blocks)."""
         fresh = now - self.ttl_s
         requests = blocks = 0
-        for _, b, at, _ in self.mine.get(instance_id, ()):
+        for _, b, at, _, _ in self.mine.get(instance_id, ()):
             if at > fresh:
                 requests += 1
                 blocks += b
@@ -122,7 +124,13 @@ class DispatchView:
         """The KV blocks our pending dispatches to ``instance_id`` (``pending``) will hold at their expected final
         lengths."""
         fresh = now - self.ttl_s
-        return sum(f for _, _, at, f in self.mine.get(instance_id, ()) if at > fresh)
+        return sum(f for _, _, at, f, _ in self.mine.get(instance_id, ()) if at > fresh)
+
+    def pending_cached(self, instance_id: str, now: float) -> int:
+        """The prompt tokens of our pending dispatches to ``instance_id`` (``pending``) that it holds cached: KV they
+        will use, but no prefill queued there."""
+        fresh = now - self.ttl_s
+        return sum(c for _, _, at, _, c in self.mine.get(instance_id, ()) if at > fresh)
 
     def pending_ids(self) -> list[str]:
         """The instances that may have dispatches of ours pending (see ``pending``)."""
@@ -136,7 +144,8 @@ class DispatchView:
         now = self.now()
         pending_requests, pending_blocks = self.pending(instance_id, now)
         s = policy.state_of(instance_id, load, pending_requests=pending_requests, pending_blocks=pending_blocks,
-                            pending_final_blocks=self.pending_final(instance_id, now))
+                            pending_final_blocks=self.pending_final(instance_id, now),
+                            pending_cached_tokens=self.pending_cached(instance_id, now))
         return slo.predict_ttft(s, tokens, high, max_tokens), slo.predict_tpot(s, tokens)
 
     # ------------------------------------------------------------------ the dispatch
@@ -151,11 +160,23 @@ class DispatchView:
         now = self.now()
         self.by_cache, self.decision = False, ""
         self.refresh(alive)
-        if self.roles or exclude or ask.adapter:  # (rare, a cluster with roles, or a LoRA request: built afresh)
+        # (Rarer: a cluster with roles, a LoRA request, a session's turn: built afresh.)
+        if self.roles or exclude or ask.adapter or (ask.session and p.follows_sessions):
             states = [self.state_of(v, v.load, now) for v in alive() if v.instance_id not in exclude]
-            placed = policy.place(p, states, ask, turn, self.rules, start)
+            self.placement = placed = policy.place(p, states, ask, turn, self.rules, start)
             self.decision = placed.decision
             return placed.instance_id
+        chosen = self._choose_kept(p, ask, turn, start, now)
+        pull = ("", 0)
+        if chosen is not None and ask.tiers:
+            pull = policy.sessions.pull_for(self._scored_state(self.entries[chosen], True, now), self.ids, ask.tiers,
+                                            ask.prompt_tokens, self.rules.sessions)
+        self.placement = policy.Placement(chosen, "", *pull)
+        return chosen
+
+    def _choose_kept(self, p: policy.DispatchPolicy, ask: policy.Ask, turn: int, start: float | None,
+                     now: float) -> str | None:
+        """``choose`` from the scores kept between dispatches."""
         key = (p.score_key, ask.slo.cls)
         if key not in self.scorers:
             self.scorers[key] = (p.scorer(self.rules.headroom, ask.slo.high, ask.slo.targets.tpot_s), p.predicts)
@@ -166,7 +187,8 @@ class DispatchView:
         if ask.hits and p.prefix_aware:
             states = {iid: self._scored_state(self.entries[iid], p.predicts, now) for iid in ask.hits
                       if iid in self.entries}
-            j = p.cache_pick(self.at, states, scores, ask.hits, self.rules.cache_band, self.rules.cache_floor)
+            j = p.cache_pick(self.at, states, scores, ask.hits, self.rules.cache_band, self.rules.cache_floor,
+                             ask.tiers, self.rules.sessions)
             if j is not None:
                 self.by_cache = self.ids[j] != plain
                 return self.ids[j]
@@ -203,6 +225,7 @@ class DispatchView:
         return policy.state_of(view.instance_id, load, pending_blocks=sum(m[1] for m in mine) if mine else 0,
                                pending_requests=len(mine) if mine else 0, credit=view.credit,
                                pending_final_blocks=sum(m[3] for m in mine) if mine else 0,
+                               pending_cached_tokens=sum(m[4] for m in mine) if mine else 0,
                                migrations=view.migrations_ordered)
 
     def _build(self, views: list[wire.InstanceView], now: float) -> None:
