@@ -34,7 +34,15 @@ rc=0
 keep() { [ "$rc" != 0 ] || rc=$1; }
 tmp=$(mktemp -d)
 one="" unit=""
-trap 'for p in $one $unit; do kill -INT "$p" 2>/dev/null || true; done; rm -rf "$tmp"' EXIT
+DFL=()
+if env --default-signal=INT true 2>/dev/null; then DFL=(env --default-signal=INT); fi
+# A command started with & by a script ignores SIGINT, and Python then never raises KeyboardInterrupt: those below
+# get SIGINT's default back (env --default-signal, coreutils 8.31), so that the trap's SIGINT stops them with their
+# fixtures' teardown (which stops their daemons). On the way out (Ctrl-C, a failure) the trap interrupts stream 1's
+# pytest and the whole process group of the unit run (a session of its own, which a terminal's Ctrl-C does not
+# reach; pytest-xdist's workers are in it).
+trap '[ -z "$one" ] || kill -INT "$one" 2>/dev/null; [ -z "$unit" ] || kill -INT -- -"$unit" 2>/dev/null || true
+      rm -rf "$tmp"' EXIT
 # Part 1 runs beside part 2 at a lower priority, in a session of its own (where the kernel groups a session's tasks
 # for scheduling, autogroup, that group is niced too): it takes the cores while the daemons wait (paced steps,
 # sleeps between polls, I/O) and mostly yields them while they run. Nice 10, not 19: its tests that wait a few
@@ -47,11 +55,11 @@ if [ "${LLUMNIX_UNIT_BESIDE:-1}" = 0 ]; then
 else
   echo "== tests without daemons, on $workers workers, beside the tests with daemons at nice 10" >&2
   setsid -w bash -c 'echo 10 > /proc/self/autogroup 2>/dev/null; exec nice -n 10 "$@"' unit \
-    "${PYTEST[@]}" -o timeout=900 -n "$workers" -m "not e2e" tests/unit > "$tmp/unit.log" 2>&1 &
+    "${DFL[@]}" "${PYTEST[@]}" -o timeout=900 -n "$workers" -m "not e2e" tests/unit > "$tmp/unit.log" 2>&1 &
   unit=$!
 fi
 echo "== tests with daemons or engines: ${#heavy[@]} modules (stream 1) beside ${#light[@]} (stream 2)" >&2
-"${PYTEST[@]}" --basetemp="$tmp/1" --durations=15 -m "e2e and not alone" "${heavy[@]}" > "$tmp/stream1.log" 2>&1 &
+"${DFL[@]}" "${PYTEST[@]}" --basetemp="$tmp/1" --durations=15 -m "e2e and not alone" "${heavy[@]}" > "$tmp/stream1.log" 2>&1 &
 one=$!
 "${PYTEST[@]}" --basetemp="$tmp/2" --durations=15 -m "e2e and not alone" "${light[@]}" || keep $?
 s1=0
