@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Callable, Optional
 
 import httpx
 import typer
@@ -109,24 +109,43 @@ def _hits(addresses: list[str], queried: str, hit: str) -> dict:
     return {"queried_tokens": q, "hit_tokens": h, "hit_rate": h / q if q else None}
 
 
-def _replay(url: str, reqs: list, words: Words, addresses: list[str], gauge: str) -> dict:
-    def body(req) -> dict:
-        return {"model": "bench", "prompt": words.text(req), "max_tokens": req.output_tokens, "ignore_eos": True,
-                "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+class Send:
+    """What the client sends for a trace request: a streamed completion of its prompt (text of single-token
+    words, or with no ``words`` the token ids themselves, for an engine without a tokenizer), ``fields(req)``
+    added to the body and ``headers(req)`` as its headers (a session's key, for ``bench sessions``)."""
 
+    def __init__(self, words: "Words | None", fields: Callable[[object], dict] | None = None,
+                 headers: Callable[[object], dict] | None = None):
+        self.words, self._fields, self.headers = words, fields, headers
+
+    def body(self, req) -> dict:
+        prompt = self.words.text(req) if self.words is not None else tracecache.prompt_ids(req, VOCAB, 3)
+        return {"model": "bench", "prompt": prompt, "max_tokens": req.output_tokens, "ignore_eos": True,
+                "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+                **(self._fields(req) if self._fields is not None else {})}
+
+
+VOCAB = 32000  # token-id prompts (an engine without a tokenizer: sim) are drawn from [3, VOCAB)
+
+
+def _replay(url: str, reqs: list, send: Send, addresses: list[str], gauge: str) -> dict:
     shares = Shares(addresses, gauge)
     shares.start()
     try:
-        results, duration = asyncio.run(bench_serve.replay(url, reqs, body, timeout_s=600.0))
+        results, duration = asyncio.run(bench_serve.replay(url, reqs, send.body, timeout_s=600.0,
+                                                           headers_of=send.headers))
     finally:
         shares.stop.set()
         shares.join(5)
     ok = [r for r in results if r["error"] is None]
     errors = sorted({r["error"][:200] for r in results if r["error"]})
     ttft = stats_ms([r["times"][0] for r in ok]) if ok else {}
+    lead = sorted(r["prompt_tokens"] - q.prompt_tokens for q, r in zip(reqs, results)
+                  if r["error"] is None and r["prompt_tokens"] is not None)
     return {"completed": len(ok), "failed": len(results) - len(ok), "first_error": errors[0] if errors else "",
-            "duration_s": duration, "mean_ttft_ms": ttft.get("mean"), "p99_ttft_ms": ttft.get("p99"),
-            "max_running_share": round(shares.worst, 3), "mean_running_share": shares.mean()}
+            "duration_s": duration, "mean_ttft_ms": ttft.get("mean"), "p50_ttft_ms": ttft.get("median"),
+            "p99_ttft_ms": ttft.get("p99"), "max_running_share": round(shares.worst, 3),
+            "mean_running_share": shares.mean(), "prompt_lead_tokens": lead[len(lead) // 2] if lead else 0}
 
 
 class Restart(threading.Thread):
@@ -185,25 +204,37 @@ class Restart(threading.Thread):
                 "hit_rate_before": rate(zero, k), "hit_rate_after": rate(r, end)}
 
 
-def ours(policy: str, model: Path, run_dir: Path, reqs: list, words: Words, n: int, vllm: dict,
-         restart: str | None = None) -> dict:
+def vllm_sets(model: Path, vllm: dict) -> list[str]:
+    """Our instances' settings for vLLM engines configured as ``vllm`` (the peers' api_servers get the same)."""
+    return [f"model.path={model}", "model.name=bench", f"vllm.kv_cache_bytes={vllm['kv_cache_bytes']}",
+            f"vllm.max_num_seqs={vllm['max_num_seqs']}", f"vllm.block_size={vllm['block_size']}",
+            "vllm.enable_prefix_caching=true"]
+
+
+def ours(policy: str, model: Path | None, run_dir: Path, reqs: list, send: Send, n: int, vllm: dict,
+         restart: str | None = None, *, backend: str = "vllm", sets: list[str] = (),
+         after: Callable[[list[str], str], dict] | None = None) -> dict:
+    """Our cluster of ``n`` instances (``backend`` vllm: configured as ``vllm``; sim: by ``sets``), dispatching by
+    ``policy``, with ``sets`` last; the trace replayed with ``send``; ``after(addresses, url)``: figures of the
+    instances' /metrics (and the proxy's at ``url``) once it ended (merged into the result)."""
     from llumnixctl.admin import AdminClient
 
-    state = localcluster.up(run_dir, n, "vllm", 0, None,
-                            [f"model.path={model}", "model.name=bench", f"vllm.kv_cache_bytes={vllm['kv_cache_bytes']}",
-                             f"vllm.max_num_seqs={vllm['max_num_seqs']}", f"vllm.block_size={vllm['block_size']}",
-                             "vllm.enable_prefix_caching=true", f"manager.dispatch_policy={policy}",
-                             "instance.log_level=warning", "proxy.log_level=warning"], timeout_s=300)
+    base = vllm_sets(model, vllm) if backend == "vllm" else ["model.name=bench"]
+    state = localcluster.up(run_dir, n, backend, 0, None,
+                            [*base, f"manager.dispatch_policy={policy}", "instance.log_level=warning",
+                             "proxy.log_level=warning", *sets], timeout_s=300)
     try:
         snap = AdminClient(state.manager_address).status()
         addresses = [v.metrics_address for v in snap.instances if v.metrics_address]
         chaos = Restart(state, run_dir, restart, reqs[-1].arrival_s / 2, addresses, state.url) if restart else None
         if chaos is not None:
             chaos.start()
-        res = _replay(state.url, reqs, words, addresses, "llumnix_instance_running_requests")
+        res = _replay(state.url, reqs, send, addresses, "llumnix_instance_running_requests")
         time.sleep(1.5)  # the instances' counters are copied from the engines at each load report
         res["prefix_cache"] = _hits(addresses, "llumnix_instance_prefix_cache_queried_tokens_total",
                                     "llumnix_instance_prefix_cache_hit_tokens_total")
+        if after is not None:
+            res.update(after(addresses, state.url))
         if chaos is not None:
             chaos.stop.set()
             chaos.join(90)
@@ -213,8 +244,13 @@ def ours(policy: str, model: Path, run_dir: Path, reqs: list, words: Words, n: i
         localcluster.stop(state)
 
 
-def peer(kind: str, binary: str, model: Path, run_dir: Path, reqs: list, words: Words, n: int, vllm: dict) -> dict:
+def peer(kind: str, binary: str, model: Path, run_dir: Path, reqs: list, send: Send, n: int, vllm: dict,
+         *, policy: str = "cache_aware", after: Callable[[list[str], str], dict] | None = None) -> dict:
+    """``n`` vLLM api_servers configured as ``vllm`` (prefix caching on) behind the router ``kind`` (smg,
+    vllm-router) with its ``policy``; the trace replayed with ``send``; ``after(urls, router_url)``: figures of
+    the servers' /metrics once it ended."""
     from concurrent.futures import ThreadPoolExecutor
+
 
     servers, router = [], None
 
@@ -234,14 +270,16 @@ def peer(kind: str, binary: str, model: Path, run_dir: Path, reqs: list, words: 
                 raise f.exception()
         port = localcluster.free_port()
         url = f"http://127.0.0.1:{port}"
-        argv = [binary, "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
+        argv = [binary, "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
                 "--worker-urls", *(u for _, u in servers)]
         if kind == "smg":
             argv = [binary, "launch", *argv[1:]] if Path(binary).name == "smg" else argv
         router = bench_engine.start_router(argv, url, run_dir / "router.log")
         addresses = [u for _, u in servers]
-        res = _replay(url, reqs, words, addresses, "vllm:num_requests_running")
+        res = _replay(url, reqs, send, addresses, "vllm:num_requests_running")
         res["prefix_cache"] = _hits(addresses, "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
+        if after is not None:
+            res.update(after(addresses, url))
         return res
     finally:
         if router is not None:
@@ -313,10 +351,11 @@ def command(
                     d.mkdir()
                     sys.stderr.write(f"round {k + 1}/{rounds}, {kind}: {name} ...\n")
                     if name in ("llumnix-cache", "llumnix"):
-                        res = ours(name, path, d, reqs, words, instances, vllm,
+                        res = ours(name, path, d, reqs, Send(words), instances, vllm,
                                    restart if name == "llumnix-cache" else None)
                     else:
-                        res = peer(name, smg if name == "smg" else vllm_router, path, d, reqs, words, instances, vllm)
+                        res = peer(name, smg if name == "smg" else vllm_router, path, d, reqs, Send(words), instances,
+                                   vllm)
                     rows.append({"round": k + 1, "trace": kind, "system": name, **res})
                     rounds_.done((kind, name))
                     sys.stderr.write(json.dumps(rows[-1]) + "\n")

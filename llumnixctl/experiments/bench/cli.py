@@ -30,7 +30,8 @@ from llumnixctl.admin import AdminClient
 from llumnixctl.experiments.bench import (cache as bench_cache, disagg as bench_disagg, engine as bench_engine, manager as bench_manager,
                                          handover as bench_handover, migration as bench_migration, overload as bench_overload,
                                          lora as bench_lora, predict as bench_predict,
-                                         policies as bench_policies, serve as bench_serve, steady as bench_steady)
+                                         policies as bench_policies, serve as bench_serve, sessions as bench_sessions,
+                                         steady as bench_steady)
 from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, STOP_RESERVE_S, Budget, BudgetOpt, JsonOpt, Progress,
                                                  emit)
 from llumnixctl.experiments.bench.cluster import start_cluster
@@ -344,3 +345,4 @@ app.command("predict")(bench_predict.command)
 app.command("disagg")(bench_disagg.command)
 app.command("handover")(bench_handover.command)
 app.command("lora")(bench_lora.command)
+app.command("sessions")(bench_sessions.command)

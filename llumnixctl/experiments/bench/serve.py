@@ -139,13 +139,14 @@ async def closed_loop_rate(url: str, concurrency: int, seconds: float, timeout: 
 async def replay(url: str, reqs: list[trace_mod.TraceRequest], body: Callable[[trace_mod.TraceRequest], dict], *,
                  timeout_s: float, headers: dict | None = None, max_concurrency: int | None = None,
                  rate_scale: float = 1.0, texts: bool = False,
-                 on_done: Callable[[dict], None] | None = None) -> tuple[list[dict], float]:
+                 on_done: Callable[[dict], None] | None = None,
+                 headers_of: Callable[[trace_mod.TraceRequest], dict] | None = None) -> tuple[list[dict], float]:
     """Send every request at ``arrival_s / rate_scale`` after the start (open loop), at most
     ``max_concurrency`` in flight; a later turn of a session (``TraceRequest.session``) instead its
     ``think_s`` after the turn before it ended (a closed loop, as a chat user). Returns the results in trace
     order (each ``stream_completion``'s dict plus ``index``, ``lag_s``: how late it was sent, and
     ``start_s``: when, from the start) and the benchmark's duration (the start to the end of the last
-    request)."""
+    request). ``headers_of(req)``: headers of that request's own, over ``headers`` (a session header)."""
     from llumnixctl.experiments.traces.cache import previous_turns
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
@@ -171,7 +172,8 @@ async def replay(url: str, reqs: list[trace_mod.TraceRequest], body: Callable[[t
             if gate is not None:
                 await gate.acquire()
             try:
-                r = await stream_completion(client, url, body(req), headers, timeout_s, texts)
+                own = {**(headers or {}), **headers_of(req)} if headers_of is not None else headers
+                r = await stream_completion(client, url, body(req), own, timeout_s, texts)
             finally:
                 if gate is not None:
                     gate.release()

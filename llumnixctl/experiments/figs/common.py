@@ -3,10 +3,7 @@ every core, and writing results/figNN.json (and a PNG when matplotlib is there) 
 beside ours.
 
 The paper (Llumnix, OSDI'24) serves LLaMA-7B on A10 GPUs (24 GB). ``PAPER_LIKE`` is a sim instance of
-that shape: 512 KiB of KV per token (32 layers, 32 KV heads of 128, fp16), about 18k tokens of KV cache
-(1,150 blocks of 16) and step times of that order (prefill 0.2 ms per token + 10 ms, decode 20 ms +
-0.3 ms per request + 1 us per context token). These are estimates, not measurements of an A10; pass your
-own profile with ``sim.profile`` (``llumnixctl profile`` on the GPU node) to replace them.
+that shape, ``PAPER_NET`` its network (declared in llumnixctl/experiments/sim/paper.py, which says how).
 """
 
 from __future__ import annotations
@@ -21,18 +18,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from daemons.config import load_config
+from llumnixctl.experiments.sim.paper import PAPER_LIKE, PAPER_NET  # noqa: F401 (the figures import them here)
 from llumnixctl.experiments.sim.simulate import Network, simulate
 from llumnixctl.experiments.traces.gen import TraceRequest
 
-PAPER_LIKE = [
-    "sim.block_size=16", "sim.num_blocks=1150", "sim.max_num_seqs=256", "sim.max_num_batched_tokens=4096",
-    "sim.kv_layers=32", "sim.kv_heads=32", "sim.head_dim=128", "sim.kv_dtype=float16",
-    "sim.prefill_ms_per_token=0.2", "sim.prefill_ms=10", "sim.decode_ms=20", "sim.decode_ms_per_seq=0.3",
-    "sim.decode_ms_per_token=0.001", "model.max_model_len=16384",
-    "instance.log_level=warning", "manager.log_level=warning",
-    "proxy.dispatch=manager",  # the paper's Llumnix dispatches at its global scheduler (Fig 16 times it there)
-]
-PAPER_NET = {"kv_gbps": 16.0}  # what one migration's copy gets between the paper's nodes (an estimate)
 POLICIES = ("llumnix", "infaas++", "rr")
 
 

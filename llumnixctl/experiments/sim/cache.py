@@ -10,6 +10,10 @@
   its leading blocks (the engines' own caches, no index, no lag), the freest of those on a tie; no hit
   anywhere: llumnix. The hit rate nothing that places by cache can beat by much.
 - The turns of a session are a closed loop: a turn is sent its ``think_s`` after the one before it ended.
+- With session keys (``sessions``: the ``sessions`` system of sim/sessions.py) each turn names its session, as a
+  client's ``prompt_cache_key`` does: on its Submit, and on its Dispatch to the manager where this build's
+  ``wire.Dispatch`` declares a session (the manager's session dispatch, daemons/policy/); a prefix pull the
+  manager's reply orders goes on the Submit likewise.
 """
 
 from __future__ import annotations
@@ -18,11 +22,16 @@ from typing import TYPE_CHECKING, Callable, Mapping, Protocol
 
 from daemons import policy, prefix, wire
 from llumnixctl.experiments.traces import cache as tracecache
+from llumnixctl.experiments.traces.sessions import session_key
 
 if TYPE_CHECKING:
     from daemons.manager import Manager
 
 VOCAB = 32000  # prompt ids are drawn below this (the sim engine takes any ids)
+# What this build's wire declares of sessions (a build before session dispatch has neither): read from the
+# structs' declarations, as the bench reads the config's (bench/sessions.py ``declared``).
+DISPATCH_SESSION = "session" in wire.Dispatch.__struct_fields__
+REPLY_PULL = "pull_from" in wire.DispatchReply.__struct_fields__
 
 
 class Site(Protocol):
@@ -41,8 +50,10 @@ class SimCache:
     """Owns the cache settings in force, the sessions' order of turns (``later_turns``: the turns sent only
     once the one before ended) and the oracle's count; each instance's ``Publisher`` is the instance's."""
 
-    def __init__(self, cfg, mgr: Manager, trace: list, report_lag_s: float, oracle: bool, site: Site) -> None:
+    def __init__(self, cfg, mgr: Manager, trace: list, report_lag_s: float, oracle: bool, site: Site,
+                 sessions: bool = False, seed: int = 0) -> None:
         self.cfg, self.mgr, self.report_lag_s, self.oracle, self.site = cfg, mgr, report_lag_s, oracle, site
+        self.sessions, self.seed = sessions, seed
         self.caching = cfg.sim.prefix_caching
         self.cache_keys = self.caching and policy.DISPATCH.get(cfg.manager.dispatch_policy).cache_affinity
         self.by_cache = 0
@@ -64,6 +75,29 @@ class SimCache:
         if req.keys is None:
             req.keys = prefix.keys(prefix.block_hashes(self.prompt_of(req), self.cfg.sim.block_size))
         return req.keys
+
+    def session_of(self, req) -> str:
+        """The session a request names ("": none, or session keys off)."""
+        return session_key(self.seed, req.trace.session) if self.sessions and req.trace.session >= 0 else ""
+
+    def ask(self, req, query_id: int, priority: int, exclude: tuple, adapter: str) -> wire.DispatchReply:
+        """Ask the manager where ``req`` goes (its own ``on_dispatch_batch``), as a proxy's Dispatch does: with the
+        prompt's block keys (cache-aware dispatch) and its session (where the wire declares it); a prefix pull
+        the reply orders is kept for the Submit."""
+        session = self.session_of(req)
+        fields = {"session": session} if session and DISPATCH_SESSION else {}
+        reply = self.mgr.on_dispatch_batch([wire.Dispatch(query_id, req.rid, req.trace.prompt_tokens, priority,
+                                                          list(exclude), self.keys_of(req) if self.cache_keys else [],
+                                                          adapter, **fields)])[0]
+        req.pull = (reply.pull_from, reply.pull_blocks) if REPLY_PULL and reply.pull_from else None
+        return reply
+
+    def submit_fields(self, req) -> dict:
+        """What the Submit carries of the request's session and of a prefix pull the manager ordered."""
+        out = {"session": self.session_of(req)} if self.sessions else {}
+        if req.pull is not None:
+            out["pull_from"], out["pull_blocks"] = req.pull
+        return out
 
     def turn_ended(self, req) -> None:
         """A request finished or failed: its session's next turn is sent after its think time."""

@@ -42,6 +42,7 @@ class SimulatedRequest:
     slo: str = ""  # admission by SLO: "admitted", "refused", "gave_up" (no token give_up_factor x its target on)
     predicted: tuple | None = None  # (TTFT, TPOT) the proxy predicted at its first dispatch (SLO models known)
     fits: tuple = ()  # admission by SLO: the instances predicted to meet its target (its first placement: among them)
+    pull: tuple | None = None  # a prefix pull its dispatch ordered: (instance to pull from, blocks)
 
 
 def _mailbox():

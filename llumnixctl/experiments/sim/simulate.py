@@ -92,10 +92,11 @@ MIGRATIONS_SETTLE_S = 30.0  # after the last request: at most this long for the 
 class Simulation:
     def __init__(self, cfg: Config, instances: int, trace: list[TraceRequest], net: Network | None = None,
                  sample_s: float = 0.0, oracle: bool = False, slo_admission: bool = True,
-                 roles: list[str] | None = None, adapter_of=None):
+                 roles: list[str] | None = None, adapter_of=None, sessions: bool = False, seed: int = 0):
         """``sample_s`` > 0: every so often (virtual s) sample fragmentation (sim/result.py) for the "sample" observers.
         ``oracle``: dispatch by the engines' caches first (sim/cache.py). ``slo_admission`` False: with [slo] targets,
-        admit all, never give up. ``roles``: the instances' (sim/disagg.py). ``adapter_of(request)``: its LoRA adapter."""
+        admit all, never give up. ``roles``: the instances' (sim/disagg.py). ``adapter_of(request)``: its LoRA adapter.
+        ``sessions``: each turn of a session trace names its session (its key made with ``seed``; sim/cache.py)."""
         _engine_code()
         self.cfg = cfg
         self.oracle = oracle
@@ -119,7 +120,7 @@ class Simulation:
         self.n_instances = instances
         self.kv_bytes_per_token = kv_bytes_per_token(cfg.sim, self.net)
         self.roles = SimRoles(cfg, roles, self)  # (sim/disagg.py)
-        self._finished = None
+        self.session_keys, self._finished = (sessions, seed), None
 
     # ------------------------------------------------------------------ the event loop
 
@@ -157,7 +158,8 @@ class Simulation:
         self.mgr = manager_module.Manager(self.cfg, clock=self.clock, sock=self.wire)
         self._finished = self.loop.create_future()
         self.migrations = SimMigrations(self.cfg, self.net, self.loop, self.kv_bytes_per_token, self)
-        self.cache = SimCache(self.cfg, self.mgr, self.trace, self.net.report_lag_s, self.oracle, self)
+        self.cache = SimCache(self.cfg, self.mgr, self.trace, self.net.report_lag_s, self.oracle, self,
+                              *self.session_keys)
         self.reports = SimReports(self.cfg, self.net.report_lag_s, self.mgr, self.proxy, PROXY_ADDRESS,
                                   self.cache.reports, self, self.clock)
         self.scaler = SimScaling(self.mgr, min(1.0, self.cfg.manager.heartbeat_interval_s), self.net.launch_s, self,
@@ -271,10 +273,7 @@ class Simulation:
         prio = 1 if tr.priority == "high" else 0
         iid = self.cache.oracle_choice(req) if self.oracle and not exclude else None
         if iid is None:
-            reply = self.mgr.on_dispatch_batch([wire.Dispatch(next(self._qid), rid, tr.prompt_tokens, prio,
-                                                              list(exclude),
-                                                              self.cache.keys_of(req) if self.cache.cache_keys else [],
-                                                              self.adapter_of(tr))])[0]
+            reply = self.cache.ask(req, next(self._qid), prio, exclude, self.adapter_of(tr))  # (the manager's)
             self.roles.decided(reply.disagg)  # (the manager decides with roles itself)
             if not reply.instance_id:
                 return self._fail(req, reply.reason or "no instance")
@@ -296,7 +295,7 @@ class Simulation:
         sampling = wire.SamplingParams(max_tokens=max(1, tr.output_tokens), ignore_eos=True)
         req.owner = iid
         inst.intake.post(wire.Submit(rid, self.cache.prompt_of(req), sampling, PROXY_ADDRESS, int(tr.priority == "high"),
-                                     req.sent, 1, adapter=self.adapter_of(tr)))  # (a sim adapter: no path)
+                                     req.sent, 1, adapter=self.adapter_of(tr), **self.cache.submit_fields(req)))
 
     def _fail(self, req: SimulatedRequest, why: str) -> None:
         req.error = why
@@ -411,9 +410,30 @@ def command(
     roles_: Annotated[Optional[str], typer.Option("--roles", metavar="P:D|LIST", help="prefill/decode disaggregation: P prefill then D decode instances (P + D = --instances), or one role per instance (prefill,decode,mixed,...); default: all mixed")] = None,
     handover_blocking: Annotated[bool, typer.Option("--handover-blocking", help="with --roles: a handover skips pre-copy (the request is suspended when the order reaches its prefill instance and its KV goes in one stage), instead of pre-copying while it decodes there (as --set disagg.handover_precopy=false)")] = False,
     adaptive_roles: Annotated[bool, typer.Option("--adaptive-roles", help="move instances between the prefill and decode roles by the SLO's targets (disagg.adaptive; needs --roles and slo.ttft_ms, slo.tpot_ms)")] = False,
+    paper_like: Annotated[bool, typer.Option("--paper-like", help="the paper-like instance (an estimated LLaMA-7B on an A10, llumnixctl/experiments/figs/common.py PAPER_LIKE) under --config and --set")] = False,
+    sessions: Annotated[int, typer.Option("--sessions", help="a session workload of this many sessions instead of --requests (closed loop, growing prompts, shared agent prompts; sim.prefix_caching on; each turn names its session): --rate is then sessions started per second (llumnixctl/experiments/sim/sessions.py)", min=0)] = 0,
+    turns: Annotated[str, typer.Option("--turns", metavar="MIN-MAX", help="with --sessions: turns of a session")] = "20-40",
+    agents: Annotated[int, typer.Option("--agents", help="with --sessions: shared agent system prompts", min=0)] = 4,
+    system_tokens: Annotated[int, typer.Option("--system-tokens", help="with --sessions: tokens of an agent system prompt", min=0)] = 1024,
+    think: Annotated[float, typer.Option("--think", help="with --sessions: mean seconds from an answer to the next turn", min=0.0)] = 0.5,
+    working_set: Annotated[float, typer.Option("--working-set", help="with --sessions: as many sessions as make the working set this many times the instances' KV (instead of the number)", min=0.0)] = 0.0,
+    compare: Annotated[bool, typer.Option("--compare", help="with --sessions: the same trace on session dispatch (tier and pulls where this build has them), llumnix-cache without tiers and infaas++, [slo] targets measuring only: P99 TTFT, goodput")] = False,
     json_: JsonOpt = False,
 ) -> None:
     """A cluster in virtual time, on the daemons' own scheduler and policy code (see llumnixctl/experiments/sim/simulate.py)."""
+    if paper_like:
+        from llumnixctl.experiments.sim.paper import PAPER_LIKE
+
+        set_ = [*PAPER_LIKE, *(set_ or [])]
+    if sessions:
+        from llumnixctl.experiments.sim.sessions import command_sessions
+
+        return command_sessions(Simulation, instances, sessions, rate, turns, agents, system_tokens, think, working_set, compare,
+                                policy_, config, list(set_ or []), seed,
+                                Network(report_lag_s=report_lag_ms / 1e3, dispatch_rtt_s=dispatch_rtt_ms / 1e3,
+                                        kv_gbps=kv_gbps, kv_bytes_per_token=kv_bytes_per_token), json_)
+    if compare:
+        die("--compare needs --sessions N", 2)
     oracle = policy_ == "oracle-cache"
     sets = list(set_ or []) + ([f"manager.dispatch_policy={'llumnix' if oracle else policy_}"] if policy_ else [])
     sets += ["disagg.adaptive=true"] if adaptive_roles else []
@@ -438,3 +458,4 @@ def command(
         print_json(res)
         return
     out.print(result_block(res), markup=False, highlight=False)
+

@@ -26,7 +26,7 @@ from functools import lru_cache
 from llumnixctl.experiments.traces.gen import TraceRequest, gaps, power_law
 
 
-def _popularity(n: int, skew: float, hot: float) -> list[float]:
+def popularity(n: int, skew: float, hot: float) -> list[float]:
     if n < 1:
         raise ValueError(f"the number of shared prompts must be >= 1; got {n}")
     if not 0.0 <= hot < 1.0:
@@ -39,7 +39,7 @@ def _popularity(n: int, skew: float, hot: float) -> list[float]:
     return [x / total for x in w]
 
 
-def _check(lo: int, hi: int, what: str) -> None:
+def check_bounds(lo: int, hi: int, what: str) -> None:
     if lo < 1 or hi < lo:
         raise ValueError(f"{what} bounds must satisfy 1 <= min <= max; got [{lo}, {hi}]")
 
@@ -48,11 +48,11 @@ def shared_prefix(n: int, *, rate: float, arrival: str = "poisson", cv: float = 
                   prefix_tokens: int = 384, skew: float = 1.0, hot: float = 0.0, suffix: tuple[int, int] = (16, 128),
                   output: tuple[int, int] = (16, 256), alpha: float = 1.0, seed: int = 0) -> list[TraceRequest]:
     """``n`` requests, each a shared system prompt and a suffix of its own (see the module's doc)."""
-    _check(*suffix, "suffix")
-    _check(*output, "output")
+    check_bounds(*suffix, "suffix")
+    check_bounds(*output, "output")
     if prefix_tokens < 1:
         raise ValueError(f"the shared prompts' length must be >= 1; got {prefix_tokens}")
-    weights = _popularity(prefixes, skew, hot)
+    weights = popularity(prefixes, skew, hot)
     r = {k: random.Random(f"llumnix-trace:{seed}:{k}") for k in ("arrival", "prefix", "prompt", "output")}
     t, out = 0.0, []
     for i, gap in enumerate(gaps(r["arrival"], n, rate, arrival, cv)):
@@ -70,9 +70,9 @@ def multi_turn(n: int, *, rate: float, arrival: str = "poisson", cv: float = 1.0
                message: tuple[int, int] = (16, 128), reply: tuple[int, int] = (16, 256), think: float = 5.0,
                max_context: int = 4096, alpha: float = 1.0, seed: int = 0) -> list[TraceRequest]:
     """``n`` requests (turns of sessions, in order of their nominal arrival; see the module's doc)."""
-    _check(*turns, "turns")
-    _check(*message, "message")
-    _check(*reply, "reply")
+    check_bounds(*turns, "turns")
+    check_bounds(*message, "message")
+    check_bounds(*reply, "reply")
     if system_tokens < 0 or think < 0:
         raise ValueError("system_tokens and think must be >= 0")
     if rate <= 0:
@@ -80,33 +80,51 @@ def multi_turn(n: int, *, rate: float, arrival: str = "poisson", cv: float = 1.0
     if (system_tokens if system_prompts else 0) + message[0] + reply[0] > max_context:
         raise ValueError(f"no turn fits in max_context {max_context}: a system prompt of {system_tokens} tokens, a "
                          f"message of at least {message[0]} and a reply of at least {reply[0]}")
-    weights = _popularity(max(system_prompts, 1), skew, 0.0)
-    r = {k: random.Random(f"llumnix-trace:{seed}:{k}") for k in ("arrival", "prefix", "prompt", "output", "turns", "think")}
+    weights = popularity(max(system_prompts, 1), skew, 0.0)
+    r = streams(seed)
     session_rate = rate / ((turns[0] + turns[1]) / 2)
     rows: list[tuple[float, int, int, tuple, int, float]] = []
     start, session = 0.0, 0
     while len(rows) < n:
         start += gaps(r["arrival"], 1, session_rate, arrival, cv)[0]
-        history: list[tuple[str, int]] = []
+        system = ()
         if system_prompts and system_tokens:
             k = r["prefix"].choices(range(len(weights)), weights)[0]
-            history.append((f"s{seed}-sys{k}", system_tokens))
-        t = start
-        for turn in range(r["turns"].randint(*turns)):
-            m = power_law(r["prompt"], message[0], message[1], alpha)
-            o = power_law(r["output"], reply[0], reply[1], alpha)
-            history.append((f"s{seed}-c{session}m{turn}", m))
-            context = sum(x for _, x in history)
-            if context + o > max_context:
-                break
-            think_s = r["think"].expovariate(1.0 / think) if think > 0 and turn else 0.0
-            t += think_s
-            rows.append((t, session, turn, tuple(history), o, think_s))
-            history.append((f"s{seed}-c{session}a{turn}", o))
+            system = ((f"s{seed}-sys{k}", system_tokens),)
+        rows.extend(conversation(r, seed, session, start, system, r["turns"].randint(*turns), message, reply, think,
+                                 max_context, alpha))
         session += 1
     rows.sort(key=lambda x: (x[0], x[1], x[2]))
     return [TraceRequest(i, t, sum(x for _, x in segs), o, "normal", segments=segs, session=s, turn=k, think_s=th)
             for i, (t, s, k, segs, o, th) in enumerate(rows[:n])]
+
+
+def streams(seed: int) -> dict[str, random.Random]:
+    """The generators' random streams, one per kind of draw (a change to one kind leaves the others' draws)."""
+    return {k: random.Random(f"llumnix-trace:{seed}:{k}")
+            for k in ("arrival", "prefix", "prompt", "output", "turns", "think")}
+
+
+def conversation(r: dict[str, random.Random], seed: int, session: int, start: float, system: tuple, turns: int,
+                 message: tuple[int, int], reply: tuple[int, int], think: float, max_context: int,
+                 alpha: float) -> list[tuple[float, int, int, tuple, int, float]]:
+    """One session's turns as rows (nominal arrival, session, turn, segments, output tokens, think time): it opens
+    with ``system`` (segments) at ``start``; turn k's prompt is every earlier message and reply, then its own
+    message; a turn after the first comes ``think_s`` (exponential, mean ``think``) after the one before it
+    (nominally at once: the replay waits for its end). It ends early where its context would pass
+    ``max_context``."""
+    history, rows, t = list(system), [], start
+    for turn in range(turns):
+        m = power_law(r["prompt"], message[0], message[1], alpha)
+        o = power_law(r["output"], reply[0], reply[1], alpha)
+        history.append((f"s{seed}-c{session}m{turn}", m))
+        if sum(x for _, x in history) + o > max_context:
+            break
+        think_s = r["think"].expovariate(1.0 / think) if think > 0 and turn else 0.0
+        t += think_s
+        rows.append((t, session, turn, tuple(history), o, think_s))
+        history.append((f"s{seed}-c{session}a{turn}", o))
+    return rows
 
 
 @lru_cache(maxsize=4096)
@@ -131,13 +149,14 @@ def previous_turns(reqs: list[TraceRequest]) -> dict[int, int]:
     return {r.index: at[(r.session, r.turn - 1)] for r in reqs if r.session >= 0 and (r.session, r.turn - 1) in at}
 
 
-def sharing(reqs: list[TraceRequest], block_size: int = 16) -> dict:
+def sharing(reqs: list[TraceRequest], block_size: int = 16, lead: int = 0) -> dict:
     """What a perfect cache could save: the prompt tokens in leading full blocks some earlier request
-    already had (an infinite cache, one instance), as a share of all prompt tokens."""
+    already had (an infinite cache, one instance), as a share of all prompt tokens. ``lead``: tokens an engine
+    puts before every prompt (a BOS), which shift the blocks' bounds."""
     seen: set = set()
     saved = total = 0
     for r in reqs:
-        ids = prompt_ids(r, 1 << 30)
+        ids = [-1] * lead + prompt_ids(r, 1 << 30)
         total += len(ids)
         parent: object = None
         hit = True

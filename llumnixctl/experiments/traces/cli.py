@@ -63,7 +63,7 @@ def generate_cmd(
     output_max: Annotated[Optional[int], typer.Option(help=f"longest output (default {PAPER_BOUNDS[1]} with --mix, else {DEFAULT.output_max})")] = None,
     alpha: Annotated[Optional[float], typer.Option(help=f"without --mix: the power-law exponent of both lengths (default {DEFAULT.alpha:g})")] = None,
     high_fraction: HighFraction = DEFAULT.high_fraction,
-    shape: Annotated[str, typer.Option("--shape", metavar="plain|shared-prefix|multi-turn", help="plain: unique prompts; shared-prefix: shared system prompts and a suffix each (--prompt-min/--prompt-max bound the suffix); multi-turn: conversations (--prompt-min/--prompt-max bound a message, --output-min/--output-max a reply)")] = "plain",
+    shape: Annotated[str, typer.Option("--shape", metavar="plain|shared-prefix|multi-turn|sessions", help="plain: unique prompts; shared-prefix: shared system prompts and a suffix each (--prompt-min/--prompt-max bound the suffix); multi-turn: conversations (--prompt-min/--prompt-max bound a message, --output-min/--output-max a reply); sessions: the same as whole sessions of agents (-n sessions, --rate sessions/s; llumnixctl/experiments/traces/sessions.py)")] = "plain",
     prefixes: Annotated[int, typer.Option(help="shared-prefix: system prompts; multi-turn: system prompts sessions open with (0: none)", min=0)] = 24,
     prefix_tokens: Annotated[int, typer.Option(help="shared-prefix and multi-turn: tokens of a system prompt", min=0)] = 384,
     skew: Annotated[float, typer.Option(help="popularity of the system prompts: prompt k with weight (k+1)^-skew (0: uniform)", min=0.0)] = 1.0,
@@ -77,8 +77,8 @@ def generate_cmd(
     """Write a generated trace: a paper mix (--mix), power-law lengths within explicit bounds, or a trace
     whose requests share content (--shape shared-prefix or multi-turn) for prefix-cache experiments."""
     _check_arrival(arrival)
-    if shape not in ("plain", "shared-prefix", "multi-turn"):
-        die(f"unknown --shape {shape!r} (known: plain, shared-prefix, multi-turn)", 2)
+    if shape not in ("plain", "shared-prefix", "multi-turn", "sessions"):
+        die(f"unknown --shape {shape!r} (known: plain, shared-prefix, multi-turn, sessions)", 2)
     if shape != "plain":
         if mix:
             die("--mix is for --shape plain", 2)
@@ -128,6 +128,17 @@ def _generate_shared(output: str, shape: str, n: int, rate: float, arrival: str,
                                             prefix_tokens=prefix_tokens, skew=skew, hot=hot, suffix=pb, output=ob,
                                             alpha=alpha, seed=seed)
             extra["hot"] = hot
+        elif shape == "sessions":
+            from llumnixctl.experiments.traces import sessions as tsessions
+
+            if hot:
+                die("--hot is for --shape shared-prefix", 2)
+            reqs = tsessions.sessions(n, session_rate=rate, arrival=arrival, cv=cv, turns=turns, agents=prefixes,
+                                      system_tokens=prefix_tokens, skew=skew, message=pb, reply=ob, think=think,
+                                      max_context=max_context, alpha=alpha, seed=seed)
+            d = tsessions.describe(reqs)
+            extra.update(turns=list(turns), think=think, max_context=max_context, sessions=d["sessions"],
+                         working_set_tokens=d["working_set_tokens"])
         else:
             if hot:
                 die("--hot is for --shape shared-prefix", 2)
