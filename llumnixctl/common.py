@@ -160,6 +160,10 @@ def instance_json(v: wire.InstanceView) -> dict:
         "role": ld.role or "mixed",
         # LoRA: the adapters it holds, most recently used first, and its open adapter slots (free, or idle)
         "adapters": list(ld.adapters), "adapter_slots": ld.adapter_slots,
+        # The host KV tier (kv_tier.host_mb): blocks held, its size in blocks, the measured restore time per block;
+        # and the blocks retained for sessions within their TTL (engine and tier; free, reclaimable)
+        "tier_blocks": ld.tier_blocks, "tier_capacity": ld.tier_capacity,
+        "restore_ms_per_block": round(ld.restore_ms_per_block, 4), "retained_blocks": ld.retained_blocks,
     }
 
 

@@ -38,6 +38,8 @@ def status_json(snap: wire.Snapshot, address: str) -> dict:
         "scale_outs": snap.scale_outs, "scale_ins": snap.scale_ins, "launching": snap.launching,
         "slo_met": sum(r["slo_met"] for r in rows), "slo_judged": sum(r["slo_judged"] for r in rows),
         "slo_reference_prompt_tokens": REFERENCE_PROMPT_TOKENS,
+        "tier_blocks": sum(r["tier_blocks"] for r in alive), "tier_capacity": sum(r["tier_capacity"] for r in alive),
+        "retained_blocks": sum(r["retained_blocks"] for r in alive),
     }
     roles: dict[str, int] = {}
     for r in alive:
@@ -87,17 +89,25 @@ def _error(r: dict) -> str:
     return f"{100 * r['ttft_error_p50']:.0f}%/{100 * r['ttft_error_p90']:.0f}%"
 
 
+def _tier(r: dict) -> tuple[str, str]:
+    """The host tier's columns: blocks held / its size ("-": no tier), blocks retained for sessions."""
+    return (f"{r.get('tier_blocks', 0)}/{r['tier_capacity']}" if r.get("tier_capacity") else "-",
+            str(r.get("retained_blocks", 0)))
+
+
 def render_status(data: dict) -> Group:
     """The status table and its summary lines, from status_json's data (what `status` prints)."""
     m = data["manager"]
     table = Table(title=f"manager {m['address']} · dispatch {m['dispatch_policy']} · migration "
                         f"{m['pairing_policy'] if m['migrating'] else 'drains only'} · selection {m['request_selection']} "
                         f"· scaling {m['scaling_policy']}", title_justify="left")
-    right = ("PID", "RUNNING", "WAITING", "VIRTUAL USAGE", "FREENESS", "TTFT*", "TPOT*", "SLO MET", "TTFT ERR")
+    right = ("PID", "RUNNING", "WAITING", "VIRTUAL USAGE", "FREENESS", "TTFT*", "TPOT*", "SLO MET", "TTFT ERR", "RETAINED")
     roles = any(r.get("role", "mixed") != "mixed" for r in data["instances"])  # the ROLE column, when disaggregated
+    # The host tier's columns, when an instance has a tier or retains sessions' blocks (kv_tier)
+    tiers = any(r.get("tier_capacity") or r.get("retained_blocks") for r in data["instances"])
     for col in ("ID", "HOST", "PID", "STATE", *(("ROLE",) if roles else ()), "BLOCKS USED/TOTAL", "RUNNING", "WAITING",
                 "VIRTUAL USAGE", "FREENESS", "MIGRATING OUT/IN", "TTFT*", "TPOT*", "SLO MET", "TTFT ERR",
-                "LAST REPORT"):
+                *(("HOST TIER USED/TOTAL", "RETAINED") if tiers else ()), "LAST REPORT"):
         table.add_column(col, justify="right" if col in right else "left")
     for r in data["instances"]:
         style = "red" if r["state"] != "alive" else "yellow" if r["draining"] or r["cordoned"] else None
@@ -105,15 +115,15 @@ def render_status(data: dict) -> Group:
         table.add_row(r["id"], r["host"], str(r["pid"]), flags_text(r), *role, f"{r['blocks_used']}/{r['blocks_total']}",
                       str(r["running"]), str(r["waiting"]), number_text(r["virtual_usage"], "inf"), number_text(r["freeness"], "-inf"),
                       f"{r['migrating_out']}/{r['migrating_in']}", _ms(r["predicted_ttft_s"]),
-                      _ms(r["predicted_tpot_s"]), _attained(r), _error(r), f"{r['last_report_age_s']:.1f}s ago",
-                      style=style)
+                      _ms(r["predicted_tpot_s"]), _attained(r), _error(r), *(_tier(r) if tiers else ()),
+                      f"{r['last_report_age_s']:.1f}s ago", style=style)
     t = data["totals"]
     table.add_section()
     table.add_row("total", "", "", f"{t['alive']}/{t['instances']} alive", *(("",) if roles else ()),
                   f"{t['blocks_used']}/{t['blocks_total']}",
                   str(t["running"]), str(t["waiting"]), "",
                   "" if t["mean_freeness"] is None else f"{t['mean_freeness']:.2f} avg",
-                  f"{t['migrations_in_flight']} in flight", "", "", _attained(t), "", "")
+                  f"{t['migrations_in_flight']} in flight", "", "", _attained(t), "", *(_tier(t) if tiers else ()), "")
     parts: list = [table, f"* predicted for a new request of a {t['slo_reference_prompt_tokens']}-token prompt (its "
                           "instance's step-time model); SLO MET: requests that met both targets of those that finished "
                           "in the last slo.window_s; TTFT ERR: the proxies' TTFT predictions for the requests placed "
@@ -123,6 +133,10 @@ def render_status(data: dict) -> Group:
         each = ", ".join(f"{r['id']} {100 * r['prefix_hit_rate']:.0f}%" for r in data["instances"] if r["prefix_hit_rate"] is not None)
         parts.append(f"prefix cache: {100 * t['prefix_hit_tokens'] / t['prefix_query_tokens']:.1f}% of "
                      f"{t['prefix_query_tokens']} prompt tokens hit ({each})")
+    if tiers:
+        each = ", ".join(f"{r['id']} {r['restore_ms_per_block']:.3g}" for r in data["instances"] if r.get("tier_capacity"))
+        parts.append(f"host KV tier: blocks held / its size per instance; RETAINED: blocks kept for sessions within their "
+                     f"TTL (free, reclaimable); restore ms per block: {each or '-'}")
     held = [r for r in data["instances"] if r.get("adapters") or r.get("adapter_slots")]
     if held:  # LoRA: each instance's adapters, most recently used first, and its open slots (free, or idle)
         parts.append("adapters: " + "; ".join(f"{r['id']} {', '.join(r.get('adapters', [])) or '-'} "

@@ -11,9 +11,9 @@ def make_engine(cfg: Config) -> Engine:
     if backend == "sim":
         from daemons.engine.sim import SimEngine
 
-        return SimEngine(cfg.sim, cfg.model, lora=cfg.lora)
+        return SimEngine(cfg.sim, cfg.model, lora=cfg.lora, kv_tier=cfg.kv_tier)
     if backend == "vllm":
         from daemons.engine.vllm_backend import VllmEngine
 
-        return VllmEngine(cfg.model, cfg.vllm, cfg.lora)
+        return VllmEngine(cfg.model, cfg.vllm, cfg.lora, cfg.kv_tier)
     raise ValueError(f"unknown engine backend {backend!r}")

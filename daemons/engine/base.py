@@ -37,6 +37,9 @@ class EngineRequest:
     output_token_ids: list[int] = field(default_factory=list)
     adapter: str = ""  # its LoRA adapter ("": the base model), loaded from adapter_path first if not held
     adapter_path: str = ""
+    # Its conversation ("": none) and how long its blocks are retained after it ends, s (0: kv_tier.retain_s).
+    session: str = ""
+    retain_s: float = 0.0
 
 
 def check_request(request: EngineRequest, in_use: bool, max_model_len: int, vocab_size: int | None = None) -> None:
@@ -99,6 +102,23 @@ class PrefixCacheCounts(Protocol):
 
     query_tokens: int  # prompt tokens looked up at admission
     hit_tokens: int  # of those, found cached (prefill skipped)
+    # Prompt tokens of new requests by where their KV came from: "engine" (its prefix cache), "host" (restored
+    # from the host tier), "recomputed" (prefilled); monotonic.
+    by_source: dict[str, int]
+
+
+class TierCounts(Protocol):
+    """What the instance reads of an engine's host KV tier (daemons/engine/tier.py ``HostTier``)."""
+
+    capacity: int  # blocks
+    block_nbytes: int
+    restored_blocks: int  # monotonic
+    restored_bytes: int  # monotonic
+    restore_ms_per_block: float  # measured (an estimate before the first restore)
+
+    def __len__(self) -> int: ...  # blocks held
+
+    def take_restore_times(self) -> list[float]: ...  # seconds of each restore since the last call
 
 
 class AdapterVerbs(Protocol):
@@ -130,6 +150,7 @@ class Engine(Protocol):
     prefill_budget: int  # most prompt tokens one step prefills (0: unknown), for the step-time model
     cache: PrefixCacheCounts | None  # its prefix cache, whose blocks the instance publishes; None: none
     adapters: AdapterVerbs | None  # its LoRA adapters (lora.slots > 0); None: it serves none
+    tier: TierCounts | None  # its host-memory KV tier (kv_tier.host_mb); None: none
 
     def init_thread(self) -> None:
         """First thing on the engine's step thread (``blocking_step`` engines), before any step."""
@@ -160,6 +181,25 @@ class Engine(Protocol):
 
     def shutdown(self) -> None:
         """Release resources (threads, memory). Idempotent."""
+
+    # ---- prefix cache and host tier (daemons/engine/tier.py)
+    def cache_events(self) -> list[tuple]:
+        """(stored?, block key) of every prefix-cache change since the last call, and (stored?, key, prefix.HOST)
+        of every host-tier change ([] without a cache)."""
+
+    def cache_snapshot(self) -> list[int]:
+        """Every block key its prefix cache holds now."""
+
+    def tier_snapshot(self) -> list[int]:
+        """Every block key its host tier holds now ([] without one)."""
+
+    def export_blocks(self, hashes: list[bytes]) -> tuple[int, Any]:
+        """The leading blocks of these block hashes held in the engine or its tier: (n, payload), the payload
+        one contiguous uint8 CPU tensor of n blocks, block-major (daemons/engine/tier.py). Between steps."""
+
+    def import_blocks(self, hashes: list[bytes], payload: Any) -> int:
+        """Store such blocks (``export_blocks``' layout) in the host tier, whence a request's lookup restores
+        them; returns how many were new there. EngineError without a tier. Between steps."""
 
     # ---- migration, source side
     def kv_blocks(self) -> KvBlocks:
@@ -209,6 +249,7 @@ class EngineDefaults:
     prefill_budget = 0
     cache: PrefixCacheCounts | None = None
     adapters: AdapterVerbs | None = None
+    tier: TierCounts | None = None
 
     def init_thread(self) -> None:
         return None

@@ -25,11 +25,11 @@ import torch
 from daemons.config import LoraConfig, ModelConfig, SimConfig
 from daemons.engine.base import (EngineDefaults, EngineError, EngineRequest, KvBlocks, MigrationParts, StepResult,
                                   check_request)
-from daemons.engine.sim_cache import SimPrefixCache
+from daemons.engine.sim_cache import SimPrefixCache, build_cache, need_cache
 from daemons.engine.sim_lora import adapters_of, load_fields, owed, start
 from daemons.engine.sim_migration import SimEngineMigrations
-from daemons.engine.sim_requests import SimRequestTable, SimBlocks, SimRequest, WaitingQueue, cdiv
-from daemons.engine.sim_values import draw, kv_value, sim_logprobs, sim_token_id, write_kv
+from daemons.engine.sim_requests import SimRequestTable, SimBlocks, SimRequest, WaitingQueue, cdiv, request_rows
+from daemons.engine.sim_values import kv_value, next_token, sim_logprobs, sim_token_id, token_out, write_kv
 from daemons.wire import InstanceLoad, RequestLoad, TokenOut
 
 __all__ = ["SimEngine", "kv_value", "sim_logprobs", "sim_token_id"]
@@ -47,9 +47,11 @@ class SimEngine(EngineDefaults, MigrationParts):
     backend = "sim"
     prefix_caching = False
 
-    def __init__(self, sim: SimConfig, model: ModelConfig, kv: bool = True, lora: LoraConfig | None = None):
+    def __init__(self, sim: SimConfig, model: ModelConfig, kv: bool = True, lora: LoraConfig | None = None,
+                 kv_tier=None, clock=None):
         """``kv`` False: no KV tensors (the virtual-time simulator, llumnixctl/experiments/sim/simulate.py): the same
-        scheduling, block accounting and step times, nothing written or copied. ``lora``: adapters (sim_lora.py)."""
+        scheduling, block accounting and step times, nothing written or copied. ``lora``: adapters (sim_lora.py).
+        ``kv_tier``, ``clock``: a host tier and retention, their deadlines on that clock (sim_cache.build_cache)."""
         self.cfg = sim
         self.block_size = sim.block_size
         self.max_model_len = model.max_model_len
@@ -63,7 +65,8 @@ class SimEngine(EngineDefaults, MigrationParts):
         self._layer_shift = [torch.tensor([l, -l], dtype=torch.float64)[None, :, None, None] for l in range(sim.kv_layers)]
         # sim.prefix_caching: what content the blocks hold (free ones too, until taken): hits skip prefill.
         # (Not ``prefix_caching``, which says a destination can skip copying cached blocks: vLLM's alone.)
-        self.cache: SimPrefixCache | None = SimPrefixCache(sim.block_size) if sim.prefix_caching else None
+        self.cache: SimPrefixCache | None = build_cache(sim, kv_tier, clock)
+        self.tier = self.cache.tier if self.cache is not None else None
         self._blocks = SimBlocks(sim.num_blocks, sim.watermark * sim.num_blocks, self.cache)
         self._table = SimRequestTable()
         self._waiting = WaitingQueue()
@@ -150,6 +153,7 @@ class SimEngine(EngineDefaults, MigrationParts):
         # the next preemption.
         prefilling: list[SimRequest] = []
         prefill_tokens = 0
+        restore_s = 0.0
         waiting = self._waiting
         admit = n == len(run)
         while admit and waiting and len(self._table.running) < self.cfg.max_num_seqs:
@@ -158,14 +162,16 @@ class SimEngine(EngineDefaults, MigrationParts):
             need = cdiv(tokens + 1, bs)
             if not free.fits(need):
                 break
-            new = tokens if cache is None else cache.uncached(req, tokens)
+            engine_hit, host_hit = (0, 0) if cache is None else cache.cached(req, tokens)
+            new = tokens - engine_hit - host_hit
             if prefilling and prefill_tokens + new > self.cfg.max_num_batched_tokens:
                 break
             waiting.popleft()
             req.blocks = free.take_for_prefill(need)
             if cache is not None:
                 if not req.preempted:  # as vLLM's counters: a re-admission after preemption is not a query
-                    cache.count(tokens, tokens - new)
+                    cache.count(tokens, tokens - new, host_hit)
+                restore_s += cache.restore(req, engine_hit, host_hit, self.cfg.restore_ms_per_block)
                 cache.prefilled(req)
             req.preempted = False
             self._table.run(req)
@@ -177,7 +183,8 @@ class SimEngine(EngineDefaults, MigrationParts):
         outputs = [self._sample(r) for r in decoding]
         outputs += [self._sample(r) for r in prefilling]
         self._tokens_generated += len(outputs)
-        model_s = model_time(self.cfg, self._profile, prefill_tokens, len(decoding), context_tokens) + owed(self.adapters)
+        model_s = (model_time(self.cfg, self._profile, prefill_tokens, len(decoding), context_tokens) + owed(self.adapters)
+                   + self.cfg.time_scale * restore_s)
         return StepResult(outputs, model_s, prefill_tokens, len(decoding), context_tokens)
 
     def load(self) -> InstanceLoad:
@@ -202,24 +209,27 @@ class SimEngine(EngineDefaults, MigrationParts):
             waiting_high_tokens=self._waiting.tokens_above(0),
             context_tokens=self._table.context_tokens(),
             **load_fields(self.adapters),
+            **(self.cache.load_fields() if self.cache is not None else {}),
         )
 
     def requests(self) -> list[RequestLoad]:
-        def row(r: SimRequest, state: str) -> RequestLoad:
-            return RequestLoad(request_id=r.rid, state=state, blocks=len(r.blocks), prompt_tokens=r.prompt_len,
-                               output_tokens=r.generated, priority=r.priority, max_tokens=r.max_total - r.prompt_len)
+        return request_rows(self._table.running.values(), self._migrations.suspended(), self._waiting)
 
-        out = [row(r, "running") for r in self._table.running.values()]
-        out += [row(r, "migrating") for r in self._migrations.suspended()]
-        out += [row(r, "preempted" if r.preempted else "waiting") for r in self._waiting]
-        return out
-
-    def cache_events(self) -> list[tuple[bool, int]]:
-        """(stored?, block key) of every prefix-cache change since the last call ([] without a cache)."""
+    def cache_events(self) -> list[tuple]:
+        """(stored?, block key) of every prefix-cache change since the last call, then the host tier's ([] without a cache)."""
         return self.cache.events() if self.cache is not None else []
 
     def cache_snapshot(self) -> list[int]:
         return self.cache.snapshot() if self.cache is not None else []
+
+    def tier_snapshot(self) -> list[int]:
+        return self.tier.snapshot() if self.tier is not None else []
+
+    def export_blocks(self, hashes: list[bytes]) -> tuple[int, torch.Tensor]:
+        return need_cache(self.cache).export(hashes)
+
+    def import_blocks(self, hashes: list[bytes], payload) -> int:
+        return need_cache(self.cache).import_keys(hashes)
 
     def block_table(self, request_id: str) -> list[int]:
         """The request's block ids in token order (empty while it waits). KeyError if unknown."""
@@ -255,28 +265,12 @@ class SimEngine(EngineDefaults, MigrationParts):
         self._preemptions += 1
 
     def _sample(self, req: SimRequest) -> TokenOut:
-        index = req.generated
-        sp = req.sampling
-        token, eos_draw = draw(req.rid, index, self.cfg.vocab_size)
-        reason = None
-        if index >= sp.min_tokens:
-            if not sp.ignore_eos and eos_draw < self.cfg.eos_rate:
-                token, reason = self.cfg.eos_token_id, "stop"
-            elif token in req.stop_ids:
-                reason = "stop"
-        req.generated += 1
-        if req.tokens is not None:
-            req.tokens.append(token)
-        if reason is None and (req.generated >= sp.max_tokens or req.prompt_len + req.generated >= self.max_model_len):
-            reason = "length"
+        index, token, reason = next_token(req, self.cfg, self.max_model_len)
         if reason is not None:
             self._table.unrun(req)
             del self._table.by_id[req.rid]
-            self._blocks.release(req)
-        if sp.logprobs is None:
-            return TokenOut(request_id=req.rid, index=index, token_id=token, finish_reason=reason)
-        logprob, top = sim_logprobs(req.rid, index, token, sp.logprobs, self.cfg.vocab_size)
-        return TokenOut(request_id=req.rid, index=index, token_id=token, finish_reason=reason, logprob=logprob, top=top)
+            self._blocks.release(req, ended=True)
+        return token_out(req.rid, index, token, reason, req.sampling.logprobs, self.cfg.vocab_size)
 
 
 def model_time(c: SimConfig, profile, prefill_tokens: int, n_decoding: int, context_tokens: int) -> float:

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import hashlib
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from daemons.engine.base import EngineRequest
 from daemons.engine.sim_cache import SimPrefixCache
 from daemons.engine.sim_values import unit
+from daemons.wire import RequestLoad
 
 
 def cdiv(a: int, b: int) -> int:
@@ -18,7 +19,7 @@ def cdiv(a: int, b: int) -> int:
 
 class SimRequest:
     __slots__ = ("rid", "prompt_len", "sampling", "priority", "arrival_time", "generated", "blocks",
-                 "preempted", "seed", "stop_ids", "max_total", "tokens", "hashes", "adapter")
+                 "preempted", "seed", "stop_ids", "max_total", "tokens", "hashes", "adapter", "session", "retain_s")
 
     def __init__(self, request: EngineRequest, max_model_len: int):
         self.rid = request.request_id
@@ -40,6 +41,20 @@ class SimRequest:
         self.tokens: list[int] | None = None
         self.hashes: list[bytes] = []
         self.adapter = (request.adapter, request.adapter_path)  # its LoRA adapter: travels with a migration
+        self.session = request.session  # its conversation: its blocks are retained when it ends (tier.py)
+        self.retain_s = request.retain_s
+
+
+def request_rows(running: Iterable[SimRequest], suspended: Iterable[SimRequest], waiting: Iterable[SimRequest]):
+    """The engine's request rows (``Engine.requests``): running, migrating out, waiting."""
+    def row(r: SimRequest, state: str) -> RequestLoad:
+        return RequestLoad(request_id=r.rid, state=state, blocks=len(r.blocks), prompt_tokens=r.prompt_len,
+                           output_tokens=r.generated, priority=r.priority, max_tokens=r.max_total - r.prompt_len)
+
+    out = [row(r, "running") for r in running]
+    out += [row(r, "migrating") for r in suspended]
+    out += [row(r, "preempted" if r.preempted else "waiting") for r in waiting]
+    return out
 
 
 class WaitingQueue:
@@ -167,8 +182,22 @@ class SimBlocks:
         """Whether taking ``need`` blocks keeps the watermark."""
         return len(self._free) - need >= self.watermark
 
+    def _defer_retained(self, n: int) -> None:
+        """Move the retained blocks among the next ``n`` others at the head of the free list to its tail (if
+        only retained ones are left, the oldest go first)."""
+        retention = self.cache.retention if self.cache is not None else None
+        if retention is None or retention.expire() < 0 or not len(retention):
+            return
+        free, plain, moved = self._free, [], []
+        while len(plain) < n and free:
+            b = free.popleft()
+            (moved if self.cache.retained(b) else plain).append(b)
+        free.extendleft(reversed(plain))
+        free.extend(moved)
+
     def take(self, n: int) -> list[int]:
         """Blocks whose content is about to be overwritten (the cache forgets what they held)."""
+        self._defer_retained(n)
         taken = [self._free.popleft() for _ in range(n)]
         if self.cache is not None:
             for block in taken:
@@ -177,11 +206,15 @@ class SimBlocks:
 
     def take_for_prefill(self, n: int) -> list[int]:
         """Blocks for an admitted request; the cache learns of them from ``SimPrefixCache.prefilled``."""
+        self._defer_retained(n)
         return [self._free.popleft() for _ in range(n)]
 
-    def release(self, req: SimRequest) -> None:
+    def release(self, req: SimRequest, ended: bool = False) -> None:
+        """``ended``: it finished (its session's blocks are retained)."""
         if self.cache is not None:
             self.cache.keep_content(req)
+            if ended and req.session:
+                self.cache.turn_ended(req)
         self._free.extend(req.blocks)
         req.blocks = []
 

@@ -9,6 +9,8 @@ from array import array
 
 import torch
 
+from daemons.wire import TokenOut
+
 GOLDEN = 0.6180339887498949  # spreads successive positions over [0, 1)
 
 
@@ -54,6 +56,34 @@ def sim_logprobs(request_id: str, index: int, token: int, k: int, vocab_size: in
     span = vocab_size - 3
     top = [(token, logprob)] + [(3 + (token - 3 + i) % span, logprob - i) for i in range(1, k)]
     return logprob, top
+
+
+def next_token(req, cfg, max_model_len: int) -> tuple[int, int, str | None]:
+    """A running request's next token (sim_requests.SimRequest ``req``, counted in it): (index, token id, finish
+    reason or None), by the sim's draws (``cfg``: SimConfig's vocab_size, eos_rate, eos_token_id)."""
+    index = req.generated
+    sp = req.sampling
+    token, eos_draw = draw(req.rid, index, cfg.vocab_size)
+    reason = None
+    if index >= sp.min_tokens:
+        if not sp.ignore_eos and eos_draw < cfg.eos_rate:
+            token, reason = cfg.eos_token_id, "stop"
+        elif token in req.stop_ids:
+            reason = "stop"
+    req.generated += 1
+    if req.tokens is not None:
+        req.tokens.append(token)
+    if reason is None and (req.generated >= sp.max_tokens or req.prompt_len + req.generated >= max_model_len):
+        reason = "length"
+    return index, token, reason
+
+
+def token_out(request_id: str, index: int, token: int, reason: str | None, logprobs: int | None,
+              vocab_size: int) -> TokenOut:
+    if logprobs is None:
+        return TokenOut(request_id=request_id, index=index, token_id=token, finish_reason=reason)
+    logprob, top = sim_logprobs(request_id, index, token, logprobs, vocab_size)
+    return TokenOut(request_id=request_id, index=index, token_id=token, finish_reason=reason, logprob=logprob, top=top)
 
 
 def write_kv(kv_caches: list[torch.Tensor], layer_shift: list[float], block_size: int, decoding: list,

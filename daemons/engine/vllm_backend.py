@@ -20,12 +20,13 @@ import time
 
 import msgspec
 
-from daemons.config import LoraConfig, ModelConfig, VllmConfig
+from daemons.config import KvTierConfig, LoraConfig, ModelConfig, VllmConfig
 from daemons.engine.adapters import module_dims
 from daemons.engine.base import (EngineDefaults, EngineError, EngineRequest, KvBlocks, MigrationParts, StepResult,
                                   check_request)
 from daemons.engine.vllm_cache import VllmPrefixCache
 from daemons.engine.vllm_internals import VllmInternals, lower_this_thread, set_env, set_num_threads
+from daemons.engine.vllm_internals_tier import build_tiers, need_tiers
 from daemons.engine.vllm_lora import VllmAdapters
 from daemons.engine.vllm_migration import LiveRequest, LiveRequests, VllmMigrations
 from daemons.kv.layout import KvShards
@@ -51,7 +52,8 @@ class VllmEngine(EngineDefaults, MigrationParts):
     backend = "vllm"
     blocking_step = True  # a step is milliseconds of model compute: the instance runs it off its event loop
 
-    def __init__(self, model: ModelConfig, vllm: VllmConfig, lora: LoraConfig | None = None):
+    def __init__(self, model: ModelConfig, vllm: VllmConfig, lora: LoraConfig | None = None,
+                 kv_tier: KvTierConfig | None = None, clock=time.monotonic):
         if not model.path:
             raise EngineError("model.path is empty: the vllm backend needs a checkpoint directory "
                               "(write a test model with `llumnixctl model tiny DIR`)")
@@ -83,6 +85,9 @@ class VllmEngine(EngineDefaults, MigrationParts):
             self.kv_blocks()
         if adapters is not None:
             adapters.load_configured(lora.adapters)
+        # Host tier and retention (vllm_internals_tier.py; kv_tier None: neither): over a prefix cache in this process.
+        self._tiers = build_tiers(s, self.kv_blocks, self.cache, kv_tier, clock) if self.cache is not None and s.in_process else None
+        self.tier = self._tiers.tier if self._tiers is not None else None
 
     def init_thread(self) -> None:
         """Run first on the thread that will call ``step``. OpenMP's thread count is per thread, taken from
@@ -125,9 +130,12 @@ class VllmEngine(EngineDefaults, MigrationParts):
             if lora is not None:
                 self.adapters.end(request.adapter, rid)
             raise
-        live = self._live.add(LiveRequest(rid, req, sp, request.adapter, request.adapter_path))
+        live = self._live.add(LiveRequest(rid, req, sp, request.adapter, request.adapter_path, request.session,
+                                          request.retain_s))
         live.emitted = len(done)
         self._received += 1
+        if self._tiers is not None:
+            self._tiers.restore(req)  # (and counts where its prompt's KV came from)
 
     def abort_request(self, request_id: str) -> bool:
         live = self._live.get(request_id)
@@ -167,16 +175,28 @@ class VllmEngine(EngineDefaults, MigrationParts):
                 if not tokens:
                     log.warning("vLLM finished %s (%s) without a token; the client sees no final token",
                                 live.rid, o.finish_reason)
+                if self._tiers is not None and live.session:
+                    self._tiers.turn_ended(live.session, live.req, live.retain_s)
                 self._live.forget(live)
         self._tokens_generated += len(outputs)
         return StepResult(outputs, 0.0, *self._v.last_work)
 
-    def cache_events(self) -> list[tuple[bool, int]]:
-        """(stored?, block key) of every prefix-cache change since the last call ([] without a cache)."""
-        return self.cache.events() if self.cache is not None else []
+    def cache_events(self) -> list[tuple]:
+        """(stored?, block key) of every prefix-cache change since the last call, then the host tier's."""
+        events = self.cache.events() if self.cache is not None else []
+        return events + self.tier.events() if self.tier is not None else events
 
     def cache_snapshot(self) -> list[int]:
         return self.cache.snapshot() if self.cache is not None else []
+
+    def tier_snapshot(self) -> list[int]:
+        return self.tier.snapshot() if self.tier is not None else []
+
+    def export_blocks(self, hashes: list[bytes]):
+        return need_tiers(self._tiers).export_blocks(hashes)
+
+    def import_blocks(self, hashes: list[bytes], payload) -> int:
+        return need_tiers(self._tiers).import_blocks(hashes, payload)
 
     def load(self) -> InstanceLoad:
         v = self._s
@@ -203,6 +223,7 @@ class VllmEngine(EngineDefaults, MigrationParts):
             context_tokens=sum(r.num_tokens for r in v.running()),
             adapters=self.adapters.table.held() if self.adapters is not None else [],
             adapter_slots=self.adapters.table.open_slots() if self.adapters is not None else 0,
+            **(self._tiers.load_fields() if self._tiers is not None else {}),
         )
 
     def requests(self) -> list[RequestLoad]:

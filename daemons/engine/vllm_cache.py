@@ -33,6 +33,7 @@ class VllmPrefixCache:
         kv.log_stats = True
         kv.prefix_cache_stats = self._stats = PrefixCacheStats()
         self._known: set[int] = set()  # keys reported held (what AllBlocksCleared removes)
+        self.by_source = {"engine": 0, "host": 0, "pulled": 0, "recomputed": 0}  # prompt tokens of new requests
         scheduler.kv_event_publisher = self  # vLLM's scheduler publishes each step's KVEventBatch to us
 
     # vLLM's EventPublisher interface (what its scheduler calls)
@@ -54,6 +55,16 @@ class VllmPrefixCache:
     def hit_tokens(self) -> int:
         """Of those, found cached (vLLM's prefix_cache_hits)."""
         return self._stats.hits
+
+    def counted(self, tokens: int, engine: int, host: int, pulled: int = 0) -> None:
+        """A new request of ``tokens`` prompt tokens: ``engine`` of them found in the prefix cache, ``host``
+        restored from the host tier when it was added, ``pulled`` restored from blocks another instance sent
+        (the rest is prefilled)."""
+        src = self.by_source
+        src["engine"] += engine
+        src["host"] += host
+        src["pulled"] += pulled
+        src["recomputed"] += tokens - engine - host - pulled
 
     def events(self) -> list[tuple[bool, int]]:
         """(stored?, key) of every change since the last call, in order (between steps only)."""

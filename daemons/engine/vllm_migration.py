@@ -14,15 +14,18 @@ from daemons.wire import MigratingRequest, RequestState, SamplingParams
 
 
 class LiveRequest:
-    __slots__ = ("rid", "req", "emitted", "sampling", "adapter", "adapter_path")
+    __slots__ = ("rid", "req", "emitted", "sampling", "adapter", "adapter_path", "session", "retain_s")
 
-    def __init__(self, rid: str, req, sampling, adapter: str = "", adapter_path: str = ""):
+    def __init__(self, rid: str, req, sampling, adapter: str = "", adapter_path: str = "", session: str = "",
+                 retain_s: float = 0.0):
         self.rid = rid
         self.req = req  # vLLM's Request
         self.emitted = 0  # tokens sent out: the next TokenOut's index
         self.sampling = sampling  # ours, as the client gave it: travels with a migration
         self.adapter = adapter  # its LoRA adapter ("": the base model); travels with a migration too
         self.adapter_path = adapter_path
+        self.session = session  # its conversation: its blocks are retained when it ends (daemons/engine/tier.py)
+        self.retain_s = retain_s
 
 
 class LiveRequests:

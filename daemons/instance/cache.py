@@ -1,11 +1,13 @@
 """The engine's prefix cache, published to the manager and the proxies (daemons/prefix.py): its changes in
-numbered batches before each load report, the whole cache to whoever asks (CacheSync), and its metrics."""
+numbered batches before each load report, the whole cache to whoever asks (CacheSync), and its metrics. The host
+KV tier's blocks (daemons/engine/tier.py) travel with them, as the HOST tier (``prefix.HOST``)."""
 
 from __future__ import annotations
 
 from daemons import prefix
 from daemons.instance.shared import Shared
-from daemons.instance.telemetry import M_PREFIX_BLOCKS, M_PREFIX_HIT, M_PREFIX_QUERIED
+from daemons.instance.telemetry import (M_PREFIX_BLOCKS, M_PREFIX_HIT, M_PREFIX_QUERIED, M_PREFIX_TOKENS,
+                                       M_RESTORE_S, M_RESTORED_BYTES)
 from daemons.proxylinks import ProxyLinks
 
 
@@ -22,6 +24,8 @@ class CacheReports:
         self.pub = prefix.Publisher("") if self.engine.cache is not None else None
         self._syncs: dict[str, float] = {}  # asker -> when we last sent it our whole cache
         self._counted = (0, 0)  # the cache's (queried, hit) tokens already in the metrics
+        self._sources: dict[str, int] = {}  # its prompt tokens by source already in the metrics
+        self._restored = 0  # the tier's restored bytes already in the metrics
 
     def name(self, instance_id: str) -> None:
         """The instance's id, known once it bound its request socket: its batches carry it."""
@@ -58,6 +62,15 @@ class CacheReports:
         M_PREFIX_QUERIED.inc(cache.query_tokens - queried)
         M_PREFIX_HIT.inc(cache.hit_tokens - hit)
         self._counted = (cache.query_tokens, cache.hit_tokens)
+        for source, n in cache.by_source.items():
+            M_PREFIX_TOKENS.labels(source).inc(n - self._sources.get(source, 0))
+            self._sources[source] = n
+        tier = self.engine.tier
+        if tier is not None:
+            M_RESTORED_BYTES.inc(tier.restored_bytes - self._restored)
+            self._restored = tier.restored_bytes
+            for seconds in tier.take_restore_times():
+                M_RESTORE_S.observe(seconds)
 
     def on_sync(self, reply_to: str) -> None:
         """A proxy (``reply_to``, its token address) or the manager ("") asks for our whole prefix cache: sent
@@ -73,7 +86,7 @@ class CacheReports:
 
         def answer() -> None:
             self.collect()
-            full = self.pub.full(self.engine.cache_snapshot())
+            full = self.pub.full(self.engine.cache_snapshot(), host=self.engine.tier_snapshot())
             if reply_to:
                 self.proxies.send(reply_to, full)
             else:

@@ -142,7 +142,8 @@ class Intake:
         try:
             self.engine.add_request(EngineRequest(msg.request_id, msg.prompt_token_ids, msg.sampling,
                                                   msg.arrival_time or self.clock.time(), msg.priority,
-                                                  list(msg.output_token_ids), msg.adapter, msg.adapter_path))
+                                                  list(msg.output_token_ids), msg.adapter, msg.adapter_path,
+                                                  msg.session, msg.retain_s))
         except EngineError as exc:
             M_REJECTED.inc()
             self.tokens.fail(msg.request_id, msg.reply_to, str(exc), False, status=400)

@@ -21,7 +21,7 @@ from daemons.instance.predictor import StepFit
 from daemons.instance.shared import Shared
 from daemons.instance.telemetry import (
     M_BEAT_LATE, M_BLOCKS_TOTAL, M_BLOCKS_USED, M_HEALTHY, M_KV_USAGE, M_PREDICTED_TPOT, M_PREDICTED_TTFT,
-    M_PREEMPTIONS, M_RUNNING, M_SLO_ATTAINMENT, M_SLO_JUDGED, M_SLO_MET, M_WAITING)
+    M_PREEMPTIONS, M_RUNNING, M_SLO_ATTAINMENT, M_SLO_JUDGED, M_SLO_MET, M_WAITING, tier_gauges)
 from daemons.policy import slo
 from daemons.requests import RequestTable
 from daemons.watchdog import Watchdog
@@ -157,6 +157,7 @@ class Reporter:
             self.beat_proxies(not self.watchdog.stalled)
             M_BLOCKS_USED.set(load.blocks_used)
             self.cache.count()
+            tier_gauges(load)
             M_BLOCKS_TOTAL.set(load.blocks_total)
             M_KV_USAGE.set(load.blocks_used / load.blocks_total if load.blocks_total else 0.0)
             M_RUNNING.set(load.running)

@@ -83,3 +83,24 @@ M_ADAPTER_TOKENS = metrics.counter("instance", "llumnix_instance_adapter_generat
                                    "Output tokens of requests that run with a LoRA adapter, by adapter", ["adapter"])
 M_ADAPTER_REQUESTS = metrics.counter("instance", "llumnix_instance_adapter_requests_total",
                                      "Requests taken in that run with a LoRA adapter, by adapter", ["adapter"])
+M_PREFIX_TOKENS = metrics.counter("instance", "llumnix_prefix_tokens_total",
+                                  "Prompt tokens of new requests by where their KV came from: engine (its prefix cache), "
+                                  "host (restored from the host KV tier), pulled (from another instance), recomputed "
+                                  "(prefilled)", ["source"],
+                                  preset=[("engine",), ("host",), ("pulled",), ("recomputed",)])
+M_TIER_BLOCKS = metrics.gauge("instance", "llumnix_kv_tier_blocks", "KV blocks in the host-memory tier (kv_tier.host_mb)")
+M_TIER_CAPACITY = metrics.gauge("instance", "llumnix_kv_tier_capacity_blocks", "The host-memory tier's size in KV blocks")
+M_RESTORED_BYTES = metrics.counter("instance", "llumnix_kv_restored_bytes_total",
+                                   "KV bytes restored from the host tier into the engine")
+M_RESTORE_S = metrics.histogram("instance", "llumnix_kv_restore_seconds",
+                                "One restore from the host tier into the engine (a new request's blocks found there)",
+                                buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0))
+M_RETAINED = metrics.gauge("instance", "llumnix_kv_retained_blocks",
+                           "KV blocks retained for sessions within their TTL (engine and host tier; free, reclaimable)")
+
+
+def tier_gauges(load) -> None:
+    """The host tier's and retention's gauges from a load report (wire.InstanceLoad)."""
+    M_TIER_BLOCKS.set(load.tier_blocks)
+    M_TIER_CAPACITY.set(load.tier_capacity)
+    M_RETAINED.set(load.retained_blocks)

@@ -64,9 +64,7 @@ def pricing_of(cfg) -> Pricing:
     """Pricing from the settings (daemons/config.py Config)."""
     ss = cfg.sessions
     per_token = ss.kv_bytes_per_token or cfg.scheduling.cross_node_kv_bytes_per_token or REFERENCE_KV_BYTES_PER_TOKEN
-    # TODO(kv_tier): read cfg.kv_tier.pull directly once [kv_tier] is declared in daemons/config.py (default on).
-    pull = bool(getattr(getattr(cfg, "kv_tier", None), "pull", True))
-    return Pricing(ss.affinity, ss.bound, pull, per_token, ss.kv_link_gbps, ss.restore_gbps)
+    return Pricing(ss.affinity, ss.bound, cfg.kv_tier.pull, per_token, ss.kv_link_gbps, ss.restore_gbps)
 
 
 Tiers = dict[str, tuple[int, int]]  # instance -> (engine leading blocks, engine-or-host leading blocks)

@@ -60,11 +60,8 @@ _json = msgspec.json.encode
 
 
 def max_retain_s(cfg: Config) -> float:
-    """The most a request may ask its session's prefix kept (kv_tier.max_retain_s; 0 while that section is not
-    declared: prompt_cache_retention "24h" then asks for a day, and the instance bounds it)."""
-    # TODO(kv_tier): read cfg.kv_tier.max_retain_s directly once [kv_tier] is declared in daemons/config.py.
-    tier = getattr(cfg, "kv_tier", None)
-    return float(getattr(tier, "max_retain_s", 0.0) or 0.0)
+    """The most a request may ask its session's prefix kept (kv_tier.max_retain_s)."""
+    return cfg.kv_tier.max_retain_s
 
 
 class Proxy:

@@ -73,3 +73,30 @@ def test_status_shows_each_instances_adapters_and_free_slots():
     console = Console(width=250, record=True)
     console.print(render_status(data))
     assert "adapters: i0 sql, chat (1 open)" in console.export_text()
+
+
+def test_status_shows_the_host_tier_and_retained_blocks_when_an_instance_has_them():
+    tiered = wire.InstanceLoad(1000, 0, 0, 0, 8, 16, tier_blocks=300, tier_capacity=4000, restore_ms_per_block=0.17,
+                               retained_blocks=42)
+    off = wire.InstanceLoad(1000, 0, 0, 0, 8, 16)
+    data = status_json(wire.Snapshot(0, [view("i0", tiered), view("i1", off)]), "tcp://127.0.0.1:7100")
+    i0, i1 = data["instances"]
+    assert (i0["tier_blocks"], i0["tier_capacity"], i0["restore_ms_per_block"], i0["retained_blocks"]) == (300, 4000, 0.17, 42)
+    assert (i1["tier_blocks"], i1["tier_capacity"], i1["retained_blocks"]) == (0, 0, 0)
+    t = data["totals"]
+    assert (t["tier_blocks"], t["tier_capacity"], t["retained_blocks"]) == (300, 4000, 42)
+    console = Console(width=300, record=True)
+    console.print(render_status(data))
+    text = console.export_text()
+    header = next(line for line in text.splitlines() if "FREENESS" in line)
+    names = [c.strip() for c in header.split("┃")[1:-1]]
+    rows = {cells[0]: cells for cells in ([c.strip() for c in line.split("│")[1:-1]] for line in text.splitlines())
+            if cells}
+    tier, kept = names.index("HOST TIER USED/TOTAL"), names.index("RETAINED")
+    assert (rows["i0"][tier], rows["i0"][kept]) == ("300/4000", "42")
+    assert (rows["i1"][tier], rows["i1"][kept]) == ("-", "0")
+    assert (rows["total"][tier], rows["total"][kept]) == ("300/4000", "42")
+    assert "restore ms per block: i0 0.17" in text
+    console = Console(width=300, record=True)  # no tier anywhere: no tier columns
+    console.print(render_status(status_json(wire.Snapshot(0, [view("i1", off)]), "tcp://127.0.0.1:7100")))
+    assert "HOST TIER" not in console.export_text()

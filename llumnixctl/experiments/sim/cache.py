@@ -135,7 +135,7 @@ class SimCache:
         def answer() -> None:
             inst.pub.add(inst.engine.cache_events())
             site.at(site.now + self.report_lag_s, self.mgr.on_cache_events, inst.ident,
-                    inst.pub.full(inst.engine.cache_snapshot()))
+                    inst.pub.full(inst.engine.cache_snapshot(), host=inst.engine.tier_snapshot()))
 
         site.at(site.now + self.report_lag_s, answer)
 

@@ -278,7 +278,8 @@ class SimMigrations:
 
     def engine(self):
         """A sim engine for a new instance: its KV layout without tensors; it tells us its suspends."""
-        engine = sim_engine_class()(self.cfg.sim, self.cfg.model, kv=False, lora=self.cfg.lora)
+        engine = sim_engine_class()(self.cfg.sim, self.cfg.model, kv=False, lora=self.cfg.lora, kv_tier=self.cfg.kv_tier,
+                                    clock=self.loop.time)
         per_token = self.kv_bytes_per_token
         engine.layout = SimLayout(engine.block_size * per_token, per_token)
         engine.on_suspend = lambda rid: self.suspended_at.__setitem__(rid, self.loop.time())
