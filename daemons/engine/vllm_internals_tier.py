@@ -135,7 +135,17 @@ class VllmTier:
     # ---------------------------------------------------------------- copies (tier rows: block-major)
 
     def _to_rows(self, block_ids: list[int], rows: list[int]) -> None:
-        self.tier.rows[torch.tensor(rows, dtype=torch.int64)] = self._gather(block_ids)
+        kv = self._kv_of()
+        if kv.path != "rows" or kv.device.type != "cpu":
+            self.tier.rows[torch.tensor(rows, dtype=torch.int64)] = self._gather(block_ids)
+            return
+        # Each layer's page of each block straight into its place in the row: one copy, and a plain one (an indexed
+        # copy of strided pages, or a staging buffer and a transpose, took 3 to 7 times as long: 2 MiB blocks, 32 layers).
+        words, per = self.tier.rows.view(kv.rows[0].dtype), kv.rows[0].shape[1]
+        for b, r in zip(block_ids, rows):
+            row = words[r]
+            for layer, kv_rows in enumerate(kv.rows):
+                row[layer * per:(layer + 1) * per].copy_(kv_rows[b])
 
     def _gather(self, block_ids: list[int]) -> torch.Tensor:
         """The engine's blocks ``block_ids`` as ``[n, block_nbytes]``, block-major (tier.py's payload layout)."""
@@ -145,6 +155,18 @@ class VllmTier:
         if kv.path == "fused":  # already block-major
             return buf.view(n, kv.block_nbytes).cpu()
         return buf.view(len(kv.caches), n, kv.layer_block_nbytes).transpose(0, 1).reshape(n, kv.block_nbytes).cpu()
+
+    def _from_rows(self, block_ids: list[int], rows: list[int]) -> None:
+        """The tier's ``rows`` into the engine's blocks ``block_ids``."""
+        kv = self._kv_of()
+        if kv.path != "rows" or kv.device.type != "cpu":
+            self._scatter(block_ids, self.tier.rows[torch.tensor(rows, dtype=torch.int64)])
+            return
+        words, per = self.tier.rows.view(kv.rows[0].dtype), kv.rows[0].shape[1]  # (as _to_rows)
+        for b, r in zip(block_ids, rows):
+            row = words[r]
+            for layer, kv_rows in enumerate(kv.rows):
+                kv_rows[b].copy_(row[layer * per:(layer + 1) * per])
 
     def _scatter(self, block_ids: list[int], rows: torch.Tensor) -> None:
         """``rows`` (``[n, block_nbytes]``, block-major) into the engine's blocks ``block_ids``."""
@@ -197,7 +219,7 @@ class VllmTier:
             rows.append(r)
         use = new[:len(rows)]
         if use:
-            self._scatter([b.block_id for b in use], tier.rows[torch.tensor(rows, dtype=torch.int64)])
+            self._from_rows([b.block_id for b in use], rows)
             self._pool.cache_full_blocks(req, held + use, i, i + len(use), self._bs, 0)
         self._pool.free_blocks(list(reversed(held + new)))  # the prompt's tail first out, as vLLM frees
         tier.restored(len(use), time.perf_counter() - start)

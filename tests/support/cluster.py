@@ -56,6 +56,7 @@ class VirtualCluster:
         self.hub = Hub(kv_bytes_per_s)
         self.zmq = zmq.asyncio.Context()
         self.clock = virtual.LoopClock(loop)
+        self._contexts: list[SharedContext] = []  # the daemons' views of the context, each tracking its sockets
         self.manager = self.new_manager()
         self.instances: dict[str, Instance] = {}
         self.runs: dict[str, asyncio.Task] = {}
@@ -65,7 +66,9 @@ class VirtualCluster:
         self._managers = 0  # restarts
 
     def context(self) -> SharedContext:
-        return SharedContext.shadow(self.zmq.underlying)
+        ctx = SharedContext.shadow(self.zmq.underlying)
+        self._contexts.append(ctx)
+        return ctx
 
     def new_manager(self, cfg=None) -> Manager:
         m = Manager(cfg or self.cfg, clock=self.clock, ctx=self.context())
@@ -220,6 +223,10 @@ class VirtualCluster:
         self.runs["manager"].cancel()
         await asyncio.gather(self.runs["manager"], return_exceptions=True)
         self._close_manager(self.manager)
+        # A socket left open (a daemon's task cancelled before it closed its own) would make the context's
+        # termination wait for ever (zmq_ctx_term, in C: no timeout, no signal ends it): close every daemon's.
+        for ctx in self._contexts:
+            ctx.destroy(linger=0)
         self.zmq.destroy(linger=0)
 
     # ------------------------------------------------------------------ requests
