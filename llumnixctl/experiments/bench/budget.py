@@ -46,6 +46,10 @@ def budget_option() -> typer.models.OptionInfo:
 BudgetOpt = Annotated[float, budget_option()]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON")]
 SaveOpt = Annotated[Optional[Path], typer.Option(metavar="FILE", help="write the JSON here")]
+# The peers' binaries (each from a venv of its own) and the model, for the benches that run vLLM engines.
+SmgOpt = Annotated[Optional[str], typer.Option(help="the smg binary (pip install smg, in a venv of its own)")]
+VllmRouterOpt = Annotated[Optional[str], typer.Option(help="the vllm-router binary (pip install vllm-router, in a venv of its own)")]
+ModelOpt = Annotated[Optional[Path], typer.Option(metavar="DIR", help="checkpoint directory (default: a tiny random model)")]
 
 SAFETY_SAME = 1.1  # a unit like one measured (a round, a load): rounds on a loaded machine vary by about that
 SAFETY_LARGER = 1.2  # a longer unit than any measured: its power law is a guess too

@@ -36,7 +36,7 @@ import typer
 
 from llumnixctl.experiments.bench import engine as bench_engine, serve as bench_serve
 from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, Budget, BudgetOpt, JsonOpt, Progress, Rounds,
-                                                 SaveOpt, skipped_lines)
+                                                 ModelOpt, SaveOpt, SmgOpt, VllmRouterOpt, skipped_lines)
 from llumnixctl.experiments.traces import cache as tracecache
 from llumnixctl.experiments.bench.serve_figures import stats_ms
 from llumnixctl.lab import localcluster
@@ -298,9 +298,9 @@ def command(
     traces: Annotated[str, typer.Option(help="comma-separated: shared-prefix, multi-turn, hotspot")] = "shared-prefix,multi-turn",
     systems: Annotated[str, typer.Option(help="comma-separated: llumnix-cache, llumnix, smg, vllm-router")] = "llumnix-cache,llumnix,smg,vllm-router",
     restart: Annotated[Optional[str], typer.Option(metavar="proxy|manager", help="kill -9 and restart this daemon of our llumnix-cache cluster half way through each trace: hit rates before and after")] = None,
-    smg: Annotated[Optional[str], typer.Option(help="the smg binary (pip install smg, in a venv of its own)")] = None,
-    vllm_router: Annotated[Optional[str], typer.Option(help="the vllm-router binary (pip install vllm-router, in a venv of its own)")] = None,
-    model: Annotated[Optional[Path], typer.Option(metavar="DIR", help="checkpoint directory (default: a tiny random model)")] = None,
+    smg: SmgOpt = None,
+    vllm_router: VllmRouterOpt = None,
+    model: ModelOpt = None,
     seed: Annotated[int, typer.Option(help="trace seed (round k uses seed + k)")] = 0,
     save: SaveOpt = None,
     json_: JsonOpt = False,

@@ -42,7 +42,7 @@ from rich.table import Table
 
 from llumnixctl.experiments.bench import cache as bench_cache, engine as bench_engine, serve as bench_serve
 from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, Budget, BudgetOpt, JsonOpt, Progress, Rounds,
-                                                 SaveOpt, emit)
+                                                 ModelOpt, SaveOpt, SmgOpt, VllmRouterOpt, emit)
 from llumnixctl.experiments.traces import cache as tracecache, sessions as tsessions
 from llumnixctl.lab.scratch import scratch_dir
 
@@ -212,9 +212,9 @@ def command(
     engine: Annotated[str, typer.Option(metavar="vllm|sim", help="the engines: vLLM (the peers need it) or the sim engine (ours only; token-id prompts)")] = "vllm",
     host_mb: Annotated[Optional[int], typer.Option(help="llumnix-sessions: kv_tier.host_mb (default: the setting's default)", min=-1)] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="extra setting for our clusters, last: section.key=value")] = None,
-    smg: Annotated[Optional[str], typer.Option(help="the smg binary (pip install smg, in a venv of its own)")] = None,
-    vllm_router: Annotated[Optional[str], typer.Option(help="the vllm-router binary (pip install vllm-router, in a venv of its own)")] = None,
-    model: Annotated[Optional[Path], typer.Option(metavar="DIR", help="checkpoint directory (default: a tiny random model)")] = None,
+    smg: SmgOpt = None,
+    vllm_router: VllmRouterOpt = None,
+    model: ModelOpt = None,
     seed: Annotated[int, typer.Option(help="trace seed (round k uses seed + k)")] = 0,
     save: SaveOpt = None,
     json_: JsonOpt = False,

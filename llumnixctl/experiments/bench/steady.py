@@ -28,7 +28,7 @@ from rich.table import Table
 
 from llumnixctl.experiments.bench import engine as bench_engine
 from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, Budget, BudgetOpt, JsonOpt, Progress, Rounds,
-                                                 SaveOpt, skipped_lines)
+                                                 ModelOpt, SaveOpt, skipped_lines)
 from llumnixctl.experiments.traces import files as traces, gen as trace_mod, mix as tracemix
 from llumnixctl.lab import localcluster
 from llumnixctl.lab.scratch import scratch_dir
@@ -155,7 +155,7 @@ def command(
     rounds: Annotated[int, typer.Option(help="interleaved rounds", min=1)] = 3,
     router: Annotated[Optional[str], typer.Option(help="a plain router to compare with: the vllm-router binary "
                                                        "(pip install vllm-router, in a venv of its own)")] = None,
-    model: Annotated[Optional[Path], typer.Option(metavar="DIR", help="checkpoint directory (default: a tiny random model)")] = None,
+    model: ModelOpt = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="a setting for our cluster: section.key=value")] = None,
     seed: Annotated[int, typer.Option(help="trace seed (round k uses seed + k)")] = 0,
     save: SaveOpt = None,
