@@ -241,6 +241,7 @@ class KvTierConfig:
     max_retain_s: float = setting(600.0, "the longest retention a request may ask for", minimum=0.0)
     retain_share: float = setting(0.5, "most of the engine's blocks plus the tier's that retained sessions hold at once (past it the sessions due first lose their retention)", minimum=0.0, maximum=1.0)
     pull: bool = setting(True, "prefix pulls between instances: a request placed where its prefix is not cached may have it copied from an instance that holds it (engine or tier) when that is predicted shorter than its prefill")
+    pull_timeout_s: float = setting(2.0, "a prefix pull not done within this long (from the request's arrival to the blocks in this instance's host tier) is given up: the request queues at once and prefills what it lacks (nothing is lost; the holder's transfer ends into a buffer of its own)", minimum=0.01)
 
 
 @dataclass
@@ -286,6 +287,8 @@ class SessionsConfig:
     kv_link_gbps: float = setting(10.0, "what a prefix pull between two instances is expected to achieve, Gbit/s (the migration's KV transport; llumnixctl bench migration measures it): a pull of N blocks is priced N x block bytes / this", minimum=0.001)
     kv_bytes_per_token: int = setting(0, "KV bytes per token of the served model (2 x layers x KV heads x head dim x bytes per element) for pricing restores and pulls; 0 = scheduling.cross_node_kv_bytes_per_token, or where that is 0 too, 131072 (an 8B model with grouped-query attention in 16-bit)", minimum=0)
     restore_gbps: float = setting(40.0, "host tier to engine copy rate, Gbit/s, that prices a host-tier hit while its instance has not measured its own (wire.InstanceLoad restore_ms_per_block)", minimum=0.001)
+    rehome_sessions: int = setting(2, "re-homing idle sessions: each sessions.rehome_interval_s the manager pairs hot instances (freeness below scheduling.migrate_out_threshold) that retain idle sessions' KV with cool ones (above scheduling.migrate_in_threshold) that have a host KV tier, and each hot one moves up to this many of its least recently used idle sessions (no turn running) into the cool one's tier, which retains them for what was left of their TTL; the index follows (0 = off)", minimum=0)
+    rehome_interval_s: float = setting(2.0, "how often the manager looks for hot instances whose idle sessions to re-home (sessions.rehome_sessions)", minimum=0.05)
 
 
 @dataclass

@@ -60,6 +60,7 @@ class Entry:
     priority: int = 0
     slo: SloMark | None = None  # its SLO, when it has one and is judged here
     adapter: str = ""  # its LoRA adapter (its tokens are counted by adapter)
+    session: str = ""  # its session (wire.Submit.session; "": none): one with a request here is not idle
 
 
 class AbortAction(enum.Enum):
@@ -95,11 +96,13 @@ class RequestTable:
     # ---------------------------------------------------------------- placement
 
     def admit(self, request_id: str, reply_to: str, epoch: int, emitted: int = 0, traceparent: str = "",
-              slo: SloMark | None = None, *, prompt_tokens: int = 0, priority: int = 0, adapter: str = "") -> Entry:
+              slo: SloMark | None = None, *, prompt_tokens: int = 0, priority: int = 0, adapter: str = "",
+              session: str = "") -> Entry:
         """Placed here by a proxy (``emitted`` > 0: a failover continuing at that index)."""
         self._moved.pop(request_id, None)
         entry = self._reqs[request_id] = Entry(reply_to, max(epoch, 1), emitted, traceparent=traceparent, slo=slo,
-                                               prompt_tokens=prompt_tokens, priority=priority, adapter=adapter)
+                                               prompt_tokens=prompt_tokens, priority=priority, adapter=adapter,
+                                               session=session)
         return entry
 
     def take_over(self, request_id: str, reply_to: str, epoch: int, emitted: int, traceparent: str = "",
@@ -195,6 +198,10 @@ class RequestTable:
     def arrivals(self) -> dict[str, float]:
         """Requests that came by migration, and when (monotonic): they stay a while (cooldown)."""
         return {rid: e.arrived for rid, e in self._reqs.items() if e.arrived > 0}
+
+    def sessions(self) -> set[str]:
+        """The sessions of the requests held here (running, queued or migrating out)."""
+        return {e.session for e in self._reqs.values() if e.session}
 
     def migrating(self) -> set[str]:
         return {rid for rid, e in self._reqs.items() if e.migrating}

@@ -183,6 +183,8 @@ class InstanceLoad(msgspec.Struct, array_like=True, omit_defaults=True):
     tier_capacity: int = 0
     restore_ms_per_block: float = 0.0
     retained_blocks: int = 0
+    # Bytes of one KV block (every layer; 0: unknown): what pricing a pull or a restore of a block reads.
+    block_nbytes: int = 0
 
 
 # ---------------------------------------------------------------- instance <-> manager
@@ -799,6 +801,7 @@ class PullAsk(msgspec.Struct, **_tagged(110)):
     instance_id: str  # the asker's
     hashes: list[bytes]
     kv_spec: str = ""
+    session: str = ""  # a re-homed session's (wire.RehomePull): once sent, the holder stops retaining its blocks
 
     def __post_init__(self) -> None:
         if len(self.hashes) > 1 << 16 or any(len(h) > 64 for h in self.hashes):
@@ -815,6 +818,34 @@ class PullOffer(msgspec.Struct, **_tagged(111)):
     pair_key: str = ""
     store_address: str = ""
     reason: str = ""
+
+
+class Rehome(msgspec.Struct, **_tagged(112)):
+    """manager -> a hot instance: move up to ``count`` of your idle sessions' KV (retained after their last turn,
+    none running now) to ``dst``'s host tier, least recently used first (daemons/migration/rehome.py)."""
+
+    dst: str
+    dst_address: str  # its request socket
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        endpoints.check(self.dst_address, "dst_address")
+
+
+class RehomePull(msgspec.Struct, **_tagged(113)):
+    """hot instance -> cool instance: pull session ``session``'s blocks (``hashes``, in prompt order) from me (at
+    ``address``) into your host tier and retain them there for ``retain_s``."""
+
+    instance_id: str
+    address: str  # the hot instance's request socket
+    session: str
+    hashes: list[bytes]
+    retain_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        endpoints.check(self.address, "address")
+        if len(self.hashes) > 1 << 16 or any(len(h) > 64 for h in self.hashes):
+            raise ValueError("RehomePull: too many hashes, or one too long")
 
 
 class KvRendezvous(msgspec.Struct, **_tagged(78)):
@@ -1028,6 +1059,8 @@ Message = (
     | KvRendezvous
     | PullAsk
     | PullOffer
+    | Rehome
+    | RehomePull
     | DrainQuery
     | DrainReply
     | RemoveQuery

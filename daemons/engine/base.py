@@ -115,6 +115,7 @@ class TierCounts(Protocol):
     restored_blocks: int  # monotonic
     restored_bytes: int  # monotonic
     restore_ms_per_block: float  # measured (an estimate before the first restore)
+    retention: object  # its sessions' retention (tier.py ``Retention``; None: kv_tier.retain_s = 0): what re-homing moves
 
     def __len__(self) -> int: ...  # blocks held
 

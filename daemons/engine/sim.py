@@ -69,7 +69,7 @@ class SimEngine(EngineDefaults, MigrationParts):
         self.tier = self.cache.tier if self.cache is not None else None
         self._blocks = SimBlocks(sim.num_blocks, sim.watermark * sim.num_blocks, self.cache)
         self._table = SimRequestTable()
-        self._waiting = WaitingQueue()
+        self._waiting = WaitingQueue(self.cache)  # (queued tokens less what is cached)
         self.adapters = adapters_of(lora, lambda rid: rid in self._table.by_id or self._migrations.reserving(rid))
         self._migrations = SimEngineMigrations(self._table, self._blocks, sim.block_size, model.max_model_len,
                                                lambda r: start(self.adapters, r.adapter, r.adapter_path, r.request_id))

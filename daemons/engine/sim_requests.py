@@ -19,7 +19,8 @@ def cdiv(a: int, b: int) -> int:
 
 class SimRequest:
     __slots__ = ("rid", "prompt_len", "sampling", "priority", "arrival_time", "generated", "blocks",
-                 "preempted", "seed", "stop_ids", "max_total", "tokens", "hashes", "adapter", "session", "retain_s")
+                 "preempted", "seed", "stop_ids", "max_total", "tokens", "hashes", "adapter", "session", "retain_s",
+                 "queued_cached")
 
     def __init__(self, request: EngineRequest, max_model_len: int):
         self.rid = request.request_id
@@ -43,6 +44,7 @@ class SimRequest:
         self.adapter = (request.adapter, request.adapter_path)  # its LoRA adapter: travels with a migration
         self.session = request.session  # its conversation: its blocks are retained when it ends (tier.py)
         self.retain_s = request.retain_s
+        self.queued_cached = 0  # of the tokens it will prefill, those cached when it was queued (WaitingQueue)
 
 
 def request_rows(running: Iterable[SimRequest], suspended: Iterable[SimRequest], waiting: Iterable[SimRequest]):
@@ -61,13 +63,28 @@ class WaitingQueue:
     """Waiting requests: higher priority first, FCFS within a priority. One deque per priority that has
     waiting requests, so every verb but ``remove`` is O(1) while there are only a few priorities."""
 
-    __slots__ = ("_classes", "_order", "_len", "tokens")
+    __slots__ = ("_classes", "_order", "_len", "tokens", "_cache")
 
-    def __init__(self):
+    def __init__(self, cache=None):
+        """``cache``: the engine's prefix cache (sim_cache.SimPrefixCache; None: none), which says, once as a request
+        is queued, how much of what it will prefill is cached (in the engine or the host tier): ``tokens`` counts
+        only the rest (what admission and the SLO's prediction weigh as queued work)."""
         self._classes: dict[int, deque[SimRequest]] = {}
         self._order: list[int] = []  # priorities of the non-empty classes, highest first
         self._len = 0
-        self.tokens = 0  # the tokens they will prefill (prompt and, if preempted, what they generated)
+        self.tokens = 0  # the tokens they will prefill (prompt and, if preempted, what they generated), less cached
+        self._cache = cache
+
+    def _queued(self, req: SimRequest) -> int:
+        """(As ``req`` is queued) the tokens it will prefill, less those cached now (looked up once)."""
+        tokens = req.prompt_len + req.generated
+        cache = self._cache
+        req.queued_cached = sum(cache.cached(req, tokens)) if cache is not None and req.tokens is not None else 0
+        return tokens - req.queued_cached
+
+    @staticmethod
+    def _owed(req: SimRequest) -> int:
+        return req.prompt_len + req.generated - req.queued_cached
 
     def _class(self, priority: int) -> deque[SimRequest]:
         q = self._classes.get(priority)
@@ -86,13 +103,13 @@ class WaitingQueue:
         """A new arrival: behind every waiting request of its priority."""
         self._class(req.priority).append(req)
         self._len += 1
-        self.tokens += req.prompt_len + req.generated
+        self.tokens += self._queued(req)
 
     def appendleft(self, req: SimRequest) -> None:
         """A preempted request: it arrived before every waiting request of its priority."""
         self._class(req.priority).appendleft(req)
         self._len += 1
-        self.tokens += req.prompt_len + req.generated
+        self.tokens += self._queued(req)
 
     def head(self) -> SimRequest:
         return self._classes[self._order[0]][0]
@@ -102,14 +119,14 @@ class WaitingQueue:
         req = self._classes[priority].popleft()
         self._drop_if_empty(priority)
         self._len -= 1
-        self.tokens -= req.prompt_len + req.generated
+        self.tokens -= self._owed(req)
         return req
 
     def remove(self, req: SimRequest) -> None:
         self._classes[req.priority].remove(req)  # O(its class), but aborts are rare next to steps
         self._drop_if_empty(req.priority)
         self._len -= 1
-        self.tokens -= req.prompt_len + req.generated
+        self.tokens -= self._owed(req)
 
     def clear(self) -> None:
         self._classes.clear()
@@ -126,7 +143,7 @@ class WaitingQueue:
 
     def tokens_above(self, priority: int) -> int:
         """The tokens those will prefill."""
-        return sum(r.prompt_len + r.generated for p in self._order if p > priority for r in self._classes[p])
+        return sum(self._owed(r) for p in self._order if p > priority for r in self._classes[p])
 
     def __iter__(self) -> Iterator[SimRequest]:
         for priority in self._order:

@@ -128,6 +128,24 @@ class Retention:
         while len(self._count) > self.limit:  # past the share: the sessions due first lose it
             self._drop(min(self._sessions, key=lambda s: self._sessions[s][0]))
 
+    def idle(self, busy: set[str], n: int) -> list[tuple[str, float, list[bytes]]]:
+        """Up to ``n`` sessions retained now, none of ``busy`` (a turn of theirs runs), least recently ended
+        first: (session, seconds of retention left, its last turn's hashes)."""
+        self.expire()
+        now, out = self.clock(), []
+        for session, (until, hashes) in self._sessions.items():  # (in the order their turns ended)
+            if len(out) >= n:
+                break
+            if session not in busy:
+                out.append((session, until - now, list(hashes)))
+        return out
+
+    def release(self, session: str) -> bool:
+        """``session``'s blocks are retained no longer (re-homed elsewhere): ordinary cache now."""
+        held = session in self._sessions
+        self._drop(session)
+        return held
+
     def expire(self) -> int:
         """Drop the sessions past their deadline; returns how many."""
         now = self.clock()

@@ -13,8 +13,8 @@ AMX_ENV = "LLUMNIX_VLLM_AMX_ATTENTION"  # =1 keeps vLLM's AMX attention kernel (
 
 class VllmState:
     """Reads of a running vLLM core (its scheduler, KV cache manager, block pool and model runner), made of
-    ``m`` (vLLM's names, ``VllmInternals.import_checked``), the ``EngineCore`` and its ``VllmConfig``. It owns
-    nothing of its own: what it reads is vLLM's."""
+    ``m`` (vLLM's names, ``VllmInternals.import_checked``), the ``EngineCore`` and its ``VllmConfig``. What it reads
+    is vLLM's; it owns one memo: the cached tokens of each waiting request, looked up once (``waiting_tokens``)."""
 
     def __init__(self, m, core, config):
         self.m = m
@@ -24,6 +24,7 @@ class VllmState:
         self.scheduler = core.scheduler
         self.kv = self.scheduler.kv_cache_manager
         self.pool = self.kv.block_pool
+        self._queued_cached: dict[str, int] = {}  # waiting request id -> its prompt's tokens cached when first seen
 
     def tokenizer(self):
         """The tokenizer vLLM's structured output compiles grammars against (``structured_output_manager``)."""
@@ -57,8 +58,28 @@ class VllmState:
         return list(self.scheduler.waiting)
 
     def waiting_tokens(self) -> int:
-        """Tokens the waiting requests have yet to prefill (a preempted one's output included)."""
-        return sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting)
+        """Tokens the waiting requests have yet to prefill (a preempted one's output included), less those their
+        prompts find in the prefix cache (what admission and the SLO's prediction weigh as queued work). Each
+        request's cached tokens are looked up once, when first seen waiting (host-tier blocks are in the prefix
+        cache by then: the tier restores them as the request is added); after that a report reads the memo."""
+        memo, seen, total = self._queued_cached, {}, 0
+        for r in self.scheduler.waiting:
+            cached = memo.get(r.request_id)
+            if cached is None:
+                cached = self.cached_tokens(r)
+            seen[r.request_id] = cached
+            total += max(r.num_tokens - r.num_computed_tokens - cached, 0)
+        self._queued_cached = seen
+        return total
+
+    def cached_tokens(self, r) -> int:
+        """Of a request's prompt, the leading tokens whose blocks the prefix cache holds (never its last token)."""
+        bs, n = self.block_size, 0
+        for h in r.block_hashes[:(r.num_tokens - 1) // bs]:
+            if self.pool.get_cached_block(h, [0]) is None:
+                break
+            n += 1
+        return n * bs
 
     def head_waiting(self):
         queue = self.scheduler.waiting

@@ -160,7 +160,7 @@ class Instance:
         in memory), else Gloo pairs, rank by rank for a tensor-parallel engine (daemons/kv/ranks.py)."""
         kv = self.kv or gloo_transport(self.cfg.migration, self.engine.kv_ranks())
         return Migrator(self, self.cfg.migration, self.engine, self.requests, self.mailbox.call, self.faults, kv,
-                        self.clock)
+                        self.clock, self.cfg.kv_tier.pull_timeout_s)
 
     async def run(self) -> None:
         self.sec.check_bind("instance.request_address", self.ic.request_address)
@@ -196,7 +196,8 @@ class Instance:
                     wire.CacheSync: lambda msg: self.cache.on_sync(""),
                     wire.PeerDead: self.on_peer_dead,
                     wire.PeerLink: lambda msg: self.migrator.link(msg.instance_id, msg.request_address),
-                    wire.LoraOrder: self.adapters.on_order}
+                    wire.LoraOrder: self.adapters.on_order,
+                    wire.Rehome: self.migrator.rehome.on_order}
         tasks = [asyncio.create_task(c) for c in (self.intake.serve(), self.stepper.run(), self.control.serve(handlers),
                                                    self.reporter.run(), self.heartbeats.run())]
         stopped = asyncio.create_task(self.stop.wait())

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llumnix.instance")
 
-PEER_MESSAGES = (wire.MigStage, wire.MigAbort, wire.PrefixQuery, wire.KvRendezvous, wire.LinkOpen, wire.PullAsk)
+PEER_MESSAGES = (wire.MigStage, wire.MigAbort, wire.PrefixQuery, wire.KvRendezvous, wire.LinkOpen, wire.PullAsk,
+                 wire.RehomePull)
 
 
 class Intake:
@@ -159,7 +160,8 @@ class Intake:
         mark = None if msg.output_token_ids else slo_mark(msg.slo_ttft_ms, msg.slo_tpot_ms, msg.arrival_time,
                                                           predicted_ttft_ms=msg.predicted_ttft_ms)
         self.requests.admit(msg.request_id, msg.reply_to, msg.epoch, len(msg.output_token_ids), msg.traceparent, mark,
-                            prompt_tokens=len(msg.prompt_token_ids), priority=msg.priority, adapter=msg.adapter)
+                            prompt_tokens=len(msg.prompt_token_ids), priority=msg.priority, adapter=msg.adapter,
+                            session=msg.session)
         self.phases.admitted(msg.request_id)
 
     async def _after_reservation(self, migrator: Migrator, msg: wire.Submit) -> None:

@@ -126,8 +126,14 @@ class Reporter:
         return msgspec.structs.replace(load, outlook=self._outlook)
 
     def _with_role(self, load: wire.InstanceLoad) -> wire.InstanceLoad:
+        """``load`` with the instance's role, and its KV block's bytes where its host tier knows them (what pricing
+        a pull or a restore reads: daemons/policy/sessions.py)."""
         role = getattr(self.standing, "role", "mixed")
-        return load if load.role == role else msgspec.structs.replace(load, role=role)
+        tier = self.engine.tier
+        nbytes = tier.block_nbytes if tier is not None else 0
+        if load.role == role and load.block_nbytes == nbytes:
+            return load
+        return msgspec.structs.replace(load, role=role, block_nbytes=nbytes)
 
     def refresh(self, load: wire.InstanceLoad | None = None) -> None:
         """(At a boundary, or after a step with the load it read) The load is current: report it."""

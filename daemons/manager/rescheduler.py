@@ -17,6 +17,7 @@ from daemons import policy, wire
 from daemons.manager.launcher import Launcher
 from daemons.manager.lifecycle import Lifecycle
 from daemons.manager.orders import Lookup, Orders
+from daemons.manager.rehome import Rehomer
 from daemons.manager.records import InstanceRecord
 from daemons.manager.roles import Roles
 from daemons.manager.scaling import Scaling
@@ -40,6 +41,7 @@ class Rescheduler:
         self.scaling = Scaling(shared, self.launcher, self.lifecycle.retire, min(1.0, cfg.manager.heartbeat_interval_s),
                                started)
         self.roles = Roles(shared, self.orders)
+        self.rehomer = Rehomer(shared)  # idle sessions' KV from hot instances to cooler ones
 
     def joined(self, r: InstanceRecord, new: bool) -> None:
         """An instance registered (``new``: one we did not know)."""
@@ -60,8 +62,8 @@ class Rescheduler:
             self.spawn(self.lifecycle.retire(r.instance_id, r.drain_reason, self.scfg.launch_timeout_s))
 
     def loops(self) -> list[Awaitable]:
-        """The coroutines that run as long as the manager: pairing, scaling."""
-        return [self.orders.pairing_loop(), self.scaling.scaling_loop(), self.roles.loop()]
+        """The coroutines that run as long as the manager: pairing, scaling, roles, re-homing."""
+        return [self.orders.pairing_loop(), self.scaling.scaling_loop(), self.roles.loop(), self.rehomer.loop()]
 
     def counters(self) -> dict:
         """What status shows of the rescheduling (the Snapshot's fields)."""

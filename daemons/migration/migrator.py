@@ -17,8 +17,9 @@ from daemons.engine.base import Engine
 from daemons.migration.destination import Destination
 from daemons.migration.move import Move
 from daemons.migration.peers import Peers
-from daemons.migration.pulls import PULL_PEER, Pulls
+from daemons.migration.pulls import PULL_PEER, PULL_TIMEOUT_S, Pulls
 from daemons.migration.records import Host, Incoming, Outgoing
+from daemons.migration.rehome import Rehome
 from daemons.migration.side import Parts
 from daemons.migration.source import Source
 from daemons.migration.transport import KvTransport
@@ -36,7 +37,8 @@ class Migrator:
     transport (daemons/migration/transport.py; the daemon's: daemons/kv/ranks.py ``gloo_transport``).
 
     What the instance calls: ``migrate_out`` (one request to a destination; returns its outcome),
-    ``prefix_hits`` (what a destination holds already), ``pulls`` (prefix pulls, pulls.py), ``peer_dead`` (the manager's word that a peer died),
+    ``prefix_hits`` (what a destination holds already), ``pulls`` (prefix pulls, pulls.py), ``rehome`` (idle
+    sessions' KV to a cooler instance, rehome.py), ``peer_dead`` (the manager's word that a peer died),
     ``link`` (make the links to a peer ahead of its moves),
     ``on_peer_message`` (a message from a source, on the
     instance's ROUTER), ``receiving`` / ``cancel_incoming`` / ``forward_abort`` (a request arriving, placed
@@ -44,7 +46,8 @@ class Migrator:
     ``aborted`` (for the load report) and ``close``."""
 
     def __init__(self, host: Host, cfg: MigrationConfig, engine: Engine, requests: RequestTable, boundary: Callable,
-                 faults: Faults | None, kv: KvTransport, clock: Clock | None = None):
+                 faults: Faults | None, kv: KvTransport, clock: Clock | None = None,
+                 pull_timeout_s: float = PULL_TIMEOUT_S):
         self.cfg = cfg
         self.kv = kv
         self.clock = clock or Clock()
@@ -62,7 +65,8 @@ class Migrator:
         self.source = Source(parts)
         self.destination = Destination(parts, faults or Faults("", ""), self.spawn, lambda: self.busy)
         self.warmup = Warmup(parts, self.source.lock, self.spawn)
-        self.pulls = Pulls(parts, self.spawn)
+        self.pulls = Pulls(parts, self.spawn, pull_timeout_s)  # (kv_tier.pull_timeout_s)
+        self.rehome = Rehome(parts, self.pulls, self.spawn)
 
     def _reply(self, msg: wire.Message) -> None:
         if isinstance(msg, wire.LinkReady):
@@ -103,6 +107,8 @@ class Migrator:
             self.warmup.on_open(identity, msg)
         elif isinstance(msg, wire.PullAsk):
             self.pulls.on_ask(identity, msg)
+        elif isinstance(msg, wire.RehomePull):
+            self.rehome.on_pull(msg)
 
     def peer_dead(self, instance_id: str, address: str) -> None:
         """The manager says ``instance_id`` (at request address ``address``) is dead (wire.PeerDead). Nothing

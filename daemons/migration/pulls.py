@@ -37,7 +37,7 @@ from daemons.migration.telemetry import M_PULL_BYTES, M_PULL_SECONDS, M_PULLS
 
 log = logging.getLogger("llumnix.migration")
 
-PULL_TIMEOUT_S = 2.0  # a pull's default bound, start to blocks in the tier
+PULL_TIMEOUT_S = 2.0  # a pull's bound, start to blocks in the tier (kv_tier.pull_timeout_s's default)
 PULL_PEER = "#pull"  # the suffix of the peer name a holder's pull pair is made under
 
 
@@ -102,15 +102,20 @@ class Pulls:
         """(outcome, bytes received)."""
         hashes = self._hashes(submit)
         have = (await self.boundary(lambda: self.engine.prefix_hits([submit.prompt_token_ids])))[0]
-        ask = hashes[have:]
-        if not ask or not submit.pull_address:
+        return await self.fetch(submit.pull_address, hashes[have:])
+
+    async def fetch(self, address: str, ask: list[bytes], session: str = "") -> tuple[str, int]:
+        """The leading blocks of ``ask`` that the instance at ``address`` holds, into our host tier: (outcome, bytes
+        received). ``session``: a re-homed session's blocks (the holder stops retaining them once sent).
+        Unbounded: the caller bounds it."""
+        if not ask or not address:
             return "held", 0
         pid = next(self._ids)
         offer = self._offers[pid] = asyncio.get_running_loop().create_future()
-        self._asked[pid] = submit.pull_address
+        self._asked[pid] = address
         try:
             spec = self.engine.kv_blocks().spec
-            if not self.peers.send(submit.pull_address, wire.PullAsk(pid, self.host.instance_id, ask, spec)):
+            if not self.peers.send(address, wire.PullAsk(pid, self.host.instance_id, ask, spec, session)):
                 return "unreachable", 0
             msg, receiving, buf = await offer
         finally:
@@ -187,5 +192,9 @@ class Pulls:
         except Exception as exc:  # the asker went away or timed out: its request recomputes
             log.info("prefix pull %d to %s: the transfer failed: %s", msg.pull_id, msg.instance_id, exc)
             self.kv.forget(msg.instance_id + PULL_PEER)
+            return
         finally:
             self.serving -= 1
+        retention = self.engine.tier.retention if self.engine.tier is not None else None
+        if msg.session and retention is not None:  # a re-homed session: its KV is retained there now, not here
+            await self.boundary(lambda: retention.release(msg.session))

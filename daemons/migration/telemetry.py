@@ -40,3 +40,6 @@ M_PULL_BYTES = metrics.counter("instance", "llumnix_kv_pulled_bytes_total", "KV 
 M_PULL_SECONDS = metrics.histogram("instance", "llumnix_kv_pull_seconds",
                                    "Time from a pull's start to its blocks in the host tier, pulls that brought blocks",
                                    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
+M_REHOMED = metrics.counter("instance", "llumnix_sessions_rehomed_total",
+                            "Idle sessions whose KV this instance pulled in from a hot instance (ordered there by the "
+                            "manager, wire.Rehome): in its host tier and retained here now")

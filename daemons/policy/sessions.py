@@ -13,7 +13,8 @@ holds H more (daemons/prefix.py ``match_tiers``) costs, before its first token:
   what it takes past that wait counts;
 - the instance's predicted TTFT of the rest (daemons/policy/slo.py ``predict_ttft``: its queue, then the prefill of
   what is not cached); an instance with no step-time model yet prefills at REFERENCE_PREFILL_MS_PER_TOKEN.
-Block bytes are block_size x sessions.kv_bytes_per_token.
+Block bytes are what the instance reports (wire.InstanceLoad ``block_nbytes``, from its host tier), else block_size x
+sessions.kv_bytes_per_token.
 
 Sessions. A request naming a session goes to the instance that holds most of its prompt (engine and host tier
 together; the session's last instance wins a tie) unless that instance is past ``bound`` x the mean load (its
@@ -46,18 +47,20 @@ class Pricing:
     link_gbps: float = 10.0
     restore_gbps: float = 40.0
 
-    def block_bytes(self, block_size: int) -> int:
-        return block_size * self.kv_bytes_per_token
+    def block_bytes(self, block_size: int, reported: int = 0) -> int:
+        """A block's KV bytes: as its instance reported them (wire.InstanceLoad ``block_nbytes``), else block_size x
+        kv_bytes_per_token."""
+        return reported if reported > 0 else block_size * self.kv_bytes_per_token
 
-    def copy_ms(self, blocks: int, block_size: int) -> float:
-        """A pull of ``blocks`` between instances."""
-        return blocks * self.block_bytes(block_size) * 8 / (self.link_gbps * 1e9) * 1000.0
+    def copy_ms(self, blocks: int, block_size: int, reported: int = 0) -> float:
+        """A pull of ``blocks`` between instances (``reported``: the destination's block bytes, 0: unknown)."""
+        return blocks * self.block_bytes(block_size, reported) * 8 / (self.link_gbps * 1e9) * 1000.0
 
     def restore_ms_per_block(self, s: InstanceState) -> float:
         """One block from ``s``'s host tier into its engine: as ``s`` measured it, else the default rate."""
         if s.restore_ms_per_block > 0:
             return s.restore_ms_per_block
-        return self.block_bytes(s.block_size) * 8 / (self.restore_gbps * 1e9) * 1000.0
+        return self.block_bytes(s.block_size, s.block_nbytes) * 8 / (self.restore_gbps * 1e9) * 1000.0
 
 
 def pricing_of(cfg) -> Pricing:
@@ -102,7 +105,7 @@ def pull_blocks(s: InstanceState, tiers: Tiers | None, prompt_tokens: int, src: 
     if n <= 0:
         return 0
     prefill_ms = n * s.block_size * prefill_ms_per_token(s)
-    return n if p.copy_ms(n, s.block_size) < prefill_ms else 0
+    return n if p.copy_ms(n, s.block_size, s.block_nbytes) < prefill_ms else 0
 
 
 def pull_for(dst: InstanceState, sources, tiers: Tiers | None, prompt_tokens: int, p: Pricing) -> tuple[str, int]:
@@ -141,7 +144,7 @@ def price(s: InstanceState, prompt_tokens: int, tiers: Tiers | None, p: Pricing,
         wait = slo.predict_ttft(s, 0, high, max_tokens) if pulled else 0.0
     else:
         ttft, wait = uncached * REFERENCE_PREFILL_MS_PER_TOKEN / 1000.0, 0.0
-    copy_s = p.copy_ms(pulled, bs) / 1000.0 if pulled else 0.0
+    copy_s = p.copy_ms(pulled, bs, s.block_nbytes) / 1000.0 if pulled else 0.0
     return Priced(s.instance_id, ttft + restore_s + max(copy_s - wait, 0.0), engine, both - engine, pulled,
                   src if pulled else "")
 

@@ -54,6 +54,9 @@ class InstanceState:
     adapters: tuple[str, ...] = ()  # the LoRA adapters it holds (daemons/policy/residency.py)
     adapter_slots: int = 0  # its open adapter slots (free, or holding an adapter no request runs with)
     restore_ms_per_block: float = 0.0  # a block from its host KV tier back into its engine (0: not measured)
+    retained_blocks: int = 0  # blocks it retains for idle sessions (engine and tier): what re-homing may move
+    tier_capacity: int = 0  # its host KV tier's size in blocks (0: none: nothing can be re-homed to it)
+    block_nbytes: int = 0  # bytes of one KV block, every layer (0: unknown): what pricing a pull or a restore reads
 
     @property
     def batch(self) -> int:
@@ -148,4 +151,7 @@ def state_of(instance_id: str, load, **flags) -> InstanceState:
                          context_tokens=load.context_tokens, latency=load.latency,
                          role=getattr(load, "role", "mixed") or "mixed", outlook=getattr(load, "outlook", None),
                          adapters=tuple(getattr(load, "adapters", ())), adapter_slots=getattr(load, "adapter_slots", 0),
-                         restore_ms_per_block=getattr(load, "restore_ms_per_block", 0.0) or 0.0, **flags)
+                         restore_ms_per_block=getattr(load, "restore_ms_per_block", 0.0) or 0.0,
+                         retained_blocks=getattr(load, "retained_blocks", 0) or 0,
+                         tier_capacity=getattr(load, "tier_capacity", 0) or 0,
+                         block_nbytes=getattr(load, "block_nbytes", 0) or 0, **flags)

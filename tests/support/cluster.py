@@ -112,7 +112,8 @@ class VirtualCluster:
         Its watchdog judges on the virtual clock; a hung instance "exits" with EXIT_HUNG (``exits``)."""
         cfg = load_config(None, self.sets + [f"instance.id={iid}", "instance.backend=sim",
                                              f"instance.request_address=inproc://{iid}", *sets])
-        inst = Instance(cfg, SimEngine(cfg.sim, cfg.model), kv=self.hub.transport(iid), ctx=self.context(),
+        engine = SimEngine(cfg.sim, cfg.model, kv_tier=cfg.kv_tier, clock=self.clock.monotonic)  # (as the daemon's)
+        inst = Instance(cfg, engine, kv=self.hub.transport(iid), ctx=self.context(),
                         clock=self.clock, faults=Faults(iid, faults or None))  # none given: $LLUMNIX_FAULTS
         inst.watchdog.on_hung = lambda: self.exited(iid, EXIT_HUNG)
         self.instances[iid] = inst

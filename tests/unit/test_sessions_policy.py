@@ -64,6 +64,19 @@ def test_a_pull_is_chosen_only_when_shorter_than_the_prefill_it_saves(held, loca
     assert sessions.pull_blocks(s, tiers, 4000, "a", held, replace(p, pull=False)) == 0
 
 
+def test_the_reported_block_bytes_price_pulls_and_restores_over_the_fallback():
+    """A small model's instance reports its blocks' bytes (wire.InstanceLoad block_nbytes): a pull the 8B fallback
+    (131072 bytes a token) prices above its prefill is taken at the real size; restores are priced by it too."""
+    small = 16 * 2048  # a tiny model's block of 16 tokens
+    tiers = {"a": (100, 100)}
+    slow = replace(PRICING, link_gbps=0.1)  # a slow link: 16 x 131072 B = 16.8 ms a block against 8 ms of prefill
+    assert sessions.pull_blocks(inst("b"), tiers, 1600, "a", 100, slow) == 0
+    assert sessions.pull_blocks(inst("b", block_nbytes=small), tiers, 1600, "a", 100, slow) == 100
+    assert PRICING.restore_ms_per_block(inst("b", block_nbytes=small)) == small * 8 / 40e9 * 1000
+    assert PRICING.copy_ms(10, 16, small) == 10 * small * 8 / 10e9 * 1000
+    assert policy.state_of("x", wire.InstanceLoad(64, 0, 0, 0, 8, 16, block_nbytes=small)).block_nbytes == small
+
+
 def replace_fit(**kw) -> wire.LatencyFit:
     import msgspec
     return msgspec.structs.replace(FIT, **kw)

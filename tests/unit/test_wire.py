@@ -53,6 +53,8 @@ def _samples():
         wire.KvRendezvous("i0>i1/ab", "i0>i1/ab/0/0", b"addr"),
         wire.PullAsk(1, "i1", [b"h" * 32], "spec"),
         wire.PullOffer(1, 2, 4096, "i0>i1#pull/ab", ""),
+        wire.Rehome("i1", "tcp://127.0.0.1:5000", 2),
+        wire.RehomePull("i0", "tcp://127.0.0.1:5001", "chat-1", [b"h" * 32], 30.0),
         wire.CacheEvents("i0", 7, 3, stored=[1, 2**64 - 1], removed=[5]),
         wire.CacheSync("tcp://p:1"),
         wire.MigrateStart(9, "i1", "tcp://b:2", count=2, reason="drain", selection="llumnix", drain=True,
