@@ -20,7 +20,7 @@ if [ $# -gt 0 ]; then
   exec "${PYTEST[@]}" "$@"
 fi
 HEAVY=(tests/e2e/test_e2e_vllm.py tests/e2e/test_e2e_vllm_migration.py tests/e2e/test_e2e_vllm_migration_aborts.py tests/e2e/test_e2e_vllm_tp.py tests/e2e/test_vllm_engine.py
-       tests/e2e/test_vllm_real_model.py
+       tests/e2e/test_vllm_real_model.py tests/e2e/test_vllm_tier.py tests/e2e/test_vllm_waiting_tokens.py tests/e2e/test_e2e_vllm_pull.py
        tests/e2e/test_bench_serve.py tests/e2e/test_multihost.py tests/e2e/test_netns.py
        tests/e2e/test_e2e_cluster.py tests/e2e/test_e2e_kill_points.py)  # the last two even out the streams' lengths (about 10 minutes each here)
 e2e=(tests/e2e/test_*.py)
