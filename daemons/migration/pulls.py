@@ -33,12 +33,14 @@ import torch
 from daemons import prefix, wire
 from daemons.kv.layout import KvBlocks
 from daemons.migration.side import Parts
+from daemons.migration.transport import TransferError
 from daemons.migration.telemetry import M_PULL_BYTES, M_PULL_SECONDS, M_PULLS
 
 log = logging.getLogger("llumnix.migration")
 
 PULL_TIMEOUT_S = 2.0  # a pull's bound, start to blocks in the tier (kv_tier.pull_timeout_s's default)
-PULL_PEER = "#pull"  # the suffix of the peer name a holder's pull pair is made under
+PULL_PEER = "#pull"
+GIVEN_UP_KEPT = 256  # pulls given up before their offer came, remembered (where their holder is)  # the suffix of the peer name a holder's pull pair is made under
 
 
 def flat_blocks(buf: torch.Tensor, blocks: int) -> KvBlocks:
@@ -57,6 +59,7 @@ class Pulls:
         self._ids = itertools.count(1)
         self._offers: dict[int, asyncio.Future] = {}  # pull id -> its offer (or None: the holder is dead)
         self._asked: dict[int, str] = {}  # pull id -> the holder's address
+        self._given_up: dict[int, str] = {}  # the same, of the latest pulls ended before their offer came
         self.held: dict[str, wire.Submit] = {}  # request id -> its Submit, while its pull runs
         self.serving = 0  # pulls this instance is sending
 
@@ -120,14 +123,20 @@ class Pulls:
             msg, receiving, buf = await offer
         finally:
             self._offers.pop(pid, None)
-            self._asked.pop(pid, None)
+            address = self._asked.pop(pid, None)
+            if not offer.done() and address:  # its offer may still come: its bytes must still be received
+                self._given_up[pid] = address
+                while len(self._given_up) > GIVEN_UP_KEPT:
+                    del self._given_up[next(iter(self._given_up))]
         if msg is None:
             return "holder_dead", 0
         if not msg.blocks:
             return "none_held", 0
         try:
-            got = await asyncio.wrap_future(receiving)
-        except BaseException:  # the transfer failed or we gave up on it: the pair's order is lost with it
+            # Shielded: a receive still queued on the pair's thread must run even when we give up on it (a
+            # timeout), or the holder's send would meet the next pull's receive on that pair.
+            got = await asyncio.shield(asyncio.wrap_future(receiving))
+        except TransferError:  # the pair broke: its next use makes a new one
             self.kv.forget(msg.pair_key)
             raise
         await self.boundary(lambda: self.engine.import_blocks(ask[:msg.blocks], buf))
@@ -137,20 +146,24 @@ class Pulls:
         """(Event loop, from the holder's socket) Post the receive at once: the holder has posted its send, and
         the pair's operations must be posted in the order the offers come."""
         waiting = self._offers.get(msg.pull_id)
-        if waiting is None or waiting.done():
-            if msg.blocks:  # we gave up on it: the pair's order is lost with it
-                self.kv.forget(msg.pair_key)
+        wanted = waiting is not None and not waiting.done()
+        if not msg.blocks or msg.nbytes <= 0 or msg.nbytes % msg.blocks:  # (a holder sends no such offer's bytes)
+            if wanted:
+                waiting.set_result((msgspec.structs.replace(msg, blocks=0), None, None))
             return
-        if not msg.blocks or msg.nbytes <= 0 or msg.nbytes % msg.blocks:
-            waiting.set_result((msg if not msg.blocks else msgspec.structs.replace(msg, blocks=0), None, None))
-            return
+        # The holder has posted its send: whether or not we still want the blocks (a pull that timed out, a holder
+        # taken for dead), the receive is posted, in the order of the offers, so that every later send on this
+        # pair meets its own receive. (A receive of the wrong size aborts the process: Gloo's check.)
+        address = self._asked.get(msg.pull_id) or self._given_up.pop(msg.pull_id, "")
         pair = self.kv.dest_pair(msg.pair_key, msg.store_address)
         self.peers.pair_used(msg.pair_key)
-        address = self._asked.get(msg.pull_id, "")
         self.peers.relay_rendezvous(pair, lambda m: self.peers.send(address, m))
         buf = torch.empty(msg.nbytes, dtype=torch.uint8)
         receiving = pair.recv(flat_blocks(buf, msg.blocks), list(range(msg.blocks)), self._chunk(msg.nbytes // msg.blocks))
-        waiting.set_result((msg, receiving, buf))
+        if wanted:
+            waiting.set_result((msg, receiving, buf))
+        else:  # its bytes are received and dropped
+            receiving.add_done_callback(lambda done: done.exception())
 
     def peer_dead(self, address: str) -> None:
         """The holder at ``address`` is dead: its pulls end now (the requests go on without them)."""
@@ -188,7 +201,9 @@ class Pulls:
         reply(identity, wire.PullOffer(msg.pull_id, n, buf.numel(), pair.key, self.kv.address))
         self.serving += 1
         try:
-            await asyncio.wrap_future(pair.send(flat_blocks(buf, n), list(range(n)), self._chunk(buf.numel() // n)))
+            # Shielded: once the offer is out, its send must run (the asker posts the matching receive).
+            await asyncio.shield(asyncio.wrap_future(pair.send(flat_blocks(buf, n), list(range(n)),
+                                                                self._chunk(buf.numel() // n))))
         except Exception as exc:  # the asker went away or timed out: its request recomputes
             log.info("prefix pull %d to %s: the transfer failed: %s", msg.pull_id, msg.instance_id, exc)
             self.kv.forget(msg.instance_id + PULL_PEER)

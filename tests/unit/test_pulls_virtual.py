@@ -141,3 +141,46 @@ def test_a_pull_past_its_timeout_means_a_recompute():
         pass
 
     _failed(slow, ("timeout",), sets=["kv_tier.pull_timeout_s=0.5"], kv_bytes_per_s=1e5)
+
+
+def test_a_pull_given_up_before_its_offer_came_leaves_the_pair_in_step():
+    """The holder answers a pull late, after the asker gave up on it (a timeout): the asker still takes that
+    transfer's bytes (and drops them), so the next pull's receive meets its own send. Skipping it put every later
+    transfer on the pair one behind: over Gloo a receive met a larger send and the process aborted."""
+    import asyncio
+
+    from daemons import wire
+
+    async def scenario(c: VirtualCluster):
+        token = c.proxy.token_address
+        params = wire.SamplingParams(max_tokens=4, ignore_eos=True)
+        first, second = list(range(1000, 1000 + PROMPT)), list(range(3000, 3000 + PROMPT // 2))
+        place(c, "i0")
+        for rid, prompt in (("w1", first), ("w2", second)):  # both prompts cached on i0
+            await c.result(await c.proxy.submit(wire.Submit(rid, prompt, params, token), "", 1.0, 0.0))
+        holder = c.instances["i0"].migrator.pulls
+        boundary, slowed = holder.boundary, []
+
+        async def slow_once(fn):  # the holder's first export waits past the asker's timeout
+            if not slowed:
+                slowed.append(False)
+                await asyncio.sleep(1.0)
+                slowed[0] = True  # (its offer goes out now)
+            return await boundary(fn)
+
+        holder.boundary = slow_once
+        place(c, "i1", "i0", PROMPT // 16)
+        late = await c.proxy.submit(wire.Submit("late", first, params, token), "", 1.0, 0.0)
+        await c.result(late)
+        await c.until(lambda: slowed and slowed[0] and not holder.serving, 5,
+                      "the late transfer did not complete (its bytes were not taken)")
+        place(c, "i1", "i0", PROMPT // 32)
+        s = await c.proxy.submit(wire.Submit("next", second, params, token), "", 1.0, 0.0)
+        await c.result(s)
+        await c.until(lambda: idle(c), 5, "something stayed held")
+        return sources(c, "i1")
+
+    before = outcomes()
+    got = VirtualCluster.run(scenario, instances=2, sets=SETS + ["kv_tier.pull_timeout_s=0.5"])
+    assert counted(before) == {"timeout": 1, "pulled": 1}
+    assert got["pulled"] == PROMPT // 2 - 1, got
