@@ -131,7 +131,9 @@ def test_a_drain_and_a_kill_move_lora_streams_with_their_adapter_exactly(start_c
 
     c = start_cluster(3, LORA + ["instance.min_step_s=0.02", "manager.dispatch_policy=flood"])
     _load(c, "d", "i0")
-    s = Stream(c.url, 120, prompt="x " * 20, model="d")
+    # Long enough (400 steps of at least 20 ms) to be still running after the drain, which may take seconds on a
+    # busy host (120 tokens had finished before a drain that retried once: the request was nowhere to be found).
+    s = Stream(c.url, 400, prompt="x " * 20, model="d")
     s.wait_tokens(10)
     assert _where(c, s.rid) == "i0"
     res = cli("drain", "i0", "--wait", "--timeout", "60", "--run-dir", str(c.run_dir))
@@ -140,7 +142,7 @@ def test_a_drain_and_a_kill_move_lora_streams_with_their_adapter_exactly(start_c
     assert here != "i0" and _wait(lambda: here in _listed(c)["d"])
     s.wait_tokens(60)
     os.kill(c.proc(f"instance-{here}").pid, signal.SIGKILL)
-    s.check_sim(120)
+    s.check_sim(400)
     assert _wait(lambda: any(i["state"] == "alive" and "d" in i["adapters"] and i["id"] not in ("i0", here)
                              for i in c.status()["instances"])), c.status()["instances"]
 
