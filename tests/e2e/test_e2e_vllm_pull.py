@@ -15,9 +15,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from llumnixctl.lab import localcluster  # noqa: E402
-from llumnixctl.lab.model import write_tiny_model  # noqa: E402
 from tests.conftest import Cluster, cli  # noqa: E402
+from tests.support.tinyvllm import complete, tiny_cluster  # noqa: E402
 from tests.streams import Stream, metric, proxy_metric, samples, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.e2e
@@ -31,22 +30,7 @@ PROMPT = [1] + [(i * 11) % 400 + 3 for i in range(259)]  # 8 full blocks and 4 t
 
 @pytest.fixture(scope="module")
 def pcluster(tmp_path_factory):
-    model = write_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama")
-    run_dir = tmp_path_factory.mktemp("prun")
-    state = localcluster.up(run_dir, 2, "vllm", 0, None, SETS + [f"model.path={model}", "model.name=tiny-llama"],
-                            timeout_s=300)
-    try:
-        yield Cluster(state, run_dir)
-    finally:
-        localcluster.stop(state, timeout_s=20)
-
-
-def complete(c: Cluster, prompt: list[int], n: int = 12, **extra) -> list[int]:
-    r = httpx.post(c.url + "/v1/completions", timeout=60, json={
-        "model": "tiny-llama", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-        "return_token_ids": True, **extra})
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["token_ids"]
+    yield from tiny_cluster(tmp_path_factory, 2, SETS, timeout_s=300)
 
 
 def counters(c: Cluster, iid: str) -> dict[str, float]:
