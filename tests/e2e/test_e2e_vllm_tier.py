@@ -8,6 +8,7 @@ llumnix_kv_pulls_total{outcome="pulled"}, pulled bytes). Placement: the first tu
 goes to i0 (i1 cordoned meanwhile); with two long requests running there, the session's next turn would pass
 sessions.bound on i0, so the proxy's session dispatch spills it to i1 with a pull from i0 (the prefix index shows
 i0 holding the prompt; the copy is priced by the blocks' bytes the instances report, shorter than the prefill).
+Last, kill -9 of the instance holding a session's KV while its turn streams costs the client nothing.
 
 The host tier, on i0 alone (i1 cordoned): a greedy conversation gives the same tokens whether its history's KV
 came from the engine's prefix cache, from the host KV tier (evicted from the engine by other traffic, restored)
@@ -17,12 +18,16 @@ tier of 32 each."""
 
 from __future__ import annotations
 
+import os
+import signal
+
 import httpx
 import pytest
 
 pytest.importorskip("vllm")
 
 from tests.conftest import Cluster, cli  # noqa: E402
+from tests.e2e.test_e2e_migration import where  # noqa: E402
 from tests.support.tinyvllm import complete, tiny_cluster  # noqa: E402
 from tests.streams import Stream, metric, proxy_metric, samples, wait_for  # noqa: E402
 
@@ -154,3 +159,30 @@ def test_a_prefix_pulled_from_another_instance_gives_the_same_greedy_tokens_as_a
     assert d["pulled"] == len(PROMPT) // 32 * 32 and d["pulls"] == 1, d
     assert d["pulled_bytes"] == len(PROMPT) // 32 * 64 * 1024, d
     assert pulled == recomputed
+
+
+# ---------------------------------------------------------------- the instance holding a session killed mid-turn (last)
+
+def test_the_instance_holding_a_sessions_kv_killed_mid_turn_costs_the_client_nothing(pcluster):
+    """kill -9 of the instance that holds a conversation's KV while its turn streams: the stream completes with the
+    tokens an unkilled run gives (failover re-prefills on the survivor), the next turn is served (recomputed), and
+    nothing stays reserved on the survivor."""
+    c = pcluster
+    ctl(c, "cordon", "i1")
+    wait_for(lambda: [r["id"] for r in c.status()["instances"] if r["cordoned"]] == ["i1"], 10, "i1 not cordoned")
+    first = [1] + [(i * 17) % 400 + 3 for i in range(40)]
+    answer = complete(c, first, prompt_cache_key="k9")  # on i0, alone uncordoned: it holds the session's KV
+    ctl(c, "uncordon", "i1")
+    wait_for(lambda: not any(r["cordoned"] for r in c.status()["instances"]), 10, "still cordoned")
+    turn2 = first + answer + [5, 6, 7]
+    s = Stream(c.url, 400, prompt=turn2, model="tiny-llama", temperature=0, prompt_cache_key="k9")
+    s.wait_tokens(2)
+    assert where(c, s.rid) == "i0"  # the session's turn went to its KV
+    os.kill(c.proc("instance-i0").pid, signal.SIGKILL)
+    s.result()
+    assert s.error is None and len(s.ids) == 400, s.error
+    assert s.ids == complete(c, turn2, n=400)  # what an unkilled run gives (on i1)
+    turn3 = complete(c, turn2 + s.ids[:20] + [8, 9], prompt_cache_key="k9")
+    assert len(turn3) == 12
+    wait_for(lambda: next(r for r in c.status()["instances"] if r["id"] == "i1")["blocks_used"] == 0, 20,
+             lambda: f"i1 still holds blocks: {c.status()['instances']}")
