@@ -3,10 +3,12 @@ one named in the settings and one loaded at run time through the proxy's /v1/loa
 adapter against vLLM's own OpenAI server (its api_server) with the same adapters; /v1/models; an unknown adapter's
 404; bad loads (a path that is no adapter, a rank over lora.max_rank, another base model's adapter) refused with a
 message that names the adapter while the cluster serves on; an adapter one instance holds served by the other after
-it loads it; unload."""
+it loads it; unload; loads and unloads of one adapter racing the streams that use it."""
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -107,6 +109,11 @@ def _listed(cluster: Cluster) -> dict[str, list[str]]:
     return {a["name"]: a["instances"] for a in ctl_json("lora", "list", "--run-dir", str(cluster.run_dir))["adapters"]}
 
 
+def _served(cluster: Cluster) -> list[str]:
+    """The models the proxy serves (its /v1/models: the base, then the adapters)."""
+    return [m["id"] for m in httpx.get(cluster.url + "/v1/models").json()["data"]]
+
+
 def _wait(what, timeout_s: float = 10.0):
     deadline = time.monotonic() + timeout_s
     while not (got := what()) and time.monotonic() < deadline:
@@ -172,7 +179,7 @@ def test_an_adapter_one_instance_holds_is_loaded_where_a_request_lands(vcluster,
               "--json")
     assert res.returncode == 0, res.stderr
     assert _wait(lambda: _listed(vcluster).get("solo") == [first])
-    assert _wait(lambda: "solo" in [m["id"] for m in httpx.get(vcluster.url + "/v1/models").json()["data"]])
+    assert _wait(lambda: "solo" in _served(vcluster))
     want = _tokens(vcluster.url, "chat", PROMPTS[0])
     assert _tokens(vcluster.url, "solo", PROMPTS[0]) == want
     # The holder takes no new requests: the other instance gets the next one, loads the adapter and serves it.
@@ -214,3 +221,101 @@ def test_more_adapters_in_use_than_slots_wait_their_turn_and_answer_the_same(vcl
     finally:
         assert cli("uncordon", second, "--run-dir", str(vcluster.run_dir)).returncode == 0
 
+
+def _stream(url: str, model: str, prompt: list[int]) -> tuple[int | str, object]:
+    """A greedy stream: ("ok", its token ids) when it ended as a stream ends (a finish_reason, then [DONE]);
+    (its status, its error body) when refused; ("error in stream", the event) for an error event before any token;
+    ("cut short", what came) for the rest."""
+    with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+            "model": model, "prompt": prompt, "max_tokens": N, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "stream": True}) as r:
+        if r.status_code != 200:
+            return r.status_code, json.loads(r.read())
+        ids, finish, done = [], None, False
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return ("error in stream", chunk) if not ids else ("cut short", {"ids": ids, **chunk})
+                for choice in chunk["choices"]:
+                    ids += choice.get("token_ids") or []
+                    finish = choice.get("finish_reason") or finish
+        return ("ok", ids) if done and finish == "length" else ("cut short", {"ids": ids, "finish": finish, "done": done})
+
+
+def _names_race(status: int | str, body) -> bool:
+    """A client error in OpenAI's shape (refused 4xx, or an error event before any token) that names 'race'."""
+    err = body.get("error") if isinstance(body, dict) else None
+    return (status == "error in stream" or isinstance(status, int) and 400 <= status < 500) and isinstance(err, dict) \
+        and {"message", "type"} <= set(err) and ("'race'" in err["message"] or "`race`" in err["message"])
+
+
+def test_loads_and_unloads_racing_streams_answer_right_or_name_the_adapter(vcluster, adapters):
+    """Two threads (the proxy's /v1/load_lora_adapter and /v1/unload_lora_adapter) and this one (`llumnixctl lora`)
+    load and unload one adapter while four clients stream requests for it and for another adapter: every stream
+    ends with the tokens it has alone, or a request for the raced adapter is refused before its first token with an
+    OpenAI-shaped error that names it (404 while it is not served); every load and unload is answered 200, or 400 or
+    404 naming the adapter; no 5xx, no stream cut short, nothing hangs; both instances stay alive, no request is
+    left counted on an adapter, and a last load serves it."""
+    body = {"lora_name": "race", "lora_path": str(adapters["chat"])}
+    prompt = PROMPTS[0]
+    assert httpx.post(vcluster.url + "/v1/load_lora_adapter", json=body).status_code == 200
+    assert _wait(lambda: "race" in _served(vcluster))
+    want = {m: _tokens(vcluster.url, m, prompt) for m in ("race", "sql")}
+    stop = threading.Event()
+    streams: list[tuple[str, int | str, object]] = []
+    orders: list[tuple[str, int | str, object]] = []
+
+    def client(model: str) -> None:
+        for _ in range(40):  # bounded: they stop sooner, once the loads and unloads are done
+            if stop.is_set():
+                return
+            try:
+                streams.append((model, *_stream(vcluster.url, model, prompt)))
+            except (httpx.HTTPError, ValueError) as exc:  # no answer, a broken connection, a body that is no JSON
+                streams.append((model, "no answer", repr(exc)))
+
+    def toggler() -> None:
+        for _ in range(4):
+            for verb, payload in (("unload", {"lora_name": "race"}), ("load", body)):
+                try:
+                    r = httpx.post(f"{vcluster.url}/v1/{verb}_lora_adapter", json=payload, timeout=90)
+                    orders.append((verb, r.status_code, r.text if r.status_code == 200 else json.loads(r.text)))
+                except (httpx.HTTPError, ValueError) as exc:
+                    orders.append((verb, "no answer", repr(exc)))
+
+    clients = [threading.Thread(target=client, args=(m,)) for m in ("race", "race", "race", "sql")]
+    togglers = [threading.Thread(target=toggler) for _ in range(2)]
+    for t in clients + togglers:
+        t.start()
+    try:
+        for args in (("unload", "race"), ("load", "race", str(adapters["chat"])), ("unload", "race"),
+                     ("load", "race", str(adapters["chat"]))):
+            res = cli("lora", *args, "--run-dir", str(vcluster.run_dir))
+            assert res.returncode == 0 or "adapter 'race'" in res.stderr, (args, res.stdout, res.stderr)
+        for t in togglers:
+            t.join(120)
+    finally:
+        stop.set()
+        for t in clients + togglers:
+            t.join(120)
+    assert not any(t.is_alive() for t in clients + togglers), "a load, an unload or a stream hung"
+    for verb, status, got in orders:
+        assert status == 200 or _names_race(status, got), (verb, status, got)
+    assert len(orders) == 16 and any(s == 200 for v, s, _ in orders if v == "load")
+    served = [s for s in streams if s[1] == "ok"]
+    for model, status, got in streams:
+        assert (status, got) == ("ok", want[model]) or model == "race" and _names_race(status, got), (model, status, got)
+    assert {m for m, _, _ in served} == {"race", "sql"} and len(streams) >= 8, streams
+    assert all(i["state"] == "alive" for i in vcluster.status()["instances"])
+    assert _wait(lambda: all(i["running"] == 0 and i["adapter_slots"] == 2 for i in vcluster.status()["instances"]),
+                 30), vcluster.status()["instances"]
+    # A last unload and load (each once the proxy's snapshot shows the one before): the adapter is served again.
+    httpx.post(vcluster.url + "/v1/unload_lora_adapter", json={"lora_name": "race"})
+    assert _wait(lambda: "race" not in _served(vcluster))
+    r = httpx.post(vcluster.url + "/v1/load_lora_adapter", json=body, timeout=90)
+    assert r.status_code == 200, r.text
+    assert _wait(lambda: "race" in _served(vcluster))
+    assert _stream(vcluster.url, "race", prompt) == ("ok", want["race"])
