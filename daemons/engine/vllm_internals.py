@@ -67,7 +67,7 @@ class VllmInternals:
     (``preprocess_add_request``, ``add_request``, ``abort_requests``, ``step_fn``, ``post_step``,
     ``shutdown``), ``SamplingParams`` (``verify``, ``update_from_generation_config``),
     ``EngineCoreRequest``, ``ModelConfig.try_get_generation_config``.
-    Patched: ``vllm.v1.attention.backends.cpu_attn._get_attn_isa`` (see ``workarounds``).
+    Patched: ``vllm.v1.attention.backends.cpu_attn._get_attn_isa``, the CPU LoRA ops (see ``workarounds``).
     Private attributes read: ``core.scheduler.{running, waiting (peek_request, iteration),
     get_request_counts, block_size}``, ``scheduler.kv_cache_manager.{get_block_ids,
     block_pool.{num_gpu_blocks, get_num_free_blocks}}``, ``Request.{request_id, priority, num_prompt_tokens,
@@ -138,11 +138,14 @@ class VllmInternals:
         with SIGILL on a step whose only request is a prefill of 1 to 4 tokens, for some model shapes
         (seen: hidden 128 with head sizes 32, 96 or 256; not with head size 64, 80 or 128). The "vec"
         (AVX-512) kernel runs the same cases. The choice also sets the KV layout inside a block, so
-        instances that exchange KV blocks must agree on it.
+        instances that exchange KV blocks must agree on it. CPU LoRA: see ``leave_rows_without_adapter``.
         """
         from vllm.platforms import current_platform
 
-        if os.environ.get(AMX_ENV) == "1" or not current_platform.is_cpu():
+        if not current_platform.is_cpu():
+            return
+        leave_rows_without_adapter()
+        if os.environ.get(AMX_ENV) == "1":
             return
         from vllm.v1.attention.backends import cpu_attn
 
@@ -342,6 +345,41 @@ class VllmInternals:
             remove_endpoint_dir(self._ipc_dir)
             if self._ipc_dir and os.environ.get(RPC_PATH_ENV) == self._ipc_dir:
                 del os.environ[RPC_PATH_ENV]
+
+
+_lora_ops_fixed = False
+
+
+def leave_rows_without_adapter() -> None:
+    """vLLM 0.32's PyTorch LoRA ops (the CPU backend's: ``vllm.lora.ops.torch_ops.lora_ops``) pick each token's
+    adapter weights by its slot index, and a token without an adapter (a base-model request's) has index -1, which
+    indexing takes for the LAST slot: in a step that also runs a request with an adapter, the base model's tokens
+    had the last slot's adapter applied (SmolLM2 answered another sentence). Wrapped, the ops leave those tokens'
+    rows as they were. Patched in ``lora_ops`` (its sgmv ops call these) and ``punica_cpu`` (which imported them);
+    idempotent."""
+    global _lora_ops_fixed
+    if _lora_ops_fixed:
+        return
+    from vllm.lora.ops.torch_ops import lora_ops
+    from vllm.lora.punica_wrapper import punica_cpu
+
+    lora_ops.bgmv_shrink = punica_cpu.bgmv_shrink = _skip_rows_without_adapter(lora_ops.bgmv_shrink)
+    lora_ops.bgmv_expand = punica_cpu.bgmv_expand = _skip_rows_without_adapter(lora_ops.bgmv_expand)
+    lora_ops.bgmv_expand_slice = punica_cpu.bgmv_expand_slice = _skip_rows_without_adapter(lora_ops.bgmv_expand_slice)
+    _lora_ops_fixed = True
+
+
+def _skip_rows_without_adapter(op):
+    """``op(inputs, weights, output, indices, ...)`` with the rows of ``output`` whose index is -1 kept as they were."""
+    def op_for_adapted_rows(inputs, weights, output, indices, *args, **kwargs):
+        none = indices < 0
+        if none.shape[0] != output.shape[0] or not bool(none.any()):
+            return op(inputs, weights, output, indices, *args, **kwargs)
+        kept = output[none]  # (a copy)
+        op(inputs, weights, output, indices.clamp(min=0), *args, **kwargs)
+        output[none] = kept
+
+    return op_for_adapted_rows
 
 
 def lora_args(lora: LoraConfig | None) -> dict:

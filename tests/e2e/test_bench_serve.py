@@ -6,18 +6,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import numpy as np
-import psutil
 import pytest
 
+from tests.support.vllmserver import VllmServer
 
 
 def serve(*args: str):
@@ -128,60 +122,13 @@ def test_generated_trace_and_bad_arguments(cluster):
 # ------------------------------------------------------------------ vLLM's own server
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class VllmServer:
+def _vllm_server(tmp_path_factory) -> VllmServer:
     """vLLM's OpenAI server on the tiny model, started at once; ``ready()`` waits for its /health."""
+    from llumnixctl.lab.model import write_tiny_model
 
-    def __init__(self, tmp_path_factory):
-        from llumnixctl.lab.model import write_tiny_model
-
-        self.model = str(write_tiny_model(tmp_path_factory.mktemp("tiny")))
-        self.log = tmp_path_factory.mktemp("vllm") / "server.log"
-        self.url = f"http://127.0.0.1:{_free_port()}"
-        from llumnixctl.experiments.bench.engine import popen_api_server
-
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
-        self.proc = popen_api_server(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--host",
-             "127.0.0.1", "--port", self.url.rsplit(":", 1)[1], "--max-model-len", "1024", "--dtype", "float32",
-             "--enforce-eager"], self.log, env)
-        self.children: list[psutil.Process] = []
-
-    def _note_children(self) -> None:
-        try:
-            self.children = psutil.Process(self.proc.pid).children(recursive=True) or self.children
-        except psutil.Error:
-            pass
-
-    def ready(self, timeout_s: float = 180) -> "VllmServer":
-        deadline = time.monotonic() + timeout_s
-        while True:
-            self._note_children()
-            if self.proc.poll() is not None:
-                pytest.fail(f"vLLM's server exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vLLM's server was not healthy within {timeout_s:g}s:\n{self.log.read_text()[-3000:]}")
-            try:
-                self.proc.wait(0.5)  # its exit, or half a second before asking /health again
-            except subprocess.TimeoutExpired:
-                pass
-
-    def stop(self) -> None:
-        """By pid: the server, then its engine core if it outlived it (as bench engine stops its own)."""
-        from llumnixctl.experiments.bench.engine import stop_api_server
-
-        self._note_children()
-        stop_api_server(self.proc, self.children)
+    model = write_tiny_model(tmp_path_factory.mktemp("tiny"))
+    return VllmServer(model, tmp_path_factory.mktemp("vllm") / "server.log",
+                      ["--max-model-len", "1024", "--dtype", "float32", "--enforce-eager"], {"VLLM_CPU_KVCACHE_SPACE": "1"})
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +138,7 @@ def vllm_server(tmp_path_factory):
     if importlib.util.find_spec("vllm") is None:
         yield None
         return
-    server = VllmServer(tmp_path_factory)
+    server = _vllm_server(tmp_path_factory)
     try:
         yield server
     finally:

@@ -24,10 +24,10 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 vllm = pytest.importorskip("vllm")
 
-from daemons.config import ModelConfig, VllmConfig  # noqa: E402
+from daemons.config import LoraConfig, ModelConfig, VllmConfig  # noqa: E402
 from daemons.engine.base import EngineError, EngineRequest  # noqa: E402
 from daemons.engine.vllm_backend import VllmEngine  # noqa: E402
-from daemons.engine.vllm_internals import UNTESTED_ENV, apply_workarounds  # noqa: E402
+from daemons.engine.vllm_internals import UNTESTED_ENV, apply_workarounds, lora_args  # noqa: E402
 from daemons.wire import SamplingParams, TokenOut  # noqa: E402
 from llumnixctl.lab.model import kv_bytes_per_token, write_tiny_model  # noqa: E402
 
@@ -51,27 +51,36 @@ def _vllm_sampling(sp: SamplingParams):
                                ignore_eos=sp.ignore_eos, min_tokens=sp.min_tokens, logprobs=sp.logprobs)
 
 
-def offline(model_dir, prompts: list[list[int]], params: list[SamplingParams], one_by_one: bool = False, **kw) -> list:
-    """vLLM's own LLM.generate with the same engine settings (all prompts in one call, or one call each);
-    returns its CompletionOutput per prompt."""
+def offline(model_dir, prompts: list[list[int]], params: list[SamplingParams], one_by_one: bool = False,
+            adapters: list | None = None, lora: LoraConfig | None = None, calls: list[list[int]] | None = None,
+            **kw) -> list:
+    """vLLM's own LLM.generate with the same engine settings (all prompts in one call, one call each, or the
+    prompts of each of ``calls`` by index); returns its CompletionOutput per prompt. ``adapters``: each prompt's
+    LoRA adapter directory (None: the base model), with LoRA on as our engine turns it on for ``lora``
+    (vllm_internals.lora_args)."""
+    from vllm.lora.request import LoRARequest
+
     cfg = {**BASE, **kw}
     llm = vllm.LLM(model=str(model_dir), enforce_eager=True, distributed_executor_backend="uni", seed=0,
                    enable_prefix_caching=False, max_model_len=cfg["max_model_len"], block_size=cfg["block_size"],
                    dtype=cfg.get("dtype", "auto"),
-                   kv_cache_memory_bytes=cfg["kv_cache_bytes"], max_num_seqs=cfg["max_num_seqs"])
-    calls = [[i] for i in range(len(prompts))] if one_by_one else [list(range(len(prompts)))]
+                   kv_cache_memory_bytes=cfg["kv_cache_bytes"], max_num_seqs=cfg["max_num_seqs"], **lora_args(lora))
+    ids = {str(a): n for n, a in enumerate(dict.fromkeys(a for a in adapters or [] if a), 1)}
+    loras = [a and LoRARequest(Path(a).name, ids[str(a)], str(a)) for a in adapters or [None] * len(prompts)]
+    calls = calls or ([[i] for i in range(len(prompts))] if one_by_one else [list(range(len(prompts)))])
     try:
-        outs = [o for c in calls for o in llm.generate([{"prompt_token_ids": prompts[i]} for i in c],
-                                                      [_vllm_sampling(params[i]) for i in c], use_tqdm=False)]
+        outs = [(i, o) for c in calls for i, o in zip(c, llm.generate(
+            [{"prompt_token_ids": prompts[i]} for i in c], [_vllm_sampling(params[i]) for i in c], use_tqdm=False,
+            lora_request=[loras[i] for i in c]))]
     finally:
         llm.llm_engine.engine_core.shutdown()
-    return [o.outputs[0] for o in outs]
+    return [o.outputs[0] for _, o in sorted(outs, key=lambda io: io[0])]
 
 
 @contextmanager
-def engine(model_dir, **kw):
+def engine(model_dir, lora: LoraConfig | None = None, **kw):
     cfg = {**BASE, **kw}
-    e = VllmEngine(ModelConfig(path=str(model_dir), max_model_len=cfg.pop("max_model_len")), VllmConfig(**cfg))
+    e = VllmEngine(ModelConfig(path=str(model_dir), max_model_len=cfg.pop("max_model_len")), VllmConfig(**cfg), lora)
     try:
         yield e
     finally:
