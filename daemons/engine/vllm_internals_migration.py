@@ -44,7 +44,18 @@ class VllmMoves:
         return self._s.rpc("llumnix_generator_state", req.request_id)[0]  # every rank samples alike
 
     def resume(self, req) -> None:
-        self._s.scheduler.running.append(req)
+        """Back into the batch; if its slot was taken meanwhile (the scheduler filled the batch from its queue while
+        the request was out), preempted as vLLM preempts: to the head of the queue, its KV recomputed."""
+        scheduler = self._s.scheduler
+        if len(scheduler.running) < scheduler.max_num_running_reqs:
+            scheduler.running.append(req)
+            return
+        log.info("request %s resumes preempted: its batch slot was taken while it was suspended", req.request_id)
+        scheduler._preempt_request(req, time.monotonic())
+
+    def slot_free(self) -> bool:
+        """Whether the batch has room for one more running request (vLLM's max_num_seqs)."""
+        return len(self._s.scheduler.running) < self._s.scheduler.max_num_running_reqs
 
     def drop_suspended(self, req) -> None:
         self._s.scheduler.running.append(req)  # so the scheduler's own abort path finds it where it expects

@@ -191,6 +191,9 @@ class VllmMigrations:
         tokens = len(live.req.prompt_token_ids) + len(state.output_token_ids) - 1
         if -(-tokens // self._s.block_size) > len(self._s.block_ids(request_id)):
             raise EngineError(f"the reservation cannot hold {tokens} tokens")
+        if not self._moves.slot_free():  # a running request more than vLLM's batch holds would stop its scheduler
+            raise EngineError(f"no batch slot: {self._s.config.scheduler_config.max_num_seqs} requests run here "
+                              "(vllm.max_num_seqs)")
         del self._reserved[request_id]
         self._cached.pop(request_id, None)
         self._moves.commit(live.req, list(state.output_token_ids), state.engine_state)

@@ -204,7 +204,7 @@ class Instance:
         done, _ = await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
         failure = next((t.exception() for t in done if t is not stopped and t.exception() is not None), None)
         if failure is not None:
-            log.error("instance loop failed: %r", failure)
+            log.error("instance loop failed: %r", failure, exc_info=failure)  # where: an engine's assertion says nothing
         await self.shutdown(tasks, self.stop_reason if failure is None else f"failed: {failure!r}",
                             grace=self.ic.shutdown_grace_s if failure is None else 0.0)
         if failure is not None:

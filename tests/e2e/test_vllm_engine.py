@@ -427,6 +427,33 @@ def test_migrated_request_produces_the_unmigrated_tokens_and_logprobs(model_dir,
             assert pool_used(e) == 0 and e.load().blocks_used == 0
 
 
+def test_a_migration_into_a_full_batch_is_refused_and_the_source_resumes_it_preempted(model_dir):
+    """vLLM's scheduler stops (an assertion) on more running requests than max_num_seqs: a commit into a full batch
+    is refused, and a source whose batch filled while its request was suspended takes it back preempted (to the head
+    of its queue, recomputed), with the tokens of an unmoved run."""
+    import msgspec
+
+    sp = greedy(40)
+    prompt = list(range(3, 70))
+    with engine(model_dir, max_num_seqs=2) as e:
+        ref = run(e, [EngineRequest("ref", prompt, sp)])["ref"]
+        out: dict = {}
+        run(e, [EngineRequest("a", prompt, sp), EngineRequest("b", list(range(9, 30)), greedy(60))], steps=2, out=out)
+        view = e.migration_view("a")
+        e.reserve(msgspec.structs.replace(e.migrating_request("a"), request_id="a2"), view.computed_tokens)
+        state = e.suspend("a")
+        run(e, [EngineRequest("c", list(range(40, 60)), greedy(30))], steps=1, out=out, check=lambda e: None)
+        assert e.load().running == 2  # c took a's slot
+        with pytest.raises(EngineError, match="no batch slot"):
+            e.commit("a2", state)
+        assert e.release("a2")
+        e.resume("a")
+        run(e, [], out=out)
+        assert [t.token_id for t in out["a"]] == [t.token_id for t in ref]
+        assert len(out["b"]) == 60 and len(out["c"]) == 30
+        assert pool_used(e) == 0 and e.load().blocks_used == 0
+
+
 def test_migration_reserve_refuses_and_release_frees(model_dir):
     with engine(model_dir, kv_cache_bytes=1 << 20, max_model_len=512) as e:  # 32 blocks of 32 tokens
         e.add_request(EngineRequest("r", list(range(1, 200)), greedy(8)))
