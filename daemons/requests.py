@@ -106,12 +106,13 @@ class RequestTable:
         return entry
 
     def take_over(self, request_id: str, reply_to: str, epoch: int, emitted: int, traceparent: str = "",
-                  slo: SloMark | None = None, *, prompt_tokens: int = 0, priority: int = 0, adapter: str = "") -> Entry:
+                  slo: SloMark | None = None, *, prompt_tokens: int = 0, priority: int = 0, adapter: str = "",
+                  session: str = "") -> Entry:
         """A migration committed here: the request continues at ``emitted`` under ``epoch``."""
         self._moved.pop(request_id, None)
         entry = self._reqs[request_id] = Entry(reply_to, epoch, emitted, arrived=self.clock.monotonic(),
                                                traceparent=traceparent, slo=slo, prompt_tokens=prompt_tokens,
-                                               priority=priority, adapter=adapter)
+                                               priority=priority, adapter=adapter, session=session)
         return entry
 
     def hand_over(self, request_id: str, address: str) -> Entry | None:

@@ -645,6 +645,9 @@ class MigratingRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     first_token_index: int = 0
     adapter: str = ""  # its LoRA adapter (wire.Submit): the destination holds it, or loads it, before stage 0
     adapter_path: str = ""
+    # Its session and the retention it asked for (wire.Submit): where it ends, its blocks are retained for the session.
+    session: str = ""
+    retain_s: float = 0.0
 
     def __post_init__(self) -> None:
         endpoints.check(self.reply_to, "reply_to", empty_ok=True)  # empty until the source sets it

@@ -93,6 +93,32 @@ def proxy_metric(url: str, name: str) -> float:
     return total
 
 
+def by_label(url: str, name: str, label: str) -> dict[str, float]:
+    """The samples of ``name`` at ``url``/metrics, summed by the value of ``label`` ({} if unreachable)."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") and f'{label}="' in line:
+            key, value = line.rsplit(" ", 1)
+            v = key.split(f'{label}="', 1)[1].split('"', 1)[0]
+            out[v] = out.get(v, 0.0) + float(value)
+    return out
+
+
+def session_counts(url: str, st: dict | None) -> dict:
+    """A session soak's view: the first proxy's session dispatches by how, and the prompt tokens of the live
+    instances by where they came from (engine, host tier, pulled, recomputed; killed instances' are gone)."""
+    tokens: dict[str, float] = {}
+    for i in (st or {}).get("instances", []):
+        if i["state"] == "alive" and i.get("metrics_address"):
+            for k, v in by_label(f"http://{i['metrics_address']}", "llumnix_prefix_tokens_total", "source").items():
+                tokens[k] = tokens.get(k, 0.0) + v
+    return {"dispatches": by_label(url, "llumnix_proxy_session_dispatches_total", "how"), "prompt_tokens": tokens}
+
+
 # ---------------------------------------------------------------------- load
 
 
@@ -122,15 +148,34 @@ class Cut(Exception):
     """The stream broke because its proxy was killed under it (or was down when it was sent)."""
 
 
+class Session:
+    """A conversation (``--sessions``): each turn's prompt is the last one, its answer and a new message, under
+    one prompt_cache_key; it starts over past MAX_HISTORY tokens (a new conversation under the same key)."""
+
+    MAX_HISTORY = 1500
+
+    def __init__(self, key: str):
+        self.key = key
+        self.history: list[int] = []
+
+    def prompt(self, rnd: random.Random) -> list[int]:
+        if len(self.history) > self.MAX_HISTORY:
+            self.history = []
+        return self.history + [rnd.randrange(3, VOCAB) for _ in range(rnd.randint(8, 60))]
+
+
 def one_stream(client: httpx.Client, url: str, rnd: random.Random, tally: Tally, chaos: "Chaos | None" = None,
-               chosen_at: float | None = None) -> None:
+               chosen_at: float | None = None, session: Session | None = None) -> None:
     """One streamed request to ``url``, checked token by token. ``chosen_at``: since when a kill of that proxy
     explains a connection error (when the worker chose it as healthy, or last used its kept-alive connection to
-    it, whichever is earlier): such a request is cut (sent again), not lost."""
+    it, whichever is earlier): such a request is cut (sent again), not lost. ``session``: the next turn of that
+    conversation (its history grows by this prompt and answer when the answer is right)."""
     max_tokens = rnd.randint(20, 200)
-    prompt = [rnd.randrange(3, VOCAB) for _ in range(rnd.randint(8, 300))]
+    prompt = session.prompt(rnd) if session else [rnd.randrange(3, VOCAB) for _ in range(rnd.randint(8, 300))]
     body = {"model": "llumnix-sim", "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
             "return_token_ids": True, "stream_options": {"include_usage": True}}
+    if session:
+        body["prompt_cache_key"] = session.key
     ids: list[int] = []
     rid, usage, error = "", None, None
     start = time.monotonic()
@@ -164,14 +209,18 @@ def one_stream(client: httpx.Client, url: str, rnd: random.Random, tally: Tally,
             error = f"wrong tokens: {len(ids)} of {max_tokens}"
         elif not usage or usage.get("completion_tokens") != max_tokens or usage.get("prompt_tokens") != len(prompt):
             error = f"wrong usage: {usage}"
+    if session:
+        session.history = prompt + ids if error is None else []
     tally.add(error is None, len(ids), None if error is None else
               {"id": rid, "max_tokens": max_tokens, "got": len(ids), "error": str(error)[:300],
                "seconds": round(time.monotonic() - start, 2), "proxy": url, "at": wall(time.time())})
 
 
 def worker(urls: list[str], seed: int, end: float, budget: threading.Semaphore, tally: Tally,
-           chaos: "Chaos | None" = None) -> None:
+           chaos: "Chaos | None" = None, sessions: int = 0) -> None:
+    """``sessions``: this client's conversations (each request the next turn of one of them); 0: none."""
     rnd = random.Random(seed)
+    mine = [Session(f"s{seed}-{k}") for k in range(sessions)]
     last_used: dict[str, float] = {}  # proxy URL -> when this client's kept-alive connection to it was last used
     with httpx.Client(timeout=httpx.Timeout(60.0, connect=10.0)) as client:
         while time.monotonic() < end and budget.acquire(blocking=False):
@@ -185,7 +234,8 @@ def worker(urls: list[str], seed: int, end: float, budget: threading.Semaphore, 
             for _ in range(len(urls) + 2):  # a cut stream goes to the next proxy (bounded)
                 used = url
                 try:
-                    one_stream(client, used, rnd, tally, chaos, min(chosen_at, last_used.get(used, chosen_at)))
+                    one_stream(client, used, rnd, tally, chaos, min(chosen_at, last_used.get(used, chosen_at)),
+                               rnd.choice(mine) if mine else None)
                     break
                 except Cut:
                     url = urls[(urls.index(url) + 1) % len(urls)]
@@ -222,8 +272,9 @@ def run(args) -> int:
     manager_chaos_s = warmup / 2 if args.manager_chaos_s is None else args.manager_chaos_s
     chaos = Chaos(run_dir, manager, random.Random(args.seed + 1), end, args.chaos_min, args.chaos_max, t0,
                   manager_until=t0 + manager_chaos_s)
-    workers = [threading.Thread(target=worker, args=(state.urls, args.seed * 1000 + k, end, budget, tally, chaos),
-                                daemon=True) for k in range(args.concurrency)]
+    per_worker = -(-args.sessions // args.concurrency) if args.sessions else 0
+    workers = [threading.Thread(target=worker, args=(state.urls, args.seed * 1000 + k, end, budget, tally, chaos,
+                                                     per_worker), daemon=True) for k in range(args.concurrency)]
     series: list[dict] = sample(run_dir, 0.0)
     sampling = threading.Event()
 
@@ -264,7 +315,7 @@ def run(args) -> int:
                and g["fds"]["end"] <= g["fds"]["after_warmup"] * 1.10 + 2 for g in grown.values())
     report = {
         "duration_s": args.duration, "load_s": round(load_s, 1), "settle_s": round(settle_s, 1),
-        "seed": args.seed, "concurrency": args.concurrency,
+        "seed": args.seed, "concurrency": args.concurrency, "sessions": per_worker * args.concurrency,
         "requests": {"sent": tally.sent, "completed": tally.completed, "lost": len(tally.lost),
                      "cut_by_proxy_kill": tally.cuts, "unfinished_workers": stuck, "tokens": tally.tokens},
         "lost_samples": tally.lost[:20],
@@ -280,6 +331,7 @@ def run(args) -> int:
         "migrations": None if st is None else {k: st["totals"][k] for k in (
             "migrations_committed", "migrations_aborted", "scale_outs", "scale_ins")},
         "aborted_migrations": aborts,
+        "sessions_seen": session_counts(url, st) if args.sessions else None,
         "chaos": chaos.counts, "manager_chaos_s": manager_chaos_s, "chaos_events": chaos.events,
         "rss_mb": {"start": rss_start, "end": rss_end},
         "warmup_s": warmup, "witness_growth": grown, "memory_flat": flat, "samples": series,
@@ -336,6 +388,9 @@ def main() -> int:
     r.add_argument("--duration", type=float, default=3600)
     r.add_argument("--out", required=True)
     r.add_argument("--concurrency", type=int, default=8)
+    r.add_argument("--sessions", type=int, default=0, help="conversations (prompt_cache_key), spread over the "
+                   "concurrent clients: each request is the next turn of one (its prompt the last one, its answer and "
+                   "a new message); 0: independent prompts")
     r.add_argument("--max-requests", type=int, default=0, help="bound on requests sent (default: 4 per second)")
     r.add_argument("--seed", type=int, default=1)
     r.add_argument("--chaos-min", type=float, default=20)

@@ -13,7 +13,9 @@
 #   scripts/soak.sh [DURATION_S] [OUT_DIR]
 #
 # Environment: SOAK_CONCURRENCY (streams at once, default 8), SOAK_SEED (default 1), SOAK_WARMUP_S (seconds
-# before memory is measured, default 900, at most a quarter of the duration).
+# before memory is measured, default 900, at most a quarter of the duration), SOAK_SESSIONS (default 0: independent
+# prompts; N: N conversations, each request the next turn of one under its prompt_cache_key, on instances with a
+# prefix cache of 1024 blocks, a host KV tier of 2 MiB (512 blocks) and retention: a session soak).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -44,7 +46,12 @@ trap stop_cluster EXIT
 trap on_signal INT TERM HUP
 
 echo "soak: ${DURATION}s, output in $OUT"
-timeout 180 "$PY" scripts/soak.py up --instances 4 --proxies 2 --run-dir "$RUN_DIR" \
+SESSIONS=${SOAK_SESSIONS:-0}
+session_sets=()
+if [[ $SESSIONS != 0 ]]; then
+    session_sets=(--set sim.prefix_caching=true --set sim.num_blocks=1024 --set kv_tier.host_mb=2)
+fi
+timeout 180 "$PY" scripts/soak.py up --instances 4 --proxies 2 --run-dir "$RUN_DIR" "${session_sets[@]}" \
     --set manager.heartbeat_interval_s=0.2 --set sim.time_scale=0.1 --set instance.min_step_s=0.02 \
     --set instance.shutdown_grace_s=2 \
     --set scaling.policy=llumnix --set scaling.min_instances=4 --set scaling.max_instances=4 \
@@ -54,7 +61,7 @@ rc=0
 # In the background, so that a signal reaches our trap at once (bash runs traps only between commands).
 timeout $(( ${DURATION%.*} + 900 )) "$PY" scripts/soak.py run --run-dir "$RUN_DIR" --duration "$DURATION" \
     --out "$OUT/soak.json" --concurrency "${SOAK_CONCURRENCY:-8}" --seed "${SOAK_SEED:-1}" \
-    --warmup "${SOAK_WARMUP_S:-900}" &
+    --warmup "${SOAK_WARMUP_S:-900}" --sessions "$SESSIONS" &
 driver=$!
 wait "$driver" || rc=$?
 driver=""

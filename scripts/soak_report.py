@@ -93,6 +93,8 @@ def print_summary(r: dict) -> None:
     print(f"leaked blocks after settling: {r['leaked_blocks']} over {len(r['instances_at_end'])} live instances")
     print(f"proxy: {r['proxy']}")
     print(f"migrations/scaling: {r['migrations']}")
+    if r.get("sessions_seen"):
+        print(f"sessions: {r['sessions']}; {r['sessions_seen']}")
     a = r.get("aborted_migrations") or {}
     print(f"aborted migrations in the instances' logs: {a.get('count', '?')}, unexplained {a.get('unexplained', '?')}")
     for why, reasons in (a.get("by_explanation") or {}).items():

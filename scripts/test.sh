@@ -4,8 +4,9 @@
 #
 # With none, the suite runs in three parts; all three run even when one fails, and the exit status is the
 # first non-zero one:
-#   1. tests/unit/: the tests that start no daemon and no engine, on every core (pytest-xdist); with
-#      LLUMNIX_UNIT_BESIDE=1, beside part 2 at a lower priority instead (they fill the time the daemons leave idle);
+#   1. tests/unit/: the tests that start no daemon and no engine, on every core (pytest-xdist), beside part 2 at a
+#      lower priority (they fill the time the daemons leave idle); LLUMNIX_UNIT_BESIDE=0 runs
+#      them first instead, alone;
 #   2. tests/e2e/ (they start daemons or engines; marked e2e) in two streams side by side, each a pytest run that takes
 #      its modules one at a time: the modules with vLLM engines or network namespaces (HEAVY below: two vLLM
 #      clusters at once would want more than two cores, and the namespaces' names and addresses are fixed)
@@ -20,9 +21,9 @@ if [ $# -gt 0 ]; then
   exec "${PYTEST[@]}" "$@"
 fi
 HEAVY=(tests/e2e/test_e2e_vllm.py tests/e2e/test_e2e_vllm_migration.py tests/e2e/test_e2e_vllm_migration_aborts.py tests/e2e/test_e2e_vllm_tp.py tests/e2e/test_vllm_engine.py
-       tests/e2e/test_vllm_real_model.py tests/e2e/test_vllm_tier.py tests/e2e/test_vllm_waiting_tokens.py tests/e2e/test_e2e_vllm_pull.py
+       tests/e2e/test_vllm_real_model.py tests/e2e/test_vllm_tier.py tests/e2e/test_vllm_waiting_tokens.py tests/e2e/test_e2e_vllm_tier.py
        tests/e2e/test_bench_serve.py tests/e2e/test_multihost.py tests/e2e/test_netns.py
-       tests/e2e/test_e2e_cluster.py tests/e2e/test_e2e_kill_points.py)  # the last two even out the streams' lengths (about 10 minutes each here)
+       tests/e2e/test_e2e_cluster.py tests/e2e/test_e2e_kill_points.py tests/e2e/test_keepalive.py)  # the last three even out the streams' lengths (about 12 minutes each here)
 e2e=(tests/e2e/test_*.py)
 heavy=() light=()
 for m in "${e2e[@]}"; do
@@ -47,10 +48,10 @@ trap '[ -z "$one" ] || kill -INT "$one" 2>/dev/null; [ -z "$unit" ] || kill -INT
 # for scheduling, autogroup, that group is niced too): it takes the cores while the daemons wait (paced steps,
 # sleeps between polls, I/O) and mostly yields them while they run. Nice 10, not 19: its tests that wait a few
 # seconds for a condition still get their share. Its output comes after part 2's.
-# A test waiting for the cores is not hung: the per-test limit is 900 s here, not 300. Not the default: on 2 cores it
-# did not shorten the run (15:09 and 15:29 against 14:58 before it, the unit run at nice 10 became the longest part)
-# and its load made two e2e tests that raced a stream's end fail (fixed since); LLUMNIX_UNIT_BESIDE=1 turns it on.
-if [ "${LLUMNIX_UNIT_BESIDE:-0}" = 0 ]; then
+# A test waiting for the cores is not hung: the per-test limit is 900 s here, not 300. The default: on 2 cores the
+# whole run took 14:58 to 15:29 this way, 16:52 with the unit run first (a quarter of the e2e part is idle cores,
+# which the unit tests fill); LLUMNIX_UNIT_BESIDE=0 runs the unit tests first, alone.
+if [ "${LLUMNIX_UNIT_BESIDE:-1}" = 0 ]; then
   echo "== tests without daemons, on $workers workers" >&2
   "${PYTEST[@]}" -n "$workers" -m "not e2e" tests/unit || keep $?
 else

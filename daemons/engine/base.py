@@ -69,7 +69,7 @@ def check_incoming(request: MigratingRequest, in_use: bool, max_model_len: int,
     EngineRequest. A migrating request must also be able to end where it would have ended on its source."""
     engine_request = EngineRequest(request.request_id, request.prompt_token_ids, request.sampling,
                                    request.arrival_time, request.priority, adapter=request.adapter,
-                                   adapter_path=request.adapter_path)
+                                   adapter_path=request.adapter_path, session=request.session, retain_s=request.retain_s)
     check_request(engine_request, in_use, max_model_len, vocab_size)
     if request.max_total > max_model_len:
         raise EngineError(f"the request may grow to {request.max_total} tokens; this instance's context limit is "

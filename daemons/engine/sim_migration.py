@@ -61,7 +61,8 @@ class SimEngineMigrations:
         prompt = req.tokens[:req.prompt_len] if req.tokens is not None else [0] * req.prompt_len
         return MigratingRequest(request_id=req.rid, prompt_token_ids=prompt, sampling=req.sampling,
                                 reply_to="", priority=req.priority, arrival_time=req.arrival_time, max_total=req.max_total,
-                                adapter=req.adapter[0], adapter_path=req.adapter[1])
+                                adapter=req.adapter[0], adapter_path=req.adapter[1], session=req.session,
+                                retain_s=req.retain_s)
 
     def suspend(self, request_id: str) -> RequestState:
         req = self._table.running[request_id]

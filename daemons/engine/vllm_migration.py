@@ -120,7 +120,8 @@ class VllmMigrations:
         return MigratingRequest(request_id=request_id, prompt_token_ids=list(r.prompt_token_ids), sampling=live.sampling,
                                 reply_to="", priority=self._s.priority(r), arrival_time=r.arrival_time,
                                 max_total=min(r.num_prompt_tokens + live.sampling.max_tokens, self._s.max_model_len),
-                                adapter=live.adapter, adapter_path=live.adapter_path)
+                                adapter=live.adapter, adapter_path=live.adapter_path, session=live.session,
+                                retain_s=live.retain_s)
 
     def suspend(self, request_id: str) -> RequestState:
         live = self._live[request_id]
@@ -156,7 +157,8 @@ class VllmMigrations:
             lora = self._lora(request.adapter, request.adapter_path, rid) if request.adapter else None
             req = self._moves.build(rid, list(request.prompt_token_ids), params, request.arrival_time or time.time(),
                                     request.priority, lora)
-            live = LiveRequest(rid, req, request.sampling, request.adapter, request.adapter_path)
+            live = LiveRequest(rid, req, request.sampling, request.adapter, request.adapter_path, request.session,
+                               request.retain_s)
         if tokens > max_model_len:
             if rid not in self._reserved:
                 self._live.gone(live)

@@ -223,7 +223,7 @@ class Destination(Side):
                                 slo_mark(r.slo_ttft_ms, r.slo_tpot_ms, r.arrival_time, r.first_token_time,
                                          r.first_token_index),
                                 prompt_tokens=len(inc.request.prompt_token_ids), priority=inc.request.priority,
-                                adapter=inc.request.adapter)
+                                adapter=inc.request.adapter, session=inc.request.session)
         host.proxies.seen(inc.request.reply_to)  # its proxy has not spoken to us yet: count from now
         host.announce_move(inc.request_id, inc.request.reply_to, host.instance_id, host.request_address, epoch,
                            state.emitted)

@@ -141,3 +141,16 @@ def test_a_sessions_blocks_outlive_others_in_vllms_free_queue_until_their_deadli
         for k, p in enumerate(OTHERS):
             gen(e, f"p{k}", p)
         assert engine_holds(e, A) == 0 and e.load().retained_blocks == 0
+        # A turn that moved mid-answer keeps its session: retained where it ends, for what it asked (5 s).
+        from tests.e2e.test_vllm_engine import _migrate_within, run
+
+        moved: dict = {}
+        run(e, [EngineRequest("m0", A, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), session="chat",
+                              retain_s=5.0)], steps=2, out=moved, check=lambda e: None)
+        assert e.migrating_request("m0").session == "chat"
+        _migrate_within(e, "m0", "m1", moved, steps_between=1)
+        run(e, [], out=moved, check=lambda e: None)
+        assert [t.token_id for t in moved["m1"]] == want
+        assert e.load().retained_blocks == (len(A) + 8 - 1) // BS  # the blocks it computed, the last token's aside
+        clock.now = 36.5
+        assert e.load().retained_blocks == 0

@@ -257,3 +257,24 @@ def test_a_submits_session_and_retention_reach_the_engine_through_the_intake():
     assert e.load().retained_blocks == 10
     clock.now = 5.0  # it asked for 5 s, not the default 30
     assert e.load().retained_blocks == 0
+
+
+def test_a_migrated_turn_keeps_its_session_and_retention_on_the_destination():
+    """A session's turn that moved mid-answer is retained where it ends, for what it asked, as if it had run there."""
+    from tests.unit.test_migration_engine import migrate
+
+    clock = Clock()
+    src = engine(host_mb=0, retain_s=30.0, clock=clock, kv_layers=1)
+    dst = engine(host_mb=0, retain_s=30.0, clock=clock, kv_layers=1)
+    r = EngineRequest("a", list(A), SamplingParams(max_tokens=8, ignore_eos=True), session="chat", retain_s=5.0)
+    src.add_request(r)
+    src.step()  # prefilled: it runs
+    moved = src.migrating_request("a")
+    assert (moved.session, moved.retain_s) == ("chat", 5.0)
+    migrate(src, dst, "a")
+    while dst.has_work():
+        dst.step()
+    assert src.load().retained_blocks == 0
+    assert dst.load().retained_blocks == 12  # 40 prompt tokens and 8 generated, in blocks of 4
+    clock.now = 5.0  # it asked for 5 s, not the default 30
+    assert dst.load().retained_blocks == 0
