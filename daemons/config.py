@@ -190,7 +190,7 @@ class LoraConfig:
     max_rank: int = setting(16, "largest adapter rank an instance takes (vLLM's max_lora_rank: 1, 8, 16, 32, 64, 128, 256, 320 or 512); an adapter of a higher rank is refused when it loads", minimum=1)
     adapters: str = setting("", "adapters the cluster serves from the start, as NAME=PATH pairs separated by commas: every instance loads them at start (up to lora.slots), and any other instance loads one when a request for it is dispatched there")
     max_replicas: int = setting(0, "most instances that hold one adapter after dispatch loaded it where it was not held (0 = no bound); `llumnixctl lora load` without --instances loads it on this many", minimum=0)
-    load_ms: float = setting(50.0, "the sim engine: time an adapter takes to load, ms (requests for it wait that long first)", minimum=0.0)
+    load_ms: float = setting(-1.0, "the sim engine: time an adapter load stalls it, ms, taken by its next step (requests for the adapter wait that long first); -1 = the load measured in sim.profile (its lora part: load plus activation), else 50 ms; a value of 0 or more overrides the profile's", minimum=-1.0)
     api_updates: bool = setting(False, "the proxies serve vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (then any client with an API key may have the instances read a directory of their hosts, as vLLM with VLLM_ALLOW_RUNTIME_LORA_UPDATING); false: 404, and adapters are loaded with `llumnixctl lora load` or lora.adapters")
     residency: bool = setting(True, "dispatch a request for an adapter among the instances that hold it (or may load it, as lora.max_replicas allows); false: by load alone, the adapter loaded wherever the request lands (a baseline for `llumnixctl bench lora`)")
 

@@ -4,13 +4,22 @@ A profile is JSON::
 
     {"format": 1, "engine": "vllm 0.32.0 (cpu)", "model": "...", "block_size": 32, "kv_bytes_per_token": 8192,
      "prefill": {"tokens": [16, 64, ...], "ms": [3.1, 4.0, ...]},
-     "decode": {"batch": [1, 4, ...], "context": [128, 512, ...], "ms": [[...per context...], ...per batch]}}
+     "decode": {"batch": [1, 4, ...], "context": [128, 512, ...], "ms": [[...per context...], ...per batch]},
+     "lora": {"rank": 8, "loads": 5, "load_ms": 9.5, "activate_ms": 1.2, "unload_ms": 0.4}}
 
 ``prefill.ms[i]``: a step that prefills ``tokens[i]`` prompt tokens (one request). ``decode.ms[b][c]``: a
 step that decodes ``batch[b]`` requests of ``context[c]`` tokens each. Between the measured points the
 time is interpolated linearly (bilinearly for decode); beyond them it is extrapolated from the last two
 points, so a profile measured up to batch 32 still answers for 64. A step that both prefills and decodes
 takes the sum of both parts, as the sim's linear model does.
+
+``lora`` (optional; a profile written before it has none): what a LoRA adapter of ``rank`` costs the engine,
+medians of ``loads`` loads (llumnixctl/experiments/sim/profile_lora.py). ``load_ms``: the load call (vLLM's
+``add_lora``: the weights read and checked), from the order to the adapter held and usable, with every slot full
+so that it also unloads the least recently used adapter, as a thrashing cluster's loads do; the engine loop runs no
+step meanwhile. ``activate_ms``: what the first step that runs the new adapter takes beyond the same step with it
+held (vLLM copies it into a slot). ``unload_ms``: an unload alone. The sim engine charges ``stall_ms`` (load plus
+activation) to the step after a load when lora.load_ms is left at -1 (daemons/engine/sim_lora.py).
 """
 
 from __future__ import annotations
@@ -36,6 +45,38 @@ def _interp(xs: list[float], ys: list[float], x: float) -> float:
 
 
 @dataclass(frozen=True)
+class LoraProfile:
+    """The ``lora`` part of a profile: an adapter load's cost (ms), measured."""
+
+    rank: int
+    loads: int
+    load_ms: float
+    activate_ms: float
+    unload_ms: float
+
+    @property
+    def stall_ms(self) -> float:
+        """What a load costs the engine loop: the load call and the first step's activation."""
+        return self.load_ms + max(0.0, self.activate_ms)
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "loads": self.loads, "load_ms": self.load_ms, "activate_ms": self.activate_ms,
+                "unload_ms": self.unload_ms}
+
+    @classmethod
+    def from_json(cls, data: dict, where: str) -> "LoraProfile":
+        try:
+            prof = cls(int(data["rank"]), int(data["loads"]), float(data["load_ms"]), float(data["activate_ms"]),
+                       float(data["unload_ms"]))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ProfileError(f"{where}: lora must be {{rank, loads, load_ms, activate_ms, unload_ms}} "
+                               f"({type(exc).__name__}: {exc})") from None
+        if prof.load_ms < 0 or prof.unload_ms < 0 or prof.loads < 1:
+            raise ProfileError(f"{where}: lora.load_ms and lora.unload_ms must be >= 0 and lora.loads >= 1")
+        return prof
+
+
+@dataclass(frozen=True)
 class LatencyProfile:
     prefill_tokens: list[int]
     prefill_ms: list[float]
@@ -46,6 +87,7 @@ class LatencyProfile:
     block_size: int = 0
     engine: str = ""
     model: str = ""
+    lora: LoraProfile | None = None
 
     def prefill(self, tokens: int) -> float:
         return max(0.0, _interp(self.prefill_tokens, self.prefill_ms, tokens))
@@ -66,7 +108,8 @@ class LatencyProfile:
         return {"format": FORMAT, "engine": self.engine, "model": self.model, "block_size": self.block_size,
                 "kv_bytes_per_token": self.kv_bytes_per_token,
                 "prefill": {"tokens": self.prefill_tokens, "ms": self.prefill_ms},
-                "decode": {"batch": self.decode_batch, "context": self.decode_context, "ms": self.decode_ms}}
+                "decode": {"batch": self.decode_batch, "context": self.decode_context, "ms": self.decode_ms},
+                **({"lora": self.lora.to_json()} if self.lora is not None else {})}
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
@@ -86,7 +129,8 @@ class LatencyProfile:
             prof = cls([int(x) for x in pre["tokens"]], [float(x) for x in pre["ms"]],
                        [int(x) for x in dec["batch"]], [int(x) for x in dec["context"]],
                        [[float(x) for x in row] for row in dec["ms"]], int(data.get("kv_bytes_per_token", 0)),
-                       int(data.get("block_size", 0)), str(data.get("engine", "")), str(data.get("model", "")))
+                       int(data.get("block_size", 0)), str(data.get("engine", "")), str(data.get("model", "")),
+                       LoraProfile.from_json(data["lora"], str(path)) if data.get("lora") is not None else None)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             if isinstance(exc, ProfileError):
                 raise

@@ -70,13 +70,6 @@ class SimEngine(EngineDefaults, MigrationParts):
         self._blocks = SimBlocks(sim.num_blocks, sim.watermark * sim.num_blocks, self.cache)
         self._table = SimRequestTable()
         self._waiting = WaitingQueue(self.cache)  # (queued tokens less what is cached)
-        self.adapters = adapters_of(lora, lambda rid: rid in self._table.by_id or self._migrations.reserving(rid))
-        self._migrations = SimEngineMigrations(self._table, self._blocks, sim.block_size, model.max_model_len,
-                                               lambda r: start(self.adapters, r.adapter, r.adapter_path, r.request_id))
-        self._kv_blocks: KvBlocks | None = None
-        self._preemptions = 0
-        self._received = 0
-        self._tokens_generated = 0
         self._profile = None
         if sim.profile:
             from daemons.engine.profile import LatencyProfile, ProfileError
@@ -85,6 +78,14 @@ class SimEngine(EngineDefaults, MigrationParts):
                 self._profile = LatencyProfile.load(sim.profile)
             except ProfileError as exc:
                 raise EngineError(f"sim.profile: {exc}") from None
+        self.adapters = adapters_of(lora, lambda rid: rid in self._table.by_id or self._migrations.reserving(rid),
+                                    self._profile)
+        self._migrations = SimEngineMigrations(self._table, self._blocks, sim.block_size, model.max_model_len,
+                                               lambda r: start(self.adapters, r.adapter, r.adapter_path, r.request_id))
+        self._kv_blocks: KvBlocks | None = None
+        self._preemptions = 0
+        self._received = 0
+        self._tokens_generated = 0
 
     # ---------------------------------------------------------------- serving
 

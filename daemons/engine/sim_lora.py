@@ -1,6 +1,8 @@
 """The sim engine's LoRA adapters: slots (the same table as vLLM's, daemons/engine/adapters.py) and a load time
-(lora.load_ms) that the engine's next step takes as well, as vLLM's loads stall its engine loop. No weights: any
-path loads; the tokens stay the sim's."""
+that the engine's next step takes as well, as vLLM's loads stall its engine loop: lora.load_ms when set (0 or
+more), else the load measured in the latency profile (sim.profile's ``lora``: the load call plus the first step's
+activation, daemons/engine/profile.py), else ``DEFAULT_LOAD_MS``. No weights: any path loads; the tokens stay the
+sim's."""
 
 from __future__ import annotations
 
@@ -9,15 +11,28 @@ from typing import Callable
 from daemons.config import LoraConfig, parse_adapters
 from daemons.engine.adapters import AdapterTable
 from daemons.engine.base import EngineError
+from daemons.engine.profile import LatencyProfile
+
+DEFAULT_LOAD_MS = 50.0  # lora.load_ms = -1 without a profile that measured a load
+
+
+def load_ms(lora: LoraConfig, profile: LatencyProfile | None) -> float:
+    """The sim's load time, ms: lora.load_ms if set (>= 0), else ``profile``'s measured stall (a LatencyProfile
+    with a ``lora`` part), else ``DEFAULT_LOAD_MS``."""
+    if lora.load_ms >= 0:
+        return lora.load_ms
+    measured = profile.lora if profile is not None else None
+    return measured.stall_ms if measured is not None else DEFAULT_LOAD_MS
 
 
 class SimAdapters:
     """Owns the sim engine's adapter table and the load time owed to the next step. ``live(request_id)``: the
     engine still holds that request (a request that left frees its adapter; the sim keeps no hook per exit)."""
 
-    def __init__(self, lora: LoraConfig, live: Callable[[str], bool]):
+    def __init__(self, lora: LoraConfig, live: Callable[[str], bool], profile: LatencyProfile | None = None):
+        """``profile``: the engine's LatencyProfile (sim.profile), or None."""
         self.table = AdapterTable(lora.slots)
-        self.load_s = lora.load_ms / 1000.0
+        self.load_s = load_ms(lora, profile) / 1000.0
         self.live = live
         self.owed_s = 0.0
         for name, path in list(parse_adapters(lora.adapters).items())[:lora.slots]:
@@ -64,8 +79,9 @@ class SimAdapters:
         return owed
 
 
-def adapters_of(lora: LoraConfig | None, live: Callable[[str], bool]) -> SimAdapters | None:
-    return SimAdapters(lora, live) if lora is not None and lora.slots else None
+def adapters_of(lora: LoraConfig | None, live: Callable[[str], bool],
+                profile: LatencyProfile | None = None) -> SimAdapters | None:
+    return SimAdapters(lora, live, profile) if lora is not None and lora.slots else None
 
 
 def start(adapters: SimAdapters | None, adapter: str, path: str, request_id: str) -> None:

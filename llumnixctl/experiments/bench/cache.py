@@ -38,7 +38,7 @@ from llumnixctl.experiments.bench import engine as bench_engine, serve as bench_
 from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, Budget, BudgetOpt, JsonOpt, Progress, Rounds,
                                                  ModelOpt, SaveOpt, SmgOpt, VllmRouterOpt, skipped_lines)
 from llumnixctl.experiments.traces import cache as tracecache
-from llumnixctl.experiments.bench.serve_figures import stats_ms
+from llumnixctl.experiments.bench.serve_figures import stats_ms, tpot_s
 from llumnixctl.lab import localcluster
 from llumnixctl.lab.scratch import scratch_dir
 
@@ -140,11 +140,13 @@ def _replay(url: str, reqs: list, send: Send, addresses: list[str], gauge: str) 
     ok = [r for r in results if r["error"] is None]
     errors = sorted({r["error"][:200] for r in results if r["error"]})
     ttft = stats_ms([r["times"][0] for r in ok]) if ok else {}
+    tpots = [t for t in (tpot_s(r) for r in ok) if t is not None]
     lead = sorted(r["prompt_tokens"] - q.prompt_tokens for q, r in zip(reqs, results)
                   if r["error"] is None and r["prompt_tokens"] is not None)
     return {"completed": len(ok), "failed": len(results) - len(ok), "first_error": errors[0] if errors else "",
             "duration_s": duration, "mean_ttft_ms": ttft.get("mean"), "p50_ttft_ms": ttft.get("median"),
-            "p99_ttft_ms": ttft.get("p99"), "max_running_share": round(shares.worst, 3),
+            "p99_ttft_ms": ttft.get("p99"), "mean_tpot_ms": stats_ms(tpots)["mean"] if tpots else None,
+            "max_running_share": round(shares.worst, 3),
             "mean_running_share": shares.mean(), "prompt_lead_tokens": lead[len(lead) // 2] if lead else 0}
 
 
@@ -213,16 +215,17 @@ def vllm_sets(model: Path, vllm: dict) -> list[str]:
 
 def ours(policy: str, model: Path | None, run_dir: Path, reqs: list, send: Send, n: int, vllm: dict,
          restart: str | None = None, *, backend: str = "vllm", sets: list[str] = (),
-         after: Callable[[list[str], str], dict] | None = None) -> dict:
+         after: Callable[[list[str], str], dict] | None = None, place: localcluster.Placement | None = None) -> dict:
     """Our cluster of ``n`` instances (``backend`` vllm: configured as ``vllm``; sim: by ``sets``), dispatching by
-    ``policy``, with ``sets`` last; the trace replayed with ``send``; ``after(addresses, url)``: figures of the
-    instances' /metrics (and the proxy's at ``url``) once it ended (merged into the result)."""
+    ``policy``, with ``sets`` last (and ``place``'s settings per daemon: localcluster.up); the trace replayed with
+    ``send``; ``after(addresses, url)``: figures of the instances' /metrics (and the proxy's at ``url``) once it
+    ended (merged into the result)."""
     from llumnixctl.admin import AdminClient
 
     base = vllm_sets(model, vllm) if backend == "vllm" else ["model.name=bench"]
     state = localcluster.up(run_dir, n, backend, 0, None,
                             [*base, f"manager.dispatch_policy={policy}", "instance.log_level=warning",
-                             "proxy.log_level=warning", *sets], timeout_s=300)
+                             "proxy.log_level=warning", *sets], timeout_s=300, place=place)
     try:
         snap = AdminClient(state.manager_address).status()
         addresses = [v.metrics_address for v in snap.instances if v.metrics_address]
