@@ -142,6 +142,19 @@ def test_a_later_round_runs_when_it_fits():
     assert ran == 4 and b.skipped == []
 
 
+def test_interleaved_rounds_reverse_the_order_every_other_round_and_time_each_unit():
+    clock = Clock()
+    b = Budget(1000, clock=clock)
+    rounds = Rounds(b, Progress(6, stream=io.StringIO(), clock=clock, heartbeat_s=None), reserve_s=15)
+    ran = []
+    for k in range(3):
+        for label, name in rounds.interleaved(k, 3, ["a", "b"], "system"):
+            clock.t += {"a": 10, "b": 30}[name]
+            ran.append(label)
+    assert ran == ["round 1/3: a", "round 1/3: b", "round 2/3: b", "round 2/3: a", "round 3/3: a", "round 3/3: b"]
+    assert rounds.measured == {"a": [(1.0, 10)] * 3, "b": [(1.0, 30)] * 3}
+
+
 def test_units_of_one_kind_are_estimated_from_the_longest_and_skipped_with_a_progress_line():
     clock, out = Clock(), io.StringIO()
     b = Budget(240, clock=clock)

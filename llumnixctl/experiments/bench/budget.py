@@ -354,6 +354,19 @@ class Rounds:
         self.measured.setdefault(key, []).append((1.0, seconds))
         return seconds
 
+    def interleaved(self, k: int, rounds: int, names: list[str], kind: str):
+        """Round ``k`` (from 0) of ``rounds`` over ``names`` (the order reversed every other round: nobody always
+        first), units keyed ``{"round": k + 1, kind: name}``: yields (label, name) of each unit that runs; it is
+        timed until the caller asks for the next."""
+        order = names if k % 2 == 0 else list(reversed(names))
+        units = [({"round": k + 1, kind: s}, f"round {k + 1}/{rounds}: {s}", s) for s in order]
+        if not self.begin(units):
+            return
+        for unit, label, name in units:
+            if self.start(unit, label, name):
+                yield label, name
+                self.done(name)
+
 
 def skipped_lines(skipped: list[dict], describe: Callable[[dict], str]) -> list[str]:
     """The human output's closing lines: one per skipped unit."""

@@ -156,18 +156,11 @@ def run(b: LoraBench, placements: list[str], rounds: int, engines: Engines, mode
             rb = replace(b, seed=b.seed + k)
             reqs, by_index = workload(rb)
             send = bench_cache.Send(words, lambda req, by_index=by_index: {"model": by_index[req.index]})
-            order = placements if k % 2 == 0 else list(reversed(placements))  # interleaved: nobody always first
-            units = [({"round": k + 1, "placement": p}, f"round {k + 1}/{rounds}: {p}", p) for p in order]
-            if not rounds_.begin(units):
-                continue
-            for unit, label, name in units:
-                if not rounds_.start(unit, label, name):
-                    continue
+            for label, name in rounds_.interleaved(k, rounds, placements, "placement"):
                 d = work / f"r{k}-{name}"
                 d.mkdir()
                 rows.append({"round": k + 1, "placement": name,
                              **replay(rb, name, model, d, reqs, send, adapters, engines, sets)})
-                rounds_.done(name)
                 sys.stderr.write(f"{label}: {rows[-1]['completed']} completed, {rows[-1]['failed']} failed, "
                                  f"P99 TTFT {rows[-1]['p99_ttft_ms'] or 0:.0f} ms, {rows[-1]['adapter_loads']} "
                                  f"adapter loads\n")

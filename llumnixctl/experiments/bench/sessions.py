@@ -258,22 +258,15 @@ def command(
         vllm = {"max_num_seqs": max_num_seqs, "kv_cache_bytes": (kv_tokens + 128) * bench_cache.BYTES_PER_TOKEN,
                 "block_size": block_size}
         for k in range(rounds):
-            order = names if k % 2 == 0 else list(reversed(names))  # interleaved: nobody always first
-            units = [({"round": k + 1, "system": s}, f"round {k + 1}/{rounds}: {s}", s) for s in order]
             reqs = shape.trace(kv_total, seed + k)
             traces.append({"round": k + 1, **tsessions.describe(reqs, kv_total, block_size)})
             sys.stderr.write(_trace_line(traces[-1]) + "\n")
-            if not rounds_.begin(units):
-                continue
-            for unit, label, name in units:
-                if not rounds_.start(unit, label, name):
-                    continue
+            for _, name in rounds_.interleaved(k, rounds, names, "system"):
                 d = work / f"r{k}-{name}"
                 d.mkdir()
                 res = _run(name, engine, path, d, reqs, words, seed + k, instances, vllm, kv_tokens, block_size,
                            host_mb, list(set_ or []), smg, vllm_router)
                 rows.append({"round": k + 1, "system": name, **with_perfect(res, reqs, block_size)})
-                rounds_.done(name)
                 sys.stderr.write(json.dumps(rows[-1]) + "\n")
     finally:
         progress.close()
