@@ -82,7 +82,10 @@ class Pulls:
         began = time.perf_counter()
         outcome, got = "failed", 0
         try:
-            outcome, got = await asyncio.wait_for(self._fetch(submit), self.timeout_s)
+            # The timeout bounds the wait for the holder's blocks, not their import once here (a step boundary
+            # away): blocks that arrived in time are used, and counted as pulled.
+            received = await asyncio.wait_for(self._fetch(submit), self.timeout_s)
+            outcome, got = await self._import(*received)
         except asyncio.TimeoutError:
             outcome = "timeout"
         except Exception as exc:  # a transfer or an engine call failed: recompute
@@ -101,25 +104,36 @@ class Pulls:
                                    extra_keys=prefix.adapter_keys(submit.adapter, submit.adapter_path),
                                    limit=submit.pull_blocks)
 
-    async def _fetch(self, submit: wire.Submit) -> tuple[str, int]:
-        """(outcome, bytes received)."""
+    async def _fetch(self, submit: wire.Submit):
+        """(outcome, bytes received, blocks asked, buffer): ``receive``'s."""
         hashes = self._hashes(submit)
         have = (await self.boundary(lambda: self.engine.prefix_hits([submit.prompt_token_ids])))[0]
-        return await self.fetch(submit.pull_address, hashes[have:])
+        return await self.receive(submit.pull_address, hashes[have:])
 
     async def fetch(self, address: str, ask: list[bytes], session: str = "") -> tuple[str, int]:
         """The leading blocks of ``ask`` that the instance at ``address`` holds, into our host tier: (outcome, bytes
         received). ``session``: a re-homed session's blocks (the holder stops retaining them once sent).
         Unbounded: the caller bounds it."""
+        return await self._import(*await self.receive(address, ask, session))
+
+    async def _import(self, outcome: str, got: int, ask: list[bytes], buf) -> tuple[str, int]:
+        """Blocks ``receive`` brought (``ask``: their hashes, ``buf``: their bytes) into our host tier."""
+        if outcome == "pulled":
+            await self.boundary(lambda: self.engine.import_blocks(ask, buf))
+        return outcome, got
+
+    async def receive(self, address: str, ask: list[bytes], session: str = ""):
+        """The leading blocks of ``ask`` that the instance at ``address`` holds, received: (outcome, bytes, the
+        hashes of the blocks received, their buffer). Unbounded: the caller bounds it."""
         if not ask or not address:
-            return "held", 0
+            return "held", 0, [], None
         pid = next(self._ids)
         offer = self._offers[pid] = asyncio.get_running_loop().create_future()
         self._asked[pid] = address
         try:
             spec = self.engine.kv_blocks().spec
             if not self.peers.send(address, wire.PullAsk(pid, self.host.instance_id, ask, spec, session)):
-                return "unreachable", 0
+                return "unreachable", 0, [], None
             msg, receiving, buf = await offer
         finally:
             self._offers.pop(pid, None)
@@ -129,9 +143,9 @@ class Pulls:
                 while len(self._given_up) > GIVEN_UP_KEPT:
                     del self._given_up[next(iter(self._given_up))]
         if msg is None:
-            return "holder_dead", 0
+            return "holder_dead", 0, [], None
         if not msg.blocks:
-            return "none_held", 0
+            return "none_held", 0, [], None
         try:
             # Shielded: a receive still queued on the pair's thread must run even when we give up on it (a
             # timeout), or the holder's send would meet the next pull's receive on that pair.
@@ -139,8 +153,7 @@ class Pulls:
         except TransferError:  # the pair broke: its next use makes a new one
             self.kv.forget(msg.pair_key)
             raise
-        await self.boundary(lambda: self.engine.import_blocks(ask[:msg.blocks], buf))
-        return "pulled", got
+        return "pulled", got, ask[:msg.blocks], buf
 
     def on_offer(self, msg: wire.PullOffer) -> None:
         """(Event loop, from the holder's socket) Post the receive at once: the holder has posted its send, and

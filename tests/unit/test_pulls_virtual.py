@@ -184,3 +184,33 @@ def test_a_pull_given_up_before_its_offer_came_leaves_the_pair_in_step():
     got = VirtualCluster.run(scenario, instances=2, sets=SETS + ["kv_tier.pull_timeout_s=0.5"])
     assert counted(before) == {"timeout": 1, "pulled": 1}
     assert got["pulled"] == PROMPT // 2 - 1, got
+
+
+def test_blocks_received_in_time_are_used_and_counted_pulled_however_long_their_import_waits():
+    """The timeout bounds the wait for the holder's blocks, not their import (a step boundary away on a busy
+    instance): before, an import that waited past it counted the pull as a timeout while the request used its
+    blocks (an e2e run under load saw 256 pulled tokens and no pull counted)."""
+    import asyncio
+
+    async def scenario(c: VirtualCluster):
+        await warm(c)
+        asker = c.instances["i1"].migrator.pulls
+        boundary = asker.boundary
+
+        async def slow_import(fn):  # the asker's import of the blocks waits past the timeout
+            if getattr(fn, "__name__", "") == "<lambda>" and "import_blocks" in fn.__code__.co_names:
+                await asyncio.sleep(1.0)
+            return await boundary(fn)
+
+        asker.boundary = slow_import
+        place(c, "i1", "i0", PROMPT // 16)
+        s = await c.request(max_tokens=8, prompt_tokens=PROMPT, request_id="turn")
+        out = [o.token_id for o in await c.result(s)]
+        assert out == c.expected(s, 8)
+        await c.until(lambda: idle(c), 5, "something stayed held")
+        return sources(c, "i1")
+
+    before = outcomes()
+    got = VirtualCluster.run(scenario, instances=2, sets=SETS + ["kv_tier.pull_timeout_s=0.5"])
+    assert counted(before) == {"pulled": 1}
+    assert got["pulled"] == PROMPT - 1, got
