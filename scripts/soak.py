@@ -79,32 +79,33 @@ def sample(run_dir: Path, t: float) -> list[dict]:
     return out
 
 
-def proxy_metric(url: str, name: str) -> float:
+def _samples(url: str, name: str) -> list[tuple[str, float]] | None:
+    """The samples of ``name`` at ``url``/metrics as (the line's key, value); None if unreachable."""
     try:
         text = httpx.get(url + "/metrics", timeout=10).text
     except httpx.HTTPError:
-        return float("nan")
-    total = 0.0
+        return None
+    out = []
     for line in text.splitlines():
         if line and not line.startswith("#"):
             key, value = line.rsplit(" ", 1)
             if key == name or key.startswith(name + "{"):
-                total += float(value)
-    return total
+                out.append((key, float(value)))
+    return out
+
+
+def proxy_metric(url: str, name: str) -> float:
+    got = _samples(url, name)
+    return float("nan") if got is None else sum(v for _, v in got)
 
 
 def by_label(url: str, name: str, label: str) -> dict[str, float]:
     """The samples of ``name`` at ``url``/metrics, summed by the value of ``label`` ({} if unreachable)."""
-    try:
-        text = httpx.get(url + "/metrics", timeout=10).text
-    except httpx.HTTPError:
-        return {}
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith(name + "{") and f'{label}="' in line:
-            key, value = line.rsplit(" ", 1)
+    for key, value in _samples(url, name) or []:
+        if f'{label}="' in key:
             v = key.split(f'{label}="', 1)[1].split('"', 1)[0]
-            out[v] = out.get(v, 0.0) + float(value)
+            out[v] = out.get(v, 0.0) + value
     return out
 
 

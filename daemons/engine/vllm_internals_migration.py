@@ -46,12 +46,11 @@ class VllmMoves:
     def resume(self, req) -> None:
         """Back into the batch; if its slot was taken meanwhile (the scheduler filled the batch from its queue while
         the request was out), preempted as vLLM preempts: to the head of the queue, its KV recomputed."""
-        scheduler = self._s.scheduler
-        if len(scheduler.running) < scheduler.max_num_running_reqs:
-            scheduler.running.append(req)
+        if self.slot_free():
+            self._s.scheduler.running.append(req)
             return
         log.info("request %s resumes preempted: its batch slot was taken while it was suspended", req.request_id)
-        scheduler._preempt_request(req, time.monotonic())
+        self._s.scheduler._preempt_request(req, time.monotonic())
 
     def slot_free(self) -> bool:
         """Whether the batch has room for one more running request (vLLM's max_num_seqs)."""
