@@ -143,6 +143,51 @@ def ctl_json(*args: str) -> dict:
     return json.loads(res.stdout)
 
 
+# ------------------------------------------------------------------ daemons forked, not started afresh
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fork_server(request):
+    """Where the session has e2e tests, a fork server (llumnixctl/lab/forkserver.py) that has imported torch and
+    the daemons starts the daemons of local clusters: a sim instance then costs a fork, not 2 CPU-seconds of
+    imports (the suite starts well over a hundred; on 2 cores that was minutes of the run). The daemons and
+    ``llumnixctl`` processes find it through LLUMNIX_FORKSERVER. LLUMNIX_TEST_FORKSERVER=0 starts each daemon
+    with a new interpreter, as operators' clusters do; a test that reads a daemon's exit status unsets it (the
+    server, not the test, is a forked daemon's parent)."""
+    from llumnixctl.lab import forkserver
+
+    if (os.environ.get("LLUMNIX_TEST_FORKSERVER", "1") == "0"
+            or not any(item.get_closest_marker("e2e") for item in request.session.items)):
+        yield None
+        return
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="llumnix-fork-")  # short: a unix socket's path is at most 107 bytes
+    path = os.path.join(folder, "server.sock")
+    server = subprocess.Popen([sys.executable, "-m", "llumnixctl.lab.forkserver", path], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        ready = server.stdout.readline().strip() == "ready"  # after its imports: seconds
+        if ready:
+            os.environ[forkserver.ENV] = path
+        else:
+            import warnings
+
+            warnings.warn(f"the fork server did not start (exit status {server.poll()}): daemons start afresh")
+        yield path if ready else None
+    finally:
+        os.environ.pop(forkserver.ENV, None)
+        server.terminate()
+        try:
+            server.wait(10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(5)
+        server.stdout.close()
+        Path(path).unlink(missing_ok=True)
+        os.rmdir(folder)
+
+
 # ------------------------------------------------------------------ the folder says which kind a test is
 
 _HERE = Path(__file__).resolve().parent

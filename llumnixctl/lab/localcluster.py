@@ -29,6 +29,7 @@ import psutil
 
 from daemons.config import load_config
 from llumnixctl.admin import AdminClient, ManagerUnreachable
+from llumnixctl.lab import forkserver
 from llumnixctl.lab.ports import distinct_ports, free_port
 # The run directory's record is the operator commands' too; its names stay reachable here.
 from llumnixctl.rundir import STATE_FILE, ClusterState, Proc, boot_start, default_run_dir  # noqa: F401
@@ -39,12 +40,31 @@ class ClusterError(Exception):
 
 
 def spawn(run_dir: Path, name: str, argv: list[str]) -> Proc:
+    """Start ``argv`` in a session of its own, its output in ``<run_dir>/<name>.log``: with Popen, or forked by
+    the fork server that ``LLUMNIX_FORKSERVER`` names when it is a daemon module of this interpreter
+    (llumnixctl/lab/forkserver.py; the test suite's, which saves the daemons' start-up imports)."""
     log_path = run_dir / f"{name}.log"
     with open(log_path, "ab") as log:
-        popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
-    return Proc(name, popen.pid, psutil.Process(popen.pid).create_time(), str(log_path), argv,
-                boot_start(popen.pid) or 0.0)
+        pid = _forked(argv, log.fileno())
+        if pid is None:
+            pid = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True).pid
+    return Proc(name, pid, psutil.Process(pid).create_time(), str(log_path), argv, boot_start(pid) or 0.0)
+
+
+def _forked(argv: list[str], log_fd: int) -> int | None:
+    """The pid of ``argv`` forked by the fork server, or None where there is none to ask (or it failed: the
+    caller starts it with Popen, and a failed server is logged)."""
+    path = os.environ.get(forkserver.ENV, "")
+    served = forkserver.served_module(argv) if path else None
+    if served is None:
+        return None
+    try:
+        with open(os.devnull, "rb") as null:
+            return forkserver.fork(path, served[0], served[1], null.fileno(), log_fd, log_fd)
+    except forkserver.ForkServerError as exc:
+        print(f"llumnixctl: {exc}; starting {served[0]} with a new interpreter", file=sys.stderr)
+        return None
 
 
 def _tail(path: str, lines: int = 15) -> str:

@@ -1,0 +1,184 @@
+"""A fork server for local daemons: one interpreter that has already imported torch and the daemons' modules
+forks each daemon a local cluster starts, instead of a fresh ``python -m daemons.<name>`` that imports them
+again (2 CPU-seconds per sim instance, nearly all of it torch; a test run starts a hundred and more).
+
+Opt-in: ``localcluster.spawn`` uses it when ``LLUMNIX_FORKSERVER`` names the server's socket and the argv is
+``[sys.executable, "-m", <a daemon module>, ...]`` (anything else, an argv prefix such as ``ip netns exec``
+included, is started with Popen as before). The test suite starts one per pytest process (tests/conftest.py).
+
+What a forked daemon gets is what ``python -m`` would give it: its own session, stdin/stdout/stderr from the
+caller's descriptors (sent over the socket, SCM_RIGHTS), the caller's environment and working directory,
+``sys.argv``, a fresh ``random`` seed, default signal handlers, and a normal interpreter exit (threads joined,
+atexit handlers run). What differs: it is the server's child, not the caller's (the server reaps it, so its exit
+status is not the caller's to read: a test that needs it starts the daemon without the server), and its
+``/proc/<pid>/cmdline`` is the server's. The caller gets its pid; stop it by pid as any other.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import random
+import signal
+import socket
+import struct
+import sys
+from pathlib import Path
+
+ENV = "LLUMNIX_FORKSERVER"
+# What the daemons import (their ``-m`` modules themselves are left out: a module found in sys.modules before
+# ``runpy`` executes it draws a warning, and a package's __main__ runs its daemon on import).
+PRELOAD = ("torch", "daemons.instance.daemon", "daemons.manager.daemon", "daemons.proxy.app")
+SERVED = ("daemons.instance", "daemons.manager", "daemons.proxy.app")
+_MAX_FRAME = 1 << 20
+
+
+class ForkServerError(Exception):
+    pass
+
+
+# ==================================================================== the caller's side
+
+
+def served_module(argv: list[str]) -> tuple[str, list[str]] | None:
+    """(module, its arguments) when ``argv`` runs a daemon module with this interpreter, else None."""
+    if len(argv) >= 3 and argv[0] == sys.executable and argv[1] == "-m" and argv[2] in SERVED:
+        return argv[2], list(argv[3:])
+    return None
+
+
+def fork(path: str, module: str, args: list[str], stdin: int, stdout: int, stderr: int,
+         timeout_s: float = 30.0) -> int:
+    """Have the server at ``path`` run ``python -m module *args`` with these descriptors, this process's
+    environment and working directory; returns the daemon's pid. ForkServerError when the server cannot."""
+    request = json.dumps({"module": module, "args": args, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(timeout_s)
+            s.connect(path)
+            socket.send_fds(s, [struct.pack("!I", len(request)) + request], [stdin, stdout, stderr])
+            reply = json.loads(_read_frame(s))
+    except (OSError, ValueError) as exc:
+        raise ForkServerError(f"fork server at {path}: {exc}") from None
+    if "pid" not in reply:
+        raise ForkServerError(f"fork server at {path}: {reply.get('error', reply)}")
+    return int(reply["pid"])
+
+
+def _read_frame(s: socket.socket) -> bytes:
+    head = _read_exact(s, 4)
+    (n,) = struct.unpack("!I", head)
+    if n > _MAX_FRAME:
+        raise ValueError(f"a frame of {n} bytes")
+    return _read_exact(s, n)
+
+
+def _read_exact(s: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = s.recv(n - len(data))
+        if not chunk:
+            raise ValueError("the connection closed mid-frame")
+        data += chunk
+    return data
+
+
+# ==================================================================== the server
+
+
+def serve(path: str) -> None:
+    """Import what the daemons need, listen on ``path``, print ``ready``, and fork a daemon per request until
+    SIGTERM. Never returns in a forked daemon: its SystemExit unwinds out of here as a normal exit."""
+    for name in PRELOAD:
+        importlib.import_module(name)
+    sys.modules.pop("daemons.proxy.app", None)  # runpy executes it afresh as __main__ (see PRELOAD)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the daemons: no zombies to wait for
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    server_pid = os.getpid()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(path)
+        listener.listen(16)
+        print("ready", flush=True)
+        while True:
+            conn, _ = listener.accept()
+            with conn:
+                pid = _one(listener, conn)
+    finally:
+        if os.getpid() == server_pid:
+            listener.close()
+            Path(path).unlink(missing_ok=True)
+
+
+def _one(listener: socket.socket, conn: socket.socket) -> int:
+    """Serve one request: fork, reply with the pid (in the server), or run the daemon (in the child)."""
+    fds: list[int] = []
+    try:
+        conn.settimeout(10)
+        msg, fds, _, _ = socket.recv_fds(conn, 4 + _MAX_FRAME, 3)
+        (n,) = struct.unpack("!I", msg[:4])
+        body = msg[4:]
+        while len(body) < n:
+            chunk = conn.recv(n - len(body))
+            if not chunk:
+                raise ValueError("the connection closed mid-request")
+            body += chunk
+        request = json.loads(body)
+        module, args, env, cwd = request["module"], list(request["args"]), dict(request["env"]), request["cwd"]
+        if module not in SERVED or len(fds) != 3:
+            raise ValueError(f"not a daemon this server runs: {module!r} with {len(fds)} descriptors")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+        for fd in fds:
+            os.close(fd)
+        _reply(conn, {"error": str(exc)})
+        return 0
+    if pid == 0:
+        listener.close()
+        conn.close()
+        _become(module, args, env, cwd, fds)  # raises SystemExit (or what the daemon raised)
+    for fd in fds:
+        os.close(fd)
+    _reply(conn, {"pid": pid})
+    return pid
+
+
+def _reply(conn: socket.socket, obj: dict) -> None:
+    data = json.dumps(obj).encode()
+    try:
+        conn.sendall(struct.pack("!I", len(data)) + data)
+    except OSError:
+        pass  # the caller gave up; a daemon it never learnt of still runs, as after a Popen it lost
+
+
+def _become(module: str, args: list[str], env: dict, cwd: str, fds: list[int]) -> None:
+    """In the forked child: become ``python -m module *args`` and run it to its end."""
+    import runpy
+
+    os.setsid()
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    os.closerange(3, 1 << 16)  # the received descriptors, the server's stdout pipe: nothing of the server's
+    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    random.seed()
+    sys.argv = [module] + args
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    sys.exit(0)
+
+
+def main() -> None:
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m llumnixctl.lab.forkserver SOCKET_PATH")
+    serve(sys.argv[1])
+
+
+if __name__ == "__main__":
+    main()
