@@ -150,10 +150,10 @@ def ctl_json(*args: str) -> dict:
 def _fork_server(request):
     """Where the session has e2e tests, a fork server (llumnixctl/lab/forkserver.py) that has imported torch and
     the daemons starts the daemons of local clusters: a sim instance then costs a fork, not 2 CPU-seconds of
-    imports (the suite starts well over a hundred; on 2 cores that was minutes of the run). The daemons and
-    ``llumnixctl`` processes find it through LLUMNIX_FORKSERVER. LLUMNIX_TEST_FORKSERVER=0 starts each daemon
-    with a new interpreter, as operators' clusters do; a test that reads a daemon's exit status unsets it (the
-    server, not the test, is a forked daemon's parent)."""
+    imports (the suite starts well over a hundred; on 2 cores that was minutes of the run). Only this process's
+    spawns use it (``llumnixctl`` commands the tests run start their daemons as operators' do).
+    LLUMNIX_TEST_FORKSERVER=0 starts every daemon with a new interpreter; a test that reads a daemon's exit
+    status, or needs it to be this process's child, asks for ``no_fork_server``."""
     from llumnixctl.lab import forkserver
 
     if (os.environ.get("LLUMNIX_TEST_FORKSERVER", "1") == "0"
@@ -169,14 +169,14 @@ def _fork_server(request):
     try:
         ready = server.stdout.readline().strip() == "ready"  # after its imports: seconds
         if ready:
-            os.environ[forkserver.ENV] = path
+            forkserver.use(path)
         else:
             import warnings
 
             warnings.warn(f"the fork server did not start (exit status {server.poll()}): daemons start afresh")
         yield path if ready else None
     finally:
-        os.environ.pop(forkserver.ENV, None)
+        forkserver.use(None)
         server.terminate()
         try:
             server.wait(10)
@@ -186,6 +186,17 @@ def _fork_server(request):
         server.stdout.close()
         Path(path).unlink(missing_ok=True)
         os.rmdir(folder)
+
+
+@pytest.fixture
+def no_fork_server():
+    """This test's daemons start with a new interpreter, as this process's children: their exit status is its
+    to read, and ``localcluster.stop_strays`` sees them."""
+    from llumnixctl.lab import forkserver
+
+    previous = forkserver.use(None)
+    yield
+    forkserver.use(previous)
 
 
 # ------------------------------------------------------------------ the folder says which kind a test is

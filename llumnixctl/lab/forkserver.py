@@ -2,16 +2,20 @@
 forks each daemon a local cluster starts, instead of a fresh ``python -m daemons.<name>`` that imports them
 again (2 CPU-seconds per sim instance, nearly all of it torch; a test run starts a hundred and more).
 
-Opt-in: ``localcluster.spawn`` uses it when ``LLUMNIX_FORKSERVER`` names the server's socket and the argv is
-``[sys.executable, "-m", <a daemon module>, ...]`` (anything else, an argv prefix such as ``ip netns exec``
-included, is started with Popen as before). The test suite starts one per pytest process (tests/conftest.py).
+Opt-in, per process: after ``use(path)``, ``localcluster.spawn`` in this process has the server at ``path`` fork
+an argv of the form ``[sys.executable, "-m", <a daemon module>, ...]`` when the calling thread is in the server's
+namespaces (a test that moved into a lab's network namespace gets Popen). Anything else, an argv prefix such as
+``ip netns exec`` included, starts with Popen as before; so do the processes this one starts (``llumnixctl``
+commands, a manager's instance launcher): the setting is not inherited. The test suite uses one per pytest process
+(tests/conftest.py).
 
 What a forked daemon gets is what ``python -m`` would give it: its own session, stdin/stdout/stderr from the
 caller's descriptors (sent over the socket, SCM_RIGHTS), the caller's environment and working directory,
 ``sys.argv``, a fresh ``random`` seed, default signal handlers, and a normal interpreter exit (threads joined,
-atexit handlers run). What differs: it is the server's child, not the caller's (the server reaps it, so its exit
-status is not the caller's to read: a test that needs it starts the daemon without the server), and its
-``/proc/<pid>/cmdline`` is the server's. The caller gets its pid; stop it by pid as any other.
+atexit handlers run). What differs: it is the server's child, not the caller's (the server reaps it: its exit
+status is not the caller's to read, and ``localcluster.stop_strays`` does not see it; a test that needs either
+turns the server off), and its ``/proc/<pid>/cmdline`` is the server's. The caller gets its pid; stop it by pid
+as any other.
 """
 
 from __future__ import annotations
@@ -26,7 +30,6 @@ import struct
 import sys
 from pathlib import Path
 
-ENV = "LLUMNIX_FORKSERVER"
 # What the daemons import (their ``-m`` modules themselves are left out: a module found in sys.modules before
 # ``runpy`` executes it draws a warning, and a package's __main__ runs its daemon on import).
 PRELOAD = ("torch", "daemons.instance.daemon", "daemons.manager.daemon", "daemons.proxy.app")
@@ -40,6 +43,20 @@ class ForkServerError(Exception):
 
 # ==================================================================== the caller's side
 
+_server: str | None = None
+_NAMESPACES = ("net", "mnt", "pid", "uts", "ipc", "user")
+
+
+def use(path: str | None) -> str | None:
+    """This process's spawns go through the server at ``path`` from now on (None: none do); the previous path."""
+    global _server
+    previous, _server = _server, path
+    return previous
+
+
+def server() -> str | None:
+    return _server
+
 
 def served_module(argv: list[str]) -> tuple[str, list[str]] | None:
     """(module, its arguments) when ``argv`` runs a daemon module with this interpreter, else None."""
@@ -49,14 +66,19 @@ def served_module(argv: list[str]) -> tuple[str, list[str]] | None:
 
 
 def fork(path: str, module: str, args: list[str], stdin: int, stdout: int, stderr: int,
-         timeout_s: float = 30.0) -> int:
+         timeout_s: float = 30.0) -> int | None:
     """Have the server at ``path`` run ``python -m module *args`` with these descriptors, this process's
-    environment and working directory; returns the daemon's pid. ForkServerError when the server cannot."""
+    environment and working directory; returns the daemon's pid, or None when the calling thread is not in
+    the server's namespaces (its child would not be where the caller is). ForkServerError when it cannot."""
     request = json.dumps({"module": module, "args": args, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(timeout_s)
             s.connect(path)
+            server_pid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                          struct.calcsize("3i")))[0]
+            if not _same_namespaces(server_pid):
+                return None
             socket.send_fds(s, [struct.pack("!I", len(request)) + request], [stdin, stdout, stderr])
             reply = json.loads(_read_frame(s))
     except (OSError, ValueError) as exc:
@@ -64,6 +86,15 @@ def fork(path: str, module: str, args: list[str], stdin: int, stdout: int, stder
     if "pid" not in reply:
         raise ForkServerError(f"fork server at {path}: {reply.get('error', reply)}")
     return int(reply["pid"])
+
+
+def _same_namespaces(pid: int) -> bool:
+    """Whether the calling thread (a lab moves single threads: llumnixctl/lab/netns.py) shares ``pid``'s namespaces."""
+    try:
+        return all(os.readlink(f"/proc/thread-self/ns/{ns}") == os.readlink(f"/proc/{pid}/ns/{ns}")
+                   for ns in _NAMESPACES)
+    except OSError:
+        return False
 
 
 def _read_frame(s: socket.socket) -> bytes:

@@ -41,7 +41,7 @@ class ClusterError(Exception):
 
 def spawn(run_dir: Path, name: str, argv: list[str]) -> Proc:
     """Start ``argv`` in a session of its own, its output in ``<run_dir>/<name>.log``: with Popen, or forked by
-    the fork server that ``LLUMNIX_FORKSERVER`` names when it is a daemon module of this interpreter
+    this process's fork server where it has one and ``argv`` is a daemon module of this interpreter
     (llumnixctl/lab/forkserver.py; the test suite's, which saves the daemons' start-up imports)."""
     log_path = run_dir / f"{name}.log"
     with open(log_path, "ab") as log:
@@ -53,9 +53,9 @@ def spawn(run_dir: Path, name: str, argv: list[str]) -> Proc:
 
 
 def _forked(argv: list[str], log_fd: int) -> int | None:
-    """The pid of ``argv`` forked by the fork server, or None where there is none to ask (or it failed: the
-    caller starts it with Popen, and a failed server is logged)."""
-    path = os.environ.get(forkserver.ENV, "")
+    """The pid of ``argv`` forked by this process's fork server, or None where there is none to ask, it does not
+    serve this argv or this thread's namespaces, or it failed (the caller starts it with Popen; a failure is said)."""
+    path = forkserver.server()
     served = forkserver.served_module(argv) if path else None
     if served is None:
         return None

@@ -249,7 +249,7 @@ def test_up_with_bad_setting_fails_fast(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["proxy", "instance-i0", "manager"])
-def test_sigterm_exits_cleanly(start_cluster, name):
+def test_sigterm_exits_cleanly(no_fork_server, start_cluster, name):
     c = start_cluster(instances=1)
     proc = c.proc(name).process()
     proc.send_signal(signal.SIGTERM)

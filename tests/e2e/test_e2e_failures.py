@@ -21,7 +21,6 @@ import httpx
 import psutil
 import pytest
 
-from llumnixctl.lab import forkserver
 from llumnixctl.main import status_json
 from tests.conftest import ctl_json
 from tests.streams import Stream, metric, proxy_metric, samples, wait_for
@@ -93,9 +92,8 @@ def log_of(c, name: str) -> str:
 # ---------------------------------------------------------------- an instance that hangs
 
 
-def test_hung_step_fails_over_and_the_instance_exits_with_status_3(start_cluster, monkeypatch):
+def test_hung_step_fails_over_and_the_instance_exits_with_status_3(no_fork_server, start_cluster, monkeypatch):
     monkeypatch.setenv("LLUMNIX_FAULTS", "i0:hang_step_after=30")
-    monkeypatch.delenv(forkserver.ENV, raising=False)  # the exit status is ours to read only from our child
     c = start_cluster(instances=2, sets=PACED + ["instance.step_timeout_s=1", "instance.hung_exit_s=1"])
     victim = psutil.Process(c.proc("instance-i0").pid)  # our child (localcluster spawned it): wait() gets its status
     s = Stream(c.url, 150, prompt=PROMPT, ignore_eos=True)

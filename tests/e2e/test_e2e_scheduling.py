@@ -121,7 +121,7 @@ def test_drain_moves_everything_out_with_no_error(start_cluster):
 # (tests/unit/test_protocol_virtual.py), where the queue is what the scenario makes it every time.
 
 
-def test_remove_drains_then_stops_the_instance(start_cluster):
+def test_remove_drains_then_stops_the_instance(no_fork_server, start_cluster):
     c = start_cluster(3, PACED + ["sim.max_num_seqs=6"])
     load = _drain_load(c)
     proc = c.proc("instance-i1").process()

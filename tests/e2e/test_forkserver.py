@@ -50,6 +50,7 @@ def test_a_forked_daemon_runs_as_python_m_would(server, tmp_path, monkeypatch):
 
 
 def test_the_callers_environment_reaches_the_daemon(server, tmp_path, monkeypatch):
+    assert forkserver.server() == server
     p = tmp_path / "bad.toml"
     p.write_text("[proxy]\nprot = 1\n")
     monkeypatch.setenv("LLUMNIX_CONFIG", str(p))  # read when the daemon starts, from the caller's environment
@@ -89,6 +90,28 @@ def test_argv_it_does_not_serve_starts_with_popen(server, tmp_path):
         "daemons.instance", ["--help"])
     assert forkserver.served_module(["ip", "netns", "exec", "ns", sys.executable, "-m", "daemons.instance"]) is None
     assert forkserver.served_module(["/other/python", "-m", "daemons.instance"]) is None
-    proc = localcluster.spawn(tmp_path, "echo", ["/bin/sh", "-c", "echo popen-$$"])
-    wait_for(lambda: "popen-" in Path(proc.log).read_text(), 30, "the shell ran")
-    assert Path(proc.log).read_text().strip() == f"popen-{proc.pid}"
+    proc = localcluster.spawn(tmp_path, "shell", ["/bin/sh", "-c", "echo popen-$$; exec sleep 60"])
+    try:
+        wait_for(lambda: "popen-" in Path(proc.log).read_text(), 30, "the shell ran")
+        assert Path(proc.log).read_text().strip() == f"popen-{proc.pid}"
+        assert psutil.Process(proc.pid).ppid() == os.getpid()  # ours: Popen, not the server
+    finally:
+        _stop(proc.pid)
+
+
+def test_a_thread_in_another_network_namespace_gets_popen(server, tmp_path):
+    """The server's child would be in the server's namespace, not where the calling thread moved (a lab's
+    "host", llumnixctl/lab/netns.py): such a spawn is a Popen, and the daemon binds its host's address."""
+    from llumnixctl.lab.netns import Lab
+
+    if Lab.unavailable():
+        pytest.skip(Lab.unavailable())
+    with Lab(["fs"], subnet="198.18.9.0/24") as lab:
+        argv = localcluster.daemon_argv("manager") + ["--set", f"manager.address=tcp://{lab.address('fs')}:0",
+                                                      "--set", "manager.metrics_port=-1", "--set", "security.trusted_network=true"]
+        proc = lab.run_in("fs", localcluster.spawn, tmp_path, "manager", argv, timeout_s=60)
+        try:
+            wait_for(lambda: "serving on" in Path(proc.log).read_text(), 30, "the manager binds its host's address")
+            assert psutil.Process(proc.pid).ppid() == os.getpid()
+        finally:
+            _stop(proc.pid)

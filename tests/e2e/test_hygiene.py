@@ -145,7 +145,8 @@ def test_the_run_marker_is_set():
     assert os.environ.get(RUN_MARKER)
 
 
-def test_an_interrupt_between_a_daemons_start_and_its_record_stops_that_daemon_too(tmp_path, monkeypatch):
+def test_an_interrupt_between_a_daemons_start_and_its_record_stops_that_daemon_too(tmp_path, monkeypatch,
+                                                                                    no_fork_server):
     """The SIGTERM (or Ctrl-C) that reaches ``llumnixctl up`` or a benchmark just after a daemon was started,
     before ``spawn`` returned its record, used to leave that daemon running (the hog-loaded CI met it with the
     proxy): ``up`` stops every daemon it started, recorded or not."""

@@ -24,7 +24,7 @@ from conftest import FAST, Cluster, cli
 from daemons import runtime, security, wire
 from daemons.config import SecurityConfig
 from llumnixctl.admin import AdminClient
-from llumnixctl.lab import forkserver, localcluster
+from llumnixctl.lab import localcluster
 from tests.streams import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -157,8 +157,7 @@ def test_unknown_key_and_no_key_are_refused_and_logged(secured, keys, tmp_path):
     assert len(status(secured, keys)) == 2
 
 
-def test_a_second_key_cannot_take_a_live_instance_id(secured, keys, monkeypatch):
-    monkeypatch.delenv(forkserver.ENV, raising=False)  # the exit status is ours to read only from our child
+def test_a_second_key_cannot_take_a_live_instance_id(secured, keys, no_fork_server):
     argv = localcluster.daemon_argv("instance") + secured.state.args + [
         "--set", "instance.id=i0", "--set", "instance.backend=sim", "--set", "security.key=instance-spare"]
     proc = secured.spawn("instance-impostor", argv)
