@@ -22,8 +22,7 @@ if [ $# -gt 0 ]; then
 fi
 HEAVY=(tests/e2e/test_e2e_vllm.py tests/e2e/test_e2e_vllm_migration.py tests/e2e/test_e2e_vllm_migration_aborts.py tests/e2e/test_e2e_vllm_tp.py tests/e2e/test_vllm_engine.py
        tests/e2e/test_vllm_real_model.py tests/e2e/test_vllm_tier.py tests/e2e/test_vllm_waiting_tokens.py tests/e2e/test_e2e_vllm_tier.py
-       tests/e2e/test_bench_serve.py tests/e2e/test_multihost.py tests/e2e/test_netns.py
-       tests/e2e/test_e2e_cluster.py tests/e2e/test_e2e_kill_points.py tests/e2e/test_keepalive.py)  # the last three even out the streams' lengths (about 12 minutes each here)
+       tests/e2e/test_bench_serve.py tests/e2e/test_multihost.py tests/e2e/test_netns.py)
 e2e=(tests/e2e/test_*.py)
 heavy=() light=()
 for m in "${e2e[@]}"; do
@@ -65,7 +64,7 @@ fi
 echo "== tests with daemons or engines: ${#heavy[@]} modules (stream 1) beside ${#light[@]} (stream 2)" >&2
 "${DFL[@]}" "${PYTEST[@]}" --basetemp="$tmp/1" --durations=15 -m "e2e and not alone" "${heavy[@]}" > "$tmp/stream1.log" 2>&1 &
 one=$!
-"${PYTEST[@]}" --basetemp="$tmp/2" --durations=15 -m "e2e and not alone" "${light[@]}" || keep $?
+"${PYTEST[@]}" --basetemp="$tmp/2" --durations=15 -n 2 --dist loadfile -m "e2e and not alone" "${light[@]}" || keep $?
 s1=0
 wait "$one" || s1=$?
 one=""
