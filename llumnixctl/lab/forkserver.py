@@ -14,7 +14,8 @@ caller's descriptors (sent over the socket, SCM_RIGHTS), the caller's environmen
 ``sys.argv``, a fresh ``random`` seed, default signal handlers, and a normal interpreter exit (threads joined,
 atexit handlers run). What differs: it is the server's child, not the caller's (the server reaps it: its exit
 status is not the caller's to read, and ``localcluster.stop_strays`` does not see it; a test that needs either
-turns the server off), and its ``/proc/<pid>/cmdline`` is the server's. The caller gets its pid; stop it by pid
+turns the server off), and its ``/proc/<pid>/cmdline`` is the server's (its name, ``comm``, is ``llumnix-instance``, ``-manager`` or
+``-proxy``). The caller gets its pid; stop it by pid
 as any other.
 """
 
@@ -190,6 +191,11 @@ def _become(module: str, args: list[str], env: dict, cwd: str, fds: list[int]) -
     import runpy
 
     os.setsid()
+    try:  # its name in ps and top (its cmdline stays the server's)
+        with open("/proc/self/comm", "w") as comm:
+            comm.write("llumnix-" + module.split(".")[1])
+    except OSError:
+        pass
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
     os.closerange(3, 1 << 16)  # the received descriptors, the server's stdout pipe: nothing of the server's

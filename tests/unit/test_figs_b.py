@@ -80,7 +80,7 @@ def test_bursts_quick(tmp_path):
 def test_cache_fleet_quick(tmp_path):
     from llumnixctl.experiments.figs import cache
 
-    cache.main(["--quick", "--requests", "150", "--out", str(tmp_path)])  # 150: a third of the time, same verdicts
+    cache.main(["--quick", "--requests", "90", "--out", str(tmp_path)])  # 150: a third of the time, same verdicts
     d = json.loads((tmp_path / "cache-fleet.json").read_text())
     assert d["setup"]["quick"] is True
     for r in d["runs"]:
