@@ -7,10 +7,12 @@
 #   1. tests/unit/: the tests that start no daemon and no engine, on every core (pytest-xdist), beside part 2 at a
 #      lower priority (they fill the time the daemons leave idle); LLUMNIX_UNIT_BESIDE=0 runs
 #      them first instead, alone;
-#   2. tests/e2e/ (they start daemons or engines; marked e2e) in two streams side by side, each a pytest run that takes
-#      its modules one at a time: the modules with vLLM engines or network namespaces (HEAVY below: two vLLM
-#      clusters at once would want more than two cores, and the namespaces' names and addresses are fixed)
-#      with a few sim ones, and the other sim modules. Stream 1 prints when it ends, stream 2 as it goes;
+#   2. tests/e2e/ (they start daemons or engines; marked e2e) in two streams side by side: stream 1, one pytest run
+#      that takes its modules one at a time, the modules with vLLM engines or network namespaces (HEAVY below: two
+#      vLLM clusters at once would want more than two cores); stream 2, the other modules on two pytest-xdist
+#      workers, each taking whole modules (--dist loadfile). Each pytest process starts its clusters' daemons from
+#      a fork server (tests/conftest.py; LLUMNIX_TEST_FORKSERVER=0: each afresh). Stream 1 prints when it ends,
+#      stream 2 as it goes;
 #   3. the e2e tests marked alone (they measure real time), with nothing beside them.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -14,9 +14,8 @@ caller's descriptors (sent over the socket, SCM_RIGHTS), the caller's environmen
 ``sys.argv``, a fresh ``random`` seed, default signal handlers, and a normal interpreter exit (threads joined,
 atexit handlers run). What differs: it is the server's child, not the caller's (the server reaps it: its exit
 status is not the caller's to read, and ``localcluster.stop_strays`` does not see it; a test that needs either
-turns the server off), and its ``/proc/<pid>/cmdline`` is the server's (its name, ``comm``, is ``llumnix-instance``, ``-manager`` or
-``-proxy``). The caller gets its pid; stop it by pid
-as any other.
+turns the server off), and its ``/proc/<pid>/cmdline`` is the server's (its name, ``comm``, is
+``llumnix-instance``, ``-manager`` or ``-proxy``). The caller gets its pid; stop it by pid as any other.
 """
 
 from __future__ import annotations
