@@ -90,6 +90,19 @@ class AdapterTable:
         a.unloading = True
         return not a.running
 
+    def renew(self, name: str, path: str) -> bool:
+        """A load of ``name`` from ``path`` that finds it held: True (and it stays, in use) when it is held from
+        that path; False when it is not held; EngineError when it is held from another path."""
+        held = self.get(name)
+        if held is None:
+            return False
+        if held.path != path:
+            raise EngineError(f"adapter {name!r} is loaded here from {held.path!r}; unload it before loading "
+                              f"another {path!r} under that name")
+        held.unloading = False
+        self.use(name)
+        return True
+
     def use(self, name: str) -> Adapter:
         a = self._held[name]
         a.used = next(self._clock)

@@ -45,13 +45,7 @@ class SimAdapters:
 
     def load(self, name: str, path: str) -> bool:
         self.prune()
-        held = self.table.get(name)
-        if held is not None:
-            if held.path != path:
-                raise EngineError(f"adapter {name!r} is loaded here from {held.path!r}; unload it before loading "
-                                  f"another {path!r} under that name")
-            held.unloading = False
-            self.table.use(name)
+        if self.table.renew(name, path):
             return False
         victim = self.table.plan(name)
         if victim is not None:

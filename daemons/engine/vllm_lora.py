@@ -41,13 +41,7 @@ class VllmAdapters:
     def load(self, name: str, path: str) -> bool:
         """Hold ``name`` from ``path``; False when it was held already (from that path). EngineError names the
         adapter and what is wrong: a bad path, a rank over lora.max_rank, weights that do not fit this model."""
-        held = self.table.get(name)
-        if held is not None:
-            if held.path != path:
-                raise EngineError(f"adapter {name!r} is loaded here from {held.path!r}; unload it before loading "
-                                  f"another {path!r} under that name")
-            held.unloading = False
-            self.table.use(name)
+        if self.table.renew(name, path):
             return False
         config = check_adapter_dir(name, path, self.max_rank)
         check_shapes(name, path, self.dims, str(config.get("base_model_name_or_path") or ""))
