@@ -22,10 +22,14 @@ class Rehomer:
         self.cfg, self.cluster, self.clock, self.send = shared.cfg, shared.cluster, shared.clock, shared.send
         self.ordered = 0
 
+    @property
+    def on(self) -> bool:
+        return self.cfg.sessions.rehome_sessions > 0
+
     async def loop(self) -> None:
+        """A round every sessions.rehome_interval_s, for as long as the manager runs. Started only where re-homing
+        is on (``on``): a manager task that ends is a failure the manager exits on."""
         ss = self.cfg.sessions
-        if ss.rehome_sessions <= 0:
-            return
         while True:
             await self.clock.sleep(ss.rehome_interval_s)
             self.once()

@@ -62,8 +62,10 @@ class Rescheduler:
             self.spawn(self.lifecycle.retire(r.instance_id, r.drain_reason, self.scfg.launch_timeout_s))
 
     def loops(self) -> list[Awaitable]:
-        """The coroutines that run as long as the manager: pairing, scaling, roles, re-homing."""
-        return [self.orders.pairing_loop(), self.scaling.scaling_loop(), self.roles.loop(), self.rehomer.loop()]
+        """The coroutines that run as long as the manager: pairing, scaling, roles, re-homing (where it is on:
+        sessions.rehome_sessions = 0 once ended its loop at once, and the manager took that for a failure and exited)."""
+        rehome = [self.rehomer.loop()] if self.rehomer.on else []
+        return [self.orders.pairing_loop(), self.scaling.scaling_loop(), self.roles.loop(), *rehome]
 
     def counters(self) -> dict:
         """What status shows of the rescheduling (the Snapshot's fields)."""

@@ -124,3 +124,13 @@ def test_a_sessions_turns_stick_to_its_kv_and_spill_past_the_bound(start_cluster
     assert agent["blocks"] > 0 and agent["engine_blocks"].get(done_at[0], 0) > 0
     assert agent["instances"][0] == done_at[0] and agent["prompt_tokens"] > 0 and agent["age_s"] >= agent["idle_s"]
     assert _sessions(c)["known"] == 2
+
+
+def test_a_manager_with_re_homing_off_runs_and_serves(start_cluster):
+    """sessions.rehome_sessions = 0 ("off") ended the manager's re-homing loop at once, which the manager takes
+    for a failed task: it exited at start-up, and the cluster never came up."""
+    c = start_cluster(instances=1, sets=["sessions.rehome_sessions=0", "sessions.rehome_interval_s=0.05"])
+    out = httpx.post(c.url + "/v1/completions", json={"model": "llumnix-sim", "prompt": "hello", "max_tokens": 4},
+                     timeout=30)
+    assert out.status_code == 200, out.text
+    assert c.proc("manager").process() is not None  # still running after many re-homing intervals
