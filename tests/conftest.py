@@ -154,7 +154,7 @@ def _fork_server(request):
     spawns use it (``llumnixctl`` commands the tests run start their daemons as operators' do).
     LLUMNIX_TEST_FORKSERVER=0 starts every daemon with a new interpreter; a test that reads a daemon's exit
     status, or needs it to be this process's child, asks for ``no_fork_server``."""
-    from llumnixctl.lab import forkserver
+    from llumnixctl.lab import forkserver, procs
 
     if (os.environ.get("LLUMNIX_TEST_FORKSERVER", "1") == "0"
             or not any(item.get_closest_marker("e2e") for item in request.session.items)):
@@ -177,12 +177,7 @@ def _fork_server(request):
         yield path if ready else None
     finally:
         forkserver.use(None)
-        server.terminate()
-        try:
-            server.wait(10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(5)
+        procs.stop([server], grace_s=10)
         server.stdout.close()
         Path(path).unlink(missing_ok=True)
         os.rmdir(folder)
