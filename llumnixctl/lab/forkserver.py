@@ -135,26 +135,23 @@ def serve(path: str) -> None:
         while True:
             conn, _ = listener.accept()
             with conn:
-                pid = _one(listener, conn)
+                _one(listener, conn)
     finally:
         if os.getpid() == server_pid:
             listener.close()
             Path(path).unlink(missing_ok=True)
 
 
-def _one(listener: socket.socket, conn: socket.socket) -> int:
+def _one(listener: socket.socket, conn: socket.socket) -> None:
     """Serve one request: fork, reply with the pid (in the server), or run the daemon (in the child)."""
     fds: list[int] = []
     try:
         conn.settimeout(10)
         msg, fds, _, _ = socket.recv_fds(conn, 4 + _MAX_FRAME, 3)
         (n,) = struct.unpack("!I", msg[:4])
-        body = msg[4:]
-        while len(body) < n:
-            chunk = conn.recv(n - len(body))
-            if not chunk:
-                raise ValueError("the connection closed mid-request")
-            body += chunk
+        if n > _MAX_FRAME:
+            raise ValueError(f"a request of {n} bytes")
+        body = msg[4:] + _read_exact(conn, max(n - len(msg) + 4, 0))
         request = json.loads(body)
         module, args, env, cwd = request["module"], list(request["args"]), dict(request["env"]), request["cwd"]
         if module not in SERVED or len(fds) != 3:
@@ -166,7 +163,7 @@ def _one(listener: socket.socket, conn: socket.socket) -> int:
         for fd in fds:
             os.close(fd)
         _reply(conn, {"error": str(exc)})
-        return 0
+        return
     if pid == 0:
         listener.close()
         conn.close()
@@ -174,7 +171,6 @@ def _one(listener: socket.socket, conn: socket.socket) -> int:
     for fd in fds:
         os.close(fd)
     _reply(conn, {"pid": pid})
-    return pid
 
 
 def _reply(conn: socket.socket, obj: dict) -> None:
