@@ -19,8 +19,8 @@ sessions.kv_bytes_per_token.
 Sessions. A request naming a session goes to the instance that holds most of its prompt (engine and host tier
 together; the session's last instance wins a tie) unless that instance is past ``bound`` x the mean load (its
 requests, running, queued and dispatched, with this one counted: consistent hashing with bounded loads, Mirrokni
-et al.), or it is predicted past the request's TTFT target; then to the cheapest other instance by the policy
-in force, with a pull from the holder where that pays. No instance then takes more than ``bound`` x its share
+et al.), or it is predicted past the request's TTFT target while another instance is predicted to serve it
+sooner (with a recompute or a pull); then to the cheapest other instance by the policy in force, with a pull from the holder where that pays. No instance then takes more than ``bound`` x its share
 because of its sessions' popularity."""
 
 from __future__ import annotations
@@ -197,6 +197,17 @@ def follow(states: list[InstanceState], prompt_tokens: int, tiers: Tiers | None,
         return Follow("", "spilled", iid, blocks)
     if ttft_target_s > 0:
         s = next(s for s in eligible if s.instance_id == iid)
-        if price(s, prompt_tokens, tiers, p, high).ttft_s > ttft_target_s:
+        mine = price(s, prompt_tokens, tiers, p, high).ttft_s
+        if mine > ttft_target_s and _cheaper_elsewhere(eligible, iid, blocks, mine, prompt_tokens, tiers, p, high):
             return Follow("", "spilled", iid, blocks)
     return Follow(iid, "affinity", "", blocks)
+
+
+def _cheaper_elsewhere(eligible: list[InstanceState], iid: str, blocks: int, mine: float, prompt_tokens: int,
+                       tiers: Tiers | None, p: Pricing, high: bool) -> bool:
+    """Whether some instance other than the holder ``iid`` (holding ``blocks``) is predicted to give the turn its
+    first token sooner than the holder's ``mine``: with what it caches, a pull from the holder where that pays,
+    and the prefill of the rest. When every instance is past the target, the turn stays where it is served
+    soonest: spilling it where it would wait as long only adds a recompute to a loaded cluster."""
+    return any(price(o, prompt_tokens, tiers, p, high, iid, blocks).ttft_s < mine
+               for o in eligible if o.instance_id != iid)

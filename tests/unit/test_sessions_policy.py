@@ -134,6 +134,19 @@ def test_a_sessions_turn_spills_when_its_holder_is_predicted_past_its_ttft_targe
     assert spilled.instance_id != "a" and spilled.how in ("spilled", "pull")
 
 
+def test_a_turn_past_its_target_stays_when_no_other_instance_would_serve_it_sooner():
+    """Every instance past the target: spilling would add a recompute where the turn waits as long, so it stays
+    with its KV; once another instance is predicted sooner, it goes there."""
+    queued = dict(waiting=1, waiting_tokens=20000)
+    states = [inst("a", running=1, **queued), inst("b", running=2, **queued), inst("c", running=2, **queued)]
+    tiers = {"a": (100, 100)}
+    stays = policy.place("slo", states, ask(1600, tiers, session="s", ttft_s=1.0), 0, RULES)
+    assert (stays.instance_id, stays.how) == ("a", "affinity")
+    states[2] = inst("c", running=2)
+    moves = policy.place("slo", states, ask(1600, tiers, session="s", ttft_s=1.0), 0, RULES)
+    assert moves.instance_id == "c" and moves.how in ("spilled", "pull")
+
+
 def test_the_baselines_do_not_follow_sessions():
     states = [inst("a", running=2), inst("b", running=0)]
     for name in ("rr", "infaas++", "flood"):
