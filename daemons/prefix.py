@@ -183,7 +183,7 @@ def match_tiers(engine: PrefixIndex, host: PrefixIndex, block_keys: Sequence[int
             break
         for i in alive:
             out[i] = (eng.get(i, 0), depth + 1)
-    return out
+    return dict(sorted(out.items()))  # in id order: callers that break ties by order do so alike in every process
 
 
 class Publisher:

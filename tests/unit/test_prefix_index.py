@@ -172,3 +172,13 @@ def test_host_tier_blocks_follow_and_continue_engine_hits():
     assert f.host.blocks("i0") == 0 and f.index.blocks("i0") == 1
     f.forget("i1")
     assert f.match_tiers([1, 2]) == {}
+
+
+def test_match_tiers_lists_the_holders_in_id_order():
+    """Dispatch breaks ties between equal holders by the order it meets them: in id order, so the same view gives
+    the same choice in every process (the order of a set of ids changes with the interpreter's hash seed)."""
+    engine, host = prefix.PrefixIndex(), prefix.PrefixIndex()
+    ids = [f"i{k}" for k in (7, 3, 12, 0, 5, 9, 1)]
+    for iid in ids:
+        engine.stored(iid, [1, 2])
+    assert list(prefix.match_tiers(engine, host, [1, 2])) == sorted(ids)
