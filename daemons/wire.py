@@ -106,6 +106,7 @@ class Outlook(msgspec.Struct, array_like=True, omit_defaults=True):
     # the request at that rank, requests finished by then, the KV blocks they give back).
     drain: list[tuple[int, int, int]] = []
     lengths: list[int] = []  # 16 quantiles of the observed output lengths (a finish cut by max_tokens: UNBOUNDED)
+    waiting_output: int = 0  # the waiting requests' mean expected output tokens (0: none waits)
 
 
 UNBOUNDED = 1 << 30  # an output length known only as "at least": longer than any max_tokens

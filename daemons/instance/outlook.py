@@ -72,7 +72,7 @@ def outlook(rows: list[wire.RequestLoad], lengths: OutputLengths, block_size: in
     lengths, and the running ones' expected finishes (``wire.Outlook``). ``hands_over``: a prefill instance, whose
     requests leave at their first token (handed over to a decode instance), not at their last."""
     sample, prefix = lengths.snapshot()
-    committed = 0
+    committed = waiting = waiting_output = 0
     finishing: list[tuple[int, int]] = []  # (remaining tokens, final blocks) of each running request
     for r in rows:
         m = r.max_tokens or r.output_tokens + 1
@@ -81,6 +81,9 @@ def outlook(rows: list[wire.RequestLoad], lengths: OutputLengths, block_size: in
         committed += blocks
         if r.state == "running":
             finishing.append((max(final - r.output_tokens, 0), blocks))
+        else:
+            waiting += 1
+            waiting_output += max(final - r.output_tokens, 1)
     finishing.sort()
     drain = []
     n = len(finishing)
@@ -92,4 +95,4 @@ def outlook(rows: list[wire.RequestLoad], lengths: OutputLengths, block_size: in
                 freed += finishing[done][1]
                 done += 1
             drain.append((finishing[rank - 1][0], done, freed))
-    return wire.Outlook(committed, drain, quantiles_of(sample))
+    return wire.Outlook(committed, drain, quantiles_of(sample), round(waiting_output / waiting) if waiting else 0)

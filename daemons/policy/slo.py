@@ -200,23 +200,71 @@ def final_blocks(s: InstanceState, prompt_tokens: int, max_tokens: int = 0) -> i
 
 def outlook_wait_s(s: InstanceState, fit, ahead: Ahead, prompt_tokens: int, max_tokens: int = 0) -> float:
     """``slot_wait_s`` by the instance's outlook: short of slots or of KV (at final lengths: the requests there,
-    our pending dispatches and this one), the wait is until enough running requests are expected to finish (their
-    remaining tokens at the current decode step's time); past all of them, the queued ones must run whole answers
-    first, in waves of a batch (or a KV cache) at a time."""
+    our pending dispatches and this one), the wait is until enough slots free (``slots_free_s``) and enough KV
+    (the running requests' expected finishes, then the queued ones' answers, a KV cache's worth each)."""
     o = s.outlook
     need_slots = ahead.requests + 1 - max(s.batch_size - s.running, 0)
     need_blocks = o.committed_blocks + s.pending_final_blocks + final_blocks(s, prompt_tokens, max_tokens) - s.blocks_total
     if need_slots <= 0 and need_blocks <= 0:
         return 0.0
     step_s = (decode_ms(fit, max(s.running, 1), s.context_tokens) + max(fit.extra_ms, 0.0)) / 1000.0
-    for remaining, done, freed in o.drain:
-        if done >= need_slots and freed >= need_blocks:
+    # What a queued request ahead runs for once it has a slot: the instance's waiting requests' expected answers
+    # where it reports them, else this request's own.
+    answer = o.waiting_output or expected_output(o.lengths, 0, max_tokens or REFERENCE_OUTPUT_TOKENS)
+    answer_s = answer * step_s
+    slots = slots_free_s(o.drain, max(s.batch_size - s.running, 0), need_slots, step_s, answer_s)
+    return max(slots, _blocks_free_s(o.drain, s.blocks_total, need_blocks, step_s, answer_s))
+
+
+def slots_free_s(drain, free: int, need: int, step_s: float, answer_s: float) -> float:
+    """Seconds until ``need`` more batch slots have come free (the ``free`` ones now are taken by the requests
+    queued first): each running request's slot frees at its expected finish (``drain``: wire.Outlook's ranks,
+    each rank's requests at its time), and every slot then frees again each ``answer_s``, as the queued request that
+    took it finishes. A queue is served by slots freeing at staggered times, not in waves of a whole batch."""
+    if need <= 0:
+        return 0.0
+    groups, prev = [], 0
+    for remaining, done, _ in drain:
+        if done > prev:
+            groups.append((remaining * step_s, done - prev))
+            prev = done
+    if free > 0:
+        groups.append((answer_s, free))
+    if not groups:
+        return 0.0
+    if answer_s <= 0:  # no step time known: the running requests' slots only
+        ts = sorted(groups)
+        got = 0
+        for t, c in ts:
+            got += c
+            if got >= need:
+                return t
+        return ts[-1][0]
+
+    def freed_by(t: float) -> int:
+        return sum(c * (int((t - base) // answer_s) + 1) for base, c in groups if t >= base)
+
+    per_cycle = sum(c for _, c in groups)
+    lo, hi = 0.0, max(base for base, _ in groups) + (need / per_cycle + 1.0) * answer_s
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if freed_by(mid) >= need:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def _blocks_free_s(drain, blocks_total: int, need: int, step_s: float, answer_s: float) -> float:
+    """Seconds until ``need`` more KV blocks have come free: at the running requests' expected finishes, then a KV
+    cache's worth per queued answer (``answer_s``)."""
+    if need <= 0:
+        return 0.0
+    for remaining, _, freed in drain:
+        if freed >= need:
             return remaining * step_s
-    last_s, done, freed = (o.drain[-1][0] * step_s, o.drain[-1][1], o.drain[-1][2]) if o.drain else (0.0, 0, 0)
-    answer_s = expected_output(o.lengths, 0, max_tokens or REFERENCE_OUTPUT_TOKENS) * step_s
-    waves = max(math.ceil((need_slots - done) / max(s.batch_size, 1)),
-                math.ceil((need_blocks - freed) / max(s.blocks_total, 1)), 1)
-    return last_s + waves * answer_s
+    last_s, freed = (drain[-1][0] * step_s, drain[-1][2]) if drain else (0.0, 0)
+    return last_s + (need - freed) / max(blocks_total, 1) * answer_s
 
 
 def prefill_s(s: InstanceState, fit, tokens: int) -> float:
@@ -237,8 +285,11 @@ def predict_ttft(s: InstanceState, prompt_tokens: int, high: bool = False, max_t
     # A request joins at a step boundary: while a batch runs, it first waits out what is left of the current step
     # (half of one, on average).
     boundary = 0.5 * (decode_ms(fit, s.running, s.context_tokens) + max(fit.extra_ms, 0.0)) / 1000.0 if s.running else 0.0
-    return (boundary + slot_wait_s(s, fit, ahead, prompt_tokens, max_tokens)
-            + prefill_s(s, fit, ahead.tokens + prompt_tokens))
+    # Two bottlenecks, whichever binds: the slots (and KV) that the requests ahead and this one wait for, each
+    # prompt ahead prefilling as its slot frees (within that wait: the steps it is timed by carry their prefills,
+    # the fit's extra_ms), then this prompt; or the prefill of every prompt queued ahead and of this one.
+    wait = slot_wait_s(s, fit, ahead, prompt_tokens, max_tokens)
+    return boundary + max(wait + prefill_s(s, fit, prompt_tokens), prefill_s(s, fit, ahead.tokens + prompt_tokens))
 
 
 def predict_tpot(s: InstanceState, prompt_tokens: int = 0, joining: int = 1) -> float:

@@ -124,9 +124,12 @@ def test_queued_prefill_and_a_full_batch_add_to_the_ttft():
     assert queued == pytest.approx(free + 0.1 * 3000 / 1000)  # 3000 tokens more, within the step's budget
     full = slo.predict_ttft(state(running=16, waiting=4, waiting_tokens=400, context=8000), 100)
     # what is left of the running step (half of one), then 5 requests need a slot (4 queued and this one), at 10
-    # finishing a second: half a second
+    # finishing a second: half a second; the 4 queued prefill as their slots free, within it, then this one
     boundary = 0.5 * (slo.decode_ms(FIT, 16, 8000) + FIT.extra_ms) / 1000
-    assert full == pytest.approx(boundary + 0.5 + slo.prefill_s(state(running=16, context=8000), FIT, 500))
+    assert full == pytest.approx(boundary + 0.5 + slo.prefill_s(state(running=16, context=8000), FIT, 100))
+    # a queue bound by its prefills, not its slots: the prefill of every prompt ahead
+    long = slo.predict_ttft(state(running=16, waiting=4, waiting_tokens=40000, context=8000, total=10000), 100)
+    assert long == pytest.approx(boundary + slo.prefill_s(state(running=16, context=8000), FIT, 40100))
 
 
 def test_a_high_priority_request_queues_behind_high_priority_work_only():
@@ -259,15 +262,16 @@ def test_admission_by_slo_refuses_with_the_predicted_drain_as_retry_after():
         c.admit(0, prompt_tokens=100)
     exc = refused.value
     assert exc.reason == "ttft"
-    # 21 requests need a slot at 4 a second, then one step prefills the 2100 tokens; less the 1 s target
-    prefill = (10 + 0.1 * 2100 + 15 + 0.15 * 8 + 0.0005 * 4000) / 1000
+    # 21 requests need a slot at 4 a second (those ahead prefill as theirs free), then one step prefills its 100
+    # tokens; less the 1 s target
+    prefill = (10 + 0.1 * 100 + 15 + 0.15 * 8 + 0.0005 * 4000) / 1000
     boundary = 0.5 * (15 + 0.15 * 8 + 0.0005 * 4000 + 2) / 1000  # what is left of the running step
     assert exc.retry_after_s == pytest.approx(boundary + 21 / 4 + prefill - 1)
     assert c.admit(1, prompt_tokens=100).admitted  # high priority queues behind no high-priority work
     c = client("slo.ttft_ms=1000")  # admitted within 0.8 of the target by default: headroom for errors
     c.known.beats = {"a": beat("a", 1, 100)}  # 2 need a slot at 4 a second: 0.5 s + the prefill
     assert c.admit(0, prompt_tokens=100).admitted
-    c.known.beats = {"a": beat("a", 2, 200)}  # 3: 0.75 s + the prefill, past 0.8 s
+    c.known.beats = {"a": beat("a", 3, 300)}  # 4: 1 s + the prefill, past 0.8 s
     with pytest.raises(Overloaded):
         c.admit(0, prompt_tokens=100)
 

@@ -4,6 +4,8 @@ largest steps an instance has run (daemons/policy/slo.py), and admission that co
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import msgspec
 import pytest
 
@@ -98,6 +100,39 @@ def test_past_every_running_request_the_queue_runs_whole_answers_first():
     s = _state(committed=300, drain=[(10, 1, 23)], running=1)
     step_s = slo.decode_ms(FIT, 1, 64) / 1000
     assert slo.slot_wait_s(s, FIT, slo.ahead_of(s, False), 64, 300) >= 10 * step_s + 300 * step_s
+
+
+def test_the_outlook_gives_the_waiting_requests_mean_expected_answer():
+    lengths = OutputLengths()
+    rows = [wire.RequestLoad("a", "running", 1, 64, 100, max_tokens=300),
+            wire.RequestLoad("b", "waiting", 0, 64, 0, max_tokens=16),
+            wire.RequestLoad("c", "preempted", 0, 64, 10, max_tokens=58)]  # 48 left
+    assert outlook(rows, lengths, block_size=16).waiting_output == 32
+    assert outlook(rows[:1], lengths, block_size=16).waiting_output == 0
+
+
+def test_a_queue_waits_for_the_answers_of_those_ahead_not_its_own():
+    """Eight queued ahead of a full batch of two: they run the instance's waiting answers (16 tokens), not this
+    request's max_tokens (128), once the running ones free their slots."""
+    drain = [(10, 1, 8), (20, 2, 16)]
+    s = _state(committed=16, drain=drain, running=2, batch=2, waiting=8, total=10_000)
+    step_s = slo.decode_ms(FIT, 2, 128) / 1000
+    short = replace(s, outlook=wire.Outlook(16, drain, [], waiting_output=16))
+    # slots free at 10 and 20 steps, then each every 16: the 9th (8 ahead and this one) at 10 + 4 x 16 steps
+    assert slo.slot_wait_s(short, FIT, slo.ahead_of(short, False), 64, 128) == pytest.approx(74 * step_s, rel=1e-6)
+    unknown = slo.slot_wait_s(s, FIT, slo.ahead_of(s, False), 64, 128)  # (no waiting figure: its own answer)
+    assert unknown == pytest.approx((10 + 4 * 128) * step_s, rel=1e-6)
+
+
+def test_slots_free_at_staggered_times_not_in_whole_batches():
+    """A batch of 4 whose requests finish after 1, 2, 3 and 100 steps, answers of 10 steps: the 4th slot comes at
+    step 11 (the first slot's second answer), not after the last running request."""
+    drain = [(1, 1, 0), (2, 2, 0), (3, 3, 0), (100, 4, 0)]
+    assert slo.slots_free_s(drain, 0, 3, 1.0, 10.0) == pytest.approx(3.0)
+    assert slo.slots_free_s(drain, 0, 4, 1.0, 10.0) == pytest.approx(11.0, rel=1e-6)
+    assert slo.slots_free_s(drain, 0, 7, 1.0, 10.0) == pytest.approx(21.0, rel=1e-6)
+    assert slo.slots_free_s(drain, 2, 2, 1.0, 10.0) == pytest.approx(2.0)  # free slots' first answers end at 10
+    assert slo.slots_free_s([], 4, 5, 1.0, 10.0) == pytest.approx(20.0, rel=1e-6)  # idle: waves of the batch
 
 
 # ------------------------------------------------------------------ past the largest steps run
