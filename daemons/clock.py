@@ -13,9 +13,11 @@ global is patched.
 - ``LoopClock(loop)``: the ``Clock`` that reads a loop's time; given to a core on a virtual-time loop, its
   ``monotonic()`` agrees with the loop's timers.
 
-What does not read a ``Clock``: the latency histograms (daemons/metrics.py, the proxy's access log) time real
-durations with ``time.perf_counter``, and the Gloo pairs' threads (daemons/kv/transfer.py) pace real bytes on
-real time; neither decides anything the protocol does.
+A request's latencies at the proxy (the TTFT and TPOT that goodput judges against the targets, the latency
+histograms, the access log) read the proxy's ``Clock``, as the attainment the instances judge reads theirs. What
+does not read a ``Clock``: the instances' step and migration histograms (daemons/metrics.py) time real durations
+with ``time.perf_counter``, and the Gloo pairs' threads (daemons/kv/transfer.py) pace real bytes on real time;
+neither decides anything the protocol does.
 
 A virtual-time loop with nothing ready and no timer set would wait forever: it raises ``Deadlock`` instead
 (the scenario awaits something nothing will do).

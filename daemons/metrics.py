@@ -222,10 +222,12 @@ class RequestTimer:
     ``first_token``; each ``delivered`` batch of tokens of sequence (choice) ``k``; ``finished`` once, with
     each placed sequence's finish reason (later calls are ignored)."""
 
-    __slots__ = ("arrival", "prompt_tokens", "first", "last", "tokens", "done")
+    __slots__ = ("arrival", "prompt_tokens", "first", "last", "tokens", "done", "now")
 
-    def __init__(self, arrival: float, prompt_tokens: int, n: int = 1):
-        self.arrival = arrival  # perf_counter
+    def __init__(self, arrival: float, prompt_tokens: int, n: int = 1, now=time.perf_counter):
+        """``now``: the clock ``arrival`` was read on (the proxy's Clock.monotonic; default perf_counter)."""
+        self.now = now
+        self.arrival = arrival
         self.prompt_tokens = prompt_tokens
         self.first = [0.0] * n
         self.last = [0.0] * n
@@ -237,7 +239,7 @@ class RequestTimer:
         P_PROMPT_TOKENS.inc(self.prompt_tokens)
 
     def delivered(self, k: int, n: int) -> None:
-        now = time.perf_counter()
+        now = self.now()
         if self.tokens[k]:
             P_ITL.observe(now - self.last[k])
         else:
@@ -250,7 +252,7 @@ class RequestTimer:
         if self.done or not any(reasons):
             return
         self.done = True
-        P_E2E.observe(time.perf_counter() - self.arrival)
+        P_E2E.observe(self.now() - self.arrival)
         for k, reason in enumerate(reasons):
             if reason is None:
                 continue

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 import weakref
 
 import msgspec
@@ -69,7 +68,8 @@ class Proxy:
     module's text. Owns the ids of the requests in flight here."""
 
     def __init__(self, cfg: Config, clock: Clock | None = None):
-        """``clock``: the time the cluster client, the keys' limits and the writes' timeout read (default: the
+        """``clock``: the time the cluster client, the keys' limits, the writes' timeout and every latency of a
+        request (its TTFT and TPOT as goodput judges them, the histograms, the access log) read (default: the
         monotonic clock)."""
         self.cfg = cfg
         self.clock = clock = clock or Clock()
@@ -86,7 +86,7 @@ class Proxy:
                              self.cluster.adapters)
         self.tenants = Tenants(clock.monotonic)  # per-key limits (daemons/proxy/front/tenants.py)
         self.limits = TenantLimits(self.tenants)
-        self.access = AccessLog(cfg.proxy.access_log)
+        self.access = AccessLog(cfg.proxy.access_log, clock.monotonic)
         self.guard = Guard(self.keys, body_limit(cfg), self.access)
         self.session_header = cfg.sessions.header.lower()
         self.max_retain_s = max_retain_s(cfg)
@@ -96,7 +96,7 @@ class Proxy:
     async def handle(self, call: Call, chat: bool) -> Reply:
         """One completion or chat request; logs it once it is answered (a stream: once it ends). Raises
         ApiError for an answer that is an error."""
-        arrival = time.perf_counter()
+        arrival = self.clock.monotonic()
         job = None
         principal = call.principal
         key_name = principal.name if principal is not None else "-"
@@ -141,7 +141,7 @@ class Proxy:
                                          max_tokens, job.id if final else "", session)
             job.fits = verdict.fits if verdict is not None else ()
         except Overloaded as exc:
-            M_REFUSAL.observe(time.perf_counter() - job.arrival)
+            M_REFUSAL.observe(self.clock.monotonic() - job.arrival)
             M_REJECTED.labels(exc.reason).inc()
             self.goodput.refused(job.slo, exc.reason)
             raise self._retry_later(429, str(exc), "rate_limit_exceeded", exc.retry_after_s) from None
@@ -228,7 +228,7 @@ class Proxy:
         stops = req.stop_strings()
         n = req.n
         job.choices = [Choice(job, k, stops, self.tokenizer.detokenizer(), req.return_token_ids) for k in range(n)]
-        job.timer = metrics.RequestTimer(job.arrival, len(ids), n)
+        job.timer = metrics.RequestTimer(job.arrival, len(ids), n, self.clock.monotonic)
         sub_ids = [job.id] if n == 1 else [f"{job.id}-{k}" for k in range(n)]
         if self._in_flight(job, sub_ids):
             raise ApiError(409, f"a request with id {job.id!r} is in flight on this proxy; ids must be unique",
@@ -318,7 +318,7 @@ class Proxy:
     async def _first(self, job: Job, c: Choice) -> list[wire.TokenOut]:
         outs = await c.stream.take()
         if outs and job.first_at is None:
-            job.first_at = time.perf_counter()
+            job.first_at = self.clock.monotonic()
         return outs
 
     def _end(self, job: Job) -> None:

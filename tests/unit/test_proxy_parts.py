@@ -130,3 +130,26 @@ def test_an_instance_is_judged_by_its_connection_and_only_without_one_by_silence
     assert not known.manager_ok()  # no snapshot yet
     known.took_snapshot(wire.Snapshot(0, [], proxy_rank=1, proxies=2))
     assert known.manager_ok() and (known.rank, known.proxies) == (1, 2)
+
+
+def test_a_requests_latencies_read_the_proxys_clock(caplog):
+    """One clock for every latency the proxy judges (goodput's TTFT and TPOT, the histograms, the access log):
+    the one it is given, here a clock that moves only when the test moves it."""
+    from daemons import metrics
+    from daemons.proxy.api.render import Job
+
+    now = [100.0]
+    timer = metrics.RequestTimer(now[0], prompt_tokens=4, n=1, now=lambda: now[0])
+    now[0] = 100.5
+    timer.delivered(0, 1)
+    now[0] = 101.5
+    timer.delivered(0, 3)
+    assert (timer.first[0], timer.last[0], timer.tokens[0]) == (100.5, 101.5, 4)
+    access = AccessLog(True, lambda: now[0])
+    job = Job(False, "r-clock", 100.0)
+    job.first_at = 100.5
+    now[0] = 102.0
+    with caplog.at_level(logging.INFO, logger="llumnix.access"):
+        access.write(job, False, job.arrival, 200)
+    (rec,) = [r for r in caplog.records if r.name == "llumnix.access"]
+    assert (rec.ttft_ms, rec.total_ms) == (500.0, 2000.0)

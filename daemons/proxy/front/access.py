@@ -12,15 +12,16 @@ access_log = logging.getLogger("llumnix.access")
 
 
 class AccessLog:
-    """``enabled``: proxy.access_log. Request durations are measured with time.perf_counter (a latency, not
-    a time the cluster's logic reads)."""
+    """``enabled``: proxy.access_log. Request durations are measured on ``now``, the clock the proxy reads a
+    request's arrival on (its Clock.monotonic)."""
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, now=time.monotonic):
         self.enabled = enabled
+        self.now = now
 
     def write(self, job: Job | None, chat: bool, arrival: float, status: int, key_name: str = "-") -> None:
         """The request's line (once: a job already logged is not logged again) and its trace's end.
-        ``arrival``: its time.perf_counter() on arrival."""
+        ``arrival``: ``now()`` on its arrival."""
         if job is not None:
             if job.logged:
                 return
@@ -32,7 +33,7 @@ class AccessLog:
                                            i for s in job.streams() for i in s.tried)) or None})
         if not self.enabled or not access_log.isEnabledFor(logging.INFO):
             return
-        now = time.perf_counter()
+        now = self.now()
         streams = job.streams() if job is not None else []
         reasons = [c.reason for c in job.choices if c.reason] if job is not None else []
         rec = {

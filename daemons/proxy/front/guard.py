@@ -6,7 +6,6 @@ access line of a request refused before its route runs."""
 
 from __future__ import annotations
 
-import time
 from typing import Awaitable, Callable
 
 from daemons import metrics
@@ -60,7 +59,7 @@ class Guard:
             self.count(path, status)
         chat = COMPLETIONS.get(path)
         if chat is not None:
-            self.access.write(None, chat, time.perf_counter(), status)
+            self.access.write(None, chat, self.access.now(), status)
 
     def limited(self, receive: Callable[[], Awaitable[dict]]) -> Callable[[], Awaitable[dict]]:
         """An ASGI ``receive`` that raises 413 once the body grows past the limit (a chunked body, or one
