@@ -241,18 +241,33 @@ def slots_free_s(drain, free: int, need: int, step_s: float, answer_s: float) ->
                 return t
         return ts[-1][0]
 
-    def freed_by(t: float) -> int:
-        return sum(c * (int((t - base) // answer_s) + 1) for base, c in groups if t >= base)
+    # Slot g frees at base_g + q x answer_s (q >= 0). Written as rounds of answer_s: base_g = r_g rounds + phase_g,
+    # so each slot frees once per round from round r_g on, at its phase. Find the round in which the need-th
+    # freeing falls, then the slot within it.
+    rounds = []
+    for base, c in groups:
+        r = math.floor(base / answer_s)
+        rounds.append((base - r * answer_s, r, c))
+    rounds.sort()
 
-    per_cycle = sum(c for _, c in groups)
-    lo, hi = 0.0, max(base for base, _ in groups) + (need / per_cycle + 1.0) * answer_s
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        if freed_by(mid) >= need:
+    def through(m: int) -> int:  # slots freed in rounds 0..m
+        return sum(c * (m - r + 1) for _, r, c in rounds if r <= m)
+
+    per_round = sum(c for _, _, c in rounds)
+    lo, hi = 0, max(0, math.ceil((need + sum(c * (r - 1) for _, r, c in rounds)) / per_round))
+    while lo < hi:  # the first round through which ``need`` have freed (through() only grows)
+        mid = (lo + hi) // 2
+        if through(mid) >= need:
             hi = mid
         else:
-            lo = mid
-    return hi
+            lo = mid + 1
+    got = through(lo - 1) if lo > 0 else 0
+    for phase, r, c in rounds:
+        if r <= lo:
+            got += c
+            if got >= need:
+                return lo * answer_s + phase
+    return (lo + 1) * answer_s  # (not reached: round lo frees enough)
 
 
 def _blocks_free_s(drain, blocks_total: int, need: int, step_s: float, answer_s: float) -> float:

@@ -8,6 +8,8 @@ from dataclasses import replace
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from daemons import policy, wire
 from daemons.config import load_config
@@ -133,6 +135,27 @@ def test_slots_free_at_staggered_times_not_in_whole_batches():
     assert slo.slots_free_s(drain, 0, 7, 1.0, 10.0) == pytest.approx(21.0, rel=1e-6)
     assert slo.slots_free_s(drain, 2, 2, 1.0, 10.0) == pytest.approx(2.0)  # free slots' first answers end at 10
     assert slo.slots_free_s([], 4, 5, 1.0, 10.0) == pytest.approx(20.0, rel=1e-6)  # idle: waves of the batch
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 400), st.integers(1, 5)), min_size=0, max_size=8), st.integers(0, 6),
+       st.integers(1, 300), st.integers(1, 90))
+def test_slots_free_at_the_need_th_of_every_slots_freeings(ranks, free, need, answer):
+    """Against the freeings listed one by one: each running rank's requests at its time, then every answer_s."""
+    drain, done = [], 0
+    for remaining, count in sorted(ranks):
+        done += count
+        drain.append((remaining, done, 0))
+    if not drain and not free:
+        return
+    step_s, answer_s = 0.01, answer * 0.01
+    times = []
+    prev = 0
+    for remaining, d, _ in drain:
+        times += [remaining * step_s + q * answer_s for _ in range(d - prev) for q in range(need + 1)]
+        prev = d
+    times += [answer_s + q * answer_s for _ in range(free) for q in range(need + 1)]
+    assert slo.slots_free_s(drain, free, need, step_s, answer_s) == pytest.approx(sorted(times)[need - 1])
 
 
 # ------------------------------------------------------------------ past the largest steps run
