@@ -126,9 +126,15 @@ def handed_over(c, s: Stream) -> str:
 
 
 def test_links_were_made_when_the_instances_joined(c):
-    """Set-up off the request path: the prefill instance linked to both decode instances as they joined."""
-    log = Path(c.proc("instance-i0").log).read_text()
-    assert "links to i1 made ahead" in log and "links to i2 made ahead" in log, log[-2000:]
+    """Set-up off the request path: the prefill instance links to both decode instances once they have joined
+    (after they are up: the links are made while the cluster already serves)."""
+    log = Path(c.proc("instance-i0").log)
+
+    def linked() -> bool:
+        text = log.read_text()
+        return "links to i1 made ahead" in text and "links to i2 made ahead" in text
+
+    wait_for(linked, 30, lambda: log.read_text()[-2000:])
     assert instance_metric(c, "i0", "llumnix_instance_links_made_ahead_total", outcome="ready") == 2
 
 
