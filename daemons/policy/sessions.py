@@ -20,8 +20,9 @@ Sessions. A request naming a session goes to the instance that holds most of its
 together; the session's last instance wins a tie) unless that instance is past ``bound`` x the mean load (its
 requests, running, queued and dispatched, with this one counted: consistent hashing with bounded loads, Mirrokni
 et al.), or it is predicted past the request's TTFT target while another instance is predicted to serve it
-sooner (with a recompute or a pull); then to the cheapest other instance by the policy in force, with a pull from the holder where that pays. No instance then takes more than ``bound`` x its share
-because of its sessions' popularity."""
+sooner (with a recompute or a pull); then to the cheapest other instance by the policy in force, with a pull
+from the holder where that pays. No instance then takes more than ``bound`` x its share because of its
+sessions' popularity."""
 
 from __future__ import annotations
 

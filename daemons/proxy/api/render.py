@@ -62,8 +62,8 @@ class Job:
     """One accepted API request: what it asked for, how its output is rendered, and its access-log record."""
 
     def __init__(self, chat: bool, request_id: str | None, arrival: float, created: float = 0.0):
-        """``arrival``: the proxy's Clock.monotonic() when it came (its latencies); ``created``: wall-clock seconds, its
-        answer's ``created`` (the proxy's clock.time())."""
+        """``arrival``: the proxy's Clock.monotonic() when it came (its latencies); ``created``: wall-clock
+        seconds, its answer's ``created`` (the proxy's clock.time())."""
         self.chat = chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + (request_id if request_id is not None else os.urandom(16).hex())
         self.created = int(created)
