@@ -6,6 +6,7 @@ import functools
 import importlib
 import importlib.metadata
 import inspect
+import sys
 from typing import Annotated, Any, Callable, Optional
 
 import typer
@@ -100,6 +101,9 @@ def run_app(app: typer.Typer, prog: str) -> None:
 
 
 def run_daemon(module: str, prog: str) -> None:
+    if sys.argv[1:] == ["--version"]:  # answered before the daemon's modules (torch, the engines) are imported
+        typer.echo(f"{prog} {package_version()}")
+        return
     run_app(importlib.import_module(module).app, prog)
 
 

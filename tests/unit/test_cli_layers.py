@@ -49,3 +49,13 @@ def test_the_manager_proxy_and_operator_cli_load_no_torch():
     res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == []
+
+
+def test_a_daemons_version_is_answered_without_loading_the_daemon():
+    """``llumnix-instance --version`` prints at once: neither torch nor the daemon's modules are imported."""
+    probe = ("import sys\nsys.argv = ['llumnix-instance', '--version']\nfrom daemons import cli\ncli.instance()\n"
+             "print('loaded:', ' '.join(m for m in ('torch', 'daemons.instance.daemon') if m in sys.modules))")
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith("llumnix-instance ") and lines[1].strip() == "loaded:"
