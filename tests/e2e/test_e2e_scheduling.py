@@ -123,7 +123,10 @@ def test_drain_moves_everything_out_with_no_error(start_cluster):
 
 def test_remove_drains_then_stops_the_instance(no_fork_server, start_cluster):
     c = start_cluster(3, PACED + ["sim.max_num_seqs=6"])
-    load = _drain_load(c)
+    # 500 tokens, and i1's slots seen full before the remove: with 150 (3 s at the paced step), on a loaded
+    # machine i1's streams had all ended before the CLI's drain began, and nothing migrated (CI, once)
+    load = _drain_load(c, 500)
+    view_showing(c, lambda v: v["i1"]["running"] == 6, "the view did not show i1's 6 slots full")
     proc = c.proc("instance-i1").process()
     res = ctl("remove", "i1", "--timeout", "60", "--json", "--run-dir", str(c.run_dir), timeout=120)
     assert res.returncode == 0, res.stderr
