@@ -32,3 +32,19 @@ def test_the_summary_gives_medians_and_ranges_over_rounds():
     s = bench_cache.summarize(rows)["t"]["s"]
     assert s["p99_ttft_ms"] == {"median": 200, "min": 100, "max": 300}
     assert s["hit_rate"]["median"] == .6 and s["failed"] == 1 and s["rounds"] == 3
+
+
+def test_a_text_prompt_less_the_tokenizers_bos_is_the_trace_length_once_the_engine_adds_it(model):
+    """``bench serve --text-prompts`` (smg takes no token ids): the words less the special tokens the engine puts
+    before a text prompt, so that what the engine counts is the trace's length."""
+    from tokenizers import Tokenizer
+
+    from llumnixctl.experiments.traces import gen
+    from llumnixctl.experiments.traces.files import special_lead
+
+    fast = Tokenizer.from_file(str(model / "tokenizer.json"))
+    lead = special_lead(model)
+    assert lead == len(fast.encode("the").ids) - len(fast.encode("the", add_special_tokens=False).ids)
+    words = bench_cache.Words(model)
+    for r in gen.generate(20, rate=4.0, prompt=(1, 300), output=(1, 8), seed=3):
+        assert len(fast.encode(words.text(r, drop=lead)).ids) == max(r.prompt_tokens, 1 + lead)

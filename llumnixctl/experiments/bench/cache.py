@@ -73,8 +73,11 @@ class Words:
         if len(self.pool) < 16:
             raise RuntimeError(f"the tokenizer of {model} has too few single-token words ({len(self.pool)})")
 
-    def text(self, req) -> str:
-        return "".join(" " + self.pool[i] for i in tracecache.prompt_ids(req, len(self.pool)))
+    def text(self, req, drop: int = 0) -> str:
+        """The request's prompt as words; ``drop``: that many fewer at the end (at least one is left), for a
+        prompt of exactly the trace's length once the engine has put its special tokens (a BOS) before it."""
+        ids = tracecache.prompt_ids(req, len(self.pool))
+        return "".join(" " + self.pool[i] for i in ids[:max(1, len(ids) - drop)])
 
 
 class Shares(threading.Thread):

@@ -334,6 +334,7 @@ def command(
     seed: Annotated[int, typer.Option(help="with --requests: trace seed")] = 0,
     model: Annotated[Optional[str], typer.Option(metavar="NAME", help="model name to send (default: the first of GET /v1/models)")] = None,
     tokenizer: Annotated[Optional[str], typer.Option(metavar="PATH", help="tokenizer path or name for the prompts (default: the server's /tokenize)")] = None,
+    text_prompts: Annotated[bool, typer.Option("--text-prompts", help="send each prompt as text of single-token words (of the --tokenizer, a local checkpoint directory) instead of token ids: for a router that takes only text (smg)")] = False,
     api_key: Annotated[Optional[str], typer.Option(envvar="LLUMNIX_API_KEY", metavar="KEY", help="sent as Authorization: Bearer KEY")] = None,
     max_concurrency: Annotated[Optional[int], typer.Option(help="at most this many requests in flight", min=1)] = None,
     rate_scale: Annotated[float, typer.Option(help="arrivals this many times faster than the trace's", min=0.001)] = 1.0,
@@ -350,7 +351,8 @@ def command(
     """Replay a trace open loop against any OpenAI-compatible endpoint; vLLM's `bench serve` figures.
 
     Each request is a streamed /v1/completions whose prompt is a list of
-    token ids of exactly the trace's length, with max_tokens its output
+    token ids of exactly the trace's length (--text-prompts: text of as many
+    single-token words, less the tokenizer's BOS), with max_tokens its output
     length and ignore_eos. Prints vLLM's Serving Benchmark Result block;
     --json prints (and --save writes) the JSON vLLM saves: completed, failed,
     duration, total_input_tokens, total_output_tokens, request_throughput,
@@ -390,11 +392,23 @@ def command(
                 if resp.status_code != 200 or not resp.json().get("data"):
                     common.die(f"{url}/v1/models answered HTTP {resp.status_code}; name the model with --model")
                 model = resp.json()["data"][0]["id"]
-            pool = token_pool(c, url, model, tokenizer)
+            pool = [] if text_prompts else token_pool(c, url, model, tokenizer)
     except httpx.HTTPError as exc:
         common.die(f"cannot reach {url}: {exc!r}")
     except RuntimeError as exc:
         common.die(str(exc))
+
+    words, lead = None, 0
+    if text_prompts:
+        if tokenizer is None or not Path(tokenizer).is_dir():
+            common.die("--text-prompts needs --tokenizer DIR, a local checkpoint directory", 2)
+        from llumnixctl.experiments.bench.cache import Words
+        from llumnixctl.experiments.traces.files import special_lead
+
+        try:
+            words, lead = Words(Path(tokenizer)), special_lead(tokenizer)
+        except (OSError, ValueError, RuntimeError) as exc:
+            common.die(f"--text-prompts: {exc}", 2)
 
     admin = common.admin(manager, run_dir, None, 5.0) if (run_dir is not None or manager) else None
     before = _cluster_counters(admin) if admin is not None else None
@@ -403,7 +417,8 @@ def command(
         proxy_before = _scrape(url)
 
     def body(req: trace_mod.TraceRequest) -> dict:
-        b = {"model": model, "prompt": prompt_ids(pool, req), "max_tokens": req.output_tokens, "stream": True,
+        prompt = words.text(req, drop=lead) if words is not None else prompt_ids(pool, req)
+        b = {"model": model, "prompt": prompt, "max_tokens": req.output_tokens, "stream": True,
              "stream_options": {"include_usage": True}}
         if ignore_eos:
             b["ignore_eos"] = True

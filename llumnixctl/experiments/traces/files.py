@@ -219,6 +219,22 @@ def tokenizer(model_path: str | Path) -> Tokenize:
     return lambda text: tok.encode(text, add_special_tokens=False)
 
 
+def special_lead(model_path: str | Path) -> int:
+    """How many special tokens (a BOS) the tokenizer of a local model directory puts before a text when it adds
+    them, as an engine does for a text prompt."""
+    d = Path(model_path)
+    if (d / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        fast = Tokenizer.from_file(str(d / "tokenizer.json"))
+        return len(fast.encode("the", add_special_tokens=True).ids) - len(fast.encode("the", add_special_tokens=False).ids)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_path))
+    return len(tok.encode("the")) - len(tok.encode("the", add_special_tokens=False))
+
+
 def _sharegpt_items(path) -> Iterable[tuple[str, object]]:
     """(where, item) for each conversation: a JSON list, or JSONL."""
     with _open(path) as f:
