@@ -292,7 +292,8 @@ def prefill_s(s: InstanceState, fit, tokens: int) -> float:
 
 def predict_ttft(s: InstanceState, prompt_tokens: int, high: bool = False, max_tokens: int = 0) -> float:
     """Seconds until a new request of ``prompt_tokens`` uncached prompt tokens gets its first token on ``s``
-    (0 while the instance has no model yet: it has not stepped, so nothing waits there either)."""
+    (0 while the instance has no model yet, even pooled; admission then promises nothing where work is there
+    already: ``unknown``)."""
     fit = s.latency
     if not fitted(fit):
         return 0.0
@@ -363,7 +364,8 @@ def slo_score(s: InstanceState, prompt_tokens: int, high: bool, tpot_target_s: f
 
 # Why the SLO's admission refuses a request: no instance is predicted to give it its first token in time ("ttft"),
 # those that would are too busy to keep its time per output token ("tpot"), or a higher class is refused now.
-REFUSALS = ("ttft", "tpot", "higher_class")
+REFUSALS = ("ttft", "tpot", "higher_class", "unknown")
+UNKNOWN_RETRY_S = 1.0  # refused as "unknown": an instance's first steps give it a model within about this
 
 
 @dataclass(frozen=True)
@@ -444,13 +446,18 @@ def admit(states: list[InstanceState], prompt_tokens: int, priority: int, target
     mine = targets.get(priority, Targets())
     high = class_of(priority) == HIGH
     states = pooled(states)
+    live = [s for s in states if s.dispatchable]
     limit = mine.ttft_s * admit_at
     tpot = mine.tpot_s * admit_at if mine.tpot_s > 0 else 0.0
-    # Each instance's predicted TTFT, and whether its TPOT with the request joining stays within the target.
-    preds = [(s.instance_id, predict_ttft(s, max(prompt_tokens - cached.get(s.instance_id, 0), 0), high, max_tokens),
-              not (tpot > 0 and predict_tpot(s, prompt_tokens) > tpot)) for s in states if s.dispatchable]
+    # Each instance's predicted TTFT (inf where nothing can say: unknown), and whether its TPOT with the request
+    # joining stays within the target.
+    preds = [(s.instance_id, math.inf if unknown(s) else
+              predict_ttft(s, max(prompt_tokens - cached.get(s.instance_id, 0), 0), high, max_tokens),
+              not (tpot > 0 and predict_tpot(s, prompt_tokens) > tpot)) for s in live]
     ttft = min((t for _, t, _ in preds), default=math.inf)
     if mine.ttft_s > 0 and ttft > limit:
+        if live and all(unknown(s) for s in live):
+            return Verdict(False, ttft, UNKNOWN_RETRY_S, "unknown")
         return Verdict(False, ttft, retry_after(ttft, limit), "ttft")
     fits = tuple(iid for iid, t, kept in preds if t <= limit and kept)
     if mine.ttft_s > 0 and not fits:
@@ -464,6 +471,14 @@ def admit(states: list[InstanceState], prompt_tokens: int, priority: int, target
                     return Verdict(False, ttft, retry_after(best_ttft(states, 0, cls > NORMAL), t.ttft_s * admit_at),
                                    "higher_class")
     return Verdict(True, ttft, fits=fits if mine.ttft_s > 0 else ())
+
+
+def unknown(s: InstanceState) -> bool:
+    """Whether nothing can say when a new request would start on ``s``: it has no step-time model yet (it has run
+    fewer than its first few steps) and work is there already (running, queued, or dispatched to it). Admission by
+    SLO places nothing on such an instance; an idle one takes a request, which starts at once. Conservative where
+    the model cannot know (a fresh cluster's first burst), and only for an instance's first steps."""
+    return not fitted(s.latency) and s.running + s.waiting + s.pending_requests > 0
 
 
 def decode_drain_s(states: list[InstanceState]) -> float:

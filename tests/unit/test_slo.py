@@ -212,6 +212,21 @@ def test_a_class_below_its_share_is_not_starved_by_a_higher_one(states, targets,
     assert v.admitted or v.reason == "ttft"
 
 
+def test_an_instance_without_a_model_yet_takes_a_request_only_while_idle():
+    """Where the model cannot know, admission is conservative: an instance that has not yet run the steps its
+    model needs is promised nothing once work is there (a fresh cluster's first burst was admitted whole, as if
+    every request would start at once); an idle one takes one request, which starts at once."""
+    targets = {slo.NORMAL: slo.Targets(2.0)}
+    fresh, busy = state("a", fit=None), state("b", running=3, fit=None)
+    v = slo.admit([fresh, busy], 500, slo.NORMAL, targets, {})
+    assert v.admitted and v.fits == ("a",)  # placed on the idle one only
+    v = slo.admit([busy, dataclasses.replace(fresh, pending_requests=1)], 500, slo.NORMAL, targets, {})
+    assert not v.admitted and v.reason == "unknown" and v.retry_after_s == slo.UNKNOWN_RETRY_S
+    assert slo.admit([busy], 500, slo.NORMAL, {slo.NORMAL: slo.Targets()}, {}).admitted  # no target: no promise
+    # once the instance has its model, the prediction decides
+    assert slo.admit([state("b", running=3)], 500, slo.NORMAL, targets, {}).admitted
+
+
 def test_the_retry_after_is_the_predicted_excess_over_the_target():
     assert slo.retry_after(7.4, 2.0) == pytest.approx(5.4)
     assert slo.retry_after(2.3, 2.0) == 1.0  # at least a second

@@ -126,8 +126,12 @@ class Admission:
         if not verdict.admitted:
             cls = "high-priority" if r.high else "normal-priority"
             if verdict.reason == "higher_class":
-                message = (f"the cluster is overloaded: high-priority requests are refused now, and normal ones "
-                           f"hold their share (slo.normal_share) or more")
+                message = ("the cluster is overloaded: a high-priority request would be refused now (no instance is "
+                           "predicted to meet its targets), and normal ones hold their share (slo.normal_share) or more")
+            elif verdict.reason == "unknown":
+                message = ("the cluster is starting: no instance that takes requests has a step-time model yet (each "
+                           "has run fewer than its first steps) and each has work already, so none can be promised "
+                           "this request's TTFT target; requests are taken one per idle instance until then")
             elif verdict.reason == "tpot":
                 tpot_ms = r.own.tpot_s * 1000
                 message = (f"the cluster is overloaded: every instance predicted to give this {cls} request its first "

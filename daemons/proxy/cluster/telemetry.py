@@ -40,14 +40,16 @@ M_FORGED = metrics.counter("proxy", "llumnix_proxy_forged_messages_total",
                            "instance they speak for registered with")
 M_TIMEOUTS = metrics.counter("proxy", "llumnix_proxy_request_timeouts_total",
                              "Requests ended because they passed proxy.request_timeout_s")
-REJECT_REASONS = ("queued_requests", "queued_tokens", "no_instance", "wait_timeout", "ttft", "higher_class", "tpot")
+REJECT_REASONS = ("queued_requests", "queued_tokens", "no_instance", "wait_timeout", "ttft", "higher_class", "tpot",
+                  "unknown")
 M_REJECTED = metrics.counter("proxy", "llumnix_proxy_admission_rejections_total",
                              "Requests refused by admission control, by reason: queued_requests and queued_tokens "
                              "(429: the cluster's queue is past [admission]'s bounds), no_instance (503: no live "
                              "instance), wait_timeout (503: none could take it within admission.queue_timeout_s), "
                              "ttft (429: no instance is predicted to meet its class's TTFT target, [slo]), "
                              "higher_class (429: a higher-priority class is refused now), tpot (429: the instances "
-                             "predicted to meet its TTFT target would all pass its TPOT target with it)",
+                             "predicted to meet its TTFT target would all pass its TPOT target with it), unknown (429: no "
+                             "instance has a step-time model yet and none is idle: a starting cluster)",
                              ["reason"], preset=[(r,) for r in REJECT_REASONS])
 M_REFUSAL = metrics.histogram("proxy", "llumnix_proxy_refusal_seconds",
                                "How long a request refused at admission (429) took to be answered, from its "
