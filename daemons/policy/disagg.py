@@ -139,9 +139,10 @@ def handover_blocks(prompt_tokens: int, block_size: int) -> int:
 # ------------------------------------------------------------------ adaptive roles
 #
 # Instances move between the prefill and decode roles by the SLO: the prefill pool is short while a new request's
-# predicted TTFT on its best instance is over (1 + margin) of the TTFT target and the decode pool has slack (its
-# mean predicted TPOT, with a request joining, under (1 - margin) of the TPOT target); the decode pool is short in
-# the reverse case. Only an imbalance that has held ``sustain_s`` changes a role, at most one change per
+# predicted TTFT on its best instance is over (1 + margin) of the TTFT target, or its steps are longer than that of
+# the TPOT target (its requests' first tokens come at that pace until they are handed over), and the decode pool has
+# slack (its mean predicted TPOT, with a request joining, under (1 - margin) of the TPOT target, even with one
+# instance fewer); the decode pool is short in the reverse case. Only an imbalance that has held ``sustain_s`` changes a role, at most one change per
 # ``interval_s``, and every change restarts both timers (what follows a change is judged on what was seen after
 # it: no flip-flop on a prediction the change has not had time to move). Mixed instances are never changed; a
 # draining, cordoned or dead instance is never picked; a pool never shrinks below its minimum. Without both
@@ -198,11 +199,19 @@ class RoleChange:
 @dataclass(frozen=True)
 class Pressure:
     """Each pool's prediction against its target: ``ttft`` (a new request's TTFT on the best prefill instance /
-    the TTFT target) and ``tpot`` (the decode pool's mean TPOT with a request joining / the TPOT target); 0 where
-    nothing is predicted (no fitted model, no target, an empty pool)."""
+    the TTFT target), ``pace`` (the prefill pool's mean TPOT with a request joining / the TPOT target: a request
+    prefilled there makes its first tokens at that pace until its handover commits, so a prefill pool whose steps
+    are long costs the TPOT target too) and ``tpot`` (the decode pool's mean TPOT with a request joining / the TPOT
+    target); 0 where nothing is predicted (no fitted model, no target, an empty pool)."""
 
     ttft: float
     tpot: float
+    pace: float = 0.0
+
+    @property
+    def prefill(self) -> float:
+        """The prefill pool's pressure: by its TTFT or by its pace, whichever is further over its target."""
+        return max(self.ttft, self.pace)
 
 
 def representative_prompt(pre: list[InstanceState]) -> int:
@@ -218,15 +227,19 @@ def pressure(states: list[InstanceState], rules: AdaptRules) -> Pressure:
         return Pressure(0.0, 0.0)
     pre, dec = pools(states)
     front = pre or dec
-    ttft = tpot = 0.0
+    ttft = tpot = pace = 0.0
     if any(fitted(s.latency) for s in front):
         prompt = representative_prompt(front)
         ttft = min(predict_ttft(s, prompt) for s in pooled(front)) / rules.ttft_target_s
+    if any(fitted(s.latency) for s in pre):
+        prompt = representative_prompt(pre)
+        steps = [predict_tpot(s, prompt) for s in pooled(pre)]
+        pace = sum(steps) / len(steps) / rules.tpot_target_s
     if any(fitted(s.latency) for s in dec):
         prompt = representative_prompt(pre) if pre else REFERENCE_PROMPT
         per = [predict_tpot(s, prompt) for s in pooled(dec)]
         tpot = sum(per) / len(per) / rules.tpot_target_s
-    return Pressure(ttft, tpot)
+    return Pressure(ttft, tpot, pace)
 
 
 def _least_loaded(states: list[InstanceState], role: str) -> InstanceState | None:
@@ -246,29 +259,41 @@ def _convert(states: list[InstanceState], source: str, role: str, short_s: float
     return None if s is None else RoleChange(s.instance_id, role, f"{role} short for {short_s:.1f} s: {pressure}")
 
 
+def shortness(p: Pressure, n_prefill: int, n_decode: int, margin: float) -> tuple[bool, bool]:
+    """(prefill pool short, decode pool short) now: one pool predicted over (1 + margin) of its target while the
+    other would stay under (1 - margin) of its own once it has given one of its ``n`` instances away (its
+    pressure times n / (n - 1): the same work on one instance fewer). A pool that would be short itself after the
+    change gives nothing: at twice the capacity, more prefill instances did not shorten the prefill pool's steps
+    in the simulated fleet, and taking them from the decode pool only moved the misses there."""
+    hi, lo = 1.0 + margin, 1.0 - margin
+
+    def spare(pressure: float, n: int) -> bool:
+        return n > 1 and pressure * n / (n - 1) < lo
+
+    return p.prefill > hi and spare(p.tpot, n_decode), p.tpot > hi and spare(p.prefill, n_prefill)
+
+
 def adapt(states: list[InstanceState], rules: AdaptRules, memory: AdaptMemory,
           now: float) -> tuple[RoleChange | None, AdaptMemory]:
     """One look at the cluster at ``now``: the role change to make (None: none) and the memory for the next call."""
     if not rules.on or not any(s.role != "mixed" for s in states):
         return None, AdaptMemory(last_change=memory.last_change, direction=memory.direction)
     p = pressure(states, rules)
-    hi, lo = 1.0 + rules.margin, 1.0 - rules.margin
-    prefill_short = p.ttft > hi and p.tpot < lo
-    decode_short = p.tpot > hi and p.ttft < lo
+    pre, dec = pools(states)
+    prefill_short, decode_short = shortness(p, len(pre), len(dec), rules.margin)
     mem = AdaptMemory(
         (memory.prefill_short_since if memory.prefill_short_since is not None else now) if prefill_short else None,
         (memory.decode_short_since if memory.decode_short_since is not None else now) if decode_short else None,
         memory.last_change, memory.direction)
     if mem.last_change is not None and now - mem.last_change < rules.interval_s:
         return None, mem
-    pre, dec = pools(states)
     change = None
     if prefill_short:
         change = _convert(states, "decode", "prefill", now - mem.prefill_short_since, len(dec) - 1 >= rules.min_decode,
-                          rules, f"TTFT {p.ttft:.2f}x target, TPOT {p.tpot:.2f}x")
+                          rules, f"TTFT {p.ttft:.2f}x target, prefill pace {p.pace:.2f}x TPOT, TPOT {p.tpot:.2f}x")
     elif decode_short:
         change = _convert(states, "prefill", "decode", now - mem.decode_short_since, len(pre) - 1 >= rules.min_prefill,
-                          rules, f"TPOT {p.tpot:.2f}x target, TTFT {p.ttft:.2f}x")
+                          rules, f"TPOT {p.tpot:.2f}x target, TTFT {p.ttft:.2f}x, prefill pace {p.pace:.2f}x TPOT")
     if change is None:
         return None, mem
     return change, AdaptMemory(None, None, now, change.role)
@@ -282,4 +307,4 @@ def short_role(states: list[InstanceState], rules: AdaptRules) -> str:
     if not rules.on:
         return "decode"
     p = pressure(states, rules)
-    return "prefill" if p.ttft > p.tpot else "decode"
+    return "prefill" if p.prefill > p.tpot else "decode"
