@@ -37,6 +37,23 @@ def test_the_trace_mixes_long_prompts_into_steady_decode_traffic():
     assert set(kinds0) == {"short"} and none
 
 
+def test_a_shifting_mix_alternates_prompt_heavy_and_decode_heavy_phases_at_the_same_mean_rates():
+    mix = figs.Mix(seconds=120, short_rate=4, long_rate=1, seed=3, phase_s=30)
+    reqs, kinds = figs.mixed_trace(mix, 0)
+    assert [r.arrival_s for r in reqs] == sorted(r.arrival_s for r in reqs)
+    by_phase = {}
+    for r, k in zip(reqs, kinds):
+        by_phase.setdefault(int(r.arrival_s // 30), []).append(k)
+    for phase, ks in by_phase.items():
+        if phase % 2:  # decode-heavy: no long prompt, the decode traffic at 1.5 times its rate
+            assert ks.count("long") == 0 and abs(ks.count("short") - 180) <= 1
+        else:  # prompt-heavy: the long prompts at twice their rate, half the decode traffic
+            assert ks.count("long") >= 30 and abs(ks.count("short") - 60) <= 1
+    assert abs(kinds.count("short") - 480) <= 2 and 80 <= kinds.count("long") <= 160  # the stationary means
+    with pytest.raises(ValueError):
+        figs.Mix(phase_s=-1).check()
+
+
 def test_a_long_prompt_must_be_ten_to_one_and_lengths_are_checked():
     with pytest.raises(ValueError, match="10:1"):
         figs.Mix(long_prompt=900, long_output=100).check()

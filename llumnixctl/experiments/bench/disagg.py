@@ -2,7 +2,8 @@
 
 A trace mixes long prompts (``--long-lengths``, at least 10:1 input:output, Poisson at ``--long-rate``) into
 steady decode traffic (``--decode-lengths``: short prompts, long outputs, evenly spaced at ``--decode-rate``) for
-``--seconds``. Each configuration of ``--configs`` replays it on a fresh cluster of ``--instances`` instances:
+``--seconds`` (``--phase-s``: the mix shifts between prompt-heavy and decode-heavy phases). Each configuration of
+``--configs`` replays it on a fresh cluster of ``--instances`` instances:
 
 - ``mixed``: every instance mixed, dispatch llumnix (migrations for balance on);
 - ``split``: a fixed split, ``--prefill`` prefill instances then decode ones (``instance.role`` per instance);
@@ -26,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Annotated, Callable, Optional
@@ -103,6 +105,34 @@ def wait_idle(admin: AdminClient, timeout_s: float = 60.0) -> bool:
     return False
 
 
+class RoleWatch(threading.Thread):
+    """The instances' roles every half second while the trace runs: when adaptive roles moved (the timeline of
+    the split, from the trace's start)."""
+
+    def __init__(self, manager: str, args, every: float = 0.5):
+        super().__init__(name="role-watch", daemon=True)
+        self.manager, self.args, self.every = manager, args, every
+        self.timeline: list[tuple[float, str]] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        client = AdminClient.for_args(self.manager, self.args, timeout_s=10)
+        t0, last = time.monotonic(), None
+        try:
+            while True:
+                try:
+                    roles = [getattr(v.load, "role", "mixed") for v in client.status().instances if v.state == "alive"]
+                except (ManagerUnreachable, RuntimeError):
+                    roles = None
+                if roles is not None and roles_label(roles) != last:
+                    last = roles_label(roles)
+                    self.timeline.append((round(time.monotonic() - t0, 1), last))
+                if self.done.wait(self.every):
+                    return
+        finally:
+            client.close()
+
+
 class Target:
     """The served model as the client sends to it: its name and the token ids its prompts may use."""
 
@@ -139,8 +169,15 @@ def run_one(backend: str, sets: list[str], roles: list[str], reqs, kinds: list[s
         wait_idle(admin)
         before = Counters(admin, state.url)
         log(f"  replaying {len(reqs)} requests ...")
-        results, duration = asyncio.run(replay(state.url, reqs, lambda r: target.body(prompts[r.index], r.output_tokens),
-                                               timeout_s=timeout_s))
+        watch = RoleWatch(state.manager_address, state.args)
+        watch.start()
+        try:
+            results, duration = asyncio.run(replay(state.url, reqs,
+                                                   lambda r: target.body(prompts[r.index], r.output_tokens),
+                                                   timeout_s=timeout_s))
+        finally:
+            watch.done.set()
+            watch.join(15)
         idle = wait_idle(admin)
         after = Counters(admin, state.url)
     finally:
@@ -150,6 +187,7 @@ def run_one(backend: str, sets: list[str], roles: list[str], reqs, kinds: list[s
     out = figs.run_figures(results, kinds, duration, ttft_s, tpot_s)
     out["duration_s"] = round(duration, 3)
     out["idle_at_end"] = idle
+    out["roles_timeline"] = watch.timeline  # [(s since the trace's start, "2P+2D")], each change of the split
     out["cluster"] = figs.cluster_figures(before.ordered, after.ordered, before.instances, after.instances,
                                           before.proxy, after.proxy, after.roles)
     return out
@@ -185,6 +223,7 @@ def command(
     model: Annotated[Optional[Path], typer.Option(metavar="DIR", help="--backend vllm: the checkpoint (default: a tiny random-weight model)")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="a setting of every configuration's cluster, after the bench's own: section.key=value")] = None,
     seed: Annotated[int, typer.Option(help="trace seed (each round adds its number)")] = 0,
+    phase_s: Annotated[float, typer.Option(help="shift the mix every this many seconds: prompt-heavy (every long prompt, at twice --long-rate, and half the decode traffic), then decode-heavy (no long prompt, 1.5 times the decode traffic), and back; the same rates on average (0: a stationary mix)", min=0.0)] = 0.0,
     first_round: Annotated[int, typer.Option(help="number of the first round (its trace): split the rounds over several runs of the command, each with --out, then --merge their files", min=0)] = 0,
     merge: Annotated[Optional[list[Path]], typer.Option("--merge", metavar="FILE", help="run nothing: summarize the runs of these --out files (the same trace, instances and SLO), as one result")] = None,
     request_timeout: Annotated[float, typer.Option(help="seconds a request may take before it counts as failed", min=1.0)] = 600.0,
@@ -221,7 +260,7 @@ def command(
         bad(f"--prefill {prefill} leaves no decode instance among --instances {instances}")
     try:
         (sp, so), (lp, lo) = figs.parse_lengths(decode_lengths, "--decode-lengths"), figs.parse_lengths(long_lengths, "--long-lengths")
-        mix = figs.Mix(seconds, decode_rate, sp, so, long_rate, lp, lo, seed)
+        mix = figs.Mix(seconds, decode_rate, sp, so, long_rate, lp, lo, seed, phase_s)
         mix.check()
         load_config(None, list(set_ or []))  # a bad --set fails here, not in a daemon's log
     except (ValueError, ConfigError) as exc:
@@ -247,6 +286,9 @@ def command(
                 f = run_one(backend, sets, roles, reqs, kinds, target, r, slo_ttft_ms / 1000, slo_tpot_ms / 1000,
                             request_timeout, lambda m: err.print(m, markup=False))
                 runs.append({"config": cfg, "round": r, "figures": f})
+                if len(f.get("roles_timeline", ())) > 1:
+                    err.print("  roles: " + ", ".join(f"{label} at {t:g} s" for t, label in f["roles_timeline"]),
+                              markup=False)
                 rounds_.done(cfg)
     except RuntimeError as exc:
         err.print(f"llumnixctl: bench disagg: {exc}", markup=False)

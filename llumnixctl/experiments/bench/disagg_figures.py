@@ -65,7 +65,10 @@ def parse_list(text: str, what: str, cast=int) -> list:
 @dataclass(frozen=True)
 class Mix:
     """The trace: decode traffic (``short``) arriving steadily at ``short_rate``, long prompts (``long``) as
-    Poisson arrivals at ``long_rate``, for ``seconds``."""
+    Poisson arrivals at ``long_rate``, for ``seconds``. ``phase_s`` > 0: the mix shifts every ``phase_s`` seconds,
+    from prompt-heavy (the phases from 0 on, even: every long prompt, at twice ``long_rate``, and half the decode
+    traffic) to decode-heavy (odd: no long prompt, the decode traffic at 1.5 times its rate) and back; on average,
+    the same rates as the stationary mix."""
 
     seconds: float = 30.0
     short_rate: float = 2.0
@@ -75,6 +78,10 @@ class Mix:
     long_prompt: int = 2048
     long_output: int = 100
     seed: int = 0
+    phase_s: float = 0.0
+
+    def prompt_heavy(self, t: float) -> bool:
+        return self.phase_s > 0 and int(t // self.phase_s) % 2 == 0
 
     def check(self) -> None:
         if self.long_prompt < MIN_LONG_RATIO * self.long_output:
@@ -83,8 +90,8 @@ class Mix:
         if self.short_prompt >= self.long_prompt:
             raise ValueError(f"the decode traffic's prompts ({self.short_prompt}) must be shorter than the long "
                              f"ones ({self.long_prompt})")
-        if self.seconds <= 0 or self.short_rate <= 0 or self.long_rate < 0:
-            raise ValueError("--seconds and --decode-rate must be > 0, --long-rate >= 0")
+        if self.seconds <= 0 or self.short_rate <= 0 or self.long_rate < 0 or self.phase_s < 0:
+            raise ValueError("--seconds and --decode-rate must be > 0, --long-rate and --phase-s >= 0")
 
 
 def mixed_trace(mix: Mix, round_: int = 0) -> tuple[list[TraceRequest], list[str]]:
@@ -93,17 +100,23 @@ def mixed_trace(mix: Mix, round_: int = 0) -> tuple[list[TraceRequest], list[str
     (every configuration of a round replays the same trace)."""
     rng = random.Random(f"disagg-{mix.seed}-{round_}")
     items = []
-    gap = 1.0 / mix.short_rate
-    t = gap / 2
+
+    def short_gap(at: float) -> float:
+        factor = 1.0 if mix.phase_s <= 0 else 0.5 if mix.prompt_heavy(at) else 1.5
+        return 1.0 / (mix.short_rate * factor)
+
+    t = short_gap(0.0) / 2
     while t < mix.seconds:
         items.append((t, "short"))
-        t += gap
+        t += short_gap(t)
     t = 0.0
-    while mix.long_rate > 0:
-        t += rng.expovariate(mix.long_rate)
+    long_rate = mix.long_rate * (2 if mix.phase_s > 0 else 1)
+    while long_rate > 0:
+        t += rng.expovariate(long_rate)
         if t >= mix.seconds:
             break
-        items.append((t, "long"))
+        if mix.phase_s <= 0 or mix.prompt_heavy(t):  # thinned: Poisson within the prompt-heavy phases
+            items.append((t, "long"))
     items.sort()
     reqs, kinds = [], []
     for i, (at, kind) in enumerate(items):
