@@ -12,7 +12,8 @@ One sign convention everywhere: *freeness*, higher is freer.
 - migration.py: which instances pair up, which requests a source sends
 - scaling.py: when to add or remove an instance
 - disagg.py: prefill/decode roles: where a request prefills, where it is handed over
-- slo.py: predicted TTFT and TPOT, the SLO's admission rule and its share of virtual usage
+- slo.py: predicted TTFT and TPOT, and the SLO's share of virtual usage
+- admit.py: the SLO's admission rule over those predictions (admitted, or refused with a reason and a retry time)
 - sessions.py: a request's cached blocks priced by tier (engine, host, a pull, prefill) and a session's turn placed
   where its KV is, with bounded load
 - residency.py: LoRA requests among the instances that hold their adapter, or may load it

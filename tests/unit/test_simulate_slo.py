@@ -1,5 +1,5 @@
 """``llumnixctl simulate`` serving to an SLO: the simulated proxy admits with the proxy's own Admission
-(daemons.policy.slo.admit), refused requests are counted and not served, queued ones give up past
+(daemons.policy.admit.admit), refused requests are counted and not served, queued ones give up past
 slo.give_up_factor x their TTFT target (aborted where they queue: nothing leaks), and the result counts per class
 what met both targets, what missed which, goodput and the prediction error."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from daemons.config import load_config
-from daemons.policy import slo
+from daemons.policy import admit as slo_admit, slo
 from llumnixctl.experiments.sim.result import result_block
 from llumnixctl.experiments.sim.simulate import Simulation
 from llumnixctl.experiments.traces import gen as trace
@@ -35,13 +35,13 @@ def _accounted(c: dict) -> None:
 @pytest.mark.parametrize("dispatch", ["local", "manager"])
 def test_an_overloaded_cluster_refuses_by_the_proxys_own_rule_and_serves_the_rest(monkeypatch, dispatch):
     judged = []
-    inner = slo.admit
+    inner = slo_admit.admit
 
     def admit(*a, **kw):
         judged.append(inner(*a, **kw))
         return judged[-1]
 
-    monkeypatch.setattr(slo, "admit", admit)  # the proxy's Admission calls it through the module
+    monkeypatch.setattr(slo_admit, "admit", admit)  # the proxy's Admission calls it through the module
     sim, res = _run(TARGETS + ["manager.dispatch_policy=slo", f"proxy.dispatch={dispatch}"])
     s = res["slo"]
     n = len(sim.trace)
@@ -70,7 +70,7 @@ def test_an_overloaded_cluster_refuses_by_the_proxys_own_rule_and_serves_the_res
 def test_queued_requests_give_up_past_the_factor_and_free_their_place(monkeypatch):
     # Admit everything (as a proxy whose predictions were wrong): the queue grows, and requests that waited
     # give_up_factor x the TTFT target with no token are aborted where they queue.
-    monkeypatch.setattr(slo, "admit", lambda states, *a, **kw: slo.Verdict(True, 0.0))
+    monkeypatch.setattr(slo_admit, "admit", lambda states, *a, **kw: slo_admit.Verdict(True, 0.0))
     sim, res = _run(TARGETS + ["slo.give_up_factor=2"])
     both = res["slo"]["all"]
     assert both["refused"] == 0 and both["gave_up"] > 0

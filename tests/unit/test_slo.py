@@ -19,7 +19,7 @@ from daemons.engine.base import EngineRequest
 from daemons.engine.profile import LatencyProfile
 from daemons.engine.sim import SimEngine, model_time
 from daemons.instance.predictor import StepFit
-from daemons.policy import slo
+from daemons.policy import admit as slo_admit, slo
 from daemons.proxy.cluster.client import ClusterClient, Overloaded
 
 PROFILE = "daemons/engine/profiles"
@@ -184,7 +184,7 @@ targets_st = st.builds(lambda n, h: {slo.NORMAL: slo.Targets(n), slo.HIGH: slo.T
 @given(clusters, targets_st, st.floats(0.0, 0.5), st.integers(0, 4000))
 def test_each_class_is_admitted_only_within_its_own_target(states, targets, share, prompt):
     for prio in (slo.NORMAL, slo.HIGH):
-        v = slo.admit(states, prompt, prio, targets, {slo.NORMAL: share})
+        v = slo_admit.admit(states, prompt, prio, targets, {slo.NORMAL: share})
         if v.admitted:
             assert v.ttft_s <= targets[prio].ttft_s  # a bound per class: no class grows without limit
         else:
@@ -194,21 +194,21 @@ def test_each_class_is_admitted_only_within_its_own_target(states, targets, shar
 @settings(max_examples=300, deadline=None)
 @given(clusters, targets_st, st.floats(0.0, 0.5), st.integers(0, 4000))
 def test_a_higher_class_is_never_refused_while_a_lower_one_is_admitted(states, targets, share, prompt):
-    normal = slo.admit(states, prompt, slo.NORMAL, targets, {slo.NORMAL: share})
-    high = slo.admit(states, 0, slo.HIGH, targets, {slo.NORMAL: share})
+    normal = slo_admit.admit(states, prompt, slo.NORMAL, targets, {slo.NORMAL: share})
+    high = slo_admit.admit(states, 0, slo.HIGH, targets, {slo.NORMAL: share})
     if normal.admitted and not high.admitted:
         # only while normal holds less than its share (its floor against starvation)
-        assert slo.class_share(states, high=False) < share
+        assert slo_admit.class_share(states, high=False) < share
 
 
 @settings(max_examples=300, deadline=None)
 @given(clusters, targets_st, st.floats(0.01, 0.5), st.integers(0, 4000))
 def test_a_class_below_its_share_is_not_starved_by_a_higher_one(states, targets, share, prompt):
-    fits = slo.best_ttft(states, prompt, high=False) <= targets[slo.NORMAL].ttft_s
-    if fits and slo.class_share(states, high=False) < share:
-        assert slo.admit(states, prompt, slo.NORMAL, targets, {slo.NORMAL: share}).admitted
+    fits = slo_admit.best_ttft(states, prompt, high=False) <= targets[slo.NORMAL].ttft_s
+    if fits and slo_admit.class_share(states, high=False) < share:
+        assert slo_admit.admit(states, prompt, slo.NORMAL, targets, {slo.NORMAL: share}).admitted
     # and high priority is refused for its own target only (never for a lower class)
-    v = slo.admit(states, 0, slo.HIGH, targets, {slo.NORMAL: share})
+    v = slo_admit.admit(states, 0, slo.HIGH, targets, {slo.NORMAL: share})
     assert v.admitted or v.reason == "ttft"
 
 
@@ -218,19 +218,19 @@ def test_an_instance_without_a_model_yet_takes_a_request_only_while_idle():
     every request would start at once); an idle one takes one request, which starts at once."""
     targets = {slo.NORMAL: slo.Targets(2.0)}
     fresh, busy = state("a", fit=None), state("b", running=3, fit=None)
-    v = slo.admit([fresh, busy], 500, slo.NORMAL, targets, {})
+    v = slo_admit.admit([fresh, busy], 500, slo.NORMAL, targets, {})
     assert v.admitted and v.fits == ("a",)  # placed on the idle one only
-    v = slo.admit([busy, dataclasses.replace(fresh, pending_requests=1)], 500, slo.NORMAL, targets, {})
-    assert not v.admitted and v.reason == "unknown" and v.retry_after_s == slo.UNKNOWN_RETRY_S
-    assert slo.admit([busy], 500, slo.NORMAL, {slo.NORMAL: slo.Targets()}, {}).admitted  # no target: no promise
+    v = slo_admit.admit([busy, dataclasses.replace(fresh, pending_requests=1)], 500, slo.NORMAL, targets, {})
+    assert not v.admitted and v.reason == "unknown" and v.retry_after_s == slo_admit.UNKNOWN_RETRY_S
+    assert slo_admit.admit([busy], 500, slo.NORMAL, {slo.NORMAL: slo.Targets()}, {}).admitted  # no target: no promise
     # once the instance has its model, the prediction decides
-    assert slo.admit([state("b", running=3)], 500, slo.NORMAL, targets, {}).admitted
+    assert slo_admit.admit([state("b", running=3)], 500, slo.NORMAL, targets, {}).admitted
 
 
 def test_the_retry_after_is_the_predicted_excess_over_the_target():
-    assert slo.retry_after(7.4, 2.0) == pytest.approx(5.4)
-    assert slo.retry_after(2.3, 2.0) == 1.0  # at least a second
-    assert slo.retry_after(math.inf, 2.0) == 60.0
+    assert slo_admit.retry_after(7.4, 2.0) == pytest.approx(5.4)
+    assert slo_admit.retry_after(2.3, 2.0) == 1.0  # at least a second
+    assert slo_admit.retry_after(math.inf, 2.0) == 60.0
 
 
 def test_a_key_may_carry_a_tighter_target_never_a_looser_one():

@@ -19,7 +19,7 @@ from typing import Callable
 from daemons import policy
 from daemons.sessions import SessionTable
 from daemons.clock import Clock
-from daemons.policy import slo
+from daemons.policy import admit as slo_admit, slo
 from daemons.proxy.cluster.known import KnownInstances
 from daemons.proxy.cluster.stream import Overloaded
 from daemons.proxy.cluster.telemetry import AUTO_BATCHES, AUTO_KV_CACHES
@@ -105,7 +105,7 @@ class Admission:
         return out
 
     def admit(self, r: slo.RequestSlo, tenant: str = "", prompt_tokens: int = 0, max_tokens: int = 0,
-              proxies: int = 1, request_id: str = "", session: str = "") -> slo.Verdict | None:
+              proxies: int = 1, request_id: str = "", session: str = "") -> slo_admit.Verdict | None:
         """Raise Overloaded if the request (``r``: its SLO class and targets, slo.Classes.of) is refused. With an SLO:
         by its TTFT target (``prompt_tokens``: its prompt, an estimate before tokenizing; ``max_tokens``: the most it
         may generate, 0: not said), and the verdict (with the best predicted TTFT) is returned; otherwise by the
@@ -122,7 +122,7 @@ class Admission:
         states = self.states(proxies)
         if not states:
             return None  # nothing to predict from: placement waits for an instance, or says none is alive
-        verdict = slo.admit(states, prompt_tokens, r.cls, targets, self.shares, self.admit_at, max_tokens, cached)
+        verdict = slo_admit.admit(states, prompt_tokens, r.cls, targets, self.shares, self.admit_at, max_tokens, cached)
         if not verdict.admitted:
             cls = "high-priority" if r.high else "normal-priority"
             if verdict.reason == "higher_class":

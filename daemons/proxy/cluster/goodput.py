@@ -4,7 +4,7 @@ how far the predictions the request was placed by were off (actual over predicte
 
 from __future__ import annotations
 
-from daemons.policy import slo
+from daemons.policy import admit as slo_admit, slo
 from daemons.proxy.cluster.telemetry import M_SLO, M_TPOT_RATIO, M_TTFT_RATIO, SLO_CLASSES
 
 
@@ -28,8 +28,8 @@ class Goodput:
 
     def refused(self, r: slo.RequestSlo, reason: str) -> None:
         """A request turned away at admission, for ``reason`` (an Overloaded's): counted as refused when the SLO's
-        admission refused it (slo.REFUSALS), not when the queue bounds did ([admission])."""
-        if r.own.on and reason in slo.REFUSALS:
+        admission refused it (slo_admit.REFUSALS), not when the queue bounds did ([admission])."""
+        if r.own.on and reason in slo_admit.REFUSALS:
             M_SLO.labels(SLO_CLASSES[r.cls], "refused").inc()
 
     def gave_up(self, r: slo.RequestSlo) -> None:

@@ -10,7 +10,7 @@ What it knows of the instances is the proxy's own ``KnownInstances`` (daemons/pr
 requests, with which load, judged as the proxy judges them (with no connections to watch, by silence).
 
 With an SLO ([slo] TTFT targets) it admits each new request as the proxy does, with the proxy's own
-``Admission`` (daemons/proxy/cluster/admission.py: ``daemons.policy.slo.admit`` over the heartbeats' loads plus our
+``Admission`` (daemons/proxy/cluster/admission.py: ``daemons.policy.admit.admit`` over the heartbeats' loads plus our
 dispatches they do not show yet), whatever proxy.dispatch is; and at each request's first dispatch it takes the
 proxy's prediction of its TTFT and TPOT there (``DispatchView.predict``), for the prediction error.
 
@@ -26,7 +26,7 @@ from typing import Callable
 from daemons import policy, wire
 from daemons.clock import Clock
 from daemons.config import Config
-from daemons.policy import slo
+from daemons.policy import admit as slo_admit, slo
 from daemons.proxy.cluster.admission import Admission, Placing
 from daemons.proxy.cluster.known import KnownInstances
 from daemons.proxy.cluster.stream import Overloaded
@@ -74,13 +74,13 @@ class SimProxy:
         """Admission by SLO is on (a TTFT target)."""
         return self.admission.by_slo
 
-    def admit(self, priority: int, prompt_tokens: int, max_tokens: int = 0, request_id: str = "") -> slo.Verdict | None:
+    def admit(self, priority: int, prompt_tokens: int, max_tokens: int = 0, request_id: str = "") -> slo_admit.Verdict | None:
         """The proxy's admission of a new request (by SLO): its verdict, refused or not (None: nothing to
         predict from yet, admitted)."""
         try:
             return self.admission.admit(self.classes.of(priority), "", prompt_tokens, max_tokens, 1, request_id)
         except Overloaded as exc:
-            return slo.Verdict(False, math.inf, exc.retry_after_s, exc.reason)
+            return slo_admit.Verdict(False, math.inf, exc.retry_after_s, exc.reason)
 
     # ------------------------------------------------------------------ inputs
 

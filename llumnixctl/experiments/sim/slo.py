@@ -1,5 +1,5 @@
 """Serving to an SLO in the simulator (llumnixctl/experiments/sim/simulate.py): with [slo] TTFT targets the simulated
-proxy admits each new request with the proxy's own ``Admission`` (sim/proxy.py; daemons.policy.slo.admit):
+proxy admits each new request with the proxy's own ``Admission`` (sim/proxy.py; daemons.policy.admit.admit):
 a refused request is counted and ends there; an admitted one that has no token ``slo.give_up_factor`` times its
 class's TTFT target after it arrived is aborted where it queues and counted as given up (as the proxy's failover
 check does: daemons/proxy/cluster/failover.py). At each request's first dispatch the proxy's prediction of its TTFT and
