@@ -7,6 +7,7 @@ import pytest
 
 from llumnixctl.experiments.bench import cache as bench_cache
 from llumnixctl.experiments.traces.files import tokenizer
+from llumnixctl.experiments.traces.words import Words
 from llumnixctl.lab.model import write_tiny_model
 
 
@@ -16,7 +17,7 @@ def model(tmp_path_factory):
 
 
 def test_a_prompt_is_exactly_its_trace_length_and_shared_segments_are_shared_text(model):
-    words, tok = bench_cache.Words(model), tokenizer(model)
+    words, tok = Words(model), tokenizer(model)
     for kind in bench_cache.TRACES:
         reqs = bench_cache.make_trace(kind, 30, 4.0, 0)
         for r in reqs:
@@ -45,6 +46,6 @@ def test_a_text_prompt_less_the_tokenizers_bos_is_the_trace_length_once_the_engi
     fast = Tokenizer.from_file(str(model / "tokenizer.json"))
     lead = special_lead(model)
     assert lead == len(fast.encode("the").ids) - len(fast.encode("the", add_special_tokens=False).ids)
-    words = bench_cache.Words(model)
+    words = Words(model)
     for r in gen.generate(20, rate=4.0, prompt=(1, 300), output=(1, 8), seed=3):
         assert len(fast.encode(words.text(r, drop=lead)).ids) == max(r.prompt_tokens, 1 + lead)

@@ -38,6 +38,7 @@ from llumnixctl.experiments.bench import engine as bench_engine, serve as bench_
 from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, Budget, BudgetOpt, JsonOpt, Progress, Rounds,
                                                  ModelOpt, SaveOpt, SmgOpt, VllmRouterOpt, skipped_lines)
 from llumnixctl.experiments.traces import cache as tracecache
+from llumnixctl.experiments.traces.words import Words
 from llumnixctl.experiments.bench.serve_figures import stats_ms, tpot_s
 from llumnixctl.lab import localcluster
 from llumnixctl.lab.scratch import scratch_dir
@@ -45,12 +46,6 @@ from llumnixctl.lab.scratch import scratch_dir
 SYSTEMS = ("llumnix-cache", "llumnix", "smg", "vllm-router")
 TRACES = ("shared-prefix", "multi-turn", "hotspot")
 BYTES_PER_TOKEN = 1024  # the tiny model's KV: 2 layers x (K, V) x 2 heads x 64 x bf16
-WORDS = ("the of and to in is was for on are with as by at from this that have not they which one you were her "
-         "all she there would their we him been has when who will more no if out so said what up its about into "
-         "than them can only other new some could time these two may then do first any my now such like our over "
-         "man me even most made after also did many before must through back years where much your way well down")
-
-
 def make_trace(kind: str, n: int, rate: float, seed: int) -> list:
     if kind in ("shared-prefix", "hotspot"):
         return tracecache.shared_prefix(n, rate=rate, prefixes=24, prefix_tokens=384, skew=1.0,
@@ -60,24 +55,6 @@ def make_trace(kind: str, n: int, rate: float, seed: int) -> list:
         return tracecache.multi_turn(n, rate=rate, turns=(2, 6), system_prompts=8, system_tokens=256,
                                      message=(16, 96), reply=(16, 128), think=2.0, max_context=2048, seed=seed)
     raise ValueError(f"unknown trace {kind!r} (known: {', '.join(TRACES)})")
-
-
-class Words:
-    """Prompt text whose every word is one token of the model: a prompt of k words is k tokens (plus BOS)."""
-
-    def __init__(self, model: Path):
-        from llumnixctl.experiments.traces.files import tokenizer
-
-        tok = tokenizer(model)
-        self.pool = [w for w in dict.fromkeys(WORDS.split()) if len(tok(" " + w)) == 1]
-        if len(self.pool) < 16:
-            raise RuntimeError(f"the tokenizer of {model} has too few single-token words ({len(self.pool)})")
-
-    def text(self, req, drop: int = 0) -> str:
-        """The request's prompt as words; ``drop``: that many fewer at the end (at least one is left), for a
-        prompt of exactly the trace's length once the engine has put its special tokens (a BOS) before it."""
-        ids = tracecache.prompt_ids(req, len(self.pool))
-        return "".join(" " + self.pool[i] for i in ids[:max(1, len(ids) - drop)])
 
 
 class Shares(threading.Thread):

@@ -22,6 +22,7 @@ from pathlib import Path
 from llumnixctl.experiments.bench import cache as bench_cache, serve as bench_serve
 from llumnixctl.experiments.bench.budget import Budget, Progress, Rounds
 from llumnixctl.experiments.bench.lora_parts import PLACEMENTS, LoraBench, figures, summarize, workload
+from llumnixctl.experiments.traces.words import Words
 from llumnixctl.lab.scratch import scratch_dir
 
 LOADS, EVICTIONS = "llumnix_instance_adapter_loads_total", "llumnix_instance_adapter_evictions_total"
@@ -151,7 +152,7 @@ def run(b: LoraBench, placements: list[str], rounds: int, engines: Engines, mode
             model = write_tiny_model(work / "tiny-llama")
         model = model.resolve()
         adapters = make_adapters(model, work / "adapters", b.adapters)
-        words = bench_cache.Words(model)
+        words = Words(model)
         for k in range(rounds):
             rb = replace(b, seed=b.seed + k)
             reqs, by_index = workload(rb)

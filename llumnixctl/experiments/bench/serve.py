@@ -402,7 +402,7 @@ def command(
     if text_prompts:
         if tokenizer is None or not Path(tokenizer).is_dir():
             common.die("--text-prompts needs --tokenizer DIR, a local checkpoint directory", 2)
-        from llumnixctl.experiments.bench.cache import Words
+        from llumnixctl.experiments.traces.words import Words
         from llumnixctl.experiments.traces.files import special_lead
 
         try:

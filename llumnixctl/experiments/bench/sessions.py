@@ -44,6 +44,7 @@ from llumnixctl.experiments.bench import cache as bench_cache, engine as bench_e
 from llumnixctl.experiments.bench.budget import (DEFAULT_BUDGET_S, Budget, BudgetOpt, JsonOpt, Progress, Rounds,
                                                  ModelOpt, SaveOpt, SmgOpt, VllmRouterOpt, emit)
 from llumnixctl.experiments.traces import cache as tracecache, sessions as tsessions
+from llumnixctl.experiments.traces.words import Words
 from llumnixctl.lab.scratch import scratch_dir
 
 OURS = ("llumnix-sessions", "llumnix-notier", "llumnix-cache")
@@ -254,7 +255,7 @@ def command(
             from llumnixctl.lab.model import write_tiny_model
 
             path = (model or write_tiny_model(work / "tiny-llama")).resolve()
-            words = bench_cache.Words(path)
+            words = Words(path)
         vllm = {"max_num_seqs": max_num_seqs, "kv_cache_bytes": (kv_tokens + 128) * bench_cache.BYTES_PER_TOKEN,
                 "block_size": block_size}
         for k in range(rounds):
