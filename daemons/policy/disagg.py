@@ -229,12 +229,10 @@ def pressure(states: list[InstanceState], rules: AdaptRules) -> Pressure:
     front = pre or dec
     ttft = tpot = pace = 0.0
     if any(fitted(s.latency) for s in front):
-        prompt = representative_prompt(front)
-        ttft = min(predict_ttft(s, prompt) for s in pooled(front)) / rules.ttft_target_s
-    if any(fitted(s.latency) for s in pre):
-        prompt = representative_prompt(pre)
-        steps = [predict_tpot(s, prompt) for s in pooled(pre)]
-        pace = sum(steps) / len(steps) / rules.tpot_target_s
+        prompt, completed = representative_prompt(front), pooled(front)
+        ttft = min(predict_ttft(s, prompt) for s in completed) / rules.ttft_target_s
+        if pre:  # the front is the prefill pool: its pace, on the same prompt
+            pace = sum(predict_tpot(s, prompt) for s in completed) / len(completed) / rules.tpot_target_s
     if any(fitted(s.latency) for s in dec):
         prompt = representative_prompt(pre) if pre else REFERENCE_PROMPT
         per = [predict_tpot(s, prompt) for s in pooled(dec)]

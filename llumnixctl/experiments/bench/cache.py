@@ -227,9 +227,9 @@ def ours(policy: str, model: Path | None, run_dir: Path, reqs: list, send: Send,
         localcluster.stop(state)
 
 
-def peer(kind: str, binary: str, model: Path, run_dir: Path, reqs: list, send: Send, n: int, vllm: dict,
+def peer(binary: str, model: Path, run_dir: Path, reqs: list, send: Send, n: int, vllm: dict,
          *, policy: str = "cache_aware", after: Callable[[list[str], str], dict] | None = None) -> dict:
-    """``n`` vLLM api_servers configured as ``vllm`` (prefix caching on) behind the router ``kind`` (smg,
+    """``n`` vLLM api_servers configured as ``vllm`` (prefix caching on) behind the router ``binary`` (smg,
     vllm-router) with its ``policy``; the trace replayed with ``send``; ``after(urls, router_url)``: figures of
     the servers' /metrics once it ended."""
     from concurrent.futures import ThreadPoolExecutor
@@ -253,11 +253,8 @@ def peer(kind: str, binary: str, model: Path, run_dir: Path, reqs: list, send: S
                 raise f.exception()
         port = localcluster.free_port()
         url = f"http://127.0.0.1:{port}"
-        argv = [binary, "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
-                "--worker-urls", *(u for _, u in servers)]
-        if kind == "smg":
-            argv = [binary, "launch", *argv[1:]] if Path(binary).name == "smg" else argv
-        router = bench_engine.start_router(argv, url, run_dir / "router.log")
+        router = bench_engine.start_router(bench_engine.router_argv(binary, port, policy, [u for _, u in servers]),
+                                           url, run_dir / "router.log")
         addresses = [u for _, u in servers]
         res = _replay(url, reqs, send, addresses, "vllm:num_requests_running")
         res["prefix_cache"] = _hits(addresses, "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
@@ -337,7 +334,7 @@ def command(
                         res = ours(name, path, d, reqs, Send(words), instances, vllm,
                                    restart if name == "llumnix-cache" else None)
                     else:
-                        res = peer(name, smg if name == "smg" else vllm_router, path, d, reqs, Send(words), instances,
+                        res = peer(smg if name == "smg" else vllm_router, path, d, reqs, Send(words), instances,
                                    vllm)
                     rows.append({"round": k + 1, "trace": kind, "system": name, **res})
                     rounds_.done((kind, name))

@@ -165,6 +165,14 @@ def start_api_server(path: Path, vllm: dict, run_dir: Path, timeout_s: float = 3
             pass
 
 
+def router_argv(binary: str, port: int, policy: str, worker_urls: list[str]) -> list[str]:
+    """The command line of a router (vllm-router, smg: its ``launch`` command) on 127.0.0.1:``port`` in front of
+    ``worker_urls`` with ``policy``."""
+    launch = ["launch"] if Path(binary).name == "smg" else []
+    return [binary, *launch, "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+            "--worker-urls", *worker_urls]
+
+
 def start_router(argv: list[str], url: str, log: Path, timeout_s: float = 120.0) -> subprocess.Popen:
     """A router in front of api_servers (vllm-router, smg): started with ``argv`` (its output to ``log``),
     returned once ``url``/v1/models answers; stopped (by pid) if it does not."""

@@ -300,7 +300,7 @@ def _run(name: str, engine: str, path, d: Path, reqs: list, words, seed: int, in
          kv_tokens: int, block_size: int, host_mb, extra: list[str], smg, vllm_router) -> dict:
     send = sender(name, words, seed)
     if name in PEERS:
-        return bench_cache.peer(name, smg if name == "smg" else vllm_router, path, d, reqs, send, instances, vllm,
+        return bench_cache.peer(smg if name == "smg" else vllm_router, path, d, reqs, send, instances, vllm,
                                 policy=PEERS[name], after=engine_figures(False))
     sets = system_settings(name, host_mb)[0]
     if engine == "sim":

@@ -147,11 +147,8 @@ def plain_router(router: str, model: Path, run_dir: Path, trace: Path, kv_bytes:
             servers.append(bench_engine.start_api_server(model, vllm, d))
         port = localcluster.free_port()
         url = f"http://127.0.0.1:{port}"
-        argv = [router, "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
-                "--worker-urls", *(u for _, u in servers)]
-        if Path(router).name == "smg":
-            argv.insert(1, "launch")
-        router_proc = bench_engine.start_router(argv, url, run_dir / "router.log")
+        router_proc = bench_engine.start_router(bench_engine.router_argv(router, port, policy, [u for _, u in servers]),
+                                                url, run_dir / "router.log")
         return _serve(url, trace, ["--model", "bench", *serve_args])
     finally:
         if router_proc is not None:

@@ -193,7 +193,20 @@ def _shared(obj: dict, prompt_tokens: int, path, where: str) -> dict:
 
 
 def tokenizer(model_path: str | Path) -> Tokenize:
-    """``tokenize(text)`` from a local model directory's tokenizer (no network; no special tokens).
+    """``tokenize(text)`` from a local model directory's tokenizer (no network; no special tokens)."""
+    encode = _encoder(model_path)
+    return lambda text: encode(text, False)
+
+
+def special_lead(model_path: str | Path) -> int:
+    """How many special tokens (a BOS) the tokenizer of a local model directory puts before a text when it adds
+    them, as an engine does for a text prompt."""
+    encode = _encoder(model_path)
+    return len(encode("the", True)) - len(encode("the", False))
+
+
+def _encoder(model_path: str | Path) -> Callable[[str, bool], list[int]]:
+    """``encode(text, add_special_tokens)`` of a local model directory's tokenizer (no network).
 
     ``transformers.AutoTokenizer``; a generic fast tokenizer (tokenizer_class PreTrainedTokenizerFast,
     as `llumnixctl model tiny` writes) is read with ``tokenizers`` directly: the same ids, without the
@@ -207,7 +220,7 @@ def tokenizer(model_path: str | Path) -> Tokenize:
         from tokenizers import Tokenizer
 
         fast = Tokenizer.from_file(str(d / "tokenizer.json"))
-        return lambda text: fast.encode(text, add_special_tokens=False).ids
+        return lambda text, special: fast.encode(text, add_special_tokens=special).ids
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
@@ -216,23 +229,7 @@ def tokenizer(model_path: str | Path) -> Tokenize:
     except Exception as exc:  # transformers raises OSError, ValueError, ... with long messages
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"cannot load a tokenizer from {model_path}: {first}") from None
-    return lambda text: tok.encode(text, add_special_tokens=False)
-
-
-def special_lead(model_path: str | Path) -> int:
-    """How many special tokens (a BOS) the tokenizer of a local model directory puts before a text when it adds
-    them, as an engine does for a text prompt."""
-    d = Path(model_path)
-    if (d / "tokenizer.json").is_file():
-        from tokenizers import Tokenizer
-
-        fast = Tokenizer.from_file(str(d / "tokenizer.json"))
-        return len(fast.encode("the", add_special_tokens=True).ids) - len(fast.encode("the", add_special_tokens=False).ids)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(model_path))
-    return len(tok.encode("the")) - len(tok.encode("the", add_special_tokens=False))
+    return lambda text, special: tok.encode(text, add_special_tokens=special)
 
 
 def _sharegpt_items(path) -> Iterable[tuple[str, object]]:
