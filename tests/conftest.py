@@ -23,6 +23,10 @@ from llumnixctl.admin import AdminClient
 from llumnixctl.lab import localcluster
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# typer (0.2x) sets PYDANTIC_DISABLE_PLUGINS while it builds a command and deletes it after: ``cli`` below runs
+# llumnixctl in this process, and a test thread reading os.environ meanwhile (httpx reads the proxy variables on
+# every request) then fails with KeyError. Present from the start, the variable is only ever overwritten.
+os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "1")
 
 # Property tests run beside daemons that load both cores: time is no measure of a strategy there.
 from hypothesis import HealthCheck, settings  # noqa: E402
