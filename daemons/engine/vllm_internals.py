@@ -33,12 +33,7 @@ def set_env(cfg: VllmConfig) -> None:
     With the in-process ``uni`` executor vLLM 0.32 pins no threads (its OpenMP binding lives in the
     multiprocess executor), so ``cpu_bind`` only reaches vLLM's environment; pin with taskset or systemd.
     """
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # EngineCore and its worker stay in this process
-    # Serving nodes often have no route out: never phone home, never ask a hub (models are loaded by path).
-    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    os.environ.setdefault("DO_NOT_TRACK", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_bind
+    _vllm_env(cfg)
     if cfg.omp_threads > 0:
         os.environ["OMP_NUM_THREADS"] = str(cfg.omp_threads)
         import torch
@@ -50,6 +45,23 @@ def set_env(cfg: VllmConfig) -> None:
         if _set_num_threads is None:
             _set_num_threads = torch.set_num_threads
         _set_num_threads(cfg.omp_threads)
+
+
+def _vllm_env(cfg: VllmConfig) -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # EngineCore and its worker stay in this process
+    # Serving nodes often have no route out: never phone home, never ask a hub (models are loaded by path).
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_bind
+
+
+def preload() -> None:
+    """Import vLLM as an instance does, and start nothing (no engine, no thread pool): for a process that forks
+    instances (the test suite's fork server, llumnixctl/lab/forkserver.py), so that each of them does not import
+    it again. vLLM is imported under the environment ``set_env`` gives an instance of the default settings."""
+    _vllm_env(VllmConfig())
+    VllmInternals.import_checked()
 
 
 _set_num_threads = None  # torch's own set_num_threads, saved before vLLM replaces it

@@ -12,7 +12,9 @@ commands, a manager's instance launcher): the setting is not inherited. The test
 What a forked daemon gets is what ``python -m`` would give it: its own session, stdin/stdout/stderr from the
 caller's descriptors (sent over the socket, SCM_RIGHTS), the caller's environment and working directory,
 ``sys.argv``, a fresh ``random`` seed, default signal handlers, and a normal interpreter exit (threads joined,
-atexit handlers run). What differs: it is the server's child, not the caller's (the server reaps it: its exit
+atexit handlers run). An instance of the vLLM backend (``instance.backend=vllm`` among its arguments) is forked
+from a server that has imported vLLM as the engine does (``vllm_internals.preload``, once, on the first such
+request): 7 more CPU-seconds each instance does not spend. What differs: it is the server's child, not the caller's (the server reaps it: its exit
 status is not the caller's to read, and ``localcluster.stop_strays`` does not see it; a test that needs either
 turns the server off), and its ``/proc/<pid>/cmdline`` is the server's (its name, ``comm``, is
 ``llumnix-instance``, ``-manager`` or ``-proxy``). The caller gets its pid; stop it by pid as any other.
@@ -35,6 +37,8 @@ from pathlib import Path
 PRELOAD = ("torch", "daemons.instance.daemon", "daemons.manager.daemon", "daemons.proxy.app")
 SERVED = ("daemons.instance", "daemons.manager", "daemons.proxy.app")
 _MAX_FRAME = 1 << 20
+# A first vLLM instance's request waits for the server's import of vLLM: 7 CPU-seconds, minutes on a loaded host.
+WARM_TIMEOUT_S = 300.0
 
 
 class ForkServerError(Exception):
@@ -69,8 +73,13 @@ def fork(path: str, module: str, args: list[str], stdin: int, stdout: int, stder
          timeout_s: float = 30.0) -> int | None:
     """Have the server at ``path`` run ``python -m module *args`` with these descriptors, this process's
     environment and working directory; returns the daemon's pid, or None when the calling thread is not in
-    the server's namespaces (its child would not be where the caller is). ForkServerError when it cannot."""
-    request = json.dumps({"module": module, "args": args, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+    the server's namespaces (its child would not be where the caller is). ForkServerError when it cannot.
+    The first vLLM instance waits while the server imports vLLM: its ``timeout_s`` is longer."""
+    warm = warm_for(module, args)
+    if warm:
+        timeout_s = max(timeout_s, WARM_TIMEOUT_S)
+    request = json.dumps({"module": module, "args": args, "env": dict(os.environ), "cwd": os.getcwd(),
+                          "warm": warm}).encode()
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(timeout_s)
@@ -86,6 +95,13 @@ def fork(path: str, module: str, args: list[str], stdin: int, stdout: int, stder
     if "pid" not in reply:
         raise ForkServerError(f"fork server at {path}: {reply.get('error', reply)}")
     return int(reply["pid"])
+
+
+def warm_for(module: str, args: list[str]) -> str | None:
+    """What the server should have imported before it forks this daemon: "vllm" for an instance whose arguments
+    set the vLLM backend (as local clusters start them), else None. A hint: an instance whose backend comes from
+    a file imports vLLM itself, as after Popen."""
+    return "vllm" if module == "daemons.instance" and "instance.backend=vllm" in args else None
 
 
 def _same_namespaces(pid: int) -> bool:
@@ -156,6 +172,7 @@ def _one(listener: socket.socket, conn: socket.socket) -> None:
         module, args, env, cwd = request["module"], list(request["args"]), dict(request["env"]), request["cwd"]
         if module not in SERVED or len(fds) != 3:
             raise ValueError(f"not a daemon this server runs: {module!r} with {len(fds)} descriptors")
+        _warm(request.get("warm"))
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
@@ -171,6 +188,23 @@ def _one(listener: socket.socket, conn: socket.socket) -> None:
     for fd in fds:
         os.close(fd)
     _reply(conn, {"pid": pid})
+
+
+_warmed: set[str] = set()
+
+
+def _warm(what: str | None) -> None:
+    """Import what ``what`` names (see ``warm_for``) in the server, once; where that fails (no vLLM here), the
+    daemon imports it itself and says why."""
+    if what != "vllm" or what in _warmed:
+        return
+    _warmed.add(what)
+    try:
+        from daemons.engine.vllm_internals import preload
+
+        preload()
+    except Exception as exc:  # noqa: BLE001: the daemon's own import reports it
+        print(f"fork server: vLLM not preloaded ({exc})", file=sys.stderr, flush=True)
 
 
 def _reply(conn: socket.socket, obj: dict) -> None:

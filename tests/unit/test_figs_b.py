@@ -80,8 +80,13 @@ def test_bursts_quick(tmp_path):
 def test_cache_fleet_quick(tmp_path):
     from llumnixctl.experiments.figs import cache
 
-    cache.main(["--quick", "--requests", "90", "--out", str(tmp_path)])  # 150: a third of the time, same verdicts
+    cache.main(["--quick", "--requests", "90", "--parts", "fleet,hotspot", "--out", str(tmp_path)])
     d = json.loads((tmp_path / "cache-fleet.json").read_text())
+    # The sweep's unique prompts (the paper's L-L mix) take ten times a fleet request's steps: 30 of them.
+    cache.main(["--quick", "--requests", "30", "--parts", "sweep", "--out", str(tmp_path / "sweep")])
+    sweep_d = json.loads((tmp_path / "sweep" / "cache-fleet.json").read_text())
+    d["runs"] += sweep_d["runs"]
+    d["analysis"].update(sweep_d["analysis"])
     assert d["setup"]["quick"] is True
     for r in d["runs"]:
         assert r["result"]["failed"] == 0 and r["result"]["leaked_blocks"] == 0 and r["result"]["completed"] > 0
