@@ -143,12 +143,10 @@ fi
 # (the marker holds their list), our own every run (0.2 s: they change between runs). Left out, as no process
 # of ours imports them: the packages' own test suites, pip, and the anthropic SDK (a vLLM dependency whose
 # import vLLM does not make): a quarter of the files, 8 of the 33 s this step takes on 2 cores.
-# LLUMNIX_BYTECODE=lazy leaves the installed packages out: for a caller that lets its processes write the bytecode
-# of what they import, as they import it (scripts/test.sh: 5,000 of the 17,500 files are ever imported).
 site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 dists=$(.venv/bin/python -c 'from importlib.metadata import distributions
 print("\n".join(sorted(f"{d.name}=={d.version}" for d in distributions())))')
-if [ "${LLUMNIX_BYTECODE:-all}" != lazy ] && [ "$dists" != "$(cat .venv/.llumnix-bytecode 2>/dev/null)" ]; then
+if [ "$dists" != "$(cat .venv/.llumnix-bytecode 2>/dev/null)" ]; then
   echo "compiling bytecode ..." >&2
   skip=$(.venv/bin/python -c 'import re, sys; s = re.escape(sys.argv[1]); print(f"^{s}/(anthropic|pip)/|^{s}/[^/]+/(.*/)?tests?/")' "$site")
   .venv/bin/python -m compileall -q -j 0 -x "$skip" "$site" >/dev/null 2>&1 || true  # a few packages ship files for other Pythons

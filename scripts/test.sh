@@ -16,15 +16,8 @@
 #   3. the e2e tests marked alone (they measure real time), with nothing beside them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# Bytecode as it is needed: the installed packages are not compiled up front (17,500 files, 40 s before the first
-# test), each process writes that of what it imports, once (where PYTHONDONTWRITEBYTECODE is set, as on our CI
-# machines, each process would compile torch and vLLM again). One process first imports what every test process
-# and daemon imports, so that the parts below do not all compile torch side by side.
-LLUMNIX_BYTECODE=${LLUMNIX_BYTECODE:-lazy} bash scripts/install.sh
-unset PYTHONDONTWRITEBYTECODE
+bash scripts/install.sh
 export HF_HUB_OFFLINE=1
-.venv/bin/python -c 'import torch, pytest, xdist, hypothesis, httpx, llumnixctl.main, llumnixctl.lab.localcluster
-import daemons.instance.daemon, daemons.manager.daemon, daemons.proxy.app'
 PYTEST=(.venv/bin/python -m pytest -q)
 if [ $# -gt 0 ]; then
   exec "${PYTEST[@]}" "$@"
