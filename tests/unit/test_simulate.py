@@ -4,6 +4,7 @@ engines' invariants, and is deterministic and fast."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections import Counter
 
@@ -31,6 +32,12 @@ def _run(policy_name="llumnix", n=600, extra=(), net=None):
     cfg = load_config(None, PRESSURE + [f"manager.dispatch_policy={policy_name}", *extra])
     reqs = _trace(n)
     return reqs, simulate(cfg, 4, reqs, net)
+
+
+@functools.lru_cache(maxsize=None)
+def _plain(policy_name: str = "llumnix"):
+    """``_run(policy_name)``, once per module: the tests that only read its figures share it."""
+    return _run(policy_name)
 
 
 def test_the_simulator_calls_the_daemons_policy_and_engine_code(monkeypatch):
@@ -82,7 +89,7 @@ def test_the_default_edge_dispatch_is_the_proxys_own_view(monkeypatch):
 
 
 def test_every_request_finishes_with_its_length_and_nothing_leaks():
-    reqs, res = _run()
+    reqs, res = _plain()
     assert res["completed"] == len(reqs) and res["failed"] == 0
     assert res["total_output_tokens"] == sum(r.output_tokens for r in reqs)
     assert res["total_input_tokens"] == sum(r.prompt_tokens for r in reqs)
@@ -93,7 +100,7 @@ def test_every_request_finishes_with_its_length_and_nothing_leaks():
 
 
 def test_migration_lowers_preemptions_on_the_same_trace():
-    _, llumnix = _run("llumnix")
+    _, llumnix = _plain("llumnix")
     _, infaas = _run("infaas++")
     assert infaas["migrations"] == {}
     assert llumnix["preemptions"] < infaas["preemptions"], (llumnix["preemptions"], infaas["preemptions"])
