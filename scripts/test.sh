@@ -4,7 +4,8 @@
 #
 # With none, the suite runs in three parts; all three run even when one fails, and the exit status is the
 # first non-zero one:
-#   1. tests/unit/: the tests that start no daemon and no engine, on every core (pytest-xdist), beside part 2 at a
+#   1. tests/unit/: the tests that start no daemon and no engine, on every core (pytest-xdist; a module marked
+#      xdist_group runs whole on one worker), beside part 2 at a
 #      lower priority (they fill the time the daemons leave idle); LLUMNIX_UNIT_BESIDE=0 runs
 #      them first instead, alone;
 #   2. tests/e2e/ (they start daemons or engines; marked e2e) in two streams side by side: stream 1, one pytest run
@@ -55,11 +56,11 @@ trap '[ -z "$one" ] || kill -INT "$one" 2>/dev/null; [ -z "$unit" ] || kill -INT
 # tests first, alone.
 if [ "${LLUMNIX_UNIT_BESIDE:-1}" = 0 ]; then
   echo "== tests without daemons, on $workers workers" >&2
-  "${PYTEST[@]}" -n "$workers" -m "not e2e" tests/unit || keep $?
+  "${PYTEST[@]}" -n "$workers" --dist loadgroup -m "not e2e" tests/unit || keep $?
 else
   echo "== tests without daemons, on $workers workers, beside the tests with daemons at nice 10" >&2
   setsid -w bash -c 'echo 10 > /proc/self/autogroup 2>/dev/null; exec nice -n 10 "$@"' unit \
-    "${DFL[@]}" "${PYTEST[@]}" -o timeout=900 -n "$workers" -m "not e2e" tests/unit > "$tmp/unit.log" 2>&1 &
+    "${DFL[@]}" "${PYTEST[@]}" -o timeout=900 -n "$workers" --dist loadgroup -m "not e2e" tests/unit > "$tmp/unit.log" 2>&1 &
   unit=$!
 fi
 echo "== tests with daemons or engines: ${#heavy[@]} modules (stream 1) beside ${#light[@]} (stream 2)" >&2

@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from daemons.proxy.front.apikeys import ApiKeys, ApiKeysError, Principal, Unauthorized, parse
-from tests.e2e.test_api_keys import KEYS, render
+from tests.support.apikeys import KEYS, render
 
 
 def test_keys_file_parsing(tmp_path):

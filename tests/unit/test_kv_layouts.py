@@ -7,29 +7,65 @@ hand; the transfer is a real Gloo pair over a real TCPStore on 127.0.0.1.
 
 from __future__ import annotations
 
+import functools
 import os
+from types import SimpleNamespace
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
-vllm_kv = pytest.importorskip("vllm.v1.kv_cache_interface")
-
-from vllm.config import VllmConfig  # noqa: E402
-from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups  # noqa: E402
-from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
-from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 from daemons.kv.layout import MAX_RUNS, KvBlocks, KvLayout, Staging  # noqa: E402
 from tests.support.gloo import loopback_pair  # noqa: E402
+
+# The whole module on one pytest-xdist worker (scripts/test.sh runs the unit tests with --dist loadgroup), and
+# vLLM imported when a test first needs it, not at collection: 7 CPU-seconds in each worker that collects it.
+pytestmark = pytest.mark.xdist_group("vllm-kv-layouts")
+
+
+@functools.lru_cache(maxsize=None)
+def _vllm() -> SimpleNamespace:
+    kv = pytest.importorskip("vllm.v1.kv_cache_interface")
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    return SimpleNamespace(kv=kv, VllmConfig=VllmConfig, get_kv_cache_config_from_groups=get_kv_cache_config_from_groups,
+                           KVCacheLayout=KVCacheLayout, allocate_kv_cache=allocate_kv_cache)
+
+
+class _Layouts:
+    """vLLM's ``KVCacheLayout``, imported on first use: ``KVCacheLayout.BLNHC``, ``KVCacheLayout["BLNHC"]``, iteration."""
+
+    def __getattr__(self, name: str):
+        return getattr(_vllm().KVCacheLayout, name)
+
+    def __getitem__(self, name: str):
+        return _vllm().KVCacheLayout[name]
+
+    def __iter__(self):
+        return iter(_vllm().KVCacheLayout)
+
+
+KVCacheLayout = _Layouts()
+# vLLM 0.32's members, named here so that collection needs no vLLM (test_the_layouts_are_vllms_own checks them).
+LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 
 LAYERS = 3
 NUM_BLOCKS = 24
 
 
-def vllm_kv_caches(layout: KVCacheLayout, dtype=torch.bfloat16, heads: int = 2, head_size: int = 8,
+def vllm_kv_caches(layout, dtype=torch.bfloat16, heads: int = 2, head_size: int = 8,
                    block_size: int = 16, shared_last: bool = False) -> list[torch.Tensor]:
-    """Per-layer KV views exactly as vLLM 0.32 allocates them for ``layout`` (random contents)."""
+    """Per-layer KV views exactly as vLLM 0.32 allocates them for ``layout`` (a ``KVCacheLayout`` member or its
+    name; random contents)."""
+    v = _vllm()
+    if isinstance(layout, str):
+        layout = v.KVCacheLayout[layout]
+    vllm_kv, VllmConfig = v.kv, v.VllmConfig
+    get_kv_cache_config_from_groups, allocate_kv_cache = v.get_kv_cache_config_from_groups, v.allocate_kv_cache
     vc = VllmConfig()
     vc.cache_config.kv_cache_layout = layout.name
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
@@ -61,7 +97,6 @@ def gloo_pair():
     dst.close()
 
 
-LAYOUTS = list(KVCacheLayout)
 RUNS = {"contiguous": ([3, 4, 5, 6, 7], [10, 11, 12, 13, 14]), "scattered": ([9, 2, 17, 5, 23, 0], [1, 20, 4, 8, 15, 3]),
         # one end sends out of its KV tensor (one run), the other stages (and the reverse)
         "run-to-scattered": ([3, 4, 5, 6, 7], [1, 20, 4, 8, 15]), "scattered-to-run": ([9, 2, 17, 5], [10, 11, 12, 13]),
@@ -69,14 +104,14 @@ RUNS = {"contiguous": ([3, 4, 5, 6, 7], [10, 11, 12, 13, 14]), "scattered": ([9,
         "many-runs": ([23, 0, 21, 2, 19, 4, 17, 6, 15, 8, 13, 10], [1, 3, 5, 7, 9, 11, 22, 14, 16, 18, 20, 12])}
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=[x.name for x in LAYOUTS])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("run", list(RUNS))
 @pytest.mark.parametrize("two_hop", [False, True], ids=["host", "device-staged"])
 def test_every_layout_round_trips_over_gloo(gloo_pair, layout, run, two_hop):
     src_pair, dst_pair = gloo_pair
     a, b = vllm_kv_caches(layout), vllm_kv_caches(layout)
     before = [t.clone() for t in b]
-    ka, kb = KvBlocks(a, "vllm-test", layout.name), KvBlocks(b, "vllm-test", layout.name)
+    ka, kb = KvBlocks(a, "vllm-test", layout), KvBlocks(b, "vllm-test", layout)
     assert ka.spec == kb.spec and ka.block_nbytes == LAYERS * a[0][0].numel() * a[0].element_size()
     src_ids, dst_ids = RUNS[run]
     assert (min(len(KvBlocks._runs(src_ids)), len(KvBlocks._runs(dst_ids))) > MAX_RUNS) == (run == "many-runs")
@@ -96,7 +131,7 @@ def tail_equal(src: list[torch.Tensor], src_id: int, dst: list[torch.Tensor], ds
                            s[src_id, :, :tokens].contiguous().view(torch.uint8)) for s, d in zip(src, dst))
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=[x.name for x in LAYOUTS])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("tokens", [1, 7, 15])
 @pytest.mark.parametrize("apart", [False, True], ids=["one-buffer", "layer-tensors"])
 @pytest.mark.parametrize("two_hop", [False, True], ids=["host", "device-staged"])
@@ -109,7 +144,7 @@ def test_partial_last_block_moves_only_its_written_slots(gloo_pair, layout, toke
     if apart:
         a, b = [t.clone() for t in a], [t.clone() for t in b]
     before = [t.clone() for t in b]
-    ka, kb = KvBlocks(a, "vllm-test", layout.name), KvBlocks(b, "vllm-test", layout.name)
+    ka, kb = KvBlocks(a, "vllm-test", layout), KvBlocks(b, "vllm-test", layout)
     assert (ka._layer_step is None) == apart and ka.block_tokens == 16
     src_ids, dst_ids = [9, 2, 17, 5], [1, 20, 4, 8]
     src_pair.two_hop = dst_pair.two_hop = two_hop
@@ -225,3 +260,7 @@ def test_every_layout_a_backend_takes_round_trips(name):
         dst.host(0).copy_(src.host(0))
         dst.store(0, [0, 1, 2, 23])
         assert blocks_equal(a, [20, 3, 11, 12], b, [0, 1, 2, 23]), (name, layout.name)
+
+
+def test_the_layouts_are_vllms_own():
+    assert LAYOUTS == tuple(x.name for x in KVCacheLayout)

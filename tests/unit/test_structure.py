@@ -19,6 +19,7 @@ directly where they can:
 from __future__ import annotations
 
 import ast
+import functools
 import re
 
 import pytest
@@ -34,27 +35,38 @@ EXTENDS_OUTSIDE = {
     # vLLM's worker_extension_cls: mixed into vLLM's own worker at run time, whose model_runner it reads.
     "daemons.kv.tpworker.LlumnixWorker": {"model_runner"},
 }
+# The whole module on one pytest-xdist worker (scripts/test.sh runs the unit tests with --dist loadgroup): the
+# code's syntax trees are parsed once, not once in each worker.
+pytestmark = pytest.mark.xdist_group("structure")
 
-MODULES = s.load()
-CLASSES = s.classes(MODULES)
+
+@functools.lru_cache(maxsize=None)
+def _modules():
+    """Every module's syntax tree, parsed when a test first asks (not at collection, in every worker)."""
+    return s.load()
+
+
+@functools.lru_cache(maxsize=None)
+def _classes():
+    return s.classes(_modules())
 
 
 def test_no_module_is_too_long():
-    long = {m: len(p.read_text().splitlines()) for m, (p, _) in MODULES.items()}
+    long = {m: len(p.read_text().splitlines()) for m, (p, _) in _modules().items()}
     assert {m: n for m, n in long.items() if n > MAX_FILE_LINES and m not in LONG_FILES_ALLOWED} == {}
 
 
 def test_no_class_is_too_long_counting_what_it_inherits():
-    assert {q: c.lines for q, c in CLASSES.items() if c.lines > MAX_CLASS_LINES} == {}
+    assert {q: c.lines for q, c in _classes().items() if c.lines > MAX_CLASS_LINES} == {}
 
 
 def test_no_class_uses_attributes_it_does_not_define():
-    foreign = {q: sorted(c.foreign() - EXTENDS_OUTSIDE.get(q, set())) for q, c in CLASSES.items()}
+    foreign = {q: sorted(c.foreign() - EXTENDS_OUTSIDE.get(q, set())) for q, c in _classes().items()}
     assert {q: attrs for q, attrs in foreign.items() if attrs} == {}
 
 
 def test_no_import_circle_counting_every_import():
-    assert s.find_circles(s.import_graph(MODULES, top_level=False)) == []
+    assert s.find_circles(s.import_graph(_modules(), top_level=False)) == []
 
 
 # daemons/kv/: what is not the transport. The KV's description, which engines build and transports read, and the
@@ -64,12 +76,12 @@ KV_BRIDGE = {"daemons.kv.tpworker"}
 
 
 def kv_transport_modules() -> set[str]:
-    return {m for m in MODULES if m.startswith("daemons.kv.")} - KV_SHARED - KV_BRIDGE
+    return {m for m in _modules() if m.startswith("daemons.kv.")} - KV_SHARED - KV_BRIDGE
 
 
 def test_engines_and_the_kv_transport_do_not_import_each_other():
-    graph = s.import_graph(MODULES, top_level=False)
-    engines = {m for m in MODULES if m == "daemons.engine" or m.startswith("daemons.engine.")}
+    graph = s.import_graph(_modules(), top_level=False)
+    engines = {m for m in _modules() if m == "daemons.engine" or m.startswith("daemons.engine.")}
     transport = kv_transport_modules()
     assert {"daemons.kv.transfer", "daemons.kv.ranks", "daemons.kv.rankctl"} <= transport
     assert sorted(f"{m} -> {d}" for m in engines for d in graph[m] & transport) == []
@@ -77,9 +89,9 @@ def test_engines_and_the_kv_transport_do_not_import_each_other():
 
 
 def test_no_module_imports_another_modules_private_names():
-    private = sorted({f"{m} imports {base}.{name}" for m, (p, tree) in MODULES.items()
+    private = sorted({f"{m} imports {base}.{name}" for m, (p, tree) in _modules().items()
                       for base, name in s.imports(m, p, tree, top_level=False)
-                      if name and name.startswith("_") and not name.startswith("__") and base in MODULES
+                      if name and name.startswith("_") and not name.startswith("__") and base in _modules()
                       and base != m})
     assert private == []
 
@@ -123,12 +135,12 @@ def _layer(module: str) -> str | None:
 
 
 def test_the_proxy_layers_import_one_way():
-    graph = s.import_graph(MODULES, top_level=False)
+    graph = s.import_graph(_modules(), top_level=False)
     allowed = {"front": {"front", "api", "cluster"}, "api": {"api"}, "cluster": {"cluster"}}
-    wrong = sorted(f"{m} -> {d}" for m in MODULES if _layer(m) for d in graph[m]
+    wrong = sorted(f"{m} -> {d}" for m in _modules() if _layer(m) for d in graph[m]
                    if (d in PROXY_TOP or (_layer(d) and _layer(d) not in allowed[_layer(m)]))
                    and not (_layer(m) == "api" and d == "daemons.proxy.cluster.stream"))
-    assert {_layer(m) for m in MODULES} >= {"front", "api", "cluster"}
+    assert {_layer(m) for m in _modules()} >= {"front", "api", "cluster"}
     assert wrong == []
 
 
@@ -136,7 +148,7 @@ def test_no_engine_capability_is_found_by_probing():
     """What an engine can do is declared in the Engine protocol (daemons/engine/base.py, with EngineDefaults), never
     found with getattr/hasattr on an engine object."""
     probe = re.compile(r"\b(?:getattr|hasattr)\(\s*[\w.]*engine\b[\w.]*\s*,")
-    found = sorted(f"{m}:{n}" for m, (p, _) in MODULES.items() if m.startswith(("daemons.", "llumnixctl."))
+    found = sorted(f"{m}:{n}" for m, (p, _) in _modules().items() if m.startswith(("daemons.", "llumnixctl."))
                    for n, line in enumerate(p.read_text().splitlines(), 1) if probe.search(line))
     assert found == []
 
@@ -166,7 +178,7 @@ def policy_name_comparisons(module: str, path, tree: ast.AST) -> list[str]:
 
 
 def test_no_policy_name_is_compared_as_a_string_outside_the_registry():
-    found = [f for m, (p, tree) in MODULES.items() if m.startswith(("daemons.", "llumnixctl."))
+    found = [f for m, (p, tree) in _modules().items() if m.startswith(("daemons.", "llumnixctl."))
              and not m.startswith(("daemons.policy", *RUN_LABELS)) for f in policy_name_comparisons(m, p, tree)]
     assert found == []
 
