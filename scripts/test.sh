@@ -50,9 +50,10 @@ trap '[ -z "$one" ] || kill -INT "$one" 2>/dev/null; [ -z "$unit" ] || kill -INT
 # for scheduling, autogroup, that group is niced too): it takes the cores while the daemons wait (paced steps,
 # sleeps between polls, I/O) and mostly yields them while they run. Nice 10, not 19: its tests that wait a few
 # seconds for a condition still get their share. Its output comes after part 2's.
-# A test waiting for the cores is not hung: the per-test limit is 900 s here, not 300. On 2 cores the whole run took
+# A test waiting for the cores is not hung: the per-test limit is 900 s here, not 300. On 2 cores the whole run once took
 # 14:18 this way (26 CPU-minutes; before the fork server and the two light workers, 16:31 and 30 CPU-minutes):
-# the run is CPU-bound, so what shortens it is CPU saved, not more streams. LLUMNIX_UNIT_BESIDE=0 runs the unit
+# the run is CPU-bound, so what shortens it is CPU saved, not more streams (15:25 and 29 CPU-minutes at stop 61, with
+# more tests). LLUMNIX_UNIT_BESIDE=0 runs the unit
 # tests first, alone.
 if [ "${LLUMNIX_UNIT_BESIDE:-1}" = 0 ]; then
   echo "== tests without daemons, on $workers workers" >&2
