@@ -5,9 +5,8 @@
 # With none, the suite runs in three parts; all three run even when one fails, and the exit status is the
 # first non-zero one:
 #   1. tests/unit/: the tests that start no daemon and no engine, on every core (pytest-xdist; a module marked
-#      xdist_group runs whole on one worker), beside part 2 at a
-#      lower priority (they fill the time the daemons leave idle); LLUMNIX_UNIT_BESIDE=0 runs
-#      them first instead, alone;
+#      xdist_group runs whole on one worker), beside part 2 at a lower priority (they fill the time the daemons
+#      leave idle); LLUMNIX_UNIT_BESIDE=0 runs them first instead, alone;
 #   2. tests/e2e/ (they start daemons or engines; marked e2e) in two streams side by side: stream 1, one pytest run
 #      that takes its modules one at a time, the modules with vLLM engines or network namespaces (HEAVY below: two
 #      vLLM clusters at once would want more than two cores); stream 2, the other modules on two pytest-xdist
@@ -50,11 +49,10 @@ trap '[ -z "$one" ] || kill -INT "$one" 2>/dev/null; [ -z "$unit" ] || kill -INT
 # for scheduling, autogroup, that group is niced too): it takes the cores while the daemons wait (paced steps,
 # sleeps between polls, I/O) and mostly yields them while they run. Nice 10, not 19: its tests that wait a few
 # seconds for a condition still get their share. Its output comes after part 2's.
-# A test waiting for the cores is not hung: the per-test limit is 900 s here, not 300. On 2 cores the whole run once took
-# 14:18 this way (26 CPU-minutes; before the fork server and the two light workers, 16:31 and 30 CPU-minutes):
-# the run is CPU-bound, so what shortens it is CPU saved, not more streams (15:25 and 29 CPU-minutes at stop 61, with
-# more tests). LLUMNIX_UNIT_BESIDE=0 runs the unit
-# tests first, alone.
+# A test waiting for the cores is not hung: the per-test limit is 900 s here, not 300. On 2 cores the whole run
+# once took 14:18 this way (26 CPU-minutes; before the fork server and the two light workers, 16:31 and 30
+# CPU-minutes), and 15:25 (29 CPU-minutes) at stop 61, with more tests: the run is CPU-bound, so what shortens it
+# is CPU saved, not more streams. LLUMNIX_UNIT_BESIDE=0 runs the unit tests first, alone.
 if [ "${LLUMNIX_UNIT_BESIDE:-1}" = 0 ]; then
   echo "== tests without daemons, on $workers workers" >&2
   "${PYTEST[@]}" -n "$workers" --dist loadgroup -m "not e2e" tests/unit || keep $?

@@ -12,12 +12,14 @@ commands, a manager's instance launcher): the setting is not inherited. The test
 What a forked daemon gets is what ``python -m`` would give it: its own session, stdin/stdout/stderr from the
 caller's descriptors (sent over the socket, SCM_RIGHTS), the caller's environment and working directory,
 ``sys.argv``, a fresh ``random`` seed, default signal handlers, and a normal interpreter exit (threads joined,
-atexit handlers run). An instance of the vLLM backend (``instance.backend=vllm`` among its arguments) is forked
-from a server that has imported vLLM as the engine does (``vllm_internals.preload``, once, on the first such
-request): 7 more CPU-seconds each instance does not spend. What differs: it is the server's child, not the caller's (the server reaps it: its exit
+atexit handlers run). What differs: it is the server's child, not the caller's (the server reaps it: its exit
 status is not the caller's to read, and ``localcluster.stop_strays`` does not see it; a test that needs either
 turns the server off), and its ``/proc/<pid>/cmdline`` is the server's (its name, ``comm``, is
 ``llumnix-instance``, ``-manager`` or ``-proxy``). The caller gets its pid; stop it by pid as any other.
+
+An instance of the vLLM backend (``instance.backend=vllm`` among its arguments) is forked from a server that has
+imported vLLM as the engine does (``vllm_internals.preload``, once, on the first such request): 7 CPU-seconds
+that each vLLM instance does not spend.
 """
 
 from __future__ import annotations
